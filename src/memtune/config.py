@@ -1,0 +1,236 @@
+"""The one config tree: typed schema for every Hydra group, validation and derived values.
+
+Each group under ``conf/`` is checked against the dataclass here (registered in Hydra's
+ConfigStore as ``memtune_schema``), so an unknown key or a wrong type fails when Hydra composes
+the config. What a type cannot express (ranges, divisibility, choices) is checked by
+:func:`validate`, which names the offending field.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+ASSETS_DIR = Path(__file__).parent / "assets"
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message names the field and what to do."""
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = "???"
+    """Hub name or local directory, read by the ranks with ``from_pretrained``."""
+    architecture: dict[str, Any] = field(default_factory=dict)
+    """The fields of the model's ``config.json``: lets plans and validation run offline."""
+    synthesize: bool = False
+    """Build a random-init model and tokenizer at ``name_or_path`` if absent (tiny demos)."""
+    attn_implementation: str = "auto"
+    """auto (flash_attention_2 when importable on CUDA, else sdpa) | sdpa | eager | flash_attention_2"""
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DataConfig:
+    path: str = "???"
+    format: str = "alpaca"
+    """alpaca (instruction / input / output)"""
+    max_seq_len: int = 1024
+    system_prompt: str | None = None
+    """System message put in front of every sample; none when null (never an implicit default)."""
+    num_workers: int = 0
+
+
+@dataclass
+class PeftConfig:
+    method: str = "lora"
+    """lora | qlora | lora-int8"""
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.05
+    target: str = "attention"
+    """attention (q, k, v, o: the seeds' choice) | all-linear (adds gate, up, down)"""
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = 3
+    template: str | None = None
+    """A ds_configs/ name (or a .json path) whose "auto" fields are filled; default zero{stage}."""
+    reduce_bucket_size: int | None = None
+    """Default hidden_size²."""
+    prefetch_bucket_size: int | None = None
+    """ZeRO-3 only. Default 0.9·hidden_size²."""
+    param_persistence_threshold: int | None = None
+    """ZeRO-3 only: parameters smaller than this stay gathered. Default 10·hidden_size."""
+
+
+@dataclass
+class TrainerConfig:
+    micro_batch_size: int = 1
+    global_batch_size: int = 16
+    max_steps: int = 100
+    lr: float = 2e-4
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr·min_lr_ratio."""
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    precision: str = "bf16"
+    """bf16 | fp32 (fp32 is for CPU demos and exact tests)"""
+    activation_checkpointing: bool = True
+    checkpointing_reentrant: bool = False
+    seed: int = 42
+    log_every: int = 1
+
+
+@dataclass
+class LoggerConfig:
+    backend: str = "wandb"
+    """wandb | none"""
+    mode: str = "offline"
+    """offline (default: nothing leaves the machine) | online | auto (online when logged in)"""
+    project: str = "memtune"
+    group: str | None = None
+    name: str | None = None
+
+
+@dataclass
+class LauncherConfig:
+    num_ranks: int = 1
+    """One rank per GPU; on a CPU machine, that many CPU processes."""
+    master_port: int | None = None
+    """Default: a free port."""
+    omp_threads: int | None = None
+    """OMP_NUM_THREADS per rank when not set in the environment. Default: cores // ranks."""
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    experiment: str = "custom"
+    run_dir: str | None = None
+    """Where the run writes; default Hydra's output dir (outputs/DATE/TIME, multirun/... in sweeps)."""
+
+
+def register_configs() -> None:
+    """Register the schema and the ``memtune_asset`` resolver; safe to call more than once."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="memtune_schema", node=RunConfig)
+    if not OmegaConf.has_resolver("memtune_asset"):
+        OmegaConf.register_new_resolver("memtune_asset", lambda name: str(ASSETS_DIR / name))
+    if not OmegaConf.has_resolver("memtune_cache"):
+        OmegaConf.register_new_resolver("memtune_cache", lambda name: str(cache_dir() / name))
+
+
+def cache_dir() -> Path:
+    """Where synthesized models live: $MEMTUNE_CACHE_DIR, else ~/.cache/memtune."""
+    return Path(os.environ.get("MEMTUNE_CACHE_DIR", Path.home() / ".cache" / "memtune"))
+
+
+def to_run_config(cfg: DictConfig | dict[str, Any]) -> RunConfig:
+    """Merge a (possibly partial) config onto the schema and return the typed object."""
+    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
+    obj = OmegaConf.to_object(merged)
+    assert isinstance(obj, RunConfig)
+    return obj
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    return to_run_config(OmegaConf.load(path))
+
+
+_CHOICES: dict[str, tuple[Any, ...]] = {
+    "zero.stage": (2, 3),
+    "peft.method": ("lora", "qlora", "lora-int8"),
+    "peft.target": ("attention", "all-linear"),
+    "data.format": ("alpaca",),
+    "trainer.precision": ("bf16", "fp32"),
+    "model.attn_implementation": ("auto", "sdpa", "eager", "flash_attention_2"),
+    "logger.backend": ("wandb", "none"),
+    "logger.mode": ("offline", "online", "auto"),
+}
+
+
+def _get(cfg: RunConfig, dotted: str) -> Any:
+    obj: Any = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def validate(cfg: RunConfig) -> None:
+    """Check what types cannot; raise :class:`ConfigError` naming the first bad field."""
+    for key, choices in _CHOICES.items():
+        if _get(cfg, key) not in choices:
+            allowed = " | ".join(str(c) for c in choices)
+            raise ConfigError(f"{key}={_get(cfg, key)!r} is not supported; choose {allowed}")
+
+    t, p = cfg.trainer, cfg.peft
+    positive = {
+        "peft.r": p.r,
+        "peft.alpha": p.alpha,
+        "trainer.micro_batch_size": t.micro_batch_size,
+        "trainer.global_batch_size": t.global_batch_size,
+        "trainer.max_steps": t.max_steps,
+        "trainer.lr": t.lr,
+        "trainer.log_every": t.log_every,
+        "launcher.num_ranks": cfg.launcher.num_ranks,
+        "data.max_seq_len": cfg.data.max_seq_len,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be > 0 (got {value})")
+    if not 0.0 <= p.dropout < 1.0:
+        raise ConfigError(f"peft.dropout must be in [0, 1) (got {p.dropout})")
+    if t.warmup_steps < 0:
+        raise ConfigError(f"trainer.warmup_steps must be >= 0 (got {t.warmup_steps})")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise ConfigError(f"trainer.min_lr_ratio must be in [0, 1] (got {t.min_lr_ratio})")
+    if t.max_grad_norm < 0:
+        raise ConfigError(f"trainer.max_grad_norm must be >= 0, 0 disables (got {t.max_grad_norm})")
+    per_step = t.micro_batch_size * cfg.launcher.num_ranks
+    if t.global_batch_size % per_step:
+        raise ConfigError(
+            f"trainer.global_batch_size={t.global_batch_size} is not a multiple of "
+            f"trainer.micro_batch_size × launcher.num_ranks = {t.micro_batch_size} × "
+            f"{cfg.launcher.num_ranks} = {per_step}"
+        )
+    if p.method != "lora":
+        raise ConfigError(
+            f"peft.method={p.method} (quantized base) is not available yet: it lands with "
+            "the QLoRA / 8-bit work. Use peft=lora (bf16 base) for now."
+        )
+    for key in ("zero.reduce_bucket_size", "zero.prefetch_bucket_size"):
+        value = _get(cfg, key)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{key} must be > 0 when set (got {value})")
+    if cfg.zero.param_persistence_threshold is not None and cfg.zero.param_persistence_threshold < 0:
+        raise ConfigError("zero.param_persistence_threshold must be >= 0 when set")
+    arch = cfg.model.architecture
+    if not arch.get("hidden_size"):
+        raise ConfigError(
+            "model.architecture.hidden_size is missing: every model config carries its "
+            "config.json fields (see conf/model/qwen2.5-7b.yaml)"
+        )
+    if cfg.model.name_or_path in ("", "???"):
+        raise ConfigError("model.name_or_path is not set: give a hub name or a local directory")
+    if not Path(cfg.data.path).is_file():
+        raise ConfigError(f"data.path={cfg.data.path!r}: no such file")
+
+
+def grad_accumulation_steps(cfg: RunConfig) -> int:
+    t = cfg.trainer
+    return t.global_batch_size // (t.micro_batch_size * cfg.launcher.num_ranks)

@@ -1,0 +1,93 @@
+"""Fill a DeepSpeed JSON template from the resolved config.
+
+The templates in ``ds_configs/`` are DeepSpeed's own format with ``"auto"`` where memtune
+derives the value, so a setting is never written twice. Filling replaces every ``"auto"``;
+a hard value that disagrees with the derived one is an error, and so is an ``"auto"`` that
+memtune does not know how to fill.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from memtune.config import ConfigError, RunConfig, grad_accumulation_steps
+
+DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
+
+
+def derived_values(cfg: RunConfig) -> dict[str, Any]:
+    """Every DeepSpeed value memtune derives, keyed by dotted JSON path."""
+    t, z = cfg.trainer, cfg.zero
+    h = int(cfg.model.architecture["hidden_size"])
+    values: dict[str, Any] = {
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": grad_accumulation_steps(cfg),
+        "gradient_clipping": t.max_grad_norm,
+        "bf16.enabled": t.precision == "bf16",
+        "zero_optimization.stage": z.stage,
+        "zero_optimization.reduce_bucket_size": z.reduce_bucket_size or h * h,
+    }
+    if z.stage == 2:
+        values["zero_optimization.allgather_bucket_size"] = z.reduce_bucket_size or h * h
+    else:
+        values["zero_optimization.stage3_prefetch_bucket_size"] = z.prefetch_bucket_size or int(
+            0.9 * h * h
+        )
+        threshold = z.param_persistence_threshold
+        values["zero_optimization.stage3_param_persistence_threshold"] = (
+            10 * h if threshold is None else threshold
+        )
+        values["zero_optimization.stage3_gather_16bit_weights_on_model_save"] = True
+    return values
+
+
+def template_path(cfg: RunConfig) -> Path:
+    name = cfg.zero.template or f"zero{cfg.zero.stage}"
+    path = Path(name) if name.endswith(".json") else DS_CONFIG_DIR / f"{name}.json"
+    if not path.is_file():
+        raise ConfigError(f"zero.template={name!r}: no such DeepSpeed template ({path})")
+    return path
+
+
+def fill_ds_config(template: dict[str, Any], cfg: RunConfig, source: str = "template") -> dict:
+    """Return a copy of ``template`` with every derived value in place, checked."""
+    filled = json.loads(json.dumps(template))
+    for dotted, value in derived_values(cfg).items():
+        *parents, leaf = dotted.split(".")
+        node = filled
+        for part in parents:
+            node = node.setdefault(part, {})
+        current = node.get(leaf, "auto")
+        if current != "auto" and current != value:
+            raise ConfigError(
+                f"{source}: {dotted} is {current!r} but the config gives {value!r}. "
+                f'Set it to "auto" in the JSON and change the memtune config instead.'
+            )
+        node[leaf] = value
+    leftover = list(_auto_paths(filled))
+    if leftover:
+        raise ConfigError(f"{source}: memtune cannot fill \"auto\" at {', '.join(leftover)}")
+    stage = filled["zero_optimization"]["stage"]
+    if stage == 2 and any(k.startswith("stage3_") for k in filled["zero_optimization"]):
+        raise ConfigError(f"{source}: stage3_* settings in a ZeRO-2 config (zero.stage=2)")
+    return filled
+
+
+def _auto_paths(node: Any, prefix: str = ""):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _auto_paths(value, f"{prefix}{key}.")
+    elif node == "auto":
+        yield prefix.rstrip(".")
+
+
+def build_ds_config(cfg: RunConfig) -> dict[str, Any]:
+    path = template_path(cfg)
+    try:
+        template = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from err
+    return fill_ds_config(template, cfg, source=str(path))

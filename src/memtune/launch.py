@@ -1,0 +1,74 @@
+"""Start the ranks for one prepared run dir, and fail the whole job if any rank fails.
+
+Several ranks go through DeepSpeed's launcher (``deepspeed --num_gpus N``, which on a CPU
+machine gives N CPU processes); it watches its children and takes the others down when one
+dies, so a crashed rank never leaves the rest hanging in a collective. One rank runs as a
+plain subprocess with the same environment variables a launcher would set.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from memtune.config import RunConfig
+
+WORKER_MODULE = "memtune.worker"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_env(cfg: RunConfig, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for the ranks: one OpenMP thread pool per rank, not per core each."""
+    env = dict(os.environ if base is None else base)
+    if "OMP_NUM_THREADS" not in env:
+        threads = cfg.launcher.omp_threads or max(1, (os.cpu_count() or 1) // cfg.launcher.num_ranks)
+        env["OMP_NUM_THREADS"] = str(threads)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def rank_command(
+    cfg: RunConfig, run_dir: Path, port: int, module: str = WORKER_MODULE
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and extra environment that start every rank of the run."""
+    n = cfg.launcher.num_ranks
+    if n == 1:
+        cmd = [sys.executable, "-m", module, str(run_dir)]
+        extra = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        return cmd, extra
+    deepspeed_bin = Path(sys.executable).with_name("deepspeed")
+    launcher = [str(deepspeed_bin)] if deepspeed_bin.exists() else [
+        sys.executable, "-m", "deepspeed.launcher.runner"]
+    cmd = [*launcher, "--master_port", str(port), "--num_gpus", str(n), "--no_local_rank",
+           "--module", module, str(run_dir)]
+    return cmd, {}
+
+
+def launch(cfg: RunConfig, run_dir: Path, module: str = WORKER_MODULE) -> int:
+    """Run all ranks to completion; returns the job's exit code (0 only if every rank did)."""
+    port = cfg.launcher.master_port or free_port()
+    cmd, extra = rank_command(cfg, run_dir, port, module)
+    env = {**rank_env(cfg), **extra}
+    (run_dir / "launch.txt").write_text(" ".join(cmd) + "\n")
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        # Ctrl-C: pass it to the whole rank group, then wait for it to go.
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            return proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            return proc.wait()

@@ -1,0 +1,118 @@
+"""Per-rank memory, metrics.jsonl, wandb and the console, behind one logger object.
+
+Only rank 0 writes; every other rank gets a :class:`NullLogger`, so the training loop never
+asks which rank it is on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+GIB = 1024**3
+
+
+def memory_snapshot(device: torch.device) -> dict[str, float]:
+    """This rank's memory in GiB: CUDA allocator stats on GPU, process RSS on CPU."""
+    if device.type == "cuda":
+        return {
+            "allocated_gib": torch.cuda.memory_allocated(device) / GIB,
+            "reserved_gib": torch.cuda.memory_reserved(device) / GIB,
+            "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
+        }
+    rss = psutil.Process().memory_info().rss
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return {"rss_gib": rss / GIB, "peak_rss_gib": peak_kib * 1024 / GIB}
+
+
+def peak_key(device: torch.device) -> str:
+    return "peak_allocated_gib" if device.type == "cuda" else "peak_rss_gib"
+
+
+class NullLogger:
+    """What ranks other than 0 log with: nothing."""
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        pass
+
+    def progress(self, n: int, postfix: dict[str, Any]) -> None:
+        pass
+
+    def info(self, msg: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class RunLogger(NullLogger):
+    """Rank 0: metrics.jsonl in the run dir, wandb (offline unless asked), a tqdm bar."""
+
+    def __init__(self, run_dir: Path, total_steps: int, wandb_cfg: Any, config: dict[str, Any]):
+        from tqdm import tqdm
+
+        self.metrics_file = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+        self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+        self.wandb = _start_wandb(run_dir, wandb_cfg, config)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, "time": round(time.time(), 3), **metrics}
+        self.metrics_file.write(json.dumps(row) + "\n")
+        self.metrics_file.flush()
+        if self.wandb is not None:
+            self.wandb.log(_flatten(metrics), step=step)
+
+    def progress(self, n: int, postfix: dict[str, Any]) -> None:
+        self.bar.set_postfix(postfix, refresh=False)
+        self.bar.update(n)
+
+    def info(self, msg: str) -> None:
+        self.bar.write(msg, file=sys.stdout)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.metrics_file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _start_wandb(run_dir: Path, cfg: Any, config: dict[str, Any]) -> Any:
+    if cfg.backend != "wandb":
+        return None
+    import wandb
+
+    mode = cfg.mode
+    if mode == "auto":
+        mode = "online" if os.environ.get("WANDB_API_KEY") or _netrc_has_wandb() else "offline"
+    return wandb.init(
+        project=cfg.project,
+        group=cfg.group,
+        name=cfg.name or run_dir.name,
+        dir=str(run_dir),
+        mode=mode,
+        config=config,
+        settings=wandb.Settings(silent=True, console="off"),
+    )
+
+
+def _netrc_has_wandb() -> bool:
+    netrc = Path.home() / ".netrc"
+    return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")

@@ -1,0 +1,121 @@
+"""Synthesize a tiny Qwen2-architecture model and its tokenizer, for demos and tests.
+
+Nothing can be downloaded here, so the demo model is built from ``Qwen2Config`` with a fixed
+seed, saved with ``save_pretrained`` and then read back by the ranks through exactly the
+``from_pretrained`` path a real Qwen2.5 checkpoint takes. Its tokenizer is a byte-level BPE
+trained on the bundled demo data, with Qwen2.5's special tokens and a ChatML chat template.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from memtune.config import ASSETS_DIR
+
+# Qwen2.5-Instruct's specials: pad is <|endoftext|>, an assistant turn ends with <|im_end|>.
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
+
+# ChatML as Qwen2.5 renders it, minus its implicit default system prompt: a system message
+# appears only when the config gives one.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+TOKENIZER_CORPUS = ASSETS_DIR / "demo_alpaca.jsonl"
+_MARKER = "memtune_synth.json"
+_BUILDER_VERSION = 1
+
+
+def _fingerprint(architecture: dict[str, Any]) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps(architecture, sort_keys=True).encode())
+    h.update(TOKENIZER_CORPUS.read_bytes())
+    h.update(f"{_BUILDER_VERSION}".encode())
+    return h.hexdigest()[:16]
+
+
+def _corpus_texts() -> list[str]:
+    texts = []
+    for line in TOKENIZER_CORPUS.read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        texts.append(f"user\n{rec['instruction']}\n\n{rec['input']}\nassistant\n{rec['output']}\n")
+    return texts
+
+
+def build_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus_texts(), trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=[IM_START],
+        model_max_length=32768,
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def synthesize(path: str | Path, architecture: dict[str, Any], seed: int = 0) -> Path:
+    """Build model + tokenizer at ``path`` unless an identical build is already there.
+
+    The build goes to a temporary sibling directory that is renamed into place, so a crash
+    or a concurrent build never leaves a half-written model behind.
+    """
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    path = Path(path)
+    fingerprint = _fingerprint(architecture)
+    marker = path / _MARKER
+    if marker.is_file() and json.loads(marker.read_text()).get("fingerprint") == fingerprint:
+        return path
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        tokenizer = build_tokenizer(int(architecture["vocab_size"]))
+        arch = {k: v for k, v in architecture.items() if k != "model_type"}
+        config = Qwen2Config(
+            **arch,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=None,
+        )
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _MARKER).write_text(json.dumps({"fingerprint": fingerprint, "seed": seed}))
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path

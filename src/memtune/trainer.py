@@ -1,0 +1,155 @@
+"""The training loop, top to bottom: micro-steps, accumulation, clipping, schedule, guards.
+
+The loss of every micro-step is a *sum* over its label tokens, scaled so that one optimizer
+step averages over all label tokens of all ranks and accumulation steps. Micro batch 4 ×
+accumulation 1 and micro batch 1 × accumulation 4 then give the same update, and so do one
+rank and two ranks with the same global batch. DeepSpeed divides by the accumulation steps
+in ``backward`` and averages over data-parallel ranks when it reduces gradients; the scale
+undoes both so only the token count normalises.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from memtune.config import RunConfig, grad_accumulation_steps
+from memtune.data import IGNORE_INDEX
+from memtune.telemetry import NullLogger, memory_snapshot
+
+
+class NonFiniteLoss(RuntimeError):
+    """Raised on every rank, before the optimizer step, so the weights stay finite."""
+
+
+@dataclass
+class TrainResult:
+    steps: int = 0
+    label_tokens: int = 0
+    input_tokens: int = 0
+    losses: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+    peak_memory: list[dict[str, float]] = field(default_factory=list)
+
+
+def lr_factor(cfg: RunConfig) -> Callable[[int], float]:
+    """Linear warmup to lr, then cosine down to lr·min_lr_ratio at max_steps."""
+    t = cfg.trainer
+
+    def factor(done: int) -> float:  # `done` optimizer steps taken so far
+        if done < t.warmup_steps:
+            return (done + 1) / (t.warmup_steps + 1)
+        progress = min(1.0, (done - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def token_loss_sum(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropy over labelled positions, computed in fp32."""
+    logits = logits_BTV[:, :-1].float()
+    targets = labels_BT[:, 1:]
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        targets.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def gather_memory(device: torch.device) -> list[dict[str, float]]:
+    """Every rank's memory snapshot, on every rank (a collective: all ranks must call it)."""
+    mine = memory_snapshot(device)
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [mine]
+    keys = sorted(mine)
+    local = torch.tensor([mine[k] for k in keys], dtype=torch.float64, device=device)
+    out = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, local)
+    return [dict(zip(keys, t.tolist(), strict=True)) for t in out]
+
+
+def train(
+    engine: Any,
+    batches: Iterator[dict[str, torch.Tensor]],
+    cfg: RunConfig,
+    device: torch.device,
+    logger: NullLogger,
+) -> TrainResult:
+    t = cfg.trainer
+    gas = grad_accumulation_steps(cfg)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    result = TrainResult()
+    engine.train()
+    start = time.perf_counter()
+    for step in range(1, t.max_steps + 1):
+        step_start = time.perf_counter()
+        micro = [next(batches) for _ in range(gas)]
+        counts = torch.tensor(
+            [
+                sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro),
+                sum(int(b["attention_mask"].sum()) for b in micro),
+            ],
+            dtype=torch.float64,
+            device=device,
+        )
+        label_tokens, input_tokens = (int(x) for x in _all_reduce_sum(counts).tolist())
+        scale = world * gas / label_tokens
+
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        for i, batch in enumerate(micro):
+            batch = {k: v.to(device) for k, v in batch.items()}
+            logits = engine(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+            ).logits
+            micro_loss = token_loss_sum(logits, batch["labels"])
+            engine.backward(micro_loss * scale)
+            loss_sum += micro_loss.detach().float()
+            if i < gas - 1:
+                engine.step()  # not a boundary: DeepSpeed only counts the micro-step
+
+        loss = float(_all_reduce_sum(loss_sum).item()) / label_tokens
+        if not math.isfinite(loss):
+            raise NonFiniteLoss(
+                f"step {step}: loss is {loss}; stopped before the optimizer step, weights are "
+                "untouched. Lower trainer.lr or check the data."
+            )
+        engine.step()
+
+        result.steps = step
+        result.label_tokens += label_tokens
+        result.input_tokens += input_tokens
+        result.losses.append(loss)
+        if step % t.log_every == 0 or step == t.max_steps:
+            memory = gather_memory(device)
+            grad_norm = engine.get_global_grad_norm()
+            step_s = time.perf_counter() - step_start
+            logger.log(
+                step,
+                {
+                    "train/loss": loss,
+                    "train/lr": engine.get_lr()[0],
+                    "train/grad_norm": None if grad_norm is None else float(grad_norm),
+                    "train/label_tokens": label_tokens,
+                    "train/input_tokens": input_tokens,
+                    "perf/tokens_per_s": input_tokens / step_s,
+                    "memory": {f"rank{r}": m for r, m in enumerate(memory)},
+                },
+            )
+        logger.progress(1, {"loss": f"{loss:.4f}"})
+    result.wall_s = time.perf_counter() - start
+    result.peak_memory = gather_memory(device)
+    return result

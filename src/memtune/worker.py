@@ -1,0 +1,216 @@
+"""One rank: ``python -m memtune.worker RUN_DIR``.
+
+Started once per GPU (or CPU process) by ``deepspeed``, ``torchrun`` or ``srun``; it reads
+RANK / LOCAL_RANK / WORLD_SIZE from the environment and the resolved ``config.yaml`` and
+``ds_config.json`` from the run dir. It never touches Hydra.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from memtune.checkpoint import export_adapter
+from memtune.config import RunConfig, grad_accumulation_steps, load_run_config
+from memtune.data import DataStats, SampleDataset, collate, load_samples
+from memtune.model import add_lora, choose_attention, count_parameters, load_base_model
+from memtune.model import load_tokenizer
+from memtune.telemetry import NullLogger, RunLogger, peak_key
+from memtune.trainer import TrainResult, lr_factor, train
+
+
+@dataclass
+class RankContext:
+    cfg: RunConfig
+    run_dir: Path
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    tokenizer: Any
+    data_stats: DataStats
+
+
+AfterTrain = Callable[[Any, RankContext], None]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
+
+
+def _init_distributed() -> tuple[int, int, int, torch.device]:
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        if name not in os.environ:
+            raise SystemExit(
+                f"memtune.worker: ${name} is not set. Start ranks through train.py "
+                "(or deepspeed / torchrun / srun), not by hand."
+            )
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    accel = get_accelerator()
+    if accel.device_name() != "cpu":
+        accel.set_device(local_rank)
+    deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
+    device = torch.device(accel.device_name(local_rank) if accel.device_name() != "cpu" else "cpu")
+    return dist.get_rank(), local_rank, dist.get_world_size(), device
+
+
+def _batches(loader: Any, sampler: Any) -> Iterator[dict[str, torch.Tensor]]:
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResult:
+    import deepspeed
+    from torch.utils.data import DataLoader, DistributedSampler
+    from transformers.integrations import HfDeepSpeedConfig
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    run_dir = Path(run_dir)
+    cfg = load_run_config(run_dir / "config.yaml")
+    ds_config = json.loads((run_dir / "ds_config.json").read_text())
+    rank, local_rank, world, device = _init_distributed()
+    try:
+        seed_everything(cfg.trainer.seed)
+        print0 = print if rank == 0 else (lambda *a, **k: None)
+        tokenizer = load_tokenizer(cfg)
+        attn = choose_attention(cfg.model.attn_implementation, device.type)
+        # Kept alive while loading: makes from_pretrained place weights partitioned (ZeRO-3).
+        hf_ds = HfDeepSpeedConfig(ds_config) if cfg.zero.stage == 3 else None
+        model = add_lora(load_base_model(cfg, attn), cfg)
+        trainable, total = count_parameters(model)
+
+        samples, stats = load_samples(cfg.data, tokenizer)
+        dataset = SampleDataset(samples)
+        sampler = DistributedSampler(
+            dataset, num_replicas=world, rank=rank, shuffle=True, seed=cfg.trainer.seed,
+            drop_last=True,
+        )
+        loader = DataLoader(
+            dataset,
+            batch_size=cfg.trainer.micro_batch_size,
+            sampler=sampler,
+            collate_fn=partial(collate, pad_token_id=tokenizer.pad_token_id),
+            num_workers=cfg.data.num_workers,
+            drop_last=True,
+        )
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+        )
+        del hf_ds
+
+        t = cfg.trainer
+        print0(
+            f"memtune: {cfg.model.name_or_path} · attention {attn} · LoRA r={cfg.peft.r} "
+            f"on {cfg.peft.target} · {trainable:,} trainable of {total:,} parameters "
+            f"({100 * trainable / total:.3f}%)\n"
+            f"memtune: {world} rank(s) · ZeRO-{cfg.zero.stage} · {t.precision} · batch "
+            f"{t.micro_batch_size} × accum {grad_accumulation_steps(cfg)} × {world} ranks = "
+            f"{t.global_batch_size} · activation checkpointing "
+            f"{'on' if t.activation_checkpointing else 'off'}\n"
+            f"memtune: data {stats.samples} samples, {stats.label_tokens:,} label tokens; "
+            f"truncated {stats.truncated}, dropped {stats.dropped_no_labels} (no labels left)",
+            flush=True,
+        )
+        ctx = RankContext(cfg, run_dir, rank, local_rank, world, device, tokenizer, stats)
+        resolved = json.loads(json.dumps(_config_dict(run_dir)))
+        logger = RunLogger(run_dir, t.max_steps, cfg.logger, resolved) if rank == 0 else NullLogger()
+        try:
+            result = train(engine, _batches(loader, sampler), cfg, device, logger)
+        finally:
+            logger.close()
+        if after_train is not None:
+            after_train(engine, ctx)
+        adapter_dir = run_dir / "adapter"
+        n_tensors = export_adapter(engine.module, adapter_dir, is_writer=rank == 0)
+        if rank == 0:
+            tokenizer.save_pretrained(str(adapter_dir))
+            _write_summary(ctx, result, trainable, total, n_tensors, attn)
+        return result
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def _config_dict(run_dir: Path) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    out = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
+    assert isinstance(out, dict)
+    return out  # type: ignore[return-value]
+
+
+def _write_summary(
+    ctx: RankContext, result: TrainResult, trainable: int, total: int, n_tensors: int, attn: str
+) -> None:
+    key = peak_key(ctx.device)
+    summary = {
+        "run_dir": str(ctx.run_dir),
+        "steps": result.steps,
+        "label_tokens": result.label_tokens,
+        "input_tokens": result.input_tokens,
+        "loss_first": result.losses[0],
+        "loss_last": result.losses[-1],
+        "wall_s": round(result.wall_s, 2),
+        "tokens_per_s": round(result.input_tokens / max(result.wall_s, 1e-9), 1),
+        "world_size": ctx.world_size,
+        "zero_stage": ctx.cfg.zero.stage,
+        "attention": attn,
+        "trainable_params": trainable,
+        "total_params": total,
+        "adapter_tensors": n_tensors,
+        "data": ctx.data_stats.as_dict(),
+        "peak_memory_gib": [m[key] for m in result.peak_memory],
+        "memory": result.peak_memory,
+    }
+    (ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    what = "peak allocated" if ctx.device.type == "cuda" else "peak RSS"
+    per_rank = ", ".join(f"rank{r} {m[key]:.2f} GiB" for r, m in enumerate(result.peak_memory))
+    print(
+        f"\nmemtune: done in {result.wall_s:.1f} s · {result.steps} steps · "
+        f"{result.input_tokens:,} tokens ({result.label_tokens:,} labelled) · "
+        f"{summary['tokens_per_s']:,} tokens/s\n"
+        f"memtune: loss {result.losses[0]:.4f} → {result.losses[-1]:.4f}\n"
+        f"memtune: {what} per rank: {per_rank}\n"
+        f"memtune: adapter ({n_tensors} tensors, {trainable:,} parameters) in "
+        f"{ctx.run_dir / 'adapter'}",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        raise SystemExit("usage: python -m memtune.worker RUN_DIR")
+    run(args[0])
+
+
+if __name__ == "__main__":
+    main()

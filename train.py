@@ -1,0 +1,42 @@
+"""memtune's entry point: compose the config, lay out the run dir, start the ranks.
+
+    python train.py                                  # the CPU demo (experiment=demo-cpu)
+    python train.py experiment=qwen2.5-7b-4x4090-lora data=alpaca data.path=my.jsonl
+    python train.py -m peft.r=4,8                    # a sweep: one run dir per point
+
+This runs once per run (never once per rank); the ranks are `python -m memtune.worker RUN_DIR`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from memtune.config import ConfigError, register_configs
+from memtune.launch import launch
+from memtune.rundir import prepare_run_dir
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir).resolve()
+    try:
+        run_cfg = prepare_run_dir(cfg, run_dir)
+    except ConfigError as err:
+        print(f"memtune: config error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(f"memtune: run dir {run_dir}", flush=True)
+    code = launch(run_cfg, run_dir)
+    if code != 0:
+        print(f"memtune: the ranks failed (exit code {code}); run dir {run_dir}", file=sys.stderr)
+        sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
