@@ -31,7 +31,7 @@ class ModelConfig:
     synthesize: bool = False
     """Build a random-init model and tokenizer at ``name_or_path`` if absent (tiny demos)."""
     attn_implementation: str = "auto"
-    """auto (flash_attention_2 when importable on CUDA, else sdpa) | sdpa | eager | flash_attention_2"""
+    """auto (flash_attention_2 if usable on CUDA, else sdpa) | sdpa | eager | flash_attention_2"""
     trust_remote_code: bool = False
 
 
@@ -51,7 +51,7 @@ class PeftConfig:
     method: str = "lora"
     """lora | qlora | lora-int8"""
     r: int = 16
-    alpha: float = 32.0
+    alpha: int = 32
     dropout: float = 0.05
     target: str = "attention"
     """attention (q, k, v, o: the seeds' choice) | all-linear (adds gate, up, down)"""
@@ -121,7 +121,7 @@ class RunConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     experiment: str = "custom"
     run_dir: str | None = None
-    """Where the run writes; default Hydra's output dir (outputs/DATE/TIME, multirun/... in sweeps)."""
+    """Where the run writes; default Hydra's output dir (outputs/DATE/TIME-EXP, multirun/...)."""
 
 
 def register_configs() -> None:
@@ -149,7 +149,10 @@ def to_run_config(cfg: DictConfig | dict[str, Any]) -> RunConfig:
 
 
 def load_run_config(path: str | Path) -> RunConfig:
-    return to_run_config(OmegaConf.load(path))
+    loaded = OmegaConf.load(path)
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return to_run_config(loaded)
 
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
@@ -217,7 +220,10 @@ def validate(cfg: RunConfig) -> None:
         value = _get(cfg, key)
         if value is not None and value <= 0:
             raise ConfigError(f"{key} must be > 0 when set (got {value})")
-    if cfg.zero.param_persistence_threshold is not None and cfg.zero.param_persistence_threshold < 0:
+    if (
+        cfg.zero.param_persistence_threshold is not None
+        and cfg.zero.param_persistence_threshold < 0
+    ):
         raise ConfigError("zero.param_persistence_threshold must be >= 0 when set")
     arch = cfg.model.architecture
     if not arch.get("hidden_size"):

@@ -69,7 +69,7 @@ def fill_ds_config(template: dict[str, Any], cfg: RunConfig, source: str = "temp
         node[leaf] = value
     leftover = list(_auto_paths(filled))
     if leftover:
-        raise ConfigError(f"{source}: memtune cannot fill \"auto\" at {', '.join(leftover)}")
+        raise ConfigError(f'{source}: memtune cannot fill "auto" at {", ".join(leftover)}')
     stage = filled["zero_optimization"]["stage"]
     if stage == 2 and any(k.startswith("stage3_") for k in filled["zero_optimization"]):
         raise ConfigError(f"{source}: stage3_* settings in a ZeRO-2 config (zero.stage=2)")

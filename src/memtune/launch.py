@@ -30,7 +30,9 @@ def rank_env(cfg: RunConfig, base: dict[str, str] | None = None) -> dict[str, st
     """The environment for the ranks: one OpenMP thread pool per rank, not per core each."""
     env = dict(os.environ if base is None else base)
     if "OMP_NUM_THREADS" not in env:
-        threads = cfg.launcher.omp_threads or max(1, (os.cpu_count() or 1) // cfg.launcher.num_ranks)
+        threads = cfg.launcher.omp_threads or max(
+            1, (os.cpu_count() or 1) // cfg.launcher.num_ranks
+        )
         env["OMP_NUM_THREADS"] = str(threads)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -44,14 +46,32 @@ def rank_command(
     n = cfg.launcher.num_ranks
     if n == 1:
         cmd = [sys.executable, "-m", module, str(run_dir)]
-        extra = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        extra = {
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
         return cmd, extra
     deepspeed_bin = Path(sys.executable).with_name("deepspeed")
-    launcher = [str(deepspeed_bin)] if deepspeed_bin.exists() else [
-        sys.executable, "-m", "deepspeed.launcher.runner"]
-    cmd = [*launcher, "--master_port", str(port), "--num_gpus", str(n), "--no_local_rank",
-           "--module", module, str(run_dir)]
+    launcher = (
+        [str(deepspeed_bin)]
+        if deepspeed_bin.exists()
+        else [sys.executable, "-m", "deepspeed.launcher.runner"]
+    )
+    cmd = [
+        *launcher,
+        "--master_port",
+        str(port),
+        "--num_gpus",
+        str(n),
+        "--no_local_rank",
+        "--module",
+        module,
+        str(run_dir),
+    ]
     return cmd, {}
 
 

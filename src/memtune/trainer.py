@@ -127,6 +127,7 @@ def train(
                 f"step {step}: loss is {loss}; stopped before the optimizer step, weights are "
                 "untouched. Lower trainer.lr or check the data."
             )
+        lr = engine.get_lr()[0]  # the rate this step applies (the scheduler moves on in step())
         engine.step()
 
         result.steps = step
@@ -141,7 +142,7 @@ def train(
                 step,
                 {
                     "train/loss": loss,
-                    "train/lr": engine.get_lr()[0],
+                    "train/lr": lr,
                     "train/grad_norm": None if grad_norm is None else float(grad_norm),
                     "train/label_tokens": label_tokens,
                     "train/input_tokens": input_tokens,

@@ -24,8 +24,13 @@ import torch.distributed as dist
 from memtune.checkpoint import export_adapter
 from memtune.config import RunConfig, grad_accumulation_steps, load_run_config
 from memtune.data import DataStats, SampleDataset, collate, load_samples
-from memtune.model import add_lora, choose_attention, count_parameters, load_base_model
-from memtune.model import load_tokenizer
+from memtune.model import (
+    add_lora,
+    choose_attention,
+    count_parameters,
+    load_base_model,
+    load_tokenizer,
+)
 from memtune.telemetry import NullLogger, RunLogger, peak_key
 from memtune.trainer import TrainResult, lr_factor, train
 
@@ -105,8 +110,12 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
 
         samples, stats = load_samples(cfg.data, tokenizer)
         dataset = SampleDataset(samples)
-        sampler = DistributedSampler(
-            dataset, num_replicas=world, rank=rank, shuffle=True, seed=cfg.trainer.seed,
+        sampler: DistributedSampler[Any] = DistributedSampler(
+            dataset,
+            num_replicas=world,
+            rank=rank,
+            shuffle=True,
+            seed=cfg.trainer.seed,
             drop_last=True,
         )
         loader = DataLoader(
@@ -118,7 +127,9 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
             drop_last=True,
         )
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
+        optimizer = torch.optim.AdamW(
+            params, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
+        )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
         engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
@@ -140,7 +151,9 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
         )
         ctx = RankContext(cfg, run_dir, rank, local_rank, world, device, tokenizer, stats)
         resolved = json.loads(json.dumps(_config_dict(run_dir)))
-        logger = RunLogger(run_dir, t.max_steps, cfg.logger, resolved) if rank == 0 else NullLogger()
+        logger = (
+            RunLogger(run_dir, t.max_steps, cfg.logger, resolved) if rank == 0 else NullLogger()
+        )
         try:
             result = train(engine, _batches(loader, sampler), cfg, device, logger)
         finally:

@@ -1,0 +1,51 @@
+# memtune — `make help` lists the targets.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.memtune-installed
+# CPU build of torch by default (on disk on our dev machines). A GPU box installs its CUDA
+# torch into .venv first (see README): an importable torch is kept as it is.
+TORCH_SPEC ?= torch==2.13.0
+EXP ?= qwen2.5-7b-4x4090-lora
+ARGS ?=
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help install train test lint format train-4x4090 clean
+
+help: ## List the targets
+	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-14s %s\n", $$1, $$2}'
+	@echo "  Variables: EXP=<experiment> (train-4x4090), ARGS='<hydra overrides>', PYTEST_ARGS='...'"
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(STAMP) ## Create .venv and install memtune with its dev tools
+	@echo "memtune installed in $(VENV)"
+
+train: $(STAMP) ## Run the embedded CPU demo (tiny Qwen2, 2 ranks, ZeRO-3); ARGS= adds overrides
+	$(PY) train.py $(ARGS)
+
+test: $(STAMP) ## Run the test suite (CPU; real DeepSpeed ranks)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP) ## ruff (lint + format check) and mypy over src/
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+format: $(STAMP) ## Apply ruff's fixes and formatting
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+train-4x4090: $(STAMP) ## The real job: EXP (default qwen2.5-7b-4x4090-lora) on 4 GPUs; ARGS= for data/model paths
+	# train.py validates, writes the run dir, then starts the ranks with:
+	#   deepspeed --master_port <free port> --num_gpus 4 --no_local_rank --module memtune.worker <run dir>
+	$(PY) train.py experiment=$(EXP) launcher.num_ranks=4 $(ARGS)
+
+clean: ## Remove run outputs (outputs/, multirun/); keeps .venv
+	rm -rf outputs multirun

@@ -1,0 +1,116 @@
+"""Shared fixtures: composed configs, a private model cache, and real launches shared per session.
+
+The expensive part of the suite is starting DeepSpeed ranks (~20 s each launch on 2 cores), so
+each distinct launch runs once per session and every test that needs it reads its run dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from memtune.config import RunConfig, register_configs
+from memtune.launch import launch
+from memtune.rundir import prepare_run_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+register_configs()
+
+# Small and fast, but with ZeRO-3 really partitioning (threshold 0) and fp32 for exact checks.
+FAST = [
+    "logger=none",
+    "trainer.max_steps=12",
+    "trainer.warmup_steps=2",
+    "trainer.precision=fp32",
+    "zero.param_persistence_threshold=0",
+]
+
+
+def compose_cfg(overrides: list[str] | None = None) -> DictConfig:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides or [])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_model_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # Synthesized models go to a per-session dir so tests never depend on ~/.cache.
+    os.environ["MEMTUNE_CACHE_DIR"] = str(tmp_path_factory.mktemp("memtune-cache"))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+
+
+@dataclass
+class Run:
+    dir: Path
+    cfg: RunConfig
+    code: int
+
+    def summary(self) -> dict[str, Any]:
+        return json.loads((self.dir / "summary.json").read_text())
+
+    def metrics(self) -> list[dict[str, Any]]:
+        lines = (self.dir / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines]
+
+    def losses(self) -> list[float]:
+        return [m["train/loss"] for m in self.metrics()]
+
+    def probes(self) -> list[dict[str, Any]]:
+        return [
+            json.loads((self.dir / f"probe_rank{r}.json").read_text())
+            for r in range(self.cfg.launcher.num_ranks)
+        ]
+
+
+def start_run(run_dir: Path, overrides: list[str], probe: bool = True) -> Run:
+    cfg = prepare_run_dir(compose_cfg(overrides), run_dir)
+    code = launch(cfg, run_dir, module="rank_probe" if probe else "memtune.worker")
+    return Run(run_dir, cfg, code)
+
+
+@pytest.fixture(scope="session")
+def runs_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="session")
+def zero3_run(runs_root: Path) -> Run:
+    run = start_run(runs_root / "zero3", [*FAST, "zero=zero3", "launcher.num_ranks=2"])
+    assert run.code == 0
+    return run
+
+
+@pytest.fixture(scope="session")
+def zero2_run(runs_root: Path) -> Run:
+    run = start_run(runs_root / "zero2", [*FAST, "zero=zero2", "launcher.num_ranks=2"])
+    assert run.code == 0
+    return run
+
+
+@pytest.fixture(scope="session")
+def one_rank_run(runs_root: Path) -> Run:
+    """Same global batch (16) as zero3_run, one rank: micro 4 × accumulation 4."""
+    run = start_run(runs_root / "one_rank", [*FAST, "zero=zero3", "launcher.num_ranks=1"])
+    assert run.code == 0
+    return run
+
+
+def run_train_py(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

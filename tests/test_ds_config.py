@@ -1,0 +1,98 @@
+"""DeepSpeed JSON filling: derived values, nothing left "auto", contradictions refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memtune.config import ConfigError, to_run_config
+from memtune.ds_config import DS_CONFIG_DIR, build_ds_config, fill_ds_config
+from tests.conftest import compose_cfg
+
+
+def _cfg(*overrides: str):
+    return to_run_config(compose_cfg(list(overrides)))
+
+
+def _has_auto(node) -> bool:
+    if isinstance(node, dict):
+        return any(_has_auto(v) for v in node.values())
+    return node == "auto"
+
+
+def test_zero3_7b_values() -> None:
+    cfg = _cfg("experiment=qwen2.5-7b-4x4090-lora")
+    ds = build_ds_config(cfg)
+    h = 3584
+    assert ds["train_batch_size"] == 32
+    assert ds["train_micro_batch_size_per_gpu"] == 1
+    assert ds["gradient_accumulation_steps"] == 8  # 32 / (1 × 4 ranks)
+    assert ds["gradient_clipping"] == 1.0
+    assert ds["bf16"] == {"enabled": True}
+    z = ds["zero_optimization"]
+    assert z["stage"] == 3
+    assert z["reduce_bucket_size"] == h * h == 12_845_056
+    assert z["stage3_prefetch_bucket_size"] == int(0.9 * h * h) == 11_560_550
+    assert z["stage3_param_persistence_threshold"] == 10 * h == 35_840
+    assert z["stage3_gather_16bit_weights_on_model_save"] is True
+    assert not _has_auto(ds)
+
+
+def test_zero2_values_and_overrides() -> None:
+    cfg = _cfg("zero=zero2", "zero.reduce_bucket_size=1000", "trainer.precision=fp32")
+    ds = build_ds_config(cfg)
+    z = ds["zero_optimization"]
+    assert z["stage"] == 2
+    assert z["reduce_bucket_size"] == z["allgather_bucket_size"] == 1000
+    assert not any(k.startswith("stage3_") for k in z)
+    assert ds["bf16"]["enabled"] is False
+    assert ds["train_batch_size"] == 16 and ds["gradient_accumulation_steps"] == 2
+    assert not _has_auto(ds)
+
+
+def test_persistence_threshold_zero_is_kept() -> None:
+    ds = build_ds_config(_cfg("zero.param_persistence_threshold=0"))
+    assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 0
+
+
+def test_every_template_fills() -> None:
+    for path in sorted(DS_CONFIG_DIR.glob("*.json")):
+        stage = 2 if "zero2" in path.name else 3
+        cfg = _cfg(f"zero.stage={stage}", f"zero.template={path.stem}")
+        assert not _has_auto(build_ds_config(cfg)), path
+
+
+def test_hard_value_that_contradicts_is_refused() -> None:
+    template = json.loads((DS_CONFIG_DIR / "zero3.json").read_text())
+    template["train_micro_batch_size_per_gpu"] = 2
+    with pytest.raises(ConfigError, match=r"train_micro_batch_size_per_gpu is 2 but the config"):
+        fill_ds_config(template, _cfg(), source="my.json")
+
+
+def test_hard_value_that_agrees_is_accepted() -> None:
+    template = json.loads((DS_CONFIG_DIR / "zero3.json").read_text())
+    template["zero_optimization"]["stage"] = 3
+    assert fill_ds_config(template, _cfg())["zero_optimization"]["stage"] == 3
+
+
+def test_unknown_auto_is_refused() -> None:
+    template = json.loads((DS_CONFIG_DIR / "zero3.json").read_text())
+    template["optimizer"] = {"type": "AdamW", "params": {"lr": "auto"}}
+    with pytest.raises(ConfigError, match=r"cannot fill \"auto\" at optimizer\.params\.lr"):
+        fill_ds_config(template, _cfg())
+
+
+def test_stage_mismatch_with_template_is_refused() -> None:
+    with pytest.raises(ConfigError, match="stage3_"):
+        build_ds_config(_cfg("zero.stage=2", "zero.template=zero3"))
+
+
+def test_train_py_writes_filled_json(tmp_path) -> None:
+    from memtune.rundir import prepare_run_dir
+
+    prepare_run_dir(compose_cfg(["trainer.max_steps=3"]), tmp_path)
+    ds = json.loads((tmp_path / "ds_config.json").read_text())
+    assert not _has_auto(ds)
+    assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 640
+    assert "max_steps: 3" in (tmp_path / "config.yaml").read_text()
