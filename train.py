@@ -14,6 +14,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from memtune.config import ConfigError, register_configs
@@ -25,7 +26,15 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir).resolve()
+    hydra_cfg = HydraConfig.get()
+    if cfg.run_dir and hydra_cfg.mode == RunMode.MULTIRUN:
+        print(
+            "memtune: config error: run_dir cannot be set in a sweep (-m): every point "
+            "needs its own dir; set hydra.sweep.dir instead",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
     try:
         run_cfg = prepare_run_dir(cfg, run_dir)
     except ConfigError as err:

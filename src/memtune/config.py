@@ -131,6 +131,8 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="memtune_schema", node=RunConfig)
     if not OmegaConf.has_resolver("memtune_asset"):
         OmegaConf.register_new_resolver("memtune_asset", lambda name: str(ASSETS_DIR / name))
+    if not OmegaConf.has_resolver("memtune_first"):
+        OmegaConf.register_new_resolver("memtune_first", lambda *xs: next(x for x in xs if x))
     if not OmegaConf.has_resolver("memtune_cache"):
         OmegaConf.register_new_resolver("memtune_cache", lambda name: str(cache_dir() / name))
 

@@ -68,6 +68,8 @@ def rank_command(
         "--num_gpus",
         str(n),
         "--no_local_rank",
+        "--log_level",
+        "warning",
         "--module",
         module,
         str(run_dir),

@@ -12,6 +12,7 @@ import logging
 import os
 import random
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -94,6 +95,9 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
     from transformers.integrations import HfDeepSpeedConfig
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # Deprecations raised inside DeepSpeed and peft on every step; nothing a user can act on.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*is deprecated")
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir / "config.yaml")
     ds_config = json.loads((run_dir / "ds_config.json").read_text())
