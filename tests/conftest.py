@@ -99,6 +99,15 @@ def zero2_run(runs_root: Path) -> Run:
 
 
 @pytest.fixture(scope="session")
+def bf16_run(runs_root: Path) -> Run:
+    """The production precision: bf16 weights and compute, fp32 master weights in ZeRO-3."""
+    overrides = [*FAST, "trainer.precision=bf16", "zero=zero3", "launcher.num_ranks=2"]
+    run = start_run(runs_root / "bf16", overrides)
+    assert run.code == 0
+    return run
+
+
+@pytest.fixture(scope="session")
 def one_rank_run(runs_root: Path) -> Run:
     """Same global batch (16) as zero3_run, one rank: micro 4 × accumulation 4."""
     run = start_run(runs_root / "one_rank", [*FAST, "zero=zero3", "launcher.num_ranks=1"])

@@ -25,7 +25,7 @@ def probe(engine: Any, ctx: RankContext) -> None:
     from transformers import AutoModelForCausalLM
 
     if os.environ.get("MEMTUNE_TEST_CRASH_RANK") == str(ctx.rank):
-        os._exit(3)  # dies while the other ranks enter the collectives below
+        os._exit(7)  # dies while the other ranks enter the collectives below
     model = engine.module
     params = dict(model.named_parameters())
     zero3 = any(hasattr(p, "ds_id") for p in params.values())
@@ -39,7 +39,12 @@ def probe(engine: Any, ctx: RankContext) -> None:
     if gathered is not None:
         gathered.__exit__(None, None, None)
 
-    base = AutoModelForCausalLM.from_pretrained(ctx.cfg.model.name_or_path, dtype=torch.float32)
+    from memtune.model import torch_dtype
+
+    # In the dtype the rank loaded it in, so any difference is a change, not a rounding.
+    base = AutoModelForCausalLM.from_pretrained(
+        ctx.cfg.model.name_or_path, dtype=torch_dtype(ctx.cfg)
+    )
     base_sd = base.state_dict()
     max_base_diff = 0.0
     n_base = 0

@@ -84,6 +84,10 @@ def test_wrong_type_fails_at_compose() -> None:
         (["peft.target=everything"], r"peft\.target"),
         (["data.path=/nonexistent/train.jsonl"], r"data\.path=.*no such file"),
         (["launcher.num_ranks=0"], r"launcher\.num_ranks must be > 0"),
+        (
+            ["model=qwen2.5-7b", "model.name_or_path=/nonexistent/Qwen2.5-7B"],
+            r"model\.name_or_path='/nonexistent/Qwen2\.5-7B': no config\.json",
+        ),
     ],
 )
 def test_bad_values_name_the_field(overrides: list[str], message: str) -> None:

@@ -80,6 +80,32 @@ def test_adapter_changes_the_model(zero3_run) -> None:
     assert (base_logits - probe["logits"]).abs().max() > 0.1
 
 
+def test_bf16_zero3_trains_and_exports(bf16_run) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    assert _falls(bf16_run.losses()), bf16_run.losses()
+    assert json.loads((bf16_run.dir / "ds_config.json").read_text())["bf16"]["enabled"] is True
+    for probe in bf16_run.probes():
+        assert probe["max_base_diff"] == 0.0 and probe["lora_b_all_zero"] == []
+    tensors = load_file(bf16_run.dir / "adapter" / "adapter_model.safetensors")
+    # peft keeps adapter weights in fp32 over a bf16 base (ZeRO-3 leaves them so); the export
+    # keeps the dtype they trained in.
+    assert {t.dtype for t in tensors.values()} == {torch.float32}
+    # Reload as trained: bf16 base, adapter in its saved dtype.
+    base = AutoModelForCausalLM.from_pretrained(
+        bf16_run.cfg.model.name_or_path, dtype=torch.bfloat16
+    )
+    model = PeftModel.from_pretrained(
+        base, bf16_run.dir / "adapter", autocast_adapter_dtype=False
+    ).eval()
+    probe = torch.load(bf16_run.dir / "probe_logits.pt", weights_only=True)
+    with torch.no_grad():
+        logits = model(input_ids=probe["input_ids"]).logits.float()
+    # bf16 has 8 mantissa bits: logits of magnitude ~10 are exact to ~0.05.
+    torch.testing.assert_close(logits, probe["logits"], rtol=2e-2, atol=1e-1)
+
+
 def test_one_rank_matches_two_ranks(zero3_run, one_rank_run) -> None:
     """Same global batch and data order: 2 ranks × micro 4 × accum 2 == 1 rank × accum 4."""
     two, one = zero3_run.losses(), one_rank_run.losses()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -66,6 +67,18 @@ def test_a_crashed_rank_fails_the_job_without_hanging(tmp_path: Path, monkeypatc
     run = start_run(tmp_path / "crash", [*FAST, "trainer.max_steps=2", "launcher.num_ranks=2"])
     assert run.code != 0
     assert time.monotonic() - start < 300
+    assert not (run.dir / "adapter").exists()
+
+
+@pytest.mark.slow
+def test_non_finite_loss_stops_before_the_weights_change(tmp_path: Path) -> None:
+    # lr 1e30: the first update blows the adapter up, so step 2's loss is not finite.
+    overrides = [*FAST, "launcher.num_ranks=1", "trainer.lr=1e30", "trainer.warmup_steps=0"]
+    run = start_run(tmp_path / "nan", overrides, probe=False)
+    assert run.code == 3  # memtune.worker.EXIT_NON_FINITE
+    losses = run.losses()
+    assert 1 <= len(losses) < run.cfg.trainer.max_steps
+    assert all(math.isfinite(x) for x in losses)
     assert not (run.dir / "adapter").exists()
 
 

@@ -235,8 +235,23 @@ def validate(cfg: RunConfig) -> None:
         )
     if cfg.model.name_or_path in ("", "???"):
         raise ConfigError("model.name_or_path is not set: give a hub name or a local directory")
+    _check_model_path(cfg.model)
     if not Path(cfg.data.path).is_file():
         raise ConfigError(f"data.path={cfg.data.path!r}: no such file")
+
+
+def _check_model_path(model: ModelConfig) -> None:
+    """A local path must hold a checkpoint; "org/name" is left to the hub (or its cache)."""
+    name = model.name_or_path
+    looks_local = name.startswith(("/", ".", "~"))
+    path = Path(name).expanduser()
+    if model.synthesize or not (looks_local or path.exists()):
+        return
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"model.name_or_path={name!r}: no config.json there; point it at a directory "
+            "saved with save_pretrained (or a hub name such as Qwen/Qwen2.5-7B-Instruct)"
+        )
 
 
 def grad_accumulation_steps(cfg: RunConfig) -> int:

@@ -33,7 +33,10 @@ from memtune.model import (
     load_tokenizer,
 )
 from memtune.telemetry import NullLogger, RunLogger, peak_key
-from memtune.trainer import TrainResult, lr_factor, train
+from memtune.trainer import NonFiniteLoss, TrainResult, lr_factor, train
+
+EXIT_NON_FINITE = 3
+"""Exit code of a rank (and so of train.py) stopped by a non-finite loss."""
 
 
 @dataclass
@@ -226,7 +229,11 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         raise SystemExit("usage: python -m memtune.worker RUN_DIR")
-    run(args[0])
+    try:
+        run(args[0])
+    except NonFiniteLoss as err:
+        print(f"memtune: stopped: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_NON_FINITE) from None
 
 
 if __name__ == "__main__":
