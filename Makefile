@@ -11,7 +11,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test lint format train-4x4090 clean
+.PHONY: help install train test preprocess lint format train-4x4090 clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-14s %s\n", $$1, $$2}'
@@ -32,6 +32,9 @@ train: $(STAMP) ## Run the embedded CPU demo (tiny Qwen2, 2 ranks, ZeRO-3); ARGS
 
 test: $(STAMP) ## Run the test suite (CPU; real DeepSpeed ranks)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+preprocess: $(STAMP) ## Tokenize the data into its cache and print the counts (ARGS= for data.*)
+	$(PY) train.py preprocess_only=true $(ARGS)
 
 lint: $(STAMP) ## ruff (lint + format check) and mypy over src/
 	$(VENV)/bin/ruff check .

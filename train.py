@@ -40,6 +40,8 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as err:
         print(f"memtune: config error: {err}", file=sys.stderr)
         sys.exit(2)
+    if run_cfg.preprocess_only:
+        return
     print(f"memtune: run dir {run_dir}", flush=True)
     code = launch(run_cfg, run_dir)
     if code != 0:

@@ -1,4 +1,4 @@
-"""ChatML rendering, label masking (the closing <|im_end|> is a target), batching, bad records."""
+"""Templates and labels (golden), readers, length policy, bad input, cache, mixing, splits."""
 
 from __future__ import annotations
 
@@ -7,19 +7,22 @@ from pathlib import Path
 
 import pytest
 
-from memtune.config import ConfigError, DataConfig, to_run_config
-from memtune.data import (
-    IGNORE_INDEX,
-    alpaca_messages,
-    collate,
-    encode,
-    load_samples,
-    read_alpaca,
-    render_prompt,
-)
+from memtune.config import ConfigError, DataConfig, DataSource, to_run_config
+from memtune.data import IGNORE_INDEX, DataStats, apply_length_policy, encode_records
 from memtune.model import load_tokenizer
+from memtune.preprocess import load_split, preprocess
+from memtune.readers import Record, read_source
+from memtune.templates import render_prompt
 from memtune.tiny import synthesize
 from tests.conftest import compose_cfg
+
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4"},
+    {"role": "user", "content": "你好"},
+    {"role": "assistant", "content": "你好！"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -29,92 +32,329 @@ def tokenizer():
     return load_tokenizer(cfg)
 
 
-def test_prompt_rendering_is_chatml_without_implicit_system() -> None:
-    rec = {"instruction": "Translate", "input": "red", "output": "红色"}
-    assert render_prompt(alpaca_messages(rec, None)[:-1]) == (
-        "<|im_start|>user\nTranslate\n\nred<|im_end|>\n<|im_start|>assistant\n"
+def _encode(tokenizer, messages, **data):
+    cfg = DataConfig(path="unused", **data)
+    return encode_records([Record("t", messages=messages)], tokenizer, cfg)[0]
+
+
+def _label_spans(tokenizer, sample) -> list[str]:
+    spans, current = [], []
+    for t in sample.labels:
+        if t == IGNORE_INDEX:
+            if current:
+                spans.append(tokenizer.decode(current))
+            current = []
+        else:
+            current.append(t)
+    if current:
+        spans.append(tokenizer.decode(current))
+    return spans
+
+
+def test_chatml_multi_turn_golden(tokenizer) -> None:
+    s = _encode(tokenizer, CONVERSATION)
+    assert tokenizer.decode(s.input_ids) == (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n"
+        "<|im_start|>user\n2+2?<|im_end|>\n"
+        "<|im_start|>assistant\n4<|im_end|>\n"
+        "<|im_start|>user\n你好<|im_end|>\n"
+        "<|im_start|>assistant\n你好！<|im_end|>\n"
     )
-    with_system = render_prompt(alpaca_messages(rec, "Be brief.")[:-1])
-    assert with_system.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
+    # Every assistant reply and the <|im_end|> closing it; nothing else.
+    assert _label_spans(tokenizer, s) == ["4<|im_end|>", "你好！<|im_end|>"]
+    im_start, im_end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    assert s.input_ids.count(im_start) == 5 and s.input_ids.count(im_end) == 5
+    labelled_ends = [t for t in s.labels if t == im_end]
+    assert len(labelled_ends) == 2
+    # The token after each labelled <|im_end|> is the unlabelled "\n".
+    ends = [i for i, t in enumerate(s.labels) if t == im_end]
+    assert all(s.labels[i + 1] == IGNORE_INDEX for i in ends)
+    assert tokenizer.pad_token_id not in s.input_ids
 
 
-def test_only_the_reply_and_its_im_end_are_labelled(tokenizer) -> None:
-    rec = {"instruction": "What is 2 + 3?", "input": "", "output": "5"}
-    sample = encode(alpaca_messages(rec, None), tokenizer)
-    assert len(sample.input_ids) == len(sample.labels)
-    text = tokenizer.decode(sample.input_ids)
-    assert text == (
-        "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n5<|im_end|>\n"
+def test_plain_template_multi_turn_golden(tokenizer) -> None:
+    s = _encode(tokenizer, CONVERSATION, template="plain")
+    eos = tokenizer.eos_token
+    assert tokenizer.decode(s.input_ids) == (
+        "You are terse.\n\n"
+        f"### 指令:\n2+2?\n\n### 回答:\n4{eos}\n\n"
+        f"### 指令:\n你好\n\n### 回答:\n你好！{eos}"
     )
-    labelled = [t for t in sample.labels if t != IGNORE_INDEX]
-    assert tokenizer.decode(labelled) == "5<|im_end|>"
-    assert labelled[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>")
-    # The labelled span is contiguous and ends right before the trailing newline.
-    first = next(i for i, t in enumerate(sample.labels) if t != IGNORE_INDEX)
-    assert sample.labels[first:-1] == sample.input_ids[first:-1]
-    assert sample.labels[-1] == IGNORE_INDEX
+    assert _label_spans(tokenizer, s) == [f"4{eos}", f"你好！{eos}"]
+    assert s.labels[-1] == tokenizer.eos_token_id
 
 
-def test_demo_data_loads_with_counts(tokenizer) -> None:
-    cfg = to_run_config(compose_cfg()).data
-    samples, stats = load_samples(cfg, tokenizer)
-    assert stats.records == stats.samples == len(samples) == 320
-    assert stats.truncated == 0 and stats.dropped_no_labels == 0
-    assert stats.label_tokens == sum(
-        sum(1 for t in s.labels[1:] if t != IGNORE_INDEX) for s in samples
+def test_train_on_prompt_labels_everything(tokenizer) -> None:
+    s = _encode(tokenizer, CONVERSATION, train_on_prompt=True)
+    assert s.labels == s.input_ids
+    assert s.input_ids == _encode(tokenizer, CONVERSATION).input_ids
+
+
+def test_system_prompt_is_explicit(tokenizer) -> None:
+    no_system = CONVERSATION[1:3]
+    plain = tokenizer.decode(_encode(tokenizer, no_system).input_ids)
+    assert "system" not in plain  # nothing injected by default
+    given = tokenizer.decode(_encode(tokenizer, no_system, system_prompt="Be kind.").input_ids)
+    assert given.startswith("<|im_start|>system\nBe kind.<|im_end|>\n<|im_start|>user")
+    # A record's own system message wins over the config's.
+    own = tokenizer.decode(_encode(tokenizer, CONVERSATION, system_prompt="Be kind.").input_ids)
+    assert "Be kind." not in own and "You are terse." in own
+
+
+@pytest.mark.parametrize("template", ["chatml", "plain"])
+def test_generation_prompt_matches_training_tokens(tokenizer, template: str) -> None:
+    s = _encode(tokenizer, CONVERSATION, template=template)
+    prompt = render_prompt(CONVERSATION[:-1], template, tokenizer.eos_token)
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    assert s.input_ids[: len(prompt_ids)] == prompt_ids
+    assert s.labels[len(prompt_ids) - 1] == IGNORE_INDEX
+    assert s.labels[len(prompt_ids)] != IGNORE_INDEX
+
+
+def _write(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return path
+
+
+def _records(path: Path | str, fmt: str) -> list[Record]:
+    out = list(read_source(str(path), fmt))
+    assert all(isinstance(r, Record) for r in out), out
+    return out  # type: ignore[return-value]
+
+
+def test_alpaca_with_system_and_history(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path / "a.jsonl",
+        [
+            {
+                "instruction": "and 3+3?",
+                "input": "",
+                "output": "6",
+                "system": "math",
+                "history": [["2+2?", "4"]],
+            }
+        ],
     )
-
-
-def test_truncation_and_drops_are_counted(tokenizer, tmp_path: Path) -> None:
-    path = tmp_path / "d.jsonl"
-    rows = [
-        {"instruction": "short", "input": "", "output": "ok"},
-        {"instruction": "long " * 40, "input": "", "output": "answer"},  # prompt alone > 16
+    (rec,) = _records(path, "alpaca")
+    assert [m["role"] for m in rec.messages or []] == [
+        "system",
+        "user",
+        "assistant",
+        "user",
+        "assistant",
     ]
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    samples, stats = load_samples(DataConfig(path=str(path), max_seq_len=16), tokenizer)
-    assert stats.records == 2 and stats.truncated == 1 and stats.dropped_no_labels == 1
-    assert len(samples) == 1 and len(samples[0].input_ids) <= 16
+    assert (rec.messages or [])[3]["content"] == "and 3+3?"
 
 
-def test_collate_pads_right_and_masks(tokenizer) -> None:
-    cfg = to_run_config(compose_cfg()).data
-    samples, _ = load_samples(cfg, tokenizer)
-    a, b = samples[0], max(samples[:20], key=lambda s: len(s.input_ids))
-    batch = collate([a, b], pad_token_id=tokenizer.pad_token_id)
-    width = len(b.input_ids)
-    assert batch["input_ids"].shape == (2, width)
-    n = len(a.input_ids)
-    assert batch["attention_mask"][0].tolist() == [1] * n + [0] * (width - n)
-    assert batch["input_ids"][0, n:].eq(tokenizer.pad_token_id).all()
-    assert batch["labels"][0, n:].eq(IGNORE_INDEX).all()
+def test_messages_and_sharegpt_read_the_same(tmp_path: Path) -> None:
+    openai = _write(
+        tmp_path / "m.jsonl",
+        [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}],
+    )
+    sharegpt = _write(
+        tmp_path / "s.jsonl",
+        [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}],
+    )
+    assert _records(openai, "messages")[0].messages == _records(sharegpt, "messages")[0].messages
+
+
+def test_parquet_json_array_and_dataset_dir(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets import Dataset
+
+    rows = [{"instruction": f"q{i}", "input": "", "output": f"a{i}"} for i in range(3)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    expected = _records(_write(tmp_path / "d.jsonl", rows), "alpaca")
+    for source in ("d.parquet", "d.json", "ds"):
+        got = _records(tmp_path / source, "alpaca")
+        assert [r.messages for r in got] == [r.messages for r in expected], source
+
+
+def test_text_format_labels_every_token(tokenizer, tmp_path: Path) -> None:
+    path = _write(tmp_path / "t.jsonl", [{"text": "Once upon a time."}])
+    (rec,) = _records(path, "text")
+    s = encode_records([rec], tokenizer, DataConfig(path=str(path), format="text"))[0]
+    assert s.labels == s.input_ids
+    assert tokenizer.decode(s.input_ids) == "Once upon a time." + tokenizer.eos_token
+
+
+# ---------------------------------------------------------------- bad input
 
 
 @pytest.mark.parametrize(
-    ("content", "message"),
+    ("lines", "fmt", "message"),
     [
         (
-            '{"instruction": "a", "output": "b"}\n{"instruction": "a", "output"\n',
+            ['{"instruction": "a", "output": "b"}', '{"instruction": "a", "output"'],
+            "alpaca",
             r"d\.jsonl:2: invalid JSON",
         ),
-        ('{"instruction": "a"}\n', r"d\.jsonl:1: field 'output' is missing"),
-        ('{"instruction": 3, "output": "b"}\n', r"d\.jsonl:1: field 'instruction'"),
-        ('{"instruction": "a", "output": "  "}\n', r"d\.jsonl:1: field 'output' is empty"),
-        ('["a", "b"]\n', r"d\.jsonl:1: expected an object"),
+        (['{"instruction": "a"}'], "alpaca", r"d\.jsonl:1: field 'output' is missing"),
+        (
+            ['{"instruction": 3, "output": "b"}'],
+            "alpaca",
+            r"d\.jsonl:1: field 'instruction' is a int, not a string",
+        ),
+        (
+            ['{"instruction": "a", "output": "  "}'],
+            "alpaca",
+            r"d\.jsonl:1: assistant reply 0 is empty",
+        ),
+        (['["a", "b"]'], "alpaca", r"d\.jsonl:1: expected an object, got a list"),
+        (
+            ['{"messages": [{"role": "user", "content": "hi"}]}'],
+            "messages",
+            r"d\.jsonl:1: the last turn is not an assistant reply",
+        ),
+        (
+            ['{"messages": [{"role": "robot", "content": "hi"}]}'],
+            "messages",
+            r"d\.jsonl:1: field 'messages\[0\]\.role' is 'robot'",
+        ),
+        (
+            ['{"conversations": [{"from": "gpt", "value": "x"}]}'],
+            "messages",
+            r"d\.jsonl:1: turn 0 is 'assistant', expected 'user'",
+        ),
+        (['{"text": ""}'], "text", r"d\.jsonl:1: field 'text' is empty"),
     ],
 )
-def test_bad_records_name_file_and_line(tmp_path: Path, content: str, message: str) -> None:
+def test_bad_records_stop_with_file_line_field(
+    tokenizer, tmp_path: Path, lines: list[str], fmt: str, message: str
+) -> None:
     path = tmp_path / "d.jsonl"
-    path.write_text(content)
+    path.write_text("\n".join(lines) + "\n")
+    cfg = DataConfig(path=str(path), format=fmt, cache_dir=str(tmp_path / "cache"))
     with pytest.raises(ConfigError, match=message):
-        list(read_alpaca(path))
+        preprocess(cfg, tokenizer, seed=0)
 
 
-def test_json_array_and_undecodable_file(tmp_path: Path) -> None:
-    good = tmp_path / "d.json"
-    good.write_text(json.dumps([{"instruction": "a", "input": "", "output": "b"}]))
-    assert [n for n, _ in read_alpaca(good)] == [1]
+def test_undecodable_bytes_name_the_line(tokenizer, tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(
+        b'{"instruction": "a", "output": "b"}\n{"instruction": "\xff", "output": "b"}\n'
+    )
+    cfg = DataConfig(path=str(path), cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ConfigError, match=r"d\.jsonl:2: not UTF-8"):
+        preprocess(cfg, tokenizer, seed=0)
+
+
+def test_unreadable_file(tokenizer, tmp_path: Path) -> None:
+    (tmp_path / "dangling.jsonl").symlink_to(tmp_path / "nowhere.jsonl")
+    cfg = DataConfig(path=str(tmp_path / "dangling.jsonl"), cache_dir=str(tmp_path / "c"))
+    with pytest.raises(ConfigError, match=r"dangling\.jsonl: cannot read"):
+        preprocess(cfg, tokenizer, seed=0)
+
+
+def test_skip_counts_and_reports_bad_records(tokenizer, tmp_path: Path) -> None:
+    good = {"instruction": "q", "input": "", "output": "a"}
+    path = tmp_path / "d.jsonl"
+    path.write_text(
+        "\n".join([json.dumps(good), "{oops", json.dumps({"instruction": "q"}), json.dumps(good)])
+        + "\n"
+    )
+    cfg = DataConfig(path=str(path), on_bad_record="skip", cache_dir=str(tmp_path / "cache"))
+    prepared = preprocess(cfg, tokenizer, seed=0)
+    assert prepared.train.skipped_bad == 2 and prepared.train.samples == 2
+    assert prepared.train.bad_examples[0].startswith(f"{path}:2: invalid JSON")
+    assert prepared.train.bad_examples[1].startswith(f"{path}:3: field 'output'")
+
+
+def test_empty_after_filtering_is_an_error(tokenizer, tmp_path: Path) -> None:
+    path = _write(tmp_path / "d.jsonl", [{"instruction": "long " * 50, "output": "a"}])
+    cfg = DataConfig(path=str(path), max_seq_len=16, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ConfigError, match=r"no usable training samples left .*without labels"):
+        preprocess(cfg, tokenizer, seed=0)
+
+
+def test_bad_data_stops_train_py_before_launch(tmp_path: Path) -> None:
+    from tests.conftest import run_train_py
+
     bad = tmp_path / "bad.jsonl"
-    bad.write_bytes(b'{"instruction": "\xff\xfe", "output": "b"}\n')
-    with pytest.raises(ConfigError, match=r"bad\.jsonl: cannot read"):
-        list(read_alpaca(bad))
+    bad.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "a"}\n')
+    proc = run_train_py([f"data.path={bad}", f"run_dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert f"{bad}:2: field 'output' is missing" in proc.stderr
+    assert not (tmp_path / "run" / "launch.txt").exists()
+
+
+# ---------------------------------------------------------------- length, cache, mixing, split
+
+
+def test_truncate_and_drop_are_counted(tokenizer) -> None:
+    short = Record(
+        "s", messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    )
+    long_reply = Record(
+        "l",
+        messages=[
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "word " * 40},
+        ],
+    )
+    long_prompt = Record(
+        "p",
+        messages=[
+            {"role": "user", "content": "word " * 40},
+            {"role": "assistant", "content": "ok"},
+        ],
+    )
+    for overlong, expected in (("truncate", (1, 0, 1, 2)), ("drop", (0, 2, 0, 1))):
+        cfg = DataConfig(path="x", max_seq_len=24, overlong=overlong)
+        stats = DataStats()
+        kept = apply_length_policy(
+            encode_records([short, long_reply, long_prompt], tokenizer, cfg), cfg, stats
+        )
+        got = (stats.truncated, stats.dropped_overlong, stats.dropped_no_labels, len(kept))
+        assert got == expected, overlong
+        assert all(len(s.input_ids) <= 24 for s in kept)
+
+
+def test_cache_is_reused_and_invalidated(tokenizer, tmp_path: Path) -> None:
+    rows = [{"instruction": f"q{i}", "input": "", "output": f"a{i}"} for i in range(10)]
+    path = _write(tmp_path / "d.jsonl", rows)
+    cfg = DataConfig(path=str(path), cache_dir=str(tmp_path / "cache"))
+    first = preprocess(cfg, tokenizer, seed=0)
+    assert not first.reused and first.train.samples == 10
+    second = preprocess(cfg, tokenizer, seed=0)
+    assert second.reused and second.dir == first.dir
+    assert load_split(second.dir).input_ids.equal(load_split(first.dir).input_ids)
+
+    _write(path, rows[:9])  # a changed file
+    third = preprocess(cfg, tokenizer, seed=0)
+    assert not third.reused and third.dir != first.dir and third.train.samples == 9
+    cfg.max_seq_len = 64  # a changed setting
+    assert preprocess(cfg, tokenizer, seed=0).dir not in (first.dir, third.dir)
+
+
+def test_sources_mix_by_weight(tokenizer, tmp_path: Path) -> None:
+    a = _write(tmp_path / "a.jsonl", [{"instruction": f"a{i}", "output": "x"} for i in range(10)])
+    b = _write(tmp_path / "b.jsonl", [{"instruction": f"b{i}", "output": "y"} for i in range(10)])
+    cfg = DataConfig(
+        sources=[DataSource(str(a), weight=2.0), DataSource(str(b), weight=0.5)],
+        cache_dir=str(tmp_path / "cache"),
+    )
+    prepared = preprocess(cfg, tokenizer, seed=0)
+    assert prepared.train.samples == 20 + 5
+    texts = [tokenizer.decode(s.input_ids) for s in load_split(prepared.dir)]
+    assert sum("user\na" in t for t in texts) == 20 and sum("user\nb" in t for t in texts) == 5
+
+
+def test_validation_split_by_fraction_and_by_file(tokenizer, tmp_path: Path) -> None:
+    rows = [{"instruction": f"q{i}", "output": f"a{i}"} for i in range(20)]
+    path = _write(tmp_path / "d.jsonl", rows)
+    cfg = DataConfig(path=str(path), val_fraction=0.25, cache_dir=str(tmp_path / "cache"))
+    prepared = preprocess(cfg, tokenizer, seed=0)
+    assert prepared.val is not None
+    assert (prepared.train.samples, prepared.val.samples) == (15, 5)
+    train_text = {tokenizer.decode(s.input_ids) for s in load_split(prepared.dir, "train")}
+    val_text = {tokenizer.decode(s.input_ids) for s in load_split(prepared.dir, "val")}
+    assert not train_text & val_text
+
+    val_file = _write(tmp_path / "v.jsonl", rows[:3])
+    cfg = DataConfig(path=str(path), val_path=str(val_file), cache_dir=str(tmp_path / "cache"))
+    prepared = preprocess(cfg, tokenizer, seed=0)
+    assert prepared.val is not None and (prepared.train.samples, prepared.val.samples) == (20, 3)

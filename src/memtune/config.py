@@ -36,14 +36,49 @@ class ModelConfig:
 
 
 @dataclass
-class DataConfig:
+class DataSource:
     path: str = "???"
+    """.jsonl | .json | .parquet | a save_to_disk folder | a hub dataset name"""
     format: str = "alpaca"
-    """alpaca (instruction / input / output)"""
-    max_seq_len: int = 1024
+    weight: float = 1.0
+    """Sampling weight: 2.0 repeats every record twice, 0.5 keeps a (seeded) half."""
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None
+    """One source (shorthand for sources: [{path, format}])."""
+    format: str = "alpaca"
+    """alpaca | messages (OpenAI messages or ShareGPT conversations) | text"""
+    sources: list[DataSource] = field(default_factory=list)
+    """Several sources, mixed by weight (instead of path)."""
+    template: str = "chatml"
+    """chatml (Qwen2.5) | plain (the seeds' ### 指令 / ### 回答 prompt)"""
     system_prompt: str | None = None
-    """System message put in front of every sample; none when null (never an implicit default)."""
+    """System message for records without one; none when null (never an implicit default)."""
+    train_on_prompt: bool = False
+    """Also learn the prompt tokens (default: assistant replies and their end marker only)."""
+    max_seq_len: int = 1024
+    overlong: str = "truncate"
+    """truncate | drop: what happens to samples longer than max_seq_len (both are counted)."""
+    packing: bool = False
+    """Pack samples into max_seq_len rows (no attention across samples, positions restart)."""
+    group_by_length: bool = False
+    """Without packing: batch samples of similar length together to waste less on padding."""
+    val_fraction: float = 0.0
+    """Hold out this fraction of the records (seeded) as the validation split."""
+    val_path: str | None = None
+    """Or take the validation split from this file (same format as the first source)."""
+    on_bad_record: str = "error"
+    """error (stop before launch, naming file, line and field) | skip (count and report)"""
+    cache_dir: str | None = None
+    """Tokenized-data cache; default $MEMTUNE_CACHE_DIR/data."""
     num_workers: int = 0
+
+    def all_sources(self) -> list[DataSource]:
+        if self.sources:
+            return list(self.sources)
+        return [DataSource(path=self.path or "???", format=self.format)]
 
 
 @dataclass
@@ -120,6 +155,8 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     experiment: str = "custom"
+    preprocess_only: bool = False
+    """Tokenize the data into its cache, print the counts, launch nothing (make preprocess)."""
     run_dir: str | None = None
     """Where the run writes; default Hydra's output dir (outputs/DATE/TIME-EXP, multirun/...)."""
 
@@ -161,7 +198,10 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "zero.stage": (2, 3),
     "peft.method": ("lora", "qlora", "lora-int8"),
     "peft.target": ("attention", "all-linear"),
-    "data.format": ("alpaca",),
+    "data.format": ("alpaca", "messages", "text"),
+    "data.template": ("chatml", "plain"),
+    "data.overlong": ("truncate", "drop"),
+    "data.on_bad_record": ("error", "skip"),
     "trainer.precision": ("bf16", "fp32"),
     "model.attn_implementation": ("auto", "sdpa", "eager", "flash_attention_2"),
     "logger.backend": ("wandb", "none"),
@@ -236,8 +276,32 @@ def validate(cfg: RunConfig) -> None:
     if cfg.model.name_or_path in ("", "???"):
         raise ConfigError("model.name_or_path is not set: give a hub name or a local directory")
     _check_model_path(cfg.model)
-    if not Path(cfg.data.path).is_file():
-        raise ConfigError(f"data.path={cfg.data.path!r}: no such file")
+    _check_data(cfg.data)
+
+
+def _check_data(data: DataConfig) -> None:
+    from memtune.readers import FORMATS, is_local_source
+
+    if data.path and data.sources:
+        raise ConfigError("data.path and data.sources are both set: use one")
+    if not data.path and not data.sources:
+        raise ConfigError("data.path is not set: give a file (or data.sources for several)")
+    for i, src in enumerate(data.all_sources()):
+        key = "data.path" if not data.sources else f"data.sources[{i}]"
+        if src.format not in FORMATS:
+            raise ConfigError(f"{key}: format {src.format!r}; choose {' | '.join(FORMATS)}")
+        if src.weight <= 0:
+            raise ConfigError(f"{key}: weight must be > 0 (got {src.weight})")
+        if is_local_source(src.path) and not Path(src.path).expanduser().exists():
+            raise ConfigError(f"{key}={src.path!r}: no such file or folder")
+    if not 0.0 <= data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction must be in [0, 1) (got {data.val_fraction})")
+    if data.val_path and data.val_fraction:
+        raise ConfigError("data.val_path and data.val_fraction are both set: use one")
+    if data.val_path and not Path(data.val_path).expanduser().exists():
+        raise ConfigError(f"data.val_path={data.val_path!r}: no such file or folder")
+    if data.packing and data.group_by_length:
+        raise ConfigError("data.packing and data.group_by_length exclude each other")
 
 
 def _check_model_path(model: ModelConfig) -> None:

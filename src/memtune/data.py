@@ -1,22 +1,21 @@
-"""Instruction data: read alpaca records, render ChatML, mask prompt tokens, batch.
+"""Records → token ids and labels → batches (padded, length-grouped, or packed).
 
-A sample is tokenized as three pieces: the prompt (system and user turns plus the assistant
-header), the reply followed by ``<|im_end|>``, and the trailing newline. Only the reply and
-its ``<|im_end|>`` carry labels: a model that never sees ``<|im_end|>`` as a target never
-learns to stop.
+Tokenization happens once, on the launcher side (:mod:`memtune.preprocess`); ranks read
+the flat arrays this module produces and only batch them.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from memtune.config import ConfigError, DataConfig
+from memtune.config import DataConfig
+from memtune.readers import Record
+from memtune.templates import segments, with_system
 
 IGNORE_INDEX = -100
 
@@ -30,119 +29,111 @@ class Sample:
 @dataclass
 class DataStats:
     records: int = 0
-    samples: int = 0
+    skipped_bad: int = 0
+    bad_examples: list[str] = field(default_factory=list)
     truncated: int = 0
+    dropped_overlong: int = 0
     dropped_no_labels: int = 0
+    samples: int = 0
     tokens: int = 0
     label_tokens: int = 0
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
-
-def read_alpaca(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield (line number, record) from a .jsonl file or a .json array of alpaca records."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"data.path={path}: cannot read ({err})") from err
-    if path.suffix == ".json":
-        try:
-            records = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from err
-        if not isinstance(records, list):
-            raise ConfigError(f"{path}: expected a JSON array of records")
-        for i, rec in enumerate(records, 1):
-            yield i, _check_alpaca(rec, path, i, what="record")
-        return
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path}:{lineno}: invalid JSON ({err.msg})") from err
-        yield lineno, _check_alpaca(rec, path, lineno, what="line")
+    def line(self) -> str:
+        out = (
+            f"{self.samples} samples from {self.records} records, {self.tokens:,} tokens "
+            f"({self.label_tokens:,} labels); truncated {self.truncated}, dropped "
+            f"{self.dropped_overlong} over-long + {self.dropped_no_labels} without labels"
+        )
+        if self.skipped_bad:
+            out += f"; skipped {self.skipped_bad} bad records (first: {self.bad_examples[0]})"
+        return out
 
 
-def _check_alpaca(rec: Any, path: Path, n: int, what: str) -> dict[str, Any]:
-    where = f"{path}:{n}" if what == "line" else f"{path} record {n}"
-    if not isinstance(rec, dict):
-        raise ConfigError(f"{where}: expected an object with instruction / input / output")
-    for key in ("instruction", "output"):
-        if not isinstance(rec.get(key), str):
-            raise ConfigError(f"{where}: field {key!r} is missing or not a string")
-    if not isinstance(rec.get("input", ""), str):
-        raise ConfigError(f"{where}: field 'input' is not a string")
-    if not rec["output"].strip():
-        raise ConfigError(f"{where}: field 'output' is empty (nothing to learn)")
-    return rec
+def encode_records(records: Sequence[Record], tokenizer: Any, cfg: DataConfig) -> list[Sample]:
+    """Tokenize rendered segments in one batch call (the fast tokenizer runs it in parallel)."""
+    eos = tokenizer.eos_token
+    rendered: list[list[tuple[str, bool]]] = []
+    for rec in records:
+        if rec.text is not None:
+            rendered.append([(rec.text + eos, True)])
+        else:
+            assert rec.messages is not None
+            msgs = with_system(rec.messages, cfg.system_prompt)
+            rendered.append(segments(msgs, cfg.template, eos))
+    flat = [text for segs in rendered for text, _ in segs]
+    ids = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
+    samples, k = [], 0
+    for segs in rendered:
+        input_ids: list[int] = []
+        labels: list[int] = []
+        for _, is_label in segs:
+            piece = ids[k]
+            k += 1
+            input_ids += piece
+            labels += piece if (is_label or cfg.train_on_prompt) else [IGNORE_INDEX] * len(piece)
+        samples.append(Sample(input_ids, labels))
+    return samples
 
 
-def alpaca_messages(rec: dict[str, Any], system_prompt: str | None) -> list[dict[str, str]]:
-    user = rec["instruction"]
-    if rec.get("input"):
-        user = f"{user}\n\n{rec['input']}"
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages += [{"role": "user", "content": user}, {"role": "assistant", "content": rec["output"]}]
-    return messages
+def n_labels(labels: Sequence[int]) -> int:
+    """Label tokens that are targets: the first position never is (labels shift by one)."""
+    return sum(1 for t in labels[1:] if t != IGNORE_INDEX)
 
 
-def render_prompt(messages: list[dict[str, str]]) -> str:
-    """ChatML for every message, then the assistant header (what generation is given)."""
-    turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-    return turns + "<|im_start|>assistant\n"
-
-
-def encode(messages: list[dict[str, str]], tokenizer: Any) -> Sample:
-    """Tokenize a conversation whose last message is the assistant reply to learn."""
-    *context, reply = messages
-    prompt_ids = tokenizer.encode(render_prompt(context), add_special_tokens=False)
-    reply_ids = tokenizer.encode(reply["content"] + "<|im_end|>", add_special_tokens=False)
-    tail_ids = tokenizer.encode("\n", add_special_tokens=False)
-    input_ids = prompt_ids + reply_ids + tail_ids
-    labels = [IGNORE_INDEX] * len(prompt_ids) + reply_ids + [IGNORE_INDEX] * len(tail_ids)
-    return Sample(input_ids, labels)
-
-
-def load_samples(cfg: DataConfig, tokenizer: Any) -> tuple[list[Sample], DataStats]:
-    stats = DataStats()
-    samples = []
-    for _, rec in read_alpaca(cfg.path):
-        stats.records += 1
-        sample = encode(alpaca_messages(rec, cfg.system_prompt), tokenizer)
-        if len(sample.input_ids) > cfg.max_seq_len:
-            stats.truncated += 1
-            sample = Sample(sample.input_ids[: cfg.max_seq_len], sample.labels[: cfg.max_seq_len])
-        # The first token is never a target (labels shift by one), so count from index 1.
-        n_labels = sum(1 for t in sample.labels[1:] if t != IGNORE_INDEX)
-        if n_labels == 0:
+def apply_length_policy(samples: list[Sample], cfg: DataConfig, stats: DataStats) -> list[Sample]:
+    """Truncate or drop over-long samples, drop samples left without labels; count each
+    (``truncated`` counts kept samples only: one cut down to no labels is a drop)."""
+    kept = []
+    for s in samples:
+        cut = len(s.input_ids) > cfg.max_seq_len
+        if cut:
+            if cfg.overlong == "drop":
+                stats.dropped_overlong += 1
+                continue
+            s = Sample(s.input_ids[: cfg.max_seq_len], s.labels[: cfg.max_seq_len])
+        count = n_labels(s.labels)
+        if count == 0:
             stats.dropped_no_labels += 1
             continue
+        stats.truncated += cut
         stats.samples += 1
-        stats.tokens += len(sample.input_ids)
-        stats.label_tokens += n_labels
-        samples.append(sample)
-    if not samples:
-        raise ConfigError(f"data.path={cfg.path}: no usable samples ({stats.as_dict()})")
-    return samples, stats
+        stats.tokens += len(s.input_ids)
+        stats.label_tokens += count
+        kept.append(s)
+    return kept
 
 
-class SampleDataset(torch.utils.data.Dataset):
-    def __init__(self, samples: list[Sample]):
-        self.samples = samples
+class TokenizedDataset(torch.utils.data.Dataset):
+    """Samples stored as flat int32 arrays + offsets (what the preprocessing cache holds)."""
+
+    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor, offsets: torch.Tensor):
+        self.input_ids, self.labels, self.offsets = input_ids, labels, offsets
+        self.lengths = (offsets[1:] - offsets[:-1]).tolist()
+
+    @classmethod
+    def from_samples(cls, samples: Sequence[Sample]) -> TokenizedDataset:
+        lengths = torch.tensor([0] + [len(s.input_ids) for s in samples], dtype=torch.int64)
+        flat_ids = [t for s in samples for t in s.input_ids]
+        flat_labels = [t for s in samples for t in s.labels]
+        return cls(
+            torch.tensor(flat_ids, dtype=torch.int32),
+            torch.tensor(flat_labels, dtype=torch.int32),
+            torch.cumsum(lengths, 0),
+        )
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self.lengths)
 
     def __getitem__(self, i: int) -> Sample:
-        return self.samples[i]
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return Sample(self.input_ids[a:b].tolist(), self.labels[a:b].tolist())
 
 
-def collate(batch: list[Sample], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest sample in the micro batch."""
+def collate_padded(batch: list[Sample], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest sample of the micro batch."""
     width = max(len(s.input_ids) for s in batch)
     input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
     labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
@@ -153,3 +144,114 @@ def collate(batch: list[Sample], pad_token_id: int) -> dict[str, torch.Tensor]:
         labels[row, :n] = torch.tensor(s.labels)
         attention_mask[row, :n] = 1
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+
+
+# ---------------------------------------------------------------- packing
+
+
+def pack_bins(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """First-fit-decreasing: sample indices grouped into bins of at most ``capacity`` tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = lengths[i]
+        for b, free in enumerate(room):
+            if n <= free:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - n)
+    return bins
+
+
+class PackedDataset(torch.utils.data.Dataset):
+    """Each item is one packed row: several samples back to back."""
+
+    def __init__(self, base: TokenizedDataset, capacity: int):
+        self.base = base
+        self.bins = pack_bins(base.lengths, capacity)
+        self.lengths = [sum(base.lengths[i] for i in b) for b in self.bins]
+
+    def __len__(self) -> int:
+        return len(self.bins)
+
+    def __getitem__(self, i: int) -> list[Sample]:
+        return [self.base[j] for j in self.bins[i]]
+
+
+def collate_packed(batch: list[list[Sample]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Concatenate each row's samples; ``position_ids`` restart at 0 for every sample.
+
+    No attention mask is passed: transformers then reads sample boundaries from the
+    restarting positions (block-diagonal causal mask on SDPA/eager, varlen kernels on
+    FlashAttention-2), so no token attends across samples. Row padding forms its own
+    segment with no labels.
+    """
+    width = max(sum(len(s.input_ids) for s in row) for row in batch)
+    input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
+    position_ids = torch.zeros((len(batch), width), dtype=torch.long)
+    real = 0
+    for r, row in enumerate(batch):
+        at = 0
+        for s in row:
+            n = len(s.input_ids)
+            input_ids[r, at : at + n] = torch.tensor(s.input_ids)
+            lab = list(s.labels)
+            lab[0] = IGNORE_INDEX  # the previous sample's last token must not predict this one
+            labels[r, at : at + n] = torch.tensor(lab)
+            position_ids[r, at : at + n] = torch.arange(n)
+            at += n
+        real += at
+        position_ids[r, at:] = torch.arange(width - at)
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "position_ids": position_ids,
+        "real_tokens": torch.tensor(real),
+    }
+
+
+# ---------------------------------------------------------------- length grouping
+
+
+class LengthGroupedSampler(torch.utils.data.Sampler[int]):
+    """Shuffled, but each micro batch holds samples of similar length.
+
+    Indices are shuffled (same seed on every rank), cut into mega-chunks, sorted by length
+    inside each chunk, split into micro batches, and the batches shuffled again and dealt
+    round-robin to the ranks. Every rank yields the same number of batches.
+    """
+
+    def __init__(
+        self, lengths: Sequence[int], micro: int, world: int, rank: int, seed: int, chunk: int = 64
+    ):
+        self.lengths, self.micro, self.world, self.rank = list(lengths), micro, world, rank
+        self.seed, self.chunk, self.epoch = seed, chunk, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _batches(self) -> list[list[int]]:
+        rng = random.Random(self.seed + self.epoch)
+        idx = list(range(len(self.lengths)))
+        rng.shuffle(idx)
+        size = self.micro * self.world * self.chunk
+        batches = []
+        for c in range(0, len(idx), size):
+            part = sorted(idx[c : c + size], key=lambda i: self.lengths[i], reverse=True)
+            batches += [part[b : b + self.micro] for b in range(0, len(part), self.micro)]
+        batches = [b for b in batches if len(b) == self.micro]
+        rng.shuffle(batches)
+        usable = len(batches) - len(batches) % self.world
+        return batches[self.rank : usable : self.world]
+
+    def __iter__(self) -> Iterator[int]:
+        for batch in self._batches():
+            yield from batch
+
+    def __len__(self) -> int:
+        return len(self._batches()) * self.micro

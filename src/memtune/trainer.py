@@ -64,6 +64,16 @@ def token_loss_sum(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.T
     )
 
 
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def real_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Tokens of real samples in a batch (padding excluded), for throughput."""
+    if "real_tokens" in batch:
+        return int(batch["real_tokens"])
+    return int(batch["attention_mask"].sum())
+
+
 def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
@@ -101,7 +111,7 @@ def train(
         counts = torch.tensor(
             [
                 sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro),
-                sum(int(b["attention_mask"].sum()) for b in micro),
+                sum(real_tokens(b) for b in micro),
             ],
             dtype=torch.float64,
             device=device,
@@ -111,10 +121,8 @@ def train(
 
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         for i, batch in enumerate(micro):
-            batch = {k: v.to(device) for k, v in batch.items()}
-            logits = engine(
-                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-            ).logits
+            batch = {k: v.to(device) for k, v in batch.items() if k != "real_tokens"}
+            logits = engine(**{k: batch[k] for k in MODEL_INPUTS if k in batch}).logits
             micro_loss = token_loss_sum(logits, batch["labels"])
             engine.backward(micro_loss * scale)
             loss_sum += micro_loss.detach().float()

@@ -24,7 +24,13 @@ import torch.distributed as dist
 
 from memtune.checkpoint import export_adapter
 from memtune.config import RunConfig, grad_accumulation_steps, load_run_config
-from memtune.data import DataStats, SampleDataset, collate, load_samples
+from memtune.data import (
+    DataStats,
+    LengthGroupedSampler,
+    PackedDataset,
+    collate_packed,
+    collate_padded,
+)
 from memtune.model import (
     add_lora,
     choose_attention,
@@ -32,6 +38,7 @@ from memtune.model import (
     load_base_model,
     load_tokenizer,
 )
+from memtune.preprocess import load_split
 from memtune.telemetry import NullLogger, RunLogger, peak_key
 from memtune.trainer import NonFiniteLoss, TrainResult, lr_factor, train
 
@@ -92,9 +99,50 @@ def _batches(loader: Any, sampler: Any) -> Iterator[dict[str, torch.Tensor]]:
         epoch += 1
 
 
+def batching_summary(cfg: RunConfig) -> str:
+    if cfg.data.packing:
+        return f"packed into rows of {cfg.data.max_seq_len} tokens"
+    grouped = ", grouped by length" if cfg.data.group_by_length else ""
+    return f"padded per micro batch{grouped}"
+
+
+def make_loader(
+    cfg: RunConfig, prepared_dir: str, pad_token_id: int, rank: int, world: int
+) -> tuple[Any, Any]:
+    """The rank's DataLoader over the preprocessed cache: padded, length-grouped or packed."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    base = load_split(prepared_dir, "train")
+    micro, seed = cfg.trainer.micro_batch_size, cfg.trainer.seed
+    dataset: Any = base
+    collate_fn: Any = partial(collate_padded, pad_token_id=pad_token_id)
+    if cfg.data.packing:
+        dataset = PackedDataset(base, cfg.data.max_seq_len)
+        collate_fn = partial(collate_packed, pad_token_id=pad_token_id)
+    if cfg.data.group_by_length:
+        sampler: Any = LengthGroupedSampler(base.lengths, micro, world, rank, seed)
+    else:
+        sampler = DistributedSampler(
+            dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True
+        )
+    if len(sampler) < micro:
+        raise RuntimeError(
+            f"rank {rank} gets {len(sampler)} items per epoch, fewer than one micro batch "
+            f"({micro}); use more data or a smaller trainer.micro_batch_size"
+        )
+    loader = DataLoader(
+        dataset,
+        batch_size=micro,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        num_workers=cfg.data.num_workers,
+        drop_last=True,
+    )
+    return loader, sampler
+
+
 def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResult:
     import deepspeed
-    from torch.utils.data import DataLoader, DistributedSampler
     from transformers.integrations import HfDeepSpeedConfig
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -115,24 +163,9 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
         model = add_lora(load_base_model(cfg, attn), cfg)
         trainable, total = count_parameters(model)
 
-        samples, stats = load_samples(cfg.data, tokenizer)
-        dataset = SampleDataset(samples)
-        sampler: DistributedSampler[Any] = DistributedSampler(
-            dataset,
-            num_replicas=world,
-            rank=rank,
-            shuffle=True,
-            seed=cfg.trainer.seed,
-            drop_last=True,
-        )
-        loader = DataLoader(
-            dataset,
-            batch_size=cfg.trainer.micro_batch_size,
-            sampler=sampler,
-            collate_fn=partial(collate, pad_token_id=tokenizer.pad_token_id),
-            num_workers=cfg.data.num_workers,
-            drop_last=True,
-        )
+        data_record = json.loads((run_dir / "data.json").read_text())
+        stats = DataStats(**data_record["train"])
+        loader, sampler = make_loader(cfg, data_record["dir"], tokenizer.pad_token_id, rank, world)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
             params, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
@@ -152,8 +185,7 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
             f"{t.micro_batch_size} × accum {grad_accumulation_steps(cfg)} × {world} ranks = "
             f"{t.global_batch_size} · activation checkpointing "
             f"{'on' if t.activation_checkpointing else 'off'}\n"
-            f"memtune: data {stats.samples} samples, {stats.label_tokens:,} label tokens; "
-            f"truncated {stats.truncated}, dropped {stats.dropped_no_labels} (no labels left)",
+            f"memtune: data {stats.line()}; {batching_summary(cfg)}",
             flush=True,
         )
         ctx = RankContext(cfg, run_dir, rank, local_rank, world, device, tokenizer, stats)

@@ -1,0 +1,193 @@
+"""Tokenize once, before any rank starts, into a cache keyed by what the result depends on.
+
+The key hashes the data files' bytes, the tokenizer, the template and every length and
+filtering setting, so a second run with the same inputs reuses the cache and a changed file
+or setting builds a new one. Ranks only read the cache: no rank waits in a collective while
+another tokenizes, and a bad record stops the job before any GPU memory is taken.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from memtune.config import ConfigError, DataConfig, DataSource, cache_dir
+from memtune.data import DataStats, TokenizedDataset, apply_length_policy, encode_records
+from memtune.readers import Record, RecordError, is_local_source, read_source
+
+CACHE_VERSION = 1
+MAX_BAD_EXAMPLES = 5
+CHUNK = 2000
+
+
+@dataclass
+class Prepared:
+    dir: Path
+    train: DataStats
+    val: DataStats | None
+    reused: bool
+
+
+def _digest_path(h: Any, path: str) -> None:
+    p = Path(path).expanduser()
+    if not is_local_source(path):
+        h.update(f"hub:{path}".encode())  # a hub dataset: its name (pin a local copy to be exact)
+        return
+    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+    for f in files:
+        h.update(str(f.relative_to(p) if p.is_dir() else f.name).encode())
+        try:
+            with f.open("rb") as fh:
+                while block := fh.read(1 << 20):
+                    h.update(block)
+        except OSError as err:
+            raise ConfigError(f"{f}: cannot read ({err.strerror})") from err
+
+
+def fingerprint(cfg: DataConfig, tokenizer: Any, seed: int) -> str:
+    h = hashlib.sha256()
+    for src in cfg.all_sources():
+        h.update(json.dumps([src.path, src.format, src.weight]).encode())
+        _digest_path(h, src.path)
+    if cfg.val_path:
+        _digest_path(h, cfg.val_path)
+    h.update(tokenizer.backend_tokenizer.to_str().encode())
+    settings = [
+        CACHE_VERSION,
+        cfg.template,
+        cfg.system_prompt,
+        cfg.train_on_prompt,
+        cfg.max_seq_len,
+        cfg.overlong,
+        cfg.on_bad_record,
+        cfg.val_fraction,
+        cfg.val_path,
+        seed,
+        tokenizer.eos_token,
+    ]
+    h.update(json.dumps(settings).encode())
+    return h.hexdigest()[:20]
+
+
+def _read(src: DataSource, cfg: DataConfig, stats: DataStats) -> list[Record]:
+    records = []
+    try:
+        items = list(read_source(src.path, src.format))
+    except RecordError as err:  # the source as a whole: unreadable file, not a JSON array…
+        raise ConfigError(str(err)) from err
+    for item in items:
+        if isinstance(item, RecordError):
+            if cfg.on_bad_record == "error":
+                raise ConfigError(
+                    f"{item} (data.on_bad_record=skip would skip and count such records)"
+                )
+            stats.skipped_bad += 1
+            if len(stats.bad_examples) < MAX_BAD_EXAMPLES:
+                stats.bad_examples.append(str(item))
+            continue
+        records.append(item)
+    return records
+
+
+def _weighted(records: list[Record], weight: float, rng: random.Random) -> list[Record]:
+    whole, frac = int(weight), weight - int(weight)
+    out = records * whole
+    if frac:
+        out += rng.sample(records, round(frac * len(records)))
+    return out
+
+
+def _encode(records: list[Record], tokenizer: Any, cfg: DataConfig, stats: DataStats, desc: str):
+    from tqdm import tqdm
+
+    samples = []
+    with tqdm(total=len(records), desc=desc, unit="rec", disable=len(records) < CHUNK) as bar:
+        for start in range(0, len(records), CHUNK):
+            chunk = records[start : start + CHUNK]
+            samples += apply_length_policy(encode_records(chunk, tokenizer, cfg), cfg, stats)
+            bar.update(len(chunk))
+    return samples
+
+
+Arrays = dict[str, torch.Tensor]
+
+
+def build(
+    cfg: DataConfig, tokenizer: Any, seed: int
+) -> tuple[Arrays, DataStats, Arrays | None, DataStats | None]:
+    """Read, split and tokenize: (train arrays, train counts, val arrays, val counts)."""
+    rng = random.Random(seed)
+    stats = DataStats()
+    records: list[Record] = []
+    for src in cfg.all_sources():
+        records += _weighted(_read(src, cfg, stats), src.weight, rng)
+    val_records: list[Record] = []
+    val_stats = DataStats() if (cfg.val_fraction or cfg.val_path) else None
+    if cfg.val_path:
+        fmt = cfg.all_sources()[0].format
+        assert val_stats is not None
+        val_records = _read(DataSource(path=cfg.val_path, format=fmt), cfg, val_stats)
+    elif cfg.val_fraction:
+        rng.shuffle(records)
+        n_val = max(1, round(cfg.val_fraction * len(records)))
+        val_records, records = records[:n_val], records[n_val:]
+    stats.records = len(records)
+    train = _encode(records, tokenizer, cfg, stats, "tokenize train")
+    if not train:
+        raise ConfigError(f"data: no usable training samples left ({stats.line()})")
+    val = None
+    if val_stats is not None:
+        val_stats.records = len(val_records)
+        val_samples = _encode(val_records, tokenizer, cfg, val_stats, "tokenize val")
+        if not val_samples:
+            raise ConfigError(f"data: the validation split is empty ({val_stats.line()})")
+        val = _arrays(TokenizedDataset.from_samples(val_samples))
+    return _arrays(TokenizedDataset.from_samples(train)), stats, val, val_stats
+
+
+def _arrays(ds: TokenizedDataset) -> Arrays:
+    return {"input_ids": ds.input_ids, "labels": ds.labels, "offsets": ds.offsets}
+
+
+def preprocess(cfg: DataConfig, tokenizer: Any, seed: int) -> Prepared:
+    """Build the cache for ``cfg`` unless it exists; returns where it is and its counts."""
+    root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else cache_dir() / "data"
+    out = root / fingerprint(cfg, tokenizer, seed)
+    stats_file = out / "stats.json"
+    if stats_file.is_file():
+        saved = json.loads(stats_file.read_text())
+        saved_val = DataStats(**saved["val"]) if saved["val"] else None
+        return Prepared(out, DataStats(**saved["train"]), saved_val, reused=True)
+
+    train, stats, val, val_stats = build(cfg, tokenizer, seed)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
+    try:
+        save_file(train, str(tmp / "train.safetensors"))
+        if val is not None:
+            save_file(val, str(tmp / "val.safetensors"))
+        payload = {"train": stats.as_dict(), "val": val_stats and val_stats.as_dict()}
+        (tmp / "stats.json").write_text(json.dumps(payload, indent=2) + "\n")
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not stats_file.is_file():  # not a concurrent identical build: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Prepared(out, stats, val_stats, reused=False)
+
+
+def load_split(prepared_dir: str | Path, split: str = "train") -> TokenizedDataset:
+    arrays = load_file(str(Path(prepared_dir) / f"{split}.safetensors"))
+    return TokenizedDataset(arrays["input_ids"], arrays["labels"], arrays["offsets"])
