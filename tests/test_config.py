@@ -94,3 +94,28 @@ def test_bad_values_name_the_field(overrides: list[str], message: str) -> None:
     cfg = to_run_config(compose_cfg(overrides))
     with pytest.raises(ConfigError, match=message):
         validate(cfg)
+
+
+def test_data_sources_from_the_command_line(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text('{"instruction": "q", "output": "a"}\n')
+    b.write_text(
+        '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n'
+    )
+    cfg = to_run_config(
+        compose_cfg(
+            [
+                "data=mix",
+                f"data.sources=[{{path: {a}, weight: 2.0}}, {{path: {b}, format: messages}}]",
+            ]
+        )
+    )
+    validate(cfg)
+    sources = cfg.data.all_sources()
+    assert [(s.path, s.format, s.weight) for s in sources] == [
+        (str(a), "alpaca", 2.0),
+        (str(b), "messages", 1.0),
+    ]
+    cfg.data.path = str(a)
+    with pytest.raises(ConfigError, match="data.path and data.sources are both set"):
+        validate(cfg)

@@ -358,3 +358,20 @@ def test_validation_split_by_fraction_and_by_file(tokenizer, tmp_path: Path) -> 
     cfg = DataConfig(path=str(path), val_path=str(val_file), cache_dir=str(tmp_path / "cache"))
     prepared = preprocess(cfg, tokenizer, seed=0)
     assert prepared.val is not None and (prepared.train.samples, prepared.val.samples) == (20, 3)
+
+
+def test_eos_stays_a_label_when_pad_equals_eos(tokenizer) -> None:
+    """The classic bug: masking every pad-id token also masks eos when they share an id."""
+    import copy
+
+    from memtune.data import collate_padded
+
+    tok = copy.deepcopy(tokenizer)
+    tok.pad_token = tok.eos_token
+    assert tok.pad_token_id == tok.eos_token_id
+    short = _encode(tok, CONVERSATION[1:3], template="plain")
+    long = _encode(tok, CONVERSATION, template="plain")
+    batch = collate_padded([short, long], pad_token_id=tok.pad_token_id)
+    n = len(short.input_ids)
+    assert batch["labels"][0, n - 1] == tok.eos_token_id  # the reply's eos: a target
+    assert (batch["labels"][0, n:] == IGNORE_INDEX).all()  # the padding after it: not
