@@ -117,5 +117,5 @@ def test_data_sources_from_the_command_line(tmp_path: Path) -> None:
         (str(b), "messages", 1.0),
     ]
     cfg.data.path = str(a)
-    with pytest.raises(ConfigError, match="data.path and data.sources are both set"):
+    with pytest.raises(ConfigError, match=r"data\.path and data\.sources are both set"):
         validate(cfg)
