@@ -11,7 +11,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test preprocess lint format train-4x4090 clean
+.PHONY: help install train test preprocess lint format train-4x4090 bench-data clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-14s %s\n", $$1, $$2}'
@@ -49,6 +49,9 @@ train-4x4090: $(STAMP) ## The real job: EXP (default qwen2.5-7b-4x4090-lora) on 
 	# train.py validates, writes the run dir, then starts the ranks with:
 	#   deepspeed --master_port <free port> --num_gpus 4 --no_local_rank --module memtune.worker <run dir>
 	$(PY) train.py experiment=$(EXP) launcher.num_ranks=4 $(ARGS)
+
+bench-data: $(STAMP) ## Data benchmark: preprocessing tokens/s and padding efficiency -> bench/results/
+	$(PY) bench/data_bench.py $(ARGS)
 
 clean: ## Remove run outputs (outputs/, multirun/); keeps .venv
 	rm -rf outputs multirun

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -33,3 +35,141 @@ def export_adapter(model: Any, out_dir: Path, is_writer: bool) -> int:
     if is_writer:
         model.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
     return len(state)
+
+
+# ---------------------------------------------------------------- resumable checkpoints
+#
+# RUN_DIR/checkpoints/step-0000040/
+#     engine/            DeepSpeed state of the trainable parameters: fp32 master weights,
+#                        optimizer moments, LR scheduler (frozen base weights excluded)
+#     adapter/           the LoRA adapter at this step, PEFT format
+#     trainer_state.json step, loss history, wall time, world size
+#     rng_rank{r}.pt     python / numpy / torch RNG states of every rank
+#     config.yaml        the resolved config the run had
+#     complete.json      written last: a directory without it is never resumed from
+# RUN_DIR/checkpoints/latest   name of the newest complete checkpoint, replaced atomically
+#
+# A checkpoint is written under .tmp-step-N and renamed into place only when every rank has
+# finished, so a crash during a save leaves the previous checkpoint as the one to resume.
+
+CHECKPOINTS = "checkpoints"
+COMPLETE = "complete.json"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:07d}"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / COMPLETE).is_file() and (path / "trainer_state.json").is_file()
+
+
+def find_latest(run_dir: Path) -> tuple[Path | None, list[str]]:
+    """Newest complete checkpoint of a run dir, and warnings about any skipped on the way."""
+    root = run_dir / CHECKPOINTS
+    warnings: list[str] = []
+    if not root.is_dir():
+        return None, warnings
+    candidates = sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True)
+    pointer = root / "latest"
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        if named in candidates:
+            candidates.remove(named)
+            candidates.insert(0, named)
+    for path in candidates:
+        if is_complete(path):
+            return path, warnings
+        warnings.append(f"skipping {path}: incomplete (a save was interrupted)")
+    return None, warnings
+
+
+def _rng_state() -> dict[str, Any]:
+    import random
+
+    import numpy as np
+
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": [x.tolist() if hasattr(x, "tolist") else x for x in np.random.get_state()],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    python = state["python"]
+    random.setstate((python[0], tuple(python[1]), python[2]))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    engine: Any, run_dir: Path, step: int, trainer_state: dict[str, Any], keep_last: int
+) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint directory."""
+    import shutil
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    root = run_dir / CHECKPOINTS
+    final = root / step_dir_name(step)
+    tmp = root / f".tmp-{final.name}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    engine.save_checkpoint(
+        str(tmp), tag="engine", exclude_frozen_parameters=True, save_latest=False
+    )
+    export_adapter(engine.module, tmp / "adapter", is_writer=rank == 0)
+    torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+    _barrier()
+    if rank == 0:
+        shutil.copy(run_dir / "config.yaml", tmp / "config.yaml")
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
+        (tmp / COMPLETE).write_text(json.dumps({"step": step}) + "\n")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer = root / "latest.tmp"
+        pointer.write_text(final.name + "\n")
+        os.replace(pointer, root / "latest")
+        done = sorted(p for p in root.glob("step-*") if is_complete(p))
+        for old in done[: max(0, len(done) - keep_last)]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load_checkpoint(engine: Any, path: Path, rank: int) -> dict[str, Any]:
+    """Restore engine, optimizer, scheduler and this rank's RNG; returns the trainer state."""
+    loaded, _ = engine.load_checkpoint(
+        str(path),
+        tag="engine",
+        load_module_strict=False,  # frozen base weights are not in it: they come from the base
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+    )
+    if loaded is None:
+        raise RuntimeError(f"{path}: DeepSpeed found no engine state to load")
+    _set_rng_state(torch.load(path / f"rng_rank{rank}.pt", weights_only=True))
+    state: dict[str, Any] = json.loads((path / "trainer_state.json").read_text())
+    return state
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()

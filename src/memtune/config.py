@@ -122,6 +122,10 @@ class TrainerConfig:
     checkpointing_reentrant: bool = False
     seed: int = 42
     log_every: int = 1
+    save_every: int = 200
+    """Save a resumable checkpoint every this many steps (and always at the end); 0: end only."""
+    keep_last: int = 2
+    """Complete checkpoints kept in RUN_DIR/checkpoints (older ones are deleted)."""
 
 
 @dataclass
@@ -157,6 +161,8 @@ class RunConfig:
     experiment: str = "custom"
     preprocess_only: bool = False
     """Tokenize the data into its cache, print the counts, launch nothing (make preprocess)."""
+    resume: str = "auto"
+    """auto: continue from RUN_DIR's newest complete checkpoint if any | never | a checkpoint dir"""
     run_dir: str | None = None
     """Where the run writes; default Hydra's output dir (outputs/DATE/TIME-EXP, multirun/...)."""
 
@@ -232,6 +238,7 @@ def validate(cfg: RunConfig) -> None:
         "trainer.max_steps": t.max_steps,
         "trainer.lr": t.lr,
         "trainer.log_every": t.log_every,
+        "trainer.keep_last": t.keep_last,
         "launcher.num_ranks": cfg.launcher.num_ranks,
         "data.max_seq_len": cfg.data.max_seq_len,
     }
@@ -244,6 +251,10 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"trainer.warmup_steps must be >= 0 (got {t.warmup_steps})")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ConfigError(f"trainer.min_lr_ratio must be in [0, 1] (got {t.min_lr_ratio})")
+    if t.save_every < 0:
+        raise ConfigError(
+            f"trainer.save_every must be >= 0, 0 saves at the end only (got {t.save_every})"
+        )
     if t.max_grad_norm < 0:
         raise ConfigError(f"trainer.max_grad_norm must be >= 0, 0 disables (got {t.max_grad_norm})")
     per_step = t.micro_batch_size * cfg.launcher.num_ranks

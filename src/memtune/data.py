@@ -6,6 +6,7 @@ the flat arrays this module produces and only batch them.
 
 from __future__ import annotations
 
+import bisect
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -150,20 +151,24 @@ def collate_padded(batch: list[Sample], pad_token_id: int) -> dict[str, torch.Te
 
 
 def pack_bins(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """First-fit-decreasing: sample indices grouped into bins of at most ``capacity`` tokens."""
+    """Best-fit-decreasing: sample indices grouped into bins of at most ``capacity`` tokens.
+
+    Longest first, each into the open bin it fills most tightly (a sorted list of free space
+    keeps that a binary search), so hundreds of thousands of samples pack in seconds.
+    """
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     bins: list[list[int]] = []
-    room: list[int] = []
+    free: list[tuple[int, int]] = []  # (free tokens, bin index), sorted
     for i in order:
         n = lengths[i]
-        for b, free in enumerate(room):
-            if n <= free:
-                bins[b].append(i)
-                room[b] -= n
-                break
+        at = bisect.bisect_left(free, (n, -1))
+        if at < len(free):
+            room, b = free.pop(at)
+            bins[b].append(i)
+            bisect.insort(free, (room - n, b))
         else:
             bins.append([i])
-            room.append(capacity - n)
+            bisect.insort(free, (capacity - n, len(bins) - 1))
     return bins
 
 

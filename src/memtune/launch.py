@@ -8,12 +8,16 @@ plain subprocess with the same environment variables a launcher would set.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import psutil
 
 from memtune.config import RunConfig
 
@@ -84,6 +88,15 @@ def launch(cfg: RunConfig, run_dir: Path, module: str = WORKER_MODULE) -> int:
     env = {**rank_env(cfg), **extra}
     (run_dir / "launch.txt").write_text(" ".join(cmd) + "\n")
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    def forward_stop(signum: int, frame: object) -> None:
+        # To the ranks themselves, not DeepSpeed's launcher (which would kill them): each
+        # rank saves a checkpoint at the next step boundary and exits with the requeue code.
+        for worker in rank_processes(proc.pid, module):
+            with contextlib.suppress(psutil.Error):
+                worker.send_signal(signal.SIGUSR2)
+
+    previous = {s: signal.signal(s, forward_stop) for s in (signal.SIGTERM, signal.SIGUSR2)}
     try:
         return proc.wait()
     except KeyboardInterrupt:
@@ -94,3 +107,19 @@ def launch(cfg: RunConfig, run_dir: Path, module: str = WORKER_MODULE) -> int:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             return proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def rank_processes(pid: int, module: str = WORKER_MODULE) -> list[psutil.Process]:
+    """The rank processes under a launcher pid (or the pid itself, for one rank)."""
+    root = psutil.Process(pid)
+    found = []
+    for p in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            cmdline = p.cmdline()
+            # Ranks run `python [-u] -m MODULE RUN_DIR`; launchers carry `--module MODULE`.
+            if any(a == "-m" and b == module for a, b in itertools.pairwise(cmdline)):
+                found.append(p)
+    return found

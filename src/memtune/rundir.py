@@ -28,6 +28,7 @@ def prepare_run_dir(cfg_node: DictConfig, run_dir: Path) -> RunConfig:
 
         synthesize(cfg.model.name_or_path, cfg.model.architecture)
     prepared = prepare_data(cfg)
+    resume = resolve_resume(cfg, run_dir, prepared.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
@@ -38,6 +39,7 @@ def prepare_run_dir(cfg_node: DictConfig, run_dir: Path) -> RunConfig:
         "val": prepared.val and prepared.val.as_dict(),
     }
     (run_dir / "data.json").write_text(json.dumps(data_record, indent=2) + "\n")
+    (run_dir / "resume.json").write_text(json.dumps({"checkpoint": resume and str(resume)}) + "\n")
     return cfg
 
 
@@ -54,3 +56,64 @@ def prepare_data(cfg: RunConfig) -> Prepared:
     for example in prepared.train.bad_examples[1:]:
         print(f"memtune:   also skipped: {example}", flush=True)
     return prepared
+
+
+# What a checkpoint's state depends on: resuming with any of these changed cannot continue the
+# same run (shapes, partitions or the data order would differ).
+RESUME_MUST_MATCH = {
+    "model.name_or_path": "the base model",
+    "model.architecture": "the base model's architecture",
+    "peft.method": "the adapter type",
+    "peft.r": "the LoRA rank",
+    "peft.alpha": "the LoRA alpha",
+    "peft.target": "the LoRA target modules",
+    "zero.stage": "the ZeRO stage (optimizer state is partitioned per stage)",
+    "launcher.num_ranks": "the number of ranks (ZeRO partitions are per rank)",
+    "trainer.micro_batch_size": "the micro batch size (the data position is in micro batches)",
+    "trainer.global_batch_size": "the global batch size (the data position is in micro batches)",
+    "trainer.precision": "the precision",
+    "trainer.seed": "the seed (the data order)",
+}
+
+
+def resolve_resume(cfg: RunConfig, run_dir: Path, data_dir: Path) -> Path | None:
+    """The checkpoint to continue from, checked against the config before any rank starts."""
+    from memtune.checkpoint import find_latest, is_complete
+    from memtune.config import ConfigError, load_run_config
+
+    if cfg.resume == "never":
+        return None
+    if cfg.resume == "auto":
+        ckpt, warnings = find_latest(run_dir)
+        for w in warnings:
+            print(f"memtune: warning: {w}", flush=True)
+        if ckpt is None:
+            return None
+    else:
+        ckpt = Path(cfg.resume).expanduser().resolve()
+        if not is_complete(ckpt):
+            raise ConfigError(f"resume={cfg.resume}: not a complete memtune checkpoint")
+    saved = load_run_config(ckpt / "config.yaml")
+    diffs = []
+    for key, what in RESUME_MUST_MATCH.items():
+        old, new = _get(saved, key), _get(cfg, key)
+        if old != new:
+            diffs.append(f"  {key}: checkpoint {old!r}, now {new!r} ({what})")
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    if state.get("data_dir") and Path(state["data_dir"]).name != data_dir.name:
+        diffs.append("  data: the tokenized data differs from the checkpoint's (files or settings)")
+    if diffs:
+        raise ConfigError(
+            f"cannot resume from {ckpt}: the config contradicts it\n"
+            + "\n".join(diffs)
+            + "\nRestore those values, or start fresh: resume=never (or a new run_dir). "
+            "The adapter of that checkpoint is in its adapter/ folder."
+        )
+    print(f"memtune: resuming from {ckpt} (step {state['step']})", flush=True)
+    return ckpt
+
+
+def _get(obj: object, dotted: str) -> object:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj

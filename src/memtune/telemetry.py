@@ -56,11 +56,20 @@ class NullLogger:
 class RunLogger(NullLogger):
     """Rank 0: metrics.jsonl in the run dir, wandb (offline unless asked), a tqdm bar."""
 
-    def __init__(self, run_dir: Path, total_steps: int, wandb_cfg: Any, config: dict[str, Any]):
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        wandb_cfg: Any,
+        config: dict[str, Any],
+        done: int = 0,
+    ):
         from tqdm import tqdm
 
         self.metrics_file = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
-        self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+        self.bar = tqdm(
+            total=total_steps, initial=done, desc="train", unit="step", dynamic_ncols=True
+        )
         self.wandb = _start_wandb(run_dir, wandb_cfg, config)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:

@@ -29,6 +29,24 @@ class NonFiniteLoss(RuntimeError):
     """Raised on every rank, before the optimizer step, so the weights stay finite."""
 
 
+class StopRequested(Exception):
+    """A rank got SIGTERM / SIGUSR2: every rank stops at this step boundary."""
+
+    def __init__(self, last_step: int):
+        super().__init__(f"stop requested after step {last_step}")
+        self.last_step = last_step
+
+
+class Hooks:
+    """What the loop asks of its surroundings; the defaults do nothing."""
+
+    def stop_requested(self) -> bool:
+        return False
+
+    def after_step(self, step: int, result: TrainResult) -> None:
+        pass
+
+
 @dataclass
 class TrainResult:
     steps: int = 0
@@ -98,25 +116,32 @@ def train(
     cfg: RunConfig,
     device: torch.device,
     logger: NullLogger,
+    result: TrainResult | None = None,
+    hooks: Hooks | None = None,
 ) -> TrainResult:
+    """Run optimizer steps ``result.steps + 1 … max_steps`` (a resumed run passes its result)."""
     t = cfg.trainer
     gas = grad_accumulation_steps(cfg)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    result = TrainResult()
+    result = result or TrainResult()
+    hooks = hooks or Hooks()
     engine.train()
-    start = time.perf_counter()
-    for step in range(1, t.max_steps + 1):
+    start = time.perf_counter() - result.wall_s
+    for step in range(result.steps + 1, t.max_steps + 1):
         step_start = time.perf_counter()
         micro = [next(batches) for _ in range(gas)]
         counts = torch.tensor(
             [
                 sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro),
                 sum(real_tokens(b) for b in micro),
+                float(hooks.stop_requested()),
             ],
             dtype=torch.float64,
             device=device,
         )
-        label_tokens, input_tokens = (int(x) for x in _all_reduce_sum(counts).tolist())
+        label_tokens, input_tokens, stops = (int(x) for x in _all_reduce_sum(counts).tolist())
+        if stops:  # agreed by all ranks in the same collective, so all stop here together
+            raise StopRequested(step - 1)
         scale = world * gas / label_tokens
 
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
@@ -159,6 +184,8 @@ def train(
                 },
             )
         logger.progress(1, {"loss": f"{loss:.4f}"})
+        result.wall_s = time.perf_counter() - start
+        hooks.after_step(step, result)
     result.wall_s = time.perf_counter() - start
     result.peak_memory = gather_memory(device)
     return result

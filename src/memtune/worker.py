@@ -7,10 +7,12 @@ RANK / LOCAL_RANK / WORLD_SIZE from the environment and the resolved ``config.ya
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import random
+import signal
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from memtune.checkpoint import export_adapter
+from memtune.checkpoint import export_adapter, load_checkpoint, save_checkpoint
 from memtune.config import RunConfig, grad_accumulation_steps, load_run_config
 from memtune.data import (
     DataStats,
@@ -40,10 +42,12 @@ from memtune.model import (
 )
 from memtune.preprocess import load_split
 from memtune.telemetry import NullLogger, RunLogger, peak_key
-from memtune.trainer import NonFiniteLoss, TrainResult, lr_factor, train
+from memtune.trainer import Hooks, NonFiniteLoss, StopRequested, TrainResult, lr_factor, train
 
 EXIT_NON_FINITE = 3
 """Exit code of a rank (and so of train.py) stopped by a non-finite loss."""
+EXIT_REQUEUE = 75
+"""Exit code after SIGTERM / SIGUSR2: a checkpoint was saved; run again (or requeue) to go on."""
 
 
 @dataclass
@@ -91,12 +95,60 @@ def _init_distributed() -> tuple[int, int, int, torch.device]:
     return dist.get_rank(), local_rank, dist.get_world_size(), device
 
 
-def _batches(loader: Any, sampler: Any) -> Iterator[dict[str, torch.Tensor]]:
-    epoch = 0
+def _batches(loader: Any, sampler: Any, skip: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+    """Micro batches forever, epoch after epoch; ``skip`` fast-forwards a resumed run to the
+    exact micro batch it stopped before."""
+    epoch, skip = divmod(skip, len(loader))
     while True:
         sampler.set_epoch(epoch)
-        yield from loader
+        yield from itertools.islice(iter(loader), skip, None)
+        skip = 0
         epoch += 1
+
+
+class CheckpointHooks(Hooks):
+    """Periodic checkpoints and the stop flag that SIGTERM / SIGUSR2 raise."""
+
+    def __init__(self, engine: Any, run_dir: Path, cfg: RunConfig, data_dir: str):
+        self.engine, self.run_dir, self.cfg, self.data_dir = engine, run_dir, cfg, data_dir
+        self.saved_step = -1
+        self.result_at_stop: TrainResult | None = None
+        self._stop = False
+        for sig in (signal.SIGTERM, signal.SIGUSR2):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._stop = True
+
+    def stop_requested(self) -> bool:
+        return self._stop
+
+    def after_step(self, step: int, result: TrainResult) -> None:
+        every = self.cfg.trainer.save_every
+        if every and step % every == 0 and step < self.cfg.trainer.max_steps:
+            self.save(step, result)
+        self.result_at_stop = result
+
+    def save(self, step: int, result: TrainResult) -> None:
+        state = {
+            "step": step,
+            "label_tokens": result.label_tokens,
+            "input_tokens": result.input_tokens,
+            "losses": result.losses[:step],
+            "wall_s": result.wall_s,
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "data_dir": self.data_dir,
+        }
+        save_checkpoint(self.engine, self.run_dir, step, state, self.cfg.trainer.keep_last)
+        self.saved_step = step
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop rows of steps after the checkpoint: the resumed run logs them again."""
+    if not path.is_file():
+        return
+    rows = [r for r in path.read_text().splitlines() if r and json.loads(r)["step"] <= step]
+    path.write_text("".join(r + "\n" for r in rows))
 
 
 def batching_summary(cfg: RunConfig) -> str:
@@ -189,14 +241,43 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
             flush=True,
         )
         ctx = RankContext(cfg, run_dir, rank, local_rank, world, device, tokenizer, stats)
+        result = TrainResult()
+        checkpoint = json.loads((run_dir / "resume.json").read_text())["checkpoint"]
+        if checkpoint:
+            state = load_checkpoint(engine, Path(checkpoint), rank)
+            result = TrainResult(
+                steps=state["step"],
+                label_tokens=state["label_tokens"],
+                input_tokens=state["input_tokens"],
+                losses=state["losses"],
+                wall_s=state["wall_s"],
+            )
+            if rank == 0:
+                _truncate_metrics(run_dir / "metrics.jsonl", result.steps)
+            print0(f"memtune: resumed at step {result.steps} from {checkpoint}", flush=True)
+        hooks = CheckpointHooks(engine, run_dir, cfg, data_record["dir"])
         resolved = json.loads(json.dumps(_config_dict(run_dir)))
         logger = (
-            RunLogger(run_dir, t.max_steps, cfg.logger, resolved) if rank == 0 else NullLogger()
+            RunLogger(run_dir, t.max_steps, cfg.logger, resolved, done=result.steps)
+            if rank == 0
+            else NullLogger()
         )
+        batches = _batches(loader, sampler, skip=result.steps * grad_accumulation_steps(cfg))
         try:
-            result = train(engine, _batches(loader, sampler), cfg, device, logger)
+            result = train(engine, batches, cfg, device, logger, result, hooks)
+        except StopRequested as stop:
+            if hooks.saved_step != stop.last_step and stop.last_step > 0:
+                hooks.save(stop.last_step, hooks.result_at_stop or result)
+            print0(
+                f"memtune: stopped by a signal after step {stop.last_step}; checkpoint saved. "
+                f"Run the same command again to continue (exit code {EXIT_REQUEUE}).",
+                flush=True,
+            )
+            raise SystemExit(EXIT_REQUEUE) from None
         finally:
             logger.close()
+        if hooks.saved_step != result.steps:
+            hooks.save(result.steps, result)
         if after_train is not None:
             after_train(engine, ctx)
         adapter_dir = run_dir / "adapter"

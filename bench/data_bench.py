@@ -1,0 +1,490 @@
+"""Data-pipeline benchmark: preprocessing throughput and padding efficiency.
+
+Run with ``make bench-data`` (``ARGS='--records 5000 --reps 1'`` to change the size) or
+``python bench/data_bench.py --quick`` for a smoke run. It
+
+1. writes a seeded synthetic alpaca ``.jsonl`` SFT set to a temporary folder, with a
+   long-tailed (log-normal) length distribution like real SFT data: median about 300
+   tokens, a tail reaching well past 4096, English sentences, Chinese sentences and a mix;
+2. times :func:`memtune.preprocess.build` (read, render ChatML, tokenize, label, apply the
+   length policy; never the cache, so nothing is reused) ``--reps`` times per
+   ``max_seq_len`` and reports tokens/s and records/s;
+3. measures padding efficiency (real tokens / tokens the model processes) at micro batch 4,
+   world size 1, for random padded batches, :class:`memtune.data.LengthGroupedSampler` and
+   packing with :func:`memtune.data.pack_bins`, batched the way ``memtune.worker`` does;
+4. writes ``<out>/<YYYY-MM-DD>-data.json`` (every number and the machine) and
+   ``<out>/<YYYY-MM-DD>-data.md`` (the tables), and prints the tables.
+
+The tokenizer is the tiny demo byte-level BPE (vocabulary 1024) that :mod:`memtune.tiny`
+builds, not Qwen2.5's: it splits words into more pieces, so token counts and tokens/s are
+not Qwen's. The lengths below are measured in its tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from memtune.config import DataConfig, cache_dir
+from memtune.data import DataStats, LengthGroupedSampler, pack_bins
+from memtune.preprocess import build
+from memtune.tiny import synthesize
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SEED = 0
+MICRO = 4
+WORLD = 1
+SEQ_LENS = (2048, 4096)
+PACKING_TARGET = 0.95
+
+# Target length of a whole record (prompt + reply) in the tiny tokenizer's tokens:
+# log-normal, median 300, sigma 1.1 (about 4% of targets past 2048 and 0.9% past 4096),
+# clipped to [24, 16384]. The results report the lengths the tokenizer actually gives.
+MEDIAN_TOKENS = 300
+SIGMA = 1.1
+MIN_TOKENS, MAX_TOKENS = 24, 16384
+# Measured with the tiny tokenizer on this word list: ~4.6 tokens per English word
+# (its 1024-entry vocabulary knows few whole words) and ~2 per Chinese character.
+TOKENS_PER_WORD = 4.6
+TOKENS_PER_HANZI = 2.0
+
+_EN_TEXT = (
+    "the of and to a in is it you that he was for on are with as his they be at one have "
+    "this from or had by word but what some we can out other were all there when up use "
+    "your how said an each she which do their time if will way about many then them write "
+    "would like so these her long make thing see him two has look more day could go come "
+    "did number sound no most people my over know water than call first who may down side "
+    "been now find any new work part take get place made live where after back little only "
+    "round man year came show every good me give our under name very through just form "
+    "sentence great think say help low line differ turn cause much mean before move right "
+    "boy old too same tell does set three want air well also play small end put home read "
+    "hand port large spell add even land here must big high such follow act why ask men "
+    "change went light kind off need house picture try us again animal point mother world "
+    "near build self earth father head stand own page should country found answer school "
+    "grow study still learn plant cover food sun four between state keep eye never last let "
+    "thought city tree cross farm hard start might story saw far sea draw left late run "
+    "model data training language question system important example different history "
+    "computer science friend because function value result explain summary translate"
+)
+EN_WORDS = _EN_TEXT.split()
+HANZI = (
+    "的一是在不了有和人这中大为上个国我以要他时来用们生到作地于出就分对成会可主发年动同工也能下"
+    "过子说产种面而方后多定行学法所民得经十三之进着等部度家电力里如水化高自二理起小物现实加量都"
+    "两体制机当使点从业本去把性好应开它合还因由其些然前外天政四日那社义事平形相全表间样与关各重"
+    "新线内数正心反你明看原又么利比或但质气第向道命此变条只没结解问意建月公无系军很情者最立代想"
+    "已通并提直题党程展五果料象员革位入常文总次品式活设及管特件长求老头基资边流路级少图山统接知"
+    "较将组见计别她手角期根论运农指几九区强放决西被干做必战先回则任取据处队南给色光门即保治北造"
+    "百规热领七海口东导器压志世金增争济阶油思术极交受联什认六共权收证改清美再采转更单风切打白教"
+    "速花带安场身车例真务具万每目至达走积示议声报斗完类八离华名确才科张信马节话米整空元况今集温"
+)
+EN_PUNCT = (".", ".", ".", "?", "!", ",")
+ZH_PUNCT = ("。", "。", "，", "，", "？", "；")
+
+
+# ------------------------------------------------------------------ synthetic data
+
+
+def _english(rng: random.Random, n_words: int) -> str:
+    words = rng.choices(EN_WORDS, k=max(1, n_words))
+    out, i = [], 0
+    while i < len(words):
+        n = rng.randint(6, 18)
+        sentence = " ".join(words[i : i + n])
+        out.append(sentence[0].upper() + sentence[1:] + rng.choice(EN_PUNCT))
+        i += n
+    return " ".join(out)
+
+
+def _chinese(rng: random.Random, n_chars: int) -> str:
+    chars = rng.choices(HANZI, k=max(1, n_chars))
+    out, i = [], 0
+    while i < len(chars):
+        n = rng.randint(6, 24)
+        out.append("".join(chars[i : i + n]) + rng.choice(ZH_PUNCT))
+        i += n
+    return "".join(out)
+
+
+def _text(rng: random.Random, tokens: int, style: str) -> str:
+    """About ``tokens`` tokens of English, Chinese, or alternating paragraphs of both."""
+    if style == "en":
+        return _english(rng, round(tokens / TOKENS_PER_WORD))
+    if style == "zh":
+        return _chinese(rng, round(tokens / TOKENS_PER_HANZI))
+    parts: list[str] = []
+    left = tokens
+    while left > 0:
+        n = min(left, rng.randint(40, 200))
+        lang = "en" if len(parts) % 2 == 0 else "zh"
+        parts.append(_text(rng, n, lang))
+        left -= n
+    return "\n\n".join(parts)
+
+
+def synth_records(n: int, seed: int) -> list[dict[str, str]]:
+    """``n`` alpaca records; the same ``(n, seed)`` always gives the same records."""
+    rng = random.Random(seed)
+    mu = math.log(MEDIAN_TOKENS)
+    records = []
+    for _ in range(n):
+        total = min(MAX_TOKENS, max(MIN_TOKENS, round(rng.lognormvariate(mu, SIGMA))))
+        style = rng.choices(("en", "zh", "mixed"), weights=(0.6, 0.3, 0.1))[0]
+        prompt = max(8, round(total * rng.uniform(0.05, 0.5)))
+        reply = max(8, total - prompt)
+        has_input = rng.random() < 0.4
+        instruction_tokens = min(prompt, rng.randint(8, 80)) if has_input else prompt
+        records.append(
+            {
+                "instruction": _text(rng, instruction_tokens, style),
+                "input": _text(rng, prompt - instruction_tokens, style) if has_input else "",
+                "output": _text(rng, reply, style),
+            }
+        )
+    return records
+
+
+def write_jsonl(records: Sequence[dict[str, str]], path: Path) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+
+
+# ------------------------------------------------------------------ tokenizer
+
+
+def tiny_tokenizer() -> tuple[Any, Path]:
+    """The demo tokenizer, built where the demo config puts it (reused when already there)."""
+    from transformers import AutoTokenizer
+
+    conf = OmegaConf.load(ROOT / "conf" / "model" / "tiny-qwen2.yaml")
+    architecture = OmegaConf.to_container(conf.architecture)
+    assert isinstance(architecture, dict)
+    path = synthesize(cache_dir() / "tiny-qwen2", {str(k): v for k, v in architecture.items()})
+    return AutoTokenizer.from_pretrained(path), path
+
+
+# ------------------------------------------------------------------ measurements
+
+
+def _spread(values: Sequence[float]) -> dict[str, float]:
+    return {
+        "min": min(values),
+        "median": statistics.median(values),
+        "max": max(values),
+    }
+
+
+def time_builds(
+    data: Path, tokenizer: Any, reps: int
+) -> tuple[list[dict[str, Any]], dict[int, list[int]]]:
+    """``build`` ``reps`` times per max_seq_len, interleaved (2048, 4096, 2048, ...) so a
+    burst of load elsewhere on the machine hits both alike. Returns the timings and the kept
+    samples' lengths per max_seq_len."""
+    cfgs = {
+        n: DataConfig(path=str(data), format="alpaca", max_seq_len=n, template="chatml")
+        for n in SEQ_LENS
+    }
+    seconds: dict[int, list[float]] = {n: [] for n in SEQ_LENS}
+    stats: dict[int, DataStats] = {}
+    lengths: dict[int, list[int]] = {}
+    for rep in range(reps):
+        for n, cfg in cfgs.items():
+            t0 = time.perf_counter()
+            arrays, stats[n], _, _ = build(cfg, tokenizer, SEED)
+            seconds[n].append(time.perf_counter() - t0)
+            lengths[n] = (arrays["offsets"][1:] - arrays["offsets"][:-1]).tolist()
+            del arrays
+            print(
+                f"build @ {n}, rep {rep + 1}/{reps}: {seconds[n][-1]:.2f}s, "
+                f"{stats[n].tokens / seconds[n][-1]:,.0f} tokens/s",
+                file=sys.stderr,
+            )
+    timings = [
+        {
+            "max_seq_len": n,
+            "seconds": _spread(seconds[n]),
+            "seconds_all": seconds[n],
+            "tokens_per_s": _spread([stats[n].tokens / s for s in seconds[n]]),
+            "records_per_s": _spread([stats[n].records / s for s in seconds[n]]),
+            "stats": stats[n].as_dict(),
+        }
+        for n in SEQ_LENS
+    ]
+    return timings, lengths
+
+
+def _shuffled_batches(n: int) -> list[list[int]]:
+    """What ``memtune.worker`` does without grouping: DistributedSampler(shuffle=True,
+    drop_last=True) and a DataLoader of ``MICRO`` with drop_last=True."""
+    from torch.utils.data import DistributedSampler
+
+    indices: Any = range(n)  # the sampler only takes len() of its dataset
+    sampler: DistributedSampler[int] = DistributedSampler(
+        indices, num_replicas=WORLD, rank=0, shuffle=True, seed=SEED, drop_last=True
+    )
+    order = list(sampler)
+    return [order[i : i + MICRO] for i in range(0, len(order) - MICRO + 1, MICRO)]
+
+
+def _efficiency(batches: list[list[int]], lengths: Sequence[int]) -> dict[str, Any]:
+    """Each micro batch is padded to its longest item."""
+    real = sum(lengths[i] for b in batches for i in b)
+    processed = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+    return {
+        "efficiency": real / processed,
+        "real_tokens": real,
+        "processed_tokens": processed,
+        "micro_batches": len(batches),
+    }
+
+
+def padding(lengths: list[int], max_seq_len: int) -> dict[str, Any]:
+    random_batches = _shuffled_batches(len(lengths))
+
+    order = list(LengthGroupedSampler(lengths, MICRO, WORLD, 0, SEED))
+    grouped_batches = [order[i : i + MICRO] for i in range(0, len(order), MICRO)]
+
+    t0 = time.perf_counter()
+    bins = pack_bins(lengths, max_seq_len)
+    pack_s = time.perf_counter() - t0
+    rows = [sum(lengths[i] for i in b) for b in bins]
+    packed = _efficiency(_shuffled_batches(len(rows)), rows)
+    packed |= {
+        "rows": len(bins),
+        "samples_per_row": len(lengths) / len(bins),
+        "row_fill": sum(rows) / (len(rows) * max_seq_len),
+        "pack_bins_seconds": pack_s,
+    }
+    return {
+        "max_seq_len": max_seq_len,
+        "samples": len(lengths),
+        "random": _efficiency(random_batches, lengths),
+        "grouped": _efficiency(grouped_batches, lengths),
+        "packed": packed,
+    }
+
+
+def length_profile(lengths: Sequence[int]) -> dict[str, Any]:
+    ordered = sorted(lengths)
+
+    def pct(p: float) -> int:
+        return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
+
+    return {
+        "samples": len(ordered),
+        "mean": statistics.fmean(ordered),
+        **{f"p{p}": pct(p) for p in (10, 50, 90, 99)},
+        "max": ordered[-1],
+    }
+
+
+# ------------------------------------------------------------------ report
+
+
+def machine(tokenizer_path: Path) -> dict[str, Any]:
+    import tokenizers
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+        "tokenizer": {
+            "name": "memtune tiny-qwen2 demo tokenizer (memtune.tiny.synthesize)",
+            "path": str(tokenizer_path),
+            "kind": "byte-level BPE, vocabulary 1024, trained on src/memtune/assets/demo_alpaca",
+            "caveat": (
+                "Not Qwen2.5's tokenizer (151k vocabulary): this one splits most words into "
+                "several pieces, so token counts, lengths and tokens/s differ from Qwen's. "
+                "Padding efficiency depends only on the length distribution, which is "
+                "targeted in this tokenizer's tokens."
+            ),
+        },
+    }
+
+
+def _loadavg() -> float | None:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def _load(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.2f}%"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    cfg, m = result["config"], result["machine"]
+    lines: list[str] = [
+        f"### Data pipeline benchmark, {result['date']}",
+        "",
+        f"{cfg['records']:,} synthetic alpaca records (seed {cfg['seed']}, log-normal lengths, "
+        f"English / Chinese / mixed), template {cfg['template']}, tokenizer: tiny demo "
+        f"byte-level BPE (vocab 1024, **not Qwen's**: token counts differ). "
+        f"{m['cpu_count']} CPUs ({m['cpu']}), Python {m['python']}, torch {m['torch']}, "
+        f"transformers {m['transformers']}. Builds: {cfg['reps']} per max_seq_len, interleaved; "
+        f"1-min load average {_load(m['loadavg_1min_before_timing'])} before them, "
+        f"{_load(m['loadavg_1min_after_timing'])} after (above the CPU count: something else "
+        "was competing, trust the max tokens/s most).",
+        "",
+        "Preprocessing (`memtune.preprocess.build`: read + ChatML + tokenize + labels + "
+        "length policy, no cache):",
+        "",
+        "| max_seq_len | tokens kept | tokens/s min / median / max | records/s (median) "
+        "| seconds (median) | truncated |",
+        "|---:|---:|---|---:|---:|---:|",
+    ]
+    for t in result["preprocess"]:
+        tps, st = t["tokens_per_s"], t["stats"]
+        lines.append(
+            f"| {t['max_seq_len']} | {st['tokens']:,} | {tps['min']:,.0f} / "
+            f"{tps['median']:,.0f} / {tps['max']:,.0f} | {t['records_per_s']['median']:,.0f} "
+            f"| {t['seconds']['median']:.2f} | {st['truncated']} |"
+        )
+    lp = result["lengths"]
+    lines += [
+        "",
+        f"Sample lengths after truncation at {lp['max_seq_len']} (tokens): "
+        f"p10 {lp['p10']}, median {lp['p50']}, mean {lp['mean']:.0f}, p90 {lp['p90']}, "
+        f"p99 {lp['p99']}, max {lp['max']}; {lp['over_2048']} samples over 2048, "
+        f"{lp['over_4096']} over 4096 before truncation.",
+        "",
+        f"Padding efficiency (real tokens / tokens processed), micro batch {cfg['micro']}, "
+        f"world size {cfg['world']}:",
+        "",
+        "| max_seq_len | random padded | length-grouped | packed | packed rows "
+        "| samples/row | pack_bins s | packing ≥ 95% |",
+        "|---:|---:|---:|---:|---:|---:|---:|:---:|",
+    ]
+    for p in result["padding"]:
+        ok = "yes" if p["packed"]["efficiency"] >= PACKING_TARGET else "**no**"
+        lines.append(
+            f"| {p['max_seq_len']} | {_pct(p['random']['efficiency'])} "
+            f"| {_pct(p['grouped']['efficiency'])} | {_pct(p['packed']['efficiency'])} "
+            f"| {p['packed']['rows']:,} | {p['packed']['samples_per_row']:.1f} "
+            f"| {p['packed']['pack_bins_seconds']:.2f} | {ok} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------ main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--records", type=int, default=20000, help="synthetic records")
+    parser.add_argument("--reps", type=int, default=3, help="timed builds per max_seq_len")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 1000 records, 1 rep")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.records, args.reps = min(args.records, 1000), 1
+    if args.records < MICRO or args.reps < 1:
+        parser.error(f"need --records >= {MICRO} and --reps >= 1")
+
+    started = time.perf_counter()
+    tokenizer, tokenizer_path = tiny_tokenizer()
+    with tempfile.TemporaryDirectory(prefix="memtune-bench-") as tmp:
+        data = Path(tmp) / "sft.jsonl"
+        t0 = time.perf_counter()
+        write_jsonl(synth_records(args.records, SEED), data)
+        gen_s = time.perf_counter() - t0
+        print(
+            f"generated {args.records:,} records ({data.stat().st_size / 1e6:.1f} MB) in "
+            f"{gen_s:.1f}s",
+            file=sys.stderr,
+        )
+
+        load_before = _loadavg()
+        timings, lengths_at = time_builds(data, tokenizer, args.reps)
+        load_after = _loadavg()
+        data_mb = data.stat().st_size / 1e6
+
+    longest = max(SEQ_LENS)
+    by_len = {t["max_seq_len"]: t["stats"] for t in timings}
+    profile = length_profile(lengths_at[longest]) | {
+        "max_seq_len": longest,
+        # kept at 2048 with a cut, plus those whose cut left no labels (also over-long)
+        "over_2048": by_len[2048]["truncated"] + by_len[2048]["dropped_no_labels"],
+        "over_4096": by_len[4096]["truncated"] + by_len[4096]["dropped_no_labels"],
+    }
+    today = dt.date.today().isoformat()
+    result = {
+        "date": today,
+        "config": {
+            "records": args.records,
+            "reps": args.reps,
+            "quick": args.quick,
+            "seed": SEED,
+            "micro": MICRO,
+            "world": WORLD,
+            "template": "chatml",
+            "overlong": "truncate",
+            "data_mb": data_mb,
+            "lengths": {
+                "distribution": "log-normal (whole record, in this tokenizer's tokens)",
+                "median_target": MEDIAN_TOKENS,
+                "sigma": SIGMA,
+                "clip": [MIN_TOKENS, MAX_TOKENS],
+                "styles": {"en": 0.6, "zh": 0.3, "mixed": 0.1},
+            },
+            "generate_seconds": gen_s,
+        },
+        "machine": machine(tokenizer_path)
+        | {"loadavg_1min_before_timing": load_before, "loadavg_1min_after_timing": load_after},
+        "preprocess": timings,
+        "lengths": profile,
+        "padding": [padding(lengths_at[n], n) for n in SEQ_LENS],
+        "padding_notes": (
+            "random: DistributedSampler(shuffle, seed 0, drop_last) in micro batches, each "
+            "padded to its longest sample; grouped: LengthGroupedSampler; packed: pack_bins "
+            "rows (first-fit-decreasing) shuffled like random, micro batches of rows padded "
+            "to the longest row. Incomplete last micro batches are dropped, as in training."
+        ),
+        "total_seconds": time.perf_counter() - started,
+    }
+    table = markdown(result)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{today}-data.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / f"{today}-data.md").write_text(table)
+    print(table)
+    print(
+        f"wrote {args.out / f'{today}-data.json'} and .md ({result['total_seconds']:.0f}s)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Nothing lost: exact resume, interrupted saves skipped, SIGTERM and kill -9, config checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from memtune.launch import rank_processes
+from tests.conftest import FAST, ROOT, run_train_py
+
+pytestmark = pytest.mark.slow
+
+BASE = [*FAST, "launcher.num_ranks=2", "trainer.max_steps=12", "trainer.save_every=4"]
+
+
+def _losses(run_dir: Path) -> list[float]:
+    rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    return [r["train/loss"] for r in rows]
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= step:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"step {step} not reached")
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted 12-step run with checkpoints at 4, 8 and 12 (keep_last 2)."""
+    run_dir = tmp_path_factory.mktemp("ckpt") / "run"
+    proc = run_train_py([*BASE, f"run_dir={run_dir}"], cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def test_checkpoints_are_complete_and_pruned(finished: Path) -> None:
+    root = finished / "checkpoints"
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-0000008", "step-0000012"]
+    assert (root / "latest").read_text().strip() == "step-0000012"
+    ckpt = root / "step-0000012"
+    for name in (
+        "complete.json",
+        "trainer_state.json",
+        "config.yaml",
+        "rng_rank0.pt",
+        "rng_rank1.pt",
+        "adapter/adapter_model.safetensors",
+    ):
+        assert (ckpt / name).is_file(), name
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["step"] == 12 and state["world_size"] == 2 and len(state["losses"]) == 12
+    # Frozen base weights are not in the engine state: it holds only the LoRA-sized tensors.
+    engine_bytes = sum(f.stat().st_size for f in (ckpt / "engine").rglob("*") if f.is_file())
+    assert engine_bytes < 2_000_000
+    final = load_file(finished / "adapter" / "adapter_model.safetensors")
+    in_ckpt = load_file(ckpt / "adapter" / "adapter_model.safetensors")
+    assert all(torch.equal(final[k], in_ckpt[k]) for k in final)
+
+
+def test_resume_after_a_crash_is_exact(finished: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished, run_dir)
+    reference = _losses(finished)
+    root = run_dir / "checkpoints"
+    # The crash: step 12 never finished saving, and a half-written step 10 is what `latest`
+    # names. Resume must skip it with a warning and continue from step 8.
+    shutil.rmtree(root / "step-0000012")
+    half = root / "step-0000010"
+    shutil.copytree(root / "step-0000008", half)
+    (half / "complete.json").unlink()
+    (root / "latest").write_text("step-0000010\n")
+    config = (run_dir / "config.yaml").read_text().replace(str(finished), str(run_dir))
+    (run_dir / "config.yaml").write_text(config)
+
+    proc = run_train_py([*BASE, f"run_dir={run_dir}"], cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"skipping {half}: incomplete" in proc.stdout
+    assert "resuming from" in proc.stdout and "(step 8)" in proc.stdout
+    # fp32 on CPU: the continued run repeats the uninterrupted one bit for bit.
+    assert _losses(run_dir) == reference
+    a = load_file(finished / "adapter" / "adapter_model.safetensors")
+    b = load_file(run_dir / "adapter" / "adapter_model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_with_a_contradicting_config_is_refused(finished: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished, run_dir)
+    proc = run_train_py([*BASE, f"run_dir={run_dir}", "peft.r=4", "launcher.num_ranks=1"], cwd=ROOT)
+    assert proc.returncode == 2
+    assert "cannot resume from" in proc.stderr
+    assert "peft.r: checkpoint 16, now 4 (the LoRA rank)" in proc.stderr
+    assert "launcher.num_ranks: checkpoint 2, now 1" in proc.stderr
+    assert "resume=never" in proc.stderr
+    fresh = run_train_py(
+        [*BASE, f"run_dir={run_dir}", "peft.r=4", "resume=never", "trainer.max_steps=2"], cwd=ROOT
+    )
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+
+
+def test_sigterm_saves_and_the_same_command_continues(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [
+        *FAST,
+        "launcher.num_ranks=2",
+        "trainer.max_steps=40",
+        "trainer.save_every=0",
+        f"run_dir={run_dir}",
+    ]
+    proc = _start(args, ROOT)
+    _wait_for_step(run_dir, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 75, out[-3000:]  # memtune.worker.EXIT_REQUEUE
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    state = run_dir / "checkpoints" / latest / "trainer_state.json"
+    stopped_at = json.loads(state.read_text())["step"]
+    assert 3 <= stopped_at < 40
+    assert "stopped by a signal" in out
+
+    again = run_train_py(args, cwd=ROOT)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"(step {stopped_at})" in again.stdout
+    assert len(_losses(run_dir)) == 40
+
+
+def test_kill_9_of_one_rank_ends_the_job_and_resume_works(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [
+        *FAST,
+        "launcher.num_ranks=2",
+        "trainer.max_steps=30",
+        "trainer.save_every=2",
+        f"run_dir={run_dir}",
+    ]
+    proc = _start(args, ROOT)
+    _wait_for_step(run_dir, 5, proc)
+    ranks = rank_processes(proc.pid)
+    assert len(ranks) == 2
+    start = time.monotonic()
+    os.kill(ranks[1].pid, signal.SIGKILL)
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 60
+    again = run_train_py(args, cwd=ROOT)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming from" in again.stdout
+    assert len(_losses(run_dir)) == 30
