@@ -11,7 +11,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test preprocess lint format train-4x4090 bench-data clean
+.PHONY: help install train test preprocess merge lint format train-4x4090 bench-data clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-14s %s\n", $$1, $$2}'
@@ -35,6 +35,10 @@ test: $(STAMP) ## Run the test suite (CPU; real DeepSpeed ranks)
 
 preprocess: $(STAMP) ## Tokenize the data into its cache and print the counts (ARGS= for data.*)
 	$(PY) train.py preprocess_only=true $(ARGS)
+
+merge: $(STAMP) ## Merge an adapter into its base: ADAPTER=RUN_DIR/adapter OUT=merged/ [ARGS=--dtype fp32]
+	@test -n "$(ADAPTER)" -a -n "$(OUT)" || { echo "usage: make merge ADAPTER=RUN_DIR/adapter OUT=DIR"; exit 2; }
+	$(PY) -m memtune.merge $(ADAPTER) $(OUT) $(ARGS)
 
 lint: $(STAMP) ## ruff (lint + format check) and mypy over src/
 	$(VENV)/bin/ruff check .

@@ -64,7 +64,7 @@ class Run:
         return [json.loads(line) for line in lines]
 
     def losses(self) -> list[float]:
-        return [m["train/loss"] for m in self.metrics()]
+        return [m["train/loss"] for m in self.metrics() if "train/loss" in m]
 
     def probes(self) -> list[dict[str, Any]]:
         return [

@@ -122,6 +122,8 @@ class TrainerConfig:
     checkpointing_reentrant: bool = False
     seed: int = 42
     log_every: int = 1
+    eval_every: int = 0
+    """Validation loss every this many steps (needs a val split); always at the end. 0: end."""
     save_every: int = 200
     """Save a resumable checkpoint every this many steps (and always at the end); 0: end only."""
     keep_last: int = 2
@@ -251,6 +253,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"trainer.warmup_steps must be >= 0 (got {t.warmup_steps})")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ConfigError(f"trainer.min_lr_ratio must be in [0, 1] (got {t.min_lr_ratio})")
+    if t.eval_every < 0:
+        raise ConfigError(f"trainer.eval_every must be >= 0 (got {t.eval_every})")
     if t.save_every < 0:
         raise ConfigError(
             f"trainer.save_every must be >= 0, 0 saves at the end only (got {t.save_every})"

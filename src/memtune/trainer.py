@@ -189,3 +189,31 @@ def train(
     result.wall_s = time.perf_counter() - start
     result.peak_memory = gather_memory(device)
     return result
+
+
+def evaluate(engine: Any, batches: list[dict[str, torch.Tensor]], device: torch.device) -> float:
+    """Token-weighted loss over the validation shard of every rank (a collective).
+
+    Every rank runs the same number of forward passes (ZeRO-3 gathers parameters in each),
+    which :func:`eval_shard` guarantees by padding shards with label-free samples.
+    """
+    was_training = engine.training
+    engine.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for batch in batches:
+            batch = {k: v.to(device) for k, v in batch.items() if k != "real_tokens"}
+            logits = engine(**{k: batch[k] for k in MODEL_INPUTS if k in batch}).logits
+            totals[0] += token_loss_sum(logits, batch["labels"]).double()
+            totals[1] += (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+    if was_training:
+        engine.train()
+    loss_sum, count = _all_reduce_sum(totals).tolist()
+    return loss_sum / max(count, 1.0)
+
+
+def eval_shard(n_samples: int, rank: int, world: int) -> list[int]:
+    """This rank's validation indices; -1 pads shards to equal length (weight 0)."""
+    per_rank = -(-n_samples // world)
+    padded = list(range(n_samples)) + [-1] * (per_rank * world - n_samples)
+    return padded[rank::world]

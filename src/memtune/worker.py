@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -27,9 +28,11 @@ import torch.distributed as dist
 from memtune.checkpoint import export_adapter, load_checkpoint, save_checkpoint
 from memtune.config import RunConfig, grad_accumulation_steps, load_run_config
 from memtune.data import (
+    IGNORE_INDEX,
     DataStats,
     LengthGroupedSampler,
     PackedDataset,
+    Sample,
     collate_packed,
     collate_padded,
 )
@@ -42,7 +45,16 @@ from memtune.model import (
 )
 from memtune.preprocess import load_split
 from memtune.telemetry import NullLogger, RunLogger, peak_key
-from memtune.trainer import Hooks, NonFiniteLoss, StopRequested, TrainResult, lr_factor, train
+from memtune.trainer import (
+    Hooks,
+    NonFiniteLoss,
+    StopRequested,
+    TrainResult,
+    eval_shard,
+    evaluate,
+    lr_factor,
+    train,
+)
 
 EXIT_NON_FINITE = 3
 """Exit code of a rank (and so of train.py) stopped by a non-finite loss."""
@@ -106,11 +118,22 @@ def _batches(loader: Any, sampler: Any, skip: int = 0) -> Iterator[dict[str, tor
         epoch += 1
 
 
-class CheckpointHooks(Hooks):
-    """Periodic checkpoints and the stop flag that SIGTERM / SIGUSR2 raise."""
+class RunHooks(Hooks):
+    """Periodic evaluation and checkpoints, and the stop flag SIGTERM / SIGUSR2 raise."""
 
-    def __init__(self, engine: Any, run_dir: Path, cfg: RunConfig, data_dir: str):
+    def __init__(
+        self,
+        engine: Any,
+        run_dir: Path,
+        cfg: RunConfig,
+        data_dir: str,
+        val_batches: list[dict[str, torch.Tensor]] | None,
+        logger: NullLogger,
+        device: torch.device,
+    ):
         self.engine, self.run_dir, self.cfg, self.data_dir = engine, run_dir, cfg, data_dir
+        self.val_batches, self.logger, self.device = val_batches, logger, device
+        self.eval_losses: dict[int, float] = {}
         self.saved_step = -1
         self.result_at_stop: TrainResult | None = None
         self._stop = False
@@ -123,7 +146,17 @@ class CheckpointHooks(Hooks):
     def stop_requested(self) -> bool:
         return self._stop
 
+    def evaluate(self, step: int) -> None:
+        if self.val_batches is None or step in self.eval_losses:
+            return
+        loss = evaluate(self.engine, self.val_batches, self.device)
+        self.eval_losses[step] = loss
+        self.logger.log(step, {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0))})
+        self.logger.info(f"memtune: step {step}: eval loss {loss:.4f}")
+
     def after_step(self, step: int, result: TrainResult) -> None:
+        if self.cfg.trainer.eval_every and step % self.cfg.trainer.eval_every == 0:
+            self.evaluate(step)
         every = self.cfg.trainer.save_every
         if every and step % every == 0 and step < self.cfg.trainer.max_steps:
             self.save(step, result)
@@ -156,6 +189,21 @@ def batching_summary(cfg: RunConfig) -> str:
         return f"packed into rows of {cfg.data.max_seq_len} tokens"
     grouped = ", grouped by length" if cfg.data.group_by_length else ""
     return f"padded per micro batch{grouped}"
+
+
+def eval_batches(
+    cfg: RunConfig, prepared_dir: str, pad_token_id: int, rank: int, world: int
+) -> list[dict[str, torch.Tensor]]:
+    """This rank's validation micro batches, collated once (the split is small)."""
+    val = load_split(prepared_dir, "val")
+    samples = []
+    for i in eval_shard(len(val), rank, world):
+        s = val[max(i, 0)]
+        samples.append(s if i >= 0 else Sample(s.input_ids, [IGNORE_INDEX] * len(s.labels)))
+    micro = cfg.trainer.micro_batch_size
+    return [
+        collate_padded(samples[a : a + micro], pad_token_id) for a in range(0, len(samples), micro)
+    ]
 
 
 def make_loader(
@@ -255,16 +303,20 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
             if rank == 0:
                 _truncate_metrics(run_dir / "metrics.jsonl", result.steps)
             print0(f"memtune: resumed at step {result.steps} from {checkpoint}", flush=True)
-        hooks = CheckpointHooks(engine, run_dir, cfg, data_record["dir"])
         resolved = json.loads(json.dumps(_config_dict(run_dir)))
         logger = (
             RunLogger(run_dir, t.max_steps, cfg.logger, resolved, done=result.steps)
             if rank == 0
             else NullLogger()
         )
+        val_batches = None
+        if data_record["val"]:
+            val_batches = eval_batches(cfg, data_record["dir"], tokenizer.pad_token_id, rank, world)
+        hooks = RunHooks(engine, run_dir, cfg, data_record["dir"], val_batches, logger, device)
         batches = _batches(loader, sampler, skip=result.steps * grad_accumulation_steps(cfg))
         try:
             result = train(engine, batches, cfg, device, logger, result, hooks)
+            hooks.evaluate(result.steps)
         except StopRequested as stop:
             if hooks.saved_step != stop.last_step and stop.last_step > 0:
                 hooks.save(stop.last_step, hooks.result_at_stop or result)
@@ -284,7 +336,8 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
         n_tensors = export_adapter(engine.module, adapter_dir, is_writer=rank == 0)
         if rank == 0:
             tokenizer.save_pretrained(str(adapter_dir))
-            _write_summary(ctx, result, trainable, total, n_tensors, attn)
+            eval_loss = hooks.eval_losses.get(result.steps)
+            _write_summary(ctx, result, trainable, total, n_tensors, attn, eval_loss)
         return result
     finally:
         if dist.is_initialized():
@@ -301,7 +354,13 @@ def _config_dict(run_dir: Path) -> dict[str, Any]:
 
 
 def _write_summary(
-    ctx: RankContext, result: TrainResult, trainable: int, total: int, n_tensors: int, attn: str
+    ctx: RankContext,
+    result: TrainResult,
+    trainable: int,
+    total: int,
+    n_tensors: int,
+    attn: str,
+    eval_loss: float | None,
 ) -> None:
     key = peak_key(ctx.device)
     summary = {
@@ -319,6 +378,7 @@ def _write_summary(
         "trainable_params": trainable,
         "total_params": total,
         "adapter_tensors": n_tensors,
+        "eval_loss": eval_loss,
         "data": ctx.data_stats.as_dict(),
         "peak_memory_gib": [m[key] for m in result.peak_memory],
         "memory": result.peak_memory,
@@ -330,7 +390,9 @@ def _write_summary(
         f"\nmemtune: done in {result.wall_s:.1f} s · {result.steps} steps · "
         f"{result.input_tokens:,} tokens ({result.label_tokens:,} labelled) · "
         f"{summary['tokens_per_s']:,} tokens/s\n"
-        f"memtune: loss {result.losses[0]:.4f} → {result.losses[-1]:.4f}\n"
+        f"memtune: loss {result.losses[0]:.4f} → {result.losses[-1]:.4f}"
+        + (f" · eval loss {eval_loss:.4f}" if eval_loss is not None else "")
+        + "\n"
         f"memtune: {what} per rank: {per_rank}\n"
         f"memtune: adapter ({n_tensors} tensors, {trainable:,} parameters) in "
         f"{ctx.run_dir / 'adapter'}",

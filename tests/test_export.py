@@ -1,0 +1,87 @@
+"""Merge, generation and evaluation on top of real trained adapters."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from memtune.data import collate_padded
+from memtune.generate import answer, load, stop_token_ids
+from memtune.merge import merge
+from memtune.preprocess import load_split
+from memtune.trainer import token_loss_sum
+from tests.conftest import FAST, start_run
+
+pytestmark = pytest.mark.slow
+
+
+def test_merged_model_matches_base_plus_adapter(zero3_run, tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = merge(zero3_run.dir / "adapter", tmp_path / "merged", dtype="fp32")
+    merged = AutoModelForCausalLM.from_pretrained(out)  # a plain model: no peft involved
+    assert not any("lora_" in n for n, _ in merged.named_parameters())
+    base = AutoModelForCausalLM.from_pretrained(zero3_run.cfg.model.name_or_path)
+    with_adapter = PeftModel.from_pretrained(base, zero3_run.dir / "adapter").eval()
+    probe = torch.load(zero3_run.dir / "probe_logits.pt", weights_only=True)
+    with torch.no_grad():
+        a = merged(input_ids=probe["input_ids"]).logits
+        b = with_adapter(input_ids=probe["input_ids"]).logits
+    # fp32: merging folds B·A·scale into W, one extra rounding per weight.
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert (out / "tokenizer.json").is_file()
+
+
+def test_generation_uses_the_training_prompt_and_stops(zero3_run) -> None:
+    model, tokenizer = load(zero3_run.dir)
+    stops = stop_token_ids(tokenizer)
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in stops
+    assert tokenizer.eos_token_id in stops
+    text, ids = answer(model, tokenizer, zero3_run.dir, "What is 2 + 3?", max_new_tokens=40)
+    # Either it ended on a stop token (which is not part of the text), or it ran out of room.
+    assert (ids and ids[-1] in stops) or len(ids) == 40
+    assert "<|im_end|>" not in text
+
+
+def test_eval_loss_is_the_validation_loss_of_the_saved_adapter(tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from memtune.config import ASSETS_DIR
+
+    # 7 validation records over 2 ranks: one shard is padded with a label-free sample.
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join((ASSETS_DIR / "demo_alpaca.jsonl").read_text().splitlines(True)[:7]))
+    overrides = [
+        *FAST,
+        "launcher.num_ranks=2",
+        "trainer.max_steps=8",
+        "trainer.eval_every=4",
+        f"data.val_path={val}",
+    ]
+    run = start_run(tmp_path / "run", overrides, probe=False)
+    assert run.code == 0
+    evals = [m for m in run.metrics() if "eval/loss" in m]
+    assert [m["step"] for m in evals] == [4, 8]
+    assert evals[1]["eval/ppl"] == pytest.approx(math.exp(evals[1]["eval/loss"]))
+    assert run.summary()["eval_loss"] == evals[1]["eval/loss"]
+
+    data = json.loads((run.dir / "data.json").read_text())
+    assert data["val"]["samples"] == 7
+    base = AutoModelForCausalLM.from_pretrained(run.cfg.model.name_or_path)
+    model = PeftModel.from_pretrained(base, run.dir / "adapter").eval()
+    tokenizer_pad = model.config.pad_token_id
+    split = load_split(data["dir"], "val")
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(len(split)):
+            batch = collate_padded([split[i]], tokenizer_pad)
+            logits = model(input_ids=batch["input_ids"]).logits
+            total += float(token_loss_sum(logits, batch["labels"]))
+            count += int((batch["labels"][:, 1:] != -100).sum())
+    assert evals[1]["eval/loss"] == pytest.approx(total / count, rel=1e-5)
