@@ -34,6 +34,7 @@ def load(run_dir: Path, model_dir: Path | None = None) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     adapter = run_dir / "adapter"
+    model: Any
     if model_dir is not None:
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
