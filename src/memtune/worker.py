@@ -384,6 +384,11 @@ def _write_summary(
         "memory": result.peak_memory,
     }
     (ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    memory = {
+        "measure": "CUDA allocator (GiB)" if ctx.device.type == "cuda" else "process RSS (GiB)",
+        "ranks": [{"rank": r, **m} for r, m in enumerate(result.peak_memory)],
+    }
+    (ctx.run_dir / "memory.json").write_text(json.dumps(memory, indent=2) + "\n")
     what = "peak allocated" if ctx.device.type == "cuda" else "peak RSS"
     per_rank = ", ".join(f"rank{r} {m[key]:.2f} GiB" for r, m in enumerate(result.peak_memory))
     print(

@@ -1,0 +1,53 @@
+"""Per-rank memory reaches wandb (offline) and memory.json; no secret is written anywhere."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FAST, start_run
+from tests.wandb_log import history
+
+pytestmark = pytest.mark.slow
+
+SECRETS = {"WANDB_API_KEY": "wandb-secret-0123456789abcdef", "HF_TOKEN": "hf_secretTOKEN42"}
+
+
+@pytest.fixture(scope="module")
+def wandb_run(tmp_path_factory: pytest.TempPathFactory):
+    mp = pytest.MonkeyPatch()
+    for name, value in SECRETS.items():
+        mp.setenv(name, value)
+    overrides = [*FAST, "logger=wandb", "launcher.num_ranks=2", "trainer.max_steps=4"]
+    overrides.remove("logger=none")
+    try:
+        run = start_run(tmp_path_factory.mktemp("wandb") / "run", overrides, probe=False)
+    finally:
+        mp.undo()
+    assert run.code == 0
+    return run
+
+
+def test_every_rank_memory_series_is_in_the_offline_wandb_run(wandb_run) -> None:
+    (log,) = (wandb_run.dir / "wandb").glob("offline-run-*/run-*.wandb")
+    rows = [r for r in history(log) if "train/loss" in r]
+    assert len(rows) == 4
+    for rank in (0, 1):
+        for key in ("rss_gib", "peak_rss_gib"):
+            series = [r[f"memory/rank{rank}/{key}"] for r in rows]
+            assert all(v > 0.05 for v in series), (rank, key, series)
+    assert [r["train/loss"] for r in rows] == wandb_run.losses()
+    memory = json.loads((wandb_run.dir / "memory.json").read_text())
+    assert [r["rank"] for r in memory["ranks"]] == [0, 1]
+    assert all(r["peak_rss_gib"] >= r["rss_gib"] * 0.5 for r in memory["ranks"])
+
+
+def test_no_secret_is_written_into_the_run_dir(wandb_run) -> None:
+    files = [p for p in Path(wandb_run.dir).rglob("*") if p.is_file()]
+    assert any(p.suffix == ".wandb" for p in files)
+    for path in files:
+        data = path.read_bytes()
+        for name, value in SECRETS.items():
+            assert value.encode() not in data, f"{name} found in {path}"
