@@ -173,3 +173,29 @@ def test_kill_9_of_one_rank_ends_the_job_and_resume_works(tmp_path: Path) -> Non
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming from" in again.stdout
     assert len(_losses(run_dir)) == 30
+
+
+class _NotData:
+    """A class a checkpoint has no business holding."""
+
+
+def test_checkpoint_files_are_verified_before_loading(finished: Path, tmp_path: Path) -> None:
+    from memtune.checkpoint import UnsafeCheckpoint, verify_checkpoint_files
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(finished / "checkpoints" / "step-0000012", ckpt)
+    assert verify_checkpoint_files(ckpt) == 4  # model + optimizer states of 2 ranks
+    victim = next((ckpt / "engine").glob("*optim_states.pt"))
+    torch.save({"payload": _NotData()}, victim)
+    with pytest.raises(UnsafeCheckpoint, match=r"optim_states\.pt: refusing to load"):
+        verify_checkpoint_files(ckpt)
+
+
+# ZeRO-2 writes one model-states file (rank 0) and one optimizer file per rank; ZeRO-3 two
+# files per rank.
+@pytest.mark.parametrize(("run_name", "files"), [("zero2_run", 3), ("bf16_run", 4)])
+def test_other_engines_pass_the_same_check(run_name: str, files: int, request) -> None:
+    from memtune.checkpoint import verify_checkpoint_files
+
+    run = request.getfixturevalue(run_name)
+    assert verify_checkpoint_files(run.dir / "checkpoints" / "step-0000012") == files

@@ -10,6 +10,10 @@ from typing import Any
 import torch
 
 
+class NonFiniteWeights(RuntimeError):
+    """Raised instead of writing an adapter or checkpoint with inf / NaN in it."""
+
+
 def trainable_state_dict(model: Any) -> dict[str, torch.Tensor]:
     """Full (gathered) copies of the trainable tensors. A collective under ZeRO-3: every rank
     must call it; all ranks get the result."""
@@ -32,6 +36,12 @@ def export_adapter(model: Any, out_dir: Path, is_writer: bool) -> int:
     state = trainable_state_dict(model)
     if not state:
         raise RuntimeError("no trainable parameters to export: LoRA was not applied")
+    broken = [name for name, t in state.items() if not torch.isfinite(t).all()]
+    if broken:
+        raise NonFiniteWeights(
+            f"{len(broken)} adapter tensors hold inf/NaN (first: {broken[0]}); not saved, so "
+            "the last checkpoint stays the one to resume from"
+        )
     if is_writer:
         model.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
     return len(state)
@@ -152,8 +162,37 @@ def save_checkpoint(
     return final
 
 
+class UnsafeCheckpoint(RuntimeError):
+    """A checkpoint file holds something other than tensors and plain data."""
+
+
+def _deepspeed_safe_types() -> list[Any]:
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, fragment_address]
+
+
+def verify_checkpoint_files(path: Path) -> int:
+    """Unpickle every engine file with ``weights_only=True`` (tensors, plain data and three
+    DeepSpeed bookkeeping types) before DeepSpeed loads them its own way (a full unpickle):
+    a tampered file fails here, before any code in it can run. Returns the files checked."""
+    files = sorted((path / "engine").glob("*.pt"))
+    with torch.serialization.safe_globals(_deepspeed_safe_types()):
+        for f in files:
+            try:
+                torch.load(f, map_location="cpu", weights_only=True)
+            except Exception as err:
+                first = str(err).strip().splitlines()
+                reason = next((line for line in first if "GLOBAL" in line), first[0])
+                raise UnsafeCheckpoint(f"{f}: refusing to load ({reason.strip()})") from err
+    return len(files)
+
+
 def load_checkpoint(engine: Any, path: Path, rank: int) -> dict[str, Any]:
     """Restore engine, optimizer, scheduler and this rank's RNG; returns the trainer state."""
+    verify_checkpoint_files(path)
     loaded, _ = engine.load_checkpoint(
         str(path),
         tag="engine",
