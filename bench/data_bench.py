@@ -469,7 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "padding_notes": (
             "random: DistributedSampler(shuffle, seed 0, drop_last) in micro batches, each "
             "padded to its longest sample; grouped: LengthGroupedSampler; packed: pack_bins "
-            "rows (first-fit-decreasing) shuffled like random, micro batches of rows padded "
+            "rows (best-fit-decreasing) shuffled like random, micro batches of rows padded "
             "to the longest row. Incomplete last micro batches are dropped, as in training."
         ),
         "total_seconds": time.perf_counter() - started,
