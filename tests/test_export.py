@@ -70,6 +70,11 @@ def test_eval_loss_is_the_validation_loss_of_the_saved_adapter(tmp_path: Path) -
     assert [m["step"] for m in evals] == [4, 8]
     assert evals[1]["eval/ppl"] == pytest.approx(math.exp(evals[1]["eval/loss"]))
     assert run.summary()["eval_loss"] == evals[1]["eval/loss"]
+    # Evaluation does not raise any rank's memory peak above its training peak.
+    for row in evals:
+        assert set(row["eval/memory"]) == {"rank0", "rank1"}
+        for m in row["eval/memory"].values():
+            assert 0 < m["eval_peak_gib"] <= m["train_peak_gib"] * 1.01, m
 
     data = json.loads((run.dir / "data.json").read_text())
     assert data["val"]["samples"] == 7

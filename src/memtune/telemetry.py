@@ -33,6 +33,29 @@ def memory_snapshot(device: torch.device) -> dict[str, float]:
     return {"rss_gib": rss / GIB, "peak_rss_gib": peak_kib * 1024 / GIB}
 
 
+def window_peak_gib(device: torch.device) -> float:
+    """Peak since the last :func:`reset_window_peak` (or process start): CUDA peak allocated,
+    or the kernel's resident high-water mark (VmHWM) on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / GIB
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024 / GIB
+    return float("nan")
+
+
+def reset_window_peak(device: torch.device) -> bool:
+    """Start a new peak window; False where the platform does not allow it."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # 5: reset the high-water mark
+        return True
+    except OSError:
+        return False
+
+
 def peak_key(device: torch.device) -> str:
     return "peak_allocated_gib" if device.type == "cuda" else "peak_rss_gib"
 

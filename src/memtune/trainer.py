@@ -98,16 +98,22 @@ def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def gather_values(values: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's ``values``, on every rank (a collective: all ranks must call it)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [list(values)]
+    local = torch.tensor(values, dtype=torch.float64, device=device)
+    out = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, local)
+    return [t.tolist() for t in out]
+
+
 def gather_memory(device: torch.device) -> list[dict[str, float]]:
     """Every rank's memory snapshot, on every rank (a collective: all ranks must call it)."""
     mine = memory_snapshot(device)
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [mine]
     keys = sorted(mine)
-    local = torch.tensor([mine[k] for k in keys], dtype=torch.float64, device=device)
-    out = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, local)
-    return [dict(zip(keys, t.tolist(), strict=True)) for t in out]
+    rows = gather_values([mine[k] for k in keys], device)
+    return [dict(zip(keys, row, strict=True)) for row in rows]
 
 
 def train(

@@ -44,7 +44,13 @@ from memtune.model import (
     load_tokenizer,
 )
 from memtune.preprocess import load_split
-from memtune.telemetry import NullLogger, RunLogger, peak_key
+from memtune.telemetry import (
+    NullLogger,
+    RunLogger,
+    peak_key,
+    reset_window_peak,
+    window_peak_gib,
+)
 from memtune.trainer import (
     Hooks,
     NonFiniteLoss,
@@ -52,6 +58,7 @@ from memtune.trainer import (
     TrainResult,
     eval_shard,
     evaluate,
+    gather_values,
     lr_factor,
     train,
 )
@@ -149,9 +156,22 @@ class RunHooks(Hooks):
     def evaluate(self, step: int) -> None:
         if self.val_batches is None or step in self.eval_losses:
             return
+        # Peak of the training so far, then a fresh window for the evaluation alone: the two
+        # are logged side by side, per rank, so eval can be seen not to raise the peak.
+        train_peak = window_peak_gib(self.device)
+        windowed = reset_window_peak(self.device)
         loss = evaluate(self.engine, self.val_batches, self.device)
+        peaks = gather_values(
+            [train_peak, window_peak_gib(self.device) if windowed else -1.0], self.device
+        )
         self.eval_losses[step] = loss
-        self.logger.log(step, {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0))})
+        memory = {
+            f"rank{r}": {"train_peak_gib": t, "eval_peak_gib": e}
+            for r, (t, e) in enumerate(peaks)
+            if e >= 0
+        }
+        row = {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0)), "eval/memory": memory}
+        self.logger.log(step, row)
         self.logger.info(f"memtune: step {step}: eval loss {loss:.4f}")
 
     def after_step(self, step: int, result: TrainResult) -> None:
@@ -399,6 +419,7 @@ def _write_summary(
         + (f" · eval loss {eval_loss:.4f}" if eval_loss is not None else "")
         + "\n"
         f"memtune: {what} per rank: {per_rank}\n"
+        f"memtune: data: {ctx.data_stats.line()}\n"
         f"memtune: adapter ({n_tensors} tensors, {trainable:,} parameters) in "
         f"{ctx.run_dir / 'adapter'}",
         flush=True,
