@@ -199,3 +199,15 @@ def test_other_engines_pass_the_same_check(run_name: str, files: int, request) -
 
     run = request.getfixturevalue(run_name)
     assert verify_checkpoint_files(run.dir / "checkpoints" / "step-0000012") == files
+
+
+def test_resume_from_an_explicit_checkpoint_into_a_new_run_dir(finished: Path, tmp_path: Path):
+    ckpt = finished / "checkpoints" / "step-0000008"
+    run_dir = tmp_path / "branch"
+    proc = run_train_py([*BASE, f"run_dir={run_dir}", f"resume={ckpt}"], cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resuming from {ckpt} (step 8)" in proc.stdout
+    rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    resumed = [r["train/loss"] for r in rows if "train/loss" in r]
+    assert [r["step"] for r in rows if "train/loss" in r] == [9, 10, 11, 12]
+    assert resumed == _losses(finished)[8:]
