@@ -9,6 +9,7 @@ This runs once per run (never once per rank); the ranks are `python -m memtune.w
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from memtune.launch import launch
 from memtune.rundir import prepare_run_dir
 
 register_configs()
+FAILED_POINTS: list[str] = []
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -35,19 +37,32 @@ def main(cfg: DictConfig) -> None:
         )
         sys.exit(2)
     run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
+    sweeping = hydra_cfg.mode == RunMode.MULTIRUN
+    if sweeping and cfg.logger.group is None:
+        cfg.logger.group = Path(hydra_cfg.sweep.dir).name  # one wandb group per sweep
     try:
         run_cfg = prepare_run_dir(cfg, run_dir)
     except ConfigError as err:
         print(f"memtune: config error: {err}", file=sys.stderr)
-        sys.exit(2)
+        if not sweeping:
+            sys.exit(2)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "exit.json").write_text(json.dumps({"code": 2, "error": str(err)}) + "\n")
+        FAILED_POINTS.append(str(run_dir))
+        return
     if run_cfg.preprocess_only:
         return
     print(f"memtune: run dir {run_dir}", flush=True)
     code = launch(run_cfg, run_dir)
+    (run_dir / "exit.json").write_text(json.dumps({"code": code}) + "\n")
     if code != 0:
         print(f"memtune: the ranks failed (exit code {code}); run dir {run_dir}", file=sys.stderr)
-        sys.exit(code)
+        if not sweeping:
+            sys.exit(code)
+        FAILED_POINTS.append(str(run_dir))  # the other points of the sweep still run
 
 
 if __name__ == "__main__":
     main()
+    if FAILED_POINTS:
+        sys.exit(1)

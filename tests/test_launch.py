@@ -29,6 +29,16 @@ def test_rank_commands() -> None:
     assert extra["RANK"] == "0" and extra["WORLD_SIZE"] == "1" and extra["MASTER_PORT"] == "12345"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_preflight_stops_clearly_without_gpus(capsys) -> None:
+    from memtune.preflight import check
+
+    with pytest.raises(SystemExit) as stop:
+        check(4)
+    assert stop.value.code == 2
+    assert "4 GPUs needed, 0 visible" in capsys.readouterr().err
+
+
 def test_omp_threads_split_between_ranks() -> None:
     cfg = to_run_config(compose_cfg(["launcher.num_ranks=2"]))
     env = rank_env(cfg, base={})
@@ -127,24 +137,30 @@ def test_micro_batch_times_accumulation_gives_the_same_update(tmp_path: Path) ->
 
 
 @pytest.mark.slow
-def test_multirun_gives_one_run_dir_per_point(tmp_path: Path) -> None:
+def test_multirun_gives_one_run_dir_per_point_and_a_report(tmp_path: Path) -> None:
+    import csv
+
     sweep = tmp_path / "sweep"
-    proc = run_train_py(
-        [
-            "-m",
-            "peft.r=4,8",
-            "launcher.num_ranks=1",
-            "logger=none",
-            "trainer.max_steps=3",
-            f"hydra.sweep.dir={sweep}",
-        ],
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    args = ["-m", "peft.r=4,0,8", "launcher.num_ranks=1", "logger=none", "trainer.max_steps=3"]
+    proc = run_train_py([*args, f"hydra.sweep.dir={sweep}"], cwd=ROOT)
+    # peft.r=0 fails validation; the other points still run, and the sweep exits non-zero.
+    assert proc.returncode == 1, proc.stderr[-3000:]
     dirs = sorted(p for p in sweep.iterdir() if p.is_dir())
-    assert [d.name for d in dirs] == ["0", "1"]
-    adapters = [load_file(d / "adapter" / "adapter_model.safetensors") for d in dirs]
+    assert [d.name for d in dirs] == ["0", "1", "2"]
+    adapters = [load_file(d / "adapter" / "adapter_model.safetensors") for d in (dirs[0], dirs[2])]
     ranks = [{t.shape[0] for k, t in a.items() if "lora_A" in k} for a in adapters]
     assert ranks == [{4}, {8}]
     assert "r: 4" in (dirs[0] / "config.yaml").read_text()
-    assert "r: 8" in (dirs[1] / "config.yaml").read_text()
+    assert not (dirs[1] / "adapter").exists()
+
+    rows = list(csv.DictReader((sweep / "sweep_report.csv").open()))
+    assert [(r["overrides"], r["status"]) for r in rows] == [
+        ("peft.r=4", "ok"),
+        ("peft.r=0", "failed (exit 2)"),
+        ("peft.r=8", "ok"),
+    ]
+    assert int(rows[2]["trainable_params"]) == 2 * int(rows[0]["trainable_params"])
+    assert float(rows[0]["peak_memory_gib_max"]) > 0
+    assert (sweep / "sweep_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| peft.r=8 | ok | 3 |" in (sweep / "sweep_report.md").read_text()
+    assert "1 sweep point(s) failed" in proc.stdout

@@ -1,0 +1,170 @@
+"""The sweep report: one row per run of a Hydra multirun, as markdown, CSV and a loss plot.
+
+Written at the end of every ``python train.py -m ...`` (a Hydra callback), and on demand with
+``memtune report SWEEP_DIR``. A failed point is a row marked failed, never a missing row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+COLUMNS = [
+    "point",
+    "overrides",
+    "status",
+    "steps",
+    "train_loss_last",
+    "eval_loss",
+    "tokens_per_s",
+    "peak_memory_gib_max",
+    "peak_memory_gib_per_rank",
+    "trainable_params",
+]
+
+
+def _run_dirs(sweep_dir: Path) -> list[Path]:
+    dirs = [p for p in sweep_dir.iterdir() if p.is_dir() and (p / ".hydra").is_dir()]
+    return sorted(dirs, key=lambda p: (len(p.name), p.name))
+
+
+def _overrides(run: Path) -> list[str]:
+    path = run / ".hydra" / "overrides.yaml"
+    return list(yaml.safe_load(path.read_text()) or []) if path.is_file() else []
+
+
+def collect(sweep_dir: Path) -> list[dict[str, Any]]:
+    runs = _run_dirs(sweep_dir)
+    per_run = [_overrides(run) for run in runs]
+    shared = set.intersection(*(set(o) for o in per_run)) if per_run else set()
+    rows = []
+    for run, overrides in zip(runs, per_run, strict=True):
+        varying = [o for o in overrides if o not in shared] if len(runs) > 1 else overrides
+        row: dict[str, Any] = {"point": run.name, "overrides": " ".join(varying)}
+        summary_file = run / "summary.json"
+        if summary_file.is_file():
+            s = json.loads(summary_file.read_text())
+            row.update(
+                status="ok",
+                steps=s["steps"],
+                train_loss_last=round(s["loss_last"], 4),
+                eval_loss=None if s.get("eval_loss") is None else round(s["eval_loss"], 4),
+                tokens_per_s=s["tokens_per_s"],
+                peak_memory_gib_max=round(max(s["peak_memory_gib"]), 3),
+                peak_memory_gib_per_rank=" ".join(f"{m:.3f}" for m in s["peak_memory_gib"]),
+                trainable_params=s["trainable_params"],
+            )
+        else:
+            exit_file = run / "exit.json"
+            code = json.loads(exit_file.read_text())["code"] if exit_file.is_file() else None
+            row["status"] = f"failed (exit {code})" if code is not None else "failed"
+        rows.append(row)
+    return rows
+
+
+def _losses(run: Path) -> list[tuple[int, float]]:
+    metrics = run / "metrics.jsonl"
+    if not metrics.is_file():
+        return []
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+    return [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r]
+
+
+def write_report(sweep_dir: Path) -> dict[str, Path]:
+    """Write sweep_report.md, sweep_report.csv and sweep_loss.png into ``sweep_dir``."""
+    rows = collect(sweep_dir)
+    out = {
+        "md": sweep_dir / "sweep_report.md",
+        "csv": sweep_dir / "sweep_report.csv",
+        "png": sweep_dir / "sweep_loss.png",
+    }
+    with out["csv"].open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({c: row.get(c) for c in COLUMNS})
+    lines = [
+        f"# Sweep {sweep_dir.name}",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
+    lines += ["| " + " | ".join(_cell(row.get(c)) for c in COLUMNS) + " |" for row in rows]
+    out["md"].write_text("\n".join(lines) + "\n")
+    _plot(sweep_dir, rows, out["png"])
+    return out
+
+
+def _cell(value: Any) -> str:
+    return "" if value is None else str(value)
+
+
+def _plot(sweep_dir: Path, rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    for row in rows:
+        curve = _losses(sweep_dir / row["point"])
+        if curve:
+            steps, losses = zip(*curve, strict=True)
+            ax.plot(steps, losses, label=row["overrides"] or row["point"], linewidth=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("train loss")
+    ax.set_title(f"sweep {sweep_dir.name}")
+    if ax.lines:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+class SweepReport:
+    """Hydra callback (``hydra.callbacks``): the report at the end of every multirun."""
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        pass
+
+    def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        pass
+
+    def on_job_end(self, config: Any, job_return: Any, **kwargs: Any) -> None:
+        pass
+
+    def on_run_start(self, config: Any, **kwargs: Any) -> None:
+        pass
+
+    def on_run_end(self, config: Any, **kwargs: Any) -> None:
+        pass
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if not sweep_dir.is_dir():
+            return
+        out = write_report(sweep_dir)
+        rows = collect(sweep_dir)
+        failed = [r["point"] for r in rows if r["status"] != "ok"]
+        print(f"memtune: sweep report {out['md']} (+ .csv, {out['png'].name})", flush=True)
+        print(out["md"].read_text(), flush=True)
+        if failed:
+            print(f"memtune: {len(failed)} sweep point(s) failed: {', '.join(failed)}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="memtune report", description=__doc__)
+    parser.add_argument("sweep_dir", type=Path)
+    args = parser.parse_args(argv)
+    out = write_report(args.sweep_dir)
+    print(out["md"].read_text())
+    print(f"written: {out['md']}, {out['csv']}, {out['png']}")
+
+
+if __name__ == "__main__":
+    main()
