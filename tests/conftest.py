@@ -84,35 +84,34 @@ def runs_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("runs")
 
 
+def _finished(root: Path, name: str, *overrides: str) -> Run:
+    run = start_run(root / name, [*FAST, *overrides])
+    assert run.code == 0, f"{name}: the ranks exited with {run.code}"
+    return run
+
+
 @pytest.fixture(scope="session")
 def zero3_run(runs_root: Path) -> Run:
-    run = start_run(runs_root / "zero3", [*FAST, "zero=zero3", "launcher.num_ranks=2"])
-    assert run.code == 0
-    return run
+    return _finished(runs_root, "zero3", "zero=zero3", "launcher.num_ranks=2")
 
 
 @pytest.fixture(scope="session")
 def zero2_run(runs_root: Path) -> Run:
-    run = start_run(runs_root / "zero2", [*FAST, "zero=zero2", "launcher.num_ranks=2"])
-    assert run.code == 0
-    return run
+    return _finished(runs_root, "zero2", "zero=zero2", "launcher.num_ranks=2")
 
 
 @pytest.fixture(scope="session")
 def bf16_run(runs_root: Path) -> Run:
     """The production precision: bf16 weights and compute, fp32 master weights in ZeRO-3."""
-    overrides = [*FAST, "trainer.precision=bf16", "zero=zero3", "launcher.num_ranks=2"]
-    run = start_run(runs_root / "bf16", overrides)
-    assert run.code == 0
-    return run
+    return _finished(
+        runs_root, "bf16", "trainer.precision=bf16", "zero=zero3", "launcher.num_ranks=2"
+    )
 
 
 @pytest.fixture(scope="session")
 def one_rank_run(runs_root: Path) -> Run:
     """Same global batch (16) as zero3_run, one rank: micro 4 × accumulation 4."""
-    run = start_run(runs_root / "one_rank", [*FAST, "zero=zero3", "launcher.num_ranks=1"])
-    assert run.code == 0
-    return run
+    return _finished(runs_root, "one_rank", "zero=zero3", "launcher.num_ranks=1")
 
 
 def run_train_py(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -125,6 +125,21 @@ def _batches(loader: Any, sampler: Any, skip: int = 0) -> Iterator[dict[str, tor
         epoch += 1
 
 
+_STOP_SIGNALS_SEEN = 0
+
+
+def _on_stop_signal(signum: int, frame: Any) -> None:
+    global _STOP_SIGNALS_SEEN
+    _STOP_SIGNALS_SEEN += 1
+
+
+def catch_stop_signals() -> None:
+    """From the first moment of a rank: SIGTERM / SIGUSR2 only raise a flag (their default
+    would kill the rank mid-load); the loop reads it at the next step boundary."""
+    for sig in (signal.SIGTERM, signal.SIGUSR2):
+        signal.signal(sig, _on_stop_signal)
+
+
 class RunHooks(Hooks):
     """Periodic evaluation and checkpoints, and the stop flag SIGTERM / SIGUSR2 raise."""
 
@@ -143,15 +158,9 @@ class RunHooks(Hooks):
         self.eval_losses: dict[int, float] = {}
         self.saved_step = -1
         self.result_at_stop: TrainResult | None = None
-        self._stop = False
-        for sig in (signal.SIGTERM, signal.SIGUSR2):
-            signal.signal(sig, self._on_signal)
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self._stop = True
 
     def stop_requested(self) -> bool:
-        return self._stop
+        return _STOP_SIGNALS_SEEN > 0
 
     def evaluate(self, step: int) -> None:
         if self.val_batches is None or step in self.eval_losses:
@@ -265,6 +274,7 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
     import deepspeed
     from transformers.integrations import HfDeepSpeedConfig
 
+    catch_stop_signals()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     # Deprecations raised inside DeepSpeed and peft on every step; nothing a user can act on.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
