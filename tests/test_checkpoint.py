@@ -211,3 +211,17 @@ def test_resume_from_an_explicit_checkpoint_into_a_new_run_dir(finished: Path, t
     resumed = [r["train/loss"] for r in rows if "train/loss" in r]
     assert [r["step"] for r in rows if "train/loss" in r] == [9, 10, 11, 12]
     assert resumed == _losses(finished)[8:]
+
+
+def test_a_stop_while_the_ranks_load_exits_cleanly(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [*FAST, "launcher.num_ranks=2", f"run_dir={run_dir}"]
+    proc = _start(args, ROOT)
+    deadline = time.monotonic() + 120
+    while len(rank_processes(proc.pid)) < 2:  # both ranks started, still importing / loading
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 75, out[-3000:]  # stopped at the first step boundary, not killed
+    assert not (run_dir / "metrics.jsonl").exists() or _losses(run_dir) == []

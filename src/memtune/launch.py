@@ -87,18 +87,30 @@ def launch(cfg: RunConfig, run_dir: Path, module: str = WORKER_MODULE) -> int:
     cmd, extra = rank_command(cfg, run_dir, port, module)
     env = {**rank_env(cfg), **extra}
     (run_dir / "launch.txt").write_text(" ".join(cmd) + "\n")
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    # Ranks start with SIGUSR2 ignored (inherited through exec) until their own handler is in
+    # place, so a stop that arrives while they import or load is not fatal; it is re-sent
+    # every few seconds until the job ends, which reaches the ranks once they listen.
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGUSR2, signal.SIG_IGN),
+    )
+    stopping = False
 
     def forward_stop(signum: int, frame: object) -> None:
-        # To the ranks themselves, not DeepSpeed's launcher (which would kill them): each
-        # rank saves a checkpoint at the next step boundary and exits with the requeue code.
-        for worker in rank_processes(proc.pid, module):
-            with contextlib.suppress(psutil.Error):
-                worker.send_signal(signal.SIGUSR2)
+        nonlocal stopping
+        stopping = True
+        _signal_ranks(proc.pid, module)
 
     previous = {s: signal.signal(s, forward_stop) for s in (signal.SIGTERM, signal.SIGUSR2)}
     try:
-        return proc.wait()
+        while True:
+            try:
+                return proc.wait(timeout=STOP_RESEND_S)
+            except subprocess.TimeoutExpired:
+                if stopping:
+                    _signal_ranks(proc.pid, module)
     except KeyboardInterrupt:
         # Ctrl-C: pass it to the whole rank group, then wait for it to go.
         os.killpg(proc.pid, signal.SIGINT)
@@ -110,6 +122,18 @@ def launch(cfg: RunConfig, run_dir: Path, module: str = WORKER_MODULE) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+STOP_RESEND_S = 3.0
+
+
+def _signal_ranks(pid: int, module: str) -> None:
+    """SIGUSR2 to the ranks themselves, not DeepSpeed's launcher (which would kill them):
+    each rank saves a checkpoint at the next step boundary and exits with the requeue code."""
+    with contextlib.suppress(psutil.Error):
+        for worker in rank_processes(pid, module):
+            with contextlib.suppress(psutil.Error):
+                worker.send_signal(signal.SIGUSR2)
 
 
 def rank_processes(pid: int, module: str = WORKER_MODULE) -> list[psutil.Process]:
