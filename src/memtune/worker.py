@@ -445,6 +445,10 @@ def main(argv: list[str] | None = None) -> None:
     except NonFiniteLoss as err:
         print(f"memtune: stopped: {err}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_NON_FINITE) from None
+    finally:
+        # Python puts default handlers back while it shuts down; train.py may still re-send a
+        # stop then, and SIGUSR2's default would turn a clean exit into a signal death.
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
 if __name__ == "__main__":
