@@ -217,7 +217,8 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
 }
 
 
-def _get(cfg: RunConfig, dotted: str) -> Any:
+def get_field(cfg: RunConfig, dotted: str) -> Any:
+    """``get_field(cfg, "peft.r")`` → cfg.peft.r."""
     obj: Any = cfg
     for part in dotted.split("."):
         obj = getattr(obj, part)
@@ -227,9 +228,9 @@ def _get(cfg: RunConfig, dotted: str) -> Any:
 def validate(cfg: RunConfig) -> None:
     """Check what types cannot; raise :class:`ConfigError` naming the first bad field."""
     for key, choices in _CHOICES.items():
-        if _get(cfg, key) not in choices:
+        if get_field(cfg, key) not in choices:
             allowed = " | ".join(str(c) for c in choices)
-            raise ConfigError(f"{key}={_get(cfg, key)!r} is not supported; choose {allowed}")
+            raise ConfigError(f"{key}={get_field(cfg, key)!r} is not supported; choose {allowed}")
 
     t, p = cfg.trainer, cfg.peft
     positive = {
@@ -274,7 +275,7 @@ def validate(cfg: RunConfig) -> None:
             "the QLoRA / 8-bit work. Use peft=lora (bf16 base) for now."
         )
     for key in ("zero.reduce_bucket_size", "zero.prefetch_bucket_size"):
-        value = _get(cfg, key)
+        value = get_field(cfg, key)
         if value is not None and value <= 0:
             raise ConfigError(f"{key} must be > 0 when set (got {value})")
     if (

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from memtune.config import RunConfig, to_run_config, validate
+from memtune.config import RunConfig, get_field, to_run_config, validate
 from memtune.ds_config import build_ds_config
 from memtune.preprocess import Prepared, preprocess
 
@@ -96,7 +96,7 @@ def resolve_resume(cfg: RunConfig, run_dir: Path, data_dir: Path) -> Path | None
     saved = load_run_config(ckpt / "config.yaml")
     diffs = []
     for key, what in RESUME_MUST_MATCH.items():
-        old, new = _get(saved, key), _get(cfg, key)
+        old, new = get_field(saved, key), get_field(cfg, key)
         if old != new:
             diffs.append(f"  {key}: checkpoint {old!r}, now {new!r} ({what})")
     state = json.loads((ckpt / "trainer_state.json").read_text())
@@ -111,9 +111,3 @@ def resolve_resume(cfg: RunConfig, run_dir: Path, data_dir: Path) -> Path | None
         )
     print(f"memtune: resuming from {ckpt} (step {state['step']})", flush=True)
     return ckpt
-
-
-def _get(obj: object, dotted: str) -> object:
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
