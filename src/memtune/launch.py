@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 
 from memtune.config import RunConfig
+from memtune.extensions import clear_stale_locks
 
 WORKER_MODULE = "memtune.worker"
 
@@ -87,6 +88,7 @@ def launch(cfg: RunConfig, run_dir: Path, module: str = WORKER_MODULE) -> int:
     cmd, extra = rank_command(cfg, run_dir, port, module)
     env = {**rank_env(cfg), **extra}
     (run_dir / "launch.txt").write_text(" ".join(cmd) + "\n")
+    clear_stale_locks()
     # Ranks start with SIGUSR2 ignored (inherited through exec) until their own handler is in
     # place, so a stop that arrives while they import or load is not fatal; it is re-sent
     # every few seconds until the job ends, which reaches the ranks once they listen.
@@ -119,6 +121,12 @@ def launch(cfg: RunConfig, run_dir: Path, module: str = WORKER_MODULE) -> int:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             return proc.wait()
+    except BaseException:
+        # Whatever stops this process (a test's timeout, an error here) takes the ranks too:
+        # orphaned ranks would keep their cores and ports.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
