@@ -92,7 +92,9 @@ def _finished(root: Path, name: str, *overrides: str) -> Run:
 
 @pytest.fixture(scope="session")
 def zero3_run(runs_root: Path) -> Run:
-    return _finished(runs_root, "zero3", "zero=zero3", "launcher.num_ranks=2")
+    return _finished(
+        runs_root, "zero3", "zero=zero3", "launcher.num_ranks=2", "trainer.loss_chunk_tokens=16"
+    )
 
 
 @pytest.fixture(scope="session")

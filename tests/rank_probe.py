@@ -26,7 +26,7 @@ def probe(engine: Any, ctx: RankContext) -> None:
 
     if os.environ.get("MEMTUNE_TEST_CRASH_RANK") == str(ctx.rank):
         os._exit(7)  # dies while the other ranks enter the collectives below
-    model = engine.module
+    model = engine.module.model
     params = dict(model.named_parameters())
     zero3 = any(hasattr(p, "ds_id") for p in params.values())
     held = sum(int(p.ds_tensor.numel()) if zero3 else p.numel() for p in params.values())
@@ -60,7 +60,7 @@ def probe(engine: Any, ctx: RankContext) -> None:
     ids = torch.tensor([ctx.tokenizer.encode(PROBE_TEXT, add_special_tokens=False)])
     engine.eval()
     with torch.no_grad():
-        logits = engine(input_ids=ids.to(ctx.device)).logits.float().cpu()
+        logits = engine.module.model(input_ids=ids.to(ctx.device)).logits.float().cpu()
     result = {
         "rank": ctx.rank,
         "world_size": ctx.world_size,

@@ -11,9 +11,9 @@ import torch
 
 from memtune.data import collate_padded
 from memtune.generate import answer, load, stop_token_ids
+from memtune.loss import token_loss_sum
 from memtune.merge import merge
 from memtune.preprocess import load_split
-from memtune.trainer import token_loss_sum
 from tests.conftest import FAST, start_run
 
 pytestmark = pytest.mark.slow

@@ -16,10 +16,10 @@ from memtune.data import (
     collate_padded,
     pack_bins,
 )
+from memtune.loss import token_loss_sum
 from memtune.model import load_base_model, load_tokenizer
 from memtune.preprocess import load_split, preprocess
 from memtune.tiny import synthesize
-from memtune.trainer import token_loss_sum
 from tests.conftest import compose_cfg
 
 

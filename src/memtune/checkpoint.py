@@ -31,7 +31,8 @@ def trainable_state_dict(model: Any) -> dict[str, torch.Tensor]:
 def export_adapter(model: Any, out_dir: Path, is_writer: bool) -> int:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors``; returns the tensor count.
 
-    ``model`` is the PEFT model (``engine.module``). All ranks call this; only the writer saves.
+    ``model`` is the PEFT model (``engine.module.model``). All ranks call this; the writer
+    saves.
     """
     state = trainable_state_dict(model)
     if not state:
@@ -142,7 +143,7 @@ def save_checkpoint(
     engine.save_checkpoint(
         str(tmp), tag="engine", exclude_frozen_parameters=True, save_latest=False
     )
-    export_adapter(engine.module, tmp / "adapter", is_writer=rank == 0)
+    export_adapter(engine.module.model, tmp / "adapter", is_writer=rank == 0)
     torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
     _barrier()
     if rank == 0:

@@ -8,6 +8,7 @@ the config. What a type cannot express (ranges, divisibility, choices) is checke
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,6 +121,11 @@ class TrainerConfig:
     """bf16 | fp32 (fp32 is for CPU demos and exact tests)"""
     activation_checkpointing: bool = True
     checkpointing_reentrant: bool = False
+    loss: str = "auto"
+    """auto (Liger's fused linear CE on CUDA when installed, else chunked) | chunked | plain
+    (full-sequence logits, as HF models compute them) | liger"""
+    loss_chunk_tokens: int = 512
+    """Tokens per chunk of the chunked loss: peak logits memory is chunk × vocab × 4 bytes."""
     seed: int = 42
     log_every: int = 1
     eval_every: int = 0
@@ -211,6 +217,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "data.overlong": ("truncate", "drop"),
     "data.on_bad_record": ("error", "skip"),
     "trainer.precision": ("bf16", "fp32"),
+    "trainer.loss": ("auto", "chunked", "plain", "liger"),
     "model.attn_implementation": ("auto", "sdpa", "eager", "flash_attention_2"),
     "logger.backend": ("wandb", "none"),
     "logger.mode": ("offline", "online", "auto"),
@@ -241,6 +248,7 @@ def validate(cfg: RunConfig) -> None:
         "trainer.max_steps": t.max_steps,
         "trainer.lr": t.lr,
         "trainer.log_every": t.log_every,
+        "trainer.loss_chunk_tokens": t.loss_chunk_tokens,
         "trainer.keep_last": t.keep_last,
         "launcher.num_ranks": cfg.launcher.num_ranks,
         "data.max_seq_len": cfg.data.max_seq_len,
@@ -268,6 +276,11 @@ def validate(cfg: RunConfig) -> None:
             f"trainer.global_batch_size={t.global_batch_size} is not a multiple of "
             f"trainer.micro_batch_size × launcher.num_ranks = {t.micro_batch_size} × "
             f"{cfg.launcher.num_ranks} = {per_step}"
+        )
+    if t.loss == "liger" and importlib.util.find_spec("liger_kernel") is None:
+        raise ConfigError(
+            "trainer.loss=liger needs the liger-kernel package (CUDA only); "
+            "use trainer.loss=auto to fall back to memtune's chunked loss"
         )
     if p.method != "lora":
         raise ConfigError(

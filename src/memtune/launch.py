@@ -20,7 +20,8 @@ from pathlib import Path
 import psutil
 
 from memtune.config import RunConfig
-from memtune.extensions import clear_stale_locks
+from memtune.extensions import extensions_root
+from memtune.leftovers import clear_shm_buffers, clear_stale_locks
 
 WORKER_MODULE = "memtune.worker"
 
@@ -88,7 +89,8 @@ def launch(cfg: RunConfig, run_dir: Path, module: str = WORKER_MODULE) -> int:
     cmd, extra = rank_command(cfg, run_dir, port, module)
     env = {**rank_env(cfg), **extra}
     (run_dir / "launch.txt").write_text(" ".join(cmd) + "\n")
-    clear_stale_locks()
+    clear_stale_locks(extensions_root())
+    clear_shm_buffers()
     # Ranks start with SIGUSR2 ignored (inherited through exec) until their own handler is in
     # place, so a stop that arrives while they import or load is not fatal; it is re-sent
     # every few seconds until the job ends, which reaches the ranks once they listen.
@@ -126,10 +128,13 @@ def launch(cfg: RunConfig, run_dir: Path, module: str = WORKER_MODULE) -> int:
         # orphaned ranks would keep their cores and ports.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
         raise
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if proc.poll() is not None:  # the ranks are gone: their shared memory can go too
+            clear_shm_buffers(port)
 
 
 STOP_RESEND_S = 3.0

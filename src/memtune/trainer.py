@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from memtune.config import RunConfig, grad_accumulation_steps
 from memtune.data import IGNORE_INDEX
@@ -70,19 +69,7 @@ def lr_factor(cfg: RunConfig) -> Callable[[int], float]:
     return factor
 
 
-def token_loss_sum(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropy over labelled positions, computed in fp32."""
-    logits = logits_BTV[:, :-1].float()
-    targets = labels_BT[:, 1:]
-    return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]),
-        targets.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
-
-
-MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "labels")
 
 
 def real_tokens(batch: dict[str, torch.Tensor]) -> int:
@@ -153,8 +140,7 @@ def train(
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         for i, batch in enumerate(micro):
             batch = {k: v.to(device) for k, v in batch.items() if k != "real_tokens"}
-            logits = engine(**{k: batch[k] for k in MODEL_INPUTS if k in batch}).logits
-            micro_loss = token_loss_sum(logits, batch["labels"])
+            micro_loss = engine(**{k: batch[k] for k in MODEL_INPUTS if k in batch})
             engine.backward(micro_loss * scale)
             loss_sum += micro_loss.detach().float()
             if i < gas - 1:
@@ -209,8 +195,7 @@ def evaluate(engine: Any, batches: list[dict[str, torch.Tensor]], device: torch.
     with torch.no_grad():
         for batch in batches:
             batch = {k: v.to(device) for k, v in batch.items() if k != "real_tokens"}
-            logits = engine(**{k: batch[k] for k in MODEL_INPUTS if k in batch}).logits
-            totals[0] += token_loss_sum(logits, batch["labels"]).double()
+            totals[0] += engine(**{k: batch[k] for k in MODEL_INPUTS if k in batch}).double()
             totals[1] += (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
     if was_training:
         engine.train()

@@ -36,6 +36,7 @@ from memtune.data import (
     collate_packed,
     collate_padded,
 )
+from memtune.loss import CausalLMLoss, resolve_loss_kind
 from memtune.model import (
     add_lora,
     choose_attention,
@@ -301,8 +302,12 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
             params, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
+        loss_kind = resolve_loss_kind(cfg.trainer.loss, device)
         engine, _, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+            model=CausalLMLoss(model, loss_kind, cfg.trainer.loss_chunk_tokens),
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=ds_config,
         )
         del hf_ds
 
@@ -363,7 +368,7 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
         if after_train is not None:
             after_train(engine, ctx)
         adapter_dir = run_dir / "adapter"
-        n_tensors = export_adapter(engine.module, adapter_dir, is_writer=rank == 0)
+        n_tensors = export_adapter(engine.module.model, adapter_dir, is_writer=rank == 0)
         if rank == 0:
             tokenizer.save_pretrained(str(adapter_dir))
             eval_loss = hooks.eval_losses.get(result.steps)

@@ -1,15 +1,18 @@
-"""Stale torch-extension build locks: a killed builder must not hang every later job."""
+"""Leftovers of killed or finished ranks: build locks must not hang later jobs, shared
+memory must not pile up until the machine runs out of RAM."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from memtune.extensions import build_cpu_ops, clear_stale_locks, extensions_root, stale_locks
-from tests.conftest import FAST, start_run
+from memtune.extensions import build_cpu_ops, extensions_root
+from memtune.leftovers import clear_shm_buffers, clear_stale_locks, shm_buffers, stale_locks
+from tests.conftest import FAST, Run, start_run
 
 HOLD_LOCK = (
     "import os, sys, time; os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); "
@@ -64,3 +67,47 @@ def test_a_job_starts_despite_a_lock_left_by_a_killed_rank(tmp_path: Path, monke
     run = start_run(tmp_path / "run", [*FAST, "trainer.max_steps=2", "launcher.num_ranks=2"])
     assert run.code == 0 and not lock.exists()
     assert [p["rank"] for p in run.probes()] == [0, 1]
+
+
+MAP_FILE = (
+    "import mmap, sys, time; f = open(sys.argv[1], 'r+b'); m = mmap.mmap(f.fileno(), 0); "
+    "f.close(); print('mapped', flush=True); time.sleep(600)"
+)
+
+
+def test_shared_memory_buffers_of_dead_jobs_are_removed(tmp_path: Path) -> None:
+    uid = os.getuid()
+    names = {
+        "finished": f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_41000_0",
+        "finished_1": f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_41000_1",
+        "killed": f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_42000_0",
+        "live": f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_43000_0",
+        "other_user": f"deepspeed_allreduce_buffer_{uid + 1}_127.0.0.1_44000_0",
+    }
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"\0" * 4096)
+    live = subprocess.Popen(
+        [sys.executable, "-c", MAP_FILE, str(tmp_path / names["live"])],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert live.stdout is not None and live.stdout.readline().strip() == "mapped"
+        # A finished job removes its own buffers (both ranks), nothing else.
+        assert clear_shm_buffers(41000, shm_dir=tmp_path) == 2 * 4096
+        assert not (tmp_path / names["finished"]).exists()
+        assert (tmp_path / names["killed"]).exists()
+        # Before a job: every buffer of ours that no process maps.
+        logged: list[str] = []
+        assert clear_shm_buffers(shm_dir=tmp_path, log=logged.append) == 4096
+        assert sorted(p.name for p in tmp_path.iterdir()) == [names["live"], names["other_user"]]
+        assert "1 shared-memory buffer(s)" in logged[0]
+    finally:
+        live.send_signal(signal.SIGKILL)
+        live.wait()
+
+
+def test_a_finished_job_leaves_no_shared_memory(zero3_run: Run) -> None:
+    cmd = (zero3_run.dir / "launch.txt").read_text().split()
+    port = int(cmd[cmd.index("--master_port") + 1])
+    assert shm_buffers(port) == []

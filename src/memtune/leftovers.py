@@ -1,0 +1,124 @@
+"""What finished or killed ranks leave on a machine, and its removal before it does harm.
+
+Two things outlive the ranks that made them:
+
+* **Torch JIT-extension build locks.** Torch guards each build directory of an extension (here:
+  DeepSpeed's ops) with a ``lock`` file that the builder creates and keeps open until the build
+  is loaded. A rank killed while holding it (kill -9, the OOM killer, a Ctrl-C or a preemption
+  during start-up) leaves the file, and every later rank that loads the op waits on it forever,
+  printing nothing. A lock that no live process has open is stale.
+* **DeepSpeed's shared-memory all-reduce buffers** (CPU ranks): each rank maps a 66 MB file
+  ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`` and DeepSpeed never
+  unlinks it, so every job leaks ``ranks × 66 MB`` of RAM-backed tmpfs until the machine runs
+  out of memory. The launcher removes its job's buffers when the ranks are gone, and any buffer
+  no process maps before it starts a job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+LOCK_NAME = "lock"
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "deepspeed_allreduce_buffer"
+# Torch's holder closes the lock's fd and removes the file microseconds apart; a lock seen
+# closed twice this far apart is not in that window.
+RECHECK_S = 1.0
+
+
+def _pids() -> Iterable[Path]:
+    return (p for p in Path("/proc").iterdir() if p.name.isdigit())
+
+
+def open_paths() -> set[str]:
+    """Every file some process on this machine has open (that we may look at)."""
+    paths: set[str] = set()
+    for proc in _pids():
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    paths.add(os.readlink(fd))
+    return paths
+
+
+def mapped_paths() -> set[str]:
+    """Every file some process has open or mapped into memory."""
+    paths = open_paths()
+    for proc in _pids():
+        with contextlib.suppress(OSError):
+            for line in (proc / "maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6:
+                    paths.add(fields[5].removesuffix(" (deleted)"))
+    return paths
+
+
+def build_locks(root: Path) -> list[Path]:
+    """Lock files under root: root/<ext>/lock and root/<py_accel>/<ext>/lock."""
+    if not root.is_dir():
+        return []
+    return sorted({*root.glob(f"*/{LOCK_NAME}"), *root.glob(f"*/*/{LOCK_NAME}")})
+
+
+def stale_locks(root: Path, recheck_s: float = RECHECK_S) -> list[Path]:
+    """Lock files that nobody holds open, seen so twice ``recheck_s`` apart."""
+    candidates = [p for p in build_locks(root) if str(p.resolve()) not in open_paths()]
+    if not candidates:
+        return []
+    time.sleep(recheck_s)
+    held = open_paths()
+    return [p for p in candidates if p.exists() and str(p.resolve()) not in held]
+
+
+def clear_stale_locks(
+    root: Path, log: Callable[[str], None] = print, recheck_s: float = RECHECK_S
+) -> list[Path]:
+    """Remove stale build locks under ``root``; returns the removed paths."""
+    removed = []
+    for lock in stale_locks(root, recheck_s):
+        with contextlib.suppress(FileNotFoundError):
+            lock.unlink()
+            removed.append(lock)
+            log(
+                f"memtune: removed a stale build lock left by a killed process: {lock} "
+                "(without this, every rank would wait on it forever)"
+            )
+    return removed
+
+
+def shm_buffers(port: int | None = None, shm_dir: Path = SHM_DIR) -> list[Path]:
+    """This user's DeepSpeed all-reduce buffers (of one job's master port, if given)."""
+    if not shm_dir.is_dir():
+        return []
+    pattern = f"{SHM_PREFIX}_{os.getuid()}_*_{'*' if port is None else port}_*"
+    return sorted(shm_dir.glob(pattern))
+
+
+def clear_shm_buffers(
+    port: int | None = None, shm_dir: Path = SHM_DIR, log: Callable[[str], None] = print
+) -> int:
+    """Remove the buffers of a finished job (``port``), or every buffer no process maps.
+
+    Returns the bytes freed. Removing a name never pulls memory from under a live mapping (the
+    kernel frees it at the last unmap), but a buffer a live job maps is kept all the same.
+    """
+    found = shm_buffers(port, shm_dir)
+    if port is None and found:
+        in_use = mapped_paths()
+        found = [p for p in found if str(p) not in in_use]
+    freed = 0
+    for path in found:
+        with contextlib.suppress(FileNotFoundError):
+            size = path.stat().st_size
+            path.unlink()
+            freed += size
+    if freed and port is None:
+        log(
+            f"memtune: removed {len(found)} shared-memory buffer(s) left in {shm_dir} by earlier "
+            f"DeepSpeed CPU jobs ({freed / 1024**2:.0f} MiB of RAM)"
+        )
+    return freed

@@ -1,0 +1,140 @@
+"""The training loss without full-sequence logits: a frozen-head cross-entropy, chunk by chunk.
+
+One 4096-token sequence of Qwen2.5 (vocabulary 152,064) has 2.49 GB of fp32 logits, more than
+a LoRA step's whole activation budget. Since LoRA never trains the LM head, the loss only needs
+the gradient with respect to the hidden states, dL/dh = (softmax(hW^T) - onehot(y)) W, and that
+can be computed chunk by chunk in the forward pass, the way Liger's fused linear cross-entropy
+does: peak memory is one chunk of logits, and the head is multiplied twice per token instead of
+three times (forward, recompute, backward). Only labelled positions enter the head at all.
+
+Under ZeRO-3 the head weight is partitioned. It is gathered once per forward — the same single
+collective on every rank, however many label tokens each rank has — instead of calling the head
+module per chunk, which would make the number of all-gathers depend on each rank's data and
+deadlock.
+
+:class:`CausalLMLoss` is the module DeepSpeed wraps: PEFT model plus loss, so the loss is part
+of the engine's forward. It returns the *sum* of token losses (see trainer.py for the scaling).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memtune.data import IGNORE_INDEX
+
+LOSS_KINDS = ("auto", "chunked", "plain", "liger")
+
+
+def token_loss_sum(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+    """Plain next-token cross-entropy summed over labelled positions, from full logits (fp32)."""
+    logits = logits_BTV[:, :-1].float()
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        labels_BT[:, 1:].reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+class FrozenHeadCrossEntropy(torch.autograd.Function):
+    """sum_i CE(h_i W^T, y_i) for a frozen W, with dL/dh computed during the forward pass."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, hidden_NH: torch.Tensor, weight_VH: torch.Tensor, y_N: torch.Tensor, chunk: int
+    ) -> torch.Tensor:
+        need_grad = ctx.needs_input_grad[0]
+        grad_NH = torch.empty_like(hidden_NH) if need_grad else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden_NH.device)
+        for s in range(0, hidden_NH.shape[0], chunk):
+            h, y = hidden_NH[s : s + chunk], y_N[s : s + chunk]
+            logits = (h.to(weight_VH.dtype) @ weight_VH.T).float()  # chunk × V, the only big buffer
+            lse = torch.logsumexp(logits, dim=-1)
+            total += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
+            if grad_NH is not None:
+                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place
+                probs[torch.arange(y.shape[0], device=y.device), y] -= 1.0
+                grad_NH[s : s + chunk] = (probs.to(weight_VH.dtype) @ weight_VH).to(h.dtype)
+        ctx.save_for_backward(grad_NH if grad_NH is not None else hidden_NH.new_empty(0))
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (grad_NH,) = ctx.saved_tensors
+        return grad_NH * grad_out.to(grad_NH.dtype), None, None, None
+
+
+def chunked_loss_sum(
+    hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, labels_BT: torch.Tensor, chunk: int
+) -> torch.Tensor:
+    """Same value and hidden-state gradient as ``token_loss_sum(hidden @ W^T, labels)``."""
+    targets = labels_BT[:, 1:]
+    keep = targets != IGNORE_INDEX
+    hidden = hidden_BTH[:, :-1][keep]  # labelled positions only: prompts never reach the head
+    return FrozenHeadCrossEntropy.apply(hidden, weight_VH, targets[keep], chunk)
+
+
+def liger_available(device: torch.device) -> bool:
+    return device.type == "cuda" and importlib.util.find_spec("liger_kernel") is not None
+
+
+def _liger_loss_sum(
+    hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, labels_BT: torch.Tensor
+) -> torch.Tensor:
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    hidden = hidden_BTH[:, :-1].reshape(-1, hidden_BTH.shape[-1])
+    loss: torch.Tensor = liger_fused_linear_cross_entropy(
+        hidden,
+        weight_VH,
+        labels_BT[:, 1:].reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    return loss.float()
+
+
+def resolve_loss_kind(kind: str, device: torch.device) -> str:
+    if kind == "auto":
+        return "liger" if liger_available(device) else "chunked"
+    return kind
+
+
+class CausalLMLoss(nn.Module):
+    """The module DeepSpeed trains: ``model`` (PEFT causal LM) and the token-sum loss."""
+
+    def __init__(self, model: nn.Module, kind: str = "chunked", chunk_tokens: int = 512):
+        super().__init__()
+        self.model = model
+        self.kind = kind
+        self.chunk_tokens = chunk_tokens
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if position_ids is not None:
+            inputs["position_ids"] = position_ids
+        if self.kind == "plain":
+            return token_loss_sum(self.model(**inputs).logits, labels)
+        base = self.model.get_base_model()  # type: ignore[operator]
+        head = base.get_output_embeddings()
+        if head.weight.requires_grad or getattr(head, "bias", None) is not None:
+            raise ValueError("the chunked loss needs a frozen, bias-free LM head; use loss=plain")
+        hidden = base.get_decoder()(**inputs).last_hidden_state
+        # Under ZeRO-3, reading head.weight inside this forward registers it as an external
+        # parameter of this module: DeepSpeed all-gathers it here, once, on every rank alike,
+        # and releases it when this forward ends.
+        weight = head.weight
+        if self.kind == "liger":
+            return _liger_loss_sum(hidden, weight, labels)
+        return chunked_loss_sum(hidden, weight, labels, self.chunk_tokens)
