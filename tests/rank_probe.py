@@ -8,6 +8,7 @@ model's logits on a fixed batch, so the test process can compare them with base 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -15,14 +16,19 @@ from typing import Any
 
 import torch
 
+from memtune.model import load_base_model, prepare_quantized, torch_dtype
 from memtune.worker import RankContext, run
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
 
 PROBE_TEXT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 
 
 def probe(engine: Any, ctx: RankContext) -> None:
     import deepspeed
-    from transformers import AutoModelForCausalLM
 
     if os.environ.get("MEMTUNE_TEST_CRASH_RANK") == str(ctx.rank):
         os._exit(7)  # dies while the other ranks enter the collectives below
@@ -35,25 +41,30 @@ def probe(engine: Any, ctx: RankContext) -> None:
     gathered = deepspeed.zero.GatheredParameters(list(params.values())) if zero3 else None
     if gathered is not None:
         gathered.__enter__()
-    full = {n: p.detach().float().cpu().clone() for n, p in params.items()}
+    full = {n: p.detach().cpu().clone() for n, p in params.items()}
     if gathered is not None:
         gathered.__exit__(None, None, None)
 
-    from memtune.model import torch_dtype
-
-    # In the dtype the rank loaded it in, so any difference is a change, not a rounding.
-    base = AutoModelForCausalLM.from_pretrained(
-        ctx.cfg.model.name_or_path, dtype=torch_dtype(ctx.cfg)
-    )
-    base_sd = base.state_dict()
-    max_base_diff = 0.0
-    n_base = 0
+    # The base as a fresh load makes it (quantized and prepared the same way for QLoRA / int8),
+    # compared byte for byte: a frozen weight that changed at all is a bug.
+    fresh_model = load_base_model(ctx.cfg, "sdpa")
+    if ctx.cfg.peft.method != "lora":
+        fresh_model = prepare_quantized(fresh_model, torch_dtype(ctx.cfg))
+    fresh = dict(fresh_model.named_parameters())
+    base_changed = []
     for name, value in full.items():
         if "lora_" in name:
             continue
-        key = name.replace("base_model.model.", "").replace(".base_layer", "")
-        max_base_diff = max(max_base_diff, float((value - base_sd[key].float()).abs().max()))
-        n_base += 1
+        ref = fresh[name.replace("base_model.model.", "").replace(".base_layer", "")].detach()
+        if ref.dtype != value.dtype and ref.is_floating_point():
+            ref = ref.to(value.dtype)  # a ZeRO-3 partition keeps the dtype it was loaded in
+        if not torch.equal(_bytes(value), _bytes(ref)):
+            base_changed.append(name)
+    n_base = sum(1 for n in full if "lora_" not in n)
+    lora = b"".join(_bytes(v).numpy().tobytes() for n, v in sorted(full.items()) if "lora_" in n)
+    bnb_layers = [m for m in model.modules() if type(m).__module__.startswith("bitsandbytes")]
+    quantized = {type(m).__name__: str(m.weight.dtype) for m in bnb_layers}
+    n_quantized = len(bnb_layers)
     lora_b_zero = [n for n, v in full.items() if "lora_B" in n and not torch.any(v != 0)]
     n_lora_b = sum(1 for n in full if "lora_B" in n)
 
@@ -68,7 +79,10 @@ def probe(engine: Any, ctx: RankContext) -> None:
         "held_params": held,
         "total_params": total,
         "base_tensors_checked": n_base,
-        "max_base_diff": max_base_diff,
+        "base_changed": base_changed,
+        "quantized": quantized,
+        "quantized_modules": n_quantized,
+        "lora_sha256": hashlib.sha256(lora).hexdigest(),
         "lora_b_tensors": n_lora_b,
         "lora_b_all_zero": lora_b_zero,
     }

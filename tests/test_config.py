@@ -22,12 +22,7 @@ def test_experiments_are_shipped() -> None:
 def test_every_experiment_composes(experiment: str) -> None:
     cfg = to_run_config(compose_cfg([f"experiment={experiment}"]))
     assert cfg.experiment == experiment
-    if cfg.peft.method == "qlora":
-        # Refused, clearly, until QLoRA lands.
-        with pytest.raises(ConfigError, match=r"peft\.method=qlora"):
-            validate(cfg)
-    else:
-        validate(cfg)
+    validate(cfg)
 
 
 def test_default_is_the_cpu_demo() -> None:

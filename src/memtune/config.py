@@ -91,6 +91,10 @@ class PeftConfig:
     dropout: float = 0.05
     target: str = "attention"
     """attention (q, k, v, o: the seeds' choice) | all-linear (adds gate, up, down)"""
+    quant_type: str = "nf4"
+    """qlora only: nf4 | fp4"""
+    double_quant: bool = True
+    """qlora only: quantize the per-block scales too (~0.37 bits less per weight)."""
 
 
 @dataclass
@@ -212,6 +216,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "zero.stage": (2, 3),
     "peft.method": ("lora", "qlora", "lora-int8"),
     "peft.target": ("attention", "all-linear"),
+    "peft.quant_type": ("nf4", "fp4"),
     "data.format": ("alpaca", "messages", "text"),
     "data.template": ("chatml", "plain"),
     "data.overlong": ("truncate", "drop"),
@@ -281,11 +286,6 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             "trainer.loss=liger needs the liger-kernel package (CUDA only); "
             "use trainer.loss=auto to fall back to memtune's chunked loss"
-        )
-    if p.method != "lora":
-        raise ConfigError(
-            f"peft.method={p.method} (quantized base) is not available yet: it lands with "
-            "the QLoRA / 8-bit work. Use peft=lora (bf16 base) for now."
         )
     for key in ("zero.reduce_bucket_size", "zero.prefetch_bucket_size"):
         value = get_field(cfg, key)

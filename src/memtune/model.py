@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 from typing import Any
 
 import torch
@@ -46,16 +47,50 @@ def load_tokenizer(cfg: RunConfig) -> Any:
     return tok
 
 
-def load_base_model(cfg: RunConfig, attn_implementation: str) -> Any:
-    """``from_pretrained`` in the training dtype. Under ZeRO-3 the caller keeps a live
-    ``HfDeepSpeedConfig`` so weights load already partitioned across ranks."""
+def quantization_config(cfg: RunConfig) -> Any:
+    """bitsandbytes settings for a quantized base (peft.method qlora / lora-int8), else None.
+
+    NF4 weights are stored packed in the training dtype (``bnb_4bit_quant_storage``): ZeRO-3
+    partitions and gathers parameters of one floating dtype, and a uint8 store would not be
+    sharded with the rest.
+    """
+    from transformers import BitsAndBytesConfig
+
+    p, dtype = cfg.peft, torch_dtype(cfg)
+    if p.method == "qlora":
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=p.quant_type,
+            bnb_4bit_use_double_quant=p.double_quant,
+            bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_quant_storage=dtype,
+        )
+    if p.method == "lora-int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return None
+
+
+def load_base_model(
+    cfg: RunConfig, attn_implementation: str, device_index: int | None = None
+) -> Any:
+    """``from_pretrained`` in the training dtype, quantized for QLoRA / int8. Under ZeRO-3 the
+    caller keeps a live ``HfDeepSpeedConfig`` so weights load already partitioned across ranks
+    (no ``device_map`` then); a quantized base under ZeRO-2 on a GPU loads onto the rank's GPU,
+    where bitsandbytes quantizes it."""
     from transformers import AutoModelForCausalLM
 
+    quant = quantization_config(cfg)
+    extra: dict[str, Any] = {}
+    if quant is not None:
+        extra["quantization_config"] = quant
+        if device_index is not None and cfg.zero.stage != 3:
+            extra["device_map"] = {"": device_index}
     model = AutoModelForCausalLM.from_pretrained(
         cfg.model.name_or_path,
         dtype=torch_dtype(cfg),
         attn_implementation=attn_implementation,
         trust_remote_code=cfg.model.trust_remote_code,
+        **extra,
     )
     model.config.use_cache = False  # a KV cache is useless in training and defeats recompute
     return model
@@ -65,6 +100,8 @@ def add_lora(model: Any, cfg: RunConfig) -> Any:
     from peft import LoraConfig, get_peft_model
 
     p = cfg.peft
+    if p.method != "lora":
+        model = prepare_quantized(model, torch_dtype(cfg))
     if cfg.trainer.activation_checkpointing:
         # On decoder layers only (transformers wraps its GradientCheckpointingLayer modules);
         # embeddings and the LM head keep their activations.
@@ -86,11 +123,48 @@ def add_lora(model: Any, cfg: RunConfig) -> Any:
     return model
 
 
+def prepare_quantized(model: Any, dtype: torch.dtype) -> Any:
+    """peft's ``prepare_model_for_kbit_training``, without its fp32 upcast.
+
+    It freezes the base and upcasts every weight that is not quantized to fp32. The upcast
+    costs twice: the embedding and LM head (frozen, 2 × vocab × hidden) double to 4.4 GB on
+    Qwen2.5-7B, and fp32 norms turn the whole residual stream fp32 (RMSNorm multiplies by its
+    weight's dtype, and bitsandbytes layers return their input's dtype), doubling the
+    activations kept for the backward pass. So those weights go back to the compute dtype,
+    as in a plain bf16 LoRA run.
+    """
+    from peft import prepare_model_for_kbit_training
+
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    for module in model.modules():
+        if type(module).__module__.startswith("bitsandbytes"):
+            continue
+        for param in module.parameters(recurse=False):
+            if param.dtype == torch.float32 and dtype != torch.float32:
+                param.data = param.data.to(dtype)
+    return model
+
+
+def method_label(cfg: RunConfig) -> str:
+    """How the run trains, for humans: LoRA, QLoRA (NF4 base), LoRA (int8 base)."""
+    p = cfg.peft
+    if p.method == "qlora":
+        return f"QLoRA ({p.quant_type.upper()} base)"
+    if p.method == "lora-int8":
+        return "LoRA (int8 base)"
+    return f"LoRA ({cfg.trainer.precision} base)"
+
+
 def count_parameters(model: Any) -> tuple[int, int]:
-    """(trainable, total), using ZeRO-3's full sizes when parameters are partitioned."""
+    """(trainable, total) weights, using ZeRO-3's full sizes when parameters are partitioned
+    and the unpacked size of 4-bit weights (stored several to an element)."""
     trainable = total = 0
     for p in model.parameters():
-        n = int(getattr(p, "ds_numel", p.numel()))
+        quant_state = getattr(p, "quant_state", None)
+        if quant_state is not None and getattr(quant_state, "shape", None) is not None:
+            n = math.prod(quant_state.shape)
+        else:
+            n = int(getattr(p, "ds_numel", p.numel()))
         total += n
         if p.requires_grad:
             trainable += n

@@ -43,6 +43,7 @@ from memtune.model import (
     count_parameters,
     load_base_model,
     load_tokenizer,
+    method_label,
 )
 from memtune.preprocess import load_split
 from memtune.telemetry import (
@@ -280,6 +281,8 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
     # Deprecations raised inside DeepSpeed and peft on every step; nothing a user can act on.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*is deprecated")
+    # LLM.int8 says so on every forward of every layer when the compute dtype is not fp16.
+    warnings.filterwarnings("ignore", message=r"MatMul8bitLt: inputs will be cast")
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir / "config.yaml")
     ds_config = json.loads((run_dir / "ds_config.json").read_text())
@@ -291,7 +294,8 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
         attn = choose_attention(cfg.model.attn_implementation, device.type)
         # Kept alive while loading: makes from_pretrained place weights partitioned (ZeRO-3).
         hf_ds = HfDeepSpeedConfig(ds_config) if cfg.zero.stage == 3 else None
-        model = add_lora(load_base_model(cfg, attn), cfg)
+        gpu = local_rank if device.type == "cuda" else None
+        model = add_lora(load_base_model(cfg, attn, gpu), cfg)
         trainable, total = count_parameters(model)
 
         data_record = json.loads((run_dir / "data.json").read_text())
@@ -313,9 +317,9 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
 
         t = cfg.trainer
         print0(
-            f"memtune: {cfg.model.name_or_path} · attention {attn} · LoRA r={cfg.peft.r} "
-            f"on {cfg.peft.target} · {trainable:,} trainable of {total:,} parameters "
-            f"({100 * trainable / total:.3f}%)\n"
+            f"memtune: {cfg.model.name_or_path} · attention {attn} · {method_label(cfg)} "
+            f"r={cfg.peft.r} on {cfg.peft.target} · {trainable:,} trainable of {total:,} "
+            f"parameters ({100 * trainable / total:.3f}%)\n"
             f"memtune: {world} rank(s) · ZeRO-{cfg.zero.stage} · {t.precision} · batch "
             f"{t.micro_batch_size} × accum {grad_accumulation_steps(cfg)} × {world} ranks = "
             f"{t.global_batch_size} · activation checkpointing "
