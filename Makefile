@@ -11,7 +11,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test preprocess merge lint format train-4x4090 bench-data clean
+.PHONY: help install train test preprocess plan merge lint format train-4x4090 bench-data clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-14s %s\n", $$1, $$2}'
@@ -36,6 +36,9 @@ test: $(STAMP) ## Run the test suite (CPU; real DeepSpeed ranks)
 
 preprocess: $(STAMP) ## Tokenize the data into its cache and print the counts (ARGS= for data.*)
 	$(PY) train.py preprocess_only=true $(ARGS)
+
+plan: $(STAMP) ## Per-rank memory plan of EXP (default qwen2.5-7b-4x4090-lora); launches nothing
+	@$(PY) train.py experiment=$(EXP) plan_only=true hydra.run.dir=outputs/plans/$(EXP) hydra.output_subdir=null $(ARGS)
 
 merge: $(STAMP) ## Merge an adapter into its base: ADAPTER=RUN_DIR/adapter OUT=merged/ [ARGS=--dtype fp32]
 	@test -n "$(ADAPTER)" -a -n "$(OUT)" || { echo "usage: make merge ADAPTER=RUN_DIR/adapter OUT=DIR"; exit 2; }

@@ -3,6 +3,7 @@
     python train.py                                  # the CPU demo (experiment=demo-cpu)
     python train.py experiment=qwen2.5-7b-4x4090-lora data=alpaca data.path=my.jsonl
     python train.py -m peft.r=4,8                    # a sweep: one run dir per point
+    python train.py experiment=qwen2.5-7b-4x4090-lora plan_only=true   # memory plan only
 
 This runs once per run (never once per rank); the ranks are `python -m memtune.worker RUN_DIR`.
 """
@@ -18,12 +19,28 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from memtune.config import ConfigError, register_configs
+from memtune.config import ConfigError, register_configs, to_run_config, validate
 from memtune.launch import launch
+from memtune.plan import format_plan, plan, suggestions
 from memtune.rundir import prepare_run_dir
 
 register_configs()
 FAILED_POINTS: list[str] = []
+
+
+def print_plan(cfg: DictConfig) -> int:
+    """plan_only=true: the per-rank memory plan; writes nothing, launches nothing."""
+    try:
+        run_cfg = to_run_config(cfg)
+        validate(run_cfg)
+        result = plan(run_cfg)
+    except ConfigError as err:
+        print(f"memtune: config error: {err}", file=sys.stderr)
+        return 2
+    print(format_plan(run_cfg, result))
+    if not result.fits:
+        print("Try:\n" + "\n".join(f"  - {tip}" for tip in suggestions(run_cfg)))
+    return 0
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -40,6 +57,8 @@ def main(cfg: DictConfig) -> None:
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
     if sweeping and cfg.logger.group is None:
         cfg.logger.group = Path(hydra_cfg.sweep.dir).name  # one wandb group per sweep
+    if cfg.plan_only:
+        sys.exit(print_plan(cfg))
     try:
         run_cfg = prepare_run_dir(cfg, run_dir)
     except ConfigError as err:

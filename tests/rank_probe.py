@@ -68,6 +68,7 @@ def probe(engine: Any, ctx: RankContext) -> None:
     lora_b_zero = [n for n, v in full.items() if "lora_B" in n and not torch.any(v != 0)]
     n_lora_b = sum(1 for n in full if "lora_B" in n)
 
+    basic = getattr(engine.optimizer, "optimizer", engine.optimizer)  # inside ZeRO's wrapper
     ids = torch.tensor([ctx.tokenizer.encode(PROBE_TEXT, add_special_tokens=False)])
     engine.eval()
     with torch.no_grad():
@@ -85,6 +86,10 @@ def probe(engine: Any, ctx: RankContext) -> None:
         "lora_sha256": hashlib.sha256(lora).hexdigest(),
         "lora_b_tensors": n_lora_b,
         "lora_b_all_zero": lora_b_zero,
+        "optimizer": type(basic).__name__,
+        "optimizer_state_dtypes": sorted(
+            {str(v.dtype) for s in basic.state.values() for v in s.values() if torch.is_tensor(v)}
+        ),
     }
     (ctx.run_dir / f"probe_rank{ctx.rank}.json").write_text(json.dumps(result, indent=2))
     if ctx.rank == 0:

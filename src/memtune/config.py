@@ -125,6 +125,11 @@ class TrainerConfig:
     """bf16 | fp32 (fp32 is for CPU demos and exact tests)"""
     activation_checkpointing: bool = True
     checkpointing_reentrant: bool = False
+    optimizer: str = "adamw"
+    """adamw (torch) | adamw_8bit (bitsandbytes; paged on CUDA) | cpu_adam (DeepSpeed, state and
+    step on the host: ZeRO-Offload)"""
+    optim_8bit_min_size: int = 4096
+    """adamw_8bit: tensors with fewer elements keep 32-bit state (bitsandbytes' rule)."""
     loss: str = "auto"
     """auto (Liger's fused linear CE on CUDA when installed, else chunked) | chunked | plain
     (full-sequence logits, as HF models compute them) | liger"""
@@ -162,6 +167,14 @@ class LauncherConfig:
 
 
 @dataclass
+class PlanConfig:
+    device_gib: float | None = None
+    """Memory per GPU to plan against (RTX 4090D: 23.99); null: plan without a check (CPU)."""
+    enforce: bool = True
+    """Refuse, before any rank starts, a run whose planned peak exceeds device_gib."""
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -170,7 +183,10 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     experiment: str = "custom"
+    plan_only: bool = False
+    """Print the per-rank memory plan and stop (make plan); nothing is written or launched."""
     preprocess_only: bool = False
     """Tokenize the data into its cache, print the counts, launch nothing (make preprocess)."""
     resume: str = "auto"
@@ -223,6 +239,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "data.on_bad_record": ("error", "skip"),
     "trainer.precision": ("bf16", "fp32"),
     "trainer.loss": ("auto", "chunked", "plain", "liger"),
+    "trainer.optimizer": ("adamw", "adamw_8bit", "cpu_adam"),
     "model.attn_implementation": ("auto", "sdpa", "eager", "flash_attention_2"),
     "logger.backend": ("wandb", "none"),
     "logger.mode": ("offline", "online", "auto"),

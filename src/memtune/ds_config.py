@@ -30,6 +30,15 @@ def derived_values(cfg: RunConfig) -> dict[str, Any]:
         "zero_optimization.stage": z.stage,
         "zero_optimization.reduce_bucket_size": z.reduce_bucket_size or h * h,
     }
+    if t.optimizer == "cpu_adam":
+        # DeepSpeed builds DeepSpeedCPUAdam itself only from its own config (see optim.py).
+        values["optimizer.type"] = "AdamW"
+        values["optimizer.params.lr"] = t.lr
+        values["optimizer.params.weight_decay"] = t.weight_decay
+        values["zero_optimization.offload_optimizer.device"] = "cpu"
+    if t.optimizer == "adamw_8bit":
+        # ZeRO wraps bitsandbytes' optimizer like any other; DeepSpeed asks for this opt-in.
+        values["zero_allow_untested_optimizer"] = True
     if z.stage == 2:
         values["zero_optimization.allgather_bucket_size"] = z.reduce_bucket_size or h * h
     else:

@@ -36,9 +36,7 @@ def build_optimizer(
 
         paged = device.type == "cuda"
         cls = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
-        opt = cls(
-            params, lr=t.lr, weight_decay=t.weight_decay, min_8bit_size=t.optim_8bit_min_size
-        )
+        opt = cls(params, lr=t.lr, weight_decay=t.weight_decay, min_8bit_size=t.optim_8bit_min_size)
         note = "paged" if paged else "not paged: paging needs CUDA"
         return opt, f"optimizer bitsandbytes 8-bit AdamW ({note})"
     return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay), "optimizer AdamW"

@@ -9,6 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from memtune.config import RunConfig, get_field, to_run_config, validate
 from memtune.ds_config import build_ds_config
+from memtune.plan import check_fits, format_plan
 from memtune.preprocess import Prepared, preprocess
 
 
@@ -23,6 +24,7 @@ def prepare_run_dir(cfg_node: DictConfig, run_dir: Path) -> RunConfig:
     cfg.run_dir = str(run_dir)
     validate(cfg)
     ds_config = build_ds_config(cfg)
+    memory_plan = check_fits(cfg) if cfg.model.architecture else None  # refuses what cannot fit
     if cfg.model.synthesize:
         from memtune.tiny import synthesize
 
@@ -32,6 +34,8 @@ def prepare_run_dir(cfg_node: DictConfig, run_dir: Path) -> RunConfig:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
+    if memory_plan is not None:
+        (run_dir / "plan.txt").write_text(format_plan(cfg, memory_plan) + "\n")
     data_record = {
         "dir": str(prepared.dir),
         "reused": prepared.reused,

@@ -45,6 +45,7 @@ from memtune.model import (
     load_tokenizer,
     method_label,
 )
+from memtune.optim import build_optimizer, scheduler_factory
 from memtune.preprocess import load_split
 from memtune.telemetry import (
     NullLogger,
@@ -61,7 +62,6 @@ from memtune.trainer import (
     eval_shard,
     evaluate,
     gather_values,
-    lr_factor,
     train,
 )
 
@@ -302,15 +302,13 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
         stats = DataStats(**data_record["train"])
         loader, sampler = make_loader(cfg, data_record["dir"], tokenizer.pad_token_id, rank, world)
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(
-            params, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
-        )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
+        optimizer, optimizer_note = build_optimizer(cfg, params, device)
         loss_kind = resolve_loss_kind(cfg.trainer.loss, device)
         engine, _, _, _ = deepspeed.initialize(
             model=CausalLMLoss(model, loss_kind, cfg.trainer.loss_chunk_tokens),
             optimizer=optimizer,
-            lr_scheduler=scheduler,
+            model_parameters=params if optimizer is None else None,
+            lr_scheduler=scheduler_factory(cfg),
             config=ds_config,
         )
         del hf_ds
@@ -323,7 +321,7 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
             f"memtune: {world} rank(s) · ZeRO-{cfg.zero.stage} · {t.precision} · batch "
             f"{t.micro_batch_size} × accum {grad_accumulation_steps(cfg)} × {world} ranks = "
             f"{t.global_batch_size} · activation checkpointing "
-            f"{'on' if t.activation_checkpointing else 'off'}\n"
+            f"{'on' if t.activation_checkpointing else 'off'} · {optimizer_note}\n"
             f"memtune: data {stats.line()}; {batching_summary(cfg)}",
             flush=True,
         )

@@ -1,0 +1,283 @@
+"""Per-rank memory plan of a run, before any rank starts.
+
+Parameter counts come from the real architecture: the model is instantiated on the meta device
+from ``model.architecture`` (the fields of its config.json) and LoRA is applied to it with peft,
+so nothing is downloaded and no formula guesses which layers exist. Byte sizes per component
+follow from dtypes, the ZeRO stage and the optimizer:
+
+* base weights — bf16/fp32, or NF4 (0.5 byte + block scales) / int8 (1 byte + row scales) for
+  the decoder's linear layers; ZeRO-3 shards them over the ranks, except tensors under the
+  persistence threshold (norms, biases) and bitsandbytes' scales;
+* LoRA weights, gradients and optimizer state — fp32 (peft keeps adapters in fp32); ZeRO-2/3
+  shard gradients and optimizer state, ZeRO-3 the weights too; AdamW keeps an fp32 master copy
+  plus two moments (12 bytes), 8-bit AdamW 6, CPU Adam none on the device;
+* activations — what autograd saves per decoder layer for a frozen base with LoRA (norm inputs
+  in fp32, attention q/k/v/output, the MLP's gate/up/act, an fp32 copy of each LoRA input plus
+  the dropout mask); with activation checkpointing only each layer's input is kept, plus one
+  layer's activations while it is recomputed;
+* the loss — plain cross-entropy holds tokens × vocab logits in bf16 and fp32 plus the fp32
+  log-softmax; the chunked loss one chunk;
+* DeepSpeed's reduce/prefetch buckets, and on a GPU a fixed allowance for the CUDA context and
+  library workspaces.
+
+The activation model is checked against the bytes autograd really saves
+(``tests/test_plan.py``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from memtune.config import RunConfig, grad_accumulation_steps
+
+GIB = 1024**3
+# CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers: not in torch's allocator statistics.
+CUDA_CONTEXT_GIB = 0.8
+# Caching-allocator fragmentation on top of the peak of live tensors.
+FRAGMENTATION = 0.05
+NF4_BYTES = {True: 0.5 + 1 / 64 + 4 / (64 * 256), False: 0.5 + 4 / 64}  # by double_quant
+
+
+@dataclass
+class ParamCounts:
+    """From the meta-device model: where the base's parameters are, and LoRA's."""
+
+    linear: int  # decoder linear weights (quantized under QLoRA / int8)
+    layer: int  # parameters of one decoder layer
+    linear_rows: int  # their output rows (int8 keeps one fp32 scale per row)
+    embedding: int
+    head: int  # 0 when tied to the embedding
+    small: int  # norms and biases: under ZeRO-3's persistence threshold, never sharded
+    lora: int
+    lora_inputs: list[tuple[int, int]]  # (in_features, r) of each LoRA target in one layer
+
+    @property
+    def base(self) -> int:
+        return self.linear + self.embedding + self.head + self.small
+
+
+@dataclass
+class Plan:
+    rows: list[tuple[str, float, str]] = field(default_factory=list)  # (what, GiB/rank, how)
+    device_gib: float | None = None
+    counts: ParamCounts | None = None
+
+    @property
+    def total_gib(self) -> float:
+        return sum(gib for _, gib, _ in self.rows)
+
+    @property
+    def fits(self) -> bool:
+        return self.device_gib is None or self.total_gib <= self.device_gib
+
+    def add(self, what: str, nbytes: float, how: str) -> None:
+        self.rows.append((what, nbytes / GIB, how))
+
+
+def _arch_config(cfg: RunConfig) -> Any:
+    from transformers import AutoConfig
+
+    arch = dict(cfg.model.architecture)
+    return AutoConfig.for_model(arch.pop("model_type"), **arch)
+
+
+def count_params(cfg: RunConfig) -> ParamCounts:
+    """Instantiate the architecture on the meta device, add LoRA with peft, and count."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from memtune.model import LORA_TARGETS
+
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model = AutoModelForCausalLM.from_config(_arch_config(cfg))
+        embedding = model.get_input_embeddings().weight
+        head = model.get_output_embeddings()
+        tied = head is not None and head.weight is embedding
+        linear = rows = small = 0
+        for module in model.get_decoder().layers.modules():
+            if isinstance(module, torch.nn.Linear):
+                linear += module.weight.numel()
+                rows += module.out_features
+        n_all = sum(p.numel() for p in model.parameters())
+        layer = sum(q.numel() for q in model.get_decoder().layers[0].parameters())
+        head_n = 0 if tied or head is None else head.weight.numel()
+        small = n_all - linear - embedding.numel() - head_n
+        p = cfg.peft
+        targets = LORA_TARGETS[p.target]
+        layer0 = model.get_decoder().layers[0]
+        lora_inputs = [
+            (m.in_features, p.r)
+            for name, m in layer0.named_modules()
+            if isinstance(m, torch.nn.Linear) and name.split(".")[-1] in targets
+        ]
+        peft_model = get_peft_model(
+            model, LoraConfig(r=p.r, lora_alpha=p.alpha, target_modules=targets)
+        )
+        lora = sum(q.numel() for q in peft_model.parameters() if q.requires_grad)
+    return ParamCounts(linear, layer, rows, embedding.numel(), head_n, small, lora, lora_inputs)
+
+
+def activation_bytes(
+    cfg: RunConfig, tokens: int, checkpointing: bool, counts: ParamCounts, cuda: bool = True
+) -> dict:
+    """Bytes autograd keeps for one micro batch of ``tokens`` tokens: per layer and in all."""
+    a = cfg.model.architecture
+    h, inter, layers = (
+        int(a["hidden_size"]),
+        int(a["intermediate_size"]),
+        int(a["num_hidden_layers"]),
+    )
+    heads, kv = int(a["num_attention_heads"]), int(a["num_key_value_heads"])
+    d = h // heads
+    b = 2 if cfg.trainer.precision == "bf16" else 4
+    n = tokens
+    norms = 2 * n * h * 4  # RMSNorm keeps its input in fp32, twice per layer
+    # q, output, and k, v at their KV heads (sdpa and FA2 read grouped heads; eager repeats).
+    kv_heads = heads if cfg.model.attn_implementation == "eager" else kv
+    attention = n * d * (2 * heads + 2 * kv_heads) * b + n * heads * 4  # + logsumexp
+    mlp = 3 * n * inter * b  # gate (SiLU input), SiLU output, up
+    # LoRA dropout keeps its mask: one byte per element on CUDA, a float mask on CPU.
+    mask = (1 if cuda else 4) if cfg.peft.dropout > 0 else 0
+    lora = sum(n * i * (4 + mask) + n * r * 4 for i, r in counts.lora_inputs)
+    per_layer = norms + attention + mlp + lora
+    # Checkpointed: every layer's input, plus one layer's activations while it is recomputed.
+    kept = layers * n * h * b + per_layer if checkpointing else layers * per_layer
+    return {"per_layer": per_layer, "total": kept + n * h * 4}  # + the final norm's input
+
+
+def loss_bytes(cfg: RunConfig, tokens: int) -> float:
+    a = cfg.model.architecture
+    vocab, h = int(a["vocab_size"]), int(a["hidden_size"])
+    b = 2 if cfg.trainer.precision == "bf16" else 4
+    if cfg.trainer.loss == "plain":
+        # logits (b) + their fp32 copy + fp32 log-softmax, for every token
+        return tokens * vocab * (b + 4 + 4) if b == 2 else tokens * vocab * 8
+    chunk = min(tokens, cfg.trainer.loss_chunk_tokens)
+    return chunk * vocab * (4 + b) + 2 * tokens * h * b  # one chunk + hidden and its gradient
+
+
+def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
+    """The per-rank breakdown for ``cfg`` (see the module docstring)."""
+    counts = counts or count_params(cfg)
+    t, z, p = cfg.trainer, cfg.zero, cfg.peft
+    ranks = cfg.launcher.num_ranks
+    b = 2 if t.precision == "bf16" else 4
+    zero3 = z.stage == 3
+    shard = ranks if zero3 else 1
+    out = Plan(device_gib=cfg.plan.device_gib, counts=counts)
+
+    other = counts.embedding + counts.head
+    if p.method == "qlora":
+        per = NF4_BYTES[p.double_quant]
+        packed = counts.linear * 0.5
+        scales = counts.linear * (per - 0.5)
+        weights = (packed + other * b) / shard + scales + counts.small * b
+        how = f"NF4 {counts.linear / 1e9:.2f}B linear weights + {other / 1e9:.2f}B embedding/head"
+    elif p.method == "lora-int8":
+        weights = (counts.linear + other * b) / shard + counts.linear_rows * 4 + counts.small * b
+        how = f"int8 {counts.linear / 1e9:.2f}B linear weights + {other / 1e9:.2f}B embedding/head"
+    else:
+        weights = (counts.linear + other) * b / shard + counts.small * b
+        how = f"{counts.base / 1e9:.2f}B parameters in {t.precision}"
+    out.add("base weights", weights, how + (f", sharded over {ranks} ranks" if zero3 else ""))
+
+    out.add("LoRA weights", counts.lora * 4 / shard, f"{counts.lora / 1e6:.1f}M fp32")
+    out.add("LoRA gradients", counts.lora * 4 / ranks, f"fp32, sharded over {ranks} (ZeRO)")
+    state = {"adamw": 12, "adamw_8bit": 6, "cpu_adam": 0}[t.optimizer]
+    out.add(
+        "optimizer state",
+        counts.lora * state / ranks,
+        {
+            "adamw": "fp32 master + 2 moments",
+            "adamw_8bit": "fp32 master + 8-bit moments",
+            "cpu_adam": "on the host (offload)",
+        }[t.optimizer],
+    )
+
+    h = int(cfg.model.architecture["hidden_size"])
+    out.add("DeepSpeed buckets", (z.reduce_bucket_size or h * h) * 4, "gradient reduce (fp32)")
+    if zero3:
+        # Whole tensors gathered while in use: the largest of one decoder layer, the embedding
+        # and the head (gathered once for the loss), plus what is prefetched meanwhile.
+        largest = max(counts.layer, counts.embedding, counts.head)
+        prefetch = z.prefetch_bucket_size or int(0.9 * h * h)
+        gathered = (largest + prefetch) * (0.5 if p.method == "qlora" else b)
+        if p.method == "qlora" and largest != counts.layer:
+            gathered = largest * b + prefetch * 0.5
+        out.add("ZeRO-3 gathered params", gathered, "largest module in use + prefetch")
+
+    tokens = t.micro_batch_size * cfg.data.max_seq_len
+    cuda = cfg.plan.device_gib is not None
+    acts = activation_bytes(cfg, tokens, t.activation_checkpointing, counts, cuda)
+    ckpt = "checkpointed" if t.activation_checkpointing else "no checkpointing"
+    out.add("activations", acts["total"], f"{tokens:,} tokens per micro batch, {ckpt}")
+    out.add("loss", loss_bytes(cfg, tokens), f"{t.loss} cross-entropy")
+    live = sum(gib for _, gib, _ in out.rows) * GIB
+    out.add("allocator fragmentation", live * FRAGMENTATION, f"{FRAGMENTATION:.0%} of the above")
+    if cfg.plan.device_gib is not None:
+        out.add("CUDA context + workspaces", CUDA_CONTEXT_GIB * GIB, "fixed allowance")
+    return out
+
+
+def suggestions(cfg: RunConfig) -> list[str]:
+    """Changes that lower the per-rank peak, largest effect first, those not already made."""
+    t, z, p = cfg.trainer, cfg.zero, cfg.peft
+    tips = []
+    if p.method == "lora":
+        tips.append("peft=qlora-nf4 (4-bit base: about a quarter of the bf16 weights)")
+    if z.stage != 3:
+        tips.append("zero=zero3 (shard the base weights over the ranks)")
+    if not t.activation_checkpointing:
+        tips.append("trainer.activation_checkpointing=true")
+    if t.loss == "plain":
+        tips.append("trainer.loss=auto (chunked loss: no full-sequence logits)")
+    if t.micro_batch_size > 1:
+        tips.append(
+            f"trainer.micro_batch_size={t.micro_batch_size // 2} (accumulation makes up the "
+            "global batch)"
+        )
+    if t.optimizer == "adamw":
+        tips.append("trainer.optimizer=adamw_8bit")
+    tips.append(f"data.max_seq_len={cfg.data.max_seq_len // 2}")
+    return tips
+
+
+def format_plan(cfg: RunConfig, result: Plan) -> str:
+    ranks = cfg.launcher.num_ranks
+    lines = [
+        f"memtune plan: {cfg.experiment} · {cfg.model.name_or_path} · {ranks} rank(s) · "
+        f"ZeRO-{cfg.zero.stage} · {cfg.peft.method} r={cfg.peft.r} · micro batch "
+        f"{cfg.trainer.micro_batch_size} × {cfg.data.max_seq_len} tokens · accum "
+        f"{grad_accumulation_steps(cfg)}",
+        f"{'per rank':<28}{'GiB':>8}  how",
+    ]
+    for what, gib, how in result.rows:
+        lines.append(f"  {what:<26}{gib:>8.2f}  {how}")
+    lines.append(f"  {'total':<26}{result.total_gib:>8.2f}")
+    if result.device_gib is None:
+        lines.append("  (no device memory set: plan.device_gib=null, nothing to check against)")
+    else:
+        verdict = "fits" if result.fits else "DOES NOT FIT"
+        spare = result.device_gib - result.total_gib
+        lines.append(f"  device {result.device_gib:.2f} GiB per rank: {verdict} ({spare:+.2f} GiB)")
+    return "\n".join(lines)
+
+
+def check_fits(cfg: RunConfig) -> Plan:
+    """Raise ConfigError with the breakdown and suggestions when the run cannot fit."""
+    from memtune.config import ConfigError
+
+    result = plan(cfg)
+    if not result.fits and cfg.plan.enforce:
+        tips = "\n".join(f"  - {tip}" for tip in suggestions(cfg))
+        raise ConfigError(
+            f"this run needs {result.total_gib:.2f} GiB per rank but the device has "
+            f"{result.device_gib:.2f} GiB (plan.device_gib):\n{format_plan(cfg, result)}\n"
+            f"Try:\n{tips}\n(plan.enforce=false launches anyway)"
+        )
+    return result

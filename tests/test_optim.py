@@ -1,0 +1,51 @@
+"""Optimizer choices: 8-bit AdamW really keeps 8-bit state; CPU Adam (offload) equals AdamW."""
+
+from __future__ import annotations
+
+import json
+
+import bitsandbytes as bnb
+import pytest
+import torch
+
+from tests.conftest import Run, _finished
+
+
+@pytest.mark.parametrize(("min_size", "state_dtype"), [(4096, torch.float32), (0, torch.uint8)])
+def test_small_tensors_keep_32bit_state_unless_the_minimum_is_lowered(min_size, state_dtype):
+    p = torch.nn.Parameter(torch.randn(16, 64))  # 1,024 elements, a tiny model's LoRA A
+    opt = bnb.optim.AdamW8bit([p], lr=1e-3, min_8bit_size=min_size)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    assert opt.state[p]["state1"].dtype == state_dtype
+
+
+def test_adamw_8bit_trains_with_8bit_state_on_two_ranks(runs_root) -> None:
+    run = _finished(
+        runs_root,
+        "adamw8bit",
+        "zero=zero2",
+        "launcher.num_ranks=2",
+        "trainer.optimizer=adamw_8bit",
+        "trainer.optim_8bit_min_size=0",
+    )
+    ds = json.loads((run.dir / "ds_config.json").read_text())
+    assert ds["zero_allow_untested_optimizer"] is True
+    for probe in run.probes():
+        assert probe["optimizer"] == "AdamW8bit"  # not paged: this is a CPU
+        assert "torch.uint8" in probe["optimizer_state_dtypes"]
+        assert probe["base_changed"] == [] and probe["lora_b_all_zero"] == []
+    losses = run.losses()
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.5, losses
+
+
+def test_cpu_adam_offload_matches_adamw(zero2_run: Run, runs_root) -> None:
+    run = _finished(
+        runs_root, "cpu_adam", "zero=zero2", "launcher.num_ranks=2", "trainer.optimizer=cpu_adam"
+    )
+    ds = json.loads((run.dir / "ds_config.json").read_text())
+    assert ds["optimizer"]["type"] == "AdamW"
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert {p["optimizer"] for p in run.probes()} == {"DeepSpeedCPUAdam"}
+    # Same maths as torch AdamW (fp32): the same loss curve as the zero2 fixture.
+    assert run.losses() == pytest.approx(zero2_run.losses(), rel=1e-4)

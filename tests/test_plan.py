@@ -1,0 +1,164 @@
+"""The memory planner: real parameter counts, an activation model checked against autograd,
+and a run that cannot fit refused before anything starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from memtune.config import to_run_config
+from memtune.loss import CausalLMLoss
+from memtune.model import add_lora, count_parameters, load_base_model
+from memtune.plan import activation_bytes, count_params, plan
+from memtune.tiny import synthesize
+from tests.conftest import compose_cfg, run_train_py
+
+QWEN7B = "experiment=qwen2.5-7b-4x4090-lora"
+
+
+@pytest.mark.parametrize("peft", ["lora", "lora-all-linear"])
+def test_meta_counts_equal_the_loaded_model(peft: str) -> None:
+    cfg = to_run_config(compose_cfg([f"peft={peft}", "trainer.precision=fp32"]))
+    synthesize(cfg.model.name_or_path, cfg.model.architecture)
+    trainable, total = count_parameters(add_lora(load_base_model(cfg, "sdpa"), cfg))
+    counts = count_params(cfg)
+    assert counts.lora == trainable
+    assert counts.base + counts.lora == total
+
+
+def _lora_params(arch: dict, r: int, modules: list[str]) -> int:
+    """r × (in + out) per adapted linear layer, from the config's dimensions."""
+    h, i = arch["hidden_size"], arch["intermediate_size"]
+    kv = arch["num_key_value_heads"] * h // arch["num_attention_heads"]
+    shapes = {"q": (h, h), "k": (h, kv), "v": (h, kv), "o": (h, h)}
+    shapes |= {"gate": (h, i), "up": (h, i), "down": (i, h)}
+    return arch["num_hidden_layers"] * sum(r * sum(shapes[m]) for m in modules)
+
+
+def test_qwen25_7b_counts_from_the_architecture() -> None:
+    cfg = to_run_config(compose_cfg([QWEN7B]))
+    counts = count_params(cfg)
+    assert counts.base == 7_615_616_512  # Qwen2.5-7B's published size (7.61B)
+    arch = cfg.model.architecture
+    assert counts.lora == _lora_params(arch, 16, ["q", "k", "v", "o"]) == 10_092_544
+    cfg_all = to_run_config(compose_cfg([QWEN7B, "peft=lora-all-linear"]))
+    all_linear = ["q", "k", "v", "o", "gate", "up", "down"]
+    assert count_params(cfg_all).lora == _lora_params(arch, 16, all_linear) == 40_370_176
+
+
+def _saved_bytes(cfg) -> int:
+    """What autograd really keeps for one forward of 4 × 128 tokens (parameters excluded)."""
+    model = add_lora(load_base_model(cfg, "sdpa"), cfg).train()
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, cfg.model.architecture["vocab_size"], (4, 128))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        CausalLMLoss(model, "chunked", 512)(input_ids=ids, labels=ids)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(n for ptr, n in storages.items() if ptr not in params)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["trainer.precision=fp32", "peft.dropout=0.05"],
+        ["trainer.precision=bf16", "peft.dropout=0.05"],
+        ["trainer.precision=bf16", "peft.dropout=0"],
+        ["trainer.precision=bf16", "peft.dropout=0", "peft=lora"],
+    ],
+)
+def test_activation_model_matches_what_autograd_saves(overrides: list[str]) -> None:
+    no_ckpt = ["peft=lora-all-linear", "trainer.activation_checkpointing=false"]
+    cfg = to_run_config(compose_cfg([*no_ckpt, *overrides]))
+    synthesize(cfg.model.name_or_path, cfg.model.architecture)
+    measured = _saved_bytes(cfg)
+    tokens, h = 4 * 128, cfg.model.architecture["hidden_size"]
+    b = 2 if cfg.trainer.precision == "bf16" else 4
+    predicted = activation_bytes(cfg, tokens, False, count_params(cfg), cuda=False)["total"]
+    predicted += tokens * h * b  # the chunked loss keeps the hidden-state gradient
+    # The model counts the big tensors per layer; small ones (rotary tables, scales) and the
+    # CPU dropout's exact storage sharing are left out: +2 to +8% here, asserted within 10%.
+    assert predicted == pytest.approx(measured, rel=0.10), (predicted, measured)
+
+
+def test_4x4090_experiments_fit_and_a_plain_recipe_does_not() -> None:
+    for exp in ("qwen2.5-7b-4x4090-lora", "qwen2.5-7b-4x4090-qlora"):
+        result = plan(to_run_config(compose_cfg([f"experiment={exp}"])))
+        assert result.device_gib == 23.99 and result.fits, (exp, result.total_gib)
+    seeds_like = [QWEN7B, "zero=zero2", "trainer.activation_checkpointing=false"]
+    result = plan(to_run_config(compose_cfg([*seeds_like, "trainer.loss=plain"])))
+    assert not result.fits
+    rows = dict((what, gib) for what, gib, _ in result.rows)
+    assert rows["base weights"] == pytest.approx(7_615_616_512 * 2 / 1024**3, rel=1e-3)
+    # Checkpointing alone takes activations from tens of GiB to about two.
+    ckpt = plan(to_run_config(compose_cfg([QWEN7B, "trainer.activation_checkpointing=true"])))
+    assert dict((w, g) for w, g, _ in ckpt.rows)["activations"] < rows["activations"] / 10
+
+
+def test_a_run_that_cannot_fit_is_refused_before_launch(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [QWEN7B, "zero=zero2", "trainer.activation_checkpointing=false", f"run_dir={run_dir}"]
+    proc = run_train_py(args, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "GiB per rank but the device has 23.99 GiB" in proc.stderr
+    assert "activations" in proc.stderr and "trainer.activation_checkpointing=true" in proc.stderr
+    assert not (run_dir / "config.yaml").exists() and not (run_dir / "launch.txt").exists()
+
+
+def test_plan_only_prints_the_breakdown_and_starts_nothing(tmp_path: Path) -> None:
+    proc = run_train_py(
+        [QWEN7B, "plan_only=true", f"hydra.run.dir={tmp_path / 'p'}"], cwd=tmp_path, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    for row in ("base weights", "LoRA weights", "optimizer state", "activations", "loss"):
+        assert row in proc.stdout
+    assert "device 23.99 GiB per rank: fits" in proc.stdout
+    assert not (tmp_path / "p" / "config.yaml").exists()
+
+
+def test_auto_fit_picks_the_cheapest_variant_that_fits() -> None:
+    from memtune.autofit import auto_fit
+
+    # The usual recipe on 4 × 24 GB: does not fit as it is.
+    cfg = to_run_config(
+        compose_cfg(
+            [QWEN7B, "zero=zero2", "trainer.activation_checkpointing=false", "plan.auto_fit=true"]
+        )
+    )
+    assert not plan(cfg).fits
+    fit = auto_fit(cfg)
+    assert fit is not None and fit.plan.fits
+    # Checkpointing is what it needs; nothing slower is added on top.
+    assert fit.changes == ["trainer.activation_checkpointing=true"]
+    assert fit.cfg.trainer.global_batch_size == cfg.trainer.global_batch_size
+    # A config that already fits is returned unchanged.
+    fitting = to_run_config(compose_cfg([QWEN7B]))
+    same = auto_fit(fitting)
+    assert same is not None and same.changes == [] and same.cost == 1.0
+
+
+def test_auto_fit_is_applied_before_launch_and_recorded(tmp_path: Path, capsys) -> None:
+    from memtune.rundir import prepare_run_dir
+
+    tiny = to_run_config(compose_cfg())  # its tokenizer stands in for Qwen's (not on disk here)
+    synthesize(tiny.model.name_or_path, tiny.model.architecture)
+    overrides = [
+        QWEN7B,
+        "zero=zero2",
+        "trainer.activation_checkpointing=false",
+        "plan.auto_fit=true",
+        "data=demo",
+        f"model.name_or_path={tiny.model.name_or_path}",
+    ]
+    cfg = prepare_run_dir(compose_cfg(overrides), tmp_path / "run")
+    assert "auto_fit: trainer.activation_checkpointing=true" in capsys.readouterr().out
+    assert cfg.trainer.activation_checkpointing and cfg.zero.stage == 2
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    assert "activation_checkpointing: true" in saved
+    assert "fits" in (tmp_path / "run" / "plan.txt").read_text()
