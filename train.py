@@ -19,6 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from memtune.autofit import auto_fit
 from memtune.config import ConfigError, register_configs, to_run_config, validate
 from memtune.launch import launch
 from memtune.plan import format_plan, plan, suggestions
@@ -38,7 +39,11 @@ def print_plan(cfg: DictConfig) -> int:
         print(f"memtune: config error: {err}", file=sys.stderr)
         return 2
     print(format_plan(run_cfg, result))
-    if not result.fits:
+    fit = auto_fit(run_cfg) if not result.fits and run_cfg.plan.auto_fit else None
+    if fit is not None:
+        print(f"\nplan.auto_fit would run it with: {' '.join(fit.changes)}")
+        print(format_plan(fit.cfg, fit.plan))
+    elif not result.fits:
         print("Try:\n" + "\n".join(f"  - {tip}" for tip in suggestions(run_cfg)))
     return 0
 

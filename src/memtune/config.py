@@ -172,6 +172,9 @@ class PlanConfig:
     """Memory per GPU to plan against (RTX 4090D: 23.99); null: plan without a check (CPU)."""
     enforce: bool = True
     """Refuse, before any rank starts, a run whose planned peak exceeds device_gib."""
+    auto_fit: bool = False
+    """Instead of refusing, run the fastest variant that fits (checkpointing, smaller micro
+    batch, ZeRO-3, 8-bit optimizer, QLoRA: see autofit.py). The choice is printed and saved."""
 
 
 @dataclass

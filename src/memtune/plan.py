@@ -273,11 +273,24 @@ def check_fits(cfg: RunConfig) -> Plan:
     from memtune.config import ConfigError
 
     result = plan(cfg)
+    if not result.fits and cfg.plan.auto_fit:
+        from memtune.autofit import auto_fit
+
+        fit = auto_fit(cfg)
+        if fit is not None:
+            cfg.trainer, cfg.zero, cfg.peft = fit.cfg.trainer, fit.cfg.zero, fit.cfg.peft
+            print(
+                f"memtune: auto_fit: {' '.join(fit.changes)} (planned {fit.plan.total_gib:.2f} of "
+                f"{result.device_gib:.2f} GiB per rank; as given it needed {result.total_gib:.2f})",
+                flush=True,
+            )
+            return fit.plan
     if not result.fits and cfg.plan.enforce:
         tips = "\n".join(f"  - {tip}" for tip in suggestions(cfg))
         raise ConfigError(
             f"this run needs {result.total_gib:.2f} GiB per rank but the device has "
             f"{result.device_gib:.2f} GiB (plan.device_gib):\n{format_plan(cfg, result)}\n"
-            f"Try:\n{tips}\n(plan.enforce=false launches anyway)"
+            f"Try:\n{tips}\n(plan.auto_fit=true picks the fastest variant that fits; "
+            "plan.enforce=false launches anyway)"
         )
     return result

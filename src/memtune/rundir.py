@@ -23,8 +23,9 @@ def prepare_run_dir(cfg_node: DictConfig, run_dir: Path) -> RunConfig:
     cfg = to_run_config(cfg_node)
     cfg.run_dir = str(run_dir)
     validate(cfg)
+    # Refuses what cannot fit (or, with plan.auto_fit, changes cfg into what fits).
+    memory_plan = check_fits(cfg) if cfg.model.architecture else None
     ds_config = build_ds_config(cfg)
-    memory_plan = check_fits(cfg) if cfg.model.architecture else None  # refuses what cannot fit
     if cfg.model.synthesize:
         from memtune.tiny import synthesize
 
