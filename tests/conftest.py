@@ -116,6 +116,42 @@ def one_rank_run(runs_root: Path) -> Run:
     return _finished(runs_root, "one_rank", "zero=zero3", "launcher.num_ranks=1")
 
 
+_RUNS: dict[str, Run] = {}
+
+
+def quantized(runs_root: Path, key: str) -> Run:
+    """One 2-rank run per (peft, zero) pair per session, shared by the tests below."""
+    if key not in _RUNS:
+        peft, zero = key.split(":")
+        _RUNS[key] = _finished(
+            runs_root,
+            f"{peft}-{zero}",
+            f"peft={peft}",
+            f"zero={zero}",
+            "launcher.num_ranks=2",
+            "trainer.precision=bf16",  # bitsandbytes computes in bf16, as on a GPU
+        )
+    return _RUNS[key]
+
+
+@pytest.fixture(scope="session")
+def qlora_zero3_run(runs_root: Path) -> Run:
+    return quantized(runs_root, "qlora-nf4:zero3")
+
+
+@pytest.fixture(scope="session")
+def adamw8bit_run(runs_root: Path) -> Run:
+    """ZeRO-2 with bitsandbytes' 8-bit AdamW, 8-bit state on every tensor (minimum size 0)."""
+    return _finished(
+        runs_root,
+        "adamw8bit",
+        "zero=zero2",
+        "launcher.num_ranks=2",
+        "trainer.optimizer=adamw_8bit",
+        "trainer.optim_8bit_min_size=0",
+    )
+
+
 def run_train_py(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args],

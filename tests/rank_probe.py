@@ -37,6 +37,10 @@ def probe(engine: Any, ctx: RankContext) -> None:
     zero3 = any(hasattr(p, "ds_id") for p in params.values())
     held = sum(int(p.ds_tensor.numel()) if zero3 else p.numel() for p in params.values())
     total = sum(int(getattr(p, "ds_numel", p.numel())) for p in params.values())
+    held_bytes = {"base": 0, "lora": 0}
+    for name, p in params.items():
+        data = p.ds_tensor if zero3 else p
+        held_bytes["lora" if "lora_" in name else "base"] += data.numel() * data.element_size()
 
     gathered = deepspeed.zero.GatheredParameters(list(params.values())) if zero3 else None
     if gathered is not None:
@@ -69,6 +73,15 @@ def probe(engine: Any, ctx: RankContext) -> None:
     n_lora_b = sum(1 for n in full if "lora_B" in n)
 
     basic = getattr(engine.optimizer, "optimizer", engine.optimizer)  # inside ZeRO's wrapper
+    masters = getattr(engine.optimizer, "single_partition_of_fp32_groups", None) or getattr(
+        engine.optimizer, "fp32_partitioned_groups_flat", []
+    )
+    optimizer_bytes = sum(t.numel() * t.element_size() for t in masters) + sum(
+        v.numel() * v.element_size()
+        for s in basic.state.values()
+        for v in s.values()
+        if torch.is_tensor(v) and v.dim() > 0  # not the step counter
+    )
     ids = torch.tensor([ctx.tokenizer.encode(PROBE_TEXT, add_special_tokens=False)])
     engine.eval()
     with torch.no_grad():
@@ -87,6 +100,8 @@ def probe(engine: Any, ctx: RankContext) -> None:
         "lora_b_tensors": n_lora_b,
         "lora_b_all_zero": lora_b_zero,
         "optimizer": type(basic).__name__,
+        "held_bytes": held_bytes,
+        "optimizer_bytes": optimizer_bytes,
         "optimizer_state_dtypes": sorted(
             {str(v.dtype) for s in basic.state.values() for v in s.values() if torch.is_tensor(v)}
         ),

@@ -20,15 +20,8 @@ def test_small_tensors_keep_32bit_state_unless_the_minimum_is_lowered(min_size, 
     assert opt.state[p]["state1"].dtype == state_dtype
 
 
-def test_adamw_8bit_trains_with_8bit_state_on_two_ranks(runs_root) -> None:
-    run = _finished(
-        runs_root,
-        "adamw8bit",
-        "zero=zero2",
-        "launcher.num_ranks=2",
-        "trainer.optimizer=adamw_8bit",
-        "trainer.optim_8bit_min_size=0",
-    )
+def test_adamw_8bit_trains_with_8bit_state_on_two_ranks(adamw8bit_run: Run) -> None:
+    run = adamw8bit_run
     ds = json.loads((run.dir / "ds_config.json").read_text())
     assert ds["zero_allow_untested_optimizer"] is True
     for probe in run.probes():

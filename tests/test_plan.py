@@ -162,3 +162,20 @@ def test_auto_fit_is_applied_before_launch_and_recorded(tmp_path: Path, capsys) 
     saved = (tmp_path / "run" / "config.yaml").read_text()
     assert "activation_checkpointing: true" in saved
     assert "fits" in (tmp_path / "run" / "plan.txt").read_text()
+
+
+@pytest.mark.parametrize(
+    "fixture", ["zero2_run", "zero3_run", "bf16_run", "adamw8bit_run", "qlora_zero3_run"]
+)
+def test_planned_weights_and_optimizer_state_match_what_each_rank_holds(fixture, request) -> None:
+    """Per rank, after real 2-rank runs: the bytes of parameters (ZeRO-3: the rank's shards)
+    and of optimizer state (fp32 master partition + moments) against the plan's rows."""
+    run = request.getfixturevalue(fixture)
+    rows = {what: gib * 1024**3 for what, gib, _ in plan(run.cfg).rows}
+    for probe in run.probes():
+        held = probe["held_bytes"]
+        # bitsandbytes' block scales live outside the parameters: the plan counts them (~3%).
+        assert held["base"] == pytest.approx(rows["base weights"], rel=0.05), held
+        # ZeRO-3 pads each rank's shard of every small LoRA tensor to an even split.
+        assert held["lora"] == pytest.approx(rows["LoRA weights"], rel=0.05), held
+        assert probe["optimizer_bytes"] == pytest.approx(rows["optimizer state"], rel=0.05)

@@ -8,35 +8,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import Run, _finished
+from tests.conftest import Run, quantized
 
 # Every linear layer of both decoder layers is quantized and carries LoRA.
 QUANTIZED_LAYERS = 2 * 7
 STORED = {"qlora": ("Linear4bit", "torch.bfloat16"), "lora-int8": ("Linear8bitLt", "torch.int8")}
-_RUNS: dict[str, Run] = {}
-
-
-def _quantized(runs_root: Path, key: str) -> Run:
-    """One 2-rank run per (peft, zero) pair per session, shared by the tests below."""
-    if key not in _RUNS:
-        peft, zero = key.split(":")
-        _RUNS[key] = _finished(
-            runs_root,
-            f"{peft}-{zero}",
-            f"peft={peft}",
-            f"zero={zero}",
-            "launcher.num_ranks=2",
-            "trainer.precision=bf16",  # bitsandbytes computes in bf16, as on a GPU
-        )
-    return _RUNS[key]
 
 
 @pytest.fixture(params=["qlora-nf4:zero2", "qlora-nf4:zero3", "lora-int8:zero2", "lora-int8:zero3"])
 def quantized_run(request, runs_root: Path) -> Run:
-    return _quantized(runs_root, request.param)
+    return quantized(runs_root, request.param)
 
 
-def test_quantized_base_trains_and_stays_quantized(quantized_run: Run) -> None:
+def test_quantized_base_trains_and_staysquantized(quantized_run: Run) -> None:
     run = quantized_run
     losses = run.losses()
     assert len(losses) == run.cfg.trainer.max_steps and all(
@@ -75,7 +59,7 @@ def test_qlora_adapter_merges_into_the_dequantized_base(runs_root: Path, tmp_pat
     from memtune.merge import merge
     from memtune.model import load_base_model, prepare_quantized, torch_dtype
 
-    run = _quantized(runs_root, "qlora-nf4:zero2")
+    run = quantized(runs_root, "qlora-nf4:zero2")
     adapter = run.dir / "adapter"
     ids = AutoTokenizer.from_pretrained(str(adapter))(MERGE_TEXT, return_tensors="pt").input_ids
     # What was trained: the NF4 base (prepared as in training) plus the adapter.

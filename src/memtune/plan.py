@@ -186,7 +186,12 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
         how = f"{counts.base / 1e9:.2f}B parameters in {t.precision}"
     out.add("base weights", weights, how + (f", sharded over {ranks} ranks" if zero3 else ""))
 
-    out.add("LoRA weights", counts.lora * 4 / shard, f"{counts.lora / 1e6:.1f}M fp32")
+    # peft keeps adapters in fp32; under ZeRO-3 a quantized base is not loaded through
+    # zero.Init, and DeepSpeed's later conversion stores the adapters in the compute dtype
+    # (measured per rank in tests/test_plan.py, DeepSpeed 0.19).
+    lora_b = b if zero3 and p.method != "lora" else 4
+    lora_dtype = {2: "bf16", 4: "fp32"}[lora_b]
+    out.add("LoRA weights", counts.lora * lora_b / shard, f"{counts.lora / 1e6:.1f}M {lora_dtype}")
     out.add("LoRA gradients", counts.lora * 4 / ranks, f"fp32, sharded over {ranks} (ZeRO)")
     state = {"adamw": 12, "adamw_8bit": 6, "cpu_adam": 0}[t.optimizer]
     out.add(
