@@ -183,7 +183,7 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
         how = f"int8 {counts.linear / 1e9:.2f}B linear weights + {other / 1e9:.2f}B embedding/head"
     else:
         weights = (counts.linear + other) * b / shard + counts.small * b
-        how = f"{counts.base / 1e9:.2f}B parameters in {t.precision}"
+        how = f"{_count(counts.base)} parameters in {t.precision}"
     out.add("base weights", weights, how + (f", sharded over {ranks} ranks" if zero3 else ""))
 
     # peft keeps adapters in fp32; under ZeRO-3 a quantized base is not loaded through
@@ -191,7 +191,7 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
     # (measured per rank in tests/test_plan.py, DeepSpeed 0.19).
     lora_b = b if zero3 and p.method != "lora" else 4
     lora_dtype = {2: "bf16", 4: "fp32"}[lora_b]
-    out.add("LoRA weights", counts.lora * lora_b / shard, f"{counts.lora / 1e6:.1f}M {lora_dtype}")
+    out.add("LoRA weights", counts.lora * lora_b / shard, f"{_count(counts.lora)} {lora_dtype}")
     out.add("LoRA gradients", counts.lora * 4 / ranks, f"fp32, sharded over {ranks} (ZeRO)")
     state = {"adamw": 12, "adamw_8bit": 6, "cpu_adam": 0}[t.optimizer]
     out.add(
@@ -229,6 +229,10 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
     return out
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+
+
 def suggestions(cfg: RunConfig) -> list[str]:
     """Changes that lower the per-rank peak, largest effect first, those not already made."""
     t, z, p = cfg.trainer, cfg.zero, cfg.peft
@@ -254,16 +258,17 @@ def suggestions(cfg: RunConfig) -> list[str]:
 
 def format_plan(cfg: RunConfig, result: Plan) -> str:
     ranks = cfg.launcher.num_ranks
+    unit, scale = ("GiB", 1.0) if result.total_gib >= 1 else ("MiB", 1024.0)  # tiny demos
     lines = [
         f"memtune plan: {cfg.experiment} · {cfg.model.name_or_path} · {ranks} rank(s) · "
         f"ZeRO-{cfg.zero.stage} · {cfg.peft.method} r={cfg.peft.r} · micro batch "
         f"{cfg.trainer.micro_batch_size} × {cfg.data.max_seq_len} tokens · accum "
         f"{grad_accumulation_steps(cfg)}",
-        f"{'per rank':<28}{'GiB':>8}  how",
+        f"{'per rank':<28}{unit:>8}  how",
     ]
     for what, gib, how in result.rows:
-        lines.append(f"  {what:<26}{gib:>8.2f}  {how}")
-    lines.append(f"  {'total':<26}{result.total_gib:>8.2f}")
+        lines.append(f"  {what:<26}{gib * scale:>8.2f}  {how}")
+    lines.append(f"  {'total':<26}{result.total_gib * scale:>8.2f}")
     if result.device_gib is None:
         lines.append("  (no device memory set: plan.device_gib=null, nothing to check against)")
     else:

@@ -37,6 +37,12 @@ def prepare_run_dir(cfg_node: DictConfig, run_dir: Path) -> RunConfig:
     (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
     if memory_plan is not None:
         (run_dir / "plan.txt").write_text(format_plan(cfg, memory_plan) + "\n")
+        device = f" of {memory_plan.device_gib:.2f}" if memory_plan.device_gib else ""
+        print(
+            f"memtune: memory plan {memory_plan.total_gib:.2f}{device} GiB per rank "
+            f"(breakdown: {run_dir / 'plan.txt'})",
+            flush=True,
+        )
     data_record = {
         "dir": str(prepared.dir),
         "reused": prepared.reused,
