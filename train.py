@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from memtune.autofit import auto_fit
 from memtune.config import ConfigError, register_configs, to_run_config, validate
 from memtune.launch import launch
-from memtune.plan import format_plan, plan, suggestions
+from memtune.plan import format_plan, format_suggestions, plan
 from memtune.rundir import prepare_run_dir
 
 register_configs()
@@ -39,12 +39,12 @@ def print_plan(cfg: DictConfig) -> int:
         print(f"memtune: config error: {err}", file=sys.stderr)
         return 2
     print(format_plan(run_cfg, result))
-    fit = auto_fit(run_cfg) if not result.fits and run_cfg.plan.auto_fit else None
+    fit = auto_fit(run_cfg, result.counts) if not result.fits and run_cfg.plan.auto_fit else None
     if fit is not None:
         print(f"\nplan.auto_fit would run it with: {' '.join(fit.changes)}")
         print(format_plan(fit.cfg, fit.plan))
     elif not result.fits:
-        print("Try:\n" + "\n".join(f"  - {tip}" for tip in suggestions(run_cfg)))
+        print(format_suggestions(run_cfg))
     return 0
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from memtune.model import load_base_model, prepare_quantized, torch_dtype
+from memtune.model import is_quantized_layer, load_base_model, prepare_quantized, torch_dtype
 from memtune.worker import RankContext, run
 
 
@@ -66,7 +66,7 @@ def probe(engine: Any, ctx: RankContext) -> None:
             base_changed.append(name)
     n_base = sum(1 for n in full if "lora_" not in n)
     lora = b"".join(_bytes(v).numpy().tobytes() for n, v in sorted(full.items()) if "lora_" in n)
-    bnb_layers = [m for m in model.modules() if type(m).__module__.startswith("bitsandbytes")]
+    bnb_layers = [m for m in model.modules() if is_quantized_layer(m)]
     quantized = {type(m).__name__: str(m.weight.dtype) for m in bnb_layers}
     n_quantized = len(bnb_layers)
     lora_b_zero = [n for n, v in full.items() if "lora_B" in n and not torch.any(v != 0)]

@@ -80,7 +80,7 @@ def test_activation_model_matches_what_autograd_saves(overrides: list[str]) -> N
     measured = _saved_bytes(cfg)
     tokens, h = 4 * 128, cfg.model.architecture["hidden_size"]
     b = 2 if cfg.trainer.precision == "bf16" else 4
-    predicted = activation_bytes(cfg, tokens, False, count_params(cfg), cuda=False)["total"]
+    predicted = activation_bytes(cfg, tokens, False, count_params(cfg), cuda=False)
     predicted += tokens * h * b  # the chunked loss keeps the hidden-state gradient
     # The model counts the big tensors per layer; small ones (rotary tables, scales) and the
     # CPU dropout's exact storage sharing are left out: +2 to +8% here, asserted within 10%.

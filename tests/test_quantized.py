@@ -57,7 +57,7 @@ def test_qlora_adapter_merges_into_the_dequantized_base(runs_root: Path, tmp_pat
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from memtune.merge import merge
-    from memtune.model import load_base_model, prepare_quantized, torch_dtype
+    from memtune.model import is_quantized_layer, load_base_model, prepare_quantized, torch_dtype
 
     run = quantized(runs_root, "qlora-nf4:zero2")
     adapter = run.dir / "adapter"
@@ -66,7 +66,7 @@ def test_qlora_adapter_merges_into_the_dequantized_base(runs_root: Path, tmp_pat
     base = prepare_quantized(load_base_model(run.cfg, "sdpa"), torch_dtype(run.cfg))
     trained = PeftModel.from_pretrained(base, str(adapter)).eval()
     for module in trained.modules():  # evaluated in fp32, like the fp32 merges below
-        if type(module).__module__.startswith("bitsandbytes"):
+        if is_quantized_layer(module):
             module.compute_dtype = torch.float32
         else:
             for p in module.parameters(recurse=False):

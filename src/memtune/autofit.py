@@ -74,15 +74,22 @@ def _variants(cfg: RunConfig) -> list[tuple[RunConfig, list[str], float]]:
     return sorted(out, key=lambda item: (item[2], len(item[1])))
 
 
-def auto_fit(cfg: RunConfig) -> Fit | None:
-    """The cheapest fitting variant of ``cfg`` (``cfg`` itself if it fits), or None."""
-    counts: dict[tuple[str, str, int], ParamCounts] = {}
+def auto_fit(cfg: RunConfig, known: ParamCounts | None = None) -> Fit | None:
+    """The cheapest fitting variant of ``cfg`` (``cfg`` itself if it fits), or None.
+
+    ``known``: the counts of ``cfg`` itself when already computed (one meta-device build of a
+    7B model takes seconds; the variants never change what LoRA adapts, so they share it).
+    """
+    p = cfg.peft
+    counts: dict[tuple[str, int], ParamCounts] = {}
+    if known is not None:
+        counts[(p.target, p.r)] = known
     for variant, changes, cost in _variants(cfg):
         try:
             validate(variant)
         except ConfigError:
             continue  # e.g. a micro batch the global batch no longer divides evenly
-        key = (variant.peft.method, variant.peft.target, variant.peft.r)
+        key = (variant.peft.target, variant.peft.r)  # what the counts depend on
         if key not in counts:
             counts[key] = count_params(variant)
         result = plan(variant, counts[key])

@@ -27,8 +27,6 @@ from torch import nn
 
 from memtune.data import IGNORE_INDEX
 
-LOSS_KINDS = ("auto", "chunked", "plain", "liger")
-
 
 def token_loss_sum(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
     """Plain next-token cross-entropy summed over labelled positions, from full logits (fp32)."""

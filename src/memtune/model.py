@@ -123,6 +123,11 @@ def add_lora(model: Any, cfg: RunConfig) -> Any:
     return model
 
 
+def is_quantized_layer(module: Any) -> bool:
+    """A bitsandbytes layer itself (Linear4bit, Linear8bitLt), not peft's LoRA wrapper of it."""
+    return type(module).__module__.startswith("bitsandbytes")
+
+
 def prepare_quantized(model: Any, dtype: torch.dtype) -> Any:
     """peft's ``prepare_model_for_kbit_training``, without its fp32 upcast.
 
@@ -137,7 +142,7 @@ def prepare_quantized(model: Any, dtype: torch.dtype) -> Any:
 
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     for module in model.modules():
-        if type(module).__module__.startswith("bitsandbytes"):
+        if is_quantized_layer(module):
             continue
         for param in module.parameters(recurse=False):
             if param.dtype == torch.float32 and dtype != torch.float32:

@@ -21,8 +21,6 @@ import torch
 
 from memtune.config import RunConfig
 
-OPTIMIZERS = ("adamw", "adamw_8bit", "cpu_adam")
-
 
 def build_optimizer(
     cfg: RunConfig, params: list[torch.nn.Parameter], device: torch.device

@@ -124,8 +124,8 @@ def count_params(cfg: RunConfig) -> ParamCounts:
 
 def activation_bytes(
     cfg: RunConfig, tokens: int, checkpointing: bool, counts: ParamCounts, cuda: bool = True
-) -> dict:
-    """Bytes autograd keeps for one micro batch of ``tokens`` tokens: per layer and in all."""
+) -> int:
+    """Bytes autograd keeps for one micro batch of ``tokens`` tokens."""
     a = cfg.model.architecture
     h, inter, layers = (
         int(a["hidden_size"]),
@@ -147,7 +147,7 @@ def activation_bytes(
     per_layer = norms + attention + mlp + lora
     # Checkpointed: every layer's input, plus one layer's activations while it is recomputed.
     kept = layers * n * h * b + per_layer if checkpointing else layers * per_layer
-    return {"per_layer": per_layer, "total": kept + n * h * 4}  # + the final norm's input
+    return kept + n * h * 4  # + the final norm's input
 
 
 def loss_bytes(cfg: RunConfig, tokens: int) -> float:
@@ -220,7 +220,7 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
     cuda = cfg.plan.device_gib is not None
     acts = activation_bytes(cfg, tokens, t.activation_checkpointing, counts, cuda)
     ckpt = "checkpointed" if t.activation_checkpointing else "no checkpointing"
-    out.add("activations", acts["total"], f"{tokens:,} tokens per micro batch, {ckpt}")
+    out.add("activations", acts, f"{tokens:,} tokens per micro batch, {ckpt}")
     out.add("loss", loss_bytes(cfg, tokens), f"{t.loss} cross-entropy")
     live = sum(gib for _, gib, _ in out.rows) * GIB
     out.add("allocator fragmentation", live * FRAGMENTATION, f"{FRAGMENTATION:.0%} of the above")
@@ -256,6 +256,10 @@ def suggestions(cfg: RunConfig) -> list[str]:
     return tips
 
 
+def format_suggestions(cfg: RunConfig) -> str:
+    return "Try:\n" + "\n".join(f"  - {tip}" for tip in suggestions(cfg))
+
+
 def format_plan(cfg: RunConfig, result: Plan) -> str:
     ranks = cfg.launcher.num_ranks
     unit, scale = ("GiB", 1.0) if result.total_gib >= 1 else ("MiB", 1024.0)  # tiny demos
@@ -286,7 +290,7 @@ def check_fits(cfg: RunConfig) -> Plan:
     if not result.fits and cfg.plan.auto_fit:
         from memtune.autofit import auto_fit
 
-        fit = auto_fit(cfg)
+        fit = auto_fit(cfg, result.counts)
         if fit is not None:
             cfg.trainer, cfg.zero, cfg.peft = fit.cfg.trainer, fit.cfg.zero, fit.cfg.peft
             print(
@@ -296,11 +300,10 @@ def check_fits(cfg: RunConfig) -> Plan:
             )
             return fit.plan
     if not result.fits and cfg.plan.enforce:
-        tips = "\n".join(f"  - {tip}" for tip in suggestions(cfg))
         raise ConfigError(
             f"this run needs {result.total_gib:.2f} GiB per rank but the device has "
             f"{result.device_gib:.2f} GiB (plan.device_gib):\n{format_plan(cfg, result)}\n"
-            f"Try:\n{tips}\n(plan.auto_fit=true picks the fastest variant that fits; "
+            f"{format_suggestions(cfg)}\n(plan.auto_fit=true picks the fastest variant that fits; "
             "plan.enforce=false launches anyway)"
         )
     return result
