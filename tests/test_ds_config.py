@@ -29,7 +29,7 @@ def test_zero3_7b_values() -> None:
     assert ds["train_micro_batch_size_per_gpu"] == 1
     assert ds["gradient_accumulation_steps"] == 8  # 32 / (1 × 4 ranks)
     assert ds["gradient_clipping"] == 1.0
-    assert ds["bf16"] == {"enabled": True}
+    assert ds["bf16"] == {"enabled": True, "check_grad_overflow": True}
     z = ds["zero_optimization"]
     assert z["stage"] == 3
     assert z["reduce_bucket_size"] == h * h == 12_845_056

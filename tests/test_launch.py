@@ -118,6 +118,38 @@ def test_non_finite_loss_stops_before_the_weights_change(tmp_path: Path) -> None
 
 
 @pytest.mark.slow
+def test_non_finite_steps_are_skipped_on_every_rank_without_touching_the_weights(
+    tmp_path: Path,
+) -> None:
+    # As above, step 2 on are not finite; with on_nonfinite=skip every one of them is discarded
+    # on both ZeRO-3 ranks, so the final adapter is step 1's, bit for bit.
+    overrides = [
+        *FAST,
+        "launcher.num_ranks=2",
+        "zero=zero3",
+        "trainer.lr=1e30",
+        "trainer.warmup_steps=0",
+        "trainer.max_steps=4",
+        "trainer.save_every=1",
+        "trainer.keep_last=4",
+        "trainer.on_nonfinite=skip",
+    ]
+    run = start_run(tmp_path / "skip", overrides, probe=False)
+    assert run.code == 0
+    assert run.summary()["skipped_steps"] == [2, 3, 4]
+    rows = [m for m in run.metrics() if "train/loss" in m]
+    assert [r["train/skipped"] for r in rows] == [False, True, True, True]
+    assert math.isfinite(rows[0]["train/loss"]) and not math.isfinite(rows[1]["train/loss"])
+    first = load_file(run.dir / "checkpoints" / "step-0000001" / "adapter" / "adapter_model.safetensors")
+    final = load_file(run.dir / "adapter" / "adapter_model.safetensors")
+    assert first.keys() == final.keys()
+    assert any(bool((t != 0).any()) for k, t in first.items() if "lora_B" in k)
+    for key in first:
+        assert torch.equal(first[key], final[key]), key
+        assert torch.isfinite(final[key]).all(), key
+
+
+@pytest.mark.slow
 def test_micro_batch_times_accumulation_gives_the_same_update(tmp_path: Path) -> None:
     common = [*FAST, "trainer.max_steps=4", "launcher.num_ranks=1", "trainer.global_batch_size=4"]
     a = start_run(tmp_path / "m4a1", [*common, "trainer.micro_batch_size=4"], probe=False)

@@ -135,6 +135,11 @@ class TrainerConfig:
     (full-sequence logits, as HF models compute them) | liger"""
     loss_chunk_tokens: int = 512
     """Tokens per chunk of the chunked loss: peak logits memory is chunk × vocab × 4 bytes."""
+    on_nonfinite: str = "stop"
+    """A step whose loss or gradient norm is not finite never updates the weights. stop: exit
+    with code 3 (the last checkpoint is intact) | skip: discard the step and go on."""
+    max_skipped_steps: int = 10
+    """on_nonfinite=skip still stops after this many non-finite steps in a row."""
     seed: int = 42
     log_every: int = 1
     eval_every: int = 0
@@ -243,6 +248,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "trainer.precision": ("bf16", "fp32"),
     "trainer.loss": ("auto", "chunked", "plain", "liger"),
     "trainer.optimizer": ("adamw", "adamw_8bit", "cpu_adam"),
+    "trainer.on_nonfinite": ("stop", "skip"),
     "model.attn_implementation": ("auto", "sdpa", "eager", "flash_attention_2"),
     "logger.backend": ("wandb", "none"),
     "logger.mode": ("offline", "online", "auto"),
@@ -275,6 +281,7 @@ def validate(cfg: RunConfig) -> None:
         "trainer.log_every": t.log_every,
         "trainer.loss_chunk_tokens": t.loss_chunk_tokens,
         "trainer.keep_last": t.keep_last,
+        "trainer.max_skipped_steps": t.max_skipped_steps,
         "launcher.num_ranks": cfg.launcher.num_ranks,
         "data.max_seq_len": cfg.data.max_seq_len,
     }

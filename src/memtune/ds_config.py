@@ -27,6 +27,8 @@ def derived_values(cfg: RunConfig) -> dict[str, Any]:
         "gradient_accumulation_steps": grad_accumulation_steps(cfg),
         "gradient_clipping": t.max_grad_norm,
         "bf16.enabled": t.precision == "bf16",
+        # DeepSpeed's default too; trainer.py relies on it to discard non-finite steps in bf16.
+        "bf16.check_grad_overflow": True,
         "zero_optimization.stage": z.stage,
         "zero_optimization.reduce_bucket_size": z.reduce_bucket_size or h * h,
     }

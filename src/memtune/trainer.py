@@ -25,7 +25,11 @@ from memtune.telemetry import NullLogger, memory_snapshot
 
 
 class NonFiniteLoss(RuntimeError):
-    """Raised on every rank, before the optimizer step, so the weights stay finite."""
+    """Raised on every rank when a step's loss or gradient norm is not finite.
+
+    Raised before the optimizer step (loss) or after DeepSpeed has discarded the step (gradient
+    norm), so the weights never see a non-finite update.
+    """
 
 
 class StopRequested(Exception):
@@ -52,6 +56,8 @@ class TrainResult:
     label_tokens: int = 0
     input_tokens: int = 0
     losses: list[float] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    """Steps whose update was discarded (non-finite loss or gradient norm)."""
     wall_s: float = 0.0
     peak_memory: list[dict[str, float]] = field(default_factory=list)
 
@@ -103,6 +109,50 @@ def gather_memory(device: torch.device) -> list[dict[str, float]]:
     return [dict(zip(keys, row, strict=True)) for row in rows]
 
 
+def _poisoned_scale(micro_loss: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale``, or NaN where this rank's micro loss is not finite.
+
+    A non-finite loss value does not by itself make the gradients non-finite (the gradient of
+    an infinite cross-entropy term can be finite). Backpropagating with a NaN scale does: every
+    gradient of the step becomes NaN, the reduction spreads that to every rank, and DeepSpeed's
+    own check of the global gradient norm discards the step on all ranks at once (no extra
+    collective). No host sync: the choice is made on the device.
+    """
+    finite = torch.isfinite(micro_loss.detach())
+    return torch.where(finite, torch.full_like(finite, scale, dtype=torch.float32), math.nan)
+
+
+def _note_skip(
+    step: int,
+    loss: float,
+    result: TrainResult,
+    logger: NullLogger,
+    mode: str,
+    max_skipped: int,
+) -> None:
+    """DeepSpeed discarded this step's update (non-finite gradient norm): record, warn or stop."""
+    what = f"loss {loss}" if not math.isfinite(loss) else "gradient norm is not finite"
+    if mode == "stop":
+        raise NonFiniteLoss(
+            f"step {step}: {what}; DeepSpeed discarded the update, weights are untouched. "
+            "Lower trainer.lr or check the data (trainer.on_nonfinite=skip skips such steps)."
+        )
+    result.skipped.append(step)
+    run = 0
+    while run < len(result.skipped) and result.skipped[-1 - run] == step - run:
+        run += 1
+    logger.info(
+        f"memtune: step {step}: {what}; update skipped ({len(result.skipped)} skipped so far, "
+        f"{run} in a row; the learning-rate schedule waits)"
+    )
+    if run >= max_skipped:
+        raise NonFiniteLoss(
+            f"step {step}: {run} steps in a row were not finite "
+            f"(trainer.max_skipped_steps={max_skipped}); stopped. The weights are those of "
+            f"step {step - run}. Lower trainer.lr or check the data."
+        )
+
+
 def train(
     engine: Any,
     batches: Iterator[dict[str, torch.Tensor]],
@@ -141,19 +191,25 @@ def train(
         for i, batch in enumerate(micro):
             batch = {k: v.to(device) for k, v in batch.items() if k != "real_tokens"}
             micro_loss = engine(**{k: batch[k] for k in MODEL_INPUTS if k in batch})
-            engine.backward(micro_loss * scale)
+            engine.backward(micro_loss * _poisoned_scale(micro_loss, scale))
             loss_sum += micro_loss.detach().float()
             if i < gas - 1:
                 engine.step()  # not a boundary: DeepSpeed only counts the micro-step
 
         loss = float(_all_reduce_sum(loss_sum).item()) / label_tokens
-        if not math.isfinite(loss):
+        if not math.isfinite(loss) and t.on_nonfinite == "stop":
             raise NonFiniteLoss(
                 f"step {step}: loss is {loss}; stopped before the optimizer step, weights are "
-                "untouched. Lower trainer.lr or check the data."
+                "untouched. Lower trainer.lr or check the data (trainer.on_nonfinite=skip "
+                "skips such steps instead)."
             )
         lr = engine.get_lr()[0]  # the rate this step applies (the scheduler moves on in step())
+        skipped_before = engine.skipped_steps
         engine.step()
+        if engine.skipped_steps != skipped_before:
+            _note_skip(step, loss, result, logger, t.on_nonfinite, t.max_skipped_steps)
+        elif not math.isfinite(loss):  # cannot happen: a poisoned step always overflows
+            raise NonFiniteLoss(f"step {step}: loss {loss} but DeepSpeed applied the step")
 
         result.steps = step
         result.label_tokens += label_tokens
@@ -169,6 +225,7 @@ def train(
                     "train/loss": loss,
                     "train/lr": lr,
                     "train/grad_norm": None if grad_norm is None else float(grad_norm),
+                    "train/skipped": bool(result.skipped and result.skipped[-1] == step),
                     "train/label_tokens": label_tokens,
                     "train/input_tokens": input_tokens,
                     "perf/tokens_per_s": input_tokens / step_s,

@@ -199,6 +199,7 @@ class RunHooks(Hooks):
             "label_tokens": result.label_tokens,
             "input_tokens": result.input_tokens,
             "losses": result.losses[:step],
+            "skipped": [s for s in result.skipped if s <= step],
             "wall_s": result.wall_s,
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "data_dir": self.data_dir,
@@ -335,6 +336,7 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
                 label_tokens=state["label_tokens"],
                 input_tokens=state["input_tokens"],
                 losses=state["losses"],
+                skipped=state.get("skipped", []),
                 wall_s=state["wall_s"],
             )
             if rank == 0:
@@ -407,6 +409,7 @@ def _write_summary(
         "input_tokens": result.input_tokens,
         "loss_first": result.losses[0],
         "loss_last": result.losses[-1],
+        "skipped_steps": result.skipped,
         "wall_s": round(result.wall_s, 2),
         "tokens_per_s": round(result.input_tokens / max(result.wall_s, 1e-9), 1),
         "world_size": ctx.world_size,
@@ -434,6 +437,11 @@ def _write_summary(
         f"{summary['tokens_per_s']:,} tokens/s\n"
         f"memtune: loss {result.losses[0]:.4f} → {result.losses[-1]:.4f}"
         + (f" · eval loss {eval_loss:.4f}" if eval_loss is not None else "")
+        + (
+            f" · {len(result.skipped)} non-finite step(s) skipped: {result.skipped}"
+            if result.skipped
+            else ""
+        )
         + "\n"
         f"memtune: {what} per rank: {per_rank}\n"
         f"memtune: data: {ctx.data_stats.line()}\n"
