@@ -140,7 +140,9 @@ def test_non_finite_steps_are_skipped_on_every_rank_without_touching_the_weights
     rows = [m for m in run.metrics() if "train/loss" in m]
     assert [r["train/skipped"] for r in rows] == [False, True, True, True]
     assert math.isfinite(rows[0]["train/loss"]) and not math.isfinite(rows[1]["train/loss"])
-    first = load_file(run.dir / "checkpoints" / "step-0000001" / "adapter" / "adapter_model.safetensors")
+    first = load_file(
+        run.dir / "checkpoints" / "step-0000001" / "adapter" / "adapter_model.safetensors"
+    )
     final = load_file(run.dir / "adapter" / "adapter_model.safetensors")
     assert first.keys() == final.keys()
     assert any(bool((t != 0).any()) for k, t in first.items() if "lora_B" in k)

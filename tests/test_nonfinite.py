@@ -33,10 +33,10 @@ def test_skips_are_recorded_and_too_many_in_a_row_stop() -> None:
     for step in (2, 3, 5, 6):
         _note_skip(step, math.nan, result, NullLogger(), "skip", max_skipped=3)
     assert result.skipped == [2, 3, 5, 6]
-    with pytest.raises(NonFiniteLoss, match="3 steps in a row.*step 4"):
+    with pytest.raises(NonFiniteLoss, match=r"3 steps in a row.*step 4"):
         _note_skip(7, math.nan, result, NullLogger(), "skip", max_skipped=3)
 
 
 def test_stop_mode_names_the_cause() -> None:
-    with pytest.raises(NonFiniteLoss, match="gradient norm is not finite.*untouched"):
+    with pytest.raises(NonFiniteLoss, match=r"gradient norm is not finite.*untouched"):
         _note_skip(4, 1.5, TrainResult(), NullLogger(), "stop", max_skipped=10)
