@@ -11,6 +11,8 @@ This runs once per run (never once per rank); the ranks are `python -m memtune.w
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -20,13 +22,24 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from memtune.autofit import auto_fit
-from memtune.config import ConfigError, register_configs, to_run_config, validate
+from memtune.config import (
+    ConfigError,
+    load_run_config,
+    register_configs,
+    to_run_config,
+    validate,
+)
 from memtune.launch import launch
+from memtune.nodes import announce_ready, resolve, wait_ready, write_nodes_hostfile
 from memtune.plan import format_plan, format_suggestions, plan
+from memtune.preflight import for_launch
 from memtune.rundir import prepare_run_dir
+from memtune.worker import EXIT_REQUEUE
 
 register_configs()
 FAILED_POINTS: list[str] = []
+WAIT_FOR_NODE0_S = 3600.0
+"""Per-node form: how long nodes 1.. wait for node 0 to tokenize the data and plan."""
 
 
 def print_plan(cfg: DictConfig) -> int:
@@ -65,9 +78,21 @@ def main(cfg: DictConfig) -> None:
     if cfg.plan_only:
         sys.exit(print_plan(cfg))
     try:
-        run_cfg = prepare_run_dir(cfg, run_dir)
+        spec = resolve(to_run_config(cfg))
     except ConfigError as err:
         print(f"memtune: config error: {err}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        if spec.node_rank == 0:
+            run_cfg = prepare_run_dir(cfg, run_dir)
+        else:
+            print(f"memtune: node {spec.node_rank}: waiting for node 0 to prepare {run_dir}")
+            wait_ready(run_dir, spec, timeout_s=WAIT_FOR_NODE0_S)
+            run_cfg = load_run_config(run_dir / "config.yaml")
+    except ConfigError as err:
+        print(f"memtune: config error: {err}", file=sys.stderr)
+        if spec.form == "per-node" and spec.node_rank == 0:
+            announce_ready(run_dir, spec, error=str(err))
         if not sweeping:
             sys.exit(2)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -76,8 +101,24 @@ def main(cfg: DictConfig) -> None:
         return
     if run_cfg.preprocess_only:
         return
+    if spec.form == "per-node" and spec.node_rank == 0:
+        write_nodes_hostfile(run_dir, spec)
+        announce_ready(run_dir, spec)
     print(f"memtune: run dir {run_dir}", flush=True)
-    code = launch(run_cfg, run_dir)
+    suffix = "" if spec.node_rank == 0 else f"-node{spec.node_rank}"
+    nccl_env = for_launch(
+        run_cfg.launcher.preflight,
+        spec.ranks_per_node,
+        spec.nnodes,
+        run_dir / f"preflight{suffix}.json",
+    )
+    code = launch(run_cfg, run_dir, spec=spec, extra_env=nccl_env)
+    if spec.node_rank != 0:
+        sys.exit(code)
+    if code == EXIT_REQUEUE and os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
+        # A sweep point in a submitit job: its checkpoint is saved; submitit's own handler for
+        # the same signal now requeues the job (hydra/launcher=slurm, max_num_timeout).
+        signal.raise_signal(signal.SIGUSR2)
     (run_dir / "exit.json").write_text(json.dumps({"code": code}) + "\n")
     if code != 0:
         print(f"memtune: the ranks failed (exit code {code}); run dir {run_dir}", file=sys.stderr)

@@ -164,9 +164,26 @@ class LoggerConfig:
 @dataclass
 class LauncherConfig:
     num_ranks: int = 1
-    """One rank per GPU; on a CPU machine, that many CPU processes."""
+    """All ranks of the job, over all nodes: one per GPU; on a CPU machine, CPU processes."""
+    nnodes: int = 1
+    """Nodes of the job; each runs num_ranks / nnodes ranks. With nnodes > 1 and no hostfile,
+    the same command runs on every node (the per-node form: Slurm, or no ssh between nodes)."""
+    node_rank: int | None = None
+    """Per-node form: this node's index. Default: $SLURM_NODEID, else $NODE_RANK, else 0."""
+    master_addr: str | None = None
+    """Node 0's address. Default: $MASTER_ADDR, else on Slurm the job's first host."""
     master_port: int | None = None
-    """Default: a free port."""
+    """Default: a free port (one node), 29500 (per-node form), 20000 + job id % 20000 (Slurm)."""
+    hostfile: str | None = None
+    """Hostfile form: `deepspeed --hostfile` from this node starts the ranks of every node over
+    ssh (pdsh). Lines `HOST slots=GPUS`."""
+    launch_id: str | None = None
+    """Per-node form: the same string on every node, new for every start, so nodes 1.. wait for
+    node 0's run dir of *this* start. Default: $SLURM_JOB_ID.$SLURM_RESTART_COUNT, else
+    $MEMTUNE_LAUNCH_ID."""
+    preflight: bool = True
+    """On GPUs: check count, memory, all-reduce and P2P before the ranks start, and set NCCL's
+    P2P/IB switches from what it finds (saved in RUN_DIR/preflight.json)."""
     omp_threads: int | None = None
     """OMP_NUM_THREADS per rank when not set in the environment. Default: cores // ranks."""
 
@@ -283,6 +300,7 @@ def validate(cfg: RunConfig) -> None:
         "trainer.keep_last": t.keep_last,
         "trainer.max_skipped_steps": t.max_skipped_steps,
         "launcher.num_ranks": cfg.launcher.num_ranks,
+        "launcher.nnodes": cfg.launcher.nnodes,
         "data.max_seq_len": cfg.data.max_seq_len,
     }
     for key, value in positive.items():
@@ -302,6 +320,11 @@ def validate(cfg: RunConfig) -> None:
         )
     if t.max_grad_norm < 0:
         raise ConfigError(f"trainer.max_grad_norm must be >= 0, 0 disables (got {t.max_grad_norm})")
+    if cfg.launcher.num_ranks % cfg.launcher.nnodes:
+        raise ConfigError(
+            f"launcher.num_ranks={cfg.launcher.num_ranks} (all ranks) is not a multiple of "
+            f"launcher.nnodes={cfg.launcher.nnodes}: every node runs the same number of ranks"
+        )
     per_step = t.micro_batch_size * cfg.launcher.num_ranks
     if t.global_batch_size % per_step:
         raise ConfigError(

@@ -22,6 +22,7 @@ import psutil
 from memtune.config import RunConfig
 from memtune.extensions import extensions_root
 from memtune.leftovers import clear_shm_buffers, clear_stale_locks
+from memtune.nodes import NODES_HOSTFILE, NodeSpec, resolve
 
 WORKER_MODULE = "memtune.worker"
 
@@ -36,9 +37,8 @@ def rank_env(cfg: RunConfig, base: dict[str, str] | None = None) -> dict[str, st
     """The environment for the ranks: one OpenMP thread pool per rank, not per core each."""
     env = dict(os.environ if base is None else base)
     if "OMP_NUM_THREADS" not in env:
-        threads = cfg.launcher.omp_threads or max(
-            1, (os.cpu_count() or 1) // cfg.launcher.num_ranks
-        )
+        here = cfg.launcher.num_ranks // cfg.launcher.nnodes  # ranks on this node
+        threads = cfg.launcher.omp_threads or max(1, (os.cpu_count() or 1) // here)
         env["OMP_NUM_THREADS"] = str(threads)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -46,11 +46,15 @@ def rank_env(cfg: RunConfig, base: dict[str, str] | None = None) -> dict[str, st
 
 
 def rank_command(
-    cfg: RunConfig, run_dir: Path, port: int, module: str = WORKER_MODULE
+    cfg: RunConfig,
+    run_dir: Path,
+    port: int,
+    module: str = WORKER_MODULE,
+    spec: NodeSpec | None = None,
 ) -> tuple[list[str], dict[str, str]]:
-    """The command line and extra environment that start every rank of the run."""
-    n = cfg.launcher.num_ranks
-    if n == 1:
+    """The command line and extra environment that start this node's ranks (see nodes.py)."""
+    spec = spec or resolve(cfg)
+    if spec.form == "local" and spec.ranks_per_node == 1:
         cmd = [sys.executable, "-m", module, str(run_dir)]
         extra = {
             "RANK": "0",
@@ -62,17 +66,31 @@ def rank_command(
         }
         return cmd, extra
     deepspeed_bin = Path(sys.executable).with_name("deepspeed")
-    launcher = (
+    cmd = (
         [str(deepspeed_bin)]
         if deepspeed_bin.exists()
         else [sys.executable, "-m", "deepspeed.launcher.runner"]
     )
-    cmd = [
-        *launcher,
+    if spec.form == "hostfile":
+        assert spec.hostfile is not None
+        cmd += ["--hostfile", str(spec.hostfile), "--num_nodes", str(spec.nnodes)]
+    elif spec.form == "per-node":
+        cmd += [
+            "--hostfile",
+            str(run_dir / NODES_HOSTFILE),
+            "--no_ssh",
+            "--node_rank",
+            str(spec.node_rank),
+            "--num_nodes",
+            str(spec.nnodes),
+        ]
+    if spec.form != "local" and spec.master_addr:
+        cmd += ["--master_addr", spec.master_addr]
+    cmd += [
         "--master_port",
         str(port),
         "--num_gpus",
-        str(n),
+        str(spec.ranks_per_node),
         "--no_local_rank",
         "--log_level",
         "warning",
@@ -83,12 +101,23 @@ def rank_command(
     return cmd, {}
 
 
-def launch(cfg: RunConfig, run_dir: Path, module: str = WORKER_MODULE) -> int:
-    """Run all ranks to completion; returns the job's exit code (0 only if every rank did)."""
-    port = cfg.launcher.master_port or free_port()
-    cmd, extra = rank_command(cfg, run_dir, port, module)
-    env = {**rank_env(cfg), **extra}
-    (run_dir / "launch.txt").write_text(" ".join(cmd) + "\n")
+def launch(
+    cfg: RunConfig,
+    run_dir: Path,
+    module: str = WORKER_MODULE,
+    spec: NodeSpec | None = None,
+    extra_env: dict[str, str] | None = None,
+) -> int:
+    """Run this node's ranks to completion; returns the exit code (0 only if every rank did).
+
+    ``extra_env``: what the GPU preflight decided (NCCL switches), for every rank.
+    """
+    spec = spec or resolve(cfg)
+    port = spec.master_port or free_port()
+    cmd, extra = rank_command(cfg, run_dir, port, module, spec)
+    env = {**rank_env(cfg), **(extra_env or {}), **extra}
+    name = "launch.txt" if spec.node_rank == 0 else f"launch-node{spec.node_rank}.txt"
+    (run_dir / name).write_text(" ".join(cmd) + "\n")
     clear_stale_locks(extensions_root())
     clear_shm_buffers()
     # Ranks start with SIGUSR2 ignored (inherited through exec) until their own handler is in

@@ -1,0 +1,179 @@
+"""Where this process stands in a job of one or more nodes, and how the nodes agree.
+
+Three forms start the ranks (see launch/README.md):
+
+- ``local``: one node; ``deepspeed --num_gpus N`` here (one rank: a plain subprocess).
+- ``hostfile``: ``deepspeed --hostfile FILE`` from this node starts every node's ranks over ssh.
+- ``per-node``: the same ``train.py`` command runs on every node (Slurm: one task per node, or
+  by hand with no ssh between nodes). Node 0 prepares the run dir; the others wait for it, then
+  each starts its own ranks with ``deepspeed --no_ssh --node_rank K``.
+
+The per-node form needs every node to agree on the master address and port and on *which start*
+they belong to, so a node never joins a stale run dir left by an earlier start: the launch id.
+On Slurm all three come from the job's environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from memtune.config import ConfigError, RunConfig
+
+DEFAULT_PORT = 29500
+READY_FILE = "launch.json"
+NODES_HOSTFILE = "nodes.hostfile"
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    form: str
+    """local | hostfile | per-node"""
+    nnodes: int
+    ranks_per_node: int
+    node_rank: int
+    master_addr: str | None
+    master_port: int | None
+    """None: a free port on this machine (local form only)."""
+    launch_id: str | None = None
+    hostfile: Path | None = None
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: ``gpu[07-09,12],cpu1`` → ``gpu07``.
+
+    ``scontrol show hostnames`` does this where Slurm's tools are installed; this covers the
+    list syntax so the launcher does not need them on the PATH.
+    """
+    item = re.match(r"[^,\[]*(\[[^\]]*\])?", nodelist.strip())
+    head = item.group(0) if item else nodelist
+    if "[" not in head:
+        return head
+    prefix, ranges = head.split("[", 1)
+    first = ranges.rstrip("]").split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def _int_env(env: Mapping[str, str], *names: str) -> int | None:
+    for name in names:
+        if env.get(name, "").strip():
+            try:
+                return int(env[name])
+            except ValueError as err:
+                raise ConfigError(f"${name}={env[name]!r} is not an integer") from err
+    return None
+
+
+def resolve(cfg: RunConfig, env: Mapping[str, str] | None = None) -> NodeSpec:
+    """This node's place in the job, from the config first and the environment second."""
+    env = os.environ if env is None else env
+    lc = cfg.launcher
+    per_node = lc.num_ranks // lc.nnodes
+    slurm_job = env.get("SLURM_JOB_ID")
+    if lc.nnodes == 1 and lc.hostfile is None:
+        return NodeSpec("local", 1, lc.num_ranks, 0, lc.master_addr, lc.master_port)
+    master_addr = lc.master_addr or env.get("MASTER_ADDR") or None
+    if master_addr is None and env.get("SLURM_JOB_NODELIST"):
+        master_addr = first_host(env["SLURM_JOB_NODELIST"])
+    port = lc.master_port or _int_env(env, "MASTER_PORT")
+    if port is None:
+        port = 20000 + int(slurm_job) % 20000 if slurm_job else DEFAULT_PORT
+    if lc.hostfile is not None:
+        hostfile = Path(lc.hostfile).expanduser().resolve()
+        check_hostfile(hostfile, lc.nnodes, per_node)
+        return NodeSpec("hostfile", lc.nnodes, per_node, 0, master_addr, port, hostfile=hostfile)
+    node_rank = lc.node_rank
+    if node_rank is None:
+        node_rank = _int_env(env, "SLURM_NODEID", "NODE_RANK") or 0
+    if not 0 <= node_rank < lc.nnodes:
+        raise ConfigError(f"launcher.node_rank={node_rank} is not in 0..{lc.nnodes - 1}")
+    if master_addr is None:
+        raise ConfigError(
+            f"launcher.nnodes={lc.nnodes} without a hostfile runs this command on every node; "
+            "set launcher.master_addr (node 0's address) or $MASTER_ADDR"
+        )
+    launch_id = lc.launch_id
+    if launch_id is None and slurm_job:
+        launch_id = f"{slurm_job}.{env.get('SLURM_RESTART_COUNT') or 0}"
+    launch_id = launch_id or env.get("MEMTUNE_LAUNCH_ID") or None
+    if launch_id is None:
+        raise ConfigError(
+            "the per-node form needs a launch id that is the same on every node and new for "
+            "every start: launcher.launch_id=... or $MEMTUNE_LAUNCH_ID (Slurm sets one itself)"
+        )
+    if cfg.run_dir is None:
+        raise ConfigError(
+            "the per-node form needs run_dir=... (the same shared path on every node); "
+            "a dated default would differ between nodes"
+        )
+    return NodeSpec("per-node", lc.nnodes, per_node, node_rank, master_addr, port, launch_id)
+
+
+def check_hostfile(path: Path, nnodes: int, per_node: int) -> list[tuple[str, int]]:
+    """``HOST slots=N`` lines (``#`` comments); a bad line is named with its number."""
+    if not path.is_file():
+        raise ConfigError(f"launcher.hostfile={path}: no such file")
+    hosts = []
+    for number, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = re.fullmatch(r"(\S+)\s+slots=(\d+)", line)
+        if m is None:
+            raise ConfigError(f"{path}:{number}: expected 'HOST slots=N', got {raw.strip()!r}")
+        hosts.append((m.group(1), int(m.group(2))))
+    short = [f"{h} ({s})" for h, s in hosts[:nnodes] if s < per_node]
+    if len(hosts) < nnodes or short:
+        raise ConfigError(
+            f"{path}: launcher.nnodes={nnodes} × {per_node} ranks per node needs {nnodes} hosts "
+            f"with slots >= {per_node}; it lists {len(hosts)}"
+            + (f", too few slots on {', '.join(short)}" if short else "")
+        )
+    return hosts
+
+
+def write_nodes_hostfile(run_dir: Path, spec: NodeSpec) -> Path:
+    """The hostfile DeepSpeed's runner needs for --no_ssh (names only order the nodes)."""
+    path = run_dir / NODES_HOSTFILE
+    path.write_text("".join(f"node{i} slots={spec.ranks_per_node}\n" for i in range(spec.nnodes)))
+    return path
+
+
+def announce_ready(run_dir: Path, spec: NodeSpec, error: str | None = None) -> None:
+    """Node 0: the run dir of this launch id is complete (or could not be made: ``error``)."""
+    record = {"launch_id": spec.launch_id, "nnodes": spec.nnodes, "error": error}
+    tmp = run_dir / f".{READY_FILE}.tmp"
+    tmp.write_text(json.dumps(record) + "\n")
+    tmp.replace(run_dir / READY_FILE)
+
+
+def wait_ready(run_dir: Path, spec: NodeSpec, timeout_s: float, poll_s: float = 1.0) -> None:
+    """Nodes 1..: wait until node 0 has prepared the run dir for this launch id."""
+    path = run_dir / READY_FILE
+    start = last_note = time.monotonic()
+    while True:
+        record = None
+        if path.is_file():
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                record = None
+        if record is not None and record.get("launch_id") == spec.launch_id:
+            if record.get("error"):
+                raise ConfigError(f"node 0 could not prepare {run_dir}: {record['error']}")
+            return
+        now = time.monotonic()
+        if now - start > timeout_s:
+            raise ConfigError(
+                f"node {spec.node_rank}: node 0 did not prepare {run_dir} for launch "
+                f"{spec.launch_id} within {timeout_s:.0f} s (is it running the same command?)"
+            )
+        if now - last_note >= 30:
+            print(f"memtune: node {spec.node_rank}: waiting for node 0 ({now - start:.0f} s)")
+            last_note = now
+        time.sleep(poll_s)

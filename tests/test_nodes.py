@@ -1,0 +1,201 @@
+"""Launching beyond one box: rendered commands, Slurm's environment, the GPU preflight's logic,
+and a real two-node job on this machine (two train.py processes, the per-node form)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from memtune.config import ConfigError, RunConfig, to_run_config
+from memtune.launch import free_port, rank_command
+from memtune.nodes import check_hostfile, first_host, resolve
+from memtune.preflight import decide
+from tests.conftest import FAST, ROOT, compose_cfg
+
+DS = str(Path(sys.executable).with_name("deepspeed"))
+TAIL = ["--no_local_rank", "--log_level", "warning", "--module", "memtune.worker", "/runs/x"]
+
+
+def _cfg(*overrides: str) -> RunConfig:
+    return to_run_config(compose_cfg(list(overrides)))
+
+
+def test_one_box_of_four_gpus() -> None:
+    cfg = _cfg("experiment=qwen2.5-7b-4x4090-lora", "launcher.num_ranks=4")
+    cmd, extra = rank_command(cfg, Path("/runs/x"), 12345, spec=resolve(cfg, env={}))
+    assert cmd == [DS, "--master_port", "12345", "--num_gpus", "4", *TAIL] and extra == {}
+
+
+def test_one_rank_is_a_plain_process() -> None:
+    cfg = _cfg("launcher.num_ranks=1")
+    cmd, extra = rank_command(cfg, Path("/runs/x"), 12345, spec=resolve(cfg, env={}))
+    assert cmd == [sys.executable, "-m", "memtune.worker", "/runs/x"]
+    assert extra["RANK"] == "0" and extra["WORLD_SIZE"] == "1" and extra["MASTER_PORT"] == "12345"
+
+
+def test_hostfile_form(tmp_path: Path) -> None:
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# two boxes\nbox-a slots=4\nbox-b slots=4  # second\n")
+    cfg = _cfg(
+        "launcher.num_ranks=8",
+        "launcher.nnodes=2",
+        f"launcher.hostfile={hostfile}",
+        "launcher.master_addr=10.0.0.1",
+    )
+    spec = resolve(cfg, env={})
+    cmd, _ = rank_command(cfg, Path("/runs/x"), spec.master_port or 0, spec=spec)
+    assert cmd == [
+        DS,
+        *("--hostfile", str(hostfile), "--num_nodes", "2", "--master_addr", "10.0.0.1"),
+        *("--master_port", "29500", "--num_gpus", "4"),
+        *TAIL,
+    ]
+
+
+def test_bad_hostfiles_are_named_with_their_line(tmp_path: Path) -> None:
+    bad = tmp_path / "hosts"
+    bad.write_text("box-a slots=4\nbox-b 4\n")
+    with pytest.raises(ConfigError, match=r"hosts:2: expected 'HOST slots=N', got 'box-b 4'"):
+        check_hostfile(bad, 2, 4)
+    bad.write_text("box-a slots=4\nbox-b slots=2\n")
+    with pytest.raises(ConfigError, match=r"too few slots on box-b \(2\)"):
+        check_hostfile(bad, 2, 4)
+    with pytest.raises(ConfigError, match="no such file"):
+        check_hostfile(tmp_path / "missing", 1, 1)
+
+
+SLURM_NODE1 = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_NODEID": "1",
+    "SLURM_NNODES": "2",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "SLURM_RESTART_COUNT": "1",
+}
+
+
+def test_slurm_environment_maps_to_this_nodes_place() -> None:
+    cfg = _cfg("launcher.num_ranks=8", "launcher.nnodes=2", "run_dir=/shared/run")
+    spec = resolve(cfg, env=SLURM_NODE1)
+    assert (spec.form, spec.nnodes, spec.ranks_per_node, spec.node_rank) == ("per-node", 2, 4, 1)
+    assert spec.master_addr == "gpu07"  # the sbatch exports MASTER_ADDR; this is the fallback
+    assert spec.master_port == 20000 + 4242
+    assert spec.launch_id == "4242.1"  # a requeued job is a new start of the same run dir
+    cmd, _ = rank_command(cfg, Path("/runs/x"), spec.master_port, spec=spec)
+    assert cmd == [
+        DS,
+        *("--hostfile", "/runs/x/nodes.hostfile", "--no_ssh", "--node_rank", "1"),
+        *("--num_nodes", "2", "--master_addr", "gpu07", "--master_port", "24242"),
+        *("--num_gpus", "4"),
+        *TAIL,
+    ]
+    explicit = resolve(cfg, env={**SLURM_NODE1, "MASTER_ADDR": "10.1.1.7", "MASTER_PORT": "555"})
+    assert (explicit.master_addr, explicit.master_port) == ("10.1.1.7", 555)
+
+
+def test_per_node_form_needs_what_the_nodes_must_agree_on() -> None:
+    base = ["launcher.num_ranks=2", "launcher.nnodes=2"]
+    with pytest.raises(ConfigError, match=r"launcher\.master_addr"):
+        resolve(_cfg(*base, "run_dir=/r"), env={})
+    with pytest.raises(ConfigError, match="launch id"):
+        resolve(_cfg(*base, "run_dir=/r", "launcher.master_addr=h"), env={})
+    with pytest.raises(ConfigError, match="run_dir"):
+        resolve(_cfg(*base, "launcher.master_addr=h", "launcher.launch_id=1"), env={})
+    with pytest.raises(ConfigError, match=r"node_rank=2 is not in 0..1"):
+        resolve(_cfg(*base, "run_dir=/r", "launcher.node_rank=2"), env={"MASTER_ADDR": "h"})
+    with pytest.raises(ConfigError, match=r"not a multiple of launcher.nnodes=2"):
+        from memtune.config import validate
+
+        validate(_cfg("launcher.num_ranks=3", "launcher.nnodes=2", "trainer.global_batch_size=6"))
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "first"),
+    [("gpu[07-09,12],cpu1", "gpu07"), ("node3", "node3"), ("a,b", "a"), ("x[1,3]", "x1")],
+)
+def test_first_host_of_a_slurm_node_list(nodelist: str, first: str) -> None:
+    assert first_host(nodelist) == first
+
+
+def _gpus(name: str, n: int) -> dict:
+    return {"gpus": [{"index": i, "name": name, "total_gib": 23.99, "sm": "89"} for i in range(n)]}
+
+
+PASSED = {"copy": {"ok": True}, "all_reduce_p2p": {"ok": True}}
+FAILED = {"copy": {"ok": True}, "all_reduce_p2p": {"ok": False, "error": "timeout"}}
+
+
+def test_preflight_turns_p2p_off_on_4090s_unless_it_is_proven() -> None:
+    d = decide(_gpus("NVIDIA GeForce RTX 4090 D", 4), FAILED, nnodes=1, env={})
+    assert d["env"] == {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
+    assert any("RTX 40-series" in r for r in d["reasons"])
+    d = decide(_gpus("NVIDIA GeForce RTX 4090 D", 4), {}, nnodes=1, env={})  # no checks ran
+    assert d["env"]["NCCL_P2P_DISABLE"] == "1"
+    d = decide(_gpus("NVIDIA GeForce RTX 4090", 4), PASSED, nnodes=1, env={})
+    assert d["env"] == {"NCCL_IB_DISABLE": "1"}
+
+
+def test_preflight_elsewhere() -> None:
+    h200 = _gpus("NVIDIA H200", 8)
+    assert decide(h200, PASSED, nnodes=2, env={})["env"] == {}  # IB may be the fabric
+    assert decide(h200, FAILED, nnodes=2, env={})["env"] == {"NCCL_P2P_DISABLE": "1"}
+    assert decide(_gpus("NVIDIA H200", 1), {}, nnodes=1, env={})["env"] == {"NCCL_IB_DISABLE": "1"}
+    # What the user set is theirs.
+    mine = decide(_gpus("RTX 4090", 4), FAILED, nnodes=1, env={"NCCL_P2P_DISABLE": "0"})
+    assert "NCCL_P2P_DISABLE" not in mine["env"]
+    assert "NCCL_P2P_DISABLE=0: set by you, kept" in mine["reasons"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_preflight_stops_clearly_without_gpus() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "memtune.preflight", "--gpus", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert "4 GPUs needed, 0 visible" in out.stderr
+
+
+@pytest.mark.slow
+def test_two_nodes_started_separately_train_together(tmp_path: Path) -> None:
+    # Two train.py processes on this machine play two nodes of one rank each: node 1 waits for
+    # node 0's run dir, then both join one job through DeepSpeed's --no_ssh per-node launch.
+    run_dir = tmp_path / "run"
+    common = [
+        *FAST,
+        "trainer.max_steps=4",
+        "launcher.num_ranks=2",
+        "launcher.nnodes=2",
+        "launcher.master_addr=127.0.0.1",
+        f"launcher.master_port={free_port()}",
+        "launcher.launch_id=t1",
+        f"run_dir={run_dir}",
+    ]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "train.py"), *common, f"launcher.node_rank={k}"],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for k in (1, 0)  # node 1 first: it must wait
+    ]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "waiting for node 0" in outs[0]
+    import json
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 4
+    assert "--no_ssh --node_rank 1" in (run_dir / "launch-node1.txt").read_text()
+    assert "--no_ssh --node_rank 0" in (run_dir / "launch.txt").read_text()
+    assert (run_dir / "nodes.hostfile").read_text() == "node0 slots=1\nnode1 slots=1\n"
+    adapter = load_file(run_dir / "adapter" / "adapter_model.safetensors")
+    assert any(bool((t != 0).any()) for k, t in adapter.items() if "lora_B" in k)
