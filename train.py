@@ -31,7 +31,13 @@ from memtune.config import (
 )
 from memtune.launch import launch
 from memtune.nodes import announce_ready, resolve, wait_ready, write_nodes_hostfile
-from memtune.plan import format_plan, format_suggestions, plan
+from memtune.plan import (
+    count_params,
+    format_plan,
+    format_suggestions,
+    plan,
+    resolve_checkpoint_layers,
+)
 from memtune.preflight import for_launch
 from memtune.rundir import prepare_run_dir
 from memtune.worker import EXIT_REQUEUE
@@ -47,7 +53,9 @@ def print_plan(cfg: DictConfig) -> int:
     try:
         run_cfg = to_run_config(cfg)
         validate(run_cfg)
-        result = plan(run_cfg)
+        counts = count_params(run_cfg)
+        run_cfg = resolve_checkpoint_layers(run_cfg, counts)
+        result = plan(run_cfg, counts)
     except ConfigError as err:
         print(f"memtune: config error: {err}", file=sys.stderr)
         return 2

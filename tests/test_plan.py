@@ -3,12 +3,13 @@ and a run that cannot fit refused before anything starts."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
 import torch
 
-from memtune.config import to_run_config
+from memtune.config import checkpointed_layers, to_run_config
 from memtune.loss import CausalLMLoss
 from memtune.model import add_lora, count_parameters, load_base_model
 from memtune.plan import activation_bytes, count_params, plan
@@ -71,6 +72,13 @@ def _saved_bytes(cfg) -> int:
         ["trainer.precision=bf16", "peft.dropout=0.05"],
         ["trainer.precision=bf16", "peft.dropout=0"],
         ["trainer.precision=bf16", "peft.dropout=0", "peft=lora"],
+        # Selective: layer 0 keeps only its input, layer 1 everything (2 layers in all).
+        [
+            "trainer.precision=bf16",
+            "peft.dropout=0",
+            "trainer.activation_checkpointing=true",
+            "trainer.checkpoint_layers=1",
+        ],
     ],
 )
 def test_activation_model_matches_what_autograd_saves(overrides: list[str]) -> None:
@@ -80,7 +88,8 @@ def test_activation_model_matches_what_autograd_saves(overrides: list[str]) -> N
     measured = _saved_bytes(cfg)
     tokens, h = 4 * 128, cfg.model.architecture["hidden_size"]
     b = 2 if cfg.trainer.precision == "bf16" else 4
-    predicted = activation_bytes(cfg, tokens, False, count_params(cfg), cuda=False)
+    k = checkpointed_layers(cfg)
+    predicted = activation_bytes(cfg, tokens, k, count_params(cfg), cuda=False)
     predicted += tokens * h * b  # the chunked loss keeps the hidden-state gradient
     # The model counts the big tensors per layer; small ones (rotary tables, scales) and the
     # CPU dropout's exact storage sharing are left out: +2 to +8% here, asserted within 10%.
@@ -179,3 +188,73 @@ def test_planned_weights_and_optimizer_state_match_what_each_rank_holds(fixture,
         # ZeRO-3 pads each rank's shard of every small LoRA tensor to an even split.
         assert held["lora"] == pytest.approx(rows["LoRA weights"], rel=0.05), held
         assert probe["optimizer_bytes"] == pytest.approx(rows["optimizer state"], rel=0.05)
+
+
+def test_selective_checkpointing_keeps_what_the_model_says() -> None:
+    cfg = to_run_config(compose_cfg([QWEN7B]))
+    counts = count_params(cfg)
+    layers, n, h = 28, 4096, 3584
+    acts = [activation_bytes(cfg, n, k, counts) for k in range(layers + 1)]
+    tail = n * h * 4  # the final norm's fp32 input
+    per_layer = (acts[0] - tail) // layers  # k = 0: every layer's activations
+    assert acts[0] == layers * per_layer + tail
+    # The first k layers keep only their bf16 input; backward recomputes them after the others
+    # are freed, so for k < L nothing else is added, and for k = L one recomputed layer is.
+    for k in (1, 12, 27):
+        assert acts[k] == k * n * h * 2 + (layers - k) * per_layer + tail
+    assert acts[layers] == layers * n * h * 2 + per_layer + tail
+    assert all(a > b for a, b in itertools.pairwise(acts[:-1]))
+    # Recomputing the last layer too saves nothing: it is the one live layer either way.
+    assert acts[layers] > acts[layers - 1]
+
+
+def test_checkpoint_layers_auto_is_the_fewest_that_fit_with_the_spare() -> None:
+    from memtune.plan import AUTO_CHECKPOINT_SPARE_GIB, choose_checkpoint_layers, fit_to_device
+
+    cfg = to_run_config(compose_cfg([QWEN7B]))
+    assert cfg.trainer.checkpoint_layers == "auto"
+    counts = count_params(cfg)
+    k = choose_checkpoint_layers(cfg, counts)
+    budget = 23.99 - AUTO_CHECKPOINT_SPARE_GIB
+
+    def total(layers: int) -> float:
+        trial = to_run_config(compose_cfg([QWEN7B, f"trainer.checkpoint_layers={layers}"]))
+        return plan(trial, counts).total_gib
+
+    assert 0 < k < 28 and total(k) <= budget < total(k - 1)
+    chosen, result = fit_to_device(cfg)
+    assert chosen.trainer.checkpoint_layers == str(k) and cfg.trainer.checkpoint_layers == "auto"
+    assert (
+        result.fits
+        and f"{k} of 28 layers checkpointed"
+        in dict((what, how) for what, _, how in result.rows)["activations"]
+    )
+    # Nothing to fit (CPU runs): every layer, as "all".
+    cpu = to_run_config(compose_cfg(["trainer.checkpoint_layers=auto"]))
+    assert choose_checkpoint_layers(cpu, count_params(cpu)) == 2
+
+
+def test_only_the_first_layers_recompute_and_the_gradients_do_not_change() -> None:
+    from memtune.model import decoder_layers
+
+    grads = {}
+    for layers in ("all", "1", "0"):
+        cfg = to_run_config(
+            compose_cfg(
+                ["trainer.precision=fp32", "peft.dropout=0", f"trainer.checkpoint_layers={layers}"]
+            )
+        )
+        synthesize(cfg.model.name_or_path, cfg.model.architecture)
+        torch.manual_seed(0)
+        model = add_lora(load_base_model(cfg, "sdpa"), cfg).train()
+        flags = [layer.gradient_checkpointing for layer in decoder_layers(model)]
+        assert flags == {"all": [True, True], "1": [True, False], "0": [False, False]}[layers]
+        for name, p in model.named_parameters():  # lora_B starts at 0: give it values
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(1))
+        ids = torch.randint(0, 1024, (2, 64), generator=torch.Generator().manual_seed(2))
+        CausalLMLoss(model, "chunked", 512)(input_ids=ids, labels=ids).backward()
+        grads[layers] = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    for layers in ("1", "0"):
+        for name, g in grads["all"].items():
+            torch.testing.assert_close(grads[layers][name], g, rtol=1e-5, atol=1e-7)

@@ -124,6 +124,10 @@ class TrainerConfig:
     precision: str = "bf16"
     """bf16 | fp32 (fp32 is for CPU demos and exact tests)"""
     activation_checkpointing: bool = True
+    checkpoint_layers: str = "all"
+    """With activation_checkpointing: how many decoder layers recompute their forward (the
+    first N). all | N | auto: the fewest that fit plan.device_gib with 2 GiB to spare (all when
+    no device is planned for). Fewer checkpointed layers, less recompute, more memory."""
     checkpointing_reentrant: bool = False
     optimizer: str = "adamw"
     """adamw (torch) | adamw_8bit (bitsandbytes; paged on CUDA) | cpu_adam (DeepSpeed, state and
@@ -246,6 +250,15 @@ def to_run_config(cfg: DictConfig | dict[str, Any]) -> RunConfig:
     return obj
 
 
+def checkpointed_layers(cfg: RunConfig) -> int:
+    """Decoder layers that recompute their forward (the first ones): 0 .. num_hidden_layers."""
+    layers = int(cfg.model.architecture.get("num_hidden_layers") or 0)
+    if not cfg.trainer.activation_checkpointing:
+        return 0
+    value = str(cfg.trainer.checkpoint_layers)
+    return layers if value in ("all", "auto") else min(int(value), layers)
+
+
 def load_run_config(path: str | Path) -> RunConfig:
     loaded = OmegaConf.load(path)
     if not isinstance(loaded, DictConfig):
@@ -312,6 +325,12 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"trainer.warmup_steps must be >= 0 (got {t.warmup_steps})")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ConfigError(f"trainer.min_lr_ratio must be in [0, 1] (got {t.min_lr_ratio})")
+    ckpt = str(t.checkpoint_layers)
+    if ckpt not in ("all", "auto") and not (ckpt.isdigit() and int(ckpt) >= 0):
+        raise ConfigError(
+            f"trainer.checkpoint_layers={ckpt!r} is not supported; choose all | auto | a number "
+            "of layers >= 0"
+        )
     if t.eval_every < 0:
         raise ConfigError(f"trainer.eval_every must be >= 0 (got {t.eval_every})")
     if t.save_every < 0:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from memtune.config import ConfigError, RunConfig
+from memtune.config import ConfigError, RunConfig, checkpointed_layers
 
 log = logging.getLogger("memtune")
 
@@ -108,6 +108,11 @@ def add_lora(model: Any, cfg: RunConfig) -> Any:
         model.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": cfg.trainer.checkpointing_reentrant}
         )
+        # Selective: only the first k layers recompute (backward reaches them last, once the
+        # other layers' activations are freed; see plan.activation_bytes).
+        k = checkpointed_layers(cfg)
+        for i, layer in enumerate(decoder_layers(model)):
+            layer.gradient_checkpointing = i < k
     lora = LoraConfig(
         r=p.r,
         lora_alpha=p.alpha,
@@ -121,6 +126,13 @@ def add_lora(model: Any, cfg: RunConfig) -> Any:
         # Reentrant checkpointing drops gradients unless the layer inputs require grad.
         model.enable_input_require_grads()
     return model
+
+
+def decoder_layers(model: Any) -> list[Any]:
+    """The decoder layers in order: the modules transformers can checkpoint."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 def is_quantized_layer(module: Any) -> bool:

@@ -26,13 +26,14 @@ The activation model is checked against the bytes autograd really saves
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from memtune.config import RunConfig, grad_accumulation_steps
+from memtune.config import RunConfig, checkpointed_layers, grad_accumulation_steps
 
 GIB = 1024**3
 # CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers: not in torch's allocator statistics.
@@ -123,9 +124,15 @@ def count_params(cfg: RunConfig) -> ParamCounts:
 
 
 def activation_bytes(
-    cfg: RunConfig, tokens: int, checkpointing: bool, counts: ParamCounts, cuda: bool = True
+    cfg: RunConfig, tokens: int, checkpointed: int, counts: ParamCounts, cuda: bool = True
 ) -> int:
-    """Bytes autograd keeps for one micro batch of ``tokens`` tokens."""
+    """Bytes autograd keeps for one micro batch of ``tokens`` tokens, with the first
+    ``checkpointed`` decoder layers recomputing their forward.
+
+    Backward reaches the checkpointed (first) layers last, after the other layers' activations
+    are freed, so one recomputed layer never adds to them: the peak is the checkpointed inputs
+    plus the larger of the other layers' activations and one recomputed layer.
+    """
     a = cfg.model.architecture
     h, inter, layers = (
         int(a["hidden_size"]),
@@ -145,8 +152,8 @@ def activation_bytes(
     mask = (1 if cuda else 4) if cfg.peft.dropout > 0 else 0
     lora = sum(n * i * (4 + mask) + n * r * 4 for i, r in counts.lora_inputs)
     per_layer = norms + attention + mlp + lora
-    # Checkpointed: every layer's input, plus one layer's activations while it is recomputed.
-    kept = layers * n * h * b + per_layer if checkpointing else layers * per_layer
+    k = min(int(checkpointed), layers)
+    kept = k * n * h * b + (max(layers - k, 1) if k else layers) * per_layer
     return kept + n * h * 4  # + the final norm's input
 
 
@@ -218,8 +225,16 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
 
     tokens = t.micro_batch_size * cfg.data.max_seq_len
     cuda = cfg.plan.device_gib is not None
-    acts = activation_bytes(cfg, tokens, t.activation_checkpointing, counts, cuda)
-    ckpt = "checkpointed" if t.activation_checkpointing else "no checkpointing"
+    k = checkpointed_layers(cfg)
+    layers = int(cfg.model.architecture["num_hidden_layers"])
+    acts = activation_bytes(cfg, tokens, k, counts, cuda)
+    ckpt = (
+        "no checkpointing"
+        if k == 0
+        else "checkpointed"
+        if k == layers
+        else f"{k} of {layers} layers checkpointed"
+    )
     out.add("activations", acts, f"{tokens:,} tokens per micro batch, {ckpt}")
     out.add("loss", loss_bytes(cfg, tokens), f"{t.loss} cross-entropy")
     live = sum(gib for _, gib, _ in out.rows) * GIB
@@ -282,23 +297,66 @@ def format_plan(cfg: RunConfig, result: Plan) -> str:
     return "\n".join(lines)
 
 
-def check_fits(cfg: RunConfig) -> Plan:
-    """Raise ConfigError with the breakdown and suggestions when the run cannot fit."""
+AUTO_CHECKPOINT_SPARE_GIB = 2.0
+"""checkpoint_layers=auto keeps this much of plan.device_gib free for what the plan misses."""
+
+
+def choose_checkpoint_layers(cfg: RunConfig, counts: ParamCounts) -> int:
+    """The fewest checkpointed layers whose plan fits device_gib with the spare (all if none
+    does: the refusal then shows the full breakdown)."""
+    layers = int(cfg.model.architecture["num_hidden_layers"])
+    if cfg.plan.device_gib is None:
+        return layers
+    budget = cfg.plan.device_gib - AUTO_CHECKPOINT_SPARE_GIB
+    # Up to layers - 1: recomputing the last layer as well would only cost (activation_bytes).
+    for k in range(layers):
+        trial = copy.deepcopy(cfg)
+        trial.trainer.checkpoint_layers = str(k)
+        if plan(trial, counts).total_gib <= budget:
+            return k
+    return layers
+
+
+def resolve_checkpoint_layers(cfg: RunConfig, counts: ParamCounts) -> RunConfig:
+    """``cfg`` with checkpoint_layers=auto replaced by the number chosen (said on stdout)."""
+    if not (cfg.trainer.activation_checkpointing and cfg.trainer.checkpoint_layers == "auto"):
+        return cfg
+    k = choose_checkpoint_layers(cfg, counts)
+    cfg = copy.deepcopy(cfg)
+    cfg.trainer.checkpoint_layers = str(k)
+    layers = cfg.model.architecture["num_hidden_layers"]
+    why = (
+        f"the fewest that fit {cfg.plan.device_gib:.2f} GiB with "
+        f"{AUTO_CHECKPOINT_SPARE_GIB:.0f} GiB to spare"
+        if cfg.plan.device_gib is not None
+        else "no plan.device_gib to fit"
+    )
+    print(f"memtune: checkpoint_layers=auto: {k} of {layers} layers ({why})", flush=True)
+    return cfg
+
+
+def fit_to_device(cfg: RunConfig) -> tuple[RunConfig, Plan]:
+    """The config to run and its plan; raises ConfigError with the breakdown and suggestions
+    when it cannot fit. Returns a new config where something was decided: the number of
+    checkpointed layers (checkpoint_layers=auto) or, with plan.auto_fit, a variant that fits."""
     from memtune.config import ConfigError
 
-    result = plan(cfg)
+    counts = count_params(cfg)
+    cfg = resolve_checkpoint_layers(cfg, counts)
+    result = plan(cfg, counts)
     if not result.fits and cfg.plan.auto_fit:
         from memtune.autofit import auto_fit
 
         fit = auto_fit(cfg, result.counts)
         if fit is not None:
-            cfg.trainer, cfg.zero, cfg.peft = fit.cfg.trainer, fit.cfg.zero, fit.cfg.peft
+            fit.cfg = resolve_checkpoint_layers(fit.cfg, count_params(fit.cfg))
+            fit.plan = plan(fit.cfg)
             print(
                 f"memtune: auto_fit: {' '.join(fit.changes)} (planned {fit.plan.total_gib:.2f} of "
                 f"{result.device_gib:.2f} GiB per rank; as given it needed {result.total_gib:.2f})",
                 flush=True,
             )
-            return fit.plan
+            return fit.cfg, fit.plan
     if not result.fits and cfg.plan.enforce:
         raise ConfigError(
             f"this run needs {result.total_gib:.2f} GiB per rank but the device has "
@@ -306,4 +364,4 @@ def check_fits(cfg: RunConfig) -> Plan:
             f"{format_suggestions(cfg)}\n(plan.auto_fit=true picks the fastest variant that fits; "
             "plan.enforce=false launches anyway)"
         )
-    return result
+    return cfg, result

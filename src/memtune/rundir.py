@@ -9,7 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from memtune.config import RunConfig, get_field, to_run_config, validate
 from memtune.ds_config import build_ds_config
-from memtune.plan import check_fits, format_plan
+from memtune.plan import fit_to_device, format_plan
 from memtune.preprocess import Prepared, preprocess
 
 
@@ -23,8 +23,11 @@ def prepare_run_dir(cfg_node: DictConfig, run_dir: Path) -> RunConfig:
     cfg = to_run_config(cfg_node)
     cfg.run_dir = str(run_dir)
     validate(cfg)
-    # Refuses what cannot fit (or, with plan.auto_fit, changes cfg into what fits).
-    memory_plan = check_fits(cfg) if cfg.model.architecture else None
+    # Refuses what cannot fit; decides checkpoint_layers=auto and, with plan.auto_fit, a
+    # variant that fits. What it decided is what config.yaml records.
+    memory_plan = None
+    if cfg.model.architecture:
+        cfg, memory_plan = fit_to_device(cfg)
     ds_config = build_ds_config(cfg)
     if cfg.model.synthesize:
         from memtune.tiny import synthesize

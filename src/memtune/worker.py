@@ -26,7 +26,12 @@ import torch
 import torch.distributed as dist
 
 from memtune.checkpoint import export_adapter, load_checkpoint, save_checkpoint
-from memtune.config import RunConfig, grad_accumulation_steps, load_run_config
+from memtune.config import (
+    RunConfig,
+    checkpointed_layers,
+    grad_accumulation_steps,
+    load_run_config,
+)
 from memtune.data import (
     IGNORE_INDEX,
     DataStats,
@@ -216,6 +221,11 @@ def _truncate_metrics(path: Path, step: int) -> None:
     path.write_text("".join(r + "\n" for r in rows))
 
 
+def checkpoint_note(cfg: RunConfig) -> str:
+    k, layers = checkpointed_layers(cfg), int(cfg.model.architecture["num_hidden_layers"])
+    return "off" if k == 0 else "on" if k == layers else f"on for {k} of {layers} layers"
+
+
 def batching_summary(cfg: RunConfig) -> str:
     if cfg.data.packing:
         return f"packed into rows of {cfg.data.max_seq_len} tokens"
@@ -322,7 +332,7 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
             f"memtune: {world} rank(s) · ZeRO-{cfg.zero.stage} · {t.precision} · batch "
             f"{t.micro_batch_size} × accum {grad_accumulation_steps(cfg)} × {world} ranks = "
             f"{t.global_batch_size} · activation checkpointing "
-            f"{'on' if t.activation_checkpointing else 'off'} · {optimizer_note}\n"
+            f"{checkpoint_note(cfg)} · {optimizer_note}\n"
             f"memtune: data {stats.line()}; {batching_summary(cfg)}",
             flush=True,
         )
