@@ -86,7 +86,9 @@ def main(cfg: DictConfig) -> None:
     if cfg.plan_only:
         sys.exit(print_plan(cfg))
     try:
-        spec = resolve(to_run_config(cfg))
+        given = to_run_config(cfg)
+        validate(given)
+        spec = resolve(given)
     except ConfigError as err:
         print(f"memtune: config error: {err}", file=sys.stderr)
         sys.exit(2)
