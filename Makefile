@@ -11,7 +11,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test preprocess plan merge lint format train-4x4090 bench-data clean
+.PHONY: help install train test test-slurm preprocess plan merge lint format train-4x4090 bench bench-data clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-14s %s\n", $$1, $$2}'
@@ -33,6 +33,9 @@ train: $(STAMP) ## Run the embedded CPU demo (tiny Qwen2, 2 ranks, ZeRO-3); ARGS
 
 test: $(STAMP) ## Run the test suite (CPU; real DeepSpeed ranks)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-slurm: $(STAMP) ## Slurm tier: a real 1-node cluster on 127.0.0.1 (root; apt-installs Slurm + MariaDB if missing; ~5-8 min)
+	$(PY) -m pytest tests/slurm -m slurm $(PYTEST_ARGS)
 
 preprocess: $(STAMP) ## Tokenize the data into its cache and print the counts (ARGS= for data.*)
 	$(PY) train.py preprocess_only=true $(ARGS)

@@ -130,8 +130,11 @@ def main(cfg: DictConfig) -> None:
         # the same signal now requeues the job (hydra/launcher=slurm, max_num_timeout).
         signal.raise_signal(signal.SIGUSR2)
     (run_dir / "exit.json").write_text(json.dumps({"code": code}) + "\n")
-    if code != 0:
+    if code == EXIT_REQUEUE:
+        print(f"memtune: stopped with a checkpoint (exit code {code}); run dir {run_dir}")
+    elif code != 0:
         print(f"memtune: the ranks failed (exit code {code}); run dir {run_dir}", file=sys.stderr)
+    if code != 0:
         if not sweeping:
             sys.exit(code)
         FAILED_POINTS.append(str(run_dir))  # the other points of the sweep still run

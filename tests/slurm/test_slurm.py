@@ -1,0 +1,251 @@
+"""memtune on a real Slurm cluster (one node on 127.0.0.1, see cluster.py): sbatch, preemption
+with requeue and resume, and a Hydra sweep through hydra-submitit-launcher.
+
+    make test-slurm          # or: pytest -m slurm tests/slurm
+
+Every job is the CPU demo (tiny Qwen2, 2 ranks, ZeRO-3) cut down to a few steps.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.slurm.cluster import Cluster
+
+pytestmark = pytest.mark.slurm
+
+ROOT = Path(__file__).resolve().parents[2]
+SBATCH = ROOT / "launch" / "slurm" / "train.sbatch"
+TINY = ["logger=none", "trainer.warmup_steps=2"]
+RANKS = 2
+END_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def slurm(cmd: list[str], timeout: float = 30) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr}"
+    return proc.stdout
+
+
+@dataclass
+class Record:
+    job_id: str
+    state: str
+    exit_code: str
+
+
+def sacct(job_id: str) -> list[Record]:
+    """Every start of the job, oldest first (-D: a requeued job has one row per start)."""
+    out = slurm(["sacct", "-j", job_id, "-D", "-X", "-n", "-P", "-o", "JobID,State,ExitCode"])
+    rows = [line.split("|") for line in out.splitlines() if line.strip()]
+    # "CANCELLED by 0" -> "CANCELLED"
+    return [Record(r[0], r[1].split()[0], r[2]) for r in rows]
+
+
+def in_queue(job_id: str) -> bool:
+    return bool(slurm(["squeue", "-h", "-j", job_id, "-o", "%i"]).strip())
+
+
+def wait_done(job_id: str, timeout: float, log: Path | None = None) -> list[Record]:
+    """Wait until the job has left the queue and accounting has its final state."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = sacct(job_id)
+        if records and records[-1].state in END_STATES and not in_queue(job_id):
+            return records
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", "--full", job_id], timeout=30, check=False)
+            pytest.fail(
+                f"job {job_id} did not finish within {timeout:.0f} s: {records}\n{tail(log)}"
+            )
+        time.sleep(2)
+
+
+def tail(path: Path | None, lines: int = 40) -> str:
+    if path is None or not path.is_file():
+        return ""
+    text = path.read_text(errors="replace").splitlines()[-lines:]
+    return f"--- {path}\n" + "\n".join(text)
+
+
+def job_env() -> dict[str, str]:
+    # The jobs inherit it (sbatch --export=ALL): SLURM_CONF, this session's MEMTUNE_CACHE_DIR.
+    return {**os.environ, "MEMTUNE_PYTHON": sys.executable, "MEMTUNE_RANKS_PER_NODE": str(RANKS)}
+
+
+def submit(out_dir: Path, overrides: list[str]) -> tuple[str, Path]:
+    log = out_dir / "slurm-%j.out"
+    proc = subprocess.run(
+        ["sbatch", "--parsable", f"--output={log}", str(SBATCH), *overrides],
+        cwd=ROOT,  # the script runs train.py from the submit dir
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, f"sbatch failed: {proc.stderr}"
+    job_id = proc.stdout.strip().split(";")[0]
+    assert job_id.isdigit(), proc.stdout
+    return job_id, out_dir / f"slurm-{job_id}.out"
+
+
+def steps_logged(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r["step"] for r in rows if "train/loss" in r]
+
+
+def restarts(job_id: str) -> int | None:
+    """Restarts=N of `scontrol show job` (kept MinJobAge=600 s after the end)."""
+    proc = subprocess.run(
+        ["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30
+    )
+    found = re.search(r"\bRestarts=(\d+)", proc.stdout)
+    return int(found.group(1)) if found else None
+
+
+def assert_adapter(run_dir: Path, r: int) -> None:
+    adapter = run_dir / "adapter"
+    weights = adapter / "adapter_model.safetensors"
+    assert weights.is_file() and weights.stat().st_size > 0, f"no adapter weights in {adapter}"
+    assert json.loads((adapter / "adapter_config.json").read_text())["r"] == r
+
+
+# -------------------------------------------------------------------------------------- tests
+
+
+def test_sbatch_cpu_demo(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    steps = 8
+    job_id, log = submit(
+        tmp_path,
+        [f"run_dir={run_dir}", *TINY, f"trainer.max_steps={steps}", "trainer.save_every=4"],
+    )
+    records = wait_done(job_id, timeout=600, log=log)
+
+    assert [(r.state, r.exit_code) for r in records] == [("COMPLETED", "0:0")], tail(log)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps
+    assert summary["world_size"] == RANKS
+    assert summary["loss_last"] < summary["loss_first"]
+    assert steps_logged(run_dir) == list(range(1, steps + 1))
+    assert json.loads((run_dir / "exit.json").read_text())["code"] == 0
+    assert_adapter(run_dir, r=16)  # the demo's LoRA rank
+    assert (run_dir / "checkpoints" / "step-0000004").is_dir()
+    assert f"memtune: job {job_id} restart 0" in log.read_text()
+
+
+def test_preempted_job_is_requeued_and_resumes(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    steps = 40
+    # No periodic checkpoint before the end: the only one to resume from is the preemption's.
+    job_id, log = submit(
+        tmp_path,
+        [f"run_dir={run_dir}", *TINY, f"trainer.max_steps={steps}", "trainer.save_every=1000"],
+    )
+    deadline = time.monotonic() + 300
+    while len(steps_logged(run_dir)) < 3:
+        assert in_queue(job_id), f"job {job_id} ended before training\n{tail(log)}"
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", "--full", job_id], timeout=30, check=False)
+            pytest.fail(f"job {job_id}: no training steps after 300 s\n{tail(log)}")
+        time.sleep(0.5)
+    # What Slurm does before a time limit (--signal=B:USR2@120): USR2 to the batch script,
+    # whose trap passes it to the ranks through srun and train.py.
+    slurm(["scancel", "--signal=USR2", "--batch", job_id])
+    records = wait_done(job_id, timeout=480, log=log)
+
+    assert [r.state for r in records] == ["REQUEUED", "COMPLETED"], f"{records}\n{tail(log)}"
+    assert records[-1].exit_code == "0:0"
+    assert restarts(job_id) == 1
+    text = log.read_text()
+    assert f"memtune: job {job_id} restart 1" in text  # SLURM_RESTART_COUNT in the second start
+    assert "requeueing job" in text
+
+    resumed = json.loads((run_dir / "resume.json").read_text())["checkpoint"]
+    stopped_at = int(Path(resumed).name.removeprefix("step-"))
+    assert 3 <= stopped_at < steps, resumed
+    assert f"resumed at step {stopped_at}" in text
+    # Every step exactly once across the two starts: the second one continued where the
+    # first one saved, neither repeating nor skipping a step.
+    assert steps_logged(run_dir) == list(range(1, steps + 1))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps
+    assert_adapter(run_dir, r=16)
+
+
+def test_submitit_sweep_one_job_per_point(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    steps = 6
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "-m",
+            "hydra/launcher=slurm",
+            "peft.r=4,8",
+            *TINY,
+            f"trainer.max_steps={steps}",
+            f"hydra.sweep.dir={sweep}",
+            f"launcher.num_ranks={RANKS}",
+            "hydra.launcher.timeout_min=20",
+        ],
+        cwd=tmp_path,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=780,
+        check=False,
+    )
+    output = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, output
+
+    # One Slurm job (array task) per point, each COMPLETED.
+    submitit = sweep / ".submitit"
+    job_ids = sorted(p.name for p in submitit.iterdir() if re.fullmatch(r"\d+_\d+", p.name))
+    assert len(job_ids) == 2, (sorted(p.name for p in submitit.iterdir()), output)
+    for job_id in job_ids:
+        assert [(r.state, r.exit_code) for r in sacct(job_id)] == [("COMPLETED", "0:0")]
+
+    for point, r in (("0", 4), ("1", 8)):
+        run_dir = sweep / point
+        assert json.loads((run_dir / "summary.json").read_text())["steps"] == steps
+        assert_adapter(run_dir, r=r)
+
+    with (sweep / "sweep_report.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(row["point"], row["overrides"], row["status"], row["steps"]) for row in rows] == [
+        ("0", "peft.r=4", "ok", str(steps)),
+        ("1", "peft.r=8", "ok", str(steps)),
+    ]
+    # LoRA on all linear layers of the tiny model: trainable parameters scale with r.
+    assert int(rows[1]["trainable_params"]) == 2 * int(rows[0]["trainable_params"])
+    report = (sweep / "sweep_report.md").read_text()
+    assert "peft.r=4" in report and "peft.r=8" in report
+    assert (sweep / "sweep_loss.png").stat().st_size > 0
