@@ -65,6 +65,9 @@ train-4x4090: $(STAMP) ## The real job: EXP (default qwen2.5-7b-4x4090-lora) on 
 	#   deepspeed --master_port <free port> --num_gpus 4 --no_local_rank --module memtune.worker <run dir>
 	$(PY) train.py experiment=$(EXP) launcher.num_ranks=4 $(ARGS)
 
+bench: $(STAMP) ## Training benchmark: memtune vs HF Trainer + peft, with ablations -> bench/results/ (~12 min)
+	$(PY) bench/bench.py $(ARGS)
+
 bench-data: $(STAMP) ## Data benchmark: preprocessing tokens/s and padding efficiency -> bench/results/
 	$(PY) bench/data_bench.py $(ARGS)
 

@@ -25,6 +25,7 @@ from memtune.autofit import auto_fit
 from memtune.config import (
     ConfigError,
     load_run_config,
+    one_rank_zero,
     register_configs,
     to_run_config,
     validate,
@@ -53,6 +54,7 @@ def print_plan(cfg: DictConfig) -> int:
     try:
         run_cfg = to_run_config(cfg)
         validate(run_cfg)
+        run_cfg = one_rank_zero(run_cfg)
         counts = count_params(run_cfg)
         run_cfg = resolve_checkpoint_layers(run_cfg, counts)
         result = plan(run_cfg, counts)

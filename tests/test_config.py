@@ -114,3 +114,16 @@ def test_data_sources_from_the_command_line(tmp_path: Path) -> None:
     cfg.data.path = str(a)
     with pytest.raises(ConfigError, match=r"data\.path and data\.sources are both set"):
         validate(cfg)
+
+
+def test_one_rank_runs_zero2_instead_of_zero3(capsys) -> None:
+    from memtune.config import one_rank_zero
+
+    def stage(*overrides: str) -> int:
+        return one_rank_zero(to_run_config(compose_cfg(["zero=zero3", *overrides]))).zero.stage
+
+    assert stage("launcher.num_ranks=1") == 2
+    assert "ZeRO-2 instead of ZeRO-3" in capsys.readouterr().out
+    assert stage("launcher.num_ranks=2") == 3
+    assert stage("launcher.num_ranks=1", "zero.one_rank_stage2=false") == 3
+    assert stage("launcher.num_ranks=1", "zero=zero3-offload") == 3  # offload needs ZeRO-3

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from memtune.config import RunConfig, get_field, to_run_config, validate
+from memtune.config import RunConfig, get_field, one_rank_zero, to_run_config, validate
 from memtune.ds_config import build_ds_config
 from memtune.plan import fit_to_device, format_plan
 from memtune.preprocess import Prepared, preprocess
@@ -23,6 +23,7 @@ def prepare_run_dir(cfg_node: DictConfig, run_dir: Path) -> RunConfig:
     cfg = to_run_config(cfg_node)
     cfg.run_dir = str(run_dir)
     validate(cfg)
+    cfg = one_rank_zero(cfg)
     # Refuses what cannot fit; decides checkpoint_layers=auto and, with plan.auto_fit, a
     # variant that fits. What it decided is what config.yaml records.
     memory_plan = None
