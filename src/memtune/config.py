@@ -142,7 +142,8 @@ class TrainerConfig:
     """auto (Liger's fused linear CE on CUDA when installed, else chunked) | chunked | plain
     (full-sequence logits, as HF models compute them) | liger"""
     loss_chunk_tokens: int = 512
-    """Tokens per chunk of the chunked loss: peak logits memory is chunk × vocab × 4 bytes."""
+    """Tokens per chunk of the chunked loss: its logits peak at chunk × vocab × 6 bytes in bf16
+    (fp32 logits + their bf16 cast; README "The loss never holds the whole sequence's logits")."""
     on_nonfinite: str = "stop"
     """A step whose loss or gradient norm is not finite never updates the weights. stop: exit
     with code 3 (the last checkpoint is intact) | skip: discard the step and go on."""
