@@ -110,9 +110,7 @@ def add_lora(model: Any, cfg: RunConfig) -> Any:
         )
         # Selective: only the first k layers recompute (backward reaches them last, once the
         # other layers' activations are freed; see plan.activation_bytes).
-        k = checkpointed_layers(cfg)
-        for i, layer in enumerate(decoder_layers(model)):
-            layer.gradient_checkpointing = i < k
+        set_checkpointed_layers(model, checkpointed_layers(cfg))
     lora = LoraConfig(
         r=p.r,
         lora_alpha=p.alpha,
@@ -126,6 +124,12 @@ def add_lora(model: Any, cfg: RunConfig) -> Any:
         # Reentrant checkpointing drops gradients unless the layer inputs require grad.
         model.enable_input_require_grads()
     return model
+
+
+def set_checkpointed_layers(model: Any, k: int) -> None:
+    """Recompute the first ``k`` decoder layers in backward, keep the others' activations."""
+    for i, layer in enumerate(decoder_layers(model)):
+        layer.gradient_checkpointing = i < k
 
 
 def decoder_layers(model: Any) -> list[Any]:

@@ -102,7 +102,7 @@ def seed_everything(seed: int) -> None:
         pass
 
 
-def _init_distributed() -> tuple[int, int, int, torch.device]:
+def init_distributed() -> tuple[int, int, int, torch.device]:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -297,7 +297,7 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir / "config.yaml")
     ds_config = json.loads((run_dir / "ds_config.json").read_text())
-    rank, local_rank, world, device = _init_distributed()
+    rank, local_rank, world, device = init_distributed()
     try:
         seed_everything(cfg.trainer.seed)
         print0 = print if rank == 0 else (lambda *a, **k: None)

@@ -1,0 +1,1120 @@
+"""One-shot GPU check of memtune on Qwen2.5-7B (issue #7): memory, speed, MFU, the plan's error.
+
+    bash bench/gpu_check.sh                       # on the lent H200 (installs .whl/, see README)
+    python bench/gpu_check.py --dry-run           # here, on CPU: the same code paths, tiny model
+
+For LoRA r=16 on all linear layers over a bf16 base, and for QLoRA (NF4 base), at 4096 and
+2048 tokens, one rank, it measures two sides on the same random-weight Qwen2.5-7B:
+
+* **baseline** — the recipe users follow (``bench/baseline.py``'s ``training_args`` and
+  ``CountingTrainer``): ``transformers.Trainer`` + peft LoRA, full gradient checkpointing, the
+  model's own cross-entropy on full logits, no DeepSpeed; QLoRA with peft's
+  ``prepare_model_for_kbit_training`` as its docs say;
+* **memtune** — memtune's own pieces: ``memtune.model.add_lora`` (``prepare_quantized``,
+  selective checkpointing with ``checkpoint_layers=auto`` planned for a 24 GB card), the
+  chunked loss (``CausalLMLoss``), ``build_optimizer``, ``build_ds_config`` and DeepSpeed
+  ZeRO-3 at world size 1 through ``deepspeed.initialize``, and ``memtune.trainer.train``.
+
+Each measurement records peak allocated memory, tokens/s over timed steps after warm-up, MFU
+and the planner's prediction (``memtune.plan``) with its error. Then, for QLoRA with memtune,
+the longest sequence whose step fits under a 24 GB cap (``set_per_process_memory_fraction``).
+
+No checkpoint is read: the base is built from ``model.architecture`` (conf/model/*.yaml) with
+random weights directly on the device. memtune's ``load_base_model`` (``from_pretrained``)
+is the one piece bypassed: for LoRA the model is built with ``from_config`` while a
+``HfDeepSpeedConfig`` is alive, so it is created under ``zero.Init`` exactly as
+``from_pretrained`` creates it under ZeRO-3; for QLoRA every decoder ``nn.Linear`` becomes a
+bitsandbytes ``Linear4bit`` quantized on the device with the settings of memtune's
+``quantization_config`` (what ``from_pretrained`` does tensor by tensor), no ``zero.Init``
+(memtune's quantized ZeRO-3 path does not use it either).
+
+Every phase runs in its own process (a crash, hang or leak stays there); each writes its
+measurements as soon as they exist and the outputs are rewritten after each, so a timeout
+still returns data. Writes ``<out>/gpu_check.json`` and ``<out>/gpu_check.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import datetime as dt
+import gc
+import itertools
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))  # memtune is not installed on the device machine
+sys.path.insert(0, str(ROOT / "bench"))
+
+GIB = 1024**3
+PEAK_TFLOPS = 989.0
+"""H200 SXM dense bf16 by the datasheet (the H100's rate)."""
+MEASURED_TFLOPS = 790.0
+"""An 8192³ bf16 matmul through PyTorch on random data on this workplace's H200 (KINDS.md)."""
+CAP_GIB = 23.99
+"""A 24 GB card: RTX 4090D's 24,564 MiB, what the 4×4090 experiments plan against."""
+
+
+@dataclass(frozen=True)
+class Mode:
+    """What differs between the GPU check and its CPU dry run."""
+
+    dry_run: bool
+    model: str
+    lengths: tuple[int, ...]
+    search: tuple[int, ...]
+    warmup: int
+    timed: int
+    overrides: tuple[str, ...] = ()
+    fake_oom_above: int | None = None
+    budget_s: float = 420.0
+
+
+GPU = Mode(
+    dry_run=False,
+    model="qwen2.5-7b",
+    lengths=(4096, 2048),
+    search=(8192, 12288, 16384, 20480, 24576, 28672, 32768),
+    warmup=2,
+    timed=3,
+)
+# The tiny model has 2 layers: checkpoint the first only, so the selective path runs; the
+# search raises a simulated OOM above 256 tokens, so the OOM path runs too.
+DRY = Mode(
+    dry_run=True,
+    model="tiny-qwen2",
+    lengths=(128, 64),
+    search=(128, 256, 512),
+    warmup=1,
+    timed=2,
+    overrides=("trainer.checkpoint_layers=1",),
+    fake_oom_above=256,
+    budget_s=900.0,
+)
+
+METHODS = {
+    "lora": ("qwen2.5-7b-4x4090-lora", "lora-all-linear"),
+    "qlora": ("qwen2.5-7b-4x4090-qlora", "qlora-nf4"),
+}
+# In order of importance: a timeout loses the last ones. (phase, method, side, cap seconds)
+PHASES = (
+    ("lora-memtune", "lora", "memtune", 120),
+    ("lora-baseline", "lora", "baseline", 90),
+    ("qlora-baseline", "qlora", "baseline", 100),
+    ("qlora-memtune", "qlora", "memtune", 200),  # ends with the 24 GB search
+)
+MIN_PHASE_S = 45  # kept for each later phase when a phase's deadline is set
+
+
+# ------------------------------------------------------------------ config and plan
+
+
+def compose_cfg(mode: Mode, method: str, seq_len: int) -> Any:
+    """memtune's RunConfig: the 4×4090 experiment of this method, on one rank, micro batch 1,
+    global batch 1 (no accumulation), planned for a 24 GB card, never refused."""
+    from hydra import compose, initialize_config_dir
+
+    from memtune.config import register_configs, to_run_config
+
+    register_configs()
+    experiment, peft = METHODS[method]
+    overrides = [
+        f"experiment={experiment}",
+        f"model={mode.model}",
+        f"peft={peft}",
+        "launcher.num_ranks=1",
+        "trainer.global_batch_size=1",
+        f"data.max_seq_len={seq_len}",
+        "logger=none",
+        f"plan.device_gib={CAP_GIB}",
+        "plan.enforce=false",
+        *mode.overrides,
+    ]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return to_run_config(compose(config_name="config", overrides=overrides))
+
+
+def at_length(cfg: Any, seq_len: int, counts: Any) -> Any:
+    """``cfg`` at another sequence length, checkpoint_layers=auto resolved for it."""
+    from memtune.plan import resolve_checkpoint_layers
+
+    cfg = copy.deepcopy(cfg)
+    cfg.data.max_seq_len = seq_len
+    return resolve_checkpoint_layers(cfg, counts)
+
+
+def plan_record(cfg: Any, counts: Any) -> dict[str, Any]:
+    """The planner's rows; ``live_gib`` leaves out what torch's allocator never reports
+    (fragmentation, the CUDA context), so it is what ``max_memory_allocated`` should read."""
+    from memtune.plan import plan
+
+    p = plan(cfg, counts)
+    outside = ("allocator fragmentation", "CUDA context + workspaces")
+    return {
+        "total_gib": p.total_gib,
+        "live_gib": sum(g for what, g, _ in p.rows if what not in outside),
+        "fits": p.fits,
+        "rows": [{"what": w, "gib": g, "how": h} for w, g, h in p.rows],
+    }
+
+
+def baseline_plan(cfg: Any, counts: Any) -> dict[str, Any]:
+    """The planner's nearest config to the baseline (it knows no run without DeepSpeed):
+    ZeRO-2 on one rank, every layer checkpointed, the plain loss. Approximate by design."""
+    cfg = copy.deepcopy(cfg)
+    cfg.zero.stage = 2
+    cfg.trainer.loss = "plain"
+    cfg.trainer.checkpoint_layers = "all"
+    return plan_record(cfg, counts)
+
+
+# ------------------------------------------------------------------ the model
+
+
+def torch_dtype(cfg: Any) -> Any:
+    from memtune.model import torch_dtype as dtype_of
+
+    return dtype_of(cfg)
+
+
+def build_base(cfg: Any, device: Any, attn: str) -> Any:
+    """The architecture of ``cfg.model`` with random weights, built on ``device`` (or under
+    ``zero.Init`` when a ``HfDeepSpeedConfig`` is alive: transformers checks that itself)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    arch = dict(cfg.model.architecture)
+    config = AutoConfig.for_model(arch.pop("model_type"), **arch)
+    config.use_cache = False
+    torch.manual_seed(cfg.trainer.seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch_dtype(cfg), attn_implementation=attn
+        )
+    model.config.use_cache = False  # as memtune.model.load_base_model
+    return model
+
+
+def quantize_decoder(model: Any, quant: Any, device: Any) -> Any:
+    """Every decoder ``nn.Linear`` → bitsandbytes ``Linear4bit`` quantized on ``device`` with
+    ``quant``'s settings, as ``from_pretrained`` with that ``BitsAndBytesConfig`` leaves the
+    model (the LM head stays unquantized there too)."""
+    import bitsandbytes as bnb
+    import torch
+
+    settings = {
+        "compress_statistics": quant.bnb_4bit_use_double_quant,
+        "quant_type": quant.bnb_4bit_quant_type,
+        "quant_storage": quant.bnb_4bit_quant_storage,
+    }
+    for layer in model.get_decoder().layers:
+        for name, linear in list(layer.named_modules()):
+            if not isinstance(linear, torch.nn.Linear):
+                continue
+            q = bnb.nn.Linear4bit(
+                linear.in_features,
+                linear.out_features,
+                bias=linear.bias is not None,
+                compute_dtype=quant.bnb_4bit_compute_dtype,
+                device="meta",
+                **settings,
+            )
+            weight = bnb.nn.Params4bit(
+                linear.weight.data, requires_grad=False, module=q, **settings
+            )
+            q.weight = weight.to(device)  # quantizes
+            if linear.bias is not None:
+                q.bias = torch.nn.Parameter(linear.bias.data, requires_grad=False)
+            parent, _, attr = name.rpartition(".")
+            setattr(layer.get_submodule(parent) if parent else layer, attr, q)
+    model.is_loaded_in_4bit = True  # what transformers' bnb quantizer sets; peft reads it
+    model.config.quantization_config = quant
+    gc.collect()
+    empty_cache(device)
+    return model
+
+
+def user_qlora_config(cfg: Any) -> Any:
+    """The BitsAndBytesConfig of the usual QLoRA recipe (default uint8 storage)."""
+    from transformers import BitsAndBytesConfig
+
+    p = cfg.peft
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=p.quant_type,
+        bnb_4bit_use_double_quant=p.double_quant,
+        bnb_4bit_compute_dtype=torch_dtype(cfg),
+    )
+
+
+def flops_per_step(counts: Any, arch: dict[str, Any], tokens: int) -> dict[str, float]:
+    """Model FLOPs of one training step (recompute not counted, as MFU never counts it).
+
+    N = weights that multiply activations: the decoder's linear layers and the LM head (the
+    embedding is a lookup). Forward 2N per token. Backward: the base is frozen, so only the
+    input gradient (2N per token) is needed, not the weight gradient: 4N per token in all,
+    where full training takes 6N. LoRA adds 6 per adapter weight per token. Attention (no
+    weights, causal): forward 2·T²·h per layer (QKᵀ and AV, half of T² each), backward twice
+    that: 6·L·T²·h. ``six_n`` is the usual 6N convention on the same N, for comparison.
+    """
+    n = counts.linear + (counts.head or counts.embedding)
+    h, layers = int(arch["hidden_size"]), int(arch["num_hidden_layers"])
+    attention = 6 * layers * tokens**2 * h
+    return {
+        "n_matmul": n,
+        "n_lora": counts.lora,
+        "lora": (4 * n + 6 * counts.lora) * tokens + attention,
+        "six_n": 6 * n * tokens + attention,
+    }
+
+
+# ------------------------------------------------------------------ device helpers
+
+
+def empty_cache(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def memory_now(device: Any) -> dict[str, float]:
+    import torch
+
+    if device.type != "cuda":
+        return {}
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    return {
+        "allocated_gib": torch.cuda.memory_allocated(device) / GIB,
+        "reserved_gib": reserved / GIB,
+        "total_gib": total / GIB,
+        # The CUDA context and loaded kernels: used on the device, never seen by the allocator.
+        "outside_allocator_gib": (total - free - reserved) / GIB,
+    }
+
+
+@contextlib.contextmanager
+def peak_window(device: Any, out: dict[str, Any]) -> Iterator[None]:
+    import torch
+
+    if device.type == "cuda":
+        sync(device)
+        empty_cache(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    yield
+    if device.type == "cuda":
+        sync(device)
+        out["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+        out.update(memory_now(device))
+
+
+def is_oom(err: BaseException) -> bool:
+    import torch
+
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def synthetic_batch(vocab: int, seq_len: int, seed: int) -> dict[str, Any]:
+    """One row of ``seq_len`` random tokens, every one labelled; micro batch 1, so neither side
+    pads (padding's cost depends on the data: ``make bench-data`` measures it)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (1, seq_len), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def timing(starts_ends: list[float], warmup: int, tokens: int) -> dict[str, Any]:
+    steps = [b - a for a, b in itertools.pairwise(starts_ends)]
+    timed = steps[warmup:] or steps[-1:]
+    median = statistics.median(timed)
+    return {
+        "step_s": [round(s, 4) for s in steps],
+        "timed_steps": len(timed),
+        "step_s_median": median,
+        "tokens_per_s": tokens / median,
+    }
+
+
+def add_mfu(rec: dict[str, Any], flops: dict[str, float], device: Any) -> None:
+    rec["flops_per_step"] = flops["lora"]
+    rec["flops_per_step_6n"] = flops["six_n"]
+    if device.type != "cuda":
+        return
+    rate = flops["lora"] / rec["step_s_median"]
+    rec["achieved_tflops"] = rate / 1e12
+    rec["mfu"] = rate / (PEAK_TFLOPS * 1e12)
+    rec["mfu_6n"] = flops["six_n"] / rec["step_s_median"] / (PEAK_TFLOPS * 1e12)
+    rec["of_measured_ceiling"] = rate / (MEASURED_TFLOPS * 1e12)
+
+
+def add_plan_error(rec: dict[str, Any]) -> None:
+    """Planned live bytes against peak allocated; planned total against what the device had
+    in use at the peak (peak reserved + what lies outside the allocator)."""
+    if "peak_allocated_gib" not in rec:
+        return
+    base = rec.get("leftover_gib", 0.0)
+    rec["measured_gib"] = rec["peak_allocated_gib"] - base
+    rec["plan_error_pct"] = 100 * (rec["plan"]["live_gib"] / rec["measured_gib"] - 1)
+    used = rec["peak_reserved_gib"] - base + rec["outside_allocator_gib"]
+    rec["device_used_gib"] = used
+    rec["plan_total_error_pct"] = 100 * (rec["plan"]["total_gib"] / used - 1)
+
+
+# ------------------------------------------------------------------ one phase (a child process)
+
+
+class Phase:
+    """What a child process measures; writes its fragment after every measurement."""
+
+    def __init__(self, mode: Mode, name: str, method: str, side: str, frag: Path, out: Path):
+        self.mode, self.name, self.method, self.side = mode, name, method, side
+        self.frag, self.out = frag, out
+        self.lock = threading.Lock()
+        self.data: dict[str, Any] = {
+            "phase": name,
+            "method": method,
+            "side": side,
+            "records": [],
+            "search": [],
+            "errors": [],
+            "notes": [],
+        }
+
+    def save(self) -> None:
+        with self.lock:
+            tmp = self.frag.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.data, indent=1, default=str))
+            tmp.replace(self.frag)
+            write_outputs(self.mode, self.frag.parent, self.out)
+
+    def error(self, where: str, err: BaseException) -> None:
+        import traceback
+
+        text = "".join(traceback.format_exception_only(type(err), err)).strip()
+        print(f"gpu_check: {self.name}: {where}: {text}", flush=True)
+        traceback.print_exc()
+        self.data["errors"].append({"where": where, "error": text[-2000:]})
+        self.save()
+
+    def add(self, rec: dict[str, Any]) -> None:
+        self.data["records"].append(rec)
+        self.save()
+        tps = rec.get("tokens_per_s")
+        peak = rec.get("measured_gib")
+        print(
+            f"gpu_check: {self.name} {rec['seq_len']}: "
+            + (f"{tps:,.0f} tokens/s" if tps else "no timing")
+            + (f", peak {peak:.2f} GiB" if peak is not None else "")
+            + (f", plan error {rec['plan_error_pct']:+.1f}%" if "plan_error_pct" in rec else ""),
+            flush=True,
+        )
+
+
+def run_phase(args: argparse.Namespace) -> int:
+    mode = DRY if args.dry_run else GPU
+    name = args.phase
+    _, method, side, _ = next(p for p in PHASES if p[0] == name)
+    phase = Phase(mode, name, method, side, Path(args.fragment), Path(args.out))
+    deadline = args.deadline
+
+    def expire() -> None:
+        with contextlib.suppress(Exception):
+            phase.data["errors"].append(
+                {"where": "deadline", "error": "phase stopped: out of time"}
+            )
+            phase.save()
+        print(f"gpu_check: {name}: out of time, stopping", flush=True)
+        os._exit(124)
+
+    watchdog = threading.Timer(max(1.0, deadline - time.time()), expire)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        if side == "baseline":
+            run_baseline(phase, deadline)
+        else:
+            run_memtune(phase, deadline)
+    except Exception as err:
+        phase.error("phase", err)
+        return 1
+    finally:
+        watchdog.cancel()
+    return 0
+
+
+def device_and_env(phase: Phase) -> Any:
+    import torch
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cpu" and not phase.mode.dry_run:
+        raise RuntimeError("no CUDA device: the GPU check needs one (--dry-run runs on CPU)")
+    phase.data["env"] = environment(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        phase.data["env"]["matmul_tflops"] = matmul_tflops(device)
+        gc.collect()
+        empty_cache(device)
+    phase.data["start_memory"] = memory_now(device)
+    return device
+
+
+def matmul_tflops(device: Any, n: int = 8192, reps: int = 10) -> float:
+    """This card's bf16 matmul rate now (KINDS.md's ceiling measurement, ~0.3 s)."""
+    import torch
+
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        a @ b
+    end.record()
+    end.synchronize()
+    return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
+
+
+def time_left(deadline: float, need_s: float) -> bool:
+    return time.time() + need_s < deadline
+
+
+def run_baseline(phase: Phase, deadline: float) -> None:
+    """Trainer + peft, as ``bench/baseline.py`` sets them up, on a base built in memory."""
+    from baseline import CountingTrainer, training_args
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import TrainerCallback, default_data_collator
+
+    from memtune.model import LORA_TARGETS
+    from memtune.plan import count_params
+
+    mode, method = phase.mode, phase.method
+    device = device_and_env(phase)
+    cfg = compose_cfg(mode, method, mode.lengths[0])
+    counts = count_params(cfg)
+    leftover = memory_now(device).get("allocated_gib", 0.0)
+
+    # The attention kernel is left to transformers' default, as users leave it (sdpa).
+    base = build_base(cfg, device, "sdpa")
+    if method == "qlora":
+        base = quantize_decoder(base, user_qlora_config(cfg), device)
+        # peft's recipe: freezes the base and upcasts every non-quantized weight to fp32.
+        base = prepare_model_for_kbit_training(
+            base,
+            use_gradient_checkpointing=True,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    p = cfg.peft
+    lora = LoraConfig(
+        r=p.r,
+        lora_alpha=p.alpha,
+        lora_dropout=p.dropout,
+        target_modules=LORA_TARGETS[p.target],
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(base, lora)
+    phase.data["notes"].append(
+        f"attention {model.config._attn_implementation}; base built in memory ({method})"
+    )
+
+    class StepClock(TrainerCallback):
+        def __init__(self) -> None:
+            self.marks: list[float] = []
+            self.losses: list[float] = []
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if not self.marks:
+                sync(device)
+                self.marks.append(time.perf_counter())
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            sync(device)
+            self.marks.append(time.perf_counter())
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+            if logs and "loss" in logs:
+                self.losses.append(float(logs["loss"]))
+
+    for seq_len in mode.lengths:
+        if not time_left(deadline, 20):
+            phase.data["errors"].append({"where": f"{seq_len}", "error": "skipped: out of time"})
+            phase.save()
+            continue
+        rec: dict[str, Any] = {"side": "baseline", "method": method, "seq_len": seq_len}
+        rec["leftover_gib"] = leftover
+        try:
+            steps = mode.warmup + mode.timed
+            run_cfg = copy.deepcopy(cfg)
+            run_cfg.data.max_seq_len = seq_len
+            run_cfg.trainer.max_steps = steps
+            batch = synthetic_batch(int(cfg.model.architecture["vocab_size"]), seq_len, seq_len)
+            rows = [{k: v[0] for k, v in batch.items()} for _ in range(steps)]
+            clock = StepClock()
+            with tempfile.TemporaryDirectory() as tmp:
+                trainer = CountingTrainer(
+                    model=model,
+                    args=training_args(run_cfg, Path(tmp)),
+                    train_dataset=rows,
+                    data_collator=default_data_collator,
+                    callbacks=[clock],
+                )
+                with peak_window(device, rec):
+                    trainer.train()
+            rec.update(timing(clock.marks, mode.warmup, seq_len))
+            rec["real_tokens"] = trainer.counts["real_tokens"]
+            rec["losses"] = clock.losses
+            rec["checkpointed_layers"] = int(cfg.model.architecture["num_hidden_layers"])
+            rec["loss_kind"] = "model's own (full logits)"
+            rec["zero_stage"] = None
+            add_mfu(rec, flops_per_step(counts, cfg.model.architecture, seq_len), device)
+            rec["plan"] = baseline_plan(at_length(cfg, seq_len, counts), counts)
+            rec["plan_note"] = "approximate: ZeRO-2, all layers checkpointed, plain loss"
+            add_plan_error(rec)
+            del trainer
+        except Exception as err:
+            rec["error"] = repr(err)[-2000:]
+            phase.error(f"baseline {seq_len}", err)
+        finally:
+            gc.collect()
+            empty_cache(device)
+        phase.add(rec)
+        if "error" in rec and is_oom_text(rec["error"]):
+            break
+    del model, base
+    gc.collect()
+    empty_cache(device)
+
+
+def is_oom_text(text: str) -> bool:
+    return "out of memory" in text.lower() or "OutOfMemoryError" in text
+
+
+def init_one_rank(device: Any) -> None:
+    """The environment ``deepspeed``/``torchrun`` give a rank, for a world of one."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }.items():
+        os.environ.setdefault(key, value)
+    from memtune.worker import init_distributed
+
+    init_distributed()
+
+
+def run_memtune(phase: Phase, deadline: float) -> None:
+    """memtune's model, loss, optimizer, DeepSpeed engine and training loop, as
+    ``memtune.worker.run`` assembles them, on a base built in memory."""
+    import deepspeed
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from memtune.ds_config import build_ds_config
+    from memtune.loss import CausalLMLoss, resolve_loss_kind
+    from memtune.model import (
+        add_lora,
+        choose_attention,
+        quantization_config,
+        set_checkpointed_layers,
+    )
+    from memtune.optim import build_optimizer, scheduler_factory
+    from memtune.plan import count_params
+    from memtune.telemetry import NullLogger
+    from memtune.trainer import Hooks, TrainResult, train
+
+    mode, method = phase.mode, phase.method
+    device = device_and_env(phase)
+    init_one_rank(device)
+    cfg0 = compose_cfg(mode, method, mode.lengths[0])
+    counts = count_params(cfg0)
+    cfg = at_length(cfg0, mode.lengths[0], counts)
+    ds_config = build_ds_config(cfg)
+    attn = choose_attention(cfg.model.attn_implementation, device.type)
+    leftover = memory_now(device).get("allocated_gib", 0.0)
+
+    quant = quantization_config(cfg)
+    if quant is None:
+        # Kept alive while building: transformers then creates the model under zero.Init,
+        # partitioned as it is built, as memtune.worker keeps it alive over from_pretrained.
+        hf_ds = HfDeepSpeedConfig(ds_config) if cfg.zero.stage == 3 else None
+        base = build_base(cfg, device, attn)
+    else:
+        hf_ds = None
+        base = quantize_decoder(build_base(cfg, device, attn), quant, device)
+    zero_init = any(hasattr(q, "ds_id") for q in base.parameters())
+    model = add_lora(base, cfg)
+    params = [q for q in model.parameters() if q.requires_grad]
+    optimizer, optimizer_note = build_optimizer(cfg, params, device)
+    loss_kind = resolve_loss_kind(cfg.trainer.loss, device)
+    engine, _, _, _ = deepspeed.initialize(
+        model=CausalLMLoss(model, loss_kind, cfg.trainer.loss_chunk_tokens),
+        optimizer=optimizer,
+        model_parameters=params if optimizer is None else None,
+        lr_scheduler=scheduler_factory(cfg),
+        config=ds_config,
+    )
+    del hf_ds
+    phase.data["notes"].append(
+        f"attention {attn}; loss {loss_kind}; ZeRO-{cfg.zero.stage} on 1 rank; {optimizer_note}; "
+        f"base built under zero.Init: {zero_init}; LoRA weights {params[0].dtype} after "
+        f"deepspeed.initialize; {len(params)} trainable tensors"
+    )
+
+    class StepClock(Hooks):
+        def __init__(self) -> None:
+            sync(device)
+            self.marks = [time.perf_counter()]
+
+        def after_step(self, step: int, result: Any) -> None:
+            sync(device)
+            self.marks.append(time.perf_counter())
+
+    def steps_at(seq_len: int, n_steps: int, rec: dict[str, Any]) -> StepClock:
+        run_cfg = at_length(cfg0, seq_len, counts)
+        k = int(run_cfg.trainer.checkpoint_layers)
+        set_checkpointed_layers(engine.module.model, k)  # as add_lora does
+        run_cfg.trainer.max_steps = n_steps
+        rec["checkpointed_layers"] = k
+        rec["plan"] = plan_record(run_cfg, counts)
+        vocab = int(cfg.model.architecture["vocab_size"])
+        batches = itertools.repeat(synthetic_batch(vocab, seq_len, seq_len))
+        if mode.fake_oom_above is not None and seq_len > mode.fake_oom_above and rec.get("cap"):
+            import torch
+
+            raise torch.OutOfMemoryError(f"simulated OOM at {seq_len} tokens (dry run)")
+        clock = StepClock()
+        with peak_window(device, rec):
+            result = train(engine, batches, run_cfg, device, NullLogger(), TrainResult(), clock)
+        rec["losses"] = result.losses
+        rec["real_tokens"] = result.input_tokens
+        return clock
+
+    for seq_len in mode.lengths:
+        if not time_left(deadline, 20):
+            phase.data["errors"].append({"where": f"{seq_len}", "error": "skipped: out of time"})
+            phase.save()
+            continue
+        rec: dict[str, Any] = {"side": "memtune", "method": method, "seq_len": seq_len}
+        rec.update(leftover_gib=leftover, loss_kind=loss_kind, zero_stage=cfg.zero.stage)
+        try:
+            clock = steps_at(seq_len, mode.warmup + mode.timed, rec)
+            rec.update(timing(clock.marks, mode.warmup, seq_len))
+            add_mfu(rec, flops_per_step(counts, cfg.model.architecture, seq_len), device)
+            add_plan_error(rec)
+        except Exception as err:
+            rec["error"] = repr(err)[-2000:]
+            phase.error(f"memtune {seq_len}", err)
+        finally:
+            gc.collect()
+            empty_cache(device)
+        phase.add(rec)
+
+    if method == "qlora":
+        search_cap(phase, deadline, device, steps_at, cfg0, counts)
+    with contextlib.suppress(Exception):
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def search_cap(
+    phase: Phase, deadline: float, device: Any, steps_at: Any, cfg0: Any, counts: Any
+) -> None:
+    """Longer and longer sequences under a 24 GB cap, one step each, until one fails.
+
+    Ascending, stopping at the first OOM: an OOM inside a ZeRO-3 step can leave the engine's
+    parameter state inconsistent, so nothing runs on it after one. The cap is applied to the
+    allocator (``set_per_process_memory_fraction``) after the engine exists, and is 23.99 GiB
+    less what lies outside the allocator (CUDA context, kernels), so the whole device use
+    stays under a 24 GB card's memory.
+    """
+    import torch
+
+    mode = phase.mode
+    info: dict[str, Any] = {"cap_gib": CAP_GIB}
+    if device.type == "cuda":
+        gc.collect()
+        empty_cache(device)
+        now = memory_now(device)
+        allocator_cap = CAP_GIB - now["outside_allocator_gib"]
+        info.update(allocator_cap_gib=allocator_cap, before=now)
+        torch.cuda.set_per_process_memory_fraction(allocator_cap / now["total_gib"], device)
+    # What the planner says fits, for every length tried and beyond.
+    planned = []
+    for seq_len in mode.search:
+        p = plan_record(at_length(cfg0, seq_len, counts), counts)
+        planned.append({"seq_len": seq_len, "total_gib": p["total_gib"], "fits": p["fits"]})
+    info["planned"] = planned
+    phase.data["search_info"] = info
+    phase.save()
+    for seq_len in mode.search:
+        if not time_left(deadline, 15):
+            phase.data["errors"].append({"where": f"search {seq_len}", "error": "out of time"})
+            phase.save()
+            break
+        rec: dict[str, Any] = {"seq_len": seq_len, "cap": True}
+        try:
+            clock = steps_at(seq_len, 1, rec)
+            rec["ok"] = True
+            rec["step_s"] = clock.marks[-1] - clock.marks[0]
+            rec.pop("plan", None)
+        except Exception as err:
+            rec.pop("plan", None)
+            rec["ok"] = False
+            rec["error"] = repr(err)[-500:]
+            rec["oom"] = is_oom(err)
+            print(f"gpu_check: search {seq_len}: {'OOM' if rec['oom'] else 'error'}", flush=True)
+        phase.data["search"].append(rec)
+        phase.save()
+        if not rec["ok"]:
+            break
+    if device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+def environment(device: Any) -> dict[str, Any]:
+    import importlib.metadata as md
+
+    import torch
+
+    env: dict[str, Any] = {
+        "date": dt.date.today().isoformat(),
+        "python": platform.python_version(),
+        "device": str(device),
+        "cpu_count": os.cpu_count(),
+    }
+    for name in ("torch", "transformers", "peft", "deepspeed", "bitsandbytes", "accelerate"):
+        with contextlib.suppress(md.PackageNotFoundError):
+            env[name] = md.version(name)
+    env["torch_cuda"] = torch.version.cuda
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(
+            gpu=props.name, gpu_total_gib=props.total_memory / GIB, sms=props.multi_processor_count
+        )
+    return env
+
+
+# ------------------------------------------------------------------ outputs
+
+
+def load_fragments(work: Path) -> list[dict[str, Any]]:
+    frags = []
+    for name, *_ in PHASES:
+        path = work / f"{name}.json"
+        if path.is_file():
+            with contextlib.suppress(json.JSONDecodeError):
+                frags.append(json.loads(path.read_text()))
+    return frags
+
+
+def write_outputs(mode: Mode, work: Path, out: Path) -> dict[str, Any]:
+    result = collect(mode, work)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in (
+        ("gpu_check.json", json.dumps(result, indent=2, default=str) + "\n"),
+        ("gpu_check.md", markdown(result)),
+    ):
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text)
+        tmp.replace(out / name)
+    return result
+
+
+def collect(mode: Mode, work: Path) -> dict[str, Any]:
+    frags = load_fragments(work)
+    status_path = work / "status.json"
+    status = json.loads(status_path.read_text()) if status_path.is_file() else {}
+    env = next((f["env"] for f in frags if "env" in f), {})
+    records = [r for f in frags for r in f["records"]]
+    search = next((f for f in frags if f.get("search_info")), None)
+    result = {
+        "mode": asdict(mode),
+        "env": env,
+        "status": status,
+        "constants": {
+            "peak_tflops": PEAK_TFLOPS,
+            "measured_ceiling_tflops": MEASURED_TFLOPS,
+            "cap_gib": CAP_GIB,
+        },
+        "records": records,
+        "comparison": compare(records),
+        "search": search["search"] if search else [],
+        "search_info": search.get("search_info") if search else None,
+        "errors": [{"phase": f["phase"], **e} for f in frags for e in f["errors"]],
+        "notes": {f["phase"]: f["notes"] for f in frags},
+    }
+    return result
+
+
+def format_check(mode: Mode, work: Path) -> Path:
+    """Dry run: fill the records with made-up GPU readings and render them, so the accounting
+    and table branches only a CUDA device reaches run here too (never in the real outputs)."""
+    from types import SimpleNamespace
+
+    result = collect(mode, work)
+    fake_gpu = SimpleNamespace(type="cuda")
+    for i, r in enumerate(result["records"]):
+        r.update(peak_allocated_gib=10.0 + i, peak_reserved_gib=11.0 + i)
+        r.update(outside_allocator_gib=0.6, leftover_gib=0.1)
+        add_mfu(r, {"lora": 1e15, "six_n": 1.4e15}, fake_gpu)
+        add_plan_error(r)
+        assert r["mfu"] > 0 and "plan_error_pct" in r, r
+    for s in result["search"]:
+        s.update(peak_allocated_gib=20.0, checkpointed_layers=28)
+    if result["search_info"]:
+        result["search_info"]["allocator_cap_gib"] = 23.4
+    result["comparison"] = compare(result["records"])
+    result["env"].update(gpu="FAKE GPU (format check)", gpu_total_gib=139.8, matmul_tflops=777.0)
+    assert all("speedup" in c and "memory_ratio" in c for c in result["comparison"])
+    path = work / "format_check.md"
+    path.write_text(markdown(result))
+    return path
+
+
+def compare(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    by = {(r["method"], r["seq_len"], r["side"]): r for r in records}
+    for (method, seq_len, side), m in by.items():
+        b = by.get((method, seq_len, "baseline"))
+        if side != "memtune" or b is None:
+            continue
+        row: dict[str, Any] = {"method": method, "seq_len": seq_len}
+        if m.get("tokens_per_s") and b.get("tokens_per_s"):
+            row["speedup"] = m["tokens_per_s"] / b["tokens_per_s"]
+        if m.get("measured_gib") and b.get("measured_gib"):
+            row["memory_ratio"] = m["measured_gib"] / b["measured_gib"]
+        rows.append(row)
+    return rows
+
+
+def _f(x: Any, fmt: str) -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+def _pct(x: Any) -> str:
+    return "—" if x is None else f"{x:+.1f}%"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    env, mode = result["env"], result["mode"]
+    gpu = env.get("gpu", "no GPU (dry run on CPU)")
+    lines = [
+        f"### GPU check, {env.get('date', dt.date.today().isoformat())}, {gpu}",
+        "",
+        (
+            "**Dry run on CPU with the tiny model: checks that every code path runs; "
+            "no number below means anything.**\n"
+            if mode["dry_run"]
+            else ""
+        ),
+        f"Model `{mode['model']}` (random weights), one rank, micro batch 1, every token "
+        f"labelled; {mode['warmup']} warm-up + {mode['timed']} timed steps (median). "
+        + ", ".join(
+            f"{k} {env[k]}"
+            for k in ("python", "torch", "torch_cuda", "transformers", "peft", "deepspeed")
+            if k in env
+        )
+        + (f", bitsandbytes {env['bitsandbytes']}" if "bitsandbytes" in env else "")
+        + (f"; {env['gpu_total_gib']:.1f} GiB" if "gpu_total_gib" in env else "")
+        + (
+            f"; bf16 matmul 8192³ {env['matmul_tflops']:.0f} TFLOP/s at the start"
+            if "matmul_tflops" in env
+            else ""
+        )
+        + ".",
+        "",
+        "| method | tokens | side | tokens/s | step s | peak GiB | plan GiB | plan err | "
+        "MFU | MFU 6N | ckpt layers | loss |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in sorted(result["records"], key=lambda r: (r["method"], -r["seq_len"], r["side"])):
+        plan = r.get("plan", {})
+        losses = r.get("losses") or []
+        loss = f"{losses[0]:.3f} → {losses[-1]:.3f}" if losses else r.get("error", "—")[:60]
+        lines.append(
+            f"| {r['method']} | {r['seq_len']} | {r['side']} | {_f(r.get('tokens_per_s'), ',.0f')} "
+            f"| {_f(r.get('step_s_median'), '.3f')} | {_f(r.get('measured_gib'), '.2f')} "
+            f"| {_f(plan.get('live_gib'), '.2f')} | {_pct(r.get('plan_error_pct'))} "
+            f"| {_f(r.get('mfu'), '.1%')} | {_f(r.get('mfu_6n'), '.1%')} "
+            f"| {_f(r.get('checkpointed_layers'), 'd')} | {loss} |"
+        )
+    if result["comparison"]:
+        lines += ["", "| method | tokens | memtune / baseline tokens/s | memtune / baseline peak |"]
+        lines.append("|---|---:|---:|---:|")
+        for c in result["comparison"]:
+            lines.append(
+                f"| {c['method']} | {c['seq_len']} | {_f(c.get('speedup'), '.2f')}× "
+                f"| {_f(c.get('memory_ratio'), '.2f')}× |"
+            )
+    info = result.get("search_info")
+    if info:
+        cap = info.get("allocator_cap_gib")
+        lines += [
+            "",
+            f"Longest QLoRA sequence with memtune under a {info['cap_gib']} GiB card"
+            + (f" (allocator capped at {cap:.2f} GiB: the rest is the CUDA context)" if cap else "")
+            + ", one step each, ascending, stopping at the first failure:",
+            "",
+            "| tokens | fits | peak GiB | step s | ckpt layers | plan total GiB | plan fits |",
+            "|---:|:---:|---:|---:|---:|---:|:---:|",
+        ]
+        planned = {p["seq_len"]: p for p in info.get("planned", [])}
+        tried = {s["seq_len"]: s for s in result["search"]}
+        for seq_len, p in planned.items():
+            s = tried.get(seq_len, {})
+            ok = {True: "yes", False: "OOM" if s.get("oom") else "error"}.get(s.get("ok"), "—")
+            lines.append(
+                f"| {seq_len} | {ok} | {_f(s.get('peak_allocated_gib'), '.2f')} "
+                f"| {_f(s.get('step_s'), '.2f')} | {_f(s.get('checkpointed_layers'), 'd')} "
+                f"| {p['total_gib']:.2f} | {'yes' if p['fits'] else 'no'} |"
+            )
+        fits = [s["seq_len"] for s in result["search"] if s.get("ok")]
+        plan_fits = [p["seq_len"] for p in info.get("planned", []) if p["fits"]]
+        lines += [
+            "",
+            f"Measured: longest that fits {max(fits) if fits else 'none of those tried'}; "
+            f"planner: {max(plan_fits) if plan_fits else 'none'}.",
+        ]
+    lines += [
+        "",
+        "*peak GiB*: `torch.cuda.max_memory_allocated` over the steps (reset before them), less "
+        "what was allocated before the model was built. *plan GiB*: the planner's rows less "
+        "fragmentation and the CUDA context (what the allocator can see); *plan err* = plan / "
+        "peak − 1 (baseline rows: the planner's nearest config, ZeRO-2 + plain loss, "
+        "approximate). *MFU*: model FLOPs / step time / 989 TFLOP/s (H200 SXM dense bf16; "
+        "~790 measured for a bf16 matmul, KINDS.md): (4·N + 6·N_lora)·T + 6·L·T²·h, N the "
+        "decoder's linear weights and the LM head (frozen: forward 2N, input gradient 2N, no "
+        "weight gradient), attention causal; recompute not counted. *MFU 6N*: the usual "
+        "6·N·T + attention, for comparison.",
+    ]
+    status = result.get("status") or {}
+    if status:
+        lines += ["", "Phases: " + "; ".join(f"{k} {v}" for k, v in status.items()) + "."]
+    if result["errors"]:
+        lines += ["", "Errors:"]
+        lines += [f"- {e['phase']} / {e['where']}: {e['error'][:300]}" for e in result["errors"]]
+    return "\n".join(line for line in lines) + "\n"
+
+
+# ------------------------------------------------------------------ orchestration
+
+
+def orchestrate(args: argparse.Namespace) -> int:
+    mode = DRY if args.dry_run else GPU
+    start = time.time()
+    deadline = start + (args.budget_s or mode.budget_s)
+    out = Path(args.out)
+    # Outside OUT: the device returns at most 8 files from there.
+    work = Path(args.work) if args.work else Path(tempfile.gettempdir()) / "gpu_check_parts"
+    work.mkdir(parents=True, exist_ok=True)
+    for old in work.glob("*.json"):
+        old.unlink()
+    phases = [p for p in PHASES if not args.phases or p[0] in args.phases.split(",")]
+    status: dict[str, str] = {}
+    write_outputs(mode, work, out)
+    for i, (name, _method, _side, cap) in enumerate(phases):
+        now = time.time()
+        later = len(phases) - i - 1
+        phase_deadline = min(
+            now + (cap if not mode.dry_run else 600), deadline - MIN_PHASE_S * later
+        )
+        if phase_deadline - now < 20:
+            status[name] = "skipped (out of time)"
+            continue
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--phase",
+            name,
+            "--fragment",
+            str(work / f"{name}.json"),
+            "--out",
+            str(out),
+            "--deadline",
+            str(phase_deadline),
+            *(["--dry-run"] if mode.dry_run else []),
+        ]
+        print(f"gpu_check: {name}: starting ({phase_deadline - now:.0f} s at most)", flush=True)
+        t0 = time.time()
+        with subprocess.Popen(cmd, start_new_session=True) as child:
+            try:
+                code = child.wait(timeout=phase_deadline - now + 20)
+                status[name] = f"exit {code} in {time.time() - t0:.0f} s"
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, 9)
+                child.wait()
+                status[name] = f"killed after {time.time() - t0:.0f} s"
+        print(f"gpu_check: {name}: {status[name]}", flush=True)
+        (work / "status.json").write_text(json.dumps(status))
+        write_outputs(mode, work, out)
+    status["total"] = f"{time.time() - start:.0f} s"
+    (work / "status.json").write_text(json.dumps(status))
+    result = write_outputs(mode, work, out)
+    print((out / "gpu_check.md").read_text(), flush=True)
+    if mode.dry_run:
+        checked = format_check(mode, work)
+        print(f"gpu_check: GPU-only branches rendered with made-up readings: {checked}")
+    return 0 if result["records"] and not result["errors"] else 1
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model: code paths only")
+    default_out = os.environ.get("OUT") or str(Path(tempfile.gettempdir()) / "gpu_check_out")
+    ap.add_argument("--out", default=default_out, help="default $OUT, else /tmp/gpu_check_out")
+    ap.add_argument("--work", default=None, help="per-phase fragments (/tmp/gpu_check_parts)")
+    ap.add_argument("--budget-s", type=float, default=None, help="all phases together")
+    ap.add_argument("--phases", default=None, help="comma-separated subset, in PHASES order")
+    ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--fragment", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    # Deprecations raised inside DeepSpeed, peft and transformers on every step.
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*is deprecated")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")  # the phases too
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the device machine has no network
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.phase:
+        return run_phase(args)
+    return orchestrate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The one command the lent H200 runs (bench/README.md, "GPU check"): install the carried
+# wheels, record the machine, run bench/gpu_check.py under a global time limit, and leave
+# gpu_check.json, gpu_check.md and gpu_check.log in $OUT. All of it in under 8 minutes.
+#
+#   device:  bash bench/gpu_check.sh                          (with carry: [".whl"])
+#   here:    OUT=/tmp/gc bash bench/gpu_check.sh --dry-run    (.venv, CPU, tiny model, no wheels)
+#
+# Extra arguments go to gpu_check.py (--phases lora-memtune,qlora-memtune ...).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+START=$(date +%s)
+TOTAL_S=${GPU_CHECK_TOTAL_S:-450} # everything, install included; the device run's limit is 600
+OUT=${OUT:-/tmp/gpu_check_out}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled
+export TOKENIZERS_PARALLELISM=false PYTHONWARNINGS=ignore::FutureWarning
+
+DRY=0
+for arg in "$@"; do [ "$arg" = --dry-run ] && DRY=1; done
+
+if [ "$DRY" = 1 ]; then
+    PY=${PY:-.venv/bin/python}
+else
+    PY=${PY:-python3}
+    echo "== wheels ($(ls .whl/*.whl 2>/dev/null | wc -l) in .whl/)"
+    if ! ls .whl/*.whl >/dev/null 2>&1; then
+        echo "no .whl/: run bash bench/gpu_wheels.sh here first and give the run carry: [\".whl\"]"
+        exit 2
+    fi
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || { echo "wheel install failed"; exit 3; }
+    # --no-compile keeps the install short; compile on all cores once, not in every phase.
+    "$PY" -m compileall -q -j 0 /tmp/site >/dev/null 2>&1 || true
+    export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+    echo "== installed in $(($(date +%s) - START)) s"
+    nvidia-smi || true
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,power.limit \
+        --format=csv || true
+fi
+"$PY" - <<'EOF' || true
+import importlib.metadata as md, platform
+names = ["torch", "transformers", "peft", "accelerate", "deepspeed", "bitsandbytes", "hydra-core",
+         "omegaconf", "pydantic", "tokenizers", "huggingface-hub", "safetensors", "numpy", "triton",
+         "regex", "tqdm", "packaging", "pyyaml", "typing-extensions", "einops", "msgpack"]
+found = []
+for n in names:
+    try:
+        found.append(f"{n} {md.version(n)}")
+    except md.PackageNotFoundError:
+        found.append(f"{n} MISSING")
+print(f"== python {platform.python_version()}: " + ", ".join(found), flush=True)
+EOF
+
+LEFT=$((TOTAL_S - ($(date +%s) - START)))
+BUDGET=$((LEFT - 25)) # the orchestrator's own; timeout below is the hard stop
+echo "== gpu_check.py: ${BUDGET} s budget, hard stop at ${LEFT} s"
+timeout -k 10 "$LEFT" "$PY" bench/gpu_check.py --out "$OUT" --work /tmp/gpu_check_parts \
+    --budget-s "$BUDGET" "$@"
+code=$?
+echo "== exit $code after $(($(date +%s) - START)) s; results in $OUT"
+ls -l "$OUT"
+exit $code
