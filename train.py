@@ -87,14 +87,11 @@ def main(cfg: DictConfig) -> None:
         cfg.logger.group = Path(hydra_cfg.sweep.dir).name  # one wandb group per sweep
     if cfg.plan_only:
         sys.exit(print_plan(cfg))
+    spec = None
     try:
         given = to_run_config(cfg)
         validate(given)
         spec = resolve(given)
-    except ConfigError as err:
-        print(f"memtune: config error: {err}", file=sys.stderr)
-        sys.exit(2)
-    try:
         if spec.node_rank == 0:
             run_cfg = prepare_run_dir(cfg, run_dir)
         else:
@@ -103,7 +100,7 @@ def main(cfg: DictConfig) -> None:
             run_cfg = load_run_config(run_dir / "config.yaml")
     except ConfigError as err:
         print(f"memtune: config error: {err}", file=sys.stderr)
-        if spec.form == "per-node" and spec.node_rank == 0:
+        if spec is not None and spec.form == "per-node" and spec.node_rank == 0:
             announce_ready(run_dir, spec, error=str(err))
         if not sweeping:
             sys.exit(2)

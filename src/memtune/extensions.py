@@ -1,7 +1,7 @@
 """Pre-build the DeepSpeed ops a CPU run loads, so the one-off build happens at install time.
 
 DeepSpeed builds some native ops on first use through ``torch.utils.cpp_extension`` (on a CPU
-machine its shared-memory all-reduce). ``python -m memtune.extensions`` (run by ``make
+machine its shared-memory all-reduce and CPU Adam). ``python -m memtune.extensions`` (run by ``make
 install``) clears stale build locks (see memtune.leftovers) and builds them once per machine.
 """
 
@@ -29,16 +29,19 @@ def build_cpu_ops() -> list[str]:
 
     built = []
     if get_accelerator().device_name() == "cpu":
-        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-        if builder is not None:
-            builder.load(verbose=False)
-            built.append(builder.absolute_name())
+        # The shm all-reduce every multi-rank CPU run loads; CPU Adam (trainer.optimizer=
+        # cpu_adam) only when chosen, but its build takes as long again on first use.
+        for name in ("ShareMemCommBuilder", "CPUAdamBuilder"):
+            builder = get_accelerator().create_op_builder(name)
+            if builder is not None:
+                builder.load(verbose=False)
+                built.append(builder.absolute_name())
     return built
 
 
 def main() -> None:
     clear_stale_locks(extensions_root())
-    print("memtune: checking DeepSpeed's native CPU ops (the first build takes ~1 min on 2 cores)")
+    print("memtune: checking DeepSpeed's native CPU ops (the first build takes ~2 min on 2 cores)")
     for name in build_cpu_ops():
         print(f"memtune: {name} ready in {extensions_root()}")
 
