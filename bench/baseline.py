@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import get_peft_model
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -39,7 +39,7 @@ from transformers import (
 )
 
 from memtune.config import RunConfig, grad_accumulation_steps, load_run_config
-from memtune.model import LORA_TARGETS
+from memtune.model import lora_config
 from memtune.preprocess import load_split
 from memtune.telemetry import memory_snapshot
 
@@ -61,15 +61,7 @@ def build_model(cfg: RunConfig) -> Any:
     dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, dtype=dtype)
     model.config.use_cache = False
-    lora = LoraConfig(
-        r=cfg.peft.r,
-        lora_alpha=cfg.peft.alpha,
-        lora_dropout=cfg.peft.dropout,
-        target_modules=LORA_TARGETS[cfg.peft.target],
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, lora)
+    return get_peft_model(model, lora_config(cfg))
 
 
 def training_args(cfg: RunConfig, out: Path) -> TrainingArguments:

@@ -507,10 +507,10 @@ def time_left(deadline: float, need_s: float) -> bool:
 def run_baseline(phase: Phase, deadline: float) -> None:
     """Trainer + peft, as ``bench/baseline.py`` sets them up, on a base built in memory."""
     from baseline import CountingTrainer, training_args
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from peft import get_peft_model, prepare_model_for_kbit_training
     from transformers import TrainerCallback, default_data_collator
 
-    from memtune.model import LORA_TARGETS
+    from memtune.model import lora_config
     from memtune.plan import count_params
 
     mode, method = phase.mode, phase.method
@@ -529,16 +529,7 @@ def run_baseline(phase: Phase, deadline: float) -> None:
             use_gradient_checkpointing=True,
             gradient_checkpointing_kwargs={"use_reentrant": False},
         )
-    p = cfg.peft
-    lora = LoraConfig(
-        r=p.r,
-        lora_alpha=p.alpha,
-        lora_dropout=p.dropout,
-        target_modules=LORA_TARGETS[p.target],
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-    model = get_peft_model(base, lora)
+    model = get_peft_model(base, lora_config(cfg))
     phase.data["notes"].append(
         f"attention {model.config._attn_implementation}; base built in memory ({method})"
     )
@@ -637,21 +628,20 @@ def init_one_rank(device: Any) -> None:
 def run_memtune(phase: Phase, deadline: float) -> None:
     """memtune's model, loss, optimizer, DeepSpeed engine and training loop, as
     ``memtune.worker.run`` assembles them, on a base built in memory."""
-    import deepspeed
     from transformers.integrations import HfDeepSpeedConfig
 
     from memtune.ds_config import build_ds_config
-    from memtune.loss import CausalLMLoss, resolve_loss_kind
+    from memtune.loss import resolve_loss_kind
     from memtune.model import (
         add_lora,
         choose_attention,
         quantization_config,
         set_checkpointed_layers,
     )
-    from memtune.optim import build_optimizer, scheduler_factory
     from memtune.plan import count_params
     from memtune.telemetry import NullLogger
     from memtune.trainer import Hooks, TrainResult, train
+    from memtune.worker import build_engine
 
     mode, method = phase.mode, phase.method
     device = device_and_env(phase)
@@ -675,15 +665,8 @@ def run_memtune(phase: Phase, deadline: float) -> None:
     zero_init = any(hasattr(q, "ds_id") for q in base.parameters())
     model = add_lora(base, cfg)
     params = [q for q in model.parameters() if q.requires_grad]
-    optimizer, optimizer_note = build_optimizer(cfg, params, device)
+    engine, optimizer_note = build_engine(cfg, model, device, ds_config)
     loss_kind = resolve_loss_kind(cfg.trainer.loss, device)
-    engine, _, _, _ = deepspeed.initialize(
-        model=CausalLMLoss(model, loss_kind, cfg.trainer.loss_chunk_tokens),
-        optimizer=optimizer,
-        model_parameters=params if optimizer is None else None,
-        lr_scheduler=scheduler_factory(cfg),
-        config=ds_config,
-    )
     del hf_ds
     phase.data["notes"].append(
         f"attention {attn}; loss {loss_kind}; ZeRO-{cfg.zero.stage} on 1 rank; {optimizer_note}; "

@@ -96,8 +96,23 @@ def load_base_model(
     return model
 
 
+def lora_config(cfg: RunConfig) -> Any:
+    """peft's LoraConfig for ``cfg.peft`` (also what bench/'s baselines adapt with)."""
+    from peft import LoraConfig
+
+    p = cfg.peft
+    return LoraConfig(
+        r=p.r,
+        lora_alpha=p.alpha,
+        lora_dropout=p.dropout,
+        target_modules=LORA_TARGETS[p.target],
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
 def add_lora(model: Any, cfg: RunConfig) -> Any:
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
     p = cfg.peft
     if p.method != "lora":
@@ -111,15 +126,7 @@ def add_lora(model: Any, cfg: RunConfig) -> Any:
         # Selective: only the first k layers recompute (backward reaches them last, once the
         # other layers' activations are freed; see plan.activation_bytes).
         set_checkpointed_layers(model, checkpointed_layers(cfg))
-    lora = LoraConfig(
-        r=p.r,
-        lora_alpha=p.alpha,
-        lora_dropout=p.dropout,
-        target_modules=LORA_TARGETS[p.target],
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-    model = get_peft_model(model, lora)
+    model = get_peft_model(model, lora_config(cfg))
     if cfg.trainer.activation_checkpointing and cfg.trainer.checkpointing_reentrant:
         # Reentrant checkpointing drops gradients unless the layer inputs require grad.
         model.enable_input_require_grads()

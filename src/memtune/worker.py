@@ -221,6 +221,27 @@ def _truncate_metrics(path: Path, step: int) -> None:
     path.write_text("".join(r + "\n" for r in rows))
 
 
+def build_engine(
+    cfg: RunConfig, model: Any, device: torch.device, ds_config: dict[str, Any]
+) -> tuple[Any, str]:
+    """The DeepSpeed engine around memtune's loss module, with the configured optimizer and
+    schedule; returns it and a line naming the optimizer (bench/gpu_check.py builds its
+    engine here too)."""
+    import deepspeed
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer, optimizer_note = build_optimizer(cfg, params, device)
+    loss_kind = resolve_loss_kind(cfg.trainer.loss, device)
+    engine, _, _, _ = deepspeed.initialize(
+        model=CausalLMLoss(model, loss_kind, cfg.trainer.loss_chunk_tokens),
+        optimizer=optimizer,
+        model_parameters=params if optimizer is None else None,
+        lr_scheduler=scheduler_factory(cfg),
+        config=ds_config,
+    )
+    return engine, optimizer_note
+
+
 def checkpoint_note(cfg: RunConfig) -> str:
     k, layers = checkpointed_layers(cfg), int(cfg.model.architecture["num_hidden_layers"])
     return "off" if k == 0 else "on" if k == layers else f"on for {k} of {layers} layers"
@@ -284,7 +305,6 @@ def make_loader(
 
 
 def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResult:
-    import deepspeed
     from transformers.integrations import HfDeepSpeedConfig
 
     catch_stop_signals()
@@ -312,16 +332,7 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
         data_record = json.loads((run_dir / "data.json").read_text())
         stats = DataStats(**data_record["train"])
         loader, sampler = make_loader(cfg, data_record["dir"], tokenizer.pad_token_id, rank, world)
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer, optimizer_note = build_optimizer(cfg, params, device)
-        loss_kind = resolve_loss_kind(cfg.trainer.loss, device)
-        engine, _, _, _ = deepspeed.initialize(
-            model=CausalLMLoss(model, loss_kind, cfg.trainer.loss_chunk_tokens),
-            optimizer=optimizer,
-            model_parameters=params if optimizer is None else None,
-            lr_scheduler=scheduler_factory(cfg),
-            config=ds_config,
-        )
+        engine, optimizer_note = build_engine(cfg, model, device, ds_config)
         del hf_ds
 
         t = cfg.trainer
