@@ -44,7 +44,6 @@ import itertools
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -608,19 +607,11 @@ def is_oom_text(text: str) -> bool:
 
 def init_one_rank(device: Any) -> None:
     """The environment ``deepspeed``/``torchrun`` give a rank, for a world of one."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for key, value in {
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_WORLD_SIZE": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    }.items():
-        os.environ.setdefault(key, value)
+    from memtune.launch import free_port, one_rank_env
     from memtune.worker import init_distributed
+
+    for key, value in one_rank_env(free_port()).items():
+        os.environ.setdefault(key, value)
 
     init_distributed()
 

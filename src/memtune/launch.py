@@ -33,6 +33,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def one_rank_env(port: int) -> dict[str, str]:
+    """What a launcher sets for a rank, for a world of one (no launcher is started for it)."""
+    return {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
 def rank_env(cfg: RunConfig, base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for the ranks: one OpenMP thread pool per rank, not per core each."""
     env = dict(os.environ if base is None else base)
@@ -55,16 +67,7 @@ def rank_command(
     """The command line and extra environment that start this node's ranks (see nodes.py)."""
     spec = spec or resolve(cfg)
     if spec.form == "local" and spec.ranks_per_node == 1:
-        cmd = [sys.executable, "-m", module, str(run_dir)]
-        extra = {
-            "RANK": "0",
-            "LOCAL_RANK": "0",
-            "WORLD_SIZE": "1",
-            "LOCAL_WORLD_SIZE": "1",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-        return cmd, extra
+        return [sys.executable, "-m", module, str(run_dir)], one_rank_env(port)
     deepspeed_bin = Path(sys.executable).with_name("deepspeed")
     cmd = (
         [str(deepspeed_bin)]

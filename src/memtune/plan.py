@@ -349,8 +349,9 @@ def fit_to_device(cfg: RunConfig) -> tuple[RunConfig, Plan]:
 
         fit = auto_fit(cfg, result.counts)
         if fit is not None:
-            fit.cfg = resolve_checkpoint_layers(fit.cfg, count_params(fit.cfg))
-            fit.plan = plan(fit.cfg)
+            # Variants never change what LoRA adapts: the counts stay valid (see auto_fit).
+            fit.cfg = resolve_checkpoint_layers(fit.cfg, counts)
+            fit.plan = plan(fit.cfg, counts)
             print(
                 f"memtune: auto_fit: {' '.join(fit.changes)} (planned {fit.plan.total_gib:.2f} of "
                 f"{result.device_gib:.2f} GiB per rank; as given it needed {result.total_gib:.2f})",

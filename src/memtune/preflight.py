@@ -120,11 +120,10 @@ def _all_reduce_rank(rank: int, world: int, port: int, out: Any) -> None:
 def _all_reduce_check(n: int, env: Mapping[str, str], timeout_s: float) -> dict[str, Any]:
     """An NCCL all-reduce over the n GPUs in fresh processes, killed after ``timeout_s``."""
     import multiprocessing as mp
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from memtune.launch import free_port
+
+    port = free_port()
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     ctx = mp.get_context("spawn")
