@@ -140,6 +140,16 @@ def qlora_zero3_run(runs_root: Path) -> Run:
 
 
 @pytest.fixture(scope="session")
+def qlora_zero2_run(runs_root: Path) -> Run:
+    return quantized(runs_root, "qlora-nf4:zero2")
+
+
+@pytest.fixture(scope="session")
+def int8_zero3_run(runs_root: Path) -> Run:
+    return quantized(runs_root, "lora-int8:zero3")
+
+
+@pytest.fixture(scope="session")
 def adamw8bit_run(runs_root: Path) -> Run:
     """ZeRO-2 with bitsandbytes' 8-bit AdamW, 8-bit state on every tensor (minimum size 0)."""
     return _finished(

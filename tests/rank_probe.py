@@ -38,9 +38,12 @@ def probe(engine: Any, ctx: RankContext) -> None:
     held = sum(int(p.ds_tensor.numel()) if zero3 else p.numel() for p in params.values())
     total = sum(int(getattr(p, "ds_numel", p.numel())) for p in params.values())
     held_bytes = {"base": 0, "lora": 0}
+    lora_dtypes = set()
     for name, p in params.items():
         data = p.ds_tensor if zero3 else p
         held_bytes["lora" if "lora_" in name else "base"] += data.numel() * data.element_size()
+        if "lora_" in name:
+            lora_dtypes.add(str(data.dtype))
 
     gathered = deepspeed.zero.GatheredParameters(list(params.values())) if zero3 else None
     if gathered is not None:
@@ -100,7 +103,9 @@ def probe(engine: Any, ctx: RankContext) -> None:
         "lora_b_tensors": n_lora_b,
         "lora_b_all_zero": lora_b_zero,
         "optimizer": type(basic).__name__,
+        "grad_accum_dtype": str(getattr(engine.optimizer, "gradient_accumulation_dtype", None)),
         "held_bytes": held_bytes,
+        "lora_dtypes": sorted(lora_dtypes),
         "optimizer_bytes": optimizer_bytes,
         "optimizer_state_dtypes": sorted(
             {str(v.dtype) for s in basic.state.values() for v in s.values() if torch.is_tensor(v)}

@@ -11,7 +11,7 @@ import torch
 
 from memtune.config import checkpointed_layers, to_run_config
 from memtune.loss import CausalLMLoss
-from memtune.model import add_lora, count_parameters, load_base_model
+from memtune.model import add_lora, count_parameters, load_base_model, torch_dtype
 from memtune.plan import activation_bytes, count_params, plan
 from memtune.tiny import synthesize
 from tests.conftest import compose_cfg, run_train_py
@@ -91,9 +91,10 @@ def test_activation_model_matches_what_autograd_saves(overrides: list[str]) -> N
     k = checkpointed_layers(cfg)
     predicted = activation_bytes(cfg, tokens, k, count_params(cfg), cuda=False)
     predicted += tokens * h * b  # the chunked loss keeps the hidden-state gradient
-    # The model counts the big tensors per layer; small ones (rotary tables, scales) and the
-    # CPU dropout's exact storage sharing are left out: +2 to +8% here, asserted within 10%.
-    assert predicted == pytest.approx(measured, rel=0.10), (predicted, measured)
+    # The model counts the big tensors per layer and leaves out small ones (rotary tables,
+    # norm scales) and the dropout masks of the first layer's q/k/v, which autograd does not
+    # keep because the embedding's output needs no gradient: -1% to +5% here.
+    assert predicted == pytest.approx(measured, rel=0.06), (predicted, measured)
 
 
 def test_4x4090_experiments_fit_and_a_plain_recipe_does_not() -> None:
@@ -174,7 +175,16 @@ def test_auto_fit_is_applied_before_launch_and_recorded(tmp_path: Path, capsys) 
 
 
 @pytest.mark.parametrize(
-    "fixture", ["zero2_run", "zero3_run", "bf16_run", "adamw8bit_run", "qlora_zero3_run"]
+    "fixture",
+    [
+        "zero2_run",
+        "zero3_run",
+        "bf16_run",
+        "adamw8bit_run",
+        "qlora_zero2_run",
+        "qlora_zero3_run",
+        "int8_zero3_run",
+    ],
 )
 def test_planned_weights_and_optimizer_state_match_what_each_rank_holds(fixture, request) -> None:
     """Per rank, after real 2-rank runs: the bytes of parameters (ZeRO-3: the rank's shards)
@@ -182,6 +192,9 @@ def test_planned_weights_and_optimizer_state_match_what_each_rank_holds(fixture,
     run = request.getfixturevalue(fixture)
     rows = {what: gib * 1024**3 for what, gib, _ in plan(run.cfg).rows}
     for probe in run.probes():
+        # Adapters in the compute dtype whatever the stage and base (model.cast_adapters).
+        assert probe["lora_dtypes"] == [str(torch_dtype(run.cfg))]
+        assert probe["grad_accum_dtype"] == "torch.float32"  # the "LoRA gradients" row
         held = probe["held_bytes"]
         # bitsandbytes' block scales live outside the parameters: the plan counts them (~3%).
         assert held["base"] == pytest.approx(rows["base weights"], rel=0.05), held
@@ -196,8 +209,9 @@ def test_selective_checkpointing_keeps_what_the_model_says() -> None:
     layers, n, h = 28, 4096, 3584
     acts = [activation_bytes(cfg, n, k, counts) for k in range(layers + 1)]
     tail = n * h * 4  # the final norm's fp32 input
-    per_layer = (acts[0] - tail) // layers  # k = 0: every layer's activations
-    assert acts[0] == layers * per_layer + tail
+    first = n * h * 4  # k = 0: the first norm keeps nothing (the embedding needs no gradient)
+    per_layer = (acts[0] - tail + first) // layers  # k = 0: every layer's activations
+    assert acts[0] == layers * per_layer + tail - first
     # The first k layers keep only their bf16 input; backward recomputes them after the others
     # are freed, so for k < L nothing else is added, and for k = L one recomputed layer is.
     for k in (1, 12, 27):

@@ -29,6 +29,9 @@ def derived_values(cfg: RunConfig) -> dict[str, Any]:
         "bf16.enabled": t.precision == "bf16",
         # DeepSpeed's default too; trainer.py relies on it to discard non-finite steps in bf16.
         "bf16.check_grad_overflow": True,
+        # Gradients of the (bf16) adapters summed over micro batches in fp32, not bf16: the
+        # adapters are small, so this costs MBs, and 8+ bf16 additions lose low bits.
+        "data_types.grad_accum_dtype": "fp32",
         "zero_optimization.stage": z.stage,
         "zero_optimization.reduce_bucket_size": z.reduce_bucket_size or h * h,
     }

@@ -54,7 +54,7 @@ class ParamCounts:
     head: int  # 0 when tied to the embedding
     small: int  # norms and biases: under ZeRO-3's persistence threshold, never sharded
     lora: int
-    lora_inputs: list[tuple[int, int]]  # (in_features, r) of each LoRA target in one layer
+    lora_inputs: list[tuple[str, int, int]]  # (name, in_features, r) of each target in a layer
 
     @property
     def base(self) -> int:
@@ -112,7 +112,7 @@ def count_params(cfg: RunConfig) -> ParamCounts:
         targets = LORA_TARGETS[p.target]
         layer0 = model.get_decoder().layers[0]
         lora_inputs = [
-            (m.in_features, p.r)
+            (name.split(".")[-1], m.in_features, p.r)
             for name, m in layer0.named_modules()
             if isinstance(m, torch.nn.Linear) and name.split(".")[-1] in targets
         ]
@@ -148,13 +148,48 @@ def activation_bytes(
     kv_heads = heads if cfg.model.attn_implementation == "eager" else kv
     attention = n * d * (2 * heads + 2 * kv_heads) * b + n * heads * 4  # + logsumexp
     mlp = 3 * n * inter * b  # gate (SiLU input), SiLU output, up
-    # LoRA dropout keeps its mask: one byte per element on CUDA, a float mask on CPU.
-    mask = (1 if cuda else 4) if cfg.peft.dropout > 0 else 0
-    lora = sum(n * i * (4 + mask) + n * r * 4 for i, r in counts.lora_inputs)
+    lora = lora_activation_bytes(counts.lora_inputs, n, b, cfg.peft.dropout > 0, cuda)
     per_layer = norms + attention + mlp + lora
     k = min(int(checkpointed), layers)
     kept = k * n * h * b + (max(layers - k, 1) if k else layers) * per_layer
+    t = cfg.trainer
+    if k == 0 and not (t.activation_checkpointing and t.checkpointing_reentrant):
+        # The frozen embedding's output needs no gradient, so the first norm keeps nothing
+        # (reentrant checkpointing makes it require one).
+        kept -= n * h * 4
     return kept + n * h * 4  # + the final norm's input
+
+
+# What each adapted linear layer reads: q/k/v one normed hidden state, gate/up another;
+# o_proj reads the attention output, which attention itself keeps (flash and SDPA kernels
+# write it token-major, so the reshape before o_proj is a view of the same storage).
+SHARED_INPUT = {
+    "q_proj": "attn",
+    "k_proj": "attn",
+    "v_proj": "attn",
+    "o_proj": "attention output",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+}
+
+
+def lora_activation_bytes(
+    inputs: list[tuple[str, int, int]], n: int, b: int, dropout: bool, cuda: bool
+) -> int:
+    """What LoRA adds to one layer's saved activations for ``n`` tokens, adapters in the
+    compute dtype (``b`` bytes; model.cast_adapters).
+
+    lora_B keeps lora_A's output (n × r). lora_A keeps its input: with dropout, each adapter's
+    own dropped copy plus the mask (a bool on CUDA, the input dtype on CPU); without, the layer's
+    input itself, counted once per tensor read (q/k/v share one, gate/up another).
+    """
+    total = sum(n * r * b for _, _, r in inputs)
+    if dropout:
+        mask = 1 if cuda else b
+        return total + sum(n * i * (b + mask) for _, i, _ in inputs)
+    read = {SHARED_INPUT.get(name, name): i for name, i, _ in inputs}
+    read.pop("attention output", None)  # already counted with attention
+    return total + sum(n * i * b for i in read.values())
 
 
 def loss_bytes(cfg: RunConfig, tokens: int) -> float:
@@ -193,12 +228,9 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
         how = f"{_count(counts.base)} parameters in {t.precision}"
     out.add("base weights", weights, how + (f", sharded over {ranks} ranks" if zero3 else ""))
 
-    # peft keeps adapters in fp32; under ZeRO-3 a quantized base is not loaded through
-    # zero.Init, and DeepSpeed's later conversion stores the adapters in the compute dtype
-    # (measured per rank in tests/test_plan.py, DeepSpeed 0.19).
-    lora_b = b if zero3 and p.method != "lora" else 4
-    lora_dtype = {2: "bf16", 4: "fp32"}[lora_b]
-    out.add("LoRA weights", counts.lora * lora_b / shard, f"{_count(counts.lora)} {lora_dtype}")
+    # In the compute dtype on every stage (model.cast_adapters); the fp32 copy is the
+    # optimizer's master weights, counted below.
+    out.add("LoRA weights", counts.lora * b / shard, f"{_count(counts.lora)} {t.precision}")
     out.add("LoRA gradients", counts.lora * 4 / ranks, f"fp32, sharded over {ranks} (ZeRO)")
     state = {"adamw": 12, "adamw_8bit": 6, "cpu_adam": 0}[t.optimizer]
     out.add(
