@@ -57,11 +57,10 @@ format: $(STAMP) ## Apply ruff's fixes and formatting
 	$(VENV)/bin/ruff format .
 
 train-4x4090: $(STAMP) ## The real job: EXP (default qwen2.5-7b-4x4090-lora) on 4 GPUs; ARGS= for data/model paths
-	# GPU preflight: count, names, memory, driver, a cross-GPU copy and an NCCL all-reduce; prints
-	# the NCCL_P2P_DISABLE / NCCL_IB_DISABLE decision (stops here on a machine without 4 GPUs).
-	$(PY) -m memtune.preflight --gpus 4
-	# train.py validates, plans memory, writes the run dir (the preflight again: RUN_DIR/preflight.json),
-	# then starts the ranks with:
+	# train.py validates the config; runs the GPU preflight (count, names, memory, driver, a
+	# cross-GPU copy and an NCCL all-reduce; prints the NCCL_P2P_DISABLE / NCCL_IB_DISABLE decision,
+	# saved as RUN_DIR/preflight.json; exit 2 on a machine without 4 GPUs); tokenizes the data,
+	# plans memory, writes the run dir; then starts the ranks with:
 	#   deepspeed --master_port <free port> --num_gpus 4 --no_local_rank --module memtune.worker <run dir>
 	$(PY) train.py experiment=$(EXP) launcher.num_ranks=4 $(ARGS)
 

@@ -21,26 +21,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from memtune.autofit import auto_fit
-from memtune.config import (
-    ConfigError,
-    load_run_config,
-    one_rank_zero,
-    register_configs,
-    to_run_config,
-    validate,
-)
+from memtune.config import ConfigError, load_run_config, register_configs, to_run_config, validate
 from memtune.launch import launch
 from memtune.nodes import announce_ready, resolve, wait_ready, write_nodes_hostfile
-from memtune.plan import (
-    count_params,
-    format_plan,
-    format_suggestions,
-    plan,
-    resolve_checkpoint_layers,
-)
-from memtune.preflight import for_launch
-from memtune.rundir import prepare_run_dir
+from memtune.plan import format_plan, format_suggestions
+from memtune.preflight import PreflightError, for_launch
+from memtune.rundir import decide, prepare_run_dir
 from memtune.worker import EXIT_REQUEUE
 
 register_configs()
@@ -50,24 +36,21 @@ WAIT_FOR_NODE0_S = 3600.0
 
 
 def print_plan(cfg: DictConfig) -> int:
-    """plan_only=true: the per-rank memory plan; writes nothing, launches nothing."""
+    """plan_only=true: the per-rank memory plan with what a launch would decide; writes
+    nothing, launches nothing."""
     try:
-        run_cfg = to_run_config(cfg)
-        validate(run_cfg)
-        run_cfg = one_rank_zero(run_cfg)
-        counts = count_params(run_cfg)
-        run_cfg = resolve_checkpoint_layers(run_cfg, counts)
-        result = plan(run_cfg, counts)
+        given = to_run_config(cfg)
+        validate(given)
+        fitted = decide(given, refuse=False)
     except ConfigError as err:
         print(f"memtune: config error: {err}", file=sys.stderr)
         return 2
-    print(format_plan(run_cfg, result))
-    fit = auto_fit(run_cfg, result.counts) if not result.fits and run_cfg.plan.auto_fit else None
-    if fit is not None:
-        print(f"\nplan.auto_fit would run it with: {' '.join(fit.changes)}")
-        print(format_plan(fit.cfg, fit.plan))
-    elif not result.fits:
-        print(format_suggestions(run_cfg))
+    print(format_plan(fitted.given, fitted.given_plan))
+    if fitted.changes:
+        print(f"\nplan.auto_fit would run it with: {' '.join(fitted.changes)}")
+        print(format_plan(fitted.cfg, fitted.plan))
+    elif not fitted.given_plan.fits:
+        print(format_suggestions(fitted.given))
     return 0
 
 
@@ -92,12 +75,24 @@ def main(cfg: DictConfig) -> None:
         given = to_run_config(cfg)
         validate(given)
         spec = resolve(given)
-        if spec.node_rank == 0:
-            run_cfg = prepare_run_dir(cfg, run_dir)
+        # Config and memory first, then the GPUs, then the data: a run that cannot fit, or a
+        # machine that cannot run it, stops before anything is tokenized.
+        fitted = decide(given) if spec.node_rank == 0 else None
+        suffix = "" if spec.node_rank == 0 else f"-node{spec.node_rank}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        nccl_env = for_launch(
+            given.launcher, spec.ranks_per_node, spec.nnodes, run_dir / f"preflight{suffix}.json"
+        )
+        if fitted is not None:
+            run_cfg = prepare_run_dir(cfg, run_dir, fitted)
         else:
             print(f"memtune: node {spec.node_rank}: waiting for node 0 to prepare {run_dir}")
             wait_ready(run_dir, spec, timeout_s=WAIT_FOR_NODE0_S)
             run_cfg = load_run_config(run_dir / "config.yaml")
+    except PreflightError:
+        if spec is not None and spec.form == "per-node" and spec.node_rank == 0:
+            announce_ready(run_dir, spec, error="the GPU preflight failed on node 0")
+        raise
     except ConfigError as err:
         print(f"memtune: config error: {err}", file=sys.stderr)
         if spec is not None and spec.form == "per-node" and spec.node_rank == 0:
@@ -114,13 +109,6 @@ def main(cfg: DictConfig) -> None:
         write_nodes_hostfile(run_dir, spec)
         announce_ready(run_dir, spec)
     print(f"memtune: run dir {run_dir}", flush=True)
-    suffix = "" if spec.node_rank == 0 else f"-node{spec.node_rank}"
-    nccl_env = for_launch(
-        run_cfg.launcher.preflight,
-        spec.ranks_per_node,
-        spec.nnodes,
-        run_dir / f"preflight{suffix}.json",
-    )
     code = launch(run_cfg, run_dir, spec=spec, extra_env=nccl_env)
     if spec.node_rank != 0:
         sys.exit(code)

@@ -15,7 +15,7 @@ from memtune.config import ConfigError, RunConfig, to_run_config
 from memtune.launch import free_port, rank_command
 from memtune.nodes import check_hostfile, first_host, resolve
 from memtune.preflight import decide
-from tests.conftest import FAST, ROOT, compose_cfg
+from tests.conftest import FAST, ROOT, compose_cfg, run_train_py
 
 DS = str(Path(sys.executable).with_name("deepspeed"))
 TAIL = ["--no_local_rank", "--log_level", "warning", "--module", "memtune.worker", "/runs/x"]
@@ -160,6 +160,21 @@ def test_preflight_stops_clearly_without_gpus() -> None:
     )
     assert out.returncode == 2
     assert "4 GPUs needed, 0 visible" in out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")
+def test_a_gpu_experiment_stops_before_tokenizing_on_a_machine_without_gpus(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    args = ["experiment=qwen2.5-7b-4x4090-qlora", "data=demo", f"run_dir={run_dir}"]
+    out = run_train_py(args, cwd=ROOT, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "4 GPUs needed on this node, 0 visible" in out.stderr
+    assert "launcher.require_gpus=true" in out.stderr
+    # Nothing tokenized, planned or written for the ranks.
+    assert "tokenized" not in out.stdout and "memory plan" not in out.stdout
+    assert not (run_dir / "config.yaml").exists() and not (run_dir / "data.json").exists()
+    # The demo (require_gpus false) on the same machine starts CPU ranks instead.
+    assert to_run_config(compose_cfg([])).launcher.require_gpus is False
 
 
 @pytest.mark.slow

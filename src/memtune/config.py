@@ -193,6 +193,9 @@ class LauncherConfig:
     preflight: bool = True
     """On GPUs: check count, memory, all-reduce and P2P before the ranks start, and set NCCL's
     P2P/IB switches from what it finds (saved in RUN_DIR/preflight.json)."""
+    require_gpus: bool = False
+    """Refuse to start on a machine without CUDA instead of running CPU ranks (the GPU
+    experiments set it: a 7B job on CPU ranks would only crawl or exhaust the host's memory)."""
     omp_threads: int | None = None
     """OMP_NUM_THREADS per rank when not set in the environment. Default: cores // ranks."""
 

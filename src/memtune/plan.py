@@ -367,10 +367,23 @@ def resolve_checkpoint_layers(cfg: RunConfig, counts: ParamCounts) -> RunConfig:
     return cfg
 
 
-def fit_to_device(cfg: RunConfig) -> tuple[RunConfig, Plan]:
-    """The config to run and its plan; raises ConfigError with the breakdown and suggestions
-    when it cannot fit. Returns a new config where something was decided: the number of
-    checkpointed layers (checkpoint_layers=auto) or, with plan.auto_fit, a variant that fits."""
+@dataclass
+class Fitted:
+    """What fit_to_device decided: the config to run and its plan, and the plan of the config
+    as given (with checkpoint_layers=auto resolved) when plan.auto_fit replaced it."""
+
+    cfg: RunConfig
+    plan: Plan
+    given: RunConfig
+    given_plan: Plan
+    changes: list[str]  # auto_fit's overrides, [] when it changed nothing
+
+
+def fit_to_device(cfg: RunConfig, refuse: bool = True) -> Fitted:
+    """Decide the number of checkpointed layers (checkpoint_layers=auto) and, with
+    plan.auto_fit, a variant that fits. With ``refuse`` (and plan.enforce) a run that cannot
+    fit raises ConfigError with the breakdown and suggestions; plan_only passes False to show
+    the same decisions without refusing."""
     from memtune.config import ConfigError
 
     counts = count_params(cfg)
@@ -382,19 +395,20 @@ def fit_to_device(cfg: RunConfig) -> tuple[RunConfig, Plan]:
         fit = auto_fit(cfg, result.counts)
         if fit is not None:
             # Variants never change what LoRA adapts: the counts stay valid (see auto_fit).
-            fit.cfg = resolve_checkpoint_layers(fit.cfg, counts)
-            fit.plan = plan(fit.cfg, counts)
+            chosen = resolve_checkpoint_layers(fit.cfg, counts)
+            chosen_plan = plan(chosen, counts)
             print(
-                f"memtune: auto_fit: {' '.join(fit.changes)} (planned {fit.plan.total_gib:.2f} of "
-                f"{result.device_gib:.2f} GiB per rank; as given it needed {result.total_gib:.2f})",
+                f"memtune: auto_fit: {' '.join(fit.changes)} (planned {chosen_plan.total_gib:.2f} "
+                f"of {result.device_gib:.2f} GiB per rank; as given it needed "
+                f"{result.total_gib:.2f})",
                 flush=True,
             )
-            return fit.cfg, fit.plan
-    if not result.fits and cfg.plan.enforce:
+            return Fitted(chosen, chosen_plan, cfg, result, fit.changes)
+    if not result.fits and cfg.plan.enforce and refuse:
         raise ConfigError(
             f"this run needs {result.total_gib:.2f} GiB per rank but the device has "
             f"{result.device_gib:.2f} GiB (plan.device_gib):\n{format_plan(cfg, result)}\n"
             f"{format_suggestions(cfg)}\n(plan.auto_fit=true picks the fastest variant that fits; "
             "plan.enforce=false launches anyway)"
         )
-    return cfg, result
+    return Fitted(cfg, result, cfg, result, [])

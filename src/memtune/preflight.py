@@ -29,6 +29,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from memtune.config import LauncherConfig
+
 GIB = 1024**3
 CONSUMER_NO_P2P = re.compile(r"RTX\s*40[5-9]0|\b40[5-9]0\b", re.IGNORECASE)
 CHECK_TIMEOUT_S = 60.0
@@ -236,14 +238,25 @@ def describe(record: Mapping[str, Any], required: int) -> list[str]:
     return lines
 
 
-def for_launch(enabled: bool, ranks_per_node: int, nnodes: int, out: Path) -> dict[str, str]:
-    """The launcher's preflight: {} on a machine without CUDA (CPU ranks), else the NCCL
-    environment decided by ``python -m memtune.preflight`` run as a child (timed out)."""
+def for_launch(
+    launcher: LauncherConfig, ranks_per_node: int, nnodes: int, out: Path
+) -> dict[str, str]:
+    """The launcher's preflight, run by train.py before it tokenizes or plans anything: {} on a
+    machine without CUDA (CPU ranks; refused with launcher.require_gpus), else the NCCL
+    environment decided by ``python -m memtune.preflight`` run as a child (timed out), so the
+    launcher itself never holds a CUDA context."""
     import subprocess
 
     import torch
 
-    if not enabled or not torch.cuda.is_available():
+    if not torch.cuda.is_available():
+        if launcher.require_gpus:
+            raise PreflightError(
+                f"{ranks_per_node} GPUs needed on this node, 0 visible (no CUDA device; "
+                "launcher.require_gpus=true: this experiment is not for CPU ranks)"
+            )
+        return {}
+    if not launcher.preflight:
         return {}
     cmd = [sys.executable, "-m", "memtune.preflight", "--gpus", str(ranks_per_node)]
     cmd += ["--nnodes", str(nnodes), "--json", str(out)]
@@ -252,7 +265,7 @@ def for_launch(enabled: bool, ranks_per_node: int, nnodes: int, out: Path) -> di
     except subprocess.TimeoutExpired as err:
         raise PreflightError(f"the GPU checks did not finish in {err.timeout:.0f} s") from None
     if proc.returncode != 0:
-        raise SystemExit(proc.returncode)
+        raise PreflightError(f"the GPU checks failed (exit code {proc.returncode}, see above)")
     return dict(json.loads(out.read_text())["env"])
 
 

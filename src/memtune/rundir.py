@@ -9,26 +9,32 @@ from omegaconf import DictConfig, OmegaConf
 
 from memtune.config import RunConfig, get_field, one_rank_zero, to_run_config, validate
 from memtune.ds_config import build_ds_config
-from memtune.plan import fit_to_device, format_plan
+from memtune.plan import Fitted, fit_to_device, format_plan
 from memtune.preprocess import Prepared, preprocess
 
 
-def prepare_run_dir(cfg_node: DictConfig, run_dir: Path) -> RunConfig:
+def decide(cfg: RunConfig, refuse: bool = True) -> Fitted:
+    """What a launch and ``plan_only`` both decide for a validated config: one rank's ZeRO
+    stage (config.one_rank_zero), the number of checkpointed layers (checkpoint_layers=auto)
+    and, with plan.auto_fit, a variant that fits. With ``refuse``, a run that cannot fit raises
+    ConfigError with the breakdown (plan.fit_to_device)."""
+    return fit_to_device(one_rank_zero(cfg), refuse)
+
+
+def prepare_run_dir(cfg_node: DictConfig, run_dir: Path, fitted: Fitted | None = None) -> RunConfig:
     """Validate ``cfg_node``, write ``config.yaml`` and ``ds_config.json`` to ``run_dir``.
 
-    Everything that can fail before a rank starts fails here: schema, ranges, the DeepSpeed
-    template, a missing data file. A synthesized demo model is built here too, once, rather
-    than by every rank at the same time.
+    Everything that can fail before a rank starts fails here: schema, ranges, memory, the
+    DeepSpeed template, a missing data file. A synthesized demo model is built here too, once,
+    rather than by every rank at the same time. ``fitted``: what ``decide`` already made of
+    ``cfg_node`` (train.py decides before the GPU preflight); config.yaml records it.
     """
-    cfg = to_run_config(cfg_node)
+    if fitted is None:
+        given = to_run_config(cfg_node)
+        validate(given)
+        fitted = decide(given)
+    cfg, memory_plan = fitted.cfg, fitted.plan
     cfg.run_dir = str(run_dir)
-    validate(cfg)
-    cfg = one_rank_zero(cfg)
-    # Refuses what cannot fit; decides checkpoint_layers=auto and, with plan.auto_fit, a
-    # variant that fits. What it decided is what config.yaml records.
-    memory_plan = None
-    if cfg.model.architecture:
-        cfg, memory_plan = fit_to_device(cfg)
     ds_config = build_ds_config(cfg)
     if cfg.model.synthesize:
         from memtune.tiny import synthesize
@@ -39,14 +45,13 @@ def prepare_run_dir(cfg_node: DictConfig, run_dir: Path) -> RunConfig:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
-    if memory_plan is not None:
-        (run_dir / "plan.txt").write_text(format_plan(cfg, memory_plan) + "\n")
-        device = f" of {memory_plan.device_gib:.2f}" if memory_plan.device_gib else ""
-        print(
-            f"memtune: memory plan {memory_plan.total_gib:.2f}{device} GiB per rank "
-            f"(breakdown: {run_dir / 'plan.txt'})",
-            flush=True,
-        )
+    (run_dir / "plan.txt").write_text(format_plan(cfg, memory_plan) + "\n")
+    device = f" of {memory_plan.device_gib:.2f}" if memory_plan.device_gib else ""
+    print(
+        f"memtune: memory plan {memory_plan.total_gib:.2f}{device} GiB per rank "
+        f"(breakdown: {run_dir / 'plan.txt'})",
+        flush=True,
+    )
     data_record = {
         "dir": str(prepared.dir),
         "reused": prepared.reused,
