@@ -119,10 +119,13 @@ def test_resume_with_a_contradicting_config_is_refused(finished: Path, tmp_path:
     assert "peft.r: checkpoint 16, now 4 (the LoRA rank)" in proc.stderr
     assert "launcher.num_ranks: checkpoint 2, now 1" in proc.stderr
     assert "resume=never" in proc.stderr
+    # resume=never lifts the refusal (preprocess_only: lay out the run dir, start no ranks).
     fresh = run_train_py(
-        [*BASE, f"run_dir={run_dir}", "peft.r=4", "resume=never", "trainer.max_steps=2"], cwd=ROOT
+        [*BASE, f"run_dir={run_dir}", "peft.r=4", "resume=never", "preprocess_only=true"], cwd=ROOT
     )
     assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert json.loads((run_dir / "resume.json").read_text()) == {"checkpoint": None}
+    assert "r: 4" in (run_dir / "config.yaml").read_text()
 
 
 def test_sigterm_saves_and_the_same_command_continues(tmp_path: Path) -> None:
@@ -130,7 +133,7 @@ def test_sigterm_saves_and_the_same_command_continues(tmp_path: Path) -> None:
     args = [
         *FAST,
         "launcher.num_ranks=2",
-        "trainer.max_steps=40",
+        "trainer.max_steps=16",
         "trainer.save_every=0",
         f"run_dir={run_dir}",
     ]
@@ -142,13 +145,13 @@ def test_sigterm_saves_and_the_same_command_continues(tmp_path: Path) -> None:
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     state = run_dir / "checkpoints" / latest / "trainer_state.json"
     stopped_at = json.loads(state.read_text())["step"]
-    assert 3 <= stopped_at < 40
+    assert 3 <= stopped_at < 16
     assert "stopped by a signal" in out
 
     again = run_train_py(args, cwd=ROOT)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"(step {stopped_at})" in again.stdout
-    assert len(_losses(run_dir)) == 40
+    assert len(_losses(run_dir)) == 16
 
 
 def test_kill_9_of_one_rank_ends_the_job_and_resume_works(tmp_path: Path) -> None:
@@ -156,7 +159,7 @@ def test_kill_9_of_one_rank_ends_the_job_and_resume_works(tmp_path: Path) -> Non
     args = [
         *FAST,
         "launcher.num_ranks=2",
-        "trainer.max_steps=30",
+        "trainer.max_steps=14",
         "trainer.save_every=2",
         f"run_dir={run_dir}",
     ]
@@ -172,7 +175,7 @@ def test_kill_9_of_one_rank_ends_the_job_and_resume_works(tmp_path: Path) -> Non
     again = run_train_py(args, cwd=ROOT)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming from" in again.stdout
-    assert len(_losses(run_dir)) == 30
+    assert len(_losses(run_dir)) == 14
 
 
 class _NotData:
