@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-14s %s\n", $$1, $$2}'
-	@echo "  Variables: EXP=<experiment> (train-4x4090), ARGS='<hydra overrides>', PYTEST_ARGS='...'"
+	@echo "  Variables: EXP=<experiment> (train-4x4090, plan), ARGS='<hydra overrides>', PYTEST_ARGS='...'"
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -57,11 +57,11 @@ format: $(STAMP) ## Apply ruff's fixes and formatting
 	$(VENV)/bin/ruff format .
 
 train-4x4090: $(STAMP) ## The real job: EXP (default qwen2.5-7b-4x4090-lora) on 4 GPUs; ARGS= for data/model paths
-	# train.py validates the config; runs the GPU preflight (count, names, memory, driver, a
-	# cross-GPU copy and an NCCL all-reduce; prints the NCCL_P2P_DISABLE / NCCL_IB_DISABLE decision,
-	# saved as RUN_DIR/preflight.json; exit 2 on a machine without 4 GPUs); tokenizes the data,
-	# plans memory, writes the run dir; then starts the ranks with:
-	#   deepspeed --master_port <free port> --num_gpus 4 --no_local_rank --module memtune.worker <run dir>
+	# train.py validates the config and plans memory (exit 2 if it cannot fit); runs the GPU
+	# preflight (count, names, memory, driver, a cross-GPU copy and an NCCL all-reduce; prints the
+	# NCCL_P2P_DISABLE / NCCL_IB_DISABLE decision, saved as RUN_DIR/preflight.json; exit 2 on a
+	# machine without 4 GPUs); tokenizes the data, writes the run dir; then starts the ranks with:
+	#   deepspeed --master_port <free port> --num_gpus 4 --no_local_rank --log_level warning --module memtune.worker <run dir>
 	$(PY) train.py experiment=$(EXP) launcher.num_ranks=4 $(ARGS)
 
 bench: $(STAMP) ## Training benchmark: memtune vs HF Trainer + peft, with ablations -> bench/results/ (~12 min)

@@ -20,7 +20,7 @@ def test_experiments_are_shipped() -> None:
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_composes(experiment: str) -> None:
-    cfg = to_run_config(compose_cfg([f"experiment={experiment}"]))
+    cfg = to_run_config(compose_cfg([f"experiment={experiment}", "data=demo"]))
     assert cfg.experiment == experiment
     validate(cfg)
 
@@ -36,7 +36,10 @@ def test_default_is_the_cpu_demo() -> None:
 
 def test_4x4090_experiment_values() -> None:
     cfg = to_run_config(compose_cfg(["experiment=qwen2.5-7b-4x4090-lora"]))
-    validate(cfg)
+    # A real run has no default data: the demo set would silently train a 7B model on toys.
+    with pytest.raises(ConfigError, match=r"data.path is not set: give your file"):
+        validate(cfg)
+    validate(cfg, inputs=False)  # what a memory plan needs
     assert cfg.model.name_or_path == "Qwen/Qwen2.5-7B-Instruct"
     assert cfg.model.architecture["hidden_size"] == 3584
     assert cfg.launcher.num_ranks == 4 and cfg.zero.stage == 3

@@ -113,7 +113,8 @@ def test_4x4090_experiments_fit_and_a_plain_recipe_does_not() -> None:
 
 def test_a_run_that_cannot_fit_is_refused_before_launch(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    args = [QWEN7B, "zero=zero2", "trainer.activation_checkpointing=false", f"run_dir={run_dir}"]
+    args = [QWEN7B, "data=demo", "zero=zero2", "trainer.activation_checkpointing=false"]
+    args.append(f"run_dir={run_dir}")
     proc = run_train_py(args, cwd=tmp_path, timeout=300)
     assert proc.returncode == 2, proc.stderr
     # Refused for memory before the GPU preflight (which would refuse this CPU machine too).

@@ -86,7 +86,7 @@ def auto_fit(cfg: RunConfig, known: ParamCounts | None = None) -> Fit | None:
         counts[(p.target, p.r)] = known
     for variant, changes, cost in _variants(cfg):
         try:
-            validate(variant)
+            validate(variant, inputs=False)  # only trainer, zero and peft vary
         except ConfigError:
             continue  # e.g. a micro batch the global batch no longer divides evenly
         key = (variant.peft.target, variant.peft.r)  # what the counts depend on

@@ -318,8 +318,9 @@ def get_field(cfg: RunConfig, dotted: str) -> Any:
     return obj
 
 
-def validate(cfg: RunConfig) -> None:
-    """Check what types cannot; raise :class:`ConfigError` naming the first bad field."""
+def validate(cfg: RunConfig, inputs: bool = True) -> None:
+    """Check what types cannot; raise :class:`ConfigError` naming the first bad field.
+    ``inputs=False`` leaves out the model and data paths (a memory plan needs neither)."""
     for key, choices in _CHOICES.items():
         if get_field(cfg, key) not in choices:
             allowed = " | ".join(str(c) for c in choices)
@@ -398,8 +399,9 @@ def validate(cfg: RunConfig) -> None:
         )
     if cfg.model.name_or_path in ("", "???"):
         raise ConfigError("model.name_or_path is not set: give a hub name or a local directory")
-    _check_model_path(cfg.model)
-    _check_data(cfg.data)
+    if inputs:
+        _check_model_path(cfg.model)
+        _check_data(cfg.data)
 
 
 def _check_data(data: DataConfig) -> None:
@@ -408,7 +410,10 @@ def _check_data(data: DataConfig) -> None:
     if data.path and data.sources:
         raise ConfigError("data.path and data.sources are both set: use one")
     if not data.path and not data.sources:
-        raise ConfigError("data.path is not set: give a file (or data.sources for several)")
+        raise ConfigError(
+            "data.path is not set: give your file, e.g. data.path=/data/train.jsonl "
+            "(or data.sources for several)"
+        )
     for i, src in enumerate(data.all_sources()):
         key = "data.path" if not data.sources else f"data.sources[{i}]"
         if src.format not in FORMATS:
