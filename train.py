@@ -26,13 +26,19 @@ from memtune.launch import launch
 from memtune.nodes import announce_ready, resolve, wait_ready, write_nodes_hostfile
 from memtune.plan import format_plan, format_suggestions
 from memtune.preflight import PreflightError, for_launch
-from memtune.rundir import decide, prepare_run_dir
+from memtune.rundir import already_finished, decide, prepare_run_dir
 from memtune.worker import EXIT_REQUEUE
 
 register_configs()
 FAILED_POINTS: list[str] = []
 WAIT_FOR_NODE0_S = 3600.0
 """Per-node form: how long nodes 1.. wait for node 0 to tokenize the data and plan."""
+
+
+def _write_exit(run_dir: Path, code: int, error: str | None = None) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record = {"code": code} if error is None else {"code": code, "error": error}
+    (run_dir / "exit.json").write_text(json.dumps(record) + "\n")
 
 
 def print_plan(cfg: DictConfig) -> int:
@@ -89,21 +95,28 @@ def main(cfg: DictConfig) -> None:
             print(f"memtune: node {spec.node_rank}: waiting for node 0 to prepare {run_dir}")
             wait_ready(run_dir, spec, timeout_s=WAIT_FOR_NODE0_S)
             run_cfg = load_run_config(run_dir / "config.yaml")
-    except PreflightError:
+    except PreflightError as err:
         if spec is not None and spec.form == "per-node" and spec.node_rank == 0:
             announce_ready(run_dir, spec, error="the GPU preflight failed on node 0")
+        _write_exit(run_dir, 2, f"preflight: {err.message}")
         raise
     except ConfigError as err:
         print(f"memtune: config error: {err}", file=sys.stderr)
         if spec is not None and spec.form == "per-node" and spec.node_rank == 0:
             announce_ready(run_dir, spec, error=str(err))
+        # The run dir Hydra made says why it holds no run.
+        _write_exit(run_dir, 2, f"config error: {err}")
         if not sweeping:
             sys.exit(2)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "exit.json").write_text(json.dumps({"code": 2, "error": str(err)}) + "\n")
         FAILED_POINTS.append(str(run_dir))
         return
     if run_cfg.preprocess_only:
+        print(f"memtune: preprocess_only: run dir {run_dir} laid out, no ranks started", flush=True)
+        return
+    finished = already_finished(run_cfg, run_dir)
+    if finished and spec.form != "per-node":
+        # Nothing to train: say so instead of starting the ranks to repeat the old summary.
+        print(f"memtune: {finished}; run dir {run_dir}", flush=True)
         return
     if spec.form == "per-node" and spec.node_rank == 0:
         write_nodes_hostfile(run_dir, spec)
@@ -116,7 +129,7 @@ def main(cfg: DictConfig) -> None:
         # A sweep point in a submitit job: its checkpoint is saved; submitit's own handler for
         # the same signal now requeues the job (hydra/launcher=slurm, max_num_timeout).
         signal.raise_signal(signal.SIGUSR2)
-    (run_dir / "exit.json").write_text(json.dumps({"code": code}) + "\n")
+    _write_exit(run_dir, code)
     if code == EXIT_REQUEUE:
         print(f"memtune: stopped with a checkpoint (exit code {code}); run dir {run_dir}")
     elif code != 0:

@@ -15,7 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from memtune.config import load_run_config
 from memtune.launch import rank_processes
+from memtune.rundir import already_finished
 from tests.conftest import FAST, ROOT, run_train_py
 
 pytestmark = pytest.mark.slow
@@ -108,6 +110,25 @@ def test_resume_after_a_crash_is_exact(finished: Path, tmp_path: Path) -> None:
     a = load_file(finished / "adapter" / "adapter_model.safetensors")
     b = load_file(run_dir / "adapter" / "adapter_model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_starting_a_finished_run_again_launches_nothing(finished: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished, run_dir)
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    proc = run_train_py([*BASE, f"run_dir={run_dir}"], cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "already finished: step-0000012 is step 12 of trainer.max_steps=12" in proc.stdout
+    assert "memtune: done in" not in proc.stdout  # no ranks, no repeated summary
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+    # More steps asked for (or no adapter exported yet): the ranks start and train on.
+    cfg = load_run_config(run_dir / "config.yaml")
+    assert already_finished(cfg, run_dir) is not None
+    cfg.trainer.max_steps = 13
+    assert already_finished(cfg, run_dir) is None
+    cfg.trainer.max_steps = 12
+    (run_dir / "adapter" / "adapter_model.safetensors").unlink()
+    assert already_finished(cfg, run_dir) is None
 
 
 def test_resume_with_a_contradicting_config_is_refused(finished: Path, tmp_path: Path) -> None:

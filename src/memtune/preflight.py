@@ -39,6 +39,7 @@ CHECK_TIMEOUT_S = 60.0
 class PreflightError(SystemExit):
     def __init__(self, message: str):
         print(f"memtune: preflight: {message}", file=sys.stderr)
+        self.message = message
         super().__init__(2)
 
 

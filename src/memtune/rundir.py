@@ -131,3 +131,21 @@ def resolve_resume(cfg: RunConfig, run_dir: Path, data_dir: Path) -> Path | None
         )
     print(f"memtune: resuming from {ckpt} (step {state['step']})", flush=True)
     return ckpt
+
+
+def already_finished(cfg: RunConfig, run_dir: Path) -> str | None:
+    """Why there is nothing to run, when the checkpoint being resumed already reached
+    trainer.max_steps and the run's adapter was exported (a finished run started again)."""
+    record = json.loads((run_dir / "resume.json").read_text())
+    if not record["checkpoint"]:
+        return None
+    ckpt = Path(record["checkpoint"])
+    step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
+    adapter = run_dir / "adapter" / "adapter_model.safetensors"
+    if step < cfg.trainer.max_steps or not adapter.is_file():
+        return None
+    return (
+        f"already finished: {ckpt.name} is step {step} of trainer.max_steps="
+        f"{cfg.trainer.max_steps}, the adapter is in {adapter.parent} (raise trainer.max_steps "
+        "to train on, or resume=never to start over)"
+    )
