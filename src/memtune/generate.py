@@ -76,8 +76,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args(argv)
     model, tokenizer = load(args.run_dir, args.model)
-    text, _ = answer(model, tokenizer, args.run_dir, args.prompt, args.max_new_tokens)
-    print(text)
+    text, new = answer(model, tokenizer, args.run_dir, args.prompt, args.max_new_tokens)
+    if text.strip():
+        print(text)
+    else:
+        print(f"(empty answer: the model ended its turn after {len(new)} token(s))")
 
 
 if __name__ == "__main__":
