@@ -56,7 +56,7 @@ def print_plan(cfg: DictConfig) -> int:
         print(f"\nplan.auto_fit would run it with: {' '.join(fitted.changes)}")
         print(format_plan(fitted.cfg, fitted.plan))
     elif not fitted.given_plan.fits:
-        print(format_suggestions(fitted.given))
+        print(format_suggestions(fitted.given, fitted.given_plan.counts))
     return 0
 
 

@@ -135,8 +135,27 @@ def test_plan_only_prints_the_breakdown_and_starts_nothing(tmp_path: Path) -> No
     assert not (tmp_path / "p" / "config.yaml").exists()
 
 
+def test_suggestions_say_what_each_change_saves_and_skip_what_does_not_help() -> None:
+    from memtune.plan import suggestions
+
+    cfg = to_run_config(
+        compose_cfg([QWEN7B, "zero=zero2", "trainer.activation_checkpointing=false"])
+    )
+    tips = suggestions(cfg)
+    saved = [float(t.rsplit(": -", 1)[1].split()[0]) for t in tips]
+    assert saved == sorted(saved, reverse=True) and min(saved) >= 0.05
+    assert tips[0].startswith("trainer.activation_checkpointing=true")
+    # 10M LoRA parameters: 8-bit moments would save ~0.02 GiB, not worth a line.
+    assert not any("adamw_8bit" in t for t in tips)
+    total = plan(cfg).total_gib
+    zero3 = to_run_config(compose_cfg([QWEN7B, "trainer.activation_checkpointing=false"]))
+    expected = total - plan(zero3).total_gib
+    assert any(t.startswith("zero=zero3") and f"-{expected:.2f} GiB" in t for t in tips)
+
+
 def test_auto_fit_picks_the_cheapest_variant_that_fits() -> None:
     from memtune.autofit import auto_fit
+    from memtune.plan import AUTO_CHECKPOINT_SPARE_GIB
 
     # The usual recipe on 4 × 24 GB: does not fit as it is.
     cfg = to_run_config(
@@ -150,6 +169,22 @@ def test_auto_fit_picks_the_cheapest_variant_that_fits() -> None:
     # Checkpointing is what it needs; nothing slower is added on top.
     assert fit.changes == ["trainer.activation_checkpointing=true"]
     assert fit.cfg.trainer.global_batch_size == cfg.trainer.global_batch_size
+    # With the plain loss too: the chunked loss (free) joins, and the choice keeps the spare
+    # that checkpoint_layers=auto keeps (what the plan may miss on a GPU).
+    plain = to_run_config(
+        compose_cfg(
+            [
+                QWEN7B,
+                "zero=zero2",
+                "trainer.activation_checkpointing=false",
+                "trainer.loss=plain",
+                "plan.auto_fit=true",
+            ]
+        )
+    )
+    fit = auto_fit(plain)
+    assert fit is not None and "trainer.loss=auto" in fit.changes
+    assert fit.plan.total_gib <= 23.99 - AUTO_CHECKPOINT_SPARE_GIB
     # A config that already fits is returned unchanged.
     fitting = to_run_config(compose_cfg([QWEN7B]))
     same = auto_fit(fitting)

@@ -2,7 +2,8 @@
 
 The variants change only what trades speed for memory, never what is learned per step: the
 global batch, the data, the LoRA rank and the schedule stay. Each change has a rough cost in
-step time (activation checkpointing recomputes the forward, ~1/3 more compute; ZeRO-3 gathers
+step time (the chunked loss computes the same loss without full-sequence logits: free;
+activation checkpointing recomputes the forward, ~1/3 more compute; ZeRO-3 gathers
 weights in every forward and backward; NF4 dequantizes on the fly; the 8-bit optimizer's step
 is dearer but tiny next to the forward; a smaller micro batch uses the GPU less well). The
 cheapest combination whose plan fits wins; ties keep the user's own choices.
@@ -16,9 +17,10 @@ import math
 from dataclasses import dataclass
 
 from memtune.config import ConfigError, RunConfig, validate
-from memtune.plan import ParamCounts, Plan, count_params, plan
+from memtune.plan import AUTO_CHECKPOINT_SPARE_GIB, ParamCounts, Plan, count_params, plan
 
 # Relative step time of each change (1.0: free). Rough, on purpose: they only order variants.
+COST_CHUNKED_LOSS = 1.0  # no slower than the plain loss (make bench: faster on CPU)
 COST_CHECKPOINTING = 1.33
 COST_ZERO3 = 1.10
 COST_QLORA = 1.30
@@ -40,6 +42,7 @@ def _variants(cfg: RunConfig) -> list[tuple[RunConfig, list[str], float]]:
     while micro_batches[-1] > 1:
         micro_batches.append(micro_batches[-1] // 2)
     options = itertools.product(
+        [False, True] if t.loss == "plain" else [False],
         [False, True] if not t.activation_checkpointing else [False],
         [False, True] if cfg.zero.stage != 3 else [False],
         [False, True] if cfg.peft.method == "lora" else [False],
@@ -47,9 +50,13 @@ def _variants(cfg: RunConfig) -> list[tuple[RunConfig, list[str], float]]:
         micro_batches,
     )
     out = []
-    for ckpt, zero3, qlora, opt8, micro in options:
+    for chunked, ckpt, zero3, qlora, opt8, micro in options:
         v = copy.deepcopy(cfg)
         changes, cost = [], 1.0
+        if chunked:
+            v.trainer.loss = "auto"  # the same loss and gradients, computed in chunks
+            changes.append("trainer.loss=auto")
+            cost *= COST_CHUNKED_LOSS
         if ckpt:
             v.trainer.activation_checkpointing = True
             changes.append("trainer.activation_checkpointing=true")
@@ -77,13 +84,17 @@ def _variants(cfg: RunConfig) -> list[tuple[RunConfig, list[str], float]]:
 def auto_fit(cfg: RunConfig, known: ParamCounts | None = None) -> Fit | None:
     """The cheapest fitting variant of ``cfg`` (``cfg`` itself if it fits), or None.
 
-    ``known``: the counts of ``cfg`` itself when already computed (one meta-device build of a
-    7B model takes seconds; the variants never change what LoRA adapts, so they share it).
+    A variant must leave the same spare as checkpoint_layers=auto (AUTO_CHECKPOINT_SPARE_GIB:
+    what the plan may miss on a real GPU); only when none does is the cheapest one that fits
+    at all taken. ``known``: the counts of ``cfg`` itself when already computed (one
+    meta-device build of a 7B model takes seconds; the variants never change what LoRA adapts,
+    so they share it).
     """
     p = cfg.peft
     counts: dict[tuple[str, int], ParamCounts] = {}
     if known is not None:
         counts[(p.target, p.r)] = known
+    planned = []
     for variant, changes, cost in _variants(cfg):
         try:
             validate(variant, inputs=False)  # only trainer, zero and peft vary
@@ -92,7 +103,10 @@ def auto_fit(cfg: RunConfig, known: ParamCounts | None = None) -> Fit | None:
         key = (variant.peft.target, variant.peft.r)  # what the counts depend on
         if key not in counts:
             counts[key] = count_params(variant)
-        result = plan(variant, counts[key])
-        if result.fits:
-            return Fit(variant, result, changes, cost)
+        planned.append(Fit(variant, plan(variant, counts[key]), changes, cost))
+    device = cfg.plan.device_gib
+    for spare in (AUTO_CHECKPOINT_SPARE_GIB, 0.0):
+        for fit in planned:  # cheapest first
+            if device is None or fit.plan.total_gib <= device - spare:
+                return fit
     return None

@@ -280,31 +280,62 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
 
 
-def suggestions(cfg: RunConfig) -> list[str]:
-    """Changes that lower the per-rank peak, largest effect first, those not already made."""
+def _tips(cfg: RunConfig) -> list[tuple[str, str, RunConfig]]:
+    """(override, why, the config with it) for each change not already made."""
     t, z, p = cfg.trainer, cfg.zero, cfg.peft
     tips = []
+
+    def variant(why: str, override: str, **changes: Any) -> None:
+        trial = copy.deepcopy(cfg)
+        for dotted, value in changes.items():
+            section, key = dotted.split("__")
+            setattr(getattr(trial, section), key, value)
+        tips.append((override, why, trial))
+
     if p.method == "lora":
-        tips.append("peft=qlora-nf4 (4-bit base: about a quarter of the bf16 weights)")
+        variant("4-bit base", "peft=qlora-nf4", peft__method="qlora")
     if z.stage != 3:
-        tips.append("zero=zero3 (shard the base weights over the ranks)")
+        variant("shard the base weights over the ranks", "zero=zero3", zero__stage=3)
     if not t.activation_checkpointing:
-        tips.append("trainer.activation_checkpointing=true")
+        variant(
+            "recompute layers in backward",
+            "trainer.activation_checkpointing=true",
+            trainer__activation_checkpointing=True,
+        )
     if t.loss == "plain":
-        tips.append("trainer.loss=auto (chunked loss: no full-sequence logits)")
+        variant("chunked loss: no full-sequence logits", "trainer.loss=auto", trainer__loss="auto")
     if t.micro_batch_size > 1:
-        tips.append(
-            f"trainer.micro_batch_size={t.micro_batch_size // 2} (accumulation makes up the "
-            "global batch)"
+        half = t.micro_batch_size // 2
+        variant(
+            "accumulation makes up the global batch",
+            f"trainer.micro_batch_size={half}",
+            trainer__micro_batch_size=half,
         )
     if t.optimizer == "adamw":
-        tips.append("trainer.optimizer=adamw_8bit")
-    tips.append(f"data.max_seq_len={cfg.data.max_seq_len // 2}")
+        variant("8-bit moments", "trainer.optimizer=adamw_8bit", trainer__optimizer="adamw_8bit")
+    half_len = cfg.data.max_seq_len // 2
+    variant("shorter samples", f"data.max_seq_len={half_len}", data__max_seq_len=half_len)
     return tips
 
 
-def format_suggestions(cfg: RunConfig) -> str:
-    return "Try:\n" + "\n".join(f"  - {tip}" for tip in suggestions(cfg))
+def suggestions(cfg: RunConfig, counts: ParamCounts | None = None) -> list[str]:
+    """Changes that lower the per-rank peak, each with what it saves by the plan, largest
+    first; changes that would save less than 0.05 GiB are left out."""
+    counts = counts or count_params(cfg)
+    total = plan(cfg, counts).total_gib
+    scored = []
+    for override, why, trial in _tips(cfg):
+        saved = total - plan(trial, counts).total_gib
+        if saved >= 0.05:
+            scored.append((saved, f"{override} ({why}): -{saved:.2f} GiB"))
+    return [tip for _, tip in sorted(scored, key=lambda item: -item[0])]
+
+
+def format_suggestions(cfg: RunConfig, counts: ParamCounts | None = None) -> str:
+    """The "Try:" list (each change alone, saving by the plan)."""
+    return "Try (each alone, per rank):\n" + "\n".join(
+        f"  - {tip}" for tip in suggestions(cfg, counts)
+    )
 
 
 def format_plan(cfg: RunConfig, result: Plan) -> str:
@@ -357,12 +388,13 @@ def resolve_checkpoint_layers(cfg: RunConfig, counts: ParamCounts) -> RunConfig:
     cfg = copy.deepcopy(cfg)
     cfg.trainer.checkpoint_layers = str(k)
     layers = cfg.model.architecture["num_hidden_layers"]
-    why = (
-        f"the fewest that fit {cfg.plan.device_gib:.2f} GiB with "
-        f"{AUTO_CHECKPOINT_SPARE_GIB:.0f} GiB to spare"
-        if cfg.plan.device_gib is not None
-        else "no plan.device_gib to fit"
-    )
+    device, spare = cfg.plan.device_gib, AUTO_CHECKPOINT_SPARE_GIB
+    if device is None:
+        why = "no plan.device_gib to fit"
+    elif plan(cfg, counts).total_gib <= device - spare:
+        why = f"the fewest that fit {device:.2f} GiB with {spare:.0f} GiB to spare"
+    else:
+        why = f"even all of them leave less than {spare:.0f} GiB of {device:.2f} spare"
     print(f"memtune: checkpoint_layers=auto: {k} of {layers} layers ({why})", flush=True)
     return cfg
 
@@ -408,7 +440,7 @@ def fit_to_device(cfg: RunConfig, refuse: bool = True) -> Fitted:
         raise ConfigError(
             f"this run needs {result.total_gib:.2f} GiB per rank but the device has "
             f"{result.device_gib:.2f} GiB (plan.device_gib):\n{format_plan(cfg, result)}\n"
-            f"{format_suggestions(cfg)}\n(plan.auto_fit=true picks the fastest variant that fits; "
-            "plan.enforce=false launches anyway)"
+            f"{format_suggestions(cfg, counts)}\n(plan.auto_fit=true picks the fastest variant "
+            "that fits; plan.enforce=false launches anyway)"
         )
     return Fitted(cfg, result, cfg, result, [])
