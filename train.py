@@ -22,7 +22,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from memtune.config import ConfigError, load_run_config, register_configs, to_run_config, validate
-from memtune.launch import launch
+from memtune.launch import launch, name_cpu_accelerator
 from memtune.nodes import announce_ready, resolve, wait_ready, write_nodes_hostfile
 from memtune.plan import format_plan, format_suggestions
 from memtune.preflight import PreflightError, for_launch
@@ -62,6 +62,7 @@ def print_plan(cfg: DictConfig) -> int:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    name_cpu_accelerator()
     hydra_cfg = HydraConfig.get()
     if cfg.run_dir and hydra_cfg.mode == RunMode.MULTIRUN:
         print(

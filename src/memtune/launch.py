@@ -33,6 +33,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def name_cpu_accelerator() -> None:
+    """On a machine without CUDA, tell DeepSpeed it is the CPU accelerator (``DS_ACCELERATOR``,
+    inherited by the launcher and every rank) instead of letting each process detect it and
+    warn "If you have GPU or other accelerator, we were unable to detect it" — five times per
+    CPU run. A value the user set is kept."""
+    import torch
+
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
 def one_rank_env(port: int) -> dict[str, str]:
     """What a launcher sets for a rank, for a world of one (no launcher is started for it)."""
     return {
