@@ -344,7 +344,7 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
             f"{t.micro_batch_size} × accum {grad_accumulation_steps(cfg)} × {world} ranks = "
             f"{t.global_batch_size} · activation checkpointing "
             f"{checkpoint_note(cfg)} · {optimizer_note}\n"
-            f"memtune: data {stats.line()}; {batching_summary(cfg)}",
+            f"memtune: batches: {batching_summary(cfg)}",
             flush=True,
         )
         ctx = RankContext(cfg, run_dir, rank, local_rank, world, device, tokenizer, stats)
