@@ -94,13 +94,19 @@ def write_report(sweep_dir: Path) -> dict[str, Path]:
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),
     ]
-    lines += ["| " + " | ".join(_cell(row.get(c)) for c in COLUMNS) + " |" for row in rows]
+    lines += ["| " + " | ".join(_cell(row.get(c), c) for c in COLUMNS) + " |" for row in rows]
     out["md"].write_text("\n".join(lines) + "\n")
     _plot(sweep_dir, rows, out["png"])
     return out
 
 
-def _cell(value: Any) -> str:
+# Numbers in one column side by side with the same decimals (6.0830 next to 6.0146).
+DECIMALS = {"train_loss_last": 4, "eval_loss": 4, "tokens_per_s": 1, "peak_memory_gib_max": 3}
+
+
+def _cell(value: Any, column: str = "") -> str:
+    if isinstance(value, int | float) and column in DECIMALS:
+        return f"{value:.{DECIMALS[column]}f}"
     return "" if value is None else str(value)
 
 
@@ -109,6 +115,7 @@ def _plot(sweep_dir: Path, rows: list[dict[str, Any]], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     for row in rows:
@@ -116,6 +123,7 @@ def _plot(sweep_dir: Path, rows: list[dict[str, Any]], path: Path) -> None:
         if curve:
             steps, losses = zip(*curve, strict=True)
             ax.plot(steps, losses, label=row["overrides"] or row["point"], linewidth=1.2)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_xlabel("step")
     ax.set_ylabel("train loss")
     ax.set_title(f"sweep {sweep_dir.name}")
