@@ -21,10 +21,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from memtune.autofit import format_suggestions
 from memtune.config import ConfigError, load_run_config, register_configs, to_run_config, validate
 from memtune.launch import launch, name_cpu_accelerator
 from memtune.nodes import announce_ready, resolve, wait_ready, write_nodes_hostfile
-from memtune.plan import format_plan, format_suggestions
+from memtune.plan import format_plan
 from memtune.preflight import PreflightError, for_launch
 from memtune.rundir import already_finished, decide, prepare_run_dir
 from memtune.worker import EXIT_REQUEUE

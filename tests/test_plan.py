@@ -136,12 +136,12 @@ def test_plan_only_prints_the_breakdown_and_starts_nothing(tmp_path: Path) -> No
 
 
 def test_suggestions_say_what_each_change_saves_and_skip_what_does_not_help() -> None:
-    from memtune.plan import suggestions
+    from memtune.autofit import suggestions
 
     cfg = to_run_config(
         compose_cfg([QWEN7B, "zero=zero2", "trainer.activation_checkpointing=false"])
     )
-    tips = suggestions(cfg)
+    tips = suggestions(cfg, count_params(cfg))
     saved = [float(t.rsplit(": -", 1)[1].split()[0]) for t in tips]
     assert saved == sorted(saved, reverse=True) and min(saved) >= 0.05
     assert tips[0].startswith("trainer.activation_checkpointing=true")

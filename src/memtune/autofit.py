@@ -1,12 +1,14 @@
-"""plan.auto_fit: when a run does not fit, pick the fastest variant of it that does.
+"""plan.auto_fit: when a run does not fit, pick the fastest variant of it that does; and the
+"Try:" list of a run that does not fit.
 
-The variants change only what trades speed for memory, never what is learned per step: the
-global batch, the data, the LoRA rank and the schedule stay. Each change has a rough cost in
-step time (the chunked loss computes the same loss without full-sequence logits: free;
-activation checkpointing recomputes the forward, ~1/3 more compute; ZeRO-3 gathers
-weights in every forward and backward; NF4 dequantizes on the fly; the 8-bit optimizer's step
-is dearer but tiny next to the forward; a smaller micro batch uses the GPU less well). The
-cheapest combination whose plan fits wins; ties keep the user's own choices.
+The variants change only what trades speed for memory: the global batch, the data, the LoRA
+rank and the schedule stay (QLoRA, the dearest, also trades the base's precision). Each
+change has a rough cost in step time (the chunked loss computes the same loss without
+full-sequence logits: free; activation checkpointing recomputes the forward, ~1/3 more
+compute; ZeRO-3 gathers weights in every forward and backward; NF4 dequantizes on the fly;
+the 8-bit optimizer's step is dearer but tiny next to the forward; a smaller micro batch uses
+the GPU less well). The cheapest combination whose plan fits wins; ties keep the user's own
+choices.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from memtune.config import ConfigError, RunConfig, validate
@@ -36,49 +39,124 @@ class Fit:
     cost: float
 
 
+Apply = Callable[[RunConfig], None]
+
+
+def _zero3(v: RunConfig) -> None:
+    v.zero.stage, v.zero.template = 3, None
+
+
+def memory_changes(cfg: RunConfig) -> list[tuple[str, str, float, Apply]]:
+    """Each change that lowers the per-rank peak and keeps the batch, data, LoRA rank and
+    schedule, not already made: (override, why, relative step time, how to apply it to a copy).
+    All but QLoRA compute the same step; QLoRA trains over a 4-bit base (the dearest)."""
+    t, z, p = cfg.trainer, cfg.zero, cfg.peft
+    out: list[tuple[str, str, float, Apply]] = []
+    if t.loss == "plain":
+        out.append(
+            (
+                "trainer.loss=auto",
+                "chunked loss: no full-sequence logits",
+                COST_CHUNKED_LOSS,
+                lambda v: setattr(v.trainer, "loss", "auto"),
+            )
+        )
+    if not t.activation_checkpointing:
+        out.append(
+            (
+                "trainer.activation_checkpointing=true",
+                "recompute layers in backward",
+                COST_CHECKPOINTING,
+                lambda v: setattr(v.trainer, "activation_checkpointing", True),
+            )
+        )
+    if z.stage != 3:
+        out.append(("zero=zero3", "shard the base weights over the ranks", COST_ZERO3, _zero3))
+    if p.method == "lora":
+        out.append(
+            (
+                "peft=qlora-nf4",
+                "4-bit base",
+                COST_QLORA,
+                lambda v: setattr(v.peft, "method", "qlora"),
+            )
+        )
+    if t.optimizer == "adamw":
+        out.append(
+            (
+                "trainer.optimizer=adamw_8bit",
+                "8-bit moments",
+                COST_8BIT_OPTIMIZER,
+                lambda v: setattr(v.trainer, "optimizer", "adamw_8bit"),
+            )
+        )
+    return out
+
+
 def _variants(cfg: RunConfig) -> list[tuple[RunConfig, list[str], float]]:
+    """Every combination of memory_changes with every halving of the micro batch, cheapest
+    first."""
     t = cfg.trainer
+    changes = memory_changes(cfg)
     micro_batches = [t.micro_batch_size]
     while micro_batches[-1] > 1:
         micro_batches.append(micro_batches[-1] // 2)
-    options = itertools.product(
-        [False, True] if t.loss == "plain" else [False],
-        [False, True] if not t.activation_checkpointing else [False],
-        [False, True] if cfg.zero.stage != 3 else [False],
-        [False, True] if cfg.peft.method == "lora" else [False],
-        [False, True] if t.optimizer == "adamw" else [False],
-        micro_batches,
-    )
     out = []
-    for chunked, ckpt, zero3, qlora, opt8, micro in options:
-        v = copy.deepcopy(cfg)
-        changes, cost = [], 1.0
-        if chunked:
-            v.trainer.loss = "auto"  # the same loss and gradients, computed in chunks
-            changes.append("trainer.loss=auto")
-            cost *= COST_CHUNKED_LOSS
-        if ckpt:
-            v.trainer.activation_checkpointing = True
-            changes.append("trainer.activation_checkpointing=true")
-            cost *= COST_CHECKPOINTING
-        if zero3:
-            v.zero.stage, v.zero.template = 3, None
-            changes.append("zero=zero3")
-            cost *= COST_ZERO3
-        if qlora:
-            v.peft.method = "qlora"
-            changes.append("peft=qlora-nf4")
-            cost *= COST_QLORA
-        if opt8:
-            v.trainer.optimizer = "adamw_8bit"
-            changes.append("trainer.optimizer=adamw_8bit")
-            cost *= COST_8BIT_OPTIMIZER
-        if micro != t.micro_batch_size:
-            v.trainer.micro_batch_size = micro
-            changes.append(f"trainer.micro_batch_size={micro}")
-            cost *= COST_HALF_MICRO_BATCH ** math.log2(t.micro_batch_size / micro)
-        out.append((v, changes, cost))
+    for chosen in itertools.product([False, True], repeat=len(changes)):
+        for micro in micro_batches:
+            v = copy.deepcopy(cfg)
+            names, cost = [], 1.0
+            for on, (override, _, change_cost, apply) in zip(chosen, changes, strict=True):
+                if on:
+                    apply(v)
+                    names.append(override)
+                    cost *= change_cost
+            if micro != t.micro_batch_size:
+                v.trainer.micro_batch_size = micro
+                names.append(f"trainer.micro_batch_size={micro}")
+                cost *= COST_HALF_MICRO_BATCH ** math.log2(t.micro_batch_size / micro)
+            out.append((v, names, cost))
     return sorted(out, key=lambda item: (item[2], len(item[1])))
+
+
+def suggestions(cfg: RunConfig, counts: ParamCounts) -> list[str]:
+    """Changes that lower the per-rank peak, each alone with what it saves by the plan, largest
+    first; changes that would save less than 0.05 GiB are left out. Besides memory_changes:
+    half the micro batch, and half the sequence length (which does change the data)."""
+    tips = [(override, why, apply) for override, why, _, apply in memory_changes(cfg)]
+    half = cfg.trainer.micro_batch_size // 2
+    if half >= 1:
+        tips.append(
+            (
+                f"trainer.micro_batch_size={half}",
+                "accumulation makes up the global batch",
+                lambda v: setattr(v.trainer, "micro_batch_size", half),
+            )
+        )
+    half_len = cfg.data.max_seq_len // 2
+    tips.append(
+        (
+            f"data.max_seq_len={half_len}",
+            "shorter samples",
+            lambda v: setattr(v.data, "max_seq_len", half_len),
+        )
+    )
+    total = plan(cfg, counts).total_gib
+    scored = []
+    for override, why, apply in tips:
+        trial = copy.deepcopy(cfg)
+        apply(trial)
+        saved = total - plan(trial, counts).total_gib
+        if saved >= 0.05:
+            scored.append((saved, f"{override} ({why}): -{saved:.2f} GiB"))
+    return [tip for _, tip in sorted(scored, key=lambda item: -item[0])]
+
+
+def format_suggestions(cfg: RunConfig, counts: ParamCounts) -> str:
+    """The "Try:" list of a run that does not fit."""
+    return "Try (each alone, per rank):\n" + "\n".join(
+        f"  - {tip}" for tip in suggestions(cfg, counts)
+    )
 
 
 def auto_fit(cfg: RunConfig, known: ParamCounts | None = None) -> Fit | None:

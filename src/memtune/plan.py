@@ -280,64 +280,6 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
 
 
-def _tips(cfg: RunConfig) -> list[tuple[str, str, RunConfig]]:
-    """(override, why, the config with it) for each change not already made."""
-    t, z, p = cfg.trainer, cfg.zero, cfg.peft
-    tips = []
-
-    def variant(why: str, override: str, **changes: Any) -> None:
-        trial = copy.deepcopy(cfg)
-        for dotted, value in changes.items():
-            section, key = dotted.split("__")
-            setattr(getattr(trial, section), key, value)
-        tips.append((override, why, trial))
-
-    if p.method == "lora":
-        variant("4-bit base", "peft=qlora-nf4", peft__method="qlora")
-    if z.stage != 3:
-        variant("shard the base weights over the ranks", "zero=zero3", zero__stage=3)
-    if not t.activation_checkpointing:
-        variant(
-            "recompute layers in backward",
-            "trainer.activation_checkpointing=true",
-            trainer__activation_checkpointing=True,
-        )
-    if t.loss == "plain":
-        variant("chunked loss: no full-sequence logits", "trainer.loss=auto", trainer__loss="auto")
-    if t.micro_batch_size > 1:
-        half = t.micro_batch_size // 2
-        variant(
-            "accumulation makes up the global batch",
-            f"trainer.micro_batch_size={half}",
-            trainer__micro_batch_size=half,
-        )
-    if t.optimizer == "adamw":
-        variant("8-bit moments", "trainer.optimizer=adamw_8bit", trainer__optimizer="adamw_8bit")
-    half_len = cfg.data.max_seq_len // 2
-    variant("shorter samples", f"data.max_seq_len={half_len}", data__max_seq_len=half_len)
-    return tips
-
-
-def suggestions(cfg: RunConfig, counts: ParamCounts | None = None) -> list[str]:
-    """Changes that lower the per-rank peak, each with what it saves by the plan, largest
-    first; changes that would save less than 0.05 GiB are left out."""
-    counts = counts or count_params(cfg)
-    total = plan(cfg, counts).total_gib
-    scored = []
-    for override, why, trial in _tips(cfg):
-        saved = total - plan(trial, counts).total_gib
-        if saved >= 0.05:
-            scored.append((saved, f"{override} ({why}): -{saved:.2f} GiB"))
-    return [tip for _, tip in sorted(scored, key=lambda item: -item[0])]
-
-
-def format_suggestions(cfg: RunConfig, counts: ParamCounts | None = None) -> str:
-    """The "Try:" list (each change alone, saving by the plan)."""
-    return "Try (each alone, per rank):\n" + "\n".join(
-        f"  - {tip}" for tip in suggestions(cfg, counts)
-    )
-
-
 def format_plan(cfg: RunConfig, result: Plan) -> str:
     ranks = cfg.launcher.num_ranks
     unit, scale = ("GiB", 1.0) if result.total_gib >= 1 else ("MiB", 1024.0)  # tiny demos
@@ -437,6 +379,8 @@ def fit_to_device(cfg: RunConfig, refuse: bool = True) -> Fitted:
             )
             return Fitted(chosen, chosen_plan, cfg, result, fit.changes)
     if not result.fits and cfg.plan.enforce and refuse:
+        from memtune.autofit import format_suggestions
+
         raise ConfigError(
             f"this run needs {result.total_gib:.2f} GiB per rank but the device has "
             f"{result.device_gib:.2f} GiB (plan.device_gib):\n{format_plan(cfg, result)}\n"
