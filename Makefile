@@ -6,22 +6,26 @@ STAMP := $(VENV)/.memtune-installed
 # CPU build of torch by default (on disk on our dev machines). A GPU box installs its CUDA
 # torch into .venv first (see README): an importable torch is kept as it is.
 TORCH_SPEC ?= torch==2.13.0
+# The exact versions the suite passed with (pip constraints; `make relock` moves them).
+# LOCK= installs the newest versions pyproject.toml allows instead.
+LOCK ?= constraints.txt
+PIP_LOCK := $(if $(LOCK),-c $(LOCK))
 EXP ?= qwen2.5-7b-4x4090-lora
 ARGS ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test test-slurm preprocess plan merge lint format train-4x4090 bench bench-data clean
+.PHONY: help install relock train test test-slurm preprocess plan merge lint format train-4x4090 bench bench-data clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-14s %s\n", $$1, $$2}'
 	@echo "  Variables: EXP=<experiment> (train-4x4090, plan), ARGS='<hydra overrides>', PYTEST_ARGS='...'"
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q $(PIP_LOCK) --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(PIP_LOCK) "$(TORCH_SPEC)"
+	$(PY) -m pip install -q $(PIP_LOCK) -e ".[dev]"
 	$(PY) -m memtune.extensions
 	touch $@
 
@@ -29,10 +33,23 @@ install: $(STAMP) ## Create .venv and install memtune with its dev tools
 	@echo "memtune installed in $(VENV)"
 
 train: $(STAMP) ## Run the embedded CPU demo (tiny Qwen2, 2 ranks, ZeRO-3); ARGS= adds overrides
-	$(PY) train.py $(ARGS)
+	@$(PY) train.py $(ARGS)
 
 test: $(STAMP) ## Run the test suite (CPU; real DeepSpeed ranks)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	@$(PY) -m memtune.machine
+	@$(PY) -m pytest $(PYTEST_ARGS)
+
+relock: ## Move constraints.txt to the newest versions pyproject.toml allows, reinstall, run the suite
+	rm -rf $(VENV)-relock
+	python3 -m venv $(VENV)-relock
+	$(VENV)-relock/bin/python -m pip install -q --upgrade pip
+	$(VENV)-relock/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(VENV)-relock/bin/python -m pip install -q -c <(echo "$(TORCH_SPEC)") -e ".[dev]"
+	$(VENV)-relock/bin/python scripts/write_lock.py $(VENV)-relock constraints.txt
+	rm -rf $(VENV)-relock
+	$(MAKE) install
+	$(MAKE) test
+	@echo "memtune: constraints.txt moved and tested; update the README's tested versions, then commit both"
 
 test-slurm: $(STAMP) ## Slurm tier: a real 1-node cluster on 127.0.0.1 (root; apt-installs Slurm + MariaDB if missing; ~5-8 min)
 	$(PY) -m pytest tests/slurm -m slurm $(PYTEST_ARGS)
@@ -61,7 +78,8 @@ train-4x4090: $(STAMP) ## The real job: EXP (default qwen2.5-7b-4x4090-lora) on 
 	# preflight (count, names, memory, driver, a cross-GPU copy and an NCCL all-reduce; prints the
 	# NCCL_P2P_DISABLE / NCCL_IB_DISABLE decision, saved as RUN_DIR/preflight.json; exit 2 on a
 	# machine without 4 GPUs); tokenizes the data, writes the run dir; then starts the ranks with:
-	#   deepspeed --master_port <free port> --num_gpus 4 --no_local_rank --log_level warning --module memtune.worker <run dir>
+	#   python -m memtune.ds_runner --master_port <free port> --num_gpus 4 --no_local_rank --log_level warning --module memtune.worker <run dir>
+	# (memtune.ds_runner: the `deepspeed` command, with memtune's noise filters)
 	$(PY) train.py experiment=$(EXP) launcher.num_ranks=4 $(ARGS)
 
 bench: $(STAMP) ## Training benchmark: memtune vs HF Trainer + peft, with ablations -> bench/results/ (~12 min)

@@ -23,7 +23,8 @@ from omegaconf import DictConfig
 
 from memtune.autofit import format_suggestions
 from memtune.config import ConfigError, load_run_config, register_configs, to_run_config, validate
-from memtune.launch import launch, name_cpu_accelerator
+from memtune.launch import launch
+from memtune.machine import name_cpu_accelerator, versions_line
 from memtune.nodes import announce_ready, resolve, wait_ready, write_nodes_hostfile
 from memtune.plan import format_plan
 from memtune.preflight import PreflightError, for_launch
@@ -58,6 +59,7 @@ def print_plan(cfg: DictConfig) -> int:
         print(format_plan(fitted.cfg, fitted.plan))
     elif not fitted.given_plan.fits:
         print(format_suggestions(fitted.given, fitted.given_plan.counts))
+    print(f"planned with {versions_line()}")
     return 0
 
 

@@ -34,7 +34,6 @@ import contextlib
 import datetime as dt
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -52,6 +51,7 @@ from omegaconf import OmegaConf
 from memtune.config import RunConfig, register_configs
 from memtune.launch import launch, rank_env
 from memtune.leftovers import SHM_DIR, SHM_PREFIX
+from memtune.machine import describe as describe_machine
 from memtune.rundir import prepare_run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -248,32 +248,11 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def machine() -> dict[str, Any]:
-    import accelerate
-    import deepspeed
-    import peft
-    import torch
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+    """memtune.machine's record (CPU, the flags that switch kernels, versions), plus memory."""
     return {
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
+        **describe_machine(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "peft": peft.__version__,
-            "deepspeed": deepspeed.__version__,
-            "accelerate": accelerate.__version__,
-        },
     }
 
 
@@ -330,14 +309,27 @@ def loss_lines(result: dict[str, Any]) -> list[str]:
     ]
 
 
+def tiny_shape() -> str:
+    """The tiny model's shape as the table states it, from its config group (one place)."""
+    a = OmegaConf.load(ROOT / "conf" / "model" / "tiny-qwen2.yaml").architecture
+    return (
+        f"{a.num_hidden_layers} layers, hidden {a.hidden_size}, intermediate "
+        f"{a.intermediate_size}, {a.num_attention_heads}/{a.num_key_value_heads} heads, "
+        f"vocabulary {a.vocab_size}"
+    )
+
+
 def markdown(result: dict[str, Any]) -> str:
     s, m, d = result["settings"], result["machine"], result["data"]
     v = m["versions"]
+    flags = ", ".join(f for f, on in m["cpu_flags"].items() if on) or "none of " + ", ".join(
+        m["cpu_flags"]
+    )
     loads = [r["loadavg_1min_before"] for rows in result["runs"].values() for r in rows]
     lines = [
         f"### Training benchmark, {result['date']}{' (smoke)' if s['smoke'] else ''}",
         "",
-        f"Tiny Qwen2 (2 layers, hidden 64, vocabulary 1024), LoRA r=16 on all linear layers, "
+        f"Tiny Qwen2 ({tiny_shape()}), LoRA r=16 on all linear layers, "
         f"fp32 on CPU, micro batch 4 × accumulation 4 = 16 per step, {s['steps']} steps, "
         f"max_seq_len {s['seq_len']}, {s['reps']} round(s), runs alternating. Data: "
         f"{d['samples']:,} samples ({d['tokens']:,} tokens, {d['truncated']} truncated) from "
@@ -345,7 +337,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"the same tokenized samples. memtune runs on **1 rank** (where memtune uses ZeRO-2: "
         f"ZeRO-3 would shard nothing) so that it compares like for like with the "
         f"single-process baseline; both "
-        f"get OMP_NUM_THREADS={s['threads']}. {m['cpu_count']} CPUs ({m['cpu']}), Python "
+        f"get OMP_NUM_THREADS={s['threads']}. {m['cpu_count']} CPUs ({m['cpu']}; {flags}), Python "
         f"{m['python']}, torch {v['torch']}, transformers {v['transformers']}, peft "
         f"{v['peft']}, deepspeed {v['deepspeed']}. 1-min load average before the runs: "
         f"{min(loads):.2f} to {max(loads):.2f}"

@@ -27,7 +27,6 @@ import datetime as dt
 import json
 import math
 import os
-import platform
 import random
 import statistics
 import sys
@@ -41,6 +40,7 @@ from omegaconf import OmegaConf
 
 from memtune.config import DataConfig, cache_dir
 from memtune.data import DataStats, LengthGroupedSampler, pack_bins
+from memtune.machine import describe as describe_machine
 from memtune.preprocess import build
 from memtune.tiny import synthesize
 
@@ -297,27 +297,9 @@ def length_profile(lengths: Sequence[int]) -> dict[str, Any]:
 
 
 def machine(tokenizer_path: Path) -> dict[str, Any]:
-    import tokenizers
-    import torch
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
+        **describe_machine(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "tokenizers": tokenizers.__version__,
         "tokenizer": {
             "name": "memtune tiny-qwen2 demo tokenizer (memtune.tiny.synthesize)",
             "path": str(tokenizer_path),
@@ -352,8 +334,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"{cfg['records']:,} synthetic alpaca records (seed {cfg['seed']}, log-normal lengths, "
         f"English / Chinese / mixed), template {cfg['template']}, tokenizer: tiny demo "
         f"byte-level BPE (vocab 1024, **not Qwen's**: token counts differ). "
-        f"{m['cpu_count']} CPUs ({m['cpu']}), Python {m['python']}, torch {m['torch']}, "
-        f"transformers {m['transformers']}. Builds: {cfg['reps']} per max_seq_len, interleaved; "
+        f"{m['cpu_count']} CPUs ({m['cpu']}), Python {m['python']}, torch "
+        f"{m['versions']['torch']}, transformers {m['versions']['transformers']}. "
+        f"Builds: {cfg['reps']} per max_seq_len, interleaved; "
         f"1-min load average {_load(m['loadavg_1min_before_timing'])} before them, "
         f"{_load(m['loadavg_1min_after_timing'])} after (above the CPU count: something else "
         "was competing, trust the max tokens/s most).",

@@ -94,5 +94,5 @@ def test_train_py_writes_filled_json(tmp_path) -> None:
     prepare_run_dir(compose_cfg(["trainer.max_steps=3"]), tmp_path)
     ds = json.loads((tmp_path / "ds_config.json").read_text())
     assert not _has_auto(ds)
-    assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 640
+    assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 10 * 256  # 10·hidden
     assert "max_steps: 3" in (tmp_path / "config.yaml").read_text()

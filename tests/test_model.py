@@ -81,7 +81,7 @@ def test_tiny_model_loads_through_from_pretrained(tiny_cfg) -> None:
     model = load_base_model(tiny_cfg, "sdpa")
     assert type(model).__name__ == "Qwen2ForCausalLM"
     c = model.config
-    assert (c.hidden_size, c.num_hidden_layers) == (64, 2)
+    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (256, 1408, 2)
     assert (c.num_attention_heads, c.num_key_value_heads) == (4, 2)
     assert c.use_cache is False
     assert model.dtype == torch.float32
@@ -112,10 +112,10 @@ def test_lora_presets_and_checkpointing_scope(tiny_cfg, target: str) -> None:
     assert trainable and all("lora_" in n for n in trainable)
     wrapped = {n.split(".")[-4] for n in trainable}  # ...q_proj.lora_A.default.weight
     assert wrapped == set(LORA_TARGETS[target])
-    r, h, kv = tiny_cfg.peft.r, 64, 2 * 16  # 2 KV heads × head_dim 16
+    r, h, kv = tiny_cfg.peft.r, 256, 2 * 64  # 2 KV heads × head_dim 64
     per_layer = r * ((h + h) + 2 * (h + kv) + (h + h))
     if target == "all-linear":
-        per_layer += r * 3 * (h + 176)
+        per_layer += r * 3 * (h + 1408)
     assert count_parameters(model)[0] == 2 * per_layer
     # Checkpointing is on for the decoder layers and nothing else.
     from transformers.modeling_layers import GradientCheckpointingLayer

@@ -17,7 +17,7 @@ from memtune.nodes import check_hostfile, first_host, resolve
 from memtune.preflight import decide
 from tests.conftest import FAST, ROOT, compose_cfg, run_train_py
 
-DS = str(Path(sys.executable).with_name("deepspeed"))
+DS = [sys.executable, "-m", "memtune.ds_runner"]
 TAIL = ["--no_local_rank", "--log_level", "warning", "--module", "memtune.worker", "/runs/x"]
 
 
@@ -28,7 +28,7 @@ def _cfg(*overrides: str) -> RunConfig:
 def test_one_box_of_four_gpus() -> None:
     cfg = _cfg("experiment=qwen2.5-7b-4x4090-lora", "launcher.num_ranks=4")
     cmd, extra = rank_command(cfg, Path("/runs/x"), 12345, spec=resolve(cfg, env={}))
-    assert cmd == [DS, "--master_port", "12345", "--num_gpus", "4", *TAIL] and extra == {}
+    assert cmd == [*DS, "--master_port", "12345", "--num_gpus", "4", *TAIL] and extra == {}
 
 
 def test_one_rank_is_a_plain_process() -> None:
@@ -50,7 +50,7 @@ def test_hostfile_form(tmp_path: Path) -> None:
     spec = resolve(cfg, env={})
     cmd, _ = rank_command(cfg, Path("/runs/x"), spec.master_port or 0, spec=spec)
     assert cmd == [
-        DS,
+        *DS,
         *("--hostfile", str(hostfile), "--num_nodes", "2", "--master_addr", "10.0.0.1"),
         *("--master_port", "29500", "--num_gpus", "4"),
         *TAIL,
@@ -87,7 +87,7 @@ def test_slurm_environment_maps_to_this_nodes_place() -> None:
     assert spec.launch_id == "4242.1"  # a requeued job is a new start of the same run dir
     cmd, _ = rank_command(cfg, Path("/runs/x"), spec.master_port, spec=spec)
     assert cmd == [
-        DS,
+        *DS,
         *("--hostfile", "/runs/x/nodes.hostfile", "--no_ssh", "--node_rank", "1"),
         *("--num_nodes", "2", "--master_addr", "gpu07", "--master_port", "24242"),
         *("--num_gpus", "4"),

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from bitsandbytes.functional import has_avx512bf16
 from safetensors.torch import load_file
 
 from tests.conftest import Run, quantized
@@ -103,3 +105,113 @@ def test_quantized_base_keeps_activations_in_the_compute_dtype(tmp_path: Path) -
     # Parameter counts see through the 4-bit packing: the same as the unquantized model.
     plain = load_base_model(plain_cfg, "sdpa")
     assert count_parameters(model)[1] == count_parameters(plain)[1] == plain.num_parameters()
+
+
+def _tiny_qlora(*overrides: str) -> tuple[Any, Any]:
+    from memtune.config import to_run_config
+    from memtune.tiny import synthesize
+    from tests.conftest import compose_cfg
+
+    cfg = to_run_config(compose_cfg(["peft=qlora-nf4", "trainer.precision=bf16", *overrides]))
+    synthesize(cfg.model.name_or_path, cfg.model.architecture)
+    return cfg, torch.tensor([[5, 17, 42, 99, 3, 8, 250, 11, 64, 7]])
+
+
+def _quantized_layers(model: Any) -> list[Any]:
+    from memtune.model import is_quantized_layer
+
+    layers = [m for m in model.modules() if is_quantized_layer(m)]
+    assert len(layers) == QUANTIZED_LAYERS
+    return layers
+
+
+def test_validation_passes_leave_the_4bit_base_differentiable() -> None:
+    """memtune's validation (eval mode, no grad) between training steps must not switch
+    bitsandbytes to its CPU inference layout: where the CPU has AVX512-BF16 that layout's kernel
+    has no backward, and the lowest layer's LoRA gradients would lose every path through the
+    base weights above it (model.keep_training_layout). Passes on any CPU; can fail only on one
+    with AVX512-BF16, which is where the repack happens."""
+    from memtune.model import add_lora, load_base_model
+
+    cfg, ids = _tiny_qlora("peft.dropout=0.0")
+    model = add_lora(load_base_model(cfg, "sdpa"), cfg)
+
+    def lowest_layer_grads() -> dict[str, torch.Tensor]:
+        model.train()
+        model.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        return {
+            n: p.grad.clone()
+            for n, p in model.named_parameters()
+            if p.requires_grad and ".layers.0." in n and "lora_B" in n
+        }
+
+    before = lowest_layer_grads()
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=ids)  # what trainer.evaluate does between steps
+    after = lowest_layer_grads()
+    layers = _quantized_layers(model)
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in layers)
+    assert len(before) == 7 and before.keys() == after.keys()
+    assert all(before[k].abs().sum() > 0 and torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.skipif(
+    not has_avx512bf16(),
+    reason="this CPU has no AVX512-BF16: bitsandbytes "
+    "has no packed CPU path here (the rest of the suite covers the other path)",
+)
+def test_bitsandbytes_packed_cpu_path_takes_the_tiny_models_shapes() -> None:
+    """On an AVX512-BF16 CPU, an NF4 base as bitsandbytes leaves it (not prepared for training)
+    runs inference through the packed kernel on every layer of the tiny model, whose widths are
+    multiples of 128 like Qwen2.5's, and agrees with the plain 4-bit path."""
+    from memtune.model import load_base_model
+
+    cfg, ids = _tiny_qlora()
+    base = load_base_model(cfg, "sdpa").eval()
+    layers = _quantized_layers(base)
+    for m in layers:
+        m.support_avx512bf16_for_cpu = False
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits.float()
+    for m in layers:
+        m.support_avx512bf16_for_cpu = True
+    with torch.no_grad():
+        packed = base(input_ids=ids).logits.float()
+    assert all(m.weight.quant_state.packing_format_for_cpu for m in layers)
+    assert _cosine(packed, plain) > 0.999
+
+
+def test_a_layer_bitsandbytes_cannot_quantize_is_refused_before_launch(tmp_path: Path) -> None:
+    """A custom width whose 4-bit packing cannot be viewed as bf16 storage: bitsandbytes
+    itself fails on that shape, and memtune says so first, naming the layers and the rule."""
+    import bitsandbytes as bnb
+
+    from tests.conftest import run_train_py
+
+    # 2 heads of 129 and one KV head: k_proj and v_proj are 258 → 129 (16,641 packed bytes).
+    with pytest.raises(RuntimeError, match="divisible by 2"):
+        layer = bnb.nn.Linear4bit(258, 129, bias=False, quant_storage=torch.bfloat16)
+        layer.weight = bnb.nn.Params4bit(
+            torch.randn(129, 258), requires_grad=False, quant_storage=torch.bfloat16
+        )
+        layer.to("cpu")
+    arch = "model.architecture"
+    result = run_train_py(
+        [
+            "peft=qlora-nf4",
+            "trainer.precision=bf16",
+            f"{arch}.hidden_size=258",
+            f"{arch}.num_attention_heads=2",
+            f"{arch}.num_key_value_heads=1",
+            "plan_only=true",
+        ],
+        tmp_path,
+    )
+    assert result.returncode == 2, result.stderr
+    err = result.stderr
+    assert "peft.method=qlora cannot quantize these layers" in err
+    assert "model.layers.*.self_attn.k_proj (in 258, out 129): 16,641 packed bytes" in err
+    assert "model.layers.*.self_attn.v_proj (in 258, out 129)" in err
+    assert "q_proj" not in err and "Traceback" not in err

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from memtune.leftovers import clear_stale_locks
+from memtune.machine import name_cpu_accelerator
 
 
 def extensions_root() -> Path:
@@ -40,6 +41,7 @@ def build_cpu_ops() -> list[str]:
 
 
 def main() -> None:
+    name_cpu_accelerator()
     clear_stale_locks(extensions_root())
     print("memtune: checking DeepSpeed's native CPU ops (the first build takes ~2 min on 2 cores)")
     for name in build_cpu_ops():

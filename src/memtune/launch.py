@@ -25,23 +25,14 @@ from memtune.leftovers import clear_shm_buffers, clear_stale_locks
 from memtune.nodes import NODES_HOSTFILE, NodeSpec, resolve
 
 WORKER_MODULE = "memtune.worker"
+DS_RUNNER = "memtune.ds_runner"
+"""DeepSpeed's own launcher, run in a process with memtune's noise filters (ds_runner.py)."""
 
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def name_cpu_accelerator() -> None:
-    """On a machine without CUDA, tell DeepSpeed it is the CPU accelerator (``DS_ACCELERATOR``,
-    inherited by the launcher and every rank) instead of letting each process detect it and
-    warn "If you have GPU or other accelerator, we were unable to detect it" — five times per
-    CPU run. A value the user set is kept."""
-    import torch
-
-    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
-        os.environ["DS_ACCELERATOR"] = "cpu"
 
 
 def one_rank_env(port: int) -> dict[str, str]:
@@ -79,12 +70,7 @@ def rank_command(
     spec = spec or resolve(cfg)
     if spec.form == "local" and spec.ranks_per_node == 1:
         return [sys.executable, "-m", module, str(run_dir)], one_rank_env(port)
-    deepspeed_bin = Path(sys.executable).with_name("deepspeed")
-    cmd = (
-        [str(deepspeed_bin)]
-        if deepspeed_bin.exists()
-        else [sys.executable, "-m", "deepspeed.launcher.runner"]
-    )
+    cmd = [sys.executable, "-m", DS_RUNNER]
     if spec.form == "hostfile":
         assert spec.hostfile is not None
         cmd += ["--hostfile", str(spec.hostfile), "--num_nodes", str(spec.nnodes)]

@@ -184,11 +184,27 @@ def prepare_quantized(model: Any, dtype: torch.dtype) -> Any:
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     for module in model.modules():
         if is_quantized_layer(module):
+            keep_training_layout(module)
             continue
         for param in module.parameters(recurse=False):
             if param.dtype == torch.float32 and dtype != torch.float32:
                 param.data = param.data.to(dtype)
     return model
+
+
+def keep_training_layout(layer: Any) -> None:
+    """Stop bitsandbytes from repacking this 4-bit layer into its CPU inference layout.
+
+    On a CPU with AVX512-BF16, bitsandbytes (>= 0.49) rewrites a Linear4bit's weight in place
+    into a kernel-specific layout the first time the layer runs in eval mode without grad (our
+    validation passes), and keeps it so afterwards. That layout's kernel has no backward: back
+    in training, the base weight's path stops passing gradients to the layers below (LoRA then
+    trains on wrong gradients, silently), the repack needs out_features % 32 == 0, and under
+    ZeRO-3 it changes the shape of a partitioned parameter. Training keeps the one layout every
+    CPU and GPU shares; generation and merging load their own models and are not affected.
+    """
+    if hasattr(layer, "support_avx512bf16_for_cpu"):
+        layer.support_avx512bf16_for_cpu = False
 
 
 def method_label(cfg: RunConfig) -> str:

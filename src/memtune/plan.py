@@ -55,6 +55,7 @@ class ParamCounts:
     small: int  # norms and biases: under ZeRO-3's persistence threshold, never sharded
     lora: int
     lora_inputs: list[tuple[str, int, int]]  # (name, in_features, r) of each target in a layer
+    linear_shapes: list[tuple[str, int, int]]  # (name in a layer, in, out) of each linear layer
 
     @property
     def base(self) -> int:
@@ -111,16 +112,46 @@ def count_params(cfg: RunConfig) -> ParamCounts:
         p = cfg.peft
         targets = LORA_TARGETS[p.target]
         layer0 = model.get_decoder().layers[0]
-        lora_inputs = [
-            (name.split(".")[-1], m.in_features, p.r)
+        linear_shapes = [
+            (name, m.in_features, m.out_features)
             for name, m in layer0.named_modules()
-            if isinstance(m, torch.nn.Linear) and name.split(".")[-1] in targets
+            if isinstance(m, torch.nn.Linear)
+        ]
+        lora_inputs = [
+            (name.split(".")[-1], i, p.r)
+            for name, i, _ in linear_shapes
+            if name.split(".")[-1] in targets
         ]
         peft_model = get_peft_model(
             model, LoraConfig(r=p.r, lora_alpha=p.alpha, target_modules=targets)
         )
         lora = sum(q.numel() for q in peft_model.parameters() if q.requires_grad)
-    return ParamCounts(linear, layer, rows, embedding.numel(), head_n, small, lora, lora_inputs)
+    return ParamCounts(
+        linear, layer, rows, embedding.numel(), head_n, small, lora, lora_inputs, linear_shapes
+    )
+
+
+def quantized_shape_problems(cfg: RunConfig, counts: ParamCounts) -> list[str]:
+    """The decoder's linear layers whose shape bitsandbytes cannot quantize as configured.
+
+    A QLoRA base stores each 4-bit weight as packed bytes (two weights a byte) viewed as the
+    storage dtype (model.quantization_config: the compute dtype, so ZeRO-3 can shard it), which
+    needs ceil(in × out / 2) to be a multiple of that dtype's size; otherwise bitsandbytes fails
+    deep inside from_pretrained ("must be divisible by 2 to view Byte as BFloat16"). Real
+    checkpoints' widths are multiples of 64, but a custom architecture may not be. (LLM.int8
+    keeps one int8 per weight: no such rule. bitsandbytes' CPU inference layout needs
+    out % 32 == 0 too, but training never uses it: model.keep_training_layout.)
+    """
+    if cfg.peft.method != "qlora":
+        return []
+    storage = 2 if cfg.trainer.precision == "bf16" else 4
+    dtype = "bf16" if storage == 2 else "fp32"
+    return [
+        f"model.layers.*.{name} (in {i}, out {o}): {-(-i * o // 2):,} packed bytes are not a "
+        f"multiple of {storage} ({dtype} storage, bnb_4bit_quant_storage)"
+        for name, i, o in counts.linear_shapes
+        if -(-i * o // 2) % storage
+    ]
 
 
 def activation_bytes(
@@ -361,6 +392,12 @@ def fit_to_device(cfg: RunConfig, refuse: bool = True) -> Fitted:
     from memtune.config import ConfigError
 
     counts = count_params(cfg)
+    problems = quantized_shape_problems(cfg, counts)
+    if problems:
+        raise ConfigError(
+            "peft.method=qlora cannot quantize these layers of model.architecture:\n  "
+            + "\n  ".join(problems)
+        )
     cfg = resolve_checkpoint_layers(cfg, counts)
     result = plan(cfg, counts)
     if not result.fits and cfg.plan.auto_fit:

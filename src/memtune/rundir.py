@@ -9,6 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from memtune.config import RunConfig, get_field, one_rank_zero, to_run_config, validate
 from memtune.ds_config import build_ds_config
+from memtune.machine import versions_line
 from memtune.plan import Fitted, fit_to_device, format_plan
 from memtune.preprocess import Prepared, preprocess
 
@@ -45,7 +46,9 @@ def prepare_run_dir(cfg_node: DictConfig, run_dir: Path, fitted: Fitted | None =
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
-    (run_dir / "plan.txt").write_text(format_plan(cfg, memory_plan) + "\n")
+    (run_dir / "plan.txt").write_text(
+        f"{format_plan(cfg, memory_plan)}\nversions: {versions_line()}\n"
+    )
     device = f" of {memory_plan.device_gib:.2f}" if memory_plan.device_gib else ""
     print(
         f"memtune: memory plan {memory_plan.total_gib:.2f}{device} GiB per rank "

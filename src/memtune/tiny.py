@@ -8,11 +8,13 @@ trained on the bundled demo data, with Qwen2.5's special tokens and a ChatML cha
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +81,19 @@ def build_tokenizer(vocab_size: int):
     return fast
 
 
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def synthesize(path: str | Path, architecture: dict[str, Any], seed: int = 0) -> Path:
     """Build model + tokenizer at ``path`` unless an identical build is already there.
 
@@ -109,7 +124,8 @@ def synthesize(path: str | Path, architecture: dict[str, Any], seed: int = 0) ->
         model = Qwen2ForCausalLM(config)
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-        model.save_pretrained(tmp)
+        with _no_progress_bars():  # one tiny shard: a bar would only be noise
+            model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / _MARKER).write_text(json.dumps({"fingerprint": fingerprint, "seed": seed}))
         if path.exists():

@@ -15,7 +15,6 @@ import os
 import random
 import signal
 import sys
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from memtune import quiet
 from memtune.checkpoint import export_adapter, load_checkpoint, save_checkpoint
 from memtune.config import (
     RunConfig,
@@ -116,7 +116,8 @@ def init_distributed() -> tuple[int, int, int, torch.device]:
     accel = get_accelerator()
     if accel.device_name() != "cpu":
         accel.set_device(local_rank)
-    deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
+    with quiet.drop_stdout_lines():
+        deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
     device = torch.device(accel.device_name(local_rank) if accel.device_name() != "cpu" else "cpu")
     return dist.get_rank(), local_rank, dist.get_world_size(), device
 
@@ -309,11 +310,6 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
 
     catch_stop_signals()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    # Deprecations raised inside DeepSpeed and peft on every step; nothing a user can act on.
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*is deprecated")
-    # LLM.int8 says so on every forward of every layer when the compute dtype is not fp16.
-    warnings.filterwarnings("ignore", message=r"MatMul8bitLt: inputs will be cast")
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir / "config.yaml")
     ds_config = json.loads((run_dir / "ds_config.json").read_text())

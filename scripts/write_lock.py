@@ -1,0 +1,58 @@
+"""Write ``constraints.txt``: the exact versions installed in a venv, as pip constraints.
+
+    python scripts/write_lock.py VENV [OUT]        # `make relock` runs it
+
+Everything ``pip freeze --all`` lists is pinned except memtune itself and torch: the CPU build
+of torch comes from ``TORCH_SPEC`` in the Makefile, and a GPU box keeps its own CUDA build (so
+CUDA's own wheels, nvidia-* and triton, are left out too). Why constraints and not a lock file
+of another tool: ``make install`` runs pip, the only installer that takes the CPU torch on our
+machines' disk; constraints pin what pip resolves without making pip install anything extra.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+SKIP = re.compile(r"^(memtune|torch|triton|nvidia-[\w-]+|cuda-[\w-]+)==", re.IGNORECASE)
+
+
+def pins(venv: Path) -> list[str]:
+    out = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "freeze", "--all", "--exclude-editable"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    lines = [line.strip() for line in out.splitlines()]
+    return sorted((x for x in lines if "==" in x and not SKIP.match(x)), key=str.lower)
+
+
+def main() -> None:
+    if len(sys.argv) not in (2, 3):
+        raise SystemExit("usage: python scripts/write_lock.py VENV [OUT]")
+    venv = Path(sys.argv[1])
+    out = Path(sys.argv[2]) if len(sys.argv) == 3 else Path("constraints.txt")
+    version = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import platform; print(platform.python_version())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    header = [
+        "# The exact versions `make test` passed with: pip constraints, used by `make install`.",
+        "# Written by `make relock` (scripts/write_lock.py): edit pyproject.toml's ranges instead.",
+        f"# Resolved {dt.date.today().isoformat()} on CPython {version}, "
+        f"{platform.system()} {platform.machine()}.",
+        "# torch is not here: the Makefile's TORCH_SPEC (CPU) or your own CUDA build.",
+    ]
+    out.write_text("\n".join([*header, *pins(venv)]) + "\n")
+    print(f"memtune: {out} written ({len(pins(venv))} pins)")
+
+
+if __name__ == "__main__":
+    main()
