@@ -23,13 +23,13 @@ from omegaconf import DictConfig
 
 from memtune.autofit import format_suggestions
 from memtune.config import ConfigError, load_run_config, register_configs, to_run_config, validate
+from memtune.exit_codes import EXIT_CONFIG, EXIT_REQUEUE
 from memtune.launch import launch
 from memtune.machine import name_cpu_accelerator, versions_line
 from memtune.nodes import announce_ready, resolve, wait_ready, write_nodes_hostfile
 from memtune.plan import format_plan
 from memtune.preflight import PreflightError, for_launch
 from memtune.rundir import already_finished, decide, prepare_run_dir
-from memtune.worker import EXIT_REQUEUE
 
 register_configs()
 FAILED_POINTS: list[str] = []
@@ -52,7 +52,7 @@ def print_plan(cfg: DictConfig) -> int:
         fitted = decide(given, refuse=False)
     except ConfigError as err:
         print(f"memtune: config error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     print(format_plan(fitted.given, fitted.given_plan))
     if fitted.changes:
         print(f"\nplan.auto_fit would run it with: {' '.join(fitted.changes)}")
@@ -73,7 +73,7 @@ def main(cfg: DictConfig) -> None:
             "needs its own dir; set hydra.sweep.dir instead",
             file=sys.stderr,
         )
-        sys.exit(2)
+        sys.exit(EXIT_CONFIG)
     run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
     if sweeping and cfg.logger.group is None:
@@ -102,16 +102,16 @@ def main(cfg: DictConfig) -> None:
     except PreflightError as err:
         if spec is not None and spec.form == "per-node" and spec.node_rank == 0:
             announce_ready(run_dir, spec, error="the GPU preflight failed on node 0")
-        _write_exit(run_dir, 2, f"preflight: {err.message}")
+        _write_exit(run_dir, EXIT_CONFIG, f"preflight: {err.message}")
         raise
     except ConfigError as err:
         print(f"memtune: config error: {err}", file=sys.stderr)
         if spec is not None and spec.form == "per-node" and spec.node_rank == 0:
             announce_ready(run_dir, spec, error=str(err))
         # The run dir Hydra made says why it holds no run.
-        _write_exit(run_dir, 2, f"config error: {err}")
+        _write_exit(run_dir, EXIT_CONFIG, f"config error: {err}")
         if not sweeping:
-            sys.exit(2)
+            sys.exit(EXIT_CONFIG)
         FAILED_POINTS.append(str(run_dir))
         return
     if run_cfg.preprocess_only:

@@ -184,7 +184,7 @@ def test_sigterm_saves_and_the_same_command_continues(tmp_path: Path) -> None:
     _wait_for_step(run_dir, 3, proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=180)
-    assert proc.returncode == 75, out[-3000:]  # memtune.worker.EXIT_REQUEUE
+    assert proc.returncode == 75, out[-3000:]  # memtune.exit_codes.EXIT_REQUEUE
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     state = run_dir / "checkpoints" / latest / "trainer_state.json"
     stopped_at = json.loads(state.read_text())["step"]

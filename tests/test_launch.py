@@ -100,7 +100,7 @@ def test_non_finite_loss_stops_before_the_weights_change(tmp_path: Path) -> None
     # lr 1e30: the first update blows the adapter up, so step 2's loss is not finite.
     overrides = [*FAST, "launcher.num_ranks=1", "trainer.lr=1e30", "trainer.warmup_steps=0"]
     run = start_run(tmp_path / "nan", overrides, probe=False)
-    assert run.code == 3  # memtune.worker.EXIT_NON_FINITE
+    assert run.code == 3  # memtune.exit_codes.EXIT_NON_FINITE
     losses = run.losses()
     assert 1 <= len(losses) < run.cfg.trainer.max_steps
     assert all(math.isfinite(x) for x in losses)

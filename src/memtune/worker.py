@@ -41,6 +41,7 @@ from memtune.data import (
     collate_packed,
     collate_padded,
 )
+from memtune.exit_codes import EXIT_NON_FINITE, EXIT_REQUEUE
 from memtune.loss import CausalLMLoss, resolve_loss_kind
 from memtune.model import (
     add_lora,
@@ -69,11 +70,6 @@ from memtune.trainer import (
     gather_values,
     train,
 )
-
-EXIT_NON_FINITE = 3
-"""Exit code of a rank (and so of train.py) stopped by a non-finite loss."""
-EXIT_REQUEUE = 75
-"""Exit code after SIGTERM / SIGUSR2: a checkpoint was saved; run again (or requeue) to go on."""
 
 
 @dataclass

@@ -1,0 +1,12 @@
+"""Exit codes shared by the ranks and the job (train.py, the Slurm script).
+
+A module of its own so the job side reads them without importing the rank side.
+"""
+
+EXIT_CONFIG = 2
+"""A config, plan or preflight error: nothing was started (or the rank refused its run dir)."""
+EXIT_NON_FINITE = 3
+"""A rank (and so train.py) stopped by a non-finite loss."""
+EXIT_REQUEUE = 75
+"""After SIGTERM / SIGUSR2: a checkpoint was saved; run again (or requeue) to go on. 75 is
+EX_TEMPFAIL, which launch/slurm/train.sbatch requeues."""
