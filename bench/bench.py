@@ -45,10 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from data_bench import synth_records, write_jsonl
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from memtune.config import RunConfig, register_configs
+from memtune.config import RunConfig, compose, register_configs
 from memtune.launch import launch, rank_env
 from memtune.leftovers import SHM_DIR, SHM_PREFIX
 from memtune.machine import describe as describe_machine
@@ -134,8 +133,7 @@ def common_overrides(s: Settings, data: Path, cache: Path) -> list[str]:
 
 
 def compose_cfg(overrides: Sequence[str]) -> Any:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+    return compose(list(overrides))
 
 
 def run_env(cfg: RunConfig, threads: int) -> dict[str, str]:

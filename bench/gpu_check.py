@@ -126,11 +126,8 @@ MIN_PHASE_S = 45  # kept for each later phase when a phase's deadline is set
 def compose_cfg(mode: Mode, method: str, seq_len: int) -> Any:
     """memtune's RunConfig: the 4×4090 experiment of this method, on one rank, micro batch 1,
     global batch 1 (no accumulation), planned for a 24 GB card, never refused."""
-    from hydra import compose, initialize_config_dir
+    from memtune.config import compose, to_run_config
 
-    from memtune.config import register_configs, to_run_config
-
-    register_configs()
     experiment, peft = METHODS[method]
     overrides = [
         f"experiment={experiment}",
@@ -144,8 +141,7 @@ def compose_cfg(mode: Mode, method: str, seq_len: int) -> Any:
         "plan.enforce=false",
         *mode.overrides,
     ]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return to_run_config(compose(config_name="config", overrides=overrides))
+    return to_run_config(compose(overrides))
 
 
 def at_length(cfg: Any, seq_len: int, counts: Any) -> Any:

@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from memtune.config import RunConfig, register_configs
+from memtune.config import RunConfig, compose, register_configs
 from memtune.launch import launch
 from memtune.rundir import prepare_run_dir
 
@@ -37,8 +36,7 @@ FAST = [
 
 
 def compose_cfg(overrides: list[str] | None = None) -> DictConfig:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides or [])
+    return compose(overrides or [])
 
 
 @pytest.fixture(scope="session", autouse=True)

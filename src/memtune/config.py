@@ -18,6 +18,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 ASSETS_DIR = Path(__file__).parent / "assets"
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
+"""The checkout memtune runs from (``pip install -e .``): ``conf/``, ``ds_configs/`` and
+``constraints.txt`` are found there, the bundled data in the package (ASSETS_DIR)."""
+CONF_DIR = SOURCE_ROOT / "conf"
 
 
 class ConfigError(ValueError):
@@ -243,6 +247,17 @@ def register_configs() -> None:
         OmegaConf.register_new_resolver("memtune_first", lambda *xs: next(x for x in xs if x))
     if not OmegaConf.has_resolver("memtune_cache"):
         OmegaConf.register_new_resolver("memtune_cache", lambda name: str(cache_dir() / name))
+
+
+def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """The config train.py would compose with these command-line overrides, outside Hydra's
+    main (for the tests, the benchmarks and the GPU check)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides))
 
 
 def cache_dir() -> Path:

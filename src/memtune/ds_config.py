@@ -12,9 +12,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from memtune.config import ConfigError, RunConfig, grad_accumulation_steps
+from memtune.config import SOURCE_ROOT, ConfigError, RunConfig, grad_accumulation_steps
 
-DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
+DS_CONFIG_DIR = SOURCE_ROOT / "ds_configs"
 
 
 def derived_values(cfg: RunConfig) -> dict[str, Any]:

@@ -7,8 +7,8 @@ The instruction sets matter because libraries pick kernels by them at run time: 
 repacks 4-bit weights for an AVX512-BF16 kernel in inference (see
 :func:`memtune.model.prepare_quantized`), oneDNN takes AMX or AVX512 paths for bf16 matmuls.
 A test result, a benchmark or a plan is only comparable with another from the same line.
-Versions come from the installed metadata: nothing here imports the libraries, except
-:func:`name_cpu_accelerator`, which asks torch whether CUDA is there.
+Versions come from the installed metadata: nothing here imports torch or the training
+libraries, except :func:`name_cpu_accelerator`, which asks torch whether CUDA is there.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import importlib.metadata as md
 import os
 import platform
 from pathlib import Path
+
+from memtune.config import SOURCE_ROOT
 
 # The libraries whose versions decide memtune's numbers (losses, memory, speed).
 TRACKED = (
@@ -32,7 +34,7 @@ TRACKED = (
     "wandb",
 )
 # The pins `make install` uses, in a source checkout (absent from an installed wheel).
-REPO_LOCK = Path(__file__).resolve().parents[2] / "constraints.txt"
+REPO_LOCK = SOURCE_ROOT / "constraints.txt"
 # CPU flags (as /proc/cpuinfo spells them) that change which library kernels run.
 PATH_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
