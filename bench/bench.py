@@ -34,7 +34,6 @@ import contextlib
 import datetime as dt
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,13 +43,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common import loadavg, machine, spread
 from data_bench import synth_records, write_jsonl
 from omegaconf import OmegaConf
 
 from memtune.config import RunConfig, compose, register_configs
 from memtune.launch import launch, rank_env
 from memtune.leftovers import SHM_DIR, SHM_PREFIX
-from memtune.machine import describe as describe_machine
 from memtune.rundir import prepare_run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,7 +189,7 @@ def run_variant(v: Variant, base: list[str], run_dir: Path, threads: int) -> dic
     log = run_dir / "bench.log"
     with output_to(log):
         cfg = prepare_run_dir(compose_cfg([*base, *v.overrides]), run_dir)
-    load_before = os.getloadavg()[0]
+    load_before = loadavg()
     started = time.perf_counter()
     if v.baseline:
         with log.open("ab") as f:
@@ -219,10 +218,6 @@ def leftover_shm() -> list[str]:
 # ------------------------------------------------------------------ statistics
 
 
-def spread(values: Sequence[float]) -> dict[str, float]:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
-
-
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Per variant: spreads over rounds, and ratios to the baseline of the same round."""
     base = runs["baseline"]
@@ -243,15 +238,6 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ report
-
-
-def machine() -> dict[str, Any]:
-    """memtune.machine's record (CPU, the flags that switch kernels, versions), plus memory."""
-    return {
-        **describe_machine(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3,
-    }
 
 
 def _tps(x: dict[str, float]) -> str:

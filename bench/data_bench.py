@@ -26,7 +26,6 @@ import argparse
 import datetime as dt
 import json
 import math
-import os
 import random
 import statistics
 import sys
@@ -36,11 +35,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from common import loadavg, machine, spread
 from omegaconf import OmegaConf
 
 from memtune.config import DataConfig, cache_dir
 from memtune.data import DataStats, LengthGroupedSampler, pack_bins
-from memtune.machine import describe as describe_machine
 from memtune.preprocess import build
 from memtune.tiny import synthesize
 
@@ -181,14 +180,6 @@ def tiny_tokenizer() -> tuple[Any, Path]:
 # ------------------------------------------------------------------ measurements
 
 
-def _spread(values: Sequence[float]) -> dict[str, float]:
-    return {
-        "min": min(values),
-        "median": statistics.median(values),
-        "max": max(values),
-    }
-
-
 def time_builds(
     data: Path, tokenizer: Any, reps: int
 ) -> tuple[list[dict[str, Any]], dict[int, list[int]]]:
@@ -217,10 +208,10 @@ def time_builds(
     timings = [
         {
             "max_seq_len": n,
-            "seconds": _spread(seconds[n]),
+            "seconds": spread(seconds[n]),
             "seconds_all": seconds[n],
-            "tokens_per_s": _spread([stats[n].tokens / s for s in seconds[n]]),
-            "records_per_s": _spread([stats[n].records / s for s in seconds[n]]),
+            "tokens_per_s": spread([stats[n].tokens / s for s in seconds[n]]),
+            "records_per_s": spread([stats[n].records / s for s in seconds[n]]),
             "stats": stats[n].as_dict(),
         }
         for n in SEQ_LENS
@@ -296,10 +287,9 @@ def length_profile(lengths: Sequence[int]) -> dict[str, Any]:
 # ------------------------------------------------------------------ report
 
 
-def machine(tokenizer_path: Path) -> dict[str, Any]:
+def machine_record(tokenizer_path: Path) -> dict[str, Any]:
     return {
-        **describe_machine(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        **machine(),
         "tokenizer": {
             "name": "memtune tiny-qwen2 demo tokenizer (memtune.tiny.synthesize)",
             "path": str(tokenizer_path),
@@ -312,10 +302,6 @@ def machine(tokenizer_path: Path) -> dict[str, Any]:
             ),
         },
     }
-
-
-def _loadavg() -> float | None:
-    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
 def _load(x: float | None) -> str:
@@ -409,9 +395,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
 
-        load_before = _loadavg()
+        load_before = loadavg()
         timings, lengths_at = time_builds(data, tokenizer, args.reps)
-        load_after = _loadavg()
+        load_after = loadavg()
         data_mb = data.stat().st_size / 1e6
 
     longest = max(SEQ_LENS)
@@ -444,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             },
             "generate_seconds": gen_s,
         },
-        "machine": machine(tokenizer_path)
+        "machine": machine_record(tokenizer_path)
         | {"loadavg_1min_before_timing": load_before, "loadavg_1min_after_timing": load_after},
         "preprocess": timings,
         "lengths": profile,
