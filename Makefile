@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml $(LOCK)
 	$(PY) -m pip install -q $(PIP_LOCK) --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(PIP_LOCK) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q $(PIP_LOCK) -e ".[dev]"
-	$(PY) -m memtune.extensions
+	$(PY) -m memtune.launcher.extensions
 	touch $@
 
 install: $(STAMP) ## Create .venv and install memtune with its dev tools
@@ -78,8 +78,8 @@ train-4x4090: $(STAMP) ## The real job: EXP (default qwen2.5-7b-4x4090-lora) on 
 	# preflight (count, names, memory, driver, a cross-GPU copy and an NCCL all-reduce; prints the
 	# NCCL_P2P_DISABLE / NCCL_IB_DISABLE decision, saved as RUN_DIR/preflight.json; exit 2 on a
 	# machine without 4 GPUs); tokenizes the data, writes the run dir; then starts the ranks with:
-	#   python -m memtune.ds_runner --master_port <free port> --num_gpus 4 --no_local_rank --log_level warning --module memtune.worker <run dir>
-	# (memtune.ds_runner: the `deepspeed` command, with memtune's noise filters)
+	#   python -m memtune.launcher.ds_runner --master_port <free port> --num_gpus 4 --no_local_rank --log_level warning --module memtune.worker <run dir>
+	# (memtune.launcher.ds_runner: the `deepspeed` command, with memtune's noise filters)
 	$(PY) train.py experiment=$(EXP) launcher.num_ranks=4 $(ARGS)
 
 bench: $(STAMP) ## Training benchmark: memtune vs HF Trainer + peft, with ablations -> bench/results/ (~12 min)

@@ -6,145 +6,28 @@
     python train.py experiment=qwen2.5-7b-4x4090-lora plan_only=true   # memory plan only
 
 This runs once per run (never once per rank); the ranks are `python -m memtune.worker RUN_DIR`.
+What a job does is memtune.launcher.job.run_job; this file is Hydra's entry point.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 import sys
-from pathlib import Path
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from memtune.autofit import format_suggestions
-from memtune.config import ConfigError, load_run_config, register_configs, to_run_config, validate
-from memtune.exit_codes import EXIT_CONFIG, EXIT_REQUEUE
-from memtune.launch import launch
-from memtune.machine import name_cpu_accelerator, versions_line
-from memtune.nodes import announce_ready, resolve, wait_ready, write_nodes_hostfile
-from memtune.plan import format_plan
-from memtune.preflight import PreflightError, for_launch
-from memtune.rundir import already_finished, decide, prepare_run_dir
+from memtune.config import register_configs
+from memtune.launcher.job import FAILED_POINTS, run_job
 
 register_configs()
-FAILED_POINTS: list[str] = []
-WAIT_FOR_NODE0_S = 3600.0
-"""Per-node form: how long nodes 1.. wait for node 0 to tokenize the data and plan."""
-
-
-def _write_exit(run_dir: Path, code: int, error: str | None = None) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    record = {"code": code} if error is None else {"code": code, "error": error}
-    (run_dir / "exit.json").write_text(json.dumps(record) + "\n")
-
-
-def print_plan(cfg: DictConfig) -> int:
-    """plan_only=true: the per-rank memory plan with what a launch would decide; writes
-    nothing, launches nothing."""
-    try:
-        given = to_run_config(cfg)
-        validate(given, inputs=False)
-        fitted = decide(given, refuse=False)
-    except ConfigError as err:
-        print(f"memtune: config error: {err}", file=sys.stderr)
-        return EXIT_CONFIG
-    print(format_plan(fitted.given, fitted.given_plan))
-    if fitted.changes:
-        print(f"\nplan.auto_fit would run it with: {' '.join(fitted.changes)}")
-        print(format_plan(fitted.cfg, fitted.plan))
-    elif not fitted.given_plan.fits:
-        print(format_suggestions(fitted.given, fitted.given_plan.counts))
-    print(f"planned with {versions_line()}")
-    return 0
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    name_cpu_accelerator()
-    hydra_cfg = HydraConfig.get()
-    if cfg.run_dir and hydra_cfg.mode == RunMode.MULTIRUN:
-        print(
-            "memtune: config error: run_dir cannot be set in a sweep (-m): every point "
-            "needs its own dir; set hydra.sweep.dir instead",
-            file=sys.stderr,
-        )
-        sys.exit(EXIT_CONFIG)
-    run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
-    sweeping = hydra_cfg.mode == RunMode.MULTIRUN
-    if sweeping and cfg.logger.group is None:
-        cfg.logger.group = Path(hydra_cfg.sweep.dir).name  # one wandb group per sweep
-    if cfg.plan_only:
-        sys.exit(print_plan(cfg))
-    spec = None
-    try:
-        given = to_run_config(cfg)
-        validate(given)
-        spec = resolve(given)
-        # Config and memory first, then the GPUs, then the data: a run that cannot fit, or a
-        # machine that cannot run it, stops before anything is tokenized.
-        fitted = decide(given) if spec.node_rank == 0 else None
-        suffix = "" if spec.node_rank == 0 else f"-node{spec.node_rank}"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        nccl_env = for_launch(
-            given.launcher, spec.ranks_per_node, spec.nnodes, run_dir / f"preflight{suffix}.json"
-        )
-        if fitted is not None:
-            run_cfg = prepare_run_dir(cfg, run_dir, fitted)
-        else:
-            print(f"memtune: node {spec.node_rank}: waiting for node 0 to prepare {run_dir}")
-            wait_ready(run_dir, spec, timeout_s=WAIT_FOR_NODE0_S)
-            run_cfg = load_run_config(run_dir / "config.yaml")
-    except PreflightError as err:
-        if spec is not None and spec.form == "per-node" and spec.node_rank == 0:
-            announce_ready(run_dir, spec, error="the GPU preflight failed on node 0")
-        _write_exit(run_dir, EXIT_CONFIG, f"preflight: {err.message}")
-        raise
-    except ConfigError as err:
-        print(f"memtune: config error: {err}", file=sys.stderr)
-        if spec is not None and spec.form == "per-node" and spec.node_rank == 0:
-            announce_ready(run_dir, spec, error=str(err))
-        # The run dir Hydra made says why it holds no run.
-        _write_exit(run_dir, EXIT_CONFIG, f"config error: {err}")
-        if not sweeping:
-            sys.exit(EXIT_CONFIG)
-        FAILED_POINTS.append(str(run_dir))
-        return
-    if run_cfg.preprocess_only:
-        print(f"memtune: preprocess_only: run dir {run_dir} laid out, no ranks started", flush=True)
-        return
-    finished = already_finished(run_cfg, run_dir)
-    if finished and spec.form != "per-node":
-        # Nothing to train: say so instead of starting the ranks to repeat the old summary.
-        print(f"memtune: {finished}; run dir {run_dir}", flush=True)
-        return
-    if spec.form == "per-node" and spec.node_rank == 0:
-        write_nodes_hostfile(run_dir, spec)
-        announce_ready(run_dir, spec)
-    print(f"memtune: run dir {run_dir}", flush=True)
-    code = launch(run_cfg, run_dir, spec=spec, extra_env=nccl_env)
-    if spec.node_rank != 0:
-        sys.exit(code)
-    if code == EXIT_REQUEUE and os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
-        # A sweep point in a submitit job: its checkpoint is saved; submitit's own handler for
-        # the same signal now requeues the job (hydra/launcher=slurm, max_num_timeout).
-        signal.raise_signal(signal.SIGUSR2)
-    _write_exit(run_dir, code)
-    if code == EXIT_REQUEUE:
-        print(f"memtune: stopped with a checkpoint (exit code {code}); run dir {run_dir}")
-    elif code != 0:
-        print(f"memtune: the ranks failed (exit code {code}); run dir {run_dir}", file=sys.stderr)
-    if code != 0:
-        if not sweeping:
-            sys.exit(code)
-        FAILED_POINTS.append(str(run_dir))  # the other points of the sweep still run
+    run_job(cfg)
 
 
 if __name__ == "__main__":
     main()
-    if FAILED_POINTS:
+    if FAILED_POINTS:  # a sweep ran every point; some failed (each has its exit.json)
         sys.exit(1)

@@ -7,7 +7,7 @@ each micro batch padded to its longest sample (``DataCollatorForSeq2Seq``: label
 prompt and on padding), the model's own cross-entropy, one process, the dtype memtune's config
 names (fp32 on CPU). Written the way a user writes it: no memtune code in the training path.
 
-``RUN_DIR`` is a run dir laid out by :func:`memtune.rundir.prepare_run_dir` (``bench.py``
+``RUN_DIR`` is a run dir laid out by :func:`memtune.launcher.prepare.prepare_run_dir` (``bench.py``
 makes one). Only its inputs are read, so both sides train the same model on the same samples
 with the same hyperparameters: ``config.yaml`` (model path, LoRA r / alpha / dropout /
 targets, micro and global batch, steps, learning-rate schedule, seed) and ``data.json``
@@ -15,7 +15,7 @@ targets, micro and global batch, steps, learning-rate schedule, seed) and ``data
 
 Writes ``RUN_DIR/baseline.json``: real (non-padding) tokens, padded tokens, label tokens,
 training wall time and real tokens/s, the loss of every step, and the process's peak RSS
-read the way :mod:`memtune.telemetry` reads it on CPU (``getrusage`` ``ru_maxrss``).
+read the way :mod:`memtune.rank.telemetry` reads it on CPU (``getrusage`` ``ru_maxrss``).
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from transformers import (
 )
 
 from memtune.config import RunConfig, grad_accumulation_steps, load_run_config
-from memtune.model import lora_config
-from memtune.preprocess import load_split
-from memtune.telemetry import memory_snapshot
+from memtune.data.cache import load_split
+from memtune.rank.model import lora_config
+from memtune.rank.telemetry import memory_snapshot
 
 
 def load_samples(prepared_dir: str) -> list[dict[str, list[int]]]:

@@ -19,7 +19,7 @@ alternating (the order flips every round), with the same steps, data and hyperpa
 Both sides read the same tokenized samples (memtune's own preprocessing of a seeded synthetic
 SFT set with long-tailed lengths, from ``data_bench.synth_records``), count only real
 (non-padding) tokens, time the training loop only (first step's start to last step's end) and
-report the process's peak RSS (``getrusage``, as :mod:`memtune.telemetry` does on CPU). Both
+report the process's peak RSS (``getrusage``, as :mod:`memtune.rank.telemetry` does on CPU). Both
 get the same ``OMP_NUM_THREADS`` (``--threads``).
 
 Writes ``<out>/<YYYY-MM-DD>-cpu.json`` (every number, per round, the machine, the library
@@ -48,9 +48,9 @@ from data_bench import synth_records, write_jsonl
 from omegaconf import OmegaConf
 
 from memtune.config import RunConfig, compose, register_configs
-from memtune.launch import launch, rank_env
-from memtune.leftovers import SHM_DIR, SHM_PREFIX
-from memtune.rundir import prepare_run_dir
+from memtune.launcher.hygiene import SHM_DIR, SHM_PREFIX
+from memtune.launcher.prepare import prepare_run_dir
+from memtune.launcher.spawn import launch, rank_env
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = Path(__file__).resolve().with_name("baseline.py")

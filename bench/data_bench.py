@@ -6,7 +6,7 @@ Run with ``make bench-data`` (``ARGS='--records 5000 --reps 1'`` to change the s
 1. writes a seeded synthetic alpaca ``.jsonl`` SFT set to a temporary folder, with a
    long-tailed (log-normal) length distribution like real SFT data: median about 300
    tokens, a tail reaching well past 4096, English sentences, Chinese sentences and a mix;
-2. times :func:`memtune.preprocess.build` (read, render ChatML, tokenize, label, apply the
+2. times :func:`memtune.data.cache.build` (read, render ChatML, tokenize, label, apply the
    length policy; never the cache, so nothing is reused) ``--reps`` times per
    ``max_seq_len`` and reports tokens/s and records/s;
 3. measures padding efficiency (real tokens / tokens the model processes) at micro batch 4,
@@ -15,7 +15,7 @@ Run with ``make bench-data`` (``ARGS='--records 5000 --reps 1'`` to change the s
 4. writes ``<out>/<YYYY-MM-DD>-data.json`` (every number and the machine) and
    ``<out>/<YYYY-MM-DD>-data.md`` (the tables), and prints the tables.
 
-The tokenizer is the tiny demo byte-level BPE (vocabulary 1024) that :mod:`memtune.tiny`
+The tokenizer is the tiny demo byte-level BPE (vocabulary 1024) that :mod:`memtune.tools.tiny`
 builds, not Qwen2.5's: it splits words into more pieces, so token counts and tokens/s are
 not Qwen's. The lengths below are measured in its tokens.
 """
@@ -39,9 +39,10 @@ from common import loadavg, machine, spread
 from omegaconf import OmegaConf
 
 from memtune.config import DataConfig, cache_dir
-from memtune.data import DataStats, LengthGroupedSampler, pack_bins
-from memtune.preprocess import build
-from memtune.tiny import synthesize
+from memtune.data.batching import LengthGroupedSampler, pack_bins
+from memtune.data.cache import build
+from memtune.data.encode import DataStats
+from memtune.tools.tiny import synthesize
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -291,7 +292,7 @@ def machine_record(tokenizer_path: Path) -> dict[str, Any]:
     return {
         **machine(),
         "tokenizer": {
-            "name": "memtune tiny-qwen2 demo tokenizer (memtune.tiny.synthesize)",
+            "name": "memtune tiny-qwen2 demo tokenizer (memtune.tools.tiny.synthesize)",
             "path": str(tokenizer_path),
             "kind": "byte-level BPE, vocabulary 1024, trained on src/memtune/assets/demo_alpaca",
             "caveat": (
@@ -327,7 +328,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"{_load(m['loadavg_1min_after_timing'])} after (above the CPU count: something else "
         "was competing, trust the max tokens/s most).",
         "",
-        "Preprocessing (`memtune.preprocess.build`: read + ChatML + tokenize + labels + "
+        "Preprocessing (`memtune.data.cache.build`: read + ChatML + tokenize + labels + "
         "length policy, no cache):",
         "",
         "| max_seq_len | tokens kept | tokens/s min / median / max | records/s (median) "

@@ -10,13 +10,13 @@ For LoRA r=16 on all linear layers over a bf16 base, and for QLoRA (NF4 base), a
   ``CountingTrainer``): ``transformers.Trainer`` + peft LoRA, full gradient checkpointing, the
   model's own cross-entropy on full logits, no DeepSpeed; QLoRA with peft's
   ``prepare_model_for_kbit_training`` as its docs say;
-* **memtune** — memtune's own pieces: ``memtune.model.add_lora`` (``prepare_quantized``,
+* **memtune** — memtune's own pieces: ``memtune.rank.model.add_lora`` (``prepare_quantized``,
   selective checkpointing with ``checkpoint_layers=auto`` planned for a 24 GB card), the
   chunked loss (``CausalLMLoss``), ``build_optimizer``, ``build_ds_config`` and DeepSpeed
-  ZeRO-3 at world size 1 through ``deepspeed.initialize``, and ``memtune.trainer.train``.
+  ZeRO-3 at world size 1 through ``deepspeed.initialize``, and ``memtune.rank.loop.train``.
 
 Each measurement records peak allocated memory, tokens/s over timed steps after warm-up, MFU
-and the planner's prediction (``memtune.plan``) with its error. Then, for QLoRA with memtune,
+and the planner's prediction (``memtune.memory``) with its error. Then, for QLoRA with memtune,
 the longest sequence whose step fits under a 24 GB cap (``set_per_process_memory_fraction``).
 
 No checkpoint is read: the base is built from ``model.architecture`` (conf/model/*.yaml) with
@@ -146,17 +146,17 @@ def compose_cfg(mode: Mode, method: str, seq_len: int) -> Any:
 
 def at_length(cfg: Any, seq_len: int, counts: Any) -> Any:
     """``cfg`` at another sequence length, checkpoint_layers=auto resolved for it."""
-    from memtune.plan import resolve_checkpoint_layers
+    from memtune.memory.fit import resolve_checkpoint_layers
 
     cfg = copy.deepcopy(cfg)
     cfg.data.max_seq_len = seq_len
-    return resolve_checkpoint_layers(cfg, counts)
+    return resolve_checkpoint_layers(cfg, counts)[0]
 
 
 def plan_record(cfg: Any, counts: Any) -> dict[str, Any]:
     """The planner's rows; ``live_gib`` leaves out what torch's allocator never reports
     (fragmentation, the CUDA context), so it is what ``max_memory_allocated`` should read."""
-    from memtune.plan import plan
+    from memtune.memory.estimate import plan
 
     p = plan(cfg, counts)
     outside = ("allocator fragmentation", "CUDA context + workspaces")
@@ -182,7 +182,7 @@ def baseline_plan(cfg: Any, counts: Any) -> dict[str, Any]:
 
 
 def torch_dtype(cfg: Any) -> Any:
-    from memtune.model import torch_dtype as dtype_of
+    from memtune.rank.model import torch_dtype as dtype_of
 
     return dtype_of(cfg)
 
@@ -201,7 +201,7 @@ def build_base(cfg: Any, device: Any, attn: str) -> Any:
         model = AutoModelForCausalLM.from_config(
             config, dtype=torch_dtype(cfg), attn_implementation=attn
         )
-    model.config.use_cache = False  # as memtune.model.load_base_model
+    model.config.use_cache = False  # as memtune.rank.model.load_base_model
     return model
 
 
@@ -505,8 +505,8 @@ def run_baseline(phase: Phase, deadline: float) -> None:
     from peft import get_peft_model, prepare_model_for_kbit_training
     from transformers import TrainerCallback, default_data_collator
 
-    from memtune.model import lora_config
-    from memtune.plan import count_params
+    from memtune.memory.counts import count_params
+    from memtune.rank.model import lora_config
 
     mode, method = phase.mode, phase.method
     device = device_and_env(phase)
@@ -603,8 +603,8 @@ def is_oom_text(text: str) -> bool:
 
 def init_one_rank(device: Any) -> None:
     """The environment ``deepspeed``/``torchrun`` give a rank, for a world of one."""
-    from memtune.launch import free_port, one_rank_env
-    from memtune.worker import init_distributed
+    from memtune.launcher.spawn import free_port, one_rank_env
+    from memtune.rank.worker import init_distributed
 
     for key, value in one_rank_env(free_port()).items():
         os.environ.setdefault(key, value)
@@ -617,18 +617,18 @@ def run_memtune(phase: Phase, deadline: float) -> None:
     ``memtune.worker.run`` assembles them, on a base built in memory."""
     from transformers.integrations import HfDeepSpeedConfig
 
-    from memtune.ds_config import build_ds_config
-    from memtune.loss import resolve_loss_kind
-    from memtune.model import (
+    from memtune.config.deepspeed import build_ds_config
+    from memtune.memory.counts import count_params
+    from memtune.rank.loop import Hooks, TrainResult, train
+    from memtune.rank.loss import resolve_loss_kind
+    from memtune.rank.model import (
         add_lora,
         choose_attention,
         quantization_config,
         set_checkpointed_layers,
     )
-    from memtune.plan import count_params
-    from memtune.telemetry import NullLogger
-    from memtune.trainer import Hooks, TrainResult, train
-    from memtune.worker import build_engine
+    from memtune.rank.telemetry import NullLogger
+    from memtune.rank.worker import build_engine
 
     mode, method = phase.mode, phase.method
     device = device_and_env(phase)

@@ -13,7 +13,7 @@
 #   typing-extensions  pydantic needs >= 4.16; the image's version is unknown
 #   hydra-core, omegaconf, antlr4-python3-runtime (sdist: built here)    memtune.config
 #   bitsandbytes       43 MB as published: repacked with only its CUDA 13.0 library
-#   transformers       the image's 5.17 lacks activation_checkpointing_enable (memtune.model)
+#   transformers       the image's 5.17 lacks activation_checkpointing_enable (memtune.rank.model)
 #   peft               the version memtune is tested with (the image's is unknown)
 #
 # Versions are those of this repo's .venv (what `make test` runs), so the GPU check runs the

@@ -18,8 +18,8 @@ import pytest
 from omegaconf import DictConfig
 
 from memtune.config import RunConfig, compose, register_configs
-from memtune.launch import launch
-from memtune.rundir import prepare_run_dir
+from memtune.launcher.prepare import prepare_run_dir
+from memtune.launcher.spawn import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from memtune.model import is_quantized_layer, load_base_model, prepare_quantized, torch_dtype
-from memtune.worker import RankContext, run
+from memtune.rank.model import is_quantized_layer, load_base_model, prepare_quantized, torch_dtype
+from memtune.rank.worker import RankContext, run
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

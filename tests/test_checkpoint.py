@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from memtune.config import load_run_config
-from memtune.launch import rank_processes
-from memtune.rundir import already_finished
+from memtune.launcher.prepare import already_finished
+from memtune.launcher.spawn import rank_processes
 from tests.conftest import FAST, ROOT, run_train_py
 
 pytestmark = pytest.mark.slow
@@ -226,7 +226,7 @@ class _NotData:
 
 
 def test_checkpoint_files_are_verified_before_loading(finished: Path, tmp_path: Path) -> None:
-    from memtune.checkpoint import UnsafeCheckpoint, verify_checkpoint_files
+    from memtune.rank.checkpoint import UnsafeCheckpoint, verify_checkpoint_files
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(finished / "checkpoints" / "step-0000012", ckpt)
@@ -241,7 +241,7 @@ def test_checkpoint_files_are_verified_before_loading(finished: Path, tmp_path: 
 # files per rank.
 @pytest.mark.parametrize(("run_name", "files"), [("zero2_run", 3), ("bf16_run", 4)])
 def test_other_engines_pass_the_same_check(run_name: str, files: int, request) -> None:
-    from memtune.checkpoint import verify_checkpoint_files
+    from memtune.rank.checkpoint import verify_checkpoint_files
 
     run = request.getfixturevalue(run_name)
     assert verify_checkpoint_files(run.dir / "checkpoints" / "step-0000012") == files

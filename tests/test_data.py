@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from memtune.config import ConfigError, DataConfig, DataSource, to_run_config
-from memtune.data import IGNORE_INDEX, DataStats, apply_length_policy, encode_records
-from memtune.model import load_tokenizer
-from memtune.preprocess import load_split, preprocess
-from memtune.readers import Record, read_source
-from memtune.templates import render_prompt
-from memtune.tiny import synthesize
+from memtune.data.cache import load_split, preprocess
+from memtune.data.encode import IGNORE_INDEX, DataStats, apply_length_policy, encode_records
+from memtune.data.readers import Record, read_source
+from memtune.data.templates import render_prompt
+from memtune.rank.model import load_tokenizer
+from memtune.tools.tiny import synthesize
 from tests.conftest import compose_cfg
 
 CONVERSATION = [
@@ -364,7 +364,7 @@ def test_eos_stays_a_label_when_pad_equals_eos(tokenizer) -> None:
     """The classic bug: masking every pad-id token also masks eos when they share an id."""
     import copy
 
-    from memtune.data import collate_padded
+    from memtune.data.batching import collate_padded
 
     tok = copy.deepcopy(tokenizer)
     tok.pad_token = tok.eos_token

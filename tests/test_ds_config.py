@@ -7,7 +7,7 @@ import json
 import pytest
 
 from memtune.config import ConfigError, to_run_config
-from memtune.ds_config import DS_CONFIG_DIR, build_ds_config, fill_ds_config
+from memtune.config.deepspeed import DS_CONFIG_DIR, build_ds_config, fill_ds_config
 from tests.conftest import compose_cfg
 
 
@@ -89,7 +89,7 @@ def test_stage_mismatch_with_template_is_refused() -> None:
 
 
 def test_train_py_writes_filled_json(tmp_path) -> None:
-    from memtune.rundir import prepare_run_dir
+    from memtune.launcher.prepare import prepare_run_dir
 
     prepare_run_dir(compose_cfg(["trainer.max_steps=3"]), tmp_path)
     ds = json.loads((tmp_path / "ds_config.json").read_text())

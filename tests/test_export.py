@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from memtune.data import collate_padded
-from memtune.generate import answer, load, stop_token_ids
-from memtune.loss import token_loss_sum
-from memtune.merge import merge
-from memtune.preprocess import load_split
+from memtune.data.batching import collate_padded
+from memtune.data.cache import load_split
+from memtune.rank.loss import token_loss_sum
+from memtune.tools.generate import answer, load, stop_token_ids
+from memtune.tools.merge import merge
 from tests.conftest import FAST, start_run
 
 pytestmark = pytest.mark.slow

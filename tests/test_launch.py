@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from memtune.config import to_run_config
-from memtune.launch import rank_command, rank_env
-from memtune.trainer import lr_factor
+from memtune.launcher.spawn import rank_command, rank_env
+from memtune.rank.loop import lr_factor
 from tests.conftest import FAST, ROOT, compose_cfg, run_train_py, start_run
 
 

@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from memtune.extensions import build_cpu_ops, extensions_root
-from memtune.leftovers import clear_shm_buffers, clear_stale_locks, shm_buffers, stale_locks
+from memtune.launcher.extensions import build_cpu_ops, extensions_root
+from memtune.launcher.hygiene import clear_shm_buffers, clear_stale_locks, shm_buffers, stale_locks
 from tests.conftest import FAST, Run, start_run
 
 HOLD_LOCK = (

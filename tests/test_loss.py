@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from memtune.config import to_run_config
-from memtune.data import IGNORE_INDEX
-from memtune.loss import CausalLMLoss, chunked_loss_sum, token_loss_sum
-from memtune.model import add_lora, load_base_model
-from memtune.tiny import synthesize
+from memtune.data.encode import IGNORE_INDEX
+from memtune.rank.loss import CausalLMLoss, chunked_loss_sum, token_loss_sum
+from memtune.rank.model import add_lora, load_base_model
+from memtune.tools.tiny import synthesize
 from tests.conftest import FAST, Run, compose_cfg, start_run
 
 
@@ -106,8 +106,8 @@ def test_a_trainable_head_is_refused(lora_model) -> None:
 PEAK_SCRIPT = """
 import json, sys, torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
-from memtune.loss import CausalLMLoss
-from memtune.telemetry import reset_window_peak, window_peak_gib
+from memtune.rank.loss import CausalLMLoss
+from memtune.rank.telemetry import reset_window_peak, window_peak_gib
 
 class Frozen(torch.nn.Module):  # what get_base_model() returns under PEFT
     def __init__(self, m): super().__init__(); self.m = m

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from memtune.config import to_run_config
-from memtune.model import (
+from memtune.rank.model import (
     LORA_TARGETS,
     add_lora,
     choose_attention,
@@ -14,7 +14,7 @@ from memtune.model import (
     load_base_model,
     load_tokenizer,
 )
-from memtune.tiny import IM_END, IM_START, PAD_TOKEN, synthesize
+from memtune.tools.tiny import IM_END, IM_START, PAD_TOKEN, synthesize
 from tests.conftest import compose_cfg
 
 

@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import load_file
 
 from memtune.config import ConfigError, RunConfig, to_run_config
-from memtune.launch import free_port, rank_command
-from memtune.nodes import check_hostfile, first_host, resolve
-from memtune.preflight import decide
+from memtune.launcher.preflight import nccl_env_decision
+from memtune.launcher.spawn import free_port, rank_command
+from memtune.launcher.topology import check_hostfile, first_host, resolve
 from tests.conftest import FAST, ROOT, compose_cfg, run_train_py
 
-DS = [sys.executable, "-m", "memtune.ds_runner"]
+DS = [sys.executable, "-m", "memtune.launcher.ds_runner"]
 TAIL = ["--no_local_rank", "--log_level", "warning", "--module", "memtune.worker", "/runs/x"]
 
 
@@ -130,22 +130,26 @@ FAILED = {"copy": {"ok": True}, "all_reduce_p2p": {"ok": False, "error": "timeou
 
 
 def test_preflight_turns_p2p_off_on_4090s_unless_it_is_proven() -> None:
-    d = decide(_gpus("NVIDIA GeForce RTX 4090 D", 4), FAILED, nnodes=1, env={})
+    d = nccl_env_decision(_gpus("NVIDIA GeForce RTX 4090 D", 4), FAILED, nnodes=1, env={})
     assert d["env"] == {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
     assert any("RTX 40-series" in r for r in d["reasons"])
-    d = decide(_gpus("NVIDIA GeForce RTX 4090 D", 4), {}, nnodes=1, env={})  # no checks ran
+    d = nccl_env_decision(
+        _gpus("NVIDIA GeForce RTX 4090 D", 4), {}, nnodes=1, env={}
+    )  # no checks ran
     assert d["env"]["NCCL_P2P_DISABLE"] == "1"
-    d = decide(_gpus("NVIDIA GeForce RTX 4090", 4), PASSED, nnodes=1, env={})
+    d = nccl_env_decision(_gpus("NVIDIA GeForce RTX 4090", 4), PASSED, nnodes=1, env={})
     assert d["env"] == {"NCCL_IB_DISABLE": "1"}
 
 
 def test_preflight_elsewhere() -> None:
     h200 = _gpus("NVIDIA H200", 8)
-    assert decide(h200, PASSED, nnodes=2, env={})["env"] == {}  # IB may be the fabric
-    assert decide(h200, FAILED, nnodes=2, env={})["env"] == {"NCCL_P2P_DISABLE": "1"}
-    assert decide(_gpus("NVIDIA H200", 1), {}, nnodes=1, env={})["env"] == {"NCCL_IB_DISABLE": "1"}
+    assert nccl_env_decision(h200, PASSED, nnodes=2, env={})["env"] == {}  # IB may be the fabric
+    assert nccl_env_decision(h200, FAILED, nnodes=2, env={})["env"] == {"NCCL_P2P_DISABLE": "1"}
+    assert nccl_env_decision(_gpus("NVIDIA H200", 1), {}, nnodes=1, env={})["env"] == {
+        "NCCL_IB_DISABLE": "1"
+    }
     # What the user set is theirs.
-    mine = decide(_gpus("RTX 4090", 4), FAILED, nnodes=1, env={"NCCL_P2P_DISABLE": "0"})
+    mine = nccl_env_decision(_gpus("RTX 4090", 4), FAILED, nnodes=1, env={"NCCL_P2P_DISABLE": "0"})
     assert "NCCL_P2P_DISABLE" not in mine["env"]
     assert "NCCL_P2P_DISABLE=0: set by you, kept" in mine["reasons"]
 

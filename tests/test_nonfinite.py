@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from memtune.telemetry import NullLogger
-from memtune.trainer import NonFiniteLoss, TrainResult, _note_skip, _poisoned_scale
+from memtune.rank.loop import NonFiniteLoss, TrainResult, _note_skip, _poisoned_scale
+from memtune.rank.telemetry import NullLogger
 
 
 def test_an_infinite_loss_can_have_finite_gradients_so_the_scale_poisons_them() -> None:

@@ -8,18 +8,18 @@ import pytest
 import torch
 
 from memtune.config import to_run_config
-from memtune.data import (
+from memtune.data.batching import (
     LengthGroupedSampler,
     PackedDataset,
-    TokenizedDataset,
     collate_packed,
     collate_padded,
     pack_bins,
 )
-from memtune.loss import token_loss_sum
-from memtune.model import load_base_model, load_tokenizer
-from memtune.preprocess import load_split, preprocess
-from memtune.tiny import synthesize
+from memtune.data.cache import load_split, preprocess
+from memtune.data.encode import TokenizedDataset
+from memtune.rank.loss import token_loss_sum
+from memtune.rank.model import load_base_model, load_tokenizer
+from memtune.tools.tiny import synthesize
 from tests.conftest import compose_cfg
 
 

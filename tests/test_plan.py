@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from memtune.config import checkpointed_layers, to_run_config
-from memtune.loss import CausalLMLoss
-from memtune.model import add_lora, count_parameters, load_base_model, torch_dtype
-from memtune.plan import activation_bytes, count_params, plan
-from memtune.tiny import synthesize
+from memtune.memory.counts import count_params
+from memtune.memory.estimate import activation_bytes, plan
+from memtune.rank.loss import CausalLMLoss
+from memtune.rank.model import add_lora, count_parameters, load_base_model, torch_dtype
+from memtune.tools.tiny import synthesize
 from tests.conftest import compose_cfg, run_train_py
 
 QWEN7B = "experiment=qwen2.5-7b-4x4090-lora"
@@ -136,7 +137,7 @@ def test_plan_only_prints_the_breakdown_and_starts_nothing(tmp_path: Path) -> No
 
 
 def test_suggestions_say_what_each_change_saves_and_skip_what_does_not_help() -> None:
-    from memtune.autofit import suggestions
+    from memtune.memory.fit import suggestions
 
     cfg = to_run_config(
         compose_cfg([QWEN7B, "zero=zero2", "trainer.activation_checkpointing=false"])
@@ -154,8 +155,7 @@ def test_suggestions_say_what_each_change_saves_and_skip_what_does_not_help() ->
 
 
 def test_auto_fit_picks_the_cheapest_variant_that_fits() -> None:
-    from memtune.autofit import auto_fit
-    from memtune.plan import AUTO_CHECKPOINT_SPARE_GIB
+    from memtune.memory.fit import AUTO_CHECKPOINT_SPARE_GIB, auto_fit
 
     # The usual recipe on 4 × 24 GB: does not fit as it is.
     cfg = to_run_config(
@@ -192,7 +192,7 @@ def test_auto_fit_picks_the_cheapest_variant_that_fits() -> None:
 
 
 def test_auto_fit_is_applied_before_launch_and_recorded(tmp_path: Path, capsys) -> None:
-    from memtune.rundir import prepare_run_dir
+    from memtune.launcher.prepare import prepare_run_dir
 
     tiny = to_run_config(compose_cfg())  # its tokenizer stands in for Qwen's (not on disk here)
     synthesize(tiny.model.name_or_path, tiny.model.architecture)
@@ -261,7 +261,11 @@ def test_selective_checkpointing_keeps_what_the_model_says() -> None:
 
 
 def test_checkpoint_layers_auto_is_the_fewest_that_fit_with_the_spare() -> None:
-    from memtune.plan import AUTO_CHECKPOINT_SPARE_GIB, choose_checkpoint_layers, fit_to_device
+    from memtune.memory.fit import (
+        AUTO_CHECKPOINT_SPARE_GIB,
+        choose_checkpoint_layers,
+        fit_to_device,
+    )
 
     cfg = to_run_config(compose_cfg([QWEN7B]))
     assert cfg.trainer.checkpoint_layers == "auto"
@@ -288,7 +292,7 @@ def test_checkpoint_layers_auto_is_the_fewest_that_fit_with_the_spare() -> None:
 
 
 def test_only_the_first_layers_recompute_and_the_gradients_do_not_change() -> None:
-    from memtune.model import decoder_layers
+    from memtune.rank.model import decoder_layers
 
     grads = {}
     for layers in ("all", "1", "0"):

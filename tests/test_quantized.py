@@ -58,8 +58,13 @@ def test_qlora_adapter_merges_into_the_dequantized_base(runs_root: Path, tmp_pat
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from memtune.merge import merge
-    from memtune.model import is_quantized_layer, load_base_model, prepare_quantized, torch_dtype
+    from memtune.rank.model import (
+        is_quantized_layer,
+        load_base_model,
+        prepare_quantized,
+        torch_dtype,
+    )
+    from memtune.tools.merge import merge
 
     run = quantized(runs_root, "qlora-nf4:zero2")
     adapter = run.dir / "adapter"
@@ -91,8 +96,8 @@ def test_quantized_base_keeps_activations_in_the_compute_dtype(tmp_path: Path) -
     """No fp32 upcast from prepare_model_for_kbit_training: it would make the residual stream
     (and so every activation kept for backward) fp32, twice the memory."""
     from memtune.config import to_run_config
-    from memtune.model import count_parameters, load_base_model, prepare_quantized
-    from memtune.tiny import synthesize
+    from memtune.rank.model import count_parameters, load_base_model, prepare_quantized
+    from memtune.tools.tiny import synthesize
     from tests.conftest import compose_cfg
 
     cfg = to_run_config(compose_cfg(["peft=qlora-nf4", "trainer.precision=bf16"]))
@@ -109,7 +114,7 @@ def test_quantized_base_keeps_activations_in_the_compute_dtype(tmp_path: Path) -
 
 def _tiny_qlora(*overrides: str) -> tuple[Any, Any]:
     from memtune.config import to_run_config
-    from memtune.tiny import synthesize
+    from memtune.tools.tiny import synthesize
     from tests.conftest import compose_cfg
 
     cfg = to_run_config(compose_cfg(["peft=qlora-nf4", "trainer.precision=bf16", *overrides]))
@@ -118,7 +123,7 @@ def _tiny_qlora(*overrides: str) -> tuple[Any, Any]:
 
 
 def _quantized_layers(model: Any) -> list[Any]:
-    from memtune.model import is_quantized_layer
+    from memtune.rank.model import is_quantized_layer
 
     layers = [m for m in model.modules() if is_quantized_layer(m)]
     assert len(layers) == QUANTIZED_LAYERS
@@ -131,7 +136,7 @@ def test_validation_passes_leave_the_4bit_base_differentiable() -> None:
     has no backward, and the lowest layer's LoRA gradients would lose every path through the
     base weights above it (model.keep_training_layout). Passes on any CPU; can fail only on one
     with AVX512-BF16, which is where the repack happens."""
-    from memtune.model import add_lora, load_base_model
+    from memtune.rank.model import add_lora, load_base_model
 
     cfg, ids = _tiny_qlora("peft.dropout=0.0")
     model = add_lora(load_base_model(cfg, "sdpa"), cfg)
@@ -166,7 +171,7 @@ def test_bitsandbytes_packed_cpu_path_takes_the_tiny_models_shapes() -> None:
     """On an AVX512-BF16 CPU, an NF4 base as bitsandbytes leaves it (not prepared for training)
     runs inference through the packed kernel on every layer of the tiny model, whose widths are
     multiples of 128 like Qwen2.5's, and agrees with the plain 4-bit path."""
-    from memtune.model import load_base_model
+    from memtune.rank.model import load_base_model
 
     cfg, ids = _tiny_qlora()
     base = load_base_model(cfg, "sdpa").eval()

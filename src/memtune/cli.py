@@ -5,9 +5,9 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {
-    "report": "memtune.report",
-    "merge": "memtune.merge",
-    "generate": "memtune.generate",
+    "report": "memtune.launcher.sweep_report",
+    "merge": "memtune.tools.merge",
+    "generate": "memtune.tools.generate",
 }
 
 

@@ -5,7 +5,7 @@ paths, and the versions of the libraries memtune trains with.
 
 The instruction sets matter because libraries pick kernels by them at run time: bitsandbytes
 repacks 4-bit weights for an AVX512-BF16 kernel in inference (see
-:func:`memtune.model.prepare_quantized`), oneDNN takes AMX or AVX512 paths for bf16 matmuls.
+:func:`memtune.rank.model.prepare_quantized`), oneDNN takes AMX or AVX512 paths for bf16 matmuls.
 A test result, a benchmark or a plan is only comparable with another from the same line.
 Versions come from the installed metadata: nothing here imports torch or the training
 libraries, except :func:`name_cpu_accelerator`, which asks torch whether CUDA is there.

@@ -40,8 +40,8 @@ def slurm_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
 
 def _clear_leftovers() -> None:
     """What a killed rank of a cancelled job could leave: shared-memory buffers, build locks."""
-    from memtune.extensions import extensions_root
-    from memtune.leftovers import clear_shm_buffers, clear_stale_locks
+    from memtune.launcher.extensions import extensions_root
+    from memtune.launcher.hygiene import clear_shm_buffers, clear_stale_locks
 
     clear_shm_buffers()
     clear_stale_locks(extensions_root())

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memtune.data import IGNORE_INDEX
+from memtune.data.encode import IGNORE_INDEX
 
 
 def token_loss_sum(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:

@@ -8,10 +8,11 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from memtune.config import RunConfig, get_field, one_rank_zero, to_run_config, validate
-from memtune.ds_config import build_ds_config
+from memtune.config.deepspeed import build_ds_config
+from memtune.data.cache import Prepared, preprocess
 from memtune.machine import versions_line
-from memtune.plan import Fitted, fit_to_device, format_plan
-from memtune.preprocess import Prepared, preprocess
+from memtune.memory.estimate import format_plan
+from memtune.memory.fit import Fitted, fit_to_device
 
 
 def decide(cfg: RunConfig, refuse: bool = True) -> Fitted:
@@ -19,7 +20,17 @@ def decide(cfg: RunConfig, refuse: bool = True) -> Fitted:
     stage (config.one_rank_zero), the number of checkpointed layers (checkpoint_layers=auto)
     and, with plan.auto_fit, a variant that fits. With ``refuse``, a run that cannot fit raises
     ConfigError with the breakdown (plan.fit_to_device)."""
-    return fit_to_device(one_rank_zero(cfg), refuse)
+    staged = one_rank_zero(cfg)
+    if staged.zero.stage != cfg.zero.stage:
+        print(
+            "memtune: one rank: ZeRO-2 instead of ZeRO-3 (nothing to shard; ZeRO-3's gather hooks "
+            "only cost time). zero.one_rank_stage2=false keeps ZeRO-3.",
+            flush=True,
+        )
+    fitted = fit_to_device(staged, refuse)
+    for note in fitted.notes:
+        print(f"memtune: {note}", flush=True)
+    return fitted
 
 
 def prepare_run_dir(cfg_node: DictConfig, run_dir: Path, fitted: Fitted | None = None) -> RunConfig:
@@ -38,7 +49,7 @@ def prepare_run_dir(cfg_node: DictConfig, run_dir: Path, fitted: Fitted | None =
     cfg.run_dir = str(run_dir)
     ds_config = build_ds_config(cfg)
     if cfg.model.synthesize:
-        from memtune.tiny import synthesize
+        from memtune.tools.tiny import synthesize
 
         synthesize(cfg.model.name_or_path, cfg.model.architecture)
     prepared = prepare_data(cfg)
@@ -68,7 +79,7 @@ def prepare_run_dir(cfg_node: DictConfig, run_dir: Path, fitted: Fitted | None =
 
 def prepare_data(cfg: RunConfig) -> Prepared:
     """Tokenize into the cache (or find it there) and say what was kept, cut and dropped."""
-    from memtune.model import load_tokenizer
+    from memtune.rank.model import load_tokenizer
 
     prepared = preprocess(cfg.data, load_tokenizer(cfg), cfg.trainer.seed)
     how = "reused cache" if prepared.reused else "tokenized into"
@@ -101,8 +112,8 @@ RESUME_MUST_MATCH = {
 
 def resolve_resume(cfg: RunConfig, run_dir: Path, data_dir: Path) -> Path | None:
     """The checkpoint to continue from, checked against the config before any rank starts."""
-    from memtune.checkpoint import find_latest, is_complete
     from memtune.config import ConfigError, load_run_config
+    from memtune.rank.checkpoint import find_latest, is_complete
 
     if cfg.resume == "never":
         return None

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from memtune.config import RunConfig, grad_accumulation_steps
-from memtune.data import IGNORE_INDEX
-from memtune.telemetry import NullLogger, memory_snapshot
+from memtune.data.encode import IGNORE_INDEX
+from memtune.rank.telemetry import NullLogger, memory_snapshot
 
 
 class NonFiniteLoss(RuntimeError):

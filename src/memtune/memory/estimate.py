@@ -1,4 +1,5 @@
-"""Per-rank memory plan of a run, before any rank starts.
+"""The per-rank memory model of a run, before any rank starts: pure functions of the config and
+the parameter counts (:mod:`memtune.memory.counts`); nothing here prints or decides.
 
 Parameter counts come from the real architecture: the model is instantiated on the meta device
 from ``model.architecture`` (the fields of its config.json) and LoRA is applied to it with peft,
@@ -26,40 +27,23 @@ The activation model is checked against the bytes autograd really saves
 
 from __future__ import annotations
 
-import copy
-import warnings
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
 
 from memtune.config import RunConfig, checkpointed_layers, grad_accumulation_steps
+from memtune.memory.counts import ParamCounts, count_params
 
 GIB = 1024**3
+
+
 # CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers: not in torch's allocator statistics.
 CUDA_CONTEXT_GIB = 0.8
+
+
 # Caching-allocator fragmentation on top of the peak of live tensors.
 FRAGMENTATION = 0.05
+
+
 NF4_BYTES = {True: 0.5 + 1 / 64 + 4 / (64 * 256), False: 0.5 + 4 / 64}  # by double_quant
-
-
-@dataclass
-class ParamCounts:
-    """From the meta-device model: where the base's parameters are, and LoRA's."""
-
-    linear: int  # decoder linear weights (quantized under QLoRA / int8)
-    layer: int  # parameters of one decoder layer
-    linear_rows: int  # their output rows (int8 keeps one fp32 scale per row)
-    embedding: int
-    head: int  # 0 when tied to the embedding
-    small: int  # norms and biases: under ZeRO-3's persistence threshold, never sharded
-    lora: int
-    lora_inputs: list[tuple[str, int, int]]  # (name, in_features, r) of each target in a layer
-    linear_shapes: list[tuple[str, int, int]]  # (name in a layer, in, out) of each linear layer
-
-    @property
-    def base(self) -> int:
-        return self.linear + self.embedding + self.head + self.small
 
 
 @dataclass
@@ -78,80 +62,6 @@ class Plan:
 
     def add(self, what: str, nbytes: float, how: str) -> None:
         self.rows.append((what, nbytes / GIB, how))
-
-
-def _arch_config(cfg: RunConfig) -> Any:
-    from transformers import AutoConfig
-
-    arch = dict(cfg.model.architecture)
-    return AutoConfig.for_model(arch.pop("model_type"), **arch)
-
-
-def count_params(cfg: RunConfig) -> ParamCounts:
-    """Instantiate the architecture on the meta device, add LoRA with peft, and count."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from memtune.model import LORA_TARGETS
-
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        model = AutoModelForCausalLM.from_config(_arch_config(cfg))
-        embedding = model.get_input_embeddings().weight
-        head = model.get_output_embeddings()
-        tied = head is not None and head.weight is embedding
-        linear = rows = small = 0
-        for module in model.get_decoder().layers.modules():
-            if isinstance(module, torch.nn.Linear):
-                linear += module.weight.numel()
-                rows += module.out_features
-        n_all = sum(p.numel() for p in model.parameters())
-        layer = sum(q.numel() for q in model.get_decoder().layers[0].parameters())
-        head_n = 0 if tied or head is None else head.weight.numel()
-        small = n_all - linear - embedding.numel() - head_n
-        p = cfg.peft
-        targets = LORA_TARGETS[p.target]
-        layer0 = model.get_decoder().layers[0]
-        linear_shapes = [
-            (name, m.in_features, m.out_features)
-            for name, m in layer0.named_modules()
-            if isinstance(m, torch.nn.Linear)
-        ]
-        lora_inputs = [
-            (name.split(".")[-1], i, p.r)
-            for name, i, _ in linear_shapes
-            if name.split(".")[-1] in targets
-        ]
-        peft_model = get_peft_model(
-            model, LoraConfig(r=p.r, lora_alpha=p.alpha, target_modules=targets)
-        )
-        lora = sum(q.numel() for q in peft_model.parameters() if q.requires_grad)
-    return ParamCounts(
-        linear, layer, rows, embedding.numel(), head_n, small, lora, lora_inputs, linear_shapes
-    )
-
-
-def quantized_shape_problems(cfg: RunConfig, counts: ParamCounts) -> list[str]:
-    """The decoder's linear layers whose shape bitsandbytes cannot quantize as configured.
-
-    A QLoRA base stores each 4-bit weight as packed bytes (two weights a byte) viewed as the
-    storage dtype (model.quantization_config: the compute dtype, so ZeRO-3 can shard it), which
-    needs ceil(in × out / 2) to be a multiple of that dtype's size; otherwise bitsandbytes fails
-    deep inside from_pretrained ("must be divisible by 2 to view Byte as BFloat16"). Real
-    checkpoints' widths are multiples of 64, but a custom architecture may not be. (LLM.int8
-    keeps one int8 per weight: no such rule. bitsandbytes' CPU inference layout needs
-    out % 32 == 0 too, but training never uses it: model.keep_training_layout.)
-    """
-    if cfg.peft.method != "qlora":
-        return []
-    storage = 2 if cfg.trainer.precision == "bf16" else 4
-    dtype = "bf16" if storage == 2 else "fp32"
-    return [
-        f"model.layers.*.{name} (in {i}, out {o}): {-(-i * o // 2):,} packed bytes are not a "
-        f"multiple of {storage} ({dtype} storage, bnb_4bit_quant_storage)"
-        for name, i, o in counts.linear_shapes
-        if -(-i * o // 2) % storage
-    ]
 
 
 def activation_bytes(
@@ -331,97 +241,3 @@ def format_plan(cfg: RunConfig, result: Plan) -> str:
         spare = result.device_gib - result.total_gib
         lines.append(f"  device {result.device_gib:.2f} GiB per rank: {verdict} ({spare:+.2f} GiB)")
     return "\n".join(lines)
-
-
-AUTO_CHECKPOINT_SPARE_GIB = 2.0
-"""checkpoint_layers=auto keeps this much of plan.device_gib free for what the plan misses."""
-
-
-def choose_checkpoint_layers(cfg: RunConfig, counts: ParamCounts) -> int:
-    """The fewest checkpointed layers whose plan fits device_gib with the spare (all if none
-    does: the refusal then shows the full breakdown)."""
-    layers = int(cfg.model.architecture["num_hidden_layers"])
-    if cfg.plan.device_gib is None:
-        return layers
-    budget = cfg.plan.device_gib - AUTO_CHECKPOINT_SPARE_GIB
-    # Up to layers - 1: recomputing the last layer as well would only cost (activation_bytes).
-    for k in range(layers):
-        trial = copy.deepcopy(cfg)
-        trial.trainer.checkpoint_layers = str(k)
-        if plan(trial, counts).total_gib <= budget:
-            return k
-    return layers
-
-
-def resolve_checkpoint_layers(cfg: RunConfig, counts: ParamCounts) -> RunConfig:
-    """``cfg`` with checkpoint_layers=auto replaced by the number chosen (said on stdout)."""
-    if not (cfg.trainer.activation_checkpointing and cfg.trainer.checkpoint_layers == "auto"):
-        return cfg
-    k = choose_checkpoint_layers(cfg, counts)
-    cfg = copy.deepcopy(cfg)
-    cfg.trainer.checkpoint_layers = str(k)
-    layers = cfg.model.architecture["num_hidden_layers"]
-    device, spare = cfg.plan.device_gib, AUTO_CHECKPOINT_SPARE_GIB
-    if device is None:
-        why = "no plan.device_gib to fit"
-    elif plan(cfg, counts).total_gib <= device - spare:
-        why = f"the fewest that fit {device:.2f} GiB with {spare:.0f} GiB to spare"
-    else:
-        why = f"even all of them leave less than {spare:.0f} GiB of {device:.2f} spare"
-    print(f"memtune: checkpoint_layers=auto: {k} of {layers} layers ({why})", flush=True)
-    return cfg
-
-
-@dataclass
-class Fitted:
-    """What fit_to_device decided: the config to run and its plan, and the plan of the config
-    as given (with checkpoint_layers=auto resolved) when plan.auto_fit replaced it."""
-
-    cfg: RunConfig
-    plan: Plan
-    given: RunConfig
-    given_plan: Plan
-    changes: list[str]  # auto_fit's overrides, [] when it changed nothing
-
-
-def fit_to_device(cfg: RunConfig, refuse: bool = True) -> Fitted:
-    """Decide the number of checkpointed layers (checkpoint_layers=auto) and, with
-    plan.auto_fit, a variant that fits. With ``refuse`` (and plan.enforce) a run that cannot
-    fit raises ConfigError with the breakdown and suggestions; plan_only passes False to show
-    the same decisions without refusing."""
-    from memtune.config import ConfigError
-
-    counts = count_params(cfg)
-    problems = quantized_shape_problems(cfg, counts)
-    if problems:
-        raise ConfigError(
-            "peft.method=qlora cannot quantize these layers of model.architecture:\n  "
-            + "\n  ".join(problems)
-        )
-    cfg = resolve_checkpoint_layers(cfg, counts)
-    result = plan(cfg, counts)
-    if not result.fits and cfg.plan.auto_fit:
-        from memtune.autofit import auto_fit
-
-        fit = auto_fit(cfg, result.counts)
-        if fit is not None:
-            # Variants never change what LoRA adapts: the counts stay valid (see auto_fit).
-            chosen = resolve_checkpoint_layers(fit.cfg, counts)
-            chosen_plan = plan(chosen, counts)
-            print(
-                f"memtune: auto_fit: {' '.join(fit.changes)} (planned {chosen_plan.total_gib:.2f} "
-                f"of {result.device_gib:.2f} GiB per rank; as given it needed "
-                f"{result.total_gib:.2f})",
-                flush=True,
-            )
-            return Fitted(chosen, chosen_plan, cfg, result, fit.changes)
-    if not result.fits and cfg.plan.enforce and refuse:
-        from memtune.autofit import format_suggestions
-
-        raise ConfigError(
-            f"this run needs {result.total_gib:.2f} GiB per rank but the device has "
-            f"{result.device_gib:.2f} GiB (plan.device_gib):\n{format_plan(cfg, result)}\n"
-            f"{format_suggestions(cfg, counts)}\n(plan.auto_fit=true picks the fastest variant "
-            "that fits; plan.enforce=false launches anyway)"
-        )
-    return Fitted(cfg, result, cfg, result, [])

@@ -42,6 +42,6 @@ def build_optimizer(
 
 def scheduler_factory(cfg: RunConfig) -> Callable[[torch.optim.Optimizer], Any]:
     """DeepSpeed calls this with whichever optimizer it ends up using."""
-    from memtune.trainer import lr_factor
+    from memtune.rank.loop import lr_factor
 
     return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))

@@ -1,4 +1,4 @@
-"""DeepSpeed's launcher (``deepspeed ARGS``) as ``python -m memtune.ds_runner ARGS``.
+"""DeepSpeed's launcher (``deepspeed ARGS``) as ``python -m memtune.launcher.ds_runner ARGS``.
 
 The same ``deepspeed.launcher.runner.main`` the ``deepspeed`` script calls, in a process that
 imported memtune first, so the filters of :mod:`memtune.quiet` apply to it: a local launch then

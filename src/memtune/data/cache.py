@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from memtune.config import ConfigError, DataConfig, DataSource, cache_dir
-from memtune.data import DataStats, TokenizedDataset, apply_length_policy, encode_records
-from memtune.readers import Record, RecordError, is_local_source, read_source
+from memtune.data.encode import DataStats, TokenizedDataset, apply_length_policy, encode_records
+from memtune.data.readers import Record, RecordError, is_local_source, read_source
 
 CACHE_VERSION = 1
 MAX_BAD_EXAMPLES = 5

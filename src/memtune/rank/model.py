@@ -9,14 +9,9 @@ from typing import Any
 
 import torch
 
-from memtune.config import ConfigError, RunConfig, checkpointed_layers
+from memtune.config import LORA_TARGETS, ConfigError, RunConfig, checkpointed_layers
 
 log = logging.getLogger("memtune")
-
-LORA_TARGETS = {
-    "attention": ["q_proj", "k_proj", "v_proj", "o_proj"],
-    "all-linear": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-}
 
 
 def torch_dtype(cfg: RunConfig) -> torch.dtype:

@@ -1,15 +1,12 @@
-"""The one config tree: typed schema for every Hydra group, validation and derived values.
+"""The typed schema of every Hydra group, and how a composed or saved config becomes a RunConfig.
 
 Each group under ``conf/`` is checked against the dataclass here (registered in Hydra's
 ConfigStore as ``memtune_schema``), so an unknown key or a wrong type fails when Hydra composes
-the config. What a type cannot express (ranges, divisibility, choices) is checked by
-:func:`validate`, which names the offending field.
+the config. Ranges and cross-field rules are :mod:`memtune.config.validate`'s.
 """
 
 from __future__ import annotations
 
-import copy
-import importlib.util
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,10 +14,14 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-ASSETS_DIR = Path(__file__).parent / "assets"
-SOURCE_ROOT = Path(__file__).resolve().parents[2]
+ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets"
+
+
+SOURCE_ROOT = Path(__file__).resolve().parents[3]
 """The checkout memtune runs from (``pip install -e .``): ``conf/``, ``ds_configs/`` and
 ``constraints.txt`` are found there, the bundled data in the package (ASSETS_DIR)."""
+
+
 CONF_DIR = SOURCE_ROOT / "conf"
 
 
@@ -273,194 +274,8 @@ def to_run_config(cfg: DictConfig | dict[str, Any]) -> RunConfig:
     return obj
 
 
-def one_rank_zero(cfg: RunConfig) -> RunConfig:
-    """``cfg``, or a copy on ZeRO-2 when ZeRO-3 would run on one rank (see one_rank_stage2)."""
-    z = cfg.zero
-    if not (cfg.launcher.num_ranks == 1 and z.stage == 3 and z.template is None):
-        return cfg
-    if not z.one_rank_stage2:
-        return cfg
-    out = copy.deepcopy(cfg)
-    out.zero.stage = 2
-    print(
-        "memtune: one rank: ZeRO-2 instead of ZeRO-3 (nothing to shard; ZeRO-3's gather hooks "
-        "only cost time). zero.one_rank_stage2=false keeps ZeRO-3.",
-        flush=True,
-    )
-    return out
-
-
-def checkpointed_layers(cfg: RunConfig) -> int:
-    """Decoder layers that recompute their forward (the first ones): 0 .. num_hidden_layers."""
-    layers = int(cfg.model.architecture.get("num_hidden_layers") or 0)
-    if not cfg.trainer.activation_checkpointing:
-        return 0
-    value = str(cfg.trainer.checkpoint_layers)
-    return layers if value in ("all", "auto") else min(int(value), layers)
-
-
 def load_run_config(path: str | Path) -> RunConfig:
     loaded = OmegaConf.load(path)
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     return to_run_config(loaded)
-
-
-_CHOICES: dict[str, tuple[Any, ...]] = {
-    "zero.stage": (2, 3),
-    "peft.method": ("lora", "qlora", "lora-int8"),
-    "peft.target": ("attention", "all-linear"),
-    "peft.quant_type": ("nf4", "fp4"),
-    "data.format": ("alpaca", "messages", "text"),
-    "data.template": ("chatml", "plain"),
-    "data.overlong": ("truncate", "drop"),
-    "data.on_bad_record": ("error", "skip"),
-    "trainer.precision": ("bf16", "fp32"),
-    "trainer.loss": ("auto", "chunked", "plain", "liger"),
-    "trainer.optimizer": ("adamw", "adamw_8bit", "cpu_adam"),
-    "trainer.on_nonfinite": ("stop", "skip"),
-    "model.attn_implementation": ("auto", "sdpa", "eager", "flash_attention_2"),
-    "logger.backend": ("wandb", "none"),
-    "logger.mode": ("offline", "online", "auto"),
-}
-
-
-def get_field(cfg: RunConfig, dotted: str) -> Any:
-    """``get_field(cfg, "peft.r")`` → cfg.peft.r."""
-    obj: Any = cfg
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def validate(cfg: RunConfig, inputs: bool = True) -> None:
-    """Check what types cannot; raise :class:`ConfigError` naming the first bad field.
-    ``inputs=False`` leaves out the model and data paths (a memory plan needs neither)."""
-    for key, choices in _CHOICES.items():
-        if get_field(cfg, key) not in choices:
-            allowed = " | ".join(str(c) for c in choices)
-            raise ConfigError(f"{key}={get_field(cfg, key)!r} is not supported; choose {allowed}")
-
-    t, p = cfg.trainer, cfg.peft
-    positive = {
-        "peft.r": p.r,
-        "peft.alpha": p.alpha,
-        "trainer.micro_batch_size": t.micro_batch_size,
-        "trainer.global_batch_size": t.global_batch_size,
-        "trainer.max_steps": t.max_steps,
-        "trainer.lr": t.lr,
-        "trainer.log_every": t.log_every,
-        "trainer.loss_chunk_tokens": t.loss_chunk_tokens,
-        "trainer.keep_last": t.keep_last,
-        "trainer.max_skipped_steps": t.max_skipped_steps,
-        "launcher.num_ranks": cfg.launcher.num_ranks,
-        "launcher.nnodes": cfg.launcher.nnodes,
-        "data.max_seq_len": cfg.data.max_seq_len,
-    }
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{key} must be > 0 (got {value})")
-    if not 0.0 <= p.dropout < 1.0:
-        raise ConfigError(f"peft.dropout must be in [0, 1) (got {p.dropout})")
-    if t.warmup_steps < 0:
-        raise ConfigError(f"trainer.warmup_steps must be >= 0 (got {t.warmup_steps})")
-    if not 0.0 <= t.min_lr_ratio <= 1.0:
-        raise ConfigError(f"trainer.min_lr_ratio must be in [0, 1] (got {t.min_lr_ratio})")
-    ckpt = str(t.checkpoint_layers)
-    if ckpt not in ("all", "auto") and not (ckpt.isdigit() and int(ckpt) >= 0):
-        raise ConfigError(
-            f"trainer.checkpoint_layers={ckpt!r} is not supported; choose all | auto | a number "
-            "of layers >= 0"
-        )
-    if t.eval_every < 0:
-        raise ConfigError(f"trainer.eval_every must be >= 0 (got {t.eval_every})")
-    if t.save_every < 0:
-        raise ConfigError(
-            f"trainer.save_every must be >= 0, 0 saves at the end only (got {t.save_every})"
-        )
-    if t.max_grad_norm < 0:
-        raise ConfigError(f"trainer.max_grad_norm must be >= 0, 0 disables (got {t.max_grad_norm})")
-    if cfg.launcher.num_ranks % cfg.launcher.nnodes:
-        raise ConfigError(
-            f"launcher.num_ranks={cfg.launcher.num_ranks} (all ranks) is not a multiple of "
-            f"launcher.nnodes={cfg.launcher.nnodes}: every node runs the same number of ranks"
-        )
-    per_step = t.micro_batch_size * cfg.launcher.num_ranks
-    if t.global_batch_size % per_step:
-        raise ConfigError(
-            f"trainer.global_batch_size={t.global_batch_size} is not a multiple of "
-            f"trainer.micro_batch_size × launcher.num_ranks = {t.micro_batch_size} × "
-            f"{cfg.launcher.num_ranks} = {per_step}"
-        )
-    if t.loss == "liger" and importlib.util.find_spec("liger_kernel") is None:
-        raise ConfigError(
-            "trainer.loss=liger needs the liger-kernel package (CUDA only); "
-            "use trainer.loss=auto to fall back to memtune's chunked loss"
-        )
-    for key in ("zero.reduce_bucket_size", "zero.prefetch_bucket_size"):
-        value = get_field(cfg, key)
-        if value is not None and value <= 0:
-            raise ConfigError(f"{key} must be > 0 when set (got {value})")
-    if (
-        cfg.zero.param_persistence_threshold is not None
-        and cfg.zero.param_persistence_threshold < 0
-    ):
-        raise ConfigError("zero.param_persistence_threshold must be >= 0 when set")
-    arch = cfg.model.architecture
-    if not arch.get("hidden_size"):
-        raise ConfigError(
-            "model.architecture.hidden_size is missing: every model config carries its "
-            "config.json fields (see conf/model/qwen2.5-7b.yaml)"
-        )
-    if cfg.model.name_or_path in ("", "???"):
-        raise ConfigError("model.name_or_path is not set: give a hub name or a local directory")
-    if inputs:
-        _check_model_path(cfg.model)
-        _check_data(cfg.data)
-
-
-def _check_data(data: DataConfig) -> None:
-    from memtune.readers import FORMATS, is_local_source
-
-    if data.path and data.sources:
-        raise ConfigError("data.path and data.sources are both set: use one")
-    if not data.path and not data.sources:
-        raise ConfigError(
-            "data.path is not set: give your file, e.g. data.path=/data/train.jsonl "
-            "(or data.sources for several)"
-        )
-    for i, src in enumerate(data.all_sources()):
-        key = "data.path" if not data.sources else f"data.sources[{i}]"
-        if src.format not in FORMATS:
-            raise ConfigError(f"{key}: format {src.format!r}; choose {' | '.join(FORMATS)}")
-        if src.weight <= 0:
-            raise ConfigError(f"{key}: weight must be > 0 (got {src.weight})")
-        if is_local_source(src.path) and not Path(src.path).expanduser().exists():
-            raise ConfigError(f"{key}={src.path!r}: no such file or folder")
-    if not 0.0 <= data.val_fraction < 1.0:
-        raise ConfigError(f"data.val_fraction must be in [0, 1) (got {data.val_fraction})")
-    if data.val_path and data.val_fraction:
-        raise ConfigError("data.val_path and data.val_fraction are both set: use one")
-    if data.val_path and not Path(data.val_path).expanduser().exists():
-        raise ConfigError(f"data.val_path={data.val_path!r}: no such file or folder")
-    if data.packing and data.group_by_length:
-        raise ConfigError("data.packing and data.group_by_length exclude each other")
-
-
-def _check_model_path(model: ModelConfig) -> None:
-    """A local path must hold a checkpoint; "org/name" is left to the hub (or its cache)."""
-    name = model.name_or_path
-    looks_local = name.startswith(("/", ".", "~"))
-    path = Path(name).expanduser()
-    if model.synthesize or not (looks_local or path.exists()):
-        return
-    if not (path / "config.json").is_file():
-        raise ConfigError(
-            f"model.name_or_path={name!r}: no config.json there; point it at a directory "
-            "saved with save_pretrained (or a hub name such as Qwen/Qwen2.5-7B-Instruct)"
-        )
-
-
-def grad_accumulation_steps(cfg: RunConfig) -> int:
-    t = cfg.trainer
-    return t.global_batch_size // (t.micro_batch_size * cfg.launcher.num_ranks)

@@ -1,10 +1,12 @@
-"""plan.auto_fit: when a run does not fit, pick the fastest variant of it that does; and the
-"Try:" list of a run that does not fit.
+"""What a launch decides from the plan: how many layers recompute (checkpoint_layers=auto),
+whether the run fits plan.device_gib, and with plan.auto_fit the fastest variant that does;
+the "Try:" list of a run that does not fit. It returns decisions and notes; the caller
+prints them.
 
-The variants change only what trades speed for memory: the global batch, the data, the LoRA
-rank and the schedule stay (QLoRA, the dearest, also trades the base's precision). Each
-change has a rough cost in step time (the chunked loss computes the same loss without
-full-sequence logits: free; activation checkpointing recomputes the forward, ~1/3 more
+plan.auto_fit's variants change only what trades speed for memory: the global batch, the
+data, the LoRA rank and the schedule stay (QLoRA, the dearest, also trades the base's
+precision). Each change has a rough cost in step time (the chunked loss computes the same
+loss without full-sequence logits: free; activation checkpointing recomputes the forward, ~1/3 more
 compute; ZeRO-3 gathers weights in every forward and backward; NF4 dequantizes on the fly;
 the 8-bit optimizer's step is dearer but tiny next to the forward; a smaller micro batch uses
 the GPU less well). The cheapest combination whose plan fits wins; ties keep the user's own
@@ -20,7 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from memtune.config import ConfigError, RunConfig, validate
-from memtune.plan import AUTO_CHECKPOINT_SPARE_GIB, ParamCounts, Plan, count_params, plan
+from memtune.memory.counts import ParamCounts, count_params, quantized_shape_problems
+from memtune.memory.estimate import Plan, format_plan, plan
 
 # Relative step time of each change (1.0: free). Rough, on purpose: they only order variants.
 COST_CHUNKED_LOSS = 1.0  # no slower than the plain loss (make bench: faster on CPU)
@@ -188,3 +191,93 @@ def auto_fit(cfg: RunConfig, known: ParamCounts | None = None) -> Fit | None:
             if device is None or fit.plan.total_gib <= device - spare:
                 return fit
     return None
+
+
+AUTO_CHECKPOINT_SPARE_GIB = 2.0
+"""checkpoint_layers=auto keeps this much of plan.device_gib free for what the plan misses."""
+
+
+def choose_checkpoint_layers(cfg: RunConfig, counts: ParamCounts) -> int:
+    """The fewest checkpointed layers whose plan fits device_gib with the spare (all if none
+    does: the refusal then shows the full breakdown)."""
+    layers = int(cfg.model.architecture["num_hidden_layers"])
+    if cfg.plan.device_gib is None:
+        return layers
+    budget = cfg.plan.device_gib - AUTO_CHECKPOINT_SPARE_GIB
+    # Up to layers - 1: recomputing the last layer as well would only cost (activation_bytes).
+    for k in range(layers):
+        trial = copy.deepcopy(cfg)
+        trial.trainer.checkpoint_layers = str(k)
+        if plan(trial, counts).total_gib <= budget:
+            return k
+    return layers
+
+
+def resolve_checkpoint_layers(cfg: RunConfig, counts: ParamCounts) -> tuple[RunConfig, str | None]:
+    """``cfg`` with checkpoint_layers=auto replaced by the number chosen, and a note saying
+    why (None when there was nothing to choose)."""
+    if not (cfg.trainer.activation_checkpointing and cfg.trainer.checkpoint_layers == "auto"):
+        return cfg, None
+    k = choose_checkpoint_layers(cfg, counts)
+    cfg = copy.deepcopy(cfg)
+    cfg.trainer.checkpoint_layers = str(k)
+    layers = cfg.model.architecture["num_hidden_layers"]
+    device, spare = cfg.plan.device_gib, AUTO_CHECKPOINT_SPARE_GIB
+    if device is None:
+        why = "no plan.device_gib to fit"
+    elif plan(cfg, counts).total_gib <= device - spare:
+        why = f"the fewest that fit {device:.2f} GiB with {spare:.0f} GiB to spare"
+    else:
+        why = f"even all of them leave less than {spare:.0f} GiB of {device:.2f} spare"
+    return cfg, f"checkpoint_layers=auto: {k} of {layers} layers ({why})"
+
+
+@dataclass
+class Fitted:
+    """What fit_to_device decided: the config to run and its plan, and the plan of the config
+    as given (with checkpoint_layers=auto resolved) when plan.auto_fit replaced it."""
+
+    cfg: RunConfig
+    plan: Plan
+    given: RunConfig
+    given_plan: Plan
+    changes: list[str]  # auto_fit's overrides, [] when it changed nothing
+    notes: list[str]  # what was decided and why, for the caller to say
+
+
+def fit_to_device(cfg: RunConfig, refuse: bool = True) -> Fitted:
+    """Decide the number of checkpointed layers (checkpoint_layers=auto) and, with
+    plan.auto_fit, a variant that fits. With ``refuse`` (and plan.enforce) a run that cannot
+    fit raises ConfigError with the breakdown and suggestions; plan_only passes False to show
+    the same decisions without refusing."""
+    counts = count_params(cfg)
+    problems = quantized_shape_problems(cfg, counts)
+    if problems:
+        raise ConfigError(
+            "peft.method=qlora cannot quantize these layers of model.architecture:\n  "
+            + "\n  ".join(problems)
+        )
+    cfg, note = resolve_checkpoint_layers(cfg, counts)
+    notes = [note] if note else []
+    result = plan(cfg, counts)
+    if not result.fits and cfg.plan.auto_fit:
+        fit = auto_fit(cfg, result.counts)
+        if fit is not None:
+            # Variants never change what LoRA adapts: the counts stay valid (see auto_fit).
+            chosen, note = resolve_checkpoint_layers(fit.cfg, counts)
+            chosen_plan = plan(chosen, counts)
+            notes += [note] if note else []
+            notes.append(
+                f"auto_fit: {' '.join(fit.changes)} (planned {chosen_plan.total_gib:.2f} "
+                f"of {result.device_gib:.2f} GiB per rank; as given it needed "
+                f"{result.total_gib:.2f})"
+            )
+            return Fitted(chosen, chosen_plan, cfg, result, fit.changes, notes)
+    if not result.fits and cfg.plan.enforce and refuse:
+        raise ConfigError(
+            f"this run needs {result.total_gib:.2f} GiB per rank but the device has "
+            f"{result.device_gib:.2f} GiB (plan.device_gib):\n{format_plan(cfg, result)}\n"
+            f"{format_suggestions(cfg, counts)}\n(plan.auto_fit=true picks the fastest variant "
+            "that fits; plan.enforce=false launches anyway)"
+        )
+    return Fitted(cfg, result, cfg, result, [], notes)

@@ -20,12 +20,12 @@ from pathlib import Path
 import psutil
 
 from memtune.config import RunConfig
-from memtune.extensions import extensions_root
-from memtune.leftovers import clear_shm_buffers, clear_stale_locks
-from memtune.nodes import NODES_HOSTFILE, NodeSpec, resolve
+from memtune.launcher.extensions import extensions_root
+from memtune.launcher.hygiene import clear_shm_buffers, clear_stale_locks
+from memtune.launcher.topology import NODES_HOSTFILE, NodeSpec, resolve
 
 WORKER_MODULE = "memtune.worker"
-DS_RUNNER = "memtune.ds_runner"
+DS_RUNNER = "memtune.launcher.ds_runner"
 """DeepSpeed's own launcher, run in a process with memtune's noise filters (ds_runner.py)."""
 
 

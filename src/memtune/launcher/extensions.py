@@ -1,8 +1,9 @@
 """Pre-build the DeepSpeed ops a CPU run loads, so the one-off build happens at install time.
 
 DeepSpeed builds some native ops on first use through ``torch.utils.cpp_extension`` (on a CPU
-machine its shared-memory all-reduce and CPU Adam). ``python -m memtune.extensions`` (run by ``make
-install``) clears stale build locks (see memtune.leftovers) and builds them once per machine.
+machine its shared-memory all-reduce and CPU Adam). ``python -m memtune.launcher.extensions``
+(run by ``make install``) clears stale build locks (see memtune.launcher.hygiene) and builds them
+once per machine.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from memtune.leftovers import clear_stale_locks
+from memtune.launcher.hygiene import clear_stale_locks
 from memtune.machine import name_cpu_accelerator
 
 

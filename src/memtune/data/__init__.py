@@ -1,0 +1,1 @@
+"""Training data: readers, templates, encoding, the tokenized cache, batching."""

@@ -1,0 +1,1 @@
+"""The job side: one process per run (train.py), never per rank."""

@@ -1,0 +1,290 @@
+"""Check a node's GPUs before its ranks start: ``python -m memtune.preflight --gpus 4``.
+
+What it looks at: how many GPUs are visible (``CUDA_VISIBLE_DEVICES`` respected), their names,
+memory, compute capability and the driver; then, with more than one GPU, a cross-GPU copy and a
+small NCCL all-reduce with peer-to-peer allowed, each under a timeout. From that it decides
+NCCL's switches for the ranks:
+
+- RTX 40-series cards (4090/4090D/4080...) have no NVLink and their PCIe P2P is disabled or
+  broken on many boards and drivers; NCCL then hangs or corrupts data unless
+  ``NCCL_P2P_DISABLE=1``. So P2P is turned off for them unless the checks prove it works.
+- Any card whose P2P check fails gets ``NCCL_P2P_DISABLE=1`` too.
+- One node: ``NCCL_IB_DISABLE=1`` (no InfiniBand probing on a box without it).
+- A variable already set in the environment is the user's decision and is kept as it is.
+
+The checks run in this separate process so the launcher itself never holds a CUDA context.
+The decision is printed and saved as ``RUN_DIR/preflight.json``. Exit code 2: too few GPUs,
+or GPUs that cannot all-reduce at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from memtune.config import LauncherConfig
+from memtune.exit_codes import EXIT_CONFIG
+
+GIB = 1024**3
+CONSUMER_NO_P2P = re.compile(r"RTX\s*40[5-9]0|\b40[5-9]0\b", re.IGNORECASE)
+CHECK_TIMEOUT_S = 60.0
+
+
+class PreflightError(RuntimeError):
+    """This machine cannot run the launch (GPUs missing, NCCL broken). The job reports it like
+    a config error (launcher.job.run_job); ``python -m memtune.preflight`` exits 2."""
+
+
+def gpu_facts() -> dict[str, Any]:
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = []
+    for i in range(count):
+        p = torch.cuda.get_device_properties(i)
+        gpus.append(
+            {
+                "index": i,
+                "name": p.name,
+                "total_gib": round(p.total_memory / GIB, 2),
+                "sm": f"{p.major}{p.minor}",
+            }
+        )
+    driver = _driver_version() if count else None
+    return {
+        "count": count,
+        "gpus": gpus,
+        "driver": driver,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
+
+
+def _driver_version() -> str | None:
+    """The NVIDIA driver version from nvidia-smi, or None where it is not on the PATH."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.splitlines()[0].strip() if out.stdout.strip() else None
+
+
+def _copy_check(n: int) -> dict[str, Any]:
+    """cuda:0 → cuda:i copies of a known pattern; the values must survive."""
+    import torch
+
+    result: dict[str, Any] = {"ok": True, "peer_access": [], "bad_pairs": []}
+    src = torch.arange(1 << 20, dtype=torch.float32, device="cuda:0")
+    for i in range(1, n):
+        result["peer_access"].append(torch.cuda.can_device_access_peer(0, i))
+        dst = src.to(f"cuda:{i}")
+        torch.cuda.synchronize(i)
+        if not torch.equal(dst.cpu(), src.cpu()):
+            result["ok"] = False
+            result["bad_pairs"].append([0, i])
+    return result
+
+
+def _all_reduce_rank(rank: int, world: int, port: int, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    x = torch.empty((1 << 22,), device=f"cuda:{rank}")  # 16 MiB
+    start = time.perf_counter()
+    for _ in range(3):
+        x.fill_(float(rank + 1))
+        dist.all_reduce(x)  # every element: 1 + 2 + ... + world
+    torch.cuda.synchronize()
+    out.put((rank, float(x[0]), time.perf_counter() - start))
+    dist.destroy_process_group()
+
+
+def _all_reduce_check(n: int, env: Mapping[str, str], timeout_s: float) -> dict[str, Any]:
+    """An NCCL all-reduce over the n GPUs in fresh processes, killed after ``timeout_s``."""
+    import multiprocessing as mp
+
+    from memtune.launcher.spawn import free_port
+
+    port = free_port()
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_all_reduce_rank, args=(r, n, port, out)) for r in range(n)]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        rows: list[tuple[int, float, float]] = []
+        while len(rows) < n and time.monotonic() < deadline:
+            try:
+                rows.append(out.get(timeout=max(0.1, deadline - time.monotonic())))
+            except Exception:
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    if len(rows) < n:
+        return {"ok": False, "error": f"no result from {n - len(rows)} rank(s) in {timeout_s} s"}
+    expected = n * (n + 1) / 2
+    bad = [r for r, v, _ in rows if v != expected]
+    seconds = max(s for _, _, s in rows)
+    return {"ok": not bad, "seconds": round(seconds, 4), "bad_ranks": bad}
+
+
+def nccl_env_decision(
+    facts: Mapping[str, Any],
+    checks: Mapping[str, Any],
+    nnodes: int,
+    env: Mapping[str, str],
+) -> dict[str, Any]:
+    """The NCCL environment for the ranks and the reason for each choice (pure logic)."""
+    chosen: dict[str, str] = {}
+    reasons: list[str] = []
+    names = [g["name"] for g in facts.get("gpus", [])]
+    consumer = any(CONSUMER_NO_P2P.search(n) for n in names)
+    p2p_proven = bool(checks.get("copy", {}).get("ok")) and bool(
+        checks.get("all_reduce_p2p", {}).get("ok")
+    )
+    if "NCCL_P2P_DISABLE" in env:
+        reasons.append(f"NCCL_P2P_DISABLE={env['NCCL_P2P_DISABLE']}: set by you, kept")
+    elif len(names) < 2:
+        reasons.append("P2P: one GPU on this node, nothing to decide")
+    elif p2p_proven:
+        reasons.append("P2P: kept on; the cross-GPU copy and the NCCL all-reduce with P2P passed")
+    elif consumer:
+        chosen["NCCL_P2P_DISABLE"] = "1"
+        reasons.append(
+            "NCCL_P2P_DISABLE=1: RTX 40-series cards, and the checks did not prove P2P works"
+        )
+    else:
+        chosen["NCCL_P2P_DISABLE"] = "1"
+        reasons.append("NCCL_P2P_DISABLE=1: the P2P copy or all-reduce check failed")
+    if "NCCL_IB_DISABLE" in env:
+        reasons.append(f"NCCL_IB_DISABLE={env['NCCL_IB_DISABLE']}: set by you, kept")
+    elif nnodes == 1:
+        chosen["NCCL_IB_DISABLE"] = "1"
+        reasons.append("NCCL_IB_DISABLE=1: a single node, no InfiniBand between ranks")
+    return {"env": chosen, "reasons": reasons}
+
+
+def run_checks(required: int, nnodes: int, timeout_s: float = CHECK_TIMEOUT_S) -> dict[str, Any]:
+    facts = gpu_facts()
+    count = facts["count"]
+    if count < required:
+        hint = (
+            "this machine has no usable CUDA GPU (or torch is a CPU build); "
+            "`make train` runs the CPU demo"
+            if count == 0
+            else "set CUDA_VISIBLE_DEVICES or launcher.num_ranks to what is there"
+        )
+        raise PreflightError(f"{required} GPUs needed, {count} visible: {hint}")
+    checks: dict[str, Any] = {}
+    if required > 1:
+        checks["copy"] = _copy_check(required)
+        checks["all_reduce_p2p"] = _all_reduce_check(required, {}, timeout_s)
+    decision = nccl_env_decision(facts, checks, nnodes, os.environ)
+    if required > 1 and not checks["all_reduce_p2p"]["ok"]:
+        # P2P off must work, or NCCL itself is broken here: say so before the ranks hang.
+        checks["all_reduce_no_p2p"] = _all_reduce_check(
+            required, {**decision["env"], "NCCL_P2P_DISABLE": "1"}, timeout_s
+        )
+        if not checks["all_reduce_no_p2p"]["ok"]:
+            raise PreflightError(
+                f"an NCCL all-reduce over {required} GPUs fails even with P2P off "
+                f"({checks['all_reduce_no_p2p']}); check the driver and NCCL install"
+            )
+    return {"facts": facts, "checks": checks, **decision}
+
+
+def describe(record: Mapping[str, Any], required: int) -> list[str]:
+    facts = record["facts"]
+    lines = [f"memtune: preflight: {facts['count']} GPU(s) visible, using {required}"]
+    for g in facts["gpus"][:required]:
+        lines.append(f"  cuda:{g['index']} {g['name']} · {g['total_gib']:.1f} GiB · sm_{g['sm']}")
+    lines.append(
+        f"  driver {facts['driver'] or '?'} · torch {facts['torch']} · CUDA {facts['cuda']}"
+    )
+    for name, check in record["checks"].items():
+        lines.append(f"  check {name}: {'ok' if check.get('ok') else 'FAILED'} {check}")
+    lines.extend(f"  {r}" for r in record["reasons"])
+    return lines
+
+
+def for_launch(
+    launcher: LauncherConfig, ranks_per_node: int, nnodes: int, out: Path
+) -> dict[str, str]:
+    """The launcher's preflight, run by train.py before it tokenizes or plans anything: {} on a
+    machine without CUDA (CPU ranks; refused with launcher.require_gpus), else the NCCL
+    environment decided by ``python -m memtune.preflight`` run as a child (timed out), so the
+    launcher itself never holds a CUDA context."""
+    import subprocess
+
+    import torch
+
+    if not torch.cuda.is_available():
+        if launcher.require_gpus:
+            raise PreflightError(
+                f"{ranks_per_node} GPUs needed on this node, 0 visible (no CUDA device; "
+                "launcher.require_gpus=true: this experiment is not for CPU ranks)"
+            )
+        return {}
+    if not launcher.preflight:
+        return {}
+    cmd = [sys.executable, "-m", "memtune.preflight", "--gpus", str(ranks_per_node)]
+    cmd += ["--nnodes", str(nnodes), "--json", str(out)]
+    try:
+        proc = subprocess.run(cmd, timeout=4 * CHECK_TIMEOUT_S + 60)
+    except subprocess.TimeoutExpired as err:
+        raise PreflightError(f"the GPU checks did not finish in {err.timeout:.0f} s") from None
+    if proc.returncode != 0:
+        raise PreflightError(f"the GPU checks failed (exit code {proc.returncode}, see above)")
+    return dict(json.loads(out.read_text())["env"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m memtune.preflight", description=__doc__)
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs this node must have")
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--json", type=Path, help="write the record here")
+    parser.add_argument("--timeout", type=float, default=CHECK_TIMEOUT_S)
+    args = parser.parse_args(argv)
+    try:
+        record = run_checks(args.gpus, args.nnodes, args.timeout)
+    except PreflightError as err:
+        print(f"memtune: preflight: {err}", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG) from None
+    print("\n".join(describe(record, args.gpus)), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

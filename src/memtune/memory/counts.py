@@ -1,0 +1,109 @@
+"""Parameter counts from the real architecture, and the shape rules of a quantized base.
+
+The model is instantiated on the meta device from ``model.architecture`` (the fields of its
+config.json) and LoRA is applied to it with peft, so nothing is downloaded and no formula
+guesses which layers exist.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memtune.config import RunConfig
+
+
+@dataclass
+class ParamCounts:
+    """From the meta-device model: where the base's parameters are, and LoRA's."""
+
+    linear: int  # decoder linear weights (quantized under QLoRA / int8)
+    layer: int  # parameters of one decoder layer
+    linear_rows: int  # their output rows (int8 keeps one fp32 scale per row)
+    embedding: int
+    head: int  # 0 when tied to the embedding
+    small: int  # norms and biases: under ZeRO-3's persistence threshold, never sharded
+    lora: int
+    lora_inputs: list[tuple[str, int, int]]  # (name, in_features, r) of each target in a layer
+    linear_shapes: list[tuple[str, int, int]]  # (name in a layer, in, out) of each linear layer
+
+    @property
+    def base(self) -> int:
+        return self.linear + self.embedding + self.head + self.small
+
+
+def _arch_config(cfg: RunConfig) -> Any:
+    from transformers import AutoConfig
+
+    arch = dict(cfg.model.architecture)
+    return AutoConfig.for_model(arch.pop("model_type"), **arch)
+
+
+def count_params(cfg: RunConfig) -> ParamCounts:
+    """Instantiate the architecture on the meta device, add LoRA with peft, and count."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from memtune.config import LORA_TARGETS
+
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model = AutoModelForCausalLM.from_config(_arch_config(cfg))
+        embedding = model.get_input_embeddings().weight
+        head = model.get_output_embeddings()
+        tied = head is not None and head.weight is embedding
+        linear = rows = small = 0
+        for module in model.get_decoder().layers.modules():
+            if isinstance(module, torch.nn.Linear):
+                linear += module.weight.numel()
+                rows += module.out_features
+        n_all = sum(p.numel() for p in model.parameters())
+        layer = sum(q.numel() for q in model.get_decoder().layers[0].parameters())
+        head_n = 0 if tied or head is None else head.weight.numel()
+        small = n_all - linear - embedding.numel() - head_n
+        p = cfg.peft
+        targets = LORA_TARGETS[p.target]
+        layer0 = model.get_decoder().layers[0]
+        linear_shapes = [
+            (name, m.in_features, m.out_features)
+            for name, m in layer0.named_modules()
+            if isinstance(m, torch.nn.Linear)
+        ]
+        lora_inputs = [
+            (name.split(".")[-1], i, p.r)
+            for name, i, _ in linear_shapes
+            if name.split(".")[-1] in targets
+        ]
+        peft_model = get_peft_model(
+            model, LoraConfig(r=p.r, lora_alpha=p.alpha, target_modules=targets)
+        )
+        lora = sum(q.numel() for q in peft_model.parameters() if q.requires_grad)
+    return ParamCounts(
+        linear, layer, rows, embedding.numel(), head_n, small, lora, lora_inputs, linear_shapes
+    )
+
+
+def quantized_shape_problems(cfg: RunConfig, counts: ParamCounts) -> list[str]:
+    """The decoder's linear layers whose shape bitsandbytes cannot quantize as configured.
+
+    A QLoRA base stores each 4-bit weight as packed bytes (two weights a byte) viewed as the
+    storage dtype (model.quantization_config: the compute dtype, so ZeRO-3 can shard it), which
+    needs ceil(in × out / 2) to be a multiple of that dtype's size; otherwise bitsandbytes fails
+    deep inside from_pretrained ("must be divisible by 2 to view Byte as BFloat16"). Real
+    checkpoints' widths are multiples of 64, but a custom architecture may not be. (LLM.int8
+    keeps one int8 per weight: no such rule. bitsandbytes' CPU inference layout needs
+    out % 32 == 0 too, but training never uses it: model.keep_training_layout.)
+    """
+    if cfg.peft.method != "qlora":
+        return []
+    storage = 2 if cfg.trainer.precision == "bf16" else 4
+    dtype = "bf16" if storage == 2 else "fp32"
+    return [
+        f"model.layers.*.{name} (in {i}, out {o}): {-(-i * o // 2):,} packed bytes are not a "
+        f"multiple of {storage} ({dtype} storage, bnb_4bit_quant_storage)"
+        for name, i, o in counts.linear_shapes
+        if -(-i * o // 2) % storage
+    ]

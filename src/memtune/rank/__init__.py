@@ -1,0 +1,1 @@
+"""The rank side: one process per GPU (or CPU rank), started by the launcher."""

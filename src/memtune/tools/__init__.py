@@ -1,0 +1,1 @@
+"""Tools around a run: the tiny demo model, generation, merging."""

@@ -1,0 +1,87 @@
+"""Answer a prompt with a trained adapter (or a merged model), rendered exactly as in training.
+
+    python -m memtune.generate RUN_DIR "What is the capital of France?"
+    python -m memtune.generate RUN_DIR --model MERGED_DIR "..."
+
+The run's config gives the template and system prompt, so the prompt is the same text the
+model was trained on. Generation stops at the turn's end marker (``<|im_end|>`` in ChatML)
+or the tokenizer's eos.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memtune.config import load_run_config
+from memtune.data.templates import IM_END, render_prompt, with_system
+
+
+def stop_token_ids(tokenizer: Any) -> list[int]:
+    """Every id that ends an answer: eos, and <|im_end|> when the vocabulary has it."""
+    ids = {tokenizer.eos_token_id}
+    im_end = tokenizer.convert_tokens_to_ids(IM_END)
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return sorted(i for i in ids if i is not None)
+
+
+def load(run_dir: Path, model_dir: Path | None = None) -> tuple[Any, Any]:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapter = run_dir / "adapter"
+    model: Any
+    if model_dir is not None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    else:
+        cfg = load_run_config(run_dir / "config.yaml")
+        base = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path)
+        model = PeftModel.from_pretrained(base, str(adapter))
+        tokenizer = AutoTokenizer.from_pretrained(adapter)
+    return model.eval(), tokenizer
+
+
+def answer(
+    model: Any, tokenizer: Any, run_dir: Path, prompt: str, max_new_tokens: int = 128
+) -> tuple[str, list[int]]:
+    """Greedy answer to one user turn; returns (text, generated ids)."""
+    cfg = load_run_config(run_dir / "config.yaml")
+    messages = with_system([{"role": "user", "content": prompt}], cfg.data.system_prompt)
+    text = render_prompt(messages, cfg.data.template, tokenizer.eos_token)
+    ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+    stops = stop_token_ids(tokenizer)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=stops,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    new = out[0, ids.shape[1] :].tolist()
+    return tokenizer.decode(new, skip_special_tokens=True), new
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m memtune.generate", description=__doc__)
+    parser.add_argument("run_dir", type=Path, help="a finished run dir (config.yaml, adapter/)")
+    parser.add_argument("prompt")
+    parser.add_argument("--model", type=Path, help="a merged model dir instead of base+adapter")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    args = parser.parse_args(argv)
+    model, tokenizer = load(args.run_dir, args.model)
+    text, new = answer(model, tokenizer, args.run_dir, args.prompt, args.max_new_tokens)
+    if text.strip():
+        print(text)
+    else:
+        print(f"(empty answer: the model ended its turn after {len(new)} token(s))")
+
+
+if __name__ == "__main__":
+    main()
