@@ -42,6 +42,7 @@ from memtune.config import RunConfig, grad_accumulation_steps, load_run_config
 from memtune.data.cache import load_split
 from memtune.rank.model import lora_config
 from memtune.rank.telemetry import memory_snapshot
+from memtune.rundir import RunDir
 
 
 def load_samples(prepared_dir: str) -> list[dict[str, list[int]]]:
@@ -126,8 +127,8 @@ class StepClock(TrainerCallback):
 
 
 def run(run_dir: Path) -> dict[str, Any]:
-    cfg = load_run_config(run_dir / "config.yaml")
-    data_dir = json.loads((run_dir / "data.json").read_text())["dir"]
+    cfg = load_run_config(RunDir(run_dir).config)
+    data_dir = RunDir(run_dir).read_data().dir
     torch.manual_seed(cfg.trainer.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
     model = build_model(cfg)

@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ from memtune.config import RunConfig, compose, register_configs
 from memtune.launcher.hygiene import SHM_DIR, SHM_PREFIX
 from memtune.launcher.prepare import prepare_run_dir
 from memtune.launcher.spawn import launch, rank_env
+from memtune.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = Path(__file__).resolve().with_name("baseline.py")
@@ -164,9 +165,10 @@ def output_to(log: Path) -> Iterator[None]:
 
 
 def _read_memtune(run_dir: Path) -> dict[str, Any]:
-    summary = json.loads((run_dir / "summary.json").read_text())
-    memory = json.loads((run_dir / "memory.json").read_text())
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rd = RunDir(run_dir)
+    summary = asdict(rd.read_summary())
+    memory = json.loads(rd.memory.read_text())
+    rows = [json.loads(line) for line in rd.metrics.read_text().splitlines()]
     return {
         "steps": summary["steps"],
         "real_tokens": summary["input_tokens"],
@@ -390,7 +392,7 @@ def run_rounds(s: Settings, base: list[str], work: Path) -> dict[str, list[dict[
 
 def collect(s: Settings, work: Path, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     first = {v.key: work / f"0-{v.key}" for v in s.variants}
-    data = json.loads((first["baseline"] / "data.json").read_text())["train"]
+    data = RunDir(first["baseline"]).read_data().train
     base_runs = runs["baseline"]
     return {
         "date": dt.date.today().isoformat(),

@@ -615,20 +615,12 @@ def init_one_rank(device: Any) -> None:
 def run_memtune(phase: Phase, deadline: float) -> None:
     """memtune's model, loss, optimizer, DeepSpeed engine and training loop, as
     ``memtune.worker.run`` assembles them, on a base built in memory."""
-    from transformers.integrations import HfDeepSpeedConfig
-
     from memtune.config.deepspeed import build_ds_config
     from memtune.memory.counts import count_params
+    from memtune.rank.build import build_rank
     from memtune.rank.loop import Hooks, TrainResult, train
-    from memtune.rank.loss import resolve_loss_kind
-    from memtune.rank.model import (
-        add_lora,
-        choose_attention,
-        quantization_config,
-        set_checkpointed_layers,
-    )
+    from memtune.rank.model import quantization_config, set_checkpointed_layers
     from memtune.rank.telemetry import NullLogger
-    from memtune.rank.worker import build_engine
 
     mode, method = phase.mode, phase.method
     device = device_and_env(phase)
@@ -637,28 +629,31 @@ def run_memtune(phase: Phase, deadline: float) -> None:
     counts = count_params(cfg0)
     cfg = at_length(cfg0, mode.lengths[0], counts)
     ds_config = build_ds_config(cfg)
-    attn = choose_attention(cfg.model.attn_implementation, device.type)
     leftover = memory_now(device).get("allocated_gib", 0.0)
 
     quant = quantization_config(cfg)
-    if quant is None:
-        # Kept alive while building: transformers then creates the model under zero.Init,
-        # partitioned as it is built, as memtune.worker keeps it alive over from_pretrained.
-        hf_ds = HfDeepSpeedConfig(ds_config) if cfg.zero.stage == 3 else None
-        base = build_base(cfg, device, attn)
-    else:
-        hf_ds = None
-        base = quantize_decoder(build_base(cfg, device, attn), quant, device)
-    zero_init = any(hasattr(q, "ds_id") for q in base.parameters())
-    model = add_lora(base, cfg)
+
+    built: dict[str, bool] = {}
+
+    def load_base(c: Any, attn: str) -> Any:
+        """The real architecture with random weights, in memory (nothing to download)."""
+        base = build_base(c, device, attn)
+        built["zero_init"] = any(hasattr(q, "ds_id") for q in base.parameters())
+        return base if quant is None else quantize_decoder(base, quant, device)
+
+    # The rank's parts exactly as memtune.worker builds them; only the base differs. A 4-bit
+    # base is quantized here in memory, outside zero.Init (from_pretrained does that itself).
+    parts = build_rank(
+        cfg, ds_config, device, load_base=load_base, zero_init=quant is None and cfg.zero.stage == 3
+    )
+    engine, attn, loss_kind = parts.engine, parts.attention, parts.loss_kind
+    model = parts.model
+    zero_init = built["zero_init"]
     params = [q for q in model.parameters() if q.requires_grad]
-    engine, optimizer_note = build_engine(cfg, model, device, ds_config)
-    loss_kind = resolve_loss_kind(cfg.trainer.loss, device)
-    del hf_ds
     phase.data["notes"].append(
-        f"attention {attn}; loss {loss_kind}; ZeRO-{cfg.zero.stage} on 1 rank; {optimizer_note}; "
-        f"base built under zero.Init: {zero_init}; LoRA weights {params[0].dtype} after "
-        f"deepspeed.initialize; {len(params)} trainable tensors"
+        f"attention {attn}; loss {loss_kind}; ZeRO-{cfg.zero.stage} on 1 rank; "
+        f"{parts.optimizer_note}; base built under zero.Init: {zero_init}; LoRA weights "
+        f"{params[0].dtype} after deepspeed.initialize; {len(params)} trainable tensors"
     )
 
     class StepClock(Hooks):

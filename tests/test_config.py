@@ -121,11 +121,14 @@ def test_data_sources_from_the_command_line(tmp_path: Path) -> None:
 
 def test_one_rank_runs_zero2_instead_of_zero3(capsys) -> None:
     from memtune.config import one_rank_zero
+    from memtune.launcher.prepare import decide
 
     def stage(*overrides: str) -> int:
         return one_rank_zero(to_run_config(compose_cfg(["zero=zero3", *overrides]))).zero.stage
 
     assert stage("launcher.num_ranks=1") == 2
+    # The job says so when it decides (config.derive only derives).
+    decide(to_run_config(compose_cfg(["zero=zero3", "launcher.num_ranks=1"])))
     assert "ZeRO-2 instead of ZeRO-3" in capsys.readouterr().out
     assert stage("launcher.num_ranks=2") == 3
     assert stage("launcher.num_ranks=1", "zero.one_rank_stage2=false") == 3

@@ -12,7 +12,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from memtune.config import SOURCE_ROOT, ConfigError, RunConfig, grad_accumulation_steps
+from memtune.config import (
+    SOURCE_ROOT,
+    ConfigError,
+    RunConfig,
+    grad_accumulation_steps,
+    persistence_threshold,
+    prefetch_bucket_elements,
+    reduce_bucket_elements,
+)
 
 DS_CONFIG_DIR = SOURCE_ROOT / "ds_configs"
 
@@ -20,7 +28,6 @@ DS_CONFIG_DIR = SOURCE_ROOT / "ds_configs"
 def derived_values(cfg: RunConfig) -> dict[str, Any]:
     """Every DeepSpeed value memtune derives, keyed by dotted JSON path."""
     t, z = cfg.trainer, cfg.zero
-    h = int(cfg.model.architecture["hidden_size"])
     values: dict[str, Any] = {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
@@ -33,7 +40,7 @@ def derived_values(cfg: RunConfig) -> dict[str, Any]:
         # adapters are small, so this costs MBs, and 8+ bf16 additions lose low bits.
         "data_types.grad_accum_dtype": "fp32",
         "zero_optimization.stage": z.stage,
-        "zero_optimization.reduce_bucket_size": z.reduce_bucket_size or h * h,
+        "zero_optimization.reduce_bucket_size": reduce_bucket_elements(cfg),
     }
     if t.optimizer == "cpu_adam":
         # DeepSpeed builds DeepSpeedCPUAdam itself only from its own config (see optim.py).
@@ -45,15 +52,10 @@ def derived_values(cfg: RunConfig) -> dict[str, Any]:
         # ZeRO wraps bitsandbytes' optimizer like any other; DeepSpeed asks for this opt-in.
         values["zero_allow_untested_optimizer"] = True
     if z.stage == 2:
-        values["zero_optimization.allgather_bucket_size"] = z.reduce_bucket_size or h * h
+        values["zero_optimization.allgather_bucket_size"] = reduce_bucket_elements(cfg)
     else:
-        values["zero_optimization.stage3_prefetch_bucket_size"] = z.prefetch_bucket_size or int(
-            0.9 * h * h
-        )
-        threshold = z.param_persistence_threshold
-        values["zero_optimization.stage3_param_persistence_threshold"] = (
-            10 * h if threshold is None else threshold
-        )
+        values["zero_optimization.stage3_prefetch_bucket_size"] = prefetch_bucket_elements(cfg)
+        values["zero_optimization.stage3_param_persistence_threshold"] = persistence_threshold(cfg)
         values["zero_optimization.stage3_gather_16bit_weights_on_model_save"] = True
     return values
 

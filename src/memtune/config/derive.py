@@ -38,3 +38,34 @@ def checkpointed_layers(cfg: RunConfig) -> int:
 def grad_accumulation_steps(cfg: RunConfig) -> int:
     t = cfg.trainer
     return t.global_batch_size // (t.micro_batch_size * cfg.launcher.num_ranks)
+
+
+def compute_bytes(cfg: RunConfig) -> int:
+    """Bytes per element of the compute dtype (trainer.precision): bf16 2, fp32 4."""
+    return 2 if cfg.trainer.precision == "bf16" else 4
+
+
+def reduce_bucket_elements(cfg: RunConfig) -> int:
+    """DeepSpeed's gradient reduce (and ZeRO-2 all-gather) bucket: zero.reduce_bucket_size, by
+    default hidden_size²."""
+    h = int(cfg.model.architecture["hidden_size"])
+    return cfg.zero.reduce_bucket_size or h * h
+
+
+def prefetch_bucket_elements(cfg: RunConfig) -> int:
+    """ZeRO-3's parameter prefetch bucket: zero.prefetch_bucket_size, by default 0.9·hidden²."""
+    h = int(cfg.model.architecture["hidden_size"])
+    return cfg.zero.prefetch_bucket_size or int(0.9 * h * h)
+
+
+def persistence_threshold(cfg: RunConfig) -> int:
+    """ZeRO-3: parameters smaller than this stay gathered; zero.param_persistence_threshold,
+    by default 10·hidden_size."""
+    t = cfg.zero.param_persistence_threshold
+    return 10 * int(cfg.model.architecture["hidden_size"]) if t is None else t
+
+
+def checkpointing_label(cfg: RunConfig) -> str:
+    """How many decoder layers recompute, for humans: "off", "all 28 layers", "9 of 28 layers"."""
+    k, layers = checkpointed_layers(cfg), int(cfg.model.architecture["num_hidden_layers"])
+    return "off" if k == 0 else f"all {layers} layers" if k == layers else f"{k} of {layers} layers"

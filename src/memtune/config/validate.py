@@ -153,9 +153,8 @@ def _check_data(data: DataConfig) -> None:
 def _check_model_path(model: ModelConfig) -> None:
     """A local path must hold a checkpoint; "org/name" is left to the hub (or its cache)."""
     name = model.name_or_path
-    looks_local = name.startswith(("/", ".", "~"))
     path = Path(name).expanduser()
-    if model.synthesize or not (looks_local or path.exists()):
+    if model.synthesize or not is_local_source(name):
         return
     if not (path / "config.json").is_file():
         raise ConfigError(

@@ -6,7 +6,6 @@ run that cannot fit, or a machine that cannot run it, stop before anything is to
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -25,16 +24,11 @@ from memtune.launcher.topology import announce_ready, resolve, wait_ready, write
 from memtune.machine import name_cpu_accelerator, versions_line
 from memtune.memory.estimate import format_plan
 from memtune.memory.fit import format_suggestions
+from memtune.rundir import RunDir
 
 FAILED_POINTS: list[str] = []
 WAIT_FOR_NODE0_S = 3600.0
 """Per-node form: how long nodes 1.. wait for node 0 to tokenize the data and plan."""
-
-
-def _write_exit(run_dir: Path, code: int, error: str | None = None) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    record = {"code": code} if error is None else {"code": code, "error": error}
-    (run_dir / "exit.json").write_text(json.dumps(record) + "\n")
 
 
 def print_plan(cfg: DictConfig) -> int:
@@ -85,17 +79,19 @@ def run_job(cfg: DictConfig) -> None:
         # Config and memory first, then the GPUs, then the data: a run that cannot fit, or a
         # machine that cannot run it, stops before anything is tokenized.
         fitted = decide(given) if spec.node_rank == 0 else None
-        suffix = "" if spec.node_rank == 0 else f"-node{spec.node_rank}"
         run_dir.mkdir(parents=True, exist_ok=True)
         nccl_env = for_launch(
-            given.launcher, spec.ranks_per_node, spec.nnodes, run_dir / f"preflight{suffix}.json"
+            given.launcher,
+            spec.ranks_per_node,
+            spec.nnodes,
+            RunDir(run_dir).preflight(spec.node_rank),
         )
         if fitted is not None:
             run_cfg = prepare_run_dir(cfg, run_dir, fitted)
         else:
             print(f"memtune: node {spec.node_rank}: waiting for node 0 to prepare {run_dir}")
             wait_ready(run_dir, spec, timeout_s=WAIT_FOR_NODE0_S)
-            run_cfg = load_run_config(run_dir / "config.yaml")
+            run_cfg = load_run_config(RunDir(run_dir).config)
     except (ConfigError, PreflightError) as err:
         # The one place that decides what a failure before launch ends: this job, or in a
         # sweep this point only (the other points still run).
@@ -107,7 +103,7 @@ def run_job(cfg: DictConfig) -> None:
             )
             announce_ready(run_dir, spec, error=why)
         # The run dir Hydra made says why it holds no run.
-        _write_exit(run_dir, EXIT_CONFIG, f"{kind}: {err}")
+        RunDir(run_dir).write_exit(EXIT_CONFIG, f"{kind}: {err}")
         if not sweeping:
             sys.exit(EXIT_CONFIG)
         FAILED_POINTS.append(str(run_dir))
@@ -131,7 +127,7 @@ def run_job(cfg: DictConfig) -> None:
         # A sweep point in a submitit job: its checkpoint is saved; submitit's own handler for
         # the same signal now requeues the job (hydra/launcher=slurm, max_num_timeout).
         signal.raise_signal(signal.SIGUSR2)
-    _write_exit(run_dir, code)
+    RunDir(run_dir).write_exit(code)
     if code == EXIT_REQUEUE:
         print(f"memtune: stopped with a checkpoint (exit code {code}); run dir {run_dir}")
     elif code != 0:

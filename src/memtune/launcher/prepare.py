@@ -7,12 +7,21 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from memtune.config import RunConfig, get_field, one_rank_zero, to_run_config, validate
+from memtune.config import (
+    ConfigError,
+    RunConfig,
+    get_field,
+    load_run_config,
+    one_rank_zero,
+    to_run_config,
+    validate,
+)
 from memtune.config.deepspeed import build_ds_config
 from memtune.data.cache import Prepared, preprocess
 from memtune.machine import versions_line
 from memtune.memory.estimate import format_plan
 from memtune.memory.fit import Fitted, fit_to_device
+from memtune.rundir import DataRecord, RecordError, RunDir, TrainState, find_latest, is_complete
 
 
 def decide(cfg: RunConfig, refuse: bool = True) -> Fitted:
@@ -54,26 +63,26 @@ def prepare_run_dir(cfg_node: DictConfig, run_dir: Path, fitted: Fitted | None =
         synthesize(cfg.model.name_or_path, cfg.model.architecture)
     prepared = prepare_data(cfg)
     resume = resolve_resume(cfg, run_dir, prepared.dir)
+    rd = RunDir(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
-    (run_dir / "plan.txt").write_text(
-        f"{format_plan(cfg, memory_plan)}\nversions: {versions_line()}\n"
-    )
+    rd.config.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    rd.ds_config.write_text(json.dumps(ds_config, indent=2) + "\n")
+    rd.plan.write_text(f"{format_plan(cfg, memory_plan)}\nversions: {versions_line()}\n")
     device = f" of {memory_plan.device_gib:.2f}" if memory_plan.device_gib else ""
     print(
         f"memtune: memory plan {memory_plan.total_gib:.2f}{device} GiB per rank "
-        f"(breakdown: {run_dir / 'plan.txt'})",
+        f"(breakdown: {rd.plan})",
         flush=True,
     )
-    data_record = {
-        "dir": str(prepared.dir),
-        "reused": prepared.reused,
-        "train": prepared.train.as_dict(),
-        "val": prepared.val and prepared.val.as_dict(),
-    }
-    (run_dir / "data.json").write_text(json.dumps(data_record, indent=2) + "\n")
-    (run_dir / "resume.json").write_text(json.dumps({"checkpoint": resume and str(resume)}) + "\n")
+    rd.write_data(
+        DataRecord(
+            dir=str(prepared.dir),
+            reused=prepared.reused,
+            train=prepared.train.as_dict(),
+            val=None if prepared.val is None else prepared.val.as_dict(),
+        )
+    )
+    rd.write_resume(resume)
     return cfg
 
 
@@ -112,9 +121,6 @@ RESUME_MUST_MATCH = {
 
 def resolve_resume(cfg: RunConfig, run_dir: Path, data_dir: Path) -> Path | None:
     """The checkpoint to continue from, checked against the config before any rank starts."""
-    from memtune.config import ConfigError, load_run_config
-    from memtune.rank.checkpoint import find_latest, is_complete
-
     if cfg.resume == "never":
         return None
     if cfg.resume == "auto":
@@ -133,8 +139,8 @@ def resolve_resume(cfg: RunConfig, run_dir: Path, data_dir: Path) -> Path | None
         old, new = get_field(saved, key), get_field(cfg, key)
         if old != new:
             diffs.append(f"  {key}: checkpoint {old!r}, now {new!r} ({what})")
-    state = json.loads((ckpt / "trainer_state.json").read_text())
-    if state.get("data_dir") and Path(state["data_dir"]).name != data_dir.name:
+    state = _train_state(ckpt)
+    if state.data_dir and Path(state.data_dir).name != data_dir.name:
         diffs.append("  data: the tokenized data differs from the checkpoint's (files or settings)")
     if diffs:
         raise ConfigError(
@@ -143,19 +149,27 @@ def resolve_resume(cfg: RunConfig, run_dir: Path, data_dir: Path) -> Path | None
             + "\nRestore those values, or start fresh: resume=never (or a new run_dir). "
             "The adapter of that checkpoint is in its adapter/ folder."
         )
-    print(f"memtune: resuming from {ckpt} (step {state['step']})", flush=True)
+    print(f"memtune: resuming from {ckpt} (step {state.step})", flush=True)
     return ckpt
+
+
+def _train_state(ckpt: Path) -> TrainState:
+    """The checkpoint's state, or a ConfigError naming the file (an old or foreign format)."""
+    try:
+        return TrainState.read(ckpt)
+    except RecordError as err:
+        raise ConfigError(f"cannot resume: {err}") from None
 
 
 def already_finished(cfg: RunConfig, run_dir: Path) -> str | None:
     """Why there is nothing to run, when the checkpoint being resumed already reached
     trainer.max_steps and the run's adapter was exported (a finished run started again)."""
-    record = json.loads((run_dir / "resume.json").read_text())
-    if not record["checkpoint"]:
+    recorded = RunDir(run_dir).read_resume().checkpoint
+    if not recorded:
         return None
-    ckpt = Path(record["checkpoint"])
-    step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
-    adapter = run_dir / "adapter" / "adapter_model.safetensors"
+    ckpt = Path(recorded)
+    step = _train_state(ckpt).step
+    adapter = RunDir(run_dir).adapter / "adapter_model.safetensors"
     if step < cfg.trainer.max_steps or not adapter.is_file():
         return None
     return (

@@ -22,7 +22,8 @@ import psutil
 from memtune.config import RunConfig
 from memtune.launcher.extensions import extensions_root
 from memtune.launcher.hygiene import clear_shm_buffers, clear_stale_locks
-from memtune.launcher.topology import NODES_HOSTFILE, NodeSpec, resolve
+from memtune.launcher.topology import NodeSpec, resolve
+from memtune.rundir import RunDir
 
 WORKER_MODULE = "memtune.worker"
 DS_RUNNER = "memtune.launcher.ds_runner"
@@ -77,7 +78,7 @@ def rank_command(
     elif spec.form == "per-node":
         cmd += [
             "--hostfile",
-            str(run_dir / NODES_HOSTFILE),
+            str(RunDir(run_dir).nodes_hostfile),
             "--no_ssh",
             "--node_rank",
             str(spec.node_rank),
@@ -116,8 +117,7 @@ def launch(
     port = spec.master_port or free_port()
     cmd, extra = rank_command(cfg, run_dir, port, module, spec)
     env = {**rank_env(cfg), **(extra_env or {}), **extra}
-    name = "launch.txt" if spec.node_rank == 0 else f"launch-node{spec.node_rank}.txt"
-    (run_dir / name).write_text(" ".join(cmd) + "\n")
+    RunDir(run_dir).launch_cmd(spec.node_rank).write_text(" ".join(cmd) + "\n")
     clear_stale_locks(extensions_root())
     clear_shm_buffers()
     # Ranks start with SIGUSR2 ignored (inherited through exec) until their own handler is in

@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from memtune.rundir import RunDir
+
 COLUMNS = [
     "point",
     "overrides",
@@ -46,29 +48,28 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     for run, overrides in zip(runs, per_run, strict=True):
         varying = [o for o in overrides if o not in shared] if len(runs) > 1 else overrides
         row: dict[str, Any] = {"point": run.name, "overrides": " ".join(varying)}
-        summary_file = run / "summary.json"
-        if summary_file.is_file():
-            s = json.loads(summary_file.read_text())
+        rd = RunDir(run)
+        if rd.summary.is_file():
+            s = rd.read_summary()
             row.update(
                 status="ok",
-                steps=s["steps"],
-                train_loss_last=round(s["loss_last"], 4),
-                eval_loss=None if s.get("eval_loss") is None else round(s["eval_loss"], 4),
-                tokens_per_s=s["tokens_per_s"],
-                peak_memory_gib_max=round(max(s["peak_memory_gib"]), 3),
-                peak_memory_gib_per_rank=" ".join(f"{m:.3f}" for m in s["peak_memory_gib"]),
-                trainable_params=s["trainable_params"],
+                steps=s.steps,
+                train_loss_last=round(s.loss_last, 4),
+                eval_loss=None if s.eval_loss is None else round(s.eval_loss, 4),
+                tokens_per_s=s.tokens_per_s,
+                peak_memory_gib_max=round(max(s.peak_memory_gib), 3),
+                peak_memory_gib_per_rank=" ".join(f"{m:.3f}" for m in s.peak_memory_gib),
+                trainable_params=s.trainable_params,
             )
         else:
-            exit_file = run / "exit.json"
-            code = json.loads(exit_file.read_text())["code"] if exit_file.is_file() else None
+            code = rd.read_exit().code if rd.exit.is_file() else None
             row["status"] = f"failed (exit {code})" if code is not None else "failed"
         rows.append(row)
     return rows
 
 
 def _losses(run: Path) -> list[tuple[int, float]]:
-    metrics = run / "metrics.jsonl"
+    metrics = RunDir(run).metrics
     if not metrics.is_file():
         return []
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]

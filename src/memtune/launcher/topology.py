@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memtune.config import ConfigError, RunConfig
+from memtune.rundir import RunDir
 
 DEFAULT_PORT = 29500
-READY_FILE = "launch.json"
-NODES_HOSTFILE = "nodes.hostfile"
 
 
 @dataclass(frozen=True)
@@ -139,7 +138,7 @@ def check_hostfile(path: Path, nnodes: int, per_node: int) -> list[tuple[str, in
 
 def write_nodes_hostfile(run_dir: Path, spec: NodeSpec) -> Path:
     """The hostfile DeepSpeed's runner needs for --no_ssh (names only order the nodes)."""
-    path = run_dir / NODES_HOSTFILE
+    path = RunDir(run_dir).nodes_hostfile
     path.write_text("".join(f"node{i} slots={spec.ranks_per_node}\n" for i in range(spec.nnodes)))
     return path
 
@@ -147,14 +146,15 @@ def write_nodes_hostfile(run_dir: Path, spec: NodeSpec) -> Path:
 def announce_ready(run_dir: Path, spec: NodeSpec, error: str | None = None) -> None:
     """Node 0: the run dir of this launch id is complete (or could not be made: ``error``)."""
     record = {"launch_id": spec.launch_id, "nnodes": spec.nnodes, "error": error}
-    tmp = run_dir / f".{READY_FILE}.tmp"
+    ready = RunDir(run_dir).nodes_ready
+    tmp = ready.with_name(f".{ready.name}.tmp")
     tmp.write_text(json.dumps(record) + "\n")
-    tmp.replace(run_dir / READY_FILE)
+    tmp.replace(ready)
 
 
 def wait_ready(run_dir: Path, spec: NodeSpec, timeout_s: float, poll_s: float = 1.0) -> None:
     """Nodes 1..: wait until node 0 has prepared the run dir for this launch id."""
-    path = run_dir / READY_FILE
+    path = RunDir(run_dir).nodes_ready
     start = last_note = time.monotonic()
     while True:
         record = None

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from memtune.config import RunConfig
+from memtune.config import RunConfig, compute_bytes
 
 
 @dataclass
@@ -99,7 +99,7 @@ def quantized_shape_problems(cfg: RunConfig, counts: ParamCounts) -> list[str]:
     """
     if cfg.peft.method != "qlora":
         return []
-    storage = 2 if cfg.trainer.precision == "bf16" else 4
+    storage = compute_bytes(cfg)
     dtype = "bf16" if storage == 2 else "fp32"
     return [
         f"model.layers.*.{name} (in {i}, out {o}): {-(-i * o // 2):,} packed bytes are not a "

@@ -29,7 +29,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memtune.config import RunConfig, checkpointed_layers, grad_accumulation_steps
+from memtune.config import (
+    RunConfig,
+    checkpointed_layers,
+    checkpointing_label,
+    compute_bytes,
+    grad_accumulation_steps,
+    prefetch_bucket_elements,
+    reduce_bucket_elements,
+)
 from memtune.memory.counts import ParamCounts, count_params
 
 GIB = 1024**3
@@ -82,7 +90,7 @@ def activation_bytes(
     )
     heads, kv = int(a["num_attention_heads"]), int(a["num_key_value_heads"])
     d = h // heads
-    b = 2 if cfg.trainer.precision == "bf16" else 4
+    b = compute_bytes(cfg)
     n = tokens
     norms = 2 * n * h * 4  # RMSNorm keeps its input in fp32, twice per layer
     # q, output, and k, v at their KV heads (sdpa and FA2 read grouped heads; eager repeats).
@@ -136,7 +144,7 @@ def lora_activation_bytes(
 def loss_bytes(cfg: RunConfig, tokens: int) -> float:
     a = cfg.model.architecture
     vocab, h = int(a["vocab_size"]), int(a["hidden_size"])
-    b = 2 if cfg.trainer.precision == "bf16" else 4
+    b = compute_bytes(cfg)
     if cfg.trainer.loss == "plain":
         # logits (b) + their fp32 copy + fp32 log-softmax, for every token
         return tokens * vocab * (b + 4 + 4) if b == 2 else tokens * vocab * 8
@@ -149,7 +157,7 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
     counts = counts or count_params(cfg)
     t, z, p = cfg.trainer, cfg.zero, cfg.peft
     ranks = cfg.launcher.num_ranks
-    b = 2 if t.precision == "bf16" else 4
+    b = compute_bytes(cfg)
     zero3 = z.stage == 3
     shard = ranks if zero3 else 1
     out = Plan(device_gib=cfg.plan.device_gib, counts=counts)
@@ -184,13 +192,12 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
         }[t.optimizer],
     )
 
-    h = int(cfg.model.architecture["hidden_size"])
-    out.add("DeepSpeed buckets", (z.reduce_bucket_size or h * h) * 4, "gradient reduce (fp32)")
+    out.add("DeepSpeed buckets", reduce_bucket_elements(cfg) * 4, "gradient reduce (fp32)")
     if zero3:
         # Whole tensors gathered while in use: the largest of one decoder layer, the embedding
         # and the head (gathered once for the loss), plus what is prefetched meanwhile.
         largest = max(counts.layer, counts.embedding, counts.head)
-        prefetch = z.prefetch_bucket_size or int(0.9 * h * h)
+        prefetch = prefetch_bucket_elements(cfg)
         gathered = (largest + prefetch) * (0.5 if p.method == "qlora" else b)
         if p.method == "qlora" and largest != counts.layer:
             gathered = largest * b + prefetch * 0.5
@@ -199,15 +206,9 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
     tokens = t.micro_batch_size * cfg.data.max_seq_len
     cuda = cfg.plan.device_gib is not None
     k = checkpointed_layers(cfg)
-    layers = int(cfg.model.architecture["num_hidden_layers"])
     acts = activation_bytes(cfg, tokens, k, counts, cuda)
-    ckpt = (
-        "no checkpointing"
-        if k == 0
-        else "checkpointed"
-        if k == layers
-        else f"{k} of {layers} layers checkpointed"
-    )
+    label = checkpointing_label(cfg)
+    ckpt = "no checkpointing" if k == 0 else f"{label} checkpointed"
     out.add("activations", acts, f"{tokens:,} tokens per micro batch, {ckpt}")
     out.add("loss", loss_bytes(cfg, tokens), f"{t.loss} cross-entropy")
     live = sum(gib for _, gib, _ in out.rows) * GIB

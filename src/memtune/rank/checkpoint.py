@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from memtune.rundir import COMPLETE, RunDir, TrainState, is_complete, step_dir_name
+
 
 class NonFiniteWeights(RuntimeError):
     """Raised instead of writing an adapter or checkpoint with inf / NaN in it."""
@@ -63,37 +65,6 @@ def export_adapter(model: Any, out_dir: Path, is_writer: bool) -> int:
 # A checkpoint is written under .tmp-step-N and renamed into place only when every rank has
 # finished, so a crash during a save leaves the previous checkpoint as the one to resume.
 
-CHECKPOINTS = "checkpoints"
-COMPLETE = "complete.json"
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:07d}"
-
-
-def is_complete(path: Path) -> bool:
-    return (path / COMPLETE).is_file() and (path / "trainer_state.json").is_file()
-
-
-def find_latest(run_dir: Path) -> tuple[Path | None, list[str]]:
-    """Newest complete checkpoint of a run dir, and warnings about any skipped on the way."""
-    root = run_dir / CHECKPOINTS
-    warnings: list[str] = []
-    if not root.is_dir():
-        return None, warnings
-    candidates = sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True)
-    pointer = root / "latest"
-    if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if named in candidates:
-            candidates.remove(named)
-            candidates.insert(0, named)
-    for path in candidates:
-        if is_complete(path):
-            return path, warnings
-        warnings.append(f"skipping {path}: incomplete (a save was interrupted)")
-    return None, warnings
-
 
 def _rng_state() -> dict[str, Any]:
     import random
@@ -124,17 +95,15 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(
-    engine: Any, run_dir: Path, step: int, trainer_state: dict[str, Any], keep_last: int
-) -> Path:
+def save_checkpoint(engine: Any, run_dir: Path, state: TrainState, keep_last: int) -> Path:
     """Collective: every rank calls it. Returns the checkpoint directory."""
     import shutil
 
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    root = run_dir / CHECKPOINTS
-    final = root / step_dir_name(step)
+    root = RunDir(run_dir).checkpoints
+    final = root / step_dir_name(state.step)
     tmp = root / f".tmp-{final.name}"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -147,9 +116,9 @@ def save_checkpoint(
     torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
     _barrier()
     if rank == 0:
-        shutil.copy(run_dir / "config.yaml", tmp / "config.yaml")
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
-        (tmp / COMPLETE).write_text(json.dumps({"step": step}) + "\n")
+        shutil.copy(RunDir(run_dir).config, tmp / "config.yaml")
+        state.write(tmp)
+        (tmp / COMPLETE).write_text(json.dumps({"step": state.step}) + "\n")
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -191,7 +160,7 @@ def verify_checkpoint_files(path: Path) -> int:
     return len(files)
 
 
-def load_checkpoint(engine: Any, path: Path, rank: int) -> dict[str, Any]:
+def load_checkpoint(engine: Any, path: Path, rank: int) -> TrainState:
     """Restore engine, optimizer, scheduler and this rank's RNG; returns the trainer state."""
     verify_checkpoint_files(path)
     loaded, _ = engine.load_checkpoint(
@@ -204,8 +173,7 @@ def load_checkpoint(engine: Any, path: Path, rank: int) -> dict[str, Any]:
     if loaded is None:
         raise RuntimeError(f"{path}: DeepSpeed found no engine state to load")
     _set_rng_state(torch.load(path / f"rng_rank{rank}.pt", weights_only=True))
-    state: dict[str, Any] = json.loads((path / "trainer_state.json").read_text())
-    return state
+    return TrainState.read(path)
 
 
 def _barrier() -> None:

@@ -244,7 +244,8 @@ def evaluate(engine: Any, batches: list[dict[str, torch.Tensor]], device: torch.
     """Token-weighted loss over the validation shard of every rank (a collective).
 
     Every rank runs the same number of forward passes (ZeRO-3 gathers parameters in each),
-    which :func:`eval_shard` guarantees by padding shards with label-free samples.
+    which :func:`memtune.data.loaders.eval_shard` guarantees by padding shards with label-free
+    samples.
     """
     was_training = engine.training
     engine.eval()
@@ -258,10 +259,3 @@ def evaluate(engine: Any, batches: list[dict[str, torch.Tensor]], device: torch.
         engine.train()
     loss_sum, count = _all_reduce_sum(totals).tolist()
     return loss_sum / max(count, 1.0)
-
-
-def eval_shard(n_samples: int, rank: int, world: int) -> list[int]:
-    """This rank's validation indices; -1 pads shards to equal length (weight 0)."""
-    per_rank = -(-n_samples // world)
-    padded = list(range(n_samples)) + [-1] * (per_rank * world - n_samples)
-    return padded[rank::world]

@@ -17,6 +17,8 @@ from typing import Any
 import psutil
 import torch
 
+from memtune.rundir import RunDir
+
 GIB = 1024**3
 
 
@@ -89,7 +91,7 @@ class RunLogger(NullLogger):
     ):
         from tqdm import tqdm
 
-        self.metrics_file = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+        self.metrics_file = RunDir(run_dir).metrics.open("a", encoding="utf-8")
         self.bar = tqdm(
             total=total_steps, initial=done, desc="train", unit="step", dynamic_ncols=True
         )

@@ -17,7 +17,6 @@ import signal
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,40 +26,28 @@ import torch.distributed as dist
 from memtune import quiet
 from memtune.config import (
     RunConfig,
-    checkpointed_layers,
+    checkpointing_label,
     grad_accumulation_steps,
     load_run_config,
 )
-from memtune.data.batching import (
-    LengthGroupedSampler,
-    PackedDataset,
-    collate_packed,
-    collate_padded,
-)
-from memtune.data.cache import load_split
-from memtune.data.encode import IGNORE_INDEX, DataStats, Sample
+from memtune.data.encode import DataStats
+from memtune.data.loaders import eval_batches, make_loader
 from memtune.exit_codes import EXIT_NON_FINITE, EXIT_REQUEUE
+from memtune.rank.build import build_rank
 from memtune.rank.checkpoint import export_adapter, load_checkpoint, save_checkpoint
 from memtune.rank.loop import (
     Hooks,
     NonFiniteLoss,
     StopRequested,
     TrainResult,
-    eval_shard,
     evaluate,
     gather_values,
     train,
 )
-from memtune.rank.loss import CausalLMLoss, resolve_loss_kind
 from memtune.rank.model import (
-    add_lora,
-    choose_attention,
-    count_parameters,
-    load_base_model,
     load_tokenizer,
     method_label,
 )
-from memtune.rank.optim import build_optimizer, scheduler_factory
 from memtune.rank.telemetry import (
     NullLogger,
     RunLogger,
@@ -68,6 +55,7 @@ from memtune.rank.telemetry import (
     reset_window_peak,
     window_peak_gib,
 )
+from memtune.rundir import RunDir, Summary, TrainState
 
 
 @dataclass
@@ -194,17 +182,17 @@ class RunHooks(Hooks):
         self.result_at_stop = result
 
     def save(self, step: int, result: TrainResult) -> None:
-        state = {
-            "step": step,
-            "label_tokens": result.label_tokens,
-            "input_tokens": result.input_tokens,
-            "losses": result.losses[:step],
-            "skipped": [s for s in result.skipped if s <= step],
-            "wall_s": result.wall_s,
-            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-            "data_dir": self.data_dir,
-        }
-        save_checkpoint(self.engine, self.run_dir, step, state, self.cfg.trainer.keep_last)
+        state = TrainState(
+            step=step,
+            label_tokens=result.label_tokens,
+            input_tokens=result.input_tokens,
+            losses=result.losses[:step],
+            skipped=[s for s in result.skipped if s <= step],
+            wall_s=result.wall_s,
+            world_size=dist.get_world_size() if dist.is_initialized() else 1,
+            data_dir=self.data_dir,
+        )
+        save_checkpoint(self.engine, self.run_dir, state, self.cfg.trainer.keep_last)
         self.saved_step = step
 
 
@@ -216,30 +204,9 @@ def _truncate_metrics(path: Path, step: int) -> None:
     path.write_text("".join(r + "\n" for r in rows))
 
 
-def build_engine(
-    cfg: RunConfig, model: Any, device: torch.device, ds_config: dict[str, Any]
-) -> tuple[Any, str]:
-    """The DeepSpeed engine around memtune's loss module, with the configured optimizer and
-    schedule; returns it and a line naming the optimizer (bench/gpu_check.py builds its
-    engine here too)."""
-    import deepspeed
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer, optimizer_note = build_optimizer(cfg, params, device)
-    loss_kind = resolve_loss_kind(cfg.trainer.loss, device)
-    engine, _, _, _ = deepspeed.initialize(
-        model=CausalLMLoss(model, loss_kind, cfg.trainer.loss_chunk_tokens),
-        optimizer=optimizer,
-        model_parameters=params if optimizer is None else None,
-        lr_scheduler=scheduler_factory(cfg),
-        config=ds_config,
-    )
-    return engine, optimizer_note
-
-
 def checkpoint_note(cfg: RunConfig) -> str:
-    k, layers = checkpointed_layers(cfg), int(cfg.model.architecture["num_hidden_layers"])
-    return "off" if k == 0 else "on" if k == layers else f"on for {k} of {layers} layers"
+    label = checkpointing_label(cfg)
+    return label if label == "off" else f"on for {label}"
 
 
 def batching_summary(cfg: RunConfig) -> str:
@@ -249,81 +216,24 @@ def batching_summary(cfg: RunConfig) -> str:
     return f"padded per micro batch{grouped}"
 
 
-def eval_batches(
-    cfg: RunConfig, prepared_dir: str, pad_token_id: int, rank: int, world: int
-) -> list[dict[str, torch.Tensor]]:
-    """This rank's validation micro batches, collated once (the split is small)."""
-    val = load_split(prepared_dir, "val")
-    samples = []
-    for i in eval_shard(len(val), rank, world):
-        s = val[max(i, 0)]
-        samples.append(s if i >= 0 else Sample(s.input_ids, [IGNORE_INDEX] * len(s.labels)))
-    micro = cfg.trainer.micro_batch_size
-    return [
-        collate_padded(samples[a : a + micro], pad_token_id) for a in range(0, len(samples), micro)
-    ]
-
-
-def make_loader(
-    cfg: RunConfig, prepared_dir: str, pad_token_id: int, rank: int, world: int
-) -> tuple[Any, Any]:
-    """The rank's DataLoader over the preprocessed cache: padded, length-grouped or packed."""
-    from torch.utils.data import DataLoader, DistributedSampler
-
-    base = load_split(prepared_dir, "train")
-    micro, seed = cfg.trainer.micro_batch_size, cfg.trainer.seed
-    dataset: Any = base
-    collate_fn: Any = partial(collate_padded, pad_token_id=pad_token_id)
-    if cfg.data.packing:
-        dataset = PackedDataset(base, cfg.data.max_seq_len)
-        collate_fn = partial(collate_packed, pad_token_id=pad_token_id)
-    if cfg.data.group_by_length:
-        sampler: Any = LengthGroupedSampler(base.lengths, micro, world, rank, seed)
-    else:
-        sampler = DistributedSampler(
-            dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True
-        )
-    if len(sampler) < micro:
-        raise RuntimeError(
-            f"rank {rank} gets {len(sampler)} items per epoch, fewer than one micro batch "
-            f"({micro}); use more data or a smaller trainer.micro_batch_size"
-        )
-    loader = DataLoader(
-        dataset,
-        batch_size=micro,
-        sampler=sampler,
-        collate_fn=collate_fn,
-        num_workers=cfg.data.num_workers,
-        drop_last=True,
-    )
-    return loader, sampler
-
-
 def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResult:
-    from transformers.integrations import HfDeepSpeedConfig
-
     catch_stop_signals()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     run_dir = Path(run_dir)
-    cfg = load_run_config(run_dir / "config.yaml")
-    ds_config = json.loads((run_dir / "ds_config.json").read_text())
+    rd = RunDir(run_dir)
+    cfg = load_run_config(rd.config)
+    ds_config = json.loads(rd.ds_config.read_text())
     rank, local_rank, world, device = init_distributed()
     try:
         seed_everything(cfg.trainer.seed)
         print0 = print if rank == 0 else (lambda *a, **k: None)
         tokenizer = load_tokenizer(cfg)
-        attn = choose_attention(cfg.model.attn_implementation, device.type)
-        # Kept alive while loading: makes from_pretrained place weights partitioned (ZeRO-3).
-        hf_ds = HfDeepSpeedConfig(ds_config) if cfg.zero.stage == 3 else None
-        gpu = local_rank if device.type == "cuda" else None
-        model = add_lora(load_base_model(cfg, attn, gpu), cfg)
-        trainable, total = count_parameters(model)
-
-        data_record = json.loads((run_dir / "data.json").read_text())
-        stats = DataStats(**data_record["train"])
-        loader, sampler = make_loader(cfg, data_record["dir"], tokenizer.pad_token_id, rank, world)
-        engine, optimizer_note = build_engine(cfg, model, device, ds_config)
-        del hf_ds
+        data_record = rd.read_data()
+        stats = DataStats(**data_record.train)
+        loader, sampler = make_loader(cfg, data_record.dir, tokenizer.pad_token_id, rank, world)
+        parts = build_rank(cfg, ds_config, device, local_rank)
+        engine, attn = parts.engine, parts.attention
+        trainable, total, optimizer_note = parts.trainable, parts.total, parts.optimizer_note
 
         t = cfg.trainer
         print0(
@@ -339,19 +249,19 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
         )
         ctx = RankContext(cfg, run_dir, rank, local_rank, world, device, tokenizer, stats)
         result = TrainResult()
-        checkpoint = json.loads((run_dir / "resume.json").read_text())["checkpoint"]
+        checkpoint = rd.read_resume().checkpoint
         if checkpoint:
             state = load_checkpoint(engine, Path(checkpoint), rank)
             result = TrainResult(
-                steps=state["step"],
-                label_tokens=state["label_tokens"],
-                input_tokens=state["input_tokens"],
-                losses=state["losses"],
-                skipped=state.get("skipped", []),
-                wall_s=state["wall_s"],
+                steps=state.step,
+                label_tokens=state.label_tokens,
+                input_tokens=state.input_tokens,
+                losses=state.losses,
+                skipped=state.skipped,
+                wall_s=state.wall_s,
             )
             if rank == 0:
-                _truncate_metrics(run_dir / "metrics.jsonl", result.steps)
+                _truncate_metrics(rd.metrics, result.steps)
             print0(f"memtune: resumed at step {result.steps} from {checkpoint}", flush=True)
         resolved = json.loads(json.dumps(_config_dict(run_dir)))
         logger = (
@@ -360,9 +270,9 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
             else NullLogger()
         )
         val_batches = None
-        if data_record["val"]:
-            val_batches = eval_batches(cfg, data_record["dir"], tokenizer.pad_token_id, rank, world)
-        hooks = RunHooks(engine, run_dir, cfg, data_record["dir"], val_batches, logger, device)
+        if data_record.val:
+            val_batches = eval_batches(cfg, data_record.dir, tokenizer.pad_token_id, rank, world)
+        hooks = RunHooks(engine, run_dir, cfg, data_record.dir, val_batches, logger, device)
         batches = _batches(loader, sampler, skip=result.steps * grad_accumulation_steps(cfg))
         try:
             result = train(engine, batches, cfg, device, logger, result, hooks)
@@ -382,7 +292,7 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
             hooks.save(result.steps, result)
         if after_train is not None:
             after_train(engine, ctx)
-        adapter_dir = run_dir / "adapter"
+        adapter_dir = rd.adapter
         n_tensors = export_adapter(engine.module.model, adapter_dir, is_writer=rank == 0)
         if rank == 0:
             tokenizer.save_pretrained(str(adapter_dir))
@@ -398,7 +308,7 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
 def _config_dict(run_dir: Path) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
-    out = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
+    out = OmegaConf.to_container(OmegaConf.load(RunDir(run_dir).config), resolve=True)
     assert isinstance(out, dict)
     return out  # type: ignore[return-value]
 
@@ -413,39 +323,37 @@ def _write_summary(
     eval_loss: float | None,
 ) -> None:
     key = peak_key(ctx.device)
-    summary = {
-        "run_dir": str(ctx.run_dir),
-        "steps": result.steps,
-        "label_tokens": result.label_tokens,
-        "input_tokens": result.input_tokens,
-        "loss_first": result.losses[0],
-        "loss_last": result.losses[-1],
-        "skipped_steps": result.skipped,
-        "wall_s": round(result.wall_s, 2),
-        "tokens_per_s": round(result.input_tokens / max(result.wall_s, 1e-9), 1),
-        "world_size": ctx.world_size,
-        "zero_stage": ctx.cfg.zero.stage,
-        "attention": attn,
-        "trainable_params": trainable,
-        "total_params": total,
-        "adapter_tensors": n_tensors,
-        "eval_loss": eval_loss,
-        "data": ctx.data_stats.as_dict(),
-        "peak_memory_gib": [m[key] for m in result.peak_memory],
-        "memory": result.peak_memory,
-    }
-    (ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    memory = {
-        "measure": "CUDA allocator (GiB)" if ctx.device.type == "cuda" else "process RSS (GiB)",
-        "ranks": [{"rank": r, **m} for r, m in enumerate(result.peak_memory)],
-    }
-    (ctx.run_dir / "memory.json").write_text(json.dumps(memory, indent=2) + "\n")
+    rd = RunDir(ctx.run_dir)
+    summary = Summary(
+        run_dir=str(ctx.run_dir),
+        steps=result.steps,
+        label_tokens=result.label_tokens,
+        input_tokens=result.input_tokens,
+        loss_first=result.losses[0],
+        loss_last=result.losses[-1],
+        skipped_steps=result.skipped,
+        wall_s=round(result.wall_s, 2),
+        tokens_per_s=round(result.input_tokens / max(result.wall_s, 1e-9), 1),
+        world_size=ctx.world_size,
+        zero_stage=ctx.cfg.zero.stage,
+        attention=attn,
+        trainable_params=trainable,
+        total_params=total,
+        adapter_tensors=n_tensors,
+        eval_loss=eval_loss,
+        data=ctx.data_stats.as_dict(),
+        peak_memory_gib=[m[key] for m in result.peak_memory],
+        memory=result.peak_memory,
+    )
+    rd.write_summary(summary)
+    measure = "CUDA allocator (GiB)" if ctx.device.type == "cuda" else "process RSS (GiB)"
+    rd.write_memory(measure, result.peak_memory)
     what = "peak allocated" if ctx.device.type == "cuda" else "peak RSS"
     per_rank = ", ".join(f"rank{r} {m[key]:.2f} GiB" for r, m in enumerate(result.peak_memory))
     print(
         f"\nmemtune: done in {result.wall_s:.1f} s · {result.steps} steps · "
         f"{result.input_tokens:,} tokens ({result.label_tokens:,} labelled) · "
-        f"{summary['tokens_per_s']:,} tokens/s\n"
+        f"{summary.tokens_per_s:,} tokens/s\n"
         f"memtune: loss {result.losses[0]:.4f} → {result.losses[-1]:.4f}"
         + (f" · eval loss {eval_loss:.4f}" if eval_loss is not None else "")
         + (
@@ -457,7 +365,7 @@ def _write_summary(
         f"memtune: {what} per rank: {per_rank}\n"
         f"memtune: data: {ctx.data_stats.line()}\n"
         f"memtune: adapter ({n_tensors} tensors, {trainable:,} parameters) in "
-        f"{ctx.run_dir / 'adapter'}",
+        f"{rd.adapter}",
         flush=True,
     )
 

@@ -18,6 +18,7 @@ import torch
 
 from memtune.config import load_run_config
 from memtune.data.templates import IM_END, render_prompt, with_system
+from memtune.rundir import RunDir
 
 
 def stop_token_ids(tokenizer: Any) -> list[int]:
@@ -33,13 +34,13 @@ def load(run_dir: Path, model_dir: Path | None = None) -> tuple[Any, Any]:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    adapter = run_dir / "adapter"
+    adapter = RunDir(run_dir).adapter
     model: Any
     if model_dir is not None:
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     else:
-        cfg = load_run_config(run_dir / "config.yaml")
+        cfg = load_run_config(RunDir(run_dir).config)
         base = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path)
         model = PeftModel.from_pretrained(base, str(adapter))
         tokenizer = AutoTokenizer.from_pretrained(adapter)
@@ -50,7 +51,7 @@ def answer(
     model: Any, tokenizer: Any, run_dir: Path, prompt: str, max_new_tokens: int = 128
 ) -> tuple[str, list[int]]:
     """Greedy answer to one user turn; returns (text, generated ids)."""
-    cfg = load_run_config(run_dir / "config.yaml")
+    cfg = load_run_config(RunDir(run_dir).config)
     messages = with_system([{"role": "user", "content": prompt}], cfg.data.system_prompt)
     text = render_prompt(messages, cfg.data.template, tokenizer.eos_token)
     ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])

@@ -1,0 +1,76 @@
+"""A rank's data: the DataLoader over the tokenized cache (padded, length-grouped or packed)
+and its validation micro batches."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+
+from memtune.config import RunConfig
+from memtune.data.batching import (
+    LengthGroupedSampler,
+    PackedDataset,
+    collate_packed,
+    collate_padded,
+)
+from memtune.data.cache import load_split
+from memtune.data.encode import IGNORE_INDEX, Sample
+
+
+def eval_batches(
+    cfg: RunConfig, prepared_dir: str, pad_token_id: int, rank: int, world: int
+) -> list[dict[str, torch.Tensor]]:
+    """This rank's validation micro batches, collated once (the split is small)."""
+    val = load_split(prepared_dir, "val")
+    samples = []
+    for i in eval_shard(len(val), rank, world):
+        s = val[max(i, 0)]
+        samples.append(s if i >= 0 else Sample(s.input_ids, [IGNORE_INDEX] * len(s.labels)))
+    micro = cfg.trainer.micro_batch_size
+    return [
+        collate_padded(samples[a : a + micro], pad_token_id) for a in range(0, len(samples), micro)
+    ]
+
+
+def make_loader(
+    cfg: RunConfig, prepared_dir: str, pad_token_id: int, rank: int, world: int
+) -> tuple[Any, Any]:
+    """The rank's DataLoader over the preprocessed cache: padded, length-grouped or packed."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    base = load_split(prepared_dir, "train")
+    micro, seed = cfg.trainer.micro_batch_size, cfg.trainer.seed
+    dataset: Any = base
+    collate_fn: Any = partial(collate_padded, pad_token_id=pad_token_id)
+    if cfg.data.packing:
+        dataset = PackedDataset(base, cfg.data.max_seq_len)
+        collate_fn = partial(collate_packed, pad_token_id=pad_token_id)
+    if cfg.data.group_by_length:
+        sampler: Any = LengthGroupedSampler(base.lengths, micro, world, rank, seed)
+    else:
+        sampler = DistributedSampler(
+            dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True
+        )
+    if len(sampler) < micro:
+        raise RuntimeError(
+            f"rank {rank} gets {len(sampler)} items per epoch, fewer than one micro batch "
+            f"({micro}); use more data or a smaller trainer.micro_batch_size"
+        )
+    loader = DataLoader(
+        dataset,
+        batch_size=micro,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        num_workers=cfg.data.num_workers,
+        drop_last=True,
+    )
+    return loader, sampler
+
+
+def eval_shard(n_samples: int, rank: int, world: int) -> list[int]:
+    """This rank's validation indices; -1 pads shards to equal length (weight 0)."""
+    per_rank = -(-n_samples // world)
+    padded = list(range(n_samples)) + [-1] * (per_rank * world - n_samples)
+    return padded[rank::world]

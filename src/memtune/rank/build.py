@@ -1,0 +1,92 @@
+"""A rank's parts, built in one place: the base model with LoRA, and the DeepSpeed engine around
+memtune's loss with the configured optimizer and schedule.
+
+:func:`build_rank` is what ``memtune.worker`` runs on every rank; ``bench/gpu_check.py`` calls
+it too, with its own base builder (real Qwen2.5-7B shapes, random weights, in memory), so the
+GPU check measures the same parts a training run builds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memtune.config import RunConfig
+from memtune.rank.loss import CausalLMLoss, resolve_loss_kind
+from memtune.rank.model import add_lora, choose_attention, count_parameters, load_base_model
+from memtune.rank.optim import build_optimizer, scheduler_factory
+
+LoadBase = Callable[[RunConfig, str], Any]
+"""(config, attention implementation) -> the base model, before LoRA."""
+
+
+@dataclass
+class RankParts:
+    model: Any  # the peft model (LoRA on the base)
+    engine: Any  # deepspeed's engine around CausalLMLoss(model)
+    attention: str
+    loss_kind: str
+    optimizer_note: str
+    trainable: int
+    total: int
+
+
+def build_rank(
+    cfg: RunConfig,
+    ds_config: dict[str, Any],
+    device: torch.device,
+    local_rank: int = 0,
+    load_base: LoadBase | None = None,
+    zero_init: bool | None = None,
+) -> RankParts:
+    """Base (``load_base``, default: from_pretrained of model.name_or_path on this rank's
+    device), LoRA, engine. ``zero_init`` (default: ZeRO-3) keeps DeepSpeed's HfDeepSpeedConfig
+    alive while the base is built, so transformers creates it under zero.Init, partitioned
+    as it is built."""
+    from transformers.integrations import HfDeepSpeedConfig
+
+    attn = choose_attention(cfg.model.attn_implementation, device.type)
+    if load_base is None:
+        gpu = local_rank if device.type == "cuda" else None
+
+        def load_base(c: RunConfig, a: str) -> Any:
+            return load_base_model(c, a, gpu)
+
+    use_zero_init = cfg.zero.stage == 3 if zero_init is None else zero_init
+    hf_ds = HfDeepSpeedConfig(ds_config) if use_zero_init else None
+    model = add_lora(load_base(cfg, attn), cfg)
+    trainable, total = count_parameters(model)
+    engine, optimizer_note = build_engine(cfg, model, device, ds_config)
+    del hf_ds
+    return RankParts(
+        model=model,
+        engine=engine,
+        attention=attn,
+        loss_kind=resolve_loss_kind(cfg.trainer.loss, device),
+        optimizer_note=optimizer_note,
+        trainable=trainable,
+        total=total,
+    )
+
+
+def build_engine(
+    cfg: RunConfig, model: Any, device: torch.device, ds_config: dict[str, Any]
+) -> tuple[Any, str]:
+    """The DeepSpeed engine around memtune's loss module, with the configured optimizer and
+    schedule; returns it and a line naming the optimizer."""
+    import deepspeed
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer, optimizer_note = build_optimizer(cfg, params, device)
+    loss_kind = resolve_loss_kind(cfg.trainer.loss, device)
+    engine, _, _, _ = deepspeed.initialize(
+        model=CausalLMLoss(model, loss_kind, cfg.trainer.loss_chunk_tokens),
+        optimizer=optimizer,
+        model_parameters=params if optimizer is None else None,
+        lr_scheduler=scheduler_factory(cfg),
+        config=ds_config,
+    )
+    return engine, optimizer_note

@@ -1,0 +1,273 @@
+"""The run dir: the contract between the job and its ranks, in one place.
+
+The job (memtune.launcher) writes ``config.yaml``, ``ds_config.json``, ``plan.txt``,
+``data.json`` and ``resume.json``; the ranks (memtune.rank) read them and write
+``metrics.jsonl``, checkpoints, ``adapter/``, ``summary.json`` and ``memory.json``; the job
+ends with ``exit.json``. Every path is a property of :class:`RunDir`, and every JSON file has a
+typed record here, read and written by that record only, so a renamed field is one edit and
+a missing one fails on reading with the file's name, not later with a KeyError.
+
+A checkpoint's ``trainer_state.json`` carries a format version (:data:`TRAIN_STATE_VERSION`): a
+checkpoint written before versions (no field) is read as version 1 when it has every field;
+one from a newer memtune, or with fields missing, is refused, naming the file and the fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+R = TypeVar("R")
+
+TRAIN_STATE_VERSION = 1
+
+
+class RecordError(ValueError):
+    """A run-dir or checkpoint file that cannot be read as its record."""
+
+
+def _read(cls: type[R], path: Path) -> R:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise RecordError(f"{path}: cannot read it ({err})") from None
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    required = {
+        f.name
+        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
+    missing = sorted(required - raw.keys())
+    if missing:
+        raise RecordError(f"{path}: missing {', '.join(missing)} (not a {cls.__name__} record)")
+    return cls(**{k: v for k, v in raw.items() if k in names})
+
+
+def _write(record: Any, path: Path) -> None:
+    path.write_text(json.dumps(asdict(record), indent=2) + "\n")
+
+
+@dataclass
+class ExitRecord:
+    """``exit.json``: how the job ended (0, a config / preflight error 2, a rank's code)."""
+
+    code: int
+    error: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {"code": self.code} if self.error is None else asdict(self)
+
+
+@dataclass
+class ResumeRecord:
+    """``resume.json``: the checkpoint the ranks restore, or None for a fresh start."""
+
+    checkpoint: str | None
+
+
+@dataclass
+class DataRecord:
+    """``data.json``: where the tokenized data is and what was kept, cut and dropped
+    (DataStats.as_dict() of each split)."""
+
+    dir: str
+    reused: bool
+    train: dict[str, Any]
+    val: dict[str, Any] | None = None
+
+
+@dataclass
+class TrainState:
+    """``checkpoints/step-N/trainer_state.json``: where training stood at that checkpoint."""
+
+    step: int
+    label_tokens: int
+    input_tokens: int
+    losses: list[float]
+    wall_s: float
+    world_size: int
+    skipped: list[int] = field(default_factory=list)
+    data_dir: str | None = None
+    version: int = TRAIN_STATE_VERSION
+
+    @classmethod
+    def read(cls, checkpoint: Path) -> TrainState:
+        path = checkpoint / TRAINER_STATE
+        state = _read(cls, path)
+        if state.version > TRAIN_STATE_VERSION:
+            raise RecordError(
+                f"{path}: format version {state.version}, this memtune reads up to "
+                f"{TRAIN_STATE_VERSION}: resume it with the memtune that wrote it"
+            )
+        return state
+
+    def write(self, checkpoint: Path) -> None:
+        _write(self, checkpoint / TRAINER_STATE)
+
+
+TRAINER_STATE = "trainer_state.json"
+
+
+# A checkpoint is complete once rank 0 wrote complete.json, last (rank.checkpoint.save_checkpoint).
+COMPLETE = "complete.json"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:07d}"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / COMPLETE).is_file() and (path / TRAINER_STATE).is_file()
+
+
+def find_latest(run_dir: Path) -> tuple[Path | None, list[str]]:
+    """Newest complete checkpoint of a run dir, and warnings about any skipped on the way."""
+    root = RunDir(run_dir).checkpoints
+    warnings: list[str] = []
+    if not root.is_dir():
+        return None, warnings
+    candidates = sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True)
+    pointer = root / "latest"
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        if named in candidates:
+            candidates.remove(named)
+            candidates.insert(0, named)
+    for path in candidates:
+        if is_complete(path):
+            return path, warnings
+        warnings.append(f"skipping {path}: incomplete (a save was interrupted)")
+    return None, warnings
+
+
+@dataclass
+class Summary:
+    """``summary.json``: what the run did, written by rank 0 at the end."""
+
+    run_dir: str
+    steps: int
+    label_tokens: int
+    input_tokens: int
+    loss_first: float
+    loss_last: float
+    skipped_steps: list[int]
+    wall_s: float
+    tokens_per_s: float
+    world_size: int
+    zero_stage: int
+    attention: str
+    trainable_params: int
+    total_params: int
+    adapter_tensors: int
+    eval_loss: float | None
+    data: dict[str, Any]
+    peak_memory_gib: list[float]
+    memory: list[dict[str, float]]
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Every file of a run dir (see the README's "What a run leaves")."""
+
+    path: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+
+    # written by the job
+    @property
+    def config(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def ds_config(self) -> Path:
+        return self.path / "ds_config.json"
+
+    @property
+    def plan(self) -> Path:
+        return self.path / "plan.txt"
+
+    @property
+    def data(self) -> Path:
+        return self.path / "data.json"
+
+    @property
+    def resume(self) -> Path:
+        return self.path / "resume.json"
+
+    def launch_cmd(self, node_rank: int = 0) -> Path:
+        """The command that started this node's ranks."""
+        return self.path / ("launch.txt" if node_rank == 0 else f"launch-node{node_rank}.txt")
+
+    @property
+    def nodes_ready(self) -> Path:
+        """Per-node form: node 0's mark that the run dir is ready for this launch_id."""
+        return self.path / "launch.json"
+
+    @property
+    def nodes_hostfile(self) -> Path:
+        """Per-node form: the hostfile DeepSpeed's launcher reads on every node."""
+        return self.path / "nodes.hostfile"
+
+    @property
+    def exit(self) -> Path:
+        return self.path / "exit.json"
+
+    def preflight(self, node_rank: int = 0) -> Path:
+        return self.path / (
+            "preflight.json" if node_rank == 0 else f"preflight-node{node_rank}.json"
+        )
+
+    # written by the ranks
+    @property
+    def metrics(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def adapter(self) -> Path:
+        return self.path / "adapter"
+
+    @property
+    def summary(self) -> Path:
+        return self.path / "summary.json"
+
+    @property
+    def memory(self) -> Path:
+        return self.path / "memory.json"
+
+    # the records
+    def write_exit(self, code: int, error: str | None = None) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.exit.write_text(json.dumps(ExitRecord(code, error).as_json()) + "\n")
+
+    def read_exit(self) -> ExitRecord:
+        return _read(ExitRecord, self.exit)
+
+    def write_resume(self, checkpoint: Path | None) -> None:
+        _write(ResumeRecord(None if checkpoint is None else str(checkpoint)), self.resume)
+
+    def read_resume(self) -> ResumeRecord:
+        return _read(ResumeRecord, self.resume)
+
+    def write_data(self, record: DataRecord) -> None:
+        _write(record, self.data)
+
+    def read_data(self) -> DataRecord:
+        return _read(DataRecord, self.data)
+
+    def write_summary(self, summary: Summary) -> None:
+        _write(summary, self.summary)
+
+    def read_summary(self) -> Summary:
+        return _read(Summary, self.summary)
+
+    def write_memory(self, measure: str, ranks: list[dict[str, float]]) -> None:
+        record = {"measure": measure, "ranks": [{"rank": r, **m} for r, m in enumerate(ranks)]}
+        self.memory.write_text(json.dumps(record, indent=2) + "\n")

@@ -1,0 +1,82 @@
+"""The run dir's typed records: what is written is what is read back, an old checkpoint format
+is read, a newer or broken one is refused naming the file and the fields."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from memtune.rundir import (
+    TRAIN_STATE_VERSION,
+    DataRecord,
+    RecordError,
+    RunDir,
+    TrainState,
+    find_latest,
+)
+
+STATE = {
+    "step": 8,
+    "label_tokens": 1200,
+    "input_tokens": 5000,
+    "losses": [3.0, 2.5],
+    "skipped": [],
+    "wall_s": 4.5,
+    "world_size": 2,
+    "data_dir": "/cache/data/abc",
+}
+
+
+def test_train_state_round_trips_with_its_version(tmp_path: Path) -> None:
+    TrainState(**STATE).write(tmp_path)
+    raw = json.loads((tmp_path / "trainer_state.json").read_text())
+    assert raw == {**STATE, "version": TRAIN_STATE_VERSION}
+    assert TrainState.read(tmp_path) == TrainState(**STATE)
+
+
+def test_a_checkpoint_from_before_versions_is_read(tmp_path: Path) -> None:
+    (tmp_path / "trainer_state.json").write_text(json.dumps(STATE))  # no "version" field
+    assert TrainState.read(tmp_path).version == 1
+
+
+def test_a_newer_or_incomplete_checkpoint_is_refused_by_name(tmp_path: Path) -> None:
+    path = tmp_path / "trainer_state.json"
+    path.write_text(json.dumps({**STATE, "version": TRAIN_STATE_VERSION + 1}))
+    with pytest.raises(RecordError, match=r"trainer_state\.json: format version 2"):
+        TrainState.read(tmp_path)
+    path.write_text(json.dumps({k: v for k, v in STATE.items() if k not in ("step", "wall_s")}))
+    with pytest.raises(RecordError, match=r"trainer_state\.json: missing step, wall_s"):
+        TrainState.read(tmp_path)
+
+
+def test_run_dir_records_keep_their_file_formats(tmp_path: Path) -> None:
+    rd = RunDir(tmp_path / "run")
+    rd.write_exit(0)
+    assert json.loads(rd.exit.read_text()) == {"code": 0}
+    rd.write_exit(2, "config error: peft.r must be > 0")
+    assert rd.read_exit().error == "config error: peft.r must be > 0"
+    rd.write_resume(None)
+    assert json.loads(rd.resume.read_text()) == {"checkpoint": None}
+    rd.write_resume(tmp_path / "ckpt")
+    assert rd.read_resume().checkpoint == str(tmp_path / "ckpt")
+    rd.write_data(DataRecord(dir="/d", reused=True, train={"samples": 3}))
+    assert rd.read_data() == DataRecord(dir="/d", reused=True, train={"samples": 3}, val=None)
+    assert (
+        rd.preflight(0).name == "preflight.json" and rd.preflight(1).name == "preflight-node1.json"
+    )
+    assert rd.launch_cmd(1).name == "launch-node1.txt"
+
+
+def test_the_newest_complete_checkpoint_wins(tmp_path: Path) -> None:
+    root = RunDir(tmp_path).checkpoints
+    for step, complete in ((4, True), (8, True), (12, False)):
+        ckpt = root / f"step-{step:07d}"
+        ckpt.mkdir(parents=True)
+        TrainState(**{**STATE, "step": step}).write(ckpt)
+        if complete:
+            (ckpt / "complete.json").write_text("{}")
+    latest, warnings = find_latest(tmp_path)
+    assert latest == root / "step-0000008"
+    assert warnings == [f"skipping {root / 'step-0000012'}: incomplete (a save was interrupted)"]
