@@ -103,23 +103,18 @@ def imports_and_config() -> None:
         f"{hydra.__version__}, hjson"
     )
     sys.path.insert(0, str(ROOT / "src"))
-    from hydra import compose, initialize_config_dir
+    from memtune.config import compose, to_run_config
 
-    from memtune.config import register_configs, to_run_config
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = to_run_config(
-            compose(
-                config_name="config",
-                overrides=[
-                    "experiment=qwen2.5-7b-4x4090-qlora",
-                    "model=qwen2.5-7b",
-                    "launcher.num_ranks=1",
-                    "logger=none",
-                ],
-            )
+    cfg = to_run_config(
+        compose(
+            [
+                "experiment=qwen2.5-7b-4x4090-qlora",
+                "model=qwen2.5-7b",
+                "launcher.num_ranks=1",
+                "logger=none",
+            ]
         )
+    )
     print(f"memtune config composed: {cfg.experiment}, {cfg.peft.method}, {cfg.model.name_or_path}")
 
 

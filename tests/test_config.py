@@ -20,9 +20,14 @@ def test_experiments_are_shipped() -> None:
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_composes(experiment: str) -> None:
+    from memtune.launcher.prepare import decide
+
     cfg = to_run_config(compose_cfg([f"experiment={experiment}", "data=demo"]))
     assert cfg.experiment == experiment
     validate(cfg)
+    # ... and is planned offline (the meta-device model of its architecture) and fits.
+    fitted = decide(cfg, refuse=False)
+    assert fitted.plan.total_gib > 0 and fitted.plan.fits and fitted.changes == []
 
 
 def test_default_is_the_cpu_demo() -> None:

@@ -16,7 +16,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "peft.method": ("lora", "qlora", "lora-int8"),
     "peft.target": ("attention", "all-linear"),
     "peft.quant_type": ("nf4", "fp4"),
-    "data.format": ("alpaca", "messages", "text"),
+    "data.format": FORMATS,
     "data.template": ("chatml", "plain"),
     "data.overlong": ("truncate", "drop"),
     "data.on_bad_record": ("error", "skip"),
