@@ -10,8 +10,9 @@ Run with ``make bench-data`` (``ARGS='--records 5000 --reps 1'`` to change the s
    length policy; never the cache, so nothing is reused) ``--reps`` times per
    ``max_seq_len`` and reports tokens/s and records/s;
 3. measures padding efficiency (real tokens / tokens the model processes) at micro batch 4,
-   world size 1, for random padded batches, :class:`memtune.data.LengthGroupedSampler` and
-   packing with :func:`memtune.data.pack_bins`, batched the way ``memtune.worker`` does;
+   world size 1, for random padded batches, :class:`memtune.data.batching.LengthGroupedSampler`
+   and packing with :func:`memtune.data.batching.pack_bins`, batched the way
+   ``memtune.data.loaders`` does;
 4. writes ``<out>/<YYYY-MM-DD>-data.json`` (every number and the machine) and
    ``<out>/<YYYY-MM-DD>-data.md`` (the tables), and prints the tables.
 

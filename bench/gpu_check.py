@@ -614,7 +614,7 @@ def init_one_rank(device: Any) -> None:
 
 def run_memtune(phase: Phase, deadline: float) -> None:
     """memtune's model, loss, optimizer, DeepSpeed engine and training loop, as
-    ``memtune.worker.run`` assembles them, on a base built in memory."""
+    ``memtune.rank.build.build_rank`` assembles them, on a base built in memory."""
     from memtune.config.deepspeed import build_ds_config
     from memtune.memory.counts import count_params
     from memtune.rank.build import build_rank

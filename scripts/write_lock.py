@@ -50,8 +50,9 @@ def main() -> None:
         f"{platform.system()} {platform.machine()}.",
         "# torch is not here: the Makefile's TORCH_SPEC (CPU) or your own CUDA build.",
     ]
-    out.write_text("\n".join([*header, *pins(venv)]) + "\n")
-    print(f"memtune: {out} written ({len(pins(venv))} pins)")
+    pinned = pins(venv)
+    out.write_text("\n".join([*header, *pinned]) + "\n")
+    print(f"memtune: {out} written ({len(pinned)} pins)")
 
 
 if __name__ == "__main__":

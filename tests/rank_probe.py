@@ -1,4 +1,4 @@
-"""A rank entry point for tests: memtune.worker.run, then checks that need the live engine.
+"""A rank entry point for tests: memtune.rank.worker.run, then checks that need the live engine.
 
 Started by the real launcher (``deepspeed --module rank_probe RUN_DIR``) with tests/ on
 PYTHONPATH. After training it records, per rank: how much of each parameter this rank holds,

@@ -4,7 +4,7 @@ A module of its own so the job side reads them without importing the rank side.
 """
 
 EXIT_CONFIG = 2
-"""A config, plan or preflight error: nothing was started (or the rank refused its run dir)."""
+"""A config, plan or preflight error: nothing was started."""
 EXIT_NON_FINITE = 3
 """A rank (and so train.py) stopped by a non-finite loss."""
 EXIT_REQUEUE = 75

@@ -48,8 +48,8 @@ def _cpuinfo() -> tuple[str, set[str]]:
                 model = value.strip()
             elif key.strip() == "flags":
                 flags = set(value.split())
-            if flags and model:
-                break
+            if flags:
+                break  # one processor's entry is enough
     return model, flags
 
 
@@ -120,7 +120,11 @@ def _normalize(name: str) -> str:
 
 def lock_differences(path: Path) -> list[str]:
     """Installed packages whose version is not the one ``path`` pins ('name X, lock Y')."""
-    installed = {_normalize(d.metadata["Name"]): d.version for d in md.distributions()}
+    installed = {
+        _normalize(d.metadata["Name"]): d.version
+        for d in md.distributions()
+        if d.metadata["Name"]  # a broken install can lack it
+    }
     return [
         f"{name} {installed[name]}, lock {version}"
         for name, version in sorted(lock_pins(path).items())

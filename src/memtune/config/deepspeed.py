@@ -34,7 +34,7 @@ def derived_values(cfg: RunConfig) -> dict[str, Any]:
         "gradient_accumulation_steps": grad_accumulation_steps(cfg),
         "gradient_clipping": t.max_grad_norm,
         "bf16.enabled": t.precision == "bf16",
-        # DeepSpeed's default too; trainer.py relies on it to discard non-finite steps in bf16.
+        # DeepSpeed's default too; rank/loop.py relies on it to discard non-finite steps in bf16.
         "bf16.check_grad_overflow": True,
         # Gradients of the (bf16) adapters summed over micro batches in fp32, not bf16: the
         # adapters are small, so this costs MBs, and 8+ bf16 additions lose low bits.

@@ -213,7 +213,7 @@ class PlanConfig:
     """Refuse, before any rank starts, a run whose planned peak exceeds device_gib."""
     auto_fit: bool = False
     """Instead of refusing, run the fastest variant that fits (checkpointing, smaller micro
-    batch, ZeRO-3, 8-bit optimizer, QLoRA: see autofit.py). The choice is printed and saved."""
+    batch, ZeRO-3, 8-bit optimizer, QLoRA: see memory/fit.py). The choice is printed and saved."""
 
 
 @dataclass

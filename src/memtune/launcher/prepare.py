@@ -28,7 +28,7 @@ def decide(cfg: RunConfig, refuse: bool = True) -> Fitted:
     """What a launch and ``plan_only`` both decide for a validated config: one rank's ZeRO
     stage (config.one_rank_zero), the number of checkpointed layers (checkpoint_layers=auto)
     and, with plan.auto_fit, a variant that fits. With ``refuse``, a run that cannot fit raises
-    ConfigError with the breakdown (plan.fit_to_device)."""
+    ConfigError with the breakdown (memory.fit.fit_to_device)."""
     staged = one_rank_zero(cfg)
     if staged.zero.stage != cfg.zero.stage:
         print(

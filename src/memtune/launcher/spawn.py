@@ -67,7 +67,8 @@ def rank_command(
     module: str = WORKER_MODULE,
     spec: NodeSpec | None = None,
 ) -> tuple[list[str], dict[str, str]]:
-    """The command line and extra environment that start this node's ranks (see nodes.py)."""
+    """The command line and extra environment that start this node's ranks (launcher.topology
+    decides the form)."""
     spec = spec or resolve(cfg)
     if spec.form == "local" and spec.ranks_per_node == 1:
         return [sys.executable, "-m", module, str(run_dir)], one_rank_env(port)

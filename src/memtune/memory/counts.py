@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from memtune.config import RunConfig, compute_bytes
+from memtune.config import LORA_TARGETS, RunConfig, compute_bytes
 
 
 @dataclass
@@ -46,8 +46,6 @@ def count_params(cfg: RunConfig) -> ParamCounts:
     """Instantiate the architecture on the meta device, add LoRA with peft, and count."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
-
-    from memtune.config import LORA_TARGETS
 
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
@@ -90,12 +88,12 @@ def quantized_shape_problems(cfg: RunConfig, counts: ParamCounts) -> list[str]:
     """The decoder's linear layers whose shape bitsandbytes cannot quantize as configured.
 
     A QLoRA base stores each 4-bit weight as packed bytes (two weights a byte) viewed as the
-    storage dtype (model.quantization_config: the compute dtype, so ZeRO-3 can shard it), which
+    storage dtype (rank.model.quantization_config: the compute dtype, so ZeRO-3 can shard it), which
     needs ceil(in × out / 2) to be a multiple of that dtype's size; otherwise bitsandbytes fails
     deep inside from_pretrained ("must be divisible by 2 to view Byte as BFloat16"). Real
     checkpoints' widths are multiples of 64, but a custom architecture may not be. (LLM.int8
     keeps one int8 per weight: no such rule. bitsandbytes' CPU inference layout needs
-    out % 32 == 0 too, but training never uses it: model.keep_training_layout.)
+    out % 32 == 0 too, but training never uses it: rank.model.keep_training_layout.)
     """
     if cfg.peft.method != "qlora":
         return []

@@ -149,6 +149,8 @@ def suggestions(cfg: RunConfig, counts: ParamCounts) -> list[str]:
     for override, why, apply in tips:
         trial = copy.deepcopy(cfg)
         apply(trial)
+        if quantized_shape_problems(trial, counts):
+            continue  # a 4-bit base bitsandbytes cannot pack for this architecture
         saved = total - plan(trial, counts).total_gib
         if saved >= 0.05:
             scored.append((saved, f"{override} ({why}): -{saved:.2f} GiB"))
@@ -184,6 +186,8 @@ def auto_fit(cfg: RunConfig, known: ParamCounts | None = None) -> Fit | None:
         key = (variant.peft.target, variant.peft.r)  # what the counts depend on
         if key not in counts:
             counts[key] = count_params(variant)
+        if quantized_shape_problems(variant, counts[key]):
+            continue  # QLoRA cannot quantize this architecture's layers
         planned.append(Fit(variant, plan(variant, counts[key]), changes, cost))
     device = cfg.plan.device_gib
     for spare in (AUTO_CHECKPOINT_SPARE_GIB, 0.0):
@@ -274,8 +278,9 @@ def fit_to_device(cfg: RunConfig, refuse: bool = True) -> Fitted:
             )
             return Fitted(chosen, chosen_plan, cfg, result, fit.changes, notes)
     if not result.fits and cfg.plan.enforce and refuse:
+        decided = "".join(f"{note}\n" for note in notes)
         raise ConfigError(
-            f"this run needs {result.total_gib:.2f} GiB per rank but the device has "
+            f"{decided}this run needs {result.total_gib:.2f} GiB per rank but the device has "
             f"{result.device_gib:.2f} GiB (plan.device_gib):\n{format_plan(cfg, result)}\n"
             f"{format_suggestions(cfg, counts)}\n(plan.auto_fit=true picks the fastest variant "
             "that fits; plan.enforce=false launches anyway)"

@@ -13,7 +13,7 @@ module per chunk, which would make the number of all-gathers depend on each rank
 deadlock.
 
 :class:`CausalLMLoss` is the module DeepSpeed wraps: PEFT model plus loss, so the loss is part
-of the engine's forward. It returns the *sum* of token losses (see trainer.py for the scaling).
+of the engine's forward. It returns the *sum* of token losses (see rank/loop.py for the scaling).
 """
 
 from __future__ import annotations

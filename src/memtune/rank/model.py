@@ -119,7 +119,7 @@ def add_lora(model: Any, cfg: RunConfig) -> Any:
             activation_checkpointing_kwargs={"use_reentrant": cfg.trainer.checkpointing_reentrant}
         )
         # Selective: only the first k layers recompute (backward reaches them last, once the
-        # other layers' activations are freed; see plan.activation_bytes).
+        # other layers' activations are freed; see memory.estimate.activation_bytes).
         set_checkpointed_layers(model, checkpointed_layers(cfg))
     model = get_peft_model(model, lora_config(cfg))
     cast_adapters(model, torch_dtype(cfg))

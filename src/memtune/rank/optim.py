@@ -9,7 +9,7 @@
 * ``cpu_adam`` — optimizer state and step on the host (ZeRO-Offload). DeepSpeed only uses its
   fast ``DeepSpeedCPUAdam`` when it builds the optimizer from its own config, so this choice
   writes ``optimizer`` and ``zero_optimization.offload_optimizer`` into the DeepSpeed JSON
-  (see ds_config.py) and passes no optimizer object.
+  (see config/deepspeed.py) and passes no optimizer object.
 """
 
 from __future__ import annotations
