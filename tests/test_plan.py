@@ -315,3 +315,20 @@ def test_only_the_first_layers_recompute_and_the_gradients_do_not_change() -> No
     for layers in ("1", "0"):
         for name, g in grads["all"].items():
             torch.testing.assert_close(grads[layers][name], g, rtol=1e-5, atol=1e-7)
+
+
+def test_qlora_is_not_offered_for_layers_bitsandbytes_cannot_pack() -> None:
+    from memtune.memory.fit import auto_fit, suggestions
+
+    arch = "model.architecture"
+    # 2 heads of 1791, one KV head: k_proj / v_proj are 3582 -> 1791 (odd packed bytes in bf16).
+    odd = [f"{arch}.hidden_size=3582", f"{arch}.num_attention_heads=2"]
+    odd += [f"{arch}.num_key_value_heads=1"]
+    for overrides, offered in (([], True), (odd, False)):
+        cfg = to_run_config(compose_cfg([QWEN7B, "plan.device_gib=12", *overrides]))
+        counts = count_params(cfg)
+        tips = suggestions(cfg, counts)
+        assert any(t.startswith("peft=qlora-nf4") for t in tips) is offered, tips
+        if not offered:
+            fit = auto_fit(cfg, counts)
+            assert fit is None or "peft=qlora-nf4" not in fit.changes
