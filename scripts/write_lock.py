@@ -12,13 +12,25 @@ machines' disk; constraints pin what pip resolves without making pip install any
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
+import json
 import platform
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import tomllib
+
 SKIP = re.compile(r"^(memtune|torch|triton|nvidia-[\w-]+|cuda-[\w-]+)==", re.IGNORECASE)
+
+
+def requirements_hash(pyproject: Path) -> str:
+    """A digest of what pyproject.toml asks for (dependencies and extras): the lock records the
+    one it was resolved from, and tests/test_install.py fails when they no longer agree."""
+    project = tomllib.loads(pyproject.read_text())["project"]
+    wanted = {"dependencies": project["dependencies"], "extras": project["optional-dependencies"]}
+    return hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def pins(venv: Path) -> list[str]:
@@ -49,6 +61,7 @@ def main() -> None:
         f"# Resolved {dt.date.today().isoformat()} on CPython {version}, "
         f"{platform.system()} {platform.machine()}.",
         "# torch is not here: the Makefile's TORCH_SPEC (CPU) or your own CUDA build.",
+        f"# pyproject.toml requirements: {requirements_hash(Path(__file__).parents[1] / 'pyproject.toml')}",
     ]
     pinned = pins(venv)
     out.write_text("\n".join([*header, *pinned]) + "\n")

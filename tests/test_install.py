@@ -39,3 +39,16 @@ def test_lock_differences_name_the_package_and_both_versions(tmp_path) -> None:
     lock = tmp_path / "constraints.txt"
     lock.write_text(f"# header\nPyYAML==0.0.1\npeft=={md.version('peft')}\n")
     assert lock_differences(lock) == [f"pyyaml {md.version('pyyaml')}, lock 0.0.1"]
+
+
+def test_the_lock_was_resolved_from_this_pyproject() -> None:
+    """pyproject.toml's requirements changed without `make relock`: the lock is stale."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("write_lock", ROOT / "scripts" / "write_lock.py")
+    assert spec is not None and spec.loader is not None
+    write_lock = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(write_lock)
+    recorded = re.search(r"^# pyproject.toml requirements: (\w+)$", REPO_LOCK.read_text(), re.M)
+    assert recorded, "constraints.txt has no requirements line: run make relock"
+    assert recorded.group(1) == write_lock.requirements_hash(ROOT / "pyproject.toml")
