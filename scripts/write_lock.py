@@ -22,6 +22,7 @@ from pathlib import Path
 
 import tomllib
 
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 SKIP = re.compile(r"^(memtune|torch|triton|nvidia-[\w-]+|cuda-[\w-]+)==", re.IGNORECASE)
 
 
@@ -61,7 +62,7 @@ def main() -> None:
         f"# Resolved {dt.date.today().isoformat()} on CPython {version}, "
         f"{platform.system()} {platform.machine()}.",
         "# torch is not here: the Makefile's TORCH_SPEC (CPU) or your own CUDA build.",
-        f"# pyproject.toml requirements: {requirements_hash(Path(__file__).parents[1] / 'pyproject.toml')}",
+        f"# pyproject.toml requirements: {requirements_hash(PYPROJECT)}",
     ]
     pinned = pins(venv)
     out.write_text("\n".join([*header, *pinned]) + "\n")
