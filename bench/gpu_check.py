@@ -769,9 +769,9 @@ def search_cap(
 
 
 def environment(device: Any) -> dict[str, Any]:
-    import importlib.metadata as md
-
     import torch
+
+    from memtune.machine import cpu_flags, versions
 
     env: dict[str, Any] = {
         "date": dt.date.today().isoformat(),
@@ -779,9 +779,8 @@ def environment(device: Any) -> dict[str, Any]:
         "device": str(device),
         "cpu_count": os.cpu_count(),
     }
-    for name in ("torch", "transformers", "peft", "deepspeed", "bitsandbytes", "accelerate"):
-        with contextlib.suppress(md.PackageNotFoundError):
-            env[name] = md.version(name)
+    env.update(versions())  # the same record as the planner's and make bench's
+    env["cpu_flags"] = cpu_flags()
     env["torch_cuda"] = torch.version.cuda
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
