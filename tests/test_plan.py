@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoTokenizer
 
 from memtune.config import checkpointed_layers, to_run_config
 from memtune.memory.counts import count_params
@@ -194,15 +195,22 @@ def test_auto_fit_picks_the_cheapest_variant_that_fits() -> None:
 def test_auto_fit_is_applied_before_launch_and_recorded(tmp_path: Path, capsys) -> None:
     from memtune.launcher.prepare import prepare_run_dir
 
-    tiny = to_run_config(compose_cfg())  # its tokenizer stands in for Qwen's (not on disk here)
+    # Qwen2.5-7B's config.json next to the tiny model's tokenizer (the launcher side reads no
+    # weights): the planner sees the 7B, the data is tokenized as for the tiny one.
+    tiny = to_run_config(compose_cfg())
     synthesize(tiny.model.name_or_path, tiny.model.architecture)
+    qwen = to_run_config(compose_cfg([QWEN7B]))
+    stand_in = tmp_path / "qwen7b-config"
+    AutoTokenizer.from_pretrained(tiny.model.name_or_path).save_pretrained(stand_in)
+    arch = dict(qwen.model.architecture)
+    AutoConfig.for_model(arch.pop("model_type"), **arch).save_pretrained(stand_in)
     overrides = [
         QWEN7B,
         "zero=zero2",
         "trainer.activation_checkpointing=false",
         "plan.auto_fit=true",
         "data=demo",
-        f"model.name_or_path={tiny.model.name_or_path}",
+        f"model.name_or_path={stand_in}",
     ]
     cfg = prepare_run_dir(compose_cfg(overrides), tmp_path / "run")
     assert "auto_fit: trainer.activation_checkpointing=true" in capsys.readouterr().out

@@ -34,7 +34,12 @@ class ModelConfig:
     name_or_path: str = "???"
     """Hub name or local directory, read by the ranks with ``from_pretrained``."""
     architecture: dict[str, Any] = field(default_factory=dict)
-    """The fields of the model's ``config.json``: lets plans and validation run offline."""
+    """The fields of the model's ``config.json``: lets plans and validation run offline. When
+    the checkpoint is on disk (a local directory, or the Hugging Face cache) its own config.json
+    is planned instead, and a disagreement is refused (config.architecture)."""
+    architecture_source: str = "auto"
+    """auto (the checkpoint's config.json when on disk, and it must agree with architecture) |
+    checkpoint (the checkpoint's config.json replaces architecture; it must be on disk)"""
     synthesize: bool = False
     """Build a random-init model and tokenizer at ``name_or_path`` if absent (tiny demos)."""
     attn_implementation: str = "auto"

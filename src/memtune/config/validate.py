@@ -25,6 +25,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "trainer.optimizer": ("adamw", "adamw_8bit", "cpu_adam"),
     "trainer.on_nonfinite": ("stop", "skip"),
     "model.attn_implementation": ("auto", "sdpa", "eager", "flash_attention_2"),
+    "model.architecture_source": ("auto", "checkpoint"),
     "logger.backend": ("wandb", "none"),
     "logger.mode": ("offline", "online", "auto"),
 }
@@ -114,8 +115,9 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
     arch = cfg.model.architecture
     if not arch.get("hidden_size"):
         raise ConfigError(
-            "model.architecture.hidden_size is missing: every model config carries its "
-            "config.json fields (see conf/model/qwen2.5-7b.yaml)"
+            f"model.architecture is empty and {cfg.model.name_or_path!r} has no config.json on "
+            "disk to read it from: download the checkpoint first (hf download NAME), or use a "
+            "model group that carries its config.json fields (see conf/model/qwen2.5-7b.yaml)"
         )
     if cfg.model.name_or_path in ("", "???"):
         raise ConfigError("model.name_or_path is not set: give a hub name or a local directory")

@@ -15,10 +15,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from memtune.config import ConfigError, load_run_config, to_run_config, validate
+from memtune.config import ConfigError, load_run_config
 from memtune.exit_codes import EXIT_CONFIG, EXIT_REQUEUE
 from memtune.launcher.preflight import PreflightError, for_launch
-from memtune.launcher.prepare import already_finished, decide, prepare_run_dir
+from memtune.launcher.prepare import already_finished, decide, given_config, prepare_run_dir
 from memtune.launcher.spawn import launch
 from memtune.launcher.topology import announce_ready, resolve, wait_ready, write_nodes_hostfile
 from memtune.machine import name_cpu_accelerator, versions_line
@@ -35,8 +35,7 @@ def print_plan(cfg: DictConfig) -> int:
     """plan_only=true: the per-rank memory plan with what a launch would decide; writes
     nothing, launches nothing."""
     try:
-        given = to_run_config(cfg)
-        validate(given, inputs=False)
+        given = given_config(cfg, inputs=False)
         fitted = decide(given, refuse=False)
     except ConfigError as err:
         print(f"memtune: config error: {err}", file=sys.stderr)
@@ -73,8 +72,7 @@ def run_job(cfg: DictConfig) -> None:
         sys.exit(print_plan(cfg))
     spec = None
     try:
-        given = to_run_config(cfg)
-        validate(given)
+        given = given_config(cfg)
         spec = resolve(given)
         # Config and memory first, then the GPUs, then the data: a run that cannot fit, or a
         # machine that cannot run it, stops before anything is tokenized.

@@ -16,12 +16,24 @@ from memtune.config import (
     to_run_config,
     validate,
 )
+from memtune.config.architecture import resolve_architecture
 from memtune.config.deepspeed import build_ds_config
 from memtune.data.cache import Prepared, preprocess
 from memtune.machine import versions_line
 from memtune.memory.estimate import format_plan
 from memtune.memory.fit import Fitted, fit_to_device
 from memtune.rundir import DataRecord, RecordError, RunDir, TrainState, find_latest, is_complete
+
+
+def given_config(cfg_node: DictConfig, inputs: bool = True) -> RunConfig:
+    """The composed config as the run will see it: typed, planned with the architecture the
+    ranks will really load (config.architecture), validated (``inputs=False``: no data or model
+    path checks, for plan_only)."""
+    cfg, notes = resolve_architecture(to_run_config(cfg_node))
+    for note in notes:
+        print(f"memtune: {note}", flush=True)
+    validate(cfg, inputs=inputs)
+    return cfg
 
 
 def decide(cfg: RunConfig, refuse: bool = True) -> Fitted:
@@ -51,9 +63,7 @@ def prepare_run_dir(cfg_node: DictConfig, run_dir: Path, fitted: Fitted | None =
     ``cfg_node`` (train.py decides before the GPU preflight); config.yaml records it.
     """
     if fitted is None:
-        given = to_run_config(cfg_node)
-        validate(given)
-        fitted = decide(given)
+        fitted = decide(given_config(cfg_node))
     cfg, memory_plan = fitted.cfg, fitted.plan
     cfg.run_dir = str(run_dir)
     ds_config = build_ds_config(cfg)

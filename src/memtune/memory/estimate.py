@@ -38,6 +38,7 @@ from memtune.config import (
     prefetch_bucket_elements,
     reduce_bucket_elements,
 )
+from memtune.config.architecture import head_dim
 from memtune.memory.counts import ParamCounts, count_params
 
 GIB = 1024**3
@@ -89,7 +90,7 @@ def activation_bytes(
         int(a["num_hidden_layers"]),
     )
     heads, kv = int(a["num_attention_heads"]), int(a["num_key_value_heads"])
-    d = h // heads
+    d = head_dim(a)
     b = compute_bytes(cfg)
     n = tokens
     norms = 2 * n * h * 4  # RMSNorm keeps its input in fp32, twice per layer
@@ -230,8 +231,15 @@ def format_plan(cfg: RunConfig, result: Plan) -> str:
         f"ZeRO-{cfg.zero.stage} · {cfg.peft.method} r={cfg.peft.r} · micro batch "
         f"{cfg.trainer.micro_batch_size} × {cfg.data.max_seq_len} tokens · accum "
         f"{grad_accumulation_steps(cfg)}",
-        f"{'per rank':<28}{unit:>8}  how",
     ]
+    if result.counts is not None:
+        c = result.counts
+        lines.append(
+            f"parameters: trainable {c.lora:,} of {c.base + c.lora:,} "
+            f"({100 * c.lora / (c.base + c.lora):.3f}%; peft's print_trainable_parameters counts "
+            "the same)"
+        )
+    lines.append(f"{'per rank':<28}{unit:>8}  how")
     for what, gib, how in result.rows:
         lines.append(f"  {what:<26}{gib * scale:>8.2f}  {how}")
     lines.append(f"  {'total':<26}{result.total_gib * scale:>8.2f}")

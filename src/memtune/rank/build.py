@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from memtune.config import RunConfig
+from memtune.config import ConfigError, RunConfig
+from memtune.config.architecture import loaded_mismatches
 from memtune.rank.loss import CausalLMLoss, resolve_loss_kind
 from memtune.rank.model import add_lora, choose_attention, count_parameters, load_base_model
 from memtune.rank.optim import build_optimizer, scheduler_factory
@@ -57,7 +58,16 @@ def build_rank(
 
     use_zero_init = cfg.zero.stage == 3 if zero_init is None else zero_init
     hf_ds = HfDeepSpeedConfig(ds_config) if use_zero_init else None
-    model = add_lora(load_base(cfg, attn), cfg)
+    base = load_base(cfg, attn)
+    wrong = loaded_mismatches(cfg, base.config)
+    if wrong:
+        raise ConfigError(
+            f"{cfg.model.name_or_path} is not the model that was planned: "
+            + "; ".join(wrong)
+            + ". The memory plan does not hold for it; plan again (make plan / plan_only=true) "
+            "with the checkpoint on disk."
+        )
+    model = add_lora(base, cfg)
     trainable, total = count_parameters(model)
     engine, optimizer_note = build_engine(cfg, model, device, ds_config)
     del hf_ds

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from memtune import quiet
 from memtune.config import (
+    ConfigError,
     RunConfig,
     checkpointing_label,
     grad_accumulation_steps,
@@ -32,7 +33,7 @@ from memtune.config import (
 )
 from memtune.data.encode import DataStats
 from memtune.data.loaders import eval_batches, make_loader
-from memtune.exit_codes import EXIT_NON_FINITE, EXIT_REQUEUE
+from memtune.exit_codes import EXIT_CONFIG, EXIT_NON_FINITE, EXIT_REQUEUE
 from memtune.rank.build import build_rank
 from memtune.rank.checkpoint import export_adapter, load_checkpoint, save_checkpoint
 from memtune.rank.loop import (
@@ -380,6 +381,9 @@ def main(argv: list[str] | None = None) -> None:
     except NonFiniteLoss as err:
         print(f"memtune: stopped: {err}", file=sys.stderr, flush=True)
         code = EXIT_NON_FINITE
+    except ConfigError as err:  # e.g. the loaded model is not the planned one (rank.build)
+        print(f"memtune: config error: {err}", file=sys.stderr, flush=True)
+        code = EXIT_CONFIG
     except SystemExit as stop:
         if stop.code != EXIT_REQUEUE:
             raise

@@ -1,0 +1,173 @@
+"""Which architecture a run plans: the checkpoint's own ``config.json`` when it is on disk.
+
+A model config group carries ``model.architecture`` (the fields of its config.json) so that a
+plan can be made offline for a hub name that is not downloaded. But the ranks load whatever
+``model.name_or_path`` holds: a local directory of a 48-layer model planned as the group's
+28-layer one would be refused by nothing until it ran out of memory on the card. So when the
+checkpoint's config.json can be read without a download (a local directory, or the local
+Hugging Face cache), the plan uses it, and a disagreement with the group is refused before
+launch, naming the fields, unless ``model.architecture_source=checkpoint`` says the checkpoint
+wins. After loading, every rank checks that the model it holds is the one that was planned
+(:func:`loaded_mismatches`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from memtune.config.schema import ConfigError, RunConfig
+
+PLANNED_FIELDS = (
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+    "attention_bias",
+)
+"""What the memory plan and the parameter counts depend on; a checkpoint and its config group
+must agree on each (head_dim and attention_bias as their model type defaults them)."""
+
+KEPT_FIELDS = (
+    *PLANNED_FIELDS,
+    "max_position_embeddings",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "rms_norm_eps",
+    "hidden_act",
+    "use_sliding_window",
+    "sliding_window",
+    "max_window_layers",
+)
+"""The config.json fields copied into ``model.architecture`` when the checkpoint's win (the
+rest — token ids, dtype, versions, a quantization block — are not the architecture's)."""
+
+
+def head_dim(arch: dict[str, Any]) -> int:
+    """Per-head width: the explicit ``head_dim`` (Qwen3: 128 at every size), else
+    hidden / heads (Qwen2, Qwen2.5)."""
+    explicit = arch.get("head_dim")
+    if explicit:
+        return int(explicit)
+    return int(arch["hidden_size"]) // int(arch["num_attention_heads"])
+
+
+def _planned_values(arch: dict[str, Any]) -> dict[str, Any]:
+    """The planned fields with their model type's defaults filled in (via transformers' config
+    class), so "head_dim absent" and "head_dim = hidden / heads" compare equal."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in arch.items() if k in KEPT_FIELDS and k != "model_type"}
+    try:
+        config = AutoConfig.for_model(str(arch.get("model_type")), **fields)
+    except (ValueError, KeyError, TypeError):
+        config = None
+    out = {}
+    for key in PLANNED_FIELDS:
+        if key == "head_dim":
+            out[key] = head_dim(arch) if "hidden_size" in arch else None
+        elif config is not None and hasattr(config, key):
+            out[key] = getattr(config, key)
+        else:
+            out[key] = arch.get(key)
+    return out
+
+
+def checkpoint_config_file(name_or_path: str) -> Path | None:
+    """The checkpoint's config.json if it can be read without a download: ``name_or_path`` is
+    a local directory, or a hub name already in the local Hugging Face cache."""
+    path = Path(name_or_path).expanduser()
+    if (path / "config.json").is_file():
+        return path / "config.json"
+    if path.exists() or name_or_path.count("/") != 1:
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name_or_path, "config.json")
+    except Exception:  # an invalid repo id: not in any cache
+        return None
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def read_architecture(config_file: Path) -> dict[str, Any]:
+    """The architecture fields of a config.json (KEPT_FIELDS that are present)."""
+    try:
+        data = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{config_file}: cannot read the model's config.json ({err})") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ConfigError(f"{config_file}: no model_type; not a transformers config.json")
+    return {k: data[k] for k in KEPT_FIELDS if k in data}
+
+
+def mismatches(planned: dict[str, Any], actual: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(field, planned value, actual value) for each PLANNED_FIELDS entry that differs."""
+    a, b = _planned_values(planned), _planned_values(actual)
+    return [(k, a[k], b[k]) for k in PLANNED_FIELDS if a[k] != b[k]]
+
+
+def resolve_architecture(cfg: RunConfig) -> tuple[RunConfig, list[str]]:
+    """``cfg`` with the architecture that will really be loaded, and notes saying where it came
+    from. Raises ConfigError when the checkpoint on disk contradicts ``model.architecture``
+    (and model.architecture_source is not ``checkpoint``)."""
+    m = cfg.model
+    source = m.architecture_source
+    if m.synthesize:
+        return cfg, []  # built from model.architecture by memtune itself (tools.tiny)
+    found = checkpoint_config_file(m.name_or_path)
+    if found is None:
+        if source == "checkpoint":
+            raise ConfigError(
+                f"model.architecture_source=checkpoint, but {m.name_or_path!r} has no "
+                "config.json on disk (not a local directory, not in the Hugging Face cache)"
+            )
+        if not m.architecture:
+            return cfg, []  # validate() names the missing architecture
+        return cfg, [
+            f"planned from the config group's architecture: {m.name_or_path} is not on disk "
+            "(the ranks will download it; its config.json is checked when they load it)"
+        ]
+    on_disk = read_architecture(found)
+    if not m.architecture:
+        out = copy.deepcopy(cfg)
+        out.model.architecture = on_disk
+        return out, [f"architecture from {found}"]
+    diffs = mismatches(m.architecture, on_disk)
+    if not diffs:
+        return cfg, []
+    listed = ", ".join(f"{k} {old!r} → {new!r}" for k, old, new in diffs)
+    if source == "checkpoint":
+        out = copy.deepcopy(cfg)
+        out.model.architecture = on_disk
+        return out, [
+            f"architecture from {found} (model.architecture_source=checkpoint): config group "
+            f"→ checkpoint: {listed}"
+        ]
+    raise ConfigError(
+        f"model.name_or_path={m.name_or_path!r} is not the model the config group describes: "
+        f"its {found} differs in {listed} (config group → checkpoint). The ranks would load the "
+        "checkpoint, so a plan of the group's architecture would be wrong. Plan the checkpoint "
+        "with model=local (architecture from its config.json) or "
+        "model.architecture_source=checkpoint, or point "
+        "model.name_or_path at the model the group describes."
+    )
+
+
+def loaded_mismatches(cfg: RunConfig, loaded_config: Any) -> list[str]:
+    """After from_pretrained: how the loaded model's config differs from the planned
+    architecture ("field: planned X, loaded Y"); empty when it is the planned model."""
+    loaded = loaded_config.to_dict()
+    loaded.setdefault("head_dim", getattr(loaded_config, "head_dim", None))
+    return [
+        f"{k}: planned {old!r}, loaded {new!r}"
+        for k, old, new in mismatches(dict(cfg.model.architecture), loaded)
+    ]
