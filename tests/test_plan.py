@@ -74,6 +74,9 @@ def _saved_bytes(cfg) -> int:
         ["trainer.precision=bf16", "peft.dropout=0.05"],
         ["trainer.precision=bf16", "peft.dropout=0"],
         ["trainer.precision=bf16", "peft.dropout=0", "peft=lora"],
+        # Qwen3: per-head q/k norms, head_dim 128 over a 256 hidden state, tied embeddings.
+        ["model=tiny-qwen3", "trainer.precision=bf16", "peft.dropout=0"],
+        ["model=tiny-qwen3", "trainer.precision=fp32", "peft.dropout=0.05"],
         # Selective: layer 0 keeps only its input, layer 1 everything (2 layers in all).
         [
             "trainer.precision=bf16",

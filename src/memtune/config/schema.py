@@ -65,7 +65,8 @@ class DataConfig:
     sources: list[DataSource] = field(default_factory=list)
     """Several sources, mixed by weight (instead of path)."""
     template: str = "chatml"
-    """chatml (Qwen2.5) | plain (the seeds' ### 指令 / ### 回答 prompt)"""
+    """chatml (Qwen2.5) | qwen3 (Qwen3's template: a think block before the last reply) |
+    plain (the seeds' ### 指令 / ### 回答 prompt)"""
     system_prompt: str | None = None
     """System message for records without one; none when null (never an implicit default)."""
     train_on_prompt: bool = False

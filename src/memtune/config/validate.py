@@ -10,6 +10,7 @@ from typing import Any
 
 from memtune.config.schema import ConfigError, DataConfig, ModelConfig, RunConfig
 from memtune.data.readers import FORMATS, is_local_source
+from memtune.data.templates import TEMPLATES
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
     "zero.stage": (2, 3),
@@ -17,7 +18,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "peft.target": ("attention", "all-linear"),
     "peft.quant_type": ("nf4", "fp4"),
     "data.format": FORMATS,
-    "data.template": ("chatml", "plain"),
+    "data.template": TEMPLATES,
     "data.overlong": ("truncate", "drop"),
     "data.on_bad_record": ("error", "skip"),
     "trainer.precision": ("bf16", "fp32"),

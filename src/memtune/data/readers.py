@@ -4,7 +4,8 @@ Formats
 - ``alpaca``: instruction / input / output, optional ``system`` and ``history``
   (``[[user, assistant], ...]`` turns before this one).
 - ``messages``: ``{"messages": [{"role": ..., "content": ...}, ...]}`` (OpenAI style) or
-  ShareGPT's ``{"conversations": [{"from": "human"|"gpt"|"system", "value": ...}]}``.
+  ShareGPT's ``{"conversations": [{"from": "human"|"gpt"|"system", "value": ...}]}``. An
+  assistant turn may carry ``reasoning_content`` (its thinking, rendered by the qwen3 template).
 - ``text``: ``{"text": ...}`` for plain continued pre-training (every token is a label).
 
 Sources: ``.jsonl``, ``.json`` (an array), ``.parquet``, a folder written by
@@ -203,7 +204,15 @@ def _chat_messages(rec: dict[str, Any], where: str) -> list[dict[str, str]]:
         content = turn.get(text_key)
         if not isinstance(content, str):
             raise RecordError(where, f"field '{at}.{text_key}' is missing or not a string")
-        messages.append({"role": ROLE_ALIASES[role], "content": content})
+        message = {"role": ROLE_ALIASES[role], "content": content}
+        reasoning = turn.get("reasoning_content")
+        if reasoning is not None:
+            if not isinstance(reasoning, str) or message["role"] != "assistant":
+                raise RecordError(
+                    where, f"field '{at}.reasoning_content' must be a string, on an assistant turn"
+                )
+            message["reasoning_content"] = reasoning  # rendered by data.template=qwen3
+        messages.append(message)
     return messages
 
 

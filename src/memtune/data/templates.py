@@ -18,12 +18,29 @@ tokenizer's eos in the plain template. A model never trained on that marker neve
       ### 指令:\\n{user}\\n\\n### 回答:\\n{reply}{eos}      (label: "{reply}{eos}")
 
   turns separated by a blank line.
+
+- ``qwen3`` (Qwen3's chat template, as its tokenizer renders a conversation): ChatML, and the
+  reply after the last user turn opens with a think block. Without reasoning (thinking off)
+  the block is empty and belongs to the prompt — it is what Qwen3's template appends to the
+  generation prompt with ``enable_thinking=False``::
+
+      <|im_start|>assistant\n<think>\n\n</think>\n\n{reply}<|im_end|>\n
+                                                          (label: "{reply}<|im_end|>")
+
+  With reasoning — a ``reasoning_content`` field, or a ``<think>…</think>`` prefix of the
+  reply — the model writes the block itself, so it is learned::
+
+      <|im_start|>assistant\n<think>\n{reasoning}\n</think>\n\n{reply}<|im_end|>\n
+                                               (label: "<think>\n{reasoning}…{reply}<|im_end|>")
+
+  Earlier replies are rendered as Qwen3 renders history: the reply alone, reasoning dropped.
 """
 
 from __future__ import annotations
 
-TEMPLATES = ("chatml", "plain")
+TEMPLATES = ("chatml", "plain", "qwen3")
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+THINK, END_THINK = "<think>", "</think>"
 
 Segment = tuple[str, bool]
 
@@ -46,12 +63,28 @@ def segments(messages: list[dict[str, str]], template: str, eos: str) -> list[Se
             out.append((text, label))
 
     last = len(messages) - 1
+    last_query = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
     for i, m in enumerate(messages):
         role, content = m["role"], m["content"]
         if template == "chatml":
             if role == "assistant":
                 add(f"{IM_START}assistant\n", False)
                 add(content + IM_END, True)
+                add("\n", False)
+            else:
+                add(f"{IM_START}{role}\n{content}{IM_END}\n", False)
+        elif template == "qwen3":
+            if role == "assistant":
+                reasoning, reply = split_reasoning(m)
+                add(f"{IM_START}assistant\n", False)
+                if i > last_query:  # the reply to the last user turn: a think block
+                    reply = reply.lstrip("\n")
+                    block = f"{THINK}\n{reasoning.strip(chr(10))}\n{END_THINK}\n\n"
+                    if reasoning:
+                        reply = block + reply  # thinking on: the model writes the block
+                    else:
+                        add(block, False)  # thinking off: the prompt holds the empty block
+                add(reply + IM_END, True)
                 add("\n", False)
             else:
                 add(f"{IM_START}{role}\n{content}{IM_END}\n", False)
@@ -69,9 +102,28 @@ def segments(messages: list[dict[str, str]], template: str, eos: str) -> list[Se
     return out
 
 
-def render_prompt(messages: list[dict[str, str]], template: str, eos: str) -> str:
+def split_reasoning(message: dict[str, str]) -> tuple[str, str]:
+    """(reasoning, reply) of an assistant turn, as Qwen3's template takes them apart: the
+    ``reasoning_content`` field, else the text before ``</think>`` (after ``<think>``)."""
+    content = message["content"]
+    if message.get("reasoning_content") is not None:
+        return message["reasoning_content"], content
+    if END_THINK in content:
+        head, _, _ = content.partition(END_THINK)
+        reasoning = head.rstrip("\n").split(THINK)[-1].lstrip("\n")
+        return reasoning, content.split(END_THINK)[-1].lstrip("\n")
+    return "", content
+
+
+def render_prompt(
+    messages: list[dict[str, str]], template: str, eos: str, thinking: bool = False
+) -> str:
     """What a model is given to answer the conversation's next turn (generation): exactly
-    the text that precedes a reply in training."""
-    rendered = segments([*messages, {"role": "assistant", "content": ""}], template, eos)
+    the text that precedes a reply in training. ``thinking`` (qwen3 only): leave the think
+    block to the model, as Qwen3's template does with ``enable_thinking=True``."""
+    reply: dict[str, str] = {"role": "assistant", "content": ""}
+    if thinking and template == "qwen3":
+        reply["reasoning_content"] = "…"  # any: the prompt then ends before <think>
+    rendered = segments([*messages, reply], template, eos)
     last_label = max(i for i, (_, label) in enumerate(rendered) if label)
     return "".join(text for text, _ in rendered[:last_label])

@@ -84,16 +84,18 @@ def activation_bytes(
     plus the larger of the other layers' activations and one recomputed layer.
     """
     a = cfg.model.architecture
+    d = head_dim(a)
     h, inter, layers = (
         int(a["hidden_size"]),
         int(a["intermediate_size"]),
         int(a["num_hidden_layers"]),
     )
     heads, kv = int(a["num_attention_heads"]), int(a["num_key_value_heads"])
-    d = head_dim(a)
     b = compute_bytes(cfg)
     n = tokens
     norms = 2 * n * h * 4  # RMSNorm keeps its input in fp32, twice per layer
+    if a.get("model_type") == "qwen3":
+        norms += n * d * (heads + kv) * 4  # and per head on q and k (Qwen3's q_norm, k_norm)
     # q, output, and k, v at their KV heads (sdpa and FA2 read grouped heads; eager repeats).
     kv_heads = heads if cfg.model.attn_implementation == "eager" else kv
     attention = n * d * (2 * heads + 2 * kv_heads) * b + n * heads * 4  # + logsumexp

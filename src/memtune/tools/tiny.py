@@ -1,9 +1,11 @@
-"""Synthesize a tiny Qwen2-architecture model and its tokenizer, for demos and tests.
+"""Synthesize a tiny Qwen2- or Qwen3-architecture model and its tokenizer, for demos and tests.
 
-Nothing can be downloaded here, so the demo model is built from ``Qwen2Config`` with a fixed
-seed, saved with ``save_pretrained`` and then read back by the ranks through exactly the
-``from_pretrained`` path a real Qwen2.5 checkpoint takes. Its tokenizer is a byte-level BPE
-trained on the bundled demo data, with Qwen2.5's special tokens and a ChatML chat template.
+Nothing can be downloaded here, so the demo model is built from its transformers config class
+(``model_type`` qwen2 or qwen3) with a fixed seed, saved with ``save_pretrained`` and then read
+back by the ranks through exactly the ``from_pretrained`` path a real checkpoint takes. Its
+tokenizer is a byte-level BPE trained on the bundled demo data, with Qwen's special tokens (and
+Qwen3's ``<think>`` / ``</think>`` for a qwen3 model) and a ChatML chat template — or, given
+``tokenizer_dir``, a real tokenizer copied from there (the tests use Qwen's own).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
+THINK_TOKENS = ["<think>", "</think>"]  # Qwen3's: single tokens of their own
 
 # ChatML as Qwen2.5 renders it, minus its implicit default system prompt: a system message
 # appears only when the config gives one.
@@ -40,10 +43,13 @@ _MARKER = "memtune_synth.json"
 _BUILDER_VERSION = 1
 
 
-def _fingerprint(architecture: dict[str, Any]) -> str:
+def _fingerprint(architecture: dict[str, Any], tokenizer_dir: Path | None) -> str:
     h = hashlib.sha256()
     h.update(json.dumps(architecture, sort_keys=True).encode())
     h.update(TOKENIZER_CORPUS.read_bytes())
+    if tokenizer_dir is not None:
+        for name in sorted(p.name for p in tokenizer_dir.iterdir() if p.is_file()):
+            h.update(name.encode() + (tokenizer_dir / name).read_bytes())
     h.update(f"{_BUILDER_VERSION}".encode())
     return h.hexdigest()[:16]
 
@@ -56,7 +62,7 @@ def _corpus_texts() -> list[str]:
     return texts
 
 
-def build_tokenizer(vocab_size: int):
+def build_tokenizer(vocab_size: int, think_tokens: bool = False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -65,7 +71,7 @@ def build_tokenizer(vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + (THINK_TOKENS if think_tokens else []),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -94,17 +100,23 @@ def _no_progress_bars() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def synthesize(path: str | Path, architecture: dict[str, Any], seed: int = 0) -> Path:
+def synthesize(
+    path: str | Path,
+    architecture: dict[str, Any],
+    seed: int = 0,
+    tokenizer_dir: str | Path | None = None,
+) -> Path:
     """Build model + tokenizer at ``path`` unless an identical build is already there.
 
     The build goes to a temporary sibling directory that is renamed into place, so a crash
     or a concurrent build never leaves a half-written model behind.
     """
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
-    fingerprint = _fingerprint(architecture)
+    tok_dir = None if tokenizer_dir is None else Path(tokenizer_dir)
+    fingerprint = _fingerprint(architecture, tok_dir)
     marker = path / _MARKER
     if marker.is_file() and json.loads(marker.read_text()).get("fingerprint") == fingerprint:
         return path
@@ -112,16 +124,21 @@ def synthesize(path: str | Path, architecture: dict[str, Any], seed: int = 0) ->
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        tokenizer = build_tokenizer(int(architecture["vocab_size"]))
+        model_type = architecture.get("model_type", "qwen2")
+        if tok_dir is not None:
+            tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+        else:
+            tokenizer = build_tokenizer(int(architecture["vocab_size"]), model_type == "qwen3")
         arch = {k: v for k, v in architecture.items() if k != "model_type"}
-        config = Qwen2Config(
+        config = AutoConfig.for_model(
+            model_type,
             **arch,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
             bos_token_id=None,
         )
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         with _no_progress_bars():  # one tiny shard: a bar would only be noise

