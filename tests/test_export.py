@@ -11,8 +11,8 @@ import torch
 
 from memtune.data.batching import collate_padded
 from memtune.data.cache import load_split
-from memtune.rank.loss import token_loss_sum
 from memtune.memory.counts import count_params
+from memtune.rank.loss import token_loss_sum
 from memtune.tools.generate import answer, load, prompt_text, stop_token_ids
 from memtune.tools.merge import merge
 from tests.conftest import FAST, Run, _finished, start_run

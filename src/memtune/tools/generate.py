@@ -4,8 +4,8 @@
     python -m memtune.generate RUN_DIR --model MERGED_DIR "..."
 
 The run's config gives the template and system prompt, so the prompt is the same text the
-model was trained on (qwen3: with the empty think block, unless ``--thinking``). Generation stops at the turn's end marker (``<|im_end|>`` in ChatML)
-or the tokenizer's eos.
+model was trained on (qwen3: with the empty think block, unless ``--thinking``). Generation
+stops at the turn's end marker (``<|im_end|>`` in ChatML) or the tokenizer's eos.
 """
 
 from __future__ import annotations
