@@ -35,7 +35,8 @@ class ParamCounts:
         return self.linear + self.embedding + self.head + self.small
 
 
-def _arch_config(cfg: RunConfig) -> Any:
+def arch_config(cfg: RunConfig) -> Any:
+    """The transformers config of ``model.architecture`` (no weights, nothing downloaded)."""
     from transformers import AutoConfig
 
     arch = dict(cfg.model.architecture)
@@ -49,7 +50,7 @@ def count_params(cfg: RunConfig) -> ParamCounts:
 
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        model = AutoModelForCausalLM.from_config(_arch_config(cfg))
+        model = AutoModelForCausalLM.from_config(arch_config(cfg))
         embedding = model.get_input_embeddings().weight
         head = model.get_output_embeddings()
         tied = head is not None and head.weight is embedding

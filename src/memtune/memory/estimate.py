@@ -73,23 +73,11 @@ class Plan:
         self.rows.append((what, nbytes / GIB, how))
 
 
-def activation_bytes(
-    cfg: RunConfig, tokens: int, checkpointed: int, counts: ParamCounts, cuda: bool = True
-) -> int:
-    """Bytes autograd keeps for one micro batch of ``tokens`` tokens, with the first
-    ``checkpointed`` decoder layers recomputing their forward.
-
-    Backward reaches the checkpointed (first) layers last, after the other layers' activations
-    are freed, so one recomputed layer never adds to them: the peak is the checkpointed inputs
-    plus the larger of the other layers' activations and one recomputed layer.
-    """
+def layer_bytes(cfg: RunConfig, tokens: int, counts: ParamCounts, cuda: bool = True) -> int:
+    """What autograd keeps for one decoder layer's backward, for ``tokens`` tokens."""
     a = cfg.model.architecture
     d = head_dim(a)
-    h, inter, layers = (
-        int(a["hidden_size"]),
-        int(a["intermediate_size"]),
-        int(a["num_hidden_layers"]),
-    )
+    h, inter = int(a["hidden_size"]), int(a["intermediate_size"])
     heads, kv = int(a["num_attention_heads"]), int(a["num_key_value_heads"])
     b = compute_bytes(cfg)
     n = tokens
@@ -101,15 +89,99 @@ def activation_bytes(
     attention = n * d * (2 * heads + 2 * kv_heads) * b + n * heads * 4  # + logsumexp
     mlp = 3 * n * inter * b  # gate (SiLU input), SiLU output, up
     lora = lora_activation_bytes(counts.lora_inputs, n, b, cfg.peft.dropout > 0, cuda)
-    per_layer = norms + attention + mlp + lora
+    return norms + attention + mlp + lora
+
+
+def saved_bytes(
+    cfg: RunConfig, tokens: int, checkpointed: int, counts: ParamCounts, cuda: bool = True
+) -> int:
+    """What autograd keeps when the forward ends: the input of each of the first
+    ``checkpointed`` layers, everything of the others, and the final norm's input."""
+    a = cfg.model.architecture
+    h, layers = int(a["hidden_size"]), int(a["num_hidden_layers"])
+    n, b = tokens, compute_bytes(cfg)
     k = min(int(checkpointed), layers)
-    kept = k * n * h * b + (max(layers - k, 1) if k else layers) * per_layer
+    kept = k * n * h * b + (layers - k) * layer_bytes(cfg, tokens, counts, cuda)
     t = cfg.trainer
     if k == 0 and not (t.activation_checkpointing and t.checkpointing_reentrant):
         # The frozen embedding's output needs no gradient, so the first norm keeps nothing
         # (reentrant checkpointing makes it require one).
         kept -= n * h * 4
     return kept + n * h * 4  # + the final norm's input
+
+
+def activation_bytes(
+    cfg: RunConfig, tokens: int, checkpointed: int, counts: ParamCounts, cuda: bool = True
+) -> int:
+    """The most activations alive at once for one micro batch of ``tokens`` tokens, with the
+    first ``checkpointed`` decoder layers recomputing their forward.
+
+    Backward reaches the checkpointed (first) layers last, after the other layers' activations
+    are freed, so one recomputed layer never adds to them: the most is the checkpointed inputs
+    plus the larger of the other layers' activations and one recomputed layer.
+    """
+    layers = int(cfg.model.architecture["num_hidden_layers"])
+    k = min(int(checkpointed), layers)
+    saved = saved_bytes(cfg, tokens, k, counts, cuda)
+    if k == 0 or k < layers:
+        return saved
+    return saved + layer_bytes(cfg, tokens, counts, cuda)
+
+
+def backward_bytes(cfg: RunConfig, tokens: int, counts: ParamCounts, cuda: bool = True) -> int:
+    """What a decoder layer's backward adds, at its largest, to the activations it reads.
+
+    The MLP's backward holds three tokens × intermediate gradients at once (of the down
+    projection's input, and of the gate and up outputs) plus the hidden-state gradient; by
+    then the down projection's backward has freed what its LoRA kept (its input). At the start
+    of the layer's backward only the incoming and residual hidden gradients are new.
+    (memory.trace measures these moments on the full-size model.)
+    """
+    a = cfg.model.architecture
+    n, b = tokens, compute_bytes(cfg)
+    h, inter = int(a["hidden_size"]), int(a["intermediate_size"])
+    freed = 0
+    if any(name == "down_proj" for name, _, _ in counts.lora_inputs):
+        freed = n * inter * (b + (1 if cuda else b)) if cfg.peft.dropout > 0 else n * inter * b
+    return max(2 * n * h * b, 3 * n * inter * b + n * h * b - freed)
+
+
+@dataclass
+class StepPeak:
+    """The moment of a training step that holds the most above the weights, and its parts."""
+
+    where: str
+    activations: int
+    loss: int = 0
+    backward: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.loss + self.backward
+
+
+def step_peak(
+    cfg: RunConfig, tokens: int, checkpointed: int, counts: ParamCounts, cuda: bool = True
+) -> StepPeak:
+    """The largest of three moments: the loss (all saved activations + its buffers); the
+    backward of the last layer, when it is not checkpointed (all saved activations + one
+    layer's backward temporaries); the backward of the last checkpointed layer (the
+    checkpointed inputs + its recomputed activations + its backward temporaries)."""
+    layers = int(cfg.model.architecture["num_hidden_layers"])
+    k = min(int(checkpointed), layers)
+    h = int(cfg.model.architecture["hidden_size"])
+    saved = saved_bytes(cfg, tokens, k, counts, cuda)
+    back = backward_bytes(cfg, tokens, counts, cuda)
+    moments = [StepPeak("the loss", saved, loss=round(loss_bytes(cfg, tokens)))]
+    # The final norm's backward runs in fp32 (RMSNorm upcasts): five tokens × hidden fp32
+    # temporaries at once, next to everything saved (memory.trace).
+    moments.append(StepPeak("backward of the final norm", saved, backward=5 * tokens * h * 4))
+    if k < layers:
+        moments.append(StepPeak(f"backward of layer {layers - 1}", saved, backward=back))
+    if k > 0:
+        recomputed = k * tokens * h * compute_bytes(cfg) + layer_bytes(cfg, tokens, counts, cuda)
+        moments.append(StepPeak(f"backward of layer {k - 1} (recomputed)", recomputed, 0, back))
+    return max(moments, key=lambda m: m.total)
 
 
 # What each adapted linear layer reads: q/k/v one normed hidden state, gate/up another;
@@ -149,8 +221,10 @@ def loss_bytes(cfg: RunConfig, tokens: int) -> float:
     vocab, h = int(a["vocab_size"]), int(a["hidden_size"])
     b = compute_bytes(cfg)
     if cfg.trainer.loss == "plain":
-        # logits (b) + their fp32 copy + fp32 log-softmax, for every token
-        return tokens * vocab * (b + 4 + 4) if b == 2 else tokens * vocab * 8
+        # Forward: logits (b) + their fp32 copy + the fp32 log-softmax, for every token. Its
+        # backward holds more: the saved fp32 log-softmax, its gradient and the fp32 logits'
+        # gradient, 12 bytes a logit in either precision (memory.trace).
+        return tokens * vocab * 12
     chunk = min(tokens, cfg.trainer.loss_chunk_tokens)
     return chunk * vocab * (4 + b) + 2 * tokens * h * b  # one chunk + hidden and its gradient
 
@@ -209,11 +283,18 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
     tokens = t.micro_batch_size * cfg.data.max_seq_len
     cuda = cfg.plan.device_gib is not None
     k = checkpointed_layers(cfg)
-    acts = activation_bytes(cfg, tokens, k, counts, cuda)
+    peak = step_peak(cfg, tokens, k, counts, cuda)
     label = checkpointing_label(cfg)
     ckpt = "no checkpointing" if k == 0 else f"{label} checkpointed"
-    out.add("activations", acts, f"{tokens:,} tokens per micro batch, {ckpt}")
-    out.add("loss", loss_bytes(cfg, tokens), f"{t.loss} cross-entropy")
+    out.add("activations", peak.activations, f"{tokens:,} tokens per micro batch, {ckpt}")
+    if peak.loss:
+        out.add("loss", peak.loss, f"{t.loss} cross-entropy (the step's peak: in the loss)")
+    else:
+        out.add(
+            "backward temporaries",
+            peak.backward,
+            f"MLP gradients + hidden gradient (the step's peak: {peak.where})",
+        )
     live = sum(gib for _, gib, _ in out.rows) * GIB
     out.add("allocator fragmentation", live * FRAGMENTATION, f"{FRAGMENTATION:.0%} of the above")
     if cfg.plan.device_gib is not None:

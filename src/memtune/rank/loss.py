@@ -19,6 +19,7 @@ of the engine's forward. It returns the *sum* of token losses (see rank/loop.py 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,12 +53,20 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
         for s in range(0, hidden_NH.shape[0], chunk):
             h, y = hidden_NH[s : s + chunk], y_N[s : s + chunk]
             logits = (h.to(weight_VH.dtype) @ weight_VH.T).float()  # chunk × V, the only big buffer
-            lse = torch.logsumexp(logits, dim=-1)
-            total += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
+            picked = logits.gather(1, y[:, None]).squeeze(1)
+            # logsumexp by hand, in place: torch.logsumexp would allocate a second chunk × V
+            # fp32 buffer (memory.trace measured it), exp_ reuses this one.
+            top = logits.amax(dim=-1, keepdim=True)
+            sums = logits.sub_(top).exp_().sum(dim=-1, keepdim=True)
+            total += (top + sums.log()).squeeze(1).sub(picked).sum()
             if grad_NH is not None:
-                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place
+                probs = logits.div_(sums)  # softmax, in place
                 probs[torch.arange(y.shape[0], device=y.device), y] -= 1.0
                 grad_NH[s : s + chunk] = (probs.to(weight_VH.dtype) @ weight_VH).to(h.dtype)
+                del probs
+            # Free this chunk's logits before the next chunk's exist (a rebound name would
+            # keep both alive at once: 1.5× the loss's peak, as memory.trace showed).
+            del logits
         ctx.save_for_backward(grad_NH if grad_NH is not None else hidden_NH.new_empty(0))
         return total
 
@@ -67,14 +76,31 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
         return grad_NH * grad_out.to(grad_NH.dtype), None, None, None
 
 
-def chunked_loss_sum(
-    hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, labels_BT: torch.Tensor, chunk: int
-) -> torch.Tensor:
-    """Same value and hidden-state gradient as ``token_loss_sum(hidden @ W^T, labels)``."""
+Select = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""(hidden B×T×H, labels B×T) -> (hidden N×H, targets N) of the positions the loss reads."""
+
+
+def labelled_positions(
+    hidden_BTH: torch.Tensor, labels_BT: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The labelled positions only (shifted by one): prompts never reach the head."""
     targets = labels_BT[:, 1:]
     keep = targets != IGNORE_INDEX
-    hidden = hidden_BTH[:, :-1][keep]  # labelled positions only: prompts never reach the head
-    return FrozenHeadCrossEntropy.apply(hidden, weight_VH, targets[keep], chunk)
+    return hidden_BTH[:, :-1][keep], targets[keep]
+
+
+def chunked_loss_sum(
+    hidden_BTH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    labels_BT: torch.Tensor,
+    chunk: int,
+    select: Select = labelled_positions,
+) -> torch.Tensor:
+    """Same value and hidden-state gradient as ``token_loss_sum(hidden @ W^T, labels)``.
+    (``select``: memory.trace reads every position — a boolean selection's size depends on
+    the data, which fake tensors do not have.)"""
+    hidden, targets = select(hidden_BTH, labels_BT)
+    return FrozenHeadCrossEntropy.apply(hidden, weight_VH, targets, chunk)
 
 
 def liger_available(device: torch.device) -> bool:
@@ -106,11 +132,18 @@ def resolve_loss_kind(kind: str, device: torch.device) -> str:
 class CausalLMLoss(nn.Module):
     """The module DeepSpeed trains: ``model`` (PEFT causal LM) and the token-sum loss."""
 
-    def __init__(self, model: nn.Module, kind: str = "chunked", chunk_tokens: int = 512):
+    def __init__(
+        self,
+        model: nn.Module,
+        kind: str = "chunked",
+        chunk_tokens: int = 512,
+        select: Select = labelled_positions,
+    ):
         super().__init__()
         self.model = model
         self.kind = kind
         self.chunk_tokens = chunk_tokens
+        self.select = select
 
     def forward(
         self,
@@ -135,4 +168,4 @@ class CausalLMLoss(nn.Module):
         weight = head.weight
         if self.kind == "liger":
             return _liger_loss_sum(hidden, weight, labels)
-        return chunked_loss_sum(hidden, weight, labels, self.chunk_tokens)
+        return chunked_loss_sum(hidden, weight, labels, self.chunk_tokens, self.select)

@@ -1,0 +1,29 @@
+"""Trace one training step of an experiment's full-size model on fake tensors and compare it
+with the memory plan (memory.trace):
+
+    python -m memtune.tools.trace experiment=qwen2.5-7b-4x4090-lora [data.max_seq_len=32768]
+
+Takes the same overrides as train.py; ``checkpoint_layers=auto`` and ``plan.auto_fit`` are
+decided as a launch would decide them.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from memtune.config import compose, to_run_config
+from memtune.config.architecture import resolve_architecture
+from memtune.memory.fit import fit_to_device
+from memtune.memory.trace import format_trace, trace_step
+
+
+def main(argv: list[str] | None = None) -> int:
+    overrides = sys.argv[1:] if argv is None else argv
+    given, _ = resolve_architecture(to_run_config(compose(overrides)))
+    cfg = fit_to_device(given, refuse=False).cfg
+    print(format_trace(cfg, trace_step(cfg)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""The planner against one full-size training step traced on fake tensors (memory.trace), and the
+tracer against torch's own accounting."""
+
+from __future__ import annotations
+
+import pytest
+
+from memtune.config import to_run_config
+from memtune.memory.fit import fit_to_device
+from memtune.memory.trace import planned_step, trace_step
+from tests.conftest import compose_cfg
+
+EXPERIMENTS = ["qwen2.5-7b-4x4090-lora", "qwen2.5-7b-4x4090-qlora", "qwen3-8b-4x4090-lora"]
+
+
+def _tiny(**overrides: object):
+    args = ["trainer.precision=fp32", "data.max_seq_len=256", "trainer.micro_batch_size=2"]
+    args += [f"{k}={v}" for k, v in overrides.items()]
+    return to_run_config(compose_cfg(args))
+
+
+def test_the_tracker_agrees_with_torchs_profiler() -> None:
+    """On real CPU tensors: the tracker's peak of live storages is the peak of the allocator's
+    own memory events (torch.profiler), parameters included."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        traced = trace_step(_tiny(), fake=False)
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]"
+    )
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    assert traced.peak == pytest.approx(peak, rel=0.005), (traced.peak, peak)
+    assert traced.at_peak["recompute"] > 0 and traced.at_peak["backward temporaries"] > 0
+
+
+@pytest.mark.parametrize("overrides", [{}, {"peft": "lora", "trainer.checkpoint_layers": 1}])
+def test_fake_tensors_trace_what_real_ones_hold(overrides) -> None:
+    cfg = _tiny(**overrides)
+    fake, real = trace_step(cfg), trace_step(cfg, fake=False)
+    assert fake.peak == real.peak
+    assert fake.at_peak == real.at_peak
+    assert fake.saved_after_forward == real.saved_after_forward
+
+
+@pytest.mark.parametrize("tokens", [2048, 4096, 32768])
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_the_plan_matches_a_full_size_step(experiment: str, tokens: int) -> None:
+    """Every shipped 4×4090D experiment at 2k, 4k and 32k tokens, with the checkpointed
+    layers a launch would choose: the planner's activations + loss (or backward temporaries)
+    rows within 3% of the peak the traced step holds above its weights."""
+    given = to_run_config(compose_cfg([f"experiment={experiment}", f"data.max_seq_len={tokens}"]))
+    cfg = fit_to_device(given, refuse=False).cfg
+    traced = trace_step(cfg)
+    assert traced.at_peak["base weights"] > 14e9  # the full-size model, bf16
+    assert planned_step(cfg) == pytest.approx(traced.step, rel=0.03), traced
