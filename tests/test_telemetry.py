@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FAST, start_run
-from tests.wandb_log import history
+from tests.wandb_log import history, summary
 
 pytestmark = pytest.mark.slow
 
@@ -42,6 +42,29 @@ def test_every_rank_memory_series_is_in_the_offline_wandb_run(wandb_run) -> None
     memory = json.loads((wandb_run.dir / "memory.json").read_text())
     assert [r["rank"] for r in memory["ranks"]] == [0, 1]
     assert all(r["peak_rss_gib"] >= r["rss_gib"] * 0.5 for r in memory["ranks"])
+
+
+def test_planned_next_to_measured_in_summary_memory_json_and_wandb(wandb_run) -> None:
+    """Every rank's measured peak next to the plan it was admitted with (CPU: the RSS growth
+    from just before the model was built, reported but not judged)."""
+    plan = json.loads((wandb_run.dir / "plan.json").read_text())
+    planned = sum(r["gib"] for r in plan["rows"] if r["what"] != "allocator fragmentation")
+    vs_plan = json.loads((wandb_run.dir / "summary.json").read_text())["memory_vs_plan"]
+    assert [c["rank"] for c in vs_plan] == [0, 1]
+    for c in vs_plan:
+        assert c["measure"] == "RSS growth"
+        assert c["planned_gib"] == pytest.approx(planned, abs=1e-4)
+        assert c["measured_gib"] > 0.0
+        assert c["measured_over_planned"] == pytest.approx(
+            c["measured_gib"] / c["planned_gib"], rel=1e-3
+        )
+    assert json.loads((wandb_run.dir / "memory.json").read_text())["vs_plan"] == vs_plan
+    (log,) = (wandb_run.dir / "wandb").glob("offline-run-*/run-*.wandb")
+    logged = summary(log)
+    for c in vs_plan:
+        key = f"memory/rank{c['rank']}/vs_plan/RSS_growth"
+        assert logged[f"{key}/planned_gib"] == c["planned_gib"]
+        assert logged[f"{key}/measured_gib"] == c["measured_gib"]
 
 
 def test_no_secret_is_written_into_the_run_dir(wandb_run) -> None:

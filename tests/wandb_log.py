@@ -48,3 +48,17 @@ def history(path: Path) -> list[dict]:
                 }
             )
     return rows
+
+
+def summary(path: Path) -> dict:
+    """The run summary's values as the log records them (later updates win)."""
+    from wandb.proto import wandb_internal_pb2
+
+    out: dict = {}
+    for raw in records(path):
+        rec = wandb_internal_pb2.Record()
+        rec.ParseFromString(raw)
+        if rec.WhichOneof("record_type") == "summary":
+            for item in rec.summary.update:
+                out[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+    return out

@@ -166,6 +166,8 @@ class Summary:
     data: dict[str, Any]
     peak_memory_gib: list[float]
     memory: list[dict[str, float]]
+    memory_vs_plan: list[dict[str, Any]] = field(default_factory=list)
+    """Per rank and measure: planned, measured, their ratio (memory.compare)."""
 
 
 @dataclass(frozen=True)
@@ -189,6 +191,10 @@ class RunDir:
     @property
     def plan(self) -> Path:
         return self.path / "plan.txt"
+
+    @property
+    def plan_json(self) -> Path:
+        return self.path / "plan.json"
 
     @property
     def data(self) -> Path:
@@ -268,6 +274,16 @@ class RunDir:
     def read_summary(self) -> Summary:
         return _read(Summary, self.summary)
 
-    def write_memory(self, measure: str, ranks: list[dict[str, float]]) -> None:
-        record = {"measure": measure, "ranks": [{"rank": r, **m} for r, m in enumerate(ranks)]}
+    def write_memory(
+        self,
+        measure: str,
+        ranks: list[dict[str, float]],
+        vs_plan: list[dict[str, Any]] | None = None,
+    ) -> None:
+        record: dict[str, Any] = {
+            "measure": measure,
+            "ranks": [{"rank": r, **m} for r, m in enumerate(ranks)],
+        }
+        if vs_plan is not None:
+            record["vs_plan"] = vs_plan
         self.memory.write_text(json.dumps(record, indent=2) + "\n")

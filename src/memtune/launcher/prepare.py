@@ -20,6 +20,7 @@ from memtune.config.architecture import resolve_architecture
 from memtune.config.deepspeed import build_ds_config
 from memtune.data.cache import Prepared, preprocess
 from memtune.machine import versions_line
+from memtune.memory.compare import plan_record
 from memtune.memory.estimate import format_plan
 from memtune.memory.fit import Fitted, fit_to_device
 from memtune.rundir import DataRecord, RecordError, RunDir, TrainState, find_latest, is_complete
@@ -78,6 +79,7 @@ def prepare_run_dir(cfg_node: DictConfig, run_dir: Path, fitted: Fitted | None =
     rd.config.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     rd.ds_config.write_text(json.dumps(ds_config, indent=2) + "\n")
     rd.plan.write_text(f"{format_plan(cfg, memory_plan)}\nversions: {versions_line()}\n")
+    rd.plan_json.write_text(json.dumps(plan_record(memory_plan), indent=2) + "\n")
     device = f" of {memory_plan.device_gib:.2f}" if memory_plan.device_gib else ""
     print(
         f"memtune: memory plan {memory_plan.total_gib:.2f}{device} GiB per rank "

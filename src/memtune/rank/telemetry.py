@@ -29,6 +29,7 @@ def memory_snapshot(device: torch.device) -> dict[str, float]:
             "allocated_gib": torch.cuda.memory_allocated(device) / GIB,
             "reserved_gib": torch.cuda.memory_reserved(device) / GIB,
             "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB,
         }
     rss = psutil.Process().memory_info().rss
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
@@ -74,6 +75,9 @@ class NullLogger:
     def info(self, msg: str) -> None:
         pass
 
+    def summarize(self, values: dict[str, Any]) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -110,6 +114,12 @@ class RunLogger(NullLogger):
 
     def info(self, msg: str) -> None:
         self.bar.write(msg, file=sys.stdout)
+
+    def summarize(self, values: dict[str, Any]) -> None:
+        """Run-level values (wandb's run summary; summary.json has them too)."""
+        if self.wandb is not None:
+            for key, value in _flatten(values).items():
+                self.wandb.summary[key] = value
 
     def close(self) -> None:
         self.bar.close()

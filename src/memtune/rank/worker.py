@@ -34,6 +34,7 @@ from memtune.config import (
 from memtune.data.encode import DataStats
 from memtune.data.loaders import eval_batches, make_loader
 from memtune.exit_codes import EXIT_CONFIG, EXIT_NON_FINITE, EXIT_REQUEUE
+from memtune.memory.compare import check, verdict
 from memtune.rank.build import build_rank
 from memtune.rank.checkpoint import export_adapter, load_checkpoint, save_checkpoint
 from memtune.rank.loop import (
@@ -52,6 +53,7 @@ from memtune.rank.model import (
 from memtune.rank.telemetry import (
     NullLogger,
     RunLogger,
+    memory_snapshot,
     peak_key,
     reset_window_peak,
     window_peak_gib,
@@ -232,6 +234,7 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
         data_record = rd.read_data()
         stats = DataStats(**data_record.train)
         loader, sampler = make_loader(cfg, data_record.dir, tokenizer.pad_token_id, rank, world)
+        start_rss_gib = memory_snapshot(device).get("rss_gib", 0.0)  # CPU: before the model
         parts = build_rank(cfg, ds_config, device, local_rank)
         engine, attn = parts.engine, parts.attention
         trainable, total, optimizer_note = parts.trainable, parts.total, parts.optimizer_note
@@ -278,6 +281,14 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
         try:
             result = train(engine, batches, cfg, device, logger, result, hooks)
             hooks.evaluate(result.steps)
+            starts = [row[0] for row in gather_values([start_rss_gib], device)]  # collective
+            vs_plan = memory_vs_plan(rd, result.peak_memory, device, starts)
+            logger.summarize(
+                {
+                    f"memory/rank{c['rank']}/vs_plan/{c['measure'].replace(' ', '_')}": c
+                    for c in vs_plan.checks
+                }
+            )
         except StopRequested as stop:
             if hooks.saved_step != stop.last_step and stop.last_step > 0:
                 hooks.save(stop.last_step, hooks.result_at_stop or result)
@@ -298,7 +309,7 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
         if rank == 0:
             tokenizer.save_pretrained(str(adapter_dir))
             eval_loss = hooks.eval_losses.get(result.steps)
-            _write_summary(ctx, result, trainable, total, n_tensors, attn, eval_loss)
+            _write_summary(ctx, result, trainable, total, n_tensors, attn, eval_loss, vs_plan)
         return result
     finally:
         if dist.is_initialized():
@@ -314,6 +325,24 @@ def _config_dict(run_dir: Path) -> dict[str, Any]:
     return out  # type: ignore[return-value]
 
 
+@dataclass
+class VsPlan:
+    checks: list[dict[str, Any]]
+    lines: list[str]
+
+
+def memory_vs_plan(
+    rd: RunDir, measured: list[dict[str, float]], device: torch.device, start_rss: list[float]
+) -> VsPlan:
+    """Each rank's peak next to the plan it was admitted with (memory.compare); nothing when
+    the run dir has no plan.json (a run dir laid out by an older memtune)."""
+    if not rd.plan_json.is_file():
+        return VsPlan([], [])
+    record = json.loads(rd.plan_json.read_text())
+    checks = check(record, measured, device.type, start_rss)
+    return VsPlan([c.as_dict() for c in checks], verdict(record, checks, device.type))
+
+
 def _write_summary(
     ctx: RankContext,
     result: TrainResult,
@@ -322,6 +351,7 @@ def _write_summary(
     n_tensors: int,
     attn: str,
     eval_loss: float | None,
+    vs_plan: VsPlan,
 ) -> None:
     key = peak_key(ctx.device)
     rd = RunDir(ctx.run_dir)
@@ -345,10 +375,11 @@ def _write_summary(
         data=ctx.data_stats.as_dict(),
         peak_memory_gib=[m[key] for m in result.peak_memory],
         memory=result.peak_memory,
+        memory_vs_plan=vs_plan.checks,
     )
     rd.write_summary(summary)
     measure = "CUDA allocator (GiB)" if ctx.device.type == "cuda" else "process RSS (GiB)"
-    rd.write_memory(measure, result.peak_memory)
+    rd.write_memory(measure, result.peak_memory, vs_plan.checks)
     what = "peak allocated" if ctx.device.type == "cuda" else "peak RSS"
     per_rank = ", ".join(f"rank{r} {m[key]:.2f} GiB" for r, m in enumerate(result.peak_memory))
     print(
@@ -364,7 +395,8 @@ def _write_summary(
         )
         + "\n"
         f"memtune: {what} per rank: {per_rank}\n"
-        f"memtune: data: {ctx.data_stats.line()}\n"
+        + "".join(f"memtune: vs plan: {line}\n" for line in vs_plan.lines)
+        + f"memtune: data: {ctx.data_stats.line()}\n"
         f"memtune: adapter ({n_tensors} tensors, {trainable:,} parameters) in "
         f"{rd.adapter}",
         flush=True,

@@ -1,0 +1,121 @@
+"""The plan next to what each rank measured: per-rank ratios, and what to suspect when a rank
+held more than it was planned to.
+
+The plan's total includes what a CUDA allocator's statistics never see (the CUDA context and
+library workspaces) and what only its reserved pool holds (fragmentation), so each measure is
+compared with the part of the plan it can see: ``max_memory_allocated`` with the live tensors'
+rows, ``max_memory_reserved`` with those plus fragmentation. On CPU a rank's RSS is mostly the
+Python/torch runtime, so the CPU figure is the RSS growth from just before the model was built
+to the run's peak, and it is reported but never judged (it says nothing about the plan).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from memtune.memory.estimate import Plan
+
+OVER = 0.05
+"""A rank whose measured peak exceeds its plan by more than this says so at the end."""
+
+NOT_ALLOCATED = ("CUDA context + workspaces",)
+NOT_LIVE = ("allocator fragmentation",)
+
+STEP_ROWS = ("activations", "loss", "backward temporaries")
+"""The rows that grow with the tokens of a micro batch: the first suspects of a long batch."""
+
+
+def plan_record(result: Plan) -> dict[str, Any]:
+    """``plan.json``: the rows as numbers, for the ranks to compare with at the end."""
+    return {
+        "rows": [{"what": w, "gib": g, "how": h} for w, g, h in result.rows],
+        "total_gib": result.total_gib,
+        "device_gib": result.device_gib,
+    }
+
+
+@dataclass
+class RankCheck:
+    rank: int
+    measure: str  # what was measured, e.g. "peak allocated"
+    planned_gib: float
+    measured_gib: float
+
+    @property
+    def ratio(self) -> float:
+        return self.measured_gib / self.planned_gib if self.planned_gib else float("inf")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "measure": self.measure,
+            "planned_gib": round(self.planned_gib, 4),
+            "measured_gib": round(self.measured_gib, 4),
+            "measured_over_planned": round(self.ratio, 4),
+        }
+
+
+def _planned(record: dict[str, Any], leave_out: tuple[str, ...]) -> float:
+    return sum(r["gib"] for r in record["rows"] if r["what"] not in leave_out)
+
+
+def check(
+    record: dict[str, Any],
+    measured: list[dict[str, float]],
+    device_type: str,
+    cpu_start_rss_gib: list[float] | None = None,
+) -> list[RankCheck]:
+    """One comparison per rank and measure (CUDA: allocated and reserved; CPU: RSS growth)."""
+    out = []
+    for rank, m in enumerate(measured):
+        if device_type == "cuda":
+            allocated = _planned(record, NOT_ALLOCATED + NOT_LIVE)
+            reserved = _planned(record, NOT_ALLOCATED)
+            out.append(RankCheck(rank, "peak allocated", allocated, m["peak_allocated_gib"]))
+            if "peak_reserved_gib" in m:
+                out.append(RankCheck(rank, "peak reserved", reserved, m["peak_reserved_gib"]))
+        else:
+            start = (cpu_start_rss_gib or [0.0] * len(measured))[rank]
+            growth = max(m["peak_rss_gib"] - start, 0.0)
+            out.append(RankCheck(rank, "RSS growth", _planned(record, NOT_LIVE), growth))
+    return out
+
+
+def verdict(record: dict[str, Any], checks: list[RankCheck], device_type: str) -> list[str]:
+    """Lines for the closing summary: planned vs measured, and for a GPU rank more than 5%
+    over its plan, the rows most likely responsible."""
+    if device_type != "cuda":
+        per_rank = ", ".join(
+            f"rank{c.rank} {c.measured_gib:.2f} (planned {c.planned_gib:.2f})" for c in checks
+        )
+        return [
+            f"RSS growth per rank, GiB: {per_rank} — on CPU it includes the Python/torch "
+            "runtime and is not judged (python -m memtune.tools.trace checks the plan)"
+        ]
+    lines = []
+    for rank in sorted({c.rank for c in checks}):
+        lines.append(
+            f"rank{rank}: "
+            + ", ".join(
+                f"{c.measure} {c.measured_gib:.2f} of {c.planned_gib:.2f} GiB planned "
+                f"({c.ratio:.2f}×)"
+                for c in checks
+                if c.rank == rank
+            )
+        )
+    over = [c for c in checks if c.ratio > 1 + OVER]
+    if over:
+        rows = sorted(
+            (r for r in record["rows"] if r["what"] not in NOT_ALLOCATED + NOT_LIVE),
+            key=lambda r: (r["what"] not in STEP_ROWS, -r["gib"]),
+        )
+        suspects = ", ".join(f"{r['what']} {r['gib']:.2f} GiB ({r['how']})" for r in rows[:3])
+        worst = max(over, key=lambda c: c.ratio)
+        lines.append(
+            f"WARNING: rank{worst.rank}'s {worst.measure} is {worst.ratio - 1:.0%} over its plan "
+            f"(more than {OVER:.0%}; {len(over)} measure(s) over in all). Most likely: "
+            f"{suspects}. The longest micro batch decides the activations: check "
+            "data.max_seq_len and the packing; please report it with plan.json and memory.json."
+        )
+    return lines
