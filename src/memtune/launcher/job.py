@@ -10,13 +10,15 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from memtune.config import ConfigError, load_run_config
-from memtune.exit_codes import EXIT_CONFIG, EXIT_REQUEUE
+from memtune.config import ConfigError, RunConfig, load_run_config
+from memtune.exit_codes import EXIT_CONFIG, EXIT_OOM, EXIT_REQUEUE
+from memtune.launcher import oom
 from memtune.launcher.preflight import PreflightError, for_launch
 from memtune.launcher.prepare import already_finished, decide, given_config, prepare_run_dir
 from memtune.launcher.spawn import launch
@@ -49,6 +51,30 @@ def print_plan(cfg: DictConfig) -> int:
         print(format_suggestions(fitted.given, fitted.given_plan.counts))
     print(f"planned with {versions_line()}")
     return 0
+
+
+def after_out_of_memory(cfg: RunConfig, run_dir: Path, spec: Any, env: dict[str, str]) -> int:
+    """Explain an out-of-memory stop; with plan.auto_fit restart once, from the last
+    checkpoint, with the cheapest change that saves memory and keeps the checkpoint valid."""
+    oom.say(f"out of memory (exit code {EXIT_OOM}); run dir {run_dir}\n{oom.explain(cfg, run_dir)}")
+    restart = oom.restart_plan(cfg, run_dir)
+    if restart is None:
+        if cfg.plan.auto_fit:
+            oom.say(
+                "plan.auto_fit: no restart (done once already, or nothing left that "
+                "continues this checkpoint): change the config as above and run again"
+            )
+        return EXIT_OOM
+    variant, changes = restart
+    fresh = prepare_run_dir(None, run_dir, oom.fitted_for(variant))
+    resumed = RunDir(run_dir).read_resume().checkpoint
+    oom.record_restart(run_dir, changes, resumed)
+    where = f"from {resumed}" if resumed else "from the start (no checkpoint yet)"
+    oom.say(
+        f"plan.auto_fit: restarting {where} with {' '.join(changes)} (recorded in "
+        f"{run_dir / oom.RESTART_RECORD})"
+    )
+    return launch(fresh, run_dir, spec=spec, extra_env=env)
 
 
 def run_job(cfg: DictConfig) -> None:
@@ -119,6 +145,10 @@ def run_job(cfg: DictConfig) -> None:
         announce_ready(run_dir, spec)
     print(f"memtune: run dir {run_dir}", flush=True)
     code = launch(run_cfg, run_dir, spec=spec, extra_env=nccl_env)
+    # Any rank's report counts, whatever code the launcher passed on (a peer that lost its
+    # connection may have exited first).
+    if code != 0 and oom.reports(run_dir) and spec.node_rank == 0 and spec.form != "per-node":
+        code = after_out_of_memory(run_cfg, run_dir, spec, nccl_env)
     if spec.node_rank != 0:
         sys.exit(code)
     if code == EXIT_REQUEUE and os.environ.get("SUBMITIT_EXECUTOR") == "slurm":

@@ -55,7 +55,9 @@ def decide(cfg: RunConfig, refuse: bool = True) -> Fitted:
     return fitted
 
 
-def prepare_run_dir(cfg_node: DictConfig, run_dir: Path, fitted: Fitted | None = None) -> RunConfig:
+def prepare_run_dir(
+    cfg_node: DictConfig | None, run_dir: Path, fitted: Fitted | None = None
+) -> RunConfig:
     """Validate ``cfg_node``, write ``config.yaml`` and ``ds_config.json`` to ``run_dir``.
 
     Everything that can fail before a rank starts fails here: schema, ranges, memory, the
@@ -64,6 +66,7 @@ def prepare_run_dir(cfg_node: DictConfig, run_dir: Path, fitted: Fitted | None =
     ``cfg_node`` (train.py decides before the GPU preflight); config.yaml records it.
     """
     if fitted is None:
+        assert cfg_node is not None, "prepare_run_dir needs a config or a decision"
         fitted = decide(given_config(cfg_node))
     cfg, memory_plan = fitted.cfg, fitted.plan
     cfg.run_dir = str(run_dir)

@@ -286,3 +286,26 @@ def fit_to_device(cfg: RunConfig, refuse: bool = True) -> Fitted:
             "that fits; plan.enforce=false launches anyway)"
         )
     return Fitted(cfg, result, cfg, result, [], notes)
+
+
+def out_of_memory_variant(cfg: RunConfig) -> tuple[RunConfig, list[str]] | None:
+    """After a rank ran out of memory: the cheapest change that saves memory and can still
+    continue from the run's checkpoint (the optimizer state, the data position in micro
+    batches and the ZeRO partitions stay as they are, so only what the step recomputes may
+    change: the chunked loss, then activation checkpointing of every layer). None when there
+    is nothing left of that kind."""
+    t = cfg.trainer
+    layers = int(cfg.model.architecture["num_hidden_layers"])
+    out = copy.deepcopy(cfg)
+    if t.loss == "plain":
+        out.trainer.loss = "auto"
+        return out, ["trainer.loss=auto"]
+    if not t.activation_checkpointing:
+        out.trainer.activation_checkpointing = True
+        out.trainer.checkpoint_layers = "all"
+        return out, ["trainer.activation_checkpointing=true", "trainer.checkpoint_layers=all"]
+    value = str(t.checkpoint_layers)
+    if value not in ("all", "auto") and int(value) < layers:
+        out.trainer.checkpoint_layers = "all"
+        return out, ["trainer.checkpoint_layers=all"]
+    return None

@@ -33,7 +33,13 @@ from memtune.config import (
 )
 from memtune.data.encode import DataStats
 from memtune.data.loaders import eval_batches, make_loader
-from memtune.exit_codes import EXIT_CONFIG, EXIT_NON_FINITE, EXIT_REQUEUE
+from memtune.exit_codes import (
+    EXIT_CONFIG,
+    EXIT_NON_FINITE,
+    EXIT_OOM,
+    EXIT_PEER_LOST,
+    EXIT_REQUEUE,
+)
 from memtune.memory.compare import check, verdict
 from memtune.rank.build import build_rank
 from memtune.rank.checkpoint import export_adapter, load_checkpoint, save_checkpoint
@@ -227,6 +233,7 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
     cfg = load_run_config(rd.config)
     ds_config = json.loads(rd.ds_config.read_text())
     rank, local_rank, world, device = init_distributed()
+    failed = False
     try:
         seed_everything(cfg.trainer.seed)
         print0 = print if rank == 0 else (lambda *a, **k: None)
@@ -279,8 +286,14 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
         hooks = RunHooks(engine, run_dir, cfg, data_record.dir, val_batches, logger, device)
         batches = _batches(loader, sampler, skip=result.steps * grad_accumulation_steps(cfg))
         try:
-            result = train(engine, batches, cfg, device, logger, result, hooks)
-            hooks.evaluate(result.steps)
+            try:
+                result = train(engine, batches, cfg, device, logger, result, hooks)
+                hooks.evaluate(result.steps)
+            except BaseException as err:
+                if not is_out_of_memory(err):
+                    raise
+                done = hooks.result_at_stop.steps if hooks.result_at_stop else result.steps
+                raise RankOutOfMemory(rank, done + 1, memory_snapshot(device), str(err)) from err
             starts = [row[0] for row in gather_values([start_rss_gib], device)]  # collective
             vs_plan = memory_vs_plan(rd, result.peak_memory, device, starts)
             logger.summarize(
@@ -311,10 +324,63 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
             eval_loss = hooks.eval_losses.get(result.steps)
             _write_summary(ctx, result, trainable, total, n_tensors, attn, eval_loss, vs_plan)
         return result
+    except (SystemExit, NonFiniteLoss):
+        raise  # agreed by every rank in a collective: they all end here together
+    except BaseException:
+        failed = True  # this rank alone: the others are in a collective it will never join
+        raise
     finally:
-        if dist.is_initialized():
+        if dist.is_initialized() and not failed:
             dist.barrier()
             dist.destroy_process_group()
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """CUDA's OOM, or a host allocation that failed (torch's CPU allocator, or Python's)."""
+    if isinstance(err, torch.OutOfMemoryError | MemoryError):
+        return True
+    return isinstance(err, RuntimeError) and "can't allocate memory" in str(err)
+
+
+def lost_peer(err: BaseException) -> bool:
+    """gloo's error when the other side of a collective went away."""
+    text = str(err)
+    return "Connection reset by peer" in text or "Connection closed by peer" in text
+
+
+class RankOutOfMemory(Exception):
+    """This rank could not allocate what a step needed; main() reports it and exits EXIT_OOM."""
+
+    def __init__(self, rank: int, step: int, memory: dict[str, float], error: str):
+        super().__init__(error)
+        self.rank, self.step, self.memory, self.error = rank, step, memory, error
+
+
+def report_out_of_memory(run_dir: Path, oom: RankOutOfMemory, device_type: str) -> None:
+    """Say which rank ran out at which step, against its plan, and leave RUN_DIR/oom-rankN.json
+    for the job (which adds what to change, and with plan.auto_fit restarts)."""
+    rd = RunDir(run_dir)
+    planned = None
+    if rd.plan_json.is_file():
+        planned = json.loads(rd.plan_json.read_text())["total_gib"]
+    key = "peak_allocated_gib" if device_type == "cuda" else "peak_rss_gib"
+    record = {
+        "rank": oom.rank,
+        "step": oom.step,
+        "planned_gib": planned,
+        "measured": oom.memory,
+        "measure": key,
+        "error": oom.error.splitlines()[0][:500] if oom.error else "",
+    }
+    (run_dir / f"oom-rank{oom.rank}.json").write_text(json.dumps(record, indent=2) + "\n")
+    plan_part = f"planned {planned:.2f} GiB" if planned is not None else "no plan.json"
+    print(
+        f"memtune: out of memory: rank {oom.rank} at step {oom.step} ({plan_part}, "
+        f"{key.replace('_gib', '').replace('_', ' ')} {oom.memory.get(key, 0.0):.2f} GiB when "
+        f"it failed): {record['error']}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _config_dict(run_dir: Path) -> dict[str, Any]:
@@ -413,6 +479,19 @@ def main(argv: list[str] | None = None) -> None:
     except NonFiniteLoss as err:
         print(f"memtune: stopped: {err}", file=sys.stderr, flush=True)
         code = EXIT_NON_FINITE
+    except RankOutOfMemory as oom:
+        report_out_of_memory(Path(args[0]), oom, "cuda" if torch.cuda.is_available() else "cpu")
+        code = EXIT_OOM
+    except RuntimeError as err:
+        if not lost_peer(err):
+            raise
+        # Another rank stopped first (its own message says why); no traceback for this one.
+        print(
+            "memtune: a rank stopped, so this one lost its connection to it (see its message)",
+            file=sys.stderr,
+            flush=True,
+        )
+        code = EXIT_PEER_LOST
     except ConfigError as err:  # e.g. the loaded model is not the planned one (rank.build)
         print(f"memtune: config error: {err}", file=sys.stderr, flush=True)
         code = EXIT_CONFIG

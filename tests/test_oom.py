@@ -1,0 +1,87 @@
+"""A rank that runs out of memory — a real allocation failure: the rank caps its own address
+space (RLIMIT_AS, tests/oom_inject) after step 3 — stops the job with its own exit code and a
+report; with plan.auto_fit the job restarts once from the last checkpoint and finishes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, TESTS
+
+pytestmark = pytest.mark.slow
+
+ARGS = [
+    "logger=none",
+    "trainer.max_steps=8",
+    "trainer.save_every=2",
+    "trainer.activation_checkpointing=false",
+]
+
+
+def _train(run_dir: Path, *extra: str, inject: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    if inject:
+        env["PYTHONPATH"] = os.pathsep.join([str(TESTS / "oom_inject"), env["PYTHONPATH"]])
+        env |= {
+            "MEMTUNE_TEST_OOM_RANK": "1",
+            "MEMTUNE_TEST_OOM_STEP": "3",
+            "MEMTUNE_TEST_OOM_ONCE": str(run_dir.parent / f"{run_dir.name}.capped"),
+        }
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *ARGS, f"run_dir={run_dir}", *extra],
+        cwd=run_dir.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+
+def test_an_out_of_memory_rank_stops_the_job_with_a_report(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = _train(run_dir)
+    assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-4000:]
+    report = json.loads((run_dir / "oom-rank1.json").read_text())
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert (report["rank"], report["step"]) == (1, 4)
+    assert report["planned_gib"] == plan["total_gib"]
+    assert report["measured"]["peak_rss_gib"] > 0
+    assert "can't allocate memory" in report["error"]
+    assert "rank 1 ran out of memory at step 4: planned" in proc.stderr
+    assert "lost its connection" in proc.stderr  # rank 0: one line, not a traceback
+    assert "Traceback" not in proc.stderr
+    assert sorted(_losses(run_dir)) == [1, 2, 3]
+    assert json.loads((run_dir / "exit.json").read_text())["code"] == 4
+
+
+def test_auto_fit_restarts_once_from_the_checkpoint_and_loses_nothing(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = _train(run_dir, "plan.auto_fit=true")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    record = json.loads((run_dir / "oom_restart.json").read_text())
+    assert record["changes"] == [
+        "trainer.activation_checkpointing=true",
+        "trainer.checkpoint_layers=all",
+    ]
+    assert record["resumed_from"].endswith("step-0000002")
+    assert [r["step"] for r in record["after"]] == [4]
+    assert "activation_checkpointing: true" in (run_dir / "config.yaml").read_text()
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 8
+    # Recomputing the forward changes no value: the restarted run's curve is the one an
+    # uninterrupted run without checkpointing draws (fp32; the data order continues).
+    clean = tmp_path / "clean"
+    assert _train(clean, inject=False).returncode == 0
+    got, want = _losses(run_dir), _losses(clean)
+    assert sorted(got) == list(range(1, 9))
+    assert got == pytest.approx(want, abs=1e-5)
