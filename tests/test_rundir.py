@@ -58,9 +58,10 @@ def test_run_dir_records_keep_their_file_formats(tmp_path: Path) -> None:
     rd.write_exit(2, "config error: peft.r must be > 0")
     assert rd.read_exit().error == "config error: peft.r must be > 0"
     rd.write_resume(None)
-    assert json.loads(rd.resume.read_text()) == {"checkpoint": None}
-    rd.write_resume(tmp_path / "ckpt")
+    assert json.loads(rd.resume.read_text()) == {"checkpoint": None, "changed": {}}
+    rd.write_resume(tmp_path / "ckpt", {"launcher.num_ranks": [2, 1]})
     assert rd.read_resume().checkpoint == str(tmp_path / "ckpt")
+    assert rd.read_resume().changed == {"launcher.num_ranks": [2, 1]}
     rd.write_data(DataRecord(dir="/d", reused=True, train={"samples": 3}))
     assert rd.read_data() == DataRecord(dir="/d", reused=True, train={"samples": 3}, val=None)
     assert (

@@ -66,6 +66,8 @@ class ResumeRecord:
     """``resume.json``: the checkpoint the ranks restore, or None for a fresh start."""
 
     checkpoint: str | None
+    changed: dict[str, list[Any]] = field(default_factory=dict)
+    """What differs from the checkpoint's run and may ({"launcher.num_ranks": [2, 1]})."""
 
 
 @dataclass
@@ -256,8 +258,11 @@ class RunDir:
     def read_exit(self) -> ExitRecord:
         return _read(ExitRecord, self.exit)
 
-    def write_resume(self, checkpoint: Path | None) -> None:
-        _write(ResumeRecord(None if checkpoint is None else str(checkpoint)), self.resume)
+    def write_resume(
+        self, checkpoint: Path | None, changed: dict[str, list[Any]] | None = None
+    ) -> None:
+        record = ResumeRecord(None if checkpoint is None else str(checkpoint), changed or {})
+        _write(record, self.resume)
 
     def read_resume(self) -> ResumeRecord:
         return _read(ResumeRecord, self.resume)

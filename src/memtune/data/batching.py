@@ -95,6 +95,33 @@ def collate_packed(batch: list[list[Sample]], pad_token_id: int) -> dict[str, to
     }
 
 
+class GlobalOrderSampler(torch.utils.data.Sampler[int]):
+    """One shuffled order of the whole epoch, dealt round-robin to the ranks, so that every
+    optimizer step consumes the next ``global_batch`` items of it whatever the number of ranks
+    (rank r's k-th item is item r + k·world of the order; a step takes the next
+    global_batch / world of each rank's). The order is DistributedSampler's (randperm seeded
+    with seed + epoch), cut to a multiple of the global batch rather than of the ranks, so a
+    run resumed on another number of ranks continues with the same samples (the few left over
+    at an epoch's end are reshuffled into the next)."""
+
+    def __init__(self, n: int, world: int, rank: int, seed: int, global_batch: int):
+        self.n, self.world, self.rank, self.seed = n, world, rank, seed
+        self.usable = n // global_batch * global_batch
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.n, generator=g).tolist()[: self.usable]
+        return iter(order[self.rank :: self.world])
+
+    def __len__(self) -> int:
+        return self.usable // self.world
+
+
 class LengthGroupedSampler(torch.utils.data.Sampler[int]):
     """Shuffled, but each micro batch holds samples of similar length.
 

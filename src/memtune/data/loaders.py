@@ -10,6 +10,7 @@ import torch
 
 from memtune.config import RunConfig
 from memtune.data.batching import (
+    GlobalOrderSampler,
     LengthGroupedSampler,
     PackedDataset,
     collate_packed,
@@ -38,7 +39,7 @@ def make_loader(
     cfg: RunConfig, prepared_dir: str, pad_token_id: int, rank: int, world: int
 ) -> tuple[Any, Any]:
     """The rank's DataLoader over the preprocessed cache: padded, length-grouped or packed."""
-    from torch.utils.data import DataLoader, DistributedSampler
+    from torch.utils.data import DataLoader
 
     base = load_split(prepared_dir, "train")
     micro, seed = cfg.trainer.micro_batch_size, cfg.trainer.seed
@@ -50,9 +51,7 @@ def make_loader(
     if cfg.data.group_by_length:
         sampler: Any = LengthGroupedSampler(base.lengths, micro, world, rank, seed)
     else:
-        sampler = DistributedSampler(
-            dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True
-        )
+        sampler = GlobalOrderSampler(len(dataset), world, rank, seed, cfg.trainer.global_batch_size)
     if len(sampler) < micro:
         raise RuntimeError(
             f"rank {rank} gets {len(sampler)} items per epoch, fewer than one micro batch "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -11,6 +12,7 @@ from memtune.config import (
     ConfigError,
     RunConfig,
     get_field,
+    grad_accumulation_steps,
     load_run_config,
     one_rank_zero,
     to_run_config,
@@ -97,7 +99,7 @@ def prepare_run_dir(
             val=None if prepared.val is None else prepared.val.as_dict(),
         )
     )
-    rd.write_resume(resume)
+    rd.write_resume(resume, resume_changes(cfg, resume))
     return cfg
 
 
@@ -125,8 +127,6 @@ RESUME_MUST_MATCH = {
     "peft.r": "the LoRA rank",
     "peft.alpha": "the LoRA alpha",
     "peft.target": "the LoRA target modules",
-    "zero.stage": "the ZeRO stage (optimizer state is partitioned per stage)",
-    "launcher.num_ranks": "the number of ranks (ZeRO partitions are per rank)",
     "trainer.micro_batch_size": "the micro batch size (the data position is in micro batches)",
     "trainer.global_batch_size": "the global batch size (the data position is in micro batches)",
     "trainer.precision": "the precision",
@@ -155,6 +155,20 @@ def resolve_resume(cfg: RunConfig, run_dir: Path, data_dir: Path) -> Path | None
         if old != new:
             diffs.append(f"  {key}: checkpoint {old!r}, now {new!r} ({what})")
     state = _train_state(ckpt)
+    ranks = cfg.launcher.num_ranks
+    old_stage, stage = saved.zero.stage, cfg.zero.stage
+    if state.world_size != ranks or old_stage != stage:
+        why = world_change_problem(cfg, ckpt)
+        changed = f"{state.world_size} rank(s), ZeRO-{old_stage} → {ranks}, ZeRO-{stage}"
+        if why:
+            diffs.append(f"  launcher.num_ranks / zero.stage: checkpoint {changed} ({why})")
+        else:
+            print(
+                f"memtune: resuming across a change of ranks or ZeRO stage ({changed}): same "
+                f"global batch {cfg.trainer.global_batch_size}, accumulation now "
+                f"{grad_accumulation_steps(cfg)}",
+                flush=True,
+            )
     if state.data_dir and Path(state.data_dir).name != data_dir.name:
         diffs.append("  data: the tokenized data differs from the checkpoint's (files or settings)")
     if diffs:
@@ -166,6 +180,37 @@ def resolve_resume(cfg: RunConfig, run_dir: Path, data_dir: Path) -> Path | None
         )
     print(f"memtune: resuming from {ckpt} (step {state.step})", flush=True)
     return ckpt
+
+
+def resume_changes(cfg: RunConfig, ckpt: Path | None) -> dict[str, list[Any]]:
+    """What a resume changes that it may: the number of ranks, nodes, the ZeRO stage."""
+    if ckpt is None:
+        return {}
+    saved = load_run_config(ckpt / "config.yaml")
+    keys = ("launcher.num_ranks", "launcher.nnodes", "zero.stage")
+    return {
+        k: [get_field(saved, k), get_field(cfg, k)]
+        for k in keys
+        if get_field(saved, k) != get_field(cfg, k)
+    }
+
+
+def world_change_problem(cfg: RunConfig, ckpt: Path) -> str | None:
+    """Why this checkpoint cannot continue on another number of ranks (or ZeRO stage), or
+    None when it can:
+    it keeps its trainable state gathered (rank.checkpoint.GATHERED, Adam optimizers), and the
+    sample order does not depend on the ranks (not so for length grouping)."""
+    from memtune.rank.checkpoint import has_gathered_state
+
+    if not has_gathered_state(ckpt):
+        return (
+            "its optimizer state is saved per rank only (8-bit AdamW, or a checkpoint of an "
+            "older memtune): resume on the same number of ranks, or start a new run from its "
+            "adapter/"
+        )
+    if cfg.data.group_by_length:
+        return "data.group_by_length deals batches to ranks: the sample order depends on them"
+    return None
 
 
 def _train_state(ckpt: Path) -> TrainState:

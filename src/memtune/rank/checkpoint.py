@@ -113,6 +113,7 @@ def save_checkpoint(engine: Any, run_dir: Path, state: TrainState, keep_last: in
         str(tmp), tag="engine", exclude_frozen_parameters=True, save_latest=False
     )
     export_adapter(engine.module.model, tmp / "adapter", is_writer=rank == 0)
+    save_gathered_state(engine, tmp, is_writer=rank == 0)
     torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
     _barrier()
     if rank == 0:
@@ -173,6 +174,145 @@ def load_checkpoint(engine: Any, path: Path, rank: int) -> TrainState:
     if loaded is None:
         raise RuntimeError(f"{path}: DeepSpeed found no engine state to load")
     _set_rng_state(torch.load(path / f"rng_rank{rank}.pt", weights_only=True))
+    return TrainState.read(path)
+
+
+# ---------------------------------------------------------------- any world size
+#
+# DeepSpeed's engine files hold each rank's partition of the optimizer, so they load only on
+# the world size that wrote them. A LoRA run's whole trainable state is small (tens of MB for
+# Qwen2.5-7B), so every checkpoint also keeps it gathered, in one file that any number of ranks
+# can load: each trainable parameter's fp32 master weight and Adam moments, the optimizer's step
+# count and the LR schedule. DeepSpeed's universal checkpoints do the same through a separate
+# conversion (ds_to_universal) of the engine files; this is written as part of every save,
+# through DeepSpeed's own accessors (deepspeed.utils.safe_get/set_full_*), for ZeRO-2 and -3.
+
+GATHERED = "gathered_state.safetensors"
+GATHERED_META = "gathered_state.json"
+ADAM_STATES = ("exp_avg", "exp_avg_sq")
+
+
+def _trainable(engine: Any) -> list[tuple[str, Any]]:
+    return [(n, p) for n, p in engine.module.model.named_parameters() if p.requires_grad]
+
+
+def _optimizer_step(engine: Any) -> int | None:
+    """The base optimizer's step count (every flat group steps together)."""
+    basic = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    for state in basic.state.values():
+        if "step" in state:
+            return int(state["step"])
+    return None
+
+
+def save_gathered_state(engine: Any, out: Path, is_writer: bool) -> None:
+    """Collective. Writes GATHERED (+ GATHERED_META) when the optimizer keeps Adam moments."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from safetensors.torch import save_file
+
+    step = _optimizer_step(engine)
+    if step is None:  # no Adam moments by these names (8-bit AdamW): engine files only
+        return
+    tensors: dict[str, torch.Tensor] = {}
+    for name, param in _trainable(engine):
+        tensors[f"{name}::fp32"] = safe_get_full_fp32_param(param).detach().cpu().clone()
+        for key in ADAM_STATES:
+            value = safe_get_full_optimizer_state(param, key)
+            tensors[f"{name}::{key}"] = value.detach().cpu().clone()
+    if is_writer:
+        save_file(tensors, str(out / GATHERED))
+        meta = {"optimizer_step": step, "lr_scheduler": engine.lr_scheduler.state_dict()}
+        (out / GATHERED_META).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def has_gathered_state(checkpoint: Path) -> bool:
+    return (checkpoint / GATHERED).is_file() and (checkpoint / GATHERED_META).is_file()
+
+
+def load_gathered_state(engine: Any, checkpoint: Path) -> None:
+    """Collective. Restore the trainable state on any number of ranks: the compute-dtype
+    weights each rank's model uses, the optimizer's fp32 masters and moments and its step,
+    and the LR schedule."""
+    import deepspeed
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(checkpoint / GATHERED))
+    meta = json.loads((checkpoint / GATHERED_META).read_text())
+    _materialize_optimizer_state(engine)
+    named = _trainable(engine)
+    missing = [n for n, _ in named if f"{n}::fp32" not in tensors]
+    if missing:
+        raise RuntimeError(f"{checkpoint / GATHERED}: no state for {missing[0]} (and others?)")
+    params = [p for _, p in named]
+    zero3 = any(hasattr(p, "ds_id") for p in params)
+    with torch.no_grad():
+        if zero3:
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+                for name, p in named:
+                    p.data.copy_(tensors[f"{name}::fp32"].to(p.dtype).view_as(p))
+        else:
+            for name, p in named:
+                p.data.copy_(tensors[f"{name}::fp32"].to(p.device, p.dtype).view_as(p))
+        for name, p in named:
+            device = p.device if not zero3 else torch.device("cpu")
+            safe_set_full_fp32_param(p, tensors[f"{name}::fp32"].to(device))
+            for key in ADAM_STATES:
+                safe_set_full_optimizer_state(p, tensors[f"{name}::{key}"].to(device), key)
+    basic = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    for state in basic.state.values():
+        if "step" in state:
+            step = state["step"]
+            state["step"] = (
+                torch.full_like(step, meta["optimizer_step"])
+                if torch.is_tensor(step)
+                else meta["optimizer_step"]
+            )
+    engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    # load_state_dict restores the schedule's position, not the learning rate the optimizer
+    # holds (the engine files carry that in the optimizer's param groups): set it.
+    for group, lr in zip(basic.param_groups, engine.lr_scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr
+
+
+def _materialize_optimizer_state(engine: Any) -> None:
+    """Give the base optimizer its (lazily created) Adam state now, so DeepSpeed's accessors
+    have moments to write into: one step with zero gradients over its fp32 partitions. What it
+    does to them (AdamW's decoupled decay) is overwritten with the saved values right after.
+
+    ZeRO-3 keeps its fp32 partitions out of the base optimizer's param groups between steps
+    and steps them one sub-group at a time (its ``_optimizer_step``, DeepSpeed 0.19); ZeRO-1/2
+    keep them in the groups and map each parameter's fragment of the state lazily
+    (``_lazy_init_hp_params_optimizer_state``)."""
+    zero = engine.optimizer
+    basic = getattr(zero, "optimizer", zero)
+    flats = getattr(zero, "fp32_partitioned_groups_flat", None)
+    if flats is not None:  # ZeRO-3
+        for i, flat in enumerate(flats):
+            if not basic.state.get(flat):
+                flat.grad = torch.zeros_like(flat)
+                zero._optimizer_step(i)
+                flat.grad = None
+        return
+    fresh = [p for g in basic.param_groups for p in g["params"] if not basic.state.get(p)]
+    if not fresh:
+        return
+    for p in fresh:
+        p.grad = torch.zeros_like(p)
+    basic.step()
+    for p in fresh:
+        p.grad = None
+    link = getattr(zero, "_lazy_init_hp_params_optimizer_state", None)
+    if link is not None:
+        link()
+
+
+def load_checkpoint_any_world(engine: Any, path: Path, rank: int) -> TrainState:
+    """Resume on another world size: the gathered state, this rank's RNG if it was a rank
+    then (rank 0's otherwise); returns the trainer state."""
+    load_gathered_state(engine, path)
+    rng = path / f"rng_rank{rank}.pt"
+    _set_rng_state(torch.load(rng if rng.is_file() else path / "rng_rank0.pt", weights_only=True))
     return TrainState.read(path)
 
 

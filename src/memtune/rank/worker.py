@@ -42,7 +42,12 @@ from memtune.exit_codes import (
 )
 from memtune.memory.compare import check, verdict
 from memtune.rank.build import build_rank
-from memtune.rank.checkpoint import export_adapter, load_checkpoint, save_checkpoint
+from memtune.rank.checkpoint import (
+    export_adapter,
+    load_checkpoint,
+    load_checkpoint_any_world,
+    save_checkpoint,
+)
 from memtune.rank.loop import (
     Hooks,
     NonFiniteLoss,
@@ -262,7 +267,17 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
         result = TrainResult()
         checkpoint = rd.read_resume().checkpoint
         if checkpoint:
-            state = load_checkpoint(engine, Path(checkpoint), rank)
+            saved_world = TrainState.read(Path(checkpoint)).world_size
+            saved_stage = load_run_config(Path(checkpoint) / "config.yaml").zero.stage
+            if saved_world == world and saved_stage == cfg.zero.stage:
+                state = load_checkpoint(engine, Path(checkpoint), rank)
+            else:  # launcher.prepare checked that the checkpoint allows it
+                state = load_checkpoint_any_world(engine, Path(checkpoint), rank)
+                print0(
+                    f"memtune: resuming on {world} rank(s), ZeRO-{cfg.zero.stage}, a run saved "
+                    f"on {saved_world}, ZeRO-{saved_stage} (its gathered optimizer state)",
+                    flush=True,
+                )
             result = TrainResult(
                 steps=state.step,
                 label_tokens=state.label_tokens,

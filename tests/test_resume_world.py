@@ -1,0 +1,92 @@
+"""Resume on another number of ranks (and ZeRO stage): a checkpoint's gathered trainable state
+(rank.checkpoint.GATHERED) loads on any world size, and the sample order is one global sequence,
+so steps 11-20 after a resume on 1 rank are the steps an uninterrupted 2-rank run takes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import FAST, ROOT, run_train_py
+
+pytestmark = pytest.mark.slow
+
+STEPS = ["trainer.max_steps=20", "trainer.save_every=10", "trainer.global_batch_size=16"]
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+
+def _train(run_dir: Path, *args: str):
+    proc = run_train_py([*FAST, *STEPS, f"run_dir={run_dir}", *args], cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _back_to_step_10(full: Path, into: Path) -> Path:
+    """A copy of a finished run as it stood after its step-10 checkpoint."""
+    shutil.copytree(full, into)
+    ckpts = into / "checkpoints"
+    shutil.rmtree(ckpts / "step-0000020")
+    (ckpts / "latest").write_text("step-0000010\n")
+    shutil.rmtree(into / "adapter")
+    (into / "summary.json").unlink()
+    return into
+
+
+@pytest.mark.parametrize(
+    ("zero", "ranks_before", "ranks_after", "extra"),
+    [
+        ("zero2", 2, 1, []),
+        ("zero3", 1, 2, []),
+        ("zero3", 2, 1, ["data.packing=true", "data.max_seq_len=128"]),
+    ],
+    ids=["zero2-2to1", "zero3-1to2", "zero3-packed-2to1"],
+)
+def test_resume_on_another_world_size_continues_the_same_run(
+    tmp_path: Path, zero: str, ranks_before: int, ranks_after: int, extra: list[str]
+) -> None:
+    args = [f"zero={zero}", *extra]
+    full = tmp_path / "full"
+    _train(full, *args, f"launcher.num_ranks={ranks_before}")
+    resumed = _back_to_step_10(full, tmp_path / "resumed")
+    proc = _train(resumed, *args, f"launcher.num_ranks={ranks_after}")
+    assert "resuming across a change of ranks or ZeRO stage" in proc.stdout
+    changed = json.loads((resumed / "resume.json").read_text())["changed"]
+    assert changed["launcher.num_ranks"] == [ranks_before, ranks_after]
+    want, got = _losses(full), _losses(resumed)
+    assert sorted(got) == list(range(1, 21))
+    # Same samples in every step; only the reduction order (ranks, accumulation) differs:
+    # fp32 sums agree to ~1e-6 relative.
+    for step in range(11, 21):
+        assert got[step] == pytest.approx(want[step], rel=1e-4, abs=1e-5), step
+    a = load_file(str(full / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(resumed / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-3, atol=1e-5)
+
+
+def test_a_changed_global_batch_is_refused_before_launch(tmp_path: Path) -> None:
+    full = tmp_path / "full"
+    _train(full, "zero=zero2", "launcher.num_ranks=1", "trainer.max_steps=10")
+    proc = run_train_py(
+        [
+            *FAST,
+            *STEPS,
+            f"run_dir={full}",
+            "zero=zero2",
+            "launcher.num_ranks=2",
+            "trainer.global_batch_size=32",
+        ],
+        cwd=ROOT,
+    )
+    assert proc.returncode == 2
+    assert "trainer.global_batch_size: checkpoint 16, now 32" in proc.stderr
