@@ -90,35 +90,27 @@ def _fake_hub_cache(root: Path, repo: str, config: Qwen2Config) -> Path:
     return snapshot
 
 
-def test_a_hub_name_in_the_local_cache_is_planned_from_its_config(tmp_path: Path) -> None:
-    """The experiment's own hub name, cached with other shapes (as if the group were stale):
-    train.py plan_only reads the cached config.json — no download — and refuses."""
-    _fake_hub_cache(tmp_path / "hub", "Qwen/Qwen2.5-7B-Instruct", Qwen2Config(**QWEN14B))
-    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), QWEN7B, "plan_only=true"],
-        cwd=tmp_path,
+def _plan_only(cwd: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args, "plan_only=true"],
+        cwd=cwd,
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+def test_a_hub_name_in_the_local_cache_is_planned_from_its_config(tmp_path: Path) -> None:
+    """The experiment's own hub name, cached with other shapes (as if the group were stale):
+    train.py plan_only reads the cached config.json — no download — and refuses."""
+    _fake_hub_cache(tmp_path / "hub", "Qwen/Qwen2.5-7B-Instruct", Qwen2Config(**QWEN14B))
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    proc = _plan_only(tmp_path, env, QWEN7B)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "num_hidden_layers 28 → 48" in proc.stderr
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "train.py"),
-            QWEN7B,
-            "plan_only=true",
-            "model=local",
-            "model.name_or_path=Qwen/Qwen2.5-7B-Instruct",
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = _plan_only(
+        tmp_path, env, QWEN7B, "model=local", "model.name_or_path=Qwen/Qwen2.5-7B-Instruct"
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "architecture from " in proc.stdout

@@ -21,21 +21,27 @@ pytestmark = pytest.mark.slow
 
 
 def test_merged_model_matches_base_plus_adapter(zero3_run, tmp_path: Path) -> None:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    out = merge(zero3_run.dir / "adapter", tmp_path / "merged", dtype="fp32")
-    merged = AutoModelForCausalLM.from_pretrained(out)  # a plain model: no peft involved
+    out, merged, a, b = _merged_vs_adapter(zero3_run, tmp_path)
     assert not any("lora_" in n for n, _ in merged.named_parameters())
-    base = AutoModelForCausalLM.from_pretrained(zero3_run.cfg.model.name_or_path)
-    with_adapter = PeftModel.from_pretrained(base, zero3_run.dir / "adapter").eval()
-    probe = torch.load(zero3_run.dir / "probe_logits.pt", weights_only=True)
-    with torch.no_grad():
-        a = merged(input_ids=probe["input_ids"]).logits
-        b = with_adapter(input_ids=probe["input_ids"]).logits
     # fp32: merging folds B·A·scale into W, one extra rounding per weight.
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert (out / "tokenizer.json").is_file()
+
+
+def _merged_vs_adapter(run: Run, tmp_path: Path):
+    """(merged dir, merged model, its logits, base + adapter logits) on the run's probe batch."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = merge(run.dir / "adapter", tmp_path / "merged", dtype="fp32")
+    merged = AutoModelForCausalLM.from_pretrained(out)  # a plain model: no peft involved
+    base = AutoModelForCausalLM.from_pretrained(run.cfg.model.name_or_path)
+    with_adapter = PeftModel.from_pretrained(base, run.dir / "adapter").eval()
+    probe = torch.load(run.dir / "probe_logits.pt", weights_only=True)
+    with torch.no_grad():
+        a = merged(input_ids=probe["input_ids"]).logits
+        b = with_adapter(input_ids=probe["input_ids"]).logits
+    return out, merged, a, b
 
 
 def test_generation_uses_the_training_prompt_and_stops(zero3_run) -> None:
@@ -109,22 +115,12 @@ def qwen3_run(runs_root: Path) -> Run:
 
 
 def test_tiny_qwen3_trains_merges_and_generates(qwen3_run: Run, tmp_path: Path) -> None:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     losses = qwen3_run.losses()
     assert losses[-1] < 0.6 * losses[0], losses
     summary = qwen3_run.summary()
     assert summary["trainable_params"] == count_params(qwen3_run.cfg).lora
-    out = merge(qwen3_run.dir / "adapter", tmp_path / "merged", dtype="fp32")
-    merged = AutoModelForCausalLM.from_pretrained(out)
+    _, merged, a, b = _merged_vs_adapter(qwen3_run, tmp_path)
     assert type(merged).__name__ == "Qwen3ForCausalLM"
-    base = AutoModelForCausalLM.from_pretrained(qwen3_run.cfg.model.name_or_path)
-    with_adapter = PeftModel.from_pretrained(base, qwen3_run.dir / "adapter").eval()
-    probe = torch.load(qwen3_run.dir / "probe_logits.pt", weights_only=True)
-    with torch.no_grad():
-        a = merged(input_ids=probe["input_ids"]).logits
-        b = with_adapter(input_ids=probe["input_ids"]).logits
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
     model, tokenizer = load(qwen3_run.dir)
