@@ -90,3 +90,24 @@ def test_a_changed_global_batch_is_refused_before_launch(tmp_path: Path) -> None
     )
     assert proc.returncode == 2
     assert "trainer.global_batch_size: checkpoint 16, now 32" in proc.stderr
+
+
+def test_8bit_adamw_keeps_the_world_size_and_says_why(adamw8bit_run, tmp_path: Path) -> None:
+    """bitsandbytes' 8-bit state is not gathered: another number of ranks is refused by name."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(adamw8bit_run.dir, run_dir)
+    ckpt = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert not (ckpt / "gathered_state.safetensors").exists()
+    proc = run_train_py(
+        [
+            *FAST,
+            f"run_dir={run_dir}",
+            "trainer.optimizer=adamw_8bit",
+            "trainer.optim_8bit_min_size=0",
+            "launcher.num_ranks=1",
+            "zero=zero2",
+        ],
+        cwd=ROOT,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "optimizer state is saved per rank only (8-bit AdamW" in proc.stderr

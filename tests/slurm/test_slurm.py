@@ -96,10 +96,10 @@ def job_env() -> dict[str, str]:
     return {**os.environ, "MEMTUNE_PYTHON": sys.executable, "MEMTUNE_RANKS_PER_NODE": str(RANKS)}
 
 
-def submit(out_dir: Path, overrides: list[str]) -> tuple[str, Path]:
+def submit(out_dir: Path, overrides: list[str], script: Path = SBATCH) -> tuple[str, Path]:
     log = out_dir / "slurm-%j.out"
     proc = subprocess.run(
-        ["sbatch", "--parsable", f"--output={log}", str(SBATCH), *overrides],
+        ["sbatch", "--parsable", f"--output={log}", str(script), *overrides],
         cwd=ROOT,  # the script runs train.py from the submit dir
         env=job_env(),
         capture_output=True,
@@ -197,6 +197,45 @@ def test_preempted_job_is_requeued_and_resumes(slurm_cluster: Cluster, tmp_path:
     assert steps_logged(run_dir) == list(range(1, steps + 1))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps
+    assert_adapter(run_dir, r=16)
+
+
+def test_a_requeued_job_that_comes_back_smaller_resumes(
+    slurm_cluster: Cluster, tmp_path: Path
+) -> None:
+    """train.sbatch sizes the run from its allocation; a requeue that gets fewer GPUs (here: a
+    copy of the script that sees one GPU per node from its first restart on) resumes the same
+    run on fewer ranks instead of being refused."""
+    smaller = tmp_path / "train-smaller-on-restart.sbatch"
+    text = SBATCH.read_text()
+    marker = "set -uo pipefail\n"
+    assert marker in text
+    shrink = "[[ ${SLURM_RESTART_COUNT:-0} -ge 1 ]] && export MEMTUNE_RANKS_PER_NODE=1\n"
+    smaller.write_text(text.replace(marker, marker + shrink, 1))
+    run_dir = tmp_path / "run"
+    steps = 40
+    job_id, log = submit(
+        tmp_path,
+        [f"run_dir={run_dir}", *TINY, f"trainer.max_steps={steps}", "trainer.save_every=1000"],
+        script=smaller,
+    )
+    deadline = time.monotonic() + 300
+    while len(steps_logged(run_dir)) < 3:
+        assert in_queue(job_id), f"job {job_id} ended before training\n{tail(log)}"
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", "--full", job_id], timeout=30, check=False)
+            pytest.fail(f"job {job_id}: no training steps after 300 s\n{tail(log)}")
+        time.sleep(0.5)
+    slurm(["scancel", "--signal=USR2", "--batch", job_id])
+    records = wait_done(job_id, timeout=480, log=log)
+    assert [r.state for r in records] == ["REQUEUED", "COMPLETED"], f"{records}\n{tail(log)}"
+    resume = json.loads((run_dir / "resume.json").read_text())
+    # One rank also runs ZeRO-2 instead of ZeRO-3 (zero.one_rank_stage2): both are allowed.
+    assert resume["changed"]["launcher.num_ranks"] == [RANKS, 1], tail(log)
+    assert "resuming across a change of ranks" in log.read_text()
+    assert steps_logged(run_dir) == list(range(1, steps + 1))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["world_size"] == 1
     assert_adapter(run_dir, r=16)
 
 

@@ -197,10 +197,11 @@ def _trainable(engine: Any) -> list[tuple[str, Any]]:
 
 
 def _optimizer_step(engine: Any) -> int | None:
-    """The base optimizer's step count (every flat group steps together)."""
+    """The base optimizer's step count (every flat group steps together), or None when its
+    state is not Adam's exp_avg / exp_avg_sq (bitsandbytes' 8-bit AdamW keeps state1/state2)."""
     basic = getattr(engine.optimizer, "optimizer", engine.optimizer)
     for state in basic.state.values():
-        if "step" in state:
+        if "step" in state and all(key in state for key in ADAM_STATES):
             return int(state["step"])
     return None
 
