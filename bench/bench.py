@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from common import loadavg, machine, spread
-from data_bench import synth_records, write_jsonl
+from data_bench import calibrate, load_tokenizer, synth_records, write_jsonl
 from omegaconf import OmegaConf
 
 from memtune.config import RunConfig, compose, register_configs
@@ -423,7 +423,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="memtune-bench-") as tmp:
         work = Path(tmp)
         data = work / "sft.jsonl"
-        write_jsonl(synth_records(s.records, SEED), data)
+        # Record lengths aimed in the tiny model's own tokens (its tokenizer's measured rates).
+        write_jsonl(synth_records(s.records, SEED, calibrate(load_tokenizer("tiny")[0])), data)
         base = common_overrides(s, data, work / "cache")
         runs = run_rounds(s, base, work)
         result = collect(s, work, runs) | {"common_overrides": base}

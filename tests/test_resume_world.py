@@ -74,16 +74,15 @@ def test_resume_on_another_world_size_continues_the_same_run(
         torch.testing.assert_close(b[key], a[key], rtol=1e-3, atol=1e-5)
 
 
-def test_a_changed_global_batch_is_refused_before_launch(tmp_path: Path) -> None:
-    full = tmp_path / "full"
-    _train(full, "zero=zero2", "launcher.num_ranks=1", "trainer.max_steps=10")
+def test_a_changed_global_batch_is_refused_before_launch(zero2_run, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(zero2_run.dir, run_dir)
     proc = run_train_py(
         [
             *FAST,
-            *STEPS,
-            f"run_dir={full}",
+            f"run_dir={run_dir}",
             "zero=zero2",
-            "launcher.num_ranks=2",
+            "launcher.num_ranks=1",
             "trainer.global_batch_size=32",
         ],
         cwd=ROOT,
