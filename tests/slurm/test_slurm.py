@@ -161,6 +161,21 @@ def test_sbatch_cpu_demo(slurm_cluster: Cluster, tmp_path: Path) -> None:
     assert f"memtune: job {job_id} restart 0" in log.read_text()
 
 
+def preempt_after_3_steps(job_id: str, log: Path, run_dir: Path) -> list:
+    """Wait for 3 training steps, then do what Slurm does before a time limit
+    (--signal=B:USR2@120): USR2 to the batch script, whose trap passes it to the ranks through
+    srun and train.py. Returns the job's records once it has ended."""
+    deadline = time.monotonic() + 300
+    while len(steps_logged(run_dir)) < 3:
+        assert in_queue(job_id), f"job {job_id} ended before training\n{tail(log)}"
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", "--full", job_id], timeout=30, check=False)
+            pytest.fail(f"job {job_id}: no training steps after 300 s\n{tail(log)}")
+        time.sleep(0.5)
+    slurm(["scancel", "--signal=USR2", "--batch", job_id])
+    return wait_done(job_id, timeout=480, log=log)
+
+
 def test_preempted_job_is_requeued_and_resumes(slurm_cluster: Cluster, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     steps = 40
@@ -169,17 +184,7 @@ def test_preempted_job_is_requeued_and_resumes(slurm_cluster: Cluster, tmp_path:
         tmp_path,
         [f"run_dir={run_dir}", *TINY, f"trainer.max_steps={steps}", "trainer.save_every=1000"],
     )
-    deadline = time.monotonic() + 300
-    while len(steps_logged(run_dir)) < 3:
-        assert in_queue(job_id), f"job {job_id} ended before training\n{tail(log)}"
-        if time.monotonic() > deadline:
-            subprocess.run(["scancel", "--full", job_id], timeout=30, check=False)
-            pytest.fail(f"job {job_id}: no training steps after 300 s\n{tail(log)}")
-        time.sleep(0.5)
-    # What Slurm does before a time limit (--signal=B:USR2@120): USR2 to the batch script,
-    # whose trap passes it to the ranks through srun and train.py.
-    slurm(["scancel", "--signal=USR2", "--batch", job_id])
-    records = wait_done(job_id, timeout=480, log=log)
+    records = preempt_after_3_steps(job_id, log, run_dir)
 
     assert [r.state for r in records] == ["REQUEUED", "COMPLETED"], f"{records}\n{tail(log)}"
     assert records[-1].exit_code == "0:0"
@@ -219,15 +224,7 @@ def test_a_requeued_job_that_comes_back_smaller_resumes(
         [f"run_dir={run_dir}", *TINY, f"trainer.max_steps={steps}", "trainer.save_every=1000"],
         script=smaller,
     )
-    deadline = time.monotonic() + 300
-    while len(steps_logged(run_dir)) < 3:
-        assert in_queue(job_id), f"job {job_id} ended before training\n{tail(log)}"
-        if time.monotonic() > deadline:
-            subprocess.run(["scancel", "--full", job_id], timeout=30, check=False)
-            pytest.fail(f"job {job_id}: no training steps after 300 s\n{tail(log)}")
-        time.sleep(0.5)
-    slurm(["scancel", "--signal=USR2", "--batch", job_id])
-    records = wait_done(job_id, timeout=480, log=log)
+    records = preempt_after_3_steps(job_id, log, run_dir)
     assert [r.state for r in records] == ["REQUEUED", "COMPLETED"], f"{records}\n{tail(log)}"
     resume = json.loads((run_dir / "resume.json").read_text())
     # One rank also runs ZeRO-2 instead of ZeRO-3 (zero.one_rank_stage2): both are allowed.
