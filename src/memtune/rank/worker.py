@@ -265,19 +265,16 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
         )
         ctx = RankContext(cfg, run_dir, rank, local_rank, world, device, tokenizer, stats)
         result = TrainResult()
-        checkpoint = rd.read_resume().checkpoint
+        resume = rd.read_resume()
+        checkpoint = resume.checkpoint
         if checkpoint:
-            saved_world = TrainState.read(Path(checkpoint)).world_size
-            saved_stage = load_run_config(Path(checkpoint) / "config.yaml").zero.stage
-            if saved_world == world and saved_stage == cfg.zero.stage:
+            # launcher.prepare recorded what changed, having checked the checkpoint allows it.
+            moved = {k: v for k, v in resume.changed.items() if k != "launcher.nnodes"}
+            if not moved:
                 state = load_checkpoint(engine, Path(checkpoint), rank)
-            else:  # launcher.prepare checked that the checkpoint allows it
+            else:
                 state = load_checkpoint_any_world(engine, Path(checkpoint), rank)
-                print0(
-                    f"memtune: resuming on {world} rank(s), ZeRO-{cfg.zero.stage}, a run saved "
-                    f"on {saved_world}, ZeRO-{saved_stage} (its gathered optimizer state)",
-                    flush=True,
-                )
+                print0(f"memtune: resuming from its gathered optimizer state ({moved})", flush=True)
             result = TrainResult(
                 steps=state.step,
                 label_tokens=state.label_tokens,
@@ -378,7 +375,7 @@ def report_out_of_memory(run_dir: Path, oom: RankOutOfMemory, device_type: str) 
     planned = None
     if rd.plan_json.is_file():
         planned = json.loads(rd.plan_json.read_text())["total_gib"]
-    key = "peak_allocated_gib" if device_type == "cuda" else "peak_rss_gib"
+    key = peak_key(torch.device(device_type))
     record = {
         "rank": oom.rank,
         "step": oom.step,
