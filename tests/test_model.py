@@ -129,7 +129,8 @@ def test_lora_presets_and_checkpointing_scope(tiny_cfg, target: str) -> None:
 
 
 def test_attention_choice() -> None:
-    assert choose_attention("auto", "cpu") == "sdpa"
+    assert choose_attention("auto", "cpu") == "sdpa_varlen"
+    assert choose_attention("sdpa", "cpu") == "sdpa"
     assert choose_attention("eager", "cpu") == "eager"
     from memtune.config import ConfigError
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -17,8 +18,8 @@ from memtune.data.batching import (
 )
 from memtune.data.cache import load_split, preprocess
 from memtune.data.encode import TokenizedDataset
-from memtune.rank.loss import token_loss_sum
-from memtune.rank.model import load_base_model, load_tokenizer
+from memtune.rank.loss import model_inputs, token_loss_sum
+from memtune.rank.model import choose_attention, load_base_model, load_tokenizer
 from memtune.tools.tiny import synthesize
 from tests.conftest import compose_cfg
 
@@ -42,16 +43,22 @@ def tiny():
     return cfg, tokenizer, load_split(prepared.dir)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def _inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the training loop hands the model (rank/loss.CausalLMLoss)."""
+    keys = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens", "max_length")
+    return model_inputs(**{k: batch[k] for k in keys if k in batch})
+
+
+@pytest.mark.parametrize("attn", ["sdpa_varlen", "sdpa", "eager"])
 def test_packed_loss_equals_one_by_one(tiny, attn: str) -> None:
     cfg, tokenizer, dataset = tiny
-    model = load_base_model(cfg, attn).eval()
+    model = load_base_model(cfg, choose_attention(attn, "cpu")).eval()
     subset = TokenizedDataset.from_samples([dataset[i] for i in range(24)])
     packed = PackedDataset(subset, capacity=128)
     assert len(packed) < len(subset)  # several samples per row
     batch = collate_packed([packed[i] for i in range(len(packed))], tokenizer.pad_token_id)
     with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        logits = model(**_inputs(batch)).logits
         packed_sum = token_loss_sum(logits, batch["labels"])
         packed_count = int((batch["labels"][:, 1:] != -100).sum())
 
@@ -94,6 +101,99 @@ def test_packed_rows_restart_positions_and_mask_boundaries(tiny) -> None:
     assert [pos[a] for a in starts] == [0] * len(starts)
     # The first token of every sample is never a target of the previous one.
     assert all(batch["labels"][0, a] == -100 for a in starts)
+
+
+def test_cu_seq_lens_mark_every_sample_and_row_padding(tiny) -> None:
+    _, tokenizer, dataset = tiny
+    packed = PackedDataset(TokenizedDataset.from_samples([dataset[i] for i in range(12)]), 64)
+    rows = [packed[i] for i in range(3)]
+    batch = collate_packed(rows, tokenizer.pad_token_id)
+    width = batch["input_ids"].shape[1]
+    expected = []
+    for r, row in enumerate(rows):
+        at = 0
+        for s in row:
+            expected.append(r * width + at)
+            at += len(s.input_ids)
+        if at < width:
+            expected.append(r * width + at)  # the row's padding: a segment of its own
+    bounds = [*expected, len(rows) * width]
+    assert batch["cu_seq_lens"].tolist() == bounds
+    assert batch["cu_seq_lens"].dtype == torch.int32  # what flash_attn_varlen_func takes
+    assert int(batch["max_length"]) == max(b - a for a, b in itertools.pairwise(bounds))
+
+
+def test_sdpa_varlen_gradients_equal_the_dense_mask(tiny) -> None:
+    """Training through sdpa_varlen (per-sample SDPA, no mask) gives the gradients of
+    transformers' sdpa with its dense block-diagonal mask, packed and right-padded."""
+    cfg, tokenizer, dataset = tiny
+    subset = [dataset[i] for i in range(20)]
+    packed = PackedDataset(TokenizedDataset.from_samples(subset), capacity=128)
+    batches = {
+        "packed": collate_packed([packed[i] for i in range(3)], tokenizer.pad_token_id),
+        "padded": collate_padded(subset[:6], tokenizer.pad_token_id),
+    }
+    assert not bool(batches["padded"]["attention_mask"].all())  # some rows are padded
+    grads: dict[str, dict[str, list[torch.Tensor]]] = {}
+    for attn in ("sdpa", "sdpa_varlen"):
+        model = load_base_model(cfg, choose_attention(attn, "cpu")).train()
+        for kind, batch in batches.items():
+            model.zero_grad()
+            loss = token_loss_sum(model(**_inputs(batch)).logits, batch["labels"])
+            loss.backward()
+            grads.setdefault(kind, {})[attn] = [p.grad.clone() for p in model.parameters()]
+    # Two SDPA kernels (masked vs causal) sum in different orders: fp32 rounding, relative to
+    # each gradient's size (a summed loss makes some entries large).
+    for kind, by_attn in grads.items():
+        for dense, varlen in zip(by_attn["sdpa"], by_attn["sdpa_varlen"], strict=True):
+            assert float((varlen - dense).norm() / dense.norm()) < 1e-5, kind
+
+
+def test_sdpa_varlen_builds_no_dense_mask(tiny) -> None:
+    from transformers.masking_utils import create_causal_mask
+
+    cfg, tokenizer, dataset = tiny
+    packed = PackedDataset(TokenizedDataset.from_samples([dataset[i] for i in range(12)]), 64)
+    batch = collate_packed([packed[i] for i in range(2)], tokenizer.pad_token_id)
+    masks = {}
+    for attn in ("sdpa", "sdpa_varlen"):
+        model = load_base_model(cfg, choose_attention(attn, "cpu"))
+        embeds = model.get_input_embeddings()(batch["input_ids"])
+        masks[attn] = create_causal_mask(
+            model.config, embeds, None, None, position_ids=batch["position_ids"]
+        )
+    n = batch["input_ids"].shape[1]
+    assert masks["sdpa"].shape == (2, 1, n, n)  # what a 131,072-token row would make 16 GiB
+    assert masks["sdpa_varlen"] is None
+
+
+def test_sdpa_varlen_refuses_left_padding(tiny) -> None:
+    from memtune.rank.attention import row_segments
+
+    mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]])
+    with pytest.raises(ValueError, match="right-padded"):
+        row_segments(2, 4, None, mask)
+    assert row_segments(2, 4, None, torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])) == [
+        [(0, 3)],
+        [(0, 2)],
+    ]
+    with pytest.raises(ValueError, match="spans rows 0 and 1"):
+        row_segments(2, 4, torch.tensor([0, 3, 6, 8], dtype=torch.int32), None)
+
+
+def test_step_shape_counts_samples_and_epochs() -> None:
+    from memtune.data.batching import step_shape
+
+    lengths = [60, 60, 40, 40, 30, 20, 10, 10] * 10  # 2,700 tokens
+    packed = step_shape(lengths, True, 128, global_batch=4, max_steps=10)
+    rows = len(pack_bins(lengths, 128))
+    assert packed.items == rows and packed.samples == 80
+    assert packed.samples_per_step == pytest.approx(4 * 80 / rows)
+    assert packed.epochs == pytest.approx(10 * 4 / (rows // 4 * 4))
+    assert packed.fill == pytest.approx(2700 / (rows * 128))
+    assert "packed rows of ≤ 128 tokens" in packed.line()
+    plain = step_shape(lengths, False, 128, global_batch=4, max_steps=10)
+    assert plain.samples_per_step == 4 and plain.epochs == pytest.approx(0.5)
 
 
 def test_length_grouped_sampler() -> None:

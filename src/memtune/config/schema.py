@@ -74,8 +74,9 @@ class DataConfig:
     max_seq_len: int = 1024
     overlong: str = "truncate"
     """truncate | drop: what happens to samples longer than max_seq_len (both are counted)."""
-    packing: bool = False
-    """Pack samples into max_seq_len rows (no attention across samples, positions restart)."""
+    packing: bool = True
+    """Pack samples best-fit into max_seq_len rows (no attention across samples, positions
+    restart); global_batch_size then counts rows. false: one sample per batch item, padded."""
     group_by_length: bool = False
     """Without packing: batch samples of similar length together to waste less on padding."""
     val_fraction: float = 0.0

@@ -25,7 +25,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "trainer.loss": ("auto", "chunked", "plain", "liger"),
     "trainer.optimizer": ("adamw", "adamw_8bit", "cpu_adam"),
     "trainer.on_nonfinite": ("stop", "skip"),
-    "model.attn_implementation": ("auto", "sdpa", "eager", "flash_attention_2"),
+    "model.attn_implementation": ("auto", "sdpa_varlen", "sdpa", "eager", "flash_attention_2"),
     "model.architecture_source": ("auto", "checkpoint"),
     "logger.backend": ("wandb", "none"),
     "logger.mode": ("offline", "online", "auto"),
@@ -150,7 +150,10 @@ def _check_data(data: DataConfig) -> None:
     if data.val_path and not Path(data.val_path).expanduser().exists():
         raise ConfigError(f"data.val_path={data.val_path!r}: no such file or folder")
     if data.packing and data.group_by_length:
-        raise ConfigError("data.packing and data.group_by_length exclude each other")
+        raise ConfigError(
+            "data.group_by_length batches unpacked samples; packing is on by default: "
+            "set data.packing=false with it"
+        )
 
 
 def _check_model_path(model: ModelConfig) -> None:

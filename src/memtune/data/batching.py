@@ -5,6 +5,8 @@ from __future__ import annotations
 import bisect
 import random
 from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -65,20 +67,24 @@ class PackedDataset(torch.utils.data.Dataset):
 def collate_packed(batch: list[list[Sample]], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Concatenate each row's samples; ``position_ids`` restart at 0 for every sample.
 
-    No attention mask is passed: transformers then reads sample boundaries from the
-    restarting positions (block-diagonal causal mask on SDPA/eager, varlen kernels on
-    FlashAttention-2), so no token attends across samples. Row padding forms its own
-    segment with no labels.
+    No attention mask is passed: ``cu_seq_lens`` (each sample's start in the flattened
+    ``rows × width`` tokens, then the total; int32, as FlashAttention-2's varlen kernel takes
+    them) and ``max_length`` mark the samples for ``sdpa_varlen`` and FlashAttention-2, which
+    attend within each sample without a dense mask; transformers' ``sdpa``/``eager`` read the
+    same boundaries from the restarting positions (a dense block-diagonal mask). No token
+    attends across samples. Row padding forms its own segment with no labels.
     """
     width = max(sum(len(s.input_ids) for s in row) for row in batch)
     input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
     labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
     position_ids = torch.zeros((len(batch), width), dtype=torch.long)
+    starts: list[int] = []
     real = 0
     for r, row in enumerate(batch):
         at = 0
         for s in row:
             n = len(s.input_ids)
+            starts.append(r * width + at)
             input_ids[r, at : at + n] = torch.tensor(s.input_ids)
             lab = list(s.labels)
             lab[0] = IGNORE_INDEX  # the previous sample's last token must not predict this one
@@ -87,12 +93,69 @@ def collate_packed(batch: list[list[Sample]], pad_token_id: int) -> dict[str, to
             at += n
         real += at
         position_ids[r, at:] = torch.arange(width - at)
+        if at < width:
+            starts.append(r * width + at)
+    bounds = torch.tensor([*starts, len(batch) * width], dtype=torch.int32)
     return {
         "input_ids": input_ids,
         "labels": labels,
         "position_ids": position_ids,
+        "cu_seq_lens": bounds,
+        "max_length": bounds.diff().max(),
         "real_tokens": torch.tensor(real),
     }
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one optimizer step holds, and what ``max_steps`` amounts to, for the user to read
+    (the start-up line and ``data.json``): with packing, ``global_batch_size`` counts rows."""
+
+    packed: bool
+    samples: int
+    items: int  # rows when packed, else samples
+    item_tokens: int  # row capacity (max_seq_len) when packed
+    fill: float  # real tokens / row capacity; 1 when not packed
+    global_batch: int
+    max_steps: int
+
+    @property
+    def samples_per_step(self) -> float:
+        return self.global_batch * self.samples / self.items
+
+    @property
+    def epochs(self) -> float:
+        usable = self.items // self.global_batch * self.global_batch
+        return self.max_steps * self.global_batch / usable if usable else float("inf")
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {
+            "samples_per_step": round(self.samples_per_step, 2),
+            "epochs": round(self.epochs, 3),
+        }
+
+    def line(self) -> str:
+        epochs = f"max_steps {self.max_steps:,} ≈ {self.epochs:.2f} epochs"
+        if not self.packed:
+            return f"a step = {self.global_batch} samples; {epochs} of {self.samples:,} samples"
+        per_row = self.samples / self.items
+        return (
+            f"a step = {self.global_batch} packed rows of ≤ {self.item_tokens:,} tokens ≈ "
+            f"{self.samples_per_step:,.1f} samples ({per_row:.2f} per row, rows "
+            f"{self.fill:.1%} full); {epochs} of {self.items:,} rows "
+            "(data.packing=false: one sample per batch item)"
+        )
+
+
+def step_shape(
+    lengths: Sequence[int], packed: bool, max_seq_len: int, global_batch: int, max_steps: int
+) -> StepShape:
+    """The loader's own packing (:func:`pack_bins`, deterministic) over the train lengths."""
+    if not packed:
+        return StepShape(False, len(lengths), len(lengths), 0, 1.0, global_batch, max_steps)
+    rows = len(pack_bins(lengths, max_seq_len))
+    fill = sum(lengths) / (rows * max_seq_len) if rows else 0.0
+    return StepShape(True, len(lengths), rows, max_seq_len, fill, global_batch, max_steps)
 
 
 class GlobalOrderSampler(torch.utils.data.Sampler[int]):

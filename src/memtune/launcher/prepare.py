@@ -20,7 +20,8 @@ from memtune.config import (
 )
 from memtune.config.architecture import resolve_architecture
 from memtune.config.deepspeed import build_ds_config
-from memtune.data.cache import Prepared, preprocess
+from memtune.data.batching import StepShape, step_shape
+from memtune.data.cache import Prepared, load_split, preprocess
 from memtune.machine import versions_line
 from memtune.memory.compare import plan_record
 from memtune.memory.estimate import format_plan
@@ -78,6 +79,8 @@ def prepare_run_dir(
 
         synthesize(cfg.model.name_or_path, cfg.model.architecture)
     prepared = prepare_data(cfg)
+    shape = train_step_shape(cfg, prepared)
+    print(f"memtune: {shape.line()}", flush=True)
     resume = resolve_resume(cfg, run_dir, prepared.dir)
     rd = RunDir(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -96,6 +99,7 @@ def prepare_run_dir(
             dir=str(prepared.dir),
             reused=prepared.reused,
             train=prepared.train.as_dict(),
+            step=shape.as_dict(),
             val=None if prepared.val is None else prepared.val.as_dict(),
         )
     )
@@ -118,6 +122,14 @@ def prepare_data(cfg: RunConfig) -> Prepared:
     return prepared
 
 
+def train_step_shape(cfg: RunConfig, prepared: Prepared) -> StepShape:
+    t = cfg.trainer
+    lengths = load_split(prepared.dir, "train").lengths
+    return step_shape(
+        lengths, cfg.data.packing, cfg.data.max_seq_len, t.global_batch_size, t.max_steps
+    )
+
+
 # What a checkpoint's state depends on: resuming with any of these changed cannot continue the
 # same run (shapes, partitions or the data order would differ).
 RESUME_MUST_MATCH = {
@@ -131,6 +143,8 @@ RESUME_MUST_MATCH = {
     "trainer.global_batch_size": "the global batch size (the data position is in micro batches)",
     "trainer.precision": "the precision",
     "trainer.seed": "the seed (the data order)",
+    "data.packing": "packing (the data position counts rows when packed, samples when not)",
+    "data.group_by_length": "length grouping (the data order)",
 }
 
 

@@ -216,6 +216,18 @@ def lora_activation_bytes(
     return total + sum(n * i * b for i in read.values())
 
 
+def attention_mask_bytes(cfg: RunConfig) -> int:
+    """The dense mask transformers' own ``sdpa`` / ``eager`` build for packed or padded rows:
+    (micro, 1, n, n), bool for sdpa, the compute dtype for eager, alive from the forward to
+    the last recompute. ``auto`` (sdpa_varlen, FlashAttention-2) builds none, nor does a lone
+    unpadded row (is_causal)."""
+    impl, t = cfg.model.attn_implementation, cfg.trainer
+    if impl not in ("sdpa", "eager") or (not cfg.data.packing and t.micro_batch_size == 1):
+        return 0
+    n = cfg.data.max_seq_len
+    return t.micro_batch_size * n * n * (1 if impl == "sdpa" else compute_bytes(cfg))
+
+
 def loss_bytes(cfg: RunConfig, tokens: int) -> float:
     a = cfg.model.architecture
     vocab, h = int(a["vocab_size"]), int(a["hidden_size"])
@@ -294,6 +306,15 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
             "backward temporaries",
             peak.backward,
             f"MLP gradients + hidden gradient (the step's peak: {peak.where})",
+        )
+    mask = attention_mask_bytes(cfg)
+    if mask:
+        n = cfg.data.max_seq_len
+        out.add(
+            "attention mask",
+            mask,
+            f"dense {t.micro_batch_size}×{n:,}×{n:,} mask of {cfg.model.attn_implementation} "
+            "(model.attn_implementation=auto needs none)",
         )
     live = sum(gib for _, gib, _ in out.rows) * GIB
     out.add("allocator fragmentation", live * FRAGMENTATION, f"{FRAGMENTATION:.0%} of the above")

@@ -75,7 +75,14 @@ def lr_factor(cfg: RunConfig) -> Callable[[int], float]:
     return factor
 
 
-MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "labels")
+MODEL_INPUTS = (
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "labels",
+    "cu_seq_lens",
+    "max_length",
+)
 
 
 def real_tokens(batch: dict[str, torch.Tensor]) -> int:

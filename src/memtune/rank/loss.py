@@ -123,6 +123,25 @@ def _liger_loss_sum(
     return loss.float()
 
 
+def model_inputs(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seq_lens: torch.Tensor | None = None,
+    max_length: torch.Tensor | None = None,
+) -> dict[str, Any]:
+    """A collated batch's keys as the transformers model takes them: a packed batch's sample
+    boundaries (``cu_seq_lens``, ``max_length``) become the varlen kwargs that
+    FlashAttention-2 and ``sdpa_varlen`` (rank/attention.py) read."""
+    inputs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if position_ids is not None:
+        inputs["position_ids"] = position_ids
+    if cu_seq_lens is not None:
+        inputs |= {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens}
+        inputs |= {"max_length_q": max_length, "max_length_k": max_length}
+    return inputs
+
+
 def resolve_loss_kind(kind: str, device: torch.device) -> str:
     if kind == "auto":
         return "liger" if liger_available(device) else "chunked"
@@ -151,10 +170,10 @@ class CausalLMLoss(nn.Module):
         labels: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        cu_seq_lens: torch.Tensor | None = None,
+        max_length: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-        if position_ids is not None:
-            inputs["position_ids"] = position_ids
+        inputs = model_inputs(input_ids, attention_mask, position_ids, cu_seq_lens, max_length)
         if self.kind == "plain":
             return token_loss_sum(self.model(**inputs).logits, labels)
         base = self.model.get_base_model()  # type: ignore[operator]

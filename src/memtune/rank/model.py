@@ -19,15 +19,20 @@ def torch_dtype(cfg: RunConfig) -> torch.dtype:
 
 
 def choose_attention(requested: str, device_type: str) -> str:
-    """flash_attention_2 when asked for (or 'auto') and usable, else sdpa."""
+    """flash_attention_2 when asked for (or 'auto') and usable, else sdpa_varlen (SDPA per
+    sample, no dense mask: rank/attention.py), which 'auto' registers with transformers."""
     has_flash = importlib.util.find_spec("flash_attn") is not None
     if requested == "auto":
-        return "flash_attention_2" if device_type == "cuda" and has_flash else "sdpa"
+        requested = "flash_attention_2" if device_type == "cuda" and has_flash else "sdpa_varlen"
     if requested == "flash_attention_2" and not (device_type == "cuda" and has_flash):
         raise ConfigError(
             "model.attn_implementation=flash_attention_2 needs a CUDA GPU and the flash-attn "
-            "package (pip install -e '.[flash]'); use auto to fall back to sdpa"
+            "package (pip install -e '.[flash]'); use auto to fall back to sdpa_varlen"
         )
+    if requested == "sdpa_varlen":
+        from memtune.rank import attention
+
+        attention.register()
     return requested
 
 

@@ -1,0 +1,132 @@
+"""``sdpa_varlen``: PyTorch SDPA over each sample of a batch, with no dense mask.
+
+transformers' own ``sdpa`` turns packed rows (restarting ``position_ids``) and padded rows into
+a dense ``(batch, 1, n, n)`` mask: O(n²) memory (16 GiB at 131,072 tokens) and, on CUDA, a mask
+rules out SDPA's flash kernel. ``sdpa_varlen`` reads the sample boundaries instead — the
+``cu_seq_lens`` a packed batch carries (the same kwargs FlashAttention-2's varlen path takes,
+over the flattened ``batch × n`` tokens) or the lengths of right-padded rows — and runs causal
+SDPA on each sample separately, so no token attends across samples and nothing quadratic is
+materialized outside the kernel. A batch without either (one sequence per row, no padding) is
+one causal SDPA call, as with ``sdpa``.
+
+Registered under that name in transformers' attention and mask interfaces by
+:func:`register`, so ``from_pretrained(attn_implementation="sdpa_varlen")`` picks it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+NAME = "sdpa_varlen"
+
+_bounds_cache: dict[str, Any] = {"key": None, "value": None}
+
+
+def _once(t: torch.Tensor, read: Any) -> Any:
+    """``read(t)`` once per batch: every layer (and every recompute) gets the same tensor
+    object, so one device→host copy serves them all."""
+    if _bounds_cache["key"] is not t:
+        _bounds_cache["key"], _bounds_cache["value"] = t, read(t)
+    return _bounds_cache["value"]
+
+
+def _padded_lengths(mask: torch.Tensor) -> list[int] | None:
+    """Real tokens per row of a 2D mask; None when no row has padding."""
+    lengths = mask.sum(-1)
+    if bool(lengths.eq(mask.shape[1]).all()):
+        return None
+    if not bool((mask.long().cumprod(-1).sum(-1) == lengths).all()):
+        raise ValueError(
+            "sdpa_varlen needs right-padded rows (real tokens first); use "
+            "model.attn_implementation=sdpa for left padding"
+        )
+    return [int(n) for n in lengths.tolist()]
+
+
+def row_segments(
+    batch: int, width: int, cu_seq_lens: torch.Tensor | None, mask: torch.Tensor | None
+) -> list[list[tuple[int, int]]] | None:
+    """Each row's (start, end) segments, attended separately; None when the whole row is one
+    causal sequence. Segments of a row cover it from 0 to ``width`` except right padding."""
+    if cu_seq_lens is not None:
+        cu = _once(cu_seq_lens, lambda t: [int(x) for x in t.tolist()])
+        rows: list[list[tuple[int, int]]] = [[] for _ in range(batch)]
+        for a, b in itertools.pairwise(cu):
+            r = a // width
+            if b > (r + 1) * width:
+                raise ValueError(
+                    f"cu_seq_lens: a sample spans rows {r} and {r + 1} ({a}..{b}, row width "
+                    f"{width}); packed samples must stay inside their row"
+                )
+            rows[r].append((a - r * width, b - r * width))
+        return rows
+    if mask is None:
+        return None
+    if mask.dim() != 2:
+        raise ValueError(f"sdpa_varlen takes a 2D padding mask, got shape {tuple(mask.shape)}")
+    lengths = _once(mask, _padded_lengths)
+    if lengths is None:
+        return None
+    return [[(0, n)] if n else [] for n in lengths]
+
+
+def sdpa_varlen_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``query`` (b, heads, n, d), ``key``/``value`` (b, kv heads, n, d) → (b, n, heads, d)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError("sdpa_varlen does not implement sliding-window attention")
+    batch, _, width, _ = query.shape
+    if key.shape[2] != width:
+        raise ValueError("sdpa_varlen is for training: queries and keys must have one length")
+    segments = row_segments(batch, width, kwargs.get("cu_seq_lens_q"), attention_mask)
+
+    def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out, _ = sdpa_attention_forward(
+            module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True
+        )
+        return out
+
+    if segments is None:
+        return causal(query, key, value), None
+    rows = []
+    for r, segs in enumerate(segments):
+        parts = [causal(*(t[r : r + 1, :, a:b] for t in (query, key, value))) for a, b in segs]
+        covered = segs[-1][1] if segs else 0
+        if covered < width:  # right padding: no output needed, nothing learns from it
+            parts.append(query.new_zeros((1, width - covered, query.shape[1], value.shape[-1])))
+        rows.append(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
+    return torch.cat(rows, dim=0), None
+
+
+def _mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """No 4D mask: the 2D padding mask when a row has padding, else None (as for FA2)."""
+    if attention_mask is None or bool(attention_mask.all()):
+        return None
+    return attention_mask[:, -kv_length:].bool()
+
+
+def register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, sdpa_varlen_forward)
+    AttentionMaskInterface.register(NAME, _mask)
