@@ -221,6 +221,14 @@ class PlanConfig:
     auto_fit: bool = False
     """Instead of refusing, run the fastest variant that fits (checkpointing, smaller micro
     batch, ZeRO-3, 8-bit optimizer, QLoRA: see memory/fit.py). The choice is printed and saved."""
+    device_tflops: float | None = None
+    """Dense bf16 matmul peak per GPU (RTX 4090D: 147, tensor cores with fp32 accumulate),
+    for the step-time estimate (memory/step_time.py); null: no estimate."""
+    mfu: float = 0.40
+    """Share of device_tflops the step's matmuls reach, assumed by the step-time estimate."""
+    link_gb_s: float | None = None
+    """Bus bandwidth between the ranks (GB/s) for the communication estimate; the GPU
+    preflight measures it (preflight.json). A 4×4090D box over PCIe without P2P: ~10."""
 
 
 @dataclass

@@ -67,6 +67,14 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} must be > 0 (got {value})")
+    for key, rate in {
+        "plan.device_tflops": cfg.plan.device_tflops,
+        "plan.link_gb_s": cfg.plan.link_gb_s,
+    }.items():
+        if rate is not None and rate <= 0:
+            raise ConfigError(f"{key} must be > 0 or null (got {rate})")
+    if not 0.0 < cfg.plan.mfu <= 1.0:
+        raise ConfigError(f"plan.mfu must be in (0, 1] (got {cfg.plan.mfu})")
     if not 0.0 <= p.dropout < 1.0:
         raise ConfigError(f"peft.dropout must be in [0, 1) (got {p.dropout})")
     if t.warmup_steps < 0:

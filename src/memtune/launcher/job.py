@@ -25,7 +25,7 @@ from memtune.launcher.spawn import launch
 from memtune.launcher.topology import announce_ready, resolve, wait_ready, write_nodes_hostfile
 from memtune.machine import name_cpu_accelerator, versions_line
 from memtune.memory.estimate import format_plan
-from memtune.memory.fit import format_suggestions
+from memtune.memory.fit import format_step_estimates, format_suggestions
 from memtune.rundir import RunDir
 
 FAILED_POINTS: list[str] = []
@@ -49,6 +49,10 @@ def print_plan(cfg: DictConfig) -> int:
     elif not fitted.given_plan.fits:
         assert fitted.given_plan.counts is not None  # memory.estimate.plan always sets them
         print(format_suggestions(fitted.given, fitted.given_plan.counts))
+    assert fitted.plan.counts is not None
+    estimate = format_step_estimates(fitted.cfg, fitted.plan.counts)
+    if estimate:
+        print(estimate)
     print(f"planned with {versions_line()}")
     return 0
 

@@ -25,7 +25,7 @@ from memtune.data.cache import Prepared, load_split, preprocess
 from memtune.machine import versions_line
 from memtune.memory.compare import plan_record
 from memtune.memory.estimate import format_plan
-from memtune.memory.fit import Fitted, fit_to_device
+from memtune.memory.fit import Fitted, fit_to_device, format_step_estimates
 from memtune.rundir import DataRecord, RecordError, RunDir, TrainState, find_latest, is_complete
 
 
@@ -86,7 +86,12 @@ def prepare_run_dir(
     run_dir.mkdir(parents=True, exist_ok=True)
     rd.config.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     rd.ds_config.write_text(json.dumps(ds_config, indent=2) + "\n")
-    rd.plan.write_text(f"{format_plan(cfg, memory_plan)}\nversions: {versions_line()}\n")
+    assert memory_plan.counts is not None
+    estimate = format_step_estimates(cfg, memory_plan.counts)
+    rd.plan.write_text(
+        f"{format_plan(cfg, memory_plan)}\n{estimate + chr(10) if estimate else ''}"
+        f"versions: {versions_line()}\n"
+    )
     rd.plan_json.write_text(json.dumps(plan_record(memory_plan), indent=2) + "\n")
     device = f" of {memory_plan.device_gib:.2f}" if memory_plan.device_gib else ""
     print(

@@ -21,9 +21,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from memtune.config import ConfigError, RunConfig, validate
+from memtune.config import ConfigError, RunConfig, checkpointed_layers, validate
 from memtune.memory.counts import ParamCounts, count_params, quantized_shape_problems
 from memtune.memory.estimate import Plan, format_plan, plan
+from memtune.memory.step_time import format_step_time, step_time
 
 # Relative step time of each change (1.0: free). Rough, on purpose: they only order variants.
 COST_CHUNKED_LOSS = 1.0  # no slower than the plain loss (make bench: faster on CPU)
@@ -191,10 +192,51 @@ def auto_fit(cfg: RunConfig, known: ParamCounts | None = None) -> Fit | None:
         planned.append(Fit(variant, plan(variant, counts[key]), changes, cost))
     device = cfg.plan.device_gib
     for spare in (AUTO_CHECKPOINT_SPARE_GIB, 0.0):
-        for fit in planned:  # cheapest first
-            if device is None or fit.plan.total_gib <= device - spare:
-                return fit
+        fitting = [f for f in planned if device is None or f.plan.total_gib <= device - spare]
+        if fitting and cfg.plan.device_tflops:
+            # With a step-time estimate (memory/step_time.py), the fastest by that estimate,
+            # its checkpointed layers chosen as the launch would; ties keep the cheapest.
+            return min(fitting, key=lambda f: _estimated_step_s(f.cfg, counts))
+        if fitting:
+            return fitting[0]  # cheapest first
     return None
+
+
+def _estimated_step_s(cfg: RunConfig, counts: dict[tuple[str, int], ParamCounts]) -> float:
+    c = counts[(cfg.peft.target, cfg.peft.r)]
+    resolved, _ = resolve_checkpoint_layers(cfg, c)
+    estimate = step_time(resolved, c)
+    return estimate.step_s if estimate else math.inf
+
+
+def other_zero_stage(cfg: RunConfig) -> RunConfig:
+    """``cfg`` on the other ZeRO stage, its checkpointed layers left to choose (auto)."""
+    v = copy.deepcopy(cfg)
+    v.zero.stage, v.zero.template = (2 if cfg.zero.stage == 3 else 3), None
+    if v.trainer.activation_checkpointing:
+        v.trainer.checkpoint_layers = "auto"
+    return v
+
+
+def format_step_estimates(cfg: RunConfig, counts: ParamCounts) -> str | None:
+    """The step-time estimate of ``cfg`` and, for comparison, of the other ZeRO stage (its
+    checkpointed layers chosen again); None without plan.device_tflops."""
+    estimate = step_time(cfg, counts)
+    if estimate is None:
+        return None
+    lines = [format_step_time(cfg, estimate)]
+    if cfg.launcher.num_ranks > 1:
+        other, _ = resolve_checkpoint_layers(other_zero_stage(cfg), counts)
+        other_plan = plan(other, counts)
+        other_estimate = step_time(other, counts)
+        assert other_estimate is not None
+        fits = "fits" if other_plan.fits else "does not fit"
+        lines.append(
+            f"  zero=zero{other.zero.stage} instead: {other_estimate.step_s:.2f} s per step "
+            f"(communication {other_estimate.comm_share:.0%}), {other_plan.total_gib:.2f} GiB "
+            f"per rank ({fits}, {checkpointed_layers(other)} layers checkpointed)"
+        )
+    return "\n".join(lines)
 
 
 AUTO_CHECKPOINT_SPARE_GIB = 2.0

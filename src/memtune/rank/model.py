@@ -75,16 +75,18 @@ def load_base_model(
 ) -> Any:
     """``from_pretrained`` in the training dtype, quantized for QLoRA / int8. Under ZeRO-3 the
     caller keeps a live ``HfDeepSpeedConfig`` so weights load already partitioned across ranks
-    (no ``device_map`` then); a quantized base under ZeRO-2 on a GPU loads onto the rank's GPU,
-    where bitsandbytes quantizes it."""
+    (no ``device_map`` then); under ZeRO-2 on a GPU the base loads onto the rank's GPU (where
+    bitsandbytes quantizes a quantized one)."""
     from transformers import AutoModelForCausalLM
 
     quant = quantization_config(cfg)
     extra: dict[str, Any] = {}
     if quant is not None:
         extra["quantization_config"] = quant
-        if device_index is not None and cfg.zero.stage != 3:
-            extra["device_map"] = {"": device_index}
+    if device_index is not None and cfg.zero.stage != 3:
+        # Straight onto the rank's GPU: a replicated bf16 base would otherwise sit in host
+        # memory once per rank (4 × 15 GB for Qwen2.5-7B) before DeepSpeed moves it.
+        extra["device_map"] = {"": device_index}
     model = AutoModelForCausalLM.from_pretrained(
         cfg.model.name_or_path,
         dtype=torch_dtype(cfg),

@@ -1,0 +1,158 @@
+"""What an optimizer step costs in time, before any rank starts: compute and communication.
+
+A stated model, meant to rank configurations that fit (``plan.auto_fit``, the shipped
+experiments' ZeRO stage) and to say how much of a step is spent moving bytes:
+
+* **compute** — matmul FLOPs per rank: the decoder's and the head's linear layers (2 FLOPs per
+  weight per token forward, 2 more for the activation gradient in backward — a frozen base
+  computes no weight gradient — and 2 more in each recomputed layer), LoRA's (6 per weight per
+  token, 8 when recomputed), and causal attention over whole rows (an upper bound when rows
+  are packed with short samples). Time = FLOPs / (``plan.device_tflops`` × ``plan.mfu``);
+  a 4-bit base adds its dequantization (``QLORA_COMPUTE``). ``tests/test_step_time.py``
+  checks the FLOPs against torch's own count of a real step.
+* **communication** — bytes each rank sends per optimizer step in ring collectives (an
+  all-gather or reduce-scatter of S bytes moves (R−1)/R·S per rank, an all-reduce twice that):
+  under ZeRO-3 the sharded weights are all-gathered in every micro step's forward and again in
+  its backward (a recomputed layer reuses its backward gather) and the LoRA gradients are
+  reduce-scattered per micro step; under ZeRO-2 the LoRA gradients are reduce-scattered per
+  micro step and the updated LoRA weights all-gathered once per step. Time = bytes / the bus
+  bandwidth ``plan.link_gb_s`` (the GPU preflight measures it: ``preflight.json``).
+* **no overlap** is assumed: step = compute + communication. DeepSpeed prefetches ZeRO-3
+  gathers during compute, but over PCIe without P2P the copies go through host memory and
+  compete with the kernels; the sum is the conservative figure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from memtune.config import (
+    RunConfig,
+    checkpointed_layers,
+    compute_bytes,
+    grad_accumulation_steps,
+)
+from memtune.config.architecture import head_dim
+from memtune.memory.counts import ParamCounts, count_params
+from memtune.memory.estimate import NF4_BYTES
+
+QLORA_COMPUTE = 1.30
+"""A 4-bit base dequantizes every weight before each matmul: ~30% more compute time."""
+
+
+@dataclass
+class StepTime:
+    flops: float  # per rank per optimizer step
+    compute_s: float
+    traffic: list[tuple[str, float]] = field(default_factory=list)  # (what, bytes per rank)
+    link_gb_s: float | None = None
+
+    @property
+    def bytes(self) -> float:
+        return sum(b for _, b in self.traffic)
+
+    @property
+    def comm_s(self) -> float:
+        if not self.bytes:
+            return 0.0
+        if not self.link_gb_s:
+            return float("inf")
+        return self.bytes / (self.link_gb_s * 1e9)
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+    @property
+    def comm_share(self) -> float:
+        return self.comm_s / self.step_s if self.step_s else 0.0
+
+
+@dataclass(frozen=True)
+class Flops:
+    """Matmul FLOPs of one micro batch (forward, recompute, backward), by kind."""
+
+    base: float  # the frozen decoder and head linear layers
+    lora: float
+    attention: float  # causal: half of the n × n scores
+
+    @property
+    def total(self) -> float:
+        return self.base + self.lora + self.attention
+
+
+def micro_step_flops(cfg: RunConfig, counts: ParamCounts) -> Flops:
+    """See the module docstring. The head multiplies every token twice (logits, and the
+    gradient of the hidden state): the chunked loss computes both in its forward."""
+    a = cfg.model.architecture
+    layers = int(a["num_hidden_layers"])
+    n, micro = cfg.data.max_seq_len, cfg.trainer.micro_batch_size
+    tokens = n * micro
+    k = checkpointed_layers(cfg)
+    head = counts.head or counts.embedding  # the LM head multiplies even when tied
+    per_layer = counts.linear / layers
+    base = 2 * tokens * (per_layer * (2 * layers + k) + 2 * head)
+    # An adapter's weights: 2 FLOPs per token forward, 4 backward (input and weight
+    # gradients), 2 more when its layer recomputes.
+    lora = 2 * tokens * (counts.lora / layers) * (3 * layers + k)
+    heads = int(a["num_attention_heads"])
+    # QKᵀ and PV: 2 matmuls × 2 FLOPs × n²/2 (causal) per row and head; backward twice that.
+    attn_fwd = micro * 2 * n * n * heads * head_dim(a)
+    return Flops(base, lora, attn_fwd * (3 * layers + k))
+
+
+def traffic(cfg: RunConfig, counts: ParamCounts) -> list[tuple[str, float]]:
+    """Bytes each rank sends per optimizer step, by collective (module docstring)."""
+    ranks = cfg.launcher.num_ranks
+    if ranks <= 1:
+        return []
+    ring = (ranks - 1) / ranks
+    b = compute_bytes(cfg)
+    gas = grad_accumulation_steps(cfg)
+    lora = counts.lora * b
+    out = [("LoRA gradient reduce-scatter", gas * ring * lora)]
+    if cfg.zero.stage == 3:
+        other = (counts.embedding + counts.head) * b
+        if cfg.peft.method == "qlora":
+            base = counts.linear * NF4_BYTES[cfg.peft.double_quant] + other
+        elif cfg.peft.method == "lora-int8":
+            base = counts.linear + other
+        else:
+            base = counts.linear * b + other
+        gathers = gas * 2 * ring * (base + lora)
+        out.append(("ZeRO-3 weight all-gathers (forward + backward)", gathers))
+    else:
+        out.append(("LoRA weight all-gather after the step", ring * lora))
+    return out
+
+
+def step_time(cfg: RunConfig, counts: ParamCounts | None = None) -> StepTime | None:
+    """The model's estimate for ``cfg``; None without ``plan.device_tflops`` (nothing to
+    divide FLOPs by)."""
+    p = cfg.plan
+    if not p.device_tflops:
+        return None
+    counts = counts or count_params(cfg)
+    flops = grad_accumulation_steps(cfg) * micro_step_flops(cfg, counts).total
+    compute = flops / (p.device_tflops * 1e12 * p.mfu)
+    if cfg.peft.method == "qlora":
+        compute *= QLORA_COMPUTE
+    return StepTime(flops, compute, traffic(cfg, counts), p.link_gb_s)
+
+
+def format_step_time(cfg: RunConfig, t: StepTime) -> str:
+    p = cfg.plan
+    lines = [
+        f"step time (estimate, per optimizer step): {t.step_s:.2f} s = compute "
+        f"{t.compute_s:.2f} s ({t.flops / 1e12:,.0f} TFLOP at {p.device_tflops:g} TFLOPS × "
+        f"{p.mfu:.0%} MFU) + communication {t.comm_s:.2f} s ({t.comm_share:.0%} of the step)"
+    ]
+    for what, nbytes in t.traffic:
+        secs = nbytes / (t.link_gb_s * 1e9) if t.link_gb_s else float("inf")
+        lines.append(f"  {what:<48}{nbytes / 1e9:>9.2f} GB  {secs:>7.2f} s")
+    if t.traffic:
+        lines.append(
+            f"  at {t.link_gb_s:g} GB/s bus bandwidth (plan.link_gb_s; the GPU preflight "
+            "measures it), no overlap with compute assumed"
+        )
+    return "\n".join(lines)
