@@ -11,9 +11,11 @@ alternating (the order flips every round), with the same steps, data and hyperpa
   + peft LoRA + ``gradient_checkpointing=True``, each micro batch padded to its longest sample,
   the model's own cross-entropy, one process;
 * **memtune**: the product path (``prepare_run_dir`` + ``launch``, one rank, ``logger=none``)
-  with its speed features on: packing, chunked loss, activation checkpointing, SDPA;
+  as shipped: packing, sdpa_varlen, chunked loss, activation checkpointing;
 * **ablations** (not with ``--smoke``): memtune with one of those features switched off per
-  row, and ZeRO-3 kept on one rank (memtune runs one rank on ZeRO-2: ZeRO-3 shards nothing);
+  row, one with compiled decoder layers added (``trainer.compile=true``: the row that decides
+  whether it becomes a default; its time includes compiling), and ZeRO-3 kept on one rank
+  (memtune runs one rank on ZeRO-2: ZeRO-3 shards nothing);
   ``--two-ranks`` adds a 2-rank ZeRO-3 row (twice the CPU cores of every other row).
 
 Both sides read the same tokenized samples (memtune's own preprocessing of a seeded synthetic
@@ -98,6 +100,11 @@ VARIANTS = (
         "eager",
         "memtune, eager attention",
         (*MEMTUNE_ON, "model.attn_implementation=eager"),
+    ),
+    Variant(
+        "compile",
+        "memtune + compiled layers (trainer.compile=true, not a default)",
+        (*MEMTUNE_ON, "trainer.compile=true"),
     ),
     Variant(
         "zero3_one_rank",
@@ -196,7 +203,21 @@ def _read_memtune(run_dir: Path) -> dict[str, Any]:
         "peak_rss_gib_per_rank": [r["peak_rss_gib"] for r in memory["ranks"]],
         "memory_measure": memory["measure"],
         "samples_per_step": (rd.read_data().step or {}).get("samples_per_step"),
+        "steady_tokens_per_s": _steady(rows),
     }
+
+
+WARMUP_STEPS = 3
+
+
+def _steady(rows: list[dict[str, Any]]) -> float | None:
+    """Real tokens/s of the steps after the first WARMUP_STEPS (compiling, first allocations
+    and recompiles for new shapes happen there), from each step's own tokens and rate."""
+    steps = [r for r in rows if "perf/tokens_per_s" in r and r["step"] > WARMUP_STEPS]
+    if not steps:
+        return None
+    seconds = sum(r["train/input_tokens"] / r["perf/tokens_per_s"] for r in steps)
+    return sum(r["train/input_tokens"] for r in steps) / seconds
 
 
 def run_variant(v: Variant, base: list[str], run_dir: Path, threads: int) -> dict[str, Any]:
@@ -261,6 +282,11 @@ def _tps(x: dict[str, float]) -> str:
     return f"{x['min']:,.0f} / **{x['median']:,.0f}** / {x['max']:,.0f}"
 
 
+def _steady_median(rows: list[dict[str, Any]]) -> str:
+    values = sorted(r["steady_tokens_per_s"] for r in rows if r.get("steady_tokens_per_s"))
+    return f"{values[len(values) // 2]:,.0f}" if values else "—"
+
+
 def _ratio(x: dict[str, float]) -> str:
     return f"{x['min']:.2f} / **{x['median']:.2f}** / {x['max']:.2f}"
 
@@ -268,8 +294,9 @@ def _ratio(x: dict[str, float]) -> str:
 def table(result: dict[str, Any]) -> list[str]:
     lines = [
         "| run | samples/step | real tokens/s min / **median** / max | × baseline tokens/s "
+        f"| tokens/s after step {WARMUP_STEPS} (median) "
         "| peak RSS GiB (median) | × baseline memory | final loss (median) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for key, stats in result["summary"].items():
         label = result["variants"][key]["label"]
@@ -279,6 +306,7 @@ def table(result: dict[str, Any]) -> list[str]:
             f"| {label} | {'?' if per_step is None else f'{per_step:.1f}'} "
             f"| {_tps(stats['tokens_per_s'])} "
             f"| {'1' if is_base else _ratio(stats['speedup'])} "
+            f"| {_steady_median(result['runs'][key])} "
             f"| {stats['peak_rss_gib']['median']:.3f} "
             f"| {'1' if is_base else _ratio(stats['memory_ratio'])} "
             f"| {stats['loss_last']['median']:.3f} |"
@@ -353,7 +381,10 @@ def markdown(result: dict[str, Any]) -> str:
         *table(result),
         "",
         "Real tokens/s counts non-padding tokens only, over the training loop. × baseline: "
-        "ratio to the baseline run of the same round, min / median / max over rounds. Peak "
+        "ratio to the baseline run of the same round, min / median / max over rounds. "
+        f"Tokens/s after step {WARMUP_STEPS}: memtune's own per-step rates once warm "
+        "(compiling and recompiles for new shapes happen in the first steps; the baseline "
+        "logs none). Peak "
         "RSS is the process's resident high-water mark (`getrusage`), which on CPU is mostly "
         "the Python + torch runtime, not the model. The baseline's batches were "
         f"{100 * result['baseline_padding_efficiency']:.1f}% real tokens; a packed row holds "

@@ -47,7 +47,7 @@ def test_4x4090_experiment_values() -> None:
     validate(cfg, inputs=False)  # what a memory plan needs
     assert cfg.model.name_or_path == "Qwen/Qwen2.5-7B-Instruct"
     assert cfg.model.architecture["hidden_size"] == 3584
-    assert cfg.launcher.num_ranks == 4 and cfg.zero.stage == 3
+    assert cfg.launcher.num_ranks == 4 and cfg.zero.stage == 2  # the faster stage that fits
     assert cfg.trainer.precision == "bf16"
     assert grad_accumulation_steps(cfg) == 32 // (1 * 4)
 

@@ -22,7 +22,7 @@ def _has_auto(node) -> bool:
 
 
 def test_zero3_7b_values() -> None:
-    cfg = _cfg("experiment=qwen2.5-7b-4x4090-lora")
+    cfg = _cfg("experiment=qwen2.5-7b-4x4090-lora", "zero=zero3")
     ds = build_ds_config(cfg)
     h = 3584
     assert ds["train_batch_size"] == 32

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from memtune.config import ConfigError, RunConfig, to_run_config
-from memtune.launcher.preflight import nccl_env_decision
+from memtune.launcher.preflight import _all_reduce_check, measured_bus_gb_s, nccl_env_decision
 from memtune.launcher.spawn import free_port, rank_command
 from memtune.launcher.topology import check_hostfile, first_host, resolve
 from tests.conftest import FAST, ROOT, compose_cfg, run_train_py
@@ -152,6 +152,24 @@ def test_preflight_elsewhere() -> None:
     mine = nccl_env_decision(_gpus("RTX 4090", 4), FAILED, nnodes=1, env={"NCCL_P2P_DISABLE": "0"})
     assert "NCCL_P2P_DISABLE" not in mine["env"]
     assert "NCCL_P2P_DISABLE=0: set by you, kept" in mine["reasons"]
+
+
+def test_the_preflight_all_reduce_measures_bus_bandwidth_on_gloo() -> None:
+    """The GPU preflight's all-reduce (NCCL there) run on 2 CPU processes with gloo: correct
+    sums and a bus bandwidth; the one the ranks will see is picked by the P2P decision."""
+    check = _all_reduce_check(2, {}, timeout_s=120, backend="gloo")
+    assert check["ok"] and check["bad_ranks"] == []
+    # 2(n-1)/n × 64 MiB per all-reduce over its time, as NCCL's busbw.
+    assert check["bus_gb_s"] == pytest.approx(
+        2 * 0.5 * (1 << 24) * 4 / check["seconds"] / 1e9, rel=0.01
+    )
+    assert 0.05 < check["bus_gb_s"] < 500
+    p2p = {"ok": True, "bus_gb_s": 20.0}
+    no_p2p = {"ok": True, "bus_gb_s": 9.5}
+    checks = {"all_reduce_p2p": p2p, "all_reduce_no_p2p": no_p2p}
+    assert measured_bus_gb_s({"checks": checks, "env": {"NCCL_P2P_DISABLE": "1"}}) == 9.5
+    assert measured_bus_gb_s({"checks": checks, "env": {}}) == 20.0
+    assert measured_bus_gb_s({"checks": {}, "env": {}}) is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")

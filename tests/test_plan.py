@@ -153,7 +153,9 @@ def test_suggestions_say_what_each_change_saves_and_skip_what_does_not_help() ->
     # 10M LoRA parameters: 8-bit moments would save ~0.02 GiB, not worth a line.
     assert not any("adamw_8bit" in t for t in tips)
     total = plan(cfg).total_gib
-    zero3 = to_run_config(compose_cfg([QWEN7B, "trainer.activation_checkpointing=false"]))
+    zero3 = to_run_config(
+        compose_cfg([QWEN7B, "zero=zero3", "trainer.activation_checkpointing=false"])
+    )
     expected = total - plan(zero3).total_gib
     assert any(t.startswith("zero=zero3") and f"-{expected:.2f} GiB" in t for t in tips)
 

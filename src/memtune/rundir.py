@@ -171,6 +171,8 @@ class Summary:
     memory: list[dict[str, float]]
     memory_vs_plan: list[dict[str, Any]] = field(default_factory=list)
     """Per rank and measure: planned, measured, their ratio (memory.compare)."""
+    compiled_layers: int = 0
+    """Decoder layers run through torch.compile (trainer.compile)."""
 
 
 @dataclass(frozen=True)

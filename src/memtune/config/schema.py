@@ -145,6 +145,9 @@ class TrainerConfig:
     first N). all | N | auto: the fewest that fit plan.device_gib with 2 GiB to spare (all when
     no device is planned for). Fewer checkpointed layers, less recompute, more memory."""
     checkpointing_reentrant: bool = False
+    compile: bool = False
+    """torch.compile each decoder layer (regional: one graph per layer shape, attention left
+    eager); off until measured faster on the target (make bench has the row)."""
     optimizer: str = "adamw"
     """adamw (torch) | adamw_8bit (bitsandbytes; paged on CUDA) | cpu_adam (DeepSpeed, state and
     step on the host: ZeRO-Offload)"""

@@ -75,6 +75,12 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
             raise ConfigError(f"{key} must be > 0 or null (got {rate})")
     if not 0.0 < cfg.plan.mfu <= 1.0:
         raise ConfigError(f"plan.mfu must be in (0, 1] (got {cfg.plan.mfu})")
+    if cfg.trainer.compile and cfg.peft.method != "lora":
+        raise ConfigError(
+            f"trainer.compile=true is only built and tested for peft.method=lora (a "
+            f"{cfg.peft.method} base runs bitsandbytes kernels inside each layer); "
+            "set trainer.compile=false"
+        )
     if not 0.0 <= p.dropout < 1.0:
         raise ConfigError(f"peft.dropout must be in [0, 1) (got {p.dropout})")
     if t.warmup_steps < 0:

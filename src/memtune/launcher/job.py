@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from memtune.config import ConfigError, RunConfig, load_run_config
 from memtune.exit_codes import EXIT_CONFIG, EXIT_OOM, EXIT_REQUEUE
 from memtune.launcher import oom
-from memtune.launcher.preflight import PreflightError, for_launch
+from memtune.launcher.preflight import PreflightError, for_launch, measured_link_gb_s
 from memtune.launcher.prepare import already_finished, decide, given_config, prepare_run_dir
 from memtune.launcher.spawn import launch
 from memtune.launcher.topology import announce_ready, resolve, wait_ready, write_nodes_hostfile
@@ -114,6 +114,15 @@ def run_job(cfg: DictConfig) -> None:
             spec.nnodes,
             RunDir(run_dir).preflight(spec.node_rank),
         )
+        measured = measured_link_gb_s(RunDir(run_dir).preflight(spec.node_rank))
+        if fitted is not None and measured is not None:
+            planned = fitted.cfg.plan.link_gb_s
+            print(
+                f"memtune: preflight: {measured:g} GB/s all-reduce bus bandwidth between the "
+                f"GPUs (plan.link_gb_s was {planned}); the run's step-time estimate uses it",
+                flush=True,
+            )
+            fitted.cfg.plan.link_gb_s = measured
         if fitted is not None:
             run_cfg = prepare_run_dir(cfg, run_dir, fitted)
         else:

@@ -101,26 +101,48 @@ def _copy_check(n: int) -> dict[str, Any]:
     return result
 
 
-def _all_reduce_rank(rank: int, world: int, port: int, out: Any) -> None:
+ALL_REDUCE_ELEMENTS = 1 << 24  # 64 MiB of fp32: large enough to time the link, not latency
+ALL_REDUCE_ITERS = 5
+
+
+def _all_reduce_rank(rank: int, world: int, port: int, out: Any, backend: str) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    device = f"cuda:{rank}" if backend == "nccl" else "cpu"
     dist.init_process_group(
-        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    x = torch.empty((1 << 22,), device=f"cuda:{rank}")  # 16 MiB
+    x = torch.empty((ALL_REDUCE_ELEMENTS,), device=device)
+
+    def sync() -> None:
+        if backend == "nccl":
+            torch.cuda.synchronize()
+
+    x.fill_(float(rank + 1))
+    dist.all_reduce(x)  # warm-up: connections, buffers
+    sync()
+    dist.barrier()
     start = time.perf_counter()
-    for _ in range(3):
+    correct = True
+    for _ in range(ALL_REDUCE_ITERS):
         x.fill_(float(rank + 1))
         dist.all_reduce(x)  # every element: 1 + 2 + ... + world
-    torch.cuda.synchronize()
-    out.put((rank, float(x[0]), time.perf_counter() - start))
+        sync()
+        correct = correct and float(x[0]) == world * (world + 1) / 2
+    out.put((rank, correct, (time.perf_counter() - start) / ALL_REDUCE_ITERS))
     dist.destroy_process_group()
 
 
-def _all_reduce_check(n: int, env: Mapping[str, str], timeout_s: float) -> dict[str, Any]:
-    """An NCCL all-reduce over the n GPUs in fresh processes, killed after ``timeout_s``."""
+def _all_reduce_check(
+    n: int, env: Mapping[str, str], timeout_s: float, backend: str = "nccl"
+) -> dict[str, Any]:
+    """An all-reduce over n ranks (GPUs with NCCL, CPU processes with gloo) in fresh processes,
+    killed after ``timeout_s``; also a bandwidth measurement: ``bus_gb_s`` is the ring's bus
+    bandwidth, 2(n−1)/n × the buffer's bytes per all-reduce / its time (NCCL's busbw), which
+    is what the step-time estimate's plan.link_gb_s stands for."""
     import multiprocessing as mp
 
     from memtune.launcher.spawn import free_port
@@ -130,12 +152,14 @@ def _all_reduce_check(n: int, env: Mapping[str, str], timeout_s: float) -> dict[
     os.environ.update(env)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_all_reduce_rank, args=(r, n, port, out)) for r in range(n)]
+    procs = [
+        ctx.Process(target=_all_reduce_rank, args=(r, n, port, out, backend)) for r in range(n)
+    ]
     try:
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s
-        rows: list[tuple[int, float, float]] = []
+        rows: list[tuple[int, bool, float]] = []
         while len(rows) < n and time.monotonic() < deadline:
             try:
                 rows.append(out.get(timeout=max(0.1, deadline - time.monotonic())))
@@ -153,10 +177,30 @@ def _all_reduce_check(n: int, env: Mapping[str, str], timeout_s: float) -> dict[
                 os.environ[k] = v
     if len(rows) < n:
         return {"ok": False, "error": f"no result from {n - len(rows)} rank(s) in {timeout_s} s"}
-    expected = n * (n + 1) / 2
-    bad = [r for r, v, _ in rows if v != expected]
+    bad = [r for r, correct, _ in rows if not correct]
     seconds = max(s for _, _, s in rows)
-    return {"ok": not bad, "seconds": round(seconds, 4), "bad_ranks": bad}
+    bus = 2 * (n - 1) / n * ALL_REDUCE_ELEMENTS * 4 / seconds / 1e9
+    return {
+        "ok": not bad,
+        "seconds": round(seconds, 5),
+        "bus_gb_s": round(bus, 2),
+        "bad_ranks": bad,
+    }
+
+
+def measured_link_gb_s(preflight_json: Path) -> float | None:
+    """What a launch's preflight measured (None: no GPU preflight ran, or no all-reduce)."""
+    if not preflight_json.is_file():
+        return None
+    return measured_bus_gb_s(json.loads(preflight_json.read_text()))
+
+
+def measured_bus_gb_s(record: Mapping[str, Any]) -> float | None:
+    """The bus bandwidth of the all-reduce the ranks will run like (P2P off when decided)."""
+    checks = record.get("checks", {})
+    p2p_off = record.get("env", {}).get("NCCL_P2P_DISABLE") == "1"
+    chosen = checks.get("all_reduce_no_p2p" if p2p_off else "all_reduce_p2p") or {}
+    return chosen.get("bus_gb_s") if chosen.get("ok") else None
 
 
 def nccl_env_decision(
@@ -211,8 +255,11 @@ def run_checks(required: int, nnodes: int, timeout_s: float = CHECK_TIMEOUT_S) -
         checks["copy"] = _copy_check(required)
         checks["all_reduce_p2p"] = _all_reduce_check(required, {}, timeout_s)
     decision = nccl_env_decision(facts, checks, nnodes, os.environ)
-    if required > 1 and not checks["all_reduce_p2p"]["ok"]:
-        # P2P off must work, or NCCL itself is broken here: say so before the ranks hang.
+    if required > 1 and (
+        not checks["all_reduce_p2p"]["ok"] or decision["env"].get("NCCL_P2P_DISABLE") == "1"
+    ):
+        # P2P off must work, or NCCL itself is broken here: say so before the ranks hang. It
+        # is also the bandwidth the ranks will see.
         checks["all_reduce_no_p2p"] = _all_reduce_check(
             required, {**decision["env"], "NCCL_P2P_DISABLE": "1"}, timeout_s
         )
@@ -234,6 +281,9 @@ def describe(record: Mapping[str, Any], required: int) -> list[str]:
     )
     for name, check in record["checks"].items():
         lines.append(f"  check {name}: {'ok' if check.get('ok') else 'FAILED'} {check}")
+    bus = measured_bus_gb_s(record)
+    if bus is not None:
+        lines.append(f"  all-reduce bus bandwidth as the ranks will run: {bus:g} GB/s")
     lines.extend(f"  {r}" for r in record["reasons"])
     return lines
 

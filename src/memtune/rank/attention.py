@@ -73,6 +73,7 @@ def row_segments(
     return [[(0, n)] if n else [] for n in lengths]
 
 
+@torch.compiler.disable
 def sdpa_varlen_forward(
     module: torch.nn.Module,
     query: torch.Tensor,

@@ -17,7 +17,13 @@ import torch
 from memtune.config import ConfigError, RunConfig
 from memtune.config.architecture import loaded_mismatches
 from memtune.rank.loss import CausalLMLoss, resolve_loss_kind
-from memtune.rank.model import add_lora, choose_attention, count_parameters, load_base_model
+from memtune.rank.model import (
+    add_lora,
+    choose_attention,
+    compile_layers,
+    count_parameters,
+    load_base_model,
+)
 from memtune.rank.optim import build_optimizer, scheduler_factory
 
 LoadBase = Callable[[RunConfig, str], Any]
@@ -33,6 +39,7 @@ class RankParts:
     optimizer_note: str
     trainable: int
     total: int
+    compiled_layers: int = 0  # trainer.compile
 
 
 def build_rank(
@@ -68,6 +75,7 @@ def build_rank(
             "with the checkpoint on disk."
         )
     model = add_lora(base, cfg)
+    compiled = compile_layers(model) if cfg.trainer.compile else 0
     trainable, total = count_parameters(model)
     engine, optimizer_note = build_engine(cfg, model, device, ds_config)
     del hf_ds
@@ -79,6 +87,7 @@ def build_rank(
         optimizer_note=optimizer_note,
         trainable=trainable,
         total=total,
+        compiled_layers=compiled,
     )
 
 

@@ -159,6 +159,19 @@ def set_checkpointed_layers(model: Any, k: int) -> None:
         layer.gradient_checkpointing = i < k
 
 
+def compile_layers(model: Any) -> int:
+    """trainer.compile: ``torch.compile`` every decoder layer's forward, LoRA included, inside
+    its activation checkpoint (transformers' GradientCheckpointingLayer wraps ``__call__``,
+    which stays eager, around the compiled module call). Regional rather than whole-model: one
+    layer's graph serves them all (same code, same shapes), so it compiles once, and the
+    attention kernel (sdpa_varlen reads each batch's sample boundaries on the host) runs eager
+    between the compiled parts. Returns the number of layers compiled."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
 def decoder_layers(model: Any) -> list[Any]:
     """The decoder layers in order: the modules transformers can checkpoint."""
     from transformers.modeling_layers import GradientCheckpointingLayer

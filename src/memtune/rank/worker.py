@@ -249,11 +249,12 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
         start_rss_gib = memory_snapshot(device).get("rss_gib", 0.0)  # CPU: before the model
         parts = build_rank(cfg, ds_config, device, local_rank)
         engine, attn = parts.engine, parts.attention
+        compiled = f" · {parts.compiled_layers} layers compiled" if parts.compiled_layers else ""
         trainable, total, optimizer_note = parts.trainable, parts.total, parts.optimizer_note
 
         t = cfg.trainer
         print0(
-            f"memtune: {cfg.model.name_or_path} · attention {attn} · {method_label(cfg)} "
+            f"memtune: {cfg.model.name_or_path} · attention {attn}{compiled} · {method_label(cfg)} "
             f"r={cfg.peft.r} on {cfg.peft.target} · {trainable:,} trainable of {total:,} "
             f"parameters ({100 * trainable / total:.3f}%)\n"
             f"memtune: {world} rank(s) · ZeRO-{cfg.zero.stage} · {t.precision} · batch "
@@ -334,7 +335,17 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
         if rank == 0:
             tokenizer.save_pretrained(str(adapter_dir))
             eval_loss = hooks.eval_losses.get(result.steps)
-            _write_summary(ctx, result, trainable, total, n_tensors, attn, eval_loss, vs_plan)
+            _write_summary(
+                ctx,
+                result,
+                trainable,
+                total,
+                n_tensors,
+                attn,
+                eval_loss,
+                vs_plan,
+                parts.compiled_layers,
+            )
         return result
     except (SystemExit, NonFiniteLoss):
         raise  # agreed by every rank in a collective: they all end here together
@@ -430,6 +441,7 @@ def _write_summary(
     attn: str,
     eval_loss: float | None,
     vs_plan: VsPlan,
+    compiled_layers: int = 0,
 ) -> None:
     key = peak_key(ctx.device)
     rd = RunDir(ctx.run_dir)
@@ -446,6 +458,7 @@ def _write_summary(
         world_size=ctx.world_size,
         zero_stage=ctx.cfg.zero.stage,
         attention=attn,
+        compiled_layers=compiled_layers,
         trainable_params=trainable,
         total_params=total,
         adapter_tensors=n_tensors,
