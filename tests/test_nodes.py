@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from memtune.config import ConfigError, RunConfig, to_run_config
-from memtune.launcher.preflight import _all_reduce_check, measured_bus_gb_s, nccl_env_decision
+from memtune.launcher.preflight import all_reduce_check, measured_bus_gb_s, nccl_env_decision
 from memtune.launcher.spawn import free_port, rank_command
 from memtune.launcher.topology import check_hostfile, first_host, resolve
 from tests.conftest import FAST, ROOT, compose_cfg, run_train_py
@@ -157,7 +157,7 @@ def test_preflight_elsewhere() -> None:
 def test_the_preflight_all_reduce_measures_bus_bandwidth_on_gloo() -> None:
     """The GPU preflight's all-reduce (NCCL there) run on 2 CPU processes with gloo: correct
     sums and a bus bandwidth; the one the ranks will see is picked by the P2P decision."""
-    check = _all_reduce_check(2, {}, timeout_s=120, backend="gloo")
+    check = all_reduce_check(2, {}, timeout_s=120, backend="gloo")
     assert check["ok"] and check["bad_ranks"] == []
     # 2(n-1)/n × 64 MiB per all-reduce over its time, as NCCL's busbw.
     assert check["bus_gb_s"] == pytest.approx(

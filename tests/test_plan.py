@@ -276,6 +276,7 @@ def test_selective_checkpointing_keeps_what_the_model_says() -> None:
 def test_checkpoint_layers_auto_is_the_fewest_that_fit_with_the_spare() -> None:
     from memtune.memory.fit import (
         AUTO_CHECKPOINT_SPARE_GIB,
+        checkpoint_budget,
         choose_checkpoint_layers,
         fit_to_device,
     )
@@ -299,9 +300,17 @@ def test_checkpoint_layers_auto_is_the_fewest_that_fit_with_the_spare() -> None:
         and f"{k} of 28 layers checkpointed"
         in dict((what, how) for what, _, how in result.rows)["activations"]
     )
-    # Nothing to fit (CPU runs): every layer, as "all".
-    cpu = to_run_config(compose_cfg(["trainer.checkpoint_layers=auto"]))
-    assert choose_checkpoint_layers(cpu, count_params(cpu)) == 2
+    # CPU ranks without plan.device_gib fit the host's available RAM: the tiny demo (0.05 GiB
+    # per rank) needs no recompute; GPU ranks without it recompute every layer.
+    cpu = to_run_config(compose_cfg([]))
+    assert cpu.trainer.checkpoint_layers == "auto" and cpu.plan.device_gib is None
+    budget = checkpoint_budget(cpu)
+    if torch.cuda.is_available():
+        assert budget is None and choose_checkpoint_layers(cpu, count_params(cpu)) == 2
+    else:
+        assert budget is not None and "available per CPU rank" in budget[1]
+        assert choose_checkpoint_layers(cpu, count_params(cpu)) == 0
+        assert fit_to_device(cpu).cfg.trainer.checkpoint_layers == "0"
 
 
 def test_only_the_first_layers_recompute_and_the_gradients_do_not_change() -> None:

@@ -53,6 +53,15 @@ def _cpuinfo() -> tuple[str, set[str]]:
     return model, flags
 
 
+def host_available_gib() -> float:
+    """RAM the kernel says a new process can use now (MemAvailable), in GiB."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 / 1024**3
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1024**3
+
+
 def cpu_model() -> str:
     return _cpuinfo()[0]
 

@@ -140,7 +140,7 @@ class TrainerConfig:
     precision: str = "bf16"
     """bf16 | fp32 (fp32 is for CPU demos and exact tests)"""
     activation_checkpointing: bool = True
-    checkpoint_layers: str = "all"
+    checkpoint_layers: str = "auto"
     """With activation_checkpointing: how many decoder layers recompute their forward (the
     first N). all | N | auto: the fewest that fit plan.device_gib with 2 GiB to spare (all when
     no device is planned for). Fewer checkpointed layers, less recompute, more memory."""

@@ -136,7 +136,7 @@ def _all_reduce_rank(rank: int, world: int, port: int, out: Any, backend: str) -
     dist.destroy_process_group()
 
 
-def _all_reduce_check(
+def all_reduce_check(
     n: int, env: Mapping[str, str], timeout_s: float, backend: str = "nccl"
 ) -> dict[str, Any]:
     """An all-reduce over n ranks (GPUs with NCCL, CPU processes with gloo) in fresh processes,
@@ -253,14 +253,14 @@ def run_checks(required: int, nnodes: int, timeout_s: float = CHECK_TIMEOUT_S) -
     checks: dict[str, Any] = {}
     if required > 1:
         checks["copy"] = _copy_check(required)
-        checks["all_reduce_p2p"] = _all_reduce_check(required, {}, timeout_s)
+        checks["all_reduce_p2p"] = all_reduce_check(required, {}, timeout_s)
     decision = nccl_env_decision(facts, checks, nnodes, os.environ)
     if required > 1 and (
         not checks["all_reduce_p2p"]["ok"] or decision["env"].get("NCCL_P2P_DISABLE") == "1"
     ):
         # P2P off must work, or NCCL itself is broken here: say so before the ranks hang. It
         # is also the bandwidth the ranks will see.
-        checks["all_reduce_no_p2p"] = _all_reduce_check(
+        checks["all_reduce_no_p2p"] = all_reduce_check(
             required, {**decision["env"], "NCCL_P2P_DISABLE": "1"}, timeout_s
         )
         if not checks["all_reduce_no_p2p"]["ok"]:

@@ -243,18 +243,36 @@ AUTO_CHECKPOINT_SPARE_GIB = 2.0
 """checkpoint_layers=auto keeps this much of plan.device_gib free for what the plan misses."""
 
 
+def checkpoint_budget(cfg: RunConfig) -> tuple[float, str] | None:
+    """The memory checkpoint_layers=auto fits into: plan.device_gib; for CPU ranks (no CUDA
+    on this machine) without it, the host's available RAM shared by this node's ranks; None
+    for GPU ranks without plan.device_gib (nothing known to fit: every layer)."""
+    if cfg.plan.device_gib is not None:
+        return cfg.plan.device_gib, f"{cfg.plan.device_gib:.2f} GiB"
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    from memtune.machine import host_available_gib
+
+    per_node = max(1, cfg.launcher.num_ranks // max(1, cfg.launcher.nnodes))
+    per_rank = host_available_gib() / per_node
+    return per_rank, f"the host's {per_rank:.1f} GiB available per CPU rank"
+
+
 def choose_checkpoint_layers(cfg: RunConfig, counts: ParamCounts) -> int:
-    """The fewest checkpointed layers whose plan fits device_gib with the spare (all if none
-    does: the refusal then shows the full breakdown)."""
+    """The fewest checkpointed layers whose plan fits the budget (:func:`checkpoint_budget`)
+    with the spare (all if none does: the refusal then shows the full breakdown)."""
     layers = int(cfg.model.architecture["num_hidden_layers"])
-    if cfg.plan.device_gib is None:
+    budget = checkpoint_budget(cfg)
+    if budget is None:
         return layers
-    budget = cfg.plan.device_gib - AUTO_CHECKPOINT_SPARE_GIB
+    room = budget[0] - AUTO_CHECKPOINT_SPARE_GIB
     # Up to layers - 1: recomputing the last layer as well would only cost (activation_bytes).
     for k in range(layers):
         trial = copy.deepcopy(cfg)
         trial.trainer.checkpoint_layers = str(k)
-        if plan(trial, counts).total_gib <= budget:
+        if plan(trial, counts).total_gib <= room:
             return k
     return layers
 
@@ -268,13 +286,13 @@ def resolve_checkpoint_layers(cfg: RunConfig, counts: ParamCounts) -> tuple[RunC
     cfg = copy.deepcopy(cfg)
     cfg.trainer.checkpoint_layers = str(k)
     layers = cfg.model.architecture["num_hidden_layers"]
-    device, spare = cfg.plan.device_gib, AUTO_CHECKPOINT_SPARE_GIB
-    if device is None:
+    budget, spare = checkpoint_budget(cfg), AUTO_CHECKPOINT_SPARE_GIB
+    if budget is None:
         why = "no plan.device_gib to fit"
-    elif plan(cfg, counts).total_gib <= device - spare:
-        why = f"the fewest that fit {device:.2f} GiB with {spare:.0f} GiB to spare"
+    elif plan(cfg, counts).total_gib <= budget[0] - spare:
+        why = f"the fewest that fit {budget[1]} with {spare:.0f} GiB to spare"
     else:
-        why = f"even all of them leave less than {spare:.0f} GiB of {device:.2f} spare"
+        why = f"even all of them leave less than {spare:.0f} GiB of {budget[1]} spare"
     return cfg, f"checkpoint_layers=auto: {k} of {layers} layers ({why})"
 
 
