@@ -1,6 +1,6 @@
 """The step-time estimate (``memtune.memory.step_time``) against measured step times on CPU.
 
-    .venv/bin/python bench/step_time_check.py          # ~6 min on 2 CPUs
+    .venv/bin/python bench/step_time_check.py          # ~2 min on 2 CPUs
     .venv/bin/python bench/step_time_check.py --steps 8 --hidden 1024
 
 The estimate divides FLOPs by a device rate and bytes by a link bandwidth. Here both are
