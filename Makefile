@@ -82,7 +82,7 @@ train-4x4090: $(STAMP) ## The real job: EXP (default qwen2.5-7b-4x4090-lora) on 
 	# (memtune.launcher.ds_runner: the `deepspeed` command, with memtune's noise filters)
 	$(PY) train.py experiment=$(EXP) launcher.num_ranks=4 $(ARGS)
 
-bench: $(STAMP) ## Training benchmark: memtune vs HF Trainer + peft, with ablations -> bench/results/ (~12 min)
+bench: $(STAMP) ## Training benchmark: memtune as shipped vs HF Trainer + peft, with ablations -> bench/results/ (~14 min)
 	$(PY) bench/bench.py $(ARGS)
 
 bench-data: $(STAMP) ## Data benchmark: preprocessing tokens/s and padding efficiency -> bench/results/
