@@ -45,8 +45,9 @@ def tiny():
 
 def _inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What the training loop hands the model (rank/loss.CausalLMLoss)."""
-    keys = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens", "max_length")
-    return model_inputs(**{k: batch[k] for k in keys if k in batch})
+    from memtune.rank.loop import MODEL_INPUTS
+
+    return model_inputs(**{k: batch[k] for k in MODEL_INPUTS if k in batch and k != "labels"})
 
 
 @pytest.mark.parametrize("attn", ["sdpa_varlen", "sdpa", "eager"])

@@ -188,6 +188,15 @@ def preprocess(cfg: DataConfig, tokenizer: Any, seed: int) -> Prepared:
     return Prepared(out, stats, val_stats, reused=False)
 
 
+def load_lengths(prepared_dir: str | Path, split: str = "train") -> list[int]:
+    """The samples' token counts of a split, read from its offsets alone (not the tokens)."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(prepared_dir) / f"{split}.safetensors"), framework="pt") as f:
+        offsets = f.get_tensor("offsets")
+    return (offsets[1:] - offsets[:-1]).tolist()
+
+
 def load_split(prepared_dir: str | Path, split: str = "train") -> TokenizedDataset:
     arrays = load_file(str(Path(prepared_dir) / f"{split}.safetensors"))
     return TokenizedDataset(arrays["input_ids"], arrays["labels"], arrays["offsets"])

@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from memtune.config import ConfigError, RunConfig, load_run_config
 from memtune.exit_codes import EXIT_CONFIG, EXIT_OOM, EXIT_REQUEUE
 from memtune.launcher import oom
-from memtune.launcher.preflight import PreflightError, for_launch, measured_link_gb_s
+from memtune.launcher.preflight import PreflightError, for_launch
 from memtune.launcher.prepare import already_finished, decide, given_config, prepare_run_dir
 from memtune.launcher.spawn import launch
 from memtune.launcher.topology import announce_ready, resolve, wait_ready, write_nodes_hostfile
@@ -108,13 +108,12 @@ def run_job(cfg: DictConfig) -> None:
         # machine that cannot run it, stops before anything is tokenized.
         fitted = decide(given) if spec.node_rank == 0 else None
         run_dir.mkdir(parents=True, exist_ok=True)
-        nccl_env = for_launch(
+        nccl_env, measured = for_launch(
             given.launcher,
             spec.ranks_per_node,
             spec.nnodes,
             RunDir(run_dir).preflight(spec.node_rank),
         )
-        measured = measured_link_gb_s(RunDir(run_dir).preflight(spec.node_rank))
         if fitted is not None and measured is not None:
             planned = fitted.cfg.plan.link_gb_s
             print(

@@ -188,13 +188,6 @@ def all_reduce_check(
     }
 
 
-def measured_link_gb_s(preflight_json: Path) -> float | None:
-    """What a launch's preflight measured (None: no GPU preflight ran, or no all-reduce)."""
-    if not preflight_json.is_file():
-        return None
-    return measured_bus_gb_s(json.loads(preflight_json.read_text()))
-
-
 def measured_bus_gb_s(record: Mapping[str, Any]) -> float | None:
     """The bus bandwidth of the all-reduce the ranks will run like (P2P off when decided)."""
     checks = record.get("checks", {})
@@ -290,11 +283,12 @@ def describe(record: Mapping[str, Any], required: int) -> list[str]:
 
 def for_launch(
     launcher: LauncherConfig, ranks_per_node: int, nnodes: int, out: Path
-) -> dict[str, str]:
+) -> tuple[dict[str, str], float | None]:
     """The launcher's preflight, run by train.py before it tokenizes or plans anything: {} on a
     machine without CUDA (CPU ranks; refused with launcher.require_gpus), else the NCCL
     environment decided by ``python -m memtune.preflight`` run as a child (timed out), so the
-    launcher itself never holds a CUDA context."""
+    launcher itself never holds a CUDA context; and the all-reduce bus bandwidth it measured
+    (None when no check ran)."""
     import subprocess
 
     import torch
@@ -305,9 +299,9 @@ def for_launch(
                 f"{ranks_per_node} GPUs needed on this node, 0 visible (no CUDA device; "
                 "launcher.require_gpus=true: this experiment is not for CPU ranks)"
             )
-        return {}
+        return {}, None
     if not launcher.preflight:
-        return {}
+        return {}, None
     cmd = [sys.executable, "-m", "memtune.preflight", "--gpus", str(ranks_per_node)]
     cmd += ["--nnodes", str(nnodes), "--json", str(out)]
     try:
@@ -316,7 +310,8 @@ def for_launch(
         raise PreflightError(f"the GPU checks did not finish in {err.timeout:.0f} s") from None
     if proc.returncode != 0:
         raise PreflightError(f"the GPU checks failed (exit code {proc.returncode}, see above)")
-    return dict(json.loads(out.read_text())["env"])
+    record = json.loads(out.read_text())
+    return dict(record["env"]), measured_bus_gb_s(record)
 
 
 def main(argv: list[str] | None = None) -> None:

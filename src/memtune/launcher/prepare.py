@@ -21,7 +21,7 @@ from memtune.config import (
 from memtune.config.architecture import resolve_architecture
 from memtune.config.deepspeed import build_ds_config
 from memtune.data.batching import StepShape, step_shape
-from memtune.data.cache import Prepared, load_split, preprocess
+from memtune.data.cache import Prepared, load_lengths, preprocess
 from memtune.machine import versions_line
 from memtune.memory.compare import plan_record
 from memtune.memory.estimate import format_plan
@@ -129,7 +129,7 @@ def prepare_data(cfg: RunConfig) -> Prepared:
 
 def train_step_shape(cfg: RunConfig, prepared: Prepared) -> StepShape:
     t = cfg.trainer
-    lengths = load_split(prepared.dir, "train").lengths
+    lengths = load_lengths(prepared.dir, "train")
     return step_shape(
         lengths, cfg.data.packing, cfg.data.max_seq_len, t.global_batch_size, t.max_steps
     )

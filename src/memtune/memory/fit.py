@@ -263,8 +263,13 @@ def checkpoint_budget(cfg: RunConfig) -> tuple[float, str] | None:
 def choose_checkpoint_layers(cfg: RunConfig, counts: ParamCounts) -> int:
     """The fewest checkpointed layers whose plan fits the budget (:func:`checkpoint_budget`)
     with the spare (all if none does: the refusal then shows the full breakdown)."""
+    return _fewest_layers_that_fit(cfg, counts, checkpoint_budget(cfg))
+
+
+def _fewest_layers_that_fit(
+    cfg: RunConfig, counts: ParamCounts, budget: tuple[float, str] | None
+) -> int:
     layers = int(cfg.model.architecture["num_hidden_layers"])
-    budget = checkpoint_budget(cfg)
     if budget is None:
         return layers
     room = budget[0] - AUTO_CHECKPOINT_SPARE_GIB
@@ -282,11 +287,12 @@ def resolve_checkpoint_layers(cfg: RunConfig, counts: ParamCounts) -> tuple[RunC
     why (None when there was nothing to choose)."""
     if not (cfg.trainer.activation_checkpointing and cfg.trainer.checkpoint_layers == "auto"):
         return cfg, None
-    k = choose_checkpoint_layers(cfg, counts)
+    # Read once: the host's available RAM (CPU ranks) moves between reads.
+    budget, spare = checkpoint_budget(cfg), AUTO_CHECKPOINT_SPARE_GIB
+    k = _fewest_layers_that_fit(cfg, counts, budget)
     cfg = copy.deepcopy(cfg)
     cfg.trainer.checkpoint_layers = str(k)
     layers = cfg.model.architecture["num_hidden_layers"]
-    budget, spare = checkpoint_budget(cfg), AUTO_CHECKPOINT_SPARE_GIB
     if budget is None:
         why = "no plan.device_gib to fit"
     elif plan(cfg, counts).total_gib <= budget[0] - spare:
