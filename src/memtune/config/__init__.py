@@ -10,11 +10,13 @@ from memtune.config.derive import (
     checkpointed_layers,
     checkpointing_label,
     compute_bytes,
+    data_parallel_ranks,
     grad_accumulation_steps,
     one_rank_zero,
     persistence_threshold,
     prefetch_bucket_elements,
     reduce_bucket_elements,
+    sequence_parallel_size,
 )
 from memtune.config.schema import (
     ASSETS_DIR,
@@ -60,6 +62,7 @@ __all__ = [
     "checkpointing_label",
     "compose",
     "compute_bytes",
+    "data_parallel_ranks",
     "get_field",
     "grad_accumulation_steps",
     "load_run_config",
@@ -68,6 +71,7 @@ __all__ = [
     "prefetch_bucket_elements",
     "reduce_bucket_elements",
     "register_configs",
+    "sequence_parallel_size",
     "to_run_config",
     "validate",
 ]

@@ -20,6 +20,7 @@ from memtune.config import (
     persistence_threshold,
     prefetch_bucket_elements,
     reduce_bucket_elements,
+    sequence_parallel_size,
 )
 
 DS_CONFIG_DIR = SOURCE_ROOT / "ds_configs"
@@ -42,6 +43,15 @@ def derived_values(cfg: RunConfig) -> dict[str, Any]:
         "zero_optimization.stage": z.stage,
         "zero_optimization.reduce_bucket_size": reduce_bucket_elements(cfg),
     }
+    if sequence_parallel_size(cfg) > 1:
+        # DeepSpeed's batch arithmetic counts data-parallel ranks: world / this. (The engine
+        # also gets the groups (rank/sequence_parallel.py); this is for configs read without
+        # them, e.g. transformers' zero.Init.)
+        values["sequence_parallel_size"] = sequence_parallel_size(cfg)
+        if z.stage == 3:
+            # ZeRO-3 averages over all ranks on this path only, which rank.loop's loss scale
+            # counts on (rank/sequence_parallel.py: gradient_averaging_ranks).
+            values["zero_optimization.reduce_scatter"] = True
     if t.optimizer == "cpu_adam":
         # DeepSpeed builds DeepSpeedCPUAdam itself only from its own config (see optim.py).
         values["optimizer.type"] = "AdamW"

@@ -35,9 +35,21 @@ def checkpointed_layers(cfg: RunConfig) -> int:
     return layers if value in ("all", "auto") else min(int(value), layers)
 
 
+def sequence_parallel_size(cfg: RunConfig) -> int:
+    """Ranks each sequence is split over (trainer.sequence_parallel); ``auto`` is resolved by
+    the planner before any rank starts, and reads 1 until then."""
+    value = str(cfg.trainer.sequence_parallel)
+    return int(value) if value.isdigit() else 1
+
+
+def data_parallel_ranks(cfg: RunConfig) -> int:
+    """Ranks that read different data: all ranks over the sequence-parallel size."""
+    return cfg.launcher.num_ranks // sequence_parallel_size(cfg)
+
+
 def grad_accumulation_steps(cfg: RunConfig) -> int:
     t = cfg.trainer
-    return t.global_batch_size // (t.micro_batch_size * cfg.launcher.num_ranks)
+    return t.global_batch_size // (t.micro_batch_size * data_parallel_ranks(cfg))
 
 
 def compute_bytes(cfg: RunConfig) -> int:

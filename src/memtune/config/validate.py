@@ -106,12 +106,31 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
             f"launcher.num_ranks={cfg.launcher.num_ranks} (all ranks) is not a multiple of "
             f"launcher.nnodes={cfg.launcher.nnodes}: every node runs the same number of ranks"
         )
-    per_step = t.micro_batch_size * cfg.launcher.num_ranks
+    sp = str(t.sequence_parallel)
+    if sp != "auto" and not (sp.isdigit() and int(sp) >= 1):
+        raise ConfigError(
+            f"trainer.sequence_parallel={sp!r} is not supported; choose auto | 1 | 2 | 4 ... "
+            "(ranks each sequence is split over)"
+        )
+    sp_ranks = int(sp) if sp.isdigit() else 1
+    if cfg.launcher.num_ranks % sp_ranks:
+        raise ConfigError(
+            f"trainer.sequence_parallel={sp_ranks} does not divide launcher.num_ranks="
+            f"{cfg.launcher.num_ranks}: the ranks form groups of {sp_ranks} that split each "
+            "sequence"
+        )
+    dp = cfg.launcher.num_ranks // sp_ranks
+    per_step = t.micro_batch_size * dp
     if t.global_batch_size % per_step:
+        across = (
+            f"launcher.num_ranks = {t.micro_batch_size} × {cfg.launcher.num_ranks}"
+            if sp_ranks == 1
+            else f"data-parallel ranks (launcher.num_ranks / trainer.sequence_parallel) = "
+            f"{t.micro_batch_size} × {dp}"
+        )
         raise ConfigError(
             f"trainer.global_batch_size={t.global_batch_size} is not a multiple of "
-            f"trainer.micro_batch_size × launcher.num_ranks = {t.micro_batch_size} × "
-            f"{cfg.launcher.num_ranks} = {per_step}"
+            f"trainer.micro_batch_size × {across} = {per_step}"
         )
     if t.loss == "liger" and importlib.util.find_spec("liger_kernel") is None:
         raise ConfigError(
@@ -136,9 +155,51 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
         )
     if cfg.model.name_or_path in ("", "???"):
         raise ConfigError("model.name_or_path is not set: give a hub name or a local directory")
+    _check_sequence_parallel(cfg)
     if inputs:
         _check_model_path(cfg.model)
         _check_data(cfg.data)
+
+
+def _check_sequence_parallel(cfg: RunConfig) -> None:
+    """Ulysses' rules (DeepSpeed's UlyssesSPAttentionHF checks them too, on a rank, mid-load):
+    each rank of a group attends for heads/sp query heads and its share of the KV heads
+    (replicated when there are fewer KV heads than ranks), over the whole sequence, which is
+    cut into sp equal shards."""
+    value = str(cfg.trainer.sequence_parallel)
+    if not value.isdigit() or int(value) == 1:
+        return
+    sp, arch = int(value), cfg.model.architecture
+    heads = int(arch.get("num_attention_heads") or 0)
+    kv = int(arch.get("num_key_value_heads") or heads)
+    where = f"trainer.sequence_parallel={sp}"
+    if heads % sp:
+        raise ConfigError(
+            f"{where} must divide the model's {heads} attention heads (each rank attends for "
+            f"heads / sp of them); choose one of {_divisors(heads, kv)}"
+        )
+    if kv % sp and sp % kv:
+        raise ConfigError(
+            f"{where} must divide the model's {kv} KV heads or be a multiple of them; "
+            f"choose one of {_divisors(heads, kv)}"
+        )
+    if cfg.data.max_seq_len % sp:
+        raise ConfigError(
+            f"{where} must divide data.max_seq_len={cfg.data.max_seq_len} (each rank holds an "
+            "equal shard of every sequence)"
+        )
+    attn = cfg.model.attn_implementation
+    if attn in ("sdpa", "eager"):
+        raise ConfigError(
+            f"{where} with model.attn_implementation={attn}: sequence parallelism marks samples "
+            "by positions and sample boundaries, not a dense mask, which "
+            f"transformers' {attn} needs; use auto (sdpa_varlen, or FlashAttention-2 on a GPU)"
+        )
+
+
+def _divisors(heads: int, kv: int) -> str:
+    ok = [n for n in range(1, heads + 1) if heads % n == 0 and (kv % n == 0 or n % kv == 0)]
+    return ", ".join(str(n) for n in ok)
 
 
 def _check_data(data: DataConfig) -> None:

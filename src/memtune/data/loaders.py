@@ -21,15 +21,25 @@ from memtune.data.encode import IGNORE_INDEX, Sample
 
 
 def eval_batches(
-    cfg: RunConfig, prepared_dir: str, pad_token_id: int, rank: int, world: int
+    cfg: RunConfig,
+    prepared_dir: str,
+    pad_token_id: int,
+    rank: int,
+    world: int,
+    full_rows: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
-    """This rank's validation micro batches, collated once (the split is small)."""
+    """This rank's validation micro batches, collated once (the split is small).
+    ``full_rows``: every batch has micro_batch_size rows (label-free rows fill the last one),
+    as sequence-parallel attention needs."""
     val = load_split(prepared_dir, "val")
     samples = []
     for i in eval_shard(len(val), rank, world):
         s = val[max(i, 0)]
         samples.append(s if i >= 0 else Sample(s.input_ids, [IGNORE_INDEX] * len(s.labels)))
     micro = cfg.trainer.micro_batch_size
+    if full_rows and len(samples) % micro:
+        blank = Sample(samples[0].input_ids, [IGNORE_INDEX] * len(samples[0].labels))
+        samples += [blank] * (-len(samples) % micro)
     return [
         collate_padded(samples[a : a + micro], pad_token_id) for a in range(0, len(samples), micro)
     ]

@@ -157,12 +157,13 @@ def traced_config(cfg: RunConfig) -> tuple[RunConfig, list[str]]:
 
 
 def every_position(
-    hidden_BTH: torch.Tensor, labels_BT: torch.Tensor
+    hidden_BTH: torch.Tensor, targets_BT: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """All positions are labels (the planner's worst case), selected as a copy like the real
-    boolean selection (whose size depends on the data, which fake tensors do not have)."""
+    """All positions but the last (which predicts nothing) are labels — the planner's worst
+    case — selected as a copy like the real boolean selection (whose size depends on the data,
+    which fake tensors do not have)."""
     h = hidden_BTH.shape[-1]
-    return hidden_BTH[:, :-1].reshape(-1, h).clone(), labels_BT[:, 1:].reshape(-1)
+    return hidden_BTH[:, :-1].reshape(-1, h).clone(), targets_BT[:, :-1].reshape(-1)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from memtune.config import ConfigError, RunConfig
+from memtune.config import ConfigError, RunConfig, sequence_parallel_size
 from memtune.config.architecture import loaded_mismatches
 from memtune.rank.loss import CausalLMLoss, resolve_loss_kind
 from memtune.rank.model import (
@@ -77,7 +77,13 @@ def build_rank(
     model = add_lora(base, cfg)
     compiled = compile_layers(model) if cfg.trainer.compile else 0
     trainable, total = count_parameters(model)
-    engine, optimizer_note = build_engine(cfg, model, device, ds_config)
+    mpu = None
+    if sequence_parallel_size(cfg) > 1:
+        from memtune.rank.sequence_parallel import register_attention
+
+        sp, micro = sequence_parallel_size(cfg), cfg.trainer.micro_batch_size
+        mpu = register_attention(base, attn, sp, micro)
+    engine, optimizer_note = build_engine(cfg, model, device, ds_config, mpu)
     del hf_ds
     return RankParts(
         model=model,
@@ -92,10 +98,11 @@ def build_rank(
 
 
 def build_engine(
-    cfg: RunConfig, model: Any, device: torch.device, ds_config: dict[str, Any]
+    cfg: RunConfig, model: Any, device: torch.device, ds_config: dict[str, Any], mpu: Any = None
 ) -> tuple[Any, str]:
     """The DeepSpeed engine around memtune's loss module, with the configured optimizer and
-    schedule; returns it and a line naming the optimizer."""
+    schedule; returns it and a line naming the optimizer. ``mpu``: the sequence-parallel
+    groups (rank/sequence_parallel.py), when sequences are split."""
     import deepspeed
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -107,5 +114,6 @@ def build_engine(
         model_parameters=params if optimizer is None else None,
         lr_scheduler=scheduler_factory(cfg),
         config=ds_config,
+        mpu=mpu,
     )
     return engine, optimizer_note

@@ -3,9 +3,11 @@
 The loss of every micro-step is a *sum* over its label tokens, scaled so that one optimizer
 step averages over all label tokens of all ranks and accumulation steps. Micro batch 4 ×
 accumulation 1 and micro batch 1 × accumulation 4 then give the same update, and so do one
-rank and two ranks with the same global batch. DeepSpeed divides by the accumulation steps
-in ``backward`` and averages over data-parallel ranks when it reduces gradients; the scale
-undoes both so only the token count normalises.
+rank and two ranks with the same global batch, and a sequence split over two ranks (each
+rank's sum covers its shard's targets). DeepSpeed divides by the accumulation steps in
+``backward`` and averages over data-parallel ranks when it reduces gradients (summing over the
+ranks of a sequence-parallel group); the scale undoes both so only the token count
+normalises.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from memtune.config import RunConfig, grad_accumulation_steps
-from memtune.data.encode import IGNORE_INDEX
+from memtune.config import RunConfig, grad_accumulation_steps, sequence_parallel_size
+from memtune.rank.loss import label_count
+from memtune.rank.sequence_parallel import gradient_averaging_ranks
 from memtune.rank.telemetry import NullLogger, memory_snapshot
 
 
@@ -80,6 +83,7 @@ MODEL_INPUTS = (
     "attention_mask",
     "position_ids",
     "labels",
+    "shift_labels",
     "cu_seq_lens",
     "max_length",
 )
@@ -173,6 +177,7 @@ def train(
     t = cfg.trainer
     gas = grad_accumulation_steps(cfg)
     world = dist.get_world_size() if dist.is_initialized() else 1
+    averaged_over = gradient_averaging_ranks(cfg.zero.stage, world, sequence_parallel_size(cfg))
     result = result or TrainResult()
     hooks = hooks or Hooks()
     engine.train()
@@ -182,7 +187,7 @@ def train(
         micro = [next(batches) for _ in range(gas)]
         counts = torch.tensor(
             [
-                sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro),
+                sum(label_count(b) for b in micro),
                 sum(real_tokens(b) for b in micro),
                 float(hooks.stop_requested()),
             ],
@@ -192,7 +197,7 @@ def train(
         label_tokens, input_tokens, stops = (int(x) for x in _all_reduce_sum(counts).tolist())
         if stops:  # agreed by all ranks in the same collective, so all stop here together
             raise StopRequested(step - 1)
-        scale = world * gas / label_tokens
+        scale = averaged_over * gas / label_tokens
 
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         for i, batch in enumerate(micro):
@@ -261,7 +266,7 @@ def evaluate(engine: Any, batches: list[dict[str, torch.Tensor]], device: torch.
         for batch in batches:
             batch = {k: v.to(device) for k, v in batch.items() if k != "real_tokens"}
             totals[0] += engine(**{k: batch[k] for k in MODEL_INPUTS if k in batch}).double()
-            totals[1] += (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+            totals[1] += label_count(batch)
     if was_training:
         engine.train()
     loss_sum, count = _all_reduce_sum(totals).tolist()

@@ -29,12 +29,15 @@ from torch import nn
 from memtune.data.encode import IGNORE_INDEX
 
 
-def token_loss_sum(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
-    """Plain next-token cross-entropy summed over labelled positions, from full logits (fp32)."""
-    logits = logits_BTV[:, :-1].float()
+def token_loss_sum(
+    logits_BTV: torch.Tensor, labels_BT: torch.Tensor, shifted: bool = False
+) -> torch.Tensor:
+    """Plain next-token cross-entropy summed over labelled positions, from full logits (fp32);
+    ``shifted``: ``labels_BT`` are already next-token targets (:func:`next_token_targets`)."""
+    targets = labels_BT if shifted else next_token_targets(labels_BT)
     return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]),
-        labels_BT[:, 1:].reshape(-1),
+        logits_BTV.float().reshape(-1, logits_BTV.shape[-1]),
+        targets.reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
@@ -77,16 +80,30 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
 
 
 Select = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-"""(hidden B×T×H, labels B×T) -> (hidden N×H, targets N) of the positions the loss reads."""
+"""(hidden B×T×H, targets B×T) -> (hidden N×H, targets N) of the positions the loss reads."""
+
+
+def next_token_targets(labels_BT: torch.Tensor) -> torch.Tensor:
+    """``targets[:, t]`` = the label position ``t`` predicts (``labels[:, t + 1]``; the last
+    position predicts nothing). Shifting once, before anything splits the sequence, is what
+    lets sequence parallelism cut it anywhere: each shard's last position keeps its target,
+    which lives in the next shard's labels."""
+    return F.pad(labels_BT[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def label_count(batch: dict[str, torch.Tensor]) -> int:
+    """Label tokens of a collated (or sequence-sharded) micro batch: positions with a target."""
+    if "shift_labels" in batch:
+        return int((batch["shift_labels"] != IGNORE_INDEX).sum())
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
 
 def labelled_positions(
-    hidden_BTH: torch.Tensor, labels_BT: torch.Tensor
+    hidden_BTH: torch.Tensor, targets_BT: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The labelled positions only (shifted by one): prompts never reach the head."""
-    targets = labels_BT[:, 1:]
-    keep = targets != IGNORE_INDEX
-    return hidden_BTH[:, :-1][keep], targets[keep]
+    """The positions with a target only: prompts never reach the head."""
+    keep = targets_BT != IGNORE_INDEX
+    return hidden_BTH[keep], targets_BT[keep]
 
 
 def chunked_loss_sum(
@@ -95,12 +112,15 @@ def chunked_loss_sum(
     labels_BT: torch.Tensor,
     chunk: int,
     select: Select = labelled_positions,
+    shifted: bool = False,
 ) -> torch.Tensor:
-    """Same value and hidden-state gradient as ``token_loss_sum(hidden @ W^T, labels)``.
+    """Same value and hidden-state gradient as ``token_loss_sum(hidden @ W^T, labels)``;
+    ``shifted``: ``labels_BT`` are already next-token targets (:func:`next_token_targets`).
     (``select``: memory.trace reads every position — a boolean selection's size depends on
     the data, which fake tensors do not have.)"""
-    hidden, targets = select(hidden_BTH, labels_BT)
-    return FrozenHeadCrossEntropy.apply(hidden, weight_VH, targets, chunk)
+    targets = labels_BT if shifted else next_token_targets(labels_BT)
+    hidden, picked = select(hidden_BTH, targets)
+    return FrozenHeadCrossEntropy.apply(hidden, weight_VH, picked, chunk)
 
 
 def liger_available(device: torch.device) -> bool:
@@ -108,15 +128,14 @@ def liger_available(device: torch.device) -> bool:
 
 
 def _liger_loss_sum(
-    hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, labels_BT: torch.Tensor
+    hidden_BTH: torch.Tensor, weight_VH: torch.Tensor, targets_BT: torch.Tensor
 ) -> torch.Tensor:
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-    hidden = hidden_BTH[:, :-1].reshape(-1, hidden_BTH.shape[-1])
     loss: torch.Tensor = liger_fused_linear_cross_entropy(
-        hidden,
+        hidden_BTH.reshape(-1, hidden_BTH.shape[-1]),
         weight_VH,
-        labels_BT[:, 1:].reshape(-1),
+        targets_BT.reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
@@ -167,15 +186,24 @@ class CausalLMLoss(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        labels: torch.Tensor,
+        labels: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         cu_seq_lens: torch.Tensor | None = None,
         max_length: torch.Tensor | None = None,
+        shift_labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``labels`` (collated), or ``shift_labels``: next-token targets of this rank's
+        shard of the sequence (rank/sequence_parallel.py shifts before it splits)."""
+        if shift_labels is not None:
+            targets = shift_labels
+        elif labels is not None:
+            targets = next_token_targets(labels)
+        else:
+            raise ValueError("CausalLMLoss needs labels or shift_labels")
         inputs = model_inputs(input_ids, attention_mask, position_ids, cu_seq_lens, max_length)
         if self.kind == "plain":
-            return token_loss_sum(self.model(**inputs).logits, labels)
+            return token_loss_sum(self.model(**inputs).logits, targets, shifted=True)
         base = self.model.get_base_model()  # type: ignore[operator]
         head = base.get_output_embeddings()
         if head.weight.requires_grad or getattr(head, "bias", None) is not None:
@@ -186,5 +214,7 @@ class CausalLMLoss(nn.Module):
         # and releases it when this forward ends.
         weight = head.weight
         if self.kind == "liger":
-            return _liger_loss_sum(hidden, weight, labels)
-        return chunked_loss_sum(hidden, weight, labels, self.chunk_tokens, self.select)
+            return _liger_loss_sum(hidden, weight, targets)
+        return chunked_loss_sum(
+            hidden, weight, targets, self.chunk_tokens, self.select, shifted=True
+        )

@@ -30,6 +30,7 @@ from memtune.config import (
     checkpointing_label,
     grad_accumulation_steps,
     load_run_config,
+    sequence_parallel_size,
 )
 from memtune.data.encode import DataStats
 from memtune.data.loaders import eval_batches, make_loader
@@ -61,6 +62,7 @@ from memtune.rank.model import (
     load_tokenizer,
     method_label,
 )
+from memtune.rank.sequence_parallel import SequenceGroups, shard_batch
 from memtune.rank.telemetry import (
     NullLogger,
     RunLogger,
@@ -223,6 +225,12 @@ def checkpoint_note(cfg: RunConfig) -> str:
     return label if label == "off" else f"on for {label}"
 
 
+def sequence_note(groups: SequenceGroups) -> str:
+    if groups.sp == 1:
+        return ""
+    return f" · each sequence split over {groups.sp} ranks (Ulysses)"
+
+
 def batching_summary(cfg: RunConfig) -> str:
     if cfg.data.packing:
         return f"packed into rows of {cfg.data.max_seq_len} tokens"
@@ -245,7 +253,9 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
         tokenizer = load_tokenizer(cfg)
         data_record = rd.read_data()
         stats = DataStats(**data_record.train)
-        loader, sampler = make_loader(cfg, data_record.dir, tokenizer.pad_token_id, rank, world)
+        groups = SequenceGroups.of(rank, world, sequence_parallel_size(cfg))
+        pad_id = tokenizer.pad_token_id
+        loader, sampler = make_loader(cfg, data_record.dir, pad_id, groups.dp_rank, groups.dp)
         start_rss_gib = memory_snapshot(device).get("rss_gib", 0.0)  # CPU: before the model
         parts = build_rank(cfg, ds_config, device, local_rank)
         engine, attn = parts.engine, parts.attention
@@ -258,8 +268,9 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
             f"r={cfg.peft.r} on {cfg.peft.target} · {trainable:,} trainable of {total:,} "
             f"parameters ({100 * trainable / total:.3f}%)\n"
             f"memtune: {world} rank(s) · ZeRO-{cfg.zero.stage} · {t.precision} · batch "
-            f"{t.micro_batch_size} × accum {grad_accumulation_steps(cfg)} × {world} ranks = "
-            f"{t.global_batch_size} · activation checkpointing "
+            f"{t.micro_batch_size} × accum {grad_accumulation_steps(cfg)} × {groups.dp} "
+            f"{'ranks' if groups.sp == 1 else 'data-parallel groups'} = "
+            f"{t.global_batch_size}{sequence_note(groups)} · activation checkpointing "
             f"{checkpoint_note(cfg)} · {optimizer_note}\n"
             f"memtune: batches: {batching_summary(cfg)}",
             flush=True,
@@ -295,9 +306,15 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
         )
         val_batches = None
         if data_record.val:
-            val_batches = eval_batches(cfg, data_record.dir, tokenizer.pad_token_id, rank, world)
+            val_batches = eval_batches(
+                cfg, data_record.dir, pad_id, groups.dp_rank, groups.dp, full_rows=groups.sp > 1
+            )
+            if groups.sp > 1:
+                val_batches = [shard_batch(b, groups, pad_id) for b in val_batches]
         hooks = RunHooks(engine, run_dir, cfg, data_record.dir, val_batches, logger, device)
         batches = _batches(loader, sampler, skip=result.steps * grad_accumulation_steps(cfg))
+        if groups.sp > 1:
+            batches = (shard_batch(b, groups, pad_id) for b in batches)
         try:
             try:
                 result = train(engine, batches, cfg, device, logger, result, hooks)
