@@ -42,6 +42,23 @@ def sequence_parallel_size(cfg: RunConfig) -> int:
     return int(value) if value.isdigit() else 1
 
 
+def tiled_mlp(cfg: RunConfig) -> bool:
+    """trainer.tiled_mlp, ``auto`` resolved by the planner (off until then)."""
+    return str(cfg.trainer.tiled_mlp) == "on"
+
+
+def offload_activations(cfg: RunConfig) -> bool:
+    """trainer.offload_activations (with checkpointing), ``auto`` resolved by the planner."""
+    t = cfg.trainer
+    return t.activation_checkpointing and str(t.offload_activations) == "on"
+
+
+def rank_tokens(cfg: RunConfig) -> int:
+    """Tokens one rank computes per micro batch: micro × its share of max_seq_len."""
+    t = cfg.trainer
+    return t.micro_batch_size * cfg.data.max_seq_len // sequence_parallel_size(cfg)
+
+
 def data_parallel_ranks(cfg: RunConfig) -> int:
     """Ranks that read different data: all ranks over the sequence-parallel size."""
     return cfg.launcher.num_ranks // sequence_parallel_size(cfg)

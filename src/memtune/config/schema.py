@@ -145,11 +145,18 @@ class TrainerConfig:
     first N). all | N | auto: the fewest that fit plan.device_gib with 2 GiB to spare (all when
     no device is planned for). Fewer checkpointed layers, less recompute, more memory."""
     checkpointing_reentrant: bool = False
-    sequence_parallel: str = "1"
+    sequence_parallel: str = "auto"
     """Ranks each sequence is split over (Ulysses: attention exchanges heads for sequence, so
-    every rank attends over the whole sequence for its share of heads). 1 | 2 | 4 ... It must
-    divide launcher.num_ranks (the rest are data-parallel groups), the query heads, and the KV
-    heads (or be a multiple of them), and data.max_seq_len."""
+    every rank attends over the whole sequence for its share of heads). auto | 1 | 2 | 4 ...
+    It must divide launcher.num_ranks (the rest are data-parallel groups), the query heads, and
+    the KV heads (or be a multiple of them), and data.max_seq_len. auto: the planner's choice
+    (1 unless a longer sequence needs it; README "Long context")."""
+    tiled_mlp: str = "auto"
+    """auto | on | off: run each MLP over tiles of hidden_size tokens and recompute them in
+    backward, so the 3 × tokens × intermediate temporaries exist for one tile only."""
+    offload_activations: str = "auto"
+    """auto | on | off: checkpointed layers keep their input in (pinned) host memory until
+    backward, instead of on the device. Needs activation_checkpointing."""
     compile: bool = False
     """torch.compile each decoder layer (regional: one graph per layer shape, attention left
     eager); off until measured faster on the target (make bench has the row)."""

@@ -25,6 +25,8 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "trainer.loss": ("auto", "chunked", "plain", "liger"),
     "trainer.optimizer": ("adamw", "adamw_8bit", "cpu_adam"),
     "trainer.on_nonfinite": ("stop", "skip"),
+    "trainer.tiled_mlp": ("auto", "on", "off"),
+    "trainer.offload_activations": ("auto", "on", "off"),
     "model.attn_implementation": ("auto", "sdpa_varlen", "sdpa", "eager", "flash_attention_2"),
     "model.architecture_source": ("auto", "checkpoint"),
     "logger.backend": ("wandb", "none"),
@@ -80,6 +82,16 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
             f"trainer.compile=true is only built and tested for peft.method=lora (a "
             f"{cfg.peft.method} base runs bitsandbytes kernels inside each layer); "
             "set trainer.compile=false"
+        )
+    if t.offload_activations == "on" and not t.activation_checkpointing:
+        raise ConfigError(
+            "trainer.offload_activations=on moves checkpointed layers' inputs to the host: it "
+            "needs trainer.activation_checkpointing=true"
+        )
+    if t.compile and "on" in (t.tiled_mlp, t.offload_activations):
+        raise ConfigError(
+            "trainer.compile=true is not built for trainer.tiled_mlp / offload_activations=on "
+            "(their autograd functions recompute outside the compiled graph); turn one off"
         )
     if not 0.0 <= p.dropout < 1.0:
         raise ConfigError(f"peft.dropout must be in [0, 1) (got {p.dropout})")

@@ -14,8 +14,16 @@ from typing import Any
 
 import torch
 
-from memtune.config import ConfigError, RunConfig, sequence_parallel_size
+from memtune.config import (
+    ConfigError,
+    RunConfig,
+    offload_activations,
+    rank_tokens,
+    sequence_parallel_size,
+    tiled_mlp,
+)
 from memtune.config.architecture import loaded_mismatches
+from memtune.rank.long_context import offload_checkpoints, tile_mlps
 from memtune.rank.loss import CausalLMLoss, resolve_loss_kind
 from memtune.rank.model import (
     add_lora,
@@ -40,6 +48,8 @@ class RankParts:
     trainable: int
     total: int
     compiled_layers: int = 0  # trainer.compile
+    mlp_tiles: int = 0  # trainer.tiled_mlp: tiles per MLP call (0: not tiled)
+    offloaded_layers: int = 0  # trainer.offload_activations: layers whose input waits on the host
 
 
 def build_rank(
@@ -76,6 +86,11 @@ def build_rank(
         )
     model = add_lora(base, cfg)
     compiled = compile_layers(model) if cfg.trainer.compile else 0
+    tiles = offloaded = 0
+    if tiled_mlp(cfg):
+        tiles = tile_mlps(base, rank_tokens(cfg))
+    if offload_activations(cfg):
+        offloaded = offload_checkpoints(base, device)
     trainable, total = count_parameters(model)
     mpu = None
     if sequence_parallel_size(cfg) > 1:
@@ -94,6 +109,8 @@ def build_rank(
         trainable=trainable,
         total=total,
         compiled_layers=compiled,
+        mlp_tiles=tiles,
+        offloaded_layers=offloaded,
     )
 
 

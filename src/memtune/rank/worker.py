@@ -260,6 +260,10 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
         parts = build_rank(cfg, ds_config, device, local_rank)
         engine, attn = parts.engine, parts.attention
         compiled = f" · {parts.compiled_layers} layers compiled" if parts.compiled_layers else ""
+        if parts.mlp_tiles:
+            compiled += f" · MLP in {parts.mlp_tiles} tiles"
+        if parts.offloaded_layers:
+            compiled += f" · {parts.offloaded_layers} layers' inputs offloaded to the host"
         trainable, total, optimizer_note = parts.trainable, parts.total, parts.optimizer_note
 
         t = cfg.trainer

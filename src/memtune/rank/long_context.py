@@ -1,0 +1,244 @@
+"""Tiled MLP and offloaded activation checkpoints: what lets one rank's share of a long sequence
+fit after sequence parallelism has cut it.
+
+**Tiled MLP** (``trainer.tiled_mlp``). A decoder layer's MLP is token-wise, and its backward
+holds three tokens × intermediate tensors at once (18,944 wide on Qwen2.5-7B: 2.3 GB in bf16
+for 32k tokens). Tiled, the forward runs the MLP tile by tile without autograd and keeps only
+its input; the backward recomputes one tile at a time and backpropagates through it, so only
+one tile's intermediates ever exist. A tile is ``hidden_size`` tokens (as in DeepSpeed's ALST:
+a tile's intermediate is then the size of one MLP weight matrix).
+
+Two things the anchors' versions get wrong with LoRA, done here:
+
+- The LoRA weights of gate/up/down *are* the trainable parameters of the tiled computation.
+  Their gradient accumulates over the tiles, and ZeRO must not reduce it before the last tile:
+  each of them is flagged ``ds_grad_is_ready`` = False until then (the flag ZeRO-2 and ZeRO-3
+  read in their gradient hooks).
+- Under ZeRO-3 every tile's forward gathers the MLP's partitioned weights (module hooks), so
+  every rank must run the same number of tiles whatever its batch's width: the count comes
+  from the config (``tiles_for``), and ``tensor_split`` always gives exactly that many (some
+  may be empty).
+
+**Offloaded checkpoints** (``trainer.offload_activations``). With activation checkpointing a
+recomputed layer keeps only its input, ``tokens × hidden`` per layer, which at long sequences
+is most of what is left (28 layers × 32k × 3584 × 2 bytes = 6.1 GiB on Qwen2.5-7B). Offloaded,
+that input is copied to host memory (pinned, on a side stream, so it overlaps the next
+layer's forward on CUDA) and copied back before the layer's backward recomputes it — the copy
+for the layer below is started first, so it overlaps this layer's recompute. On CPU ranks it
+is the same code path with a plain host copy (the tests check values, not speed).
+
+Both are autograd functions that backpropagate through their recompute with
+``torch.autograd.backward`` (as reentrant checkpointing does): the RNG state is restored for
+the recompute so LoRA dropout draws the same mask.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+# --- tiled MLP --------------------------------------------------------------------------------
+
+
+def tiles_for(tokens: int, hidden_size: int) -> int:
+    """Tiles of a rank's ``tokens`` (micro batch × its share of max_seq_len): one per
+    ``hidden_size`` tokens."""
+    return max(1, math.ceil(tokens / hidden_size))
+
+
+class TiledMLP(torch.autograd.Function):
+    """``mlp(x)`` over ``tiles`` tiles of the flattened tokens of ``x``, recomputed tile by
+    tile in backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, mlp: nn.Module, run: Callable, x: torch.Tensor, tiles: int, trainable: list
+    ) -> torch.Tensor:
+        ctx.mlp, ctx.run, ctx.tiles, ctx.trainable = mlp, run, tiles, trainable
+        ctx.rng = _rng_state(x.device)
+        ctx.save_for_backward(x)
+        flat = x.reshape(-1, x.shape[-1])
+        with torch.no_grad():
+            out = torch.cat([run(mlp, t) for t in flat.tensor_split(tiles)], dim=0)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        flat = x.detach().reshape(-1, x.shape[-1])
+        grads = grad.reshape(-1, grad.shape[-1]).tensor_split(ctx.tiles)
+        want_x = ctx.needs_input_grad[2]
+        x_grad = torch.empty_like(flat) if want_x else None
+        at = 0
+        with _restored_rng(ctx.rng, x.device):
+            for i, (tile, g) in enumerate(zip(flat.tensor_split(ctx.tiles), grads, strict=True)):
+                last = i == ctx.tiles - 1
+                for p in ctx.trainable:  # ZeRO reduces a gradient only once it is complete
+                    p.ds_grad_is_ready = last
+                tile = tile.detach().requires_grad_(want_x)
+                with torch.enable_grad():
+                    out = ctx.run(ctx.mlp, tile)
+                torch.autograd.backward(out, g)
+                if x_grad is not None and tile.grad is not None:
+                    x_grad[at : at + tile.shape[0]] = tile.grad
+                at += tile.shape[0]
+        return None, None, None if x_grad is None else x_grad.view_as(x), None, None
+
+
+def tile_mlps(model: nn.Module, tokens: int) -> int:
+    """Make every decoder layer's MLP tiled for ``tokens`` tokens per micro batch on this rank;
+    returns the number of tiles."""
+    from memtune.rank.model import decoder_layers
+
+    layers = decoder_layers(model)
+    hidden = int(model.config.hidden_size)
+    tiles = tiles_for(tokens, hidden)
+    for layer in layers:
+        _tile(layer.mlp, tiles)
+    return tiles
+
+
+def _tile(mlp: nn.Module, tiles: int) -> None:
+    plain = type(mlp).forward
+    trainable = [p for p in mlp.parameters() if p.requires_grad]
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            flat = x.reshape(-1, x.shape[-1])
+            out = torch.cat([plain(mlp, t) for t in flat.tensor_split(tiles)], dim=0)
+            return out.view(*x.shape[:-1], out.shape[-1])
+        return TiledMLP.apply(mlp, plain, x, tiles, trainable)
+
+    mlp.forward = forward  # type: ignore[method-assign]
+
+
+# --- offloaded activation checkpoints -----------------------------------------------------
+
+
+class HostCopies:
+    """The offloaded layer inputs of the current forward, in order, and the copy back of the
+    next one the backward will need (started one layer ahead)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.host: list[torch.Tensor] = []
+        self.fetched: dict[int, tuple[torch.Tensor, Any]] = {}
+
+    def put(self, x: torch.Tensor) -> int:
+        """Start copying ``x`` to host memory; its index for :meth:`take`."""
+        if self.cuda:
+            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            assert self.copy_stream is not None
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                host.copy_(x, non_blocking=True)
+            x.record_stream(self.copy_stream)  # x may be freed only once the copy is done
+        else:
+            host = x.detach().clone()
+        self.host.append(host)
+        return len(self.host) - 1
+
+    def _fetch(self, i: int) -> None:
+        if i < 0 or i in self.fetched or i >= len(self.host):
+            return
+        host = self.host[i]
+        if self.cuda:
+            assert self.copy_stream is not None
+            with torch.cuda.stream(self.copy_stream):
+                back = host.to(self.device, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.copy_stream)
+            self.fetched[i] = (back, event)
+        else:
+            self.fetched[i] = (host, None)
+
+    def take(self, i: int) -> torch.Tensor:
+        """Layer ``i``'s input back on the device; the copy for layer ``i - 1`` starts now."""
+        self._fetch(i)
+        back, event = self.fetched.pop(i)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+            back.record_stream(torch.cuda.current_stream(self.device))
+        self._fetch(i - 1)
+        if i == 0:
+            self.host.clear()  # the backward is done with this forward's inputs
+        return back
+
+
+class OffloadedCheckpoint(torch.autograd.Function):
+    """A checkpointed layer whose input waits in host memory until its backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, run: Callable, copies: HostCopies, x: torch.Tensor, _grad_anchor: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.run, ctx.copies = run, copies
+        ctx.index = copies.put(x)
+        ctx.x_requires_grad = x.requires_grad
+        ctx.rng = _rng_state(x.device)
+        with torch.no_grad():
+            return run(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        x = ctx.copies.take(ctx.index).detach().requires_grad_(ctx.x_requires_grad)
+        with _restored_rng(ctx.rng, x.device), torch.enable_grad():
+            out = ctx.run(x)
+        torch.autograd.backward(out, grad)
+        return None, None, x.grad if ctx.x_requires_grad else None, None
+
+
+def offload_checkpoints(model: nn.Module, device: torch.device) -> int:
+    """Checkpointed decoder layers keep their input in host memory (rank.model chose which
+    layers checkpoint); returns how many layers offload."""
+    from memtune.rank.model import decoder_layers
+
+    copies = HostCopies(device)
+    # Makes the output require grad even when the layer's input does not (the first layer's
+    # input is the frozen embedding's output), so the backward reaches the layer's LoRA.
+    anchor = torch.ones((), requires_grad=True)
+    n = 0
+    for layer in decoder_layers(model):
+        if not layer.gradient_checkpointing:
+            continue
+
+        def checkpointed(function: Callable, x: torch.Tensor, *args: Any) -> torch.Tensor:
+            if args:
+                raise ValueError("offloaded checkpoints take the hidden states only")
+            return OffloadedCheckpoint.apply(function, copies, x, anchor)
+
+        layer._gradient_checkpointing_func = checkpointed
+        n += 1
+    return n
+
+
+# --- RNG for the recompute ----------------------------------------------------------------
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+class _restored_rng:
+    """Run a recompute with the RNG state of the forward, then put the current one back."""
+
+    def __init__(self, state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device):
+        self.state, self.device = state, device
+
+    def __enter__(self) -> None:
+        self.saved = _rng_state(self.device)
+        torch.set_rng_state(self.state[0])
+        if self.state[1] is not None:
+            torch.cuda.set_rng_state(self.state[1], self.device)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_rng_state(self.saved[0])
+        if self.saved[1] is not None:
+            torch.cuda.set_rng_state(self.saved[1], self.device)

@@ -1,0 +1,132 @@
+"""Tiled MLP and offloaded activation checkpoints: the same LoRA gradients as without them, on
+one process (values, dropout included) and on real ZeRO-3 ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from memtune.config import to_run_config
+from memtune.rank import attention
+from memtune.rank.long_context import offload_checkpoints, tile_mlps, tiles_for
+from memtune.rank.loss import CausalLMLoss
+from memtune.rank.model import add_lora, decoder_layers, load_base_model
+from memtune.tools.tiny import synthesize
+from tests.conftest import Run, compose_cfg, start_run
+
+
+def _model(*overrides: str):
+    cfg = to_run_config(compose_cfg(["peft=lora-all-linear", "trainer.precision=fp32", *overrides]))
+    synthesize(cfg.model.name_or_path, cfg.model.architecture)
+    torch.manual_seed(0)
+    attention.register()
+    model = add_lora(load_base_model(cfg, "sdpa_varlen"), cfg).train()
+    with torch.no_grad():  # lora_B starts at 0, which would leave every lora_A gradient 0
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return cfg, model
+
+
+def _grads(cfg, model, seed: int = 1) -> dict[str, torch.Tensor]:
+    ids = torch.randint(
+        0, cfg.model.architecture["vocab_size"], (2, 96), generator=torch.Generator().manual_seed(5)
+    )
+    torch.manual_seed(seed)  # LoRA dropout's masks
+    loss = CausalLMLoss(model, "chunked", 64)(input_ids=ids, labels=ids)
+    loss.backward()
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    return out
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and any("mlp" in k for k in a)
+    # fp32; the tiles sum each LoRA gradient in another order: 1e-6 of the largest entry.
+    for name in a:
+        drift = float((b[name] - a[name]).norm() / a[name].norm().clamp_min(1e-12))
+        assert drift < 1e-5, (name, drift)  # lora_A's are 0 here (lora_B starts at 0): 0 too
+
+
+def test_tiles_follow_the_hidden_size() -> None:
+    assert tiles_for(32768, 3584) == 10 and tiles_for(100, 3584) == 1
+
+
+def test_tiled_mlp_gives_the_same_lora_gradients() -> None:
+    cfg, model = _model("trainer.activation_checkpointing=false", "peft.dropout=0")
+    plain = _grads(cfg, model)
+    assert tile_mlps(model.get_base_model(), tokens=2 * 96) == 1  # tiny hidden 256 → 1 tile
+    cfg, model = _model("trainer.activation_checkpointing=false", "peft.dropout=0")
+    assert tile_mlps(model.get_base_model(), tokens=4 * 256) == 4  # 192 tokens in 4 tiles
+    _assert_same(plain, _grads(cfg, model))
+
+
+def test_tiled_mlp_recomputes_with_the_forwards_dropout_masks() -> None:
+    """Against the same tiles computed with autograd directly (the same masks drawn in the
+    same order): equal only if the recompute replays the forward's RNG."""
+    overrides = ("trainer.activation_checkpointing=false", "peft.dropout=0.2")
+    cfg, model = _model(*overrides)
+    for layer in decoder_layers(model):
+        mlp, plain = layer.mlp, type(layer.mlp).forward
+
+        def eager(x, mlp=mlp, plain=plain):
+            flat = x.reshape(-1, x.shape[-1])
+            return torch.cat([plain(mlp, t) for t in flat.tensor_split(3)]).view_as(x)
+
+        mlp.forward = eager
+    want = _grads(cfg, model)
+    cfg, model = _model(*overrides)
+    tile_mlps(model.get_base_model(), tokens=3 * 256)
+    _assert_same(want, _grads(cfg, model))
+
+
+@pytest.mark.parametrize("dropout", ["0", "0.2"])
+def test_offloaded_checkpoints_give_the_same_lora_gradients(dropout: str) -> None:
+    """Against transformers' own (non-reentrant) checkpointing of every layer, which replays
+    the RNG too; the first layer's input (the frozen embedding's) needs no gradient."""
+    overrides = ("trainer.checkpoint_layers=all", f"peft.dropout={dropout}")
+    cfg, model = _model(*overrides)
+    want = _grads(cfg, model)
+    cfg, model = _model(*overrides)
+    assert offload_checkpoints(model.get_base_model(), torch.device("cpu")) == 2
+    _assert_same(want, _grads(cfg, model))
+
+
+def test_both_together_on_the_checkpointed_layers_only() -> None:
+    cfg, model = _model("trainer.activation_checkpointing=false", "peft.dropout=0")
+    want = _grads(cfg, model)
+    cfg, model = _model("trainer.checkpoint_layers=1", "peft.dropout=0")
+    assert offload_checkpoints(model.get_base_model(), torch.device("cpu")) == 1
+    tile_mlps(model.get_base_model(), tokens=2 * 256)
+    _assert_same(want, _grads(cfg, model))
+
+
+@pytest.mark.slow
+def test_tiled_and_offloaded_zero3_ranks_train_as_without(zero3_run: Run, runs_root) -> None:
+    """2 ranks, ZeRO-3 partitioning every weight (LoRA's included): tiles gather the MLP's
+    weights in each tile's forward and backward, and ZeRO reduces the LoRA gradients once,
+    after the last tile."""
+    from tests.conftest import FAST
+
+    run = start_run(
+        runs_root / "tiled-offloaded",
+        [
+            *FAST,
+            "zero=zero3",
+            "launcher.num_ranks=2",
+            "trainer.loss_chunk_tokens=16",
+            "trainer.checkpoint_layers=all",
+            "trainer.tiled_mlp=on",
+            "trainer.offload_activations=on",
+        ],
+        probe=False,
+    )
+    assert run.code == 0
+    assert [m["train/loss"] for m in run.metrics()] == pytest.approx(zero3_run.losses(), rel=1e-5)
+    norms = [[m["train/grad_norm"] for m in r.metrics()] for r in (run, zero3_run)]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-5)
+    a = load_file(str(run.dir / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(zero3_run.dir / "adapter" / "adapter_model.safetensors"))
+    for key in a:
+        assert float((a[key] - b[key]).norm() / b[key].norm()) < 1e-4, key
