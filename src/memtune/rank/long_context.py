@@ -55,7 +55,7 @@ class TiledMLP(torch.autograd.Function):
     tile in backward."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, mlp: nn.Module, run: Callable, x: torch.Tensor, tiles: int, trainable: list
     ) -> torch.Tensor:
         ctx.mlp, ctx.run, ctx.tiles, ctx.trainable = mlp, run, tiles, trainable
@@ -67,7 +67,7 @@ class TiledMLP(torch.autograd.Function):
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         (x,) = ctx.saved_tensors
         flat = x.detach().reshape(-1, x.shape[-1])
         grads = grad.reshape(-1, grad.shape[-1]).tensor_split(ctx.tiles)
@@ -89,7 +89,7 @@ class TiledMLP(torch.autograd.Function):
         return None, None, None if x_grad is None else x_grad.view_as(x), None, None
 
 
-def tile_mlps(model: nn.Module, tokens: int) -> int:
+def tile_mlps(model: Any, tokens: int) -> int:
     """Make every decoder layer's MLP tiled for ``tokens`` tokens per micro batch on this rank;
     returns the number of tiles."""
     from memtune.rank.model import decoder_layers
@@ -113,7 +113,7 @@ def _tile(mlp: nn.Module, tiles: int) -> None:
             return out.view(*x.shape[:-1], out.shape[-1])
         return TiledMLP.apply(mlp, plain, x, tiles, trainable)
 
-    mlp.forward = forward  # type: ignore[method-assign]
+    mlp.forward = forward
 
 
 # --- offloaded activation checkpoints -----------------------------------------------------
@@ -175,7 +175,7 @@ class OffloadedCheckpoint(torch.autograd.Function):
     """A checkpointed layer whose input waits in host memory until its backward."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, run: Callable, copies: HostCopies, x: torch.Tensor, _grad_anchor: torch.Tensor
     ) -> torch.Tensor:
         ctx.run, ctx.copies = run, copies
@@ -186,7 +186,7 @@ class OffloadedCheckpoint(torch.autograd.Function):
             return run(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         x = ctx.copies.take(ctx.index).detach().requires_grad_(ctx.x_requires_grad)
         with _restored_rng(ctx.rng, x.device), torch.enable_grad():
             out = ctx.run(x)
