@@ -22,9 +22,10 @@ def test_experiments_are_shipped() -> None:
 def test_every_experiment_composes(experiment: str) -> None:
     from memtune.launcher.prepare import decide
 
-    cfg = to_run_config(compose_cfg([f"experiment={experiment}", "data=demo"]))
+    data = "data.path=books.jsonl" if experiment.endswith("-long") else "data=demo"
+    cfg = to_run_config(compose_cfg([f"experiment={experiment}", data]))
     assert cfg.experiment == experiment
-    validate(cfg)
+    validate(cfg, inputs=not experiment.endswith("-long"))
     # ... and is planned offline (the meta-device model of its architecture) and fits.
     fitted = decide(cfg, refuse=False)
     assert fitted.plan.total_gib > 0 and fitted.plan.fits and fitted.changes == []

@@ -119,6 +119,8 @@ def test_4x4090_experiments_fit_and_a_plain_recipe_does_not() -> None:
 def test_a_run_that_cannot_fit_is_refused_before_launch(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = [QWEN7B, "data=demo", "zero=zero2", "trainer.activation_checkpointing=false"]
+    # Without these pinned, auto splits the sequence and tiles the MLP until it fits.
+    args += ["trainer.sequence_parallel=1", "trainer.tiled_mlp=off"]
     args.append(f"run_dir={run_dir}")
     proc = run_train_py(args, cwd=tmp_path, timeout=300)
     assert proc.returncode == 2, proc.stderr
@@ -213,6 +215,8 @@ def test_auto_fit_is_applied_before_launch_and_recorded(tmp_path: Path, capsys) 
         QWEN7B,
         "zero=zero2",
         "trainer.activation_checkpointing=false",
+        "trainer.sequence_parallel=1",  # else auto splits the sequence until it fits
+        "trainer.tiled_mlp=off",
         "plan.auto_fit=true",
         "data=demo",
         f"model.name_or_path={stand_in}",

@@ -99,6 +99,8 @@ def test_auto_fit_picks_the_fastest_fitting_variant_by_the_estimate() -> None:
                 "trainer.activation_checkpointing=false",
                 "data.max_seq_len=2048",
                 "plan.auto_fit=true",
+                "trainer.sequence_parallel=1",  # else auto splits the sequence until it fits
+                "trainer.tiled_mlp=off",
             ]
         )
     )

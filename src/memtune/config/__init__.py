@@ -18,6 +18,7 @@ from memtune.config.derive import (
     prefetch_bucket_elements,
     rank_tokens,
     reduce_bucket_elements,
+    rope_positions,
     sequence_parallel_size,
     tiled_mlp,
 )
@@ -76,6 +77,7 @@ __all__ = [
     "rank_tokens",
     "reduce_bucket_elements",
     "register_configs",
+    "rope_positions",
     "sequence_parallel_size",
     "tiled_mlp",
     "to_run_config",

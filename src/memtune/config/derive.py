@@ -59,6 +59,15 @@ def rank_tokens(cfg: RunConfig) -> int:
     return t.micro_batch_size * cfg.data.max_seq_len // sequence_parallel_size(cfg)
 
 
+def rope_positions(cfg: RunConfig) -> int:
+    """Positions the model can encode: max_position_embeddings, × model.rope_scaling's
+    factor when set."""
+    a = cfg.model.architecture
+    positions = int(a.get("max_position_embeddings") or 0)
+    scaling = cfg.model.rope_scaling or a.get("rope_scaling") or {}
+    return int(positions * float(scaling.get("factor", 1.0)))
+
+
 def data_parallel_ranks(cfg: RunConfig) -> int:
     """Ranks that read different data: all ranks over the sequence-parallel size."""
     return cfg.launcher.num_ranks // sequence_parallel_size(cfg)

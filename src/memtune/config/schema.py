@@ -45,6 +45,10 @@ class ModelConfig:
     attn_implementation: str = "auto"
     """auto (flash_attention_2 if usable on CUDA, else sdpa) | sdpa | eager | flash_attention_2"""
     trust_remote_code: bool = False
+    rope_scaling: dict[str, Any] | None = None
+    """Passed to from_pretrained over the checkpoint's config.json, e.g. Qwen's documented
+    YaRN for 128k: {type: yarn, factor: 4.0, original_max_position_embeddings: 32768}; the
+    positions a sample may use become max_position_embeddings × factor."""
 
 
 @dataclass
@@ -73,7 +77,8 @@ class DataConfig:
     """Also learn the prompt tokens (default: assistant replies and their end marker only)."""
     max_seq_len: int = 1024
     overlong: str = "truncate"
-    """truncate | drop: what happens to samples longer than max_seq_len (both are counted)."""
+    """truncate | drop | split: what happens to samples longer than max_seq_len (all counted).
+    split (format text only): a long document becomes consecutive max_seq_len samples."""
     packing: bool = True
     """Pack samples best-fit into max_seq_len rows (no attention across samples, positions
     restart); global_batch_size then counts rows. false: one sample per batch item, padded."""
@@ -244,6 +249,16 @@ class PlanConfig:
     link_gb_s: float | None = None
     """Bus bandwidth between the ranks (GB/s) for the communication estimate; the GPU
     preflight measures it (preflight.json). A 4×4090D box over PCIe without P2P: ~10."""
+    host_gib: float | None = None
+    """Host RAM per node the ranks may pin for offloaded activations (trainer.
+    offload_activations); null: this machine's available RAM when planning CPU ranks, else
+    unchecked."""
+    host_link_gb_s: float = 20.0
+    """Device↔host copy bandwidth per GPU (GB/s) for offloaded activations: PCIe 4.0 x16
+    moves ~25 GB/s pinned; 20 leaves room for four cards sharing the host's lanes."""
+    max_seq_len_search: bool = True
+    """make plan / plan_only: also report the longest data.max_seq_len that fits (long-context
+    choices left to auto)."""
 
 
 @dataclass

@@ -19,7 +19,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "peft.quant_type": ("nf4", "fp4"),
     "data.format": FORMATS,
     "data.template": TEMPLATES,
-    "data.overlong": ("truncate", "drop"),
+    "data.overlong": ("truncate", "drop", "split"),
     "data.on_bad_record": ("error", "skip"),
     "trainer.precision": ("bf16", "fp32"),
     "trainer.loss": ("auto", "chunked", "plain", "liger"),
@@ -168,6 +168,7 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
     if cfg.model.name_or_path in ("", "???"):
         raise ConfigError("model.name_or_path is not set: give a hub name or a local directory")
     _check_sequence_parallel(cfg)
+    _check_positions(cfg)
     if inputs:
         _check_model_path(cfg.model)
         _check_data(cfg.data)
@@ -209,6 +210,20 @@ def _check_sequence_parallel(cfg: RunConfig) -> None:
         )
 
 
+def _check_positions(cfg: RunConfig) -> None:
+    from memtune.config.derive import rope_positions
+
+    limit = rope_positions(cfg)
+    if limit and cfg.data.max_seq_len > limit:
+        raise ConfigError(
+            f"data.max_seq_len={cfg.data.max_seq_len:,} is beyond the {limit:,} positions "
+            f"{cfg.model.name_or_path} encodes (max_position_embeddings"
+            + (" × model.rope_scaling.factor" if cfg.model.rope_scaling else "")
+            + "); lower it, or set model.rope_scaling (Qwen2.5 documents YaRN: "
+            "{type: yarn, factor: 4.0, original_max_position_embeddings: 32768})"
+        )
+
+
 def _divisors(heads: int, kv: int) -> str:
     ok = [n for n in range(1, heads + 1) if heads % n == 0 and (kv % n == 0 or n % kv == 0)]
     return ", ".join(str(n) for n in ok)
@@ -236,6 +251,13 @@ def _check_data(data: DataConfig) -> None:
         raise ConfigError("data.val_path and data.val_fraction are both set: use one")
     if data.val_path and not Path(data.val_path).expanduser().exists():
         raise ConfigError(f"data.val_path={data.val_path!r}: no such file or folder")
+    if data.overlong == "split":
+        chat = [s.format for s in data.all_sources() if s.format != "text"]
+        if chat:
+            raise ConfigError(
+                f"data.overlong=split cuts long documents (format text); a {chat[0]} record "
+                "cut in pieces would lose its prompt: use truncate or drop for it"
+            )
     if data.packing and data.group_by_length:
         raise ConfigError(
             "data.group_by_length batches unpacked samples; packing is on by default: "

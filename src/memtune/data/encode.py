@@ -31,6 +31,8 @@ class DataStats:
     skipped_bad: int = 0
     bad_examples: list[str] = field(default_factory=list)
     truncated: int = 0
+    split: int = 0  # over-long documents cut into max_seq_len pieces (data.overlong=split)
+    split_pieces: int = 0
     dropped_overlong: int = 0
     dropped_no_labels: int = 0
     samples: int = 0
@@ -46,6 +48,8 @@ class DataStats:
             f"({self.label_tokens:,} labels); truncated {self.truncated}, dropped "
             f"{self.dropped_overlong} over-long + {self.dropped_no_labels} without labels"
         )
+        if self.split:
+            out += f"; split {self.split} over-long documents into {self.split_pieces} pieces"
         if self.skipped_bad:
             out += f"; skipped {self.skipped_bad} bad records (first: {self.bad_examples[0]})"
         return out
@@ -83,16 +87,31 @@ def n_labels(labels: Sequence[int]) -> int:
 
 
 def apply_length_policy(samples: list[Sample], cfg: DataConfig, stats: DataStats) -> list[Sample]:
-    """Truncate or drop over-long samples, drop samples left without labels; count each
-    (``truncated`` counts kept samples only: one cut down to no labels is a drop)."""
+    """Truncate, split (long documents) or drop over-long samples, drop samples left without
+    labels; count each (``truncated`` counts kept samples only: one cut down to no labels is
+    a drop)."""
     kept = []
+    n = cfg.max_seq_len
+    pieces: list[tuple[Sample, bool]] = []
     for s in samples:
-        cut = len(s.input_ids) > cfg.max_seq_len
+        if len(s.input_ids) > n and cfg.overlong == "split":
+            # A long document becomes consecutive max_seq_len pieces, each its own sample
+            # (each piece's first token is a target of nothing: labels shift by one).
+            parts = [
+                Sample(s.input_ids[a : a + n], s.labels[a : a + n])
+                for a in range(0, len(s.input_ids), n)
+            ]
+            stats.split += 1
+            stats.split_pieces += len(parts)
+            pieces += [(part, False) for part in parts]
+        else:
+            pieces.append((s, len(s.input_ids) > n))
+    for s, cut in pieces:
         if cut:
             if cfg.overlong == "drop":
                 stats.dropped_overlong += 1
                 continue
-            s = Sample(s.input_ids[: cfg.max_seq_len], s.labels[: cfg.max_seq_len])
+            s = Sample(s.input_ids[:n], s.labels[:n])
         count = n_labels(s.labels)
         if count == 0:
             stats.dropped_no_labels += 1

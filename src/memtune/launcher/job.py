@@ -25,7 +25,7 @@ from memtune.launcher.spawn import launch
 from memtune.launcher.topology import announce_ready, resolve, wait_ready, write_nodes_hostfile
 from memtune.machine import name_cpu_accelerator, versions_line
 from memtune.memory.estimate import format_plan
-from memtune.memory.fit import format_step_estimates, format_suggestions
+from memtune.memory.fit import format_longest_sequence, format_step_estimates, format_suggestions
 from memtune.rundir import RunDir
 
 FAILED_POINTS: list[str] = []
@@ -53,6 +53,8 @@ def print_plan(cfg: DictConfig) -> int:
     estimate = format_step_estimates(fitted.cfg, fitted.plan.counts)
     if estimate:
         print(estimate)
+    if fitted.cfg.plan.max_seq_len_search and fitted.cfg.plan.device_gib is not None:
+        print(format_longest_sequence(fitted.cfg, fitted.plan.counts))
     print(f"planned with {versions_line()}")
     return 0
 

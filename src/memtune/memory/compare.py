@@ -32,6 +32,8 @@ def plan_record(result: Plan) -> dict[str, Any]:
         "rows": [{"what": w, "gib": g, "how": h} for w, g, h in result.rows],
         "total_gib": result.total_gib,
         "device_gib": result.device_gib,
+        "host_rows": [{"what": w, "gib": g, "how": h} for w, g, h in result.host_rows],
+        "host_gib": result.host_gib,
     }
 
 

@@ -35,8 +35,12 @@ from memtune.config import (
     checkpointing_label,
     compute_bytes,
     grad_accumulation_steps,
+    offload_activations,
     prefetch_bucket_elements,
+    rank_tokens,
     reduce_bucket_elements,
+    sequence_parallel_size,
+    tiled_mlp,
 )
 from memtune.config.architecture import head_dim
 from memtune.memory.counts import ParamCounts, count_params
@@ -60,6 +64,12 @@ class Plan:
     rows: list[tuple[str, float, str]] = field(default_factory=list)  # (what, GiB/rank, how)
     device_gib: float | None = None
     counts: ParamCounts | None = None
+    host_rows: list[tuple[str, float, str]] = field(default_factory=list)  # pinned, per rank
+    host_gib: float | None = None  # what the ranks of a node may pin, per rank
+
+    @property
+    def host_total_gib(self) -> float:
+        return sum(gib for _, gib, _ in self.host_rows)
 
     @property
     def total_gib(self) -> float:
@@ -67,29 +77,51 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.device_gib is None or self.total_gib <= self.device_gib
+        device = self.device_gib is None or self.total_gib <= self.device_gib
+        return device and (self.host_gib is None or self.host_total_gib <= self.host_gib)
 
     def add(self, what: str, nbytes: float, how: str) -> None:
         self.rows.append((what, nbytes / GIB, how))
 
 
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
 def layer_bytes(cfg: RunConfig, tokens: int, counts: ParamCounts, cuda: bool = True) -> int:
-    """What autograd keeps for one decoder layer's backward, for ``tokens`` tokens."""
+    """What autograd keeps for one decoder layer's backward, for ``tokens`` tokens (a rank's
+    share when the sequence is split: everything but attention is token-wise, and Ulysses
+    attention holds the whole sequence for heads / sp of the heads — the same bytes)."""
     a = cfg.model.architecture
     d = head_dim(a)
     h, inter = int(a["hidden_size"]), int(a["intermediate_size"])
     heads, kv = int(a["num_attention_heads"]), int(a["num_key_value_heads"])
     b = compute_bytes(cfg)
-    n = tokens
+    n, sp = tokens, sequence_parallel_size(cfg)
     norms = 2 * n * h * 4  # RMSNorm keeps its input in fp32, twice per layer
     if a.get("model_type") == "qwen3":
         norms += n * d * (heads + kv) * 4  # and per head on q and k (Qwen3's q_norm, k_norm)
-    # q, output, and k, v at their KV heads (sdpa and FA2 read grouped heads; eager repeats).
-    kv_heads = heads if cfg.model.attn_implementation == "eager" else kv
+    # q, output, and k, v at their KV heads (sdpa and FA2 read grouped heads; eager repeats;
+    # Ulysses repeats KV heads up to sp when there are fewer).
+    kv_heads = heads if cfg.model.attn_implementation == "eager" else max(kv, sp)
     attention = n * d * (2 * heads + 2 * kv_heads) * b + n * heads * 4  # + logsumexp
-    mlp = 3 * n * inter * b  # gate (SiLU input), SiLU output, up
-    lora = lora_activation_bytes(counts.lora_inputs, n, b, cfg.peft.dropout > 0, cuda)
+    inputs = counts.lora_inputs
+    if tiled_mlp(cfg):
+        # Only the MLP's input; its intermediates and its LoRA's inputs live one tile at a
+        # time, inside the backward's recompute (rank/long_context.py).
+        mlp = n * h * b
+        inputs = [i for i in inputs if i[0] not in MLP_PROJECTIONS]
+    else:
+        mlp = 3 * n * inter * b  # gate (SiLU input), SiLU output, up
+    lora = lora_activation_bytes(inputs, n, b, cfg.peft.dropout > 0, cuda)
+    if sp > 1 and any(name == "o_proj" for name, _, _ in inputs) and cfg.peft.dropout == 0:
+        lora += n * heads * d * b  # o_proj reads the all-to-all's output, not attention's
     return norms + attention + mlp + lora
+
+
+def kept_inputs(cfg: RunConfig, checkpointed: int) -> int:
+    """Checkpointed layer inputs on the device: all of them, or with offloaded activations
+    the one being recomputed and the one fetched ahead (rank/long_context.py)."""
+    return min(checkpointed, 2) if offload_activations(cfg) else checkpointed
 
 
 def saved_bytes(
@@ -101,7 +133,7 @@ def saved_bytes(
     h, layers = int(a["hidden_size"]), int(a["num_hidden_layers"])
     n, b = tokens, compute_bytes(cfg)
     k = min(int(checkpointed), layers)
-    kept = k * n * h * b + (layers - k) * layer_bytes(cfg, tokens, counts, cuda)
+    kept = kept_inputs(cfg, k) * n * h * b + (layers - k) * layer_bytes(cfg, tokens, counts, cuda)
     t = cfg.trainer
     if k == 0 and not (t.activation_checkpointing and t.checkpointing_reentrant):
         # The frozen embedding's output needs no gradient, so the first norm keeps nothing
@@ -140,6 +172,11 @@ def backward_bytes(cfg: RunConfig, tokens: int, counts: ParamCounts, cuda: bool 
     a = cfg.model.architecture
     n, b = tokens, compute_bytes(cfg)
     h, inter = int(a["hidden_size"]), int(a["intermediate_size"])
+    if tiled_mlp(cfg):
+        # One tile (hidden_size tokens) recomputed with autograd and backpropagated: its
+        # saved intermediates and their gradients, next to the whole input's gradient.
+        tile = min(n, h)
+        return max(2 * n * h * b, 6 * tile * inter * b + 2 * n * h * b)
     freed = 0
     if any(name == "down_proj" for name, _, _ in counts.lora_inputs):
         freed = n * inter * (b + (1 if cuda else b)) if cfg.peft.dropout > 0 else n * inter * b
@@ -179,7 +216,8 @@ def step_peak(
     if k < layers:
         moments.append(StepPeak(f"backward of layer {layers - 1}", saved, backward=back))
     if k > 0:
-        recomputed = k * tokens * h * compute_bytes(cfg) + layer_bytes(cfg, tokens, counts, cuda)
+        recomputed = kept_inputs(cfg, k) * tokens * h * compute_bytes(cfg)
+        recomputed += layer_bytes(cfg, tokens, counts, cuda)
         moments.append(StepPeak(f"backward of layer {k - 1} (recomputed)", recomputed, 0, back))
     return max(moments, key=lambda m: m.total)
 
@@ -292,13 +330,23 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
             gathered = largest * b + prefetch * 0.5
         out.add("ZeRO-3 gathered params", gathered, "largest module in use + prefetch")
 
-    tokens = t.micro_batch_size * cfg.data.max_seq_len
+    tokens, sp = rank_tokens(cfg), sequence_parallel_size(cfg)
     cuda = cfg.plan.device_gib is not None
     k = checkpointed_layers(cfg)
     peak = step_peak(cfg, tokens, k, counts, cuda)
     label = checkpointing_label(cfg)
     ckpt = "no checkpointing" if k == 0 else f"{label} checkpointed"
-    out.add("activations", peak.activations, f"{tokens:,} tokens per micro batch, {ckpt}")
+    extras = [f"{ckpt}"]
+    if tiled_mlp(cfg):
+        extras.append("MLP tiled")
+    if offload_activations(cfg) and k:
+        extras.append("checkpointed inputs on the host")
+    share = f" (1/{sp} of each sequence)" if sp > 1 else ""
+    out.add(
+        "activations",
+        peak.activations,
+        f"{tokens:,} tokens per micro batch{share}, {', '.join(extras)}",
+    )
     if peak.loss:
         out.add("loss", peak.loss, f"{t.loss} cross-entropy (the step's peak: in the loss)")
     else:
@@ -307,6 +355,22 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
             peak.backward,
             f"MLP gradients + hidden gradient (the step's peak: {peak.where})",
         )
+    if sp > 1:
+        out.add(
+            "sequence-parallel buffers",
+            ulysses_buffer_bytes(cfg, tokens),
+            f"all-to-all in/out of q, k, v over {sp} ranks (Ulysses)",
+        )
+    if offload_activations(cfg) and k:
+        h = int(cfg.model.architecture["hidden_size"])
+        out.host_rows.append(
+            (
+                "offloaded layer inputs",
+                k * tokens * h * compute_bytes(cfg) / GIB,
+                f"{k} layers × {tokens:,} tokens × hidden, pinned",
+            )
+        )
+        out.host_gib = host_budget_gib(cfg)
     mask = attention_mask_bytes(cfg)
     if mask:
         n = cfg.data.max_seq_len
@@ -323,6 +387,28 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
     return out
 
 
+def ulysses_buffer_bytes(cfg: RunConfig, tokens: int) -> int:
+    """The all-to-all's contiguous input and output copies of q, k and v for one layer (the
+    backward's exchange of their gradients is the same size)."""
+    a = cfg.model.architecture
+    heads, kv = int(a["num_attention_heads"]), int(a["num_key_value_heads"])
+    kv_heads = max(kv, sequence_parallel_size(cfg))
+    return 2 * tokens * head_dim(a) * (heads + 2 * kv_heads) * compute_bytes(cfg)
+
+
+def host_budget_gib(cfg: RunConfig) -> float | None:
+    """Host memory one rank may pin: plan.host_gib shared by a node's ranks; for CPU ranks
+    planned on this machine without it, its available RAM; else unknown (None)."""
+    per_node = max(1, cfg.launcher.num_ranks // max(1, cfg.launcher.nnodes))
+    if cfg.plan.host_gib is not None:
+        return cfg.plan.host_gib / per_node
+    if cfg.plan.device_gib is None:
+        from memtune.machine import host_available_gib
+
+        return host_available_gib() / per_node
+    return None
+
+
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
 
@@ -333,8 +419,13 @@ def format_plan(cfg: RunConfig, result: Plan) -> str:
     lines = [
         f"memtune plan: {cfg.experiment} · {cfg.model.name_or_path} · {ranks} rank(s) · "
         f"ZeRO-{cfg.zero.stage} · {cfg.peft.method} r={cfg.peft.r} · micro batch "
-        f"{cfg.trainer.micro_batch_size} × {cfg.data.max_seq_len} tokens · accum "
-        f"{grad_accumulation_steps(cfg)}",
+        f"{cfg.trainer.micro_batch_size} × {cfg.data.max_seq_len:,} tokens · accum "
+        f"{grad_accumulation_steps(cfg)}"
+        + (
+            f" · sequence split over {sequence_parallel_size(cfg)} ranks"
+            if sequence_parallel_size(cfg) > 1
+            else ""
+        ),
     ]
     if result.counts is not None:
         c = result.counts
@@ -347,6 +438,17 @@ def format_plan(cfg: RunConfig, result: Plan) -> str:
     for what, gib, how in result.rows:
         lines.append(f"  {what:<26}{gib * scale:>8.2f}  {how}")
     lines.append(f"  {'total':<26}{result.total_gib * scale:>8.2f}")
+    for what, gib, how in result.host_rows:
+        lines.append(f"  host: {what:<20}{gib * scale:>8.2f}  {how}")
+    if result.host_rows:
+        if result.host_gib is None:
+            lines.append("  host memory per rank not checked (plan.host_gib=null)")
+        else:
+            ok = "fits" if result.host_total_gib <= result.host_gib else "DOES NOT FIT"
+            lines.append(
+                f"  host {result.host_gib:.2f} GiB per rank (plan.host_gib / ranks per node): "
+                f"{ok} ({result.host_gib - result.host_total_gib:+.2f} GiB)"
+            )
     if result.device_gib is None:
         lines.append("  (no device memory set: plan.device_gib=null, nothing to check against)")
     else:

@@ -21,7 +21,16 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from memtune.config import ConfigError, RunConfig, checkpointed_layers, validate
+from memtune.config import (
+    ConfigError,
+    RunConfig,
+    checkpointed_layers,
+    offload_activations,
+    rope_positions,
+    sequence_parallel_size,
+    tiled_mlp,
+    validate,
+)
 from memtune.memory.counts import ParamCounts, count_params, quantized_shape_problems
 from memtune.memory.estimate import Plan, format_plan, plan
 from memtune.memory.step_time import format_step_time, step_time
@@ -302,6 +311,162 @@ def resolve_checkpoint_layers(cfg: RunConfig, counts: ParamCounts) -> tuple[RunC
     return cfg, f"checkpoint_layers=auto: {k} of {layers} layers ({why})"
 
 
+# Relative step time of each long-context choice, used only without plan.device_tflops
+# (with it, memory.step_time prices recompute, all-to-alls and host copies).
+COST_OFFLOAD = 1.03
+COST_TILED_MLP = 1.08
+COST_SEQUENCE_PARALLEL = 1.10  # per doubling of sp
+
+
+def sequence_parallel_choices(cfg: RunConfig) -> list[int]:
+    """The split sizes trainer.sequence_parallel=auto may take: divisors of the ranks that
+    the heads, the KV heads and data.max_seq_len allow (config.validate's rules)."""
+    out = []
+    for sp in range(1, cfg.launcher.num_ranks + 1):
+        if cfg.launcher.num_ranks % sp:
+            continue
+        trial = copy.deepcopy(cfg)
+        trial.trainer.sequence_parallel = str(sp)
+        try:
+            validate(trial, inputs=False)
+        except ConfigError:
+            continue
+        out.append(sp)
+    return out
+
+
+def long_context_variants(cfg: RunConfig) -> list[tuple[RunConfig, str, float]]:
+    """Every combination of the long-context choices left to auto (sequence_parallel,
+    tiled_mlp, offload_activations), with a label and its fixed relative cost."""
+    t = cfg.trainer
+    sps = [sequence_parallel_size(cfg)]
+    if str(t.sequence_parallel) == "auto":
+        sps = sequence_parallel_choices(cfg) or [1]
+    tiles = ["off", "on"] if t.tiled_mlp == "auto" else [t.tiled_mlp]
+    offloads = ["off", "on"] if t.offload_activations == "auto" else [t.offload_activations]
+    if not t.activation_checkpointing:
+        offloads = ["off"]
+    out = []
+    for sp, tile, offload in itertools.product(sps, tiles, offloads):
+        v = copy.deepcopy(cfg)
+        v.trainer.sequence_parallel, v.trainer.tiled_mlp = str(sp), tile
+        v.trainer.offload_activations = offload
+        cost = COST_SEQUENCE_PARALLEL ** math.log2(sp)
+        cost *= COST_TILED_MLP if tile == "on" else 1.0
+        cost *= COST_OFFLOAD if offload == "on" else 1.0
+        out.append((v, long_context_label(v), cost))
+    return sorted(out, key=lambda item: item[2])
+
+
+def long_context_label(cfg: RunConfig) -> str:
+    parts = [f"sequence_parallel={sequence_parallel_size(cfg)}"]
+    parts.append(f"tiled_mlp={'on' if tiled_mlp(cfg) else 'off'}")
+    parts.append(f"offload_activations={'on' if offload_activations(cfg) else 'off'}")
+    return " ".join(parts)
+
+
+def resolve_long_context(cfg: RunConfig, counts: ParamCounts) -> tuple[RunConfig, str | None]:
+    """``cfg`` with the long-context choices left to auto decided. A run that fits without
+    any (sp=1, MLP untiled, nothing offloaded) keeps it that way, even where the estimate
+    prices a split sequence with fewer recomputed layers faster: the estimate knows the
+    all-to-alls' bytes, not their latency, and none of the three is measured on a GPU yet.
+    Otherwise, of the combinations whose plan fits (device and host, with
+    AUTO_CHECKPOINT_SPARE_GIB to spare on the device; their checkpointed layers chosen as the
+    launch would), the fastest by memory.step_time when plan.device_tflops is set, else the
+    cheapest by the fixed costs above. When none fits, the one with the smallest plan (the
+    refusal then shows its breakdown). checkpoint_layers stays as given (auto is resolved
+    next, for the chosen combination)."""
+    t = cfg.trainer
+    if "auto" not in (str(t.sequence_parallel), t.tiled_mlp, t.offload_activations):
+        return cfg, None
+    variants = long_context_variants(cfg)
+    scored = []
+    for variant, label, cost in variants:
+        resolved, _ = resolve_checkpoint_layers(variant, counts)
+        planned = plan(resolved, counts)
+        room = (
+            None if planned.device_gib is None else planned.device_gib - AUTO_CHECKPOINT_SPARE_GIB
+        )
+        fits = planned.fits and (room is None or planned.total_gib <= room)
+        speed = step_time(resolved, counts) if cfg.plan.device_tflops else None
+        scored.append((variant, label, cost, planned, fits, speed))
+    fitting = [s for s in scored if s[4]]
+    if scored[0][4] and scored[0][2] == 1.0:
+        best, why = scored[0], "it fits without them"  # (they stay unmeasured on GPUs)
+    elif fitting:
+        if cfg.plan.device_tflops:
+            best = min(fitting, key=lambda s: s[5].step_s if s[5] else math.inf)
+        else:
+            best = fitting[0]
+        why = "the fastest that fits" if cfg.plan.device_tflops else "the cheapest that fits"
+        why += f" of {len(scored)} combinations"
+    else:
+        best = min(scored, key=lambda s: s[3].total_gib)
+        why = "none fits: the smallest plan"
+    chosen = copy.deepcopy(best[0])
+    chosen.trainer.checkpoint_layers = t.checkpoint_layers
+    return chosen, f"long context (auto): {best[1]} ({why})"
+
+
+def longest_sequence(cfg: RunConfig, counts: ParamCounts, step: int = 1024) -> tuple[int, str]:
+    """The longest data.max_seq_len (a multiple of ``step``) whose plan fits, the long-context
+    choices and checkpointed layers left to auto, and what they chose there. Memory only:
+    positions beyond the model's max_position_embeddings need rope scaling."""
+    base = copy.deepcopy(cfg)
+    base.trainer.sequence_parallel = "auto"
+    base.trainer.tiled_mlp = base.trainer.offload_activations = "auto"
+    if base.trainer.activation_checkpointing:
+        base.trainer.checkpoint_layers = "auto"
+    base.data.max_seq_len = step  # checked against rope limits by the caller, not here
+    base.model.architecture = {**base.model.architecture, "max_position_embeddings": 1 << 40}
+
+    def fits(n: int) -> tuple[bool, str]:
+        trial = copy.deepcopy(base)
+        trial.data.max_seq_len = n
+        chosen, _ = resolve_long_context(trial, counts)
+        chosen, _ = resolve_checkpoint_layers(chosen, counts)
+        planned = plan(chosen, counts)
+        room = (
+            None if planned.device_gib is None else planned.device_gib - AUTO_CHECKPOINT_SPARE_GIB
+        )
+        ok = planned.fits and (room is None or planned.total_gib <= room)
+        layers = chosen.model.architecture["num_hidden_layers"]
+        k = checkpointed_layers(chosen)
+        what = f"{long_context_label(chosen)}, {k} of {layers} layers checkpointed"
+        return ok, what
+
+    ok, what = fits(step)
+    if not ok:
+        return 0, what
+    lo, hi = 1, 2
+    while fits(hi * step)[0] and hi < (1 << 14):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid * step)[0]:
+            lo = mid
+        else:
+            hi = mid
+    return lo * step, fits(lo * step)[1]
+
+
+def format_longest_sequence(cfg: RunConfig, counts: ParamCounts) -> str:
+    """make plan's line: the longest sequence this experiment's box can train, and how."""
+    n, how = longest_sequence(cfg, counts)
+    if not n:
+        return f"longest sequence that fits: none of 1,024 tokens ({how})"
+    limit = rope_positions(cfg)
+    note = (
+        f"; beyond the model's {limit:,} positions it needs model.rope_scaling (YaRN)"
+        if n > limit
+        else ""
+    )
+    return (
+        f"longest sequence that fits (plan.max_seq_len_search, 2 GiB spare, long-context "
+        f"choices on auto): {n:,} tokens per sample with {how}{note}"
+    )
+
+
 @dataclass
 class Fitted:
     """What fit_to_device decided: the config to run and its plan, and the plan of the config
@@ -327,8 +492,9 @@ def fit_to_device(cfg: RunConfig, refuse: bool = True) -> Fitted:
             "peft.method=qlora cannot quantize these layers of model.architecture:\n  "
             + "\n  ".join(problems)
         )
+    cfg, long_note = resolve_long_context(cfg, counts)
     cfg, note = resolve_checkpoint_layers(cfg, counts)
-    notes = [note] if note else []
+    notes = [n for n in (long_note, note) if n]
     result = plan(cfg, counts)
     if not result.fits and cfg.plan.auto_fit:
         fit = auto_fit(cfg, result.counts)

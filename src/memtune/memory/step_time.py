@@ -20,6 +20,13 @@ experiments' ZeRO stage) and to say how much of a step is spent moving bytes:
 * **no overlap** is assumed: step = compute + communication. DeepSpeed prefetches ZeRO-3
   gathers during compute, but over PCIe without P2P the copies go through host memory and
   compete with the kernels; the sum is the conservative figure.
+* **long context** — a sequence split over sp ranks (Ulysses) leaves each rank 1/sp of the
+  tokens of every linear layer and 1/sp of the heads of full-sequence attention, and adds
+  four all-to-alls per layer (q, k, v in, the output back), each sending (sp−1)/sp of its
+  tensor, in forward, backward and every recompute, over ``plan.link_gb_s``. A tiled MLP
+  runs its forward once more (the backward's tile-by-tile recompute). Offloaded activations
+  copy each checkpointed layer's input to the host and back over ``plan.host_link_gb_s`` on
+  a side stream: only what the copies take beyond the step's compute is added.
 """
 
 from __future__ import annotations
@@ -31,10 +38,14 @@ from memtune.config import (
     checkpointed_layers,
     compute_bytes,
     grad_accumulation_steps,
+    offload_activations,
+    rank_tokens,
+    sequence_parallel_size,
+    tiled_mlp,
 )
 from memtune.config.architecture import head_dim
 from memtune.memory.counts import ParamCounts, count_params
-from memtune.memory.estimate import NF4_BYTES
+from memtune.memory.estimate import MLP_PROJECTIONS, NF4_BYTES
 
 QLORA_COMPUTE = 1.30
 """A 4-bit base dequantizes every weight before each matmul: ~30% more compute time."""
@@ -46,6 +57,13 @@ class StepTime:
     compute_s: float
     traffic: list[tuple[str, float]] = field(default_factory=list)  # (what, bytes per rank)
     link_gb_s: float | None = None
+    host_bytes: float = 0.0  # offloaded activations, to the host and back, per rank
+    host_link_gb_s: float = 20.0
+
+    @property
+    def host_s(self) -> float:
+        """Copy time of offloaded activations beyond the compute they overlap."""
+        return max(0.0, self.host_bytes / (self.host_link_gb_s * 1e9) - self.compute_s)
 
     @property
     def bytes(self) -> float:
@@ -61,7 +79,7 @@ class StepTime:
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.comm_s
+        return self.compute_s + self.comm_s + self.host_s
 
     @property
     def comm_share(self) -> float:
@@ -75,10 +93,11 @@ class Flops:
     base: float  # the frozen decoder and head linear layers
     lora: float
     attention: float  # causal: half of the n × n scores
+    tiles: float = 0.0  # a tiled MLP's second forward (its backward's recompute)
 
     @property
     def total(self) -> float:
-        return self.base + self.lora + self.attention
+        return self.base + self.lora + self.attention + self.tiles
 
 
 def micro_step_flops(cfg: RunConfig, counts: ParamCounts) -> Flops:
@@ -87,7 +106,7 @@ def micro_step_flops(cfg: RunConfig, counts: ParamCounts) -> Flops:
     a = cfg.model.architecture
     layers = int(a["num_hidden_layers"])
     n, micro = cfg.data.max_seq_len, cfg.trainer.micro_batch_size
-    tokens = n * micro
+    tokens, sp = rank_tokens(cfg), sequence_parallel_size(cfg)  # this rank's share
     k = checkpointed_layers(cfg)
     head = counts.head or counts.embedding  # the LM head multiplies even when tied
     per_layer = counts.linear / layers
@@ -96,9 +115,16 @@ def micro_step_flops(cfg: RunConfig, counts: ParamCounts) -> Flops:
     # gradients), 2 more when its layer recomputes.
     lora = 2 * tokens * (counts.lora / layers) * (3 * layers + k)
     heads = int(a["num_attention_heads"])
-    # QKᵀ and PV: 2 matmuls × 2 FLOPs × n²/2 (causal) per row and head; backward twice that.
-    attn_fwd = micro * 2 * n * n * heads * head_dim(a)
-    return Flops(base, lora, attn_fwd * (3 * layers + k))
+    # QKᵀ and PV: 2 matmuls × 2 FLOPs × n²/2 (causal) per row and head; backward twice that;
+    # a rank of a sequence-parallel group attends for heads / sp of the heads.
+    attn_fwd = micro * 2 * n * n * heads * head_dim(a) / sp
+    tiles = 0.0
+    if tiled_mlp(cfg):
+        h, inter = int(a["hidden_size"]), int(a["intermediate_size"])
+        adapted = sum(1 for name, _, _ in counts.lora_inputs if name in MLP_PROJECTIONS)
+        # 2 FLOPs per weight per token: the three projections, and r × (in + out) per adapter
+        tiles = 2 * tokens * layers * (3 * h * inter + adapted * cfg.peft.r * (h + inter))
+    return Flops(base, lora, attn_fwd * (3 * layers + k), tiles)
 
 
 def traffic(cfg: RunConfig, counts: ParamCounts) -> list[tuple[str, float]]:
@@ -111,6 +137,19 @@ def traffic(cfg: RunConfig, counts: ParamCounts) -> list[tuple[str, float]]:
     gas = grad_accumulation_steps(cfg)
     lora = counts.lora * b
     out = [("LoRA gradient reduce-scatter", gas * ring * lora)]
+    sp = sequence_parallel_size(cfg)
+    if sp > 1:
+        a = cfg.model.architecture
+        heads, kv = int(a["num_attention_heads"]), int(a["num_key_value_heads"])
+        layers, k = int(a["num_hidden_layers"]), checkpointed_layers(cfg)
+        per_layer = rank_tokens(cfg) * head_dim(a) * (2 * heads + 2 * max(kv, sp)) * b
+        exchanges = 2 * layers + k  # forward, backward, recompute
+        out.append(
+            (
+                f"Ulysses all-to-alls (q, k, v, output; sp={sp})",
+                gas * exchanges * per_layer * (sp - 1) / sp,
+            )
+        )
     if cfg.zero.stage == 3:
         other = (counts.embedding + counts.head) * b
         if cfg.peft.method == "qlora":
@@ -137,7 +176,12 @@ def step_time(cfg: RunConfig, counts: ParamCounts | None = None) -> StepTime | N
     compute = flops / (p.device_tflops * 1e12 * p.mfu)
     if cfg.peft.method == "qlora":
         compute *= QLORA_COMPUTE
-    return StepTime(flops, compute, traffic(cfg, counts), p.link_gb_s)
+    host = 0.0
+    if offload_activations(cfg):
+        h = int(cfg.model.architecture["hidden_size"])
+        host = grad_accumulation_steps(cfg) * 2 * checkpointed_layers(cfg) * rank_tokens(cfg) * h
+        host *= compute_bytes(cfg)
+    return StepTime(flops, compute, traffic(cfg, counts), p.link_gb_s, host, p.host_link_gb_s)
 
 
 def format_step_time(cfg: RunConfig, t: StepTime) -> str:
@@ -154,5 +198,12 @@ def format_step_time(cfg: RunConfig, t: StepTime) -> str:
         lines.append(
             f"  at {t.link_gb_s:g} GB/s bus bandwidth (plan.link_gb_s; the GPU preflight "
             "measures it), no overlap with compute assumed"
+        )
+    if t.host_bytes:
+        copy_s = t.host_bytes / (t.host_link_gb_s * 1e9)
+        lines.append(
+            f"  offloaded activations to the host and back {t.host_bytes / 1e9:>9.2f} GB  "
+            f"{copy_s:>7.2f} s at {t.host_link_gb_s:g} GB/s (plan.host_link_gb_s), overlapped: "
+            f"+{t.host_s:.2f} s"
         )
     return "\n".join(lines)

@@ -144,6 +144,14 @@ def traced_config(cfg: RunConfig) -> tuple[RunConfig, list[str]]:
     """The config the trace builds: a quantized base in the compute dtype (fake tensors have
     no 4-bit storage; the activations do not change), SDPA for the attention (FlashAttention-2
     needs CUDA; both keep the output and a logsumexp), the chunked loss unless plain."""
+    from memtune.config import ConfigError, offload_activations, sequence_parallel_size, tiled_mlp
+
+    if sequence_parallel_size(cfg) > 1 or tiled_mlp(cfg) or offload_activations(cfg):
+        raise ConfigError(
+            "the trace runs one process without the long-context autograd functions: set "
+            "trainer.sequence_parallel=1 trainer.tiled_mlp=off trainer.offload_activations=off "
+            "(tests/test_plan.py checks those plans against what autograd saves instead)"
+        )
     out = copy.deepcopy(cfg)
     notes = []
     if out.peft.method != "lora":
