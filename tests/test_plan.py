@@ -10,9 +10,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from memtune.config import checkpointed_layers, to_run_config
+from memtune.config import checkpointed_layers, offload_activations, tiled_mlp, to_run_config
 from memtune.memory.counts import count_params
 from memtune.memory.estimate import activation_bytes, plan
+from memtune.rank.long_context import offload_checkpoints, tile_mlps
 from memtune.rank.loss import CausalLMLoss
 from memtune.rank.model import add_lora, count_parameters, load_base_model, torch_dtype
 from memtune.tools.tiny import synthesize
@@ -54,6 +55,10 @@ def test_qwen25_7b_counts_from_the_architecture() -> None:
 def _saved_bytes(cfg) -> int:
     """What autograd really keeps for one forward of 4 × 128 tokens (parameters excluded)."""
     model = add_lora(load_base_model(cfg, "sdpa"), cfg).train()
+    if tiled_mlp(cfg):
+        tile_mlps(model.get_base_model(), 4 * 128)
+    if offload_activations(cfg):
+        offload_checkpoints(model.get_base_model(), torch.device("cpu"))
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -84,6 +89,18 @@ def _saved_bytes(cfg) -> int:
             "trainer.activation_checkpointing=true",
             "trainer.checkpoint_layers=1",
         ],
+        # Long context: the tiled MLP keeps its input only (2 tiles of 256 tokens); an
+        # offloaded layer 0 keeps nothing on the device (the model allows one input back).
+        ["trainer.precision=bf16", "peft.dropout=0", "trainer.tiled_mlp=on"],
+        ["trainer.precision=fp32", "peft.dropout=0.05", "trainer.tiled_mlp=on"],
+        [
+            "trainer.precision=bf16",
+            "peft.dropout=0",
+            "trainer.activation_checkpointing=true",
+            "trainer.checkpoint_layers=1",
+            "trainer.offload_activations=on",
+            "trainer.tiled_mlp=on",
+        ],
     ],
 )
 def test_activation_model_matches_what_autograd_saves(overrides: list[str]) -> None:
@@ -96,6 +113,8 @@ def test_activation_model_matches_what_autograd_saves(overrides: list[str]) -> N
     k = checkpointed_layers(cfg)
     predicted = activation_bytes(cfg, tokens, k, count_params(cfg), cuda=False)
     predicted += tokens * h * b  # the chunked loss keeps the hidden-state gradient
+    if offload_activations(cfg):
+        predicted -= tokens * h * b  # the plan's allowance for an input fetched back
     # The model counts the big tensors per layer and leaves out small ones (rotary tables,
     # norm scales) and the dropout masks of the first layer's q/k/v, which autograd does not
     # keep because the embedding's output needs no gradient: -1% to +5% here.

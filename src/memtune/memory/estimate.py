@@ -85,6 +85,7 @@ class Plan:
 
 
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+QKV = ("q_proj", "k_proj", "v_proj")
 
 
 def layer_bytes(cfg: RunConfig, tokens: int, counts: ParamCounts, cuda: bool = True) -> int:
@@ -137,8 +138,12 @@ def saved_bytes(
     t = cfg.trainer
     if k == 0 and not (t.activation_checkpointing and t.checkpointing_reentrant):
         # The frozen embedding's output needs no gradient, so the first norm keeps nothing
-        # (reentrant checkpointing makes it require one).
+        # (reentrant checkpointing makes it require one), nor do the dropouts of the first
+        # layer's q/k/v adapters keep their masks (only their dropped copies).
         kept -= n * h * 4
+        if cfg.peft.dropout > 0:
+            mask = 1 if cuda else b
+            kept -= sum(n * i * mask for name, i, _ in counts.lora_inputs if name in QKV)
     return kept + n * h * 4  # + the final norm's input
 
 

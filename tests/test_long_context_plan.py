@@ -1,0 +1,210 @@
+"""The planner's long-context decisions: what auto chooses, the limits it reports for the
+shipped box, host memory, and the activation model of a split sequence against what autograd
+saves on two real gloo ranks."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+
+from memtune.config import ConfigError, sequence_parallel_size, to_run_config, validate
+from memtune.data.encode import DataStats, Sample, apply_length_policy
+from memtune.memory.counts import count_params
+from memtune.memory.estimate import activation_bytes, plan
+from memtune.memory.fit import fit_to_device, longest_sequence, resolve_long_context
+from memtune.memory.step_time import step_time
+from tests.conftest import compose_cfg
+
+LONG = "experiment=qwen2.5-7b-4x4090-long"
+
+
+def _cfg(*overrides: str):
+    return to_run_config(compose_cfg(list(overrides)))
+
+
+def test_131k_on_four_4090d_is_planned_with_2_gib_spare_and_split_four_ways() -> None:
+    fitted = fit_to_device(_cfg(LONG, "data.path=books.jsonl"))
+    cfg = fitted.cfg
+    assert sequence_parallel_size(cfg) == 4 and cfg.trainer.offload_activations == "on"
+    assert fitted.plan.fits and fitted.plan.device_gib - fitted.plan.total_gib >= 2.0
+    rows = dict((w, g) for w, g, _ in fitted.plan.rows)
+    assert rows["sequence-parallel buffers"] > 0
+    assert fitted.plan.host_rows and fitted.plan.host_total_gib <= fitted.plan.host_gib
+    assert any("long context (auto): sequence_parallel=4" in n for n in fitted.notes)
+
+
+def test_the_box_trains_256k_tokens_and_one_card_96k_qlora() -> None:
+    """The issue's planned targets: ≥ 256k on the 4 × 4090D box (ZeRO-3, LoRA), ≥ 96k QLoRA on
+    one 24 GB card (sp = 1), above Unsloth's published 78k."""
+    box = _cfg(LONG, "data.path=books.jsonl")
+    n, how = longest_sequence(box, count_params(box))
+    assert n >= 262_144, how
+    card = _cfg(
+        "experiment=qwen2.5-7b-4x4090-qlora",
+        "launcher.num_ranks=1",
+        "trainer.global_batch_size=8",
+        "plan.host_gib=120",
+    )
+    n, how = longest_sequence(card, count_params(card))
+    assert n >= 96 * 1024 and "sequence_parallel=1" in how, how
+
+
+def test_a_run_that_fits_as_it_is_uses_none_of_them() -> None:
+    cfg = _cfg("experiment=qwen2.5-7b-4x4090-lora")
+    chosen, note = resolve_long_context(cfg, count_params(cfg))
+    assert (chosen.trainer.sequence_parallel, chosen.trainer.tiled_mlp) == ("1", "off")
+    assert chosen.trainer.offload_activations == "off" and "fits without them" in str(note)
+
+
+def test_too_little_host_memory_rules_offloading_out() -> None:
+    roomy = _cfg(LONG, "data.path=books.jsonl")
+    tight = _cfg(LONG, "data.path=books.jsonl", "plan.host_gib=8")  # 2 GiB per rank
+    counts = count_params(roomy)
+    a, _ = resolve_long_context(roomy, counts)
+    b, _ = resolve_long_context(tight, counts)
+    assert a.trainer.offload_activations == "on" and b.trainer.offload_activations == "off"
+    forced = copy.deepcopy(tight)
+    forced.trainer.sequence_parallel, forced.trainer.offload_activations = "4", "on"
+    forced.trainer.checkpoint_layers = "all"
+    planned = plan(forced, counts)
+    assert not planned.fits and planned.host_total_gib > planned.host_gib == 2.0
+
+
+def _estimate(zero: str, sp: int):
+    cfg = _cfg(
+        LONG,
+        "data.path=books.jsonl",
+        "data.max_seq_len=32768",
+        f"zero={zero}",
+        f"trainer.sequence_parallel={sp}",
+        "trainer.tiled_mlp=on",
+        "trainer.offload_activations=on",
+        "trainer.checkpoint_layers=all",
+    )
+    assert plan(cfg).fits
+    estimate = step_time(cfg)
+    assert estimate is not None
+    return estimate
+
+
+def test_splitting_costs_under_15_percent_where_both_fit() -> None:
+    """The cost model's price of sequence parallelism at 32k on the 4 × 4090D box, the same
+    global batch: ZeRO-2 pays the all-to-alls over PCIe only (+8% at sp=4). Under ZeRO-3 the
+    weights are gathered once per micro step, and with every sequence split over all four
+    ranks each rank runs 4× the micro steps: 4× the gathers (+22%, the issue's 15% not met)."""
+    one, four = _estimate("zero2", 1), _estimate("zero2", 4)
+    assert one.step_s < four.step_s <= 1.15 * one.step_s
+    assert four.compute_s == pytest.approx(one.compute_s)  # the same work per rank
+    one, four = _estimate("zero3", 1), _estimate("zero3", 4)
+    gathers = {
+        t: dict(e.traffic)["ZeRO-3 weight all-gathers (forward + backward)"]
+        for t, e in ((1, one), (4, four))
+    }
+    assert gathers[4] == pytest.approx(4 * gathers[1])
+    assert four.step_s > 1.15 * one.step_s
+
+
+def test_positions_beyond_the_model_need_rope_scaling() -> None:
+    with pytest.raises(ConfigError, match=r"32,768 positions .* model.rope_scaling"):
+        validate(_cfg("experiment=qwen2.5-7b-4x4090-lora", "data.max_seq_len=65536"), False)
+    validate(_cfg(LONG, "data.path=x.jsonl"), inputs=False)  # 32,768 × YaRN 4 = 131,072
+
+
+def test_long_documents_are_split_and_counted() -> None:
+    cfg = _cfg("data=text", "data.path=x.jsonl", "data.max_seq_len=4", "data.overlong=split")
+    doc = list(range(10))
+    stats = DataStats()
+    kept = apply_length_policy([Sample(doc, doc), Sample([1, 2], [1, 2])], cfg.data, stats)
+    assert [s.input_ids for s in kept] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [1, 2]]
+    assert (stats.split, stats.split_pieces, stats.truncated) == (1, 3, 0)
+    assert "split 1 over-long documents into 3 pieces" in stats.line()
+    with pytest.raises(ConfigError, match=r"data\.overlong=split cuts long documents"):
+        validate(_cfg("data=demo", "data.overlong=split"))
+
+
+# --- the activation model of a split sequence, against autograd on two gloo ranks --------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _saved_on_rank(rank: int, port: int, overrides: list[str], out) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+    )
+    import deepspeed
+
+    from memtune.data.batching import collate_packed
+    from memtune.data.encode import IGNORE_INDEX
+    from memtune.rank import attention
+    from memtune.rank.loss import CausalLMLoss
+    from memtune.rank.model import add_lora, load_base_model
+    from memtune.rank.sequence_parallel import SequenceGroups, register_attention, shard_batch
+
+    deepspeed.init_distributed("gloo")
+    attention.register()
+    cfg = to_run_config(compose_cfg(overrides))
+    model = add_lora(load_base_model(cfg, "sdpa_varlen"), cfg).train()
+    register_attention(model.get_base_model(), "sdpa_varlen", 2, micro_batch=4)
+    torch.manual_seed(0)
+    rows = [
+        [Sample(ids, [IGNORE_INDEX] * 20 + ids[20:]) for ids in (list(range(60)), list(range(68)))]
+        for _ in range(4)
+    ]  # 4 packed rows of 128 tokens, a sample across the middle of each
+    batch = shard_batch(collate_packed(rows, 0), SequenceGroups.of(rank, 2, 2), 0)
+    batch.pop("real_tokens")
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        CausalLMLoss(model, "chunked", 512)(**batch)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    out.put((rank, sum(n for ptr, n in storages.items() if ptr not in params)))
+
+
+@pytest.mark.parametrize("peft", ["lora-all-linear", "lora"])
+def test_split_activation_model_matches_what_autograd_saves(peft: str) -> None:
+    import torch.multiprocessing as mp
+
+    from memtune.tools.tiny import synthesize
+
+    overrides = [
+        f"peft={peft}",
+        "peft.dropout=0",
+        "trainer.precision=bf16",
+        "trainer.activation_checkpointing=false",
+        "launcher.num_ranks=2",
+        "trainer.sequence_parallel=2",
+    ]
+    cfg = to_run_config(compose_cfg(overrides))
+    synthesize(cfg.model.name_or_path, cfg.model.architecture)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_saved_on_rank, args=(r, port, overrides, queue)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    assert [p.exitcode for p in procs] == [0, 0]
+    measured = dict(queue.get(timeout=5) for _ in procs)
+    tokens, h = 4 * 128 // 2, cfg.model.architecture["hidden_size"]
+    predicted = activation_bytes(cfg, tokens, 0, count_params(cfg), cuda=False)
+    predicted += tokens * h * 2  # the chunked loss keeps the hidden-state gradient
+    for rank, nbytes in measured.items():
+        # As in test_plan: small tensors (rotary tables, positions) left out; -1% to +6%.
+        assert predicted == pytest.approx(nbytes, rel=0.06), (rank, predicted, nbytes)
