@@ -82,6 +82,8 @@ class Mode:
     overrides: tuple[str, ...] = ()
     fake_oom_above: int | None = None
     budget_s: float = 420.0
+    long_lengths: tuple[int, ...] = ()  # long-context phases: timed lengths
+    long_search: tuple[int, ...] = ()  # ... and the lengths tried under the cap, ascending
 
 
 GPU = Mode(
@@ -91,6 +93,8 @@ GPU = Mode(
     search=(8192, 12288, 16384, 20480, 24576, 28672, 32768),
     warmup=2,
     timed=3,
+    long_lengths=(32768,),
+    long_search=(49152, 65536, 81920, 98304, 114688, 131072),
 )
 # The tiny model has 2 layers: checkpoint the first only, so the selective path runs; the
 # search raises a simulated OOM above 256 tokens, so the OOM path runs too.
@@ -104,6 +108,16 @@ DRY = Mode(
     overrides=("trainer.checkpoint_layers=1",),
     fake_oom_above=256,
     budget_s=900.0,
+    long_lengths=(256,),
+    long_search=(384, 512),
+)
+# The long-context phases: one GPU (sp=1), every layer recomputed from an offloaded input,
+# the MLP tiled (README "Long context"), planned for the same 24 GB card.
+LONG_OVERRIDES = (
+    "trainer.sequence_parallel=1",
+    "trainer.tiled_mlp=on",
+    "trainer.offload_activations=on",
+    "trainer.checkpoint_layers=all",
 )
 
 METHODS = {
@@ -116,6 +130,8 @@ PHASES = (
     ("lora-baseline", "lora", "baseline", 90),
     ("qlora-baseline", "qlora", "baseline", 100),
     ("qlora-memtune", "qlora", "memtune", 200),  # ends with the 24 GB search
+    ("long-qlora", "qlora", "long", 150),  # 32k timed, then longer under the 24 GB cap
+    ("long-lora", "lora", "long", 120),
 )
 MIN_PHASE_S = 45  # kept for each later phase when a phase's deadline is set
 
@@ -123,7 +139,7 @@ MIN_PHASE_S = 45  # kept for each later phase when a phase's deadline is set
 # ------------------------------------------------------------------ config and plan
 
 
-def compose_cfg(mode: Mode, method: str, seq_len: int) -> Any:
+def compose_cfg(mode: Mode, method: str, seq_len: int, extra: Sequence[str] = ()) -> Any:
     """memtune's RunConfig: the 4×4090 experiment of this method, on one rank, micro batch 1,
     global batch 1 (no accumulation), planned for a 24 GB card, never refused."""
     from memtune.config import compose, to_run_config
@@ -139,6 +155,7 @@ def compose_cfg(mode: Mode, method: str, seq_len: int) -> Any:
         "logger=none",
         f"plan.device_gib={CAP_GIB}",
         "plan.enforce=false",
+        *extra,
         *mode.overrides,
     ]
     return to_run_config(compose(overrides))
@@ -453,7 +470,7 @@ def run_phase(args: argparse.Namespace) -> int:
         if side == "baseline":
             run_baseline(phase, deadline)
         else:
-            run_memtune(phase, deadline)
+            run_memtune(phase, deadline, long=side == "long")
     except Exception as err:
         phase.error("phase", err)
         return 1
@@ -612,12 +629,15 @@ def init_one_rank(device: Any) -> None:
     init_distributed()
 
 
-def run_memtune(phase: Phase, deadline: float) -> None:
+def run_memtune(phase: Phase, deadline: float, long: bool = False) -> None:
     """memtune's model, loss, optimizer, DeepSpeed engine and training loop, as
-    ``memtune.rank.build.build_rank`` assembles them, on a base built in memory."""
+    ``memtune.rank.build.build_rank`` assembles them, on a base built in memory. ``long``:
+    the long-context phase (LONG_OVERRIDES; the MLP re-tiled and the checkpointed layers'
+    offload set again for every length)."""
     from memtune.config.deepspeed import build_ds_config
     from memtune.memory.counts import count_params
     from memtune.rank.build import build_rank
+    from memtune.rank.long_context import offload_checkpoints, tile_mlps
     from memtune.rank.loop import Hooks, TrainResult, train
     from memtune.rank.model import quantization_config, set_checkpointed_layers
     from memtune.rank.telemetry import NullLogger
@@ -625,9 +645,10 @@ def run_memtune(phase: Phase, deadline: float) -> None:
     mode, method = phase.mode, phase.method
     device = device_and_env(phase)
     init_one_rank(device)
-    cfg0 = compose_cfg(mode, method, mode.lengths[0])
+    lengths = mode.long_lengths if long else mode.lengths
+    cfg0 = compose_cfg(mode, method, lengths[0], LONG_OVERRIDES if long else ())
     counts = count_params(cfg0)
-    cfg = at_length(cfg0, mode.lengths[0], counts)
+    cfg = at_length(cfg0, lengths[0], counts)
     ds_config = build_ds_config(cfg)
     leftover = memory_now(device).get("allocated_gib", 0.0)
 
@@ -669,6 +690,10 @@ def run_memtune(phase: Phase, deadline: float) -> None:
         run_cfg = at_length(cfg0, seq_len, counts)
         k = int(run_cfg.trainer.checkpoint_layers)
         set_checkpointed_layers(engine.module.model, k)  # as add_lora does
+        if long:
+            base = engine.module.model.get_base_model()
+            rec["mlp_tiles"] = tile_mlps(base, seq_len)
+            rec["offloaded_layers"] = offload_checkpoints(base, device)
         run_cfg.trainer.max_steps = n_steps
         rec["checkpointed_layers"] = k
         rec["plan"] = plan_record(run_cfg, counts)
@@ -685,7 +710,7 @@ def run_memtune(phase: Phase, deadline: float) -> None:
         rec["real_tokens"] = result.input_tokens
         return clock
 
-    for seq_len in mode.lengths:
+    for seq_len in lengths:
         if not time_left(deadline, 20):
             phase.data["errors"].append({"where": f"{seq_len}", "error": "skipped: out of time"})
             phase.save()
@@ -705,7 +730,9 @@ def run_memtune(phase: Phase, deadline: float) -> None:
             empty_cache(device)
         phase.add(rec)
 
-    if method == "qlora":
+    if long:
+        search_cap(phase, deadline, device, steps_at, cfg0, counts, long=True)
+    elif method == "qlora":
         search_cap(phase, deadline, device, steps_at, cfg0, counts)
     with contextlib.suppress(Exception):
         import torch.distributed as dist
@@ -714,7 +741,13 @@ def run_memtune(phase: Phase, deadline: float) -> None:
 
 
 def search_cap(
-    phase: Phase, deadline: float, device: Any, steps_at: Any, cfg0: Any, counts: Any
+    phase: Phase,
+    deadline: float,
+    device: Any,
+    steps_at: Any,
+    cfg0: Any,
+    counts: Any,
+    long: bool = False,
 ) -> None:
     """Longer and longer sequences under a 24 GB cap, one step each, until one fails.
 
@@ -737,13 +770,23 @@ def search_cap(
         torch.cuda.set_per_process_memory_fraction(allocator_cap / now["total_gib"], device)
     # What the planner says fits, for every length tried and beyond.
     planned = []
-    for seq_len in mode.search:
+    lengths = mode.long_search if long else mode.search
+    key = "long_" if long else ""
+    for seq_len in lengths:
         p = plan_record(at_length(cfg0, seq_len, counts), counts)
         planned.append({"seq_len": seq_len, "total_gib": p["total_gib"], "fits": p["fits"]})
     info["planned"] = planned
-    phase.data["search_info"] = info
+    if long:
+        from memtune.memory.fit import longest_sequence
+
+        one = copy.deepcopy(cfg0)
+        one.trainer.sequence_parallel = "1"
+        n, how = longest_sequence(one, counts)
+        info["planned_longest"], info["planned_longest_how"] = n, how
+    phase.data[f"{key}search_info"] = info
+    phase.data[f"{key}search"] = []
     phase.save()
-    for seq_len in mode.search:
+    for seq_len in lengths:
         if not time_left(deadline, 15):
             phase.data["errors"].append({"where": f"search {seq_len}", "error": "out of time"})
             phase.save()
@@ -760,7 +803,7 @@ def search_cap(
             rec["error"] = repr(err)[-500:]
             rec["oom"] = is_oom(err)
             print(f"gpu_check: search {seq_len}: {'OOM' if rec['oom'] else 'error'}", flush=True)
-        phase.data["search"].append(rec)
+        phase.data[f"{key}search"].append(rec)
         phase.save()
         if not rec["ok"]:
             break
@@ -836,6 +879,17 @@ def collect(mode: Mode, work: Path) -> dict[str, Any]:
         "comparison": compare(records),
         "search": search["search"] if search else [],
         "search_info": search.get("search_info") if search else None,
+        "long": [
+            {
+                "phase": f["phase"],
+                "method": f["method"],
+                "info": f["long_search_info"],
+                "search": f.get("long_search", []),
+                "records": f["records"],
+            }
+            for f in frags
+            if f.get("long_search_info")
+        ],
         "errors": [{"phase": f["phase"], **e} for f in frags for e in f["errors"]],
         "notes": {f["phase"]: f["notes"] for f in frags},
     }
@@ -970,6 +1024,40 @@ def markdown(result: dict[str, Any]) -> str:
             "",
             f"Measured: longest that fits {max(fits) if fits else 'none of those tried'}; "
             f"planner: {max(plan_fits) if plan_fits else 'none'}.",
+        ]
+    for lc in result.get("long", []):
+        info = lc["info"]
+        lines += [
+            "",
+            f"Long context, {lc['method']} on one GPU under a {info['cap_gib']} GiB card "
+            "(sp=1, MLP tiled, every layer recomputed from an input offloaded to pinned host "
+            "memory), one step each, ascending, stopping at the first failure:",
+            "",
+            "| tokens | fits | peak GiB | step s | tokens/s | plan total GiB | plan fits |",
+            "|---:|:---:|---:|---:|---:|---:|:---:|",
+        ]
+        for r in lc["records"]:
+            lines.append(
+                f"| {r['seq_len']} (timed) | {'error' if r.get('error') else 'yes'} "
+                f"| {_f(r.get('measured_gib'), '.2f')} | {_f(r.get('step_s_median'), '.2f')} "
+                f"| {_f(r.get('tokens_per_s'), ',.0f')} "
+                f"| {_f((r.get('plan') or {}).get('total_gib'), '.2f')} | — |"
+            )
+        tried = {s["seq_len"]: s for s in lc["search"]}
+        for p in info.get("planned", []):
+            s = tried.get(p["seq_len"], {})
+            ok = {True: "yes", False: "OOM" if s.get("oom") else "error"}.get(s.get("ok"), "—")
+            lines.append(
+                f"| {p['seq_len']} | {ok} | {_f(s.get('peak_allocated_gib'), '.2f')} "
+                f"| {_f(s.get('step_s'), '.2f')} | — | {p['total_gib']:.2f} "
+                f"| {'yes' if p['fits'] else 'no'} |"
+            )
+        fits = [s["seq_len"] for s in lc["search"] if s.get("ok")]
+        lines += [
+            "",
+            f"Measured: longest that fits {max(fits) if fits else 'none of those tried'}; "
+            f"planner's longest: {info.get('planned_longest', 0):,} tokens "
+            f"({info.get('planned_longest_how', '')}).",
         ]
     lines += [
         "",
