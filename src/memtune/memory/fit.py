@@ -456,11 +456,11 @@ def format_longest_sequence(cfg: RunConfig, counts: ParamCounts) -> str:
     if not n:
         return f"longest sequence that fits: none of 1,024 tokens ({how})"
     limit = rope_positions(cfg)
-    note = (
-        f"; beyond the model's {limit:,} positions it needs model.rope_scaling (YaRN)"
-        if n > limit
-        else ""
-    )
+    note = ""
+    if n > limit and cfg.model.rope_scaling:
+        note = f"; beyond the {limit:,} positions of its rope scaling: a larger factor"
+    elif n > limit:
+        note = f"; beyond the model's {limit:,} positions it needs model.rope_scaling (YaRN)"
     return (
         f"longest sequence that fits (plan.max_seq_len_search, 2 GiB spare, long-context "
         f"choices on auto): {n:,} tokens per sample with {how}{note}"
