@@ -392,8 +392,11 @@ def resolve_long_context(cfg: RunConfig, counts: ParamCounts) -> tuple[RunConfig
         scored.append((variant, label, cost, planned, fits, speed))
     fitting = [s for s in scored if s[4]]
     if scored[0][4] and scored[0][2] == 1.0:
-        best, why = scored[0], "it fits without them"  # (they stay unmeasured on GPUs)
-    elif fitting:
+        # Fits without any (they stay unmeasured on GPUs): nothing to say at every launch.
+        chosen = copy.deepcopy(scored[0][0])
+        chosen.trainer.checkpoint_layers = t.checkpoint_layers
+        return chosen, None
+    if fitting:
         if cfg.plan.device_tflops:
             best = min(fitting, key=lambda s: s[5].step_s if s[5] else math.inf)
         else:
