@@ -921,6 +921,16 @@ def format_check(mode: Mode, work: Path) -> Path:
     return path
 
 
+def _search_row(tried: dict[str, Any], planned: dict[str, Any], middle: str) -> str:
+    """One row of a search under the cap: measured (if tried) next to planned."""
+    ok = {True: "yes", False: "OOM" if tried.get("oom") else "error"}.get(tried.get("ok"), "—")
+    return (
+        f"| {planned['seq_len']} | {ok} | {_f(tried.get('peak_allocated_gib'), '.2f')} "
+        f"| {_f(tried.get('step_s'), '.2f')} | {middle} | {planned['total_gib']:.2f} "
+        f"| {'yes' if planned['fits'] else 'no'} |"
+    )
+
+
 def compare(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     by = {(r["method"], r["seq_len"], r["side"]): r for r in records}
@@ -1012,12 +1022,7 @@ def markdown(result: dict[str, Any]) -> str:
         tried = {s["seq_len"]: s for s in result["search"]}
         for seq_len, p in planned.items():
             s = tried.get(seq_len, {})
-            ok = {True: "yes", False: "OOM" if s.get("oom") else "error"}.get(s.get("ok"), "—")
-            lines.append(
-                f"| {seq_len} | {ok} | {_f(s.get('peak_allocated_gib'), '.2f')} "
-                f"| {_f(s.get('step_s'), '.2f')} | {_f(s.get('checkpointed_layers'), 'd')} "
-                f"| {p['total_gib']:.2f} | {'yes' if p['fits'] else 'no'} |"
-            )
+            lines.append(_search_row(s, p, _f(s.get("checkpointed_layers"), "d")))
         fits = [s["seq_len"] for s in result["search"] if s.get("ok")]
         plan_fits = [p["seq_len"] for p in info.get("planned", []) if p["fits"]]
         lines += [
@@ -1045,13 +1050,7 @@ def markdown(result: dict[str, Any]) -> str:
             )
         tried = {s["seq_len"]: s for s in lc["search"]}
         for p in info.get("planned", []):
-            s = tried.get(p["seq_len"], {})
-            ok = {True: "yes", False: "OOM" if s.get("oom") else "error"}.get(s.get("ok"), "—")
-            lines.append(
-                f"| {p['seq_len']} | {ok} | {_f(s.get('peak_allocated_gib'), '.2f')} "
-                f"| {_f(s.get('step_s'), '.2f')} | — | {p['total_gib']:.2f} "
-                f"| {'yes' if p['fits'] else 'no'} |"
-            )
+            lines.append(_search_row(tried.get(p["seq_len"], {}), p, "—"))
         fits = [s["seq_len"] for s in lc["search"] if s.get("ok")]
         lines += [
             "",
