@@ -283,7 +283,9 @@ def test_selective_checkpointing_keeps_what_the_model_says() -> None:
     layers, n, h = 28, 4096, 3584
     acts = [activation_bytes(cfg, n, k, counts) for k in range(layers + 1)]
     tail = n * h * 4  # the final norm's fp32 input
-    first = n * h * 4  # k = 0: the first norm keeps nothing (the embedding needs no gradient)
+    # k = 0: the first norm keeps nothing (the embedding needs no gradient), nor do the
+    # dropouts before its q/k/v adapters keep their masks (1 byte a value on a GPU).
+    first = n * h * 4 + (3 * n * h if cfg.peft.dropout > 0 else 0)
     per_layer = (acts[0] - tail + first) // layers  # k = 0: every layer's activations
     assert acts[0] == layers * per_layer + tail - first
     # The first k layers keep only their bf16 input; backward recomputes them after the others
