@@ -143,7 +143,7 @@ class StepShape:
             f"a step = {self.global_batch} packed rows of ≤ {self.item_tokens:,} tokens ≈ "
             f"{self.samples_per_step:,.1f} samples ({per_row:.2f} per row, rows "
             f"{self.fill:.1%} full); {epochs} of {self.items:,} rows "
-            "(data.packing=false: one sample per batch item)"
+            "(data.packing=false would put one sample in each batch item)"
         )
 
 
