@@ -391,8 +391,9 @@ def resolve_long_context(cfg: RunConfig, counts: ParamCounts) -> tuple[RunConfig
         speed = step_time(resolved, counts) if cfg.plan.device_tflops else None
         scored.append((variant, label, cost, planned, fits, speed))
     fitting = [s for s in scored if s[4]]
-    if scored[0][4] and scored[0][2] == 1.0:
-        # Fits without any (they stay unmeasured on GPUs): nothing to say at every launch.
+    if scored[0][4]:
+        # The cheapest (none of them beyond what was set) fits: take it, and say nothing at
+        # every launch — they stay unmeasured on GPUs.
         chosen = copy.deepcopy(scored[0][0])
         chosen.trainer.checkpoint_layers = t.checkpoint_layers
         return chosen, None
