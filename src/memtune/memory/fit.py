@@ -318,6 +318,15 @@ COST_TILED_MLP = 1.08
 COST_SEQUENCE_PARALLEL = 1.10  # per doubling of sp
 
 
+def fits_with_spare(planned: Plan) -> bool:
+    """The plan fits the host, and the device with AUTO_CHECKPOINT_SPARE_GIB to spare."""
+    if not planned.fits:
+        return False
+    return planned.device_gib is None or (
+        planned.total_gib <= planned.device_gib - AUTO_CHECKPOINT_SPARE_GIB
+    )
+
+
 def sequence_parallel_choices(cfg: RunConfig) -> list[int]:
     """The split sizes trainer.sequence_parallel=auto may take: divisors of the ranks that
     the heads, the KV heads and data.max_seq_len allow (config.validate's rules)."""
@@ -384,11 +393,8 @@ def resolve_long_context(cfg: RunConfig, counts: ParamCounts) -> tuple[RunConfig
     for variant, label, cost in variants:
         resolved, _ = resolve_checkpoint_layers(variant, counts)
         planned = plan(resolved, counts)
-        room = (
-            None if planned.device_gib is None else planned.device_gib - AUTO_CHECKPOINT_SPARE_GIB
-        )
-        fits = planned.fits and (room is None or planned.total_gib <= room)
-        speed = step_time(resolved, counts) if cfg.plan.device_tflops else None
+        fits = fits_with_spare(planned)
+        speed = step_time(resolved, counts) if fits and cfg.plan.device_tflops else None
         scored.append((variant, label, cost, planned, fits, speed))
     fitting = [s for s in scored if s[4]]
     if scored[0][4]:
@@ -430,10 +436,7 @@ def longest_sequence(cfg: RunConfig, counts: ParamCounts, step: int = 1024) -> t
         chosen, _ = resolve_long_context(trial, counts)
         chosen, _ = resolve_checkpoint_layers(chosen, counts)
         planned = plan(chosen, counts)
-        room = (
-            None if planned.device_gib is None else planned.device_gib - AUTO_CHECKPOINT_SPARE_GIB
-        )
-        ok = planned.fits and (room is None or planned.total_gib <= room)
+        ok = fits_with_spare(planned)
         layers = chosen.model.architecture["num_hidden_layers"]
         k = checkpointed_layers(chosen)
         what = f"{long_context_label(chosen)}, {k} of {layers} layers checkpointed"

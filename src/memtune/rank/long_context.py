@@ -50,6 +50,13 @@ def tiles_for(tokens: int, hidden_size: int) -> int:
     return max(1, math.ceil(tokens / hidden_size))
 
 
+def by_tiles(mlp: nn.Module, run: Callable, x: torch.Tensor, tiles: int) -> torch.Tensor:
+    """``run(mlp, ·)`` over exactly ``tiles`` tiles of the flattened tokens of ``x``."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.cat([run(mlp, t) for t in flat.tensor_split(tiles)], dim=0)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
 class TiledMLP(torch.autograd.Function):
     """``mlp(x)`` over ``tiles`` tiles of the flattened tokens of ``x``, recomputed tile by
     tile in backward."""
@@ -61,10 +68,8 @@ class TiledMLP(torch.autograd.Function):
         ctx.mlp, ctx.run, ctx.tiles, ctx.trainable = mlp, run, tiles, trainable
         ctx.rng = _rng_state(x.device)
         ctx.save_for_backward(x)
-        flat = x.reshape(-1, x.shape[-1])
         with torch.no_grad():
-            out = torch.cat([run(mlp, t) for t in flat.tensor_split(tiles)], dim=0)
-        return out.view(*x.shape[:-1], out.shape[-1])
+            return by_tiles(mlp, run, x, tiles)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -108,9 +113,7 @@ def _tile(mlp: nn.Module, tiles: int) -> None:
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
-            flat = x.reshape(-1, x.shape[-1])
-            out = torch.cat([plain(mlp, t) for t in flat.tensor_split(tiles)], dim=0)
-            return out.view(*x.shape[:-1], out.shape[-1])
+            return by_tiles(mlp, plain, x, tiles)
         return TiledMLP.apply(mlp, plain, x, tiles, trainable)
 
     mlp.forward = forward
