@@ -51,7 +51,7 @@ relock: ## Move constraints.txt to the newest versions pyproject.toml allows, re
 	$(MAKE) test
 	@echo "memtune: constraints.txt moved and tested; update the README's tested versions, then commit both"
 
-test-slurm: $(STAMP) ## Slurm tier: a real 1-node cluster on 127.0.0.1 (root; apt-installs Slurm + MariaDB if missing; ~5-8 min)
+test-slurm: $(STAMP) ## Slurm tier: a real 2-node cluster on 127.0.0.1 (root; apt-installs Slurm + MariaDB if missing; ~5-8 min)
 	$(PY) -m pytest tests/slurm -m slurm $(PYTEST_ARGS)
 
 preprocess: $(STAMP) ## Tokenize the data into its cache and print the counts (ARGS= for data.*)

@@ -14,7 +14,12 @@ from safetensors.torch import load_file
 from memtune.config import ConfigError, RunConfig, to_run_config
 from memtune.launcher.preflight import all_reduce_check, measured_bus_gb_s, nccl_env_decision
 from memtune.launcher.spawn import free_port, rank_command
-from memtune.launcher.topology import check_hostfile, first_host, resolve
+from memtune.launcher.topology import (
+    check_hostfile,
+    first_host,
+    resolve,
+    size_from_allocation,
+)
 from tests.conftest import FAST, ROOT, compose_cfg, run_train_py
 
 DS = [sys.executable, "-m", "memtune.launcher.ds_runner"]
@@ -95,6 +100,52 @@ def test_slurm_environment_maps_to_this_nodes_place() -> None:
     ]
     explicit = resolve(cfg, env={**SLURM_NODE1, "MASTER_ADDR": "10.1.1.7", "MASTER_PORT": "555"})
     assert (explicit.master_addr, explicit.master_port) == ("10.1.1.7", 555)
+
+
+STEP = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "2"}
+
+
+@pytest.mark.parametrize(
+    ("env", "given", "want"),
+    [
+        # One task per node of a 2-node step, 4 GPUs on each (as Slurm writes --gpus-per-node).
+        ({**STEP, "SLURM_GPUS_PER_NODE": "a100:4"}, [], (2, 8)),
+        ({**STEP, "SLURM_GPUS_ON_NODE": "4", "MEMTUNE_RANKS_PER_NODE": "1"}, [], (2, 2)),
+        # A CPU node with no count: as many per node as the config runs (launcher.num_ranks=3).
+        (STEP, [], (2, 6)),
+        # Given on the command line: kept; the rest still follows the allocation.
+        ({**STEP, "SLURM_GPUS_ON_NODE": "4"}, ["launcher.num_ranks=2"], (2, 2)),
+        ({**STEP, "SLURM_GPUS_ON_NODE": "4"}, ["launcher.nnodes=1"], (1, 4)),
+        # Not a job step (salloc's shell, a login node): the config as it is.
+        ({"SLURM_JOB_ID": "77", "SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "4"}, [], (1, 3)),
+        ({}, [], (1, 3)),
+    ],
+    ids=[
+        "gpus-per-node",
+        "ranks-env-first",
+        "cpu-node",
+        "ranks-given",
+        "nodes-given",
+        "salloc-shell",
+        "no-slurm",
+    ],
+)
+def test_a_slurm_job_is_sized_from_its_allocation(
+    env: dict[str, str], given: list[str], want: tuple[int, int]
+) -> None:
+    launcher = compose_cfg(["launcher.num_ranks=3", *given]).launcher
+    made = size_from_allocation(launcher, given, env)
+    assert (launcher.nnodes, launcher.num_ranks) == want
+    assert len(made) == (0 if want == (1, 3) else 2 - len(given))
+
+
+def test_allocation_sizing_can_be_off_and_names_a_bad_count() -> None:
+    env = {**STEP, "SLURM_GPUS_ON_NODE": "4"}
+    launcher = compose_cfg(["launcher.from_allocation=false", "launcher.num_ranks=3"]).launcher
+    assert size_from_allocation(launcher, [], env) == []
+    assert (launcher.nnodes, launcher.num_ranks) == (1, 3)
+    with pytest.raises(ConfigError, match=r"\$MEMTUNE_RANKS_PER_NODE='two'"):
+        size_from_allocation(compose_cfg([]).launcher, [], {**env, "MEMTUNE_RANKS_PER_NODE": "two"})
 
 
 def test_per_node_form_needs_what_the_nodes_must_agree_on() -> None:

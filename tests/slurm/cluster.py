@@ -1,4 +1,4 @@
-"""A one-node Slurm cluster on 127.0.0.1 for the Slurm test tier, from nothing.
+"""A two-node Slurm cluster on 127.0.0.1 for the Slurm test tier, from nothing.
 
     python -m tests.slurm.cluster up       # install if needed, start, print `export SLURM_CONF=`
     python -m tests.slurm.cluster status   # what runs, sinfo / squeue
@@ -11,11 +11,13 @@ What `up` does, each step only if it is not done yet:
 2. Writes slurm.conf and slurmdbd.conf into the cluster dir (default /tmp/memtune-slurm, or
    $MEMTUNE_SLURM_DIR), with free ports on 127.0.0.1. Slurm runs as root without systemd,
    cgroups or munge: auth/none, cred/none, proctrack/linuxproc, task/none, cons_tres on cores;
-   one node declared as `slurmd -C` reports it.
+   two nodes (memtune-node0, memtune-node1), each declared as `slurmd -C` reports this machine,
+   each served by its own slurmd on its own port (`slurmd -N NAME`, `%n` in the pid, spool
+   and log paths), their names added to /etc/hosts as 127.0.0.1.
 3. Starts MariaDB by hand (its own datadir and socket, 127.0.0.1 only) for slurmdbd: without
    accounting `sacct` fails, and submitit then waits forever on a job that died.
 4. Starts slurmdbd, registers the cluster, starts slurmctld and slurmd, and waits until
-   `sinfo` shows the node idle.
+   `sinfo` shows both nodes idle.
 
 Requeued jobs are eligible again after ~10 s rather than 120 s (`AuthInfo=cred_expire=10`,
 `sched_interval=1`). Every external call has a timeout; `down` cancels the jobs, then stops
@@ -41,13 +43,13 @@ from typing import TypeVar
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "slurmdbd", "mariadb-server"]
 CLUSTER_NAME = "memtune"
-NODE_NAME = "memtune-node"
+NODES = ("memtune-node0", "memtune-node1")  # two slurmds on this machine, one port each
 PARTITION = "debug"
 DB_USER = "slurm"
 DB_PASSWORD = "memtune-slurm"  # a throwaway database on 127.0.0.1 of a test machine
 DEFAULT_DIR = Path(os.environ.get("MEMTUNE_SLURM_DIR", "/tmp/memtune-slurm"))
 T = TypeVar("T")
-DAEMONS = ("slurmd", "slurmctld", "slurmdbd", "mariadbd")  # stop order
+DAEMONS = (*(f"slurmd.{n}" for n in NODES), "slurmctld", "slurmdbd", "mariadbd")  # stop order
 
 
 class ClusterError(RuntimeError):
@@ -191,29 +193,32 @@ class Cluster:
             comm = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
             return None
-        return pid if comm == daemon[:15] else None
+        return pid if comm == daemon.split(".")[0][:15] else None
 
     def running(self) -> dict[str, int | None]:
         return {d: self.pid(d) for d in DAEMONS}
 
-    def node_state(self) -> str | None:
+    def node_states(self) -> dict[str, str]:
+        """Each node's state as sinfo reports it (empty if slurmctld does not answer)."""
         if not self.conf.is_file() or not shutil.which("sinfo"):
-            return None
+            return {}
         proc = run(
-            ["sinfo", "-h", "-N", "-n", NODE_NAME, "-o", "%T"],
+            ["sinfo", "-h", "-N", "-o", "%N %T"],
             timeout=15,
             check=False,
             env=self.env(),
             quiet=True,
         )
-        return proc.stdout.strip() or None if proc.returncode == 0 else None
+        if proc.returncode != 0:
+            return {}
+        return dict(line.split(None, 1) for line in proc.stdout.splitlines() if " " in line)
+
+    def nodes_are(self, states: set[str]) -> bool:
+        found = self.node_states()
+        return set(found) == set(NODES) and all(s.rstrip("*") in states for s in found.values())
 
     def is_up(self) -> bool:
-        return all(self.running().values()) and self.node_state() in {
-            "idle",
-            "mixed",
-            "allocated",
-        }
+        return all(self.running().values()) and self.nodes_are({"idle", "mixed", "allocated"})
 
     # -- up --------------------------------------------------------------------------------
 
@@ -230,8 +235,10 @@ class Cluster:
             shutil.rmtree(self.dir)
         for sub in ("etc", "log", "run", "state", "spool", "mysql", "tmp"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
-        ports = {"ctld": free_port(), "slurmd": free_port(), "dbd": free_port(), "db": free_port()}
+        ports = {"ctld": free_port(), "dbd": free_port(), "db": free_port()}
+        ports.update({node: free_port() for node in NODES})
         self._write_configs(ports)
+        ensure_hosts_entry()
         self._start_mariadb(ports["db"])
         self._start_slurmdbd(ports["dbd"])
         self._start_slurm()
@@ -239,14 +246,18 @@ class Cluster:
         return self
 
     def _write_configs(self, ports: dict[str, int]) -> None:
-        node = self._node_line()
+        hardware = self._node_line()
+        node_lines = "\n".join(
+            f"NodeName={node} NodeAddr=127.0.0.1 NodeHostname=localhost Port={ports[node]} "
+            f"{hardware} State=UNKNOWN"
+            for node in NODES
+        )
         d = self.dir
         self.conf.write_text(
-            f"""# Generated by tests/slurm/cluster.py: one node on 127.0.0.1, root, no munge.
+            f"""# Generated by tests/slurm/cluster.py: two nodes on 127.0.0.1, root, no munge.
 ClusterName={CLUSTER_NAME}
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={ports["ctld"]}
-SlurmdPort={ports["slurmd"]}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/none
@@ -268,11 +279,11 @@ SlurmctldTimeout=30
 SlurmdTimeout=60
 InactiveLimit=0
 StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool
+SlurmdSpoolDir={d}/spool/%n
 SlurmctldPidFile={self.pid_file("slurmctld")}
-SlurmdPidFile={self.pid_file("slurmd")}
+SlurmdPidFile={d}/run/slurmd.%n.pid
 SlurmctldLogFile={self.logs}/slurmctld.log
-SlurmdLogFile={self.logs}/slurmd.log
+SlurmdLogFile={self.logs}/slurmd.%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 AccountingStorageType=accounting_storage/slurmdbd
@@ -280,7 +291,7 @@ AccountingStorageHost=127.0.0.1
 AccountingStoragePort={ports["dbd"]}
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
-NodeName={NODE_NAME} NodeAddr=127.0.0.1 NodeHostname=localhost {node} State=UNKNOWN
+{node_lines}
 PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 """
         )
@@ -424,18 +435,20 @@ StorageLoc=slurm_acct_db
 
     def _start_slurm(self) -> None:
         self._spawn("slurmctld", [_bin("slurmctld")])
-        self._spawn("slurmd", [_bin("slurmd"), "-N", NODE_NAME])
+        for node in NODES:
+            (self.dir / "spool" / node).mkdir(parents=True, exist_ok=True)
+            self._spawn(f"slurmd.{node}", [_bin("slurmd"), "-N", node])
         try:
             wait_for(
-                "the node to be idle in sinfo",
-                lambda: self.node_state() == "idle",
+                "the nodes to be idle in sinfo",
+                lambda: self.nodes_are({"idle"}),
                 timeout=120,
                 interval=1,
             )
         except ClusterError as err:
             raise ClusterError(
-                f"{err} (state {self.node_state()})\n{self._tail('slurmctld')}\n"
-                f"{self._tail('slurmd')}"
+                f"{err} (states {self.node_states()})\n{self._tail('slurmctld')}\n"
+                + "\n".join(self._tail(f"slurmd.{node}") for node in NODES)
             ) from None
 
     # -- down ------------------------------------------------------------------------------
@@ -475,6 +488,7 @@ StorageLoc=slurm_acct_db
             if any(self.running().values()):
                 raise ClusterError(f"daemons still running; not removing {self.dir}")
             shutil.rmtree(self.dir)
+            remove_hosts_entry()
             if not quiet:
                 log(f"removed {self.dir}")
 
@@ -502,6 +516,30 @@ StorageLoc=slurm_acct_db
                 proc = run(cmd, timeout=15, check=False, env=self.env(), quiet=True)
                 lines.append(proc.stdout.rstrip() or proc.stderr.rstrip())
         return "\n".join(lines)
+
+
+HOSTS = Path("/etc/hosts")
+HOSTS_LINE = f"127.0.0.1 {' '.join(NODES)}  # memtune Slurm test cluster (tests/slurm/cluster.py)"
+
+
+def ensure_hosts_entry() -> None:
+    """The node names resolve to 127.0.0.1, as a real cluster's node names resolve: the jobs
+    use the first node's name as the master address (train.sbatch, launcher.topology)."""
+    try:
+        if all(socket.gethostbyname(node) == "127.0.0.1" for node in NODES):
+            return
+    except OSError:
+        pass
+    log(f"adding to {HOSTS}: {HOSTS_LINE}")
+    with HOSTS.open("a") as f:
+        f.write(f"\n{HOSTS_LINE}\n")
+
+
+def remove_hosts_entry() -> None:
+    if HOSTS.is_file() and HOSTS_LINE in HOSTS.read_text():
+        kept = [line for line in HOSTS.read_text().splitlines() if line != HOSTS_LINE]
+        HOSTS.write_text("\n".join(kept).rstrip("\n") + "\n")
+        log(f"removed the cluster's line from {HOSTS}")
 
 
 def _listening(port: int) -> bool:

@@ -1,4 +1,4 @@
-"""The Slurm tier's session fixture: a real one-node cluster on 127.0.0.1 (see cluster.py).
+"""The Slurm tier's session fixture: a real two-node cluster on 127.0.0.1 (see cluster.py).
 
 The cluster is brought up once per session (installing Slurm and MariaDB with apt-get the first
 time) and torn down at the end, unless it was already up before the session (`python -m

@@ -1,4 +1,4 @@
-"""memtune on a real Slurm cluster (one node on 127.0.0.1, see cluster.py): sbatch, preemption
+"""memtune on a real Slurm cluster (two nodes on 127.0.0.1, see cluster.py): sbatch, preemption
 with requeue and resume, and a Hydra sweep through hydra-submitit-launcher.
 
     make test-slurm          # or: pytest -m slurm tests/slurm
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm.cluster import Cluster
+from tests.slurm.cluster import NODES, Cluster
 
 pytestmark = pytest.mark.slurm
 
@@ -91,17 +91,27 @@ def tail(path: Path | None, lines: int = 40) -> str:
     return f"--- {path}\n" + "\n".join(text)
 
 
-def job_env() -> dict[str, str]:
+def job_env(ranks_per_node: int = RANKS) -> dict[str, str]:
     # The jobs inherit it (sbatch --export=ALL): SLURM_CONF, this session's MEMTUNE_CACHE_DIR.
-    return {**os.environ, "MEMTUNE_PYTHON": sys.executable, "MEMTUNE_RANKS_PER_NODE": str(RANKS)}
+    # train.py sizes a job from its allocation: nodes × $MEMTUNE_RANKS_PER_NODE on CPU nodes.
+    return {
+        **os.environ,
+        "MEMTUNE_PYTHON": sys.executable,
+        "MEMTUNE_RANKS_PER_NODE": str(ranks_per_node),
+    }
 
 
-def submit(out_dir: Path, overrides: list[str], script: Path = SBATCH) -> tuple[str, Path]:
+def submit(
+    out_dir: Path,
+    overrides: list[str],
+    sbatch_args: tuple[str, ...] | list[str] = (),
+    ranks_per_node: int = RANKS,
+) -> tuple[str, Path]:
     log = out_dir / "slurm-%j.out"
     proc = subprocess.run(
-        ["sbatch", "--parsable", f"--output={log}", str(script), *overrides],
+        ["sbatch", "--parsable", f"--output={log}", *sbatch_args, str(SBATCH), *overrides],
         cwd=ROOT,  # the script runs train.py from the submit dir
-        env=job_env(),
+        env=job_env(ranks_per_node),
         capture_output=True,
         text=True,
         timeout=60,
@@ -161,10 +171,13 @@ def test_sbatch_cpu_demo(slurm_cluster: Cluster, tmp_path: Path) -> None:
     assert f"memtune: job {job_id} restart 0" in log.read_text()
 
 
-def preempt_after_3_steps(job_id: str, log: Path, run_dir: Path) -> list:
+def preempt_after_3_steps(
+    job_id: str, log: Path, run_dir: Path, drain: str | None = None
+) -> list[Record]:
     """Wait for 3 training steps, then do what Slurm does before a time limit
     (--signal=B:USR2@120): USR2 to the batch script, whose trap passes it to the ranks through
-    srun and train.py. Returns the job's records once it has ended."""
+    srun and train.py. With ``drain``, that node is drained first (it takes no new job once
+    this one leaves it). Returns the job's records once it has ended."""
     deadline = time.monotonic() + 300
     while len(steps_logged(run_dir)) < 3:
         assert in_queue(job_id), f"job {job_id} ended before training\n{tail(log)}"
@@ -172,6 +185,8 @@ def preempt_after_3_steps(job_id: str, log: Path, run_dir: Path) -> list:
             subprocess.run(["scancel", "--full", job_id], timeout=30, check=False)
             pytest.fail(f"job {job_id}: no training steps after 300 s\n{tail(log)}")
         time.sleep(0.5)
+    if drain:
+        slurm(["scontrol", "update", f"NodeName={drain}", "State=DRAIN", "Reason=memtune-test"])
     slurm(["scancel", "--signal=USR2", "--batch", job_id])
     return wait_done(job_id, timeout=480, log=log)
 
@@ -205,31 +220,36 @@ def test_preempted_job_is_requeued_and_resumes(slurm_cluster: Cluster, tmp_path:
     assert_adapter(run_dir, r=16)
 
 
-def test_a_requeued_job_that_comes_back_smaller_resumes(
+def test_a_requeued_job_that_comes_back_on_fewer_nodes_resumes(
     slurm_cluster: Cluster, tmp_path: Path
 ) -> None:
-    """train.sbatch sizes the run from its allocation; a requeue that gets fewer GPUs (here: a
-    copy of the script that sees one GPU per node from its first restart on) resumes the same
-    run on fewer ranks instead of being refused."""
-    smaller = tmp_path / "train-smaller-on-restart.sbatch"
-    text = SBATCH.read_text()
-    marker = "set -uo pipefail\n"
-    assert marker in text
-    shrink = "[[ ${SLURM_RESTART_COUNT:-0} -ge 1 ]] && export MEMTUNE_RANKS_PER_NODE=1\n"
-    smaller.write_text(text.replace(marker, marker + shrink, 1))
+    """A job submitted for 1-2 nodes starts on both (per-node form, a rank on each); while it
+    is preempted, memtune-node1 is drained, so the requeued job gets one node: train.py sizes
+    itself from that allocation and resumes the same run on one rank instead of waiting for a
+    second node or being refused."""
     run_dir = tmp_path / "run"
     steps = 40
     job_id, log = submit(
         tmp_path,
         [f"run_dir={run_dir}", *TINY, f"trainer.max_steps={steps}", "trainer.save_every=1000"],
-        script=smaller,
+        sbatch_args=["--nodes=1-2"],
+        ranks_per_node=1,
     )
-    records = preempt_after_3_steps(job_id, log, run_dir)
+    try:
+        records = preempt_after_3_steps(job_id, log, run_dir, drain=NODES[1])
+    finally:
+        slurm(["scontrol", "update", f"NodeName={NODES[1]}", "State=RESUME"])
     assert [r.state for r in records] == ["REQUEUED", "COMPLETED"], f"{records}\n{tail(log)}"
+    text = log.read_text()
+    first, second = text.split(f"memtune: job {job_id} restart 1", 1)
+    assert "on memtune-node[0-1]" in first and f"on {NODES[0]}" in second, tail(log)
+    assert "launcher.nnodes=2 launcher.num_ranks=2, sized from its allocation" in first
+    assert "launcher.nnodes=1 launcher.num_ranks=1, sized from its allocation" in second
+    assert "resuming across a change of ranks" in second
     resume = json.loads((run_dir / "resume.json").read_text())
-    # One rank also runs ZeRO-2 instead of ZeRO-3 (zero.one_rank_stage2): both are allowed.
-    assert resume["changed"]["launcher.num_ranks"] == [RANKS, 1], tail(log)
-    assert "resuming across a change of ranks" in log.read_text()
+    assert resume["changed"]["launcher.nnodes"] == [2, 1], tail(log)
+    assert resume["changed"]["launcher.num_ranks"] == [2, 1]
+    # Every step exactly once across the two starts, on two nodes and then on one.
     assert steps_logged(run_dir) == list(range(1, steps + 1))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps and summary["world_size"] == 1

@@ -230,6 +230,11 @@ class LauncherConfig:
     experiments set it: a 7B job on CPU ranks would only crawl or exhaust the host's memory)."""
     omp_threads: int | None = None
     """OMP_NUM_THREADS per rank when not set in the environment. Default: cores // ranks."""
+    from_allocation: bool = True
+    """In a Slurm job step (train.sbatch, hydra/launcher=slurm, any ``srun train.py``):
+    launcher.nnodes and launcher.num_ranks follow the allocation — the step's nodes × the GPUs
+    on each ($MEMTUNE_RANKS_PER_NODE first, for CPU nodes) — unless given on the command line.
+    A requeue that lands on fewer nodes or GPUs then resumes on what it got."""
 
 
 @dataclass

@@ -22,7 +22,13 @@ from memtune.launcher import oom
 from memtune.launcher.preflight import PreflightError, for_launch
 from memtune.launcher.prepare import already_finished, decide, given_config, prepare_run_dir
 from memtune.launcher.spawn import launch
-from memtune.launcher.topology import announce_ready, resolve, wait_ready, write_nodes_hostfile
+from memtune.launcher.topology import (
+    announce_ready,
+    resolve,
+    size_from_allocation,
+    wait_ready,
+    write_nodes_hostfile,
+)
 from memtune.machine import name_cpu_accelerator, versions_line
 from memtune.memory.estimate import format_plan
 from memtune.memory.fit import format_longest_sequence, format_step_estimates, format_suggestions
@@ -100,6 +106,17 @@ def run_job(cfg: DictConfig) -> None:
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
     if sweeping and cfg.logger.group is None:
         cfg.logger.group = Path(hydra_cfg.sweep.dir).name  # one wandb group per sweep
+    try:
+        sized = size_from_allocation(cfg.launcher, list(hydra_cfg.overrides.task))
+    except ConfigError as err:
+        print(f"memtune: config error: {err}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
+    if sized:
+        print(
+            f"memtune: Slurm job {os.environ.get('SLURM_JOB_ID')}: {' '.join(sized)}, sized "
+            "from its allocation (launcher.from_allocation)",
+            flush=True,
+        )
     if cfg.plan_only:
         sys.exit(print_plan(cfg))
     spec = None
@@ -164,7 +181,10 @@ def run_job(cfg: DictConfig) -> None:
     if code != 0 and oom.reports(run_dir) and spec.node_rank == 0 and spec.form != "per-node":
         code = after_out_of_memory(run_cfg, run_dir, spec, nccl_env)
     if spec.node_rank != 0:
-        sys.exit(code)
+        # A stop with a checkpoint is node 0's to report (exit 75, and the requeue): were nodes
+        # 1.. to exit 75 too, the first to do so would make srun (--kill-on-bad-exit) kill node 0
+        # before it reports, and the job would end FAILED instead of requeued.
+        sys.exit(0 if code == EXIT_REQUEUE else code)
     if code == EXIT_REQUEUE and os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
         # A sweep point in a submitit job: its checkpoint is saved; submitit's own handler for
         # the same signal now requeues the job (hydra/launcher=slurm, max_num_timeout).

@@ -179,6 +179,8 @@ def resolve_resume(cfg: RunConfig, run_dir: Path, data_dir: Path) -> Path | None
     if state.world_size != ranks or old_stage != stage:
         why = world_change_problem(cfg, ckpt)
         changed = f"{state.world_size} rank(s), ZeRO-{old_stage} → {ranks}, ZeRO-{stage}"
+        if saved.launcher.nnodes != cfg.launcher.nnodes:
+            changed += f"; {saved.launcher.nnodes} → {cfg.launcher.nnodes} node(s)"
         if why:
             diffs.append(f"  launcher.num_ranks / zero.stage: checkpoint {changed} ({why})")
         else:

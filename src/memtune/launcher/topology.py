@@ -22,6 +22,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from memtune.config import ConfigError, RunConfig
 from memtune.rundir import RunDir
@@ -111,6 +112,71 @@ def resolve(cfg: RunConfig, env: Mapping[str, str] | None = None) -> NodeSpec:
             "a dated default would differ between nodes"
         )
     return NodeSpec("per-node", lc.nnodes, per_node, node_rank, master_addr, port, launch_id)
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The part of a Slurm allocation this train.py runs on: one task per node."""
+
+    job_id: str
+    nnodes: int
+    ranks_per_node: int | None
+    """None: not known from the environment (a CPU node without $MEMTUNE_RANKS_PER_NODE)."""
+
+
+RANKS_PER_NODE_ENV = ("MEMTUNE_RANKS_PER_NODE", "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE")
+"""The ranks per node of a Slurm task, first found: memtune's own (CPU nodes, or fewer ranks
+than GPUs), then the GPUs Slurm gave this node (``--gpus-per-node=a100:4`` gives ``a100:4``)."""
+
+
+def slurm_allocation(env: Mapping[str, str] | None = None) -> Allocation | None:
+    """The nodes and ranks per node of the Slurm job step this process is a task of, or None
+    when it is not in a step (a login shell, or ``salloc`` without ``srun``: one process there
+    must not wait for nodes that never start)."""
+    env = os.environ if env is None else env
+    nnodes = _int_env(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES")
+    if not env.get("SLURM_JOB_ID") or not env.get("SLURM_STEP_ID", "").strip() or not nnodes:
+        return None
+    for name in RANKS_PER_NODE_ENV:
+        value = env.get(name, "").strip().split(",")[0].rsplit(":", 1)[-1]
+        if value:
+            try:
+                per_node = int(value)
+            except ValueError:
+                per_node = 0
+            if per_node < 1:
+                raise ConfigError(f"${name}={env[name]!r}: expected a number of ranks per node")
+            return Allocation(env["SLURM_JOB_ID"], nnodes, per_node)
+    return Allocation(env["SLURM_JOB_ID"], nnodes, None)
+
+
+def size_from_allocation(
+    launcher: Any, given_on_command_line: list[str], env: Mapping[str, str] | None = None
+) -> list[str]:
+    """launcher.from_allocation: set launcher.nnodes and launcher.num_ranks (a DictConfig
+    node, before the typed config exists) from the Slurm allocation, except those given on
+    the command line. Returns the assignments made (values equal to the config's included),
+    for the start-up line.
+
+    One place decides a Slurm job's size, for train.sbatch and hydra/launcher=slurm alike, so a
+    requeued job that comes back on fewer nodes or GPUs resumes on what it got (resume=auto
+    accepts another number of ranks, prepare.resume_changes records it)."""
+    if not launcher.from_allocation:
+        return []
+    alloc = slurm_allocation(env)
+    if alloc is None:
+        return []
+    given = {o.split("=", 1)[0].lstrip("+~") for o in given_on_command_line}
+    nnodes = launcher.nnodes if "launcher.nnodes" in given else alloc.nnodes
+    # Unknown from the environment: as many per node as the config runs.
+    per_node = alloc.ranks_per_node or max(1, launcher.num_ranks // launcher.nnodes)
+    wanted = {"launcher.nnodes": nnodes, "launcher.num_ranks": nnodes * per_node}
+    made = []
+    for key, value in wanted.items():
+        if key not in given:
+            launcher[key.split(".", 1)[1]] = value
+            made.append(f"{key}={value}")
+    return made
 
 
 def check_hostfile(path: Path, nnodes: int, per_node: int) -> list[tuple[str, int]]:

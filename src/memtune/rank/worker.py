@@ -290,7 +290,8 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
                 state = load_checkpoint(engine, Path(checkpoint), rank)
             else:
                 state = load_checkpoint_any_world(engine, Path(checkpoint), rank)
-                print0(f"memtune: resuming from its gathered optimizer state ({moved})", flush=True)
+                what = ", ".join(f"{k} {old} → {new}" for k, (old, new) in moved.items())
+                print0(f"memtune: resuming from its gathered optimizer state ({what})", flush=True)
             result = TrainResult(
                 steps=state.step,
                 label_tokens=state.label_tokens,
