@@ -305,3 +305,71 @@ def test_submitit_sweep_one_job_per_point(slurm_cluster: Cluster, tmp_path: Path
     report = (sweep / "sweep_report.md").read_text()
     assert "peft.r=4" in report and "peft.r=8" in report
     assert (sweep / "sweep_loss.png").stat().st_size > 0
+
+
+def test_a_preempted_sweep_point_is_requeued_by_submitit_and_resumes_smaller(
+    slurm_cluster: Cluster, tmp_path: Path
+) -> None:
+    """hydra/launcher=slurm: a point's job preempted with USR2 saves its checkpoint, train.py
+    hands the signal to submitit, which requeues the job; the restart (given one rank per node
+    instead of two by a setup line, as a smaller allocation would) resumes the same run dir."""
+    sweep = tmp_path / "sweep"
+    steps = 40
+    shrink = tmp_path / "shrink-on-restart.sh"
+    shrink.write_text(
+        "[[ ${SLURM_RESTART_COUNT:-0} -ge 1 ]] && export MEMTUNE_RANKS_PER_NODE=1\n"
+        'echo "memtune-test: restart ${SLURM_RESTART_COUNT:-0}, '
+        '${MEMTUNE_RANKS_PER_NODE} rank(s) per node"\n'
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "-m",
+            "hydra/launcher=slurm",
+            "peft.r=4",
+            *TINY,
+            f"trainer.max_steps={steps}",
+            "trainer.save_every=1000",
+            f"hydra.sweep.dir={sweep}",
+            "hydra.launcher.timeout_min=20",
+            f"hydra.launcher.setup=['. {shrink}']",
+        ],
+        cwd=tmp_path,
+        env=job_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    run_dir = sweep / "0"
+    submitit = sweep / ".submitit"
+    try:
+        deadline = time.monotonic() + 300
+        while len(steps_logged(run_dir)) < 3:
+            assert proc.poll() is None, proc.communicate()[0][-4000:]
+            assert time.monotonic() < deadline, "no training steps after 300 s"
+            time.sleep(0.5)
+        # One point: a plain job, not an array (submitit's folder per job: .submitit/<id>).
+        job_ids = [p.name for p in submitit.iterdir() if re.fullmatch(r"\d+(_0)?", p.name)]
+        assert len(job_ids) == 1, sorted(p.name for p in submitit.iterdir())
+        job_id = job_ids[0]
+        slurm(["scancel", "--signal=USR2", job_id])  # the job's tasks, as --signal=USR2@120 does
+        output = proc.communicate(timeout=600)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-4000:]
+
+    records = sacct(job_id)
+    assert [r.state for r in records] == ["REQUEUED", "COMPLETED"], records
+    job_log = (submitit / job_id / f"{job_id}_0_log.out").read_text()
+    assert "memtune-test: restart 1, 1 rank(s) per node" in job_log, job_log[-3000:]
+    resume = json.loads((run_dir / "resume.json").read_text())
+    assert resume["changed"]["launcher.num_ranks"] == [RANKS, 1], job_log[-3000:]
+    assert steps_logged(run_dir) == list(range(1, steps + 1))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["world_size"] == 1
+    assert_adapter(run_dir, r=4)
+    with (sweep / "sweep_report.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(row["status"], row["steps"]) for row in rows] == [("ok", str(steps))]
