@@ -16,6 +16,7 @@ from memtune.launcher.preflight import all_reduce_check, measured_bus_gb_s, nccl
 from memtune.launcher.spawn import free_port, rank_command
 from memtune.launcher.topology import (
     check_hostfile,
+    check_sweep_point_nodes,
     first_host,
     resolve,
     size_from_allocation,
@@ -146,6 +147,13 @@ def test_allocation_sizing_can_be_off_and_names_a_bad_count() -> None:
     assert (launcher.nnodes, launcher.num_ranks) == (1, 3)
     with pytest.raises(ConfigError, match=r"\$MEMTUNE_RANKS_PER_NODE='two'"):
         size_from_allocation(compose_cfg([]).launcher, [], {**env, "MEMTUNE_RANKS_PER_NODE": "two"})
+
+
+def test_a_sweep_point_on_several_nodes_is_refused_by_name() -> None:
+    check_sweep_point_nodes({**STEP, "SLURM_STEP_NUM_NODES": "1"})
+    check_sweep_point_nodes({})
+    with pytest.raises(ConfigError, match=r"hydra.launcher.nodes=2: a sweep point runs on one"):
+        check_sweep_point_nodes(STEP)
 
 
 def test_per_node_form_needs_what_the_nodes_must_agree_on() -> None:

@@ -373,3 +373,38 @@ def test_a_preempted_sweep_point_is_requeued_by_submitit_and_resumes_smaller(
     with (sweep / "sweep_report.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert [(row["status"], row["steps"]) for row in rows] == [("ok", str(steps))]
+
+
+def test_a_sweep_point_on_two_nodes_is_refused_by_name(
+    slurm_cluster: Cluster, tmp_path: Path
+) -> None:
+    """hydra.launcher.nodes=2 would run the point's whole job once per node, and submitit could
+    not requeue it onto fewer nodes: each node's task stops before anything starts and the
+    sweep report names the refusal."""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "-m",
+            "hydra/launcher=slurm",
+            "peft.r=4",
+            *TINY,
+            f"hydra.sweep.dir={sweep}",
+            "hydra.launcher.timeout_min=5",
+            "hydra.launcher.nodes=2",
+        ],
+        cwd=tmp_path,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    output = proc.stdout[-4000:] + proc.stderr[-4000:]
+    exit_record = json.loads((sweep / "0" / "exit.json").read_text())
+    assert exit_record["code"] == 2, output
+    assert "hydra.launcher.nodes=2: a sweep point runs on one node" in exit_record["error"]
+    assert not (sweep / "0" / "config.yaml").exists()  # nothing prepared, no ranks started
+    with (sweep / "sweep_report.csv").open() as f:
+        assert [row["status"] for row in csv.DictReader(f)] == ["failed (exit 2)"]

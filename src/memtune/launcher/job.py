@@ -24,6 +24,7 @@ from memtune.launcher.prepare import already_finished, decide, given_config, pre
 from memtune.launcher.spawn import launch
 from memtune.launcher.topology import (
     announce_ready,
+    check_sweep_point_nodes,
     resolve,
     size_from_allocation,
     wait_ready,
@@ -107,10 +108,16 @@ def run_job(cfg: DictConfig) -> None:
     if sweeping and cfg.logger.group is None:
         cfg.logger.group = Path(hydra_cfg.sweep.dir).name  # one wandb group per sweep
     try:
+        if sweeping and os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
+            check_sweep_point_nodes()
         sized = size_from_allocation(cfg.launcher, list(hydra_cfg.overrides.task))
     except ConfigError as err:
         print(f"memtune: config error: {err}", file=sys.stderr)
-        sys.exit(EXIT_CONFIG)
+        if not sweeping:
+            sys.exit(EXIT_CONFIG)
+        RunDir(run_dir).write_exit(EXIT_CONFIG, f"config error: {err}")
+        FAILED_POINTS.append(str(run_dir))
+        return
     if sized:
         print(
             f"memtune: Slurm job {os.environ.get('SLURM_JOB_ID')}: {' '.join(sized)}, sized "

@@ -150,6 +150,20 @@ def slurm_allocation(env: Mapping[str, str] | None = None) -> Allocation | None:
     return Allocation(env["SLURM_JOB_ID"], nnodes, None)
 
 
+def check_sweep_point_nodes(env: Mapping[str, str] | None = None) -> None:
+    """A sweep point's Slurm job (hydra/launcher=slurm) runs on one node. submitit fixes a job's
+    task count when it submits and waits for a result from every task, so a multi-node point
+    could never come back on fewer nodes after a requeue, and Hydra would run each point's
+    job once per node: refused before anything starts, naming what to use instead."""
+    alloc = slurm_allocation(env)
+    if alloc is not None and alloc.nnodes > 1:
+        raise ConfigError(
+            f"hydra.launcher.nodes={alloc.nnodes}: a sweep point runs on one node (its ranks "
+            "are that node's GPUs); for a run over several nodes submit "
+            "launch/slurm/train.sbatch with --nodes=N, one job per point"
+        )
+
+
 def size_from_allocation(
     launcher: Any, given_on_command_line: list[str], env: Mapping[str, str] | None = None
 ) -> list[str]:
