@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from transformers import Qwen2Config
 
-from memtune.config import ConfigError, to_run_config
+from memtune.config import ConfigError, cache_dir, to_run_config
 from memtune.config.architecture import loaded_mismatches, resolve_architecture
 from memtune.launcher.prepare import given_config
-from memtune.memory.counts import count_params
+from memtune.memory.counts import _count_on_meta, count_params
 from memtune.memory.estimate import format_plan, plan
 from memtune.rank.model import add_lora, load_base_model
 from memtune.tools.tiny import synthesize
@@ -154,3 +154,24 @@ def test_the_planned_counts_are_peft_s_counts() -> None:
     trainable, total = model.get_nb_trainable_parameters()
     text = format_plan(cfg, plan(cfg))
     assert f"trainable {trainable:,} of {total:,}" in text
+
+
+def test_counts_are_kept_per_architecture_and_lora_shape() -> None:
+    """count_params keeps its answer on disk (a train.py start skips building the meta model and
+    importing peft): the kept answer equals a fresh count, and another rank or another
+    architecture is counted anew, never served from the wrong file."""
+    cfg = to_run_config(compose_cfg(["peft=lora-all-linear", "peft.r=12"]))
+    kept = cache_dir() / "counts"
+    before = set(kept.glob("*.json")) if kept.is_dir() else set()
+    first = count_params(cfg)
+    (made,) = set(kept.glob("*.json")) - before
+    assert count_params(cfg) == first == _count_on_meta(cfg)
+    other_r = to_run_config(compose_cfg(["peft=lora-all-linear", "peft.r=24"]))
+    assert count_params(other_r).lora == 2 * first.lora
+    wider = to_run_config(compose_cfg(["peft=lora-all-linear", "peft.r=12"]))
+    wider.model.architecture["intermediate_size"] = 2 * cfg.model.architecture["intermediate_size"]
+    assert count_params(wider).linear > first.linear
+    assert len(set(kept.glob("*.json")) - before) == 3
+    # A damaged file is counted again, not trusted.
+    made.write_text("{not json")
+    assert count_params(cfg) == first

@@ -43,12 +43,14 @@ def _back_to_step_10(full: Path, into: Path) -> Path:
 
 @pytest.mark.parametrize(
     ("zero", "ranks_before", "ranks_after", "extra"),
+    # Each stage both ways, each stage padded and packed (the demo packs by default).
     [
-        ("zero2", 2, 1, []),
-        ("zero3", 1, 2, []),
+        ("zero2", 2, 1, ["data.packing=false"]),
+        ("zero2", 1, 2, ["data.packing=true", "data.max_seq_len=128"]),
+        ("zero3", 1, 2, ["data.packing=false"]),
         ("zero3", 2, 1, ["data.packing=true", "data.max_seq_len=128"]),
     ],
-    ids=["zero2-2to1", "zero3-1to2", "zero3-packed-2to1"],
+    ids=["zero2-padded-2to1", "zero2-packed-1to2", "zero3-padded-1to2", "zero3-packed-2to1"],
 )
 def test_resume_on_another_world_size_continues_the_same_run(
     tmp_path: Path, zero: str, ranks_before: int, ranks_after: int, extra: list[str]

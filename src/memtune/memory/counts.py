@@ -7,13 +7,18 @@ guesses which layers exist.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from importlib.metadata import version
 from typing import Any
 
 import torch
 
-from memtune.config import LORA_TARGETS, RunConfig, compute_bytes
+from memtune.config import LORA_TARGETS, RunConfig, cache_dir, compute_bytes
 
 
 @dataclass
@@ -43,8 +48,50 @@ def arch_config(cfg: RunConfig) -> Any:
     return AutoConfig.for_model(arch.pop("model_type"), **arch)
 
 
+COUNTS_CACHE_FORMAT = 1
+
+
 def count_params(cfg: RunConfig) -> ParamCounts:
-    """Instantiate the architecture on the meta device, add LoRA with peft, and count."""
+    """Instantiate the architecture on the meta device, add LoRA with peft, and count.
+
+    The answer is kept in ``$MEMTUNE_CACHE_DIR/counts/<key>.json``, the key being what it
+    depends on: the architecture, LoRA's rank and targets, and the transformers / peft / torch
+    versions that build the model. Building it imports transformers' model code and peft, ~5 s
+    of every ``train.py`` start on a small machine, for the same numbers each time."""
+    p = cfg.peft
+    key = json.dumps(
+        {
+            "format": COUNTS_CACHE_FORMAT,
+            "architecture": dict(cfg.model.architecture),
+            "r": p.r,
+            "targets": sorted(LORA_TARGETS[p.target]),
+            "versions": [version(name) for name in ("transformers", "peft", "torch")],
+        },
+        sort_keys=True,
+        default=str,
+    )
+    path = cache_dir() / "counts" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+    try:
+        saved = json.loads(path.read_text())
+        return ParamCounts(
+            **{
+                **saved,
+                "lora_inputs": [tuple(x) for x in saved["lora_inputs"]],
+                "linear_shapes": [tuple(x) for x in saved["linear_shapes"]],
+            }
+        )
+    except (OSError, ValueError, TypeError, KeyError):
+        pass  # not counted yet (or an unreadable file): count now
+    counts = _count_on_meta(cfg)
+    with contextlib.suppress(OSError):  # a read-only cache only costs the time
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(asdict(counts)))
+        tmp.replace(path)
+    return counts
+
+
+def _count_on_meta(cfg: RunConfig) -> ParamCounts:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 

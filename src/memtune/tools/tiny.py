@@ -111,15 +111,14 @@ def synthesize(
     The build goes to a temporary sibling directory that is renamed into place, so a crash
     or a concurrent build never leaves a half-written model behind.
     """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     path = Path(path)
     tok_dir = None if tokenizer_dir is None else Path(tokenizer_dir)
     fingerprint = _fingerprint(architecture, tok_dir)
     marker = path / _MARKER
     if marker.is_file() and json.loads(marker.read_text()).get("fingerprint") == fingerprint:
-        return path
+        return path  # before importing transformers: ~2 s of every start of the demo
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
