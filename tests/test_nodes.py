@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,11 +16,14 @@ from memtune.config import ConfigError, RunConfig, to_run_config
 from memtune.launcher.preflight import all_reduce_check, measured_bus_gb_s, nccl_env_decision
 from memtune.launcher.spawn import free_port, rank_command
 from memtune.launcher.topology import (
+    NodeSpec,
+    announce_stopped,
     check_hostfile,
     check_sweep_point_nodes,
     first_host,
     resolve,
     size_from_allocation,
+    wait_stopped,
 )
 from tests.conftest import FAST, ROOT, compose_cfg, run_train_py
 
@@ -154,6 +158,17 @@ def test_a_sweep_point_on_several_nodes_is_refused_by_name() -> None:
     check_sweep_point_nodes({})
     with pytest.raises(ConfigError, match=r"hydra.launcher.nodes=2: a sweep point runs on one"):
         check_sweep_point_nodes(STEP)
+
+
+def test_node_0_reports_a_stop_after_the_other_nodes(tmp_path: Path) -> None:
+    """Nodes 1.. mark their stop for this launch id; node 0 waits for every mark (a mark of an
+    earlier start does not count) and names the nodes that never marked."""
+    spec = NodeSpec("per-node", 3, 1, 0, "n0", 29500, launch_id="9.1")
+    announce_stopped(tmp_path, replace(spec, node_rank=1))
+    announce_stopped(tmp_path, replace(spec, node_rank=2, launch_id="9.0"))  # a stale start
+    assert wait_stopped(tmp_path, spec, timeout_s=0.2, poll_s=0.05) == [2]
+    announce_stopped(tmp_path, replace(spec, node_rank=2))
+    assert wait_stopped(tmp_path, spec, timeout_s=0.2, poll_s=0.05) == []
 
 
 def test_per_node_form_needs_what_the_nodes_must_agree_on() -> None:

@@ -218,6 +218,10 @@ class RunDir:
         """Per-node form: node 0's mark that the run dir is ready for this launch_id."""
         return self.path / "launch.json"
 
+    def node_stopped(self, node_rank: int) -> Path:
+        """Per-node form: node K's mark that its ranks stopped with a checkpoint (launch_id)."""
+        return self.path / f"stopped-node{node_rank}.json"
+
     @property
     def nodes_hostfile(self) -> Path:
         """Per-node form: the hostfile DeepSpeed's launcher reads on every node."""

@@ -101,6 +101,31 @@ def job_env(ranks_per_node: int = RANKS) -> dict[str, str]:
     }
 
 
+def sweep_command(sweep: Path, *overrides: str) -> list[str]:
+    """A Hydra sweep through hydra/launcher=slurm (one Slurm job per point) into ``sweep``."""
+    return [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "-m",
+        "hydra/launcher=slurm",
+        *TINY,
+        f"hydra.sweep.dir={sweep}",
+        *overrides,
+    ]
+
+
+def run_sweep(sweep: Path, *overrides: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        sweep_command(sweep, *overrides),
+        cwd=sweep.parent,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 def submit(
     out_dir: Path,
     overrides: list[str],
@@ -259,25 +284,13 @@ def test_a_requeued_job_that_comes_back_on_fewer_nodes_resumes(
 def test_submitit_sweep_one_job_per_point(slurm_cluster: Cluster, tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     steps = 6
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "train.py"),
-            "-m",
-            "hydra/launcher=slurm",
-            "peft.r=4,8",
-            *TINY,
-            f"trainer.max_steps={steps}",
-            f"hydra.sweep.dir={sweep}",
-            f"launcher.num_ranks={RANKS}",
-            "hydra.launcher.timeout_min=20",
-        ],
-        cwd=tmp_path,
-        env=job_env(),
-        capture_output=True,
-        text=True,
+    proc = run_sweep(
+        sweep,
+        "peft.r=4,8",
+        f"trainer.max_steps={steps}",
+        f"launcher.num_ranks={RANKS}",
+        "hydra.launcher.timeout_min=20",
         timeout=780,
-        check=False,
     )
     output = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, output
@@ -322,19 +335,14 @@ def test_a_preempted_sweep_point_is_requeued_by_submitit_and_resumes_smaller(
         '${MEMTUNE_RANKS_PER_NODE} rank(s) per node"\n'
     )
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            str(ROOT / "train.py"),
-            "-m",
-            "hydra/launcher=slurm",
+        sweep_command(
+            sweep,
             "peft.r=4",
-            *TINY,
             f"trainer.max_steps={steps}",
             "trainer.save_every=1000",
-            f"hydra.sweep.dir={sweep}",
             "hydra.launcher.timeout_min=20",
             f"hydra.launcher.setup=['. {shrink}']",
-        ],
+        ),
         cwd=tmp_path,
         env=job_env(),
         stdout=subprocess.PIPE,
@@ -382,24 +390,8 @@ def test_a_sweep_point_on_two_nodes_is_refused_by_name(
     not requeue it onto fewer nodes: each node's task stops before anything starts and the
     sweep report names the refusal."""
     sweep = tmp_path / "sweep"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "train.py"),
-            "-m",
-            "hydra/launcher=slurm",
-            "peft.r=4",
-            *TINY,
-            f"hydra.sweep.dir={sweep}",
-            "hydra.launcher.timeout_min=5",
-            "hydra.launcher.nodes=2",
-        ],
-        cwd=tmp_path,
-        env=job_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    proc = run_sweep(
+        sweep, "peft.r=4", "hydra.launcher.timeout_min=5", "hydra.launcher.nodes=2", timeout=300
     )
     output = proc.stdout[-4000:] + proc.stderr[-4000:]
     exit_record = json.loads((sweep / "0" / "exit.json").read_text())

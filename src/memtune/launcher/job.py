@@ -24,10 +24,12 @@ from memtune.launcher.prepare import already_finished, decide, given_config, pre
 from memtune.launcher.spawn import launch
 from memtune.launcher.topology import (
     announce_ready,
+    announce_stopped,
     check_sweep_point_nodes,
     resolve,
     size_from_allocation,
     wait_ready,
+    wait_stopped,
     write_nodes_hostfile,
 )
 from memtune.machine import name_cpu_accelerator, versions_line
@@ -38,6 +40,9 @@ from memtune.rundir import RunDir
 FAILED_POINTS: list[str] = []
 WAIT_FOR_NODE0_S = 3600.0
 """Per-node form: how long nodes 1.. wait for node 0 to tokenize the data and plan."""
+WAIT_FOR_STOPPED_S = 60.0
+"""Per-node form on Slurm, a stop with a checkpoint: how long node 0 waits for the others to
+report theirs (well inside the 120 s between --signal=B:USR2@120 and the time limit)."""
 
 
 def print_plan(cfg: DictConfig) -> int:
@@ -187,11 +192,22 @@ def run_job(cfg: DictConfig) -> None:
     # connection may have exited first).
     if code != 0 and oom.reports(run_dir) and spec.node_rank == 0 and spec.form != "per-node":
         code = after_out_of_memory(run_cfg, run_dir, spec, nccl_env)
+    if spec.form == "per-node" and code == EXIT_REQUEUE and os.environ.get("SLURM_STEP_ID"):
+        # A stop with a checkpoint is node 0's to report (exit 75, the requeue), and last: under
+        # srun --kill-on-bad-exit the first non-zero exit kills the other nodes' tasks, which
+        # would then end the job FAILED instead of requeued (topology.wait_stopped).
+        if spec.node_rank != 0:
+            announce_stopped(run_dir, spec)
+            sys.exit(0)
+        late = wait_stopped(run_dir, spec, timeout_s=WAIT_FOR_STOPPED_S)
+        if late:
+            print(
+                f"memtune: node(s) {late} did not report their stop within "
+                f"{WAIT_FOR_STOPPED_S:.0f} s",
+                file=sys.stderr,
+            )
     if spec.node_rank != 0:
-        # A stop with a checkpoint is node 0's to report (exit 75, and the requeue): were nodes
-        # 1.. to exit 75 too, the first to do so would make srun (--kill-on-bad-exit) kill node 0
-        # before it reports, and the job would end FAILED instead of requeued.
-        sys.exit(0 if code == EXIT_REQUEUE else code)
+        sys.exit(code)
     if code == EXIT_REQUEUE and os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
         # A sweep point in a submitit job: its checkpoint is saved; submitit's own handler for
         # the same signal now requeues the job (hydra/launcher=slurm, max_num_timeout).

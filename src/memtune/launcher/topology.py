@@ -232,6 +232,35 @@ def announce_ready(run_dir: Path, spec: NodeSpec, error: str | None = None) -> N
     tmp.replace(ready)
 
 
+def announce_stopped(run_dir: Path, spec: NodeSpec) -> None:
+    """Nodes 1..: this node's ranks stopped with a checkpoint (a requeue's stop)."""
+    path = RunDir(run_dir).node_stopped(spec.node_rank)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"launch_id": spec.launch_id}) + "\n")
+    tmp.replace(path)
+
+
+def wait_stopped(run_dir: Path, spec: NodeSpec, timeout_s: float, poll_s: float = 0.5) -> list[int]:
+    """Node 0, after a stop with a checkpoint: wait until nodes 1.. have marked theirs, so node
+    0's exit code 75 (the requeue) comes last. Under ``srun --kill-on-bad-exit`` the first
+    non-zero exit kills every other task: a node 0 that exits 75 first would have the others
+    killed (their code then is the signal's) and the job would end FAILED, not requeued.
+    Returns the nodes that did not mark within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = []
+        for node in range(1, spec.nnodes):
+            try:
+                record = json.loads(RunDir(run_dir).node_stopped(node).read_text())
+            except (OSError, json.JSONDecodeError):
+                record = {}
+            if record.get("launch_id") != spec.launch_id:
+                missing.append(node)
+        if not missing or time.monotonic() > deadline:
+            return missing
+        time.sleep(poll_s)
+
+
 def wait_ready(run_dir: Path, spec: NodeSpec, timeout_s: float, poll_s: float = 1.0) -> None:
     """Nodes 1..: wait until node 0 has prepared the run dir for this launch id."""
     path = RunDir(run_dir).nodes_ready
