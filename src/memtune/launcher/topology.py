@@ -118,7 +118,6 @@ def resolve(cfg: RunConfig, env: Mapping[str, str] | None = None) -> NodeSpec:
 class Allocation:
     """The part of a Slurm allocation this train.py runs on: one task per node."""
 
-    job_id: str
     nnodes: int
     ranks_per_node: int | None
     """None: not known from the environment (a CPU node without $MEMTUNE_RANKS_PER_NODE)."""
@@ -146,8 +145,8 @@ def slurm_allocation(env: Mapping[str, str] | None = None) -> Allocation | None:
                 per_node = 0
             if per_node < 1:
                 raise ConfigError(f"${name}={env[name]!r}: expected a number of ranks per node")
-            return Allocation(env["SLURM_JOB_ID"], nnodes, per_node)
-    return Allocation(env["SLURM_JOB_ID"], nnodes, None)
+            return Allocation(nnodes, per_node)
+    return Allocation(nnodes, None)
 
 
 def check_sweep_point_nodes(env: Mapping[str, str] | None = None) -> None:
@@ -223,21 +222,31 @@ def write_nodes_hostfile(run_dir: Path, spec: NodeSpec) -> Path:
     return path
 
 
+def _write_mark(path: Path, record: dict[str, Any]) -> None:
+    """A node's mark in the shared run dir, whole or not at all (written, then renamed)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(record) + "\n")
+    tmp.replace(path)
+
+
+def _mark_of(path: Path, spec: NodeSpec) -> dict[str, Any] | None:
+    """The mark at ``path`` if it is this launch id's (a mark of an earlier start is None)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return record if record.get("launch_id") == spec.launch_id else None
+
+
 def announce_ready(run_dir: Path, spec: NodeSpec, error: str | None = None) -> None:
     """Node 0: the run dir of this launch id is complete (or could not be made: ``error``)."""
     record = {"launch_id": spec.launch_id, "nnodes": spec.nnodes, "error": error}
-    ready = RunDir(run_dir).nodes_ready
-    tmp = ready.with_name(f".{ready.name}.tmp")
-    tmp.write_text(json.dumps(record) + "\n")
-    tmp.replace(ready)
+    _write_mark(RunDir(run_dir).nodes_ready, record)
 
 
 def announce_stopped(run_dir: Path, spec: NodeSpec) -> None:
     """Nodes 1..: this node's ranks stopped with a checkpoint (a requeue's stop)."""
-    path = RunDir(run_dir).node_stopped(spec.node_rank)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({"launch_id": spec.launch_id}) + "\n")
-    tmp.replace(path)
+    _write_mark(RunDir(run_dir).node_stopped(spec.node_rank), {"launch_id": spec.launch_id})
 
 
 def wait_stopped(run_dir: Path, spec: NodeSpec, timeout_s: float, poll_s: float = 0.5) -> list[int]:
@@ -248,14 +257,11 @@ def wait_stopped(run_dir: Path, spec: NodeSpec, timeout_s: float, poll_s: float 
     Returns the nodes that did not mark within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
-        missing = []
-        for node in range(1, spec.nnodes):
-            try:
-                record = json.loads(RunDir(run_dir).node_stopped(node).read_text())
-            except (OSError, json.JSONDecodeError):
-                record = {}
-            if record.get("launch_id") != spec.launch_id:
-                missing.append(node)
+        missing = [
+            node
+            for node in range(1, spec.nnodes)
+            if _mark_of(RunDir(run_dir).node_stopped(node), spec) is None
+        ]
         if not missing or time.monotonic() > deadline:
             return missing
         time.sleep(poll_s)
@@ -266,13 +272,8 @@ def wait_ready(run_dir: Path, spec: NodeSpec, timeout_s: float, poll_s: float = 
     path = RunDir(run_dir).nodes_ready
     start = last_note = time.monotonic()
     while True:
-        record = None
-        if path.is_file():
-            try:
-                record = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError):
-                record = None
-        if record is not None and record.get("launch_id") == spec.launch_id:
+        record = _mark_of(path, spec)
+        if record is not None:
             if record.get("error"):
                 raise ConfigError(f"node 0 could not prepare {run_dir}: {record['error']}")
             return
