@@ -25,6 +25,7 @@ from memtune.config import (
     ConfigError,
     RunConfig,
     checkpointed_layers,
+    grad_accumulation_steps,
     offload_activations,
     rope_positions,
     sequence_parallel_size,
@@ -227,21 +228,51 @@ def other_zero_stage(cfg: RunConfig) -> RunConfig:
     return v
 
 
+def larger_micro_batch_under_split(cfg: RunConfig) -> RunConfig | None:
+    """Under ZeRO-3 with a split sequence: ``cfg`` with k× the micro batch (the largest
+    k ≤ sp that divides the accumulation steps; its checkpointed layers left to choose), or
+    None. ZeRO-3 gathers the weights once per micro step, and a group of sp ranks runs every
+    one of its sequences together, so at the micro batch of sp=1 a split sequence takes sp×
+    the micro steps — and sp× the gathers — for the same global batch. k× the micro batch
+    holds k× the tokens per rank (at k = sp, as many as sp=1 did) in 1/k of the micro steps."""
+    sp = sequence_parallel_size(cfg)
+    if cfg.zero.stage != 3 or sp == 1:
+        return None
+    gas = grad_accumulation_steps(cfg)
+    k = max((k for k in range(2, sp + 1) if gas % k == 0), default=None)
+    if k is None:
+        return None
+    v = copy.deepcopy(cfg)
+    v.trainer.micro_batch_size *= k
+    if v.trainer.activation_checkpointing:
+        v.trainer.checkpoint_layers = "auto"
+    return v
+
+
 def format_step_estimates(cfg: RunConfig, counts: ParamCounts) -> str | None:
-    """The step-time estimate of ``cfg`` and, for comparison, of the other ZeRO stage (its
-    checkpointed layers chosen again); None without plan.device_tflops."""
+    """The step-time estimate of ``cfg`` and, for comparison, of the other ZeRO stage and,
+    under ZeRO-3 with a split sequence, of a larger micro batch (their checkpointed layers
+    chosen again); None without plan.device_tflops."""
     estimate = step_time(cfg, counts)
     if estimate is None:
         return None
     lines = [format_step_time(cfg, estimate)]
+    alternatives = []
     if cfg.launcher.num_ranks > 1:
-        other, _ = resolve_checkpoint_layers(other_zero_stage(cfg), counts)
+        other_stage = other_zero_stage(cfg)
+        alternatives.append((other_stage, f"zero=zero{other_stage.zero.stage}"))
+    larger = larger_micro_batch_under_split(cfg)
+    if larger is not None:
+        m = larger.trainer.micro_batch_size
+        alternatives.append((larger, f"trainer.micro_batch_size={m}"))
+    for variant, label in alternatives:
+        other, _ = resolve_checkpoint_layers(variant, counts)
         other_plan = plan(other, counts)
         other_estimate = step_time(other, counts)
         assert other_estimate is not None
         fits = "fits" if other_plan.fits else "does not fit"
         lines.append(
-            f"  zero=zero{other.zero.stage} instead: {other_estimate.step_s:.2f} s per step "
+            f"  {label} instead: {other_estimate.step_s:.2f} s per step "
             f"(communication {other_estimate.comm_share:.0%}), {other_plan.total_gib:.2f} GiB "
             f"per rank ({fits}, {checkpointed_layers(other)} layers checkpointed)"
         )
