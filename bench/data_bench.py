@@ -11,7 +11,7 @@ Run with ``make bench-data`` (``ARGS='--records 5000 --reps 1'`` to change the s
    ``max_seq_len`` and reports tokens/s and records/s;
 3. measures padding efficiency (real tokens / tokens the model processes) at micro batch 4,
    world size 1, for random padded batches, :class:`memtune.data.batching.LengthGroupedSampler`
-   and packing with :func:`memtune.data.batching.pack_bins`, batched the way
+   and packing with :func:`memtune.data.packing.pack_bins`, batched the way
    ``memtune.data.loaders`` does;
 4. writes ``<out>/<YYYY-MM-DD>-data.json`` (every number and the machine) and
    ``<out>/<YYYY-MM-DD>-data.md`` (the tables), and prints the tables.
@@ -43,9 +43,10 @@ from common import loadavg, machine, spread
 from omegaconf import OmegaConf
 
 from memtune.config import DataConfig, cache_dir
-from memtune.data.batching import LengthGroupedSampler, pack_bins
+from memtune.data.batching import LengthGroupedSampler
 from memtune.data.cache import build
 from memtune.data.encode import DataStats
+from memtune.data.packing import pack_bins
 from memtune.tools.tiny import synthesize
 
 ROOT = Path(__file__).resolve().parents[1]

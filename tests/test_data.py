@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 from memtune.config import ConfigError, DataConfig, DataSource, to_run_config
-from memtune.data.cache import load_split, preprocess
-from memtune.data.encode import IGNORE_INDEX, DataStats, apply_length_policy, encode_records
+from memtune.data.cache import TokenizerFiles, load_split, preprocess, tokenizer_files_digest
+from memtune.data.encode import (
+    IGNORE_INDEX,
+    DataStats,
+    apply_length_policy,
+    encode_records,
+    load_tokenizer,
+)
 from memtune.data.readers import Record, read_source
 from memtune.data.templates import render_prompt
-from memtune.rank.model import load_tokenizer
 from memtune.tools.tiny import synthesize
 from tests.conftest import compose_cfg
 
@@ -328,6 +334,36 @@ def test_cache_is_reused_and_invalidated(tokenizer, tmp_path: Path) -> None:
     assert not third.reused and third.dir != first.dir and third.train.samples == 9
     cfg.max_seq_len = 64  # a changed setting
     assert preprocess(cfg, tokenizer, seed=0).dir not in (first.dir, third.dir)
+
+
+def test_a_cached_launch_knows_the_tokenizer_by_its_files(tokenizer, tmp_path: Path) -> None:
+    """The launcher keys the cache on the tokenizer's files and loads it only to build: the
+    second launch reuses the cache without loading it; a changed tokenizer file is a new key,
+    the weights are not part of it, and a hub name that is not downloaded has no digest."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(Path(tokenizer.name_or_path), model_dir)
+    rows = [{"instruction": f"q{i}", "input": "", "output": f"a{i}"} for i in range(10)]
+    cfg = DataConfig(path=str(_write(tmp_path / "d.jsonl", rows)), cache_dir=str(tmp_path / "c"))
+    loads = []
+
+    def files() -> TokenizerFiles:
+        digest = tokenizer_files_digest(str(model_dir))
+        assert digest is not None
+        return TokenizerFiles(digest, lambda: loads.append(1) or tokenizer)
+
+    first = preprocess(cfg, files(), seed=0)
+    assert not first.reused and loads == [1] and first.train.samples == 10
+    again = preprocess(cfg, files(), seed=0)
+    assert again.reused and again.dir == first.dir and loads == [1]  # not loaded
+
+    digest = tokenizer_files_digest(str(model_dir))
+    (model_dir / "model.safetensors").write_bytes(b"other weights")
+    assert tokenizer_files_digest(str(model_dir)) == digest
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "x": 1}))
+    assert tokenizer_files_digest(str(model_dir)) != digest
+    assert preprocess(cfg, files(), seed=0).dir != first.dir and loads == [1, 1]
+    assert tokenizer_files_digest("nobody/not-downloaded-model") is None
 
 
 def test_sources_mix_by_weight(tokenizer, tmp_path: Path) -> None:

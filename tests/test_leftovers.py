@@ -111,3 +111,18 @@ def test_a_finished_job_leaves_no_shared_memory(zero3_run: Run) -> None:
     cmd = (zero3_run.dir / "launch.txt").read_text().split()
     port = int(cmd[cmd.index("--master_port") + 1])
     assert shm_buffers(port) == []
+
+
+def test_the_extensions_root_is_torchs_own(tmp_path: Path, monkeypatch) -> None:
+    """The launcher works out torch's JIT build root without importing torch: the same dir."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    for xdg in (None, str(tmp_path / "xdg")):
+        if xdg is None:
+            monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+        else:
+            monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+        assert extensions_root() == Path(get_default_build_root())
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))
+    assert extensions_root() == tmp_path / "mine"

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from memtune.config import to_run_config
+from memtune.data.encode import load_tokenizer
 from memtune.rank.model import (
     LORA_TARGETS,
     add_lora,
     choose_attention,
     count_parameters,
     load_base_model,
-    load_tokenizer,
 )
 from memtune.tools.tiny import IM_END, IM_START, PAD_TOKEN, synthesize
 from tests.conftest import compose_cfg

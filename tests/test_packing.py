@@ -12,14 +12,15 @@ from memtune.config import to_run_config
 from memtune.data.batching import (
     LengthGroupedSampler,
     PackedDataset,
+    TokenizedDataset,
     collate_packed,
     collate_padded,
-    pack_bins,
 )
 from memtune.data.cache import load_split, preprocess
-from memtune.data.encode import TokenizedDataset
+from memtune.data.encode import load_tokenizer
+from memtune.data.packing import pack_bins, step_shape
 from memtune.rank.loss import model_inputs, token_loss_sum
-from memtune.rank.model import choose_attention, load_base_model, load_tokenizer
+from memtune.rank.model import choose_attention, load_base_model
 from memtune.tools.tiny import synthesize
 from tests.conftest import compose_cfg
 
@@ -183,8 +184,6 @@ def test_sdpa_varlen_refuses_left_padding(tiny) -> None:
 
 
 def test_step_shape_counts_samples_and_epochs() -> None:
-    from memtune.data.batching import step_shape
-
     lengths = [60, 60, 40, 40, 30, 20, 10, 10] * 10  # 2,700 tokens
     packed = step_shape(lengths, True, 128, global_batch=4, max_steps=10)
     rows = len(pack_bins(lengths, 128))

@@ -12,10 +12,9 @@ import pytest
 from memtune.config import DataConfig, to_run_config
 from memtune.data.batching import PackedDataset, collate_packed
 from memtune.data.cache import load_split, preprocess
-from memtune.data.encode import IGNORE_INDEX, encode_records
+from memtune.data.encode import IGNORE_INDEX, encode_records, load_tokenizer
 from memtune.data.readers import Record
 from memtune.data.templates import render_prompt, segments
-from memtune.rank.model import load_tokenizer
 from memtune.tools.tiny import synthesize
 from tests.conftest import compose_cfg, qwen_tokenizer_dir
 

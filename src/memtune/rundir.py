@@ -79,7 +79,7 @@ class DataRecord:
     reused: bool
     train: dict[str, Any]
     val: dict[str, Any] | None = None
-    step: dict[str, Any] | None = None  # data.batching.StepShape.as_dict()
+    step: dict[str, Any] | None = None  # data.packing.StepShape.as_dict()
 
 
 @dataclass

@@ -14,15 +14,13 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors.torch import load_file, save_file
+from typing import TYPE_CHECKING, Any
 
 from memtune.config import ConfigError, DataConfig, DataSource, cache_dir
-from memtune.data.encode import DataStats, TokenizedDataset, apply_length_policy, encode_records
+from memtune.data.encode import DataStats, Sample, apply_length_policy, encode_records
 from memtune.data.readers import Record, RecordError, is_local_source, read_source
 
 CACHE_VERSION = 1
@@ -54,14 +52,54 @@ def _digest_path(h: Any, path: str) -> None:
             raise ConfigError(f"{f}: cannot read ({err.strerror})") from err
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx")
+
+
+@dataclass(frozen=True)
+class TokenizerFiles:
+    """A tokenizer known by the files it is loaded from, loaded only if the cache has to be
+    built: a launch whose data is already tokenized then never imports transformers (and
+    torch with it) before its ranks start — ~4 s of a 2-core machine's start-up."""
+
+    digest: str
+    load: Callable[[], Any]
+
+
+def tokenizer_files_digest(name_or_path: str) -> str | None:
+    """A digest of every file but the weights next to the model's config.json (a local dir, or
+    a hub name in the local Hugging Face cache) — what AutoTokenizer reads is among them — and
+    of transformers' version; None when the files cannot be found without a download."""
+    from importlib.metadata import version
+
+    from memtune.config.architecture import checkpoint_config_file
+
+    config = checkpoint_config_file(name_or_path)
+    if config is None:
+        return None
+    h = hashlib.sha256(f"transformers {version('transformers')}".encode())
+    for f in sorted(config.parent.iterdir()):
+        if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES):
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+    return "files:" + h.hexdigest()
+
+
+def _tokenizer_digest(tokenizer: Any) -> str:
+    if isinstance(tokenizer, TokenizerFiles):
+        return tokenizer.digest
+    return tokenizer.backend_tokenizer.to_str() + str(tokenizer.eos_token)
+
+
 def fingerprint(cfg: DataConfig, tokenizer: Any, seed: int) -> str:
+    """The cache key: the sources' bytes, the tokenizer (its files' digest, or a loaded
+    tokenizer's vocabulary and rules) and every setting that changes what is stored."""
     h = hashlib.sha256()
     for src in cfg.all_sources():
         h.update(json.dumps([src.path, src.format, src.weight]).encode())
         _digest_path(h, src.path)
     if cfg.val_path:
         _digest_path(h, cfg.val_path)
-    h.update(tokenizer.backend_tokenizer.to_str().encode())
+    h.update(_tokenizer_digest(tokenizer).encode())
     settings = [
         CACHE_VERSION,
         cfg.template,
@@ -73,7 +111,6 @@ def fingerprint(cfg: DataConfig, tokenizer: Any, seed: int) -> str:
         cfg.val_fraction,
         cfg.val_path,
         seed,
-        tokenizer.eos_token,
     ]
     h.update(json.dumps(settings).encode())
     return h.hexdigest()[:20]
@@ -119,7 +156,12 @@ def _encode(records: list[Record], tokenizer: Any, cfg: DataConfig, stats: DataS
     return samples
 
 
-Arrays = dict[str, torch.Tensor]
+if TYPE_CHECKING:  # torch is imported where tensors are made: a cached launch needs none
+    import torch
+
+    from memtune.data.batching import TokenizedDataset
+
+Arrays = dict[str, "torch.Tensor"]
 
 
 def build(
@@ -151,16 +193,20 @@ def build(
         val_samples = _encode(val_records, tokenizer, cfg, val_stats, "tokenize val")
         if not val_samples:
             raise ConfigError(f"data: the validation split is empty ({val_stats.line()})")
-        val = _arrays(TokenizedDataset.from_samples(val_samples))
-    return _arrays(TokenizedDataset.from_samples(train)), stats, val, val_stats
+        val = _arrays(val_samples)
+    return _arrays(train), stats, val, val_stats
 
 
-def _arrays(ds: TokenizedDataset) -> Arrays:
+def _arrays(samples: list[Sample]) -> Arrays:
+    from memtune.data.batching import TokenizedDataset
+
+    ds = TokenizedDataset.from_samples(samples)
     return {"input_ids": ds.input_ids, "labels": ds.labels, "offsets": ds.offsets}
 
 
 def preprocess(cfg: DataConfig, tokenizer: Any, seed: int) -> Prepared:
-    """Build the cache for ``cfg`` unless it exists; returns where it is and its counts."""
+    """Build the cache for ``cfg`` unless it exists; returns where it is and its counts.
+    ``tokenizer``: a loaded tokenizer, or :class:`TokenizerFiles` (loaded only to build)."""
     root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else cache_dir() / "data"
     out = root / fingerprint(cfg, tokenizer, seed)
     stats_file = out / "stats.json"
@@ -169,6 +215,10 @@ def preprocess(cfg: DataConfig, tokenizer: Any, seed: int) -> Prepared:
         saved_val = DataStats(**saved["val"]) if saved["val"] else None
         return Prepared(out, DataStats(**saved["train"]), saved_val, reused=True)
 
+    from safetensors.torch import save_file
+
+    if isinstance(tokenizer, TokenizerFiles):
+        tokenizer = tokenizer.load()
     train, stats, val, val_stats = build(cfg, tokenizer, seed)
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
@@ -192,11 +242,16 @@ def load_lengths(prepared_dir: str | Path, split: str = "train") -> list[int]:
     """The samples' token counts of a split, read from its offsets alone (not the tokens)."""
     from safetensors import safe_open
 
-    with safe_open(str(Path(prepared_dir) / f"{split}.safetensors"), framework="pt") as f:
+    # numpy, not torch: the launcher reads them before any rank starts
+    with safe_open(str(Path(prepared_dir) / f"{split}.safetensors"), framework="np") as f:
         offsets = f.get_tensor("offsets")
     return (offsets[1:] - offsets[:-1]).tolist()
 
 
 def load_split(prepared_dir: str | Path, split: str = "train") -> TokenizedDataset:
+    from safetensors.torch import load_file
+
+    from memtune.data.batching import TokenizedDataset
+
     arrays = load_file(str(Path(prepared_dir) / f"{split}.safetensors"))
     return TokenizedDataset(arrays["input_ids"], arrays["labels"], arrays["offsets"])

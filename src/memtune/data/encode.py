@@ -1,7 +1,7 @@
 """Records → token ids and labels (the template's label mask), and the length policy.
 
 Tokenization happens once, on the launcher side (:mod:`memtune.data.cache`); ranks read
-the flat arrays this module produces and only batch them (:mod:`memtune.data.batching`).
+the cache's flat arrays (:class:`memtune.data.batching.TokenizedDataset`) and only batch them.
 """
 
 from __future__ import annotations
@@ -10,9 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from memtune.config import DataConfig
+from memtune.config import ConfigError, DataConfig, RunConfig
 from memtune.data.readers import Record
 from memtune.data.templates import segments, with_system
 
@@ -53,6 +51,19 @@ class DataStats:
         if self.skipped_bad:
             out += f"; skipped {self.skipped_bad} bad records (first: {self.bad_examples[0]})"
         return out
+
+
+def load_tokenizer(cfg: RunConfig) -> Any:
+    """The model's tokenizer (transformers' AutoTokenizer): the launcher tokenizes with it once,
+    the ranks decode and check it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(
+        cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code
+    )
+    if tok.pad_token_id is None:
+        raise ConfigError(f"{cfg.model.name_or_path}: the tokenizer has no pad token")
+    return tok
 
 
 def encode_records(records: Sequence[Record], tokenizer: Any, cfg: DataConfig) -> list[Sample]:
@@ -122,29 +133,3 @@ def apply_length_policy(samples: list[Sample], cfg: DataConfig, stats: DataStats
         stats.label_tokens += count
         kept.append(s)
     return kept
-
-
-class TokenizedDataset(torch.utils.data.Dataset):
-    """Samples stored as flat int32 arrays + offsets (what the preprocessing cache holds)."""
-
-    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor, offsets: torch.Tensor):
-        self.input_ids, self.labels, self.offsets = input_ids, labels, offsets
-        self.lengths = (offsets[1:] - offsets[:-1]).tolist()
-
-    @classmethod
-    def from_samples(cls, samples: Sequence[Sample]) -> TokenizedDataset:
-        lengths = torch.tensor([0] + [len(s.input_ids) for s in samples], dtype=torch.int64)
-        flat_ids = [t for s in samples for t in s.input_ids]
-        flat_labels = [t for s in samples for t in s.labels]
-        return cls(
-            torch.tensor(flat_ids, dtype=torch.int32),
-            torch.tensor(flat_labels, dtype=torch.int32),
-            torch.cumsum(lengths, 0),
-        )
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def __getitem__(self, i: int) -> Sample:
-        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
-        return Sample(self.input_ids[a:b].tolist(), self.labels[a:b].tolist())

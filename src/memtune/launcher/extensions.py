@@ -16,13 +16,15 @@ from memtune.machine import name_cpu_accelerator
 
 
 def extensions_root() -> Path:
-    """Where torch builds JIT extensions: $TORCH_EXTENSIONS_DIR or its per-user cache."""
+    """Where torch builds JIT extensions: $TORCH_EXTENSIONS_DIR or its per-user cache —
+    ``torch.utils.cpp_extension.get_default_build_root()`` ($XDG_CACHE_HOME or ~/.cache, then
+    torch_extensions), worked out here because the launcher asks before every launch and
+    importing torch for it would cost ~2 s (tests/test_leftovers.py holds the two equal)."""
     env = os.environ.get("TORCH_EXTENSIONS_DIR")
     if env:
         return Path(env)
-    from torch.utils.cpp_extension import get_default_build_root
-
-    return Path(get_default_build_root())
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(os.path.realpath(os.path.join(cache, "torch_extensions")))
 
 
 def build_cpu_ops() -> list[str]:

@@ -291,9 +291,9 @@ def for_launch(
     (None when no check ran)."""
     import subprocess
 
-    import torch
+    from memtune.machine import cuda_available
 
-    if not torch.cuda.is_available():
+    if not cuda_available():
         if launcher.require_gpus:
             raise PreflightError(
                 f"{ranks_per_node} GPUs needed on this node, 0 visible (no CUDA device; "

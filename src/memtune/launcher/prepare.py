@@ -20,8 +20,14 @@ from memtune.config import (
 )
 from memtune.config.architecture import resolve_architecture
 from memtune.config.deepspeed import build_ds_config
-from memtune.data.batching import StepShape, step_shape
-from memtune.data.cache import Prepared, load_lengths, preprocess
+from memtune.data.cache import (
+    Prepared,
+    TokenizerFiles,
+    load_lengths,
+    preprocess,
+    tokenizer_files_digest,
+)
+from memtune.data.packing import StepShape, step_shape
 from memtune.machine import versions_line
 from memtune.memory.compare import plan_record
 from memtune.memory.estimate import format_plan
@@ -114,9 +120,13 @@ def prepare_run_dir(
 
 def prepare_data(cfg: RunConfig) -> Prepared:
     """Tokenize into the cache (or find it there) and say what was kept, cut and dropped."""
-    from memtune.rank.model import load_tokenizer
+    from memtune.data.encode import load_tokenizer
 
-    prepared = preprocess(cfg.data, load_tokenizer(cfg), cfg.trainer.seed)
+    digest = tokenizer_files_digest(cfg.model.name_or_path)
+    tokenizer = (
+        TokenizerFiles(digest, lambda: load_tokenizer(cfg)) if digest else load_tokenizer(cfg)
+    )
+    prepared = preprocess(cfg.data, tokenizer, cfg.trainer.seed)
     how = "reused cache" if prepared.reused else "tokenized into"
     print(f"memtune: data {how} {prepared.dir}", flush=True)
     print(f"memtune: train: {prepared.train.line()}", flush=True)

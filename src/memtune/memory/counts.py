@@ -16,8 +16,6 @@ from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from typing import Any
 
-import torch
-
 from memtune.config import LORA_TARGETS, RunConfig, cache_dir, compute_bytes
 
 
@@ -92,6 +90,8 @@ def count_params(cfg: RunConfig) -> ParamCounts:
 
 
 def _count_on_meta(cfg: RunConfig) -> ParamCounts:
+    # Imported here: a launch whose counts are cached never imports torch on the job side.
+    import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 

@@ -289,11 +289,10 @@ def checkpoint_budget(cfg: RunConfig) -> tuple[float, str] | None:
     for GPU ranks without plan.device_gib (nothing known to fit: every layer)."""
     if cfg.plan.device_gib is not None:
         return cfg.plan.device_gib, f"{cfg.plan.device_gib:.2f} GiB"
-    import torch
+    from memtune.machine import cuda_available, host_available_gib
 
-    if torch.cuda.is_available():
+    if cuda_available():
         return None
-    from memtune.machine import host_available_gib
 
     per_node = max(1, cfg.launcher.num_ranks // max(1, cfg.launcher.nnodes))
     per_rank = host_available_gib() / per_node

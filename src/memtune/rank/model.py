@@ -36,17 +36,6 @@ def choose_attention(requested: str, device_type: str) -> str:
     return requested
 
 
-def load_tokenizer(cfg: RunConfig) -> Any:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(
-        cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code
-    )
-    if tok.pad_token_id is None:
-        raise ConfigError(f"{cfg.model.name_or_path}: the tokenizer has no pad token")
-    return tok
-
-
 def quantization_config(cfg: RunConfig) -> Any:
     """bitsandbytes settings for a quantized base (peft.method qlora / lora-int8), else None.
 

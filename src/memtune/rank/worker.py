@@ -32,7 +32,7 @@ from memtune.config import (
     load_run_config,
     sequence_parallel_size,
 )
-from memtune.data.encode import DataStats
+from memtune.data.encode import DataStats, load_tokenizer
 from memtune.data.loaders import eval_batches, make_loader
 from memtune.exit_codes import (
     EXIT_CONFIG,
@@ -58,10 +58,7 @@ from memtune.rank.loop import (
     gather_values,
     train,
 )
-from memtune.rank.model import (
-    load_tokenizer,
-    method_label,
-)
+from memtune.rank.model import method_label
 from memtune.rank.sequence_parallel import SequenceGroups, shard_batch
 from memtune.rank.telemetry import (
     NullLogger,
