@@ -300,7 +300,10 @@ def test_submitit_sweep_one_job_per_point(slurm_cluster: Cluster, tmp_path: Path
     job_ids = sorted(p.name for p in submitit.iterdir() if re.fullmatch(r"\d+_\d+", p.name))
     assert len(job_ids) == 2, (sorted(p.name for p in submitit.iterdir()), output)
     for job_id in job_ids:
-        assert [(r.state, r.exit_code) for r in sacct(job_id)] == [("COMPLETED", "0:0")]
+        # submitit has the point's result once its function returns; the job itself ends (and
+        # accounting says COMPLETED) a moment later.
+        records = wait_done(job_id, timeout=120)
+        assert [(r.state, r.exit_code) for r in records] == [("COMPLETED", "0:0")]
 
     for point, r in (("0", 4), ("1", 8)):
         run_dir = sweep / point
@@ -368,7 +371,7 @@ def test_a_preempted_sweep_point_is_requeued_by_submitit_and_resumes_smaller(
             proc.kill()
     assert proc.returncode == 0, output[-4000:]
 
-    records = sacct(job_id)
+    records = wait_done(job_id, timeout=120)  # the result is in before the job has ended
     assert [r.state for r in records] == ["REQUEUED", "COMPLETED"], records
     job_log = (submitit / job_id / f"{job_id}_0_log.out").read_text()
     assert "memtune-test: restart 1, 1 rank(s) per node" in job_log, job_log[-3000:]
