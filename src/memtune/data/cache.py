@@ -53,6 +53,9 @@ def _digest_path(h: Any, path: str) -> None:
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx")
+TOKENIZER_FILE_MAX_BYTES = 256 << 20
+"""Larger files next to a model are not a tokenizer's (the biggest, Gemma's tokenizer.json,
+is ~33 MB): left out of the digest, whatever their suffix."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,11 @@ def tokenizer_files_digest(name_or_path: str) -> str | None:
         return None
     h = hashlib.sha256(f"transformers {version('transformers')}".encode())
     for f in sorted(config.parent.iterdir()):
-        if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES):
+        if (
+            f.is_file()
+            and not f.name.endswith(WEIGHT_SUFFIXES)
+            and f.stat().st_size <= TOKENIZER_FILE_MAX_BYTES
+        ):
             h.update(f.name.encode())
             h.update(f.read_bytes())
     return "files:" + h.hexdigest()
