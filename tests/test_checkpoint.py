@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from memtune.config import load_run_config
 from memtune.launcher.prepare import already_finished
 from memtune.launcher.spawn import rank_processes
+from memtune.rundir import step_dir_name
 from tests.conftest import FAST, ROOT, run_train_py
 
 pytestmark = pytest.mark.slow
@@ -246,7 +247,8 @@ def test_other_engines_pass_the_same_check(run_name: str, files: int, request) -
     from memtune.rank.checkpoint import verify_checkpoint_files
 
     run = request.getfixturevalue(run_name)
-    assert verify_checkpoint_files(run.dir / "checkpoints" / "step-0000012") == files
+    last = run.dir / "checkpoints" / step_dir_name(run.cfg.trainer.max_steps)
+    assert verify_checkpoint_files(last) == files
 
 
 def test_resume_from_an_explicit_checkpoint_into_a_new_run_dir(finished: Path, tmp_path: Path):
