@@ -32,6 +32,16 @@ def probe(engine: Any, ctx: RankContext) -> None:
 
     if os.environ.get("MEMTUNE_TEST_CRASH_RANK") == str(ctx.rank):
         os._exit(7)  # dies while the other ranks enter the collectives below
+    # What torch.compile did during training, read before the eval forward below (no_grad is a
+    # new guard, so it would compile again).
+    dynamo: dict[str, int] = {}
+    if "torch._dynamo" in sys.modules:
+        from torch._dynamo.utils import counters
+
+        dynamo = {
+            "graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values())),
+        }
     model = engine.module.model
     params = dict(model.named_parameters())
     zero3 = any(hasattr(p, "ds_id") for p in params.values())
@@ -107,6 +117,7 @@ def probe(engine: Any, ctx: RankContext) -> None:
         "held_bytes": held_bytes,
         "lora_dtypes": sorted(lora_dtypes),
         "optimizer_bytes": optimizer_bytes,
+        "dynamo": dynamo,
         "optimizer_state_dtypes": sorted(
             {str(v.dtype) for s in basic.state.values() for v in s.values() if torch.is_tensor(v)}
         ),

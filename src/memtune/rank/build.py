@@ -85,7 +85,7 @@ def build_rank(
             "with the checkpoint on disk."
         )
     model = add_lora(base, cfg)
-    compiled = compile_layers(model) if cfg.trainer.compile else 0
+    compiled = compile_layers(model, cfg.zero.stage == 3) if cfg.trainer.compile else 0
     tiles = offloaded = 0
     if tiled_mlp(cfg):
         tiles = tile_mlps(base, rank_tokens(cfg))

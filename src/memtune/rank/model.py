@@ -150,16 +150,35 @@ def set_checkpointed_layers(model: Any, k: int) -> None:
         layer.gradient_checkpointing = i < k
 
 
-def compile_layers(model: Any) -> int:
-    """trainer.compile: ``torch.compile`` every decoder layer's forward, LoRA included, inside
-    its activation checkpoint (transformers' GradientCheckpointingLayer wraps ``__call__``,
-    which stays eager, around the compiled module call). Regional rather than whole-model: one
-    layer's graph serves them all (same code, same shapes), so it compiles once, and the
-    attention kernel (sdpa_varlen reads each batch's sample boundaries on the host) runs eager
-    between the compiled parts. Returns the number of layers compiled."""
+def compile_layers(model: Any, zero3: bool = False) -> int:
+    """trainer.compile: ``torch.compile`` every decoder layer's ``forward``, LoRA included,
+    inside its activation checkpoint (transformers' GradientCheckpointingLayer wraps
+    ``__call__``, which stays eager, around it). Regional rather than whole-model: one layer's
+    graph serves them all (same code, same shapes), and the attention kernel (sdpa_varlen reads
+    each batch's sample boundaries on the host) runs eager between the compiled parts.
+
+    Three choices keep it to one compile per rank (measured on 2 CPU ranks under ZeRO-3,
+    bench/results/2026-12-02-compile-zero3.md: 116 recompiles and 128 graph breaks before):
+
+    * only ``forward`` is compiled, not the module call, so the hooks DeepSpeed puts on the
+      layer (ZeRO-3's gather and release, as autograd functions) stay outside the graph;
+    * under ZeRO-3 each layer is a *leaf* for DeepSpeed (``set_z3_leaf_module``): its
+      parameters are gathered together by the layer's hook, so no hook fires on the linear
+      layers inside the compiled forward (each would break the graph). That is what the plan
+      already counts: its "ZeRO-3 gathered params" row is one whole decoder layer + prefetch;
+    * ``dynamic=True``: packed micro batches are cut to their longest row, so their width
+      varies; a graph compiled for one width would be compiled again at the next.
+
+    Called before ``deepspeed.initialize``, which registers the hooks. Returns the number of
+    layers compiled."""
     layers = decoder_layers(model)
+    if zero3:
+        from deepspeed.utils import set_z3_leaf_module
+
+        for layer in layers:
+            set_z3_leaf_module(layer, True)
     for layer in layers:
-        layer.compile()
+        layer.forward = torch.compile(layer.forward, dynamic=True)
     return len(layers)
 
 
