@@ -169,9 +169,14 @@ def compile_layers(model: Any, zero3: bool = False) -> int:
     * ``dynamic=True``: packed micro batches are cut to their longest row, so their width
       varies; a graph compiled for one width would be compiled again at the next.
 
-    Called before ``deepspeed.initialize``, which registers the hooks. Returns the number of
-    layers compiled."""
-    layers = decoder_layers(model)
+    Layers that recompute in backward (``trainer.checkpoint_layers``) stay eager: they run
+    inside ``torch.utils.checkpoint``, which turns dynamo off for its call, so a compiled
+    forward there would run eager anyway (measured: 0 graphs with every layer checkpointed).
+
+    Called before ``deepspeed.initialize``, which registers the hooks, and after
+    :func:`add_lora`, which marks the checkpointed layers. Returns the number of layers
+    compiled."""
+    layers = [layer for layer in decoder_layers(model) if not layer.gradient_checkpointing]
     if zero3:
         from deepspeed.utils import set_z3_leaf_module
 

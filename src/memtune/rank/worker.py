@@ -27,6 +27,7 @@ from memtune import quiet
 from memtune.config import (
     ConfigError,
     RunConfig,
+    checkpointed_layers,
     checkpointing_label,
     grad_accumulation_steps,
     load_run_config,
@@ -257,6 +258,9 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
         parts = build_rank(cfg, ds_config, device, local_rank)
         engine, attn = parts.engine, parts.attention
         compiled = f" · {parts.compiled_layers} layers compiled" if parts.compiled_layers else ""
+        if cfg.trainer.compile and checkpointed_layers(cfg):
+            # rank.model.compile_layers: torch.utils.checkpoint runs its layers without dynamo.
+            compiled += f" · {checkpointed_layers(cfg)} checkpointed layers not compiled"
         if parts.mlp_tiles:
             compiled += f" · MLP in {parts.mlp_tiles} tiles"
         if parts.offloaded_layers:
