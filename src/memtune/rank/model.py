@@ -151,11 +151,11 @@ def set_checkpointed_layers(model: Any, k: int) -> None:
 
 
 def compile_layers(model: Any, zero3: bool = False) -> int:
-    """trainer.compile: ``torch.compile`` every decoder layer's ``forward``, LoRA included,
-    inside its activation checkpoint (transformers' GradientCheckpointingLayer wraps
-    ``__call__``, which stays eager, around it). Regional rather than whole-model: one layer's
-    graph serves them all (same code, same shapes), and the attention kernel (sdpa_varlen reads
-    each batch's sample boundaries on the host) runs eager between the compiled parts.
+    """trainer.compile: ``torch.compile`` the ``forward`` of every decoder layer that does not
+    recompute in backward, LoRA included (see below for the others). Regional rather than
+    whole-model: one layer's graph serves them all (same code, same shapes), and the attention
+    kernel (sdpa_varlen reads each batch's sample boundaries on the host) runs eager between
+    the compiled parts.
 
     Three choices keep it to one compile per rank (measured on 2 CPU ranks under ZeRO-3,
     bench/results/2026-12-02-compile-zero3.md: 116 recompiles and 128 graph breaks before):
