@@ -68,7 +68,7 @@ def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
 NOISE = (
     "Failed to load CPU gemm_4bit_forward",  # bitsandbytes, in the job and every rank
     "[HYDRA]",  # any library message routed through Hydra's log format
-    "Unable to find hostfile",  # DeepSpeed's runner
+    "Unable to find hostfile",  # DeepSpeed's runner (a one-node job does not start it)
     "built successfully",  # deepspeed.comm's shm op, once per rank
     "unable to detect it",  # DeepSpeed guessing the accelerator
     "Writing model shards",  # save_pretrained's progress bar (the tiny model's build)

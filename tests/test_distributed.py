@@ -5,11 +5,14 @@ Each launch runs once per session (conftest fixtures) and is shared by the tests
 
 from __future__ import annotations
 
+import base64
 import json
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from memtune.launcher.spawn import local_devices
 
 pytestmark = pytest.mark.slow
 
@@ -127,4 +130,7 @@ def test_metrics_and_run_dir_contents(zero3_run) -> None:
     assert lrs[0] < lrs[1] < lrs[2] and lrs[-1] < lrs[3]
     for name in ("config.yaml", "ds_config.json", "metrics.jsonl", "summary.json", "launch.txt"):
         assert (zero3_run.dir / name).is_file(), name
-    assert "--num_gpus 2" in (zero3_run.dir / "launch.txt").read_text()
+    launched = (zero3_run.dir / "launch.txt").read_text().split()
+    assert launched[1:4] == ["-u", "-m", "deepspeed.launcher.launch"]
+    world = json.loads(base64.urlsafe_b64decode(launched[launched.index("--world_info") + 1]))
+    assert world == {"localhost": local_devices(2)}  # two ranks, on this node

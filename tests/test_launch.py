@@ -9,24 +9,40 @@ from pathlib import Path
 
 import pytest
 import torch
+from deepspeed.launcher.runner import encode_world_info
 from safetensors.torch import load_file
 
 from memtune.config import to_run_config
-from memtune.launcher.spawn import rank_command, rank_env
+from memtune.launcher.spawn import local_devices, rank_command, rank_env
 from memtune.rank.loop import lr_factor
 from tests.conftest import FAST, ROOT, compose_cfg, run_train_py, start_run
 
 
 def test_rank_commands() -> None:
     cfg = to_run_config(compose_cfg(["launcher.num_ranks=4"]))
-    cmd, extra = rank_command(cfg, Path("/runs/x"), 12345)
-    assert cmd[cmd.index("--num_gpus") + 1] == "4" and "--no_local_rank" in cmd
+    cmd, extra = rank_command(cfg, Path("/runs/x"), 12345, env={})
+    assert cmd[1:4] == ["-u", "-m", "deepspeed.launcher.launch"] and "--no_local_rank" in cmd
     assert cmd[-3:] == ["--module", "memtune.worker", "/runs/x"]
     assert cmd[cmd.index("--master_port") + 1] == "12345" and extra == {}
+    # The world description is byte for byte what the `deepspeed` command would pass for
+    # `--num_gpus 4` on one node.
+    assert cmd[cmd.index("--world_info") + 1] == encode_world_info({"localhost": [0, 1, 2, 3]})
     cfg.launcher.num_ranks = 1
     cmd, extra = rank_command(cfg, Path("/runs/x"), 12345)
     assert cmd[1:] == ["-m", "memtune.worker", "/runs/x"]
     assert extra["RANK"] == "0" and extra["WORLD_SIZE"] == "1" and extra["MASTER_PORT"] == "12345"
+
+
+def test_ranks_get_the_visible_cards() -> None:
+    """`CUDA_VISIBLE_DEVICES=2,3` puts two ranks on cards 2 and 3 (the `deepspeed` command with
+    `--num_gpus` dropped it and used 0 and 1); too few listed, or none, falls back to 0..n-1."""
+    cfg = to_run_config(compose_cfg(["launcher.num_ranks=2"]))
+    cmd, _ = rank_command(cfg, Path("/runs/x"), 1, env={"CUDA_VISIBLE_DEVICES": "2, 3,5"})
+    assert cmd[cmd.index("--world_info") + 1] == encode_world_info({"localhost": [2, 3]})
+    uuids = {"CUDA_VISIBLE_DEVICES": "GPU-a1b2,GPU-c3d4"}
+    assert local_devices(2, uuids) == ["GPU-a1b2", "GPU-c3d4"]
+    assert local_devices(2, {"CUDA_VISIBLE_DEVICES": "7"}) == [0, 1]
+    assert local_devices(2, {"CUDA_VISIBLE_DEVICES": ""}) == [0, 1]
 
 
 def test_omp_threads_split_between_ranks() -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from deepspeed.launcher.runner import encode_world_info
 from safetensors.torch import load_file
 
 from memtune.config import ConfigError, RunConfig, to_run_config
@@ -37,8 +38,17 @@ def _cfg(*overrides: str) -> RunConfig:
 
 def test_one_box_of_four_gpus() -> None:
     cfg = _cfg("experiment=qwen2.5-7b-4x4090-lora", "launcher.num_ranks=4")
-    cmd, extra = rank_command(cfg, Path("/runs/x"), 12345, spec=resolve(cfg, env={}))
-    assert cmd == [*DS, "--master_port", "12345", "--num_gpus", "4", *TAIL] and extra == {}
+    cmd, extra = rank_command(cfg, Path("/runs/x"), 12345, spec=resolve(cfg, env={}), env={})
+    assert (
+        cmd
+        == [
+            *(sys.executable, "-u", "-m", "deepspeed.launcher.launch"),
+            *("--world_info", encode_world_info({"localhost": [0, 1, 2, 3]})),
+            *("--master_addr", "127.0.0.1", "--master_port", "12345"),
+            *TAIL,
+        ]
+        and extra == {}
+    )
 
 
 def test_one_rank_is_a_plain_process() -> None:

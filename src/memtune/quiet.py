@@ -23,8 +23,6 @@ LOG_NOISE = (
     # AVX512-BF16 CPUs and falls back to its bundled one; the hub is not reachable here anyway,
     # and memtune never trains through that kernel (rank.model.keep_training_layout).
     ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward from kernels-"),
-    # DeepSpeed's runner looks for /job/hostfile first; a local launch has none by design.
-    ("DeepSpeed", "Unable to find hostfile, will proceed with training with local resources"),
 )
 # Bare prints (stdout lines) dropped where :func:`drop_stdout_lines` wraps the call.
 STDOUT_NOISE = (

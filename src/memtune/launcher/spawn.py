@@ -1,20 +1,29 @@
 """Start the ranks for one prepared run dir, and fail the whole job if any rank fails.
 
-Several ranks go through DeepSpeed's launcher (``deepspeed --num_gpus N``, which on a CPU
-machine gives N CPU processes); it watches its children and takes the others down when one
-dies, so a crashed rank never leaves the rest hanging in a collective. One rank runs as a
-plain subprocess with the same environment variables a launcher would set.
+Several ranks go through DeepSpeed's per-node launcher (``deepspeed.launcher.launch``, which on
+a CPU machine starts N CPU processes); it watches its children and takes the others down when
+one dies, so a crashed rank never leaves the rest hanging in a collective. On one node it is
+started directly, with the world description the ``deepspeed`` command would have computed:
+that command only works out ``{"localhost": [0..N-1]}`` and starts the same launcher, and in
+doing so imports torch and DeepSpeed once more (~4 s per job on a slow CPU) and drops
+``CUDA_VISIBLE_DEVICES`` (with ``--num_gpus`` the ranks got cards 0..N-1 whatever was visible).
+Jobs over several nodes go through the ``deepspeed`` command (ds_runner.py), which reads the
+hostfile. One rank runs as a plain subprocess with the same environment variables a launcher
+would set.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import itertools
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import psutil
@@ -28,6 +37,8 @@ from memtune.rundir import RunDir
 WORKER_MODULE = "memtune.worker"
 DS_RUNNER = "memtune.launcher.ds_runner"
 """DeepSpeed's own launcher, run in a process with memtune's noise filters (ds_runner.py)."""
+DS_NODE_LAUNCH = "deepspeed.launcher.launch"
+"""DeepSpeed's per-node launcher: what the ``deepspeed`` command starts on each node."""
 
 
 def free_port() -> int:
@@ -60,18 +71,43 @@ def rank_env(cfg: RunConfig, base: dict[str, str] | None = None) -> dict[str, st
     return env
 
 
+def local_devices(n: int, env: Mapping[str, str] | None = None) -> list[int | str]:
+    """The device ids this node's n ranks get: the first n of ``CUDA_VISIBLE_DEVICES`` when it
+    lists that many (the GPU preflight counted those; a UUID stays a string), else 0..n-1 (a CPU
+    machine, or nothing set)."""
+    env = os.environ if env is None else env
+    visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if len(visible) < n:
+        return list(range(n))
+    return [int(d) if d.isdigit() else d for d in visible[:n]]
+
+
+def world_info(devices: list[int | str]) -> str:
+    """One node's world description, encoded as the ``deepspeed`` command encodes it for its
+    launcher's ``--world_info``."""
+    return base64.urlsafe_b64encode(json.dumps({"localhost": devices}).encode()).decode()
+
+
 def rank_command(
     cfg: RunConfig,
     run_dir: Path,
     port: int,
     module: str = WORKER_MODULE,
     spec: NodeSpec | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The command line and extra environment that start this node's ranks (launcher.topology
-    decides the form)."""
+    decides the form; ``env``, default this process's, supplies ``CUDA_VISIBLE_DEVICES``)."""
     spec = spec or resolve(cfg)
     if spec.form == "local" and spec.ranks_per_node == 1:
         return [sys.executable, "-m", module, str(run_dir)], one_rank_env(port)
+    if spec.form == "local":
+        devices = local_devices(spec.ranks_per_node, env)
+        return [
+            *(sys.executable, "-u", "-m", DS_NODE_LAUNCH, "--world_info", world_info(devices)),
+            *("--master_addr", "127.0.0.1", "--master_port", str(port), "--no_local_rank"),
+            *("--log_level", "warning", "--module", module, str(run_dir)),
+        ], {}
     cmd = [sys.executable, "-m", DS_RUNNER]
     if spec.form == "hostfile":
         assert spec.hostfile is not None
@@ -86,7 +122,7 @@ def rank_command(
             "--num_nodes",
             str(spec.nnodes),
         ]
-    if spec.form != "local" and spec.master_addr:
+    if spec.master_addr:
         cmd += ["--master_addr", spec.master_addr]
     cmd += [
         "--master_port",

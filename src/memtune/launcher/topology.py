@@ -2,7 +2,8 @@
 
 Three forms start the ranks (see launch/README.md):
 
-- ``local``: one node; ``deepspeed --num_gpus N`` here (one rank: a plain subprocess).
+- ``local``: one node; DeepSpeed's per-node launcher here, as ``deepspeed --num_gpus N`` would
+  start it (one rank: a plain subprocess).
 - ``hostfile``: ``deepspeed --hostfile FILE`` from this node starts every node's ranks over ssh.
 - ``per-node``: the same ``train.py`` command runs on every node (Slurm: one task per node, or
   by hand with no ssh between nodes). Node 0 prepares the run dir; the others wait for it, then
