@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import FAST, Run, start_run
+from memtune.launcher.prepare import decide, given_config
+from tests.conftest import FAST, Run, compose_cfg, start_run
 
 pytestmark = pytest.mark.slow
 
@@ -52,3 +53,25 @@ def test_compiled_layers_train_the_same_run_as_eager(zero3_run: Run, tmp_path: P
     for name in eager:
         drift = float((ours[name] - eager[name]).norm() / eager[name].norm())
         assert drift < 1e-3, (name, drift)
+
+
+@pytest.mark.parametrize(
+    ("checkpoint_layers", "said"),
+    [
+        ("all", "trainer.compile=true compiles nothing here: all 2 layers recompute in backward"),
+        ("1", "trainer.compile: 1 of 2 layers compiled; the 1 checkpointed ones run eager"),
+        ("0", None),
+    ],
+)
+def test_the_job_says_what_compile_reaches(
+    checkpoint_layers: str, said: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before any rank starts: checkpointed layers run eager, so compile with every layer
+    checkpointed is a switch that does nothing, and the job says so."""
+    overrides = [*FAST, "trainer.compile=true", f"trainer.checkpoint_layers={checkpoint_layers}"]
+    decide(given_config(compose_cfg(overrides), inputs=False))
+    out = capsys.readouterr().out
+    if said is None:
+        assert "trainer.compile" not in out, out
+    else:
+        assert said in out, out
