@@ -164,8 +164,9 @@ class TrainerConfig:
     backward, instead of on the device. Needs activation_checkpointing."""
     compile: bool = False
     """torch.compile each decoder layer's forward (regional: one graph for all layers, dynamic
-    shapes, attention left eager; rank.model.compile_layers); off until measured faster on
-    the target (make bench has the row)."""
+    shapes, attention left eager; checkpointed layers compiled inside memtune's checkpoint;
+    rank.model.compile_layers); off until measured faster on the target (make bench has the
+    row)."""
     optimizer: str = "adamw"
     """adamw (torch) | adamw_8bit (bitsandbytes; paged on CUDA) | cpu_adam (DeepSpeed, state and
     step on the host: ZeRO-Offload)"""

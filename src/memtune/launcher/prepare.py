@@ -11,7 +11,6 @@ from omegaconf import DictConfig, OmegaConf
 from memtune.config import (
     ConfigError,
     RunConfig,
-    checkpointed_layers,
     get_field,
     grad_accumulation_steps,
     load_run_config,
@@ -60,31 +59,9 @@ def decide(cfg: RunConfig, refuse: bool = True) -> Fitted:
             flush=True,
         )
     fitted = fit_to_device(staged, refuse)
-    for note in [*fitted.notes, compile_note(fitted.cfg)]:
-        if note:
-            print(f"memtune: {note}", flush=True)
+    for note in fitted.notes:
+        print(f"memtune: {note}", flush=True)
     return fitted
-
-
-def compile_note(cfg: RunConfig) -> str | None:
-    """With trainer.compile, how many layers it reaches once checkpoint_layers is decided:
-    the layers that recompute in backward run eager (rank.model.compile_layers), so with all
-    of them checkpointed the switch compiles nothing, which the user should hear before launch."""
-    k = checkpointed_layers(cfg) if cfg.trainer.compile else 0
-    if not k:
-        return None
-    layers = int(cfg.model.architecture["num_hidden_layers"])
-    if k < layers:
-        return (
-            f"trainer.compile: {layers - k} of {layers} layers compiled; the {k} checkpointed "
-            "ones run eager (torch.utils.checkpoint turns dynamo off for them)"
-        )
-    return (
-        f"trainer.compile=true compiles nothing here: all {layers} layers recompute in backward "
-        f"(trainer.checkpoint_layers={cfg.trainer.checkpoint_layers}) and a checkpointed layer "
-        "runs eager; a trainer.checkpoint_layers below the layer count leaves the rest to "
-        "compile, where the plan still fits"
-    )
 
 
 def prepare_run_dir(

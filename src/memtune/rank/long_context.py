@@ -29,13 +29,15 @@ is the same code path with a plain host copy (the tests check values, not speed)
 
 Both are autograd functions that backpropagate through their recompute with
 ``torch.autograd.backward`` (as reentrant checkpointing does): the RNG state is restored for
-the recompute so LoRA dropout draws the same mask.
+the recompute so LoRA dropout draws the same mask. The checkpoint one also serves
+trainer.compile with the input left on the device (:func:`compiled_checkpoints`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -174,15 +176,27 @@ class HostCopies:
         return back
 
 
-class OffloadedCheckpoint(torch.autograd.Function):
-    """A checkpointed layer whose input waits in host memory until its backward."""
+class LayerCheckpoint(torch.autograd.Function):
+    """A checkpointed layer: its input waits until the backward recomputes the layer — in host
+    memory (``copies``: offloaded) or, with ``copies=None``, on the device as
+    ``torch.utils.checkpoint`` keeps it. The second form exists for trainer.compile:
+    ``torch.utils.checkpoint`` runs its function with dynamo disabled, so a compiled layer
+    inside it runs eager; inside this function the layer's compiled forward runs compiled, in
+    the forward (no grad) and in the recompute."""
 
     @staticmethod
     def forward(
-        ctx: Any, run: Callable, copies: HostCopies, x: torch.Tensor, _grad_anchor: torch.Tensor
+        ctx: Any,
+        run: Callable,
+        copies: HostCopies | None,
+        x: torch.Tensor,
+        _grad_anchor: torch.Tensor,
     ) -> torch.Tensor:
         ctx.run, ctx.copies = run, copies
-        ctx.index = copies.put(x)
+        if copies is None:
+            ctx.save_for_backward(x)
+        else:
+            ctx.index = copies.put(x)
         ctx.x_requires_grad = x.requires_grad
         ctx.rng = _rng_state(x.device)
         with torch.no_grad():
@@ -190,7 +204,8 @@ class OffloadedCheckpoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        x = ctx.copies.take(ctx.index).detach().requires_grad_(ctx.x_requires_grad)
+        kept = ctx.saved_tensors[0] if ctx.copies is None else ctx.copies.take(ctx.index)
+        x = kept.detach().requires_grad_(ctx.x_requires_grad)
         with _restored_rng(ctx.rng, x.device), torch.enable_grad():
             out = ctx.run(x)
         torch.autograd.backward(out, grad)
@@ -200,9 +215,26 @@ class OffloadedCheckpoint(torch.autograd.Function):
 def offload_checkpoints(model: nn.Module, device: torch.device) -> int:
     """Checkpointed decoder layers keep their input in host memory (rank.model chose which
     layers checkpoint); returns how many layers offload."""
+    return _own_checkpoints(model, HostCopies(device))
+
+
+def compiled_checkpoints(model: nn.Module) -> int:
+    """trainer.compile for the checkpointed decoder layers: each recomputes through
+    :class:`LayerCheckpoint`, its input kept on the device (the memory ``torch.utils.checkpoint``
+    takes), and what the checkpoint runs — the layer's own forward, in the forward pass and in
+    the recompute — is ``torch.compile``d (one compiled function for all layers, dynamic
+    shapes); returns how many layers checkpoint."""
+    return _own_checkpoints(model, None, compiled={})
+
+
+def _own_checkpoints(
+    model: nn.Module, copies: HostCopies | None, compiled: dict[Any, Callable] | None = None
+) -> int:
+    """Route every checkpointed decoder layer through :class:`LayerCheckpoint`. transformers'
+    layer wrapper hands the checkpoint ``partial(forward, layer, **kwargs)``, the unwrapped
+    forward; with ``compiled``, that forward is swapped for its compiled form (memoized)."""
     from memtune.rank.model import decoder_layers
 
-    copies = HostCopies(device)
     # Makes the output require grad even when the layer's input does not (the first layer's
     # input is the frozen embedding's output), so the backward reaches the layer's LoRA.
     anchor = torch.ones((), requires_grad=True)
@@ -213,8 +245,18 @@ def offload_checkpoints(model: nn.Module, device: torch.device) -> int:
 
         def checkpointed(function: Callable, x: torch.Tensor, *args: Any) -> torch.Tensor:
             if args:
-                raise ValueError("offloaded checkpoints take the hidden states only")
-            return OffloadedCheckpoint.apply(function, copies, x, anchor)
+                raise ValueError("memtune's layer checkpoints take the hidden states only")
+            if compiled is not None:
+                if not isinstance(function, partial):
+                    raise TypeError(
+                        f"trainer.compile expects transformers to checkpoint a partial of the "
+                        f"layer's forward, got {function!r}"
+                    )
+                inner = compiled.get(function.func)
+                if inner is None:
+                    inner = compiled[function.func] = torch.compile(function.func, dynamic=True)
+                function = partial(inner, *function.args, **function.keywords)
+            return LayerCheckpoint.apply(function, copies, x, anchor)
 
         layer._gradient_checkpointing_func = checkpointed
         n += 1

@@ -151,11 +151,10 @@ def set_checkpointed_layers(model: Any, k: int) -> None:
 
 
 def compile_layers(model: Any, zero3: bool = False) -> int:
-    """trainer.compile: ``torch.compile`` the ``forward`` of every decoder layer that does not
-    recompute in backward, LoRA included (see below for the others). Regional rather than
-    whole-model: one layer's graph serves them all (same code, same shapes), and the attention
-    kernel (sdpa_varlen reads each batch's sample boundaries on the host) runs eager between
-    the compiled parts.
+    """trainer.compile: ``torch.compile`` the ``forward`` of every decoder layer, LoRA
+    included. Regional rather than whole-model: one layer's graph serves them all (same code,
+    same shapes), and the attention kernel (sdpa_varlen reads each batch's sample boundaries
+    on the host) runs eager between the compiled parts.
 
     Three choices keep it to one compile per rank (measured on 2 CPU ranks under ZeRO-3,
     bench/results/2026-12-02-compile-zero3.md: 116 recompiles and 128 graph breaks before):
@@ -169,21 +168,33 @@ def compile_layers(model: Any, zero3: bool = False) -> int:
     * ``dynamic=True``: packed micro batches are cut to their longest row, so their width
       varies; a graph compiled for one width would be compiled again at the next.
 
-    Layers that recompute in backward (``trainer.checkpoint_layers``) stay eager: they run
-    inside ``torch.utils.checkpoint``, which turns dynamo off for its call, so a compiled
-    forward there would run eager anyway (measured: 0 graphs with every layer checkpointed).
+    Layers that recompute in backward (``trainer.checkpoint_layers``) are compiled inside the
+    checkpoint instead (rank.long_context.compiled_checkpoints): ``torch.utils.checkpoint``
+    runs its function with dynamo disabled, so a compiled forward around it ran eager
+    (measured: 0 graphs with every layer checkpointed), and a compiled function is what the
+    recompute in backward has to call. Their forward runs compiled twice per step: without
+    grad in the forward pass, with it in the recompute. Dropout draws from torch's own RNG
+    (inductor's ``fallback_random``), so the recompute replays the forward's masks from the
+    restored RNG state, and a compiled run draws the eager run's masks.
 
     Called before ``deepspeed.initialize``, which registers the hooks, and after
     :func:`add_lora`, which marks the checkpointed layers. Returns the number of layers
     compiled."""
-    layers = [layer for layer in decoder_layers(model) if not layer.gradient_checkpointing]
+    import torch._inductor.config
+
+    from memtune.rank.long_context import compiled_checkpoints
+
+    torch._inductor.config.fallback_random = True
+    compiled_checkpoints(model)
+    layers = decoder_layers(model)
     if zero3:
         from deepspeed.utils import set_z3_leaf_module
 
         for layer in layers:
             set_z3_leaf_module(layer, True)
     for layer in layers:
-        layer.forward = torch.compile(layer.forward, dynamic=True)
+        if not layer.gradient_checkpointing:
+            layer.forward = torch.compile(layer.forward, dynamic=True)
     return len(layers)
 
 

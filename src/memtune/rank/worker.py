@@ -27,7 +27,6 @@ from memtune import quiet
 from memtune.config import (
     ConfigError,
     RunConfig,
-    checkpointed_layers,
     checkpointing_label,
     grad_accumulation_steps,
     load_run_config,
@@ -258,9 +257,6 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
         parts = build_rank(cfg, ds_config, device, local_rank)
         engine, attn = parts.engine, parts.attention
         compiled = f" · {parts.compiled_layers} layers compiled" if parts.compiled_layers else ""
-        eager_layers = checkpointed_layers(cfg) if cfg.trainer.compile else 0
-        if eager_layers:  # rank.model.compile_layers: checkpoint runs its layers without dynamo
-            compiled += f" · {eager_layers} checkpointed layers not compiled"
         if parts.mlp_tiles:
             compiled += f" · MLP in {parts.mlp_tiles} tiles"
         if parts.offloaded_layers:
