@@ -1,5 +1,6 @@
 """trainer.compile: regional torch.compile of the decoder layers (inductor on CPU) trains the
-same run as eager, under ZeRO-3 with LoRA, next to a checkpointed layer that stays eager."""
+same run as eager, under ZeRO-3 with LoRA, a checkpointed layer included (compiled inside
+memtune's checkpoint, in the forward pass and in the recompute)."""
 
 from __future__ import annotations
 

@@ -66,6 +66,26 @@ def test_a_run_that_fits_as_it_is_uses_none_of_them() -> None:
     assert chosen.trainer.offload_activations == "off" and note is None  # nothing to say
 
 
+def test_with_compile_auto_leaves_tiles_and_offload_off() -> None:
+    """trainer.compile is not built with tiled MLP or offloaded activations: asked for, they
+    are refused; left to auto, the planner does not pick them (the 131k run without them
+    does not fit even split four ways, and the refusal shows that smallest plan)."""
+    cfg = _cfg(LONG, "data.path=books.jsonl", "trainer.compile=true")
+    chosen, note = resolve_long_context(cfg, count_params(cfg))
+    assert (chosen.trainer.tiled_mlp, chosen.trainer.offload_activations) == ("off", "off")
+    assert note is not None and "tiled_mlp=off offload_activations=off (none fits" in note, note
+    with pytest.raises(ConfigError, match=r"not built together with trainer\.tiled_mlp"):
+        validate(
+            _cfg(
+                LONG,
+                "data.path=books.jsonl",
+                "trainer.compile=true",
+                "trainer.offload_activations=on",
+            ),
+            inputs=False,
+        )
+
+
 def test_too_little_host_memory_rules_offloading_out() -> None:
     roomy = _cfg(LONG, "data.path=books.jsonl")
     tight = _cfg(LONG, "data.path=books.jsonl", "plan.host_gib=8")  # 2 GiB per rank

@@ -90,8 +90,8 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
         )
     if t.compile and "on" in (t.tiled_mlp, t.offload_activations):
         raise ConfigError(
-            "trainer.compile=true is not built for trainer.tiled_mlp / offload_activations=on "
-            "(their autograd functions recompute outside the compiled graph); turn one off"
+            "trainer.compile=true is not built together with trainer.tiled_mlp / "
+            "offload_activations=on (with compile, auto leaves both off); turn one off"
         )
     if not 0.0 <= p.dropout < 1.0:
         raise ConfigError(f"peft.dropout must be in [0, 1) (got {p.dropout})")

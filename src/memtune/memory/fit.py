@@ -385,6 +385,8 @@ def long_context_variants(cfg: RunConfig) -> list[tuple[RunConfig, str, float]]:
     offloads = ["off", "on"] if t.offload_activations == "auto" else [t.offload_activations]
     if not t.activation_checkpointing:
         offloads = ["off"]
+    if t.compile:  # not built together: config.validate refuses them when set to on
+        tiles = offloads = ["off"]
     out = []
     for sp, tile, offload in itertools.product(sps, tiles, offloads):
         v = copy.deepcopy(cfg)

@@ -254,7 +254,11 @@ def _own_checkpoints(
                     )
                 inner = compiled.get(function.func)
                 if inner is None:
-                    inner = compiled[function.func] = torch.compile(function.func, dynamic=True)
+                    # fallback_random: dropout from torch's RNG, which LayerCheckpoint
+                    # restores for the recompute (inductor's own RNG would draw new masks).
+                    inner = compiled[function.func] = torch.compile(
+                        function.func, dynamic=True, options={"fallback_random": True}
+                    )
                 function = partial(inner, *function.args, **function.keywords)
             return LayerCheckpoint.apply(function, copies, x, anchor)
 

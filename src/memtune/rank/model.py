@@ -173,18 +173,16 @@ def compile_layers(model: Any, zero3: bool = False) -> int:
     runs its function with dynamo disabled, so a compiled forward around it ran eager
     (measured: 0 graphs with every layer checkpointed), and a compiled function is what the
     recompute in backward has to call. Their forward runs compiled twice per step: without
-    grad in the forward pass, with it in the recompute. Dropout draws from torch's own RNG
-    (inductor's ``fallback_random``), so the recompute replays the forward's masks from the
-    restored RNG state, and a compiled run draws the eager run's masks.
+    grad in the forward pass, with it in the recompute. Their dropout draws from torch's own
+    RNG (inductor's ``fallback_random``, for that compiled function only), so the recompute
+    replays the forward's masks from the restored RNG state. In eval or under no_grad
+    transformers skips the checkpoint, and those layers run eager.
 
     Called before ``deepspeed.initialize``, which registers the hooks, and after
     :func:`add_lora`, which marks the checkpointed layers. Returns the number of layers
     compiled."""
-    import torch._inductor.config
-
     from memtune.rank.long_context import compiled_checkpoints
 
-    torch._inductor.config.fallback_random = True
     compiled_checkpoints(model)
     layers = decoder_layers(model)
     if zero3:
