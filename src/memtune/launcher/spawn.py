@@ -84,7 +84,8 @@ def local_devices(n: int, env: Mapping[str, str] | None = None) -> list[int | st
 
 def world_info(devices: list[int | str]) -> str:
     """One node's world description, encoded as the ``deepspeed`` command encodes it for its
-    launcher's ``--world_info``."""
+    launcher's ``--world_info`` (``deepspeed.launcher.runner.encode_world_info``, which the
+    tests compare against; not imported here, as it would pull torch into the job process)."""
     return base64.urlsafe_b64encode(json.dumps({"localhost": devices}).encode()).decode()
 
 

@@ -224,47 +224,45 @@ def compiled_checkpoints(model: nn.Module) -> int:
     takes), and what the checkpoint runs — the layer's own forward, in the forward pass and in
     the recompute — is ``torch.compile``d (one compiled function for all layers, dynamic
     shapes); returns how many layers checkpoint."""
-    return _own_checkpoints(model, None, compiled={})
+    return _own_checkpoints(model, None, compile_forward=True)
 
 
 def _own_checkpoints(
-    model: nn.Module, copies: HostCopies | None, compiled: dict[Any, Callable] | None = None
+    model: nn.Module, copies: HostCopies | None, compile_forward: bool = False
 ) -> int:
     """Route every checkpointed decoder layer through :class:`LayerCheckpoint`. transformers'
     layer wrapper hands the checkpoint ``partial(forward, layer, **kwargs)``, the unwrapped
-    forward; with ``compiled``, that forward is swapped for its compiled form (memoized)."""
+    forward; with ``compile_forward``, that forward is swapped for its compiled form (one per layer
+    class, compiled on first use)."""
     from memtune.rank.model import decoder_layers
 
     # Makes the output require grad even when the layer's input does not (the first layer's
     # input is the frozen embedding's output), so the backward reaches the layer's LoRA.
     anchor = torch.ones((), requires_grad=True)
-    n = 0
-    for layer in decoder_layers(model):
-        if not layer.gradient_checkpointing:
-            continue
+    compiled: dict[Callable, Callable] = {}
 
-        def checkpointed(function: Callable, x: torch.Tensor, *args: Any) -> torch.Tensor:
-            if args:
-                raise ValueError("memtune's layer checkpoints take the hidden states only")
-            if compiled is not None:
-                if not isinstance(function, partial):
-                    raise TypeError(
-                        f"trainer.compile expects transformers to checkpoint a partial of the "
-                        f"layer's forward, got {function!r}"
-                    )
-                inner = compiled.get(function.func)
-                if inner is None:
-                    # fallback_random: dropout from torch's RNG, which LayerCheckpoint
-                    # restores for the recompute (inductor's own RNG would draw new masks).
-                    inner = compiled[function.func] = torch.compile(
-                        function.func, dynamic=True, options={"fallback_random": True}
-                    )
-                function = partial(inner, *function.args, **function.keywords)
-            return LayerCheckpoint.apply(function, copies, x, anchor)
+    def checkpointed(function: Callable, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        if args:
+            raise ValueError("memtune's layer checkpoints take the hidden states only")
+        if compile_forward:
+            if not isinstance(function, partial):
+                raise TypeError(
+                    "trainer.compile expects transformers to checkpoint a partial of the "
+                    f"layer's forward, got {function!r}"
+                )
+            if function.func not in compiled:
+                # fallback_random: dropout from torch's RNG, which LayerCheckpoint restores
+                # for the recompute (inductor's own RNG would draw new masks).
+                compiled[function.func] = torch.compile(
+                    function.func, dynamic=True, options={"fallback_random": True}
+                )
+            function = partial(compiled[function.func], *function.args, **function.keywords)
+        return LayerCheckpoint.apply(function, copies, x, anchor)
 
+    layers = [layer for layer in decoder_layers(model) if layer.gradient_checkpointing]
+    for layer in layers:
         layer._gradient_checkpointing_func = checkpointed
-        n += 1
-    return n
+    return len(layers)
 
 
 # --- RNG for the recompute ----------------------------------------------------------------
