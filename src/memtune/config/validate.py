@@ -8,7 +8,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from memtune.config.schema import ConfigError, DataConfig, ModelConfig, RunConfig
+from memtune.config.schema import ConfigError, DataConfig, ModelConfig, RunConfig, cache_dir
 from memtune.data.readers import FORMATS, is_local_source
 from memtune.data.templates import TEMPLATES
 
@@ -167,6 +167,7 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
         )
     if cfg.model.name_or_path in ("", "???"):
         raise ConfigError("model.name_or_path is not set: give a hub name or a local directory")
+    _check_synthesized_path(cfg.model)
     _check_sequence_parallel(cfg)
     _check_positions(cfg)
     if inputs:
@@ -262,6 +263,21 @@ def _check_data(data: DataConfig) -> None:
         raise ConfigError(
             "data.group_by_length batches unpacked samples; packing is on by default: "
             "set data.packing=false with it"
+        )
+
+
+def _check_synthesized_path(model: ModelConfig) -> None:
+    """A synthesized (random demo) model is built only in memtune's cache: a path set on such a
+    group is the user's own model or directory, which the build would write over."""
+    if not model.synthesize:
+        return
+    where = Path(model.name_or_path).expanduser().resolve()
+    if where.parent != cache_dir().expanduser().resolve():
+        raise ConfigError(
+            f"model.name_or_path={model.name_or_path!r}: this model group builds a random "
+            f"demo model in memtune's cache ({cache_dir()}), not at a path of yours; to train "
+            "your own checkpoint use model=local model.name_or_path=/path/to/it (or a model "
+            "group such as model=qwen2.5-7b)"
         )
 
 

@@ -100,6 +100,37 @@ def _no_progress_bars() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+class NotOurs(FileExistsError):
+    """A directory memtune would build a demo model in holds something it did not make."""
+
+
+def is_synthesized(path: str | Path) -> bool:
+    """Whether ``path`` is a demo model memtune built (it carries memtune's marker)."""
+    return (Path(path) / _MARKER).is_file()
+
+
+def _current(path: Path, fingerprint: str) -> bool:
+    marker = path / _MARKER
+    try:
+        return json.loads(marker.read_text()).get("fingerprint") == fingerprint
+    except (OSError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path) -> Iterator[None]:
+    """One build of ``path`` at a time, across processes: a kernel lock on a sibling file,
+    released when the holder exits, however it exits."""
+    import fcntl
+
+    with open(path.parent / f".{path.name}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def synthesize(
     path: str | Path,
     architecture: dict[str, Any],
@@ -108,20 +139,42 @@ def synthesize(
 ) -> Path:
     """Build model + tokenizer at ``path`` unless an identical build is already there.
 
-    The build goes to a temporary sibling directory that is renamed into place, so a crash
-    or a concurrent build never leaves a half-written model behind.
+    memtune replaces only what it built: an existing ``path`` without memtune's marker file is
+    refused (:class:`NotOurs`), never deleted. The build goes to a temporary sibling that is
+    renamed into place, under a lock, so a crash leaves no half-written model and two processes
+    building the same model both end with it (the second finds the first's build).
     """
     path = Path(path)
     tok_dir = None if tokenizer_dir is None else Path(tokenizer_dir)
     fingerprint = _fingerprint(architecture, tok_dir)
-    marker = path / _MARKER
-    if marker.is_file() and json.loads(marker.read_text()).get("fingerprint") == fingerprint:
+    if _current(path, fingerprint):
         return path  # before importing transformers: ~2 s of every start of the demo
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(path):
+        if _current(path, fingerprint):
+            return path  # another process built it while this one waited
+        if path.exists() and not is_synthesized(path):
+            raise NotOurs(
+                f"{path} exists and memtune did not build it (no {_MARKER} in it): memtune "
+                "builds demo models only where nothing is, and never replaces a directory it "
+                "did not make"
+            )
+        _build(path, architecture, seed, tok_dir, fingerprint)
+    return path
+
+
+def _build(
+    path: Path,
+    architecture: dict[str, Any],
+    seed: int,
+    tok_dir: Path | None,
+    fingerprint: str,
+) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    old = path.parent / f".{path.name}.old-{os.getpid()}"
     try:
         model_type = architecture.get("model_type", "qwen2")
         if tok_dir is not None:
@@ -144,10 +197,10 @@ def synthesize(
             model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / _MARKER).write_text(json.dumps({"fingerprint": fingerprint, "seed": seed}))
-        if path.exists():
-            shutil.rmtree(path)
+        if path.exists():  # an older build of ours (synthesize checked the marker): set aside
+            os.replace(path, old)
         os.replace(tmp, path)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path
+        for ours in (tmp, old):
+            if ours.exists():
+                shutil.rmtree(ours, ignore_errors=True)

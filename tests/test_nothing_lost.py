@@ -1,0 +1,122 @@
+"""memtune's contract with what the user owns: it never deletes or writes over a directory it did
+not make, and refuses such a setting before anything starts (issue: nothing lost). Real
+processes, real files; no mocks."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memtune.tools.tiny import NotOurs, is_synthesized, synthesize
+from tests.conftest import compose_cfg, run_train_py
+
+
+def _tree(root: Path) -> dict[str, str]:
+    """Every file under ``root`` with a hash of its bytes: what must not change."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _users_model(root: Path) -> Path:
+    """A directory of the user's: a model they care about, with a config.json and weights."""
+    model = root / "my-model"
+    (model / "sub").mkdir(parents=True)
+    (model / "config.json").write_text('{"model_type": "qwen2"}\n')
+    (model / "model.safetensors").write_bytes(b"\x00weights\x01" * 1000)
+    (model / "sub" / "notes.txt").write_text("three weeks of work\n")
+    return model
+
+
+@pytest.mark.parametrize("extra", [[], ["preprocess_only=true"]])
+def test_name_or_path_on_the_demo_model_group_is_refused_and_the_dir_kept(
+    tmp_path: Path, extra: list[str]
+) -> None:
+    """The demo's tiny-qwen2 group builds a random model; pointed at a user's directory it used
+    to delete that directory and write the random model there."""
+    model = _users_model(tmp_path)
+    before = _tree(model)
+    proc = run_train_py(
+        [f"model.name_or_path={model}", f"run_dir={tmp_path / 'run'}", *extra],
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"model.name_or_path='{model}'" in proc.stderr
+    assert "model=local" in proc.stderr and "Traceback" not in proc.stderr
+    assert _tree(model) == before
+    assert not (model / "memtune_synth.json").exists()
+
+
+def test_name_or_path_that_does_not_exist_is_refused_not_created(tmp_path: Path) -> None:
+    missing = tmp_path / "typo-of-my-model"
+    proc = run_train_py(
+        [f"model.name_or_path={missing}", f"run_dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=120
+    )
+    assert proc.returncode == 2
+    assert "model=local" in proc.stderr
+    assert not missing.exists()
+
+
+def test_synthesize_never_replaces_a_directory_it_did_not_build(tmp_path: Path) -> None:
+    model = _users_model(tmp_path)
+    before = _tree(model)
+    arch = dict(compose_cfg()["model"]["architecture"])
+    with pytest.raises(NotOurs, match="memtune did not build it"):
+        synthesize(model, arch)
+    assert _tree(model) == before
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(NotOurs):  # an empty directory is still the user's
+        synthesize(empty, arch)
+    assert empty.is_dir() and not any(empty.iterdir())
+
+
+def test_synthesize_replaces_its_own_older_build(tmp_path: Path) -> None:
+    arch = dict(compose_cfg()["model"]["architecture"])
+    path = synthesize(tmp_path / "tiny", arch)
+    first = (path / "config.json").read_text()
+    synthesize(path, {**arch, "num_hidden_layers": 1})  # another architecture: rebuilt
+    assert '"num_hidden_layers": 1' in (path / "config.json").read_text() != first
+    assert is_synthesized(path)
+    # Nothing of the build is left beside it but the lock file.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tiny.lock", "tiny"]
+
+
+_BUILD = """
+import json, sys
+from memtune.tools.tiny import synthesize
+path = synthesize(sys.argv[1], json.loads(sys.argv[2]))
+print("built:", path.stat().st_ino, (path / "memtune_synth.json").read_text())
+"""
+
+
+def test_two_processes_building_one_demo_model_both_succeed(tmp_path: Path) -> None:
+    """Two jobs started at once on a fresh machine both build the demo model: one builds, the
+    other waits for the lock and finds the build (before, the second could rmtree the first's
+    model under its ranks, or fail to rename onto it)."""
+    import json
+
+    arch = json.dumps(dict(compose_cfg()["model"]["architecture"]))
+    path = tmp_path / "cache" / "tiny-qwen2"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _BUILD, str(path), arch],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    seen = [[line for line in out.splitlines() if line.startswith("built:")] for out, _ in outs]
+    assert seen[0] == seen[1] and len(seen[0]) == 1  # one build (one inode), seen by both
+    assert is_synthesized(path)
+    assert sorted(p.name for p in path.parent.iterdir()) == [".tiny-qwen2.lock", "tiny-qwen2"]
