@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -185,6 +186,18 @@ def test_sigterm_saves_and_the_same_command_continues(tmp_path: Path) -> None:
     ]
     proc = _start(args, ROOT)
     _wait_for_step(run_dir, 3, proc)
+    # The same command again while the job trains: refused at once (one job per run dir),
+    # naming the running job, and nothing of it in the run dir.
+    before = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir() if p.is_file()}
+    second = run_train_py(args, cwd=ROOT, timeout=120)
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert f"in use by another memtune job (host {socket.gethostname()}, pid {proc.pid}" in (
+        second.stderr
+    )
+    after = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir() if p.is_file()}
+    assert {k: v for k, v in after.items() if k in before and k != "metrics.jsonl"} == {
+        k: v for k, v in before.items() if k != "metrics.jsonl"
+    }
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 75, out[-3000:]  # memtune.exit_codes.EXIT_REQUEUE

@@ -120,3 +120,42 @@ def test_two_processes_building_one_demo_model_both_succeed(tmp_path: Path) -> N
     assert seen[0] == seen[1] and len(seen[0]) == 1  # one build (one inode), seen by both
     assert is_synthesized(path)
     assert sorted(p.name for p in path.parent.iterdir()) == [".tiny-qwen2.lock", "tiny-qwen2"]
+
+
+_HOLD = """
+import sys, time
+from pathlib import Path
+from memtune.rundir import hold
+with hold(Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_run_dir_held_by_a_job_refuses_a_second_one_until_it_dies(tmp_path: Path) -> None:
+    """The lock is the kernel's: a second job is refused at once, naming the holder, and writes
+    nothing there; once the holder is killed (-9, no clean-up) the run dir is free again."""
+    import os
+    import signal
+    import socket
+
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        args = [f"run_dir={run_dir}", "preprocess_only=true"]
+        second = run_train_py(args, cwd=tmp_path, timeout=120)
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"run dir {run_dir} is in use by another memtune job" in second.stderr
+        assert f"host {socket.gethostname()}, pid {holder.pid}, started 20" in second.stderr
+        assert "Traceback" not in second.stderr
+        assert sorted(p.name for p in run_dir.iterdir()) == ["job.lock"]  # not even .hydra/
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+    again = run_train_py(args, cwd=tmp_path, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert (run_dir / "config.yaml").is_file()
+    assert f'"pid": {holder.pid}' not in (run_dir / "job.lock").read_text()

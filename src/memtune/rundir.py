@@ -14,8 +14,16 @@ one from a newer memtune, or with fields missing, is refused, naming the file an
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
+import errno
+import fcntl
 import json
+import os
+import socket
+import sys
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -46,8 +54,77 @@ def _read(cls: type[R], path: Path) -> R:
     return cls(**{k: v for k, v in raw.items() if k in names})
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary sibling that is fsynced and renamed into
+    place: a reader (or a crash, or a full disk) sees the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()  # ours: left only when the write or the rename failed
+
+
 def _write(record: Any, path: Path) -> None:
-    path.write_text(json.dumps(asdict(record), indent=2) + "\n")
+    write_atomic(path, json.dumps(asdict(record), indent=2) + "\n")
+
+
+class RunDirBusy(RuntimeError):
+    """Another job holds the run dir (:func:`hold`)."""
+
+
+@contextlib.contextmanager
+def hold(run_dir: Path, node_rank: int = 0) -> Iterator[None]:
+    """One job per run dir: an exclusive kernel lock (flock) on ``job.lock`` for the whole job.
+
+    The kernel drops it when the holder exits, however it exits, so a stale lock cannot exist
+    and nothing ever has to be removed. The file says who holds it (host, pid, start time,
+    command) for the refusal of a second job. In the per-node (Slurm) form every node runs
+    the job command on the same run dir: node K > 0 holds ``job-nodeK.lock``. On a shared
+    filesystem this needs working flock: local disks and NFSv4 have it (Linux maps it onto
+    NFS byte-range locks), Lustre only when mounted with ``-o flock``; where the filesystem
+    refuses locks the job warns and goes on unguarded.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = RunDir(run_dir).lock if node_rank == 0 else run_dir / f"job-node{node_rank}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunDirBusy(
+                f"run dir {run_dir} is in use by another memtune job ({_holder(path)}): wait "
+                "for it to end, or give this job another run_dir"
+            ) from None
+        except OSError as err:
+            if err.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            print(
+                f"memtune: warning: cannot lock {path} ({err.strerror}: the filesystem has no "
+                "flock; on Lustre mount with -o flock): a second job on this run dir would not "
+                "be refused",
+                file=sys.stderr,
+                flush=True,
+            )
+        started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        who = {"host": socket.gethostname(), "pid": os.getpid(), "started": started}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps({**who, "command": sys.argv}) + "\n").encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _holder(path: Path) -> str:
+    try:
+        who = json.loads(path.read_text())
+        return f"host {who['host']}, pid {who['pid']}, started {who['started']}"
+    except (OSError, ValueError, KeyError):
+        return "its holder is still starting"
 
 
 @dataclass
@@ -228,6 +305,11 @@ class RunDir:
         return self.path / "nodes.hostfile"
 
     @property
+    def lock(self) -> Path:
+        """Node 0's job lock (:func:`hold`): held by the job for its whole life."""
+        return self.path / "job.lock"
+
+    @property
     def exit(self) -> Path:
         return self.path / "exit.json"
 
@@ -260,7 +342,7 @@ class RunDir:
     # the records
     def write_exit(self, code: int, error: str | None = None) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        self.exit.write_text(json.dumps(ExitRecord(code, error).as_json()) + "\n")
+        write_atomic(self.exit, json.dumps(ExitRecord(code, error).as_json()) + "\n")
 
     def read_exit(self) -> ExitRecord:
         return _read(ExitRecord, self.exit)
@@ -298,4 +380,4 @@ class RunDir:
         }
         if vs_plan is not None:
             record["vs_plan"] = vs_plan
-        self.memory.write_text(json.dumps(record, indent=2) + "\n")
+        write_atomic(self.memory, json.dumps(record, indent=2) + "\n")

@@ -14,7 +14,7 @@ from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from memtune.config import ConfigError, RunConfig, load_run_config
 from memtune.exit_codes import EXIT_CONFIG, EXIT_OOM, EXIT_REQUEUE
@@ -28,6 +28,7 @@ from memtune.launcher.topology import (
     check_sweep_point_nodes,
     resolve,
     size_from_allocation,
+    this_node_rank,
     wait_ready,
     wait_stopped,
     write_nodes_hostfile,
@@ -35,7 +36,7 @@ from memtune.launcher.topology import (
 from memtune.machine import name_cpu_accelerator, versions_line
 from memtune.memory.estimate import format_plan
 from memtune.memory.fit import format_longest_sequence, format_step_estimates, format_suggestions
-from memtune.rundir import RunDir
+from memtune.rundir import RunDir, RunDirBusy, hold, write_atomic
 
 FAILED_POINTS: list[str] = []
 WAIT_FOR_NODE0_S = 3600.0
@@ -97,11 +98,12 @@ def after_out_of_memory(cfg: RunConfig, run_dir: Path, spec: Any, env: dict[str,
 
 def run_job(cfg: DictConfig) -> None:
     """One job: a plan (plan_only), or validate, plan, preflight, prepare the run dir and start
-    this node's ranks. Exits with the job's code; a failed sweep point is recorded in
-    FAILED_POINTS and the sweep goes on."""
+    this node's ranks, holding the run dir's lock throughout (one job per run dir). Exits with
+    the job's code; a failed sweep point is recorded in FAILED_POINTS and the sweep goes on."""
     name_cpu_accelerator()
     hydra_cfg = HydraConfig.get()
-    if cfg.run_dir and hydra_cfg.mode == RunMode.MULTIRUN:
+    sweeping = hydra_cfg.mode == RunMode.MULTIRUN
+    if cfg.run_dir and sweeping:
         print(
             "memtune: config error: run_dir cannot be set in a sweep (-m): every point "
             "needs its own dir; set hydra.sweep.dir instead",
@@ -109,7 +111,44 @@ def run_job(cfg: DictConfig) -> None:
         )
         sys.exit(EXIT_CONFIG)
     run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
-    sweeping = hydra_cfg.mode == RunMode.MULTIRUN
+    if cfg.plan_only:  # reads no run dir and writes none: nothing to hold
+        _run(cfg, run_dir, sweeping)
+        return
+    try:
+        with hold(run_dir, this_node_rank(cfg.launcher)):
+            _record_composition(cfg, run_dir)
+            _run(cfg, run_dir, sweeping)
+    except (RunDirBusy, ConfigError) as err:
+        # Another job's run dir, or no node rank to tell which lock is this node's: nothing
+        # of this job's to write there (no exit.json), only the refusal.
+        kind = "config error: " if isinstance(err, ConfigError) else ""
+        print(f"memtune: {kind}{err}", file=sys.stderr)
+        _failed(run_dir, EXIT_CONFIG, sweeping)
+
+
+def _record_composition(cfg: DictConfig, run_dir: Path) -> None:
+    """``.hydra/``: the composed config, Hydra's own and the command-line overrides, as Hydra
+    writes them (conf/config.yaml turns Hydra's writing off: it came before the lock)."""
+    hydra_cfg: Any = HydraConfig.instance().cfg  # the whole config under its hydra key
+    if hydra_cfg.hydra.output_subdir is not None:
+        return  # set on the command line: Hydra wrote it
+    record = run_dir / ".hydra"
+    record.mkdir(parents=True, exist_ok=True)
+    write_atomic(record / "config.yaml", OmegaConf.to_yaml(cfg))
+    write_atomic(record / "hydra.yaml", OmegaConf.to_yaml(hydra_cfg))
+    write_atomic(record / "overrides.yaml", OmegaConf.to_yaml(hydra_cfg.hydra.overrides.task))
+
+
+def _failed(run_dir: Path, code: int, sweeping: bool) -> None:
+    """The one end of a failed job: exit with its code, or in a sweep record the point as
+    failed and return (the other points still run)."""
+    if not sweeping:
+        sys.exit(code)
+    FAILED_POINTS.append(str(run_dir))
+
+
+def _run(cfg: DictConfig, run_dir: Path, sweeping: bool) -> None:
+    hydra_cfg = HydraConfig.get()
     if sweeping and cfg.logger.group is None:
         cfg.logger.group = Path(hydra_cfg.sweep.dir).name  # one wandb group per sweep
     try:
@@ -118,10 +157,8 @@ def run_job(cfg: DictConfig) -> None:
         sized = size_from_allocation(cfg.launcher, list(hydra_cfg.overrides.task))
     except ConfigError as err:
         print(f"memtune: config error: {err}", file=sys.stderr)
-        if not sweeping:
-            sys.exit(EXIT_CONFIG)
         RunDir(run_dir).write_exit(EXIT_CONFIG, f"config error: {err}")
-        FAILED_POINTS.append(str(run_dir))
+        _failed(run_dir, EXIT_CONFIG, sweeping)
         return
     if sized:
         print(
@@ -171,9 +208,7 @@ def run_job(cfg: DictConfig) -> None:
             announce_ready(run_dir, spec, error=why)
         # The run dir Hydra made says why it holds no run.
         RunDir(run_dir).write_exit(EXIT_CONFIG, f"{kind}: {err}")
-        if not sweeping:
-            sys.exit(EXIT_CONFIG)
-        FAILED_POINTS.append(str(run_dir))
+        _failed(run_dir, EXIT_CONFIG, sweeping)
         return
     if run_cfg.preprocess_only:
         print(f"memtune: preprocess_only: run dir {run_dir} laid out, no ranks started", flush=True)
@@ -218,6 +253,4 @@ def run_job(cfg: DictConfig) -> None:
     elif code != 0:
         print(f"memtune: the ranks failed (exit code {code}); run dir {run_dir}", file=sys.stderr)
     if code != 0:
-        if not sweeping:
-            sys.exit(code)
-        FAILED_POINTS.append(str(run_dir))  # the other points of the sweep still run
+        _failed(run_dir, code, sweeping)

@@ -70,6 +70,19 @@ def _int_env(env: Mapping[str, str], *names: str) -> int | None:
     return None
 
 
+def this_node_rank(lc: Any, env: Mapping[str, str] | None = None) -> int:
+    """This node's rank when the job runs once per node: launcher.node_rank, else $SLURM_NODEID
+    or $NODE_RANK, else 0 (a hostfile job runs on one machine: 0). ``lc``: the launcher config,
+    typed or as composed — the run-dir lock needs it before the job is sized from a Slurm
+    allocation, so it does not look at launcher.nnodes."""
+    env = os.environ if env is None else env
+    if lc.hostfile is not None:
+        return 0
+    if lc.node_rank is not None:
+        return int(lc.node_rank)
+    return _int_env(env, "SLURM_NODEID", "NODE_RANK") or 0
+
+
 def resolve(cfg: RunConfig, env: Mapping[str, str] | None = None) -> NodeSpec:
     """This node's place in the job, from the config first and the environment second."""
     env = os.environ if env is None else env
@@ -88,9 +101,7 @@ def resolve(cfg: RunConfig, env: Mapping[str, str] | None = None) -> NodeSpec:
         hostfile = Path(lc.hostfile).expanduser().resolve()
         check_hostfile(hostfile, lc.nnodes, per_node)
         return NodeSpec("hostfile", lc.nnodes, per_node, 0, master_addr, port, hostfile=hostfile)
-    node_rank = lc.node_rank
-    if node_rank is None:
-        node_rank = _int_env(env, "SLURM_NODEID", "NODE_RANK") or 0
+    node_rank = this_node_rank(lc, env)
     if not 0 <= node_rank < lc.nnodes:
         raise ConfigError(f"launcher.node_rank={node_rank} is not in 0..{lc.nnodes - 1}")
     if master_addr is None:
