@@ -165,14 +165,31 @@ def test_resume_with_a_contradicting_config_is_refused(finished: Path, tmp_path:
     # Another number of ranks alone would be allowed (tests/test_resume_world.py).
     assert "launcher.num_ranks" not in proc.stderr
     assert "resume=never" in proc.stderr
-    # resume=never lifts the refusal (preprocess_only: lay out the run dir, start no ranks).
+    # resume=never lifts the refusal (preprocess_only: lay out the run dir, start no ranks),
+    # and moves the earlier run aside whole, so nothing of it is read as the new run's.
+    old = {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    (run_dir / "my-notes.txt").write_text("the user's own file\n")
     fresh = run_train_py(
         [*BASE, f"run_dir={run_dir}", "peft.r=4", "resume=never", "preprocess_only=true"], cwd=ROOT
     )
     assert fresh.returncode == 0, fresh.stderr[-3000:]
+    (previous,) = (run_dir / "previous").iterdir()
+    assert f"resume=never: the earlier run in this dir moved to {previous}" in fresh.stdout
+    moved = {
+        str(p.relative_to(previous)): p.read_bytes() for p in previous.rglob("*") if p.is_file()
+    }
+    kept = {k: v for k, v in old.items() if not k.startswith(".hydra/") and k != "job.lock"}
+    assert {k: v for k, v in moved.items() if k in kept} == kept  # byte for byte
+    assert not (run_dir / "checkpoints").exists() and not (run_dir / "adapter").exists()
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "summary.json").exists()
+    assert (run_dir / "my-notes.txt").read_text() == "the user's own file\n"  # not a run's
     resume = json.loads((run_dir / "resume.json").read_text())
     assert resume == {"checkpoint": None, "changed": {}}
     assert "r: 4" in (run_dir / "config.yaml").read_text()
+    # The next resume=auto start continues the new run (none yet), not the old one.
+    again = run_train_py([*BASE, f"run_dir={run_dir}", "peft.r=4", "preprocess_only=true"], ROOT)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((run_dir / "resume.json").read_text())["checkpoint"] is None
 
 
 def test_sigterm_saves_and_the_same_command_continues(tmp_path: Path) -> None:

@@ -339,6 +339,42 @@ class RunDir:
     def memory(self) -> Path:
         return self.path / "memory.json"
 
+    # an earlier run in the same dir
+    RUN_FILES = (
+        "config.yaml", "ds_config.json", "plan.txt", "plan.json", "data.json", "resume.json",
+        "launch*.txt", "launch.json", "stopped-node*.json", "nodes.hostfile", "exit.json",
+        "preflight*.json", "metrics.jsonl", "checkpoints", "adapter", "summary.json",
+        "memory.json", "oom-rank*.json", "restarted-oom-rank*.json", "oom_restart.json", "wandb",
+    )  # fmt: skip
+    """What a run leaves in its dir (the README's table), as names and glob patterns."""
+
+    @property
+    def previous(self) -> Path:
+        """Where a fresh start (resume=never) moves the run that was in the dir before it."""
+        return self.path / "previous"
+
+    def earlier_run(self) -> list[Path]:
+        """The entries an earlier run left here (none of a user's other files)."""
+        found = {p for pattern in self.RUN_FILES for p in self.path.glob(pattern)}
+        return sorted(found)
+
+    def set_aside_earlier_run(self) -> Path | None:
+        """Move an earlier run's entries to ``previous/<UTC time>/``, renamed, never copied or
+        deleted; returns that folder, or None when there was nothing to move."""
+        entries = self.earlier_run()
+        if not entries:
+            return None
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H-%M-%S")
+        dest = self.previous / stamp
+        n = 1
+        while dest.exists():
+            n += 1
+            dest = self.previous / f"{stamp}-{n}"
+        dest.mkdir(parents=True)
+        for entry in entries:
+            os.replace(entry, dest / entry.name)
+        return dest
+
     # the records
     def write_exit(self, code: int, error: str | None = None) -> None:
         self.path.mkdir(parents=True, exist_ok=True)

@@ -85,6 +85,7 @@ def after_out_of_memory(cfg: RunConfig, run_dir: Path, spec: Any, env: dict[str,
             )
         return EXIT_OOM
     variant, changes = restart
+    variant.resume = "auto"  # the restart continues this run, whatever started it
     fresh = prepare_run_dir(None, run_dir, oom.fitted_for(variant))
     resumed = RunDir(run_dir).read_resume().checkpoint
     oom.record_restart(run_dir, changes, resumed)
@@ -124,6 +125,19 @@ def run_job(cfg: DictConfig) -> None:
         kind = "config error: " if isinstance(err, ConfigError) else ""
         print(f"memtune: {kind}{err}", file=sys.stderr)
         _failed(run_dir, EXIT_CONFIG, sweeping)
+
+
+def _start_over(run_dir: Path) -> None:
+    """resume=never in a used run dir: the earlier run moves to previous/ first, so nothing of
+    it is read as this run's (its checkpoints counted against keep_last, its latest, its
+    metrics, its adapter taken for this run's by a later resume=auto)."""
+    moved = RunDir(run_dir).set_aside_earlier_run()
+    if moved is not None:
+        print(
+            f"memtune: resume=never: the earlier run in this dir moved to {moved} (kept whole: "
+            "its checkpoints, adapter and metrics)",
+            flush=True,
+        )
 
 
 def _record_composition(cfg: DictConfig, run_dir: Path) -> None:
@@ -175,6 +189,8 @@ def _run(cfg: DictConfig, run_dir: Path, sweeping: bool) -> None:
         # Config and memory first, then the GPUs, then the data: a run that cannot fit, or a
         # machine that cannot run it, stops before anything is tokenized.
         fitted = decide(given) if spec.node_rank == 0 else None
+        if fitted is not None and given.resume == "never":
+            _start_over(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         nccl_env, measured = for_launch(
             given.launcher,
