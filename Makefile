@@ -36,7 +36,7 @@ train: $(STAMP) ## Run the embedded CPU demo (tiny Qwen2, 2 ranks, ZeRO-3); ARGS
 	@$(PY) train.py $(ARGS)
 
 test: $(STAMP) ## Run the test suite (CPU; real DeepSpeed ranks)
-	@$(PY) -m memtune.machine
+	@$(VENV)/bin/memtune machine
 	@$(PY) -m pytest $(PYTEST_ARGS)
 
 relock: ## Move constraints.txt to the newest versions pyproject.toml allows, reinstall, run the suite
@@ -58,11 +58,11 @@ preprocess: $(STAMP) ## Tokenize the data into its cache and print the counts (A
 	$(PY) train.py preprocess_only=true $(ARGS)
 
 plan: $(STAMP) ## Per-rank memory plan of EXP (default qwen2.5-7b-4x4090-lora); launches nothing
-	@$(PY) train.py experiment=$(EXP) plan_only=true hydra.run.dir=outputs/plans/$(EXP) hydra.output_subdir=null $(ARGS)
+	@$(VENV)/bin/memtune plan experiment=$(EXP) $(ARGS)
 
-merge: $(STAMP) ## Merge an adapter into its base: ADAPTER=RUN_DIR/adapter OUT=merged/ [ARGS=--dtype fp32]
+merge: $(STAMP) ## Merge an adapter into its base: ADAPTER=RUN_DIR/adapter OUT=new-dir/ [ARGS=--dtype fp32]
 	@test -n "$(ADAPTER)" -a -n "$(OUT)" || { echo "usage: make merge ADAPTER=RUN_DIR/adapter OUT=DIR"; exit 2; }
-	$(PY) -m memtune.merge $(ADAPTER) $(OUT) $(ARGS)
+	$(VENV)/bin/memtune merge $(ADAPTER) $(OUT) $(ARGS)
 
 lint: $(STAMP) ## ruff (lint + format check) and mypy over src/
 	$(VENV)/bin/ruff check .

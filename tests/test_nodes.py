@@ -259,7 +259,7 @@ def test_the_preflight_all_reduce_measures_bus_bandwidth_on_gloo() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_preflight_stops_clearly_without_gpus() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "memtune.preflight", "--gpus", "4"],
+        [sys.executable, "-m", "memtune.cli", "preflight", "--gpus", "4"],
         capture_output=True,
         text=True,
         timeout=120,

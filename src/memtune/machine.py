@@ -160,7 +160,15 @@ def lock_line(path: Path = REPO_LOCK) -> str | None:
     return f"{len(diffs)} package(s) differ from {path.name}: " + "; ".join(diffs)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import argparse  # in main: the library functions above need no command line
+
+    parser = argparse.ArgumentParser(
+        prog="memtune machine",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.parse_args(argv)
     print(f"memtune: {cpu_line()}")
     print(f"memtune: Python {platform.python_version()}, {versions_line()}")
     lock = lock_line()

@@ -1,8 +1,8 @@
-"""``python -m memtune.preflight --gpus N``: the GPU preflight on its own
-(:mod:`memtune.launcher.preflight`; train.py runs it before a GPU launch).
+"""``python -m memtune.preflight --gpus N``: the GPU preflight as the launcher starts it.
 
-The top level of the package holds the commands users run and what every process shares;
-this module only starts the command.
+An alias of ``memtune preflight`` (:func:`memtune.launcher.preflight.main`) kept because
+:func:`memtune.launcher.preflight.for_launch` runs the checks as this child process; people run
+``memtune preflight``.
 """
 
 from memtune.launcher.preflight import main

@@ -315,7 +315,11 @@ def for_launch(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m memtune.preflight", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="memtune preflight",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--gpus", type=int, required=True, help="GPUs this node must have")
     parser.add_argument("--nnodes", type=int, default=1)
     parser.add_argument("--json", type=Path, help="write the record here")
@@ -324,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         record = run_checks(args.gpus, args.nnodes, args.timeout)
     except PreflightError as err:
-        print(f"memtune: preflight: {err}", file=sys.stderr)
+        print(f"memtune preflight: {' '.join(str(err).split())}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG) from None
     print("\n".join(describe(record, args.gpus)), flush=True)
     if args.json:

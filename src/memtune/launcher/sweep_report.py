@@ -167,9 +167,18 @@ class SweepReport:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from memtune.config import ConfigError  # in main: only the command line's bad input uses it
+
     parser = argparse.ArgumentParser(prog="memtune report", description=__doc__)
-    parser.add_argument("sweep_dir", type=Path)
+    parser.add_argument("sweep_dir", type=Path, help="a multirun dir: multirun/DATE/TIME-EXP")
     args = parser.parse_args(argv)
+    if not args.sweep_dir.is_dir():
+        raise ConfigError(f"{args.sweep_dir}: no such directory (give multirun/DATE/TIME-EXP)")
+    if not _run_dirs(args.sweep_dir):
+        raise ConfigError(
+            f"{args.sweep_dir} holds no sweep point (no subdirectory with .hydra/): not a "
+            "sweep dir, nothing written"
+        )
     out = write_report(args.sweep_dir)
     print(out["md"].read_text())
     print(f"written: {out['md']}, {out['csv']}, {out['png']}")

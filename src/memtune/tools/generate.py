@@ -1,7 +1,7 @@
 """Answer a prompt with a trained adapter (or a merged model), rendered exactly as in training.
 
-    python -m memtune.generate RUN_DIR "What is the capital of France?"
-    python -m memtune.generate RUN_DIR --model MERGED_DIR "..."
+    memtune generate RUN_DIR "What is the capital of France?"
+    memtune generate RUN_DIR --model MERGED_DIR "..."
 
 The run's config gives the template and system prompt, so the prompt is the same text the
 model was trained on (qwen3: with the empty think block, unless ``--thinking``). Generation
@@ -14,9 +14,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from memtune.config import load_run_config
+from memtune.config import ConfigError, load_run_config
 from memtune.data.templates import IM_END, render_prompt, with_system
 from memtune.rundir import RunDir
 
@@ -64,6 +62,9 @@ def answer(
 ) -> tuple[str, list[int]]:
     """Greedy answer to one user turn; returns (text, generated ids). ``thinking`` (the qwen3
     template): the model writes its own think block instead of the empty one."""
+    # Inside the function: torch takes seconds to import, and a refused command needs none of it.
+    import torch
+
     text = prompt_text(run_dir, prompt, tokenizer, thinking)
     ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
     stops = stop_token_ids(tokenizer)
@@ -80,8 +81,29 @@ def answer(
     return tokenizer.decode(new, skip_special_tokens=True), new
 
 
+def check_paths(run_dir: Path, model_dir: Path | None = None) -> None:
+    """ConfigError unless ``run_dir`` is a run dir with its config (and its adapter, without
+    ``model_dir``) and ``model_dir``, when given, holds a model."""
+    rd = RunDir(run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir}: no such directory (give a run dir: config.yaml, adapter/)")
+    if not rd.config.is_file():
+        raise ConfigError(f"{run_dir} has no config.yaml: not a run dir")
+    if model_dir is not None:
+        if not (model_dir / "config.json").is_file():
+            raise ConfigError(f"{model_dir} has no config.json: not a model dir (memtune merge)")
+    elif not (rd.adapter / "adapter_config.json").is_file():
+        raise ConfigError(
+            f"{rd.adapter} has no adapter_config.json: the run saved no adapter (not finished?)"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m memtune.generate", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="memtune generate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("run_dir", type=Path, help="a finished run dir (config.yaml, adapter/)")
     parser.add_argument("prompt")
     parser.add_argument("--model", type=Path, help="a merged model dir instead of base+adapter")
@@ -92,7 +114,12 @@ def main(argv: list[str] | None = None) -> None:
         help="qwen3 template: let the model think (no empty think block in the prompt)",
     )
     args = parser.parse_args(argv)
-    model, tokenizer = load(args.run_dir, args.model)
+    check_paths(args.run_dir, args.model)
+    try:
+        model, tokenizer = load(args.run_dir, args.model)
+    except OSError as err:  # transformers: neither a local model dir nor one on the Hub
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"cannot load the model: {first}") from None
     text, new = answer(
         model, tokenizer, args.run_dir, args.prompt, args.max_new_tokens, args.thinking
     )

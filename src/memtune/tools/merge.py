@@ -1,4 +1,4 @@
-"""Merge a LoRA adapter into its base model: ``python -m memtune.merge ADAPTER OUT``.
+"""Merge a LoRA adapter into its base model: ``memtune merge ADAPTER OUT``.
 
 Loads the base (bf16 by default), applies the adapter, folds it into the weights with
 ``merge_and_unload`` and saves a plain model + tokenizer that
@@ -10,20 +10,25 @@ and then dequantized (``--into dequantized``): that model behaves like the one y
 ``--into original`` merges into the original full-precision weights instead, which keeps their
 precision but adds the quantization error back under the adapter's correction. The run's
 ``config.yaml`` next to the adapter says how the base was quantized.
+
+OUT must not exist yet (or be an empty directory): memtune never writes into a directory it did
+not create. The model is saved into a temporary sibling (``.OUT.tmp-XXXX``) that is renamed to
+OUT once complete, and removed if the merge fails.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
-import torch
+from memtune.config import ConfigError, RunConfig, load_run_config
 
-from memtune.config import RunConfig, load_run_config
-from memtune.rank.model import quantization_config, torch_dtype
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+# torch's names: torch is imported by merge() only, so a refused merge answers at once.
+DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 
 
 def base_of(adapter_dir: Path) -> str:
@@ -39,6 +44,25 @@ def run_config_of(adapter_dir: Path) -> RunConfig | None:
     return None
 
 
+def check_paths(adapter_dir: Path, out_dir: Path) -> None:
+    """ConfigError unless ``adapter_dir`` holds an adapter and ``out_dir`` is free: absent, or
+    an empty directory."""
+    if not adapter_dir.is_dir():
+        raise ConfigError(f"{adapter_dir}: no such directory (give RUN_DIR/adapter)")
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise ConfigError(
+            f"{adapter_dir} has no adapter_config.json: not an adapter (give RUN_DIR/adapter "
+            "or a checkpoint's adapter/)"
+        )
+    if os.path.lexists(out_dir) and (
+        out_dir.is_symlink() or not out_dir.is_dir() or any(out_dir.iterdir())
+    ):
+        raise ConfigError(
+            f"{out_dir} already exists and is not an empty directory; merge writes only a new "
+            "one: give another OUT, or move that one away yourself"
+        )
+
+
 def merge(
     adapter_dir: Path,
     out_dir: Path,
@@ -46,34 +70,69 @@ def merge(
     dtype: str = "bf16",
     into: str = "dequantized",
 ) -> Path:
+    """Write the merged model and tokenizer to ``out_dir`` (absent or empty: ConfigError
+    otherwise), through a temporary sibling renamed into place at the end."""
+    out_dir = Path(os.path.abspath(out_dir))
+    check_paths(adapter_dir, out_dir)
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    except OSError as err:
+        raise ConfigError(f"{out_dir.parent}: cannot write there ({err})") from None
+    try:
+        _merge_into(staging, adapter_dir, base, dtype, into)
+        umask = os.umask(0)
+        os.umask(umask)
+        staging.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; OUT gets a plain dir's mode
+        try:
+            # Onto an absent or empty OUT only: one filled in the meantime is not replaced.
+            staging.rename(out_dir)
+        except OSError as err:
+            raise ConfigError(f"{out_dir}: cannot put the merged model there ({err})") from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _merge_into(out_dir: Path, adapter_dir: Path, base: str | None, dtype: str, into: str) -> None:
+    # Inside the function: torch, transformers and peft take seconds to import.
+    import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if not (adapter_dir / "adapter_config.json").is_file():
-        raise SystemExit(f"memtune.merge: {adapter_dir} has no adapter_config.json")
+    from memtune.rank.model import quantization_config, torch_dtype
+
     base = base or base_of(adapter_dir)
     cfg = run_config_of(adapter_dir)
     quant = quantization_config(cfg) if cfg is not None and into == "dequantized" else None
-    if quant is not None and cfg is not None:
-        # Quantized exactly as in training (from the training dtype), then dequantized: the
-        # weights the adapter learned to correct.
-        quantized = AutoModelForCausalLM.from_pretrained(
-            base, dtype=torch_dtype(cfg), quantization_config=quant
-        )
-        model = quantized.dequantize().to(DTYPES[dtype])
-    else:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=DTYPES[dtype])
+    try:
+        if quant is not None and cfg is not None:
+            # Quantized exactly as in training (from the training dtype), then dequantized: the
+            # weights the adapter learned to correct.
+            quantized = AutoModelForCausalLM.from_pretrained(
+                base, dtype=torch_dtype(cfg), quantization_config=quant
+            )
+            model = quantized.dequantize().to(getattr(torch, DTYPES[dtype]))
+        else:
+            model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, DTYPES[dtype]))
+    except OSError as err:  # transformers: neither a local model dir nor one on the Hub
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"base model {base}: cannot load it ({first}); give --base") from None
     merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(str(out_dir))
     tokenizer_src = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base
     AutoTokenizer.from_pretrained(str(tokenizer_src)).save_pretrained(str(out_dir))
-    return out_dir
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m memtune.merge", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="memtune merge",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("adapter", type=Path, help="an adapter/ folder (run dir or checkpoint)")
-    parser.add_argument("out", type=Path, help="where to write the merged model")
+    parser.add_argument("out", type=Path, help="a new directory for the merged model")
     parser.add_argument("--base", help="base model (default: the one the adapter names)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument(

@@ -1,7 +1,7 @@
 """Trace one training step of an experiment's full-size model on fake tensors and compare it
 with the memory plan (memory.trace):
 
-    python -m memtune.tools.trace experiment=qwen2.5-7b-4x4090-lora [data.max_seq_len=32768]
+    memtune trace experiment=qwen2.5-7b-4x4090-lora [data.max_seq_len=32768]
 
 Takes the same overrides as train.py; ``checkpoint_layers=auto`` and ``plan.auto_fit`` are
 decided as a launch would decide them.
@@ -9,6 +9,7 @@ decided as a launch would decide them.
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from memtune.config import compose, to_run_config
@@ -18,7 +19,15 @@ from memtune.memory.trace import format_trace, trace_step
 
 
 def main(argv: list[str] | None = None) -> int:
-    overrides = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="memtune trace",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="OVERRIDE", help="train.py's overrides: experiment=..."
+    )
+    overrides = parser.parse_args(argv).overrides
     given, _ = resolve_architecture(to_run_config(compose(overrides)))
     cfg = fit_to_device(given, refuse=False).cfg
     print(format_trace(cfg, trace_step(cfg)), flush=True)

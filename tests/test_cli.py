@@ -1,0 +1,230 @@
+"""``memtune VERB``: one command surface; help exits 0, bad input ends in one line and exit 2.
+
+Every command runs as a person runs it: the installed console script (or ``python -m
+memtune.cli``) in a subprocess. No DeepSpeed rank is started here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memtune.exit_codes import EXIT_CONFIG
+
+VERBS = ["plan", "report", "merge", "generate", "preflight", "trace", "machine"]
+MEMTUNE = Path(sys.executable).parent / "memtune"
+QWEN7B = "experiment=qwen2.5-7b-4x4090-lora"
+
+
+def memtune(*args: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    assert MEMTUNE.is_file(), f"{MEMTUNE}: the console script is missing (make install)"
+    return subprocess.run(
+        [str(MEMTUNE), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def assert_refused(proc: subprocess.CompletedProcess, verb: str, *names: str) -> str:
+    """Exit 2 with one line ``memtune VERB: ...`` on stderr naming ``names``; returns it."""
+    assert proc.returncode == EXIT_CONFIG, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"memtune {verb}: "), lines[0]
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+    return lines[0]
+
+
+def tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_lists_every_verb_and_exits_0(flag: str) -> None:
+    proc = memtune(flag)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: memtune")
+    listed = re.findall(r"^    (\w+)  +\S", proc.stdout, flags=re.MULTILINE)
+    assert listed == VERBS, proc.stdout
+
+
+def test_help_imports_no_torch() -> None:
+    # `memtune --help` must answer at once: the verbs' heavy modules load only when they run.
+    code = (
+        "import sys\n"
+        "from memtune.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "heavy = [m for m in ('torch', 'transformers', 'peft', 'deepspeed') if m in sys.modules]\n"
+        "print('HEAVY', heavy, file=sys.stderr)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "HEAVY []" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("verb", VERBS)
+def test_each_verb_has_help_exit_0(verb: str) -> None:
+    proc = memtune(verb, "--help")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"usage: memtune {verb}"), proc.stdout[:300]
+
+
+@pytest.mark.parametrize("args", [[], ["nosuchverb"], ["--nosuchflag"]])
+def test_no_verb_or_an_unknown_one_is_usage_on_stderr_exit_2(args: list[str]) -> None:
+    proc = memtune(*args)
+    assert proc.returncode == EXIT_CONFIG, proc.stderr
+    assert proc.stdout == ""
+    assert proc.stderr.startswith("usage: memtune")
+    assert "Traceback" not in proc.stderr
+
+
+def test_python_m_memtune_cli_is_the_same_command() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "memtune.cli", "report", "/nonexistent"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert_refused(proc, "report", "/nonexistent")
+
+
+def test_the_preflight_alias_the_launcher_starts_still_answers() -> None:
+    # launcher.preflight.for_launch runs `python -m memtune.preflight` as its child.
+    proc = subprocess.run(
+        [sys.executable, "-m", "memtune.preflight", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "--gpus" in proc.stdout
+
+
+def test_report_refuses_a_missing_sweep_dir() -> None:
+    assert_refused(memtune("report", "/nonexistent"), "report", "/nonexistent")
+
+
+def test_report_refuses_a_dir_without_sweep_points_and_writes_nothing(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine\n")
+    before = tree(tmp_path)
+    assert_refused(memtune("report", str(tmp_path)), "report", str(tmp_path))
+    assert tree(tmp_path) == before and len(list(tmp_path.iterdir())) == 1
+
+
+def test_generate_refuses_a_missing_run_dir() -> None:
+    assert_refused(memtune("generate", "/nonexistent", "hi"), "generate", "/nonexistent")
+
+
+def test_generate_refuses_a_run_dir_without_an_adapter(tmp_path: Path) -> None:
+    (tmp_path / "config.yaml").write_text("{}\n")
+    line = assert_refused(memtune("generate", str(tmp_path), "hi"), "generate", "adapter")
+    assert "adapter_config.json" in line
+
+
+def test_merge_refuses_a_missing_adapter_and_creates_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "OUT"
+    assert_refused(memtune("merge", "/nonexistent", str(out)), "merge", "/nonexistent")
+    assert list(tmp_path.iterdir()) == []
+
+
+def _adapter_dir(path: Path, base: str) -> Path:
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": base}))
+    return path
+
+
+def test_merge_refuses_an_existing_non_empty_out_and_leaves_it_untouched(tmp_path: Path) -> None:
+    adapter = _adapter_dir(tmp_path / "run" / "adapter", "/nonexistent-base")
+    out = tmp_path / "mine"
+    (out / "sub").mkdir(parents=True)
+    (out / "config.json").write_text('{"mine": true}\n')
+    (out / "sub" / "weights.bin").write_bytes(bytes(range(256)))
+    before = tree(out)
+    line = assert_refused(memtune("merge", str(adapter), str(out)), "merge", str(out))
+    assert "another OUT" in line  # says what to do
+    assert tree(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "run"]  # no temporary left
+
+
+def test_merge_refuses_out_that_is_a_file(tmp_path: Path) -> None:
+    adapter = _adapter_dir(tmp_path / "adapter", "/nonexistent-base")
+    out = tmp_path / "out.bin"
+    out.write_bytes(b"mine")
+    assert_refused(memtune("merge", str(adapter), str(out)), "merge", str(out))
+    assert out.read_bytes() == b"mine"
+
+
+def test_a_failed_merge_removes_its_temporary_dir_and_leaves_no_out(tmp_path: Path) -> None:
+    # Past the path checks: the base model cannot be loaded (loads transformers, peft).
+    adapter = _adapter_dir(tmp_path / "adapter", str(tmp_path / "no-such-base"))
+    out = tmp_path / "merged"
+    assert_refused(memtune("merge", str(adapter), str(out)), "merge", "no-such-base")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
+
+
+def test_merge_writes_into_a_new_dir_by_renaming_its_temporary(tmp_path: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from memtune.tools.tiny import synthesize
+
+    arch = {
+        "model_type": "qwen2",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "vocab_size": 1024,
+        "max_position_embeddings": 128,
+    }
+    base = synthesize(tmp_path / "models" / "base", arch)
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=2, target_modules=["q_proj"])
+    )
+    work = tmp_path / "work"
+    model.save_pretrained(work / "adapter")
+    out = work / "merged"
+    out.mkdir()  # an empty dir is taken: nothing in it to overwrite
+    proc = memtune("merge", str(work / "adapter"), str(out), "--dtype", "fp32")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"merged model written to {out}" in proc.stdout
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= names, names
+    assert sorted(p.name for p in work.iterdir()) == ["adapter", "merged"]  # no temporary left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask  # not mkdtemp's 0700
+    merged = AutoModelForCausalLM.from_pretrained(out)  # a plain model: no LoRA left
+    assert not any("lora_" in n for n, _ in merged.named_parameters())
+
+
+def test_plan_prints_train_py_plan_and_writes_nothing(tmp_path: Path) -> None:
+    proc = memtune("plan", QWEN7B, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for row in ("base weights", "LoRA weights", "optimizer state", "activations", "loss"):
+        assert row in proc.stdout
+    assert "device 23.99 GiB per rank: fits" in proc.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("verb", ["plan", "trace"])
+def test_a_bad_override_is_one_line(verb: str, tmp_path: Path) -> None:
+    line = assert_refused(memtune(verb, "nosuchkey=1", cwd=tmp_path), verb, "nosuchkey")
+    assert "+nosuchkey=1" in line  # Hydra's advice survives the one line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_machine_prints_the_machine_and_refuses_arguments() -> None:
+    proc = memtune("machine")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("memtune: CPU ")
+    proc = memtune("machine", "extra")
+    assert proc.returncode == EXIT_CONFIG and "unrecognized arguments" in proc.stderr
