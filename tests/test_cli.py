@@ -95,10 +95,10 @@ def test_python_m_memtune_cli_is_the_same_command() -> None:
     assert_refused(proc, "report", "/nonexistent")
 
 
-def test_the_preflight_alias_the_launcher_starts_still_answers() -> None:
-    # launcher.preflight.for_launch runs `python -m memtune.preflight` as its child.
+def test_the_preflight_module_the_launcher_starts_answers() -> None:
+    # launcher.preflight.for_launch runs `python -m memtune.launcher.preflight` as its child.
     proc = subprocess.run(
-        [sys.executable, "-m", "memtune.preflight", "--help"],
+        [sys.executable, "-m", "memtune.launcher.preflight", "--help"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -1,7 +1,7 @@
 """What this machine is and what it runs: the CPU, the instruction sets that switch library code
 paths, and the versions of the libraries memtune trains with.
 
-    python -m memtune.machine        # one line each; .ci/run and `make test` start with it
+    memtune machine                  # one line each; .ci/run and `make test` start with it
 
 The instruction sets matter because libraries pick kernels by them at run time: bitsandbytes
 repacks 4-bit weights for an AVX512-BF16 kernel in inference (see

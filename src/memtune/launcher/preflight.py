@@ -1,4 +1,4 @@
-"""Check a node's GPUs before its ranks start: ``python -m memtune.preflight --gpus 4``.
+"""Check a node's GPUs before its ranks start: ``memtune preflight --gpus 4``.
 
 What it looks at: how many GPUs are visible (``CUDA_VISIBLE_DEVICES`` respected), their names,
 memory, compute capability and the driver; then, with more than one GPU, a cross-GPU copy and a
@@ -39,7 +39,7 @@ CHECK_TIMEOUT_S = 60.0
 
 class PreflightError(RuntimeError):
     """This machine cannot run the launch (GPUs missing, NCCL broken). The job reports it like
-    a config error (launcher.job.run_job); ``python -m memtune.preflight`` exits 2."""
+    a config error (launcher.job.run_job); ``memtune preflight`` exits 2."""
 
 
 def gpu_facts() -> dict[str, Any]:
@@ -286,7 +286,7 @@ def for_launch(
 ) -> tuple[dict[str, str], float | None]:
     """The launcher's preflight, run by train.py before it tokenizes or plans anything: {} on a
     machine without CUDA (CPU ranks; refused with launcher.require_gpus), else the NCCL
-    environment decided by ``python -m memtune.preflight`` run as a child (timed out), so the
+    environment decided by this module run as a child (``python -m memtune.launcher.preflight``) (timed out), so the
     launcher itself never holds a CUDA context; and the all-reduce bus bandwidth it measured
     (None when no check ran)."""
     import subprocess
@@ -302,7 +302,7 @@ def for_launch(
         return {}, None
     if not launcher.preflight:
         return {}, None
-    cmd = [sys.executable, "-m", "memtune.preflight", "--gpus", str(ranks_per_node)]
+    cmd = [sys.executable, "-m", "memtune.launcher.preflight", "--gpus", str(ranks_per_node)]
     cmd += ["--nnodes", str(nnodes), "--json", str(out)]
     try:
         proc = subprocess.run(cmd, timeout=4 * CHECK_TIMEOUT_S + 60)

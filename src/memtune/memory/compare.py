@@ -93,7 +93,7 @@ def verdict(record: dict[str, Any], checks: list[RankCheck], device_type: str) -
         )
         return [
             f"RSS growth per rank, GiB: {per_rank} — on CPU it includes the Python/torch "
-            "runtime and is not judged (python -m memtune.tools.trace checks the plan)"
+            "runtime and is not judged (memtune trace checks the plan)"
         ]
     lines = []
     for rank in sorted({c.rank for c in checks}):

@@ -1,6 +1,6 @@
 """One training step of the full-size model on fake tensors: the planner checked without a GPU.
 
-    python -m memtune.tools.trace experiment=qwen2.5-7b-4x4090-lora [data.max_seq_len=32768]
+    memtune trace experiment=qwen2.5-7b-4x4090-lora [data.max_seq_len=32768]
 
 The model is built by memtune's own code — the architecture on the meta device, then
 ``rank.model.add_lora`` (activation checkpointing of the planned layers, peft, adapters cast to
