@@ -286,9 +286,9 @@ def for_launch(
 ) -> tuple[dict[str, str], float | None]:
     """The launcher's preflight, run by train.py before it tokenizes or plans anything: {} on a
     machine without CUDA (CPU ranks; refused with launcher.require_gpus), else the NCCL
-    environment decided by this module run as a child (``python -m memtune.launcher.preflight``) (timed out), so the
-    launcher itself never holds a CUDA context; and the all-reduce bus bandwidth it measured
-    (None when no check ran)."""
+    environment decided by this module run as a child (``python -m memtune.launcher.preflight``,
+    timed out), so the launcher itself never holds a CUDA context; and the all-reduce bus
+    bandwidth it measured (None when no check ran)."""
     import subprocess
 
     from memtune.machine import cuda_available
