@@ -7,12 +7,16 @@ the config. Ranges and cross-field rules are :mod:`memtune.config.validate`'s.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, ValidationError
 
 ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets"
 
@@ -319,11 +323,121 @@ def cache_dir() -> Path:
 
 
 def to_run_config(cfg: DictConfig | dict[str, Any]) -> RunConfig:
-    """Merge a (possibly partial) config onto the schema and return the typed object."""
-    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
+    """Merge a (possibly partial) config onto the schema and return the typed object.
+
+    Raises ConfigError for a key the schema does not have (see :func:`unknown_keys`) and for a
+    required value left unset (``???``, e.g. model=local without model.name_or_path), which
+    OmegaConf would report as a traceback from inside its conversion."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
+    except ConfigKeyError as err:  # a plain mapping (a saved config.yaml) with a key too many
+        raise ConfigError(_unknown_key_message(str(err.full_key), appended=False)) from None
+    except ValidationError as err:  # a value of the wrong type in such a mapping
+        reason = str(err).splitlines()[0]
+        raise ConfigError(f"{err.full_key}: {reason}") from None
+    for key in unknown_keys(merged, RunConfig):
+        raise ConfigError(_unknown_key_message(key))
+    missing = sorted(OmegaConf.missing_keys(merged))
+    if missing:
+        raise ConfigError(_missing_message(missing))
     obj = OmegaConf.to_object(merged)
     assert isinstance(obj, RunConfig)
     return obj
+
+
+def unknown_keys(node: Any, schema: type, prefix: str = "") -> list[str]:
+    """Dotted keys of ``node`` that ``schema`` (a dataclass) has no field for.
+
+    The schema is a struct config, so a plain ``trainer.max_step=2`` fails when Hydra composes.
+    But ``+trainer.max_step=2`` is Hydra's append: it adds the key with the struct flag lifted
+    (OmegaConf.update(force_add=True)); merging that typed node onto the schema keeps the key
+    (OmegaConf opens the struct flag for keys of a structured source), and OmegaConf.to_object
+    sets it as a plain attribute on the dataclass, which nothing reads: the run would silently
+    train with the default. Dict-typed fields (model.architecture, model.rope_scaling) hold
+    free-form keys and are not looked into."""
+    if not isinstance(node, DictConfig):
+        return []
+    hints = _field_types(schema)
+    found = []
+    for name in node:
+        key = str(name)
+        dotted = f"{prefix}{key}"
+        if key not in hints:
+            found.append(dotted)
+            continue
+        kind, child = hints[key], node._get_node(key)
+        if isinstance(child, DictConfig) and dataclasses.is_dataclass(kind):
+            found += unknown_keys(child, kind, f"{dotted}.")  # type: ignore[arg-type]
+        elif isinstance(child, ListConfig) and typing.get_origin(kind) is list:
+            (item,) = typing.get_args(kind)
+            if dataclasses.is_dataclass(item):
+                for i, element in enumerate(child):
+                    found += unknown_keys(element, item, f"{dotted}[{i}].")  # type: ignore[arg-type]
+    return found
+
+
+def _field_types(schema: type) -> dict[str, Any]:
+    """Field name → its type, the annotations resolved (they are strings here: ``from
+    __future__ import annotations``)."""
+    hints = typing.get_type_hints(schema)
+    return {f.name: hints[f.name] for f in dataclasses.fields(schema)}
+
+
+def schema_keys(schema: type | None = None, prefix: str = "") -> list[str]:
+    """Every setting's dotted name (``trainer.max_steps``; data.sources' items as
+    ``data.sources.path``)."""
+    out = []
+    for name, kind in _field_types(schema or RunConfig).items():
+        if typing.get_origin(kind) is list:
+            kind = typing.get_args(kind)[0]
+        if dataclasses.is_dataclass(kind):
+            out += schema_keys(kind, f"{prefix}{name}.")  # type: ignore[arg-type]
+        else:
+            out.append(f"{prefix}{name}")
+    return out
+
+
+def _unknown_key_message(key: str, appended: bool = True) -> str:
+    """The unknown key and the settings it may have meant: the closest full names, then the
+    closest by last part (``trainer.max_seq_len`` → ``data.max_seq_len``)."""
+    import difflib
+
+    known = schema_keys()
+    plain = re.sub(r"\[\d+\]", "", key)  # data.sources[0].paht → data.sources.paht
+    close = difflib.get_close_matches(plain, known, n=3, cutoff=0.75)
+    leaves = {k.rsplit(".", 1)[-1] for k in known}
+    near = difflib.get_close_matches(plain.rsplit(".", 1)[-1], leaves, n=3, cutoff=0.75)
+    close += [k for k in known if k.rsplit(".", 1)[-1] in near and k not in close]
+    hint = f": did you mean {' or '.join(close[:3])}?" if close else ""
+    why = "Hydra adds any +key=... unchecked; " if appended else ""
+    return (
+        f"{key} is not a memtune setting{hint} ({why}the settings are the fields of "
+        "src/memtune/config/schema.py)"
+    )
+
+
+def _missing_message(missing: list[str]) -> str:
+    """A required value left as ``???``; model=local's path gets its own advice."""
+    key = missing[0]
+    if key == "model.name_or_path":
+        return (
+            "model.name_or_path is not set: model=local trains a checkpoint on disk, so give "
+            "its directory, e.g. model=local model.name_or_path=/models/Qwen2.5-7B-Instruct "
+            "(or pick a model group such as model=qwen2.5-7b)"
+        )
+    if key == "data.path":
+        return (
+            "data.path is not set: give your file, e.g. data.path=/data/train.jsonl (or "
+            "data.sources for several)"
+        )
+    if key == "data.sources":
+        return (
+            "data.sources is not set: data=mix takes a list, e.g. 'data.sources=[{path: "
+            "/data/a.jsonl, format: alpaca}, {path: /data/b.jsonl, format: messages}]'"
+        )
+    if key.startswith("data.sources[") and key.endswith(".path"):
+        return f"{key} is not set: every entry of data.sources needs a path"
+    return f"{key} is not set (??? in the config): give it on the command line, {key}=..."
 
 
 def load_run_config(path: str | Path) -> RunConfig:

@@ -173,6 +173,32 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
     if inputs:
         _check_model_path(cfg.model)
         _check_data(cfg.data)
+        _check_attention_here(cfg.model)
+
+
+def _check_attention_here(model: ModelConfig) -> None:
+    """FlashAttention-2 asked for by name on a machine that cannot run it: refused here, on
+    the machine the ranks start from, rather than by every rank once it has loaded the model
+    (rank.model.choose_attention). Not for a memory plan (``inputs=False``): planning a GPU
+    run on a laptop is fine."""
+    if model.attn_implementation != "flash_attention_2":
+        return
+    from memtune.machine import cuda_available
+
+    if not cuda_available():
+        why = "this machine has no CUDA GPU (FlashAttention-2 has no CPU kernel)"
+    elif importlib.util.find_spec("flash_attn") is None:
+        why = (
+            "the flash-attn package is not installed (pip install -c constraints.txt -e "
+            "'.[flash]', needs nvcc)"
+        )
+    else:
+        return
+    raise ConfigError(
+        f"model.attn_implementation=flash_attention_2 cannot run here: {why}; use "
+        "model.attn_implementation=auto (FlashAttention-2 where it runs, else sdpa_varlen) "
+        "or sdpa"
+    )
 
 
 def _check_sequence_parallel(cfg: RunConfig) -> None:

@@ -6,9 +6,14 @@ the cache's flat arrays (:class:`memtune.data.batching.TokenizedDataset`) and on
 
 from __future__ import annotations
 
+import os
+import socket
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from memtune.config import ConfigError, DataConfig, RunConfig
 from memtune.data.readers import Record
@@ -56,6 +61,7 @@ class DataStats:
 def load_tokenizer(cfg: RunConfig) -> Any:
     """The model's tokenizer (transformers' AutoTokenizer): the launcher tokenizes with it once,
     the ranks decode and check it."""
+    check_downloadable(cfg.model.name_or_path)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(
@@ -64,6 +70,87 @@ def load_tokenizer(cfg: RunConfig) -> Any:
     if tok.pad_token_id is None:
         raise ConfigError(f"{cfg.model.name_or_path}: the tokenizer has no pad token")
     return tok
+
+
+HUB_CONNECT_TIMEOUT_S = 3.0
+"""How long the check before a download waits for the hub to answer a TCP connect."""
+_TRUE = {"1", "ON", "YES", "TRUE"}  # huggingface_hub's reading of a boolean variable
+
+
+def check_downloadable(name_or_path: str) -> None:
+    """A hub name that is not on disk must be downloadable: refuse at once when it cannot be.
+
+    Without this, a machine without the hub (or with HF_HUB_OFFLINE set) spends ~50 s in
+    huggingface_hub's retries, printed twice (Hydra's log repeats them), and ends in a
+    traceback from inside transformers. Asked before any download: the name is neither a local
+    path nor in the local Hugging Face cache, and HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is
+    set, or the hub's host does not accept a TCP connection within HUB_CONNECT_TIMEOUT_S. With
+    a proxy configured the connection is the proxy's to make, so nothing is probed then."""
+    if Path(name_or_path).expanduser().exists() or _in_hub_cache(name_or_path):
+        return
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(var, "").upper() in _TRUE:
+            reason = f"{var} is set, so nothing is downloaded"
+            break
+    else:
+        problem = _hub_unreachable()
+        if problem is None:
+            return
+        reason = problem
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    raise ConfigError(
+        f"model.name_or_path={name_or_path!r} is not on disk (no such directory, not in the "
+        f"Hugging Face cache {HF_HUB_CACHE}) and {reason}: train a checkpoint on disk with "
+        "model=local model.name_or_path=/path/to/checkpoint, or download it first "
+        f"(hf download {name_or_path}, where the hub is reachable); once it is in the cache, "
+        "HF_HUB_OFFLINE=1 loads it from there without asking the hub"
+    )
+
+
+def _in_hub_cache(name: str) -> bool:
+    """The model's config or tokenizer config is in the local Hugging Face cache."""
+    from huggingface_hub import try_to_load_from_cache
+
+    for filename in ("config.json", "tokenizer_config.json"):
+        try:
+            if isinstance(try_to_load_from_cache(name, filename), str):
+                return True
+        except Exception:  # not a valid repo id (HFValidationError): in no cache
+            return False
+    return False
+
+
+def _hub_unreachable() -> str | None:
+    """Why the hub cannot be reached from this machine, or None when it answers (or a proxy
+    stands between, which only the download itself can judge). The connect runs in a thread
+    so a stalled name lookup (not covered by a socket timeout) cannot hold the launch."""
+    from huggingface_hub.constants import ENDPOINT
+
+    url = urlsplit(ENDPOINT)
+    proxies = ["HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"]
+    if url.scheme == "http":
+        proxies += ["HTTP_PROXY", "http_proxy"]
+    if any(os.environ.get(v) for v in proxies) or not url.hostname:
+        return None
+    address = (url.hostname, url.port or (443 if url.scheme == "https" else 80))
+    outcome: list[BaseException | None] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection(address, timeout=HUB_CONNECT_TIMEOUT_S).close()
+            outcome.append(None)
+        except OSError as err:
+            outcome.append(err)
+
+    probe = threading.Thread(target=connect, daemon=True)
+    probe.start()
+    probe.join(HUB_CONNECT_TIMEOUT_S + 0.5)
+    if not outcome:
+        return f"{ENDPOINT} did not answer within {HUB_CONNECT_TIMEOUT_S:g} s"
+    if outcome[0] is None:
+        return None
+    return f"{ENDPOINT} cannot be reached from this machine ({outcome[0]})"
 
 
 def encode_records(records: Sequence[Record], tokenizer: Any, cfg: DataConfig) -> list[Sample]:

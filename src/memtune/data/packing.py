@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from memtune.config.schema import ConfigError
+
 
 def pack_bins(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     """Best-fit-decreasing: sample indices grouped into bins of at most ``capacity`` tokens.
@@ -74,11 +76,66 @@ class StepShape:
 
 
 def step_shape(
-    lengths: Sequence[int], packed: bool, max_seq_len: int, global_batch: int, max_steps: int
+    lengths: Sequence[int],
+    packed: bool,
+    max_seq_len: int,
+    global_batch: int,
+    max_steps: int,
+    micro_step: int = 1,
 ) -> StepShape:
-    """The loader's own packing (:func:`pack_bins`, deterministic) over the train lengths."""
+    """The loader's own packing (:func:`pack_bins`, deterministic) over the train lengths.
+
+    Raises ConfigError when the data holds fewer rows (samples, unpacked) than one step takes:
+    the ranks' sampler deals whole global batches, so it would hand them nothing to train on.
+    ``micro_step``: rows one micro step takes over all data-parallel ranks (micro batch × data
+    ranks), the least a global batch can be; with it the error names a global batch that fits.
+    """
     if not packed:
-        return StepShape(False, len(lengths), len(lengths), 0, 1.0, global_batch, max_steps)
-    rows = len(pack_bins(lengths, max_seq_len))
-    fill = sum(lengths) / (rows * max_seq_len) if rows else 0.0
-    return StepShape(True, len(lengths), rows, max_seq_len, fill, global_batch, max_steps)
+        shape = StepShape(False, len(lengths), len(lengths), 0, 1.0, global_batch, max_steps)
+    else:
+        rows = len(pack_bins(lengths, max_seq_len))
+        fill = sum(lengths) / (rows * max_seq_len) if rows else 0.0
+        shape = StepShape(True, len(lengths), rows, max_seq_len, fill, global_batch, max_steps)
+    check_one_step(shape, micro_step)
+    return shape
+
+
+def check_one_step(shape: StepShape, micro_step: int = 1) -> None:
+    """A training set smaller than one global batch cannot make a single step: the sampler
+    keeps whole global batches only (rank.worker would fail on every rank with "0 items per
+    epoch"). The fix is the global batch, or more data: a smaller micro batch does not help
+    unless the global batch shrinks with it."""
+    if shape.items >= shape.global_batch:
+        return
+    unit = "rows" if shape.packed else "samples"
+    if shape.packed:
+        have = (
+            f"{shape.samples:,} samples, packed into {shape.items:,} row(s) of ≤ "
+            f"{shape.item_tokens:,} tokens"
+        )
+    else:
+        have = f"{shape.samples:,} samples"
+    fits = shape.items // micro_step * micro_step
+    if micro_step == 1:  # the caller did not say what one micro step over the ranks takes
+        fix = (
+            f"lower trainer.global_batch_size to at most {shape.items} (a multiple of "
+            "trainer.micro_batch_size × data-parallel ranks)"
+        )
+    elif fits:
+        fix = (
+            f"set trainer.global_batch_size={fits} (the most that fits: a multiple of "
+            f"micro batch × data-parallel ranks = {micro_step})"
+        )
+    else:
+        fix = (
+            f"one micro step over the ranks already takes {micro_step} {unit}: lower "
+            "trainer.micro_batch_size (or launcher.num_ranks) and trainer.global_batch_size to "
+            f"at most {shape.items}"
+        )
+    if shape.packed and shape.samples >= shape.global_batch:
+        fix += " or set data.packing=false (the global batch then counts samples)"
+    raise ConfigError(
+        f"trainer.global_batch_size={shape.global_batch} takes {shape.global_batch:,} {unit} "
+        f"per step, but the training data has {have}: not one step. Fix: {fix}, or give more "
+        "data"
+    )

@@ -1,0 +1,216 @@
+"""Mistakes knowable before launch stop train.py at once: exit 2, one line naming the field
+and the fix, no traceback, no rank started (README "Bad input").
+
+Real train.py processes with preprocess_only=true (they stop before the ranks either way, so
+a refusal is told from a pass by the exit code and the line) and the real config functions.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from memtune.config import ConfigError, compose, to_run_config, validate
+from memtune.data.packing import step_shape
+from tests.conftest import ROOT, run_train_py
+
+DEMO = ROOT / "src" / "memtune" / "assets" / "demo_alpaca.jsonl"
+
+
+def refused(proc, run_dir: Path | None = None) -> str:
+    """The one line a refused job prints; checks exit code 2, no traceback and, given the run
+    dir, exit.json's record of the same error."""
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("memtune: config error: "), lines[0]
+    if run_dir is not None:
+        record = json.loads((run_dir / "exit.json").read_text())
+        assert record["code"] == 2
+        assert record["error"] == lines[0].removeprefix("memtune: ")
+    return lines[0]
+
+
+# ------------------------------------------------------------------ 7a: too little data
+
+
+def test_dataset_smaller_than_one_global_batch_is_refused(tmp_path: Path) -> None:
+    """3 demo records pack into 1 row; the demo's step is 16 rows. Before: "max_steps 24 ≈ inf
+    epochs", then every rank failed with "0 items per epoch ... use a smaller
+    trainer.micro_batch_size"."""
+    data = tmp_path / "three.jsonl"
+    data.write_text("".join(DEMO.read_text().splitlines(keepends=True)[:3]))
+    run_dir = tmp_path / "run"
+    proc = run_train_py(
+        ["preprocess_only=true", "logger=none", f"data.path={data}", f"run_dir={run_dir}"],
+        cwd=tmp_path,
+    )
+    line = refused(proc, run_dir)
+    assert "trainer.global_batch_size=16 takes 16 rows per step" in line
+    assert "3 samples, packed into 1 row(s) of ≤ 128 tokens" in line
+    assert "lower trainer.global_batch_size to at most 1" in line
+    assert "inf epochs" not in proc.stdout
+    assert not (run_dir / "config.yaml").exists()  # the run dir holds no run
+
+
+def test_step_shape_names_a_global_batch_that_fits() -> None:
+    lengths = [100] * 20  # 20 rows of 128 (one sample each), 20 samples
+    with pytest.raises(ConfigError) as err:
+        step_shape(lengths, True, 128, global_batch=32, max_steps=5, micro_step=8)
+    assert "trainer.global_batch_size=32 takes 32 rows per step" in str(err.value)
+    assert "set trainer.global_batch_size=16 (the most that fits" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        step_shape(lengths, True, 128, global_batch=32, max_steps=5, micro_step=32)
+    assert "one micro step over the ranks already takes 32 rows" in str(err.value)
+    assert "lower trainer.micro_batch_size" in str(err.value)
+    # packed rows are the limit, the samples would do: packing=false is named
+    with pytest.raises(ConfigError, match=r"or set data\.packing=false"):
+        step_shape([30] * 20, True, 128, global_batch=16, max_steps=5)
+    with pytest.raises(ConfigError, match=r"has 20 samples: not one step"):
+        step_shape(lengths, False, 128, global_batch=32, max_steps=5)
+    exactly = step_shape(lengths, True, 128, global_batch=20, max_steps=5)
+    assert exactly.epochs == pytest.approx(5.0)
+
+
+# ------------------------------------------------------------------ 7b: FlashAttention-2
+
+
+def _flash_runs_here() -> bool:
+    import importlib.util
+
+    from memtune.machine import cuda_available
+
+    return cuda_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+def test_flash_attention_where_it_cannot_run_is_refused(tmp_path: Path) -> None:
+    cfg = to_run_config(compose(["model.attn_implementation=flash_attention_2"]))
+    validate(cfg, inputs=False)  # a memory plan may be made anywhere
+    if _flash_runs_here():
+        validate(cfg)
+        return
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert "model.attn_implementation=flash_attention_2 cannot run here" in str(err.value)
+    assert "model.attn_implementation=auto" in str(err.value) and "sdpa" in str(err.value)
+    proc = run_train_py(
+        [
+            "preprocess_only=true",
+            "logger=none",
+            "model.attn_implementation=flash_attention_2",
+            f"run_dir={tmp_path / 'run'}",
+        ],
+        cwd=tmp_path,
+    )
+    assert "cannot run here" in refused(proc, tmp_path / "run")
+
+
+# ------------------------------------------------------------------ 7c: model=local, no path
+
+
+@pytest.mark.parametrize("mode", ["preprocess_only=true", "plan_only=true"])
+def test_local_model_without_a_path(tmp_path: Path, mode: str) -> None:
+    """Before: OmegaConf's MissingMandatoryValue traceback from to_object."""
+    proc = run_train_py([mode, "model=local", f"run_dir={tmp_path / 'run'}"], cwd=tmp_path)
+    line = refused(proc)
+    assert "model.name_or_path is not set" in line
+    assert "model=local model.name_or_path=/" in line
+
+
+# ------------------------------------------------------------------ 7d: +key not in the schema
+
+
+def test_appended_unknown_key_is_refused_with_the_close_name(tmp_path: Path) -> None:
+    """Before: +trainer.max_step=2 composed, became a stray attribute, and the run trained
+    trainer.max_steps (24) steps."""
+    run_dir = tmp_path / "run"
+    proc = run_train_py(
+        ["preprocess_only=true", "+trainer.max_step=2", f"run_dir={run_dir}"], cwd=tmp_path
+    )
+    line = refused(proc, run_dir)
+    assert "trainer.max_step is not a memtune setting: did you mean trainer.max_steps" in line
+    proc = run_train_py(["plan_only=true", "+trainer.max_step=2"], cwd=tmp_path)
+    assert "did you mean trainer.max_steps" in refused(proc)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("+trainer.max_seq_len=64", r"trainer\.max_seq_len is not .* data\.max_seq_len"),
+        ("+zero.stages=2", r"zero\.stages is not a memtune setting: did you mean zero\.stage"),
+        ("+lora_r=8", r"lora_r is not a memtune setting"),
+    ],
+)
+def test_appended_keys_anywhere(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        to_run_config(compose([override]))
+
+
+def test_free_form_fields_take_any_key() -> None:
+    """model.architecture is a config.json's fields: a + there is not refused."""
+    cfg = to_run_config(compose(["+model.architecture.sliding_window=4096"]))
+    assert cfg.model.architecture["sliding_window"] == 4096
+
+
+def test_saved_config_with_a_key_too_many(tmp_path: Path) -> None:
+    """load_run_config (a checkpoint's config.yaml): one line, not OmegaConf's traceback."""
+    from memtune.config import load_run_config
+
+    bad = tmp_path / "config.yaml"
+    bad.write_text("trainer:\n  max_step: 2\n")
+    with pytest.raises(ConfigError, match=r"max_step is not a memtune setting: did you mean"):
+        load_run_config(bad)
+
+
+# ------------------------------------------------------------------ 7e: a hub name, no hub
+
+
+def test_hub_model_offline_answers_in_seconds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: ~50 s of huggingface_hub retries, printed twice, then a traceback."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
+    run_dir = tmp_path / "run"
+    start = time.monotonic()
+    proc = run_train_py(
+        ["preprocess_only=true", "logger=none", "model=qwen2.5-0.5b", f"run_dir={run_dir}"],
+        cwd=tmp_path,
+    )
+    took = time.monotonic() - start
+    line = refused(proc, run_dir)
+    assert "model.name_or_path='Qwen/Qwen2.5-0.5B' is not on disk" in line
+    assert "HF_HUB_OFFLINE is set" in line
+    assert "model=local model.name_or_path=/path/to/checkpoint" in line
+    assert "Retrying" not in proc.stdout + proc.stderr
+    assert took < 30, f"{took:.0f} s"
+
+
+def test_unreachable_hub_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without HF_HUB_OFFLINE: a connect to the hub's host is tried first. A port on this
+    machine that nothing listens on stands for the unreachable hub (no network involved)."""
+    import huggingface_hub.constants
+
+    from memtune.data.encode import check_downloadable
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again when the block ends: refused
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HTTPS_PROXY", "https_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("ALL_PROXY", raising=False)
+    monkeypatch.delenv("all_proxy", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"https://127.0.0.1:{port}")
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as err:
+        check_downloadable("Qwen/Qwen2.5-0.5B")
+    assert time.monotonic() - start < 5
+    assert f"https://127.0.0.1:{port} cannot be reached from this machine" in str(err.value)
+    assert "model=local" in str(err.value) and "HF_HUB_OFFLINE=1" in str(err.value)
+    check_downloadable(str(tmp_path))  # a local directory is never probed
