@@ -80,13 +80,22 @@ def clear_stale_locks(
     """Remove stale build locks under ``root``; returns the removed paths."""
     removed = []
     for lock in stale_locks(root, recheck_s):
-        with contextlib.suppress(FileNotFoundError):
+        try:
             lock.unlink()
-            removed.append(lock)
+        except FileNotFoundError:
+            continue
+        except PermissionError as err:  # another user's build dir: say so, rather than stop
             log(
-                f"memtune: removed a stale build lock left by a killed process: {lock} "
-                "(without this, every rank would wait on it forever)"
+                f"memtune: note: a stale build lock {lock} cannot be removed by this user "
+                f"({err.strerror}); ranks that load this op will wait on it until its owner "
+                "removes it"
             )
+            continue
+        removed.append(lock)
+        log(
+            f"memtune: removed a stale build lock left by a killed process: {lock} "
+            "(without this, every rank would wait on it forever)"
+        )
     return removed
 
 
@@ -105,20 +114,44 @@ def clear_shm_buffers(
 
     Returns the bytes freed. Removing a name never pulls memory from under a live mapping (the
     kernel frees it at the last unmap), but a buffer a live job maps is kept all the same.
+
+    Only this user's files are removed. The name carries the uid DeepSpeed's rank had, which
+    is not always the file's owner: containers that share /dev/shm (``--ipc=host``) and each
+    run as their own "root" name their buffers with uid 0, and another container's buffer
+    then matches this one's pattern while it belongs to a user this job does not know (owner
+    65534, nobody, as seen from here). Such a file, or one the kernel will not let this
+    process remove (a sticky /dev/shm, a read-only dir: PermissionError, which used to stop
+    every launch), is left in place with a note.
     """
     found = shm_buffers(port, shm_dir)
     if port is None and found:
         in_use = mapped_paths()
         found = [p for p in found if str(p) not in in_use]
-    freed = 0
+    freed, removed = 0, 0
+    left: list[str] = []
     for path in found:
-        with contextlib.suppress(FileNotFoundError):
-            size = path.stat().st_size
+        try:
+            st = path.stat()
+            if st.st_uid != os.getuid():
+                left.append(f"{path.name} belongs to uid {st.st_uid}")
+                continue
             path.unlink()
-            freed += size
+        except FileNotFoundError:  # its job removed it meanwhile
+            continue
+        except PermissionError as err:
+            left.append(f"{path.name}: {err.strerror}")
+            continue
+        freed += st.st_size
+        removed += 1
     if freed and port is None:
         log(
-            f"memtune: removed {len(found)} shared-memory buffer(s) left in {shm_dir} by earlier "
+            f"memtune: removed {removed} shared-memory buffer(s) left in {shm_dir} by earlier "
             f"DeepSpeed CPU jobs ({freed / 1024**2:.0f} MiB of RAM)"
+        )
+    if left:
+        log(
+            f"memtune: note: left {len(left)} DeepSpeed shared-memory buffer(s) in {shm_dir} "
+            f"that are not this user's to remove (first: {left[0]}); they hold RAM until "
+            "their owner removes them"
         )
     return freed
