@@ -305,3 +305,107 @@ def test_a_stop_while_the_ranks_load_exits_cleanly(tmp_path: Path) -> None:
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 75, out[-3000:]  # stopped at the first step boundary, not killed
     assert not (run_dir / "metrics.jsonl").exists() or _losses(run_dir) == []
+
+
+def _copy_run(finished: Path, run_dir: Path) -> None:
+    shutil.copytree(finished, run_dir, ignore=shutil.ignore_patterns("job.lock"))
+
+
+def test_every_checkpoint_and_the_final_export_list_their_files(finished: Path) -> None:
+    from memtune.rundir import check_files, verify_manifest
+
+    ckpt = finished / "checkpoints" / "step-0000012"
+    manifest = json.loads((ckpt / "manifest.json").read_text())["files"]
+    assert {"config.yaml", "base.json", "trainer_state.json"} <= manifest.keys()
+    assert any(name.startswith("engine/") for name in manifest)
+    assert verify_manifest(ckpt) is None
+    outputs = json.loads((finished / "summary.json").read_text())["outputs"]
+    assert {"adapter/adapter_model.safetensors", "adapter/tokenizer.json"} <= outputs.keys()
+    assert check_files(finished, outputs) is None
+    assert not list(finished.glob(".tmp-*")) and not list(finished.glob(".old-*"))
+
+
+def test_a_cut_short_end_is_not_finished_and_is_exported_again(
+    finished: Path, tmp_path: Path
+) -> None:
+    """The disk filled while the tokenizer was written: the next start must not call the run
+    finished (generate would fail on the cut file); it exports again from the last step."""
+    run_dir = tmp_path / "run"
+    _copy_run(finished, run_dir)
+    config = (run_dir / "config.yaml").read_text().replace(str(finished), str(run_dir))
+    (run_dir / "config.yaml").write_text(config)
+    tokenizer = run_dir / "adapter" / "tokenizer.json"
+    whole = tokenizer.read_bytes()
+    tokenizer.write_bytes(whole[: len(whole) // 3])
+    proc = run_train_py([*BASE, f"run_dir={run_dir}"], cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "already finished" not in proc.stdout
+    assert f"the run's end did not complete ({tokenizer} has {len(whole) // 3:,} bytes" in (
+        proc.stdout
+    )
+    assert tokenizer.read_bytes() == whole
+    a = load_file(finished / "adapter" / "adapter_model.safetensors")
+    b = load_file(run_dir / "adapter" / "adapter_model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert _losses(run_dir) == _losses(finished)  # no step trained twice
+    # Now whole again: the same command calls it finished.
+    again = run_train_py([*BASE, f"run_dir={run_dir}"], cwd=ROOT)
+    assert "already finished: step-0000012" in again.stdout
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_before_launch(
+    finished: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    _copy_run(finished, run_dir)
+    newest = run_dir / "checkpoints" / "step-0000012"
+    victim = next((newest / "engine").glob("*optim_states.pt"))
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte: same size, other bytes
+    victim.write_bytes(bytes(data))
+    more = [*BASE, f"run_dir={run_dir}", "trainer.max_steps=16", "preprocess_only=true"]
+    proc = run_train_py(more, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"warning: skipping {newest}: damaged ({victim} does not hold the bytes" in proc.stdout
+    assert json.loads((run_dir / "resume.json").read_text())["checkpoint"] == str(
+        run_dir / "checkpoints" / "step-0000008"
+    )
+    # Named explicitly, the damaged one is refused before launch, naming the file.
+    explicit = run_train_py([*more, f"resume={newest}"], cwd=ROOT)
+    assert explicit.returncode == 2
+    assert f"resume={newest}: the checkpoint is damaged: {victim}" in explicit.stderr
+    assert "Traceback" not in explicit.stderr and "weights_only" not in explicit.stderr
+
+
+def test_resume_knows_the_base_by_content_not_by_path(finished: Path, tmp_path: Path) -> None:
+    """The same base moved to a new path resumes; other weights at that path are refused, and
+    so are another optimizer or quantization."""
+    from safetensors.torch import save_file
+
+    run_dir = tmp_path / "run"
+    _copy_run(finished, run_dir)
+    base = Path(load_run_config(finished / "config.yaml").model.name_or_path)
+    moved = tmp_path / "my-copy-of-the-base"
+    shutil.copytree(base, moved)
+    local = [*BASE, f"run_dir={run_dir}", "model=local", f"model.name_or_path={moved}"]
+    more = [*local, "trainer.max_steps=16", "preprocess_only=true"]
+    proc = run_train_py(more, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"the base model moved ({base} → {moved})" in proc.stdout
+    assert json.loads((run_dir / "resume.json").read_text())["checkpoint"].endswith("step-0000012")
+
+    weights = load_file(moved / "model.safetensors")
+    first = sorted(weights)[0]
+    weights[first] = weights[first] + 1e-3  # a fine-tune of the base, same names and sizes
+    save_file(weights, str(moved / "model.safetensors"), metadata={"format": "pt"})
+    proc = run_train_py(more, cwd=ROOT)
+    assert proc.returncode == 2
+    assert f"model: the base at {moved} is not the checkpoint's base ({base}, another path)" in (
+        proc.stderr
+    )
+    proc = run_train_py(
+        [*BASE, f"run_dir={run_dir}", "trainer.optimizer=adamw_8bit", "preprocess_only=true"],
+        cwd=ROOT,
+    )
+    assert proc.returncode == 2
+    assert "trainer.optimizer: checkpoint 'adamw', now 'adamw_8bit'" in proc.stderr

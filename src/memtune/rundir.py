@@ -19,6 +19,7 @@ import dataclasses
 import datetime
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import socket
@@ -148,6 +149,17 @@ class ResumeRecord:
 
 
 @dataclass
+class BaseRecord:
+    """``base.json``: which base model the run trains, by content. A resume compares the
+    fingerprints, so the same weights moved to a new path resume and other weights at the same
+    path are refused (config.architecture.base_fingerprint)."""
+
+    name_or_path: str
+    fingerprint: str | None
+    """None when the checkpoint is not on disk (a hub name not yet downloaded)."""
+
+
+@dataclass
 class DataRecord:
     """``data.json``: where the tokenized data is and what was kept, cut and dropped
     (DataStats.as_dict() of each split)."""
@@ -195,6 +207,64 @@ TRAINER_STATE = "trainer_state.json"
 COMPLETE = "complete.json"
 
 
+MANIFEST = "manifest.json"
+"""A checkpoint's (or a run's final outputs') list of files with their sizes and SHA-256,
+written after every file and read before the job trusts them."""
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def list_files(root: Path, skip: tuple[str, ...] = ()) -> dict[str, list[Any]]:
+    """Every file under ``root`` (relative name → [size, sha256]), fsynced on the way: a
+    manifest written after this lists only bytes that are on the disk."""
+    files: dict[str, list[Any]] = {}
+    for f in sorted(root.rglob("*")):
+        if f.is_file() and f.name not in skip:
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+            files[str(f.relative_to(root))] = [f.stat().st_size, file_sha256(f)]
+    return files
+
+
+def write_manifest(root: Path) -> None:
+    """Record every file of ``root`` (but the manifest and complete.json) in its manifest."""
+    files = list_files(root, skip=(MANIFEST, COMPLETE))
+    write_atomic(root / MANIFEST, json.dumps({"files": files}, indent=1) + "\n")
+
+
+def check_files(root: Path, files: dict[str, list[Any]]) -> str | None:
+    """What is wrong with ``root``'s files against ``files`` ({name: [size, sha256]}): the
+    first missing, cut or changed file, named; None when every one verifies."""
+    for name, (size, digest) in files.items():
+        f = root / name
+        if not f.is_file():
+            return f"{f} is missing"
+        if f.stat().st_size != size:
+            return f"{f} has {f.stat().st_size:,} bytes, {size:,} were written"
+        if file_sha256(f) != digest:
+            return f"{f} does not hold the bytes that were written (its SHA-256 differs)"
+    return None
+
+
+def verify_manifest(root: Path) -> str | None:
+    """What is wrong with a checkpoint, by its manifest; None when it verifies, or when it has
+    no manifest (written before manifests: trusted as complete, as before)."""
+    path = root / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        files = json.loads(path.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{path} cannot be read"
+    return check_files(root, files)
+
+
 def step_dir_name(step: int) -> str:
     return f"step-{step:07d}"
 
@@ -217,9 +287,13 @@ def find_latest(run_dir: Path) -> tuple[Path | None, list[str]]:
             candidates.remove(named)
             candidates.insert(0, named)
     for path in candidates:
-        if is_complete(path):
+        if not is_complete(path):
+            warnings.append(f"skipping {path}: incomplete (a save was interrupted)")
+            continue
+        problem = verify_manifest(path)
+        if problem is None:
             return path, warnings
-        warnings.append(f"skipping {path}: incomplete (a save was interrupted)")
+        warnings.append(f"skipping {path}: damaged ({problem}); the one before it is used")
     return None, warnings
 
 
@@ -250,6 +324,9 @@ class Summary:
     """Per rank and measure: planned, measured, their ratio (memory.compare)."""
     compiled_layers: int = 0
     """Decoder layers run through torch.compile (trainer.compile)."""
+    outputs: dict[str, list[Any]] = field(default_factory=dict)
+    """The final files ({"adapter/NAME": [size, sha256]}): the run counts as finished only
+    while they verify (launcher.prepare.already_finished)."""
 
 
 @dataclass(frozen=True)
@@ -285,6 +362,11 @@ class RunDir:
     @property
     def resume(self) -> Path:
         return self.path / "resume.json"
+
+    @property
+    def base(self) -> Path:
+        """The base model's identity (:class:`BaseRecord`); every checkpoint keeps a copy."""
+        return self.path / "base.json"
 
     def launch_cmd(self, node_rank: int = 0) -> Path:
         """The command that started this node's ranks."""
@@ -345,6 +427,7 @@ class RunDir:
         "launch*.txt", "launch.json", "stopped-node*.json", "nodes.hostfile", "exit.json",
         "preflight*.json", "metrics.jsonl", "checkpoints", "adapter", "summary.json",
         "memory.json", "oom-rank*.json", "restarted-oom-rank*.json", "oom_restart.json", "wandb",
+        "base.json",
     )  # fmt: skip
     """What a run leaves in its dir (the README's table), as names and glob patterns."""
 
@@ -391,6 +474,12 @@ class RunDir:
 
     def read_resume(self) -> ResumeRecord:
         return _read(ResumeRecord, self.resume)
+
+    def write_base(self, record: BaseRecord) -> None:
+        _write(record, self.base)
+
+    def read_base(self) -> BaseRecord:
+        return _read(BaseRecord, self.base)
 
     def write_data(self, record: DataRecord) -> None:
         _write(record, self.data)

@@ -18,7 +18,7 @@ from memtune.config import (
     to_run_config,
     validate,
 )
-from memtune.config.architecture import resolve_architecture
+from memtune.config.architecture import base_fingerprint, resolve_architecture
 from memtune.config.deepspeed import build_ds_config
 from memtune.data.cache import (
     Prepared,
@@ -32,7 +32,17 @@ from memtune.machine import versions_line
 from memtune.memory.compare import plan_record
 from memtune.memory.estimate import format_plan
 from memtune.memory.fit import Fitted, fit_to_device, format_step_estimates
-from memtune.rundir import DataRecord, RecordError, RunDir, TrainState, find_latest, is_complete
+from memtune.rundir import (
+    BaseRecord,
+    DataRecord,
+    RecordError,
+    RunDir,
+    TrainState,
+    check_files,
+    find_latest,
+    is_complete,
+    verify_manifest,
+)
 
 
 def given_config(cfg_node: DictConfig, inputs: bool = True) -> RunConfig:
@@ -87,9 +97,11 @@ def prepare_run_dir(
     prepared = prepare_data(cfg)
     shape = train_step_shape(cfg, prepared)
     print(f"memtune: {shape.line()}", flush=True)
-    resume = resolve_resume(cfg, run_dir, prepared.dir)
+    base = BaseRecord(cfg.model.name_or_path, base_fingerprint(cfg.model.name_or_path))
+    resume = resolve_resume(cfg, run_dir, prepared.dir, base)
     rd = RunDir(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    rd.write_base(base)
     rd.config.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     rd.ds_config.write_text(json.dumps(ds_config, indent=2) + "\n")
     assert memory_plan.counts is not None
@@ -148,9 +160,7 @@ def train_step_shape(cfg: RunConfig, prepared: Prepared) -> StepShape:
 # What a checkpoint's state depends on: resuming with any of these changed cannot continue the
 # same run (shapes, partitions or the data order would differ).
 RESUME_MUST_MATCH = {
-    "model.name_or_path": "the base model",
-    "model.architecture": "the base model's architecture",
-    "peft.method": "the adapter type",
+    "peft.method": "the adapter type (and the base's quantization)",
     "peft.r": "the LoRA rank",
     "peft.alpha": "the LoRA alpha",
     "peft.target": "the LoRA target modules",
@@ -160,15 +170,31 @@ RESUME_MUST_MATCH = {
     "trainer.seed": "the seed (the data order)",
     "data.packing": "packing (the data position counts rows when packed, samples when not)",
     "data.group_by_length": "length grouping (the data order)",
+    "trainer.optimizer": "the optimizer (its saved state is the optimizer's own)",
 }
+QLORA_MUST_MATCH = {
+    "peft.quant_type": "the 4-bit data type of the base weights",
+    "peft.double_quant": "the quantization of the 4-bit scales",
+}
+"""A QLoRA adapter is trained against the base as quantized: another quantization is another
+base (compared only when the checkpoint's run is QLoRA)."""
+BASE_BY_NAME = {
+    "model.name_or_path": "the base model",
+    "model.architecture": "the base model's architecture",
+}
+"""Compared when the base cannot be identified by content (a checkpoint written before
+base.json, or a hub name not on disk)."""
 
 
-def resolve_resume(cfg: RunConfig, run_dir: Path, data_dir: Path) -> Path | None:
-    """The checkpoint to continue from, checked against the config before any rank starts."""
+def resolve_resume(
+    cfg: RunConfig, run_dir: Path, data_dir: Path, base: BaseRecord | None = None
+) -> Path | None:
+    """The checkpoint to continue from, verified (its manifest) and checked against the config
+    and the base model (``base``: this run's, by content) before any rank starts."""
     if cfg.resume == "never":
         return None
     if cfg.resume == "auto":
-        ckpt, warnings = find_latest(run_dir)
+        ckpt, warnings = find_latest(run_dir)  # skips damaged ones, with a warning each
         for w in warnings:
             print(f"memtune: warning: {w}", flush=True)
         if ckpt is None:
@@ -177,9 +203,18 @@ def resolve_resume(cfg: RunConfig, run_dir: Path, data_dir: Path) -> Path | None
         ckpt = Path(cfg.resume).expanduser().resolve()
         if not is_complete(ckpt):
             raise ConfigError(f"resume={cfg.resume}: not a complete memtune checkpoint")
+        problem = verify_manifest(ckpt)
+        if problem is not None:
+            raise ConfigError(f"resume={cfg.resume}: the checkpoint is damaged: {problem}")
     saved = load_run_config(ckpt / "config.yaml")
-    diffs = []
-    for key, what in RESUME_MUST_MATCH.items():
+    must_match = dict(RESUME_MUST_MATCH)
+    if saved.peft.method == "qlora":
+        must_match |= QLORA_MUST_MATCH
+    diffs = _base_differences(cfg, ckpt, base)
+    if diffs is None:
+        diffs = []
+        must_match |= BASE_BY_NAME
+    for key, what in must_match.items():
         old, new = get_field(saved, key), get_field(cfg, key)
         if old != new:
             diffs.append(f"  {key}: checkpoint {old!r}, now {new!r} ({what})")
@@ -211,6 +246,31 @@ def resolve_resume(cfg: RunConfig, run_dir: Path, data_dir: Path) -> Path | None
         )
     print(f"memtune: resuming from {ckpt} (step {state.step})", flush=True)
     return ckpt
+
+
+def _base_differences(cfg: RunConfig, ckpt: Path, base: BaseRecord | None) -> list[str] | None:
+    """The base model compared by content: [] when it is the checkpoint's (wherever it now
+    is), a difference line when it is not, None when either side has no fingerprint (then
+    the name and the architecture are compared instead)."""
+    saved = ckpt / RunDir(ckpt).base.name
+    if base is None or base.fingerprint is None or not saved.is_file():
+        return None
+    then = RunDir(ckpt).read_base()
+    if then.fingerprint is None:
+        return None
+    if then.fingerprint != base.fingerprint:
+        same = "the same path" if then.name_or_path == base.name_or_path else "another path"
+        return [
+            f"  model: the base at {base.name_or_path} is not the checkpoint's base "
+            f"({then.name_or_path}, {same}): its config.json or weight files differ"
+        ]
+    if then.name_or_path != base.name_or_path:
+        print(
+            f"memtune: the base model moved ({then.name_or_path} → {base.name_or_path}); "
+            "the same config and weights, by content",
+            flush=True,
+        )
+    return []
 
 
 def resume_changes(cfg: RunConfig, ckpt: Path | None) -> dict[str, list[Any]]:
@@ -253,18 +313,43 @@ def _train_state(ckpt: Path) -> TrainState:
 
 
 def already_finished(cfg: RunConfig, run_dir: Path) -> str | None:
-    """Why there is nothing to run, when the checkpoint being resumed already reached
-    trainer.max_steps and the run's adapter was exported (a finished run started again)."""
-    recorded = RunDir(run_dir).read_resume().checkpoint
+    """Why there is nothing to run: the checkpoint being resumed reached trainer.max_steps, the
+    job's final record says exit 0, and the final files summary.json lists verify (sizes and
+    hashes). A run whose end was cut short (a full disk while writing the tokenizer, the
+    summary or exit.json) is not finished: its ranks start again from the last checkpoint and
+    export anew."""
+    rd = RunDir(run_dir)
+    recorded = rd.read_resume().checkpoint
     if not recorded:
         return None
     ckpt = Path(recorded)
     step = _train_state(ckpt).step
-    adapter = RunDir(run_dir).adapter / "adapter_model.safetensors"
-    if step < cfg.trainer.max_steps or not adapter.is_file():
+    if step < cfg.trainer.max_steps:
+        return None
+    problem = _final_outputs_problem(rd)
+    if problem is not None:
+        print(
+            f"memtune: {ckpt.name} is the last step, but the run's end did not complete "
+            f"({problem}): exporting again from it",
+            flush=True,
+        )
         return None
     return (
         f"already finished: {ckpt.name} is step {step} of trainer.max_steps="
-        f"{cfg.trainer.max_steps}, the adapter is in {adapter.parent} (raise trainer.max_steps "
+        f"{cfg.trainer.max_steps}, the adapter is in {rd.adapter} (raise trainer.max_steps "
         "to train on, or resume=never to start over)"
     )
+
+
+def _final_outputs_problem(rd: RunDir) -> str | None:
+    """What keeps a run from counting as finished; None when its end verifies."""
+    try:
+        if rd.read_exit().code != 0:
+            return f"{rd.exit} does not say exit 0"
+        summary = rd.read_summary()
+    except RecordError as err:
+        return str(err)
+    if not summary.outputs:  # written before summaries listed their files
+        adapter = rd.adapter / "adapter_model.safetensors"
+        return None if adapter.is_file() else f"{adapter} is missing"
+    return check_files(rd.path, summary.outputs)

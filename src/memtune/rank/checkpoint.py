@@ -9,7 +9,16 @@ from typing import Any
 
 import torch
 
-from memtune.rundir import COMPLETE, RunDir, TrainState, is_complete, step_dir_name
+from memtune.rundir import (
+    COMPLETE,
+    RunDir,
+    TrainState,
+    is_complete,
+    list_files,
+    step_dir_name,
+    write_atomic,
+    write_manifest,
+)
 
 
 class NonFiniteWeights(RuntimeError):
@@ -48,6 +57,35 @@ def export_adapter(model: Any, out_dir: Path, is_writer: bool) -> int:
     if is_writer:
         model.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
     return len(state)
+
+
+def export_final(
+    model: Any, tokenizer: Any, run_dir: Path, is_writer: bool
+) -> tuple[int, dict[str, list[Any]]]:
+    """The run's adapter and tokenizer, written whole or not at all: into a temporary folder,
+    fsynced, then renamed to ``adapter/`` (an earlier export of this run is set aside first and
+    removed last). Collective (the adapter is gathered). Returns the tensor count and, on the
+    writer, the files written ({"adapter/NAME": [size, sha256]}) for summary.json, which the
+    job verifies before it calls the run finished."""
+    import shutil
+
+    final = RunDir(run_dir).adapter
+    tmp = run_dir / f".tmp-{final.name}"
+    if is_writer:
+        shutil.rmtree(tmp, ignore_errors=True)  # ours: a cut-short earlier export
+    n_tensors = export_adapter(model, tmp, is_writer)
+    if not is_writer:
+        return n_tensors, {}
+    tokenizer.save_pretrained(str(tmp))
+    files = {f"{final.name}/{name}": v for name, v in list_files(tmp).items()}
+    aside = run_dir / f".old-{final.name}"
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    _fsync_dir(run_dir)
+    shutil.rmtree(aside, ignore_errors=True)
+    return n_tensors, files
 
 
 # ---------------------------------------------------------------- resumable checkpoints
@@ -117,20 +155,37 @@ def save_checkpoint(engine: Any, run_dir: Path, state: TrainState, keep_last: in
     torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
     _barrier()
     if rank == 0:
-        shutil.copy(RunDir(run_dir).config, tmp / "config.yaml")
+        rd = RunDir(run_dir)
+        shutil.copy(rd.config, tmp / "config.yaml")
+        if rd.base.is_file():
+            shutil.copy(rd.base, tmp / rd.base.name)
         state.write(tmp)
-        (tmp / COMPLETE).write_text(json.dumps({"step": state.step}) + "\n")
+        write_manifest(tmp)  # every file fsynced, then listed with its size and hash
+        write_atomic(tmp / COMPLETE, json.dumps({"step": state.step}) + "\n")
+        # The same step saved again (a resumed run's last step): the old one moves aside
+        # first and goes only once the new one is in place, so a crash leaves one of them.
+        aside = root / f".old-{final.name}"
         if final.exists():
-            shutil.rmtree(final)
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
         os.replace(tmp, final)
-        pointer = root / "latest.tmp"
-        pointer.write_text(final.name + "\n")
-        os.replace(pointer, root / "latest")
+        _fsync_dir(root)
+        write_atomic(root / "latest", final.name + "\n")
+        shutil.rmtree(aside, ignore_errors=True)
         done = sorted(p for p in root.glob("step-*") if is_complete(p))
         for old in done[: max(0, len(done) - keep_last)]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable (the directory entry itself)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class UnsafeCheckpoint(RuntimeError):
@@ -157,7 +212,9 @@ def verify_checkpoint_files(path: Path) -> int:
             except Exception as err:
                 first = str(err).strip().splitlines()
                 reason = next((line for line in first if "GLOBAL" in line), first[0])
-                raise UnsafeCheckpoint(f"{f}: refusing to load ({reason.strip()})") from err
+                # from None: torch's own text advises weights_only=False, which must never be
+                # the way out of a refused checkpoint
+                raise UnsafeCheckpoint(f"{f}: refusing to load ({reason.strip()})") from None
     return len(files)
 
 

@@ -44,7 +44,7 @@ from memtune.exit_codes import (
 from memtune.memory.compare import check, verdict
 from memtune.rank.build import build_rank
 from memtune.rank.checkpoint import (
-    export_adapter,
+    export_final,
     load_checkpoint,
     load_checkpoint_any_world,
     save_checkpoint,
@@ -349,10 +349,8 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
             hooks.save(result.steps, result)
         if after_train is not None:
             after_train(engine, ctx)
-        adapter_dir = rd.adapter
-        n_tensors = export_adapter(engine.module.model, adapter_dir, is_writer=rank == 0)
+        n_tensors, outputs = export_final(engine.module.model, tokenizer, run_dir, rank == 0)
         if rank == 0:
-            tokenizer.save_pretrained(str(adapter_dir))
             eval_loss = hooks.eval_losses.get(result.steps)
             _write_summary(
                 ctx,
@@ -364,6 +362,7 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
                 eval_loss,
                 vs_plan,
                 parts.compiled_layers,
+                outputs,
             )
         return result
     except (SystemExit, NonFiniteLoss):
@@ -461,6 +460,7 @@ def _write_summary(
     eval_loss: float | None,
     vs_plan: VsPlan,
     compiled_layers: int = 0,
+    outputs: dict[str, list[Any]] | None = None,
 ) -> None:
     key = peak_key(ctx.device)
     rd = RunDir(ctx.run_dir)
@@ -486,6 +486,7 @@ def _write_summary(
         peak_memory_gib=[m[key] for m in result.peak_memory],
         memory=result.peak_memory,
         memory_vs_plan=vs_plan.checks,
+        outputs=outputs or {},
     )
     rd.write_summary(summary)
     measure = "CUDA allocator (GiB)" if ctx.device.type == "cuda" else "process RSS (GiB)"
