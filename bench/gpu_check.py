@@ -620,11 +620,13 @@ def is_oom_text(text: str) -> bool:
 
 def init_one_rank(device: Any) -> None:
     """The environment ``deepspeed``/``torchrun`` give a rank, for a world of one."""
-    from memtune.launcher.spawn import free_port, one_rank_env
+    from memtune.launcher.spawn import free_port, node_env
     from memtune.rank.worker import init_distributed
 
-    for key, value in one_rank_env(free_port()).items():
-        os.environ.setdefault(key, value)
+    world = {"RANK": "0", "LOCAL_RANK": "0", **node_env([0], free_port())}
+    for key, value in world.items():
+        if key != "CUDA_VISIBLE_DEVICES":  # the card the check was given stays its card
+            os.environ.setdefault(key, value)
 
     init_distributed()
 

@@ -230,6 +230,43 @@ def test_sigterm_saves_and_the_same_command_continues(tmp_path: Path) -> None:
     assert len(_losses(run_dir)) == 16
 
 
+def test_ctrl_c_stops_with_a_checkpoint_and_a_second_stops_at_once(tmp_path: Path) -> None:
+    """Ctrl-C reaches the job alone (the ranks have a session of their own): the first is a
+    graceful stop like SIGTERM's, the second ends the ranks at once; neither prints a
+    traceback (the job used to print 236 lines with 6 tracebacks and save nothing)."""
+    run_dir = tmp_path / "run"
+    args = [
+        *FAST,
+        "launcher.num_ranks=2",
+        "trainer.max_steps=40",
+        "trainer.save_every=0",
+        f"run_dir={run_dir}",
+    ]
+    proc = _start(args, ROOT)
+    _wait_for_step(run_dir, 3, proc)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 75, out[-3000:]
+    assert "memtune: Ctrl-C: stopping at the next step boundary with a checkpoint" in out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    stopped_at = json.loads((run_dir / "checkpoints" / latest / "trainer_state.json").read_text())
+    assert stopped_at["step"] >= 3
+
+    proc = _start(args, ROOT)  # continues from that checkpoint
+    _wait_for_step(run_dir, stopped_at["step"] + 2, proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    start = time.monotonic()
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out[-3000:]  # memtune.exit_codes.EXIT_INTERRUPTED
+    assert time.monotonic() - start < 15
+    assert "memtune: stopped at once by a second Ctrl-C (exit code 130)" in out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out
+    assert json.loads((run_dir / "exit.json").read_text()) == {"code": 130}
+
+
 def test_kill_9_of_one_rank_ends_the_job_and_resume_works(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = [
@@ -252,6 +289,27 @@ def test_kill_9_of_one_rank_ends_the_job_and_resume_works(tmp_path: Path) -> Non
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming from" in again.stdout
     assert len(_losses(run_dir)) == 14
+
+
+def test_a_rank_killed_while_loading_ends_the_job_at_once_naming_it(tmp_path: Path) -> None:
+    """Killed before any collective, a rank's peers wait in the rendezvous or load on: the job
+    ends within seconds (it took 32 s: DeepSpeed's launcher gave the survivors a 30 s SIGTERM
+    grace, which a loading rank only notes), with one code, naming the rank and the signal."""
+    run_dir = tmp_path / "run"
+    proc = _start([*FAST, "launcher.num_ranks=2", f"run_dir={run_dir}"], ROOT)
+    deadline = time.monotonic() + 120
+    while len(ranks := rank_processes(proc.pid)) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    victim = next(r for r in ranks if r.environ().get("RANK") == "1")
+    victim.kill()
+    start = time.monotonic()
+    out, _ = proc.communicate(timeout=60)
+    assert time.monotonic() - start < 10, out[-3000:]
+    assert proc.returncode == 137, out[-3000:]  # 128 + SIGKILL, whatever the other rank did
+    assert f"memtune: rank 1 (pid {victim.pid}) was killed by SIGKILL (signal 9)" in out
+    assert "Traceback" not in out
+    assert json.loads((run_dir / "exit.json").read_text()) == {"code": 137}
 
 
 class _NotData:

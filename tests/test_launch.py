@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from deepspeed.launcher.runner import encode_world_info
 from safetensors.torch import load_file
 
 from memtune.config import to_run_config
-from memtune.launcher.spawn import local_devices, rank_command, rank_env
+from memtune.launcher.spawn import job_code, local_devices, rank_command, rank_env
 from memtune.rank.loop import lr_factor
 from tests.conftest import FAST, ROOT, compose_cfg, run_train_py, start_run
 
@@ -21,28 +21,52 @@ from tests.conftest import FAST, ROOT, compose_cfg, run_train_py, start_run
 def test_rank_commands() -> None:
     cfg = to_run_config(compose_cfg(["launcher.num_ranks=4"]))
     cmd, extra = rank_command(cfg, Path("/runs/x"), 12345, env={})
-    assert cmd[1:4] == ["-u", "-m", "deepspeed.launcher.launch"] and "--no_local_rank" in cmd
-    assert cmd[-3:] == ["--module", "memtune.worker", "/runs/x"]
-    assert cmd[cmd.index("--master_port") + 1] == "12345" and extra == {}
-    # The world description is byte for byte what the `deepspeed` command would pass for
-    # `--num_gpus 4` on one node.
-    assert cmd[cmd.index("--world_info") + 1] == encode_world_info({"localhost": [0, 1, 2, 3]})
+    # One node: memtune starts the ranks itself (RANK / LOCAL_RANK added per rank), with the
+    # variables DeepSpeed's per-node launcher sets.
+    assert cmd == [sys.executable, "-u", "-m", "memtune.worker", "/runs/x"]
+    assert extra == {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "12345",
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "4",
+        "LOCAL_SIZE": "4",
+        "CROSS_RANK": "0",
+        "CROSS_SIZE": "1",
+        "CUDA_VISIBLE_DEVICES": "0,1,2,3",
+    }
     cfg.launcher.num_ranks = 1
-    cmd, extra = rank_command(cfg, Path("/runs/x"), 12345)
-    assert cmd[1:] == ["-m", "memtune.worker", "/runs/x"]
-    assert extra["RANK"] == "0" and extra["WORLD_SIZE"] == "1" and extra["MASTER_PORT"] == "12345"
+    cmd, extra = rank_command(cfg, Path("/runs/x"), 12345, env={})
+    assert cmd == [sys.executable, "-u", "-m", "memtune.worker", "/runs/x"]
+    assert extra["WORLD_SIZE"] == "1" and extra["MASTER_PORT"] == "12345"
 
 
 def test_ranks_get_the_visible_cards() -> None:
     """`CUDA_VISIBLE_DEVICES=2,3` puts two ranks on cards 2 and 3 (the `deepspeed` command with
     `--num_gpus` dropped it and used 0 and 1); too few listed, or none, falls back to 0..n-1."""
     cfg = to_run_config(compose_cfg(["launcher.num_ranks=2"]))
-    cmd, _ = rank_command(cfg, Path("/runs/x"), 1, env={"CUDA_VISIBLE_DEVICES": "2, 3,5"})
-    assert cmd[cmd.index("--world_info") + 1] == encode_world_info({"localhost": [2, 3]})
+    _, extra = rank_command(cfg, Path("/runs/x"), 1, env={"CUDA_VISIBLE_DEVICES": "2, 3,5"})
+    assert extra["CUDA_VISIBLE_DEVICES"] == "2,3"
     uuids = {"CUDA_VISIBLE_DEVICES": "GPU-a1b2,GPU-c3d4"}
     assert local_devices(2, uuids) == ["GPU-a1b2", "GPU-c3d4"]
     assert local_devices(2, {"CUDA_VISIBLE_DEVICES": "7"}) == [0, 1]
     assert local_devices(2, {"CUDA_VISIBLE_DEVICES": ""}) == [0, 1]
+
+
+def test_the_job_code_names_the_first_rank_to_fail() -> None:
+    """One code whatever the order the ranks were seen to end in: a rank that only lost its
+    peer (5) gives way to the cause; ranks killed after the failure do not count."""
+    assert job_code({0: 0, 1: 0}, set(), None) == (0, 0, None)
+    assert job_code({0: 75, 1: 75}, set(), None)[0] == 75
+    # rank 1 killed -9 during start-up; rank 0 killed by memtune afterwards
+    assert job_code({1: -9, 0: -9}, {0}, 1) == (
+        137,
+        1,
+        "was killed by SIGKILL (signal 9); the other ranks were stopped",
+    )
+    # rank 0 seen first, but it only lost its peer: rank 1's out-of-memory is the cause
+    assert job_code({0: 5, 1: 4}, set(), 0) == (4, 1, "exited with code 4")
+    assert job_code({0: 5, 1: 5}, set(), 0)[:2] == (5, 0)
+    assert job_code({0: 1, 1: -9}, {1}, 0)[0] == 1
 
 
 def test_omp_threads_split_between_ranks() -> None:

@@ -108,8 +108,8 @@ def test_shared_memory_buffers_of_dead_jobs_are_removed(tmp_path: Path) -> None:
 
 
 def test_a_finished_job_leaves_no_shared_memory(zero3_run: Run) -> None:
-    cmd = (zero3_run.dir / "launch.txt").read_text().split()
-    port = int(cmd[cmd.index("--master_port") + 1])
+    words = (zero3_run.dir / "launch.txt").read_text().split()
+    port = int(next(w for w in words if w.startswith("MASTER_PORT="))[len("MASTER_PORT=") :])
     assert shm_buffers(port) == []
 
 

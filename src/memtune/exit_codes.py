@@ -15,3 +15,6 @@ EXIT_PEER_LOST = 5
 EXIT_REQUEUE = 75
 """After SIGTERM / SIGUSR2: a checkpoint was saved; run again (or requeue) to go on. 75 is
 EX_TEMPFAIL, which launch/slurm/train.sbatch requeues."""
+EXIT_INTERRUPTED = 130
+"""A second Ctrl-C ended the ranks at once (128 + SIGINT, the shell's code for it); the last
+saved checkpoint is where the same command continues. The first Ctrl-C stops like SIGTERM."""

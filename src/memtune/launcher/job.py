@@ -17,7 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from memtune.config import ConfigError, RunConfig, load_run_config
-from memtune.exit_codes import EXIT_CONFIG, EXIT_OOM, EXIT_REQUEUE
+from memtune.exit_codes import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OOM, EXIT_REQUEUE
 from memtune.launcher import oom
 from memtune.launcher.preflight import PreflightError, for_launch
 from memtune.launcher.prepare import already_finished, decide, given_config, prepare_run_dir
@@ -119,6 +119,10 @@ def run_job(cfg: DictConfig) -> None:
         with hold(run_dir, this_node_rank(cfg.launcher)):
             _record_composition(cfg, run_dir)
             _run(cfg, run_dir, sweeping)
+    except KeyboardInterrupt:
+        # Ctrl-C before the ranks started (planning, tokenizing): nothing to save.
+        print("\nmemtune: interrupted before any rank started", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
     except (RunDirBusy, ConfigError) as err:
         # Another job's run dir, or no node rank to tell which lock is this node's: nothing
         # of this job's to write there (no exit.json), only the refusal.
@@ -266,6 +270,12 @@ def _run(cfg: DictConfig, run_dir: Path, sweeping: bool) -> None:
     RunDir(run_dir).write_exit(code)
     if code == EXIT_REQUEUE:
         print(f"memtune: stopped with a checkpoint (exit code {code}); run dir {run_dir}")
+    elif code == EXIT_INTERRUPTED:
+        print(
+            f"memtune: stopped at once by a second Ctrl-C (exit code {code}); the same command "
+            f"continues from the last saved checkpoint; run dir {run_dir}",
+            file=sys.stderr,
+        )
     elif code != 0:
         print(f"memtune: the ranks failed (exit code {code}); run dir {run_dir}", file=sys.stderr)
     if code != 0:

@@ -1,34 +1,38 @@
 """Start the ranks for one prepared run dir, and fail the whole job if any rank fails.
 
-Several ranks go through DeepSpeed's per-node launcher (``deepspeed.launcher.launch``, which on
-a CPU machine starts N CPU processes); it watches its children and takes the others down when
-one dies, so a crashed rank never leaves the rest hanging in a collective. On one node it is
-started directly, with the world description the ``deepspeed`` command would have computed:
-that command only works out ``{"localhost": [0..N-1]}`` and starts the same launcher, and in
-doing so imports torch and DeepSpeed once more (~4 s per job on a slow CPU) and drops
-``CUDA_VISIBLE_DEVICES`` (with ``--num_gpus`` the ranks got cards 0..N-1 whatever was visible).
-Jobs over several nodes go through the ``deepspeed`` command (ds_runner.py), which reads the
-hostfile. One rank runs as a plain subprocess with the same environment variables a launcher
-would set.
+On one node memtune starts the ranks itself, as its own children, with the environment
+DeepSpeed's per-node launcher (``deepspeed.launcher.launch``) would give them (RANK,
+LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, CUDA_VISIBLE_DEVICES = this node's cards, …). That
+launcher only set those and watched its children, but it imported torch and DeepSpeed to do it
+(~4 s per job on a slow CPU), ended a job whose rank died during start-up only after a 30 s
+SIGTERM grace, exited with whichever failed rank it polled first (5 or 247 for one kill -9),
+and could not tell which rank died of what. Here each rank's exit status is this process's to
+read: the first rank to fail (a code other than 0 and 75, or a signal) is named with its code
+or signal, the others get RANK_FAILURE_GRACE_S to end on their own and are then killed, and the
+job exits with one code that does not depend on polling order (:func:`job_code`). Jobs over
+several nodes go through the ``deepspeed`` command (ds_runner.py), which reads the hostfile and
+starts DeepSpeed's per-node launcher on every node.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
+import functools
 import itertools
-import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
 import psutil
 
 from memtune.config import RunConfig
+from memtune.exit_codes import EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_REQUEUE
 from memtune.launcher.extensions import extensions_root
 from memtune.launcher.hygiene import clear_shm_buffers, clear_stale_locks
 from memtune.launcher.topology import NodeSpec, resolve
@@ -37,26 +41,16 @@ from memtune.rundir import RunDir
 WORKER_MODULE = "memtune.worker"
 DS_RUNNER = "memtune.launcher.ds_runner"
 """DeepSpeed's own launcher, run in a process with memtune's noise filters (ds_runner.py)."""
-DS_NODE_LAUNCH = "deepspeed.launcher.launch"
-"""DeepSpeed's per-node launcher: what the ``deepspeed`` command starts on each node."""
+RANK_FAILURE_GRACE_S = 5.0
+"""After one rank fails, how long the others get to end by themselves (a peer that lost its
+connection reports it and exits) before they are killed: they cannot go on without it."""
+POLL_S = 0.1
 
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def one_rank_env(port: int) -> dict[str, str]:
-    """What a launcher sets for a rank, for a world of one (no launcher is started for it)."""
-    return {
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_WORLD_SIZE": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    }
 
 
 def rank_env(cfg: RunConfig, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -82,11 +76,19 @@ def local_devices(n: int, env: Mapping[str, str] | None = None) -> list[int | st
     return [int(d) if d.isdigit() else d for d in visible[:n]]
 
 
-def world_info(devices: list[int | str]) -> str:
-    """One node's world description, encoded as the ``deepspeed`` command encodes it for its
-    launcher's ``--world_info`` (``deepspeed.launcher.runner.encode_world_info``, which the
-    tests compare against; not imported here, as it would pull torch into the job process)."""
-    return base64.urlsafe_b64encode(json.dumps({"localhost": devices}).encode()).decode()
+def node_env(devices: list[int | str], port: int) -> dict[str, str]:
+    """What every rank of a one-node job gets besides RANK and LOCAL_RANK: the variables
+    DeepSpeed's per-node launcher sets (torch.distributed's env:// rendezvous reads them)."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(len(devices)),
+        "LOCAL_WORLD_SIZE": str(len(devices)),
+        "LOCAL_SIZE": str(len(devices)),
+        "CROSS_RANK": "0",
+        "CROSS_SIZE": "1",
+        "CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in devices),
+    }
 
 
 def rank_command(
@@ -100,15 +102,9 @@ def rank_command(
     """The command line and extra environment that start this node's ranks (launcher.topology
     decides the form; ``env``, default this process's, supplies ``CUDA_VISIBLE_DEVICES``)."""
     spec = spec or resolve(cfg)
-    if spec.form == "local" and spec.ranks_per_node == 1:
-        return [sys.executable, "-m", module, str(run_dir)], one_rank_env(port)
-    if spec.form == "local":
+    if spec.form == "local":  # one command for every rank; RANK / LOCAL_RANK added per rank
         devices = local_devices(spec.ranks_per_node, env)
-        return [
-            *(sys.executable, "-u", "-m", DS_NODE_LAUNCH, "--world_info", world_info(devices)),
-            *("--master_addr", "127.0.0.1", "--master_port", str(port), "--no_local_rank"),
-            *("--log_level", "warning", "--module", module, str(run_dir)),
-        ], {}
+        return [sys.executable, "-u", "-m", module, str(run_dir)], node_env(devices, port)
     cmd = [sys.executable, "-m", DS_RUNNER]
     if spec.form == "hostfile":
         assert spec.hostfile is not None
@@ -147,7 +143,8 @@ def launch(
     spec: NodeSpec | None = None,
     extra_env: dict[str, str] | None = None,
 ) -> int:
-    """Run this node's ranks to completion; returns the exit code (0 only if every rank did).
+    """Run this node's ranks to completion; returns the job's exit code (0 only if every rank
+    exited 0; :func:`job_code`).
 
     ``extra_env``: what the GPU preflight decided (NCCL switches), for every rank.
     """
@@ -155,65 +152,176 @@ def launch(
     port = spec.master_port or free_port()
     cmd, extra = rank_command(cfg, run_dir, port, module, spec)
     env = {**rank_env(cfg), **(extra_env or {}), **extra}
-    RunDir(run_dir).launch_cmd(spec.node_rank).write_text(" ".join(cmd) + "\n")
+    starts: list[dict[str, str]] = [{}]  # multi-node: DeepSpeed's launcher starts the ranks
+    record = " ".join(cmd) + "\n"
+    if spec.form == "local":
+        starts = [{"RANK": str(r), "LOCAL_RANK": str(r)} for r in range(spec.ranks_per_node)]
+        record = "".join(_shell_line({**start, **extra}, cmd) for start in starts)
+    RunDir(run_dir).launch_cmd(spec.node_rank).write_text(record)
     clear_stale_locks(extensions_root())
     clear_shm_buffers()
-    # Ranks start with SIGUSR2 ignored (inherited through exec) until their own handler is in
-    # place, so a stop that arrives while they import or load is not fatal; it is re-sent
-    # every few seconds until the job ends, which reaches the ranks once they listen.
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGUSR2, signal.SIG_IGN),
-    )
-    stopping = False
-
-    def forward_stop(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-        _signal_ranks(proc.pid, module)
-
-    previous = {s: signal.signal(s, forward_stop) for s in (signal.SIGTERM, signal.SIGUSR2)}
+    ranks = _Ranks(cmd, [{**env, **start} for start in starts], module, spec.form == "local")
     try:
-        while True:
-            try:
-                return proc.wait(timeout=STOP_RESEND_S)
-            except subprocess.TimeoutExpired:
-                if stopping:
-                    _signal_ranks(proc.pid, module)
-    except KeyboardInterrupt:
-        # Ctrl-C: pass it to the whole rank group, then wait for it to go.
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            return proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            return proc.wait()
+        return ranks.wait()
     except BaseException:
         # Whatever stops this process (a test's timeout, an error here) takes the ranks too:
         # orphaned ranks would keep their cores and ports.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        ranks.kill()
+        for proc in ranks.procs:
+            proc.wait()
         raise
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        if proc.poll() is not None:  # the ranks are gone: their shared memory can go too
+        ranks.restore_signals()
+        if ranks.ended():  # the ranks are gone: their shared memory can go too
             clear_shm_buffers(port)
+
+
+def _shell_line(env: dict[str, str], cmd: list[str]) -> str:
+    """One rank's start as a shell line (launch.txt): its environment, then the command."""
+    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), *cmd]) + "\n"
 
 
 STOP_RESEND_S = 3.0
 
 
-def _signal_ranks(pid: int, module: str) -> None:
-    """SIGUSR2 to the ranks themselves, not DeepSpeed's launcher (which would kill them):
-    each rank saves a checkpoint at the next step boundary and exits with the requeue code."""
-    with contextlib.suppress(psutil.Error):
-        for worker in rank_processes(pid, module):
+def _start_in_group(group: int) -> None:
+    """In a started rank, before exec: join process group ``group`` (0: a new one of its own)
+    and ignore SIGUSR2 until the rank's own handler is in place."""
+    os.setpgid(0, group)
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+
+class _Ranks:
+    """This node's started processes (the ranks themselves, or DeepSpeed's launcher for a
+    multi-node form) and the signals the job passes on to them while it waits."""
+
+    def __init__(self, cmd: list[str], envs: list[dict[str, str]], module: str, own: bool):
+        self.module, self.own = module, own
+        self.procs: list[subprocess.Popen] = []
+        # A stop that arrives while the ranks import or load is not fatal (SIGUSR2 ignored
+        # until they listen); it is re-sent every few seconds until the job ends. The ranks
+        # run in a process group of their own, so a Ctrl-C in the terminal reaches this
+        # process alone (interrupt()).
+        for env in envs:
+            group = self.procs[0].pid if self.procs else 0
+            self.procs.append(
+                subprocess.Popen(cmd, env=env, preexec_fn=functools.partial(_start_in_group, group))
+            )
+        self.group = self.procs[0].pid
+        self.stopping = False
+        self.interrupts = 0
+        self.killed: set[int] = set()
+        """Ranks this process killed (after another rank failed, or a second Ctrl-C)."""
+        self.previous = {
+            signal.SIGTERM: signal.signal(signal.SIGTERM, self.forward_stop),
+            signal.SIGUSR2: signal.signal(signal.SIGUSR2, self.forward_stop),
+            signal.SIGINT: signal.signal(signal.SIGINT, self.interrupt),
+        }
+
+    def forward_stop(self, signum: int, frame: object) -> None:
+        self.stopping = True
+        self.signal_ranks()
+
+    def interrupt(self, signum: int, frame: object) -> None:
+        # The first Ctrl-C is a stop like SIGTERM's: a checkpoint at the next step boundary,
+        # exit 75. The second ends the ranks at once (SIGKILL: no tracebacks from every rank
+        # and library).
+        self.interrupts += 1
+        if self.interrupts == 1:
+            print(
+                "\nmemtune: Ctrl-C: stopping at the next step boundary with a checkpoint "
+                "(Ctrl-C again stops at once, without one)",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.forward_stop(signum, frame)
+        else:
+            self.kill()
+
+    def signal_ranks(self) -> None:
+        """SIGUSR2 to the ranks themselves (never to DeepSpeed's launcher, which would kill
+        them): each saves a checkpoint at the next step boundary and exits with the requeue
+        code."""
+        for proc in self.procs:
             with contextlib.suppress(psutil.Error):
-                worker.send_signal(signal.SIGUSR2)
+                own = [psutil.Process(proc.pid)] if self.own else []
+                found = own or rank_processes(proc.pid, self.module)
+                for worker in found:
+                    with contextlib.suppress(psutil.Error):
+                        worker.send_signal(signal.SIGUSR2)
+
+    def kill(self) -> None:
+        self.killed |= {i for i, p in enumerate(self.procs) if p.poll() is None}
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.group, signal.SIGKILL)
+
+    def ended(self) -> bool:
+        return all(p.poll() is not None for p in self.procs)
+
+    def restore_signals(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def wait(self) -> int:
+        codes: dict[int, int] = {}
+        failed: tuple[int, float] | None = None  # the first rank to fail, and when
+        resent = time.monotonic()
+        while len(codes) < len(self.procs):
+            now = time.monotonic()
+            for i, proc in enumerate(self.procs):
+                code = proc.poll()
+                if code is None or i in codes:
+                    continue
+                codes[i] = code
+                if failed is None and code not in CLEAN_CODES and i not in self.killed:
+                    failed = (i, now)
+            if failed and not self.killed and now - failed[1] >= RANK_FAILURE_GRACE_S:
+                self.kill()  # the others cannot go on without it
+            if self.stopping and now - resent >= STOP_RESEND_S:
+                self.signal_ranks()
+                resent = now
+            time.sleep(POLL_S)
+        if self.interrupts > 1:
+            return EXIT_INTERRUPTED
+        first = failed[0] if failed else None
+        code, rank, line = job_code(codes, self.killed, first)
+        if line is not None:
+            who = f"rank {rank}" if self.own else "DeepSpeed's launcher"
+            print(
+                f"memtune: {who} (pid {self.procs[rank].pid}) {line}", file=sys.stderr, flush=True
+            )
+        return code
+
+
+CLEAN_CODES = (0, EXIT_REQUEUE)
+"""A rank that exits with these ended with the others (a stop with a checkpoint is agreed by
+every rank in a collective): nothing to take down."""
+
+
+def job_code(
+    codes: dict[int, int], killed: set[int], first_failed: int | None
+) -> tuple[int, int, str | None]:
+    """The job's exit code from its ranks' (``codes``: rank → return code, negative for a
+    signal), the rank it comes from and what happened to it. Ranks this process killed after
+    the first failure do not count; a rank that only lost its peer (EXIT_PEER_LOST) gives way
+    to one that failed for a reason of its own. The code does not depend on the order in which
+    the ranks were seen to end."""
+    if first_failed is None:
+        return (EXIT_REQUEUE if EXIT_REQUEUE in codes.values() else 0), 0, None
+    rank = first_failed
+    if codes[rank] == EXIT_PEER_LOST:
+        causes = [
+            r
+            for r, c in codes.items()
+            if r not in killed and c not in (*CLEAN_CODES, EXIT_PEER_LOST)
+        ]
+        rank = min(causes, default=rank)
+    code = codes[rank]
+    stopped = "; the other ranks were stopped" if killed - {rank} else ""
+    if code < 0:
+        name = signal.Signals(-code).name
+        return 128 - code, rank, f"was killed by {name} (signal {-code}){stopped}"
+    return code, rank, f"exited with code {code}{stopped}"
 
 
 def rank_processes(pid: int, module: str = WORKER_MODULE) -> list[psutil.Process]:
