@@ -17,7 +17,8 @@ import hydra
 from omegaconf import DictConfig
 
 from memtune.config import register_configs
-from memtune.launcher.job import FAILED_POINTS, run_job
+from memtune.exit_codes import EXIT_CONFIG
+from memtune.launcher.job import FAILED_POINTS, missing_slurm, run_job
 
 register_configs()
 
@@ -28,6 +29,9 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    if problem := missing_slurm(sys.argv[1:]):
+        print(f"memtune: config error: {problem}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
     main()
     if FAILED_POINTS:  # a sweep ran every point; some failed (each has its exit.json)
         sys.exit(1)

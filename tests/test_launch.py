@@ -229,3 +229,23 @@ def test_multirun_gives_one_run_dir_per_point_and_a_report(tmp_path: Path) -> No
     assert (sweep / "sweep_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| peft.r=8 | ok | 3 |" in (sweep / "sweep_report.md").read_text()
     assert "1 sweep point(s) failed" in proc.stdout
+
+
+def test_a_slurm_sweep_without_slurm_is_one_line(tmp_path: Path) -> None:
+    """submitit raised 'Could not detect "srun"' from inside Hydra's sweep: a traceback."""
+    import subprocess
+
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent)}  # no sbatch, no srun
+    sweep = f"hydra.sweep.dir={tmp_path / 'sweep'}"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "-m", "hydra/launcher=slurm", "peft.r=4,8", sweep],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("memtune: config error: hydra/launcher=slurm")
+    assert "sbatch and srun are not on PATH" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "sweep").exists()

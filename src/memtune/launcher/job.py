@@ -46,6 +46,24 @@ WAIT_FOR_STOPPED_S = 60.0
 report theirs (well inside the 120 s between --signal=B:USR2@120 and the time limit)."""
 
 
+def missing_slurm(argv: list[str]) -> str | None:
+    """A Slurm sweep (``-m hydra/launcher=slurm``) on a machine without Slurm's commands:
+    said before Hydra starts the sweep (submitit would raise from inside it, a traceback)."""
+    import shutil
+
+    sweep = any(a in ("-m", "--multirun") for a in argv)
+    if not sweep or "hydra/launcher=slurm" not in argv:
+        return None
+    missing = [c for c in ("sbatch", "srun") if shutil.which(c) is None]
+    if not missing:
+        return None
+    return (
+        f"hydra/launcher=slurm submits one Slurm job per point, but {' and '.join(missing)} "
+        f"{'is' if len(missing) == 1 else 'are'} not on PATH here: run the sweep on a Slurm "
+        "login node, or drop hydra/launcher=slurm to run the points one after another here"
+    )
+
+
 def print_plan(cfg: DictConfig) -> int:
     """plan_only=true: the per-rank memory plan with what a launch would decide; writes
     nothing, launches nothing."""
