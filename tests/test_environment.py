@@ -93,3 +93,119 @@ def test_a_buffer_this_user_cannot_remove_does_not_stop_the_launch(public_dir: P
         os.chmod(shm, 0o755)
     assert freed == 0 and stuck.exists()
     assert len(notes) == 1 and f"{stuck.name}: Permission denied" in notes[0], notes
+
+
+# ------------------------------------------------------------------ 10b: a full disk
+
+
+def _limited_train_py(args: list[str], cwd: Path, max_file_bytes: int):
+    """train.py whose every file may grow to ``max_file_bytes`` (RLIMIT_FSIZE): a write past
+    it fails with EFBIG, as a full disk fails with ENOSPC. Python ignores SIGXFSZ itself, so
+    the write raises instead of the signal killing the process."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
+
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=limit,
+    )
+
+
+def test_a_full_disk_while_tokenizing_is_one_line(tmp_path: Path) -> None:
+    """The tokenized cache (~200 kB here) cannot be written: exit 2, one line naming the
+    file, the free space and data.cache_dir; nothing half-built left in the cache."""
+    from tests.conftest import ROOT, run_train_py
+    from tests.test_errors_before_launch import refused
+
+    demo = (ROOT / "src" / "memtune" / "assets" / "demo_alpaca.jsonl").read_text()
+    warm = run_train_py(  # the demo model is built first, without a limit
+        ["preprocess_only=true", f"run_dir={tmp_path / 'warm'}"], cwd=tmp_path
+    )
+    assert warm.returncode == 0, warm.stderr
+    data = tmp_path / "four_times.jsonl"
+    data.write_text(demo * 4)
+    cache, run_dir = tmp_path / "cache", tmp_path / "run"
+    args = [
+        "preprocess_only=true",
+        f"data.path={data}",
+        f"data.cache_dir={cache}",
+        f"run_dir={run_dir}",
+    ]
+    proc = _limited_train_py(args, tmp_path, max_file_bytes=64 << 10)
+    line = refused(proc, run_dir)
+    assert f"cannot write {cache}/.building-" in line and "train.safetensors" in line
+    assert "larger than this process may write (ulimit -f)" in line
+    assert " free there); free space, or point data.cache_dir at a filesystem" in line
+    assert [p.name for p in cache.iterdir()] == []  # the partial build was ours: removed
+
+
+def test_no_space_left_names_the_path(tmp_path: Path) -> None:
+    """ENOSPC itself, from the kernel's /dev/full (every write to it fails so)."""
+    from memtune.config import ConfigError
+    from memtune.data.cache import no_space_is_an_error
+
+    if not Path("/dev/full").is_char_device():
+        pytest.skip("no /dev/full on this machine")
+    with (
+        pytest.raises(ConfigError) as err,
+        no_space_is_an_error(tmp_path, "run_dir"),
+        open("/dev/full", "w") as full,
+    ):
+        full.write("x")
+    assert str(err.value).startswith(f"cannot write {tmp_path}: no space left on the device (")
+    assert "free space, or point run_dir at a filesystem with room" in str(err.value)
+
+
+def test_checkpoints_that_cannot_fit_are_refused_before_launch(tmp_path: Path) -> None:
+    """What a run's checkpoints take is known from the parameter counts: a run whose
+    checkpoints cannot fit where it writes them is refused, naming run_dir, the need and the
+    free space (the ranks would fail at their first save, after hours)."""
+    from memtune.config import ConfigError, compose, to_run_config
+    from memtune.data.cache import free_bytes
+    from memtune.memory.counts import (
+        check_run_dir_room,
+        checkpoint_bytes,
+        count_params,
+        run_dir_bytes,
+    )
+
+    demo = to_run_config(compose(["trainer.precision=fp32"]))
+    counts = count_params(demo)
+    assert counts.lora == 217_088
+    # fp32 master + 2 Adam moments, their gathered copy, the fp32 adapter: 28 bytes a
+    # parameter; the demo's real step-12 checkpoint is 6,257,501 bytes
+    assert checkpoint_bytes(demo, counts) == 28 * 217_088
+    # 24 steps saved every 8: 3 saves, keep_last 2 + the one being written = 3, + the adapter
+    assert run_dir_bytes(demo, counts) == 3 * 28 * 217_088 + 4 * 217_088
+    check_run_dir_room(demo, counts, tmp_path / "run")  # fits anywhere
+
+    huge = to_run_config(
+        compose(
+            [
+                "experiment=qwen2.5-7b-4x4090-lora",
+                "trainer.max_steps=1000000",
+                "trainer.save_every=1",
+                "trainer.keep_last=1000000",
+            ]
+        )
+    )
+    big = count_params(huge)
+    free = free_bytes(tmp_path)
+    assert free is not None and run_dir_bytes(huge, big) > free  # ~250 TB
+    with pytest.raises(ConfigError) as err:
+        check_run_dir_room(huge, big, tmp_path / "run")
+    message = str(err.value)
+    assert message.startswith(f"run_dir {tmp_path / 'run'}: the run needs at least ")
+    assert "trainer.keep_last=1000000 kept" in message and " free there; " in message

@@ -8,13 +8,16 @@ another tokenizes, and a bad record stops the job before any GPU memory is taken
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -222,27 +225,100 @@ def preprocess(cfg: DataConfig, tokenizer: Any, seed: int) -> Prepared:
         saved_val = DataStats(**saved["val"]) if saved["val"] else None
         return Prepared(out, DataStats(**saved["train"]), saved_val, reused=True)
 
-    from safetensors.torch import save_file
-
     if isinstance(tokenizer, TokenizerFiles):
         tokenizer = tokenizer.load()
     train, stats, val, val_stats = build(cfg, tokenizer, seed)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
+    where = "data.cache_dir" if cfg.cache_dir else "data.cache_dir (or MEMTUNE_CACHE_DIR)"
+    with no_space_is_an_error(root, where):
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
     try:
-        save_file(train, str(tmp / "train.safetensors"))
-        if val is not None:
-            save_file(val, str(tmp / "val.safetensors"))
-        payload = {"train": stats.as_dict(), "val": val_stats and val_stats.as_dict()}
-        (tmp / "stats.json").write_text(json.dumps(payload, indent=2) + "\n")
+        with no_space_is_an_error(tmp, where):
+            _save(train, tmp / "train.safetensors")
+            if val is not None:
+                _save(val, tmp / "val.safetensors")
+            payload = {"train": stats.as_dict(), "val": val_stats and val_stats.as_dict()}
+            (tmp / "stats.json").write_text(json.dumps(payload, indent=2) + "\n")
         try:
             os.replace(tmp, out)
         except OSError:
             if not stats_file.is_file():  # not a concurrent identical build: a real failure
                 raise
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # ours: a build cut short leaves nothing
     return Prepared(out, stats, val_stats, reused=False)
+
+
+NO_SPACE = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EFBIG: "the file is larger than this process may write (ulimit -f)",
+}
+"""The errors a write gets when the disk (or the user's share of it) is full."""
+
+
+def _save(arrays: Arrays, path: Path) -> None:
+    """safetensors' save_file, its I/O error an OSError again: safetensors reports a failed
+    write as SafetensorError("... I/O error: No space left on device (os error 28)"), whose
+    errno is only in the text."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(arrays, str(path))
+    except SafetensorError as err:
+        code = re.search(r"\(os error (\d+)\)", str(err))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from err
+
+
+def free_bytes(path: Path) -> int | None:
+    """Free bytes on the filesystem that holds ``path`` (or its nearest existing parent: the
+    path may not be made yet); None when it cannot be asked."""
+    probe = Path(path).expanduser().absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return shutil.disk_usage(probe).free
+    except OSError:
+        return None
+
+
+def human_bytes(n: int) -> str:
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.1f} GiB"
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def free_space(path: Path) -> str:
+    """``free_bytes`` for a message."""
+    free = free_bytes(path)
+    return "unknown space" if free is None else human_bytes(free)
+
+
+def no_space_message(err: OSError, where: Path, fix: str) -> str:
+    """One line: which path could not be written, why, how much room its filesystem has, and
+    which setting moves it (``fix``)."""
+    path = err.filename or where
+    why = NO_SPACE.get(err.errno or 0, err.strerror)
+    return (
+        f"cannot write {path}: {why} ({free_space(Path(path))} free there); "
+        f"free space, or point {fix} at a filesystem with room"
+    )
+
+
+@contextlib.contextmanager
+def no_space_is_an_error(where: Path, fix: str) -> Iterator[None]:
+    """Turn a full disk (ENOSPC, EDQUOT, EFBIG) while writing under ``where`` into a
+    ConfigError naming the path, the free space and the setting ``fix`` that moves it: the job
+    stops before launch with one line (exit 2) instead of a traceback. Other errors pass."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in NO_SPACE:
+            raise
+        raise ConfigError(no_space_message(err, where, fix)) from None
 
 
 def load_lengths(prepared_dir: str | Path, split: str = "train") -> list[int]:
