@@ -209,3 +209,49 @@ def test_checkpoints_that_cannot_fit_are_refused_before_launch(tmp_path: Path) -
     message = str(err.value)
     assert message.startswith(f"run_dir {tmp_path / 'run'}: the run needs at least ")
     assert "trainer.keep_last=1000000 kept" in message and " free there; " in message
+
+
+# ------------------------------------------------------------------ 10c: wandb's temporary dirs
+
+WANDB_RANK = """
+import os, sys
+from pathlib import Path
+from memtune.config import LoggerConfig
+from memtune.rank.telemetry import RunLogger
+run_dir = Path(sys.argv[1])
+logger = RunLogger(run_dir, 1, LoggerConfig(backend="wandb", mode="offline"), {"peft": {"r": 4}})
+logger.log(1, {"train/loss": 1.0})
+logger.close()
+sys.stdout.flush()
+os._exit(0)  # as a rank ends (rank.worker.leave): no atexit hooks
+"""
+
+
+def test_wandb_leaves_nothing_in_tmpdir(tmp_path: Path) -> None:
+    """A rank-0 logger with offline wandb, ended the way a rank ends. Before: two dirs per run
+    in $TMPDIR (tmp*wandb-media, tmp*wandb-artifacts), left because os._exit skips the atexit
+    hooks that remove them."""
+    import subprocess
+    import sys
+    import time
+
+    tmpdir, run_dir = tmp_path / "tmp", tmp_path / "run"
+    tmpdir.mkdir()
+    run_dir.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmpdir), "WANDB_SILENT": "true"}
+    proc = subprocess.run(
+        [sys.executable, "-c", WANDB_RANK, str(run_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))  # the run is recorded
+    left = sorted(p.name for p in tmpdir.iterdir())
+    for _ in range(50):  # wandb's service removes its own socket dir as it exits
+        if not left:
+            break
+        time.sleep(0.1)
+        left = sorted(p.name for p in tmpdir.iterdir())
+    assert left == []

@@ -10,6 +10,7 @@ import json
 import os
 import resource
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,34 @@ class RunLogger(NullLogger):
         self.metrics_file.close()
         if self.wandb is not None:
             self.wandb.finish()
+            end_wandb()
+
+
+WANDB_TEMP_DIRS = (
+    ("wandb.sdk.data_types._private", None, "MEDIA_TMP"),
+    ("wandb.sdk.artifacts.artifact", "Artifact", "_TMP_DIR"),
+)
+"""wandb's two staging dirs, ``$TMPDIR/tmp*wandb-media`` and ``tmp*wandb-artifacts``: module
+(or class) level ``tempfile.TemporaryDirectory`` objects made when wandb is imported."""
+
+
+def end_wandb() -> None:
+    """What wandb leaves to ``atexit``, done now: a rank ends with ``os._exit``
+    (rank.worker.leave), which runs no atexit hook, so every run used to leave wandb's two
+    staging dirs in $TMPDIR (and its service running until it noticed). ``wandb.teardown``
+    stops the service; the staging dirs are removed through the very TemporaryDirectory
+    objects that made them (nothing else in $TMPDIR is touched). Only after the run's
+    ``finish``: nothing of the run is staged any more."""
+    import wandb
+
+    wandb.teardown()
+    for module_name, owner, attr in WANDB_TEMP_DIRS:
+        holder: Any = sys.modules.get(module_name)  # only what this process imported
+        if holder is not None and owner is not None:
+            holder = getattr(holder, owner, None)
+        staging = getattr(holder, attr, None)
+        if isinstance(staging, tempfile.TemporaryDirectory):
+            staging.cleanup()
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
