@@ -467,3 +467,40 @@ def test_resume_knows_the_base_by_content_not_by_path(finished: Path, tmp_path: 
     )
     assert proc.returncode == 2
     assert "trainer.optimizer: checkpoint 'adamw', now 'adamw_8bit'" in proc.stderr
+
+
+def test_a_longer_max_steps_on_resume_follows_the_new_schedule_from_the_next_step(
+    finished: Path, tmp_path: Path
+) -> None:
+    """Resumed with trainer.max_steps 12 → 16, every step after the resume runs at the new
+    schedule's rate (step 13 ran at the old schedule's floor, step 14 jumped to the new one)."""
+    from memtune.config import to_run_config
+    from memtune.rank.loop import lr_factor
+    from tests.conftest import compose_cfg
+
+    run_dir = tmp_path / "run"
+    _copy_run(finished, run_dir)
+    config = (run_dir / "config.yaml").read_text().replace(str(finished), str(run_dir))
+    (run_dir / "config.yaml").write_text(config)
+    longer = [*BASE, f"run_dir={run_dir}", "trainer.max_steps=16"]
+    proc = run_train_py(longer, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trainer.max_steps 12 → 16: the learning-rate schedule is this run's from step 13" in (
+        proc.stdout
+    )
+    assert json.loads((run_dir / "resume.json").read_text())["changed"] == {
+        "trainer.max_steps": [12, 16]
+    }
+    rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lrs = {r["step"]: r["train/lr"] for r in rows if "train/lr" in r}
+    cfg = to_run_config(compose_cfg(longer))
+    factor = lr_factor(cfg)
+    assert [lrs[s] for s in range(13, 17)] == pytest.approx(
+        [cfg.trainer.lr * factor(s - 1) for s in range(13, 17)], rel=1e-6
+    )
+    before = {
+        r["step"]: r["train/lr"]
+        for r in (json.loads(x) for x in (finished / "metrics.jsonl").read_text().splitlines())
+        if "train/lr" in r
+    }
+    assert [lrs[s] for s in range(1, 13)] == [before[s] for s in range(1, 13)]

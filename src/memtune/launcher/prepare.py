@@ -245,6 +245,17 @@ def resolve_resume(
             "The adapter of that checkpoint is in its adapter/ folder."
         )
     print(f"memtune: resuming from {ckpt} (step {state.step})", flush=True)
+    schedule = [
+        f"{k} {get_field(saved, k)} → {get_field(cfg, k)}"
+        for k in SCHEDULE_KEYS
+        if get_field(saved, k) != get_field(cfg, k)
+    ]
+    if schedule:
+        print(
+            f"memtune: {', '.join(schedule)}: the learning-rate schedule is this run's from "
+            f"step {state.step + 1} on (recorded in resume.json)",
+            flush=True,
+        )
     return ckpt
 
 
@@ -273,12 +284,23 @@ def _base_differences(cfg: RunConfig, ckpt: Path, base: BaseRecord | None) -> li
     return []
 
 
+SCHEDULE_KEYS = (
+    "trainer.max_steps",
+    "trainer.lr",
+    "trainer.warmup_steps",
+    "trainer.min_lr_ratio",
+)
+"""Settings of the learning-rate schedule a resume may change: the schedule is then this run's
+from the next step on (rank.checkpoint.follow_schedule), never the saving run's."""
+
+
 def resume_changes(cfg: RunConfig, ckpt: Path | None) -> dict[str, list[Any]]:
-    """What a resume changes that it may: the number of ranks, nodes, the ZeRO stage."""
+    """What a resume changes that it may: the number of ranks, nodes, the ZeRO stage, the
+    learning-rate schedule."""
     if ckpt is None:
         return {}
     saved = load_run_config(ckpt / "config.yaml")
-    keys = ("launcher.num_ranks", "launcher.nnodes", "zero.stage")
+    keys = ("launcher.num_ranks", "launcher.nnodes", "zero.stage", *SCHEDULE_KEYS)
     return {
         k: [get_field(saved, k), get_field(cfg, k)]
         for k in keys

@@ -234,6 +234,21 @@ def load_checkpoint(engine: Any, path: Path, rank: int) -> TrainState:
     return TrainState.read(path)
 
 
+def follow_schedule(engine: Any, lr: float) -> None:
+    """After a resume: the learning rate of the next step is this run's schedule at the
+    restored position (``lr`` × the schedule's factor, the factor built from this run's
+    config). The restored optimizer holds the rate the saving run set for that step, which is
+    another one when trainer.max_steps (or trainer.lr) changed: the first step after such a
+    resume ran at the old schedule's rate and the next jumped to the new one."""
+    scheduler = engine.lr_scheduler
+    basic = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    rates = [lr * factor(scheduler.last_epoch) for factor in scheduler.lr_lambdas]
+    scheduler.base_lrs = [lr] * len(rates)
+    scheduler._last_lr = rates
+    for group, rate in zip(basic.param_groups, rates, strict=True):
+        group["lr"] = rate
+
+
 # ---------------------------------------------------------------- any world size
 #
 # DeepSpeed's engine files hold each rank's partition of the optimizer, so they load only on

@@ -45,6 +45,7 @@ from memtune.memory.compare import check, verdict
 from memtune.rank.build import build_rank
 from memtune.rank.checkpoint import (
     export_final,
+    follow_schedule,
     load_checkpoint,
     load_checkpoint_any_world,
     save_checkpoint,
@@ -282,13 +283,15 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
         checkpoint = resume.checkpoint
         if checkpoint:
             # launcher.prepare recorded what changed, having checked the checkpoint allows it.
-            moved = {k: v for k, v in resume.changed.items() if k != "launcher.nnodes"}
+            layout = ("launcher.num_ranks", "zero.stage")  # what the engine files depend on
+            moved = {k: v for k, v in resume.changed.items() if k in layout}
             if not moved:
                 state = load_checkpoint(engine, Path(checkpoint), rank)
             else:
                 state = load_checkpoint_any_world(engine, Path(checkpoint), rank)
                 what = ", ".join(f"{k} {old} → {new}" for k, (old, new) in moved.items())
                 print0(f"memtune: resuming from its gathered optimizer state ({what})", flush=True)
+            follow_schedule(engine, cfg.trainer.lr)
             result = TrainResult(
                 steps=state.step,
                 label_tokens=state.label_tokens,
