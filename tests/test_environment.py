@@ -255,3 +255,36 @@ def test_wandb_leaves_nothing_in_tmpdir(tmp_path: Path) -> None:
         time.sleep(0.1)
         left = sorted(p.name for p in tmpdir.iterdir())
     assert left == []
+
+
+# ------------------------------------------------------------------ 10d: modes follow the umask
+
+
+def test_the_data_cache_follows_the_umask(tmp_path: Path) -> None:
+    """umask 002 (a group sharing the cache): 0775 dirs, 0664 files. Before: the cache dir
+    was tempfile.mkdtemp's 0700 and train.safetensors safetensors' 0600."""
+    import stat
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    cache = tmp_path / "cache"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "preprocess_only=true",
+            f"data.cache_dir={cache}",
+            f"run_dir={tmp_path / 'run'}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=lambda: os.umask(0o002),
+    )
+    assert proc.returncode == 0, proc.stderr
+    (built,) = cache.iterdir()
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [built, *built.iterdir()]}
+    assert modes == {built.name: 0o775, "train.safetensors": 0o664, "stats.json": 0o664}

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from memtune.config import ConfigError, RunConfig
-from memtune.rundir import RunDir
+from memtune.rundir import RunDir, write_atomic
 
 DEFAULT_PORT = 29500
 
@@ -235,10 +235,10 @@ def write_nodes_hostfile(run_dir: Path, spec: NodeSpec) -> Path:
 
 
 def _write_mark(path: Path, record: dict[str, Any]) -> None:
-    """A node's mark in the shared run dir, whole or not at all (written, then renamed)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(record) + "\n")
-    tmp.replace(path)
+    """A node's mark in the shared run dir, whole or not at all: rundir.write_atomic's
+    fsynced, per-process temporary name (a plain write then rename could show the other nodes
+    an empty mark after a crash on a network filesystem), removed if the write fails."""
+    write_atomic(path, json.dumps(record) + "\n")
 
 
 def _mark_of(path: Path, spec: NodeSpec) -> dict[str, Any] | None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import warnings
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from memtune.config import LORA_TARGETS, ConfigError, RunConfig, cache_dir, compute_bytes
+from memtune.rundir import write_atomic
 
 
 @dataclass
@@ -82,11 +82,9 @@ def count_params(cfg: RunConfig) -> ParamCounts:
     except (OSError, ValueError, TypeError, KeyError):
         pass  # not counted yet (or an unreadable file): count now
     counts = _count_on_meta(cfg)
-    with contextlib.suppress(OSError):  # a read-only cache only costs the time
+    with contextlib.suppress(OSError):  # a read-only or full cache only costs the time
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(asdict(counts)))
-        tmp.replace(path)
+        write_atomic(path, json.dumps(asdict(counts)))  # its temporary file never stays
     return counts
 
 
