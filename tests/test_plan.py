@@ -379,3 +379,33 @@ def test_qlora_is_not_offered_for_layers_bitsandbytes_cannot_pack() -> None:
         if not offered:
             fit = auto_fit(cfg, counts)
             assert fit is None or "peft=qlora-nf4" not in fit.changes
+
+
+def test_the_measured_bandwidth_is_the_one_the_choices_and_the_estimate_use() -> None:
+    """The job decides again once the GPU preflight has measured the bus bandwidth: at 32k
+    tokens the long-context choice turns on it (sequence parallelism pays at 50 GB/s, not at
+    0.05). It used to choose with the configured figure and print the measured one."""
+    from dataclasses import replace
+
+    from memtune.launcher.prepare import decide
+    from memtune.memory.fit import format_step_estimates
+
+    given = to_run_config(
+        compose_cfg(
+            [
+                "experiment=qwen2.5-7b-4x4090-long",
+                "plan.device_tflops=165",
+                "plan.link_gb_s=0.05",
+                "data.max_seq_len=32768",
+            ]
+        )
+    )
+    configured = decide(given, say=False)
+    measured = decide(given, link_gb_s=50.0, say=False)
+    as_if_set = decide(replace(given, plan=replace(given.plan, link_gb_s=50.0)), say=False)
+    assert configured.cfg.trainer.sequence_parallel == "1"  # (decisions are still strings)
+    assert measured.cfg.trainer.sequence_parallel == "4"
+    assert measured.cfg == as_if_set.cfg and measured.notes == as_if_set.notes
+    assert measured.cfg.plan.link_gb_s == 50.0 and given.plan.link_gb_s == 0.05
+    assert measured.plan.counts is not None
+    assert "at 50 GB/s bus bandwidth" in format_step_estimates(measured.cfg, measured.plan.counts)

@@ -20,7 +20,13 @@ from memtune.config import ConfigError, RunConfig, load_run_config
 from memtune.exit_codes import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OOM, EXIT_REQUEUE
 from memtune.launcher import oom
 from memtune.launcher.preflight import PreflightError, for_launch
-from memtune.launcher.prepare import already_finished, decide, given_config, prepare_run_dir
+from memtune.launcher.prepare import (
+    already_finished,
+    announce,
+    decide,
+    given_config,
+    prepare_run_dir,
+)
 from memtune.launcher.spawn import launch
 from memtune.launcher.topology import (
     announce_ready,
@@ -210,7 +216,7 @@ def _run(cfg: DictConfig, run_dir: Path, sweeping: bool) -> None:
         spec = resolve(given)
         # Config and memory first, then the GPUs, then the data: a run that cannot fit, or a
         # machine that cannot run it, stops before anything is tokenized.
-        fitted = decide(given) if spec.node_rank == 0 else None
+        fitted = decide(given, say=False) if spec.node_rank == 0 else None
         if fitted is not None and given.resume == "never":
             _start_over(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -221,14 +227,16 @@ def _run(cfg: DictConfig, run_dir: Path, sweeping: bool) -> None:
             RunDir(run_dir).preflight(spec.node_rank),
         )
         if fitted is not None and measured is not None:
-            planned = fitted.cfg.plan.link_gb_s
             print(
                 f"memtune: preflight: {measured:g} GB/s all-reduce bus bandwidth between the "
-                f"GPUs (plan.link_gb_s was {planned}); the run's step-time estimate uses it",
+                f"GPUs (plan.link_gb_s was {given.plan.link_gb_s}); the run's choices and "
+                "step-time estimate use it",
                 flush=True,
             )
-            fitted.cfg.plan.link_gb_s = measured
+            # Decided again: auto_fit and the long-context choice order variants by step time.
+            fitted = decide(given, link_gb_s=measured, say=False)
         if fitted is not None:
+            announce(fitted)
             run_cfg = prepare_run_dir(cfg, run_dir, fitted)
         else:
             print(f"memtune: node {spec.node_rank}: waiting for node 0 to prepare {run_dir}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -56,22 +57,34 @@ def given_config(cfg_node: DictConfig, inputs: bool = True) -> RunConfig:
     return cfg
 
 
-def decide(cfg: RunConfig, refuse: bool = True) -> Fitted:
+def decide(
+    cfg: RunConfig, refuse: bool = True, link_gb_s: float | None = None, say: bool = True
+) -> Fitted:
     """What a launch and ``plan_only`` both decide for a validated config: one rank's ZeRO
     stage (config.one_rank_zero), the number of checkpointed layers (checkpoint_layers=auto)
     and, with plan.auto_fit, a variant that fits. With ``refuse``, a run that cannot fit raises
-    ConfigError with the breakdown (memory.fit.fit_to_device)."""
+    ConfigError with the breakdown (memory.fit.fit_to_device). ``link_gb_s``: the bandwidth
+    the GPU preflight measured, in place of plan.link_gb_s before any choice that orders
+    variants by step time, so the choice and the printed estimate use one figure. ``say``:
+    print the decisions (:func:`announce`)."""
+    if link_gb_s is not None:
+        cfg = replace(cfg, plan=replace(cfg.plan, link_gb_s=link_gb_s))
     staged = one_rank_zero(cfg)
-    if staged.zero.stage != cfg.zero.stage:
-        print(
-            "memtune: one rank: ZeRO-2 instead of ZeRO-3 (nothing to shard; ZeRO-3's gather hooks "
-            "only cost time). zero.one_rank_stage2=false keeps ZeRO-3.",
-            flush=True,
-        )
     fitted = fit_to_device(staged, refuse)
+    if staged.zero.stage != cfg.zero.stage:
+        fitted.notes.insert(
+            0,
+            "one rank: ZeRO-2 instead of ZeRO-3 (nothing to shard; ZeRO-3's gather hooks only "
+            "cost time). zero.one_rank_stage2=false keeps ZeRO-3.",
+        )
+    if say:
+        announce(fitted)
+    return fitted
+
+
+def announce(fitted: Fitted) -> None:
     for note in fitted.notes:
         print(f"memtune: {note}", flush=True)
-    return fitted
 
 
 def prepare_run_dir(
