@@ -288,3 +288,52 @@ def test_the_data_cache_follows_the_umask(tmp_path: Path) -> None:
     (built,) = cache.iterdir()
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [built, *built.iterdir()]}
     assert modes == {built.name: 0o775, "train.safetensors": 0o664, "stats.json": 0o664}
+
+
+# ------------------------------------------------------------------ 10e: remote code, pinned
+
+
+def test_remote_code_without_a_pinned_revision_warns() -> None:
+    from memtune.config import compose, to_run_config
+    from memtune.config.validate import config_warnings
+
+    def warnings_for(*overrides: str) -> list[str]:
+        return config_warnings(to_run_config(compose(["model=qwen2.5-7b", *overrides])))
+
+    assert warnings_for() == []
+    (unpinned,) = warnings_for("model.trust_remote_code=true")
+    assert "model.trust_remote_code=true runs the Python code of the hub repo" in unpinned
+    assert "model.revision is not set" in unpinned
+    assert "model.revision=<40-hex commit hash>" in unpinned
+    (branch,) = warnings_for("model.trust_remote_code=true", "model.revision=main")
+    assert "model.revision is 'main', which can move" in branch
+    commit = "a" * 40
+    assert warnings_for("model.trust_remote_code=true", f"model.revision={commit}") == []
+    # the code of a checkpoint on disk is the user's own: nothing to pin
+    demo = to_run_config(compose(["model.trust_remote_code=true"]))
+    assert config_warnings(demo) == []
+
+
+def test_the_revision_is_the_one_looked_for(tmp_path: Path, monkeypatch) -> None:
+    """model.revision reaches the Hugging Face cache lookups: a snapshot of another revision
+    is not the model asked for (offline: refused), the pinned one is found."""
+    import huggingface_hub.constants
+
+    from memtune.config import ConfigError
+    from memtune.data.cache import tokenizer_files_digest
+    from memtune.data.encode import check_downloadable
+
+    pinned, main = "1" * 40, "2" * 40
+    repo = tmp_path / "hub" / "models--org--model"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(main)
+    (repo / "snapshots" / pinned).mkdir(parents=True)
+    (repo / "snapshots" / pinned / "config.json").write_text('{"model_type": "qwen2"}')
+    (repo / "snapshots" / pinned / "tokenizer.json").write_text("{}")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    check_downloadable("org/model", pinned)
+    with pytest.raises(ConfigError, match=r"'org/model' is not on disk .* HF_HUB_OFFLINE is set"):
+        check_downloadable("org/model")  # main's snapshot is not there
+    assert tokenizer_files_digest("org/model", pinned) is not None
+    assert tokenizer_files_digest("org/model", main) is None

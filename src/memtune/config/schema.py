@@ -49,6 +49,11 @@ class ModelConfig:
     attn_implementation: str = "auto"
     """auto (flash_attention_2 if usable on CUDA, else sdpa) | sdpa | eager | flash_attention_2"""
     trust_remote_code: bool = False
+    """Run the modelling / tokenizer code a hub repo ships (Python, on every rank). Pin
+    model.revision to a commit with it: the code is then the one you reviewed."""
+    revision: str | None = None
+    """The hub revision to load, model and tokenizer (from_pretrained's ``revision``): a commit
+    hash pins it; a branch or tag can move. null: the repo's main branch."""
     rope_scaling: dict[str, Any] | None = None
     """Passed to from_pretrained over the checkpoint's config.json, e.g. Qwen's documented
     YaRN for 128k: {type: yarn, factor: 4.0, original_max_position_embeddings: 32768}; the

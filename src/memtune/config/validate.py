@@ -5,6 +5,7 @@ before anything starts; every error names the offending field.
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +200,26 @@ def _check_attention_here(model: ModelConfig) -> None:
         "model.attn_implementation=auto (FlashAttention-2 where it runs, else sdpa_varlen) "
         "or sdpa"
     )
+
+
+COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def config_warnings(cfg: RunConfig) -> list[str]:
+    """What is allowed but risky, one sentence each, for the launcher to print before launch
+    (validate() raises; these only warn)."""
+    out = []
+    m = cfg.model
+    on_disk = Path(m.name_or_path).expanduser().is_dir() or m.synthesize
+    if m.trust_remote_code and not on_disk and not COMMIT.fullmatch(m.revision or ""):
+        pinned = "is not set" if m.revision is None else f"is {m.revision!r}, which can move"
+        out.append(
+            f"model.trust_remote_code=true runs the Python code of the hub repo "
+            f"{m.name_or_path} on every rank, and model.revision {pinned}: whatever the repo "
+            "holds when it is downloaded runs. Pin the commit you reviewed: "
+            "model.revision=<40-hex commit hash>"
+        )
+    return out
 
 
 def _check_sequence_parallel(cfg: RunConfig) -> None:

@@ -71,15 +71,18 @@ class TokenizerFiles:
     load: Callable[[], Any]
 
 
-def tokenizer_files_digest(name_or_path: str) -> str | None:
+def tokenizer_files_digest(name_or_path: str, revision: str | None = None) -> str | None:
     """A digest of every file but the weights next to the model's config.json (a local dir, or
-    a hub name in the local Hugging Face cache) — what AutoTokenizer reads is among them — and
-    of transformers' version; None when the files cannot be found without a download."""
+    a hub name in the local Hugging Face cache, at ``revision``: model.revision) — what
+    AutoTokenizer reads is among them — and of transformers' version; None when the files
+    cannot be found without a download."""
     from importlib.metadata import version
 
     from memtune.config.architecture import checkpoint_config_file
 
     config = checkpoint_config_file(name_or_path)
+    if revision and not Path(name_or_path).expanduser().is_dir():
+        config = _cached_config(name_or_path, revision)  # that snapshot's, not main's
     if config is None:
         return None
     h = hashlib.sha256(f"transformers {version('transformers')}".encode())
@@ -92,6 +95,16 @@ def tokenizer_files_digest(name_or_path: str) -> str | None:
             h.update(f.name.encode())
             h.update(f.read_bytes())
     return "files:" + h.hexdigest()
+
+
+def _cached_config(name: str, revision: str) -> Path | None:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(name, "config.json", revision=revision)
+    except Exception:  # not a valid repo id: in no cache
+        return None
+    return Path(cached) if isinstance(cached, str) else None
 
 
 def _tokenizer_digest(tokenizer: Any) -> str:

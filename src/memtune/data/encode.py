@@ -61,11 +61,13 @@ class DataStats:
 def load_tokenizer(cfg: RunConfig) -> Any:
     """The model's tokenizer (transformers' AutoTokenizer): the launcher tokenizes with it once,
     the ranks decode and check it."""
-    check_downloadable(cfg.model.name_or_path)
+    m = cfg.model
+    check_downloadable(m.name_or_path, m.revision)
     from transformers import AutoTokenizer
 
+    pinned = {"revision": m.revision} if m.revision else {}
     tok = AutoTokenizer.from_pretrained(
-        cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code
+        m.name_or_path, trust_remote_code=m.trust_remote_code, **pinned
     )
     if tok.pad_token_id is None:
         raise ConfigError(f"{cfg.model.name_or_path}: the tokenizer has no pad token")
@@ -77,7 +79,7 @@ HUB_CONNECT_TIMEOUT_S = 3.0
 _TRUE = {"1", "ON", "YES", "TRUE"}  # huggingface_hub's reading of a boolean variable
 
 
-def check_downloadable(name_or_path: str) -> None:
+def check_downloadable(name_or_path: str, revision: str | None = None) -> None:
     """A hub name that is not on disk must be downloadable: refuse at once when it cannot be.
 
     Without this, a machine without the hub (or with HF_HUB_OFFLINE set) spends ~50 s in
@@ -85,8 +87,9 @@ def check_downloadable(name_or_path: str) -> None:
     traceback from inside transformers. Asked before any download: the name is neither a local
     path nor in the local Hugging Face cache, and HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is
     set, or the hub's host does not accept a TCP connection within HUB_CONNECT_TIMEOUT_S. With
-    a proxy configured the connection is the proxy's to make, so nothing is probed then."""
-    if Path(name_or_path).expanduser().exists() or _in_hub_cache(name_or_path):
+    a proxy configured the connection is the proxy's to make, so nothing is probed then.
+    ``revision``: model.revision (None: main)."""
+    if Path(name_or_path).expanduser().exists() or _in_hub_cache(name_or_path, revision):
         return
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         if os.environ.get(var, "").upper() in _TRUE:
@@ -99,8 +102,9 @@ def check_downloadable(name_or_path: str) -> None:
         reason = problem
     from huggingface_hub.constants import HF_HUB_CACHE
 
+    at = f" (model.revision={revision})" if revision else ""
     raise ConfigError(
-        f"model.name_or_path={name_or_path!r} is not on disk (no such directory, not in the "
+        f"model.name_or_path={name_or_path!r}{at} is not on disk (no such directory, not in the "
         f"Hugging Face cache {HF_HUB_CACHE}) and {reason}: train a checkpoint on disk with "
         "model=local model.name_or_path=/path/to/checkpoint, or download it first "
         f"(hf download {name_or_path}, where the hub is reachable); once it is in the cache, "
@@ -108,13 +112,14 @@ def check_downloadable(name_or_path: str) -> None:
     )
 
 
-def _in_hub_cache(name: str) -> bool:
-    """The model's config or tokenizer config is in the local Hugging Face cache."""
+def _in_hub_cache(name: str, revision: str | None = None) -> bool:
+    """The model's config or tokenizer config, at ``revision``, is in the local Hugging Face
+    cache."""
     from huggingface_hub import try_to_load_from_cache
 
     for filename in ("config.json", "tokenizer_config.json"):
         try:
-            if isinstance(try_to_load_from_cache(name, filename), str):
+            if isinstance(try_to_load_from_cache(name, filename, revision=revision), str):
                 return True
         except Exception:  # not a valid repo id (HFValidationError): in no cache
             return False
