@@ -13,9 +13,9 @@ from memtune.config import ConfigError, to_run_config, validate
 from memtune.memory.counts import count_params
 from memtune.memory.fit import auto_fit, fit_to_device, format_step_estimates, other_zero_stage
 from memtune.memory.step_time import micro_step_flops, step_time, traffic
-from memtune.memory.trace import every_position
 from memtune.rank.loss import CausalLMLoss
 from memtune.rank.model import add_lora, choose_attention, load_base_model
+from memtune.tools.step_trace import every_position
 from memtune.tools.tiny import synthesize
 from tests.conftest import compose_cfg
 

@@ -1,5 +1,5 @@
-"""The planner against one full-size training step traced on fake tensors (memory.trace), and the
-tracer against torch's own accounting."""
+"""The planner against one full-size training step traced on fake tensors (tools.step_trace),
+and the tracer against torch's own accounting."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from memtune.config import to_run_config
 from memtune.memory.fit import fit_to_device
-from memtune.memory.trace import planned_step, trace_step
+from memtune.tools.step_trace import planned_step, trace_step
 from tests.conftest import compose_cfg
 
 EXPERIMENTS = ["qwen2.5-7b-4x4090-lora", "qwen2.5-7b-4x4090-qlora", "qwen3-8b-4x4090-lora"]

@@ -265,6 +265,16 @@ def verify_manifest(root: Path) -> str | None:
     return check_files(root, files)
 
 
+GATHERED = "gathered_state.safetensors"
+GATHERED_META = "gathered_state.json"
+"""A checkpoint's trainable state gathered from every rank (rank.checkpoint writes them with an
+Adam optimizer): what lets the job allow a resume on another number of ranks or ZeRO stage."""
+
+
+def has_gathered_state(checkpoint: Path) -> bool:
+    return (checkpoint / GATHERED).is_file() and (checkpoint / GATHERED_META).is_file()
+
+
 def step_dir_name(step: int) -> str:
     return f"step-{step:07d}"
 

@@ -41,6 +41,7 @@ from memtune.rundir import (
     TrainState,
     check_files,
     find_latest,
+    has_gathered_state,
     is_complete,
     verify_manifest,
 )
@@ -324,10 +325,8 @@ def resume_changes(cfg: RunConfig, ckpt: Path | None) -> dict[str, list[Any]]:
 def world_change_problem(cfg: RunConfig, ckpt: Path) -> str | None:
     """Why this checkpoint cannot continue on another number of ranks (or ZeRO stage), or
     None when it can:
-    it keeps its trainable state gathered (rank.checkpoint.GATHERED, Adam optimizers), and the
+    it keeps its trainable state gathered (rundir.GATHERED, Adam optimizers), and the
     sample order does not depend on the ranks (not so for length grouping)."""
-    from memtune.rank.checkpoint import has_gathered_state
-
     if not has_gathered_state(ckpt):
         return (
             "its optimizer state is saved per rank only (8-bit AdamW, or a checkpoint of an "

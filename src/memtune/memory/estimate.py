@@ -172,7 +172,7 @@ def backward_bytes(cfg: RunConfig, tokens: int, counts: ParamCounts, cuda: bool 
     projection's input, and of the gate and up outputs) plus the hidden-state gradient; by
     then the down projection's backward has freed what its LoRA kept (its input). At the start
     of the layer's backward only the incoming and residual hidden gradients are new.
-    (memory.trace measures these moments on the full-size model.)
+    (tools.step_trace measures these moments on the full-size model.)
     """
     a = cfg.model.architecture
     n, b = tokens, compute_bytes(cfg)
@@ -216,7 +216,7 @@ def step_peak(
     back = backward_bytes(cfg, tokens, counts, cuda)
     moments = [StepPeak("the loss", saved, loss=round(loss_bytes(cfg, tokens)))]
     # The final norm's backward runs in fp32 (RMSNorm upcasts): five tokens × hidden fp32
-    # temporaries at once, next to everything saved (memory.trace).
+    # temporaries at once, next to everything saved (tools.step_trace).
     moments.append(StepPeak("backward of the final norm", saved, backward=5 * tokens * h * 4))
     if k < layers:
         moments.append(StepPeak(f"backward of layer {layers - 1}", saved, backward=back))
@@ -278,7 +278,7 @@ def loss_bytes(cfg: RunConfig, tokens: int) -> float:
     if cfg.trainer.loss == "plain":
         # Forward: logits (b) + their fp32 copy + the fp32 log-softmax, for every token. Its
         # backward holds more: the saved fp32 log-softmax, its gradient and the fp32 logits'
-        # gradient, 12 bytes a logit in either precision (memory.trace).
+        # gradient, 12 bytes a logit in either precision (tools.step_trace).
         return tokens * vocab * 12
     chunk = min(tokens, cfg.trainer.loss_chunk_tokens)
     return chunk * vocab * (4 + b) + 2 * tokens * h * b  # one chunk + hidden and its gradient

@@ -11,6 +11,8 @@ import torch
 
 from memtune.rundir import (
     COMPLETE,
+    GATHERED,
+    GATHERED_META,
     RunDir,
     TrainState,
     is_complete,
@@ -259,8 +261,6 @@ def follow_schedule(engine: Any, lr: float) -> None:
 # conversion (ds_to_universal) of the engine files; this is written as part of every save,
 # through DeepSpeed's own accessors (deepspeed.utils.safe_get/set_full_*), for ZeRO-2 and -3.
 
-GATHERED = "gathered_state.safetensors"
-GATHERED_META = "gathered_state.json"
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 
 
@@ -296,10 +296,6 @@ def save_gathered_state(engine: Any, out: Path, is_writer: bool) -> None:
         save_file(tensors, str(out / GATHERED))
         meta = {"optimizer_step": step, "lr_scheduler": engine.lr_scheduler.state_dict()}
         (out / GATHERED_META).write_text(json.dumps(meta, indent=2) + "\n")
-
-
-def has_gathered_state(checkpoint: Path) -> bool:
-    return (checkpoint / GATHERED).is_file() and (checkpoint / GATHERED_META).is_file()
 
 
 def load_gathered_state(engine: Any, checkpoint: Path) -> None:

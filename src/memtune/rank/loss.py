@@ -58,7 +58,7 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
             logits = (h.to(weight_VH.dtype) @ weight_VH.T).float()  # chunk × V, the only big buffer
             picked = logits.gather(1, y[:, None]).squeeze(1)
             # logsumexp by hand, in place: torch.logsumexp would allocate a second chunk × V
-            # fp32 buffer (memory.trace measured it), exp_ reuses this one.
+            # fp32 buffer (tools.step_trace measured it), exp_ reuses this one.
             top = logits.amax(dim=-1, keepdim=True)
             sums = logits.sub_(top).exp_().sum(dim=-1, keepdim=True)
             total += (top + sums.log()).squeeze(1).sub(picked).sum()
@@ -68,7 +68,7 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
                 grad_NH[s : s + chunk] = (probs.to(weight_VH.dtype) @ weight_VH).to(h.dtype)
                 del probs
             # Free this chunk's logits before the next chunk's exist (a rebound name would
-            # keep both alive at once: 1.5× the loss's peak, as memory.trace showed).
+            # keep both alive at once: 1.5× the loss's peak, as tools.step_trace showed).
             del logits
         ctx.save_for_backward(grad_NH if grad_NH is not None else hidden_NH.new_empty(0))
         return total
@@ -116,7 +116,7 @@ def chunked_loss_sum(
 ) -> torch.Tensor:
     """Same value and hidden-state gradient as ``token_loss_sum(hidden @ W^T, labels)``;
     ``shifted``: ``labels_BT`` are already next-token targets (:func:`next_token_targets`).
-    (``select``: memory.trace reads every position — a boolean selection's size depends on
+    (``select``: tools.step_trace reads every position — a boolean selection's size depends on
     the data, which fake tensors do not have.)"""
     targets = labels_BT if shifted else next_token_targets(labels_BT)
     hidden, picked = select(hidden_BTH, targets)

@@ -1,5 +1,5 @@
 """Trace one training step of an experiment's full-size model on fake tensors and compare it
-with the memory plan (memory.trace):
+with the memory plan (tools.step_trace):
 
     memtune trace experiment=qwen2.5-7b-4x4090-lora [data.max_seq_len=32768]
 
@@ -15,7 +15,7 @@ import sys
 from memtune.config import compose, to_run_config
 from memtune.config.architecture import resolve_architecture
 from memtune.memory.fit import fit_to_device
-from memtune.memory.trace import format_trace, trace_step
+from memtune.tools.step_trace import format_trace, trace_step
 
 
 def main(argv: list[str] | None = None) -> int:

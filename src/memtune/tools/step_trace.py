@@ -1,0 +1,325 @@
+"""One training step of the full-size model on fake tensors: the planner checked without a GPU.
+
+A tool, not planner code: it builds the model with the rank's own code (rank.model, rank.loss).
+
+    memtune trace experiment=qwen2.5-7b-4x4090-lora [data.max_seq_len=32768]
+
+The model is built by memtune's own code — the architecture on the meta device, then
+``rank.model.add_lora`` (activation checkpointing of the planned layers, peft, adapters cast to
+the compute dtype) — and its parameters become fake tensors (``FakeTensorMode``: shapes and
+dtypes, no storage), so Qwen2.5-7B at 32k tokens traces in seconds on a laptop. Forward through
+memtune's loss module and backward run for real, op by op; a dispatch mode (:class:`Tracker`)
+records every storage an op creates and forgets it when the storage dies, so the peak of live
+bytes, and what is live at that moment, is what the step holds — the same accounting a CUDA
+caching allocator's ``max_memory_allocated`` reports, before rounding.
+
+What fake tensors cannot show stays analytical in the planner: ZeRO's partitioning and gathers,
+4-bit / int8 storage (a quantized base is traced in the compute dtype: its activations are the
+same), the optimizer state, DeepSpeed's buckets, allocator fragmentation and the CUDA context.
+
+Construction order matters (torch 2.13): a module's ``.to()`` or peft's adapter placement on
+parameters that are already fake goes through ``torch.utils.swap_tensors``, which refuses the
+fake mode's weak-referenced tensors ("Couldn't swap Linear.weight"). So everything is built and
+cast on the meta device and only then swapped for fake tensors, inside the mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+import weakref
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memtune.config import RunConfig, checkpointed_layers
+from memtune.memory.counts import arch_config
+from memtune.rank.loss import CausalLMLoss
+from memtune.rank.model import add_lora, decoder_layers, torch_dtype
+
+MIB = 1024**2
+
+
+class Tracker(TorchDispatchMode):
+    """Live bytes of every storage the traced ops create, by category, and their peak.
+
+    Each output's untyped storage is counted once (views share it) and released by a
+    ``weakref.finalize`` when the storage dies. ``phase`` (forward, loss, backward) and
+    ``where`` (the decoder layer running) are set from module hooks.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[int, str]] = {}
+        self.by_category: dict[str, int] = defaultdict(int)
+        self.total = 0
+        self.peak = 0
+        self.at_peak: dict[str, int] = {}
+        self.peak_phase = self.peak_where = ""
+        self.phase, self.where = "setup", ""
+
+    def _category(self) -> str:
+        if self.phase == "backward":
+            # Under non-reentrant checkpointing the recomputed forward runs with grad enabled.
+            return "recompute" if torch.is_grad_enabled() else "backward temporaries"
+        return self.phase
+
+    def _release(self, key: int) -> None:
+        nbytes, category = self.live.pop(key)
+        self.by_category[category] -= nbytes
+        self.total -= nbytes
+
+    def track(self, tensor: torch.Tensor, category: str | None = None) -> None:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in self.live:
+            if category is not None:  # re-label (a gradient accumulated into a new tensor)
+                nbytes, old = self.live[key]
+                self.by_category[old] -= nbytes
+                self.by_category[category] += nbytes
+                self.live[key] = (nbytes, category)
+            return
+        nbytes = storage.nbytes()
+        category = category or self._category()
+        self.live[key] = (nbytes, category)
+        self.by_category[category] += nbytes
+        self.total += nbytes
+        weakref.finalize(storage, self._release, key)
+        if self.total > self.peak:
+            self.peak = self.total
+            self.at_peak = {k: v for k, v in self.by_category.items() if v}
+            self.peak_phase, self.peak_where = self.phase, self.where
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for leaf in pytree.tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self.track(leaf)
+        return out
+
+
+@dataclass
+class Trace:
+    """One traced step (bytes)."""
+
+    tokens: int
+    checkpointed: int
+    peak: int
+    at_peak: dict[str, int]
+    peak_phase: str
+    peak_where: str
+    saved_after_forward: int  # non-parameter bytes alive between forward and backward
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def parameters(self) -> int:
+        return self.at_peak.get("base weights", 0) + self.at_peak.get("LoRA weights", 0)
+
+    @property
+    def step(self) -> int:
+        """What the step adds to the weights at its peak: activations, loss buffers,
+        temporaries and the gradients accumulated so far."""
+        return self.peak - self.parameters
+
+
+class _NativeDropout(torch.nn.Module):
+    """LoRA's dropout as CUDA runs it: ``native_dropout`` keeps a bool mask (1 byte per
+    element) for backward, where CPU's ``dropout`` keeps a noise tensor in the input's dtype;
+    the trace stands for a GPU rank."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        return torch.native_dropout(x, self.p, True)[0]
+
+
+def traced_config(cfg: RunConfig) -> tuple[RunConfig, list[str]]:
+    """The config the trace builds: a quantized base in the compute dtype (fake tensors have
+    no 4-bit storage; the activations do not change), SDPA for the attention (FlashAttention-2
+    needs CUDA; both keep the output and a logsumexp), the chunked loss unless plain."""
+    from memtune.config import ConfigError, offload_activations, sequence_parallel_size, tiled_mlp
+
+    if sequence_parallel_size(cfg) > 1 or tiled_mlp(cfg) or offload_activations(cfg):
+        raise ConfigError(
+            "the trace runs one process without the long-context autograd functions: set "
+            "trainer.sequence_parallel=1 trainer.tiled_mlp=off trainer.offload_activations=off "
+            "(tests/test_plan.py checks those plans against what autograd saves instead)"
+        )
+    out = copy.deepcopy(cfg)
+    notes = []
+    if out.peft.method != "lora":
+        notes.append(f"{out.peft.method} base traced in {out.trainer.precision} (analytical)")
+        out.peft.method = "lora"
+    if out.model.attn_implementation not in ("sdpa", "eager"):
+        out.model.attn_implementation = "sdpa"
+    if out.trainer.loss != "plain":
+        out.trainer.loss = "chunked"
+    return out, notes
+
+
+def every_position(
+    hidden_BTH: torch.Tensor, targets_BT: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All positions but the last (which predicts nothing) are labels — the planner's worst
+    case — selected as a copy like the real boolean selection (whose size depends on the data,
+    which fake tensors do not have)."""
+    h = hidden_BTH.shape[-1]
+    return hidden_BTH[:, :-1].reshape(-1, h).clone(), targets_BT[:, :-1].reshape(-1)
+
+
+@contextlib.contextmanager
+def _unpacked_mask() -> Iterator[None]:
+    """transformers treats fake tensors as a compiler trace and so cannot rule out packed rows
+    from the positions: it would build a dense [T, T] mask that a real unpacked batch never
+    has. Tell it what a real unpacked batch tells it (no packed sequences)."""
+    import transformers.masking_utils as masking
+
+    original = masking.find_packed_sequence_indices
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
+
+
+def _fakeify(module: torch.nn.Module) -> None:
+    """Inside a FakeTensorMode: every meta parameter and buffer becomes a fake tensor of the
+    same shape and dtype (``to_empty`` would feed meta tensors to the mode as real inputs)."""
+    made: dict[int, torch.Tensor] = {}
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None:
+                if id(p) not in made:
+                    made[id(p)] = torch.nn.Parameter(
+                        torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad
+                    )
+                m._parameters[name] = made[id(p)]  # type: ignore[assignment]
+        for name, b in list(m._buffers.items()):
+            if b is not None:
+                if id(b) not in made:
+                    made[id(b)] = torch.empty(b.shape, dtype=b.dtype)
+                m._buffers[name] = made[id(b)]
+
+
+def trace_step(cfg: RunConfig, fake: bool = True) -> Trace:
+    """Trace one micro batch (micro_batch_size × max_seq_len tokens, every position a label)
+    forward and backward through memtune's model and loss; see the module docstring.
+    ``fake=False`` runs the same step on real (uninitialised) CPU tensors: for small models,
+    to check the tracker against torch's own accounting."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    started = time.perf_counter()
+    cfg, notes = traced_config(cfg)
+    dtype = torch_dtype(cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            arch_config(cfg), attn_implementation=cfg.model.attn_implementation
+        )
+    model.to(dtype)
+    model.config.use_cache = False
+    model = add_lora(model, cfg)
+    for m in model.modules():
+        drop = getattr(m, "lora_dropout", None)
+        if isinstance(drop, torch.nn.ModuleDict):
+            for key, d in list(drop.items()):
+                if isinstance(d, torch.nn.Dropout):
+                    drop[key] = _NativeDropout(d.p)
+    model.train()
+    loss_module = CausalLMLoss(model, cfg.trainer.loss, cfg.trainer.loss_chunk_tokens)
+    loss_module.select = every_position
+    tracker = Tracker()
+    base = model.get_base_model()
+    for i, layer in enumerate(decoder_layers(model)):
+        here = f"layer {i}"
+        # Forward and recompute: the layer's first submodule runs in both.
+        first = next(iter(layer.children()), layer)
+        first.register_forward_pre_hook(lambda *_, here=here: setattr(tracker, "where", here))
+
+        def on_output(module: Any, args: Any, out: Any, here: str = here) -> None:
+            # Backward: the gradient of the layer's output arrives when its backward starts.
+            hidden = out[0] if isinstance(out, tuple) else out
+            if tracker.phase == "forward" and hidden.requires_grad:
+                hidden.register_hook(lambda grad: setattr(tracker, "where", here))
+
+        layer.register_forward_hook(on_output)
+
+    def to_loss(module: Any, args: Any, out: Any) -> None:
+        tracker.phase = tracker.where = "loss"
+        if out.last_hidden_state.requires_grad:  # its gradient starts the final norm's backward
+            out.last_hidden_state.register_hook(lambda g: setattr(tracker, "where", "final norm"))
+
+    base.get_decoder().register_forward_hook(to_loss)
+    micro, seq = cfg.trainer.micro_batch_size, cfg.data.max_seq_len
+    mode = FakeTensorMode() if fake else contextlib.nullcontext()
+    with mode, _unpacked_mask():
+        if fake:
+            _fakeify(model)
+        else:
+            model.to_empty(device="cpu")
+        for name, p in model.named_parameters():
+            tracker.track(p, "LoRA weights" if "lora_" in name else "base weights")
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda q: tracker.track(q.grad, "gradients"))
+        for b in model.buffers():
+            tracker.track(b, "base weights")
+        with tracker:
+            ids = torch.zeros((micro, seq), dtype=torch.long)
+            tracker.phase = "forward"
+            loss = loss_module(input_ids=ids, labels=ids)
+            saved = sum(
+                n for _, (n, c) in tracker.live.items() if c not in ("base weights", "LoRA weights")
+            )
+            tracker.phase, tracker.where = "backward", "loss"
+            loss.backward()
+            del loss
+    return Trace(
+        tokens=micro * seq,
+        checkpointed=checkpointed_layers(cfg),
+        peak=tracker.peak,
+        at_peak=tracker.at_peak,
+        peak_phase=tracker.peak_phase,
+        peak_where=tracker.peak_where,
+        saved_after_forward=saved,
+        seconds=time.perf_counter() - started,
+        notes=notes,
+    )
+
+
+def planned_step(cfg: RunConfig) -> int:
+    """The planner's bytes for what the trace measures above the weights: its activations and
+    loss (or backward temporaries) rows (memory.estimate), for the same tokens and layers."""
+    from memtune.memory.estimate import GIB, plan
+
+    rows = {what: gib for what, gib, _ in plan(cfg).rows}
+    step = ("activations", "loss", "backward temporaries")
+    return round(sum(rows.get(what, 0.0) for what in step) * GIB)
+
+
+def format_trace(cfg: RunConfig, t: Trace) -> str:
+    planned = planned_step(cfg)
+    parts = ", ".join(
+        f"{k} {v / MIB:,.0f}" for k, v in sorted(t.at_peak.items(), key=lambda kv: -kv[1])
+    )
+    lines = [
+        f"memtune trace: {cfg.experiment} · {cfg.model.name_or_path} · {t.tokens:,} tokens · "
+        f"{t.checkpointed} of {cfg.model.architecture['num_hidden_layers']} layers checkpointed · "
+        f"{cfg.trainer.precision} ({t.seconds:.1f} s on fake tensors)",
+        f"  peak {t.peak / MIB:,.0f} MiB in {t.peak_phase} ({t.peak_where}): {parts}",
+        f"  saved for backward after the forward: {t.saved_after_forward / MIB:,.0f} MiB",
+        f"  the step above the weights: traced {t.step / MIB:,.0f} MiB, planned "
+        f"{planned / MIB:,.0f} MiB (the plan's step rows): {planned / t.step - 1:+.1%}",
+    ]
+    lines += [f"  note: {n}" for n in t.notes]
+    return "\n".join(lines)
