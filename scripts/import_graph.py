@@ -28,16 +28,14 @@ def module_name(path: Path) -> str:
 def node(module: str) -> str:
     """The graph node of a module: its package under memtune (memtune.rank.loop →
     memtune.rank), or the module itself at the top level (memtune.rundir)."""
-    parts = module.split(".")
-    if len(parts) >= 2 and (SRC / parts[1]).is_dir():
-        return ".".join(parts[:2])
-    return ".".join(parts[:2])
+    return ".".join(module.split(".")[:2])
 
 
 def imports(path: Path) -> Iterator[tuple[str, int, bool]]:
     """(imported memtune module, line, inside a function) for every import in ``path``."""
     tree = ast.parse(path.read_text(), str(path))
-    package = module_name(path).rsplit(".", 1)[0] if path.name != "__init__.py" else module_name(path)
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     functions = {
         id(n)
         for f in ast.walk(tree)
@@ -59,8 +57,8 @@ def imports(path: Path) -> Iterator[tuple[str, int, bool]]:
             if name.startswith("memtune"):
                 for alias in n.names:  # `from memtune.rank import loop` imports a module
                     sub = f"{name}.{alias.name}"
-                    full = sub if (SRC.parent / sub.replace(".", "/")).with_suffix(".py").exists() else name
-                    yield full, n.lineno, inside
+                    is_module = (SRC.parent / sub.replace(".", "/")).with_suffix(".py").exists()
+                    yield (sub if is_module else name), n.lineno, inside
 
 
 def edges() -> dict[tuple[str, str], list[str]]:
@@ -71,7 +69,8 @@ def edges() -> dict[tuple[str, str], list[str]]:
         for target, line, inside in imports(path):
             there = node(target)
             if there != here:
-                where = f"{path.relative_to(SRC.parent)}:{line}" + (" (in a function)" if inside else "")
+                where = f"{path.relative_to(SRC.parent)}:{line}"
+                where += " (in a function)" if inside else ""
                 found.setdefault((here, there), []).append(where)
     return found
 

@@ -149,6 +149,67 @@ class ResumeRecord:
 
 
 @dataclass
+class PlanRow:
+    """One row of the memory plan, with what a measurement can see of it."""
+
+    what: str
+    gib: float
+    how: str
+    allocated: bool = True
+    """Counted by a CUDA allocator's max_memory_allocated when live (not so: the CUDA context
+    and library workspaces, outside the allocator)."""
+    live: bool = True
+    """Live tensors (not so: allocator fragmentation, which only the reserved pool holds)."""
+    per_token: bool = False
+    """Grows with the tokens of a micro batch: the first suspect of a rank over its plan."""
+
+
+@dataclass
+class PlanRecord:
+    """``plan.json``: the per-rank plan the run was admitted with, for the ranks to compare
+    their peaks with (rank.memory_check) and the OOM report to cite."""
+
+    rows: list[PlanRow]
+    total_gib: float
+    device_gib: float | None = None
+    host_rows: list[PlanRow] = field(default_factory=list)
+    host_gib: float = 0.0
+
+    @classmethod
+    def read(cls, path: Path) -> PlanRecord:
+        record = _read(cls, path)
+        try:
+            record.rows = [PlanRow(**r) for r in record.rows]  # type: ignore[arg-type]
+            record.host_rows = [PlanRow(**r) for r in record.host_rows]  # type: ignore[arg-type]
+        except TypeError as err:
+            raise RecordError(f"{path}: a row is not a plan row ({err})") from None
+        return record
+
+
+@dataclass
+class OomReport:
+    """``oom-rankN.json``: a rank that could not allocate what a step needed."""
+
+    rank: int
+    step: int
+    planned_gib: float | None
+    measured: dict[str, float]
+    measure: str
+    """The key of ``measured`` that counts (peak_allocated_gib on CUDA, peak_rss_gib on CPU)."""
+    error: str
+
+
+@dataclass
+class OomRestart:
+    """``oom_restart.json``: what plan.auto_fit changed to restart after an out-of-memory stop
+    (one restart per run dir: its presence says it was used)."""
+
+    after: list[OomReport]
+    changes: list[str]
+    resumed_from: str | None
+
+
+@dataclass
 class BaseRecord:
     """``base.json``: which base model the run trains, by content. A resume compares the
     fingerprints, so the same weights moved to a new path resume and other weights at the same
@@ -401,6 +462,13 @@ class RunDir:
         """Node 0's job lock (:func:`hold`): held by the job for its whole life."""
         return self.path / "job.lock"
 
+    def oom_report(self, rank: int) -> Path:
+        return self.path / f"oom-rank{rank}.json"
+
+    @property
+    def oom_restart(self) -> Path:
+        return self.path / "oom_restart.json"
+
     @property
     def exit(self) -> Path:
         return self.path / "exit.json"
@@ -484,6 +552,23 @@ class RunDir:
 
     def read_resume(self) -> ResumeRecord:
         return _read(ResumeRecord, self.resume)
+
+    def write_plan(self, record: PlanRecord) -> None:
+        _write(record, self.plan_json)
+
+    def read_plan(self) -> PlanRecord | None:
+        """None for a run dir laid out by a memtune that wrote no plan.json."""
+        return PlanRecord.read(self.plan_json) if self.plan_json.is_file() else None
+
+    def write_oom_report(self, report: OomReport) -> None:
+        _write(report, self.oom_report(report.rank))
+
+    def oom_reports(self) -> list[OomReport]:
+        """The out-of-memory reports of the ranks' last stop (not those of a restart's)."""
+        return [_read(OomReport, p) for p in sorted(self.path.glob("oom-rank*.json"))]
+
+    def write_oom_restart(self, record: OomRestart) -> None:
+        _write(record, self.oom_restart)
 
     def write_base(self, record: BaseRecord) -> None:
         _write(record, self.base)

@@ -116,7 +116,7 @@ def after_out_of_memory(cfg: RunConfig, run_dir: Path, spec: Any, env: dict[str,
     where = f"from {resumed}" if resumed else "from the start (no checkpoint yet)"
     oom.say(
         f"plan.auto_fit: restarting {where} with {' '.join(changes)} (recorded in "
-        f"{run_dir / oom.RESTART_RECORD})"
+        f"{RunDir(run_dir).oom_restart})"
     )
     return launch(fresh, run_dir, spec=spec, extra_env=env)
 

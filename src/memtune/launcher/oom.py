@@ -1,40 +1,37 @@
 """The job's side of an out-of-memory stop: say what happened and what to change, and with
 plan.auto_fit restart once from the last checkpoint with a variant that needs less.
 
-A rank that fails to allocate writes RUN_DIR/oom-rankN.json and exits EXIT_OOM; DeepSpeed's
-launcher then stops the other ranks (they wait in a collective the failed rank never joins).
+A rank that fails to allocate writes RUN_DIR/oom-rankN.json (rundir.OomReport) and exits
+EXIT_OOM; the job's spawner then stops the other ranks (they wait in a collective the failed
+rank never joins).
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
-from typing import Any
 
 from memtune.config import RunConfig
 from memtune.memory.counts import count_params
 from memtune.memory.estimate import plan
 from memtune.memory.fit import Fitted, format_suggestions, out_of_memory_variant
+from memtune.rundir import OomReport, OomRestart, RunDir
 
-RESTART_RECORD = "oom_restart.json"
 
-
-def reports(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(run_dir.glob("oom-rank*.json"))]
+def reports(run_dir: Path) -> list[OomReport]:
+    return RunDir(run_dir).oom_reports()
 
 
 def explain(cfg: RunConfig, run_dir: Path) -> str:
     """Which ranks, at which step, planned vs measured, and the changes that save memory."""
     lines = []
     for r in reports(run_dir):
-        measured = r["measured"].get(r["measure"], 0.0)
-        planned = r["planned_gib"]
+        measured = r.measured.get(r.measure, 0.0)
         lines.append(
-            f"rank {r['rank']} ran out of memory at step {r['step']}: planned "
-            + (f"{planned:.2f} GiB" if planned is not None else "(no plan)")
-            + f", {r['measure'].replace('_gib', '').replace('_', ' ')} {measured:.2f} GiB when "
-            f"it failed ({r['error']})"
+            f"rank {r.rank} ran out of memory at step {r.step}: planned "
+            + (f"{r.planned_gib:.2f} GiB" if r.planned_gib is not None else "(no plan)")
+            + f", {r.measure.replace('_gib', '').replace('_', ' ')} {measured:.2f} GiB when "
+            f"it failed ({r.error})"
         )
     if not lines:
         lines.append("a rank ran out of memory (it left no report)")
@@ -53,18 +50,16 @@ def explain(cfg: RunConfig, run_dir: Path) -> str:
 
 def restart_plan(cfg: RunConfig, run_dir: Path) -> tuple[RunConfig, list[str]] | None:
     """With plan.auto_fit, once per run dir: the config to restart with and its changes."""
-    if not cfg.plan.auto_fit or (run_dir / RESTART_RECORD).exists():
+    if not cfg.plan.auto_fit or RunDir(run_dir).oom_restart.exists():
         return None
     return out_of_memory_variant(cfg)
 
 
 def record_restart(run_dir: Path, changes: list[str], resumed: str | None) -> None:
-    (run_dir / RESTART_RECORD).write_text(
-        json.dumps(
-            {"after": reports(run_dir), "changes": changes, "resumed_from": resumed}, indent=2
-        )
-        + "\n"
-    )
+    """oom_restart.json, and the reports it answers renamed restarted-oom-rankN.json (the next
+    stop's reports are then the only oom-rankN.json)."""
+    rd = RunDir(run_dir)
+    rd.write_oom_restart(OomRestart(reports(run_dir), changes, resumed))
     for p in run_dir.glob("oom-rank*.json"):
         p.rename(p.with_name(f"restarted-{p.name}"))
 

@@ -30,7 +30,6 @@ from memtune.data.cache import (
 )
 from memtune.data.packing import StepShape, step_shape
 from memtune.machine import versions_line
-from memtune.memory.compare import plan_record
 from memtune.memory.estimate import format_plan
 from memtune.memory.fit import Fitted, fit_to_device, format_step_estimates
 from memtune.rundir import (
@@ -124,7 +123,7 @@ def prepare_run_dir(
         f"{format_plan(cfg, memory_plan)}\n{estimate + chr(10) if estimate else ''}"
         f"versions: {versions_line()}\n"
     )
-    rd.plan_json.write_text(json.dumps(plan_record(memory_plan), indent=2) + "\n")
+    rd.write_plan(memory_plan.record())
     device = f" of {memory_plan.device_gib:.2f}" if memory_plan.device_gib else ""
     print(
         f"memtune: memory plan {memory_plan.total_gib:.2f}{device} GiB per rank "

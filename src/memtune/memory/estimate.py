@@ -44,6 +44,7 @@ from memtune.config import (
 )
 from memtune.config.architecture import head_dim
 from memtune.memory.counts import ParamCounts, count_params
+from memtune.rundir import PlanRecord, PlanRow
 
 GIB = 1024**3
 
@@ -80,8 +81,28 @@ class Plan:
         device = self.device_gib is None or self.total_gib <= self.device_gib
         return device and (self.host_gib is None or self.host_total_gib <= self.host_gib)
 
-    def add(self, what: str, nbytes: float, how: str) -> None:
+    row_kinds: list[dict[str, bool]] = field(default_factory=list)
+    """Per row, what a measurement can see of it (rundir.PlanRow's allocated / live /
+    per_token), said where the row is added."""
+
+    def add(self, what: str, nbytes: float, how: str, **kind: bool) -> None:
         self.rows.append((what, nbytes / GIB, how))
+        self.row_kinds.append(kind)
+
+    def record(self) -> PlanRecord:
+        """``plan.json``: the rows as numbers, each with what it is, for the ranks to compare
+        their peaks with at the end."""
+        rows = [
+            PlanRow(what, gib, how, **kind)
+            for (what, gib, how), kind in zip(self.rows, self.row_kinds, strict=True)
+        ]
+        return PlanRecord(
+            rows=rows,
+            total_gib=self.total_gib,
+            device_gib=self.device_gib,
+            host_rows=[PlanRow(w, g, h) for w, g, h in self.host_rows],
+            host_gib=self.host_gib or 0.0,
+        )
 
 
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -351,14 +372,17 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
         "activations",
         peak.activations,
         f"{tokens:,} tokens per micro batch{share}, {', '.join(extras)}",
+        per_token=True,
     )
     if peak.loss:
-        out.add("loss", peak.loss, f"{t.loss} cross-entropy (the step's peak: in the loss)")
+        how = f"{t.loss} cross-entropy (the step's peak: in the loss)"
+        out.add("loss", peak.loss, how, per_token=True)
     else:
         out.add(
             "backward temporaries",
             peak.backward,
             f"MLP gradients + hidden gradient (the step's peak: {peak.where})",
+            per_token=True,
         )
     if sp > 1:
         out.add(
@@ -386,9 +410,16 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
             "(model.attn_implementation=auto needs none)",
         )
     live = sum(gib for _, gib, _ in out.rows) * GIB
-    out.add("allocator fragmentation", live * FRAGMENTATION, f"{FRAGMENTATION:.0%} of the above")
+    out.add(
+        "allocator fragmentation",
+        live * FRAGMENTATION,
+        f"{FRAGMENTATION:.0%} of the above",
+        live=False,  # only the allocator's reserved pool holds it
+    )
     if cfg.plan.device_gib is not None:
-        out.add("CUDA context + workspaces", CUDA_CONTEXT_GIB * GIB, "fixed allowance")
+        # outside the allocator: max_memory_allocated / reserved never see it
+        context = CUDA_CONTEXT_GIB * GIB
+        out.add("CUDA context + workspaces", context, "fixed allowance", allocated=False)
     return out
 
 

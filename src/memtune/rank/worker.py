@@ -41,7 +41,6 @@ from memtune.exit_codes import (
     EXIT_PEER_LOST,
     EXIT_REQUEUE,
 )
-from memtune.memory.compare import check, verdict
 from memtune.rank.build import build_rank
 from memtune.rank.checkpoint import (
     export_final,
@@ -59,6 +58,7 @@ from memtune.rank.loop import (
     gather_values,
     train,
 )
+from memtune.rank.memory_check import check, verdict
 from memtune.rank.model import method_label
 from memtune.rank.sequence_parallel import SequenceGroups, shard_batch
 from memtune.rank.telemetry import (
@@ -69,7 +69,7 @@ from memtune.rank.telemetry import (
     reset_window_peak,
     window_peak_gib,
 )
-from memtune.rundir import RunDir, Summary, TrainState
+from memtune.rundir import OomReport, RunDir, Summary, TrainState
 
 
 @dataclass
@@ -404,24 +404,16 @@ def report_out_of_memory(run_dir: Path, oom: RankOutOfMemory, device_type: str) 
     """Say which rank ran out at which step, against its plan, and leave RUN_DIR/oom-rankN.json
     for the job (which adds what to change, and with plan.auto_fit restarts)."""
     rd = RunDir(run_dir)
-    planned = None
-    if rd.plan_json.is_file():
-        planned = json.loads(rd.plan_json.read_text())["total_gib"]
+    plan = rd.read_plan()
+    planned = plan.total_gib if plan is not None else None
     key = peak_key(torch.device(device_type))
-    record = {
-        "rank": oom.rank,
-        "step": oom.step,
-        "planned_gib": planned,
-        "measured": oom.memory,
-        "measure": key,
-        "error": oom.error.splitlines()[0][:500] if oom.error else "",
-    }
-    (run_dir / f"oom-rank{oom.rank}.json").write_text(json.dumps(record, indent=2) + "\n")
+    error = oom.error.splitlines()[0][:500] if oom.error else ""
+    rd.write_oom_report(OomReport(oom.rank, oom.step, planned, oom.memory, key, error))
     plan_part = f"planned {planned:.2f} GiB" if planned is not None else "no plan.json"
     print(
         f"memtune: out of memory: rank {oom.rank} at step {oom.step} ({plan_part}, "
         f"{key.replace('_gib', '').replace('_', ' ')} {oom.memory.get(key, 0.0):.2f} GiB when "
-        f"it failed): {record['error']}",
+        f"it failed): {error}",
         file=sys.stderr,
         flush=True,
     )
@@ -444,11 +436,11 @@ class VsPlan:
 def memory_vs_plan(
     rd: RunDir, measured: list[dict[str, float]], device: torch.device, start_rss: list[float]
 ) -> VsPlan:
-    """Each rank's peak next to the plan it was admitted with (memory.compare); nothing when
-    the run dir has no plan.json (a run dir laid out by an older memtune)."""
-    if not rd.plan_json.is_file():
+    """Each rank's peak next to the plan it was admitted with (rank.memory_check); nothing
+    when the run dir has no plan.json (a run dir laid out by an older memtune)."""
+    record = rd.read_plan()
+    if record is None:
         return VsPlan([], [])
-    record = json.loads(rd.plan_json.read_text())
     checks = check(record, measured, device.type, start_rss)
     return VsPlan([c.as_dict() for c in checks], verdict(record, checks, device.type))
 

@@ -1,5 +1,6 @@
 """The plan next to what each rank measured: per-rank ratios, and what to suspect when a rank
-held more than it was planned to.
+held more than it was planned to. The rank's judgement, on the rank side: it reads the plan as
+the job wrote it (rundir.PlanRecord, each row saying what a measurement can see of it).
 
 The plan's total includes what a CUDA allocator's statistics never see (the CUDA context and
 library workspaces) and what only its reserved pool holds (fragmentation), so each measure is
@@ -11,30 +12,14 @@ to the run's peak, and it is reported but never judged (it says nothing about th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from memtune.memory.estimate import Plan
+from memtune.rundir import PlanRecord, PlanRow
 
 OVER = 0.05
 """A rank whose measured peak exceeds its plan by more than this says so at the end."""
-
-NOT_ALLOCATED = ("CUDA context + workspaces",)
-NOT_LIVE = ("allocator fragmentation",)
-
-STEP_ROWS = ("activations", "loss", "backward temporaries")
-"""The rows that grow with the tokens of a micro batch: the first suspects of a long batch."""
-
-
-def plan_record(result: Plan) -> dict[str, Any]:
-    """``plan.json``: the rows as numbers, for the ranks to compare with at the end."""
-    return {
-        "rows": [{"what": w, "gib": g, "how": h} for w, g, h in result.rows],
-        "total_gib": result.total_gib,
-        "device_gib": result.device_gib,
-        "host_rows": [{"what": w, "gib": g, "how": h} for w, g, h in result.host_rows],
-        "host_gib": result.host_gib,
-    }
 
 
 @dataclass
@@ -58,12 +43,12 @@ class RankCheck:
         }
 
 
-def _planned(record: dict[str, Any], leave_out: tuple[str, ...]) -> float:
-    return sum(r["gib"] for r in record["rows"] if r["what"] not in leave_out)
+def _planned(record: PlanRecord, seen: Callable[[PlanRow], bool]) -> float:
+    return sum(r.gib for r in record.rows if seen(r))
 
 
 def check(
-    record: dict[str, Any],
+    record: PlanRecord,
     measured: list[dict[str, float]],
     device_type: str,
     cpu_start_rss_gib: list[float] | None = None,
@@ -72,19 +57,19 @@ def check(
     out = []
     for rank, m in enumerate(measured):
         if device_type == "cuda":
-            allocated = _planned(record, NOT_ALLOCATED + NOT_LIVE)
-            reserved = _planned(record, NOT_ALLOCATED)
+            allocated = _planned(record, lambda r: r.allocated and r.live)
+            reserved = _planned(record, lambda r: r.allocated)
             out.append(RankCheck(rank, "peak allocated", allocated, m["peak_allocated_gib"]))
             if "peak_reserved_gib" in m:
                 out.append(RankCheck(rank, "peak reserved", reserved, m["peak_reserved_gib"]))
         else:
             start = (cpu_start_rss_gib or [0.0] * len(measured))[rank]
             growth = max(m["peak_rss_gib"] - start, 0.0)
-            out.append(RankCheck(rank, "RSS growth", _planned(record, NOT_LIVE), growth))
+            out.append(RankCheck(rank, "RSS growth", _planned(record, lambda r: r.live), growth))
     return out
 
 
-def verdict(record: dict[str, Any], checks: list[RankCheck], device_type: str) -> list[str]:
+def verdict(record: PlanRecord, checks: list[RankCheck], device_type: str) -> list[str]:
     """Lines for the closing summary: planned vs measured, and for a GPU rank more than 5%
     over its plan, the rows most likely responsible."""
     if device_type != "cuda":
@@ -109,10 +94,10 @@ def verdict(record: dict[str, Any], checks: list[RankCheck], device_type: str) -
     over = [c for c in checks if c.ratio > 1 + OVER]
     if over:
         rows = sorted(
-            (r for r in record["rows"] if r["what"] not in NOT_ALLOCATED + NOT_LIVE),
-            key=lambda r: (r["what"] not in STEP_ROWS, -r["gib"]),
+            (r for r in record.rows if r.allocated and r.live),
+            key=lambda r: (not r.per_token, -r.gib),  # what grows with the batch first
         )
-        suspects = ", ".join(f"{r['what']} {r['gib']:.2f} GiB ({r['how']})" for r in rows[:3])
+        suspects = ", ".join(f"{r.what} {r.gib:.2f} GiB ({r.how})" for r in rows[:3])
         worst = max(over, key=lambda c: c.ratio)
         lines.append(
             f"WARNING: rank{worst.rank}'s {worst.measure} is {worst.ratio - 1:.0%} over its plan "

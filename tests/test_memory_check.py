@@ -1,22 +1,24 @@
-"""memory.compare: what each GPU measure is compared with, and when a run says it was over."""
+"""rank.memory_check: what each GPU measure is compared with, and when a run says it was over.
+The plan record's rows say what they are (rundir.PlanRow); nothing is matched by row name."""
 
 from __future__ import annotations
 
 import pytest
 
-from memtune.memory.compare import check, verdict
+from memtune.rank.memory_check import check, verdict
+from memtune.rundir import PlanRecord, PlanRow
 
-RECORD = {
-    "rows": [
-        {"what": "base weights", "gib": 3.55, "how": "bf16"},
-        {"what": "activations", "gib": 14.94, "how": "4,096 tokens"},
-        {"what": "loss", "gib": 0.49, "how": "chunked"},
-        {"what": "allocator fragmentation", "gib": 1.0, "how": "5%"},
-        {"what": "CUDA context + workspaces", "gib": 0.8, "how": "fixed"},
+RECORD = PlanRecord(
+    rows=[
+        PlanRow("base weights", 3.55, "bf16"),
+        PlanRow("activations", 14.94, "4,096 tokens", per_token=True),
+        PlanRow("loss", 0.49, "chunked", per_token=True),
+        PlanRow("allocator fragmentation", 1.0, "5%", live=False),
+        PlanRow("CUDA context + workspaces", 0.8, "fixed", allocated=False),
     ],
-    "total_gib": 20.78,
-    "device_gib": 23.99,
-}
+    total_gib=20.78,
+    device_gib=23.99,
+)
 
 
 def test_cuda_measures_compare_with_the_rows_they_can_see() -> None:
@@ -52,3 +54,23 @@ def test_cpu_is_reported_not_judged() -> None:
     assert checks[0].measured_gib == pytest.approx(0.25)
     (line,) = verdict(RECORD, checks, "cpu")
     assert "not judged" in line and "WARNING" not in line
+
+
+def test_the_plan_record_says_what_each_row_is(tmp_path) -> None:
+    """Written by the job from the planner's rows, read back typed by the ranks."""
+    from memtune.config import to_run_config
+    from memtune.memory.estimate import plan
+    from memtune.rundir import RunDir
+    from tests.conftest import compose_cfg
+
+    cfg = to_run_config(compose_cfg(["experiment=qwen2.5-7b-4x4090-lora"]))
+    rd = RunDir(tmp_path)
+    rd.write_plan(plan(cfg).record())
+    record = rd.read_plan()
+    assert record is not None and all(isinstance(r, PlanRow) for r in record.rows)
+    kinds = {r.what: (r.allocated, r.live, r.per_token) for r in record.rows}
+    assert kinds["activations"] == (True, True, True)
+    assert kinds["allocator fragmentation"] == (True, False, False)
+    assert kinds["CUDA context + workspaces"] == (False, True, False)
+    assert kinds["base weights"] == (True, True, False)
+    assert record.total_gib == sum(r.gib for r in record.rows)
