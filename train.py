@@ -17,6 +17,7 @@ import hydra
 from omegaconf import DictConfig
 
 from memtune.config import register_configs
+from memtune.config.schema import unknown_override
 from memtune.exit_codes import EXIT_CONFIG
 from memtune.launcher.job import FAILED_POINTS, missing_slurm, run_job
 
@@ -29,7 +30,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    if problem := missing_slurm(sys.argv[1:]):
+    if problem := unknown_override(sys.argv[1:]) or missing_slurm(sys.argv[1:]):
         print(f"memtune: config error: {problem}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
     main()

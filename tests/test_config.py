@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from hydra.errors import ConfigCompositionException
-from omegaconf.errors import ConfigKeyError, ValidationError
+from omegaconf.errors import ValidationError
 
 from memtune.config import ConfigError, grad_accumulation_steps, to_run_config, validate
 from tests.conftest import ROOT, compose_cfg
@@ -59,13 +59,21 @@ def test_command_line_wins_over_experiment() -> None:
 
 
 @pytest.mark.parametrize(
-    ("override", "field"),
-    [("model.not_a_field=1", "not_a_field"), ("trainer.lrr=0.1", "lrr")],
+    ("override", "said"),
+    [
+        ("model.not_a_field=1", "model.not_a_field is not a memtune setting"),
+        ("trainer.lrr=0.1", "trainer.lrr is not a memtune setting: did you mean trainer.lr or"),
+        ("trainer.max_step=2", "did you mean trainer.max_steps or"),
+    ],
 )
-def test_unknown_key_fails_at_compose(override: str, field: str) -> None:
-    with pytest.raises((ConfigCompositionException, ConfigKeyError)) as err:
+def test_unknown_key_fails_at_compose_with_the_settings_it_may_mean(
+    override: str, said: str
+) -> None:
+    """Before Hydra, whose own refusal advises appending the key (+key=...), which memtune
+    then refuses too."""
+    with pytest.raises(ConfigError) as err:
         compose_cfg([override])
-    assert field in str(err.value) + str(err.value.__cause__)
+    assert said in str(err.value) and "+" not in str(err.value)
 
 
 def test_wrong_type_fails_at_compose() -> None:

@@ -53,7 +53,9 @@ def test_dataset_smaller_than_one_global_batch_is_refused(tmp_path: Path) -> Non
     line = refused(proc, run_dir)
     assert "trainer.global_batch_size=16 takes 16 rows per step" in line
     assert "3 samples, packed into 1 row(s) of ≤ 128 tokens" in line
-    assert "lower trainer.global_batch_size to at most 1" in line
+    # One micro step over the 2 demo ranks already takes 4 × 2 rows.
+    assert "one micro step over the ranks already takes 8 rows" in line
+    assert "trainer.global_batch_size to at most 1" in line
     assert "inf epochs" not in proc.stdout
     assert not (run_dir / "config.yaml").exists()  # the run dir holds no run
 

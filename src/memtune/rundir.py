@@ -74,6 +74,35 @@ def _write(record: Any, path: Path) -> None:
     write_atomic(path, json.dumps(asdict(record), indent=2) + "\n")
 
 
+def umask() -> int:
+    """The process's umask, read without changing it (/proc/self/status, Linux ≥ 4.7); else by
+    setting and restoring it (a moment in which another thread's new file would get 0)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: Path) -> None:
+    """Give ``path``, and for a directory everything under it, the mode a plain create gives
+    under the umask (dirs 0o777, files 0o666, less the umask). Two writers memtune uses are
+    private by design, not by the user's choice: ``tempfile.mkdtemp`` makes 0700 dirs, and
+    safetensors' ``save_file`` writes a 0600 temporary file and renames it into place (every
+    ``.safetensors``: the data cache, an adapter, a model). A group sharing a cache or a run
+    dir could then not read them. Only for what the caller has just written."""
+    mask = umask()
+    root = Path(path)
+    for item in [root, *root.rglob("*")] if root.is_dir() else [root]:
+        if item.is_symlink():
+            continue
+        item.chmod((0o777 if item.is_dir() else 0o666) & ~mask)
+
+
 class RunDirBusy(RuntimeError):
     """Another job holds the run dir (:func:`hold`)."""
 

@@ -82,9 +82,10 @@ def _planned_values(arch: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def checkpoint_config_file(name_or_path: str) -> Path | None:
+def checkpoint_config_file(name_or_path: str, revision: str | None = None) -> Path | None:
     """The checkpoint's config.json if it can be read without a download: ``name_or_path`` is
-    a local directory, or a hub name already in the local Hugging Face cache."""
+    a local directory, or a hub name already in the local Hugging Face cache (at
+    ``revision``: model.revision, None for main)."""
     path = Path(name_or_path).expanduser()
     if (path / "config.json").is_file():
         return path / "config.json"
@@ -93,7 +94,7 @@ def checkpoint_config_file(name_or_path: str) -> Path | None:
     try:
         from huggingface_hub import try_to_load_from_cache
 
-        cached = try_to_load_from_cache(name_or_path, "config.json")
+        cached = try_to_load_from_cache(name_or_path, "config.json", revision=revision)
     except Exception:  # an invalid repo id: not in any cache
         return None
     return Path(cached) if isinstance(cached, str) else None
@@ -104,13 +105,13 @@ FINGERPRINT_BLOCK = 64 << 10
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
-def base_fingerprint(name_or_path: str) -> str | None:
+def base_fingerprint(name_or_path: str, revision: str | None = None) -> str | None:
     """The base checkpoint's identity by content, in well under a second on a 15 GB model:
     its config.json, and of every weight file the name, the size, the first 1 MiB (a
     safetensors header: every tensor's name, dtype, shape and offset) and 16 blocks of 64 KiB
     spread over the file — a fine-tune rewrites every tensor, so it changes the sampled bytes.
     None when the checkpoint is not on disk (a hub name not downloaded)."""
-    config = checkpoint_config_file(name_or_path)
+    config = checkpoint_config_file(name_or_path, revision)
     if config is None:
         return None
     h = hashlib.sha256(config.read_bytes())
@@ -152,7 +153,7 @@ def resolve_architecture(cfg: RunConfig) -> tuple[RunConfig, list[str]]:
     source = m.architecture_source
     if m.synthesize:
         return cfg, []  # built from model.architecture by memtune itself (tools.tiny)
-    found = checkpoint_config_file(m.name_or_path)
+    found = checkpoint_config_file(m.name_or_path, m.revision)
     if found is None:
         if source == "checkpoint":
             raise ConfigError(

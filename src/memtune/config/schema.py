@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -318,6 +319,9 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     from hydra import initialize_config_dir
 
     register_configs()
+    problem = unknown_override(overrides)
+    if problem:
+        raise ConfigError(problem)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose(config_name="config", overrides=list(overrides))
 
@@ -400,6 +404,44 @@ def schema_keys(schema: type | None = None, prefix: str = "") -> list[str]:
         else:
             out.append(f"{prefix}{name}")
     return out
+
+
+def unknown_override(overrides: list[str] | tuple[str, ...]) -> str | None:
+    """The first command-line override whose key is not a setting, said as a config error
+    with the settings it may have meant. Hydra refuses such a key itself, but its advice is
+    to append it (``+key=...``), which memtune then refuses: this answers first."""
+    leaves = set(schema_keys())
+    groups = {p for k in leaves for p in _prefixes(k)}  # model=local selects a group
+    free = {k for k in leaves if _is_mapping(k)}  # model.architecture.*: any key
+    for arg in overrides:
+        key, eq, _ = arg.partition("=")
+        if not eq or key[:1] in "+~" or "/" in key or key.startswith("hydra."):
+            continue  # an option, an append / delete (checked after composing), Hydra's own
+        key = key.split("@", 1)[0]
+        if key in leaves or key in groups or any(key.startswith(f + ".") for f in free):
+            continue
+        return _unknown_key_message(key, appended=False)
+    return None
+
+
+def _prefixes(key: str) -> list[str]:
+    parts = key.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _is_mapping(key: str) -> bool:
+    """Whether the setting ``key`` is a free-form mapping (dict[str, Any])."""
+    schema: Any = RunConfig
+    *path, last = key.split(".")
+    for name in path:
+        kind = _field_types(schema)[name]
+        if typing.get_origin(kind) is list:
+            kind = typing.get_args(kind)[0]
+        schema = kind
+    kind = _field_types(schema)[last]
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):  # dict[...] | None
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    return typing.get_origin(kind) is dict or kind is dict
 
 
 def _unknown_key_message(key: str, appended: bool = True) -> str:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from memtune.config import ConfigError, DataConfig, DataSource, cache_dir
 from memtune.data.encode import DataStats, Sample, apply_length_policy, encode_records
 from memtune.data.readers import Record, RecordError, is_local_source, read_source
+from memtune.rundir import follow_umask
 
 CACHE_VERSION = 1
 MAX_BAD_EXAMPLES = 5
@@ -80,9 +81,7 @@ def tokenizer_files_digest(name_or_path: str, revision: str | None = None) -> st
 
     from memtune.config.architecture import checkpoint_config_file
 
-    config = checkpoint_config_file(name_or_path)
-    if revision and not Path(name_or_path).expanduser().is_dir():
-        config = _cached_config(name_or_path, revision)  # that snapshot's, not main's
+    config = checkpoint_config_file(name_or_path, revision)  # that snapshot's, not main's
     if config is None:
         return None
     h = hashlib.sha256(f"transformers {version('transformers')}".encode())
@@ -95,16 +94,6 @@ def tokenizer_files_digest(name_or_path: str, revision: str | None = None) -> st
             h.update(f.name.encode())
             h.update(f.read_bytes())
     return "files:" + h.hexdigest()
-
-
-def _cached_config(name: str, revision: str) -> Path | None:
-    from huggingface_hub import try_to_load_from_cache
-
-    try:
-        cached = try_to_load_from_cache(name, "config.json", revision=revision)
-    except Exception:  # not a valid repo id: in no cache
-        return None
-    return Path(cached) if isinstance(cached, str) else None
 
 
 def _tokenizer_digest(tokenizer: Any) -> str:
@@ -261,35 +250,6 @@ def preprocess(cfg: DataConfig, tokenizer: Any, seed: int) -> Prepared:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # ours: a build cut short leaves nothing
     return Prepared(out, stats, val_stats, reused=False)
-
-
-def umask() -> int:
-    """The process's umask, read without changing it (/proc/self/status, Linux ≥ 4.7); else by
-    setting and restoring it (a moment in which another thread's new file would get 0)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def follow_umask(path: Path) -> None:
-    """Give ``path``, and for a directory everything under it, the mode a plain create gives
-    under the umask (dirs 0o777, files 0o666, less the umask). Two writers memtune uses are
-    private by design, not by the user's choice: ``tempfile.mkdtemp`` makes 0700 dirs, and
-    safetensors' ``save_file`` writes a 0600 temporary file and renames it into place (every
-    ``.safetensors``: the data cache, an adapter, a model). A group sharing a cache or a run
-    dir could then not read them. Only for what the caller has just written."""
-    mask = umask()
-    root = Path(path)
-    for item in [root, *root.rglob("*")] if root.is_dir() else [root]:
-        if item.is_symlink():
-            continue
-        item.chmod((0o777 if item.is_dir() else 0o666) & ~mask)
 
 
 NO_SPACE = {

@@ -65,7 +65,8 @@ def make_loader(
     if len(sampler) < micro:
         raise RuntimeError(
             f"rank {rank} gets {len(sampler)} items per epoch, fewer than one micro batch "
-            f"({micro}); use more data or a smaller trainer.micro_batch_size"
+            f"({micro}); use more data or a smaller trainer.global_batch_size (the job checks "
+            "this before launch: data.packing.check_one_step)"
         )
     loader = DataLoader(
         dataset,

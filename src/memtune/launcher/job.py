@@ -6,6 +6,7 @@ run that cannot fit, or a machine that cannot run it, stop before anything is to
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -175,10 +176,19 @@ def _record_composition(cfg: DictConfig, run_dir: Path) -> None:
     if hydra_cfg.hydra.output_subdir is not None:
         return  # set on the command line: Hydra wrote it
     record = run_dir / ".hydra"
-    record.mkdir(parents=True, exist_ok=True)
-    write_atomic(record / "config.yaml", OmegaConf.to_yaml(cfg))
-    write_atomic(record / "hydra.yaml", OmegaConf.to_yaml(hydra_cfg))
-    write_atomic(record / "overrides.yaml", OmegaConf.to_yaml(hydra_cfg.hydra.overrides.task))
+    with contextlib.suppress(OSError):  # a full disk is said by the step that needs the space
+        record.mkdir(parents=True, exist_ok=True)
+        write_atomic(record / "config.yaml", OmegaConf.to_yaml(cfg))
+        write_atomic(record / "hydra.yaml", OmegaConf.to_yaml(hydra_cfg))
+        overrides = hydra_cfg.hydra.overrides.task
+        write_atomic(record / "overrides.yaml", OmegaConf.to_yaml(overrides))
+
+
+def _record_exit(run_dir: Path, code: int, error: str) -> None:
+    """exit.json for a job that stopped before launch; when even that cannot be written (the
+    disk that stopped it is full), the one line already said is the report."""
+    with contextlib.suppress(OSError):
+        RunDir(run_dir).write_exit(code, error)
 
 
 def _failed(run_dir: Path, code: int, sweeping: bool) -> None:
@@ -199,7 +209,7 @@ def _run(cfg: DictConfig, run_dir: Path, sweeping: bool) -> None:
         sized = size_from_allocation(cfg.launcher, list(hydra_cfg.overrides.task))
     except ConfigError as err:
         print(f"memtune: config error: {err}", file=sys.stderr)
-        RunDir(run_dir).write_exit(EXIT_CONFIG, f"config error: {err}")
+        _record_exit(run_dir, EXIT_CONFIG, f"config error: {err}")
         _failed(run_dir, EXIT_CONFIG, sweeping)
         return
     if sized:
@@ -253,7 +263,7 @@ def _run(cfg: DictConfig, run_dir: Path, sweeping: bool) -> None:
             )
             announce_ready(run_dir, spec, error=why)
         # The run dir Hydra made says why it holds no run.
-        RunDir(run_dir).write_exit(EXIT_CONFIG, f"{kind}: {err}")
+        _record_exit(run_dir, EXIT_CONFIG, f"{kind}: {err}")
         _failed(run_dir, EXIT_CONFIG, sweeping)
         return
     if run_cfg.preprocess_only:

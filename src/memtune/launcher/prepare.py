@@ -12,6 +12,8 @@ from omegaconf import DictConfig, OmegaConf
 from memtune.config import (
     ConfigError,
     RunConfig,
+    cache_dir,
+    data_parallel_ranks,
     get_field,
     grad_accumulation_steps,
     load_run_config,
@@ -21,15 +23,18 @@ from memtune.config import (
 )
 from memtune.config.architecture import base_fingerprint, resolve_architecture
 from memtune.config.deepspeed import build_ds_config
+from memtune.config.validate import config_warnings
 from memtune.data.cache import (
     Prepared,
     TokenizerFiles,
     load_lengths,
+    no_space_is_an_error,
     preprocess,
     tokenizer_files_digest,
 )
 from memtune.data.packing import StepShape, step_shape
 from memtune.machine import versions_line
+from memtune.memory.counts import check_run_dir_room
 from memtune.memory.estimate import format_plan
 from memtune.memory.fit import Fitted, fit_to_device, format_step_estimates
 from memtune.rundir import (
@@ -54,6 +59,8 @@ def given_config(cfg_node: DictConfig, inputs: bool = True) -> RunConfig:
     for note in notes:
         print(f"memtune: {note}", flush=True)
     validate(cfg, inputs=inputs)
+    for warning in config_warnings(cfg):
+        print(f"memtune: warning: {warning}", flush=True)
     return cfg
 
 
@@ -101,23 +108,44 @@ def prepare_run_dir(
         assert cfg_node is not None, "prepare_run_dir needs a config or a decision"
         fitted = decide(given_config(cfg_node))
     cfg, memory_plan = fitted.cfg, fitted.plan
+    assert memory_plan.counts is not None
     cfg.run_dir = str(run_dir)
     ds_config = build_ds_config(cfg)
+    check_run_dir_room(cfg, memory_plan.counts, run_dir)
     if cfg.model.synthesize:
-        from memtune.tools.tiny import synthesize
+        from memtune.tools.tiny import synthesize  # imports torch: only for the demo model
 
-        synthesize(cfg.model.name_or_path, cfg.model.architecture)
+        with no_space_is_an_error(cache_dir(), "MEMTUNE_CACHE_DIR"):
+            synthesize(cfg.model.name_or_path, cfg.model.architecture)
     prepared = prepare_data(cfg)
     shape = train_step_shape(cfg, prepared)
     print(f"memtune: {shape.line()}", flush=True)
-    base = BaseRecord(cfg.model.name_or_path, base_fingerprint(cfg.model.name_or_path))
+    name, revision = cfg.model.name_or_path, cfg.model.revision
+    base = BaseRecord(name, base_fingerprint(name, revision))
     resume = resolve_resume(cfg, run_dir, prepared.dir, base)
+    with no_space_is_an_error(run_dir, "run_dir"):
+        _write_run_dir(cfg, run_dir, fitted, ds_config, prepared, shape, base, resume)
+    return cfg
+
+
+def _write_run_dir(
+    cfg: RunConfig,
+    run_dir: Path,
+    fitted: Fitted,
+    ds_config: dict[str, Any],
+    prepared: Prepared,
+    shape: StepShape,
+    base: BaseRecord,
+    resume: Path | None,
+) -> None:
+    """The job's half of the run dir: what the ranks read."""
+    memory_plan = fitted.plan
+    assert memory_plan.counts is not None
     rd = RunDir(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     rd.write_base(base)
     rd.config.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     rd.ds_config.write_text(json.dumps(ds_config, indent=2) + "\n")
-    assert memory_plan.counts is not None
     estimate = format_step_estimates(cfg, memory_plan.counts)
     rd.plan.write_text(
         f"{format_plan(cfg, memory_plan)}\n{estimate + chr(10) if estimate else ''}"
@@ -140,14 +168,13 @@ def prepare_run_dir(
         )
     )
     rd.write_resume(resume, resume_changes(cfg, resume))
-    return cfg
 
 
 def prepare_data(cfg: RunConfig) -> Prepared:
     """Tokenize into the cache (or find it there) and say what was kept, cut and dropped."""
     from memtune.data.encode import load_tokenizer
 
-    digest = tokenizer_files_digest(cfg.model.name_or_path)
+    digest = tokenizer_files_digest(cfg.model.name_or_path, cfg.model.revision)
     tokenizer = (
         TokenizerFiles(digest, lambda: load_tokenizer(cfg)) if digest else load_tokenizer(cfg)
     )
@@ -165,8 +192,14 @@ def prepare_data(cfg: RunConfig) -> Prepared:
 def train_step_shape(cfg: RunConfig, prepared: Prepared) -> StepShape:
     t = cfg.trainer
     lengths = load_lengths(prepared.dir, "train")
+    micro_step = t.micro_batch_size * data_parallel_ranks(cfg)
     return step_shape(
-        lengths, cfg.data.packing, cfg.data.max_seq_len, t.global_batch_size, t.max_steps
+        lengths,
+        cfg.data.packing,
+        cfg.data.max_seq_len,
+        t.global_batch_size,
+        t.max_steps,
+        micro_step,
     )
 
 
@@ -193,6 +226,7 @@ QLORA_MUST_MATCH = {
 base (compared only when the checkpoint's run is QLoRA)."""
 BASE_BY_NAME = {
     "model.name_or_path": "the base model",
+    "model.revision": "the base model's revision",
     "model.architecture": "the base model's architecture",
 }
 """Compared when the base cannot be identified by content (a checkpoint written before

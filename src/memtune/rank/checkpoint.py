@@ -15,6 +15,7 @@ from memtune.rundir import (
     GATHERED_META,
     RunDir,
     TrainState,
+    follow_umask,
     is_complete,
     list_files,
     step_dir_name,
@@ -79,6 +80,7 @@ def export_final(
     if not is_writer:
         return n_tensors, {}
     tokenizer.save_pretrained(str(tmp))
+    follow_umask(tmp)  # safetensors writes 0600: the user's umask decides, as for any file
     files = {f"{final.name}/{name}": v for name, v in list_files(tmp).items()}
     aside = run_dir / f".old-{final.name}"
     if final.exists():
@@ -162,6 +164,7 @@ def save_checkpoint(engine: Any, run_dir: Path, state: TrainState, keep_last: in
         if rd.base.is_file():
             shutil.copy(rd.base, tmp / rd.base.name)
         state.write(tmp)
+        follow_umask(tmp)
         write_manifest(tmp)  # every file fsynced, then listed with its size and hash
         write_atomic(tmp / COMPLETE, json.dumps({"step": state.step}) + "\n")
         # The same step saved again (a resumed run's last step): the old one moves aside

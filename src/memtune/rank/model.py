@@ -74,6 +74,8 @@ def load_base_model(
         extra["quantization_config"] = quant
     if cfg.model.rope_scaling:
         extra["rope_scaling"] = dict(cfg.model.rope_scaling)
+    if cfg.model.revision:
+        extra["revision"] = cfg.model.revision
     if device_index is not None and cfg.zero.stage != 3:
         # Straight onto the rank's GPU: a replicated bf16 base would otherwise sit in host
         # memory once per rank (4 × 15 GB for Qwen2.5-7B) before DeepSpeed moves it.

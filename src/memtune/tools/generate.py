@@ -39,7 +39,9 @@ def load(run_dir: Path, model_dir: Path | None = None) -> tuple[Any, Any]:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     else:
         cfg = load_run_config(RunDir(run_dir).config)
-        base = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path)
+        base = AutoModelForCausalLM.from_pretrained(
+            cfg.model.name_or_path, revision=cfg.model.revision
+        )
         model = PeftModel.from_pretrained(base, str(adapter))
         tokenizer = AutoTokenizer.from_pretrained(adapter)
     return model.eval(), tokenizer

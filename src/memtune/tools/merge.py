@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 from memtune.config import ConfigError, RunConfig, load_run_config
+from memtune.rundir import follow_umask
 
 # torch's names: torch is imported by merge() only, so a refused merge answers at once.
 DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
@@ -81,9 +82,7 @@ def merge(
         raise ConfigError(f"{out_dir.parent}: cannot write there ({err})") from None
     try:
         _merge_into(staging, adapter_dir, base, dtype, into)
-        umask = os.umask(0)
-        os.umask(umask)
-        staging.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; OUT gets a plain dir's mode
+        follow_umask(staging)  # mkdtemp's 0700 dir, safetensors' 0600 files: the user's modes
         try:
             # Onto an absent or empty OUT only: one filled in the meantime is not replaced.
             staging.rename(out_dir)

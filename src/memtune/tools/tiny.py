@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from memtune.config import ASSETS_DIR
+from memtune.rundir import follow_umask
 
 # Qwen2.5-Instruct's specials: pad is <|endoftext|>, an assistant turn ends with <|im_end|>.
 PAD_TOKEN = "<|endoftext|>"
@@ -197,6 +198,7 @@ def _build(
             model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / _MARKER).write_text(json.dumps({"fingerprint": fingerprint, "seed": seed}))
+        follow_umask(tmp)  # mkdtemp's 0700, safetensors' 0600: a shared cache needs the umask's
         if path.exists():  # an older build of ours (synthesize checked the marker): set aside
             os.replace(path, old)
         os.replace(tmp, path)
