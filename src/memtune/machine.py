@@ -19,7 +19,7 @@ import os
 import platform
 from pathlib import Path
 
-from memtune.config import SOURCE_ROOT
+from memtune.paths import SOURCE_ROOT
 
 # The libraries whose versions decide memtune's numbers (losses, memory, speed).
 TRACKED = (

@@ -19,15 +19,12 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets"
+from memtune.paths import ASSETS_DIR, CONF_DIR, SOURCE_ROOT  # noqa: F401  (config's names too)
 
-
-SOURCE_ROOT = Path(__file__).resolve().parents[3]
-"""The checkout memtune runs from (``pip install -e .``): ``conf/``, ``ds_configs/`` and
-``constraints.txt`` are found there, the bundled data in the package (ASSETS_DIR)."""
-
-
-CONF_DIR = SOURCE_ROOT / "conf"
+FORMATS = ("alpaca", "messages", "text")
+"""data.format: what a record looks like (data.readers reads each)."""
+TEMPLATES = ("chatml", "plain", "qwen3")
+"""data.template: how a conversation becomes text (data.templates renders each)."""
 
 
 class ConfigError(ValueError):

@@ -9,9 +9,16 @@ import re
 from pathlib import Path
 from typing import Any
 
-from memtune.config.schema import ConfigError, DataConfig, ModelConfig, RunConfig, cache_dir
-from memtune.data.readers import FORMATS, is_local_source
-from memtune.data.templates import TEMPLATES
+from memtune.config.schema import (
+    FORMATS,
+    TEMPLATES,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    RunConfig,
+    cache_dir,
+)
+from memtune.paths import is_local_source
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
     "zero.stage": (2, 3),

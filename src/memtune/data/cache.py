@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from memtune.config import ConfigError, DataConfig, DataSource, cache_dir
 from memtune.data.encode import DataStats, Sample, apply_length_policy, encode_records
-from memtune.data.readers import Record, RecordError, is_local_source, read_source
+from memtune.data.readers import Record, RecordError, read_source
+from memtune.paths import is_local_source
 from memtune.rundir import follow_umask
 
 CACHE_VERSION = 1

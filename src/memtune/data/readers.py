@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FORMATS = ("alpaca", "messages", "text")
+from memtune.paths import is_local_source
+
 ROLE_ALIASES = {
     "system": "system",
     "user": "user",
@@ -46,10 +47,6 @@ class Record:
     messages: list[dict[str, str]] | None = None
     """system?, then alternating user / assistant turns, ending with an assistant turn."""
     text: str | None = None
-
-
-def is_local_source(path: str) -> bool:
-    return path.startswith(("/", ".", "~")) or Path(path).expanduser().exists()
 
 
 def iter_raw(path: str) -> Iterator[tuple[str, Any]]:

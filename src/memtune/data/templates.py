@@ -38,7 +38,6 @@ tokenizer's eos in the plain template. A model never trained on that marker neve
 
 from __future__ import annotations
 
-TEMPLATES = ("chatml", "plain", "qwen3")
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 THINK, END_THINK = "<think>", "</think>"
 

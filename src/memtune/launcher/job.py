@@ -10,6 +10,7 @@ import contextlib
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from memtune.launcher.prepare import (
 )
 from memtune.launcher.spawn import launch
 from memtune.launcher.topology import (
+    NodeSpec,
     announce_ready,
     announce_stopped,
     check_sweep_point_nodes,
@@ -199,7 +201,18 @@ def _failed(run_dir: Path, code: int, sweeping: bool) -> None:
     FAILED_POINTS.append(str(run_dir))
 
 
+@dataclass
+class Job:
+    """What this node launches: the run's resolved config, its place in the job, and the
+    environment the GPU preflight decided for the ranks."""
+
+    cfg: RunConfig
+    spec: NodeSpec
+    env: dict[str, str]
+
+
 def _run(cfg: DictConfig, run_dir: Path, sweeping: bool) -> None:
+    """prepare → launch → report; a failure before launch ends in _stopped_before_launch."""
     hydra_cfg = HydraConfig.get()
     if sweeping and cfg.logger.group is None:
         cfg.logger.group = Path(hydra_cfg.sweep.dir).name  # one wandb group per sweep
@@ -208,9 +221,7 @@ def _run(cfg: DictConfig, run_dir: Path, sweeping: bool) -> None:
             check_sweep_point_nodes()
         sized = size_from_allocation(cfg.launcher, list(hydra_cfg.overrides.task))
     except ConfigError as err:
-        print(f"memtune: config error: {err}", file=sys.stderr)
-        _record_exit(run_dir, EXIT_CONFIG, f"config error: {err}")
-        _failed(run_dir, EXIT_CONFIG, sweeping)
+        _stopped_before_launch(run_dir, "config error", str(err), sweeping)
         return
     if sized:
         print(
@@ -220,69 +231,94 @@ def _run(cfg: DictConfig, run_dir: Path, sweeping: bool) -> None:
         )
     if cfg.plan_only:
         sys.exit(print_plan(cfg))
+    job = _prepare(cfg, run_dir, sweeping)
+    if job is not None:
+        _report(_launch(job, run_dir), job.spec, run_dir, sweeping)
+
+
+def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | None:
+    """Validate, decide, check the GPUs, lay out the run dir; None when there is nothing to
+    launch (stopped before launch, preprocess_only, a finished run)."""
     spec = None
     try:
         given = given_config(cfg)
         spec = resolve(given)
-        # Config and memory first, then the GPUs, then the data: a run that cannot fit, or a
-        # machine that cannot run it, stops before anything is tokenized.
-        fitted = decide(given, say=False) if spec.node_rank == 0 else None
-        if fitted is not None and given.resume == "never":
-            _start_over(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        nccl_env, measured = for_launch(
-            given.launcher,
-            spec.ranks_per_node,
-            spec.nnodes,
-            RunDir(run_dir).preflight(spec.node_rank),
-        )
-        if fitted is not None and measured is not None:
-            print(
-                f"memtune: preflight: {measured:g} GB/s all-reduce bus bandwidth between the "
-                f"GPUs (plan.link_gb_s was {given.plan.link_gb_s}); the run's choices and "
-                "step-time estimate use it",
-                flush=True,
-            )
-            # Decided again: auto_fit and the long-context choice order variants by step time.
-            fitted = decide(given, link_gb_s=measured, say=False)
-        if fitted is not None:
-            announce(fitted)
-            run_cfg = prepare_run_dir(cfg, run_dir, fitted)
-        else:
-            print(f"memtune: node {spec.node_rank}: waiting for node 0 to prepare {run_dir}")
-            wait_ready(run_dir, spec, timeout_s=WAIT_FOR_NODE0_S)
-            run_cfg = load_run_config(RunDir(run_dir).config)
+        run_cfg, env = _decide_and_lay_out(cfg, given, spec, run_dir)
     except (ConfigError, PreflightError) as err:
-        # The one place that decides what a failure before launch ends: this job, or in a
-        # sweep this point only (the other points still run).
         kind = "config error" if isinstance(err, ConfigError) else "preflight"
-        print(f"memtune: {kind}: {err}", file=sys.stderr)
         if spec is not None and spec.form == "per-node" and spec.node_rank == 0:
             why = (
                 str(err) if kind == "config error" else f"the GPU preflight failed on node 0: {err}"
             )
             announce_ready(run_dir, spec, error=why)
-        # The run dir Hydra made says why it holds no run.
-        _record_exit(run_dir, EXIT_CONFIG, f"{kind}: {err}")
-        _failed(run_dir, EXIT_CONFIG, sweeping)
-        return
+        _stopped_before_launch(run_dir, kind, str(err), sweeping)
+        return None
     if run_cfg.preprocess_only:
         print(f"memtune: preprocess_only: run dir {run_dir} laid out, no ranks started", flush=True)
-        return
+        return None
     finished = already_finished(run_cfg, run_dir)
     if finished and spec.form != "per-node":
         # Nothing to train: say so instead of starting the ranks to repeat the old summary.
         print(f"memtune: {finished}; run dir {run_dir}", flush=True)
-        return
+        return None
     if spec.form == "per-node" and spec.node_rank == 0:
         write_nodes_hostfile(run_dir, spec)
         announce_ready(run_dir, spec)
+    return Job(run_cfg, spec, env)
+
+
+def _decide_and_lay_out(
+    cfg: DictConfig, given: RunConfig, spec: NodeSpec, run_dir: Path
+) -> tuple[RunConfig, dict[str, str]]:
+    """Config and memory first, then the GPUs, then the data: a run that cannot fit, or a
+    machine that cannot run it, stops before anything is tokenized. Node 0 decides and writes
+    the run dir; the other nodes of a per-node job wait for it and read it."""
+    fitted = decide(given, say=False) if spec.node_rank == 0 else None
+    if fitted is not None and given.resume == "never":
+        _start_over(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    preflight = RunDir(run_dir).preflight(spec.node_rank)
+    env, measured = for_launch(given.launcher, spec.ranks_per_node, spec.nnodes, preflight)
+    if fitted is None:
+        print(f"memtune: node {spec.node_rank}: waiting for node 0 to prepare {run_dir}")
+        wait_ready(run_dir, spec, timeout_s=WAIT_FOR_NODE0_S)
+        return load_run_config(RunDir(run_dir).config), env
+    if measured is not None:
+        print(
+            f"memtune: preflight: {measured:g} GB/s all-reduce bus bandwidth between the "
+            f"GPUs (plan.link_gb_s was {given.plan.link_gb_s}); the run's choices and "
+            "step-time estimate use it",
+            flush=True,
+        )
+        # Decided again: auto_fit and the long-context choice order variants by step time.
+        fitted = decide(given, link_gb_s=measured, say=False)
+    announce(fitted)
+    return prepare_run_dir(cfg, run_dir, fitted), env
+
+
+def _stopped_before_launch(run_dir: Path, kind: str, error: str, sweeping: bool) -> None:
+    """The one place that decides what a failure before launch ends: this job, or in a sweep
+    this point only (the other points still run). The run dir Hydra made says why it holds no
+    run."""
+    print(f"memtune: {kind}: {error}", file=sys.stderr)
+    _record_exit(run_dir, EXIT_CONFIG, f"{kind}: {error}")
+    _failed(run_dir, EXIT_CONFIG, sweeping)
+
+
+def _launch(job: Job, run_dir: Path) -> int:
+    """This node's ranks to their end; after an out-of-memory stop, plan.auto_fit's restart."""
     print(f"memtune: run dir {run_dir}", flush=True)
-    code = launch(run_cfg, run_dir, spec=spec, extra_env=nccl_env)
-    # Any rank's report counts, whatever code the launcher passed on (a peer that lost its
-    # connection may have exited first).
+    code = launch(job.cfg, run_dir, spec=job.spec, extra_env=job.env)
+    # Any rank's report counts, whatever the code (a peer that lost its connection may have
+    # exited first).
+    spec = job.spec
     if code != 0 and oom.reports(run_dir) and spec.node_rank == 0 and spec.form != "per-node":
-        code = after_out_of_memory(run_cfg, run_dir, spec, nccl_env)
+        code = after_out_of_memory(job.cfg, run_dir, spec, job.env)
+    return code
+
+
+def _report(code: int, spec: NodeSpec, run_dir: Path, sweeping: bool) -> None:
+    """exit.json and the closing line on node 0; the exit code on every node."""
     if spec.form == "per-node" and code == EXIT_REQUEUE and os.environ.get("SLURM_STEP_ID"):
         # A stop with a checkpoint is node 0's to report (exit 75, the requeue), and last: under
         # srun --kill-on-bad-exit the first non-zero exit kills the other nodes' tasks, which

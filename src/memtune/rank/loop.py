@@ -25,6 +25,7 @@ from memtune.config import RunConfig, grad_accumulation_steps, sequence_parallel
 from memtune.rank.loss import label_count
 from memtune.rank.sequence_parallel import gradient_averaging_ranks
 from memtune.rank.telemetry import NullLogger, memory_snapshot
+from memtune.rundir import TrainState
 
 
 class NonFiniteLoss(RuntimeError):
@@ -63,6 +64,32 @@ class TrainResult:
     """Steps whose update was discarded (non-finite loss or gradient norm)."""
     wall_s: float = 0.0
     peak_memory: list[dict[str, float]] = field(default_factory=list)
+
+    # The counters and a checkpoint's trainer_state.json convert here, both ways, and nowhere
+    # else.
+    @classmethod
+    def resumed_from(cls, state: TrainState) -> TrainResult:
+        return cls(
+            steps=state.step,
+            label_tokens=state.label_tokens,
+            input_tokens=state.input_tokens,
+            losses=state.losses,
+            skipped=state.skipped,
+            wall_s=state.wall_s,
+        )
+
+    def state_at(self, step: int, world_size: int, data_dir: str) -> TrainState:
+        """The checkpoint record of this run at ``step`` (the counters are the step's own)."""
+        return TrainState(
+            step=step,
+            label_tokens=self.label_tokens,
+            input_tokens=self.input_tokens,
+            losses=self.losses[:step],
+            skipped=[s for s in self.skipped if s <= step],
+            wall_s=self.wall_s,
+            world_size=world_size,
+            data_dir=data_dir,
+        )
 
 
 def lr_factor(cfg: RunConfig) -> Callable[[int], float]:

@@ -7,6 +7,7 @@ RANK / LOCAL_RANK / WORLD_SIZE from the environment and the resolved ``config.ya
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -18,7 +19,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -69,7 +70,7 @@ from memtune.rank.telemetry import (
     reset_window_peak,
     window_peak_gib,
 )
-from memtune.rundir import OomReport, RunDir, Summary, TrainState
+from memtune.rundir import OomReport, RunDir, Summary
 
 
 @dataclass
@@ -196,16 +197,8 @@ class RunHooks(Hooks):
         self.result_at_stop = result
 
     def save(self, step: int, result: TrainResult) -> None:
-        state = TrainState(
-            step=step,
-            label_tokens=result.label_tokens,
-            input_tokens=result.input_tokens,
-            losses=result.losses[:step],
-            skipped=[s for s in result.skipped if s <= step],
-            wall_s=result.wall_s,
-            world_size=dist.get_world_size() if dist.is_initialized() else 1,
-            data_dir=self.data_dir,
-        )
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        state = result.state_at(step, world, self.data_dir)
         save_checkpoint(self.engine, self.run_dir, state, self.cfg.trainer.keep_last)
         self.saved_step = step
 
@@ -234,149 +227,6 @@ def batching_summary(cfg: RunConfig) -> str:
         return f"packed into rows of {cfg.data.max_seq_len} tokens"
     grouped = ", grouped by length" if cfg.data.group_by_length else ""
     return f"padded per micro batch{grouped}"
-
-
-def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResult:
-    catch_stop_signals()
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    run_dir = Path(run_dir)
-    rd = RunDir(run_dir)
-    cfg = load_run_config(rd.config)
-    ds_config = json.loads(rd.ds_config.read_text())
-    rank, local_rank, world, device = init_distributed()
-    failed = False
-    try:
-        seed_everything(cfg.trainer.seed)
-        print0 = print if rank == 0 else (lambda *a, **k: None)
-        tokenizer = load_tokenizer(cfg)
-        data_record = rd.read_data()
-        stats = DataStats(**data_record.train)
-        groups = SequenceGroups.of(rank, world, sequence_parallel_size(cfg))
-        pad_id = tokenizer.pad_token_id
-        loader, sampler = make_loader(cfg, data_record.dir, pad_id, groups.dp_rank, groups.dp)
-        start_rss_gib = memory_snapshot(device).get("rss_gib", 0.0)  # CPU: before the model
-        parts = build_rank(cfg, ds_config, device, local_rank)
-        engine, attn = parts.engine, parts.attention
-        compiled = f" · {parts.compiled_layers} layers compiled" if parts.compiled_layers else ""
-        if parts.mlp_tiles:
-            compiled += f" · MLP in {parts.mlp_tiles} tiles"
-        if parts.offloaded_layers:
-            compiled += f" · {parts.offloaded_layers} layers' inputs offloaded to the host"
-        trainable, total, optimizer_note = parts.trainable, parts.total, parts.optimizer_note
-
-        t = cfg.trainer
-        print0(
-            f"memtune: {cfg.model.name_or_path} · attention {attn}{compiled} · {method_label(cfg)} "
-            f"r={cfg.peft.r} on {cfg.peft.target} · {trainable:,} trainable of {total:,} "
-            f"parameters ({100 * trainable / total:.3f}%)\n"
-            f"memtune: {world} rank(s) · ZeRO-{cfg.zero.stage} · {t.precision} · batch "
-            f"{t.micro_batch_size} × accum {grad_accumulation_steps(cfg)} × {groups.dp} "
-            f"{'ranks' if groups.sp == 1 else 'data-parallel groups'} = "
-            f"{t.global_batch_size}{sequence_note(groups)} · activation checkpointing "
-            f"{checkpoint_note(cfg)} · {optimizer_note}\n"
-            f"memtune: batches: {batching_summary(cfg)}",
-            flush=True,
-        )
-        ctx = RankContext(cfg, run_dir, rank, local_rank, world, device, tokenizer, stats)
-        result = TrainResult()
-        resume = rd.read_resume()
-        checkpoint = resume.checkpoint
-        if checkpoint:
-            # launcher.prepare recorded what changed, having checked the checkpoint allows it.
-            layout = ("launcher.num_ranks", "zero.stage")  # what the engine files depend on
-            moved = {k: v for k, v in resume.changed.items() if k in layout}
-            if not moved:
-                state = load_checkpoint(engine, Path(checkpoint), rank)
-            else:
-                state = load_checkpoint_any_world(engine, Path(checkpoint), rank)
-                what = ", ".join(f"{k} {old} → {new}" for k, (old, new) in moved.items())
-                print0(f"memtune: resuming from its gathered optimizer state ({what})", flush=True)
-            follow_schedule(engine, cfg.trainer.lr)
-            result = TrainResult(
-                steps=state.step,
-                label_tokens=state.label_tokens,
-                input_tokens=state.input_tokens,
-                losses=state.losses,
-                skipped=state.skipped,
-                wall_s=state.wall_s,
-            )
-            if rank == 0:
-                _truncate_metrics(rd.metrics, result.steps)
-            print0(f"memtune: resumed at step {result.steps} from {checkpoint}", flush=True)
-        resolved = json.loads(json.dumps(_config_dict(run_dir)))
-        logger = (
-            RunLogger(run_dir, t.max_steps, cfg.logger, resolved, done=result.steps)
-            if rank == 0
-            else NullLogger()
-        )
-        val_batches = None
-        if data_record.val:
-            val_batches = eval_batches(
-                cfg, data_record.dir, pad_id, groups.dp_rank, groups.dp, full_rows=groups.sp > 1
-            )
-            if groups.sp > 1:
-                val_batches = [shard_batch(b, groups, pad_id) for b in val_batches]
-        hooks = RunHooks(engine, run_dir, cfg, data_record.dir, val_batches, logger, device)
-        batches = _batches(loader, sampler, skip=result.steps * grad_accumulation_steps(cfg))
-        if groups.sp > 1:
-            batches = (shard_batch(b, groups, pad_id) for b in batches)
-        try:
-            try:
-                result = train(engine, batches, cfg, device, logger, result, hooks)
-                hooks.evaluate(result.steps)
-            except BaseException as err:
-                if not is_out_of_memory(err):
-                    raise
-                done = hooks.result_at_stop.steps if hooks.result_at_stop else result.steps
-                raise RankOutOfMemory(rank, done + 1, memory_snapshot(device), str(err)) from err
-            starts = [row[0] for row in gather_values([start_rss_gib], device)]  # collective
-            vs_plan = memory_vs_plan(rd, result.peak_memory, device, starts)
-            logger.summarize(
-                {
-                    f"memory/rank{c['rank']}/vs_plan/{c['measure'].replace(' ', '_')}": c
-                    for c in vs_plan.checks
-                }
-            )
-        except StopRequested as stop:
-            if hooks.saved_step != stop.last_step and stop.last_step > 0:
-                hooks.save(stop.last_step, hooks.result_at_stop or result)
-            print0(
-                f"memtune: stopped by a signal after step {stop.last_step}; checkpoint saved. "
-                f"Run the same command again to continue (exit code {EXIT_REQUEUE}).",
-                flush=True,
-            )
-            raise SystemExit(EXIT_REQUEUE) from None
-        finally:
-            logger.close()
-        if hooks.saved_step != result.steps:
-            hooks.save(result.steps, result)
-        if after_train is not None:
-            after_train(engine, ctx)
-        n_tensors, outputs = export_final(engine.module.model, tokenizer, run_dir, rank == 0)
-        if rank == 0:
-            eval_loss = hooks.eval_losses.get(result.steps)
-            _write_summary(
-                ctx,
-                result,
-                trainable,
-                total,
-                n_tensors,
-                attn,
-                eval_loss,
-                vs_plan,
-                parts.compiled_layers,
-                outputs,
-            )
-        return result
-    except (SystemExit, NonFiniteLoss):
-        raise  # agreed by every rank in a collective: they all end here together
-    except BaseException:
-        failed = True  # this rank alone: the others are in a collective it will never join
-        raise
-    finally:
-        if dist.is_initialized() and not failed:
-            dist.barrier()
-            dist.destroy_process_group()
 
 
 def is_out_of_memory(err: BaseException) -> bool:
@@ -445,67 +295,246 @@ def memory_vs_plan(
     return VsPlan([c.as_dict() for c in checks], verdict(record, checks, device.type))
 
 
-def _write_summary(
-    ctx: RankContext,
-    result: TrainResult,
-    trainable: int,
-    total: int,
-    n_tensors: int,
-    attn: str,
-    eval_loss: float | None,
-    vs_plan: VsPlan,
-    compiled_layers: int = 0,
-    outputs: dict[str, list[Any]] | None = None,
-) -> None:
-    key = peak_key(ctx.device)
-    rd = RunDir(ctx.run_dir)
-    summary = Summary(
-        run_dir=str(ctx.run_dir),
-        steps=result.steps,
-        label_tokens=result.label_tokens,
-        input_tokens=result.input_tokens,
-        loss_first=result.losses[0],
-        loss_last=result.losses[-1],
-        skipped_steps=result.skipped,
-        wall_s=round(result.wall_s, 2),
-        tokens_per_s=round(result.input_tokens / max(result.wall_s, 1e-9), 1),
-        world_size=ctx.world_size,
-        zero_stage=ctx.cfg.zero.stage,
-        attention=attn,
-        compiled_layers=compiled_layers,
-        trainable_params=trainable,
-        total_params=total,
-        adapter_tensors=n_tensors,
-        eval_loss=eval_loss,
-        data=ctx.data_stats.as_dict(),
-        peak_memory_gib=[m[key] for m in result.peak_memory],
-        memory=result.peak_memory,
-        memory_vs_plan=vs_plan.checks,
-        outputs=outputs or {},
+class RankRun:
+    """One rank's run as named phases, read top to bottom: :meth:`setup` (data, model, engine),
+    :meth:`resume` (the checkpoint the job chose, if any), :meth:`train` (the loop, with a stop
+    or an out-of-memory turned into what the job reads), :meth:`finish` (the last checkpoint,
+    the export, the summary)."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.rd = RunDir(run_dir)
+        self.cfg = load_run_config(self.rd.config)
+        self.rank, self.local_rank, self.world, self.device = init_distributed()
+        self.print0: Callable[..., None] = print if self.rank == 0 else (lambda *a, **k: None)
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        seed_everything(cfg.trainer.seed)
+        self.tokenizer = load_tokenizer(cfg)
+        self.data = self.rd.read_data()
+        self.groups = SequenceGroups.of(self.rank, self.world, sequence_parallel_size(cfg))
+        self.pad_id = self.tokenizer.pad_token_id
+        dp_rank, dp = self.groups.dp_rank, self.groups.dp
+        self.loader, self.sampler = make_loader(cfg, self.data.dir, self.pad_id, dp_rank, dp)
+        self.start_rss_gib = memory_snapshot(self.device).get("rss_gib", 0.0)  # before the model
+        ds_config = json.loads(self.rd.ds_config.read_text())
+        self.parts = build_rank(cfg, ds_config, self.device, self.local_rank)
+        self.engine = self.parts.engine
+        self.print0(start_up_lines(cfg, self.parts, self.world, self.groups), flush=True)
+        stats = DataStats(**self.data.train)
+        self.ctx = RankContext(
+            cfg, self.run_dir, self.rank, self.local_rank, self.world, self.device,
+            self.tokenizer, stats,
+        )  # fmt: skip
+
+    def resume(self) -> TrainResult:
+        """Where training stands: the checkpoint launcher.prepare chose and checked (it
+        recorded what changed since, and allowed it), or nothing done yet."""
+        resume = self.rd.read_resume()
+        if not resume.checkpoint:
+            return TrainResult()
+        checkpoint = Path(resume.checkpoint)
+        layout = ("launcher.num_ranks", "zero.stage")  # what the engine files depend on
+        moved = {k: v for k, v in resume.changed.items() if k in layout}
+        if not moved:
+            state = load_checkpoint(self.engine, checkpoint, self.rank)
+        else:
+            state = load_checkpoint_any_world(self.engine, checkpoint, self.rank)
+            what = ", ".join(f"{k} {old} → {new}" for k, (old, new) in moved.items())
+            self.print0(f"memtune: resuming from its gathered optimizer state ({what})", flush=True)
+        follow_schedule(self.engine, self.cfg.trainer.lr)
+        if self.rank == 0:
+            _truncate_metrics(self.rd.metrics, state.step)
+        self.print0(f"memtune: resumed at step {state.step} from {checkpoint}", flush=True)
+        return TrainResult.resumed_from(state)
+
+    def train(self, result: TrainResult) -> TrainResult:
+        """The loop from ``result`` on. A stop signal ends here with a checkpoint and
+        SystemExit(EXIT_REQUEUE); running out of memory with RankOutOfMemory."""
+        cfg = self.cfg
+        resolved = json.loads(json.dumps(_config_dict(self.run_dir)))
+        self.logger: NullLogger = (
+            RunLogger(self.run_dir, cfg.trainer.max_steps, cfg.logger, resolved, result.steps)
+            if self.rank == 0
+            else NullLogger()
+        )
+        self.hooks = RunHooks(
+            self.engine, self.run_dir, cfg, self.data.dir, self._val_batches(), self.logger,
+            self.device,
+        )  # fmt: skip
+        batches = _batches(self.loader, self.sampler, result.steps * grad_accumulation_steps(cfg))
+        if self.groups.sp > 1:
+            batches = (shard_batch(b, self.groups, self.pad_id) for b in batches)
+        try:
+            try:
+                result = train(
+                    self.engine, batches, cfg, self.device, self.logger, result, self.hooks
+                )
+                self.hooks.evaluate(result.steps)
+            except BaseException as err:
+                if not is_out_of_memory(err):
+                    raise
+                at_stop = self.hooks.result_at_stop
+                done = at_stop.steps if at_stop else result.steps
+                snapshot = memory_snapshot(self.device)
+                raise RankOutOfMemory(self.rank, done + 1, snapshot, str(err)) from err
+            self.vs_plan = self._memory_vs_plan(result)
+        except StopRequested as stop:
+            self._stop(stop, result)
+        finally:
+            self.logger.close()
+        return result
+
+    def _val_batches(self) -> list[dict[str, torch.Tensor]] | None:
+        if not self.data.val:
+            return None
+        g = self.groups
+        full_rows = g.sp > 1
+        batches = eval_batches(self.cfg, self.data.dir, self.pad_id, g.dp_rank, g.dp, full_rows)
+        return [shard_batch(b, g, self.pad_id) for b in batches] if g.sp > 1 else batches
+
+    def _memory_vs_plan(self, result: TrainResult) -> VsPlan:
+        """Collective: every rank's peak next to the plan, logged to the run's summary."""
+        starts = [row[0] for row in gather_values([self.start_rss_gib], self.device)]
+        vs_plan = memory_vs_plan(self.rd, result.peak_memory, self.device, starts)
+        self.logger.summarize(
+            {
+                f"memory/rank{c['rank']}/vs_plan/{c['measure'].replace(' ', '_')}": c
+                for c in vs_plan.checks
+            }
+        )
+        return vs_plan
+
+    def _stop(self, stop: StopRequested, result: TrainResult) -> NoReturn:
+        hooks = self.hooks
+        if hooks.saved_step != stop.last_step and stop.last_step > 0:
+            hooks.save(stop.last_step, hooks.result_at_stop or result)
+        self.print0(
+            f"memtune: stopped by a signal after step {stop.last_step}; checkpoint saved. "
+            f"Run the same command again to continue (exit code {EXIT_REQUEUE}).",
+            flush=True,
+        )
+        raise SystemExit(EXIT_REQUEUE) from None
+
+    def finish(self, result: TrainResult, after_train: AfterTrain | None) -> None:
+        """The last step's checkpoint (unless just saved), then the adapter and the summary."""
+        if self.hooks.saved_step != result.steps:
+            self.hooks.save(result.steps, result)
+        if after_train is not None:
+            after_train(self.engine, self.ctx)
+        model = self.engine.module.model
+        n_tensors, outputs = export_final(model, self.tokenizer, self.run_dir, self.rank == 0)
+        if self.rank == 0:
+            summary = self._summary(result, n_tensors, outputs)
+            self.rd.write_summary(summary)
+            measure = "CUDA allocator (GiB)" if self.device.type == "cuda" else "process RSS (GiB)"
+            self.rd.write_memory(measure, result.peak_memory, self.vs_plan.checks)
+            print(closing_lines(self.ctx, result, summary, self.vs_plan), flush=True)
+
+    def _summary(
+        self, result: TrainResult, n_tensors: int, outputs: dict[str, list[Any]]
+    ) -> Summary:
+        key = peak_key(self.device)
+        return Summary(
+            run_dir=str(self.run_dir),
+            steps=result.steps,
+            label_tokens=result.label_tokens,
+            input_tokens=result.input_tokens,
+            loss_first=result.losses[0],
+            loss_last=result.losses[-1],
+            skipped_steps=result.skipped,
+            wall_s=round(result.wall_s, 2),
+            tokens_per_s=round(result.input_tokens / max(result.wall_s, 1e-9), 1),
+            world_size=self.world,
+            zero_stage=self.cfg.zero.stage,
+            attention=self.parts.attention,
+            compiled_layers=self.parts.compiled_layers,
+            trainable_params=self.parts.trainable,
+            total_params=self.parts.total,
+            adapter_tensors=n_tensors,
+            eval_loss=self.hooks.eval_losses.get(result.steps),
+            data=self.ctx.data_stats.as_dict(),
+            peak_memory_gib=[m[key] for m in result.peak_memory],
+            memory=result.peak_memory,
+            memory_vs_plan=self.vs_plan.checks,
+            outputs=outputs,
+        )
+
+    @contextlib.contextmanager
+    def ending_together(self) -> Iterator[None]:
+        """The ranks leave the process group together (a barrier) when they end together: a
+        finished run, or an end every rank agreed in a collective (a stop, a non-finite loss).
+        A rank failing alone skips it: the others are in a collective it will never join."""
+        failed = False
+        try:
+            yield
+        except (SystemExit, NonFiniteLoss):
+            raise
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            if dist.is_initialized() and not failed:
+                dist.barrier()
+                dist.destroy_process_group()
+
+
+def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResult:
+    """One rank, start to end (``after_train``: a test's look at the live engine before the
+    export)."""
+    catch_stop_signals()
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    rank = RankRun(Path(run_dir))
+    with rank.ending_together():
+        rank.setup()
+        result = rank.train(rank.resume())
+        rank.finish(result, after_train)
+    return result
+
+
+def start_up_lines(cfg: RunConfig, parts: Any, world: int, groups: SequenceGroups) -> str:
+    """What the rank built and how it batches: the run's first lines."""
+    t = cfg.trainer
+    extras = f" · {parts.compiled_layers} layers compiled" if parts.compiled_layers else ""
+    if parts.mlp_tiles:
+        extras += f" · MLP in {parts.mlp_tiles} tiles"
+    if parts.offloaded_layers:
+        extras += f" · {parts.offloaded_layers} layers' inputs offloaded to the host"
+    trainable, total = parts.trainable, parts.total
+    return (
+        f"memtune: {cfg.model.name_or_path} · attention {parts.attention}{extras} · "
+        f"{method_label(cfg)} r={cfg.peft.r} on {cfg.peft.target} · {trainable:,} trainable of "
+        f"{total:,} parameters ({100 * trainable / total:.3f}%)\n"
+        f"memtune: {world} rank(s) · ZeRO-{cfg.zero.stage} · {t.precision} · batch "
+        f"{t.micro_batch_size} × accum {grad_accumulation_steps(cfg)} × {groups.dp} "
+        f"{'ranks' if groups.sp == 1 else 'data-parallel groups'} = "
+        f"{t.global_batch_size}{sequence_note(groups)} · activation checkpointing "
+        f"{checkpoint_note(cfg)} · {parts.optimizer_note}\n"
+        f"memtune: batches: {batching_summary(cfg)}"
     )
-    rd.write_summary(summary)
-    measure = "CUDA allocator (GiB)" if ctx.device.type == "cuda" else "process RSS (GiB)"
-    rd.write_memory(measure, result.peak_memory, vs_plan.checks)
+
+
+def closing_lines(ctx: RankContext, result: TrainResult, summary: Summary, vs_plan: VsPlan) -> str:
+    """The run's last lines: time, tokens, loss, memory against the plan, where the adapter is."""
+    key = peak_key(ctx.device)
     what = "peak allocated" if ctx.device.type == "cuda" else "peak RSS"
     per_rank = ", ".join(f"rank{r} {m[key]:.2f} GiB" for r, m in enumerate(result.peak_memory))
-    print(
+    eval_loss = summary.eval_loss
+    skipped = result.skipped
+    return (
         f"\nmemtune: done in {result.wall_s:.1f} s · {result.steps} steps · "
         f"{result.input_tokens:,} tokens ({result.label_tokens:,} labelled) · "
         f"{summary.tokens_per_s:,} tokens/s\n"
         f"memtune: loss {result.losses[0]:.4f} → {result.losses[-1]:.4f}"
         + (f" · eval loss {eval_loss:.4f}" if eval_loss is not None else "")
-        + (
-            f" · {len(result.skipped)} non-finite step(s) skipped: {result.skipped}"
-            if result.skipped
-            else ""
-        )
+        + (f" · {len(skipped)} non-finite step(s) skipped: {skipped}" if skipped else "")
         + "\n"
         f"memtune: {what} per rank: {per_rank}\n"
         + "".join(f"memtune: vs plan: {line}\n" for line in vs_plan.lines)
         + f"memtune: data: {ctx.data_stats.line()}\n"
-        f"memtune: adapter ({n_tensors} tensors, {trainable:,} parameters) in "
-        f"{rd.adapter}",
-        flush=True,
+        f"memtune: adapter ({summary.adapter_tensors} tensors, {summary.trainable_params:,} "
+        f"parameters) in {RunDir(ctx.run_dir).adapter}"
     )
 
 
