@@ -34,5 +34,5 @@ if __name__ == "__main__":
         print(f"memtune: config error: {problem}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
     main()
-    if FAILED_POINTS:  # a sweep ran every point; some failed (each has its exit.json)
+    if FAILED_POINTS:  # a sweep ran every point; some failed (their lines above say why)
         sys.exit(1)

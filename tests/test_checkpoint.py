@@ -151,6 +151,12 @@ def test_starting_a_finished_run_again_launches_nothing(finished: Path, tmp_path
     cfg.trainer.max_steps = 13
     assert already_finished(cfg, run_dir) is None
     cfg.trainer.max_steps = 12
+    # A summary of an earlier end (its files still verify) is not this step's end.
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (run_dir / "summary.json").write_text(json.dumps({**summary, "steps": 8}))
+    assert already_finished(cfg, run_dir) is None
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    assert already_finished(cfg, run_dir) is not None
     (run_dir / "adapter" / "adapter_model.safetensors").unlink()
     assert already_finished(cfg, run_dir) is None
 

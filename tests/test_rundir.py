@@ -81,3 +81,15 @@ def test_the_newest_complete_checkpoint_wins(tmp_path: Path) -> None:
     latest, warnings = find_latest(tmp_path)
     assert latest == root / "step-0000008"
     assert warnings == [f"skipping {root / 'step-0000012'}: incomplete (a save was interrupted)"]
+
+
+def test_a_checkpoint_left_at_its_set_aside_name_is_still_found(tmp_path: Path) -> None:
+    """A crash between a re-save's two renames leaves step N only as .old-step-N."""
+    root = RunDir(tmp_path).checkpoints
+    for name, step in (("step-0000004", 4), (".old-step-0000008", 8)):
+        ckpt = root / name
+        ckpt.mkdir(parents=True)
+        TrainState(**{**STATE, "step": step}).write(ckpt)
+        (ckpt / "complete.json").write_text("{}")
+    latest, _ = find_latest(tmp_path)
+    assert latest == root / ".old-step-0000008"

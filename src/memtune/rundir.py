@@ -22,6 +22,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import socket
 import sys
 from collections.abc import Iterator
@@ -58,7 +59,8 @@ def _read(cls: type[R], path: Path) -> R:
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary sibling that is fsynced and renamed into
     place: a reader (or a crash, or a full disk) sees the old file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    # host and pid: two writers of one name on a shared filesystem (the nodes of a job) differ
+    tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
@@ -103,8 +105,36 @@ def follow_umask(path: Path) -> None:
         item.chmod((0o777 if item.is_dir() else 0o666) & ~mask)
 
 
+def free_bytes(path: Path) -> int | None:
+    """Free bytes on the filesystem that holds ``path`` (or its nearest existing parent: the
+    path may not be made yet); None when it cannot be asked."""
+    probe = Path(path).expanduser().absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return shutil.disk_usage(probe).free
+    except OSError:
+        return None
+
+
+def human_bytes(n: int) -> str:
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.1f} GiB"
+    return f"{n / (1 << 20):.1f} MiB"
+
+
 class RunDirBusy(RuntimeError):
     """Another job holds the run dir (:func:`hold`)."""
+
+
+_HELD: set[int] = set()
+"""The descriptors of the run-dir locks this process holds (:func:`hold`)."""
+
+
+def held_lock_fds() -> tuple[int, ...]:
+    """For the ranks the job starts (launcher.spawn passes them on): a flock belongs to the
+    open file, so the run dir stays held until the job and every rank have ended."""
+    return tuple(sorted(_HELD))
 
 
 @contextlib.contextmanager
@@ -144,9 +174,11 @@ def hold(run_dir: Path, node_rank: int = 0) -> Iterator[None]:
         who = {"host": socket.gethostname(), "pid": os.getpid(), "started": started}
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps({**who, "command": sys.argv}) + "\n").encode(), 0)
+        _HELD.add(fd)
         yield
     finally:
-        os.close(fd)  # releases the lock
+        _HELD.discard(fd)
+        os.close(fd)  # releases the lock, unless ranks started with it still run
 
 
 def _holder(path: Path) -> str:
@@ -379,7 +411,12 @@ def find_latest(run_dir: Path) -> tuple[Path | None, list[str]]:
     warnings: list[str] = []
     if not root.is_dir():
         return None, warnings
-    candidates = sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True)
+    # A crash between the two renames of a re-save (rank.checkpoint.save_checkpoint) leaves
+    # the step only at its set-aside name: still a candidate.
+    found = {p.name: p for p in root.glob("step-*") if p.is_dir()}
+    for aside in root.glob(".old-step-*"):
+        found.setdefault(aside.name[len(".old-") :], aside)
+    candidates = [found[name] for name in sorted(found, reverse=True)]
     pointer = root / "latest"
     if pointer.is_file():
         named = root / pointer.read_text().strip()
@@ -421,7 +458,7 @@ class Summary:
     peak_memory_gib: list[float]
     memory: list[dict[str, float]]
     memory_vs_plan: list[dict[str, Any]] = field(default_factory=list)
-    """Per rank and measure: planned, measured, their ratio (memory.compare)."""
+    """Per rank and measure: planned, measured, their ratio (rank.memory_check)."""
     compiled_layers: int = 0
     """Decoder layers run through torch.compile (trainer.compile)."""
     outputs: dict[str, list[Any]] = field(default_factory=dict)
@@ -531,12 +568,14 @@ class RunDir:
     # an earlier run in the same dir
     RUN_FILES = (
         "config.yaml", "ds_config.json", "plan.txt", "plan.json", "data.json", "resume.json",
-        "launch*.txt", "launch.json", "stopped-node*.json", "nodes.hostfile", "exit.json",
-        "preflight*.json", "metrics.jsonl", "checkpoints", "adapter", "summary.json",
-        "memory.json", "oom-rank*.json", "restarted-oom-rank*.json", "oom_restart.json", "wandb",
-        "base.json",
+        "base.json", "launch.txt", "launch-node[0-9]*.txt", "launch.json",
+        "stopped-node[0-9]*.json", "nodes.hostfile", "exit.json", "metrics.jsonl",
+        "checkpoints", "adapter", "summary.json", "memory.json", "oom-rank[0-9]*.json",
+        "restarted-oom-rank[0-9]*.json", "oom_restart.json", "wandb",
     )  # fmt: skip
-    """What a run leaves in its dir (the README's table), as names and glob patterns."""
+    """What a run leaves in its dir (the README's table), as names and glob patterns. Not the
+    GPU preflight's records (they describe the machine, and this launch's are written before
+    the run dir is laid out) nor .hydra/ (the newest start's composition)."""
 
     @property
     def previous(self) -> Path:
@@ -544,7 +583,10 @@ class RunDir:
         return self.path / "previous"
 
     def earlier_run(self) -> list[Path]:
-        """The entries an earlier run left here (none of a user's other files)."""
+        """The entries an earlier run left here (none of a user's other files); none unless
+        the dir shows it held a memtune run (its resume.json or exit.json)."""
+        if not (self.resume.is_file() or self.exit.is_file()):
+            return []
         found = {p for pattern in self.RUN_FILES for p in self.path.glob(pattern)}
         return sorted(found)
 

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import copy
-
+from memtune.config.decisions import decided
 from memtune.config.schema import RunConfig
 
 # The linear layers each peft.target preset adapts, by their name in a Qwen2 decoder layer.
@@ -21,9 +20,7 @@ def one_rank_zero(cfg: RunConfig) -> RunConfig:
         return cfg
     if not z.one_rank_stage2:
         return cfg
-    out = copy.deepcopy(cfg)
-    out.zero.stage = 2
-    return out
+    return decided(cfg, zero_stage=2)
 
 
 def checkpointed_layers(cfg: RunConfig) -> int:

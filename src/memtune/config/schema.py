@@ -8,6 +8,7 @@ the config. Ranges and cross-field rules are :mod:`memtune.config.validate`'s.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 import types
@@ -444,8 +445,6 @@ def _is_mapping(key: str) -> bool:
 def _unknown_key_message(key: str, appended: bool = True) -> str:
     """The unknown key and the settings it may have meant: the closest full names, then the
     closest by last part (``trainer.max_seq_len`` → ``data.max_seq_len``)."""
-    import difflib
-
     known = schema_keys()
     plain = re.sub(r"\[\d+\]", "", key)  # data.sources[0].paht → data.sources.paht
     close = difflib.get_close_matches(plain, known, n=3, cutoff=0.75)

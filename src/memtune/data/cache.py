@@ -26,7 +26,7 @@ from memtune.config import ConfigError, DataConfig, DataSource, cache_dir
 from memtune.data.encode import DataStats, Sample, apply_length_policy, encode_records
 from memtune.data.readers import Record, RecordError, read_source
 from memtune.paths import is_local_source
-from memtune.rundir import follow_umask
+from memtune.rundir import follow_umask, free_bytes, human_bytes
 
 CACHE_VERSION = 1
 MAX_BAD_EXAMPLES = 5
@@ -275,24 +275,6 @@ def _save(arrays: Arrays, path: Path) -> None:
         if code is None:
             raise
         raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from err
-
-
-def free_bytes(path: Path) -> int | None:
-    """Free bytes on the filesystem that holds ``path`` (or its nearest existing parent: the
-    path may not be made yet); None when it cannot be asked."""
-    probe = Path(path).expanduser().absolute()
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    try:
-        return shutil.disk_usage(probe).free
-    except OSError:
-        return None
-
-
-def human_bytes(n: int) -> str:
-    if n >= 1 << 30:
-        return f"{n / (1 << 30):.1f} GiB"
-    return f"{n / (1 << 20):.1f} MiB"
 
 
 def free_space(path: Path) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import sys
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ from memtune.launcher.topology import (
 from memtune.machine import name_cpu_accelerator, versions_line
 from memtune.memory.estimate import format_plan
 from memtune.memory.fit import format_longest_sequence, format_step_estimates, format_suggestions
-from memtune.rundir import RunDir, RunDirBusy, hold, write_atomic
+from memtune.rundir import RunDir, RunDirBusy, find_latest, hold, write_atomic
 
 FAILED_POINTS: list[str] = []
 WAIT_FOR_NODE0_S = 3600.0
@@ -58,8 +59,6 @@ report theirs (well inside the 120 s between --signal=B:USR2@120 and the time li
 def missing_slurm(argv: list[str]) -> str | None:
     """A Slurm sweep (``-m hydra/launcher=slurm``) on a machine without Slurm's commands:
     said before Hydra starts the sweep (submitit would raise from inside it, a traceback)."""
-    import shutil
-
     sweep = any(a in ("-m", "--multirun") for a in argv)
     if not sweep or "hydra/launcher=slurm" not in argv:
         return None
@@ -112,7 +111,11 @@ def after_out_of_memory(cfg: RunConfig, run_dir: Path, spec: Any, env: dict[str,
             )
         return EXIT_OOM
     variant, changes = restart
-    variant.resume = "auto"  # the restart continues this run, whatever started it
+    if variant.resume == "never" or find_latest(run_dir)[0] is not None:
+        # The restart continues this run: its newest checkpoint, else its start (a resume=PATH
+        # with nothing saved since still starts from PATH; resume=never must not set this run
+        # aside as an earlier one).
+        variant.resume = "auto"
     fresh = prepare_run_dir(None, run_dir, oom.fitted_for(variant))
     resumed = RunDir(run_dir).read_resume().checkpoint
     oom.record_restart(run_dir, changes, resumed)
@@ -156,19 +159,6 @@ def run_job(cfg: DictConfig) -> None:
         kind = "config error: " if isinstance(err, ConfigError) else ""
         print(f"memtune: {kind}{err}", file=sys.stderr)
         _failed(run_dir, EXIT_CONFIG, sweeping)
-
-
-def _start_over(run_dir: Path) -> None:
-    """resume=never in a used run dir: the earlier run moves to previous/ first, so nothing of
-    it is read as this run's (its checkpoints counted against keep_last, its latest, its
-    metrics, its adapter taken for this run's by a later resume=auto)."""
-    moved = RunDir(run_dir).set_aside_earlier_run()
-    if moved is not None:
-        print(
-            f"memtune: resume=never: the earlier run in this dir moved to {moved} (kept whole: "
-            "its checkpoints, adapter and metrics)",
-            flush=True,
-        )
 
 
 def _record_composition(cfg: DictConfig, run_dir: Path) -> None:
@@ -274,8 +264,6 @@ def _decide_and_lay_out(
     machine that cannot run it, stops before anything is tokenized. Node 0 decides and writes
     the run dir; the other nodes of a per-node job wait for it and read it."""
     fitted = decide(given, say=False) if spec.node_rank == 0 else None
-    if fitted is not None and given.resume == "never":
-        _start_over(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     preflight = RunDir(run_dir).preflight(spec.node_rank)
     env, measured = for_launch(given.launcher, spec.ranks_per_node, spec.nnodes, preflight)
@@ -350,5 +338,10 @@ def _report(code: int, spec: NodeSpec, run_dir: Path, sweeping: bool) -> None:
         )
     elif code != 0:
         print(f"memtune: the ranks failed (exit code {code}); run dir {run_dir}", file=sys.stderr)
-    if code != 0:
-        _failed(run_dir, code, sweeping)
+    if code == 0:
+        return
+    stopped = code in (EXIT_REQUEUE, EXIT_INTERRUPTED) and not os.environ.get("SUBMITIT_EXECUTOR")
+    if sweeping and stopped:
+        # A stop (Ctrl-C, SIGTERM) of a local sweep stops the sweep, not just this point.
+        print("memtune: the sweep stops here (`memtune report` writes its table)", flush=True)
+    _failed(run_dir, code, sweeping and not stopped)

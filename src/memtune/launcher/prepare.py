@@ -48,6 +48,7 @@ from memtune.rundir import (
     has_gathered_state,
     is_complete,
     verify_manifest,
+    write_atomic,
 )
 
 
@@ -123,9 +124,25 @@ def prepare_run_dir(
     name, revision = cfg.model.name_or_path, cfg.model.revision
     base = BaseRecord(name, base_fingerprint(name, revision))
     resume = resolve_resume(cfg, run_dir, prepared.dir, base)
+    if cfg.resume == "never":
+        start_over(run_dir)
     with no_space_is_an_error(run_dir, "run_dir"):
         _write_run_dir(cfg, run_dir, fitted, ds_config, prepared, shape, base, resume)
     return cfg
+
+
+def start_over(run_dir: Path) -> None:
+    """resume=never in a used run dir: the earlier run moves to previous/ first, so nothing of
+    it is read as this run's (its checkpoints counted against keep_last, its latest, its
+    metrics, its adapter taken for this run's by a later resume=auto). Done last before the
+    run dir is written, once nothing can stop this start any more."""
+    moved = RunDir(run_dir).set_aside_earlier_run()
+    if moved is not None:
+        print(
+            f"memtune: resume=never: the earlier run in this dir moved to {moved} (kept whole: "
+            "its checkpoints, adapter and metrics)",
+            flush=True,
+        )
 
 
 def _write_run_dir(
@@ -144,12 +161,13 @@ def _write_run_dir(
     rd = RunDir(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     rd.write_base(base)
-    rd.config.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    rd.ds_config.write_text(json.dumps(ds_config, indent=2) + "\n")
+    write_atomic(rd.config, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    write_atomic(rd.ds_config, json.dumps(ds_config, indent=2) + "\n")
     estimate = format_step_estimates(cfg, memory_plan.counts)
-    rd.plan.write_text(
+    write_atomic(
+        rd.plan,
         f"{format_plan(cfg, memory_plan)}\n{estimate + chr(10) if estimate else ''}"
-        f"versions: {versions_line()}\n"
+        f"versions: {versions_line()}\n",
     )
     rd.write_plan(memory_plan.record())
     device = f" of {memory_plan.device_gib:.2f}" if memory_plan.device_gib else ""
@@ -310,8 +328,7 @@ def _base_differences(cfg: RunConfig, ckpt: Path, base: BaseRecord | None) -> li
     """The base model compared by content: [] when it is the checkpoint's (wherever it now
     is), a difference line when it is not, None when either side has no fingerprint (then
     the name and the architecture are compared instead)."""
-    saved = ckpt / RunDir(ckpt).base.name
-    if base is None or base.fingerprint is None or not saved.is_file():
+    if base is None or base.fingerprint is None or not RunDir(ckpt).base.is_file():
         return None
     then = RunDir(ckpt).read_base()
     if then.fingerprint is None:
@@ -393,7 +410,7 @@ def already_finished(cfg: RunConfig, run_dir: Path) -> str | None:
     step = _train_state(ckpt).step
     if step < cfg.trainer.max_steps:
         return None
-    problem = _final_outputs_problem(rd)
+    problem = _final_outputs_problem(rd, step)
     if problem is not None:
         print(
             f"memtune: {ckpt.name} is the last step, but the run's end did not complete "
@@ -408,14 +425,19 @@ def already_finished(cfg: RunConfig, run_dir: Path) -> str | None:
     )
 
 
-def _final_outputs_problem(rd: RunDir) -> str | None:
-    """What keeps a run from counting as finished; None when its end verifies."""
+def _final_outputs_problem(rd: RunDir, step: int) -> str | None:
+    """What keeps a run that reached ``step`` from counting as finished; None when its end
+    verifies. The summary must be this step's: an earlier end's exit 0 and summary (a run
+    finished at 100 steps, then continued to 200 and killed before its export) still verify
+    as files, but describe the older adapter."""
     try:
         if rd.read_exit().code != 0:
             return f"{rd.exit} does not say exit 0"
         summary = rd.read_summary()
     except RecordError as err:
         return str(err)
+    if summary.steps != step:
+        return f"{rd.summary} is the end of step {summary.steps}, not of step {step}"
     if not summary.outputs:  # written before summaries listed their files
         adapter = rd.adapter / "adapter_model.safetensors"
         return None if adapter.is_file() else f"{adapter} is missing"

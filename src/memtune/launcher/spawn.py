@@ -36,7 +36,7 @@ from memtune.exit_codes import EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_REQUEUE
 from memtune.launcher.extensions import extensions_root
 from memtune.launcher.hygiene import clear_shm_buffers, clear_stale_locks
 from memtune.launcher.topology import NodeSpec, resolve
-from memtune.rundir import RunDir
+from memtune.rundir import RunDir, held_lock_fds, write_atomic
 
 WORKER_MODULE = "memtune.worker"
 DS_RUNNER = "memtune.launcher.ds_runner"
@@ -152,12 +152,14 @@ def launch(
     port = spec.master_port or free_port()
     cmd, extra = rank_command(cfg, run_dir, port, module, spec)
     env = {**rank_env(cfg), **(extra_env or {}), **extra}
+    # What the ranks get beyond this process's environment (the world, threads, NCCL switches).
+    added = {k: v for k, v in env.items() if os.environ.get(k) != v}
     starts: list[dict[str, str]] = [{}]  # multi-node: DeepSpeed's launcher starts the ranks
-    record = " ".join(cmd) + "\n"
+    record = _shell_line(added, cmd)
     if spec.form == "local":
         starts = [{"RANK": str(r), "LOCAL_RANK": str(r)} for r in range(spec.ranks_per_node)]
-        record = "".join(_shell_line({**start, **extra}, cmd) for start in starts)
-    RunDir(run_dir).launch_cmd(spec.node_rank).write_text(record)
+        record = "".join(_shell_line({**start, **added}, cmd) for start in starts)
+    write_atomic(RunDir(run_dir).launch_cmd(spec.node_rank), record)
     clear_stale_locks(extensions_root())
     clear_shm_buffers()
     ranks = _Ranks(cmd, [{**env, **start} for start in starts], module, spec.form == "local")
@@ -198,25 +200,40 @@ class _Ranks:
     def __init__(self, cmd: list[str], envs: list[dict[str, str]], module: str, own: bool):
         self.module, self.own = module, own
         self.procs: list[subprocess.Popen] = []
-        # A stop that arrives while the ranks import or load is not fatal (SIGUSR2 ignored
-        # until they listen); it is re-sent every few seconds until the job ends. The ranks
-        # run in a process group of their own, so a Ctrl-C in the terminal reaches this
-        # process alone (interrupt()).
-        for env in envs:
-            group = self.procs[0].pid if self.procs else 0
-            self.procs.append(
-                subprocess.Popen(cmd, env=env, preexec_fn=functools.partial(_start_in_group, group))
-            )
-        self.group = self.procs[0].pid
+        self.group = 0  # the ranks' process group: the first one's pid
         self.stopping = False
         self.interrupts = 0
         self.killed: set[int] = set()
         """Ranks this process killed (after another rank failed, or a second Ctrl-C)."""
+        # The handlers come first: a stop while the ranks are being started reaches those
+        # already started, and an error half way takes them down (none is left orphaned).
         self.previous = {
             signal.SIGTERM: signal.signal(signal.SIGTERM, self.forward_stop),
             signal.SIGUSR2: signal.signal(signal.SIGUSR2, self.forward_stop),
             signal.SIGINT: signal.signal(signal.SIGINT, self.interrupt),
         }
+        # A stop that arrives while the ranks import or load is not fatal (SIGUSR2 ignored
+        # until they listen); it is re-sent every few seconds until the job ends. The ranks
+        # run in a process group of their own, so a Ctrl-C in the terminal reaches this
+        # process alone (interrupt()), and read no terminal (a background group that reads
+        # the tty is stopped, and would never end). They hold the run dir's lock too
+        # (rundir.held_lock_fds): killed, this process alone would free it while they train.
+        try:
+            for env in envs:
+                start = functools.partial(_start_in_group, self.group)
+                proc = subprocess.Popen(
+                    cmd,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    preexec_fn=start,
+                    pass_fds=held_lock_fds(),
+                )
+                self.procs.append(proc)
+                self.group = self.group or proc.pid
+        except BaseException:
+            self.kill()
+            self.restore_signals()
+            raise
 
     def forward_stop(self, signum: int, frame: object) -> None:
         self.stopping = True
@@ -243,17 +260,20 @@ class _Ranks:
         them): each saves a checkpoint at the next step boundary and exits with the requeue
         code."""
         for proc in self.procs:
+            if self.own:  # Popen's own send_signal: nothing once the rank is reaped
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGUSR2)
+                continue
             with contextlib.suppress(psutil.Error):
-                own = [psutil.Process(proc.pid)] if self.own else []
-                found = own or rank_processes(proc.pid, self.module)
-                for worker in found:
+                for worker in rank_processes(proc.pid, self.module):
                     with contextlib.suppress(psutil.Error):
                         worker.send_signal(signal.SIGUSR2)
 
     def kill(self) -> None:
         self.killed |= {i for i, p in enumerate(self.procs) if p.poll() is None}
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.group, signal.SIGKILL)
+        if self.group:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.group, signal.SIGKILL)
 
     def ended(self) -> bool:
         return all(p.poll() is not None for p in self.procs)
@@ -325,7 +345,8 @@ def job_code(
 
 
 def rank_processes(pid: int, module: str = WORKER_MODULE) -> list[psutil.Process]:
-    """The rank processes under a launcher pid (or the pid itself, for one rank)."""
+    """The rank processes under a pid (the job, or DeepSpeed's launcher on a node), by their
+    command line."""
     root = psutil.Process(pid)
     found = []
     for p in [root, *root.children(recursive=True)]:

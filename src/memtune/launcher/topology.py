@@ -74,10 +74,13 @@ def this_node_rank(lc: Any, env: Mapping[str, str] | None = None) -> int:
     """This node's rank when the job runs once per node: launcher.node_rank, else $SLURM_NODEID
     or $NODE_RANK, else 0 (a hostfile job runs on one machine: 0). ``lc``: the launcher config,
     typed or as composed — the run-dir lock needs it before the job is sized from a Slurm
-    allocation, so it does not look at launcher.nnodes."""
+    allocation, so launcher.nnodes counts only when it cannot change (from_allocation off, or
+    no Slurm job here)."""
     env = os.environ if env is None else env
     if lc.hostfile is not None:
         return 0
+    if lc.nnodes == 1 and not (lc.from_allocation and env.get("SLURM_JOB_ID")):
+        return 0  # one node, as resolve() says
     if lc.node_rank is not None:
         return int(lc.node_rank)
     return _int_env(env, "SLURM_NODEID", "NODE_RANK") or 0

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from memtune.config import LORA_TARGETS, ConfigError, RunConfig, cache_dir, compute_bytes
-from memtune.rundir import write_atomic
+from memtune.rundir import RunDir, free_bytes, human_bytes, is_complete, write_atomic
 
 
 @dataclass
@@ -171,13 +171,14 @@ def checkpoint_bytes(cfg: RunConfig, counts: ParamCounts) -> int:
     return counts.lora * (state + gathered + compute_bytes(cfg))
 
 
-def run_dir_bytes(cfg: RunConfig, counts: ParamCounts) -> int:
-    """The least a run writes into its run dir: the checkpoints that exist at once (the
+def run_dir_bytes(cfg: RunConfig, counts: ParamCounts, present: int = 0) -> int:
+    """The least a run still writes into its run dir: the checkpoints that exist at once (the
     newest trainer.keep_last and the one being written, which is complete before the oldest
-    is pruned; fewer when max_steps leaves fewer saves) and the final adapter."""
+    is pruned; fewer when max_steps leaves fewer saves), less the ``present`` ones already on
+    the disk (a resumed run's: paid for), and the final adapter."""
     t = cfg.trainer
     saves = -(-t.max_steps // t.save_every) if t.save_every else 1
-    at_once = min(saves, t.keep_last + 1)
+    at_once = max(0, min(saves, t.keep_last + 1) - present)
     return at_once * checkpoint_bytes(cfg, counts) + counts.lora * compute_bytes(cfg)
 
 
@@ -185,9 +186,11 @@ def check_run_dir_room(cfg: RunConfig, counts: ParamCounts, run_dir: Path) -> No
     """Refuse before launch a run whose checkpoints cannot fit where it writes them: the ranks
     would otherwise fail at their first save with a full disk, hours in. A lower bound
     (:func:`run_dir_bytes`), so a run that may fit is never refused."""
-    from memtune.data.cache import free_bytes, human_bytes
-
-    need, free = run_dir_bytes(cfg, counts), free_bytes(run_dir)
+    root = RunDir(run_dir).checkpoints
+    present = 0  # resume=never: the earlier checkpoints move aside, on the same disk
+    if root.is_dir() and cfg.resume != "never":
+        present = sum(1 for p in root.glob("step-*") if is_complete(p))
+    need, free = run_dir_bytes(cfg, counts, present), free_bytes(run_dir)
     if free is None or need <= free:
         return
     each = checkpoint_bytes(cfg, counts)

@@ -15,7 +15,6 @@ choices.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import math
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from memtune.config import (
     tiled_mlp,
     validate,
 )
+from memtune.config.decisions import decided, with_sections
 from memtune.memory.counts import ParamCounts, count_params, quantized_shape_problems
 from memtune.memory.estimate import Plan, format_plan, plan
 from memtune.memory.step_time import format_step_time, step_time
@@ -53,11 +53,13 @@ class Fit:
     cost: float
 
 
-Apply = Callable[[RunConfig], None]
+Apply = Callable[[RunConfig], RunConfig]
+"""A change as a function from a config to a new one (config.decisions: fields replaced, the
+config never copied deep or mutated)."""
 
 
-def _zero3(v: RunConfig) -> None:
-    v.zero.stage, v.zero.template = 3, None
+def _zero3(v: RunConfig) -> RunConfig:
+    return decided(v, zero_stage=3, zero_template=None)
 
 
 def memory_changes(cfg: RunConfig) -> list[tuple[str, str, float, Apply]]:
@@ -72,7 +74,7 @@ def memory_changes(cfg: RunConfig) -> list[tuple[str, str, float, Apply]]:
                 "trainer.loss=auto",
                 "chunked loss: no full-sequence logits",
                 COST_CHUNKED_LOSS,
-                lambda v: setattr(v.trainer, "loss", "auto"),
+                lambda v: decided(v, loss="auto"),
             )
         )
     if not t.activation_checkpointing:
@@ -81,7 +83,7 @@ def memory_changes(cfg: RunConfig) -> list[tuple[str, str, float, Apply]]:
                 "trainer.activation_checkpointing=true",
                 "recompute layers in backward",
                 COST_CHECKPOINTING,
-                lambda v: setattr(v.trainer, "activation_checkpointing", True),
+                lambda v: decided(v, activation_checkpointing=True),
             )
         )
     if z.stage != 3:
@@ -92,7 +94,7 @@ def memory_changes(cfg: RunConfig) -> list[tuple[str, str, float, Apply]]:
                 "peft=qlora-nf4",
                 "4-bit base",
                 COST_QLORA,
-                lambda v: setattr(v.peft, "method", "qlora"),
+                lambda v: decided(v, peft_method="qlora"),
             )
         )
     if t.optimizer == "adamw":
@@ -101,7 +103,7 @@ def memory_changes(cfg: RunConfig) -> list[tuple[str, str, float, Apply]]:
                 "trainer.optimizer=adamw_8bit",
                 "8-bit moments",
                 COST_8BIT_OPTIMIZER,
-                lambda v: setattr(v.trainer, "optimizer", "adamw_8bit"),
+                lambda v: decided(v, optimizer="adamw_8bit"),
             )
         )
     return out
@@ -118,15 +120,15 @@ def _variants(cfg: RunConfig) -> list[tuple[RunConfig, list[str], float]]:
     out = []
     for chosen in itertools.product([False, True], repeat=len(changes)):
         for micro in micro_batches:
-            v = copy.deepcopy(cfg)
+            v = cfg
             names, cost = [], 1.0
             for on, (override, _, change_cost, apply) in zip(chosen, changes, strict=True):
                 if on:
-                    apply(v)
+                    v = apply(v)
                     names.append(override)
                     cost *= change_cost
             if micro != t.micro_batch_size:
-                v.trainer.micro_batch_size = micro
+                v = decided(v, micro_batch_size=micro)
                 names.append(f"trainer.micro_batch_size={micro}")
                 cost *= COST_HALF_MICRO_BATCH ** math.log2(t.micro_batch_size / micro)
             out.append((v, names, cost))
@@ -144,7 +146,7 @@ def suggestions(cfg: RunConfig, counts: ParamCounts) -> list[str]:
             (
                 f"trainer.micro_batch_size={half}",
                 "accumulation makes up the global batch",
-                lambda v: setattr(v.trainer, "micro_batch_size", half),
+                lambda v: decided(v, micro_batch_size=half),
             )
         )
     half_len = cfg.data.max_seq_len // 2
@@ -152,14 +154,13 @@ def suggestions(cfg: RunConfig, counts: ParamCounts) -> list[str]:
         (
             f"data.max_seq_len={half_len}",
             "shorter samples",
-            lambda v: setattr(v.data, "max_seq_len", half_len),
+            lambda v: with_sections(v, data={"max_seq_len": half_len}),
         )
     )
     total = plan(cfg, counts).total_gib
     scored = []
     for override, why, apply in tips:
-        trial = copy.deepcopy(cfg)
-        apply(trial)
+        trial = apply(cfg)
         if quantized_shape_problems(trial, counts):
             continue  # a 4-bit base bitsandbytes cannot pack for this architecture
         saved = total - plan(trial, counts).total_gib
@@ -221,11 +222,9 @@ def _estimated_step_s(cfg: RunConfig, counts: dict[tuple[str, int], ParamCounts]
 
 def other_zero_stage(cfg: RunConfig) -> RunConfig:
     """``cfg`` on the other ZeRO stage, its checkpointed layers left to choose (auto)."""
-    v = copy.deepcopy(cfg)
-    v.zero.stage, v.zero.template = (2 if cfg.zero.stage == 3 else 3), None
-    if v.trainer.activation_checkpointing:
-        v.trainer.checkpoint_layers = "auto"
-    return v
+    layers = "auto" if cfg.trainer.activation_checkpointing else str(cfg.trainer.checkpoint_layers)
+    stage = 2 if cfg.zero.stage == 3 else 3
+    return decided(cfg, zero_stage=stage, zero_template=None, checkpoint_layers=layers)
 
 
 def larger_micro_batch_under_split(cfg: RunConfig) -> RunConfig | None:
@@ -242,11 +241,8 @@ def larger_micro_batch_under_split(cfg: RunConfig) -> RunConfig | None:
     k = max((k for k in range(2, sp + 1) if gas % k == 0), default=None)
     if k is None:
         return None
-    v = copy.deepcopy(cfg)
-    v.trainer.micro_batch_size *= k
-    if v.trainer.activation_checkpointing:
-        v.trainer.checkpoint_layers = "auto"
-    return v
+    layers = "auto" if cfg.trainer.activation_checkpointing else str(cfg.trainer.checkpoint_layers)
+    return decided(cfg, micro_batch_size=cfg.trainer.micro_batch_size * k, checkpoint_layers=layers)
 
 
 def format_step_estimates(cfg: RunConfig, counts: ParamCounts) -> str | None:
@@ -314,8 +310,7 @@ def _fewest_layers_that_fit(
     room = budget[0] - AUTO_CHECKPOINT_SPARE_GIB
     # Up to layers - 1: recomputing the last layer as well would only cost (activation_bytes).
     for k in range(layers):
-        trial = copy.deepcopy(cfg)
-        trial.trainer.checkpoint_layers = str(k)
+        trial = decided(cfg, checkpoint_layers=str(k))
         if plan(trial, counts).total_gib <= room:
             return k
     return layers
@@ -329,8 +324,7 @@ def resolve_checkpoint_layers(cfg: RunConfig, counts: ParamCounts) -> tuple[RunC
     # Read once: the host's available RAM (CPU ranks) moves between reads.
     budget, spare = checkpoint_budget(cfg), AUTO_CHECKPOINT_SPARE_GIB
     k = _fewest_layers_that_fit(cfg, counts, budget)
-    cfg = copy.deepcopy(cfg)
-    cfg.trainer.checkpoint_layers = str(k)
+    cfg = decided(cfg, checkpoint_layers=str(k))
     layers = cfg.model.architecture["num_hidden_layers"]
     if budget is None:
         why = "no plan.device_gib to fit"
@@ -364,8 +358,7 @@ def sequence_parallel_choices(cfg: RunConfig) -> list[int]:
     for sp in range(1, cfg.launcher.num_ranks + 1):
         if cfg.launcher.num_ranks % sp:
             continue
-        trial = copy.deepcopy(cfg)
-        trial.trainer.sequence_parallel = str(sp)
+        trial = decided(cfg, sequence_parallel=str(sp))
         try:
             validate(trial, inputs=False)
         except ConfigError:
@@ -389,9 +382,7 @@ def long_context_variants(cfg: RunConfig) -> list[tuple[RunConfig, str, float]]:
         tiles = offloads = ["off"]
     out = []
     for sp, tile, offload in itertools.product(sps, tiles, offloads):
-        v = copy.deepcopy(cfg)
-        v.trainer.sequence_parallel, v.trainer.tiled_mlp = str(sp), tile
-        v.trainer.offload_activations = offload
+        v = decided(cfg, sequence_parallel=str(sp), tiled_mlp=tile, offload_activations=offload)
         cost = COST_SEQUENCE_PARALLEL ** math.log2(sp)
         cost *= COST_TILED_MLP if tile == "on" else 1.0
         cost *= COST_OFFLOAD if offload == "on" else 1.0
@@ -432,9 +423,7 @@ def resolve_long_context(cfg: RunConfig, counts: ParamCounts) -> tuple[RunConfig
     if scored[0][4]:
         # The cheapest (none of them beyond what was set) fits: take it, and say nothing at
         # every launch — they stay unmeasured on GPUs.
-        chosen = copy.deepcopy(scored[0][0])
-        chosen.trainer.checkpoint_layers = t.checkpoint_layers
-        return chosen, None
+        return decided(scored[0][0], checkpoint_layers=str(t.checkpoint_layers)), None
     if fitting:
         if cfg.plan.device_tflops:
             best = min(fitting, key=lambda s: s[5].step_s if s[5] else math.inf)
@@ -445,8 +434,7 @@ def resolve_long_context(cfg: RunConfig, counts: ParamCounts) -> tuple[RunConfig
     else:
         best = min(scored, key=lambda s: s[3].total_gib)
         why = "none fits: the smallest plan"
-    chosen = copy.deepcopy(best[0])
-    chosen.trainer.checkpoint_layers = t.checkpoint_layers
+    chosen = decided(best[0], checkpoint_layers=str(t.checkpoint_layers))
     return chosen, f"long context (auto): {best[1]} ({why})"
 
 
@@ -454,17 +442,15 @@ def longest_sequence(cfg: RunConfig, counts: ParamCounts, step: int = 1024) -> t
     """The longest data.max_seq_len (a multiple of ``step``) whose plan fits, the long-context
     choices and checkpointed layers left to auto, and what they chose there. Memory only:
     positions beyond the model's max_position_embeddings need rope scaling."""
-    base = copy.deepcopy(cfg)
-    base.trainer.sequence_parallel = "auto"
-    base.trainer.tiled_mlp = base.trainer.offload_activations = "auto"
-    if base.trainer.activation_checkpointing:
-        base.trainer.checkpoint_layers = "auto"
-    base.data.max_seq_len = step  # checked against rope limits by the caller, not here
-    base.model.architecture = {**base.model.architecture, "max_position_embeddings": 1 << 40}
+    layers = "auto" if cfg.trainer.activation_checkpointing else str(cfg.trainer.checkpoint_layers)
+    auto = {"sequence_parallel": "auto", "tiled_mlp": "auto", "offload_activations": "auto"}
+    base = decided(cfg, checkpoint_layers=layers, **auto)
+    # Positions are checked against the rope limits by the caller, not here.
+    architecture = {**cfg.model.architecture, "max_position_embeddings": 1 << 40}
+    base = with_sections(base, model={"architecture": architecture})
 
     def fits(n: int) -> tuple[bool, str]:
-        trial = copy.deepcopy(base)
-        trial.data.max_seq_len = n
+        trial = with_sections(base, data={"max_seq_len": n})
         chosen, _ = resolve_long_context(trial, counts)
         chosen, _ = resolve_checkpoint_layers(chosen, counts)
         planned = plan(chosen, counts)
@@ -567,16 +553,12 @@ def out_of_memory_variant(cfg: RunConfig) -> tuple[RunConfig, list[str]] | None:
     is nothing left of that kind."""
     t = cfg.trainer
     layers = int(cfg.model.architecture["num_hidden_layers"])
-    out = copy.deepcopy(cfg)
     if t.loss == "plain":
-        out.trainer.loss = "auto"
-        return out, ["trainer.loss=auto"]
+        return decided(cfg, loss="auto"), ["trainer.loss=auto"]
     if not t.activation_checkpointing:
-        out.trainer.activation_checkpointing = True
-        out.trainer.checkpoint_layers = "all"
+        out = decided(cfg, activation_checkpointing=True, checkpoint_layers="all")
         return out, ["trainer.activation_checkpointing=true", "trainer.checkpoint_layers=all"]
     value = str(t.checkpoint_layers)
     if value not in ("all", "auto") and int(value) < layers:
-        out.trainer.checkpoint_layers = "all"
-        return out, ["trainer.checkpoint_layers=all"]
+        return decided(cfg, checkpoint_layers="all"), ["trainer.checkpoint_layers=all"]
     return None

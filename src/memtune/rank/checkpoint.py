@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +71,6 @@ def export_final(
     removed last). Collective (the adapter is gathered). Returns the tensor count and, on the
     writer, the files written ({"adapter/NAME": [size, sha256]}) for summary.json, which the
     job verifies before it calls the run finished."""
-    import shutil
-
     final = RunDir(run_dir).adapter
     tmp = run_dir / f".tmp-{final.name}"
     if is_writer:
@@ -139,8 +138,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(engine: Any, run_dir: Path, state: TrainState, keep_last: int) -> Path:
     """Collective: every rank calls it. Returns the checkpoint directory."""
-    import shutil
-
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -340,11 +337,9 @@ def load_gathered_state(engine: Any, checkpoint: Path) -> None:
                 if torch.is_tensor(step)
                 else meta["optimizer_step"]
             )
+    # The schedule's position; the rate of the next step is set from it by follow_schedule,
+    # which every resume calls (rank.worker).
     engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-    # load_state_dict restores the schedule's position, not the learning rate the optimizer
-    # holds (the engine files carry that in the optimizer's param groups): set it.
-    for group, lr in zip(basic.param_groups, engine.lr_scheduler.get_last_lr(), strict=True):
-        group["lr"] = lr
 
 
 def _materialize_optimizer_state(engine: Any) -> None:

@@ -102,26 +102,33 @@ def _merge_into(out_dir: Path, adapter_dir: Path, base: str | None, dtype: str, 
 
     from memtune.rank.model import quantization_config, torch_dtype
 
-    base = base or base_of(adapter_dir)
     cfg = run_config_of(adapter_dir)
+    # The revision the run trained on, unless another base is given (its own main).
+    revision = cfg.model.revision if cfg is not None and base is None else None
+    base = base or base_of(adapter_dir)
     quant = quantization_config(cfg) if cfg is not None and into == "dequantized" else None
     try:
         if quant is not None and cfg is not None:
             # Quantized exactly as in training (from the training dtype), then dequantized: the
             # weights the adapter learned to correct.
             quantized = AutoModelForCausalLM.from_pretrained(
-                base, dtype=torch_dtype(cfg), quantization_config=quant
+                base, dtype=torch_dtype(cfg), quantization_config=quant, revision=revision
             )
             model = quantized.dequantize().to(getattr(torch, DTYPES[dtype]))
         else:
-            model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, DTYPES[dtype]))
+            model = AutoModelForCausalLM.from_pretrained(
+                base, dtype=getattr(torch, DTYPES[dtype]), revision=revision
+            )
     except OSError as err:  # transformers: neither a local model dir nor one on the Hub
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"base model {base}: cannot load it ({first}); give --base") from None
     merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(str(out_dir))
-    tokenizer_src = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base
-    AutoTokenizer.from_pretrained(str(tokenizer_src)).save_pretrained(str(out_dir))
+    if (adapter_dir / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(str(adapter_dir))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(base, revision=revision)
+    tokenizer.save_pretrained(str(out_dir))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,6 +11,7 @@ Qwen3's ``<think>`` / ``</think>`` for a qwen3 model) and a ChatML chat template
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -20,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from memtune.config import ASSETS_DIR
+from memtune.config import ASSETS_DIR, ConfigError
 from memtune.rundir import follow_umask
 
 # Qwen2.5-Instruct's specials: pad is <|endoftext|>, an assistant turn ends with <|im_end|>.
@@ -101,8 +102,9 @@ def _no_progress_bars() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-class NotOurs(FileExistsError):
-    """A directory memtune would build a demo model in holds something it did not make."""
+class NotOurs(ConfigError):
+    """A directory memtune would build a demo model in holds something it did not make (a
+    config error: the job says it in one line before anything starts)."""
 
 
 def is_synthesized(path: str | Path) -> bool:
@@ -122,8 +124,6 @@ def _current(path: Path, fingerprint: str) -> bool:
 def _build_lock(path: Path) -> Iterator[None]:
     """One build of ``path`` at a time, across processes: a kernel lock on a sibling file,
     released when the holder exits, however it exits."""
-    import fcntl
-
     with open(path.parent / f".{path.name}.lock", "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
