@@ -52,7 +52,7 @@ from omegaconf import OmegaConf
 
 from memtune.config import RunConfig, compose, register_configs
 from memtune.launcher.hygiene import SHM_DIR, SHM_PREFIX
-from memtune.launcher.prepare import prepare_run_dir
+from memtune.launcher.prepare import lay_out
 from memtune.launcher.spawn import launch, rank_env
 from memtune.rundir import RunDir
 
@@ -226,7 +226,7 @@ def run_variant(v: Variant, base: list[str], run_dir: Path, threads: int) -> dic
     run_dir.mkdir(parents=True)
     log = run_dir / "bench.log"
     with output_to(log):
-        cfg = prepare_run_dir(compose_cfg([*base, *v.overrides]), run_dir)
+        cfg = lay_out(compose_cfg([*base, *v.overrides]), run_dir)
     load_before = loadavg()
     started = time.perf_counter()
     if v.baseline:

@@ -34,7 +34,7 @@ from common import loadavg, machine
 
 from memtune.config import compose, register_configs
 from memtune.launcher.preflight import all_reduce_check
-from memtune.launcher.prepare import prepare_run_dir
+from memtune.launcher.prepare import lay_out
 from memtune.launcher.spawn import launch
 from memtune.memory.counts import count_params
 from memtune.memory.step_time import step_time
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         for stage in (2, 3):
             run_dir = Path(tmp) / f"zero{stage}"
             log = run_dir.with_suffix(".log")
-            cfg = prepare_run_dir(compose(overrides(a, stage, tflops, link["bus_gb_s"])), run_dir)
+            cfg = lay_out(compose(overrides(a, stage, tflops, link["bus_gb_s"])), run_dir)
             load = loadavg()
             with log.open("w") as f:
                 saved = os.dup(1), os.dup(2)

@@ -18,7 +18,7 @@ import pytest
 from omegaconf import DictConfig
 
 from memtune.config import RunConfig, compose, register_configs
-from memtune.launcher.prepare import prepare_run_dir
+from memtune.launcher.prepare import lay_out
 from memtune.launcher.spawn import launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +92,7 @@ class Run:
 
 
 def start_run(run_dir: Path, overrides: list[str], probe: bool = True) -> Run:
-    cfg = prepare_run_dir(compose_cfg(overrides), run_dir)
+    cfg = lay_out(compose_cfg(overrides), run_dir)
     code = launch(cfg, run_dir, module="rank_probe" if probe else "memtune.worker")
     return Run(run_dir, cfg, code)
 

@@ -89,9 +89,9 @@ def test_stage_mismatch_with_template_is_refused() -> None:
 
 
 def test_train_py_writes_filled_json(tmp_path) -> None:
-    from memtune.launcher.prepare import prepare_run_dir
+    from memtune.launcher.prepare import lay_out
 
-    prepare_run_dir(compose_cfg(["trainer.max_steps=3"]), tmp_path)
+    lay_out(compose_cfg(["trainer.max_steps=3"]), tmp_path)
     ds = json.loads((tmp_path / "ds_config.json").read_text())
     assert not _has_auto(ds)
     assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 10 * 256  # 10·hidden

@@ -219,7 +219,7 @@ def test_auto_fit_picks_the_cheapest_variant_that_fits() -> None:
 
 
 def test_auto_fit_is_applied_before_launch_and_recorded(tmp_path: Path, capsys) -> None:
-    from memtune.launcher.prepare import prepare_run_dir
+    from memtune.launcher.prepare import lay_out
 
     # Qwen2.5-7B's config.json next to the tiny model's tokenizer (the launcher side reads no
     # weights): the planner sees the 7B, the data is tokenized as for the tiny one.
@@ -241,7 +241,7 @@ def test_auto_fit_is_applied_before_launch_and_recorded(tmp_path: Path, capsys) 
         "data.packing=false",  # packed at 4,096 tokens the 320 demo samples are 2 rows: no step
         f"model.name_or_path={stand_in}",
     ]
-    cfg = prepare_run_dir(compose_cfg(overrides), tmp_path / "run")
+    cfg = lay_out(compose_cfg(overrides), tmp_path / "run")
     assert "auto_fit: trainer.activation_checkpointing=true" in capsys.readouterr().out
     assert cfg.trainer.activation_checkpointing and cfg.zero.stage == 2
     saved = (tmp_path / "run" / "config.yaml").read_text()

@@ -271,6 +271,17 @@ class OomRestart:
 
 
 @dataclass
+class MemoryRecord:
+    """``memory.json``: every rank's peak and last memory reading at the end, and each next to
+    the plan (rank.memory_check), written by rank 0."""
+
+    measure: str
+    """What was read: "CUDA allocator (GiB)" or "process RSS (GiB)"."""
+    ranks: list[dict[str, float]]
+    vs_plan: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
 class BaseRecord:
     """``base.json``: which base model the run trains, by content. A resume compares the
     fingerprints, so the same weights moved to a new path resume and other weights at the same
@@ -665,10 +676,8 @@ class RunDir:
         ranks: list[dict[str, float]],
         vs_plan: list[dict[str, Any]] | None = None,
     ) -> None:
-        record: dict[str, Any] = {
-            "measure": measure,
-            "ranks": [{"rank": r, **m} for r, m in enumerate(ranks)],
-        }
-        if vs_plan is not None:
-            record["vs_plan"] = vs_plan
-        write_atomic(self.memory, json.dumps(record, indent=2) + "\n")
+        ranked = [{"rank": r, **m} for r, m in enumerate(ranks)]
+        _write(MemoryRecord(measure, ranked, vs_plan or []), self.memory)
+
+    def read_memory(self) -> MemoryRecord:
+        return _read(MemoryRecord, self.memory)

@@ -45,7 +45,12 @@ from memtune.launcher.topology import (
 )
 from memtune.machine import name_cpu_accelerator, versions_line
 from memtune.memory.estimate import format_plan
-from memtune.memory.fit import format_longest_sequence, format_step_estimates, format_suggestions
+from memtune.memory.fit import (
+    Fitted,
+    format_longest_sequence,
+    format_step_estimates,
+    format_suggestions,
+)
 from memtune.rundir import RunDir, RunDirBusy, find_latest, hold, write_atomic
 
 FAILED_POINTS: list[str] = []
@@ -116,7 +121,7 @@ def after_out_of_memory(cfg: RunConfig, run_dir: Path, spec: Any, env: dict[str,
         # with nothing saved since still starts from PATH; resume=never must not set this run
         # aside as an earlier one).
         variant.resume = "auto"
-    fresh = prepare_run_dir(None, run_dir, oom.fitted_for(variant))
+    fresh = prepare_run_dir(Fitted.as_decided(variant), run_dir)
     resumed = RunDir(run_dir).read_resume().checkpoint
     oom.record_restart(run_dir, changes, resumed)
     where = f"from {resumed}" if resumed else "from the start (no checkpoint yet)"
@@ -281,7 +286,7 @@ def _decide_and_lay_out(
         # Decided again: auto_fit and the long-context choice order variants by step time.
         fitted = decide(given, link_gb_s=measured, say=False)
     announce(fitted)
-    return prepare_run_dir(cfg, run_dir, fitted), env
+    return prepare_run_dir(fitted, run_dir), env
 
 
 def _stopped_before_launch(run_dir: Path, kind: str, error: str, sweeping: bool) -> None:

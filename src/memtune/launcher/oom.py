@@ -13,8 +13,7 @@ from pathlib import Path
 
 from memtune.config import RunConfig
 from memtune.memory.counts import count_params
-from memtune.memory.estimate import plan
-from memtune.memory.fit import Fitted, format_suggestions, out_of_memory_variant
+from memtune.memory.fit import format_suggestions, out_of_memory_variant
 from memtune.rundir import OomReport, OomRestart, RunDir
 
 
@@ -62,12 +61,6 @@ def record_restart(run_dir: Path, changes: list[str], resumed: str | None) -> No
     rd.write_oom_restart(OomRestart(reports(run_dir), changes, resumed))
     for p in run_dir.glob("oom-rank*.json"):
         p.rename(p.with_name(f"restarted-{p.name}"))
-
-
-def fitted_for(cfg: RunConfig) -> Fitted:
-    """The variant as a launch decision (prepare_run_dir lays the run dir out from it)."""
-    result = plan(cfg)
-    return Fitted(cfg, result, cfg, result, [], [])
 
 
 def say(msg: str) -> None:

@@ -95,19 +95,20 @@ def announce(fitted: Fitted) -> None:
         print(f"memtune: {note}", flush=True)
 
 
-def prepare_run_dir(
-    cfg_node: DictConfig | None, run_dir: Path, fitted: Fitted | None = None
-) -> RunConfig:
-    """Validate ``cfg_node``, write ``config.yaml`` and ``ds_config.json`` to ``run_dir``.
+def lay_out(cfg_node: DictConfig, run_dir: Path) -> RunConfig:
+    """What a launch does before its ranks start, in one call (the tests and the benchmarks
+    start ranks on what it lays out): validate, decide, :func:`prepare_run_dir`."""
+    return prepare_run_dir(decide(given_config(cfg_node)), run_dir)
 
-    Everything that can fail before a rank starts fails here: schema, ranges, memory, the
-    DeepSpeed template, a missing data file. A synthesized demo model is built here too, once,
-    rather than by every rank at the same time. ``fitted``: what ``decide`` already made of
-    ``cfg_node`` (train.py decides before the GPU preflight); config.yaml records it.
+
+def prepare_run_dir(fitted: Fitted, run_dir: Path) -> RunConfig:
+    """Lay out ``run_dir`` for the decided run (``fitted``: what :func:`decide` made of the
+    config; config.yaml records it) and return the config the ranks will read.
+
+    Everything that can still fail before a rank starts fails here: the DeepSpeed template, the
+    disk's room, the data, the checkpoint to resume. A synthesized demo model is built here
+    too, once, rather than by every rank at the same time.
     """
-    if fitted is None:
-        assert cfg_node is not None, "prepare_run_dir needs a config or a decision"
-        fitted = decide(given_config(cfg_node))
     cfg, memory_plan = fitted.cfg, fitted.plan
     assert memory_plan.counts is not None
     cfg.run_dir = str(run_dir)

@@ -504,6 +504,14 @@ class Fitted:
     changes: list[str]  # auto_fit's overrides, [] when it changed nothing
     notes: list[str]  # what was decided and why, for the caller to say
 
+    @classmethod
+    def as_decided(cls, cfg: RunConfig) -> Fitted:
+        """A config whose decisions are made already (an out-of-memory restart's variant of
+        the run's resolved config), with its plan: deciding again could pick another variant
+        (auto_fit), which the run's checkpoint would not continue."""
+        planned = plan(cfg)
+        return cls(cfg, planned, cfg, planned, [], [])
+
 
 def fit_to_device(cfg: RunConfig, refuse: bool = True) -> Fitted:
     """Decide the number of checkpointed layers (checkpoint_layers=auto) and, with
