@@ -67,7 +67,7 @@ FAULTS = [
      "moved: resumed; modified or another optimizer: refused before launch"),
     ("test_checkpoint", "test_resume_with_a_contradicting_config",
      "resume=never in a used run dir (after a refused resume)",
-     "the earlier run moved whole to previous/, byte for byte; the user's own file stays"),
+     "the earlier run's files moved to previous/, byte for byte; the user's own file stays"),
     ("test_checkpoint", "test_a_longer_max_steps",
      "a resume with a larger trainer.max_steps",
      "every step after the resume on the new schedule"),
