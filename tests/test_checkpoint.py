@@ -237,7 +237,7 @@ def test_sigterm_saves_and_the_same_command_continues(tmp_path: Path) -> None:
 
 
 def test_ctrl_c_stops_with_a_checkpoint_and_a_second_stops_at_once(tmp_path: Path) -> None:
-    """Ctrl-C reaches the job alone (the ranks have a session of their own): the first is a
+    """Ctrl-C reaches the job alone (the ranks are a process group of their own): the first is a
     graceful stop like SIGTERM's, the second ends the ranks at once; neither prints a
     traceback (the job used to print 236 lines with 6 tracebacks and save nothing)."""
     run_dir = tmp_path / "run"

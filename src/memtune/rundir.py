@@ -25,7 +25,7 @@ import os
 import shutil
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -54,6 +54,31 @@ def _read(cls: type[R], path: Path) -> R:
     if missing:
         raise RecordError(f"{path}: missing {', '.join(missing)} (not a {cls.__name__} record)")
     return cls(**{k: v for k, v in raw.items() if k in names})
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable (the directory entry itself)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_dir(new: Path, final: Path, before_removal: Callable[[], None] | None = None) -> None:
+    """Put the directory ``new`` (written whole under a temporary name) at ``final``: an
+    earlier ``final`` of ours moves aside to ``.old-NAME`` first and is removed only once the
+    new one is in place (and ``before_removal`` has run), so a crash leaves one of them
+    (find_latest looks at the set-aside name too)."""
+    aside = final.with_name(f".old-{final.name}")
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    os.replace(new, final)
+    fsync_dir(final.parent)
+    if before_removal is not None:
+        before_removal()
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def write_atomic(path: Path, text: str) -> None:

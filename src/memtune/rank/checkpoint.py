@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from memtune.rundir import (
     follow_umask,
     is_complete,
     list_files,
+    replace_dir,
     step_dir_name,
     write_atomic,
     write_manifest,
@@ -81,13 +81,7 @@ def export_final(
     tokenizer.save_pretrained(str(tmp))
     follow_umask(tmp)  # safetensors writes 0600: the user's umask decides, as for any file
     files = {f"{final.name}/{name}": v for name, v in list_files(tmp).items()}
-    aside = run_dir / f".old-{final.name}"
-    if final.exists():
-        shutil.rmtree(aside, ignore_errors=True)
-        os.replace(final, aside)
-    os.replace(tmp, final)
-    _fsync_dir(run_dir)
-    shutil.rmtree(aside, ignore_errors=True)
+    replace_dir(tmp, final)
     return n_tensors, files
 
 
@@ -164,30 +158,15 @@ def save_checkpoint(engine: Any, run_dir: Path, state: TrainState, keep_last: in
         follow_umask(tmp)
         write_manifest(tmp)  # every file fsynced, then listed with its size and hash
         write_atomic(tmp / COMPLETE, json.dumps({"step": state.step}) + "\n")
-        # The same step saved again (a resumed run's last step): the old one moves aside
-        # first and goes only once the new one is in place, so a crash leaves one of them.
-        aside = root / f".old-{final.name}"
-        if final.exists():
-            shutil.rmtree(aside, ignore_errors=True)
-            os.replace(final, aside)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        write_atomic(root / "latest", final.name + "\n")
-        shutil.rmtree(aside, ignore_errors=True)
+        # The same step saved again (a resumed run's last step) replaces it whole.
+        replace_dir(
+            tmp, final, before_removal=lambda: write_atomic(root / "latest", final.name + "\n")
+        )
         done = sorted(p for p in root.glob("step-*") if is_complete(p))
         for old in done[: max(0, len(done) - keep_last)]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename in ``path`` durable (the directory entry itself)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class UnsafeCheckpoint(RuntimeError):
