@@ -334,6 +334,38 @@ def test_checkpoint_files_are_verified_before_loading(finished: Path, tmp_path: 
         verify_checkpoint_files(ckpt)
 
 
+class _ByName:
+    """Pickles as ``getattr(owner, name)``: how Debian's Python 3.11.2 pickles an Enum member
+    (DeepSpeed's ZeroStageEnum in every optimizer file), not 3.11.7."""
+
+    def __init__(self, owner: object, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def __reduce__(self):
+        return (getattr, (self.owner, self.name))
+
+
+def test_an_enum_member_pickled_by_name_loads_and_no_other_getattr(tmp_path: Path) -> None:
+    """Every resume was refused on such a Python ("Unsupported global: GLOBAL getattr")."""
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from memtune.rank.checkpoint import UnsafeCheckpoint, verify_checkpoint_files
+
+    engine = tmp_path / "ckpt" / "engine"
+    engine.mkdir(parents=True)
+    state = {"zero_stage": _ByName(ZeroStageEnum, "optimizer_states"), "step": torch.ones(1)}
+    torch.save(state, engine / "optim_states.pt")
+    assert verify_checkpoint_files(tmp_path / "ckpt") == 1
+    # getattr reaching past the members of an allowed class: refused
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+
+    for owner, name in ((ZeroStageEnum, "__class__"), (LossScaler, "update_scale")):
+        torch.save({"payload": _ByName(owner, name)}, engine / "optim_states.pt")
+        with pytest.raises(UnsafeCheckpoint, match="is not an Enum member") as refused:
+            verify_checkpoint_files(tmp_path / "ckpt")
+        assert "weights_only" not in str(refused.value)
+
+
 # ZeRO-2 writes one model-states file (rank 0) and one optimizer file per rank; ZeRO-3 two
 # files per rank.
 @pytest.mark.parametrize(("run_name", "files"), [("zero2_run", 3), ("bf16_run", 4)])

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import enum
 import json
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -178,7 +180,18 @@ def _deepspeed_safe_types() -> list[Any]:
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    return [ZeroStageEnum, LossScaler, fragment_address]
+    return [ZeroStageEnum, LossScaler, fragment_address, (enum_member, "builtins.getattr")]
+
+
+def enum_member(cls: Any, name: str) -> Any:
+    """``getattr`` as a checkpoint may use it, and no further: some Python versions (Debian's
+    3.11.2, not 3.11.7) pickle an Enum member as ``getattr(EnumClass, "name")``, so DeepSpeed's
+    ZeroStageEnum in every optimizer file reads ``GLOBAL builtins.getattr``, which the
+    weights-only unpickler refuses (every resume was refused there). Only a member of an Enum
+    class the unpickler already allows is handed out; any other getattr is refused."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) is not an Enum member")
 
 
 def verify_checkpoint_files(path: Path) -> int:
@@ -191,12 +204,23 @@ def verify_checkpoint_files(path: Path) -> int:
             try:
                 torch.load(f, map_location="cpu", weights_only=True)
             except Exception as err:
-                first = str(err).strip().splitlines()
-                reason = next((line for line in first if "GLOBAL" in line), first[0])
-                # from None: torch's own text advises weights_only=False, which must never be
-                # the way out of a refused checkpoint
-                raise UnsafeCheckpoint(f"{f}: refusing to load ({reason.strip()})") from None
+                # from None, and only the unpickler's reason: torch's own text advises
+                # weights_only=False, which must never be the way out of a refused checkpoint
+                raise UnsafeCheckpoint(f"{f}: refusing to load ({_reason(err)})") from None
     return len(files)
+
+
+def _reason(err: Exception) -> str:
+    """What the weights-only unpickler refused, without torch's advice around it (its text:
+    advice, "WeightsUnpickler error:", the reason, a pointer to the docs)."""
+    text = str(err)
+    _, marker, after = text.partition("WeightsUnpickler error:")
+    if marker:
+        reason = next((line.strip() for line in after.splitlines() if line.strip()), "")
+        if reason and not reason.startswith("Check the documentation"):
+            return reason
+    named = next((line.strip() for line in text.splitlines() if "GLOBAL" in line), None)
+    return named or f"{type(err).__name__}: not tensors and plain data only"
 
 
 def load_checkpoint(engine: Any, path: Path, rank: int) -> TrainState:
