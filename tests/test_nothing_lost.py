@@ -159,3 +159,22 @@ def test_a_run_dir_held_by_a_job_refuses_a_second_one_until_it_dies(tmp_path: Pa
     assert again.returncode == 0, again.stderr[-2000:]
     assert (run_dir / "config.yaml").is_file()
     assert f'"pid": {holder.pid}' not in (run_dir / "job.lock").read_text()
+
+
+def test_a_run_dir_holding_files_named_as_memtunes_own_is_refused(tmp_path: Path) -> None:
+    """run_dir pointed at a directory of the user's that holds an adapter/ (say, from another
+    tool): the run would replace it at its end. Refused before anything is written."""
+    run_dir = tmp_path / "my-project"
+    adapter = run_dir / "adapter"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_model.safetensors").write_bytes(b"someone else's adapter")
+    before = _tree(run_dir)
+    proc = run_train_py([f"run_dir={run_dir}", "preprocess_only=true"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"run_dir {run_dir} holds adapter, which no memtune run left there" in proc.stderr
+    after = _tree(run_dir)
+    assert {k: v for k, v in after.items() if k in before} == before  # not one of them touched
+    assert not (run_dir / "config.yaml").exists()
+    # The refusal's own exit.json does not make the dir memtune's: the next start is refused too.
+    again = run_train_py([f"run_dir={run_dir}", "preprocess_only=true"], cwd=tmp_path, timeout=120)
+    assert again.returncode == 2 and "holds adapter" in again.stderr

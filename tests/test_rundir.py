@@ -84,12 +84,12 @@ def test_the_newest_complete_checkpoint_wins(tmp_path: Path) -> None:
 
 
 def test_a_checkpoint_left_at_its_set_aside_name_is_still_found(tmp_path: Path) -> None:
-    """A crash between a re-save's two renames leaves step N only as .old-step-N."""
+    """A crash between a re-save's two renames leaves step N only at its set-aside name."""
     root = RunDir(tmp_path).checkpoints
-    for name, step in (("step-0000004", 4), (".old-step-0000008", 8)):
+    for name, step in (("step-0000004", 4), (".old-step-0000008.k3j2x_q", 8)):
         ckpt = root / name
         ckpt.mkdir(parents=True)
         TrainState(**{**STATE, "step": step}).write(ckpt)
         (ckpt / "complete.json").write_text("{}")
     latest, _ = find_latest(tmp_path)
-    assert latest == root / ".old-step-0000008"
+    assert latest == root / ".old-step-0000008.k3j2x_q"

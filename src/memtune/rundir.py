@@ -25,6 +25,7 @@ import os
 import shutil
 import socket
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -67,18 +68,20 @@ def fsync_dir(path: Path) -> None:
 
 def replace_dir(new: Path, final: Path, before_removal: Callable[[], None] | None = None) -> None:
     """Put the directory ``new`` (written whole under a temporary name) at ``final``: an
-    earlier ``final`` of ours moves aside to ``.old-NAME`` first and is removed only once the
-    new one is in place (and ``before_removal`` has run), so a crash leaves one of them
-    (find_latest looks at the set-aside name too)."""
-    aside = final.with_name(f".old-{final.name}")
+    earlier ``final`` of ours moves aside to a fresh ``.old-NAME.XXXX`` (made here, so nothing
+    but what this call moved there is ever removed) and goes only once the new one is in place
+    (and ``before_removal`` has run), so a crash leaves one of them (find_latest looks at the
+    set-aside name too)."""
+    aside = None
     if final.exists():
-        shutil.rmtree(aside, ignore_errors=True)
-        os.replace(final, aside)
+        aside = Path(tempfile.mkdtemp(prefix=f".old-{final.name}.", dir=final.parent))
+        os.replace(final, aside)  # onto the empty dir just made
     os.replace(new, final)
     fsync_dir(final.parent)
     if before_removal is not None:
         before_removal()
-    shutil.rmtree(aside, ignore_errors=True)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -451,7 +454,7 @@ def find_latest(run_dir: Path) -> tuple[Path | None, list[str]]:
     # the step only at its set-aside name: still a candidate.
     found = {p.name: p for p in root.glob("step-*") if p.is_dir()}
     for aside in root.glob(".old-step-*"):
-        found.setdefault(aside.name[len(".old-") :], aside)
+        found.setdefault(aside.name[len(".old-") :].split(".")[0], aside)
     candidates = [found[name] for name in sorted(found, reverse=True)]
     pointer = root / "latest"
     if pointer.is_file():
@@ -618,10 +621,22 @@ class RunDir:
         """Where a fresh start (resume=never) moves the run that was in the dir before it."""
         return self.path / "previous"
 
+    def held_a_run(self) -> bool:
+        """Whether memtune laid a run out here: base.json is its first record, resume.json its
+        last (an exit.json alone is a start refused before either: it laid nothing out)."""
+        return self.base.is_file() or self.resume.is_file()
+
+    def run_names_taken(self) -> list[Path]:
+        """Entries named as memtune's own, in a dir that never held a memtune run: the user's
+        (memtune would write into or replace them: its adapter/, checkpoints/, ...)."""
+        if self.held_a_run():
+            return []
+        return sorted({p for pattern in self.RUN_FILES for p in self.path.glob(pattern)})
+
     def earlier_run(self) -> list[Path]:
         """The entries an earlier run left here (none of a user's other files); none unless
-        the dir shows it held a memtune run (its resume.json or exit.json)."""
-        if not (self.resume.is_file() or self.exit.is_file()):
+        the dir held a memtune run."""
+        if not self.held_a_run():
             return []
         found = {p for pattern in self.RUN_FILES for p in self.path.glob(pattern)}
         return sorted(found)

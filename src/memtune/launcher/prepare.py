@@ -112,6 +112,14 @@ def prepare_run_dir(fitted: Fitted, run_dir: Path) -> RunConfig:
     cfg, memory_plan = fitted.cfg, fitted.plan
     assert memory_plan.counts is not None
     cfg.run_dir = str(run_dir)
+    taken = RunDir(run_dir).run_names_taken()
+    if taken:
+        names = ", ".join(p.name for p in taken[:4]) + (", ..." if len(taken) > 4 else "")
+        raise ConfigError(
+            f"run_dir {run_dir} holds {names}, which no memtune run left there (it has no "
+            "base.json or resume.json): a run writes and replaces those names, "
+            "so it is not started over them; give the run a dir of its own (run_dir=...)"
+        )
     ds_config = build_ds_config(cfg)
     check_run_dir_room(cfg, memory_plan.counts, run_dir)
     if cfg.model.synthesize:

@@ -6,6 +6,7 @@ import enum
 import json
 import pickle
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -74,16 +75,18 @@ def export_final(
     writer, the files written ({"adapter/NAME": [size, sha256]}) for summary.json, which the
     job verifies before it calls the run finished."""
     final = RunDir(run_dir).adapter
-    tmp = run_dir / f".tmp-{final.name}"
-    if is_writer:
-        shutil.rmtree(tmp, ignore_errors=True)  # ours: a cut-short earlier export
-    n_tensors = export_adapter(model, tmp, is_writer)
-    if not is_writer:
-        return n_tensors, {}
-    tokenizer.save_pretrained(str(tmp))
-    follow_umask(tmp)  # safetensors writes 0600: the user's umask decides, as for any file
-    files = {f"{final.name}/{name}": v for name, v in list_files(tmp).items()}
-    replace_dir(tmp, final)
+    if not is_writer:  # the gather is collective; only the writer has a folder to fill
+        return export_adapter(model, final, is_writer=False), {}
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}.", dir=run_dir))  # made here: ours
+    try:
+        n_tensors = export_adapter(model, tmp, is_writer=True)
+        tokenizer.save_pretrained(str(tmp))
+        follow_umask(tmp)  # safetensors writes 0600: the user's umask decides, as for any file
+        files = {f"{final.name}/{name}": v for name, v in list_files(tmp).items()}
+        replace_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return n_tensors, files
 
 
