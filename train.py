@@ -19,20 +19,27 @@ from omegaconf import DictConfig
 from memtune.config import register_configs
 from memtune.config.schema import unknown_override
 from memtune.exit_codes import EXIT_CONFIG
-from memtune.launcher.job import FAILED_POINTS, missing_slurm, run_job
+from memtune.launcher.job import missing_slurm, run_job
 
 register_configs()
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> None:
-    run_job(cfg)
+def main() -> int:
+    """Hydra runs the job, or every point of a sweep; a single run exits with its own code, a
+    sweep with 1 when a point failed (their lines above say why)."""
+    failed: list[int] = []
+
+    @hydra.main(version_base="1.3", config_path="conf", config_name="config")
+    def job(cfg: DictConfig) -> None:
+        if code := run_job(cfg):
+            failed.append(code)
+
+    job()
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
     if problem := unknown_override(sys.argv[1:]) or missing_slurm(sys.argv[1:]):
         print(f"memtune: config error: {problem}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
-    main()
-    if FAILED_POINTS:  # a sweep ran every point; some failed (their lines above say why)
-        sys.exit(1)
+    sys.exit(main())

@@ -176,12 +176,11 @@ def plan_record(cfg: Any, counts: Any) -> dict[str, Any]:
     from memtune.memory.estimate import plan
 
     p = plan(cfg, counts)
-    outside = ("allocator fragmentation", "CUDA context + workspaces")
     return {
         "total_gib": p.total_gib,
-        "live_gib": sum(g for what, g, _ in p.rows if what not in outside),
+        "live_gib": sum(r.gib for r in p.rows if r.allocated and r.live),
         "fits": p.fits,
-        "rows": [{"what": w, "gib": g, "how": h} for w, g, h in p.rows],
+        "rows": [{"what": r.what, "gib": r.gib, "how": r.how} for r in p.rows],
     }
 
 

@@ -147,3 +147,34 @@ def test_one_rank_runs_zero2_instead_of_zero3(capsys) -> None:
     assert stage("launcher.num_ranks=2") == 3
     assert stage("launcher.num_ranks=1", "zero.one_rank_stage2=false") == 3
     assert stage("launcher.num_ranks=1", "zero=zero3-offload") == 3  # offload needs ZeRO-3
+
+
+CHOICE_FIELDS = {
+    "model.architecture_source": "auto | checkpoint",
+    "model.attn_implementation": "auto | sdpa_varlen | sdpa | eager | flash_attention_2",
+    "data.format": "alpaca | messages | text",
+    "data.template": "chatml | plain | qwen3",
+    "data.overlong": "truncate | drop | split",
+    "data.on_bad_record": "error | skip",
+    "peft.method": "lora | qlora | lora-int8",
+    "peft.target": "attention | all-linear",
+    "peft.quant_type": "nf4 | fp4",
+    "trainer.precision": "bf16 | fp32",
+    "trainer.tiled_mlp": "auto | on | off",
+    "trainer.offload_activations": "auto | on | off",
+    "trainer.optimizer": "adamw | adamw_8bit | cpu_adam",
+    "trainer.loss": "auto | chunked | plain | liger",
+    "trainer.on_nonfinite": "stop | skip",
+    "logger.backend": "wandb | none",
+    "logger.mode": "offline | online | auto",
+}
+
+
+@pytest.mark.parametrize("key", sorted(CHOICE_FIELDS))
+def test_every_choice_field_refuses_a_value_outside_its_literal(key: str) -> None:
+    """The schema's Literal is the one list of a choice field's values: a value outside it
+    composes (Hydra sees str) and is refused before launch, listing the values it allows."""
+    cfg = to_run_config(compose_cfg([f"{key}=bogus"]))
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, inputs=False)
+    assert str(err.value) == f"{key}='bogus' is not supported; choose {CHOICE_FIELDS[key]}"

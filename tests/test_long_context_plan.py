@@ -37,7 +37,7 @@ def test_131k_on_four_4090d_is_planned_with_2_gib_spare_and_split_four_ways() ->
     cfg = fitted.cfg
     assert sequence_parallel_size(cfg) == 4 and cfg.trainer.offload_activations == "on"
     assert fitted.plan.fits and fitted.plan.device_gib - fitted.plan.total_gib >= 2.0
-    rows = dict((w, g) for w, g, _ in fitted.plan.rows)
+    rows = fitted.plan.gib()
     assert rows["sequence-parallel buffers"] > 0
     assert fitted.plan.host_rows and fitted.plan.host_total_gib <= fitted.plan.host_gib
     assert any("long context (auto): sequence_parallel=4" in n for n in fitted.notes)
@@ -143,7 +143,7 @@ def test_splitting_costs_under_15_percent_where_both_fit() -> None:
     assert dict(wider.traffic)[GATHERS] == pytest.approx(gathers[1])
     assert one.step_s < wider.step_s <= 1.15 * one.step_s
     rows = {
-        t: dict((w, g) for w, g, _ in plan(c).rows)
+        t: plan(c).gib()
         for t, c in ((1, _long_32k("zero3", 1)), (4, _long_32k("zero3", 4, micro=4)))
     }
     assert rows[4]["activations"] == pytest.approx(rows[1]["activations"], rel=0.01)

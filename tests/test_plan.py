@@ -128,11 +128,11 @@ def test_4x4090_experiments_fit_and_a_plain_recipe_does_not() -> None:
     seeds_like = [QWEN7B, "zero=zero2", "trainer.activation_checkpointing=false"]
     result = plan(to_run_config(compose_cfg([*seeds_like, "trainer.loss=plain"])))
     assert not result.fits
-    rows = dict((what, gib) for what, gib, _ in result.rows)
+    rows = result.gib()
     assert rows["base weights"] == pytest.approx(7_615_616_512 * 2 / 1024**3, rel=1e-3)
     # Checkpointing alone takes activations from tens of GiB to about two.
     ckpt = plan(to_run_config(compose_cfg([QWEN7B, "trainer.activation_checkpointing=true"])))
-    assert dict((w, g) for w, g, _ in ckpt.rows)["activations"] < rows["activations"] / 10
+    assert ckpt.gib()["activations"] < rows["activations"] / 10
 
 
 def test_a_run_that_cannot_fit_is_refused_before_launch(tmp_path: Path) -> None:
@@ -265,7 +265,7 @@ def test_planned_weights_and_optimizer_state_match_what_each_rank_holds(fixture,
     """Per rank, after real 2-rank runs: the bytes of parameters (ZeRO-3: the rank's shards)
     and of optimizer state (fp32 master partition + moments) against the plan's rows."""
     run = request.getfixturevalue(fixture)
-    rows = {what: gib * 1024**3 for what, gib, _ in plan(run.cfg).rows}
+    rows = {what: gib * 1024**3 for what, gib in plan(run.cfg).gib().items()}
     for probe in run.probes():
         # Adapters in the compute dtype whatever the stage and base (model.cast_adapters).
         assert probe["lora_dtypes"] == [str(torch_dtype(run.cfg))]
@@ -323,8 +323,7 @@ def test_checkpoint_layers_auto_is_the_fewest_that_fit_with_the_spare() -> None:
     assert chosen.trainer.checkpoint_layers == str(k) and cfg.trainer.checkpoint_layers == "auto"
     assert (
         result.fits
-        and f"{k} of 28 layers checkpointed"
-        in dict((what, how) for what, _, how in result.rows)["activations"]
+        and f"{k} of 28 layers checkpointed" in {r.what: r.how for r in result.rows}["activations"]
     )
     # CPU ranks without plan.device_gib fit the host's available RAM: the tiny demo (0.05 GiB
     # per rank) needs no recompute; GPU ranks without it recompute every layer.

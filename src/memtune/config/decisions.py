@@ -14,22 +14,24 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from memtune.config.schema import RunConfig
+from memtune.config.schema import Loss, Optimizer, PeftMethod, RunConfig, Switch, ZeroStage
 
 
 @dataclass(frozen=True)
 class Decisions:
-    zero_stage: int
+    zero_stage: ZeroStage
     zero_template: str | None
     micro_batch_size: int
-    loss: str
+    loss: Loss
     activation_checkpointing: bool
     checkpoint_layers: str
+    """all | auto | a number of layers"""
     sequence_parallel: str
-    tiled_mlp: str
-    offload_activations: str
-    optimizer: str
-    peft_method: str
+    """auto | a number of ranks"""
+    tiled_mlp: Switch
+    offload_activations: Switch
+    optimizer: Optimizer
+    peft_method: PeftMethod
 
     @classmethod
     def of(cls, cfg: RunConfig) -> Decisions:

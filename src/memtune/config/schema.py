@@ -15,16 +15,57 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from memtune.paths import ASSETS_DIR, CONF_DIR, SOURCE_ROOT  # noqa: F401  (config's names too)
 
-FORMATS = ("alpaca", "messages", "text")
+# The choice fields. Each Literal below is the one list of a field's values: mypy checks every
+# comparison and assignment against it (strict_equality), and validate() refuses any other value
+# before launch. A field is declared ``Choice[Name]``: the Literal to mypy, the Literal's value
+# type (str or int) to OmegaConf, which cannot hold a Literal (and would turn strings into Enums
+# by member name, which "lora-int8" cannot be).
+ArchitectureSource = Literal["auto", "checkpoint"]
+AttnImplementation = Literal["auto", "sdpa_varlen", "sdpa", "eager", "flash_attention_2"]
+DataFormat = Literal["alpaca", "messages", "text"]
+Template = Literal["chatml", "plain", "qwen3"]
+Overlong = Literal["truncate", "drop", "split"]
+OnBadRecord = Literal["error", "skip"]
+PeftMethod = Literal["lora", "qlora", "lora-int8"]
+PeftTarget = Literal["attention", "all-linear"]
+QuantType = Literal["nf4", "fp4"]
+ZeroStage = Literal[2, 3]
+Precision = Literal["bf16", "fp32"]
+Switch = Literal["auto", "on", "off"]
+Optimizer = Literal["adamw", "adamw_8bit", "cpu_adam"]
+Loss = Literal["auto", "chunked", "plain", "liger"]
+OnNonfinite = Literal["stop", "skip"]
+LoggerBackend = Literal["wandb", "none"]
+LoggerMode = Literal["offline", "online", "auto"]
+
+if TYPE_CHECKING:
+    _T = typing.TypeVar("_T")
+    Choice = typing.Annotated[_T, "memtune choice"]
+else:
+
+    class Choice:
+        """``Choice[Literal[...]]`` is the Literal's value type at run time (what OmegaConf
+        sees): str, or int for ZeroStage."""
+
+        def __class_getitem__(cls, literal: Any) -> type:
+            return type(typing.get_args(literal)[0])
+
+
+def choices_of(literal: Any) -> tuple[Any, ...]:
+    """The values a choice type allows: ``choices_of(Switch)`` → ("auto", "on", "off")."""
+    return typing.get_args(literal)
+
+
+FORMATS: tuple[str, ...] = choices_of(DataFormat)
 """data.format: what a record looks like (data.readers reads each)."""
-TEMPLATES = ("chatml", "plain", "qwen3")
+TEMPLATES: tuple[str, ...] = choices_of(Template)
 """data.template: how a conversation becomes text (data.templates renders each)."""
 
 
@@ -40,12 +81,12 @@ class ModelConfig:
     """The fields of the model's ``config.json``: lets plans and validation run offline. When
     the checkpoint is on disk (a local directory, or the Hugging Face cache) its own config.json
     is planned instead, and a disagreement is refused (config.architecture)."""
-    architecture_source: str = "auto"
+    architecture_source: Choice[ArchitectureSource] = "auto"
     """auto (the checkpoint's config.json when on disk, and it must agree with architecture) |
     checkpoint (the checkpoint's config.json replaces architecture; it must be on disk)"""
     synthesize: bool = False
     """Build a random-init model and tokenizer at ``name_or_path`` if absent (tiny demos)."""
-    attn_implementation: str = "auto"
+    attn_implementation: Choice[AttnImplementation] = "auto"
     """auto (flash_attention_2 if usable on CUDA, else sdpa) | sdpa | eager | flash_attention_2"""
     trust_remote_code: bool = False
     """Run the modelling / tokenizer code a hub repo ships (Python, on every rank). Pin
@@ -63,7 +104,7 @@ class ModelConfig:
 class DataSource:
     path: str = "???"
     """.jsonl | .json | .parquet | a save_to_disk folder | a hub dataset name"""
-    format: str = "alpaca"
+    format: Choice[DataFormat] = "alpaca"
     weight: float = 1.0
     """Sampling weight: 2.0 repeats every record twice, 0.5 keeps a (seeded) half."""
 
@@ -72,11 +113,11 @@ class DataSource:
 class DataConfig:
     path: str | None = None
     """One source (shorthand for sources: [{path, format}])."""
-    format: str = "alpaca"
+    format: Choice[DataFormat] = "alpaca"
     """alpaca | messages (OpenAI messages or ShareGPT conversations) | text"""
     sources: list[DataSource] = field(default_factory=list)
     """Several sources, mixed by weight (instead of path)."""
-    template: str = "chatml"
+    template: Choice[Template] = "chatml"
     """chatml (Qwen2.5) | qwen3 (Qwen3's template: a think block before the last reply) |
     plain (the seeds' ### 指令 / ### 回答 prompt)"""
     system_prompt: str | None = None
@@ -84,7 +125,7 @@ class DataConfig:
     train_on_prompt: bool = False
     """Also learn the prompt tokens (default: assistant replies and their end marker only)."""
     max_seq_len: int = 1024
-    overlong: str = "truncate"
+    overlong: Choice[Overlong] = "truncate"
     """truncate | drop | split: what happens to samples longer than max_seq_len (all counted).
     split (format text only): a long document becomes consecutive max_seq_len samples."""
     packing: bool = True
@@ -96,7 +137,7 @@ class DataConfig:
     """Hold out this fraction of the records (seeded) as the validation split."""
     val_path: str | None = None
     """Or take the validation split from this file (same format as the first source)."""
-    on_bad_record: str = "error"
+    on_bad_record: Choice[OnBadRecord] = "error"
     """error (stop before launch, naming file, line and field) | skip (count and report)"""
     cache_dir: str | None = None
     """Tokenized-data cache; default $MEMTUNE_CACHE_DIR/data."""
@@ -110,14 +151,14 @@ class DataConfig:
 
 @dataclass
 class PeftConfig:
-    method: str = "lora"
+    method: Choice[PeftMethod] = "lora"
     """lora | qlora | lora-int8"""
     r: int = 16
     alpha: int = 32
     dropout: float = 0.05
-    target: str = "attention"
+    target: Choice[PeftTarget] = "attention"
     """attention (q, k, v, o: the seeds' choice) | all-linear (adds gate, up, down)"""
-    quant_type: str = "nf4"
+    quant_type: Choice[QuantType] = "nf4"
     """qlora only: nf4 | fp4"""
     double_quant: bool = True
     """qlora only: quantize the per-block scales too (~0.37 bits less per weight)."""
@@ -125,7 +166,7 @@ class PeftConfig:
 
 @dataclass
 class ZeroConfig:
-    stage: int = 3
+    stage: Choice[ZeroStage] = 3
     template: str | None = None
     """A ds_configs/ name (or a .json path) whose "auto" fields are filled; default zero{stage}."""
     reduce_bucket_size: int | None = None
@@ -150,7 +191,7 @@ class TrainerConfig:
     warmup_steps: int = 10
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
-    precision: str = "bf16"
+    precision: Choice[Precision] = "bf16"
     """bf16 | fp32 (fp32 is for CPU demos and exact tests)"""
     activation_checkpointing: bool = True
     checkpoint_layers: str = "auto"
@@ -164,10 +205,10 @@ class TrainerConfig:
     It must divide launcher.num_ranks (the rest are data-parallel groups), the query heads, and
     the KV heads (or be a multiple of them), and data.max_seq_len. auto: the planner's choice
     (1 unless a longer sequence needs it; README "Long context")."""
-    tiled_mlp: str = "auto"
+    tiled_mlp: Choice[Switch] = "auto"
     """auto | on | off: run each MLP over tiles of hidden_size tokens and recompute them in
     backward, so the 3 × tokens × intermediate temporaries exist for one tile only."""
-    offload_activations: str = "auto"
+    offload_activations: Choice[Switch] = "auto"
     """auto | on | off: checkpointed layers keep their input in (pinned) host memory until
     backward, instead of on the device. Needs activation_checkpointing."""
     compile: bool = False
@@ -175,18 +216,18 @@ class TrainerConfig:
     shapes, attention left eager; checkpointed layers compiled inside memtune's checkpoint;
     rank.model.compile_layers); off until measured faster on the target (make bench has the
     row)."""
-    optimizer: str = "adamw"
+    optimizer: Choice[Optimizer] = "adamw"
     """adamw (torch) | adamw_8bit (bitsandbytes; paged on CUDA) | cpu_adam (DeepSpeed, state and
     step on the host: ZeRO-Offload)"""
     optim_8bit_min_size: int = 4096
     """adamw_8bit: tensors with fewer elements keep 32-bit state (bitsandbytes' rule)."""
-    loss: str = "auto"
+    loss: Choice[Loss] = "auto"
     """auto (Liger's fused linear CE on CUDA when installed, else chunked) | chunked | plain
     (full-sequence logits, as HF models compute them) | liger"""
     loss_chunk_tokens: int = 512
     """Tokens per chunk of the chunked loss: its logits peak at chunk × vocab × 6 bytes in bf16
     (fp32 logits + their bf16 cast; README "The loss never holds the whole sequence's logits")."""
-    on_nonfinite: str = "stop"
+    on_nonfinite: Choice[OnNonfinite] = "stop"
     """A step whose loss or gradient norm is not finite never updates the weights. stop: exit
     with code 3 (the last checkpoint is intact) | skip: discard the step and go on."""
     max_skipped_steps: int = 10
@@ -203,9 +244,9 @@ class TrainerConfig:
 
 @dataclass
 class LoggerConfig:
-    backend: str = "wandb"
+    backend: Choice[LoggerBackend] = "wandb"
     """wandb | none"""
-    mode: str = "offline"
+    mode: Choice[LoggerMode] = "offline"
     """offline (default: nothing leaves the machine) | online | auto (online when logged in)"""
     project: str = "memtune"
     group: str | None = None

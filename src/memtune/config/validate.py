@@ -4,42 +4,42 @@ before anything starts; every error names the offending field.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
+from memtune.config import schema as schema_module
 from memtune.config.schema import (
     FORMATS,
-    TEMPLATES,
     ConfigError,
     DataConfig,
     ModelConfig,
     RunConfig,
     cache_dir,
+    choices_of,
 )
 from memtune.paths import is_local_source
 
-_CHOICES: dict[str, tuple[Any, ...]] = {
-    "zero.stage": (2, 3),
-    "peft.method": ("lora", "qlora", "lora-int8"),
-    "peft.target": ("attention", "all-linear"),
-    "peft.quant_type": ("nf4", "fp4"),
-    "data.format": FORMATS,
-    "data.template": TEMPLATES,
-    "data.overlong": ("truncate", "drop", "split"),
-    "data.on_bad_record": ("error", "skip"),
-    "trainer.precision": ("bf16", "fp32"),
-    "trainer.loss": ("auto", "chunked", "plain", "liger"),
-    "trainer.optimizer": ("adamw", "adamw_8bit", "cpu_adam"),
-    "trainer.on_nonfinite": ("stop", "skip"),
-    "trainer.tiled_mlp": ("auto", "on", "off"),
-    "trainer.offload_activations": ("auto", "on", "off"),
-    "model.attn_implementation": ("auto", "sdpa_varlen", "sdpa", "eager", "flash_attention_2"),
-    "model.architecture_source": ("auto", "checkpoint"),
-    "logger.backend": ("wandb", "none"),
-    "logger.mode": ("offline", "online", "auto"),
-}
+
+def _choice_fields(schema: type = RunConfig, prefix: str = "") -> dict[str, tuple[Any, ...]]:
+    """Every ``Choice[...]`` field of the schema, dotted, with the values its Literal allows."""
+    found: dict[str, tuple[Any, ...]] = {}
+    hints = typing.get_type_hints(schema, include_extras=False)
+    for f in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(hints[f.name]):
+            found.update(_choice_fields(hints[f.name], f"{prefix}{f.name}."))
+            continue
+        match = re.fullmatch(r"Choice\[(\w+)\]", str(f.type))
+        if match:
+            found[prefix + f.name] = choices_of(getattr(schema_module, match.group(1)))
+    return found
+
+
+_CHOICES = _choice_fields()
+"""``{"peft.method": ("lora", "qlora", "lora-int8"), ...}``: from the schema's Literals."""
 
 
 def get_field(cfg: RunConfig, dotted: str) -> Any:

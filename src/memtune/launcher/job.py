@@ -53,7 +53,6 @@ from memtune.memory.fit import (
 )
 from memtune.rundir import RunDir, RunDirBusy, find_latest, hold, write_atomic
 
-FAILED_POINTS: list[str] = []
 WAIT_FOR_NODE0_S = 3600.0
 """Per-node form: how long nodes 1.. wait for node 0 to tokenize the data and plan."""
 WAIT_FOR_STOPPED_S = 60.0
@@ -132,10 +131,10 @@ def after_out_of_memory(cfg: RunConfig, run_dir: Path, spec: Any, env: dict[str,
     return launch(fresh, run_dir, spec=spec, extra_env=env)
 
 
-def run_job(cfg: DictConfig) -> None:
+def run_job(cfg: DictConfig) -> int:
     """One job: a plan (plan_only), or validate, plan, preflight, prepare the run dir and start
     this node's ranks, holding the run dir's lock throughout (one job per run dir). Exits with
-    the job's code; a failed sweep point is recorded in FAILED_POINTS and the sweep goes on."""
+    the job's code unless it is a point of a sweep that goes on: then returns it (0: done)."""
     name_cpu_accelerator()
     hydra_cfg = HydraConfig.get()
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
@@ -148,12 +147,11 @@ def run_job(cfg: DictConfig) -> None:
         sys.exit(EXIT_CONFIG)
     run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
     if cfg.plan_only:  # reads no run dir and writes none: nothing to hold
-        _run(cfg, run_dir, sweeping)
-        return
+        return _run(cfg, run_dir, sweeping)
     try:
         with hold(run_dir, this_node_rank(cfg.launcher)):
             _record_composition(cfg, run_dir)
-            _run(cfg, run_dir, sweeping)
+            return _run(cfg, run_dir, sweeping)
     except KeyboardInterrupt:
         # Ctrl-C before the ranks started (planning, tokenizing): nothing to save.
         print("\nmemtune: interrupted before any rank started", file=sys.stderr)
@@ -163,7 +161,7 @@ def run_job(cfg: DictConfig) -> None:
         # of this job's to write there (no exit.json), only the refusal.
         kind = "config error: " if isinstance(err, ConfigError) else ""
         print(f"memtune: {kind}{err}", file=sys.stderr)
-        _failed(run_dir, EXIT_CONFIG, sweeping)
+        return _failed(EXIT_CONFIG, sweeping)
 
 
 def _record_composition(cfg: DictConfig, run_dir: Path) -> None:
@@ -188,12 +186,12 @@ def _record_exit(run_dir: Path, code: int, error: str) -> None:
         RunDir(run_dir).write_exit(code, error)
 
 
-def _failed(run_dir: Path, code: int, sweeping: bool) -> None:
-    """The one end of a failed job: exit with its code, or in a sweep record the point as
-    failed and return (the other points still run)."""
+def _failed(code: int, sweeping: bool) -> int:
+    """The one end of a failed job: exit with its code, or in a sweep that goes on return it
+    (the other points still run; train.py exits 1 after the last when one failed)."""
     if not sweeping:
         sys.exit(code)
-    FAILED_POINTS.append(str(run_dir))
+    return code
 
 
 @dataclass
@@ -206,7 +204,7 @@ class Job:
     env: dict[str, str]
 
 
-def _run(cfg: DictConfig, run_dir: Path, sweeping: bool) -> None:
+def _run(cfg: DictConfig, run_dir: Path, sweeping: bool) -> int:
     """prepare → launch → report; a failure before launch ends in _stopped_before_launch."""
     hydra_cfg = HydraConfig.get()
     if sweeping and cfg.logger.group is None:
@@ -216,8 +214,7 @@ def _run(cfg: DictConfig, run_dir: Path, sweeping: bool) -> None:
             check_sweep_point_nodes()
         sized = size_from_allocation(cfg.launcher, list(hydra_cfg.overrides.task))
     except ConfigError as err:
-        _stopped_before_launch(run_dir, "config error", str(err), sweeping)
-        return
+        return _stopped_before_launch(run_dir, "config error", str(err), sweeping)
     if sized:
         print(
             f"memtune: Slurm job {os.environ.get('SLURM_JOB_ID')}: {' '.join(sized)}, sized "
@@ -227,13 +224,14 @@ def _run(cfg: DictConfig, run_dir: Path, sweeping: bool) -> None:
     if cfg.plan_only:
         sys.exit(print_plan(cfg))
     job = _prepare(cfg, run_dir, sweeping)
-    if job is not None:
-        _report(_launch(job, run_dir), job.spec, run_dir, sweeping)
+    if isinstance(job, int):
+        return job
+    return _report(_launch(job, run_dir), job.spec, run_dir, sweeping)
 
 
-def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | None:
-    """Validate, decide, check the GPUs, lay out the run dir; None when there is nothing to
-    launch (stopped before launch, preprocess_only, a finished run)."""
+def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
+    """Validate, decide, check the GPUs, lay out the run dir; the job's code when there is
+    nothing to launch (stopped before launch; 0: preprocess_only, a finished run)."""
     spec = None
     try:
         given = given_config(cfg)
@@ -246,16 +244,15 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | None:
                 str(err) if kind == "config error" else f"the GPU preflight failed on node 0: {err}"
             )
             announce_ready(run_dir, spec, error=why)
-        _stopped_before_launch(run_dir, kind, str(err), sweeping)
-        return None
+        return _stopped_before_launch(run_dir, kind, str(err), sweeping)
     if run_cfg.preprocess_only:
         print(f"memtune: preprocess_only: run dir {run_dir} laid out, no ranks started", flush=True)
-        return None
+        return 0
     finished = already_finished(run_cfg, run_dir)
     if finished and spec.form != "per-node":
         # Nothing to train: say so instead of starting the ranks to repeat the old summary.
         print(f"memtune: {finished}; run dir {run_dir}", flush=True)
-        return None
+        return 0
     if spec.form == "per-node" and spec.node_rank == 0:
         write_nodes_hostfile(run_dir, spec)
         announce_ready(run_dir, spec)
@@ -289,13 +286,13 @@ def _decide_and_lay_out(
     return prepare_run_dir(fitted, run_dir), env
 
 
-def _stopped_before_launch(run_dir: Path, kind: str, error: str, sweeping: bool) -> None:
+def _stopped_before_launch(run_dir: Path, kind: str, error: str, sweeping: bool) -> int:
     """The one place that decides what a failure before launch ends: this job, or in a sweep
     this point only (the other points still run). The run dir Hydra made says why it holds no
     run."""
     print(f"memtune: {kind}: {error}", file=sys.stderr)
     _record_exit(run_dir, EXIT_CONFIG, f"{kind}: {error}")
-    _failed(run_dir, EXIT_CONFIG, sweeping)
+    return _failed(EXIT_CONFIG, sweeping)
 
 
 def _launch(job: Job, run_dir: Path) -> int:
@@ -310,7 +307,7 @@ def _launch(job: Job, run_dir: Path) -> int:
     return code
 
 
-def _report(code: int, spec: NodeSpec, run_dir: Path, sweeping: bool) -> None:
+def _report(code: int, spec: NodeSpec, run_dir: Path, sweeping: bool) -> int:
     """exit.json and the closing line on node 0; the exit code on every node."""
     if spec.form == "per-node" and code == EXIT_REQUEUE and os.environ.get("SLURM_STEP_ID"):
         # A stop with a checkpoint is node 0's to report (exit 75, the requeue), and last: under
@@ -344,9 +341,9 @@ def _report(code: int, spec: NodeSpec, run_dir: Path, sweeping: bool) -> None:
     elif code != 0:
         print(f"memtune: the ranks failed (exit code {code}); run dir {run_dir}", file=sys.stderr)
     if code == 0:
-        return
+        return 0
     stopped = code in (EXIT_REQUEUE, EXIT_INTERRUPTED) and not os.environ.get("SUBMITIT_EXECUTOR")
     if sweeping and stopped:
         # A stop (Ctrl-C, SIGTERM) of a local sweep stops the sweep, not just this point.
         print("memtune: the sweep stops here (`memtune report` writes its table)", flush=True)
-    _failed(run_dir, code, sweeping and not stopped)
+    return _failed(code, sweeping and not stopped)

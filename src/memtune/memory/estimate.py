@@ -62,45 +62,42 @@ NF4_BYTES = {True: 0.5 + 1 / 64 + 4 / (64 * 256), False: 0.5 + 4 / 64}  # by dou
 
 @dataclass
 class Plan:
-    rows: list[tuple[str, float, str]] = field(default_factory=list)  # (what, GiB/rank, how)
+    rows: list[PlanRow] = field(default_factory=list)
+    """GiB per rank, each row with what a measurement can see of it (allocated / live /
+    per_token), said where the row is added."""
     device_gib: float | None = None
     counts: ParamCounts | None = None
-    host_rows: list[tuple[str, float, str]] = field(default_factory=list)  # pinned, per rank
+    host_rows: list[PlanRow] = field(default_factory=list)  # pinned, per rank
     host_gib: float | None = None  # what the ranks of a node may pin, per rank
 
     @property
     def host_total_gib(self) -> float:
-        return sum(gib for _, gib, _ in self.host_rows)
+        return sum(r.gib for r in self.host_rows)
 
     @property
     def total_gib(self) -> float:
-        return sum(gib for _, gib, _ in self.rows)
+        return sum(r.gib for r in self.rows)
+
+    def gib(self) -> dict[str, float]:
+        """``{what: GiB per rank}`` of the rows."""
+        return {r.what: r.gib for r in self.rows}
 
     @property
     def fits(self) -> bool:
         device = self.device_gib is None or self.total_gib <= self.device_gib
         return device and (self.host_gib is None or self.host_total_gib <= self.host_gib)
 
-    row_kinds: list[dict[str, bool]] = field(default_factory=list)
-    """Per row, what a measurement can see of it (rundir.PlanRow's allocated / live /
-    per_token), said where the row is added."""
-
     def add(self, what: str, nbytes: float, how: str, **kind: bool) -> None:
-        self.rows.append((what, nbytes / GIB, how))
-        self.row_kinds.append(kind)
+        self.rows.append(PlanRow(what, nbytes / GIB, how, **kind))
 
     def record(self) -> PlanRecord:
         """``plan.json``: the rows as numbers, each with what it is, for the ranks to compare
         their peaks with at the end."""
-        rows = [
-            PlanRow(what, gib, how, **kind)
-            for (what, gib, how), kind in zip(self.rows, self.row_kinds, strict=True)
-        ]
         return PlanRecord(
-            rows=rows,
+            rows=list(self.rows),
             total_gib=self.total_gib,
             device_gib=self.device_gib,
-            host_rows=[PlanRow(w, g, h) for w, g, h in self.host_rows],
+            host_rows=list(self.host_rows),
             host_gib=self.host_gib or 0.0,
         )
 
@@ -393,7 +390,7 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
     if offload_activations(cfg) and k:
         h = int(cfg.model.architecture["hidden_size"])
         out.host_rows.append(
-            (
+            PlanRow(
                 "offloaded layer inputs",
                 k * tokens * h * compute_bytes(cfg) / GIB,
                 f"{k} layers × {tokens:,} tokens × hidden, pinned",
@@ -409,7 +406,7 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
             f"dense {t.micro_batch_size}×{n:,}×{n:,} mask of {cfg.model.attn_implementation} "
             "(model.attn_implementation=auto needs none)",
         )
-    live = sum(gib for _, gib, _ in out.rows) * GIB
+    live = out.total_gib * GIB
     out.add(
         "allocator fragmentation",
         live * FRAGMENTATION,
@@ -471,11 +468,11 @@ def format_plan(cfg: RunConfig, result: Plan) -> str:
             "the same)"
         )
     lines.append(f"{'per rank':<28}{unit:>8}  how")
-    for what, gib, how in result.rows:
-        lines.append(f"  {what:<26}{gib * scale:>8.2f}  {how}")
+    for r in result.rows:
+        lines.append(f"  {r.what:<26}{r.gib * scale:>8.2f}  {r.how}")
     lines.append(f"  {'total':<26}{result.total_gib * scale:>8.2f}")
-    for what, gib, how in result.host_rows:
-        lines.append(f"  host: {what:<20}{gib * scale:>8.2f}  {how}")
+    for r in result.host_rows:
+        lines.append(f"  host: {r.what:<20}{r.gib * scale:>8.2f}  {r.how}")
     if result.host_rows:
         if result.host_gib is None:
             lines.append("  host memory per rank not checked (plan.host_gib=null)")

@@ -302,7 +302,7 @@ def planned_step(cfg: RunConfig) -> int:
     loss (or backward temporaries) rows (memory.estimate), for the same tokens and layers."""
     from memtune.memory.estimate import GIB, plan
 
-    rows = {what: gib for what, gib, _ in plan(cfg).rows}
+    rows = plan(cfg).gib()
     step = ("activations", "loss", "backward temporaries")
     return round(sum(rows.get(what, 0.0) for what in step) * GIB)
 
