@@ -6,10 +6,18 @@ from memtune.config.decisions import decided
 from memtune.config.schema import RunConfig
 
 # The linear layers each peft.target preset adapts, by their name in a Qwen2 decoder layer.
+LINEAR_ATTENTION_TARGETS = ["in_proj_qkv", "in_proj_z", "out_proj"]
+"""A Gated DeltaNet layer's (Qwen3.5) counterparts of q, k, v, o: the fused q/k/v input, the
+output gate's input and the output. Its two other projections, ``in_proj_a`` and ``in_proj_b``
+(hidden → one value per value head: the decay and the write strength), are left out: an
+adapter of rank r there adds hidden × r weights to steer 32 numbers a token."""
+ATTENTION_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", *LINEAR_ATTENTION_TARGETS]
 LORA_TARGETS = {
-    "attention": ["q_proj", "k_proj", "v_proj", "o_proj"],
-    "all-linear": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "attention": ATTENTION_TARGETS,
+    "all-linear": [*ATTENTION_TARGETS, "gate_proj", "up_proj", "down_proj"],
 }
+"""peft.target → module names peft adapts (in every decoder layer; the names of the other
+layer type match nothing)."""
 
 
 def one_rank_zero(cfg: RunConfig) -> RunConfig:

@@ -23,6 +23,7 @@ from memtune.config import (
     tiled_mlp,
 )
 from memtune.config.architecture import loaded_mismatches
+from memtune.rank.linear_attention import keep_samples_apart
 from memtune.rank.long_context import offload_checkpoints, tile_mlps
 from memtune.rank.loss import CausalLMLoss, resolve_loss_kind
 from memtune.rank.model import (
@@ -50,6 +51,7 @@ class RankParts:
     compiled_layers: int = 0  # trainer.compile
     mlp_tiles: int = 0  # trainer.tiled_mlp: tiles per MLP call (0: not tiled)
     offloaded_layers: int = 0  # trainer.offload_activations: layers whose input waits on the host
+    linear_attention: str | None = None  # how packed rows pass linear-attention layers (Qwen3.5)
 
 
 def build_rank(
@@ -85,6 +87,7 @@ def build_rank(
             "with the checkpoint on disk."
         )
     model = add_lora(base, cfg)
+    linear = keep_samples_apart(base)
     compiled = compile_layers(model, cfg.zero.stage == 3) if cfg.trainer.compile else 0
     tiles = offloaded = 0
     if tiled_mlp(cfg):
@@ -111,6 +114,7 @@ def build_rank(
         compiled_layers=compiled,
         mlp_tiles=tiles,
         offloaded_layers=offloaded,
+        linear_attention=linear,
     )
 
 

@@ -501,6 +501,8 @@ def start_up_lines(cfg: RunConfig, parts: Any, world: int, groups: SequenceGroup
         extras += f" · MLP in {parts.mlp_tiles} tiles"
     if parts.offloaded_layers:
         extras += f" · {parts.offloaded_layers} layers' inputs offloaded to the host"
+    if parts.linear_attention:
+        extras += f" · linear attention {parts.linear_attention}"
     trainable, total = parts.trainable, parts.total
     return (
         f"memtune: {cfg.model.name_or_path} · attention {parts.attention}{extras} · "
