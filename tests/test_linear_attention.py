@@ -1,0 +1,120 @@
+"""Packed rows through Qwen3.5's linear-attention layers: each sample as if it were alone.
+
+The tiny Qwen3.5 (conf/model/tiny-qwen3.5.yaml) has three Gated DeltaNet layers and one
+full-attention layer. Two samples packed into one row must give the same logits, the same
+per-sample losses and the same LoRA gradients as each sample run alone; without memtune's
+per-sample path (restarting positions only) the conv and the recurrence carry the first sample
+into the second, and the same comparison fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memtune.config import to_run_config
+from memtune.rank.linear_attention import PATH_PER_SAMPLE, keep_samples_apart
+from memtune.rank.loss import model_inputs, token_loss_sum
+from memtune.rank.model import add_lora, choose_attention, load_base_model
+from memtune.tools.tiny import synthesize
+from tests.conftest import compose_cfg
+
+LENGTHS = (7, 13)  # a second sample longer than the conv kernel and not a chunk multiple
+
+
+@pytest.fixture(scope="module")
+def hybrid_cfg():
+    cfg = to_run_config(
+        compose_cfg(
+            [
+                "model=tiny-qwen3.5",
+                "peft.target=all-linear",
+                "peft.dropout=0",  # the same masks alone and packed
+                "trainer.precision=fp32",
+                "trainer.activation_checkpointing=false",
+            ]
+        )
+    )
+    synthesize(cfg.model.name_or_path, cfg.model.architecture)
+    return cfg
+
+
+def _model(cfg, per_sample: bool):
+    torch.manual_seed(0)
+    model = add_lora(load_base_model(cfg, choose_attention("auto", "cpu")), cfg)
+    # LoRA's B starts at zero: give it values, so its gradients and the A gradients are not 0.
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    if per_sample:
+        assert keep_samples_apart(model) == PATH_PER_SAMPLE
+    return model.train()
+
+
+def _samples() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(5, 1000, (1, n), generator=g) for n in LENGTHS]
+
+
+def _loss_and_grads(model, ids, positions, cu=None):
+    """Summed token loss of ``ids`` (labels = the ids), and the LoRA gradients it gives."""
+    model.zero_grad(set_to_none=True)
+    out = model(**model_inputs(ids, None, positions, cu, max(LENGTHS) if cu is not None else None))
+    losses = []
+    if cu is None:
+        losses.append(token_loss_sum(out.logits, ids))
+    else:
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+            losses.append(token_loss_sum(out.logits[:, a:b], ids[:, a:b]))
+    sum(losses).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return out.logits.detach(), [float(x.detach()) for x in losses], grads
+
+
+def _packed(model, samples, with_bounds: bool):
+    row = torch.cat(samples, dim=1)
+    positions = torch.cat([torch.arange(s.shape[1]) for s in samples])[None]
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    return _loss_and_grads(model, row, positions, cu if with_bounds else None), cu
+
+
+def _alone(model, samples):
+    logits, losses, grads = [], [], {}
+    for s in samples:
+        lg, (loss,), g = _loss_and_grads(model, s, torch.arange(s.shape[1])[None])
+        logits.append(lg)
+        losses.append(loss)
+        for n, t in g.items():
+            grads[n] = grads.get(n, 0) + t
+    return torch.cat(logits, dim=1), losses, grads
+
+
+def test_a_packed_row_trains_each_sample_as_if_alone(hybrid_cfg) -> None:
+    model = _model(hybrid_cfg, per_sample=True)
+    (logits, losses, grads), _ = _packed(model, _samples(), with_bounds=True)
+    alone_logits, alone_losses, alone_grads = _alone(model, _samples())
+    torch.testing.assert_close(logits, alone_logits, rtol=1e-4, atol=1e-4)
+    assert losses == pytest.approx(alone_losses, rel=1e-5)
+    linear = [n for n in grads if "linear_attn" in n]
+    assert {n.split(".")[-4] for n in linear} == {"in_proj_qkv", "in_proj_z", "out_proj"}
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, alone_grads[name], rtol=1e-4, atol=5e-5, msg=name)
+
+
+def test_without_the_sample_boundaries_the_second_sample_reads_the_first(hybrid_cfg) -> None:
+    """The same comparison fails when the row is passed as transformers would take it with
+    positions restarting and no boundaries (what packing gave before): the leak is real."""
+    model = _model(hybrid_cfg, per_sample=False)
+    (logits, _, _), _ = _packed(model, _samples(), with_bounds=False)
+    alone_logits, _, _ = _alone(model, _samples())
+    first = LENGTHS[0]
+    torch.testing.assert_close(logits[:, :first], alone_logits[:, :first], rtol=1e-4, atol=1e-4)
+    assert (logits[:, first:] - alone_logits[:, first:]).abs().max() > 0.1
+
+
+def test_transformers_alone_refuses_the_boundaries(hybrid_cfg) -> None:
+    """Without flash-linear-attention transformers' recurrence cannot take cu_seq_lens: the
+    per-sample path is what makes packing possible on CPU (and wherever fla is missing)."""
+    model = _model(hybrid_cfg, per_sample=False)
+    with pytest.raises(ValueError, match="can't keep packed sequences apart"):
+        _packed(model, _samples(), with_bounds=True)
