@@ -21,6 +21,16 @@ from typing import Any
 
 from memtune.config.schema import ConfigError, RunConfig
 
+LINEAR_ATTENTION_FIELDS = (
+    "layer_types",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)
+"""A hybrid's (Qwen3.5) linear-attention layers: which layers they are and their widths."""
+
 PLANNED_FIELDS = (
     "model_type",
     "hidden_size",
@@ -32,6 +42,7 @@ PLANNED_FIELDS = (
     "vocab_size",
     "tie_word_embeddings",
     "attention_bias",
+    *LINEAR_ATTENTION_FIELDS,
 )
 """What the memory plan and the parameter counts depend on; a checkpoint and its config group
 must agree on each (head_dim and attention_bias as their model type defaults them)."""
@@ -47,6 +58,7 @@ KEPT_FIELDS = (
     "use_sliding_window",
     "sliding_window",
     "max_window_layers",
+    "partial_rotary_factor",
 )
 """The config.json fields copied into ``model.architecture`` when the checkpoint's win (the
 rest — token ids, dtype, versions, a quantization block — are not the architecture's)."""
@@ -136,7 +148,19 @@ def read_architecture(config_file: Path) -> dict[str, Any]:
         raise ConfigError(f"{config_file}: cannot read the model's config.json ({err})") from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise ConfigError(f"{config_file}: no model_type; not a transformers config.json")
-    return {k: data[k] for k in KEPT_FIELDS if k in data}
+    return {k: v for k, v in language_model_config(data).items() if k in KEPT_FIELDS}
+
+
+def language_model_config(data: dict[str, Any]) -> dict[str, Any]:
+    """The language model's fields of a config.json. A multimodal checkpoint (the released
+    Qwen3.5: ``Qwen3_5ForConditionalGeneration``) nests them in ``text_config``, beside its
+    vision tower's; memtune trains the language model, which ``AutoModelForCausalLM`` loads from
+    such a checkpoint without the vision tower, so that is what is planned. Top-level fields
+    the text config lacks (``tie_word_embeddings`` is written at the top) are taken over."""
+    text = data.get("text_config")
+    if not (isinstance(text, dict) and text.get("model_type")):
+        return data
+    return {**{k: v for k, v in data.items() if k != "text_config"}, **text}
 
 
 def mismatches(planned: dict[str, Any], actual: dict[str, Any]) -> list[tuple[str, Any, Any]]:
