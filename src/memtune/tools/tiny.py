@@ -181,7 +181,9 @@ def _build(
         if tok_dir is not None:
             tokenizer = AutoTokenizer.from_pretrained(tok_dir)
         else:
-            tokenizer = build_tokenizer(int(architecture["vocab_size"]), model_type.startswith("qwen3"))
+            tokenizer = build_tokenizer(
+                int(architecture["vocab_size"]), model_type.startswith("qwen3")
+            )
         arch = {k: v for k, v in architecture.items() if k != "model_type"}
         config = AutoConfig.for_model(
             model_type,
