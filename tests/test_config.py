@@ -153,7 +153,7 @@ CHOICE_FIELDS = {
     "model.architecture_source": "auto | checkpoint",
     "model.attn_implementation": "auto | sdpa_varlen | sdpa | eager | flash_attention_2",
     "data.format": "alpaca | messages | text",
-    "data.template": "chatml | plain | qwen3",
+    "data.template": "chatml | plain | qwen3 | qwen3_5",
     "data.overlong": "truncate | drop | split",
     "data.on_bad_record": "error | skip",
     "peft.method": "lora | qlora | lora-int8",

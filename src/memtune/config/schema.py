@@ -30,7 +30,7 @@ from memtune.paths import ASSETS_DIR, CONF_DIR, SOURCE_ROOT  # noqa: F401  (conf
 ArchitectureSource = Literal["auto", "checkpoint"]
 AttnImplementation = Literal["auto", "sdpa_varlen", "sdpa", "eager", "flash_attention_2"]
 DataFormat = Literal["alpaca", "messages", "text"]
-Template = Literal["chatml", "plain", "qwen3"]
+Template = Literal["chatml", "plain", "qwen3", "qwen3_5"]
 Overlong = Literal["truncate", "drop", "split"]
 OnBadRecord = Literal["error", "skip"]
 PeftMethod = Literal["lora", "qlora", "lora-int8"]
@@ -119,6 +119,7 @@ class DataConfig:
     """Several sources, mixed by weight (instead of path)."""
     template: Choice[Template] = "chatml"
     """chatml (Qwen2.5) | qwen3 (Qwen3's template: a think block before the last reply) |
+    qwen3_5 (Qwen3.5's template: contents stripped, a think block before the last reply) |
     plain (the seeds' ### 指令 / ### 回答 prompt)"""
     system_prompt: str | None = None
     """System message for records without one; none when null (never an implicit default)."""

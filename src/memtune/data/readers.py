@@ -5,7 +5,8 @@ Formats
   (``[[user, assistant], ...]`` turns before this one).
 - ``messages``: ``{"messages": [{"role": ..., "content": ...}, ...]}`` (OpenAI style) or
   ShareGPT's ``{"conversations": [{"from": "human"|"gpt"|"system", "value": ...}]}``. An
-  assistant turn may carry ``reasoning_content`` (its thinking, rendered by the qwen3 template).
+  assistant turn may carry ``reasoning_content`` (its thinking, rendered by the qwen3 and
+  qwen3_5 templates).
 - ``text``: ``{"text": ...}`` for plain continued pre-training (every token is a label).
 
 Sources: ``.jsonl``, ``.json`` (an array), ``.parquet``, a folder written by
@@ -208,7 +209,7 @@ def _chat_messages(rec: dict[str, Any], where: str) -> list[dict[str, str]]:
                 raise RecordError(
                     where, f"field '{at}.reasoning_content' must be a string, on an assistant turn"
                 )
-            message["reasoning_content"] = reasoning  # rendered by data.template=qwen3
+            message["reasoning_content"] = reasoning  # rendered by data.template=qwen3 / qwen3_5
         messages.append(message)
     return messages
 

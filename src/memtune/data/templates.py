@@ -34,6 +34,27 @@ tokenizer's eos in the plain template. A model never trained on that marker neve
                                                (label: "<think>\n{reasoning}…{reply}<|im_end|>")
 
   Earlier replies are rendered as Qwen3 renders history: the reply alone, reasoning dropped.
+
+- ``qwen3_5`` (Qwen3.5's chat template, text only): ChatML with every message's content
+  stripped of surrounding whitespace, as that template strips it, and a think block on every
+  reply after the last user query, even an empty one. Labels follow one rule, the one that
+  gives qwen3's: the prompt of the reply being learned ends where the template's generation
+  prompt ends, so a reply's tokens in training come after exactly the tokens generation gives
+  the model. Without reasoning (thinking off, ``enable_thinking=False``) that is the whole
+  empty block::
+
+      <|im_start|>assistant\n<think>\n\n</think>\n\n{reply}<|im_end|>\n
+                                                          (label: "{reply}<|im_end|>")
+
+  With reasoning (thinking on: Qwen3.5's template opens the block in the generation prompt)
+  the prompt ends after ``<think>\n`` and the model learns the rest of the block::
+
+      <|im_start|>assistant\n<think>\n{reasoning}\n</think>\n\n{reply}<|im_end|>\n
+                                     (label: "{reasoning}\n</think>\n\n{reply}<|im_end|>")
+
+  Earlier replies: the reply alone, reasoning dropped, as in qwen3. (Qwen3.5's 0.8B and 2B
+  templates differ from the others only in which generation prompt is the default; memtune
+  always picks one explicitly.)
 """
 
 from __future__ import annotations
@@ -63,6 +84,7 @@ def segments(messages: list[dict[str, str]], template: str, eos: str) -> list[Se
 
     last = len(messages) - 1
     last_query = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+    qwen35_last_query = max((i for i, m in enumerate(messages) if is_query(m)), default=-1)
     for i, m in enumerate(messages):
         role, content = m["role"], m["content"]
         if template == "chatml":
@@ -87,6 +109,22 @@ def segments(messages: list[dict[str, str]], template: str, eos: str) -> list[Se
                 add("\n", False)
             else:
                 add(f"{IM_START}{role}\n{content}{IM_END}\n", False)
+        elif template == "qwen3_5":
+            content = content.strip()
+            if role == "assistant":
+                reasoning, reply = split_reasoning({**m, "content": content})
+                reasoning = reasoning.strip()
+                add(f"{IM_START}assistant\n", False)
+                if i > qwen35_last_query:
+                    if reasoning:  # thinking on: the generation prompt opens the block
+                        add(f"{THINK}\n", False)
+                        reply = f"{reasoning}\n{END_THINK}\n\n{reply}"
+                    else:  # thinking off: the prompt holds the empty block
+                        add(f"{THINK}\n\n{END_THINK}\n\n", False)
+                add(reply + IM_END, True)
+                add("\n", False)
+            else:
+                add(f"{IM_START}{role}\n{content}{IM_END}\n", False)
         elif template == "plain":
             if role == "system":
                 add(f"{content}\n\n", False)
@@ -99,6 +137,14 @@ def segments(messages: list[dict[str, str]], template: str, eos: str) -> list[Se
         else:
             raise ValueError(f"unknown template {template!r}")
     return out
+
+
+def is_query(message: dict[str, str]) -> bool:
+    """A user turn that Qwen3.5's template counts as a query: not a tool result, i.e. not
+    wrapped whole in ``<tool_response>…</tool_response>``."""
+    content = message["content"].strip()
+    tool_result = content.startswith("<tool_response>") and content.endswith("</tool_response>")
+    return message["role"] == "user" and not tool_result
 
 
 def split_reasoning(message: dict[str, str]) -> tuple[str, str]:
@@ -118,10 +164,11 @@ def render_prompt(
     messages: list[dict[str, str]], template: str, eos: str, thinking: bool = False
 ) -> str:
     """What a model is given to answer the conversation's next turn (generation): exactly
-    the text that precedes a reply in training. ``thinking`` (qwen3 only): leave the think
-    block to the model, as Qwen3's template does with ``enable_thinking=True``."""
+    the text that precedes a reply in training. ``thinking`` (qwen3 and qwen3_5 only): leave
+    the think block to the model, as Qwen's template does with ``enable_thinking=True``
+    (Qwen3's prompt then ends before ``<think>``, Qwen3.5's after it)."""
     reply: dict[str, str] = {"role": "assistant", "content": ""}
-    if thinking and template == "qwen3":
+    if thinking and template in ("qwen3", "qwen3_5"):
         reply["reasoning_content"] = "…"  # any: the prompt then ends before <think>
     rendered = segments([*messages, reply], template, eos)
     last_label = max(i for i, (_, label) in enumerate(rendered) if label)

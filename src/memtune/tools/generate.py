@@ -4,7 +4,7 @@
     memtune generate RUN_DIR --model MERGED_DIR "..."
 
 The run's config gives the template and system prompt, so the prompt is the same text the
-model was trained on (qwen3: with the empty think block, unless ``--thinking``). Generation
+model was trained on (qwen3, qwen3_5: with the empty think block, unless ``--thinking``). Generation
 stops at the turn's end marker (``<|im_end|>`` in ChatML) or the tokenizer's eos.
 """
 
@@ -63,7 +63,7 @@ def answer(
     thinking: bool = False,
 ) -> tuple[str, list[int]]:
     """Greedy answer to one user turn; returns (text, generated ids). ``thinking`` (the qwen3
-    template): the model writes its own think block instead of the empty one."""
+    and qwen3_5 templates): the model writes its own think block instead of the empty one."""
     # Inside the function: torch takes seconds to import, and a refused command needs none of it.
     import torch
 
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--thinking",
         action="store_true",
-        help="qwen3 template: let the model think (no empty think block in the prompt)",
+        help="qwen3, qwen3_5 templates: let the model think (no empty think block in the prompt)",
     )
     args = parser.parse_args(argv)
     check_paths(args.run_dir, args.model)
