@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 HYBRID = [
     *FAST,
     "model=tiny-qwen3.5",
-    "data.template=qwen3",
+    "data.template=qwen3_5",
     "zero=zero3",
     "launcher.num_ranks=2",
     "trainer.save_every=6",

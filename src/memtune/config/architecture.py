@@ -73,6 +73,33 @@ def head_dim(arch: dict[str, Any]) -> int:
     return int(arch["hidden_size"]) // int(arch["num_attention_heads"])
 
 
+HYBRID_FULL_ATTENTION_INTERVAL = {"qwen3_5_text": 4, "qwen3_5_moe_text": 4, "qwen3_next": 4}
+"""Hybrids whose config.json may leave ``layer_types`` out: transformers' config class then
+makes every ``full_attention_interval``-th layer (default 4) full attention and the others
+linear attention. Kept here so that a plan imports no transformers (and no torch);
+tests/test_qwen35.py checks it against the config classes."""
+
+
+def layer_types(arch: dict[str, Any]) -> list[str]:
+    """Each decoder layer's token mixer, as transformers lays the layers out:
+    ``"linear_attention"`` or an attention kind (``"full_attention"``, ``"sliding_attention"``)."""
+    n = int(arch.get("num_hidden_layers") or 0)
+    given = arch.get("layer_types")
+    if given:
+        return list(given)
+    interval = HYBRID_FULL_ATTENTION_INTERVAL.get(str(arch.get("model_type")))
+    if interval is None:
+        return ["full_attention"] * n
+    interval = int(arch.get("full_attention_interval", interval))
+    return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+
+
+def linear_attention_layers(arch: dict[str, Any]) -> int:
+    """How many decoder layers are linear attention (Gated DeltaNet: Qwen3.5's three in four);
+    0 for a model of attention layers only."""
+    return sum(kind == "linear_attention" for kind in layer_types(arch))
+
+
 def _planned_values(arch: dict[str, Any]) -> dict[str, Any]:
     """The planned fields with their model type's defaults filled in (via transformers' config
     class), so "head_dim absent" and "head_dim = hidden / heads" compare equal."""

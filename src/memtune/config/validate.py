@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from memtune.config import schema as schema_module
+from memtune.config.architecture import linear_attention_layers
 from memtune.config.schema import (
     FORMATS,
     ConfigError,
@@ -238,6 +239,13 @@ def _check_sequence_parallel(cfg: RunConfig) -> None:
     if not value.isdigit() or int(value) == 1:
         return
     sp, arch = int(value), cfg.model.architecture
+    if linear_attention_layers(arch):
+        raise ConfigError(
+            f"trainer.sequence_parallel={sp}: this model's linear-attention (Gated DeltaNet) "
+            "layers are not split over ranks yet, only its attention layers would be; use "
+            "trainer.sequence_parallel=1 (trainer.tiled_mlp and offload_activations still "
+            "lengthen what fits)"
+        )
     heads = int(arch.get("num_attention_heads") or 0)
     kv = int(arch.get("num_key_value_heads") or heads)
     where = f"trainer.sequence_parallel={sp}"

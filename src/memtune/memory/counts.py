@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from memtune.config import LORA_TARGETS, ConfigError, RunConfig, cache_dir, compute_bytes
+from memtune.config.architecture import layer_types
 from memtune.rundir import RunDir, free_bytes, human_bytes, is_complete, write_atomic
 
 
@@ -47,7 +48,7 @@ def arch_config(cfg: RunConfig) -> Any:
     return AutoConfig.for_model(arch.pop("model_type"), **arch)
 
 
-COUNTS_CACHE_FORMAT = 1
+COUNTS_CACHE_FORMAT = 2
 
 
 def count_params(cfg: RunConfig) -> ParamCounts:
@@ -106,21 +107,33 @@ def _count_on_meta(cfg: RunConfig) -> ParamCounts:
                 linear += module.weight.numel()
                 rows += module.out_features
         n_all = sum(p.numel() for p in model.parameters())
-        layer = sum(q.numel() for q in model.get_decoder().layers[0].parameters())
+        layers = list(model.get_decoder().layers)
+        layer = max(sum(q.numel() for q in each.parameters()) for each in layers)
         head_n = 0 if tied or head is None else head.weight.numel()
         small = n_all - linear - embedding.numel() - head_n
         p = cfg.peft
         targets = LORA_TARGETS[p.target]
-        layer0 = model.get_decoder().layers[0]
-        linear_shapes = [
-            (name, m.in_features, m.out_features)
-            for name, m in layer0.named_modules()
-            if isinstance(m, torch.nn.Linear)
-        ]
+        # One layer of each kind (a hybrid's linear-attention and attention layers differ).
+        kinds = layer_types(dict(cfg.model.architecture))
+        first = {kind: layers[kinds.index(kind)] for kind in dict.fromkeys(kinds)}
+        linear_shapes = list(
+            dict.fromkeys(
+                (name, m.in_features, m.out_features)
+                for each in first.values()
+                for name, m in each.named_modules()
+                if isinstance(m, torch.nn.Linear)
+            )
+        )
+        # What one layer's adapters keep for backward (memory.estimate.layer_bytes): an
+        # attention layer's, for every layer of a hybrid too until the linear-attention
+        # layers are measured (issue #30).
+        attention_layer = next(
+            (layer for kind, layer in first.items() if kind != "linear_attention"), layers[0]
+        )
         lora_inputs = [
-            (name.split(".")[-1], i, p.r)
-            for name, i, _ in linear_shapes
-            if name.split(".")[-1] in targets
+            (name.split(".")[-1], m.in_features, p.r)
+            for name, m in attention_layer.named_modules()
+            if isinstance(m, torch.nn.Linear) and name.split(".")[-1] in targets
         ]
         peft_model = get_peft_model(
             model, LoraConfig(r=p.r, lora_alpha=p.alpha, target_modules=targets)

@@ -1,0 +1,83 @@
+"""Qwen3.5 on the job side: model groups checked against published counts, the hybrid's layer
+layout, its multimodal config.json, and what the planner does not do for it yet (said, refused)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from memtune.config import ConfigError, to_run_config, validate
+from memtune.config.architecture import layer_types, linear_attention_layers, read_architecture
+from memtune.memory.counts import count_params
+from memtune.memory.estimate import plan
+from tests.conftest import compose_cfg
+
+# Text parameters (embeddings, decoder, untied head; no vision tower, no MTP head) of the
+# released checkpoints: keras-hub's qwen3_5 presets (text + vision, keras_hub/src/models/
+# qwen3_5/qwen3_5_presets.py @ 71453d08) less each vision tower, as the model groups cite.
+TEXT_PARAMETERS = {
+    "qwen3.5-2b": 1_881_825_088,
+    "qwen3.5-4b": 4_205_751_296,
+    "qwen3.5-9b": 8_953_803_264,
+    "qwen3.5-27b": 26_895_998_464,
+}
+
+
+@pytest.mark.parametrize("group", sorted(TEXT_PARAMETERS))
+def test_the_model_groups_count_the_released_text_parameters(group: str) -> None:
+    assert (
+        count_params(to_run_config(compose_cfg([f"model={group}"]))).base
+        == (TEXT_PARAMETERS[group])
+    )
+
+
+@pytest.mark.parametrize("group", ["tiny-qwen3.5", "qwen3.5-9b", "qwen3.5-27b", "qwen2.5-7b"])
+def test_the_layer_layout_is_transformers_own(group: str) -> None:
+    from transformers import AutoConfig
+
+    arch = dict(to_run_config(compose_cfg([f"model={group}"])).model.architecture)
+    config = AutoConfig.for_model(
+        arch["model_type"], **{k: v for k, v in arch.items() if k != "model_type"}
+    )
+    assert layer_types(arch) == list(config.layer_types)
+    expected = arch["num_hidden_layers"] * 3 // 4 if "qwen3.5" in group else 0
+    assert linear_attention_layers(arch) == expected
+
+
+def test_a_multimodal_config_json_is_planned_as_its_language_model(tmp_path: Path) -> None:
+    from transformers import Qwen3_5Config
+
+    text = dict(to_run_config(compose_cfg(["model=tiny-qwen3.5"])).model.architecture)
+    text.pop("model_type")
+    vision = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2}
+    Qwen3_5Config(text_config=text, vision_config=vision).save_pretrained(tmp_path)
+    assert "text_config" in json.loads((tmp_path / "config.json").read_text())
+    arch = read_architecture(tmp_path / "config.json")
+    assert arch["model_type"] == "qwen3_5_text"
+    assert (arch["hidden_size"], arch["linear_num_value_heads"]) == (256, 4)
+    assert arch["tie_word_embeddings"] is False
+    assert linear_attention_layers(arch) == 3
+
+
+def test_sequence_parallel_is_refused_for_the_hybrid_and_auto_keeps_one_rank() -> None:
+    cfg = to_run_config(
+        compose_cfg(["model=tiny-qwen3.5", "launcher.num_ranks=2", "trainer.sequence_parallel=2"])
+    )
+    with pytest.raises(ConfigError, match=r"sequence_parallel=2: .*linear-attention"):
+        validate(cfg, inputs=False)
+    from memtune.memory.fit import sequence_parallel_choices
+
+    auto = to_run_config(compose_cfg(["model=qwen3.5-9b", "launcher.num_ranks=4"]))
+    assert sequence_parallel_choices(auto) == [1]
+
+
+def test_the_plan_says_the_linear_attention_layers_are_not_measured_yet() -> None:
+    cfg = to_run_config(compose_cfg(["model=qwen3.5-9b", "trainer.activation_checkpointing=false"]))
+    row = next(r for r in plan(cfg).rows if r.what == "activations")
+    assert "24 linear-attention layers counted as attention (unmeasured)" in row.how
+    qwen3 = to_run_config(compose_cfg(["model=qwen3-8b"]))
+    assert (
+        "linear-attention" not in next(r for r in plan(qwen3).rows if r.what == "activations").how
+    )
