@@ -86,3 +86,75 @@ def test_the_hybrid_exports_merges_and_generates(hybrid_run, tmp_path: Path) -> 
     text, new = answer(model, tokenizer, run_dir, "What is 2 + 3?", max_new_tokens=30)
     assert (new and new[-1] in stop_token_ids(tokenizer)) or len(new) == 30
     assert "<|im_end|>" not in text
+
+
+@pytest.fixture(scope="module")
+def multimodal_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny *multimodal* Qwen3.5 checkpoint (Qwen3_5ForConditionalGeneration, vision tower
+    included, saved with save_pretrained as the released ones are), trained by path."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from memtune.config import to_run_config
+    from memtune.tools.tiny import build_tokenizer
+    from tests.conftest import compose_cfg
+
+    root = tmp_path_factory.mktemp("qwen35-mm")
+    text = dict(to_run_config(compose_cfg(["model=tiny-qwen3.5"])).model.architecture)
+    text.pop("model_type")
+    tokenizer = build_tokenizer(int(text["vocab_size"]), think_tokens=True)
+    text |= {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    vision = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2}
+    vision["out_hidden_size"] = text["hidden_size"]
+    torch.manual_seed(0)
+    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    Qwen3_5ForConditionalGeneration(config).save_pretrained(root / "base")
+    tokenizer.save_pretrained(root / "base")
+    run_dir = root / "run"
+    args = [*HYBRID, "model=local", f"model.name_or_path={root / 'base'}", "trainer.max_steps=4"]
+    proc = run_train_py([*args, f"run_dir={run_dir}"], cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root / "base", run_dir
+
+
+def test_an_adapter_of_a_multimodal_checkpoint_loads_onto_its_own_class(
+    multimodal_run, tmp_path: Path
+) -> None:
+    """The ranks train the text model (no vision tower in memory); the adapter is named for
+    the released class, so plain peft on Qwen3_5ForConditionalGeneration gives the logits of
+    the text model with the adapter, and merge writes a checkpoint of that class."""
+    from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, Qwen3_5ForConditionalGeneration
+
+    base, run_dir = multimodal_run
+    adapter = load_file(run_dir / "adapter" / "adapter_model.safetensors")
+    assert adapter and all(
+        k.startswith("base_model.model.model.language_model.layers.") for k in adapter
+    )
+
+    served = PeftModel.from_pretrained(
+        Qwen3_5ForConditionalGeneration.from_pretrained(base), run_dir / "adapter"
+    ).eval()
+    # The same weights on the text class, under the text class's names.
+    config = LoraConfig.from_pretrained(run_dir / "adapter")
+    text = get_peft_model(AutoModelForCausalLM.from_pretrained(base), config).eval()
+    renamed = {k.replace("model.language_model.", "model.", 1): t for k, t in adapter.items()}
+    assert not set_peft_model_state_dict(text, renamed).unexpected_keys
+    ids = torch.randint(5, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = served(input_ids=ids).logits
+        torch.testing.assert_close(logits, text(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+        with served.disable_adapter():
+            assert (logits - served(input_ids=ids).logits).abs().max() > 1e-3
+
+        merged_dir = merge(run_dir / "adapter", tmp_path / "merged", dtype="fp32")
+        merged = Qwen3_5ForConditionalGeneration.from_pretrained(merged_dir)
+        torch.testing.assert_close(merged(input_ids=ids).logits, logits, rtol=1e-4, atol=1e-4)
+    original = Qwen3_5ForConditionalGeneration.from_pretrained(base)
+    vision = "model.visual.blocks.0.attn.qkv.weight"
+    torch.testing.assert_close(merged.state_dict()[vision], original.state_dict()[vision])
+
+    model, tokenizer = load(run_dir)  # memtune generate: the checkpoint's own class
+    assert type(model.get_base_model()).__name__ == "Qwen3_5ForConditionalGeneration"
+    _, new = answer(model, tokenizer, run_dir, "What is 2 + 3?", max_new_tokens=8)
+    assert 0 < len(new) <= 8

@@ -190,6 +190,28 @@ def language_model_config(data: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in data.items() if k != "text_config"}, **text}
 
 
+LANGUAGE_MODEL_PREFIX = ("model.", "model.language_model.")
+"""Where a multimodal checkpoint's class keeps the decoder that ``AutoModelForCausalLM``
+loads from it: ``model.layers.N`` of the text class is ``model.language_model.layers.N`` of
+``Qwen3_5ForConditionalGeneration`` (and of the other Qwen multimodal classes in transformers
+5); the LM head is ``lm_head`` in both."""
+
+
+def is_multimodal(name_or_path: str, revision: str | None = None) -> bool:
+    """Whether the checkpoint on disk is a multimodal one (its config.json nests the language
+    model in ``text_config``): what memtune trains is then its text model, and what it exports
+    must name the modules as the checkpoint's own class does."""
+    found = checkpoint_config_file(name_or_path, revision)
+    if found is None:
+        return False
+    try:
+        data = json.loads(found.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    text = data.get("text_config") if isinstance(data, dict) else None
+    return isinstance(text, dict) and bool(text.get("model_type"))
+
+
 def mismatches(planned: dict[str, Any], actual: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     """(field, planned value, actual value) for each PLANNED_FIELDS entry that differs."""
     a, b = _planned_values(planned), _planned_values(actual)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from memtune.config.architecture import LANGUAGE_MODEL_PREFIX
 from memtune.rundir import (
     COMPLETE,
     GATHERED,
@@ -66,12 +67,30 @@ def export_adapter(model: Any, out_dir: Path, is_writer: bool) -> int:
     return len(state)
 
 
+def name_for_multimodal_class(out_dir: Path) -> None:
+    """Rename an exported adapter's tensors from the text class the ranks trained
+    (``...model.layers.N...``) to the multimodal class of the checkpoint they came from
+    (``...model.language_model.layers.N...``): peft matches an adapter's tensors to a model by
+    name, and serving loads a released Qwen3.5 checkpoint with its own class, where an adapter
+    under the text class's names would load nothing — silently (peft only warns)."""
+    from safetensors.torch import load_file, save_file
+
+    path = out_dir / "adapter_model.safetensors"
+    text, multimodal = LANGUAGE_MODEL_PREFIX
+    src, dst = f"base_model.model.{text}", f"base_model.model.{multimodal}"
+    state = load_file(path)
+    renamed = {(dst + k[len(src) :] if k.startswith(src) else k): t for k, t in state.items()}
+    save_file(renamed, path, metadata={"format": "pt"})
+
+
 def export_final(
-    model: Any, tokenizer: Any, run_dir: Path, is_writer: bool
+    model: Any, tokenizer: Any, run_dir: Path, is_writer: bool, multimodal: bool = False
 ) -> tuple[int, dict[str, list[Any]]]:
     """The run's adapter and tokenizer, written whole or not at all: into a temporary folder,
     fsynced, then renamed to ``adapter/`` (an earlier export of this run is set aside first and
-    removed last). Collective (the adapter is gathered). Returns the tensor count and, on the
+    removed last). ``multimodal``: the base checkpoint is a multimodal one; the adapter is named
+    for its class (:func:`name_for_multimodal_class`). Collective (the adapter is gathered).
+    Returns the tensor count and, on the
     writer, the files written ({"adapter/NAME": [size, sha256]}) for summary.json, which the
     job verifies before it calls the run finished."""
     final = RunDir(run_dir).adapter
@@ -80,6 +99,8 @@ def export_final(
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}.", dir=run_dir))  # made here: ours
     try:
         n_tensors = export_adapter(model, tmp, is_writer=True)
+        if multimodal:
+            name_for_multimodal_class(tmp)
         tokenizer.save_pretrained(str(tmp))
         follow_umask(tmp)  # safetensors writes 0600: the user's umask decides, as for any file
         files = {f"{final.name}/{name}": v for name, v in list_files(tmp).items()}

@@ -33,6 +33,7 @@ from memtune.config import (
     load_run_config,
     sequence_parallel_size,
 )
+from memtune.config.architecture import is_multimodal
 from memtune.data.encode import DataStats, load_tokenizer
 from memtune.data.loaders import eval_batches, make_loader
 from memtune.exit_codes import (
@@ -424,7 +425,11 @@ class RankRun:
         if after_train is not None:
             after_train(self.engine, self.ctx)
         model = self.engine.module.model
-        n_tensors, outputs = export_final(model, self.tokenizer, self.run_dir, self.rank == 0)
+        m = self.cfg.model
+        multimodal = is_multimodal(m.name_or_path, m.revision)
+        n_tensors, outputs = export_final(
+            model, self.tokenizer, self.run_dir, self.rank == 0, multimodal
+        )
         if self.rank == 0:
             summary = self._summary(result, n_tensors, outputs)
             self.rd.write_summary(summary)

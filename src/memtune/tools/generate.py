@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from memtune.config import ConfigError, load_run_config
+from memtune.config.architecture import is_multimodal
 from memtune.data.templates import IM_END, render_prompt, with_system
 from memtune.rundir import RunDir
 
@@ -28,19 +29,34 @@ def stop_token_ids(tokenizer: Any) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
+def base_class(name_or_path: str | Path, revision: str | None = None) -> Any:
+    """The checkpoint's own model class (its config.json's ``architectures``): for a released
+    Qwen3.5 ``Qwen3_5ForConditionalGeneration``, whose module names memtune's adapters carry
+    (rank.checkpoint.name_for_multimodal_class); ``AutoModelForCausalLM`` otherwise."""
+    import transformers
+
+    if is_multimodal(str(name_or_path), revision):
+        config = transformers.AutoConfig.from_pretrained(name_or_path, revision=revision)
+        for name in config.architectures or []:
+            if hasattr(transformers, name):
+                return getattr(transformers, name)
+    return transformers.AutoModelForCausalLM
+
+
 def load(run_dir: Path, model_dir: Path | None = None) -> tuple[Any, Any]:
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     adapter = RunDir(run_dir).adapter
     model: Any
     if model_dir is not None:
-        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        model = base_class(model_dir).from_pretrained(model_dir)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     else:
         cfg = load_run_config(RunDir(run_dir).config)
-        base = AutoModelForCausalLM.from_pretrained(
-            cfg.model.name_or_path, revision=cfg.model.revision
+        m = cfg.model
+        base = base_class(m.name_or_path, m.revision).from_pretrained(
+            m.name_or_path, revision=m.revision
         )
         model = PeftModel.from_pretrained(base, str(adapter))
         tokenizer = AutoTokenizer.from_pretrained(adapter)

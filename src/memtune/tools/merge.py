@@ -98,25 +98,29 @@ def _merge_into(out_dir: Path, adapter_dir: Path, base: str | None, dtype: str, 
     # Inside the function: torch, transformers and peft take seconds to import.
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from memtune.rank.model import quantization_config, torch_dtype
+    from memtune.tools.generate import base_class
 
     cfg = run_config_of(adapter_dir)
     # The revision the run trained on, unless another base is given (its own main).
     revision = cfg.model.revision if cfg is not None and base is None else None
     base = base or base_of(adapter_dir)
     quant = quantization_config(cfg) if cfg is not None and into == "dequantized" else None
+    # The base's own class: a multimodal checkpoint merges into one of its kind, vision tower
+    # and all (its adapter is named for that class).
+    model_class = base_class(base, revision)
     try:
         if quant is not None and cfg is not None:
             # Quantized exactly as in training (from the training dtype), then dequantized: the
             # weights the adapter learned to correct.
-            quantized = AutoModelForCausalLM.from_pretrained(
+            quantized = model_class.from_pretrained(
                 base, dtype=torch_dtype(cfg), quantization_config=quant, revision=revision
             )
             model = quantized.dequantize().to(getattr(torch, DTYPES[dtype]))
         else:
-            model = AutoModelForCausalLM.from_pretrained(
+            model = model_class.from_pretrained(
                 base, dtype=getattr(torch, DTYPES[dtype]), revision=revision
             )
     except OSError as err:  # transformers: neither a local model dir nor one on the Hub
