@@ -47,7 +47,7 @@ def _model(cfg, per_sample: bool):
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
     if per_sample:
-        assert keep_samples_apart(model) == PATH_PER_SAMPLE
+        assert keep_samples_apart(model) == f"{PATH_PER_SAMPLE}, conv torch, recurrence torch"
     return model.train()
 
 

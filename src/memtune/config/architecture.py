@@ -114,6 +114,10 @@ def _planned_values(arch: dict[str, Any]) -> dict[str, Any]:
     for key in PLANNED_FIELDS:
         if key == "head_dim":
             out[key] = head_dim(arch) if "hidden_size" in arch else None
+        elif key == "layer_types":  # which layers are linear attention (the kinds of attention
+            # layers, full or sliding, are not planned differently)
+            kinds = getattr(config, "layer_types", None) or layer_types(arch)
+            out[key] = [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
         elif config is not None and hasattr(config, key):
             out[key] = getattr(config, key)
         else:

@@ -4,20 +4,24 @@ A Gated DeltaNet layer mixes tokens in two ways that carry state along the seque
 causal conv1d (kernel 4) over the q/k/v channels, and the gated delta-rule recurrence per value
 head. Restarting ``position_ids`` at a sample boundary stops neither (positions only reach the
 full-attention layers' rotary embedding), so in a packed row every sample after the first would
-read the end of the one before it — measured on the tiny Qwen3.5: logits up to 0.64 away from
-the same sample alone. transformers' torch fallback refuses ``cu_seq_lens`` for the recurrence
+read the end of the one before it — measured on the tiny Qwen3.5: logits up to 8.3 away from the
+same sample alone. transformers' torch fallback refuses ``cu_seq_lens`` for the recurrence
 and its conv ignores them.
 
-memtune's per-sample path reads the same boundaries ``sdpa_varlen`` does (the packed batch's
-``cu_seq_lens``, over the flattened ``batch × n`` tokens) and runs the layer's own forward on
-each sample separately, so the conv and the recurrence start from zero at every sample, as if
-it were alone. Everything else in the layer is token-wise (projections, gates, the gated norm),
-so per-sample is exact, at the cost of one smaller call per sample. Right-padded rows (no
-packing) need nothing: padding comes after the real tokens of a causal layer.
+memtune's path reads the same boundaries ``sdpa_varlen`` does (the packed batch's
+``cu_seq_lens``, over the flattened ``batch × n`` tokens). The conv runs on each sample alone
+(its first tokens see zeros before them). The recurrence runs once over the whole row, with the
+log decay of every sample's first token set to :data:`BOUNDARY_DECAY`: the state carried into
+it is multiplied by ~1e-13, so each sample starts from an empty state, as alone, and the row
+costs what one sequence of its width costs (the chunked recurrence pads each call to a multiple
+of 64 tokens: a call per sample would pad every sample). Everything else in the layer is
+token-wise (projections, gates, the gated norm). Right-padded rows (no packing) need nothing:
+padding comes after the real tokens of a causal layer.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import types
 from typing import Any
@@ -27,7 +31,7 @@ import torch.nn.functional as F
 
 from memtune.rank.attention import row_segments
 
-PATH_PER_SAMPLE = "per sample (memtune; the conv and the recurrence restart at each sample)"
+PATH_PER_SAMPLE = "per sample (memtune: the conv and the recurrence restart at each sample)"
 
 _VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
@@ -50,15 +54,32 @@ def keep_samples_apart(model: Any) -> str | None:
             continue
         layer.forward = types.MethodType(_per_sample(layer.forward), layer)
         layer._memtune_per_sample = True
-    return PATH_PER_SAMPLE if layers else None
+    return f"{PATH_PER_SAMPLE}, {kernels()}" if layers else None
+
+
+def kernels() -> str:
+    """Which implementations transformers runs for the conv and the recurrence: the CUDA
+    packages when installed (causal-conv1d, flash-linear-attention), else its torch code."""
+    conv = "causal-conv1d" if importlib.util.find_spec("causal_conv1d") else "torch"
+    rule = "flash-linear-attention" if importlib.util.find_spec("fla") else "torch"
+    return f"conv {conv}, recurrence {rule}"
+
+
+BOUNDARY_DECAY = -30.0
+"""The log decay given to the first token of every sample but a row's first: the recurrent
+state reaching it is multiplied by exp(-30) ≈ 1e-13, i.e. the sample starts from an empty
+state, as alone. (A first token's own decay multiplies the zero state of a sample alone, so its
+gradient is zero either way: nothing is lost by replacing it.)"""
 
 
 def _per_sample(whole_row: Any) -> Any:
     """The layer's forward for training on packed rows: transformers' own steps and functions
-    (its modeling module's conv and chunked delta rule), with the conv and the recurrence run
-    per sample. Each projection is called once for the whole batch, as in transformers'
-    forward: under ZeRO-3 every call of a submodule gathers its weights, and ranks whose rows
-    hold different numbers of samples must still make the same collective calls."""
+    (its modeling module's conv and chunked delta rule), with samples kept apart. The conv runs
+    on each sample; the recurrence runs on the whole row once, its state emptied at every sample
+    start (:data:`BOUNDARY_DECAY`), so a row costs what one sequence of its width costs instead of
+    one chunk-padded call per sample. Each projection is called once for the whole batch, as in
+    transformers' forward: under ZeRO-3 every call of a submodule gathers its weights, and ranks
+    whose rows hold different numbers of samples must still make the same collective calls."""
 
     def forward(
         self: Any,
@@ -74,43 +95,54 @@ def _per_sample(whole_row: Any) -> Any:
         hf = sys.modules[type(self).__module__]
         hidden_states = hf.apply_mask_to_padding_states(hidden_states, attention_mask)
         batch, width, _ = hidden_states.shape
-        mixed_qkv = self.in_proj_qkv(hidden_states)
+        segments = row_segments(batch, width, cu, None)
+        assert segments is not None  # cu_seq_lens given
+        mixed_qkv = self.in_proj_qkv(hidden_states).transpose(1, 2)
         z = self.in_proj_z(hidden_states).reshape(batch, width, -1, self.head_v_dim)
         beta = self.in_proj_b(hidden_states).sigmoid()
         a = self.in_proj_a(hidden_states)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        conv_weight = self.conv1d.weight.squeeze(1)
-        segments = row_segments(batch, width, cu, None)
-        assert segments is not None  # cu_seq_lens given
-        rows = []
+        starts = torch.zeros(batch, width, 1, dtype=torch.bool, device=g.device)
         for r, segs in enumerate(segments):
-            parts = []
-            for start, end in segs:
-                n = end - start
-                qkv = hf.causal_conv1d_fn(
-                    mixed_qkv[r : r + 1, start:end].transpose(1, 2),
-                    conv_weight,
-                    self.conv1d.bias,
-                    activation=self.activation,
-                ).transpose(1, 2)
-                q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-                out, _ = hf.torch_chunk_gated_delta_rule(
-                    q.reshape(1, n, -1, self.head_k_dim),
-                    k.reshape(1, n, -1, self.head_k_dim),
-                    v.reshape(1, n, -1, self.head_v_dim),
-                    g=g[r : r + 1, start:end],
-                    beta=beta[r : r + 1, start:end],
-                    initial_state=None,
-                    output_final_state=False,
-                    use_qk_l2norm_in_kernel=True,
-                )
-                parts.append(out)
-            covered = segs[-1][1] if segs else 0
-            if covered < width:  # the row's padding: nothing learns from it
-                parts.append(z.new_zeros((1, width - covered, *z.shape[2:])))
-            rows.append(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
-        core = torch.cat(rows, dim=0).reshape(-1, self.head_v_dim)
-        core = self.norm(core, z.reshape(-1, self.head_v_dim)).reshape(batch, width, -1)
-        return self.out_proj(core)
+            for start, _ in segs[1:]:
+                starts[r, start] = True
+        g = torch.where(starts, torch.full_like(g, BOUNDARY_DECAY), g)
+        qkv = _conv_per_sample(hf, self, mixed_qkv, segments).transpose(1, 2)
+        q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        core, _ = hf.torch_chunk_gated_delta_rule(
+            q.reshape(batch, width, -1, self.head_k_dim),
+            k.reshape(batch, width, -1, self.head_k_dim),
+            v.reshape(batch, width, -1, self.head_v_dim),
+            g=g,
+            beta=beta,
+            initial_state=None,
+            output_final_state=False,
+            use_qk_l2norm_in_kernel=True,
+        )
+        core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(core.reshape(batch, width, -1))
 
     return forward
+
+
+def _conv_per_sample(
+    hf: Any, layer: Any, mixed_qkv: torch.Tensor, segments: list[list[tuple[int, int]]]
+) -> torch.Tensor:
+    """The depthwise causal conv (kernel 4) of ``mixed_qkv`` (batch, channels, width), each
+    sample on its own: its first tokens see zeros before them, not the previous sample."""
+    weight = layer.conv1d.weight.squeeze(1)
+    rows = []
+    for r, segs in enumerate(segments):
+        parts = [
+            hf.causal_conv1d_fn(
+                mixed_qkv[r : r + 1, :, a:b], weight, layer.conv1d.bias, activation=layer.activation
+            )
+            for a, b in segs
+        ]
+        covered = segs[-1][1] if segs else 0
+        if covered < mixed_qkv.shape[-1]:  # the row's padding: nothing learns from it
+            parts.append(
+                mixed_qkv.new_zeros((1, mixed_qkv.shape[1], mixed_qkv.shape[-1] - covered))
+            )
+        rows.append(torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0])
+    return torch.cat(rows, dim=0)
