@@ -110,7 +110,7 @@ def _planned_values(arch: dict[str, Any]) -> dict[str, Any]:
         config = AutoConfig.for_model(str(arch.get("model_type")), **fields)
     except (ValueError, KeyError, TypeError):
         config = None
-    out = {}
+    out: dict[str, Any] = {}
     for key in PLANNED_FIELDS:
         if key == "head_dim":
             out[key] = head_dim(arch) if "hidden_size" in arch else None
