@@ -82,6 +82,17 @@ def _saved_bytes(cfg) -> int:
         # Qwen3: per-head q/k norms, head_dim 128 over a 256 hidden state, tied embeddings.
         ["model=tiny-qwen3", "trainer.precision=bf16", "peft.dropout=0"],
         ["model=tiny-qwen3", "trainer.precision=fp32", "peft.dropout=0.05"],
+        # Qwen3.5's hybrid: three Gated DeltaNet layers (their mixer measured on the meta device,
+        # memory.counts.linear_mixer_bytes) and a gated full-attention layer.
+        ["model=tiny-qwen3.5", "trainer.precision=fp32", "peft.dropout=0.05"],
+        ["model=tiny-qwen3.5", "trainer.precision=bf16", "peft.dropout=0"],
+        [
+            "model=tiny-qwen3.5",
+            "trainer.precision=bf16",
+            "peft.dropout=0",
+            "trainer.activation_checkpointing=true",
+            "trainer.checkpoint_layers=2",
+        ],
         # Selective: layer 0 keeps only its input, layer 1 everything (2 layers in all).
         [
             "trainer.precision=bf16",

@@ -73,10 +73,21 @@ def test_sequence_parallel_is_refused_for_the_hybrid_and_auto_keeps_one_rank() -
     assert sequence_parallel_choices(auto) == [1]
 
 
-def test_the_plan_says_the_linear_attention_layers_are_not_measured_yet() -> None:
+def test_the_linear_mixer_grows_by_the_chunk_as_measured() -> None:
+    """linear_mixer_bytes measures 2 and 4 chunks and extends the line: a 9B mixer over 64
+    chunks (4,096 tokens) is what the meta device measures there, to the byte."""
+    from memtune.memory.counts import _mixer_saved_on_meta, linear_mixer_bytes
+
+    cfg = to_run_config(compose_cfg(["model=qwen3.5-9b", "trainer.precision=bf16"]))
+    assert linear_mixer_bytes(cfg, 4096) == _mixer_saved_on_meta(cfg, 4096)
+    assert linear_mixer_bytes(cfg, 4040) == linear_mixer_bytes(cfg, 4096)  # padded to a chunk
+    assert 1.3e9 < linear_mixer_bytes(cfg, 4096) < 1.5e9  # fp32 chunk states: ~345 kB a token
+
+
+def test_the_plan_names_the_measured_linear_attention_layers() -> None:
     cfg = to_run_config(compose_cfg(["model=qwen3.5-9b", "trainer.activation_checkpointing=false"]))
     row = next(r for r in plan(cfg).rows if r.what == "activations")
-    assert "24 linear-attention layers counted as attention (unmeasured)" in row.how
+    assert "24 linear-attention layers as measured on transformers' torch code" in row.how
     qwen3 = to_run_config(compose_cfg(["model=qwen3-8b"]))
     assert (
         "linear-attention" not in next(r for r in plan(qwen3).rows if r.what == "activations").how

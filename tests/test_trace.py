@@ -70,3 +70,25 @@ def test_the_plan_matches_a_full_size_step(experiment: str, tokens: int) -> None
     traced = trace_step(cfg)
     assert traced.at_peak["base weights"] > 14e9  # the full-size model, bf16
     assert planned_step(cfg) == pytest.approx(traced.step, rel=0.03), traced
+
+
+@pytest.mark.parametrize("checkpoint_layers", ["auto", "12"])
+def test_the_plan_matches_a_full_size_hybrid_step(checkpoint_layers: str) -> None:
+    """Qwen3.5-2B (18 Gated DeltaNet and 6 gated full-attention layers) at 2,048 tokens: the
+    measured linear-attention mixer, the gated attention and a recomputed linear-attention
+    layer (12 checkpointed) against the traced step, within the same 3%."""
+    given = to_run_config(
+        compose_cfg(
+            [
+                "experiment=qwen3.5-9b-4x4090-lora",
+                "model=qwen3.5-2b",
+                "data.max_seq_len=2048",
+                f"trainer.checkpoint_layers={checkpoint_layers}",
+                *ONE_PROCESS,
+            ]
+        )
+    )
+    cfg = fit_to_device(given, refuse=False).cfg
+    traced = trace_step(cfg)
+    assert traced.at_peak["base weights"] > 3e9  # the full-size model, bf16
+    assert planned_step(cfg) == pytest.approx(traced.step, rel=0.03), traced

@@ -11,7 +11,7 @@ import contextlib
 import hashlib
 import json
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,8 @@ class ParamCounts:
     lora: int
     lora_inputs: list[tuple[str, int, int]]  # (name, in_features, r) of each target in a layer
     linear_shapes: list[tuple[str, int, int]]  # (name in a layer, in, out) of each linear layer
+    linear_attention_lora_inputs: list[tuple[str, int, int]] = field(default_factory=list)
+    """lora_inputs of a linear-attention layer (a hybrid's, Qwen3.5); empty for other models."""
 
     @property
     def base(self) -> int:
@@ -48,7 +50,7 @@ def arch_config(cfg: RunConfig) -> Any:
     return AutoConfig.for_model(arch.pop("model_type"), **arch)
 
 
-COUNTS_CACHE_FORMAT = 2
+COUNTS_CACHE_FORMAT = 3
 
 
 def count_params(cfg: RunConfig) -> ParamCounts:
@@ -78,6 +80,9 @@ def count_params(cfg: RunConfig) -> ParamCounts:
                 **saved,
                 "lora_inputs": [tuple(x) for x in saved["lora_inputs"]],
                 "linear_shapes": [tuple(x) for x in saved["linear_shapes"]],
+                "linear_attention_lora_inputs": [
+                    tuple(x) for x in saved["linear_attention_lora_inputs"]
+                ],
             }
         )
     except (OSError, ValueError, TypeError, KeyError):
@@ -124,24 +129,109 @@ def _count_on_meta(cfg: RunConfig) -> ParamCounts:
                 if isinstance(m, torch.nn.Linear)
             )
         )
-        # What one layer's adapters keep for backward (memory.estimate.layer_bytes): an
-        # attention layer's, for every layer of a hybrid too until the linear-attention
-        # layers are measured (issue #30).
-        attention_layer = next(
-            (layer for kind, layer in first.items() if kind != "linear_attention"), layers[0]
-        )
-        lora_inputs = [
-            (name.split(".")[-1], m.in_features, p.r)
-            for name, m in attention_layer.named_modules()
-            if isinstance(m, torch.nn.Linear) and name.split(".")[-1] in targets
-        ]
+
+        # What one layer's adapters keep for backward (memory.estimate.layer_bytes), for each
+        # kind of layer.
+        def adapted(layer: Any) -> list[tuple[str, int, int]]:
+            return [
+                (name.split(".")[-1], m.in_features, p.r)
+                for name, m in layer.named_modules()
+                if isinstance(m, torch.nn.Linear) and name.split(".")[-1] in targets
+            ]
+
+        linear_kind = first.pop("linear_attention", None)
+        lora_inputs = adapted(next(iter(first.values()), layers[0]))
+        linear_attention_lora_inputs = adapted(linear_kind) if linear_kind is not None else []
         peft_model = get_peft_model(
             model, LoraConfig(r=p.r, lora_alpha=p.alpha, target_modules=targets)
         )
         lora = sum(q.numel() for q in peft_model.parameters() if q.requires_grad)
     return ParamCounts(
-        linear, layer, rows, embedding.numel(), head_n, small, lora, lora_inputs, linear_shapes
+        linear,
+        layer,
+        rows,
+        embedding.numel(),
+        head_n,
+        small,
+        lora,
+        lora_inputs,
+        linear_shapes,
+        linear_attention_lora_inputs,
     )
+
+
+MIXER_CHUNK = 64
+"""transformers' chunked delta rule pads a sequence to a multiple of this many tokens."""
+
+
+def linear_mixer_bytes(cfg: RunConfig, tokens: int) -> int:
+    """What one linear-attention token mixer (Qwen3.5's Gated DeltaNet, without its adapters)
+    keeps for backward over ``tokens`` tokens, as measured: the module is run on the meta
+    device at the architecture's widths in the compute dtype, and every tensor autograd saves
+    is counted (transformers' torch implementation of the conv and the chunked recurrence: fp32
+    internals, per-chunk states). Measured at 2 and 4 chunks; the bytes grow linearly with the
+    chunks (tests check a longer sequence), so ``tokens`` is rounded up to a whole chunk."""
+    slope, base = _mixer_line(cfg)
+    chunks = -(-tokens // MIXER_CHUNK)
+    return round(base + slope * chunks)
+
+
+def _mixer_line(cfg: RunConfig) -> tuple[float, float]:
+    """(bytes per chunk, bytes at zero chunks) of :func:`linear_mixer_bytes`, kept in the counts
+    cache like the parameter counts."""
+    key = json.dumps(
+        {
+            "what": "linear mixer saved bytes",
+            "format": COUNTS_CACHE_FORMAT,
+            "architecture": dict(cfg.model.architecture),
+            "bytes": compute_bytes(cfg),
+            "versions": [version(name) for name in ("transformers", "torch")],
+        },
+        sort_keys=True,
+        default=str,
+    )
+    path = cache_dir() / "counts" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+    try:
+        slope, base = json.loads(path.read_text())
+        return float(slope), float(base)
+    except (OSError, ValueError, TypeError):
+        pass
+    two, four = (_mixer_saved_on_meta(cfg, c * MIXER_CHUNK) for c in (2, 4))
+    line = ((four - two) / 2, two - (four - two))
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(line))
+    return line
+
+
+def _mixer_saved_on_meta(cfg: RunConfig, tokens: int) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from memtune.config.architecture import layer_types
+
+    dtype = torch.bfloat16 if compute_bytes(cfg) == 2 else torch.float32
+    index = layer_types(dict(cfg.model.architecture)).index("linear_attention")
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = arch_config(cfg)
+        config.num_hidden_layers = index + 1
+        config.layer_types = config.layer_types[: index + 1]
+        mixer = AutoModelForCausalLM.from_config(config).get_decoder().layers[index].linear_attn
+        mixer = mixer.to(dtype).requires_grad_(False)
+        x = torch.empty(1, tokens, config.hidden_size, dtype=dtype, requires_grad=True)
+    saved: dict[int, int] = {}
+
+    def pack(t: Any) -> Any:
+        storage = t.untyped_storage()
+        saved[storage._cdata] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mixer(x)
+    own = {p.untyped_storage()._cdata for p in mixer.parameters()}
+    own.add(x.untyped_storage()._cdata)  # the layer input: its norm counts it
+    return sum(n for ptr, n in saved.items() if ptr not in own)
 
 
 def quantized_shape_problems(cfg: RunConfig, counts: ParamCounts) -> list[str]:

@@ -42,8 +42,8 @@ from memtune.config import (
     sequence_parallel_size,
     tiled_mlp,
 )
-from memtune.config.architecture import head_dim, linear_attention_layers
-from memtune.memory.counts import ParamCounts, count_params
+from memtune.config.architecture import head_dim, layer_types, linear_attention_layers
+from memtune.memory.counts import ParamCounts, count_params, linear_mixer_bytes
 from memtune.rundir import PlanRecord, PlanRow
 
 GIB = 1024**3
@@ -106,24 +106,27 @@ MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 QKV = ("q_proj", "k_proj", "v_proj")
 
 
-def layer_bytes(cfg: RunConfig, tokens: int, counts: ParamCounts, cuda: bool = True) -> int:
+def layer_bytes(
+    cfg: RunConfig, tokens: int, counts: ParamCounts, cuda: bool = True, kind: str = "attention"
+) -> int:
     """What autograd keeps for one decoder layer's backward, for ``tokens`` tokens (a rank's
     share when the sequence is split: everything but attention is token-wise, and Ulysses
-    attention holds the whole sequence for heads / sp of the heads — the same bytes)."""
+    attention holds the whole sequence for heads / sp of the heads — the same bytes).
+    ``kind``: ``"linear_attention"`` for a hybrid's Gated DeltaNet layers (Qwen3.5), whose token
+    mixer is measured (memory.counts.linear_mixer_bytes); any other kind is an attention
+    layer."""
     a = cfg.model.architecture
-    d = head_dim(a)
     h, inter = int(a["hidden_size"]), int(a["intermediate_size"])
-    heads, kv = int(a["num_attention_heads"]), int(a["num_key_value_heads"])
     b = compute_bytes(cfg)
-    n, sp = tokens, sequence_parallel_size(cfg)
+    n = tokens
     norms = 2 * n * h * 4  # RMSNorm keeps its input in fp32, twice per layer
-    if a.get("model_type") == "qwen3":
-        norms += n * d * (heads + kv) * 4  # and per head on q and k (Qwen3's q_norm, k_norm)
-    # q, output, and k, v at their KV heads (sdpa and FA2 read grouped heads; eager repeats;
-    # Ulysses repeats KV heads up to sp when there are fewer).
-    kv_heads = heads if cfg.model.attn_implementation == "eager" else max(kv, sp)
-    attention = n * d * (2 * heads + 2 * kv_heads) * b + n * heads * 4  # + logsumexp
-    inputs = counts.lora_inputs
+    if kind == "linear_attention":
+        mixer = linear_mixer_bytes(cfg, n)
+        inputs = counts.linear_attention_lora_inputs
+    else:
+        mixer, extra = attention_bytes(cfg, n)
+        norms += extra
+        inputs = counts.lora_inputs
     if tiled_mlp(cfg):
         # Only the MLP's input; its intermediates and its LoRA's inputs live one tile at a
         # time, inside the backward's recompute (rank/long_context.py).
@@ -132,9 +135,34 @@ def layer_bytes(cfg: RunConfig, tokens: int, counts: ParamCounts, cuda: bool = T
     else:
         mlp = 3 * n * inter * b  # gate (SiLU input), SiLU output, up
     lora = lora_activation_bytes(inputs, n, b, cfg.peft.dropout > 0, cuda)
-    if sp > 1 and any(name == "o_proj" for name, _, _ in inputs) and cfg.peft.dropout == 0:
-        lora += n * heads * d * b  # o_proj reads the all-to-all's output, not attention's
-    return norms + attention + mlp + lora
+    # o_proj reads the all-to-all's output, or the gated one, not attention's own
+    reads_a_copy = sequence_parallel_size(cfg) > 1 or a.get("model_type") in GATED_ATTENTION
+    if kind != "linear_attention" and cfg.peft.dropout == 0 and reads_a_copy:
+        lora += sum(n * i * b for name, i, _ in inputs if name == "o_proj")
+    return norms + mixer + mlp + lora
+
+
+GATED_ATTENTION = ("qwen3_5_text",)
+"""Model types whose attention output is gated, ``out * sigmoid(gate)`` (gate: a second half of
+q_proj's output), before o_proj: Qwen3.5's full-attention layers."""
+
+
+def attention_bytes(cfg: RunConfig, n: int) -> tuple[int, int]:
+    """(attention's saved bytes, its per-head norms' fp32 inputs) for ``n`` tokens."""
+    a = cfg.model.architecture
+    d = head_dim(a)
+    heads, kv = int(a["num_attention_heads"]), int(a["num_key_value_heads"])
+    b, sp = compute_bytes(cfg), sequence_parallel_size(cfg)
+    norms = 0
+    if a.get("model_type") in ("qwen3", *GATED_ATTENTION):
+        norms = n * d * (heads + kv) * 4  # per head on q and k (Qwen3's q_norm, k_norm)
+    # q, output, and k, v at their KV heads (sdpa and FA2 read grouped heads; eager repeats;
+    # Ulysses repeats KV heads up to sp when there are fewer).
+    kv_heads = heads if cfg.model.attn_implementation == "eager" else max(kv, sp)
+    attention = n * d * (2 * heads + 2 * kv_heads) * b + n * heads * 4  # + logsumexp
+    if a.get("model_type") in GATED_ATTENTION:
+        attention += n * heads * d * b  # sigmoid(gate), kept by the product and the sigmoid
+    return attention, norms
 
 
 def kept_inputs(cfg: RunConfig, checkpointed: int) -> int:
@@ -143,25 +171,49 @@ def kept_inputs(cfg: RunConfig, checkpointed: int) -> int:
     return min(checkpointed, 2) if offload_activations(cfg) else checkpointed
 
 
+def layer_kinds(cfg: RunConfig) -> list[str]:
+    """Each decoder layer as layer_bytes plans it: "linear_attention" or "attention"."""
+    return [
+        "linear_attention" if kind == "linear_attention" else "attention"
+        for kind in layer_types(dict(cfg.model.architecture))
+    ]
+
+
+def _by_kind(
+    cfg: RunConfig, tokens: int, counts: ParamCounts, cuda: bool, kinds: list[str]
+) -> dict[str, int]:
+    return {kind: layer_bytes(cfg, tokens, counts, cuda, kind) for kind in set(kinds)}
+
+
+FIRST_NORM_READERS = (*QKV, "in_proj_qkv", "in_proj_z")
+"""Adapters that read a layer's first norm: q, k, v, or a linear-attention layer's inputs."""
+
+
 def saved_bytes(
     cfg: RunConfig, tokens: int, checkpointed: int, counts: ParamCounts, cuda: bool = True
 ) -> int:
     """What autograd keeps when the forward ends: the input of each of the first
     ``checkpointed`` layers, everything of the others, and the final norm's input."""
-    a = cfg.model.architecture
-    h, layers = int(a["hidden_size"]), int(a["num_hidden_layers"])
+    h = int(cfg.model.architecture["hidden_size"])
     n, b = tokens, compute_bytes(cfg)
-    k = min(int(checkpointed), layers)
-    kept = kept_inputs(cfg, k) * n * h * b + (layers - k) * layer_bytes(cfg, tokens, counts, cuda)
+    kinds = layer_kinds(cfg)
+    k = min(int(checkpointed), len(kinds))
+    each = _by_kind(cfg, tokens, counts, cuda, kinds[k:])
+    kept = kept_inputs(cfg, k) * n * h * b + sum(each[kind] for kind in kinds[k:])
     t = cfg.trainer
     if k == 0 and not (t.activation_checkpointing and t.checkpointing_reentrant):
         # The frozen embedding's output needs no gradient, so the first norm keeps nothing
         # (reentrant checkpointing makes it require one), nor do the dropouts of the first
-        # layer's q/k/v adapters keep their masks (only their dropped copies).
+        # layer's adapters that read it keep their masks (only their dropped copies).
         kept -= n * h * 4
         if cfg.peft.dropout > 0:
             mask = 1 if cuda else b
-            kept -= sum(n * i * mask for name, i, _ in counts.lora_inputs if name in QKV)
+            first = (
+                counts.linear_attention_lora_inputs
+                if kinds[0] == "linear_attention"
+                else counts.lora_inputs
+            )
+            kept -= sum(n * i * mask for name, i, _ in first if name in FIRST_NORM_READERS)
     return kept + n * h * 4  # + the final norm's input
 
 
@@ -173,14 +225,17 @@ def activation_bytes(
 
     Backward reaches the checkpointed (first) layers last, after the other layers' activations
     are freed, so one recomputed layer never adds to them: the most is the checkpointed inputs
-    plus the larger of the other layers' activations and one recomputed layer.
+    plus the larger of the other layers' activations and one recomputed layer (the largest, in
+    a hybrid).
     """
-    layers = int(cfg.model.architecture["num_hidden_layers"])
-    k = min(int(checkpointed), layers)
+    kinds = layer_kinds(cfg)
+    k = min(int(checkpointed), len(kinds))
     saved = saved_bytes(cfg, tokens, k, counts, cuda)
-    if k == 0 or k < layers:
+    if k == 0:
         return saved
-    return saved + layer_bytes(cfg, tokens, counts, cuda)
+    each = _by_kind(cfg, tokens, counts, cuda, kinds)
+    others = sum(each[kind] for kind in kinds[k:])
+    return max(saved, saved - others + max(each[kind] for kind in kinds[:k]))
 
 
 def backward_bytes(cfg: RunConfig, tokens: int, counts: ParamCounts, cuda: bool = True) -> int:
@@ -240,7 +295,9 @@ def step_peak(
         moments.append(StepPeak(f"backward of layer {layers - 1}", saved, backward=back))
     if k > 0:
         recomputed = kept_inputs(cfg, k) * tokens * h * compute_bytes(cfg)
-        recomputed += layer_bytes(cfg, tokens, counts, cuda)
+        recomputed += max(
+            layer_bytes(cfg, tokens, counts, cuda, kind) for kind in set(layer_kinds(cfg)[:k])
+        )
         moments.append(StepPeak(f"backward of layer {k - 1} (recomputed)", recomputed, 0, back))
     return max(moments, key=lambda m: m.total)
 
@@ -252,6 +309,8 @@ SHARED_INPUT = {
     "q_proj": "attn",
     "k_proj": "attn",
     "v_proj": "attn",
+    "in_proj_qkv": "linear attn",
+    "in_proj_z": "linear attn",
     "o_proj": "attention output",
     "gate_proj": "mlp",
     "up_proj": "mlp",
@@ -366,8 +425,8 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
         extras.append("checkpointed inputs on the host")
     share = f" (1/{sp} of each sequence)" if sp > 1 else ""
     linear = linear_attention_layers(cfg.model.architecture)
-    if linear:  # issue #30: what a Gated DeltaNet layer keeps is still to be measured
-        extras.append(f"its {linear} linear-attention layers counted as attention (unmeasured)")
+    if linear:
+        extras.append(f"{linear} linear-attention layers as measured on transformers' torch code")
     out.add(
         "activations",
         peak.activations,
