@@ -158,3 +158,20 @@ def test_an_adapter_of_a_multimodal_checkpoint_loads_onto_its_own_class(
     assert type(model.get_base_model()).__name__ == "Qwen3_5ForConditionalGeneration"
     _, new = answer(model, tokenizer, run_dir, "What is 2 + 3?", max_new_tokens=8)
     assert 0 < len(new) <= 8
+
+
+def test_the_hybrid_splits_its_sequences_over_two_ranks_as_one_rank_trains(tmp_path: Path) -> None:
+    """Ulysses for the linear-attention layers too (rank.linear_attention.Split): sp=2 on 2
+    ranks, packed rows (samples cross the shard boundary), trains as 1 rank does."""
+    from tests.conftest import start_run
+    from tests.test_sequence_parallel import _same_training
+
+    short = [*HYBRID[:-2], "trainer.max_steps=6"]  # HYBRID less its ranks and saves
+    one = start_run(tmp_path / "one", [*short, "launcher.num_ranks=1"], probe=False)
+    two = start_run(
+        tmp_path / "sp2",
+        [*short, "launcher.num_ranks=2", "trainer.sequence_parallel=2"],
+        probe=False,
+    )
+    assert one.code == 0 and two.code == 0
+    _same_training(two, one)

@@ -61,16 +61,20 @@ def test_a_multimodal_config_json_is_planned_as_its_language_model(tmp_path: Pat
     assert linear_attention_layers(arch) == 3
 
 
-def test_sequence_parallel_is_refused_for_the_hybrid_and_auto_keeps_one_rank() -> None:
-    cfg = to_run_config(
-        compose_cfg(["model=tiny-qwen3.5", "launcher.num_ranks=2", "trainer.sequence_parallel=2"])
-    )
-    with pytest.raises(ConfigError, match=r"sequence_parallel=2: .*linear-attention"):
-        validate(cfg, inputs=False)
+def test_sequence_parallel_must_divide_the_linear_attention_heads() -> None:
+    """Each rank of a group runs the recurrence for 1/sp of the linear-attention heads: the
+    tiny hybrid's 2 key heads split over 2 ranks, not over 4."""
+    two = ["model=tiny-qwen3.5", "launcher.num_ranks=2", "trainer.sequence_parallel=2"]
+    validate(to_run_config(compose_cfg(two)), inputs=False)
+    four = ["model=tiny-qwen3.5", "launcher.num_ranks=4", "trainer.sequence_parallel=4"]
+    with pytest.raises(
+        ConfigError, match=r"sequence_parallel=4 must divide .*linear_num_key_heads=2"
+    ):
+        validate(to_run_config(compose_cfg(four)), inputs=False)
     from memtune.memory.fit import sequence_parallel_choices
 
     auto = to_run_config(compose_cfg(["model=qwen3.5-9b", "launcher.num_ranks=4"]))
-    assert sequence_parallel_choices(auto) == [1]
+    assert sequence_parallel_choices(auto) == [1, 2, 4]
 
 
 def test_the_linear_mixer_grows_by_the_chunk_as_measured() -> None:

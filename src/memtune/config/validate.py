@@ -240,12 +240,13 @@ def _check_sequence_parallel(cfg: RunConfig) -> None:
         return
     sp, arch = int(value), cfg.model.architecture
     if linear_attention_layers(arch):
-        raise ConfigError(
-            f"trainer.sequence_parallel={sp}: this model's linear-attention (Gated DeltaNet) "
-            "layers are not split over ranks yet, only its attention layers would be; use "
-            "trainer.sequence_parallel=1 (trainer.tiled_mlp and offload_activations still "
-            "lengthen what fits)"
-        )
+        for field in ("linear_num_key_heads", "linear_num_value_heads"):
+            count = int(arch.get(field) or 0)
+            if count % sp:
+                raise ConfigError(
+                    f"trainer.sequence_parallel={sp} must divide the model's {field}={count} "
+                    "(each rank runs the linear-attention recurrence for heads / sp of them)"
+                )
     heads = int(arch.get("num_attention_heads") or 0)
     kv = int(arch.get("num_key_value_heads") or heads)
     where = f"trainer.sequence_parallel={sp}"

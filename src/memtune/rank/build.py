@@ -23,7 +23,7 @@ from memtune.config import (
     tiled_mlp,
 )
 from memtune.config.architecture import loaded_mismatches
-from memtune.rank.linear_attention import keep_samples_apart
+from memtune.rank.linear_attention import keep_samples_apart, split_over_ranks
 from memtune.rank.long_context import offload_checkpoints, tile_mlps
 from memtune.rank.loss import CausalLMLoss, resolve_loss_kind
 from memtune.rank.model import (
@@ -77,7 +77,12 @@ def build_rank(
 
     use_zero_init = cfg.zero.stage == 3 if zero_init is None else zero_init
     hf_ds = HfDeepSpeedConfig(ds_config) if use_zero_init else None
+    # Loading must not move the RNG the adapters are then drawn from: under zero.Init the
+    # modules are built for real, and a Qwen3.5 linear-attention layer draws its A_log at
+    # construction, so LoRA would start elsewhere under ZeRO-3 than under ZeRO-2 or one rank.
+    rng = torch.get_rng_state()
     base = load_base(cfg, attn)
+    torch.set_rng_state(rng)
     wrong = loaded_mismatches(cfg, base.config)
     if wrong:
         raise ConfigError(
@@ -101,6 +106,9 @@ def build_rank(
 
         sp, micro = sequence_parallel_size(cfg), cfg.trainer.micro_batch_size
         mpu = register_attention(base, attn, sp, micro)
+        if linear:
+            group, sp_rank = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank()
+            split_over_ranks(base, group, sp, sp_rank)
     engine, optimizer_note = build_engine(cfg, model, device, ds_config, mpu)
     del hf_ds
     return RankParts(
