@@ -28,6 +28,14 @@ bitsandbytes ``Linear4bit`` quantized on the device with the settings of memtune
 ``quantization_config`` (what ``from_pretrained`` does tensor by tensor), no ``zero.Init``
 (memtune's quantized ZeRO-3 path does not use it either).
 
+Last, Qwen3.5 (issue #30; phases ``qwen35-torch`` and ``qwen35-fla``): the random-weight
+Qwen3.5-2B, hybrid (3 of 4 layers Gated DeltaNet), with the LoRA of the qwen3.5-9b experiment,
+trained on packed rows of 4096 tokens (cu_seq_lens as the loader gives them) through memtune's
+per-sample path, once on transformers' torch code (flash-linear-attention blocked in that
+process) and once on flash-linear-attention's Triton kernels: step time, tokens/s, peak
+memory against the plan, which kernels transformers calls, and packed = alone (each sample's
+loss and logits in a packed row as alone, in bf16).
+
 Every phase runs in its own process (a crash, hang or leak stays there); each writes its
 measurements as soon as they exist and the outputs are rewritten after each, so a timeout
 still returns data. Writes ``<out>/gpu_check.json`` and ``<out>/gpu_check.md``.
@@ -84,6 +92,8 @@ class Mode:
     budget_s: float = 420.0
     long_lengths: tuple[int, ...] = ()  # long-context phases: timed lengths
     long_search: tuple[int, ...] = ()  # ... and the lengths tried under the cap, ascending
+    hybrid_model: str = "tiny-qwen3.5"  # the Qwen3.5 phases: a hybrid model ...
+    hybrid_len: int = 256  # ... trained on packed rows of this many tokens
 
 
 GPU = Mode(
@@ -95,6 +105,8 @@ GPU = Mode(
     timed=3,
     long_lengths=(32768,),
     long_search=(49152, 65536, 81920, 98304, 114688, 131072),
+    hybrid_model="qwen3.5-2b",
+    hybrid_len=4096,
 )
 # The tiny model has 2 layers: checkpoint the first only, so the selective path runs; the
 # search raises a simulated OOM above 256 tokens, so the OOM path runs too.
@@ -123,6 +135,7 @@ LONG_OVERRIDES = (
 METHODS = {
     "lora": ("qwen2.5-7b-4x4090-lora", "lora-all-linear"),
     "qlora": ("qwen2.5-7b-4x4090-qlora", "qlora-nf4"),
+    "qwen35": ("qwen3.5-9b-4x4090-lora", "lora"),  # the Qwen3.5 phases: that experiment's LoRA
 }
 # In order of importance: a timeout loses the last ones. (phase, method, side, cap seconds)
 PHASES = (
@@ -132,22 +145,33 @@ PHASES = (
     ("qlora-memtune", "qlora", "memtune", 200),  # ends with the 24 GB search
     ("long-qlora", "qlora", "long", 150),  # 32k timed, then longer under the 24 GB cap
     ("long-lora", "lora", "long", 120),
+    # Qwen3.5 (hybrid) on packed rows, transformers' torch code for the Gated DeltaNet layers
+    # (flash-linear-attention blocked in that process), then with flash-linear-attention
+    # (its Triton kernels compile and autotune in the first step: a longer cap).
+    ("qwen35-torch", "qwen35", "torch", 75),
+    ("qwen35-fla", "qwen35", "fla", 100),
 )
-MIN_PHASE_S = 45  # kept for each later phase when a phase's deadline is set
+MIN_PHASE_S = 45  # kept for each later phase when a phase's deadline is set ...
+LEFTOVER_PHASES = ("qwen35-torch", "qwen35-fla")
+"""... except these: they run in what time the others leave (none is kept for them), so they
+never shorten an earlier phase; alone: ``--phases qwen35-torch,qwen35-fla``."""
 
 
 # ------------------------------------------------------------------ config and plan
 
 
-def compose_cfg(mode: Mode, method: str, seq_len: int, extra: Sequence[str] = ()) -> Any:
+def compose_cfg(
+    mode: Mode, method: str, seq_len: int, extra: Sequence[str] = (), model: str | None = None
+) -> Any:
     """memtune's RunConfig: the 4×4090 experiment of this method, on one rank, micro batch 1,
-    global batch 1 (no accumulation), planned for a 24 GB card, never refused."""
+    global batch 1 (no accumulation), planned for a 24 GB card, never refused; ``model``:
+    another model group than the mode's."""
     from memtune.config import compose, to_run_config
 
     experiment, peft = METHODS[method]
     overrides = [
         f"experiment={experiment}",
-        f"model={mode.model}",
+        f"model={model or mode.model}",
         f"peft={peft}",
         "launcher.num_ranks=1",
         "trainer.global_batch_size=1",
@@ -466,7 +490,9 @@ def run_phase(args: argparse.Namespace) -> int:
     watchdog.daemon = True
     watchdog.start()
     try:
-        if side == "baseline":
+        if method == "qwen35":
+            run_hybrid(phase, deadline, fla=side == "fla")
+        elif side == "baseline":
             run_baseline(phase, deadline)
         else:
             run_memtune(phase, deadline, long=side == "long")
@@ -812,6 +838,359 @@ def search_cap(
         torch.cuda.set_per_process_memory_fraction(1.0, device)
 
 
+# ------------------------------------------------------------------ Qwen3.5 (hybrid) phases
+
+SAMPLE_SHARES = (0.33, 0.25, 0.2, 0.13)
+"""A timed packed row of the Qwen3.5 phases: samples taking these shares of the row and one more
+with the rest (4096 tokens: 1352, 1024, 819, 532 and 369), so four samples start mid-chunk of
+the recurrence's 64-token chunks."""
+CHECK_LENGTHS = (300, 77, 450, 190)
+"""The packed = alone check: one row of these samples against each sample alone (boundaries
+inside chunks, a sample shorter than a chunk, 1,017 tokens: quick even on the torch path)."""
+LOSS_TOL = 0.01
+LOGIT_TOL = 0.5
+"""packed = alone holds when every sample's mean token loss (nats) in the packed row is within
+LOSS_TOL of the same sample's alone and no logit is further than LOGIT_TOL from it. bf16 calls
+of other shapes differ by rounding only; a leak from the previous sample shows in the logits
+most (random weights leave the loss near ln(vocab) either way). Measured on CPU in bf16 on
+the torch path: the tiny Qwen3.5 0.001 nats and 0.11, the random Qwen3.5-2B (24 layers)
+0.0014 and 0.16; the same rows without their boundaries 0.040 and 7.4, 0.028 and 6.5 (the
+check runs that control too and reports it: what a leak looks like on the model at hand)."""
+NOT_INSTALLED_HERE = ("fla", "causal_conv1d")
+"""The torch phase's process: transformers falls back to its own torch code for the conv and
+the recurrence (it resolves these packages when its Qwen3.5 module is imported)."""
+
+
+def block_imports(names: Sequence[str]) -> None:
+    """Make ``names`` look not installed in this process: a ``None`` entry in ``sys.modules``
+    makes ``import name`` (and of any submodule) raise ModuleNotFoundError and
+    ``importlib.util.find_spec(name)`` return None, which is what transformers (at import) and
+    ``memtune.rank.linear_attention.kernels()`` ask. Must run before transformers is imported."""
+    import importlib.util
+
+    if "transformers" in sys.modules:
+        raise RuntimeError("block_imports after transformers was imported: too late")
+    for name in names:
+        if any(m == name or m.startswith(f"{name}.") for m in sys.modules):
+            raise RuntimeError(f"{name} is already imported")
+        sys.modules[name] = None  # type: ignore[assignment]
+        try:
+            __import__(name)
+        except ModuleNotFoundError:
+            pass
+        else:
+            raise RuntimeError(f"import {name} still works")
+        assert importlib.util.find_spec(name) is None, name
+
+
+def kernel_packages(blocked: bool) -> dict[str, Any]:
+    """The Gated DeltaNet kernel packages' versions, and whether ``fla`` imports here (before
+    transformers does it: an error in flash-linear-attention's own imports is recorded instead of
+    being swallowed by transformers' fallback)."""
+    import importlib.metadata as md
+
+    info: dict[str, Any] = {}
+    for dist in ("flash-linear-attention", "fla-core", "causal-conv1d", "triton"):
+        try:
+            info[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            info[dist] = None
+    if blocked:
+        info["fla_import"] = "blocked in this process"
+        return info
+    try:
+        t0 = time.time()
+        import fla.ops.gated_delta_rule  # noqa: F401  (fla, then its layers and models)
+
+        info["fla_import"] = "ok"
+        info["fla_import_s"] = round(time.time() - t0, 2)
+    except ModuleNotFoundError as err:
+        info["fla_import"] = f"not installed ({err})"
+    except Exception as err:
+        info["fla_import"] = f"failed: {type(err).__name__}: {err}"[:500]
+    return info
+
+
+def resolved_kernels(model: Any) -> dict[str, str]:
+    """What transformers' Qwen3.5 module resolved its ``causal_conv1d_fn`` and
+    ``torch_chunk_gated_delta_rule`` to at import (the ``implementation`` its fallback wrapper
+    closes over): the package's function or its own torch code. ``kernels()`` only says
+    which packages are installed; this says which code runs."""
+    from memtune.rank.linear_attention import linear_attention_layers
+
+    layers = linear_attention_layers(model)
+    if not layers:
+        return {"conv": "no linear-attention layer", "recurrence": "no linear-attention layer"}
+    hf = sys.modules[type(layers[0]).__module__]
+    out = {}
+    for what, name in (
+        ("conv", "causal_conv1d_fn"),
+        ("recurrence", "torch_chunk_gated_delta_rule"),
+    ):
+        fn = getattr(hf, name)
+        code = getattr(fn, "__code__", None)
+        cells = dict(zip(code.co_freevars, fn.__closure__ or (), strict=True)) if code else {}
+        impl = cells["implementation"].cell_contents if "implementation" in cells else fn
+        out[what] = f"{impl.__module__}.{impl.__qualname__}"
+    return out
+
+
+def short_kernel(path: str) -> str:
+    return "torch" if path.startswith("transformers.") else path.split(".")[0]
+
+
+def random_samples(vocab: int, lengths: Sequence[int], seed: int) -> list[Any]:
+    """Samples of random tokens, every one labelled (the collate unlabels each first token)."""
+    import torch
+
+    from memtune.data.encode import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        ids = torch.randint(5, vocab, (n,), generator=g).tolist()
+        out.append(Sample(ids, list(ids)))
+    return out
+
+
+def packed_batch(vocab: int, seq_len: int, seed: int) -> tuple[dict[str, Any], list[int]]:
+    """One packed row of ``seq_len`` tokens (:data:`SAMPLE_SHARES`), as the training loader
+    gives it: ``PackedDataset`` over the samples, then ``collate_packed`` (``cu_seq_lens``,
+    ``max_length``, restarting ``position_ids``, ``real_tokens``)."""
+    from memtune.data.batching import PackedDataset, TokenizedDataset, collate_packed
+
+    lengths = [round(seq_len * s) for s in SAMPLE_SHARES]
+    lengths.append(seq_len - sum(lengths))
+    rows = PackedDataset(
+        TokenizedDataset.from_samples(random_samples(vocab, lengths, seed)), seq_len
+    )
+    assert len(rows) == 1, rows.bins
+    return collate_packed([rows[0]], pad_token_id=0), [len(s.input_ids) for s in rows[0]]
+
+
+def packed_equals_alone(model: Any, device: Any, vocab: int, seed: int = 7) -> dict[str, Any]:
+    """tests/test_linear_attention.py's check, at the phase's precision and kernels: a row of
+    :data:`CHECK_LENGTHS` samples packed as the loader packs them gives each sample the mean
+    token loss and logits it has alone (within :data:`LOSS_TOL`, :data:`LOGIT_TOL`); and the
+    same row without its boundaries
+    (positions restarting only: what a leak looks like on this model), for comparison.
+    Forward only, no dropout (eval mode)."""
+    import torch
+
+    from memtune.data.batching import collate_packed
+    from memtune.rank.loss import model_inputs, token_loss_sum
+
+    batch = collate_packed([random_samples(vocab, CHECK_LENGTHS, seed)], pad_token_id=0)
+    ids = batch["input_ids"].to(device)
+    positions = batch["position_ids"].to(device)
+    cu = batch["cu_seq_lens"].to(device)
+    spans = list(itertools.pairwise(batch["cu_seq_lens"].tolist()))
+
+    def mean_loss(logits: Any, a: int, b: int) -> float:
+        """Sample ``ids[a:b]``'s mean next-token loss from its ``b - a`` logits."""
+        return float(token_loss_sum(logits, ids[:, a:b])) / (b - a - 1)
+
+    def max_diff(x: Any, y: Any) -> float:
+        return float((x.float() - y.float()).abs().max())
+
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            inputs = model_inputs(ids, None, positions, cu, batch["max_length"].to(device))
+            packed = model(**inputs).logits
+            leak = model(**model_inputs(ids, None, positions)).logits
+            samples = []
+            for a, b in spans:
+                alone = model(**model_inputs(ids[:, a:b], None, positions[:, a:b])).logits
+                samples.append(
+                    {
+                        "tokens": b - a,
+                        "alone": mean_loss(alone, a, b),
+                        "packed": mean_loss(packed[:, a:b], a, b),
+                        "no_bounds": mean_loss(leak[:, a:b], a, b),
+                        "packed_max_logit_diff": max_diff(packed[:, a:b], alone),
+                        "no_bounds_max_logit_diff": max_diff(leak[:, a:b], alone),
+                    }
+                )
+                del alone
+    finally:
+        model.train(training)
+    worst = max(abs(s["packed"] - s["alone"]) for s in samples)
+    worst_logit = max(s["packed_max_logit_diff"] for s in samples)
+    control = max(abs(s["no_bounds"] - s["alone"]) for s in samples[1:])
+    control_logit = max(s["no_bounds_max_logit_diff"] for s in samples[1:])
+    ok = worst <= LOSS_TOL and worst_logit <= LOGIT_TOL
+    return {
+        "ok": ok,
+        "lengths": list(CHECK_LENGTHS),
+        "tolerance": {"loss": LOSS_TOL, "logit": LOGIT_TOL},
+        "max_loss_diff": worst,
+        "max_logit_diff": worst_logit,
+        "no_bounds_max_loss_diff": control,
+        "no_bounds_max_logit_diff": control_logit,
+        "control_sees_leak": control_logit > LOGIT_TOL,
+        "samples": samples,
+        "dtype": str(packed.dtype),
+        "summary": (
+            f"packed = alone {'holds' if ok else 'FAILS'}: max |Δ mean loss| {worst:.4f} nats, "
+            f"max |Δ logit| {worst_logit:.3f} (tolerances {LOSS_TOL}, {LOGIT_TOL}); without the "
+            f"boundaries {control:.4f} and {control_logit:.3f}"
+        ),
+    }
+
+
+def run_hybrid(phase: Phase, deadline: float, fla: bool) -> None:
+    """Qwen3.5 (``mode.hybrid_model``, random weights) with the LoRA of the qwen3.5-9b
+    experiment, trained by memtune's own parts (``build_rank``, ``train``) on packed rows with
+    ``cu_seq_lens`` as the loader gives them, through memtune's per-sample path for the Gated
+    DeltaNet layers (memtune.rank.linear_attention). ``fla``: with flash-linear-attention's
+    kernels, else with transformers' torch code (flash-linear-attention blocked here)."""
+    mode = phase.mode
+    rec: dict[str, Any] = {
+        "phase": phase.name,
+        "model": mode.hybrid_model,
+        "seq_len": mode.hybrid_len,
+        "wanted": "flash-linear-attention" if fla else "torch (fla blocked)",
+    }
+    phase.data["hybrid"] = rec
+    if not fla:
+        block_imports(NOT_INSTALLED_HERE)
+    rec["packages"] = kernel_packages(blocked=not fla)
+    phase.save()
+    if fla and rec["packages"]["fla_import"] != "ok":
+        note = f"flash-linear-attention: {rec['packages']['fla_import']}"
+        rec["skipped"] = note
+        phase.data["notes"].append(note)
+        if not mode.dry_run:
+            phase.save()
+            print(f"gpu_check: {phase.name}: {note}; nothing to measure", flush=True)
+            return
+        phase.data["notes"].append("dry run: the torch path runs in its place (code paths only)")
+
+    from memtune.config.deepspeed import build_ds_config
+    from memtune.memory.counts import count_params
+    from memtune.rank.build import build_rank
+    from memtune.rank.linear_attention import kernels
+    from memtune.rank.loop import Hooks, TrainResult, train
+    from memtune.rank.telemetry import NullLogger
+
+    t0 = time.time()
+    device = device_and_env(phase)
+    init_one_rank(device)
+    seq_len = mode.hybrid_len
+    cfg0 = compose_cfg(mode, "qwen35", seq_len, model=mode.hybrid_model)
+    counts = count_params(cfg0)
+    cfg = at_length(cfg0, seq_len, counts)
+    leftover = memory_now(device).get("allocated_gib", 0.0)
+    parts = build_rank(
+        cfg,
+        build_ds_config(cfg),
+        device,
+        load_base=lambda c, attn: build_base(c, device, attn),
+        zero_init=cfg.zero.stage == 3,
+    )
+    engine, model = parts.engine, parts.model
+    rec.update(
+        kernels=kernels(),
+        linear_attention=parts.linear_attention,
+        resolved=resolved_kernels(model),
+        attention=parts.attention,
+        loss_kind=parts.loss_kind,
+        zero_stage=cfg.zero.stage,
+        checkpointed_layers=int(cfg.trainer.checkpoint_layers),
+        leftover_gib=leftover,
+        lora=f"r={cfg.peft.r} on {cfg.peft.target}; {parts.trainable:,} trainable",
+        seconds={"build": round(time.time() - t0, 1)},
+    )
+    phase.data["notes"].append(
+        f"{mode.hybrid_model}: {parts.linear_attention}; transformers calls "
+        f"{rec['resolved']['recurrence']} and {rec['resolved']['conv']}; attention "
+        f"{parts.attention}; ZeRO-{cfg.zero.stage}; {rec['lora']}"
+    )
+    phase.save()
+    print(f"gpu_check: {phase.name}: {rec['kernels']}; {rec['resolved']}", flush=True)
+    uses_fla = short_kernel(rec["resolved"]["recurrence"]) == "fla"
+    if fla and not mode.dry_run and not uses_fla:
+        raise RuntimeError(f"fla imports but transformers did not pick it up: {rec['resolved']}")
+    if not fla and uses_fla:
+        raise RuntimeError(f"fla was blocked but transformers calls {rec['resolved']}")
+
+    vocab = int(cfg.model.architecture["vocab_size"])
+    t0 = time.time()
+    try:
+        rec["check"] = packed_equals_alone(model, device, vocab)
+        print(f"gpu_check: {phase.name}: {rec['check']['summary']}", flush=True)
+        if not rec["check"]["ok"]:
+            phase.data["errors"].append(
+                {"where": "packed = alone", "error": rec["check"]["summary"]}
+            )
+    except Exception as err:
+        rec["check"] = {"error": repr(err)[-2000:]}
+        phase.error("packed = alone", err)
+    finally:
+        gc.collect()
+        empty_cache(device)
+    rec["seconds"]["check"] = round(time.time() - t0, 1)
+    phase.save()
+
+    if not time_left(deadline, 15):
+        phase.data["errors"].append({"where": "steps", "error": "skipped: out of time"})
+        phase.save()
+        return
+
+    class StepClock(Hooks):
+        """Step ends; each step's time is saved as it ends (a timeout keeps the first ones,
+        the first with Triton's compile and autotune when fla runs)."""
+
+        def __init__(self) -> None:
+            sync(device)
+            self.marks = [time.perf_counter()]
+
+        def after_step(self, step: int, result: Any) -> None:
+            sync(device)
+            self.marks.append(time.perf_counter())
+            rec["step_s"] = [round(b - a, 4) for a, b in itertools.pairwise(self.marks)]
+            phase.save()
+
+    try:
+        batch, rec["samples"] = packed_batch(vocab, seq_len, seed=seq_len)
+        run_cfg = copy.deepcopy(cfg)
+        run_cfg.trainer.max_steps = mode.warmup + mode.timed
+        rec["plan"] = plan_record(run_cfg, counts)
+        t0 = time.time()
+        clock = StepClock()
+        with peak_window(device, rec):
+            result = train(
+                engine, itertools.repeat(batch), run_cfg, device, NullLogger(), TrainResult(), clock
+            )
+        rec["seconds"]["steps"] = round(time.time() - t0, 1)
+        rec["losses"] = result.losses
+        rec["real_tokens"] = result.input_tokens
+        rec.update(timing(clock.marks, mode.warmup, int(batch["real_tokens"])))
+        rec["first_step_s"] = rec["step_s"][0]
+        add_plan_error(rec)
+    except Exception as err:
+        rec["error"] = repr(err)[-2000:]
+        phase.error(f"steps {seq_len}", err)
+    finally:
+        gc.collect()
+        empty_cache(device)
+    phase.save()
+    tps, peak = rec.get("tokens_per_s"), rec.get("measured_gib")
+    print(
+        f"gpu_check: {phase.name} {seq_len}: "
+        + (f"{tps:,.0f} tokens/s" if tps else "no timing")
+        + (f", peak {peak:.2f} GiB" if peak is not None else "")
+        + (f", plan error {rec['plan_error_pct']:+.1f}%" if "plan_error_pct" in rec else ""),
+        flush=True,
+    )
+    with contextlib.suppress(Exception):
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
 def environment(device: Any) -> dict[str, Any]:
     import torch
 
@@ -891,6 +1270,7 @@ def collect(mode: Mode, work: Path) -> dict[str, Any]:
             for f in frags
             if f.get("long_search_info")
         ],
+        "hybrid": [f["hybrid"] for f in frags if f.get("hybrid")],
         "errors": [{"phase": f["phase"], **e} for f in frags for e in f["errors"]],
         "notes": {f["phase"]: f["notes"] for f in frags},
     }
@@ -910,6 +1290,13 @@ def format_check(mode: Mode, work: Path) -> Path:
         add_mfu(r, {"lora": 1e15, "six_n": 1.4e15}, fake_gpu)
         add_plan_error(r)
         assert r["mfu"] > 0 and "plan_error_pct" in r, r
+    for i, r in enumerate(result["hybrid"]):
+        if "plan" in r:
+            r.update(peak_allocated_gib=15.0 + i, peak_reserved_gib=16.0 + i)
+            r.update(outside_allocator_gib=0.6, leftover_gib=0.1)
+            add_plan_error(r)
+            assert "plan_error_pct" in r, r
+        r["resolved"] = {"conv": "transformers.x.causal_conv1d_fn", "recurrence": "fla.ops.x.f"}
     for s in result["search"]:
         s.update(peak_allocated_gib=20.0, checkpointed_layers=28)
     if result["search_info"]:
@@ -1059,6 +1446,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"planner's longest: {info.get('planned_longest', 0):,} tokens "
             f"({info.get('planned_longest_how', '')}).",
         ]
+    lines += hybrid_markdown(result["hybrid"], mode)
     lines += [
         "",
         "*peak GiB*: `torch.cuda.max_memory_allocated` over the steps (reset before them), less "
@@ -1080,6 +1468,86 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(line for line in lines) + "\n"
 
 
+def hybrid_markdown(recs: list[dict[str, Any]], mode: dict[str, Any]) -> list[str]:
+    """The Qwen3.5 phases: one row each, then each one's packed = alone check."""
+    if not recs:
+        return []
+    r0 = recs[0]
+    samples = next((r["samples"] for r in recs if r.get("samples")), None)
+    lines = [
+        "",
+        f"Qwen3.5 (hybrid: 3 of 4 layers Gated DeltaNet), `{r0['model']}` (random weights), "
+        f"LoRA of `qwen3.5-9b-4x4090-lora` ({r0.get('lora', '?')}), "
+        f"ZeRO-{r0.get('zero_stage', '?')} on one rank, loss {r0.get('loss_kind', '?')}, "
+        f"attention {r0.get('attention', '?')}; one packed row of {r0['seq_len']} tokens a step"
+        + (f" ({len(samples)} samples: {', '.join(map(str, samples))})" if samples else "")
+        + f", cu_seq_lens as the loader gives them; {mode['warmup']} warm-up + {mode['timed']} "
+        "timed steps (median); with flash-linear-attention the first step includes Triton "
+        "compiling and autotuning what the packed = alone check before it did not run:",
+        "",
+        "| phase | recurrence / conv | tokens/s | step s | first step s | peak GiB | plan GiB "
+        "| plan err | ckpt layers | packed = alone | loss |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|:---:|---|",
+    ]
+    for r in recs:
+        res = r.get("resolved")
+        kernels = f"{short_kernel(res['recurrence'])} / {short_kernel(res['conv'])}" if res else "—"
+        check = r.get("check") or {}
+        ok = {True: "yes", False: "**NO**"}.get(check.get("ok"), "error" if check else "—")
+        losses = r.get("losses") or []
+        loss = f"{losses[0]:.3f} → {losses[-1]:.3f}" if losses else r.get("error", "—")[:60]
+        if r.get("skipped") and not r.get("resolved"):
+            loss = r["skipped"][:80]
+        lines.append(
+            f"| {r['phase']} | {kernels} | {_f(r.get('tokens_per_s'), ',.0f')} "
+            f"| {_f(r.get('step_s_median'), '.3f')} | {_f(r.get('first_step_s'), '.2f')} "
+            f"| {_f(r.get('measured_gib'), '.2f')} "
+            f"| {_f((r.get('plan') or {}).get('live_gib'), '.2f')} "
+            f"| {_pct(r.get('plan_error_pct'))} "
+            f"| {_f(r.get('checkpointed_layers'), 'd')} | {ok} | {loss} |"
+        )
+    lines.append("")
+    for r in recs:
+        packages = dict(r.get("packages") or {})
+        fla = packages.pop("fla_import", "?")
+        took = packages.pop("fla_import_s", None)
+        have = ", ".join(f"{k} {v}" for k, v in packages.items() if v)
+        ran = "; the torch path ran in its place" if r.get("skipped") and r.get("resolved") else ""
+        lines.append(
+            f"- {r['phase']}: {r.get('kernels', '—')} (import fla: {fla}"
+            + (f" in {took:.1f} s" if took is not None else "")
+            + (f"; {have}" if have else "")
+            + f"{ran}). {_check_line(r.get('check') or {})}"
+            + (
+                " Seconds: " + ", ".join(f"{k} {v}" for k, v in r["seconds"].items()) + "."
+                if r.get("seconds")
+                else ""
+            )
+        )
+    lines += [""]
+    lines.append(
+        "*plan GiB* for these rows: the planner's live rows, which measure the Gated DeltaNet "
+        "mixer on transformers' torch code (memory.counts.linear_mixer_bytes), so the fla row "
+        "shows how far its kernels are below that."
+    )
+    return lines
+
+
+def _check_line(check: dict[str, Any]) -> str:
+    if "max_loss_diff" not in check:
+        return f"Packed = alone: {check.get('error', 'not run')[:200]}."
+    lengths = ", ".join(map(str, check["lengths"]))
+    return (
+        f"Packed = alone over samples of {lengths} tokens ({check['dtype']}): max |Δ mean loss| "
+        f"{check['max_loss_diff']:.4f} nats, max |Δ logit| {check['max_logit_diff']:.3f} "
+        f"(tolerances {check['tolerance']['loss']}, {check['tolerance']['logit']}); the same "
+        "row without its boundaries: "
+        f"{check['no_bounds_max_loss_diff']:.4f} and {check['no_bounds_max_logit_diff']:.3f}"
+        + ("" if check["control_sees_leak"] else " (a leak would not show on this model)")
+        + "."
+    )
+
+
 # ------------------------------------------------------------------ orchestration
 
 
@@ -1098,7 +1566,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     write_outputs(mode, work, out)
     for i, (name, _method, _side, cap) in enumerate(phases):
         now = time.time()
-        later = len(phases) - i - 1
+        later = sum(1 for p in phases[i + 1 :] if p[0] not in LEFTOVER_PHASES)
         phase_deadline = min(
             now + (cap if not mode.dry_run else 600), deadline - MIN_PHASE_S * later
         )
@@ -1138,7 +1606,8 @@ def orchestrate(args: argparse.Namespace) -> int:
     if mode.dry_run:
         checked = format_check(mode, work)
         print(f"gpu_check: GPU-only branches rendered with made-up readings: {checked}")
-    return 0 if result["records"] and not result["errors"] else 1
+    measured = result["records"] or result["hybrid"]
+    return 0 if measured and not result["errors"] else 1
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:

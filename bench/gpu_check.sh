@@ -6,7 +6,8 @@
 #   device:  bash bench/gpu_check.sh                          (with carry: [".whl"])
 #   here:    OUT=/tmp/gc bash bench/gpu_check.sh --dry-run    (.venv, CPU, tiny model, no wheels)
 #
-# Extra arguments go to gpu_check.py (--phases lora-memtune,qlora-memtune ...).
+# Extra arguments go to gpu_check.py (--phases lora-memtune,qlora-memtune ...; the Qwen3.5
+# phases alone: --phases qwen35-torch,qwen35-fla).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s)
@@ -43,7 +44,8 @@ fi
 import importlib.metadata as md, platform
 names = ["torch", "transformers", "peft", "accelerate", "deepspeed", "bitsandbytes", "hydra-core",
          "omegaconf", "pydantic", "tokenizers", "huggingface-hub", "safetensors", "numpy", "triton",
-         "regex", "tqdm", "packaging", "pyyaml", "typing-extensions", "einops", "msgpack"]
+         "regex", "tqdm", "packaging", "pyyaml", "typing-extensions", "einops", "msgpack",
+         "flash-linear-attention", "fla-core", "causal-conv1d"]
 found = []
 for n in names:
     try:

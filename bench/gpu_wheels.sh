@@ -15,6 +15,10 @@
 #   bitsandbytes       43 MB as published: repacked with only its CUDA 13.0 library
 #   transformers       the image's 5.17 lacks activation_checkpointing_enable (memtune.rank.model)
 #   peft               the version memtune is tested with (the image's is unknown)
+#   flash-linear-attention, fla-core   Qwen3.5's Gated DeltaNet kernels (Triton, pure Python;
+#                      needs einops, triton >= 3.3, torch >= 2.7, transformers >= 5.6.2, <6:
+#                      the image's or carried): the qwen35-fla phase. Pinned (FLA below): not
+#                      in the .venv, whose CPU torch has no Triton
 #
 # Versions are those of this repo's .venv (what `make test` runs), so the GPU check runs the
 # library versions the CPU tests pass with; only torch (2.11+cu130) and the packages listed
@@ -33,6 +37,10 @@ version() { "$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.a
 BINARY=(transformers peft hydra-core omegaconf hjson pydantic pydantic-core annotated-types
     typing-inspection typing-extensions bitsandbytes)
 SDIST=(deepspeed antlr4-python3-runtime)
+# fla-core holds the `fla` package transformers imports (fla.ops.gated_delta_rule);
+# flash-linear-attention adds fla.layers and fla.models on top, as `pip install` gives them.
+FLA_VERSION=0.6.0
+FLA=(flash-linear-attention=="$FLA_VERSION" fla-core=="$FLA_VERSION")
 
 rm -rf "$DEST" && mkdir -p "$DEST"
 WORK=$(mktemp -d)
@@ -40,6 +48,7 @@ trap 'rm -rf "$WORK"' EXIT
 
 specs=()
 for name in "${BINARY[@]}"; do specs+=("$name==$(version "$name")"); done
+specs+=("${FLA[@]}")
 echo "== binary wheels for cp312 manylinux x86_64: ${specs[*]}"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
