@@ -23,6 +23,11 @@ LOG_NOISE = (
     # AVX512-BF16 CPUs and falls back to its bundled one; the hub is not reachable here anyway,
     # and memtune never trains through that kernel (rank.model.keep_training_layout).
     ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward from kernels-"),
+    # transformers, once per rank, when a Qwen3.5 model runs its torch code for the conv and the
+    # recurrence: the start-up line names the kernels that run (rank.linear_attention.kernels)
+    # and the README says what installing them changes.
+    ("transformers.integrations.hub_kernels", "`causal_conv1d_fn` is falling back"),
+    ("transformers.integrations.hub_kernels", "`chunk_gated_delta_rule` is falling back"),
 )
 # Bare prints (stdout lines) dropped where :func:`drop_stdout_lines` wraps the call.
 STDOUT_NOISE = (
