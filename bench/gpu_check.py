@@ -328,6 +328,25 @@ def empty_cache(device: Any) -> None:
         torch.cuda.empty_cache()
 
 
+def step_clock(device: Any, on_step: Any = None) -> Any:
+    """memtune's training-loop hooks that mark each step's end (after a device sync) in
+    ``.marks``; ``on_step(marks)`` after each."""
+    from memtune.rank.loop import Hooks
+
+    class StepClock(Hooks):
+        def __init__(self) -> None:
+            sync(device)
+            self.marks = [time.perf_counter()]
+
+        def after_step(self, step: int, result: Any) -> None:
+            sync(device)
+            self.marks.append(time.perf_counter())
+            if on_step is not None:
+                on_step(self.marks)
+
+    return StepClock()
+
+
 def sync(device: Any) -> None:
     import torch
 
@@ -665,7 +684,7 @@ def run_memtune(phase: Phase, deadline: float, long: bool = False) -> None:
     from memtune.memory.counts import count_params
     from memtune.rank.build import build_rank
     from memtune.rank.long_context import offload_checkpoints, tile_mlps
-    from memtune.rank.loop import Hooks, TrainResult, train
+    from memtune.rank.loop import TrainResult, train
     from memtune.rank.model import quantization_config, set_checkpointed_layers
     from memtune.rank.telemetry import NullLogger
 
@@ -704,16 +723,7 @@ def run_memtune(phase: Phase, deadline: float, long: bool = False) -> None:
         f"{params[0].dtype} after deepspeed.initialize; {len(params)} trainable tensors"
     )
 
-    class StepClock(Hooks):
-        def __init__(self) -> None:
-            sync(device)
-            self.marks = [time.perf_counter()]
-
-        def after_step(self, step: int, result: Any) -> None:
-            sync(device)
-            self.marks.append(time.perf_counter())
-
-    def steps_at(seq_len: int, n_steps: int, rec: dict[str, Any]) -> StepClock:
+    def steps_at(seq_len: int, n_steps: int, rec: dict[str, Any]) -> Any:
         run_cfg = at_length(cfg0, seq_len, counts)
         k = int(run_cfg.trainer.checkpoint_layers)
         set_checkpointed_layers(engine.module.model, k)  # as add_lora does
@@ -730,7 +740,7 @@ def run_memtune(phase: Phase, deadline: float, long: bool = False) -> None:
             import torch
 
             raise torch.OutOfMemoryError(f"simulated OOM at {seq_len} tokens (dry run)")
-        clock = StepClock()
+        clock = step_clock(device)
         with peak_window(device, rec):
             result = train(engine, batches, run_cfg, device, NullLogger(), TrainResult(), clock)
         rec["losses"] = result.losses
@@ -1072,7 +1082,7 @@ def run_hybrid(phase: Phase, deadline: float, fla: bool) -> None:
     from memtune.memory.counts import count_params
     from memtune.rank.build import build_rank
     from memtune.rank.linear_attention import kernels
-    from memtune.rank.loop import Hooks, TrainResult, train
+    from memtune.rank.loop import TrainResult, train
     from memtune.rank.telemetry import NullLogger
 
     t0 = time.time()
@@ -1139,19 +1149,11 @@ def run_hybrid(phase: Phase, deadline: float, fla: bool) -> None:
         phase.save()
         return
 
-    class StepClock(Hooks):
-        """Step ends; each step's time is saved as it ends (a timeout keeps the first ones,
-        the first with Triton's compile and autotune when fla runs)."""
-
-        def __init__(self) -> None:
-            sync(device)
-            self.marks = [time.perf_counter()]
-
-        def after_step(self, step: int, result: Any) -> None:
-            sync(device)
-            self.marks.append(time.perf_counter())
-            rec["step_s"] = [round(b - a, 4) for a, b in itertools.pairwise(self.marks)]
-            phase.save()
+    def save_steps(marks: list[float]) -> None:
+        """Each step's time saved as it ends (a timeout keeps the first ones, the first with
+        Triton's compile and autotune when fla runs)."""
+        rec["step_s"] = [round(b - a, 4) for a, b in itertools.pairwise(marks)]
+        phase.save()
 
     try:
         batch, rec["samples"] = packed_batch(vocab, seq_len, seed=seq_len)
@@ -1159,7 +1161,7 @@ def run_hybrid(phase: Phase, deadline: float, fla: bool) -> None:
         run_cfg.trainer.max_steps = mode.warmup + mode.timed
         rec["plan"] = plan_record(run_cfg, counts)
         t0 = time.time()
-        clock = StepClock()
+        clock = step_clock(device, save_steps)
         with peak_window(device, rec):
             result = train(
                 engine, itertools.repeat(batch), run_cfg, device, NullLogger(), TrainResult(), clock

@@ -25,6 +25,7 @@ from memtune.data.encode import IGNORE_INDEX, Sample, encode_records
 from memtune.data.readers import Record
 from memtune.data.templates import render_prompt, segments
 from tests.conftest import TESTS, compose_cfg
+from tests.test_qwen_tokenizer import SYSTEM, TURNS
 
 TEMPLATE = TESTS / "data" / "qwen3_5_chat_template.jinja"
 TEMPLATE_SHA256 = "a4aee8afcf2e0711942cf848899be66016f8d14a889ff9ede07bca099c28f715"
@@ -81,13 +82,6 @@ def tok() -> Qwen35BPE:
     return Qwen35BPE()
 
 
-SYSTEM = {"role": "system", "content": "You are a concise assistant."}
-TURNS = [
-    {"role": "user", "content": "What is 2+2?"},
-    {"role": "assistant", "content": "4."},
-    {"role": "user", "content": "用一句话介绍长城。"},
-    {"role": "assistant", "content": "长城是中国古代修建的军事防御工程，绵延万里。"},
-]
 CONVERSATIONS: dict[str, list[dict[str, str]]] = {
     "one turn": TURNS[:2],
     "system": [SYSTEM, *TURNS[:2]],
