@@ -26,7 +26,8 @@ register_configs()
 
 def main() -> int:
     """Hydra runs the job, or every point of a sweep; a single run exits with its own code, a
-    sweep with 1 when a point failed (their lines above say why)."""
+    local sweep with 1 when a point failed (their lines above say why; a Slurm sweep's points
+    run in their own jobs, whose states Slurm keeps)."""
     failed: list[int] = []
 
     @hydra.main(version_base="1.3", config_path="conf", config_name="config")

@@ -9,6 +9,8 @@ into the second, and the same comparison fails.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -47,7 +49,7 @@ def _model(cfg, per_sample: bool):
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
     if per_sample:
-        assert keep_samples_apart(model) == f"{PATH_PER_SAMPLE}, conv torch, recurrence torch"
+        assert keep_samples_apart(model).startswith(PATH_PER_SAMPLE)
     return model.train()
 
 
@@ -112,9 +114,49 @@ def test_without_the_sample_boundaries_the_second_sample_reads_the_first(hybrid_
     assert (logits[:, first:] - alone_logits[:, first:]).abs().max() > 0.1
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("fla") is not None, reason="flash-linear-attention takes cu_seqlens"
+)
 def test_transformers_alone_refuses_the_boundaries(hybrid_cfg) -> None:
     """Without flash-linear-attention transformers' recurrence cannot take cu_seq_lens: the
     per-sample path is what makes packing possible on CPU (and wherever fla is missing)."""
     model = _model(hybrid_cfg, per_sample=False)
     with pytest.raises(ValueError, match="can't keep packed sequences apart"):
         _packed(model, _samples(), with_bounds=True)
+
+
+def test_many_short_samples_in_two_rows_each_as_if_alone(hybrid_cfg) -> None:
+    """Two rows of several short samples: up to four sample starts inside one 64-token chunk of
+    the recurrence (their -30 decays add up in its running sums), boundaries in the second row
+    (cu_seq_lens offsets across rows), a sample over a chunk's end, the rows' right padding."""
+    model = _model(hybrid_cfg, per_sample=True)
+    rows = [[5, 3, 9, 30, 20], [70, 11, 2]]  # row 2 ends with padding: 83 of 87 tokens
+    width = 87
+    g = torch.Generator().manual_seed(2)
+    samples = [[torch.randint(5, 1000, (1, n), generator=g) for n in row] for row in rows]
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    positions = torch.zeros(len(rows), width, dtype=torch.long)
+    bounds = [0]
+    for r, row in enumerate(samples):
+        at = 0
+        for s in row:
+            n = s.shape[1]
+            ids[r, at : at + n], positions[r, at : at + n] = s[0], torch.arange(n)
+            at += n
+            bounds.append(r * width + at)
+        if at < width:  # padding: the last segment of the row reaches its end
+            bounds[-1] = (r + 1) * width
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    with torch.no_grad():
+        packed = model(**model_inputs(ids, None, positions, cu, width)).logits
+        for r, row in enumerate(samples):
+            at = 0
+            for s in row:
+                n = s.shape[1]
+                alone = model(input_ids=s, position_ids=torch.arange(n)[None]).logits
+                # fp32; a sample sits at another offset of the 64-token chunks than alone, so
+                # the chunked recurrence rounds differently (seen: 3e-4 at most; a leak: ~8).
+                torch.testing.assert_close(
+                    packed[r : r + 1, at : at + n], alone, rtol=1e-3, atol=1e-3
+                )
+                at += n

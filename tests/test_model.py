@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from memtune.config import to_run_config
-from memtune.config.derive import LINEAR_ATTENTION_TARGETS
+from memtune.config.derive import LINEAR_ATTENTION_TARGETS, LORA_TARGETS, lora_targets
 from memtune.data.encode import load_tokenizer
 from memtune.rank.model import (
-    LORA_TARGETS,
     add_lora,
     choose_attention,
     count_parameters,
@@ -113,7 +112,11 @@ def test_lora_presets_and_checkpointing_scope(tiny_cfg, target: str) -> None:
     assert trainable and all("lora_" in n for n in trainable)
     wrapped = {n.split(".")[-4] for n in trainable}  # ...q_proj.lora_A.default.weight
     # Qwen2 has no linear-attention layers: their names in the preset match nothing here.
-    assert wrapped == set(LORA_TARGETS[target]) - set(LINEAR_ATTENTION_TARGETS)
+    assert (
+        wrapped
+        == set(lora_targets(tiny_cfg))
+        == set(LORA_TARGETS[target]) - set(LINEAR_ATTENTION_TARGETS)
+    )
     r, h, kv = tiny_cfg.peft.r, 256, 2 * 64  # 2 KV heads × head_dim 64
     per_layer = r * ((h + h) + 2 * (h + kv) + (h + h))
     if target == "all-linear":

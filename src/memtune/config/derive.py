@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from memtune.config.architecture import linear_attention_layers
 from memtune.config.decisions import decided
 from memtune.config.schema import RunConfig
 
@@ -16,8 +17,18 @@ LORA_TARGETS = {
     "attention": ATTENTION_TARGETS,
     "all-linear": [*ATTENTION_TARGETS, "gate_proj", "up_proj", "down_proj"],
 }
-"""peft.target → module names peft adapts (in every decoder layer; the names of the other
-layer type match nothing)."""
+"""peft.target → module names peft adapts; the linear-attention names only in a model that has
+such layers (:func:`lora_targets`)."""
+
+
+def lora_targets(cfg: RunConfig) -> list[str]:
+    """The module names LoRA adapts in this run's model: ``LORA_TARGETS[peft.target]``, less the
+    linear-attention names where the model has no linear-attention layer (an ``out_proj`` of
+    some other architecture is not what ``attention`` means)."""
+    names = LORA_TARGETS[cfg.peft.target]
+    if linear_attention_layers(dict(cfg.model.architecture)):
+        return list(names)
+    return [name for name in names if name not in LINEAR_ATTENTION_TARGETS]
 
 
 def one_rank_zero(cfg: RunConfig) -> RunConfig:

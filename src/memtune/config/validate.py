@@ -245,7 +245,8 @@ def _check_sequence_parallel(cfg: RunConfig) -> None:
             if count % sp:
                 raise ConfigError(
                     f"trainer.sequence_parallel={sp} must divide the model's {field}={count} "
-                    "(each rank runs the linear-attention recurrence for heads / sp of them)"
+                    "(each rank runs the linear-attention recurrence for heads / sp of them); "
+                    f"choose one of {[d for d in range(1, count + 1) if count % d == 0]}"
                 )
     heads = int(arch.get("num_attention_heads") or 0)
     kv = int(arch.get("num_key_value_heads") or heads)

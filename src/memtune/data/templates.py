@@ -169,7 +169,7 @@ def render_prompt(
     (Qwen3's prompt then ends before ``<think>``, Qwen3.5's after it)."""
     reply: dict[str, str] = {"role": "assistant", "content": ""}
     if thinking and template in ("qwen3", "qwen3_5"):
-        reply["reasoning_content"] = "…"  # any: the prompt then ends before <think>
+        reply["reasoning_content"] = "…"  # any: the prompt then ends where its thinking starts
     rendered = segments([*messages, reply], template, eos)
     last_label = max(i for i, (_, label) in enumerate(rendered) if label)
     return "".join(text for text, _ in rendered[:last_label])

@@ -16,7 +16,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from memtune.config import LORA_TARGETS, ConfigError, RunConfig, cache_dir, compute_bytes
+from memtune.config import ConfigError, RunConfig, cache_dir, compute_bytes, lora_targets
 from memtune.config.architecture import layer_types
 from memtune.rundir import RunDir, free_bytes, human_bytes, is_complete, write_atomic
 
@@ -66,7 +66,7 @@ def count_params(cfg: RunConfig) -> ParamCounts:
             "format": COUNTS_CACHE_FORMAT,
             "architecture": dict(cfg.model.architecture),
             "r": p.r,
-            "targets": sorted(LORA_TARGETS[p.target]),
+            "targets": sorted(lora_targets(cfg)),
             "versions": [version(name) for name in ("transformers", "peft", "torch")],
         },
         sort_keys=True,
@@ -117,7 +117,7 @@ def _count_on_meta(cfg: RunConfig) -> ParamCounts:
         head_n = 0 if tied or head is None else head.weight.numel()
         small = n_all - linear - embedding.numel() - head_n
         p = cfg.peft
-        targets = LORA_TARGETS[p.target]
+        targets = lora_targets(cfg)
         # One layer of each kind (a hybrid's linear-attention and attention layers differ).
         kinds = layer_types(dict(cfg.model.architecture))
         first = {kind: layers[kinds.index(kind)] for kind in dict.fromkeys(kinds)}
@@ -227,7 +227,12 @@ def _mixer_saved_on_meta(cfg: RunConfig, tokens: int) -> int:
         saved[storage._cdata] = storage.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    from memtune.linear_kernels import torch_code
+
+    with (
+        torch_code(type(mixer).__module__),
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+    ):
         mixer(x)
     own = {p.untyped_storage()._cdata for p in mixer.parameters()}
     own.add(x.untyped_storage()._cdata)  # the layer input: its norm counts it

@@ -80,9 +80,8 @@ def build_rank(
     # Loading must not move the RNG the adapters are then drawn from: under zero.Init the
     # modules are built for real, and a Qwen3.5 linear-attention layer draws its A_log at
     # construction, so LoRA would start elsewhere under ZeRO-3 than under ZeRO-2 or one rank.
-    rng = torch.get_rng_state()
-    base = load_base(cfg, attn)
-    torch.set_rng_state(rng)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        base = load_base(cfg, attn)
     wrong = loaded_mismatches(cfg, base.config)
     if wrong:
         raise ConfigError(

@@ -83,6 +83,19 @@ def name_for_multimodal_class(out_dir: Path) -> None:
     save_file(renamed, path, metadata={"format": "pt"})
 
 
+def names_multimodal_class(adapter_dir: Path) -> bool:
+    """Whether an exported adapter is named for a multimodal class
+    (:func:`name_for_multimodal_class`): the base must then be loaded with that class."""
+    from safetensors import safe_open
+
+    path = adapter_dir / "adapter_model.safetensors"
+    if not path.is_file():
+        return False
+    prefix = f"base_model.model.{LANGUAGE_MODEL_PREFIX[1]}"
+    with safe_open(str(path), "pt") as f:
+        return any(key.startswith(prefix) for key in f.keys())  # noqa: SIM118 (not a dict)
+
+
 def export_final(
     model: Any, tokenizer: Any, run_dir: Path, is_writer: bool, multimodal: bool = False
 ) -> tuple[int, dict[str, list[Any]]]:

@@ -21,7 +21,6 @@ padding comes after the real tokens of a causal layer.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import types
 from typing import Any
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from memtune.linear_kernels import kernels
 from memtune.rank.attention import row_segments
 
 PATH_PER_SAMPLE = "per sample (memtune: the conv and the recurrence restart at each sample)"
@@ -54,15 +54,7 @@ def keep_samples_apart(model: Any) -> str | None:
             continue
         layer.forward = types.MethodType(_per_sample(layer.forward), layer)
         layer._memtune_per_sample = True
-    return f"{PATH_PER_SAMPLE}, {kernels()}" if layers else None
-
-
-def kernels() -> str:
-    """Which implementations transformers runs for the conv and the recurrence: the CUDA
-    packages when installed (causal-conv1d, flash-linear-attention), else its torch code."""
-    conv = "causal-conv1d" if importlib.util.find_spec("causal_conv1d") else "torch"
-    rule = "flash-linear-attention" if importlib.util.find_spec("fla") else "torch"
-    return f"conv {conv}, recurrence {rule}"
+    return f"{PATH_PER_SAMPLE}, {kernels(layers[0])}" if layers else None
 
 
 BOUNDARY_DECAY = -30.0

@@ -9,7 +9,12 @@ from typing import Any
 
 import torch
 
-from memtune.config import LORA_TARGETS, ConfigError, RunConfig, checkpointed_layers
+from memtune.config import (
+    ConfigError,
+    RunConfig,
+    checkpointed_layers,
+    lora_targets,
+)
 
 log = logging.getLogger("memtune")
 
@@ -100,7 +105,7 @@ def lora_config(cfg: RunConfig) -> Any:
         r=p.r,
         lora_alpha=p.alpha,
         lora_dropout=p.dropout,
-        target_modules=LORA_TARGETS[p.target],
+        target_modules=lora_targets(cfg),
         bias="none",
         task_type="CAUSAL_LM",
     )

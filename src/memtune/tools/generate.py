@@ -29,13 +29,20 @@ def stop_token_ids(tokenizer: Any) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def base_class(name_or_path: str | Path, revision: str | None = None) -> Any:
-    """The checkpoint's own model class (its config.json's ``architectures``): for a released
-    Qwen3.5 ``Qwen3_5ForConditionalGeneration``, whose module names memtune's adapters carry
-    (rank.checkpoint.name_for_multimodal_class); ``AutoModelForCausalLM`` otherwise."""
+def base_class(
+    name_or_path: str | Path, revision: str | None = None, adapter_dir: Path | None = None
+) -> Any:
+    """The checkpoint's own model class (its config.json's ``architectures``) when it is a
+    multimodal one — on disk, or as the adapter's names say (a hub name not downloaded yet):
+    for a released Qwen3.5 ``Qwen3_5ForConditionalGeneration``, whose module names memtune's
+    adapters carry (rank.checkpoint.name_for_multimodal_class); ``AutoModelForCausalLM``
+    otherwise. (peft matches an adapter by name: on the text class it would load nothing.)"""
     import transformers
 
-    if is_multimodal(str(name_or_path), revision):
+    from memtune.rank.checkpoint import names_multimodal_class
+
+    named = adapter_dir is not None and names_multimodal_class(adapter_dir)
+    if named or is_multimodal(str(name_or_path), revision):
         config = transformers.AutoConfig.from_pretrained(name_or_path, revision=revision)
         for name in config.architectures or []:
             if hasattr(transformers, name):
@@ -55,7 +62,7 @@ def load(run_dir: Path, model_dir: Path | None = None) -> tuple[Any, Any]:
     else:
         cfg = load_run_config(RunDir(run_dir).config)
         m = cfg.model
-        base = base_class(m.name_or_path, m.revision).from_pretrained(
+        base = base_class(m.name_or_path, m.revision, adapter).from_pretrained(
             m.name_or_path, revision=m.revision
         )
         model = PeftModel.from_pretrained(base, str(adapter))

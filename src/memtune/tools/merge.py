@@ -110,7 +110,7 @@ def _merge_into(out_dir: Path, adapter_dir: Path, base: str | None, dtype: str, 
     quant = quantization_config(cfg) if cfg is not None and into == "dequantized" else None
     # The base's own class: a multimodal checkpoint merges into one of its kind, vision tower
     # and all (its adapter is named for that class).
-    model_class = base_class(base, revision)
+    model_class = base_class(base, revision, adapter_dir)
     try:
         if quant is not None and cfg is not None:
             # Quantized exactly as in training (from the training dtype), then dequantized: the
