@@ -875,7 +875,7 @@ def block_imports(names: Sequence[str]) -> None:
     """Make ``names`` look not installed in this process: a ``None`` entry in ``sys.modules``
     makes ``import name`` (and of any submodule) raise ModuleNotFoundError and
     ``importlib.util.find_spec(name)`` return None, which is what transformers (at import) and
-    ``memtune.rank.linear_attention.kernels()`` ask. Must run before transformers is imported."""
+    ``memtune.linear_kernels.kernels`` reads. Must run before transformers is imported."""
     import importlib.util
 
     if "transformers" in sys.modules:
@@ -924,8 +924,8 @@ def kernel_packages(blocked: bool) -> dict[str, Any]:
 def resolved_kernels(model: Any) -> dict[str, str]:
     """What transformers' Qwen3.5 module resolved its ``causal_conv1d_fn`` and
     ``torch_chunk_gated_delta_rule`` to at import (the ``implementation`` its fallback wrapper
-    closes over): the package's function or its own torch code. ``kernels()`` only says
-    which packages are installed; this says which code runs."""
+    closes over): the package's function or its own torch code, by full name (the start-up
+    line's ``memtune.linear_kernels.kernels`` names only the package)."""
     from memtune.rank.linear_attention import linear_attention_layers
 
     layers = linear_attention_layers(model)
@@ -1079,9 +1079,10 @@ def run_hybrid(phase: Phase, deadline: float, fla: bool) -> None:
         phase.data["notes"].append("dry run: the torch path runs in its place (code paths only)")
 
     from memtune.config.deepspeed import build_ds_config
+    from memtune.linear_kernels import kernels
     from memtune.memory.counts import count_params
     from memtune.rank.build import build_rank
-    from memtune.rank.linear_attention import kernels
+    from memtune.rank.linear_attention import linear_attention_layers
     from memtune.rank.loop import TrainResult, train
     from memtune.rank.telemetry import NullLogger
 
@@ -1102,7 +1103,7 @@ def run_hybrid(phase: Phase, deadline: float, fla: bool) -> None:
     )
     engine, model = parts.engine, parts.model
     rec.update(
-        kernels=kernels(),
+        kernels=kernels(linear_attention_layers(model)[0]),
         linear_attention=parts.linear_attention,
         resolved=resolved_kernels(model),
         attention=parts.attention,
