@@ -160,3 +160,36 @@ def test_many_short_samples_in_two_rows_each_as_if_alone(hybrid_cfg) -> None:
                     packed[r : r + 1, at : at + n], alone, rtol=1e-3, atol=1e-3
                 )
                 at += n
+
+
+def test_a_qlora_base_packs_the_linear_attention_projections_and_trains() -> None:
+    """peft.method=qlora on the hybrid: bitsandbytes quantizes every projection of the
+    linear-attention layers too (in_proj_qkv, in_proj_z, in_proj_a/b, out_proj: nn.Linear), the
+    adapters train through them, and a packed row still gives each sample as if alone."""
+    from memtune.rank.model import is_quantized_layer
+
+    cfg = to_run_config(
+        compose_cfg(
+            [
+                "model=tiny-qwen3.5",
+                "peft=qlora-nf4",
+                "peft.dropout=0",
+                "trainer.precision=fp32",
+                "trainer.activation_checkpointing=false",
+            ]
+        )
+    )
+    synthesize(cfg.model.name_or_path, cfg.model.architecture)
+    model = _model(cfg, per_sample=True)
+    mixer = next(m for n, m in model.named_modules() if n.endswith("layers.0.linear_attn"))
+    quantized = {  # an adapted layer's bitsandbytes module is its peft wrapper's base_layer
+        n.removesuffix(".base_layer").split(".")[-1]
+        for n, m in mixer.named_modules()
+        if is_quantized_layer(m)
+    }
+    assert quantized == {"in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"}
+    (logits, _, grads), _ = _packed(model, _samples(), with_bounds=True)
+    alone_logits, _, _ = _alone(model, _samples())
+    torch.testing.assert_close(logits, alone_logits, rtol=1e-3, atol=1e-3)
+    lora = [g for n, g in grads.items() if "linear_attn" in n and "lora_A" in n]
+    assert lora and all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in lora)
