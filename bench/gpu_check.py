@@ -926,6 +926,7 @@ def resolved_kernels(model: Any) -> dict[str, str]:
     ``torch_chunk_gated_delta_rule`` to at import (the ``implementation`` its fallback wrapper
     closes over): the package's function or its own torch code, by full name (the start-up
     line's ``memtune.linear_kernels.kernels`` names only the package)."""
+    from memtune.linear_kernels import KERNEL_FUNCTIONS, resolved
     from memtune.rank.linear_attention import linear_attention_layers
 
     layers = linear_attention_layers(model)
@@ -933,14 +934,8 @@ def resolved_kernels(model: Any) -> dict[str, str]:
         return {"conv": "no linear-attention layer", "recurrence": "no linear-attention layer"}
     hf = sys.modules[type(layers[0]).__module__]
     out = {}
-    for what, name in (
-        ("conv", "causal_conv1d_fn"),
-        ("recurrence", "torch_chunk_gated_delta_rule"),
-    ):
-        fn = getattr(hf, name)
-        code = getattr(fn, "__code__", None)
-        cells = dict(zip(code.co_freevars, fn.__closure__ or (), strict=True)) if code else {}
-        impl = cells["implementation"].cell_contents if "implementation" in cells else fn
+    for what, name in KERNEL_FUNCTIONS:
+        impl = resolved(getattr(hf, name))
         out[what] = f"{impl.__module__}.{impl.__qualname__}"
     return out
 

@@ -176,6 +176,10 @@ def linear_mixer_bytes(cfg: RunConfig, tokens: int) -> int:
     return round(base + slope * chunks)
 
 
+_MIXER_LINES: dict[str, tuple[float, float]] = {}
+"""This process's mixer lines by cache key: the file is read once, not on every plan trial."""
+
+
 def _mixer_line(cfg: RunConfig) -> tuple[float, float]:
     """(bytes per chunk, bytes at zero chunks) of :func:`linear_mixer_bytes`, kept in the counts
     cache like the parameter counts."""
@@ -190,14 +194,18 @@ def _mixer_line(cfg: RunConfig) -> tuple[float, float]:
         sort_keys=True,
         default=str,
     )
+    if key in _MIXER_LINES:  # the planner asks once per layer kind, trial and length
+        return _MIXER_LINES[key]
     path = cache_dir() / "counts" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
     try:
         slope, base = json.loads(path.read_text())
-        return float(slope), float(base)
+        _MIXER_LINES[key] = (float(slope), float(base))
+        return _MIXER_LINES[key]
     except (OSError, ValueError, TypeError):
         pass
     two, four = (_mixer_saved_on_meta(cfg, c * MIXER_CHUNK) for c in (2, 4))
     line = ((four - two) / 2, two - (four - two))
+    _MIXER_LINES[key] = line
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(line))
