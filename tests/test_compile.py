@@ -1,6 +1,10 @@
 """trainer.compile: regional torch.compile of the decoder layers (inductor on CPU) trains the
 same run as eager, under ZeRO-3 with LoRA, a checkpointed layer included (compiled inside
-memtune's checkpoint, in the forward pass and in the recompute)."""
+memtune's checkpoint, in the forward pass and in the recompute).
+
+Not in `make test` (marker ``compile``): on a fresh machine inductor compiles its C++ kernels
+for these two tests in ~2 minutes of a 2-core machine's time, an eighth of the suite's budget
+for one optional switch. `make test-compile` runs them, and `.ci/run` after `make test`."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import FAST, Run, start_run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.compile]
 
 
 def test_compiled_layers_train_the_same_run_as_eager(zero3_run: Run, tmp_path: Path) -> None:

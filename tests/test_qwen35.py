@@ -109,11 +109,19 @@ def multimodal_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path
     config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
     Qwen3_5ForConditionalGeneration(config).save_pretrained(root / "base")
     tokenizer.save_pretrained(root / "base")
+    # Trained with its sequences split over the two ranks (sp=2), which the next test compares
+    # with one rank: one multi-rank run serves both.
     run_dir = root / "run"
-    args = [*HYBRID, "model=local", f"model.name_or_path={root / 'base'}", "trainer.max_steps=4"]
-    proc = run_train_py([*args, f"run_dir={run_dir}"], cwd=ROOT)
+    proc = run_train_py(
+        [*_by_path(root / "base"), "trainer.sequence_parallel=2", f"run_dir={run_dir}"], cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return root / "base", run_dir
+
+
+def _by_path(base: Path) -> list[str]:
+    """HYBRID on a checkpoint given by path, 6 steps, no checkpoints saved."""
+    return [*HYBRID[:-1], "model=local", f"model.name_or_path={base}", "trainer.max_steps=6"]
 
 
 def test_an_adapter_of_a_multimodal_checkpoint_loads_onto_its_own_class(
@@ -160,18 +168,17 @@ def test_an_adapter_of_a_multimodal_checkpoint_loads_onto_its_own_class(
     assert 0 < len(new) <= 8
 
 
-def test_the_hybrid_splits_its_sequences_over_two_ranks_as_one_rank_trains(tmp_path: Path) -> None:
+def test_the_hybrid_splits_its_sequences_over_two_ranks_as_one_rank_trains(
+    multimodal_run, tmp_path: Path
+) -> None:
     """Ulysses for the linear-attention layers too (rank.linear_attention.Split): sp=2 on 2
     ranks, packed rows (samples cross the shard boundary), trains as 1 rank does."""
-    from tests.conftest import start_run
+    from tests.conftest import Run, start_run
     from tests.test_sequence_parallel import _same_training
 
-    short = [*HYBRID[:-2], "trainer.max_steps=6"]  # HYBRID less its ranks and saves
-    one = start_run(tmp_path / "one", [*short, "launcher.num_ranks=1"], probe=False)
-    two = start_run(
-        tmp_path / "sp2",
-        [*short, "launcher.num_ranks=2", "trainer.sequence_parallel=2"],
-        probe=False,
-    )
-    assert one.code == 0 and two.code == 0
-    _same_training(two, one)
+    base, sp2_dir = multimodal_run
+    one = start_run(tmp_path / "one", [*_by_path(base), "launcher.num_ranks=1"], probe=False)
+    assert one.code == 0
+    sp2 = Run(sp2_dir, load_run_config(sp2_dir / "config.yaml"), 0)
+    assert str(sp2.cfg.trainer.sequence_parallel) == "2" and sp2.cfg.launcher.num_ranks == 2
+    _same_training(sp2, one)
