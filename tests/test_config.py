@@ -23,6 +23,8 @@ def test_every_experiment_composes(experiment: str) -> None:
     from memtune.launcher.prepare import decide
 
     data = "data.path=books.jsonl" if experiment.endswith("-long") else "data=demo"
+    if "-dpo" in experiment:  # a preference objective reads preference pairs
+        data = "data=demo-preference"
     cfg = to_run_config(compose_cfg([f"experiment={experiment}", data]))
     assert cfg.experiment == experiment
     validate(cfg, inputs=not experiment.endswith("-long"))
@@ -152,7 +154,7 @@ def test_one_rank_runs_zero2_instead_of_zero3(capsys) -> None:
 CHOICE_FIELDS = {
     "model.architecture_source": "auto | checkpoint",
     "model.attn_implementation": "auto | sdpa_varlen | sdpa | eager | flash_attention_2",
-    "data.format": "alpaca | messages | text",
+    "data.format": "alpaca | messages | text | preference",
     "data.template": "chatml | plain | qwen3 | qwen3_5",
     "data.overlong": "truncate | drop | split",
     "data.on_bad_record": "error | skip",

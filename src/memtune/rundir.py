@@ -501,6 +501,8 @@ class Summary:
     compiled_layers: int = 0
     """Decoder layers run through torch.compile (trainer.compile)."""
     outputs: dict[str, list[Any]] = field(default_factory=dict)
+    preference: dict[str, float] = field(default_factory=dict)
+    """A preference objective's last train/… and eval/… rewards and log-probs (TRL's names)."""
     """The final files ({"adapter/NAME": [size, sha256]}): the run counts as finished only
     while they verify (launcher.prepare.already_finished)."""
 
@@ -597,6 +599,11 @@ class RunDir:
         return self.path / "adapter"
 
     @property
+    def reference(self) -> Path:
+        """The reference model's precomputed log-probabilities (rank.reference; DPO, IPO)."""
+        return self.path / "reference"
+
+    @property
     def summary(self) -> Path:
         return self.path / "summary.json"
 
@@ -610,7 +617,7 @@ class RunDir:
         "base.json", "launch.txt", "launch-node[0-9]*.txt", "launch.json",
         "stopped-node[0-9]*.json", "nodes.hostfile", "exit.json", "metrics.jsonl",
         "checkpoints", "adapter", "summary.json", "memory.json", "oom-rank[0-9]*.json",
-        "restarted-oom-rank[0-9]*.json", "oom_restart.json", "wandb",
+        "restarted-oom-rank[0-9]*.json", "oom_restart.json", "wandb", "reference",
     )  # fmt: skip
     """What a run leaves in its dir (the README's table), as names and glob patterns. Not the
     GPU preflight's records (they describe the machine, and this launch's are written before

@@ -29,7 +29,7 @@ from memtune.paths import ASSETS_DIR, CONF_DIR, SOURCE_ROOT  # noqa: F401  (conf
 # by member name, which "lora-int8" cannot be).
 ArchitectureSource = Literal["auto", "checkpoint"]
 AttnImplementation = Literal["auto", "sdpa_varlen", "sdpa", "eager", "flash_attention_2"]
-DataFormat = Literal["alpaca", "messages", "text"]
+DataFormat = Literal["alpaca", "messages", "text", "preference"]
 Template = Literal["chatml", "plain", "qwen3", "qwen3_5"]
 Overlong = Literal["truncate", "drop", "split"]
 OnBadRecord = Literal["error", "skip"]
@@ -42,6 +42,8 @@ Switch = Literal["auto", "on", "off"]
 Optimizer = Literal["adamw", "adamw_8bit", "cpu_adam"]
 Loss = Literal["auto", "chunked", "plain", "liger"]
 OnNonfinite = Literal["stop", "skip"]
+Objective = Literal["sft", "dpo", "ipo", "simpo", "orpo"]
+ReferenceMode = Literal["precomputed", "live"]
 LoggerBackend = Literal["wandb", "none"]
 LoggerMode = Literal["offline", "online", "auto"]
 
@@ -114,7 +116,8 @@ class DataConfig:
     path: str | None = None
     """One source (shorthand for sources: [{path, format}])."""
     format: Choice[DataFormat] = "alpaca"
-    """alpaca | messages (OpenAI messages or ShareGPT conversations) | text"""
+    """alpaca | messages (OpenAI messages or ShareGPT conversations) | text | preference
+    (prompt / chosen / rejected pairs, for trainer.objective=dpo, ipo, simpo or orpo)"""
     sources: list[DataSource] = field(default_factory=list)
     """Several sources, mixed by weight (instead of path)."""
     template: Choice[Template] = "chatml"
@@ -163,6 +166,9 @@ class PeftConfig:
     """qlora only: nf4 | fp4"""
     double_quant: bool = True
     """qlora only: quantize the per-block scales too (~0.37 bits less per weight)."""
+    init_from: str | None = None
+    """An adapter to start from (RUN_DIR/adapter of an SFT run): its weights, its r, alpha and
+    targets. With a dpo or ipo objective it is also the reference (frozen as loaded)."""
 
 
 @dataclass
@@ -182,7 +188,27 @@ class ZeroConfig:
 
 
 @dataclass
+class PreferenceConfig:
+    """The preference objectives' settings (trainer.objective other than sft)."""
+
+    beta: float | None = None
+    """How far the policy may move from the reference (dpo, ipo), or the reward scale (simpo),
+    or the odds-ratio term's weight (orpo). null: the objective's published default (dpo 0.1,
+    ipo 0.1, simpo 2.0, orpo 0.1; rank.preference.DEFAULT_BETA)."""
+    label_smoothing: float = 0.0
+    """dpo only: the assumed fraction of pairs whose labels are flipped (conservative DPO)."""
+    simpo_gamma: float = 0.5
+    """simpo only: the target reward margin between chosen and rejected."""
+    reference: Choice[ReferenceMode] = "precomputed"
+    """dpo and ipo: precomputed (the reference model's log-probabilities of every pair once,
+    before training, saved in RUN_DIR/reference) | live (a reference forward in every step)."""
+
+
+@dataclass
 class TrainerConfig:
+    objective: Choice[Objective] = "sft"
+    """sft (next-token loss on the replies) | dpo | ipo | simpo | orpo (preference pairs:
+    data.format=preference; settings under preference.*)"""
     micro_batch_size: int = 1
     global_batch_size: int = 16
     max_steps: int = 100
@@ -325,6 +351,7 @@ class RunConfig:
     peft: PeftConfig = field(default_factory=PeftConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)

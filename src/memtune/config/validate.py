@@ -59,6 +59,7 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
             allowed = " | ".join(str(c) for c in choices)
             raise ConfigError(f"{key}={get_field(cfg, key)!r} is not supported; choose {allowed}")
 
+    _preference_settings(cfg)
     t, p = cfg.trainer, cfg.peft
     positive = {
         "peft.r": p.r,
@@ -182,6 +183,8 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
     if inputs:
         _check_model_path(cfg.model)
         _check_data(cfg.data)
+        _check_objective(cfg)
+        _check_init_from(cfg)
         _check_attention_here(cfg.model)
 
 
@@ -318,6 +321,12 @@ def _check_data(data: DataConfig) -> None:
         raise ConfigError(f"data.val_path={data.val_path!r}: no such file or folder")
     if data.overlong == "split":
         chat = [s.format for s in data.all_sources() if s.format != "text"]
+        if "preference" in chat:
+            raise ConfigError(
+                "data.overlong=split cuts long documents (format text); a preference pair is "
+                "never cut apart (its chosen and rejected sequences share one row, "
+                "data.max_seq_len bounding the two): use truncate or drop for it"
+            )
         if chat:
             raise ConfigError(
                 f"data.overlong=split cuts long documents (format text); a {chat[0]} record "
@@ -327,6 +336,34 @@ def _check_data(data: DataConfig) -> None:
         raise ConfigError(
             "data.group_by_length batches unpacked samples; packing is on by default: "
             "set data.packing=false with it"
+        )
+
+
+def _check_objective(cfg: RunConfig) -> None:
+    """Preference pairs and the preference objectives come together: an SFT loss over pairs
+    would learn the rejected replies as much as the chosen ones, and a preference loss has
+    nothing to compare in single conversations. The validation file (data.val_path) is read
+    in the first source's format, so checking the sources covers it."""
+    objective, data = cfg.trainer.objective, cfg.data
+    for i, src in enumerate(data.all_sources()):
+        key = "data.format" if not data.sources else f"data.sources[{i}].format"
+        if objective != "sft" and src.format != "preference":
+            raise ConfigError(
+                f"trainer.objective={objective} trains on preference pairs, and {key} is "
+                f"{src.format}: give prompt / chosen / rejected records with {key}=preference, "
+                "or set trainer.objective=sft"
+            )
+        if objective == "sft" and src.format == "preference":
+            raise ConfigError(
+                f"{key}=preference holds prompt / chosen / rejected pairs, which "
+                "trainer.objective=sft does not train on: set trainer.objective=dpo (or ipo, "
+                "simpo, orpo)"
+            )
+    if objective != "sft" and data.train_on_prompt:
+        raise ConfigError(
+            f"data.train_on_prompt=true does not apply to trainer.objective={objective}: a "
+            "pair's labels are its final reply only (the objective compares the chosen reply "
+            "with the rejected one); set data.train_on_prompt=false"
         )
 
 
@@ -355,4 +392,62 @@ def _check_model_path(model: ModelConfig) -> None:
         raise ConfigError(
             f"model.name_or_path={name!r}: no config.json there; point it at a directory "
             "saved with save_pretrained (or a hub name such as Qwen/Qwen2.5-7B-Instruct)"
+        )
+
+
+def _preference_settings(cfg: RunConfig) -> None:
+    """A preference objective's own settings, and what it does not run with yet."""
+    t, pref = cfg.trainer, cfg.preference
+    if t.objective == "sft":
+        return
+    if pref.beta is not None and pref.beta <= 0:
+        raise ConfigError(f"preference.beta must be > 0 (got {pref.beta}); null: the default")
+    if not 0 <= pref.label_smoothing < 0.5:
+        raise ConfigError(
+            f"preference.label_smoothing={pref.label_smoothing}: the assumed share of flipped "
+            "pairs must be in [0, 0.5)"
+        )
+    if pref.label_smoothing and t.objective not in ("dpo", "simpo"):
+        raise ConfigError(f"preference.label_smoothing applies to dpo and simpo, not {t.objective}")
+    if str(t.sequence_parallel) not in ("auto", "1"):
+        raise ConfigError(
+            f"trainer.sequence_parallel={t.sequence_parallel} with trainer.objective="
+            f"{t.objective}: preference objectives do not split sequences over ranks yet "
+            "(set trainer.sequence_parallel=1, or auto)"
+        )
+
+
+def _check_init_from(cfg: RunConfig) -> None:
+    """peft.init_from: an adapter memtune (or peft) saved, whose shape is this run's LoRA."""
+    import json
+
+    from memtune.config.derive import lora_targets
+
+    path = cfg.peft.init_from
+    if path is None:
+        return
+    folder = Path(path).expanduser()
+    config_file = folder / "adapter_config.json"
+    if not config_file.is_file() or not (folder / "adapter_model.safetensors").is_file():
+        raise ConfigError(
+            f"peft.init_from={path}: no adapter there (adapter_config.json and "
+            "adapter_model.safetensors; a run's adapter is RUN_DIR/adapter)"
+        )
+    saved = json.loads(config_file.read_text())
+    p = cfg.peft
+    wanted = {"r": p.r, "lora_alpha": p.alpha, "target_modules": sorted(lora_targets(cfg))}
+    fields = {"r": "peft.r", "lora_alpha": "peft.alpha", "target_modules": "peft.target"}
+    for key, value in wanted.items():
+        have = saved.get(key)
+        have = sorted(have) if isinstance(have, list) else have
+        if have != value:
+            raise ConfigError(
+                f"peft.init_from={path}: the adapter has {key}={have}, this run {fields[key]} "
+                f"gives {value}; set {fields[key]} as the adapter was trained"
+            )
+    if cfg.preference.reference == "live" and cfg.trainer.objective in ("dpo", "ipo"):
+        raise ConfigError(
+            "peft.init_from with preference.reference=live: the reference is the adapter as "
+            "loaded, which a live reference would need a second copy of; use "
+            "preference.reference=precomputed (computed before the first step changes it)"
         )

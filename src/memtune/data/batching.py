@@ -14,8 +14,16 @@ from memtune.data.packing import pack_bins
 class TokenizedDataset(torch.utils.data.Dataset):
     """Samples stored as flat int32 arrays + offsets (what the preprocessing cache holds)."""
 
-    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor, offsets: torch.Tensor):
+    def __init__(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        offsets: torch.Tensor,
+        splits: torch.Tensor | None = None,
+    ):
         self.input_ids, self.labels, self.offsets = input_ids, labels, offsets
+        self.splits = splits
+        """Preference data: each item's chosen length (items are chosen ++ rejected)."""
         self.lengths = (offsets[1:] - offsets[:-1]).tolist()
 
     @classmethod
@@ -23,18 +31,25 @@ class TokenizedDataset(torch.utils.data.Dataset):
         lengths = torch.tensor([0] + [len(s.input_ids) for s in samples], dtype=torch.int64)
         flat_ids = [t for s in samples for t in s.input_ids]
         flat_labels = [t for s in samples for t in s.labels]
+        pairs = any(s.split for s in samples)
         return cls(
             torch.tensor(flat_ids, dtype=torch.int32),
             torch.tensor(flat_labels, dtype=torch.int32),
             torch.cumsum(lengths, 0),
+            torch.tensor([s.split for s in samples], dtype=torch.int64) if pairs else None,
         )
+
+    @property
+    def pairs(self) -> bool:
+        return self.splits is not None
 
     def __len__(self) -> int:
         return len(self.lengths)
 
     def __getitem__(self, i: int) -> Sample:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
-        return Sample(self.input_ids[a:b].tolist(), self.labels[a:b].tolist())
+        split = int(self.splits[i]) if self.splits is not None else 0
+        return Sample(self.input_ids[a:b].tolist(), self.labels[a:b].tolist(), split, i)
 
 
 def collate_padded(batch: list[Sample], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -75,30 +90,46 @@ def collate_packed(batch: list[list[Sample]], pad_token_id: int) -> dict[str, to
     attend within each sample without a dense mask; transformers' ``sdpa``/``eager`` read the
     same boundaries from the restarting positions (a dense block-diagonal mask). No token
     attends across samples. Row padding forms its own segment with no labels.
+
+    A preference pair (``Sample.split``) is two sequences of the same row, chosen then
+    rejected, each its own segment. Its batch also holds ``pair_index`` (each pair's index in
+    its split, in batch order; -1 for a label-free filler) and ``sequence_index`` (per token:
+    2k for the k-th pair's chosen tokens, 2k + 1 for its rejected ones, -1 elsewhere), from
+    which the preference loss sums each sequence's log-probabilities.
     """
     width = max(sum(len(s.input_ids) for s in row) for row in batch)
     input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
     labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
     position_ids = torch.zeros((len(batch), width), dtype=torch.long)
+    pairs = any(s.split for row in batch for s in row)
+    sequence = torch.full((len(batch), width), -1, dtype=torch.long) if pairs else None
+    pair_index: list[int] = []
     starts: list[int] = []
     real = 0
     for r, row in enumerate(batch):
         at = 0
         for s in row:
             n = len(s.input_ids)
-            starts.append(r * width + at)
-            input_ids[r, at : at + n] = torch.tensor(s.input_ids)
-            lab = list(s.labels)
-            lab[0] = IGNORE_INDEX  # the previous sample's last token must not predict this one
-            labels[r, at : at + n] = torch.tensor(lab)
-            position_ids[r, at : at + n] = torch.arange(n)
+            parts = [(0, s.split), (s.split, n)] if s.split else [(0, n)]
+            labelled = any(t != IGNORE_INDEX for t in s.labels)
+            if s.split:
+                pair_index.append(s.index if labelled else -1)
+            for k, (a, b) in enumerate(parts):
+                starts.append(r * width + at + a)
+                input_ids[r, at + a : at + b] = torch.tensor(s.input_ids[a:b])
+                lab = list(s.labels[a:b])
+                lab[0] = IGNORE_INDEX  # the previous sample's last token must not predict this one
+                labels[r, at + a : at + b] = torch.tensor(lab)
+                position_ids[r, at + a : at + b] = torch.arange(b - a)
+                if sequence is not None and s.split and labelled:
+                    sequence[r, at + a : at + b] = 2 * (len(pair_index) - 1) + k
             at += n
         real += at
         position_ids[r, at:] = torch.arange(width - at)
         if at < width:
             starts.append(r * width + at)
     bounds = torch.tensor([*starts, len(batch) * width], dtype=torch.int32)
-    return {
+    out = {
         "input_ids": input_ids,
         "labels": labels,
         "position_ids": position_ids,
@@ -106,6 +137,15 @@ def collate_packed(batch: list[list[Sample]], pad_token_id: int) -> dict[str, to
         "max_length": bounds.diff().max(),
         "real_tokens": torch.tensor(real),
     }
+    if sequence is not None:
+        out |= {"sequence_index": sequence, "pair_index": torch.tensor(pair_index)}
+    return out
+
+
+def collate_pairs(batch: list[Sample], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Unpacked preference pairs: one pair per row, its two sequences side by side (the pair is
+    one item; the row is as wide as the widest pair)."""
+    return collate_packed([[s] for s in batch], pad_token_id)
 
 
 class GlobalOrderSampler(torch.utils.data.Sampler[int]):
@@ -125,11 +165,25 @@ class GlobalOrderSampler(torch.utils.data.Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def __iter__(self) -> Iterator[int]:
+    def epoch_order(self, epoch: int) -> list[int]:
+        """The items of ``epoch`` in the order every step takes them, over all ranks."""
         g = torch.Generator()
-        g.manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self.n, generator=g).tolist()[: self.usable]
-        return iter(order[self.rank :: self.world])
+        g.manual_seed(self.seed + epoch)
+        return torch.randperm(self.n, generator=g).tolist()[: self.usable]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.epoch_order(self.epoch)[self.rank :: self.world])
+
+    def visited(self, steps: int, global_batch: int) -> set[int]:
+        """The items ``steps`` optimizer steps take, over every epoch they reach."""
+        seen: set[int] = set()
+        need, epoch = steps * global_batch, 0
+        # The rows one epoch leaves out (n - usable), a later one may take.
+        while need > 0 and self.usable and len(seen) < self.n:
+            order = self.epoch_order(epoch)
+            seen.update(order[:need])
+            need, epoch = need - len(order), epoch + 1
+        return seen
 
     def __len__(self) -> int:
         return self.usable // self.world

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from memtune.config import ConfigError, DataConfig, DataSource, cache_dir
 from memtune.data.encode import DataStats, Sample, apply_length_policy, encode_records
-from memtune.data.readers import Record, RecordError, read_source
+from memtune.data.readers import IdenticalReplies, Record, RecordError, read_source
 from memtune.paths import is_local_source
 from memtune.rundir import follow_umask, free_bytes, human_bytes
 
@@ -142,6 +142,7 @@ def _read(src: DataSource, cfg: DataConfig, stats: DataStats) -> list[Record]:
                     f"{item} (data.on_bad_record=skip would skip and count such records)"
                 )
             stats.skipped_bad += 1
+            stats.identical_pairs += isinstance(item, IdenticalReplies)
             if len(stats.bad_examples) < MAX_BAD_EXAMPLES:
                 stats.bad_examples.append(str(item))
             continue
@@ -182,12 +183,13 @@ def build(
 ) -> tuple[Arrays, DataStats, Arrays | None, DataStats | None]:
     """Read, split and tokenize: (train arrays, train counts, val arrays, val counts)."""
     rng = random.Random(seed)
-    stats = DataStats()
+    pairs = any(src.format == "preference" for src in cfg.all_sources())
+    stats = DataStats(preference=pairs)
     records: list[Record] = []
     for src in cfg.all_sources():
         records += _weighted(_read(src, cfg, stats), src.weight, rng)
     val_records: list[Record] = []
-    val_stats = DataStats() if (cfg.val_fraction or cfg.val_path) else None
+    val_stats = DataStats(preference=pairs) if (cfg.val_fraction or cfg.val_path) else None
     if cfg.val_path:
         fmt = cfg.all_sources()[0].format
         assert val_stats is not None
@@ -214,7 +216,10 @@ def _arrays(samples: list[Sample]) -> Arrays:
     from memtune.data.batching import TokenizedDataset
 
     ds = TokenizedDataset.from_samples(samples)
-    return {"input_ids": ds.input_ids, "labels": ds.labels, "offsets": ds.offsets}
+    arrays = {"input_ids": ds.input_ids, "labels": ds.labels, "offsets": ds.offsets}
+    if ds.splits is not None:
+        arrays["splits"] = ds.splits
+    return arrays
 
 
 def preprocess(cfg: DataConfig, tokenizer: Any, seed: int) -> Prepared:
@@ -323,4 +328,6 @@ def load_split(prepared_dir: str | Path, split: str = "train") -> TokenizedDatas
     from memtune.data.batching import TokenizedDataset
 
     arrays = load_file(str(Path(prepared_dir) / f"{split}.safetensors"))
-    return TokenizedDataset(arrays["input_ids"], arrays["labels"], arrays["offsets"])
+    return TokenizedDataset(
+        arrays["input_ids"], arrays["labels"], arrays["offsets"], arrays.get("splits")
+    )

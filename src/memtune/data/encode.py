@@ -1,5 +1,13 @@
 """Records → token ids and labels (the template's label mask), and the length policy.
 
+A preference pair is one :class:`Sample`: the chosen conversation's tokens, then the rejected
+one's, ``split`` marking where the second starts. Each is tokenized exactly as SFT tokenizes
+that conversation (so a pair's chosen sequence is the SFT sample of the same conversation,
+token for token), but only the final reply is labelled: the objectives compare the two
+replies' log-probabilities, and an earlier reply, the same in both, would add the same amount
+to each side. The two halves stay together in one packed row, so data.max_seq_len bounds the
+pair (:func:`apply_length_policy`).
+
 Tokenization happens once, on the launcher side (:mod:`memtune.data.cache`); ranks read
 the cache's flat arrays (:class:`memtune.data.batching.TokenizedDataset`) and only batch them.
 """
@@ -17,7 +25,7 @@ from urllib.parse import urlsplit
 
 from memtune.config import ConfigError, DataConfig, RunConfig
 from memtune.data.readers import Record
-from memtune.data.templates import segments, with_system
+from memtune.data.templates import Segment, segments, with_system
 
 IGNORE_INDEX = -100
 
@@ -26,6 +34,12 @@ IGNORE_INDEX = -100
 class Sample:
     input_ids: list[int]
     labels: list[int]
+    split: int = 0
+    """A preference pair: the tokens are the chosen sequence, then the rejected one, and
+    ``split`` is the chosen sequence's length (0: one sequence, SFT)."""
+    index: int = -1
+    """The item's index in its split of the cache (the key into the reference log-probs);
+    -1: not read from a cache, or a label-free filler."""
 
 
 @dataclass
@@ -41,20 +55,32 @@ class DataStats:
     samples: int = 0
     tokens: int = 0
     label_tokens: int = 0
+    preference: bool = False
+    """The data is preference pairs (format preference): each sample is a pair, and a pair
+    that is truncated or dropped counts once."""
+    identical_pairs: int = 0
+    """Of skipped_bad: preference records whose chosen and rejected replies are the same."""
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
     def line(self) -> str:
+        noun = "pairs" if self.preference else "samples"
         out = (
-            f"{self.samples} samples from {self.records} records, {self.tokens:,} tokens "
+            f"{self.samples} {noun} from {self.records} records, {self.tokens:,} tokens "
             f"({self.label_tokens:,} labels); truncated {self.truncated}, dropped "
             f"{self.dropped_overlong} over-long + {self.dropped_no_labels} without labels"
         )
         if self.split:
             out += f"; split {self.split} over-long documents into {self.split_pieces} pieces"
         if self.skipped_bad:
-            out += f"; skipped {self.skipped_bad} bad records (first: {self.bad_examples[0]})"
+            identical = (
+                f"{self.identical_pairs} with identical replies; " if self.identical_pairs else ""
+            )
+            out += (
+                f"; skipped {self.skipped_bad} bad records ({identical}first: "
+                f"{self.bad_examples[0]})"
+            )
         return out
 
 
@@ -159,29 +185,69 @@ def _hub_unreachable() -> str | None:
 
 
 def encode_records(records: Sequence[Record], tokenizer: Any, cfg: DataConfig) -> list[Sample]:
-    """Tokenize rendered segments in one batch call (the fast tokenizer runs it in parallel)."""
+    """Tokenize rendered segments in one batch call (the fast tokenizer runs it in parallel).
+    A preference record (``Record.pair``) gives one Sample holding both its sequences (see the
+    module docstring); data.train_on_prompt does not apply to it."""
     eos = tokenizer.eos_token
-    rendered: list[list[tuple[str, bool]]] = []
+    rendered: list[tuple[list[Segment], bool]] = []  # (segments, label the prompt too)
     for rec in records:
         if rec.text is not None:
-            rendered.append([(rec.text + eos, True)])
+            rendered.append(([(rec.text + eos, True)], True))
+        elif rec.pair is not None:
+            for messages in rec.conversations():
+                msgs = with_system(messages, cfg.system_prompt)
+                rendered.append((final_reply_only(segments(msgs, cfg.template, eos)), False))
         else:
             assert rec.messages is not None
             msgs = with_system(rec.messages, cfg.system_prompt)
-            rendered.append(segments(msgs, cfg.template, eos))
-    flat = [text for segs in rendered for text, _ in segs]
+            rendered.append((segments(msgs, cfg.template, eos), cfg.train_on_prompt))
+    flat = [text for segs, _ in rendered for text, _ in segs]
     ids = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
-    samples, k = [], 0
-    for segs in rendered:
+    sequences, k = [], 0
+    for segs, label_all in rendered:
         input_ids: list[int] = []
         labels: list[int] = []
         for _, is_label in segs:
             piece = ids[k]
             k += 1
             input_ids += piece
-            labels += piece if (is_label or cfg.train_on_prompt) else [IGNORE_INDEX] * len(piece)
-        samples.append(Sample(input_ids, labels))
+            labels += piece if (is_label or label_all) else [IGNORE_INDEX] * len(piece)
+        sequences.append(Sample(input_ids, labels))
+    samples, next_sequence = [], iter(sequences)
+    for rec in records:
+        if rec.pair is None:
+            samples.append(next(next_sequence))
+        else:
+            chosen, rejected = next(next_sequence), next(next_sequence)
+            samples.append(join_pair(chosen, rejected))
     return samples
+
+
+def final_reply_only(rendered: list[Segment]) -> list[Segment]:
+    """The segments with only the last label segment (the final reply, with its end marker
+    as the template marks it) left a label. Earlier replies stay separate segments, tokenized
+    on their own as SFT tokenizes them, so the tokens do not change: only their labels do."""
+    last = max(i for i, (_, label) in enumerate(rendered) if label)
+    return [(text, label and i == last) for i, (text, label) in enumerate(rendered)]
+
+
+def join_pair(chosen: Sample, rejected: Sample) -> Sample:
+    """One Sample of a pair: chosen's tokens, then rejected's; ``split`` = chosen's length."""
+    return Sample(
+        chosen.input_ids + rejected.input_ids,
+        chosen.labels + rejected.labels,
+        split=len(chosen.input_ids),
+        index=chosen.index,
+    )
+
+
+def pair_halves(pair: Sample) -> tuple[Sample, Sample]:
+    """A pair's (chosen, rejected) sequences, each as its own Sample (``split`` 0)."""
+    assert pair.split, "not a preference pair"
+    c = pair.split
+    chosen = Sample(pair.input_ids[:c], pair.labels[:c], index=pair.index)
+    rejected = Sample(pair.input_ids[c:], pair.labels[c:], index=pair.index)
+    return chosen, rejected
 
 
 def n_labels(labels: Sequence[int]) -> int:
@@ -192,11 +258,16 @@ def n_labels(labels: Sequence[int]) -> int:
 def apply_length_policy(samples: list[Sample], cfg: DataConfig, stats: DataStats) -> list[Sample]:
     """Truncate, split (long documents) or drop over-long samples, drop samples left without
     labels; count each (``truncated`` counts kept samples only: one cut down to no labels is
-    a drop)."""
+    a drop). Preference pairs follow :func:`fit_pair`."""
     kept = []
     n = cfg.max_seq_len
     pieces: list[tuple[Sample, bool]] = []
     for s in samples:
+        if s.split:
+            pair = fit_pair(s, cfg, stats)
+            if pair is not None:
+                kept.append(pair)
+            continue
         if len(s.input_ids) > n and cfg.overlong == "split":
             # A long document becomes consecutive max_seq_len pieces, each its own sample
             # (each piece's first token is a target of nothing: labels shift by one).
@@ -224,4 +295,50 @@ def apply_length_policy(samples: list[Sample], cfg: DataConfig, stats: DataStats
         stats.tokens += len(s.input_ids)
         stats.label_tokens += count
         kept.append(s)
+    return kept
+
+
+def pair_lengths(chosen: int, rejected: int, max_seq_len: int) -> tuple[int, int]:
+    """How many tokens of a pair's chosen and rejected sequences to keep so that both fit in
+    ``max_seq_len``: the longer one is cut first, down to the other's length, then both
+    equally (chosen keeps the odd token). This keeps the shorter of the two as long as any
+    cut can, so a pair loses a sequence's last label only when no cut could save it: the two
+    share their prompt, and a sequence needs one token past it to have a label."""
+    if chosen + rejected <= max_seq_len:
+        return chosen, rejected
+    shorter = min(chosen, rejected)
+    if max_seq_len - shorter >= shorter:  # cutting the longer one alone is enough
+        longer = max_seq_len - shorter
+        return (longer, shorter) if chosen > rejected else (shorter, longer)
+    half = max_seq_len // 2
+    return max_seq_len - half, half
+
+
+def fit_pair(pair: Sample, cfg: DataConfig, stats: DataStats) -> Sample | None:
+    """The length policy of a preference pair: its chosen and rejected sequences share one
+    packed row, so data.max_seq_len bounds the two together, and a pair is never cut apart.
+    overlong=truncate cuts the replies' ends (:func:`pair_lengths`); drop drops the pair. A
+    pair left without a label in either sequence is dropped (``dropped_no_labels``): the
+    objectives need a log-probability of each reply. Counts the pair in ``stats``."""
+    if cfg.overlong == "split":  # validate refuses it; a caller that skipped validate too
+        raise ConfigError("data.overlong=split does not apply to preference pairs")
+    chosen, rejected = pair_halves(pair)
+    total = len(pair.input_ids)
+    cut = total > cfg.max_seq_len
+    if cut and cfg.overlong == "drop":
+        stats.dropped_overlong += 1
+        return None
+    if cut:
+        c, r = pair_lengths(len(chosen.input_ids), len(rejected.input_ids), cfg.max_seq_len)
+        chosen = Sample(chosen.input_ids[:c], chosen.labels[:c], index=pair.index)
+        rejected = Sample(rejected.input_ids[:r], rejected.labels[:r], index=pair.index)
+    counts = n_labels(chosen.labels), n_labels(rejected.labels)
+    if 0 in counts:
+        stats.dropped_no_labels += 1
+        return None
+    kept = join_pair(chosen, rejected) if cut else pair
+    stats.truncated += cut
+    stats.samples += 1
+    stats.tokens += len(kept.input_ids)
+    stats.label_tokens += sum(counts)
     return kept

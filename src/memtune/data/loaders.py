@@ -15,6 +15,7 @@ from memtune.data.batching import (
     PackedDataset,
     collate_packed,
     collate_padded,
+    collate_pairs,
 )
 from memtune.data.cache import load_split
 from memtune.data.encode import IGNORE_INDEX, Sample
@@ -35,14 +36,17 @@ def eval_batches(
     samples = []
     for i in eval_shard(len(val), rank, world):
         s = val[max(i, 0)]
-        samples.append(s if i >= 0 else Sample(s.input_ids, [IGNORE_INDEX] * len(s.labels)))
+        samples.append(s if i >= 0 else _blank(s))
     micro = cfg.trainer.micro_batch_size
     if full_rows and len(samples) % micro:
-        blank = Sample(samples[0].input_ids, [IGNORE_INDEX] * len(samples[0].labels))
-        samples += [blank] * (-len(samples) % micro)
-    return [
-        collate_padded(samples[a : a + micro], pad_token_id) for a in range(0, len(samples), micro)
-    ]
+        samples += [_blank(samples[0])] * (-len(samples) % micro)
+    collate = collate_pairs if val.pairs else collate_padded
+    return [collate(samples[a : a + micro], pad_token_id) for a in range(0, len(samples), micro)]
+
+
+def _blank(s: Sample) -> Sample:
+    """A label-free copy that fills a rank's shard (every rank runs as many forwards)."""
+    return Sample(s.input_ids, [IGNORE_INDEX] * len(s.labels), s.split)
 
 
 def make_loader(
@@ -54,7 +58,9 @@ def make_loader(
     base = load_split(prepared_dir, "train")
     micro, seed = cfg.trainer.micro_batch_size, cfg.trainer.seed
     dataset: Any = base
-    collate_fn: Any = partial(collate_padded, pad_token_id=pad_token_id)
+    collate_fn: Any = partial(
+        collate_pairs if base.pairs else collate_padded, pad_token_id=pad_token_id
+    )
     if cfg.data.packing:
         dataset = PackedDataset(base, cfg.data.max_seq_len)
         collate_fn = partial(collate_packed, pad_token_id=pad_token_id)

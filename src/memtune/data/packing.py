@@ -46,6 +46,8 @@ class StepShape:
     fill: float  # real tokens / row capacity; 1 when not packed
     global_batch: int
     max_steps: int
+    unit: str = "samples"
+    """What an item of the data is: samples (SFT) or pairs (preference data)."""
 
     @property
     def samples_per_step(self) -> float:
@@ -64,14 +66,15 @@ class StepShape:
 
     def line(self) -> str:
         epochs = f"max_steps {self.max_steps:,} ≈ {self.epochs:.2f} epochs"
+        u = self.unit
         if not self.packed:
-            return f"a step = {self.global_batch} samples; {epochs} of {self.samples:,} samples"
+            return f"a step = {self.global_batch} {u}; {epochs} of {self.samples:,} {u}"
         per_row = self.samples / self.items
         return (
             f"a step = {self.global_batch} packed rows of ≤ {self.item_tokens:,} tokens ≈ "
-            f"{self.samples_per_step:,.1f} samples ({per_row:.2f} per row, rows "
+            f"{self.samples_per_step:,.1f} {u} ({per_row:.2f} per row, rows "
             f"{self.fill:.1%} full); {epochs} of {self.items:,} rows "
-            "(data.packing=false would put one sample in each batch item)"
+            f"(data.packing=false would put one {u[:-1]} in each batch item)"
         )
 
 
@@ -82,6 +85,7 @@ def step_shape(
     global_batch: int,
     max_steps: int,
     micro_step: int = 1,
+    unit: str = "samples",
 ) -> StepShape:
     """The loader's own packing (:func:`pack_bins`, deterministic) over the train lengths.
 
@@ -91,11 +95,13 @@ def step_shape(
     ranks), the least a global batch can be; with it the error names a global batch that fits.
     """
     if not packed:
-        shape = StepShape(False, len(lengths), len(lengths), 0, 1.0, global_batch, max_steps)
+        shape = StepShape(False, len(lengths), len(lengths), 0, 1.0, global_batch, max_steps, unit)
     else:
         rows = len(pack_bins(lengths, max_seq_len))
         fill = sum(lengths) / (rows * max_seq_len) if rows else 0.0
-        shape = StepShape(True, len(lengths), rows, max_seq_len, fill, global_batch, max_steps)
+        shape = StepShape(
+            True, len(lengths), rows, max_seq_len, fill, global_batch, max_steps, unit
+        )
     check_one_step(shape, micro_step)
     return shape
 

@@ -8,6 +8,21 @@ Formats
   assistant turn may carry ``reasoning_content`` (its thinking, rendered by the qwen3 and
   qwen3_5 templates).
 - ``text``: ``{"text": ...}`` for plain continued pre-training (every token is a label).
+- ``preference``: a prompt with a preferred (``chosen``) and a dispreferred (``rejected``)
+  reply, for the preference objectives (trainer.objective=dpo, ipo, simpo, orpo). The shapes
+  Hugging Face preference datasets come in (TRL's "standard" and "conversational" ones):
+
+  - strings: ``{"prompt": str, "chosen": str, "rejected": str}``, optional ``"system"``;
+    the prompt is one user turn.
+  - implicit prompt: ``chosen`` and ``rejected`` are whole conversations (message lists,
+    OpenAI or ShareGPT keys) that share every turn but the last, an assistant reply. A string
+    ``prompt`` next to them is taken as a copy of their first user turn and not read, as TRL
+    reads it (HuggingFaceH4/ultrafeedback_binarized carries one).
+  - explicit prompt: ``prompt`` is a message list and ``chosen`` / ``rejected`` are what
+    follows it: the reply turn(s) as a message list, or the reply as a string.
+
+  A pair is :attr:`Record.pair`; a pair whose replies are the same is a bad record
+  (:class:`IdenticalReplies`): it has nothing to prefer.
 
 Sources: ``.jsonl``, ``.json`` (an array), ``.parquet``, a folder written by
 ``datasets.Dataset.save_to_disk``, or a hub dataset name (where the hub is reachable).
@@ -42,12 +57,31 @@ class RecordError(ValueError):
         self.where = where
 
 
+class IdenticalReplies(RecordError):
+    """A preference pair whose chosen and rejected replies are the same: a bad record like any
+    other (data.on_bad_record), told apart so that the counts can say how many were this —
+    in a scraped preference set they are usually many, and a sign of a broken export."""
+
+
+Pair = tuple[list[dict[str, str]], dict[str, str], dict[str, str]]
+"""(prompt, chosen reply, rejected reply): the prompt is system?, then alternating user /
+assistant turns ending with a user turn; each reply is one assistant message."""
+
+
 @dataclass
 class Record:
     where: str
     messages: list[dict[str, str]] | None = None
     """system?, then alternating user / assistant turns, ending with an assistant turn."""
     text: str | None = None
+    pair: Pair | None = None
+    """format preference: the shared prompt and the two replies to it (see :data:`Pair`)."""
+
+    def conversations(self) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+        """A pair as the two conversations it stands for: prompt + chosen, prompt + rejected."""
+        assert self.pair is not None
+        prompt, chosen, rejected = self.pair
+        return [*prompt, chosen], [*prompt, rejected]
 
 
 def iter_raw(path: str) -> Iterator[tuple[str, Any]]:
@@ -150,6 +184,8 @@ def parse(raw: Any, fmt: str, where: str) -> Record:
         if not text.strip():
             raise RecordError(where, "field 'text' is empty")
         return Record(where, text=text)
+    if fmt == "preference":
+        return Record(where, pair=_preference_pair(raw, where))
     messages = _alpaca_messages(raw, where) if fmt == "alpaca" else _chat_messages(raw, where)
     _check_turns(messages, where)
     return Record(where, messages=messages)
@@ -185,7 +221,12 @@ def _chat_messages(rec: dict[str, Any], where: str) -> list[dict[str, str]]:
         key, role_key, text_key = "conversations", "from", "value"
     else:
         raise RecordError(where, "field 'messages' (or ShareGPT 'conversations') is missing")
-    turns = rec[key]
+    return _turns(rec[key], key, role_key, text_key, where)
+
+
+def _turns(turns: Any, key: str, role_key: str, text_key: str, where: str) -> list[dict[str, str]]:
+    """The message list ``turns`` (field ``key`` of the record) in memtune's shape: role
+    ``system`` / ``user`` / ``assistant`` and ``content``, ``reasoning_content`` kept."""
     if not isinstance(turns, list) or not turns:
         raise RecordError(where, f"field {key!r} must be a non-empty list")
     messages = []
@@ -214,23 +255,126 @@ def _chat_messages(rec: dict[str, Any], where: str) -> list[dict[str, str]]:
     return messages
 
 
-def _check_turns(messages: list[dict[str, str]], where: str) -> None:
+def _message_list(rec: dict[str, Any], key: str, where: str) -> list[dict[str, str]]:
+    """A preference field holding messages, OpenAI (role / content) or ShareGPT (from /
+    value) keys, told apart by the first turn's keys (a record may mix the two styles across
+    its fields: each is read on its own)."""
+    turns = rec[key]
+    sharegpt = bool(turns) and isinstance(turns[0], dict) and "from" in turns[0]
+    role_key, text_key = ("from", "value") if sharegpt else ("role", "content")
+    return _turns(turns, key, role_key, text_key, where)
+
+
+def _preference_side(rec: dict[str, Any], key: str, where: str) -> list[dict[str, str]] | str:
+    """``chosen`` or ``rejected``: a reply (a non-empty string) or a message list."""
+    value = rec.get(key)
+    if isinstance(value, str):
+        if not value.strip():
+            raise RecordError(where, f"field {key!r} is empty")
+        return value
+    if isinstance(value, list):
+        return _message_list(rec, key, where)
+    if value is None:
+        raise RecordError(where, f"field {key!r} is missing")
+    kind = type(value).__name__
+    raise RecordError(where, f"field {key!r} is a {kind}, not a string or a list of messages")
+
+
+def _preference_pair(rec: dict[str, Any], where: str) -> Pair:
+    """Read one preference record in any of the module docstring's shapes into (prompt,
+    chosen reply, rejected reply), checked: both conversations alternate and end in an
+    assistant reply, they share every turn before it, and the two replies differ."""
+    chosen, rejected = (_preference_side(rec, k, where) for k in ("chosen", "rejected"))
+    raw_prompt = rec.get("prompt")
+    prompt: list[dict[str, str]]
+    if isinstance(raw_prompt, list):
+        prompt = _message_list(rec, "prompt", where)
+    elif raw_prompt is None or isinstance(raw_prompt, str):
+        prompt = [{"role": "user", "content": raw_prompt}] if raw_prompt else []
+    else:
+        what = f"a {type(raw_prompt).__name__}"
+        raise RecordError(where, f"field 'prompt' is {what}, not a string or a list of messages")
+
+    def conversation(side: list[dict[str, str]] | str) -> list[dict[str, str]]:
+        if isinstance(side, str):
+            return [*prompt, {"role": "assistant", "content": side}]
+        if isinstance(raw_prompt, str) and side[0]["role"] != "assistant":
+            return side  # the whole conversation; the string prompt is a copy of its first turn
+        return [*prompt, *side]
+
+    sides = {"chosen": conversation(chosen), "rejected": conversation(rejected)}
+    system = _string(rec, "system", where, required=False)
+    for key, messages in sides.items():
+        if not any(m["role"] == "user" for m in messages):
+            if raw_prompt is None:
+                what = "is missing"
+            else:
+                what = "is empty" if isinstance(raw_prompt, str) else "has no user turn"
+            raise RecordError(where, f"field 'prompt' {what} and field {key!r} holds no user turn")
+        if system:
+            if messages[0]["role"] == "system":
+                raise RecordError(
+                    where, f"field 'system' is set and field {key!r} has a system message too"
+                )
+            sides[key] = messages = [{"role": "system", "content": system}, *messages]
+        _check_turns(messages, where, key)
+    chosen_turns, rejected_turns = sides["chosen"], sides["rejected"]
+    _check_same_prompt(chosen_turns, rejected_turns, where)
+    if chosen_turns[-1] == rejected_turns[-1]:
+        raise IdenticalReplies(
+            where, "fields 'chosen' and 'rejected' are the same reply: nothing to prefer"
+        )
+    return chosen_turns[:-1], chosen_turns[-1], rejected_turns[-1]
+
+
+def _check_same_prompt(
+    chosen: list[dict[str, str]], rejected: list[dict[str, str]], where: str
+) -> None:
+    """The two conversations of a pair differ in their last reply only: the objectives compare
+    two answers to one prompt, and a pair whose prompts differ compares nothing."""
+    rule = "a pair shares every turn but the last reply"
+    systems = [m[0]["content"] if m[0]["role"] == "system" else None for m in (chosen, rejected)]
+    if systems[0] != systems[1]:
+        raise RecordError(
+            where, f"fields 'chosen' and 'rejected' have different system messages: {rule}"
+        )
+    body_c = chosen[1:] if systems[0] is not None else chosen
+    body_r = rejected[1:] if systems[1] is not None else rejected
+    for i, (c, r) in enumerate(zip(body_c[:-1], body_r[:-1], strict=False)):
+        if c != r:
+            raise RecordError(
+                where,
+                f"fields 'chosen' and 'rejected' differ at turn {i} ({c['role']}), before their "
+                f"last reply: {rule}",
+            )
+    if len(body_c) != len(body_r):
+        raise RecordError(
+            where,
+            f"field 'chosen' has {len(body_c)} turns and field 'rejected' {len(body_r)}: {rule}",
+        )
+
+
+def _check_turns(messages: list[dict[str, str]], where: str, key: str | None = None) -> None:
+    """Alternating user / assistant turns after an optional system message, ending in a
+    non-empty assistant reply. ``key``: the record's field the conversation is (a preference
+    record has two), named in the message."""
+    of = f"field {key!r}: " if key else ""
     body = messages[1:] if messages and messages[0]["role"] == "system" else messages
     if not body:
-        raise RecordError(where, "no user / assistant turns")
+        raise RecordError(where, f"{of}no user / assistant turns")
     for i, m in enumerate(body):
         expected = "user" if i % 2 == 0 else "assistant"
         if m["role"] != expected:
             raise RecordError(
                 where,
-                f"turn {i} is {m['role']!r}, expected {expected!r} (turns alternate "
+                f"{of}turn {i} is {m['role']!r}, expected {expected!r} (turns alternate "
                 "user / assistant after an optional system message)",
             )
     if body[-1]["role"] != "assistant":
-        raise RecordError(where, "the last turn is not an assistant reply: nothing to learn")
+        raise RecordError(where, f"{of}the last turn is not an assistant reply: nothing to learn")
     for i, m in enumerate(body):
         if m["role"] == "assistant" and not m["content"].strip():
-            raise RecordError(where, f"assistant reply {i // 2} is empty")
+            raise RecordError(where, f"{of}assistant reply {i // 2} is empty")
 
 
 def read_source(path: str, fmt: str) -> Iterator[Record | RecordError]:

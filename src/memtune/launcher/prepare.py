@@ -227,6 +227,7 @@ def train_step_shape(cfg: RunConfig, prepared: Prepared) -> StepShape:
         t.global_batch_size,
         t.max_steps,
         micro_step,
+        "samples" if t.objective == "sft" else "pairs",
     )
 
 

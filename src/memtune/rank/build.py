@@ -114,7 +114,7 @@ def build_rank(
         model=model,
         engine=engine,
         attention=attn,
-        loss_kind=resolve_loss_kind(cfg.trainer.loss, device),
+        loss_kind=engine.module.kind,
         optimizer_note=optimizer_note,
         trainable=trainable,
         total=total,
@@ -122,6 +122,29 @@ def build_rank(
         mlp_tiles=tiles,
         offloaded_layers=offloaded,
         linear_attention=linear,
+    )
+
+
+def loss_module(cfg: RunConfig, model: Any, device: torch.device) -> torch.nn.Module:
+    """What DeepSpeed wraps: the model and the objective's loss (SFT's token loss, or a
+    preference objective's pair loss, rank.preference)."""
+    loss_kind = resolve_loss_kind(cfg.trainer.loss, device)
+    chunk = cfg.trainer.loss_chunk_tokens
+    if cfg.trainer.objective == "sft":
+        return CausalLMLoss(model, loss_kind, chunk)
+    from memtune.rank.preference import PreferenceLoss, beta_of
+
+    p = cfg.preference
+    kind = "chunked" if loss_kind == "liger" else loss_kind  # Liger has no per-token log-probs
+    return PreferenceLoss(
+        model,
+        kind,
+        chunk,
+        cfg.trainer.objective,
+        beta_of(cfg),
+        p.label_smoothing,
+        p.simpo_gamma,
+        reference_adapter=cfg.peft.init_from is not None,
     )
 
 
@@ -135,9 +158,8 @@ def build_engine(
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, optimizer_note = build_optimizer(cfg, params, device)
-    loss_kind = resolve_loss_kind(cfg.trainer.loss, device)
     engine, _, _, _ = deepspeed.initialize(
-        model=CausalLMLoss(model, loss_kind, cfg.trainer.loss_chunk_tokens),
+        model=loss_module(cfg, model, device),
         optimizer=optimizer,
         model_parameters=params if optimizer is None else None,
         lr_scheduler=scheduler_factory(cfg),

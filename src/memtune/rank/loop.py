@@ -64,6 +64,8 @@ class TrainResult:
     """Steps whose update was discarded (non-finite loss or gradient norm)."""
     wall_s: float = 0.0
     peak_memory: list[dict[str, float]] = field(default_factory=list)
+    preference: dict[str, float] = field(default_factory=dict)
+    """The last step's train/rewards/… (a preference objective; not in a checkpoint)."""
 
     # The counters and a checkpoint's trainer_state.json convert here, both ways, and nowhere
     # else.
@@ -113,7 +115,23 @@ MODEL_INPUTS = (
     "shift_labels",
     "cu_seq_lens",
     "max_length",
+    "sequence_index",  # preference pairs (data.batching.collate_packed)
+    "pair_index",
+    "reference_logps",  # precomputed (rank.reference)
 )
+
+
+def loss_units(batch: dict[str, torch.Tensor]) -> int:
+    """What one step's loss averages over: label tokens (SFT), or pairs (a preference
+    objective: fillers, pair_index -1, excluded)."""
+    if "pair_index" in batch:
+        return int((batch["pair_index"] >= 0).sum())
+    return label_count(batch)
+
+
+def _pair_stats(engine: Any) -> torch.Tensor | None:
+    """The preference loss's sums for the micro batch it just ran (rank.preference)."""
+    return getattr(engine.module, "stats", None)
 
 
 def real_tokens(batch: dict[str, torch.Tensor]) -> int:
@@ -214,6 +232,7 @@ def train(
         micro = [next(batches) for _ in range(gas)]
         counts = torch.tensor(
             [
+                sum(loss_units(b) for b in micro),
                 sum(label_count(b) for b in micro),
                 sum(real_tokens(b) for b in micro),
                 float(hooks.stop_requested()),
@@ -221,21 +240,29 @@ def train(
             dtype=torch.float64,
             device=device,
         )
-        label_tokens, input_tokens, stops = (int(x) for x in _all_reduce_sum(counts).tolist())
+        units, label_tokens, input_tokens, stops = (
+            int(x) for x in _all_reduce_sum(counts).tolist()
+        )
         if stops:  # agreed by all ranks in the same collective, so all stop here together
             raise StopRequested(step - 1)
-        scale = averaged_over * gas / label_tokens
+        scale = averaged_over * gas / units
 
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        pair_sums: torch.Tensor | None = None
         for i, batch in enumerate(micro):
             batch = {k: v.to(device) for k, v in batch.items() if k != "real_tokens"}
             micro_loss = engine(**{k: batch[k] for k in MODEL_INPUTS if k in batch})
             engine.backward(micro_loss * _poisoned_scale(micro_loss, scale))
             loss_sum += micro_loss.detach().float()
+            stats = _pair_stats(engine)
+            if stats is not None:
+                pair_sums = stats if pair_sums is None else pair_sums + stats
             if i < gas - 1:
                 engine.step()  # not a boundary: DeepSpeed only counts the micro-step
 
-        loss = float(_all_reduce_sum(loss_sum).item()) / label_tokens
+        loss = float(_all_reduce_sum(loss_sum).item()) / units
+        preference = pair_means(pair_sums, "train")
+        result.preference = preference
         if not math.isfinite(loss) and t.on_nonfinite == "stop":
             raise NonFiniteLoss(
                 f"step {step}: loss is {loss}; stopped before the optimizer step, weights are "
@@ -268,6 +295,7 @@ def train(
                     "train/label_tokens": label_tokens,
                     "train/input_tokens": input_tokens,
                     "perf/tokens_per_s": input_tokens / step_s,
+                    **preference,
                     "memory": {f"rank{r}": m for r, m in enumerate(memory)},
                 },
             )
@@ -279,8 +307,23 @@ def train(
     return result
 
 
-def evaluate(engine: Any, batches: list[dict[str, torch.Tensor]], device: torch.device) -> float:
-    """Token-weighted loss over the validation shard of every rank (a collective).
+def pair_means(sums: torch.Tensor | None, split: str) -> dict[str, float]:
+    """``{split}/rewards/chosen`` … over every rank's pairs, from the preference loss's sums
+    (:data:`memtune.rank.preference.STATS` then the pair count); {} for SFT. A collective."""
+    if sums is None:
+        return {}
+    from memtune.rank.preference import STATS
+
+    total = _all_reduce_sum(sums.clone()).tolist()
+    pairs = max(total[-1], 1.0)
+    return {f"{split}/{name}": value / pairs for name, value in zip(STATS, total, strict=False)}
+
+
+def evaluate(
+    engine: Any, batches: list[dict[str, torch.Tensor]], device: torch.device
+) -> tuple[float, dict[str, float]]:
+    """Loss over the validation shard of every rank (a collective), token-weighted (SFT) or
+    pair-weighted (a preference objective, whose rewards come back too, as ``eval/...``).
 
     Every rank runs the same number of forward passes (ZeRO-3 gathers parameters in each),
     which :func:`memtune.data.loaders.eval_shard` guarantees by padding shards with label-free
@@ -289,12 +332,16 @@ def evaluate(engine: Any, batches: list[dict[str, torch.Tensor]], device: torch.
     was_training = engine.training
     engine.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
+    pair_sums: torch.Tensor | None = None
     with torch.no_grad():
         for batch in batches:
             batch = {k: v.to(device) for k, v in batch.items() if k != "real_tokens"}
             totals[0] += engine(**{k: batch[k] for k in MODEL_INPUTS if k in batch}).double()
-            totals[1] += label_count(batch)
+            totals[1] += loss_units(batch)
+            stats = _pair_stats(engine)
+            if stats is not None:
+                pair_sums = stats if pair_sums is None else pair_sums + stats
     if was_training:
         engine.train()
     loss_sum, count = _all_reduce_sum(totals).tolist()
-    return loss_sum / max(count, 1.0)
+    return loss_sum / max(count, 1.0), pair_means(pair_sums, "eval")

@@ -127,11 +127,37 @@ def add_lora(model: Any, cfg: RunConfig) -> Any:
         # other layers' activations are freed; see memory.estimate.activation_bytes).
         set_checkpointed_layers(model, checkpointed_layers(cfg))
     model = get_peft_model(model, lora_config(cfg))
+    if p.init_from:
+        load_adapter_weights(model, p.init_from)
     cast_adapters(model, torch_dtype(cfg))
     if cfg.trainer.activation_checkpointing and cfg.trainer.checkpointing_reentrant:
         # Reentrant checkpointing drops gradients unless the layer inputs require grad.
         model.enable_input_require_grads()
     return model
+
+
+def load_adapter_weights(model: Any, folder: str) -> None:
+    """peft.init_from: the saved adapter's weights into this model's LoRA, every one of them
+    (config.validate checked r, alpha and targets before launch)."""
+    from pathlib import Path
+
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from memtune.config.architecture import LANGUAGE_MODEL_PREFIX
+
+    text, multimodal = LANGUAGE_MODEL_PREFIX
+    state = load_file(str(Path(folder).expanduser() / "adapter_model.safetensors"))
+    # An adapter named for a multimodal class (model.language_model.*) onto its text model.
+    state = {k.replace(multimodal, text, 1): v for k, v in state.items()}
+    result: Any = set_peft_model_state_dict(model, state)
+    lora = {n for n, _ in model.named_parameters() if "lora_" in n}
+    missing = sorted(n for n in result.missing_keys if n in lora)
+    if result.unexpected_keys or missing:
+        raise ValueError(
+            f"peft.init_from={folder}: the adapter does not fit this model "
+            f"(unexpected {sorted(result.unexpected_keys)[:3]}, missing {missing[:3]})"
+        )
 
 
 def cast_adapters(model: Any, dtype: torch.dtype) -> None:

@@ -62,6 +62,9 @@ from memtune.rank.loop import (
 )
 from memtune.rank.memory_check import check, verdict
 from memtune.rank.model import method_label
+from memtune.rank.preference import needs_reference
+from memtune.rank.reference import References
+from memtune.rank.reference import prepare as prepare_references
 from memtune.rank.sequence_parallel import SequenceGroups, shard_batch
 from memtune.rank.telemetry import (
     NullLogger,
@@ -162,6 +165,7 @@ class RunHooks(Hooks):
         self.engine, self.run_dir, self.cfg, self.data_dir = engine, run_dir, cfg, data_dir
         self.val_batches, self.logger, self.device = val_batches, logger, device
         self.eval_losses: dict[int, float] = {}
+        self.eval_preference: dict[int, dict[str, float]] = {}
         self.saved_step = -1
         self.result_at_stop: TrainResult | None = None
 
@@ -175,17 +179,20 @@ class RunHooks(Hooks):
         # are logged side by side, per rank, so eval can be seen not to raise the peak.
         train_peak = window_peak_gib(self.device)
         windowed = reset_window_peak(self.device)
-        loss = evaluate(self.engine, self.val_batches, self.device)
+        loss, preference = evaluate(self.engine, self.val_batches, self.device)
         peaks = gather_values(
             [train_peak, window_peak_gib(self.device) if windowed else -1.0], self.device
         )
         self.eval_losses[step] = loss
+        self.eval_preference[step] = preference
         memory = {
             f"rank{r}": {"train_peak_gib": t, "eval_peak_gib": e}
             for r, (t, e) in enumerate(peaks)
             if e >= 0
         }
-        row = {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0)), "eval/memory": memory}
+        row: dict[str, Any] = {"eval/loss": loss, **preference, "eval/memory": memory}
+        if self.cfg.trainer.objective == "sft":  # a pair loss has no perplexity
+            row["eval/ppl"] = math.exp(min(loss, 50.0))
         self.logger.log(step, row)
         self.logger.info(f"memtune: step {step}: eval loss {loss:.4f}")
 
@@ -328,6 +335,12 @@ class RankRun:
             cfg, self.run_dir, self.rank, self.local_rank, self.world, self.device,
             self.tokenizer, stats,
         )  # fmt: skip
+        self.references: References | None = None
+        if needs_reference(cfg) and cfg.preference.reference == "precomputed":
+            self.references = prepare_references(
+                self.engine, cfg, self.run_dir, self.data.dir, self.pad_id, self.device,
+                bool(self.data.val), lambda line: self.print0(line, flush=True),
+            )  # fmt: skip
 
     def resume(self) -> TrainResult:
         """Where training stands: the checkpoint launcher.prepare chose and checked (it
@@ -365,6 +378,8 @@ class RankRun:
             self.device,
         )  # fmt: skip
         batches = _batches(self.loader, self.sampler, result.steps * grad_accumulation_steps(cfg))
+        if self.references is not None:
+            batches = self.references.attached(batches)
         if self.groups.sp > 1:
             batches = (shard_batch(b, self.groups, self.pad_id) for b in batches)
         try:
@@ -393,6 +408,8 @@ class RankRun:
         g = self.groups
         full_rows = g.sp > 1
         batches = eval_batches(self.cfg, self.data.dir, self.pad_id, g.dp_rank, g.dp, full_rows)
+        if self.references is not None:
+            batches = [self.references.attach(b, "val") for b in batches]
         return [shard_batch(b, g, self.pad_id) for b in batches] if g.sp > 1 else batches
 
     def _memory_vs_plan(self, result: TrainResult) -> VsPlan:
@@ -464,6 +481,7 @@ class RankRun:
             memory=result.peak_memory,
             memory_vs_plan=self.vs_plan.checks,
             outputs=outputs,
+            preference={**result.preference, **self.hooks.eval_preference.get(result.steps, {})},
         )
 
     @contextlib.contextmanager
@@ -522,6 +540,20 @@ def start_up_lines(cfg: RunConfig, parts: Any, world: int, groups: SequenceGroup
     )
 
 
+def preference_line(metrics: dict[str, float]) -> str:
+    """The last step's reward accuracy and margin, and the validation split's (a preference
+    objective; empty for SFT)."""
+    if not metrics:
+        return ""
+    parts = []
+    for name in ("rewards/accuracies", "rewards/margins"):
+        line = f"{name} {metrics[f'train/{name}']:.3f}"
+        if f"eval/{name}" in metrics:
+            line += f" (eval {metrics[f'eval/{name}']:.3f})"
+        parts.append(line)
+    return "memtune: last step: " + " · ".join(parts) + "\n"
+
+
 def closing_lines(ctx: RankContext, result: TrainResult, summary: Summary, vs_plan: VsPlan) -> str:
     """The run's last lines: time, tokens, loss, memory against the plan, where the adapter is."""
     key = peak_key(ctx.device)
@@ -537,7 +569,8 @@ def closing_lines(ctx: RankContext, result: TrainResult, summary: Summary, vs_pl
         + (f" · eval loss {eval_loss:.4f}" if eval_loss is not None else "")
         + (f" · {len(skipped)} non-finite step(s) skipped: {skipped}" if skipped else "")
         + "\n"
-        f"memtune: {what} per rank: {per_rank}\n"
+        + preference_line(summary.preference)
+        + f"memtune: {what} per rank: {per_rank}\n"
         + "".join(f"memtune: vs plan: {line}\n" for line in vs_plan.lines)
         + f"memtune: data: {ctx.data_stats.line()}\n"
         f"memtune: adapter ({summary.adapter_tensors} tensors, {summary.trainable_params:,} "

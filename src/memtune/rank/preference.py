@@ -1,0 +1,263 @@
+"""Preference objectives (DPO, IPO, SimPO, ORPO) from sequence log-probabilities, without a
+whole ``[tokens × vocabulary]`` logits tensor.
+
+A micro batch of pairs holds each pair's chosen and rejected sequences side by side in one row
+(data.batching.collate_packed: two segments, positions restarting, no attention across them).
+``sequence_index`` numbers every token of the k-th pair's chosen sequence 2k and of its rejected
+one 2k + 1. The policy's log-probability of each sequence is the sum, over its label tokens, of
+log p(token), read from the frozen LM head chunk by chunk as the SFT loss reads it
+(:class:`FrozenHeadLogProbs`), then summed per sequence with one ``index_add``.
+
+The objectives, per pair (c: chosen, r: rejected; ``logp`` a sequence's summed
+log-probability, ``avg`` that sum over its label tokens, ``ref`` the reference model's ``logp``):
+
+- ``dpo`` (Rafailov et al. 2023, eq. 7; label smoothing ε as conservative DPO, Mitchell 2023):
+  h = (logp_c − ref_c) − (logp_r − ref_r);  loss = −(1−ε)·log σ(βh) − ε·log σ(−βh)
+- ``ipo`` (Azar et al. 2023, eq. 17, on length-averaged log-probabilities as TRL computes it):
+  h = (avg_c − ref_c/n_c) − (avg_r − ref_r/n_r);  loss = (h − 1/(2β))²
+- ``simpo`` (Meng et al. 2024, eq. 6; reference-free):
+  loss = −(1−ε)·log σ(β(avg_c − avg_r) − γ) − ε·log σ(−(β(avg_c − avg_r) − γ))
+- ``orpo`` (Hong et al. 2024, eq. 6–7; reference-free):
+  log odds(y) = avg − log(1 − exp(avg));  loss = −avg_c − β·log σ(log odds_c − log odds_r)
+  (the SFT term is each chosen reply's mean token loss, averaged over pairs; TRL averages it
+  over the batch's tokens instead, which weighs long replies more).
+
+Rewards, as TRL logs them: β·(logp − ref) for dpo and ipo (ipo on averages), β·avg for simpo
+and orpo; ``logps/*`` are the sums (dpo) or the averages (the others) the objective reads.
+
+The module returns the *sum* of the pairs' losses; rank.loop divides by the pairs of the global
+batch, as it divides the SFT loss by its label tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from memtune.config import RunConfig
+from memtune.data.encode import IGNORE_INDEX
+from memtune.rank.loss import CausalLMLoss, model_inputs, next_token_targets
+
+DEFAULT_BETA = {"dpo": 0.1, "ipo": 0.1, "simpo": 2.0, "orpo": 0.1}
+"""The published defaults: DPO's and IPO's β 0.1 (TRL's DPOConfig), SimPO's β 2.0 with
+γ 0.5 (the SimPO paper's recommended range, torchtune's SimPOLoss), ORPO's λ 0.1 (the paper,
+TRL's ORPOConfig)."""
+NEEDS_REFERENCE = ("dpo", "ipo")
+STATS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+)
+"""What a step reports besides the loss, TRL's names; each a mean over the step's pairs."""
+
+
+def beta_of(cfg: RunConfig) -> float:
+    """preference.beta, or the objective's published default."""
+    b = cfg.preference.beta
+    return DEFAULT_BETA[cfg.trainer.objective] if b is None else float(b)
+
+
+def needs_reference(cfg: RunConfig) -> bool:
+    return cfg.trainer.objective in NEEDS_REFERENCE
+
+
+class FrozenHeadLogProbs(torch.autograd.Function):
+    """log p(y_i | h_i) = (h_i W^T)[y_i] − logsumexp(h_i W^T) for a frozen W, per position,
+    with d log p_i / d h_i = (onehot(y_i) − softmax(h_i W^T)) W computed during the forward
+    pass, chunk by chunk, so that no more than one chunk of logits ever exists."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, hidden_NH: torch.Tensor, weight_VH: torch.Tensor, y_N: torch.Tensor, chunk: int
+    ) -> torch.Tensor:
+        need_grad = ctx.needs_input_grad[0]
+        grad_NH = torch.empty_like(hidden_NH) if need_grad else None
+        out = torch.empty(hidden_NH.shape[0], dtype=torch.float32, device=hidden_NH.device)
+        for s in range(0, hidden_NH.shape[0], chunk):
+            h, y = hidden_NH[s : s + chunk], y_N[s : s + chunk]
+            logits = (h.to(weight_VH.dtype) @ weight_VH.T).float()
+            picked = logits.gather(1, y[:, None]).squeeze(1)
+            top = logits.amax(dim=-1, keepdim=True)
+            sums = logits.sub_(top).exp_().sum(dim=-1, keepdim=True)
+            out[s : s + chunk] = picked - (top + sums.log()).squeeze(1)
+            if grad_NH is not None:
+                probs = logits.div_(sums).neg_()  # −softmax, in place
+                probs[torch.arange(y.shape[0], device=y.device), y] += 1.0
+                grad_NH[s : s + chunk] = (probs.to(weight_VH.dtype) @ weight_VH).to(h.dtype)
+                del probs
+            del logits
+        ctx.save_for_backward(grad_NH if grad_NH is not None else hidden_NH.new_empty(0))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_N: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (grad_NH,) = ctx.saved_tensors
+        return grad_NH * grad_N[:, None].to(grad_NH.dtype), None, None, None
+
+
+def sequence_logps(
+    per_token: torch.Tensor, sequence_N: torch.Tensor, n_sequences: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probability, label tokens) of every sequence from the per-position values."""
+    sums = per_token.new_zeros(n_sequences).index_add(0, sequence_N, per_token)
+    counts = torch.bincount(sequence_N, minlength=n_sequences).to(per_token.dtype)
+    return sums, counts
+
+
+def objective_losses(
+    objective: str,
+    logps: torch.Tensor,
+    counts: torch.Tensor,
+    reference: torch.Tensor | None,
+    beta: float,
+    label_smoothing: float = 0.0,
+    simpo_gamma: float = 0.5,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-pair losses and the rewards TRL reports, from ``[pairs, 2]`` (chosen, rejected)
+    summed log-probabilities, label-token counts and (dpo, ipo) the reference's sums."""
+    pc, pr = logps[:, 0], logps[:, 1]
+    avg = logps / counts.clamp(min=1)
+    eps = label_smoothing
+    if objective in NEEDS_REFERENCE:
+        assert reference is not None
+        if objective == "dpo":
+            reward = beta * (logps - reference)
+            h = (pc - reference[:, 0]) - (pr - reference[:, 1])
+            losses = -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
+            shown = logps
+        else:  # ipo
+            ref_avg = reference / counts.clamp(min=1)
+            reward = beta * (avg - ref_avg)
+            h = (avg[:, 0] - ref_avg[:, 0]) - (avg[:, 1] - ref_avg[:, 1])
+            losses = (h - 1 / (2 * beta)) ** 2
+            shown = avg
+    elif objective == "simpo":
+        reward = beta * avg
+        z = beta * (avg[:, 0] - avg[:, 1]) - simpo_gamma
+        losses = -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+        shown = avg
+    elif objective == "orpo":
+        reward = beta * avg
+        # log(1 − p) from log p, without the cancellation of log1p(−exp(x)) near p = 1
+        log_odds = avg - torch.log(-torch.expm1(avg.clamp(max=-1e-7)))
+        losses = -avg[:, 0] - beta * F.logsigmoid(log_odds[:, 0] - log_odds[:, 1])
+        shown = avg
+    else:
+        raise ValueError(f"trainer.objective={objective!r} is not a preference objective")
+    stats = {
+        "rewards/chosen": reward[:, 0],
+        "rewards/rejected": reward[:, 1],
+        "rewards/margins": reward[:, 0] - reward[:, 1],
+        "rewards/accuracies": (reward[:, 0] > reward[:, 1]).to(reward.dtype),
+        "logps/chosen": shown[:, 0],
+        "logps/rejected": shown[:, 1],
+    }
+    return losses, {k: v.detach() for k, v in stats.items()}
+
+
+class PreferenceLoss(CausalLMLoss):
+    """The module DeepSpeed trains for a preference objective: the PEFT model and the summed
+    pair losses. The reference model is the same weights with the adapter switched off (or,
+    with peft.init_from, the adapter as loaded). Its log-probabilities come in the batch
+    (``reference_logps``, precomputed before training) or, with preference.reference=live, from
+    a forward without grad inside this one.
+
+    After each forward :attr:`stats` holds the micro batch's sums of :data:`STATS` and its pair
+    count (a side channel: DeepSpeed's engine returns the loss alone to the loop)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kind: str,
+        chunk_tokens: int,
+        objective: str,
+        beta: float,
+        label_smoothing: float = 0.0,
+        simpo_gamma: float = 0.5,
+        reference_adapter: bool = False,
+    ):
+        super().__init__(model, kind, chunk_tokens)
+        self.objective, self.beta = objective, beta
+        self.label_smoothing, self.simpo_gamma = label_smoothing, simpo_gamma
+        self.reference_adapter = reference_adapter
+        """The reference is the adapter as loaded (peft.init_from), not the bare base: its
+        log-probabilities are taken with the adapter on, before the first step."""
+        self.stats: torch.Tensor | None = None
+
+    def sequence_logps(
+        self, inputs: dict[str, Any], targets_BT: torch.Tensor, sequence_BT: torch.Tensor, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed log-probabilities and label counts of the batch's ``n`` sequences."""
+        keep = (targets_BT != IGNORE_INDEX) & (sequence_BT >= 0)
+        y, seq = targets_BT[keep], sequence_BT[keep]
+        if self.kind == "plain":
+            logits = self.model(**inputs).logits
+            per_token = logits.float().log_softmax(-1)[keep].gather(1, y[:, None]).squeeze(1)
+        else:
+            base = self.model.get_base_model()  # type: ignore[operator]
+            head = base.get_output_embeddings()
+            if head.weight.requires_grad or getattr(head, "bias", None) is not None:
+                raise ValueError("the chunked log-probs need a frozen, bias-free LM head")
+            hidden = base.get_decoder()(**inputs).last_hidden_state
+            per_token = FrozenHeadLogProbs.apply(hidden[keep], head.weight, y, self.chunk_tokens)
+        return sequence_logps(per_token, seq, n)
+
+    def reference_logps(
+        self, inputs: dict[str, Any], targets_BT: torch.Tensor, sequence_BT: torch.Tensor, n: int
+    ) -> torch.Tensor:
+        """The reference's summed log-probabilities, without grad: the adapter off, or (an
+        adapter to start from) as it is before the first step."""
+        with torch.no_grad():
+            if self.reference_adapter:
+                return self.sequence_logps(inputs, targets_BT, sequence_BT, n)[0]
+            with self.model.disable_adapter():  # type: ignore[operator]
+                return self.sequence_logps(inputs, targets_BT, sequence_BT, n)[0]
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        sequence_index: torch.Tensor,
+        pair_index: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        cu_seq_lens: torch.Tensor | None = None,
+        max_length: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        reference_logps: torch.Tensor | None = None,
+        reference_pass: bool = False,
+    ) -> torch.Tensor:
+        """The summed loss of the batch's pairs (pairs whose ``pair_index`` is -1, fillers,
+        count nothing). ``reference_logps``: ``[pairs, 2]``, precomputed. ``reference_pass``:
+        return the reference's ``[pairs, 2]`` log-probabilities instead (the precompute)."""
+        inputs = model_inputs(input_ids, attention_mask, position_ids, cu_seq_lens, max_length)
+        targets = next_token_targets(labels)
+        sequence = F.pad(sequence_index[:, 1:], (0, 1), value=-1)  # aligned with the targets
+        n = 2 * pair_index.shape[0]
+        if reference_pass:
+            return self.reference_logps(inputs, targets, sequence, n).view(-1, 2)
+        logps, counts = self.sequence_logps(inputs, targets, sequence, n)
+        reference = None
+        if self.objective in NEEDS_REFERENCE:
+            if reference_logps is None:  # preference.reference=live
+                reference = self.reference_logps(inputs, targets, sequence, n).view(-1, 2)
+            else:
+                reference = reference_logps.to(logps.dtype)
+        real = pair_index >= 0
+        losses, stats = objective_losses(
+            self.objective,
+            logps.view(-1, 2),
+            counts.view(-1, 2),
+            reference,
+            self.beta,
+            self.label_smoothing,
+            self.simpo_gamma,
+        )
+        weight = real.to(losses.dtype)
+        sums = [(stats[k] * weight).sum() for k in STATS]
+        self.stats = torch.stack([*sums, weight.sum()]).detach().double()
+        return (losses * weight).sum()

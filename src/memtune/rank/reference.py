@@ -1,0 +1,221 @@
+"""The reference model's log-probabilities, computed once before training (DPO, IPO).
+
+The reference is the base model: the policy with its adapter switched off, so it costs no
+second model in memory (or, with peft.init_from, the policy as loaded, before the first step:
+the SFT adapter a preference stage starts from). With preference.reference=precomputed (the
+default) every rank runs it over its share of the pairs the run will read — the sampler's
+global order says which, for the steps of ``trainer.max_steps`` — packed into rows as training
+packs them, and the ranks exchange their results; each training step then runs the policy
+alone (live, every step runs one more forward, the reference's, next to the policy's forward
+and backward). Validation pairs are computed likewise, all of them.
+
+The tables are saved in ``RUN_DIR/reference/`` under a key of everything they depend on (the
+base model's fingerprint, the tokenized data, the precision, the steps and order that choose
+the pairs); a resumed run with the same key reads them back, any other recomputes them. A step
+that meets a pair without a reference value stops with an error instead of training against a
+wrong one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from memtune.config import RunConfig
+from memtune.data.batching import GlobalOrderSampler, PackedDataset, TokenizedDataset
+from memtune.data.batching import collate_packed as _collate
+from memtune.data.cache import load_split
+from memtune.data.packing import pack_bins
+from memtune.rundir import RunDir, write_atomic
+
+FORMAT = 1
+"""Bumped when what a table holds, or how it is computed, changes."""
+
+
+def reference_key(cfg: RunConfig, rd: RunDir, data_dir: str) -> str:
+    """A digest of everything the tables depend on."""
+    base = json.loads(rd.base.read_text()) if rd.base.is_file() else {}
+    t = cfg.trainer
+    parts = {
+        "format": FORMAT,
+        "base": base.get("fingerprint") or cfg.model.name_or_path,
+        "revision": cfg.model.revision,
+        "data": Path(data_dir).name,  # the tokenized cache's own fingerprint
+        "precision": t.precision,
+        "attention": cfg.model.attn_implementation,
+        "order": [t.seed, t.global_batch_size, t.max_steps, cfg.data.packing],
+        "grouped": cfg.data.group_by_length,
+        "max_seq_len": cfg.data.max_seq_len,
+        "init_from": _adapter_digest(cfg.peft.init_from),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _adapter_digest(folder: str | None) -> str | None:
+    """peft.init_from's weights by content (the reference is that adapter as loaded)."""
+    if folder is None:
+        return None
+    weights = Path(folder).expanduser() / "adapter_model.safetensors"
+    return hashlib.sha256(weights.read_bytes()).hexdigest()
+
+
+def train_items(cfg: RunConfig, train: TokenizedDataset) -> list[int]:
+    """The train items (pairs) the run's steps read: every one with length-grouped batches,
+    else those of the rows the global order deals in ``max_steps`` steps."""
+    if cfg.data.group_by_length:
+        return list(range(len(train)))
+    t = cfg.trainer
+    if cfg.data.packing:
+        packed = PackedDataset(train, cfg.data.max_seq_len)
+        rows = GlobalOrderSampler(len(packed), 1, 0, t.seed, t.global_batch_size)
+        seen = rows.visited(t.max_steps, t.global_batch_size)
+        return sorted(i for r in seen for i in packed.bins[r])
+    items = GlobalOrderSampler(len(train), 1, 0, t.seed, t.global_batch_size)
+    return sorted(items.visited(t.max_steps, t.global_batch_size))
+
+
+def _micro_batches(
+    data: TokenizedDataset, items: list[int], cfg: RunConfig, pad_id: int
+) -> list[dict[str, torch.Tensor]]:
+    """``items`` packed into rows of max_seq_len, micro_batch_size rows per forward."""
+    lengths = [data.lengths[i] for i in items]
+    rows = [[items[j] for j in b] for b in pack_bins(lengths, cfg.data.max_seq_len)]
+    micro = cfg.trainer.micro_batch_size
+    return [
+        _collate([[data[i] for i in row] for row in rows[a : a + micro]], pad_id)
+        for a in range(0, len(rows), micro)
+    ]
+
+
+def compute(
+    engine: Any,
+    data: TokenizedDataset,
+    items: list[int],
+    cfg: RunConfig,
+    pad_id: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """``[len(data), 2]`` (chosen, rejected) reference log-probabilities, NaN for items not in
+    ``items``. A collective: every rank takes its share and runs as many forwards as the
+    busiest one (ZeRO-3 gathers parameters in each)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    batches = _micro_batches(data, items[rank::world], cfg, pad_id)
+    n = torch.tensor([len(batches)], device=device)
+    if world > 1:
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    filler = batches[0] if batches else _micro_batches(data, [0], cfg, pad_id)[0]
+    table = torch.zeros(len(data), 2, dtype=torch.float64, device=device)
+    filled = torch.zeros(len(data), dtype=torch.float64, device=device)
+    was_training = engine.training
+    engine.eval()
+    with torch.no_grad():
+        for k in range(int(n.item())):
+            batch = batches[k] if k < len(batches) else filler
+            inputs = {key: v.to(device) for key, v in batch.items() if key != "real_tokens"}
+            logps = engine(**inputs, reference_pass=True).double()
+            if k < len(batches):
+                index = inputs["pair_index"]
+                real = index >= 0
+                table[index[real]] = logps[real]
+                filled[index[real]] = 1.0
+    if was_training:
+        engine.train()
+    if world > 1:
+        dist.all_reduce(table)
+        dist.all_reduce(filled)
+    table[filled == 0] = float("nan")
+    return table.cpu()
+
+
+class References:
+    """The run's reference tables (``train``, ``val``) and the batches they complete."""
+
+    def __init__(self, tables: dict[str, torch.Tensor]):
+        self.tables = tables
+
+    def attach(self, batch: dict[str, torch.Tensor], split: str = "train") -> dict[str, Any]:
+        """``batch`` with ``reference_logps`` ([pairs, 2]; zeros for fillers)."""
+        table = self.tables[split]
+        index = batch["pair_index"]
+        values = table[index.clamp(min=0)] * (index >= 0)[:, None]
+        missing = index[(index >= 0) & values.isnan().any(dim=1)]
+        if missing.numel():
+            raise RuntimeError(
+                f"{split} pair {int(missing[0])} has no precomputed reference log-probability "
+                "(the table was computed for other steps); delete RUN_DIR/reference or run with "
+                "preference.reference=live"
+            )
+        return batch | {"reference_logps": values}
+
+    def attached(
+        self, batches: Iterator[dict[str, torch.Tensor]], split: str = "train"
+    ) -> Iterator[dict[str, Any]]:
+        return (self.attach(b, split) for b in batches)
+
+
+def prepare(
+    engine: Any,
+    cfg: RunConfig,
+    run_dir: Path,
+    data_dir: str,
+    pad_id: int,
+    device: torch.device,
+    with_val: bool,
+    say: Callable[[str], None],
+) -> References:
+    """The tables of this run: read from ``RUN_DIR/reference`` when their key matches, else
+    computed (and saved by rank 0)."""
+    rd = RunDir(run_dir)
+    key = reference_key(cfg, rd, data_dir)
+    folder = rd.reference
+    saved = _read(folder, key)
+    if saved is not None and ("val" in saved) == with_val:
+        say(f"memtune: reference log-probabilities read from {folder} (key {key})")
+        return References(saved)
+    start = time.perf_counter()
+    train = load_split(data_dir, "train")
+    items = train_items(cfg, train)
+    tables = {"train": compute(engine, train, items, cfg, pad_id, device)}
+    counted = f"{len(items):,} train pairs"
+    if with_val:
+        val = load_split(data_dir, "val")
+        tables["val"] = compute(engine, val, list(range(len(val))), cfg, pad_id, device)
+        counted += f" and {len(val):,} validation pairs"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        _write(folder, key, tables)
+    say(
+        f"memtune: reference log-probabilities of {counted} computed in "
+        f"{time.perf_counter() - start:.1f} s (the base without the adapter; saved in {folder})"
+    )
+    return References(tables)
+
+
+def _read(folder: Path, key: str) -> dict[str, torch.Tensor] | None:
+    from safetensors.torch import load_file
+
+    meta = folder / "key.json"
+    if not meta.is_file() or json.loads(meta.read_text()).get("key") != key:
+        return None
+    return dict(load_file(str(folder / "logps.safetensors")))
+
+
+def _write(folder: Path, key: str, tables: dict[str, torch.Tensor]) -> None:
+    """The tables, then the key that makes them valid: a run cut short between the two leaves
+    tables without a key, which the next start recomputes."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(exist_ok=True)
+    (folder / "key.json").unlink(missing_ok=True)
+    tmp = folder / ".logps.safetensors.tmp"
+    save_file({k: v.contiguous() for k, v in tables.items()}, str(tmp))
+    tmp.replace(folder / "logps.safetensors")
+    write_atomic(folder / "key.json", json.dumps({"key": key, "format": FORMAT}) + "\n")
