@@ -169,3 +169,21 @@ def test_a_qlora_base_runs_a_preference_stage(tmp_path: Path) -> None:
     # bf16: the reference came from other rows, rounded differently; still ln 2 to ~1e-2.
     assert abs(losses[0] - LN2) < 2e-2 and all(math.isfinite(x) for x in losses), losses
     assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_a_sweep_over_beta_reports_the_preference_metrics(tmp_path: Path) -> None:
+    import csv
+
+    sweep = tmp_path / "sweep"
+    args = ["-m", *DPO, "preference.beta=0.1,1.0", "launcher.num_ranks=1"]
+    args += ["trainer.max_steps=3", "trainer.eval_every=0", "trainer.save_every=0"]
+    proc = run_train_py([*args, f"hydra.sweep.dir={sweep}"], cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader((sweep / "sweep_report.csv").open()))
+    assert [r["overrides"] for r in rows] == ["preference.beta=0.1", "preference.beta=1.0"]
+    # The validation split's last reward figures, per point (rewards scale with beta).
+    margins = [float(r["eval_rewards_margins"]) for r in rows]
+    accuracies = [float(r["eval_rewards_accuracies"]) for r in rows]
+    assert all(0 <= a <= 1 for a in accuracies) and margins[1] != margins[0]
+    header = (sweep / "sweep_report.md").read_text().splitlines()[2]
+    assert "eval_rewards_accuracies" in header and "train_rewards_margins" in header

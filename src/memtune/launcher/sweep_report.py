@@ -28,6 +28,20 @@ COLUMNS = [
     "peak_memory_gib_per_rank",
     "trainable_params",
 ]
+PREFERENCE_COLUMNS = [
+    "train_rewards_accuracies",
+    "train_rewards_margins",
+    "eval_rewards_accuracies",
+    "eval_rewards_margins",
+]
+"""A preference sweep's (e.g. over preference.beta) columns: the last step's and the validation
+split's reward accuracy and margin (TRL's rewards/accuracies, rewards/margins)."""
+
+
+def columns(rows: list[dict[str, Any]]) -> list[str]:
+    """The report's columns: the preference ones when a point trained a preference objective."""
+    extra = [c for c in PREFERENCE_COLUMNS if any(c in row for row in rows)]
+    return COLUMNS + extra
 
 
 def _run_dirs(sweep_dir: Path) -> list[Path]:
@@ -61,6 +75,10 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
                 peak_memory_gib_per_rank=" ".join(f"{m:.3f}" for m in s.peak_memory_gib),
                 trainable_params=s.trainable_params,
             )
+            row.update(
+                {k.replace("/", "_"): round(v, 4) for k, v in s.preference.items()
+                 if k.replace("/", "_") in PREFERENCE_COLUMNS}
+            )  # fmt: skip
         else:
             code = rd.read_exit().code if rd.exit.is_file() else None
             row["status"] = f"failed (exit {code})" if code is not None else "failed"
@@ -84,18 +102,19 @@ def write_report(sweep_dir: Path) -> dict[str, Path]:
         "csv": sweep_dir / "sweep_report.csv",
         "png": sweep_dir / "sweep_loss.png",
     }
+    names = columns(rows)
     with out["csv"].open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=names)
         writer.writeheader()
         for row in rows:
-            writer.writerow({c: row.get(c) for c in COLUMNS})
+            writer.writerow({c: row.get(c) for c in names})
     lines = [
         f"# Sweep {sweep_dir.name}",
         "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "---|" * len(COLUMNS),
+        "| " + " | ".join(names) + " |",
+        "|" + "---|" * len(names),
     ]
-    lines += ["| " + " | ".join(_cell(row.get(c), c) for c in COLUMNS) + " |" for row in rows]
+    lines += ["| " + " | ".join(_cell(row.get(c), c) for c in names) + " |" for row in rows]
     out["md"].write_text("\n".join(lines) + "\n")
     _plot(sweep_dir, rows, out["png"])
     return out
@@ -103,6 +122,7 @@ def write_report(sweep_dir: Path) -> dict[str, Path]:
 
 # Numbers in one column side by side with the same decimals (6.0830 next to 6.0146).
 DECIMALS = {"train_loss_last": 4, "eval_loss": 4, "tokens_per_s": 1, "peak_memory_gib_max": 3}
+DECIMALS |= {c: 4 for c in PREFERENCE_COLUMNS}
 
 
 def _cell(value: Any, column: str = "") -> str:
