@@ -58,6 +58,19 @@ def sequence_parallel_size(cfg: RunConfig) -> int:
     return int(value) if value.isdigit() else 1
 
 
+REFERENCE_OBJECTIVES = ("dpo", "ipo")
+"""The objectives that compare the policy with a reference model (rank.reference)."""
+
+
+def needs_reference(cfg: RunConfig) -> bool:
+    return cfg.trainer.objective in REFERENCE_OBJECTIVES
+
+
+def live_reference(cfg: RunConfig) -> bool:
+    """The reference's forward runs inside every step (preference.reference=live)."""
+    return needs_reference(cfg) and cfg.preference.reference == "live"
+
+
 def tiled_mlp(cfg: RunConfig) -> bool:
     """trainer.tiled_mlp, ``auto`` resolved by the planner (off until then)."""
     return str(cfg.trainer.tiled_mlp) == "on"

@@ -421,7 +421,7 @@ def _check_init_from(cfg: RunConfig) -> None:
     """peft.init_from: an adapter memtune (or peft) saved, whose shape is this run's LoRA."""
     import json
 
-    from memtune.config.derive import lora_targets
+    from memtune.config.derive import live_reference, lora_targets
 
     path = cfg.peft.init_from
     if path is None:
@@ -445,7 +445,7 @@ def _check_init_from(cfg: RunConfig) -> None:
                 f"peft.init_from={path}: the adapter has {key}={have}, this run {fields[key]} "
                 f"gives {value}; set {fields[key]} as the adapter was trained"
             )
-    if cfg.preference.reference == "live" and cfg.trainer.objective in ("dpo", "ipo"):
+    if live_reference(cfg):
         raise ConfigError(
             "peft.init_from with preference.reference=live: the reference is the adapter as "
             "loaded, which a live reference would need a second copy of; use "

@@ -35,6 +35,7 @@ from memtune.config import (
     checkpointing_label,
     compute_bytes,
     grad_accumulation_steps,
+    live_reference,
     offload_activations,
     prefetch_bucket_elements,
     rank_tokens,
@@ -361,6 +362,16 @@ def loss_bytes(cfg: RunConfig, tokens: int) -> float:
     return chunk * vocab * (4 + b) + 2 * tokens * h * b  # one chunk + hidden and its gradient
 
 
+def live_reference_bytes(cfg: RunConfig, tokens: int) -> float:
+    """preference.reference=live: the reference's forward without grad runs while the policy's
+    activations are held, so the step's peak grows by what one layer of it holds at once (its
+    MLP's three intermediate-wide tensors) and its last hidden states. An estimate from the
+    architecture, not yet checked against a traced step (tools.step_trace traces SFT's)."""
+    a = cfg.model.architecture
+    h, inter = int(a["hidden_size"]), int(a["intermediate_size"])
+    return tokens * (3 * inter + 2 * h) * compute_bytes(cfg)
+
+
 def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
     """The per-rank breakdown for ``cfg`` (see the module docstring)."""
     counts = counts or count_params(cfg)
@@ -435,12 +446,23 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
     )
     if peak.loss:
         how = f"{t.loss} cross-entropy (the step's peak: in the loss)"
+        if t.objective != "sft":  # rank.preference: the same chunked head, per-token log-probs
+            kind = "plain" if t.loss == "plain" else "chunked"
+            how = f"{kind} log-probabilities of the replies, {t.objective} (the step's peak)"
         out.add("loss", peak.loss, how, per_token=True)
     else:
         out.add(
             "backward temporaries",
             peak.backward,
             f"MLP gradients + hidden gradient (the step's peak: {peak.where})",
+            per_token=True,
+        )
+    if live_reference(cfg):
+        out.add(
+            "live reference forward",
+            live_reference_bytes(cfg, tokens),
+            "one layer of the reference's no-grad forward + its hidden states, next to the "
+            "policy's activations (an estimate from the architecture; precomputed needs none)",
             per_token=True,
         )
     if sp > 1:

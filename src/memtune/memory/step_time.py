@@ -38,6 +38,7 @@ from memtune.config import (
     checkpointed_layers,
     compute_bytes,
     grad_accumulation_steps,
+    live_reference,
     offload_activations,
     rank_tokens,
     sequence_parallel_size,
@@ -94,10 +95,11 @@ class Flops:
     lora: float
     attention: float  # causal: half of the n × n scores
     tiles: float = 0.0  # a tiled MLP's second forward (its backward's recompute)
+    reference: float = 0.0  # preference.reference=live: the reference's forward in every step
 
     @property
     def total(self) -> float:
-        return self.base + self.lora + self.attention + self.tiles
+        return self.base + self.lora + self.attention + self.tiles + self.reference
 
 
 def micro_step_flops(cfg: RunConfig, counts: ParamCounts) -> Flops:
@@ -124,7 +126,11 @@ def micro_step_flops(cfg: RunConfig, counts: ParamCounts) -> Flops:
         adapted = sum(1 for name, _, _ in counts.lora_inputs if name in MLP_PROJECTIONS)
         # 2 FLOPs per weight per token: the three projections, and r × (in + out) per adapter
         tiles = 2 * tokens * layers * (3 * h * inter + adapted * cfg.peft.r * (h + inter))
-    return Flops(base, lora, attn_fwd * (3 * layers + k), tiles)
+    reference = 0.0
+    if live_reference(cfg):
+        # One more forward of the base, adapter off, without grad (rank.preference).
+        reference = 2 * tokens * (per_layer * layers + head) + attn_fwd * layers
+    return Flops(base, lora, attn_fwd * (3 * layers + k), tiles, reference)
 
 
 def traffic(cfg: RunConfig, counts: ParamCounts) -> list[tuple[str, float]]:
@@ -160,6 +166,8 @@ def traffic(cfg: RunConfig, counts: ParamCounts) -> list[tuple[str, float]]:
             base = counts.linear * b + other
         gathers = gas * 2 * ring * (base + lora)
         out.append(("ZeRO-3 weight all-gathers (forward + backward)", gathers))
+        if live_reference(cfg):
+            out.append(("ZeRO-3 weight all-gathers (live reference forward)", gas * ring * base))
     else:
         out.append(("LoRA weight all-gather after the step", ring * lora))
     return out

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from memtune.config import RunConfig
+from memtune.config.derive import REFERENCE_OBJECTIVES
 from memtune.data.encode import IGNORE_INDEX
 from memtune.rank.loss import CausalLMLoss, model_inputs, next_token_targets
 
@@ -44,7 +45,6 @@ DEFAULT_BETA = {"dpo": 0.1, "ipo": 0.1, "simpo": 2.0, "orpo": 0.1}
 """The published defaults: DPO's and IPO's β 0.1 (TRL's DPOConfig), SimPO's β 2.0 with
 γ 0.5 (the SimPO paper's recommended range, torchtune's SimPOLoss), ORPO's λ 0.1 (the paper,
 TRL's ORPOConfig)."""
-NEEDS_REFERENCE = ("dpo", "ipo")
 STATS = (
     "rewards/chosen",
     "rewards/rejected",
@@ -60,10 +60,6 @@ def beta_of(cfg: RunConfig) -> float:
     """preference.beta, or the objective's published default."""
     b = cfg.preference.beta
     return DEFAULT_BETA[cfg.trainer.objective] if b is None else float(b)
-
-
-def needs_reference(cfg: RunConfig) -> bool:
-    return cfg.trainer.objective in NEEDS_REFERENCE
 
 
 class FrozenHeadLogProbs(torch.autograd.Function):
@@ -123,7 +119,7 @@ def objective_losses(
     pc, pr = logps[:, 0], logps[:, 1]
     avg = logps / counts.clamp(min=1)
     eps = label_smoothing
-    if objective in NEEDS_REFERENCE:
+    if objective in REFERENCE_OBJECTIVES:
         assert reference is not None
         if objective == "dpo":
             reward = beta * (logps - reference)
@@ -242,7 +238,7 @@ class PreferenceLoss(CausalLMLoss):
             return self.reference_logps(inputs, targets, sequence, n).view(-1, 2)
         logps, counts = self.sequence_logps(inputs, targets, sequence, n)
         reference = None
-        if self.objective in NEEDS_REFERENCE:
+        if self.objective in REFERENCE_OBJECTIVES:
             if reference_logps is None:  # preference.reference=live
                 reference = self.reference_logps(inputs, targets, sequence, n).view(-1, 2)
             else:

@@ -31,6 +31,7 @@ from memtune.config import (
     checkpointing_label,
     grad_accumulation_steps,
     load_run_config,
+    needs_reference,
     sequence_parallel_size,
 )
 from memtune.config.architecture import is_multimodal
@@ -62,7 +63,6 @@ from memtune.rank.loop import (
 )
 from memtune.rank.memory_check import check, verdict
 from memtune.rank.model import method_label
-from memtune.rank.preference import needs_reference
 from memtune.rank.reference import References
 from memtune.rank.reference import prepare as prepare_references
 from memtune.rank.sequence_parallel import SequenceGroups, shard_batch
