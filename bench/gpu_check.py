@@ -136,6 +136,8 @@ METHODS = {
     "lora": ("qwen2.5-7b-4x4090-lora", "lora-all-linear"),
     "qlora": ("qwen2.5-7b-4x4090-qlora", "qlora-nf4"),
     "qwen35": ("qwen3.5-9b-4x4090-lora", "lora"),  # the Qwen3.5 phases: that experiment's LoRA
+    # DPO with the lora phase's adapters, so its rows compare with SFT's at the same shapes
+    "dpo": ("qwen2.5-7b-4x4090-dpo", "lora-all-linear"),
 }
 # In order of importance: a timeout loses the last ones. (phase, method, side, cap seconds)
 PHASES = (
@@ -145,6 +147,8 @@ PHASES = (
     ("qlora-memtune", "qlora", "memtune", 200),  # ends with the 24 GB search
     ("long-qlora", "qlora", "long", 150),  # 32k timed, then longer under the 24 GB cap
     ("long-lora", "lora", "long", 120),
+    # A DPO step on a row holding one pair (reference precomputed: the pass is timed too).
+    ("dpo-memtune", "dpo", "memtune", 90),
     # Qwen3.5 (hybrid) on packed rows, transformers' torch code for the Gated DeltaNet layers
     # (flash-linear-attention blocked in that process), then with flash-linear-attention
     # (its Triton kernels compile and autotune in the first step: a longer cap).
@@ -400,6 +404,33 @@ def synthetic_batch(vocab: int, seq_len: int, seed: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (1, seq_len), generator=g)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def pair_batch(
+    engine: Any, cfg: Any, vocab: int, seq_len: int, device: Any, rec: dict[str, Any]
+) -> dict[str, Any]:
+    """One row holding one preference pair of ``seq_len`` tokens (each sequence a prompt of a
+    quarter of the row, then a reply of a quarter), its reference log-probabilities computed
+    by memtune's own precompute (rank.reference.compute), whose time is recorded."""
+    import torch
+
+    from memtune.data.batching import TokenizedDataset, collate_packed
+    from memtune.data.encode import IGNORE_INDEX, Sample
+    from memtune.rank.reference import References, compute
+
+    g = torch.Generator().manual_seed(seq_len)
+    half, prompt = seq_len // 2, seq_len // 4
+    ids = torch.randint(0, vocab, (seq_len,), generator=g).tolist()
+    ids[half : half + prompt] = ids[:prompt]  # both sequences share the prompt
+    labels = [IGNORE_INDEX] * prompt + ids[prompt:half]
+    labels += [IGNORE_INDEX] * prompt + ids[half + prompt :]
+    pair = Sample(ids, labels, split=half, index=0)
+    sync(device)
+    t0 = time.perf_counter()
+    table = compute(engine, TokenizedDataset.from_samples([pair]), [0], cfg, 0, device)
+    sync(device)
+    rec["reference_pass_s"] = round(time.perf_counter() - t0, 4)
+    return References({"train": table}).attach(collate_packed([[pair]], 0))
 
 
 def timing(starts_ends: list[float], warmup: int, tokens: int) -> dict[str, Any]:
@@ -735,7 +766,10 @@ def run_memtune(phase: Phase, deadline: float, long: bool = False) -> None:
         rec["checkpointed_layers"] = k
         rec["plan"] = plan_record(run_cfg, counts)
         vocab = int(cfg.model.architecture["vocab_size"])
-        batches = itertools.repeat(synthetic_batch(vocab, seq_len, seq_len))
+        if method == "dpo":
+            batches = itertools.repeat(pair_batch(engine, run_cfg, vocab, seq_len, device, rec))
+        else:
+            batches = itertools.repeat(synthetic_batch(vocab, seq_len, seq_len))
         if mode.fake_oom_above is not None and seq_len > mode.fake_oom_above and rec.get("cap"):
             import torch
 
@@ -1384,6 +1418,19 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {_f(r.get('mfu'), '.1%')} | {_f(r.get('mfu_6n'), '.1%')} "
             f"| {_f(r.get('checkpointed_layers'), 'd')} | {loss} |"
         )
+    # The first length's first loss is ln 2 (0.6931): the adapter has not moved yet.
+    for r in result["records"]:
+        if r.get("reference_pass_s") is not None:
+            step = r.get("step_s_median")
+            lines += [
+                "",
+                f"DPO at {r['seq_len']} tokens (one pair per row): the reference pass took "
+                f"{r['reference_pass_s']:.3f} s for the row (memtune's precompute, once per pair "
+                "before training; at the first length the first loss is ln 2 = 0.6931)"
+                + (f"; a training step {step:.3f} s" if step else "")
+                + (f"; first loss {r['losses'][0]:.4f}" if r.get("losses") else "")
+                + ".",
+            ]
     if result["comparison"]:
         lines += ["", "| method | tokens | memtune / baseline tokens/s | memtune / baseline peak |"]
         lines.append("|---|---:|---:|---:|")
