@@ -15,7 +15,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install relock train test test-compile test-slurm preprocess plan merge lint format train-4x4090 bench bench-data clean
+.PHONY: help install relock train test test-compile test-faults test-slurm preprocess plan merge lint format train-4x4090 bench bench-data clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-14s %s\n", $$1, $$2}'
@@ -49,10 +49,15 @@ relock: ## Move constraints.txt to the newest versions pyproject.toml allows, re
 	rm -rf $(VENV)-relock
 	$(MAKE) install
 	$(MAKE) test
+	$(MAKE) test-compile
+	$(MAKE) test-faults
 	@echo "memtune: constraints.txt moved and tested; update the README's tested versions, then commit both"
 
 test-compile: $(STAMP) ## The compiled-layers tests (trainer.compile; ~2 min cold: inductor builds C++ kernels)
 	$(PY) -m pytest tests/test_compile.py -m compile $(PYTEST_ARGS)
+
+test-faults: $(STAMP) ## Whole jobs stopped, killed, out of memory, resumed on other world sizes (~4 min)
+	$(PY) -m pytest -m faults $(PYTEST_ARGS)
 
 test-slurm: $(STAMP) ## Slurm tier: a real 2-node cluster on 127.0.0.1 (root; apt-installs Slurm + MariaDB if missing; ~5-8 min)
 	$(PY) -m pytest tests/slurm -m slurm $(PYTEST_ARGS)

@@ -723,7 +723,10 @@ def run_memtune(phase: Phase, deadline: float, long: bool = False) -> None:
     device = device_and_env(phase)
     init_one_rank(device)
     lengths = mode.long_lengths if long else mode.lengths
-    cfg0 = compose_cfg(mode, method, lengths[0], LONG_OVERRIDES if long else ())
+    extra = LONG_OVERRIDES if long else ()
+    if method == "dpo":  # a preference objective trains without LoRA dropout
+        extra = ("peft.dropout=0.0",)
+    cfg0 = compose_cfg(mode, method, lengths[0], extra)
     counts = count_params(cfg0)
     cfg = at_length(cfg0, lengths[0], counts)
     ds_config = build_ds_config(cfg)

@@ -198,6 +198,7 @@ def test_resume_with_a_contradicting_config_is_refused(finished: Path, tmp_path:
     assert json.loads((run_dir / "resume.json").read_text())["checkpoint"] is None
 
 
+@pytest.mark.faults
 def test_sigterm_saves_and_the_same_command_continues(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = [
@@ -236,6 +237,7 @@ def test_sigterm_saves_and_the_same_command_continues(tmp_path: Path) -> None:
     assert len(_losses(run_dir)) == 16
 
 
+@pytest.mark.faults
 def test_ctrl_c_stops_with_a_checkpoint_and_a_second_stops_at_once(tmp_path: Path) -> None:
     """Ctrl-C reaches the job alone (the ranks are a process group of their own): the first is a
     graceful stop like SIGTERM's, the second ends the ranks at once; neither prints a
@@ -273,6 +275,7 @@ def test_ctrl_c_stops_with_a_checkpoint_and_a_second_stops_at_once(tmp_path: Pat
     assert json.loads((run_dir / "exit.json").read_text()) == {"code": 130}
 
 
+@pytest.mark.faults
 def test_kill_9_of_one_rank_ends_the_job_and_resume_works(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = [
@@ -297,6 +300,7 @@ def test_kill_9_of_one_rank_ends_the_job_and_resume_works(tmp_path: Path) -> Non
     assert len(_losses(run_dir)) == 14
 
 
+@pytest.mark.faults
 def test_a_rank_killed_while_loading_ends_the_job_at_once_naming_it(tmp_path: Path) -> None:
     """Killed before any collective, a rank's peers wait in the rendezvous or load on: the job
     ends within seconds (it took 32 s: DeepSpeed's launcher gave the survivors a 30 s SIGTERM
@@ -389,6 +393,7 @@ def test_resume_from_an_explicit_checkpoint_into_a_new_run_dir(finished: Path, t
     assert resumed == _losses(finished)[8:]
 
 
+@pytest.mark.faults
 def test_a_stop_while_the_ranks_load_exits_cleanly(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = [*FAST, "launcher.num_ranks=2", f"run_dir={run_dir}"]

@@ -52,6 +52,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
+@pytest.mark.faults
 def test_an_out_of_memory_rank_stops_the_job_with_a_report(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = _train(run_dir)
@@ -72,6 +73,7 @@ def test_an_out_of_memory_rank_stops_the_job_with_a_report(tmp_path: Path) -> No
     assert json.loads((run_dir / "exit.json").read_text())["code"] == 4
 
 
+@pytest.mark.faults
 def test_auto_fit_restarts_once_from_the_checkpoint_and_loses_nothing(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = _train(run_dir, "plan.auto_fit=true")

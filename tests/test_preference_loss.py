@@ -179,9 +179,18 @@ def test_fillers_count_nothing(tiny) -> None:
         blank = Sample(pairs[2].input_ids, [IGNORE_INDEX] * len(pairs[2].labels), pairs[2].split)
         batch = collate_packed([pairs[:2], [blank]], 0)
         assert batch["pair_index"].tolist() == [10, 11, -1]
-        padded = module(**{k: v for k, v in batch.items() if k != "real_tokens"})
+        batch = {k: v for k, v in batch.items() if k != "real_tokens"}
+        padded = module(**batch)
+        # Precomputed, with a table whose row 0 (where a filler's index is clamped) is NaN.
+        from memtune.rank.reference import References
+
+        table = torch.full((12, 2), float("nan"))
+        table[10:] = module(**batch, reference_pass=True)[:2].double()
+        precomputed = module(**References({"train": table}).attach(batch))
     torch.testing.assert_close(padded, two)
+    torch.testing.assert_close(precomputed, two)
     assert module.stats is not None and float(module.stats[-1]) == 2.0
+    assert module.stats.isfinite().all()
 
 
 @pytest.mark.parametrize("objective", ["dpo", "orpo"])
@@ -224,22 +233,37 @@ def test_a_pair_without_a_reference_value_stops_the_step() -> None:
         refs.attach({"pair_index": torch.tensor([0, 1])})
 
 
-def test_the_reference_covers_exactly_the_rows_the_steps_take() -> None:
-    """rank.reference.train_items: the global order's first max_steps × global_batch rows
-    (several epochs when the steps go round), and the pairs in them."""
+@pytest.mark.parametrize("packing", [True, False])
+def test_the_reference_covers_exactly_what_every_ranks_loader_yields(
+    tmp_path, packing: bool
+) -> None:
+    """rank.reference.train_items against the real loaders of 2 data-parallel ranks, stepped
+    through max_steps × accumulation micro batches (several epochs: the rows an epoch leaves
+    out, a later one takes)."""
     from memtune.config import to_run_config
-    from memtune.data.batching import GlobalOrderSampler, PackedDataset, TokenizedDataset
+    from memtune.data.batching import TokenizedDataset
+    from memtune.data.cache import _arrays, _save
+    from memtune.data.loaders import make_loader
     from memtune.rank.reference import train_items
+    from memtune.rank.worker import _batches
     from tests.conftest import compose_cfg
 
-    samples = [Sample([1] * (10 + i % 7), [1] * (10 + i % 7), split=5) for i in range(60)]
-    data = TokenizedDataset.from_samples(samples)
-    cfg = to_run_config(
-        compose_cfg(["data.max_seq_len=64", "trainer.global_batch_size=4", "trainer.max_steps=2"])
-    )
-    packed = PackedDataset(data, 64)
-    order = GlobalOrderSampler(len(packed), 1, 0, cfg.trainer.seed, 4).epoch_order(0)
-    want = sorted(i for r in order[:8] for i in packed.bins[r])
-    assert train_items(cfg, data) == want and len(want) < 60
-    cfg.trainer.max_steps = 100  # more steps than rows: every epoch's usable rows
-    assert train_items(cfg, data) == list(range(60))
+    samples = [Sample([7] * (10 + i % 7), [7] * (10 + i % 7), split=5) for i in range(61)]
+    _save(_arrays(samples), tmp_path / "train.safetensors")
+    overrides = ["data.max_seq_len=64", "trainer.micro_batch_size=2"]
+    overrides += ["trainer.global_batch_size=8", f"data.packing={str(packing).lower()}"]
+    wants = {}
+    for steps in (2, 7):
+        cfg = to_run_config(compose_cfg([*overrides, f"trainer.max_steps={steps}"]))
+        seen: set[int] = set()
+        for rank in range(2):
+            loader, sampler = make_loader(cfg, str(tmp_path), 0, rank, 2)
+            batches = _batches(loader, sampler)
+            for _ in range(steps * 2):  # accumulation 2 on each of the 2 ranks
+                seen.update(next(batches)["pair_index"].tolist())
+        want = train_items(cfg, TokenizedDataset.from_samples(samples))
+        assert sorted(seen) == want
+        wants[steps] = set(want)
+    assert wants[2] <= wants[7]
+    if not packing:  # 2 steps of 8 pairs: 16 of the 61
+        assert len(wants[2]) == 16 < len(wants[7])

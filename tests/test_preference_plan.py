@@ -1,10 +1,16 @@
 """The plan of a preference stage: the same rows as SFT's at the same row length (the pair's two
 sequences share the row; the per-token log-probs come from the same chunked head), a row for
-the live reference's forward, and its compute in the step time."""
+the live reference's forward, and its compute in the step time. And what is refused before
+launch, by name."""
 
 from __future__ import annotations
 
-from memtune.config import to_run_config
+import json
+import re
+
+import pytest
+
+from memtune.config import ConfigError, lora_targets, to_run_config, validate
 from memtune.memory.counts import count_params
 from memtune.memory.estimate import plan
 from memtune.memory.step_time import micro_step_flops, step_time
@@ -38,3 +44,45 @@ def test_a_live_reference_adds_its_forward_to_memory_and_to_the_step() -> None:
     t_live, t_pre = step_time(cfg), step_time(base)
     assert t_live is not None and t_pre is not None
     assert t_live.step_s > 1.2 * t_pre.step_s
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["preference.beta=0"], "preference.beta must be > 0"),
+        (["preference.label_smoothing=0.5"], "in [0, 0.5)"),
+        (["trainer.objective=ipo", "preference.label_smoothing=0.1"], "dpo and simpo, not ipo"),
+        (["preference.simpo_gamma=-1"], "simpo_gamma must be >= 0"),
+        (["peft.dropout=0.05"], "set peft.dropout=0"),
+        (["launcher.num_ranks=2", "trainer.sequence_parallel=2"], "do not split sequences"),
+        (["data=demo"], "format"),
+        (["trainer.objective=sft"], "which trainer.objective=sft does not train on"),
+    ],
+)
+def test_bad_preference_settings_are_refused_by_name(overrides: list[str], message: str) -> None:
+    cfg = to_run_config(compose_cfg(["experiment=demo-dpo-cpu", *overrides]))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(cfg)
+
+
+def test_an_adapter_to_start_from_must_fit_the_run(tmp_path) -> None:
+    folder = tmp_path / "adapter"
+    cfg = to_run_config(compose_cfg(["experiment=demo-dpo-cpu", f"peft.init_from={folder}"]))
+    with pytest.raises(ConfigError, match="no adapter there"):
+        validate(cfg)
+    folder.mkdir()
+    (folder / "adapter_model.safetensors").write_bytes(b"")
+    saved = {"r": 8, "lora_alpha": 32, "target_modules": sorted(lora_targets(cfg))}
+    (folder / "adapter_config.json").write_text(json.dumps(saved))
+    with pytest.raises(ConfigError, match=r"the adapter has r=8, this run peft.r gives 16"):
+        validate(cfg)
+    saved["r"] = 16
+    (folder / "adapter_config.json").write_text(json.dumps(saved))
+    validate(cfg)
+    live = to_run_config(
+        compose_cfg(
+            ["experiment=demo-dpo-cpu", f"peft.init_from={folder}", "preference.reference=live"]
+        )
+    )
+    with pytest.raises(ConfigError, match=r"use preference\.reference=precomputed"):
+        validate(live)

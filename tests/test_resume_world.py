@@ -41,6 +41,7 @@ def _back_to_step_10(full: Path, into: Path) -> Path:
     return into
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(
     ("zero", "ranks_before", "ranks_after", "extra"),
     # Each stage both ways, each stage padded and packed (the demo packs by default).

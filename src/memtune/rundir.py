@@ -501,10 +501,10 @@ class Summary:
     compiled_layers: int = 0
     """Decoder layers run through torch.compile (trainer.compile)."""
     outputs: dict[str, list[Any]] = field(default_factory=dict)
-    preference: dict[str, float] = field(default_factory=dict)
-    """A preference objective's last train/… and eval/… rewards and log-probs (TRL's names)."""
     """The final files ({"adapter/NAME": [size, sha256]}): the run counts as finished only
     while they verify (launcher.prepare.already_finished)."""
+    preference: dict[str, float] = field(default_factory=dict)
+    """A preference objective's last train/… and eval/… rewards and log-probs (TRL's names)."""
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,13 @@ def needs_reference(cfg: RunConfig) -> bool:
     return cfg.trainer.objective in REFERENCE_OBJECTIVES
 
 
+def preference_loss_kind(loss: str) -> str:
+    """The head a preference objective reads per-token log-probabilities through: full logits
+    (trainer.loss=plain) or the chunked frozen head (every other kind: Liger's fused
+    cross-entropy returns no per-token values)."""
+    return "plain" if loss == "plain" else "chunked"
+
+
 def live_reference(cfg: RunConfig) -> bool:
     """The reference's forward runs inside every step (preference.reference=live)."""
     return needs_reference(cfg) and cfg.preference.reference == "live"

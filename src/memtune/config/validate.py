@@ -409,6 +409,14 @@ def _preference_settings(cfg: RunConfig) -> None:
         )
     if pref.label_smoothing and t.objective not in ("dpo", "simpo"):
         raise ConfigError(f"preference.label_smoothing applies to dpo and simpo, not {t.objective}")
+    if pref.simpo_gamma < 0:
+        raise ConfigError(f"preference.simpo_gamma must be >= 0 (got {pref.simpo_gamma})")
+    if cfg.peft.dropout > 0:
+        raise ConfigError(
+            f"peft.dropout={cfg.peft.dropout} with trainer.objective={t.objective}: dropout "
+            "makes the policy differ from its reference at random from the first step (the "
+            "reference is taken without it), which TRL avoids the same way; set peft.dropout=0"
+        )
     if str(t.sequence_parallel) not in ("auto", "1"):
         raise ConfigError(
             f"trainer.sequence_parallel={t.sequence_parallel} with trainer.objective="

@@ -13,6 +13,7 @@ from memtune.data.batching import (
     GlobalOrderSampler,
     LengthGroupedSampler,
     PackedDataset,
+    TokenizedDataset,
     collate_packed,
     collate_padded,
     collate_pairs,
@@ -49,6 +50,23 @@ def _blank(s: Sample) -> Sample:
     return Sample(s.input_ids, [IGNORE_INDEX] * len(s.labels), s.split)
 
 
+def train_order(
+    cfg: RunConfig, base: TokenizedDataset, rank: int, world: int
+) -> tuple[TokenizedDataset | PackedDataset, GlobalOrderSampler | LengthGroupedSampler]:
+    """What the loader's items are (samples or pairs; packed rows) and the sampler that deals
+    them to this rank: the one place both are made (the reference precompute asks it which
+    items the steps read, rank.reference.train_items)."""
+    micro, seed = cfg.trainer.micro_batch_size, cfg.trainer.seed
+    dataset: TokenizedDataset | PackedDataset = base
+    if cfg.data.packing:
+        dataset = PackedDataset(base, cfg.data.max_seq_len)
+    if cfg.data.group_by_length:
+        return dataset, LengthGroupedSampler(base.lengths, micro, world, rank, seed)
+    return dataset, GlobalOrderSampler(
+        len(dataset), world, rank, seed, cfg.trainer.global_batch_size
+    )
+
+
 def make_loader(
     cfg: RunConfig, prepared_dir: str, pad_token_id: int, rank: int, world: int
 ) -> tuple[Any, Any]:
@@ -56,18 +74,13 @@ def make_loader(
     from torch.utils.data import DataLoader
 
     base = load_split(prepared_dir, "train")
-    micro, seed = cfg.trainer.micro_batch_size, cfg.trainer.seed
-    dataset: Any = base
+    micro = cfg.trainer.micro_batch_size
+    dataset, sampler = train_order(cfg, base, rank, world)
     collate_fn: Any = partial(
         collate_pairs if base.pairs else collate_padded, pad_token_id=pad_token_id
     )
     if cfg.data.packing:
-        dataset = PackedDataset(base, cfg.data.max_seq_len)
         collate_fn = partial(collate_packed, pad_token_id=pad_token_id)
-    if cfg.data.group_by_length:
-        sampler: Any = LengthGroupedSampler(base.lengths, micro, world, rank, seed)
-    else:
-        sampler = GlobalOrderSampler(len(dataset), world, rank, seed, cfg.trainer.global_batch_size)
     if len(sampler) < micro:
         raise RuntimeError(
             f"rank {rank} gets {len(sampler)} items per epoch, fewer than one micro batch "

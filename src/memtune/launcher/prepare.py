@@ -245,6 +245,11 @@ RESUME_MUST_MATCH = {
     "data.packing": "packing (the data position counts rows when packed, samples when not)",
     "data.group_by_length": "length grouping (the data order)",
     "trainer.optimizer": "the optimizer (its saved state is the optimizer's own)",
+    "trainer.objective": "the training objective",
+    "preference.beta": "the preference objective's beta",
+    "preference.label_smoothing": "the preference objective's label smoothing",
+    "preference.simpo_gamma": "SimPO's target margin",
+    "peft.init_from": "the adapter the stage started from (dpo and ipo: the reference)",
 }
 QLORA_MUST_MATCH = {
     "peft.quant_type": "the 4-bit data type of the base weights",

@@ -37,6 +37,7 @@ from memtune.config import (
     grad_accumulation_steps,
     live_reference,
     offload_activations,
+    preference_loss_kind,
     prefetch_bucket_elements,
     rank_tokens,
     reduce_bucket_elements,
@@ -447,7 +448,7 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
     if peak.loss:
         how = f"{t.loss} cross-entropy (the step's peak: in the loss)"
         if t.objective != "sft":  # rank.preference: the same chunked head, per-token log-probs
-            kind = "plain" if t.loss == "plain" else "chunked"
+            kind = preference_loss_kind(t.loss)
             how = f"{kind} log-probabilities of the replies, {t.objective} (the step's peak)"
         out.add("loss", peak.loss, how, per_token=True)
     else:

@@ -18,6 +18,7 @@ from memtune.config import (
     ConfigError,
     RunConfig,
     offload_activations,
+    preference_loss_kind,
     rank_tokens,
     sequence_parallel_size,
     tiled_mlp,
@@ -135,7 +136,7 @@ def loss_module(cfg: RunConfig, model: Any, device: torch.device) -> torch.nn.Mo
     from memtune.rank.preference import PreferenceLoss, beta_of
 
     p = cfg.preference
-    kind = "chunked" if loss_kind == "liger" else loss_kind  # Liger has no per-token log-probs
+    kind = preference_loss_kind(loss_kind)
     return PreferenceLoss(
         model,
         kind,

@@ -1,13 +1,13 @@
 """The training loop, top to bottom: micro-steps, accumulation, clipping, schedule, guards.
 
-The loss of every micro-step is a *sum* over its label tokens, scaled so that one optimizer
-step averages over all label tokens of all ranks and accumulation steps. Micro batch 4 ×
-accumulation 1 and micro batch 1 × accumulation 4 then give the same update, and so do one
-rank and two ranks with the same global batch, and a sequence split over two ranks (each
-rank's sum covers its shard's targets). DeepSpeed divides by the accumulation steps in
-``backward`` and averages over data-parallel ranks when it reduces gradients (summing over the
-ranks of a sequence-parallel group); the scale undoes both so only the token count
-normalises.
+The loss of every micro-step is a *sum* over its units — label tokens (SFT), or pairs (a
+preference objective, rank.preference) — scaled so that one optimizer step averages over all
+units of all ranks and accumulation steps. Micro batch 4 × accumulation 1 and micro batch 1 ×
+accumulation 4 then give the same update, and so do one rank and two ranks with the same global
+batch, and a sequence split over two ranks (each rank's sum covers its shard's targets).
+DeepSpeed divides by the accumulation steps in ``backward`` and averages over data-parallel
+ranks when it reduces gradients (summing over the ranks of a sequence-parallel group); the
+scale undoes both so only the unit count normalises.
 """
 
 from __future__ import annotations

@@ -253,7 +253,8 @@ class PreferenceLoss(CausalLMLoss):
             self.label_smoothing,
             self.simpo_gamma,
         )
-        weight = real.to(losses.dtype)
-        sums = [(stats[k] * weight).sum() for k in STATS]
-        self.stats = torch.stack([*sums, weight.sum()]).detach().double()
-        return (losses * weight).sum()
+        # torch.where, not a product: a filler's value may be anything, NaN included (0 × NaN
+        # is NaN, and its gradient too).
+        sums = [torch.where(real, stats[k], 0.0).sum() for k in STATS]
+        self.stats = torch.stack([*sums, real.sum().to(losses.dtype)]).detach().double()
+        return torch.where(real, losses, 0.0).sum()

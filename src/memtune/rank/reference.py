@@ -4,16 +4,18 @@ The reference is the base model: the policy with its adapter switched off, so it
 second model in memory (or, with peft.init_from, the policy as loaded, before the first step:
 the SFT adapter a preference stage starts from). With preference.reference=precomputed (the
 default) every rank runs it over its share of the pairs the run will read — the sampler's
-global order says which, for the steps of ``trainer.max_steps`` — packed into rows as training
-packs them, and the ranks exchange their results; each training step then runs the policy
+global order says which, for the steps of ``trainer.max_steps`` — packed best-fit into rows of
+``data.max_seq_len`` (its own rows: only the values per pair matter), and the ranks exchange
+their results; each training step then runs the policy
 alone (live, every step runs one more forward, the reference's, next to the policy's forward
 and backward). Validation pairs are computed likewise, all of them.
 
 The tables are saved in ``RUN_DIR/reference/`` under a key of everything they depend on (the
-base model's fingerprint, the tokenized data, the precision, the steps and order that choose
-the pairs); a resumed run with the same key reads them back, any other recomputes them. A step
-that meets a pair without a reference value stops with an error instead of training against a
-wrong one.
+base model's fingerprint and architecture, its quantization, the adapter it starts from, the
+tokenized data, the precision, the attention and loss code, the library versions, the steps and
+order that choose the pairs); a resumed run with the same key reads them back, any other
+recomputes them. A step that meets a pair without a reference value stops with an error instead
+of training against a wrong one.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from memtune.config import RunConfig
 from memtune.data.batching import GlobalOrderSampler, PackedDataset, TokenizedDataset
 from memtune.data.batching import collate_packed as _collate
 from memtune.data.cache import load_split
+from memtune.data.loaders import train_order
 from memtune.data.packing import pack_bins
 from memtune.rundir import RunDir, write_atomic
 
@@ -39,17 +42,24 @@ FORMAT = 1
 """Bumped when what a table holds, or how it is computed, changes."""
 
 
-def reference_key(cfg: RunConfig, rd: RunDir, data_dir: str) -> str:
-    """A digest of everything the tables depend on."""
+def reference_key(cfg: RunConfig, rd: RunDir, data_dir: str, attention: str, loss_kind: str) -> str:
+    """A digest of everything the tables depend on (``attention``, ``loss_kind``: what the
+    rank resolved, not the config's auto)."""
+    from importlib.metadata import version
+
     base = json.loads(rd.base.read_text()) if rd.base.is_file() else {}
-    t = cfg.trainer
+    t, p = cfg.trainer, cfg.peft
     parts = {
         "format": FORMAT,
         "base": base.get("fingerprint") or cfg.model.name_or_path,
         "revision": cfg.model.revision,
+        "architecture": dict(cfg.model.architecture),
+        "quantization": [p.method, p.quant_type, p.double_quant],
         "data": Path(data_dir).name,  # the tokenized cache's own fingerprint
         "precision": t.precision,
-        "attention": cfg.model.attn_implementation,
+        "attention": attention,
+        "loss": [loss_kind, t.loss_chunk_tokens],
+        "versions": [version(name) for name in ("torch", "transformers", "peft")],
         "order": [t.seed, t.global_batch_size, t.max_steps, cfg.data.packing],
         "grouped": cfg.data.group_by_length,
         "max_seq_len": cfg.data.max_seq_len,
@@ -67,31 +77,31 @@ def _adapter_digest(folder: str | None) -> str | None:
 
 
 def train_items(cfg: RunConfig, train: TokenizedDataset) -> list[int]:
-    """The train items (pairs) the run's steps read: every one with length-grouped batches,
-    else those of the rows the global order deals in ``max_steps`` steps."""
-    if cfg.data.group_by_length:
+    """The train items (pairs) the run's steps read, on every rank: those of the rows (or
+    pairs) the loader's global order deals in ``max_steps`` steps; every one with
+    length-grouped batches."""
+    dataset, sampler = train_order(cfg, train, 0, 1)
+    if not isinstance(sampler, GlobalOrderSampler):
         return list(range(len(train)))
     t = cfg.trainer
-    if cfg.data.packing:
-        packed = PackedDataset(train, cfg.data.max_seq_len)
-        rows = GlobalOrderSampler(len(packed), 1, 0, t.seed, t.global_batch_size)
-        seen = rows.visited(t.max_steps, t.global_batch_size)
-        return sorted(i for r in seen for i in packed.bins[r])
-    items = GlobalOrderSampler(len(train), 1, 0, t.seed, t.global_batch_size)
-    return sorted(items.visited(t.max_steps, t.global_batch_size))
+    seen = sampler.visited(t.max_steps, t.global_batch_size)
+    if isinstance(dataset, PackedDataset):
+        return sorted(i for r in seen for i in dataset.bins[r])
+    return sorted(seen)
 
 
-def _micro_batches(
-    data: TokenizedDataset, items: list[int], cfg: RunConfig, pad_id: int
-) -> list[dict[str, torch.Tensor]]:
-    """``items`` packed into rows of max_seq_len, micro_batch_size rows per forward."""
+def _rows(data: TokenizedDataset, items: list[int], cfg: RunConfig) -> list[list[list[int]]]:
+    """``items`` packed into rows of max_seq_len, grouped micro_batch_size rows per forward."""
     lengths = [data.lengths[i] for i in items]
     rows = [[items[j] for j in b] for b in pack_bins(lengths, cfg.data.max_seq_len)]
     micro = cfg.trainer.micro_batch_size
-    return [
-        _collate([[data[i] for i in row] for row in rows[a : a + micro]], pad_id)
-        for a in range(0, len(rows), micro)
-    ]
+    return [rows[a : a + micro] for a in range(0, len(rows), micro)]
+
+
+def _collated(
+    data: TokenizedDataset, rows: list[list[int]], pad_id: int
+) -> dict[str, torch.Tensor]:
+    return _collate([[data[i] for i in row] for row in rows], pad_id)
 
 
 def compute(
@@ -107,18 +117,18 @@ def compute(
     busiest one (ZeRO-3 gathers parameters in each)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    batches = _micro_batches(data, items[rank::world], cfg, pad_id)
+    batches = _rows(data, items[rank::world], cfg)  # collated one at a time, below
     n = torch.tensor([len(batches)], device=device)
     if world > 1:
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
-    filler = batches[0] if batches else _micro_batches(data, [0], cfg, pad_id)[0]
+    filler = batches[0] if batches else [[0]]  # a forward whose values are not kept
     table = torch.zeros(len(data), 2, dtype=torch.float64, device=device)
     filled = torch.zeros(len(data), dtype=torch.float64, device=device)
     was_training = engine.training
     engine.eval()
     with torch.no_grad():
         for k in range(int(n.item())):
-            batch = batches[k] if k < len(batches) else filler
+            batch = _collated(data, batches[k] if k < len(batches) else filler, pad_id)
             inputs = {key: v.to(device) for key, v in batch.items() if key != "real_tokens"}
             logps = engine(**inputs, reference_pass=True).double()
             if k < len(batches):
@@ -145,13 +155,15 @@ class References:
         """``batch`` with ``reference_logps`` ([pairs, 2]; zeros for fillers)."""
         table = self.tables[split]
         index = batch["pair_index"]
-        values = table[index.clamp(min=0)] * (index >= 0)[:, None]
+        real = (index >= 0)[:, None]
+        values = torch.where(real, table[index.clamp(min=0)], 0.0)
         missing = index[(index >= 0) & values.isnan().any(dim=1)]
         if missing.numel():
             raise RuntimeError(
-                f"{split} pair {int(missing[0])} has no precomputed reference log-probability "
-                "(the table was computed for other steps); delete RUN_DIR/reference or run with "
-                "preference.reference=live"
+                f"{split} pair {int(missing[0])} has no precomputed reference log-probability: "
+                "the table does not cover the pairs this step reads, which is a memtune bug "
+                "(please report it); preference.reference=live computes the reference in each "
+                "step instead"
             )
         return batch | {"reference_logps": values}
 
@@ -170,14 +182,21 @@ def prepare(
     device: torch.device,
     with_val: bool,
     say: Callable[[str], None],
+    attention: str,
 ) -> References:
     """The tables of this run: read from ``RUN_DIR/reference`` when their key matches, else
     computed (and saved by rank 0)."""
     rd = RunDir(run_dir)
-    key = reference_key(cfg, rd, data_dir)
+    key = reference_key(cfg, rd, data_dir, attention, engine.module.kind)
     folder = rd.reference
     saved = _read(folder, key)
-    if saved is not None and ("val" in saved) == with_val:
+    usable = saved is not None and ("val" in saved) == with_val
+    # Every rank computes, or none: compute() is a collective, and a rank that cannot read the
+    # saved tables (a filesystem's cache, a damaged file) must not leave the others in it.
+    agreed = torch.tensor([float(usable)], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    if saved is not None and agreed.item() == 1.0:
         say(f"memtune: reference log-probabilities read from {folder} (key {key})")
         return References(saved)
     start = time.perf_counter()
@@ -185,16 +204,21 @@ def prepare(
     items = train_items(cfg, train)
     tables = {"train": compute(engine, train, items, cfg, pad_id, device)}
     counted = f"{len(items):,} train pairs"
-    if with_val:
-        val = load_split(data_dir, "val")
+    val = load_split(data_dir, "val") if with_val else None
+    if val is not None and len(val):
         tables["val"] = compute(engine, val, list(range(len(val))), cfg, pad_id, device)
         counted += f" and {len(val):,} validation pairs"
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         _write(folder, key, tables)
+    which = (
+        "the adapter of peft.init_from as loaded"
+        if cfg.peft.init_from
+        else "the base without the adapter"
+    )
     say(
         f"memtune: reference log-probabilities of {counted} computed in "
-        f"{time.perf_counter() - start:.1f} s (the base without the adapter; saved in {folder})"
+        f"{time.perf_counter() - start:.1f} s ({which}; saved in {folder})"
     )
     return References(tables)
 

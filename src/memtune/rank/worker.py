@@ -340,6 +340,7 @@ class RankRun:
             self.references = prepare_references(
                 self.engine, cfg, self.run_dir, self.data.dir, self.pad_id, self.device,
                 bool(self.data.val), lambda line: self.print0(line, flush=True),
+                self.parts.attention,
             )  # fmt: skip
 
     def resume(self) -> TrainResult:
@@ -547,9 +548,10 @@ def preference_line(metrics: dict[str, float]) -> str:
         return ""
     parts = []
     for name in ("rewards/accuracies", "rewards/margins"):
-        line = f"{name} {metrics[f'train/{name}']:.3f}"
-        if f"eval/{name}" in metrics:
-            line += f" (eval {metrics[f'eval/{name}']:.3f})"
+        train, val = metrics.get(f"train/{name}"), metrics.get(f"eval/{name}")
+        line = name + (f" {train:.3f}" if train is not None else "")
+        if val is not None:
+            line += f" (eval {val:.3f})"
         parts.append(line)
     return "memtune: last step: " + " · ".join(parts) + "\n"
 
