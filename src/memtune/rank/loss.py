@@ -43,6 +43,34 @@ def token_loss_sum(
     )
 
 
+def head_log_probs(
+    hidden_NH: torch.Tensor, weight_VH: torch.Tensor, y_N: torch.Tensor, chunk: int, grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(y_i | h_i) = (h_i W^T)[y_i] − logsumexp(h_i W^T) for a frozen W at every position
+    (fp32), and with ``grad`` its gradient with respect to h_i, (onehot(y_i) − softmax) W,
+    computed here chunk by chunk, so that no more than one chunk of logits ever exists."""
+    grad_NH = torch.empty_like(hidden_NH) if grad else None
+    out = torch.empty(hidden_NH.shape[0], dtype=torch.float32, device=hidden_NH.device)
+    for s in range(0, hidden_NH.shape[0], chunk):
+        h, y = hidden_NH[s : s + chunk], y_N[s : s + chunk]
+        logits = (h.to(weight_VH.dtype) @ weight_VH.T).float()  # chunk × V, the only big buffer
+        picked = logits.gather(1, y[:, None]).squeeze(1)
+        # logsumexp by hand, in place: torch.logsumexp would allocate a second chunk × V
+        # fp32 buffer (tools.step_trace measured it), exp_ reuses this one.
+        top = logits.amax(dim=-1, keepdim=True)
+        sums = logits.sub_(top).exp_().sum(dim=-1, keepdim=True)
+        out[s : s + chunk] = picked - (top + sums.log()).squeeze(1)
+        if grad_NH is not None:
+            probs = logits.div_(sums).neg_()  # −softmax, in place
+            probs[torch.arange(y.shape[0], device=y.device), y] += 1.0
+            grad_NH[s : s + chunk] = (probs.to(weight_VH.dtype) @ weight_VH).to(h.dtype)
+            del probs
+        # Free this chunk's logits before the next chunk's exist (a rebound name would keep
+        # both alive at once: 1.5× the loss's peak, as tools.step_trace showed).
+        del logits
+    return out, grad_NH
+
+
 class FrozenHeadCrossEntropy(torch.autograd.Function):
     """sum_i CE(h_i W^T, y_i) for a frozen W, with dL/dh computed during the forward pass."""
 
@@ -50,33 +78,32 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
     def forward(
         ctx: Any, hidden_NH: torch.Tensor, weight_VH: torch.Tensor, y_N: torch.Tensor, chunk: int
     ) -> torch.Tensor:
-        need_grad = ctx.needs_input_grad[0]
-        grad_NH = torch.empty_like(hidden_NH) if need_grad else None
-        total = torch.zeros((), dtype=torch.float32, device=hidden_NH.device)
-        for s in range(0, hidden_NH.shape[0], chunk):
-            h, y = hidden_NH[s : s + chunk], y_N[s : s + chunk]
-            logits = (h.to(weight_VH.dtype) @ weight_VH.T).float()  # chunk × V, the only big buffer
-            picked = logits.gather(1, y[:, None]).squeeze(1)
-            # logsumexp by hand, in place: torch.logsumexp would allocate a second chunk × V
-            # fp32 buffer (tools.step_trace measured it), exp_ reuses this one.
-            top = logits.amax(dim=-1, keepdim=True)
-            sums = logits.sub_(top).exp_().sum(dim=-1, keepdim=True)
-            total += (top + sums.log()).squeeze(1).sub(picked).sum()
-            if grad_NH is not None:
-                probs = logits.div_(sums)  # softmax, in place
-                probs[torch.arange(y.shape[0], device=y.device), y] -= 1.0
-                grad_NH[s : s + chunk] = (probs.to(weight_VH.dtype) @ weight_VH).to(h.dtype)
-                del probs
-            # Free this chunk's logits before the next chunk's exist (a rebound name would
-            # keep both alive at once: 1.5× the loss's peak, as tools.step_trace showed).
-            del logits
+        logp, grad_NH = head_log_probs(hidden_NH, weight_VH, y_N, chunk, ctx.needs_input_grad[0])
         ctx.save_for_backward(grad_NH if grad_NH is not None else hidden_NH.new_empty(0))
-        return total
+        return -logp.sum()
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (grad_NH,) = ctx.saved_tensors  # of log p: the cross-entropy's is its negative
+        return grad_NH * (-grad_out).to(grad_NH.dtype), None, None, None
+
+
+class FrozenHeadLogProbs(torch.autograd.Function):
+    """log p(y_i | h_i) per position for a frozen W (the preference objectives read them per
+    sequence), the gradient with respect to h computed during the forward pass."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, hidden_NH: torch.Tensor, weight_VH: torch.Tensor, y_N: torch.Tensor, chunk: int
+    ) -> torch.Tensor:
+        logp, grad_NH = head_log_probs(hidden_NH, weight_VH, y_N, chunk, ctx.needs_input_grad[0])
+        ctx.save_for_backward(grad_NH if grad_NH is not None else hidden_NH.new_empty(0))
+        return logp
+
+    @staticmethod
+    def backward(ctx: Any, grad_N: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (grad_NH,) = ctx.saved_tensors
-        return grad_NH * grad_out.to(grad_NH.dtype), None, None, None
+        return grad_NH * grad_N[:, None].to(grad_NH.dtype), None, None, None
 
 
 Select = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

@@ -6,7 +6,7 @@ A micro batch of pairs holds each pair's chosen and rejected sequences side by s
 ``sequence_index`` numbers every token of the k-th pair's chosen sequence 2k and of its rejected
 one 2k + 1. The policy's log-probability of each sequence is the sum, over its label tokens, of
 log p(token), read from the frozen LM head chunk by chunk as the SFT loss reads it
-(:class:`FrozenHeadLogProbs`), then summed per sequence with one ``index_add``.
+(:class:`memtune.rank.loss.FrozenHeadLogProbs`), then summed per sequence with one ``index_add``.
 
 The objectives, per pair (c: chosen, r: rejected; ``logp`` a sequence's summed
 log-probability, ``avg`` that sum over its label tokens, ``ref`` the reference model's ``logp``):
@@ -39,7 +39,12 @@ import torch.nn.functional as F
 from memtune.config import RunConfig
 from memtune.config.derive import REFERENCE_OBJECTIVES
 from memtune.data.encode import IGNORE_INDEX
-from memtune.rank.loss import CausalLMLoss, model_inputs, next_token_targets
+from memtune.rank.loss import (
+    CausalLMLoss,
+    FrozenHeadLogProbs,
+    model_inputs,
+    next_token_targets,
+)
 
 DEFAULT_BETA = {"dpo": 0.1, "ipo": 0.1, "simpo": 2.0, "orpo": 0.1}
 """The published defaults: DPO's and IPO's β 0.1 (TRL's DPOConfig), SimPO's β 2.0 with
@@ -60,40 +65,6 @@ def beta_of(cfg: RunConfig) -> float:
     """preference.beta, or the objective's published default."""
     b = cfg.preference.beta
     return DEFAULT_BETA[cfg.trainer.objective] if b is None else float(b)
-
-
-class FrozenHeadLogProbs(torch.autograd.Function):
-    """log p(y_i | h_i) = (h_i W^T)[y_i] − logsumexp(h_i W^T) for a frozen W, per position,
-    with d log p_i / d h_i = (onehot(y_i) − softmax(h_i W^T)) W computed during the forward
-    pass, chunk by chunk, so that no more than one chunk of logits ever exists."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, hidden_NH: torch.Tensor, weight_VH: torch.Tensor, y_N: torch.Tensor, chunk: int
-    ) -> torch.Tensor:
-        need_grad = ctx.needs_input_grad[0]
-        grad_NH = torch.empty_like(hidden_NH) if need_grad else None
-        out = torch.empty(hidden_NH.shape[0], dtype=torch.float32, device=hidden_NH.device)
-        for s in range(0, hidden_NH.shape[0], chunk):
-            h, y = hidden_NH[s : s + chunk], y_N[s : s + chunk]
-            logits = (h.to(weight_VH.dtype) @ weight_VH.T).float()
-            picked = logits.gather(1, y[:, None]).squeeze(1)
-            top = logits.amax(dim=-1, keepdim=True)
-            sums = logits.sub_(top).exp_().sum(dim=-1, keepdim=True)
-            out[s : s + chunk] = picked - (top + sums.log()).squeeze(1)
-            if grad_NH is not None:
-                probs = logits.div_(sums).neg_()  # −softmax, in place
-                probs[torch.arange(y.shape[0], device=y.device), y] += 1.0
-                grad_NH[s : s + chunk] = (probs.to(weight_VH.dtype) @ weight_VH).to(h.dtype)
-                del probs
-            del logits
-        ctx.save_for_backward(grad_NH if grad_NH is not None else hidden_NH.new_empty(0))
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad_N: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (grad_NH,) = ctx.saved_tensors
-        return grad_NH * grad_N[:, None].to(grad_NH.dtype), None, None, None
 
 
 def sequence_logps(
