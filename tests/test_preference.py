@@ -134,17 +134,27 @@ def test_a_stage_from_an_sft_adapter_starts_at_ln_2_against_that_adapter(
 ) -> None:
     """peft.init_from: the SFT demo's adapter is both the start and the reference, so the first
     step's loss is ln 2 although its B matrices are far from 0; against the bare base it would
-    not be (the SFT adapter changed every log-probability)."""
+    not be (the SFT adapter changed every log-probability). The long-context switches are on
+    too (every layer recomputed from an input kept on the host, the MLP in tiles), in the
+    policy's steps and in the reference's precompute alike."""
     adapter = zero3_run.dir / "adapter"
     run_dir = tmp_path / "from-sft"
     # The README's command: 2 ZeRO-3 ranks, the adapter loaded onto a base built by zero.Init.
-    _train(
+    out = _train(
         run_dir,
         f"peft.init_from={adapter}",
         "trainer.max_steps=4",
         "trainer.eval_every=0",
         "trainer.save_every=0",
+        "trainer.activation_checkpointing=true",
+        "trainer.checkpoint_layers=all",
+        "trainer.tiled_mlp=on",
+        "trainer.offload_activations=on",
     )
+    assert "the adapter of peft.init_from as loaded" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["trainable_params"] > 0
+    assert "MLP in " in out and "layers' inputs offloaded to the host" in out, out[-3000:]
     losses = _losses(run_dir)
     assert abs(losses[0] - LN2) < 1e-5, losses
     first = _metrics(run_dir)[0]
