@@ -267,3 +267,25 @@ def test_the_reference_covers_exactly_what_every_ranks_loader_yields(
     assert wants[2] <= wants[7]
     if not packing:  # 2 steps of 8 pairs: 16 of the 61
         assert len(wants[2]) == 16 < len(wants[7])
+
+
+@pytest.mark.parametrize(("objective", "eps", "gamma"), [("dpo", 0.1, 0.5), ("simpo", 0.2, 1.3)])
+def test_label_smoothing_and_the_simpo_margin_follow_the_formulas(
+    tiny, objective: str, eps: float, gamma: float
+) -> None:
+    cfg, model = tiny
+    pairs = _pairs(cfg.model.architecture["vocab_size"])
+    with torch.no_grad():
+        pi = _direct_logps(model, pairs)
+        ref = _direct_logps(model, pairs, adapter=False)
+        got = PreferenceLoss(model, "chunked", 16, objective, BETA, eps, gamma)(**_batch(pairs))
+    n = _counts(pairs)
+    if objective == "simpo":  # smoothing as in DPO's, around the margin less gamma
+        z = BETA * (pi[:, 0] / n[:, 0] - pi[:, 1] / n[:, 1]) - gamma
+        want = -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+    else:
+        want = _published(objective, pi, ref, n, eps=eps)
+    torch.testing.assert_close(got, want.sum(), rtol=1e-5, atol=1e-6)
+    plain = PreferenceLoss(model, "chunked", 16, objective, BETA)
+    with torch.no_grad():
+        assert abs(float(plain(**_batch(pairs))) - float(got)) > 1e-3  # the settings matter
