@@ -36,6 +36,7 @@ from memtune.config import (
     compute_bytes,
     grad_accumulation_steps,
     live_reference,
+    needs_reference,
     offload_activations,
     preference_loss_kind,
     prefetch_bucket_elements,
@@ -531,6 +532,17 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
 
 
+def _objective_note(cfg: RunConfig) -> str:
+    """The plan header's word on a preference objective (nothing for SFT)."""
+    objective = cfg.trainer.objective
+    if objective == "sft":
+        return ""
+    note = f" · {objective}: a pair's chosen and rejected share a row"
+    if live_reference(cfg):
+        return note + ", the reference's forward in every step"
+    return note + (", the reference precomputed" if needs_reference(cfg) else "")
+
+
 def format_plan(cfg: RunConfig, result: Plan) -> str:
     ranks = cfg.launcher.num_ranks
     unit, scale = ("GiB", 1.0) if result.total_gib >= 1 else ("MiB", 1024.0)  # tiny demos
@@ -543,7 +555,8 @@ def format_plan(cfg: RunConfig, result: Plan) -> str:
             f" · sequence split over {sequence_parallel_size(cfg)} ranks"
             if sequence_parallel_size(cfg) > 1
             else ""
-        ),
+        )
+        + _objective_note(cfg),
     ]
     if result.counts is not None:
         c = result.counts
