@@ -59,6 +59,14 @@ def _direct_logps(model, pairs: list[Sample], adapter: bool = True) -> torch.Ten
     return torch.stack(rows)
 
 
+def _direct(model, pairs: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(policy, reference, label tokens) of each pair's two replies, [pairs, 2] each."""
+    with torch.no_grad():
+        pi = _direct_logps(model, pairs)
+        ref = _direct_logps(model, pairs, adapter=False)
+    return pi, ref, _counts(pairs)
+
+
 def _counts(pairs: list[Sample]) -> torch.Tensor:
     return torch.tensor(
         [
@@ -121,10 +129,7 @@ def test_the_packed_chunked_loss_is_the_published_formula_on_each_sequence_alone
 ) -> None:
     cfg, model = tiny
     pairs = _pairs(cfg.model.architecture["vocab_size"])
-    with torch.no_grad():
-        pi = _direct_logps(model, pairs)
-        ref = _direct_logps(model, pairs, adapter=False)
-    n = _counts(pairs)
+    pi, ref, n = _direct(model, pairs)
     want = _published(objective, pi, ref, n)
     module = PreferenceLoss(model, "chunked", 16, objective, BETA)
     with torch.no_grad():
@@ -241,7 +246,6 @@ def test_the_reference_covers_exactly_what_every_ranks_loader_yields(
     through max_steps × accumulation micro batches (several epochs: the rows an epoch leaves
     out, a later one takes)."""
     from memtune.config import to_run_config
-    from memtune.data.batching import TokenizedDataset
     from memtune.data.cache import _arrays, _save
     from memtune.data.loaders import make_loader
     from memtune.rank.reference import train_items
@@ -261,7 +265,8 @@ def test_the_reference_covers_exactly_what_every_ranks_loader_yields(
             batches = _batches(loader, sampler)
             for _ in range(steps * 2):  # accumulation 2 on each of the 2 ranks
                 seen.update(next(batches)["pair_index"].tolist())
-        want = train_items(cfg, TokenizedDataset.from_samples(samples))
+            if rank == 0:  # the worker passes its own loader's dataset and sampler
+                want = train_items(loader.dataset, sampler, cfg)
         assert sorted(seen) == want
         wants[steps] = set(want)
     assert wants[2] <= wants[7]
@@ -275,11 +280,9 @@ def test_label_smoothing_and_the_simpo_margin_follow_the_formulas(
 ) -> None:
     cfg, model = tiny
     pairs = _pairs(cfg.model.architecture["vocab_size"])
+    pi, ref, n = _direct(model, pairs)
     with torch.no_grad():
-        pi = _direct_logps(model, pairs)
-        ref = _direct_logps(model, pairs, adapter=False)
         got = PreferenceLoss(model, "chunked", 16, objective, BETA, eps, gamma)(**_batch(pairs))
-    n = _counts(pairs)
     if objective == "simpo":  # smoothing as in DPO's, around the margin less gamma
         z = BETA * (pi[:, 0] / n[:, 0] - pi[:, 1] / n[:, 1]) - gamma
         want = -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)

@@ -71,26 +71,10 @@ def head_log_probs(
     return out, grad_NH
 
 
-class FrozenHeadCrossEntropy(torch.autograd.Function):
-    """sum_i CE(h_i W^T, y_i) for a frozen W, with dL/dh computed during the forward pass."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, hidden_NH: torch.Tensor, weight_VH: torch.Tensor, y_N: torch.Tensor, chunk: int
-    ) -> torch.Tensor:
-        logp, grad_NH = head_log_probs(hidden_NH, weight_VH, y_N, chunk, ctx.needs_input_grad[0])
-        ctx.save_for_backward(grad_NH if grad_NH is not None else hidden_NH.new_empty(0))
-        return -logp.sum()
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (grad_NH,) = ctx.saved_tensors  # of log p: the cross-entropy's is its negative
-        return grad_NH * (-grad_out).to(grad_NH.dtype), None, None, None
-
-
 class FrozenHeadLogProbs(torch.autograd.Function):
-    """log p(y_i | h_i) per position for a frozen W (the preference objectives read them per
-    sequence), the gradient with respect to h computed during the forward pass."""
+    """log p(y_i | h_i) per position for a frozen W, the gradient with respect to h computed
+    during the forward pass: the SFT loss is minus their sum, the preference objectives sum
+    them per sequence."""
 
     @staticmethod
     def forward(
@@ -147,7 +131,7 @@ def chunked_loss_sum(
     the data, which fake tensors do not have.)"""
     targets = labels_BT if shifted else next_token_targets(labels_BT)
     hidden, picked = select(hidden_BTH, targets)
-    return FrozenHeadCrossEntropy.apply(hidden, weight_VH, picked, chunk)
+    return -FrozenHeadLogProbs.apply(hidden, weight_VH, picked, chunk).sum()
 
 
 def liger_available(device: torch.device) -> bool:
@@ -210,6 +194,19 @@ class CausalLMLoss(nn.Module):
         self.chunk_tokens = chunk_tokens
         self.select = select
 
+    def hidden_and_head(self, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder's last hidden states and the LM head's weight, for a loss that applies
+        the head itself (chunked, Liger, the preference objectives' log-probs)."""
+        base = self.model.get_base_model()  # type: ignore[operator]
+        head = base.get_output_embeddings()
+        if head.weight.requires_grad or getattr(head, "bias", None) is not None:
+            raise ValueError("the chunked loss needs a frozen, bias-free LM head; use loss=plain")
+        hidden = base.get_decoder()(**inputs).last_hidden_state
+        # Under ZeRO-3, reading head.weight inside this forward registers it as an external
+        # parameter of this module: DeepSpeed all-gathers it here, once, on every rank alike,
+        # and releases it when this forward ends.
+        return hidden, head.weight
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -231,15 +228,7 @@ class CausalLMLoss(nn.Module):
         inputs = model_inputs(input_ids, attention_mask, position_ids, cu_seq_lens, max_length)
         if self.kind == "plain":
             return token_loss_sum(self.model(**inputs).logits, targets, shifted=True)
-        base = self.model.get_base_model()  # type: ignore[operator]
-        head = base.get_output_embeddings()
-        if head.weight.requires_grad or getattr(head, "bias", None) is not None:
-            raise ValueError("the chunked loss needs a frozen, bias-free LM head; use loss=plain")
-        hidden = base.get_decoder()(**inputs).last_hidden_state
-        # Under ZeRO-3, reading head.weight inside this forward registers it as an external
-        # parameter of this module: DeepSpeed all-gathers it here, once, on every rank alike,
-        # and releases it when this forward ends.
-        weight = head.weight
+        hidden, weight = self.hidden_and_head(inputs)
         if self.kind == "liger":
             return _liger_loss_sum(hidden, weight, targets)
         return chunked_loss_sum(

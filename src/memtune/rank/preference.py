@@ -166,12 +166,8 @@ class PreferenceLoss(CausalLMLoss):
             logits = self.model(**inputs).logits
             per_token = logits.float().log_softmax(-1)[keep].gather(1, y[:, None]).squeeze(1)
         else:
-            base = self.model.get_base_model()  # type: ignore[operator]
-            head = base.get_output_embeddings()
-            if head.weight.requires_grad or getattr(head, "bias", None) is not None:
-                raise ValueError("the chunked log-probs need a frozen, bias-free LM head")
-            hidden = base.get_decoder()(**inputs).last_hidden_state
-            per_token = FrozenHeadLogProbs.apply(hidden[keep], head.weight, y, self.chunk_tokens)
+            hidden, weight = self.hidden_and_head(inputs)
+            per_token = FrozenHeadLogProbs.apply(hidden[keep], weight, y, self.chunk_tokens)
         return sequence_logps(per_token, seq, n)
 
     def reference_logps(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,9 +35,8 @@ from memtune.config import RunConfig
 from memtune.data.batching import GlobalOrderSampler, PackedDataset, TokenizedDataset
 from memtune.data.batching import collate_packed as _collate
 from memtune.data.cache import load_split
-from memtune.data.loaders import train_order
 from memtune.data.packing import pack_bins
-from memtune.rundir import RunDir, write_atomic
+from memtune.rundir import RunDir
 
 FORMAT = 1
 """Bumped when what a table holds, or how it is computed, changes."""
@@ -76,13 +76,21 @@ def _adapter_digest(folder: str | None) -> str | None:
     return hashlib.sha256(weights.read_bytes()).hexdigest()
 
 
-def train_items(cfg: RunConfig, train: TokenizedDataset) -> list[int]:
-    """The train items (pairs) the run's steps read, on every rank: those of the rows (or
-    pairs) the loader's global order deals in ``max_steps`` steps; every one with
-    length-grouped batches."""
-    dataset, sampler = train_order(cfg, train, 0, 1)
+Items = TokenizedDataset | PackedDataset
+"""What a loader deals: pairs, or packed rows of them (data.loaders.train_order)."""
+
+
+def pairs_of(dataset: Items) -> TokenizedDataset:
+    return dataset.base if isinstance(dataset, PackedDataset) else dataset
+
+
+def train_items(dataset: Items, sampler: Any, cfg: RunConfig) -> list[int]:
+    """The train pairs the run's steps read, on every rank: those of the rows (or pairs) the
+    loader's global order deals in ``max_steps`` steps (``dataset`` and ``sampler``: the
+    loader's own, from data.loaders.train_order; any rank's, the order is global); every one
+    with length-grouped batches."""
     if not isinstance(sampler, GlobalOrderSampler):
-        return list(range(len(train)))
+        return list(range(len(pairs_of(dataset))))
     t = cfg.trainer
     seen = sampler.visited(t.max_steps, t.global_batch_size)
     if isinstance(dataset, PackedDataset):
@@ -178,6 +186,7 @@ def prepare(
     cfg: RunConfig,
     run_dir: Path,
     data_dir: str,
+    loader: tuple[Items, Any],
     pad_id: int,
     device: torch.device,
     with_val: bool,
@@ -185,7 +194,8 @@ def prepare(
     attention: str,
 ) -> References:
     """The tables of this run: read from ``RUN_DIR/reference`` when their key matches, else
-    computed (and saved by rank 0)."""
+    computed (and saved by rank 0). ``loader``: the rank's train dataset and sampler, whose
+    order says which pairs the steps read."""
     rd = RunDir(run_dir)
     key = reference_key(cfg, rd, data_dir, attention, engine.module.kind)
     folder = rd.reference
@@ -200,8 +210,8 @@ def prepare(
         say(f"memtune: reference log-probabilities read from {folder} (key {key})")
         return References(saved)
     start = time.perf_counter()
-    train = load_split(data_dir, "train")
-    items = train_items(cfg, train)
+    train = pairs_of(loader[0])
+    items = train_items(*loader, cfg)
     tables = {"train": compute(engine, train, items, cfg, pad_id, device)}
     counted = f"{len(items):,} train pairs"
     val = load_split(data_dir, "val") if with_val else None
@@ -223,23 +233,30 @@ def prepare(
     return References(tables)
 
 
+TABLES = "logps.safetensors"
+
+
 def _read(folder: Path, key: str) -> dict[str, torch.Tensor] | None:
+    """The saved tables when they were computed under ``key`` (kept in the file's metadata)."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
-    meta = folder / "key.json"
-    if not meta.is_file() or json.loads(meta.read_text()).get("key") != key:
+    path = folder / TABLES
+    if not path.is_file():
         return None
-    return dict(load_file(str(folder / "logps.safetensors")))
+    with safe_open(str(path), framework="pt") as f:
+        if (f.metadata() or {}).get("key") != key:
+            return None
+    return dict(load_file(str(path)))
 
 
 def _write(folder: Path, key: str, tables: dict[str, torch.Tensor]) -> None:
-    """The tables, then the key that makes them valid: a run cut short between the two leaves
-    tables without a key, which the next start recomputes."""
+    """The tables and their key in one file, through a temporary name renamed into place: a
+    reader sees the old file or the new one, never tables under another computation's key."""
     from safetensors.torch import save_file
 
     folder.mkdir(exist_ok=True)
-    (folder / "key.json").unlink(missing_ok=True)
-    tmp = folder / ".logps.safetensors.tmp"
-    save_file({k: v.contiguous() for k, v in tables.items()}, str(tmp))
-    tmp.replace(folder / "logps.safetensors")
-    write_atomic(folder / "key.json", json.dumps({"key": key, "format": FORMAT}) + "\n")
+    tmp = folder / f".{TABLES}.tmp-{os.getpid()}"
+    meta = {"key": key, "format": str(FORMAT)}
+    save_file({k: v.contiguous() for k, v in tables.items()}, str(tmp), metadata=meta)
+    tmp.replace(folder / TABLES)

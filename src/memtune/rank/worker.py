@@ -338,7 +338,8 @@ class RankRun:
         self.references: References | None = None
         if needs_reference(cfg) and cfg.preference.reference == "precomputed":
             self.references = prepare_references(
-                self.engine, cfg, self.run_dir, self.data.dir, self.pad_id, self.device,
+                self.engine, cfg, self.run_dir, self.data.dir, (self.loader.dataset, self.sampler),
+                self.pad_id, self.device,
                 bool(self.data.val), lambda line: self.print0(line, flush=True),
                 self.parts.attention,
             )  # fmt: skip
