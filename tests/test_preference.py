@@ -1,8 +1,9 @@
 """A preference stage end to end on CPU ranks: the DPO demo (2 ranks, ZeRO-3, packed pairs,
 reference log-probabilities precomputed) learns the bundled pairs' signal, logs TRL's metric
-names, resumes exactly onto one rank, and trains as it does with a live reference; a stage
-started from an SFT adapter uses that adapter as its reference; a QLoRA base runs; a sweep over
-beta reports the preference metrics."""
+names, resumes exactly with its rows split over 2 ranks (sequence parallelism) and onto one
+rank, and trains as it does with a live reference; a stage started from an SFT adapter uses
+that adapter as its reference; a QLoRA base runs; a sweep over beta reports the preference
+metrics."""
 
 from __future__ import annotations
 
@@ -92,25 +93,33 @@ def test_the_reference_table_covers_the_pairs_the_steps_read(dpo_run) -> None:
     assert (tables["train"] < 0).all()
 
 
-def test_a_resumed_stage_reads_its_reference_back_and_continues_exactly(
+def test_a_resumed_stage_split_over_ranks_then_on_one_rank_continues_exactly(
     dpo_run, tmp_path: Path
 ) -> None:
-    """From the 2-rank run's step 8 onto one rank (micro 4 × accumulation 4: the same global
-    batch)."""
+    """From the 2-rank run's step 8 onto the same 2 ranks with every row split over both
+    (trainer.sequence_parallel=2: one data-parallel group, accumulation 4), then onto one rank
+    (micro 4 × accumulation 4): the same global batch, the same steps."""
     run_dir, _ = dpo_run
     ckpt = run_dir / "checkpoints" / "step-0000008"
     branch = tmp_path / "branch"
-    one = ["launcher.num_ranks=1", f"resume={ckpt}"]
-    # A new run dir: the table is not there, so it is computed again, on one rank; it must give
-    # the same values (then the same losses, to fp32's order of additions).
-    out = _train(branch, *one)
-    assert "computed in" in out
-    want = _losses(run_dir)[8:]
-    assert _losses(branch) == pytest.approx(want, rel=1e-5, abs=1e-7)
-    # The same start again in the same dir: the key matches, the table is read back.
-    again = _train(branch, *one)
+    # A new run dir: the table is not there, so it is computed again, each pair's two
+    # sequences cut in halves whose log-probabilities the two ranks add; it must give the same
+    # values (then the same losses and gradients, to fp32's order of additions).
+    out = _train(branch, f"resume={ckpt}", "trainer.sequence_parallel=2")
+    assert "computed in" in out and "each sequence split over 2 ranks" in out
+    want = [m for m in _metrics(run_dir) if m["step"] > 8]
+    got = _metrics(branch)
+    assert [m["step"] for m in got] == [m["step"] for m in want]
+    for a, b in zip(got, want, strict=True):
+        for key in ("train/loss", "train/grad_norm", "train/rewards/margins", "eval/loss"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
+    assert got[-1]["eval/rewards/accuracies"] == want[-1]["eval/rewards/accuracies"]
+    # The same start again in the same dir, on one rank: the key matches (it does not depend on
+    # the ranks), the table is read back.
+    again = _train(branch, "launcher.num_ranks=1", f"resume={ckpt}")
     assert "reference log-probabilities read from" in again and "computed in" not in again
-    assert _losses(branch) == pytest.approx(want, rel=1e-5, abs=1e-7)
+    assert _losses(branch) == pytest.approx(_losses(run_dir)[8:], rel=1e-5, abs=1e-7)
 
 
 def test_a_live_reference_trains_as_the_precomputed_one(dpo_run, tmp_path: Path) -> None:

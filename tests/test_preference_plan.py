@@ -46,6 +46,16 @@ def test_a_live_reference_adds_its_forward_to_memory_and_to_the_step() -> None:
     assert t_live.step_s > 1.2 * t_pre.step_s
 
 
+def test_a_stage_split_over_ranks_is_planned_as_split_sft() -> None:
+    """trainer.sequence_parallel=2: each rank holds half of every row, the pair's sums are
+    added over the two ranks (a few floats), so the rows are SFT's at sp=2, and the live
+    reference's forward is that of half the row."""
+    sp = ["trainer.sequence_parallel=2"]
+    assert _rows([*DPO, *sp]) == _rows(sp) != _rows([])
+    live = _rows([*DPO, *sp, "preference.reference=live"])
+    assert live["live reference forward"] == 2048 * (3 * 18944 + 2 * 3584) * 2 / 2**30
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -54,7 +64,6 @@ def test_a_live_reference_adds_its_forward_to_memory_and_to_the_step() -> None:
         (["trainer.objective=ipo", "preference.label_smoothing=0.1"], "dpo and simpo, not ipo"),
         (["preference.simpo_gamma=-1"], "simpo_gamma must be >= 0"),
         (["peft.dropout=0.05"], "set peft.dropout=0"),
-        (["launcher.num_ranks=2", "trainer.sequence_parallel=2"], "do not split sequences"),
         (["data=demo"], "format"),
         (["trainer.objective=sft"], "which trainer.objective=sft does not train on"),
     ],

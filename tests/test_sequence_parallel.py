@@ -55,6 +55,29 @@ def test_shards_put_every_target_once_and_keep_the_rows_boundaries(sp: int) -> N
     assert "attention_mask" not in shards[0] and "labels" not in shards[0]
 
 
+def test_shards_of_pairs_give_each_sequence_its_targets_once_and_count_the_pairs_once() -> None:
+    """Two pairs (chosen, rejected) in one row of 13 tokens, cut in 2 (width 14): the shards'
+    (target, sequence) positions are the whole row's, so the two ranks' per-sequence sums add
+    up to the sequence's; the pairs and their reference values travel whole, counted once."""
+    one = Sample([1, 2, 3, 4, 5, 6, 7], [-100, -100, 3, 4, -100, 6, 7], split=4, index=5)
+    two = Sample([8, 9, 10, 11, 12, 13], [-100, 9, 10, -100, 12, 13], split=3, index=2)
+    batch = collate_packed([[one, two]], pad_token_id=0)
+    batch["reference_logps"] = torch.tensor([[-1.0, -2.0], [-3.0, -4.0]])
+    shards = _shards(batch, 2)
+    whole = pad_width(batch, 2, 0)
+    assert whole["sequence_index"].shape == (1, 14) and whole["sequence_index"][0, -1] == -1
+    targets = torch.cat([s["shift_labels"] for s in shards], dim=1)
+    sequence = torch.cat([s["shift_sequence_index"] for s in shards], dim=1)
+    torch.testing.assert_close(targets, next_token_targets(whole["labels"]))
+    # Each target position belongs to the sequence of the token it predicts.
+    kept = targets[0] != IGNORE_INDEX
+    assert targets[0][kept].tolist() == [3, 4, 6, 7, 9, 10, 12, 13]
+    assert sequence[0][kept].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert all(s["pair_index"].tolist() == [5, 2] for s in shards)
+    assert all(s["reference_logps"] is batch["reference_logps"] for s in shards)
+    assert [int(s["loss_pairs"]) for s in shards] == [2, 0]
+
+
 def test_padded_rows_get_positions_and_count_only_real_tokens() -> None:
     a, b, _ = _samples()
     shards = _shards(collate_padded([a, b], pad_token_id=0), 2)  # width 7 → 8

@@ -396,7 +396,7 @@ def _check_model_path(model: ModelConfig) -> None:
 
 
 def _preference_settings(cfg: RunConfig) -> None:
-    """A preference objective's own settings, and what it does not run with yet."""
+    """A preference objective's own settings."""
     t, pref = cfg.trainer, cfg.preference
     if t.objective == "sft":
         return
@@ -416,12 +416,6 @@ def _preference_settings(cfg: RunConfig) -> None:
             f"peft.dropout={cfg.peft.dropout} with trainer.objective={t.objective}: dropout "
             "makes the policy differ from its reference at random from the first step (the "
             "reference is taken without it), which TRL avoids the same way; set peft.dropout=0"
-        )
-    if str(t.sequence_parallel) not in ("auto", "1"):
-        raise ConfigError(
-            f"trainer.sequence_parallel={t.sequence_parallel} with trainer.objective="
-            f"{t.objective}: preference objectives do not split sequences over ranks yet "
-            "(set trainer.sequence_parallel=1, or auto)"
         )
 
 

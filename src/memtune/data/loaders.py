@@ -37,15 +37,15 @@ def eval_batches(
     samples = []
     for i in eval_shard(len(val), rank, world):
         s = val[max(i, 0)]
-        samples.append(s if i >= 0 else _blank(s))
+        samples.append(s if i >= 0 else blank_sample(s))
     micro = cfg.trainer.micro_batch_size
     if full_rows and len(samples) % micro:
-        samples += [_blank(samples[0])] * (-len(samples) % micro)
+        samples += [blank_sample(samples[0])] * (-len(samples) % micro)
     collate = collate_pairs if val.pairs else collate_padded
     return [collate(samples[a : a + micro], pad_token_id) for a in range(0, len(samples), micro)]
 
 
-def _blank(s: Sample) -> Sample:
+def blank_sample(s: Sample) -> Sample:
     """A label-free copy that fills a rank's shard (every rank runs as many forwards)."""
     return Sample(s.input_ids, [IGNORE_INDEX] * len(s.labels), s.split)
 

@@ -486,9 +486,11 @@ def format_longest_sequence(cfg: RunConfig, counts: ParamCounts) -> str:
         note = f"; beyond the {limit:,} positions of its rope scaling: a larger factor"
     elif n > limit:
         note = f"; beyond the model's {limit:,} positions it needs model.rope_scaling (YaRN)"
+    # A preference pair's two sequences share the row (either may be nearly all of it).
+    unit = "sample" if cfg.trainer.objective == "sft" else "pair (chosen + rejected)"
     return (
         f"longest sequence that fits (plan.max_seq_len_search, 2 GiB spare, long-context "
-        f"choices on auto): {n:,} tokens per sample with {how}{note}"
+        f"choices on auto): {n:,} tokens per {unit} with {how}{note}"
     )
 
 

@@ -110,6 +110,10 @@ def build_rank(
             group, sp_rank = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank()
             split_over_ranks(base, group, sp, sp_rank)
     engine, optimizer_note = build_engine(cfg, model, device, ds_config, mpu)
+    if mpu is not None and cfg.trainer.objective != "sft":
+        # A pair's sequence log-probabilities are summed over the group's shards.
+        group, sp_rank = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank()
+        engine.module.split_over(group, sp_rank)
     del hf_ds
     return RankParts(
         model=model,

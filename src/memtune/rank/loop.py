@@ -116,6 +116,7 @@ MODEL_INPUTS = (
     "cu_seq_lens",
     "max_length",
     "sequence_index",  # preference pairs (data.batching.collate_packed)
+    "shift_sequence_index",  # … cut into a sequence-parallel shard (rank.sequence_parallel)
     "pair_index",
     "reference_logps",  # precomputed (rank.reference)
 )
@@ -123,7 +124,10 @@ MODEL_INPUTS = (
 
 def loss_units(batch: dict[str, torch.Tensor]) -> int:
     """What one step's loss averages over: label tokens (SFT), or pairs (a preference
-    objective: fillers, pair_index -1, excluded)."""
+    objective: fillers, pair_index -1, excluded; under sequence parallelism counted once per
+    group, ``loss_pairs``)."""
+    if "loss_pairs" in batch:
+        return int(batch["loss_pairs"])
     if "pair_index" in batch:
         return int((batch["pair_index"] >= 0).sum())
     return label_count(batch)

@@ -27,6 +27,13 @@ and orpo; ``logps/*`` are the sums (dpo) or the averages (the others) the object
 
 The module returns the *sum* of the pairs' losses; rank.loop divides by the pairs of the global
 batch, as it divides the SFT loss by its label tokens.
+
+Under sequence parallelism (rank/sequence_parallel.py) each rank of a group holds a shard of
+every row: it sums its shard's log-probabilities per sequence, the group adds the partial sums
+(:class:`SumOverGroup`), and every rank of the group then computes the same objective. Each
+backpropagates it through its own shard only, so the group's gradients add up to the
+objective's once; its value counts once, on the group's first rank (the others return
+``L − L.detach()``: 0, with the gradient of L).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from memtune.config import RunConfig
@@ -59,6 +67,23 @@ STATS = (
     "logps/rejected",
 )
 """What a step reports besides the loss, TRL's names; each a mean over the step's pairs."""
+
+
+class SumOverGroup(torch.autograd.Function):
+    """The sum of a tensor over the ranks of a sequence-parallel group, on each of them; the
+    gradient passes through unchanged. Every rank computes the objective from the same sums
+    S = Σ s_r and backpropagates dL/dS into its own part s_r: the group's gradients then add
+    up to dL/dS · Σ ds_r/dθ, the objective's gradient counted once."""
+
+    @staticmethod
+    def forward(ctx: Any, part: torch.Tensor, group: Any) -> torch.Tensor:
+        total = part.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 def beta_of(cfg: RunConfig) -> float:
@@ -155,6 +180,14 @@ class PreferenceLoss(CausalLMLoss):
         """The reference is the adapter as loaded (peft.init_from), not the bare base: its
         log-probabilities are taken with the adapter on, before the first step."""
         self.stats: torch.Tensor | None = None
+        self.sequence_group: Any = None
+        """The sequence-parallel group this rank's shards belong to (None: whole rows)."""
+        self.sequence_rank = 0
+
+    def split_over(self, group: Any, rank: int) -> None:
+        """Rows come in shards, this rank's the ``rank``-th of ``group``
+        (rank/sequence_parallel.py)."""
+        self.sequence_group, self.sequence_rank = group, rank
 
     def sequence_logps(
         self, inputs: dict[str, Any], targets_BT: torch.Tensor, sequence_BT: torch.Tensor, n: int
@@ -168,7 +201,11 @@ class PreferenceLoss(CausalLMLoss):
         else:
             hidden, weight = self.hidden_and_head(inputs)
             per_token = FrozenHeadLogProbs.apply(hidden[keep], weight, y, self.chunk_tokens)
-        return sequence_logps(per_token, seq, n)
+        sums, counts = sequence_logps(per_token, seq, n)
+        if self.sequence_group is not None:  # this shard's part of every sequence
+            sums = SumOverGroup.apply(sums, self.sequence_group)
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=self.sequence_group)
+        return sums, counts
 
     def reference_logps(
         self, inputs: dict[str, Any], targets_BT: torch.Tensor, sequence_BT: torch.Tensor, n: int
@@ -184,22 +221,33 @@ class PreferenceLoss(CausalLMLoss):
     def forward(  # type: ignore[override]
         self,
         input_ids: torch.Tensor,
-        labels: torch.Tensor,
-        sequence_index: torch.Tensor,
-        pair_index: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        sequence_index: torch.Tensor | None = None,
+        pair_index: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         cu_seq_lens: torch.Tensor | None = None,
         max_length: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         reference_logps: torch.Tensor | None = None,
         reference_pass: bool = False,
+        shift_labels: torch.Tensor | None = None,
+        shift_sequence_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The summed loss of the batch's pairs (pairs whose ``pair_index`` is -1, fillers,
         count nothing). ``reference_logps``: ``[pairs, 2]``, precomputed. ``reference_pass``:
-        return the reference's ``[pairs, 2]`` log-probabilities instead (the precompute)."""
+        return the reference's ``[pairs, 2]`` log-probabilities instead (the precompute).
+        ``labels``/``sequence_index`` of whole rows, or ``shift_labels``/``shift_sequence_index``
+        of this rank's shard, shifted before the cut (rank/sequence_parallel.py)."""
+        if pair_index is None:
+            raise ValueError("PreferenceLoss needs pair_index (data.batching.collate_packed)")
         inputs = model_inputs(input_ids, attention_mask, position_ids, cu_seq_lens, max_length)
-        targets = next_token_targets(labels)
-        sequence = F.pad(sequence_index[:, 1:], (0, 1), value=-1)  # aligned with the targets
+        if shift_labels is not None and shift_sequence_index is not None:
+            targets, sequence = shift_labels, shift_sequence_index
+        elif labels is not None and sequence_index is not None:
+            targets = next_token_targets(labels)
+            sequence = F.pad(sequence_index[:, 1:], (0, 1), value=-1)  # aligned with targets
+        else:
+            raise ValueError("PreferenceLoss needs labels and sequence_index, or their shifts")
         n = 2 * pair_index.shape[0]
         if reference_pass:
             return self.reference_logps(inputs, targets, sequence, n).view(-1, 2)
@@ -224,4 +272,8 @@ class PreferenceLoss(CausalLMLoss):
         # is NaN, and its gradient too).
         sums = [torch.where(real, stats[k], 0.0).sum() for k in STATS]
         self.stats = torch.stack([*sums, real.sum().to(losses.dtype)]).detach().double()
-        return torch.where(real, losses, 0.0).sum()
+        total = torch.where(real, losses, 0.0).sum()
+        if self.sequence_rank:  # the group's first rank reports the pairs, once
+            self.stats.zero_()
+            return total - total.detach()
+        return total

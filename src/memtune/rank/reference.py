@@ -35,7 +35,10 @@ from memtune.config import RunConfig
 from memtune.data.batching import GlobalOrderSampler, PackedDataset, TokenizedDataset
 from memtune.data.batching import collate_packed as _collate
 from memtune.data.cache import load_split
+from memtune.data.loaders import blank_sample
 from memtune.data.packing import pack_bins
+from memtune.rank.loop import MODEL_INPUTS
+from memtune.rank.sequence_parallel import SequenceGroups, shard_batch
 from memtune.rundir import RunDir
 
 FORMAT = 1
@@ -107,9 +110,13 @@ def _rows(data: TokenizedDataset, items: list[int], cfg: RunConfig) -> list[list
 
 
 def _collated(
-    data: TokenizedDataset, rows: list[list[int]], pad_id: int
+    data: TokenizedDataset, rows: list[list[int]], pad_id: int, min_rows: int = 0
 ) -> dict[str, torch.Tensor]:
-    return _collate([[data[i] for i in row] for row in rows], pad_id)
+    """``rows`` of items collated; ``min_rows``: label-free rows fill it up to that many
+    (sequence-parallel attention takes micro_batch_size rows, no fewer)."""
+    samples = [[data[i] for i in row] for row in rows]
+    samples += [[blank_sample(samples[0][0])]] * (min_rows - len(samples))
+    return _collate(samples, pad_id)
 
 
 def compute(
@@ -119,13 +126,17 @@ def compute(
     cfg: RunConfig,
     pad_id: int,
     device: torch.device,
+    groups: SequenceGroups | None = None,
 ) -> torch.Tensor:
     """``[len(data), 2]`` (chosen, rejected) reference log-probabilities, NaN for items not in
-    ``items``. A collective: every rank takes its share and runs as many forwards as the
-    busiest one (ZeRO-3 gathers parameters in each)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    ``items``. A collective: every data-parallel group takes its share and runs as many
+    forwards as the busiest one (ZeRO-3 gathers parameters in each); under sequence
+    parallelism (``groups``) the ranks of a group run the same rows, each its shard, and the
+    group's first rank keeps the values."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    batches = _rows(data, items[rank::world], cfg)  # collated one at a time, below
+    if groups is None:
+        groups = SequenceGroups.of(dist.get_rank() if world > 1 else 0, world, 1)
+    batches = _rows(data, items[groups.dp_rank :: groups.dp], cfg)  # collated one at a time
     n = torch.tensor([len(batches)], device=device)
     if world > 1:
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
@@ -136,10 +147,14 @@ def compute(
     engine.eval()
     with torch.no_grad():
         for k in range(int(n.item())):
-            batch = _collated(data, batches[k] if k < len(batches) else filler, pad_id)
-            inputs = {key: v.to(device) for key, v in batch.items() if key != "real_tokens"}
+            rows = batches[k] if k < len(batches) else filler
+            full = cfg.trainer.micro_batch_size if groups.sp > 1 else 0
+            batch = _collated(data, rows, pad_id, full)
+            if groups.sp > 1:
+                batch = shard_batch(batch, groups, pad_id)
+            inputs = {key: v.to(device) for key, v in batch.items() if key in MODEL_INPUTS}
             logps = engine(**inputs, reference_pass=True).double()
-            if k < len(batches):
+            if k < len(batches) and groups.sp_rank == 0:
                 index = inputs["pair_index"]
                 real = index >= 0
                 table[index[real]] = logps[real]
@@ -192,6 +207,7 @@ def prepare(
     with_val: bool,
     say: Callable[[str], None],
     attention: str,
+    groups: SequenceGroups | None = None,
 ) -> References:
     """The tables of this run: read from ``RUN_DIR/reference`` when their key matches, else
     computed (and saved by rank 0). ``loader``: the rank's train dataset and sampler, whose
@@ -212,11 +228,12 @@ def prepare(
     start = time.perf_counter()
     train = pairs_of(loader[0])
     items = train_items(*loader, cfg)
-    tables = {"train": compute(engine, train, items, cfg, pad_id, device)}
+    tables = {"train": compute(engine, train, items, cfg, pad_id, device, groups)}
     counted = f"{len(items):,} train pairs"
     val = load_split(data_dir, "val") if with_val else None
     if val is not None and len(val):
-        tables["val"] = compute(engine, val, list(range(len(val))), cfg, pad_id, device)
+        every = list(range(len(val)))
+        tables["val"] = compute(engine, val, every, cfg, pad_id, device, groups)
         counted += f" and {len(val):,} validation pairs"
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:

@@ -23,6 +23,10 @@ What memtune adds around DeepSpeed's attention:
   right-padded and attention is causal, so padding never reaches a real token.
 - The width of a batch is padded to a multiple of ``sp`` (label-free, in the row's last
   segment) so the shards are equal.
+- Preference pairs (rank/preference.py): ``sequence_index`` is shifted with the labels and cut
+  with them; ``pair_index`` and the precomputed ``reference_logps`` stay whole on every rank of
+  the group, which sums its shards' log-probabilities per sequence before the objective, and
+  the group's pairs are counted once (``loss_pairs``, on its first rank).
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ def pad_width(batch: dict[str, torch.Tensor], multiple: int, pad_token_id: int) 
         return batch
     out = dict(batch)
     fills = {"input_ids": pad_token_id, "labels": IGNORE_INDEX, "attention_mask": 0}
+    fills["sequence_index"] = -1
     for key, fill in fills.items():
         if key in out:
             out[key] = F.pad(out[key], (0, extra), value=fill)
@@ -99,7 +104,10 @@ def shard_batch(
     """This rank's shard of a collated micro batch (the same batch on every rank of the group):
     ``input_ids``/``position_ids``/``shift_labels`` cut to this rank's equal slice,
     ``cu_seq_lens``/``max_length`` of the whole rows kept, the mask turned into this shard's
-    ``real_tokens`` (the loop's throughput count) and dropped."""
+    ``real_tokens`` (the loop's throughput count) and dropped. Preference pairs: their
+    ``sequence_index`` shifted and cut as the labels are (``shift_sequence_index``), their
+    ``pair_index``/``reference_logps`` whole, their count in ``loss_pairs`` on the first rank
+    of the group only (the loop's loss units)."""
     batch = pad_width(batch, groups.sp, pad_token_id)
     rows, width = batch["input_ids"].shape
     if "position_ids" not in batch:
@@ -114,6 +122,14 @@ def shard_batch(
     }
     if "cu_seq_lens" in batch:
         out["cu_seq_lens"], out["max_length"] = batch["cu_seq_lens"], batch["max_length"]
+    if "sequence_index" in batch:
+        shifted = F.pad(batch["sequence_index"][:, 1:], (0, 1), value=-1)
+        out["shift_sequence_index"] = shifted[:, cut].contiguous()
+        out["pair_index"] = batch["pair_index"]
+        pairs = (batch["pair_index"] >= 0).sum()
+        out["loss_pairs"] = pairs if groups.sp_rank == 0 else torch.zeros_like(pairs)
+        if "reference_logps" in batch:
+            out["reference_logps"] = batch["reference_logps"]
     if "attention_mask" in batch:
         out["real_tokens"] = batch["attention_mask"][:, cut].sum()
     elif "real_tokens" in batch:  # packed: counted once per group

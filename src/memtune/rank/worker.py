@@ -341,7 +341,7 @@ class RankRun:
                 self.engine, cfg, self.run_dir, self.data.dir, (self.loader.dataset, self.sampler),
                 self.pad_id, self.device,
                 bool(self.data.val), lambda line: self.print0(line, flush=True),
-                self.parts.attention,
+                self.parts.attention, self.groups,
             )  # fmt: skip
 
     def resume(self) -> TrainResult:
