@@ -162,17 +162,19 @@ def test_many_short_samples_in_two_rows_each_as_if_alone(hybrid_cfg) -> None:
                 at += n
 
 
-def test_a_qlora_base_packs_the_linear_attention_projections_and_trains() -> None:
-    """peft.method=qlora on the hybrid: bitsandbytes quantizes every projection of the
-    linear-attention layers too (in_proj_qkv, in_proj_z, in_proj_a/b, out_proj: nn.Linear), the
-    adapters train through them, and a packed row still gives each sample as if alone."""
+@pytest.mark.parametrize("peft", ["qlora-nf4", "lora-int8"])
+def test_a_quantized_base_packs_the_linear_attention_projections_and_trains(peft: str) -> None:
+    """peft.method=qlora (NF4) or lora-int8 (LLM.int8) on the hybrid: bitsandbytes quantizes
+    every projection of the linear-attention layers too (in_proj_qkv, in_proj_z, in_proj_a/b,
+    out_proj: nn.Linear), the adapters train through them, and a packed row still gives each
+    sample as if alone."""
     from memtune.rank.model import is_quantized_layer
 
     cfg = to_run_config(
         compose_cfg(
             [
                 "model=tiny-qwen3.5",
-                "peft=qlora-nf4",
+                f"peft={peft}",
                 "peft.dropout=0",
                 "trainer.precision=fp32",
                 "trainer.activation_checkpointing=false",

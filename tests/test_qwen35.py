@@ -169,16 +169,22 @@ def test_an_adapter_of_a_multimodal_checkpoint_loads_onto_its_own_class(
 
 
 def test_the_hybrid_splits_its_sequences_over_two_ranks_as_one_rank_trains(
-    multimodal_run, tmp_path: Path
+    multimodal_run, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """Ulysses for the linear-attention layers too (rank.linear_attention.Split): sp=2 on 2
-    ranks, packed rows (samples cross the shard boundary), trains as 1 rank does."""
+    ranks, packed rows (samples cross the shard boundary), trains as 1 rank does. The one rank
+    runs the other long-context switches: every layer recomputed from an input kept on the
+    host, the MLP in tiles (neither changes what is computed)."""
     from tests.conftest import Run, start_run
     from tests.test_sequence_parallel import _same_training
 
     base, sp2_dir = multimodal_run
-    one = start_run(tmp_path / "one", [*_by_path(base), "launcher.num_ranks=1"], probe=False)
+    long = ["trainer.activation_checkpointing=true", "trainer.checkpoint_layers=all"]
+    long += ["trainer.tiled_mlp=on", "trainer.offload_activations=on"]
+    one = start_run(tmp_path / "one", [*_by_path(base), "launcher.num_ranks=1", *long], probe=False)
     assert one.code == 0
+    out = capfd.readouterr().out
+    assert "MLP in " in out and "4 layers' inputs offloaded to the host" in out, out[-2000:]
     sp2 = Run(sp2_dir, load_run_config(sp2_dir / "config.yaml"), 0)
     assert str(sp2.cfg.trainer.sequence_parallel) == "2" and sp2.cfg.launcher.num_ranks == 2
     _same_training(sp2, one)

@@ -96,3 +96,43 @@ def test_the_plan_names_the_measured_linear_attention_layers() -> None:
     assert (
         "linear-attention" not in next(r for r in plan(qwen3).rows if r.what == "activations").how
     )
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_a_split_linear_layer_keeps_what_the_plan_counts(sp: int) -> None:
+    """Under sequence parallelism a rank runs the conv and the recurrence over the whole
+    sequence for 1/sp of the linear-attention heads (rank.linear_attention.Split); the plan
+    counts the mixer over 1/sp of the tokens with every head. Measured on the meta device:
+    the 9B's mixer with 1/sp of its heads over 4,096 tokens keeps what it keeps with all of
+    them over 4,096/sp (to 1e-4; both are per token and per head)."""
+    from memtune.memory.counts import _mixer_saved_on_meta
+
+    bf16 = ["model=qwen3.5-9b", "trainer.precision=bf16"]
+    heads = [
+        f"model.architecture.linear_num_key_heads={16 // sp}",
+        f"model.architecture.linear_num_value_heads={32 // sp}",
+    ]
+    on_a_rank = _mixer_saved_on_meta(to_run_config(compose_cfg([*bf16, *heads])), 4096)
+    planned = _mixer_saved_on_meta(to_run_config(compose_cfg(bf16)), 4096 // sp)
+    assert on_a_rank == pytest.approx(planned, rel=1e-3)
+
+
+def test_the_sequence_parallel_buffers_are_the_linear_layers_exchange() -> None:
+    """A 9B linear-attention layer exchanges q, k (16 × 128 each), v, z (32 × 128 each) and
+    a, b (32 each), more than a full-attention layer's q, k, v: the plan's buffer row is the
+    larger, at a rank's 2,048 tokens (sp=2), an input copy and an output each, in bf16."""
+    cfg = to_run_config(
+        compose_cfg(
+            [
+                "model=qwen3.5-9b",
+                "trainer.precision=bf16",
+                "launcher.num_ranks=2",
+                "trainer.sequence_parallel=2",
+                "data.max_seq_len=4096",
+                "trainer.micro_batch_size=1",
+            ]
+        )
+    )
+    row = next(r for r in plan(cfg).rows if r.what == "sequence-parallel buffers")
+    assert row.gib * 2**30 == 2 * 2048 * (2 * 16 * 128 + 2 * 32 * 128 + 2 * 32) * 2
+    assert "linear-attention layer's q, k, v, z, a, b" in row.how

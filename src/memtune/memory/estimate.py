@@ -468,10 +468,14 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
             per_token=True,
         )
     if sp > 1:
+        buffers, what = ulysses_buffer_bytes(cfg, tokens), "q, k, v"
+        if linear and linear_exchange_bytes(cfg, tokens) > buffers:
+            buffers = linear_exchange_bytes(cfg, tokens)
+            what = "a linear-attention layer's q, k, v, z, a, b"
         out.add(
             "sequence-parallel buffers",
-            ulysses_buffer_bytes(cfg, tokens),
-            f"all-to-all in/out of q, k, v over {sp} ranks (Ulysses)",
+            buffers,
+            f"all-to-all in/out of {what} over {sp} ranks (Ulysses; one layer at a time)",
         )
     if offload_activations(cfg) and k:
         h = int(cfg.model.architecture["hidden_size"])
@@ -513,6 +517,18 @@ def ulysses_buffer_bytes(cfg: RunConfig, tokens: int) -> int:
     heads, kv = int(a["num_attention_heads"]), int(a["num_key_value_heads"])
     kv_heads = max(kv, sequence_parallel_size(cfg))
     return 2 * tokens * head_dim(a) * (heads + 2 * kv_heads) * compute_bytes(cfg)
+
+
+def linear_exchange_bytes(cfg: RunConfig, tokens: int) -> int:
+    """A linear-attention layer's all-to-all copies under sequence parallelism
+    (rank.linear_attention.Split): q, k, v, the gate z and the per-head a, b go out to the
+    ranks' heads, each as a contiguous input copy and the exchanged output, in the compute
+    dtype. (The output's exchange back is smaller: v's width only.)"""
+    a = cfg.model.architecture
+    keys = int(a["linear_num_key_heads"]) * int(a["linear_key_head_dim"])
+    values = int(a["linear_num_value_heads"]) * int(a["linear_value_head_dim"])
+    per_head = 2 * int(a["linear_num_value_heads"])  # a and b: one number per value head
+    return 2 * tokens * (2 * keys + 2 * values + per_head) * compute_bytes(cfg)
 
 
 def host_budget_gib(cfg: RunConfig) -> float | None:
