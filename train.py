@@ -17,7 +17,7 @@ import hydra
 from omegaconf import DictConfig
 
 from memtune.config import register_configs
-from memtune.config.schema import unknown_override
+from memtune.config.schema import open_mappings, unknown_override
 from memtune.exit_codes import EXIT_CONFIG
 from memtune.launcher.job import missing_slurm, run_job
 
@@ -43,4 +43,5 @@ if __name__ == "__main__":
     if problem := unknown_override(sys.argv[1:]) or missing_slurm(sys.argv[1:]):
         print(f"memtune: config error: {problem}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
+    sys.argv[1:] = open_mappings(sys.argv[1:])
     sys.exit(main())

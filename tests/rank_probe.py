@@ -113,6 +113,7 @@ def probe(engine: Any, ctx: RankContext) -> None:
         "lora_b_tensors": n_lora_b,
         "lora_b_all_zero": lora_b_zero,
         "optimizer": type(basic).__name__,
+        "group_lrs": [float(g["lr"]) for g in basic.param_groups],
         "grad_accum_dtype": str(getattr(engine.optimizer, "gradient_accumulation_dtype", None)),
         "held_bytes": held_bytes,
         "lora_dtypes": sorted(lora_dtypes),

@@ -206,7 +206,8 @@ def test_multirun_gives_one_run_dir_per_point_and_a_report(tmp_path: Path) -> No
     import csv
 
     sweep = tmp_path / "sweep"
-    args = ["-m", "peft.r=4,0,8", "launcher.num_ranks=1", "logger=none", "trainer.max_steps=3"]
+    args = ["-m", "peft.r=4,0,8", "peft.rslora=true", "launcher.num_ranks=1", "logger=none"]
+    args += ["trainer.max_steps=3"]
     proc = run_train_py([*args, f"hydra.sweep.dir={sweep}"], cwd=ROOT)
     # peft.r=0 fails validation; the other points still run, and the sweep exits non-zero.
     assert proc.returncode == 1, proc.stderr[-3000:]
@@ -225,9 +226,15 @@ def test_multirun_gives_one_run_dir_per_point_and_a_report(tmp_path: Path) -> No
         ("peft.r=8", "ok"),
     ]
     assert int(rows[2]["trainable_params"]) == 2 * int(rows[0]["trainable_params"])
+    # rsLoRA: alpha / sqrt(r), with the demo's alpha 32 (plain LoRA's 32 / r would halve it).
+    assert [r["adapter"] for r in rows] == ["LoRA r=4 rsLoRA", "", "LoRA r=8 rsLoRA"]
+    assert [r["scaling"] for r in rows] == ["16.0", "", str(round(32 / 8**0.5, 4))]
     assert float(rows[0]["peak_memory_gib_max"]) > 0
     assert (sweep / "sweep_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| peft.r=8 | ok | 3 |" in (sweep / "sweep_report.md").read_text()
+    assert (
+        "| peft.r=8 | LoRA r=8 rsLoRA | 11.3137 | ok | 3 |"
+        in (sweep / "sweep_report.md").read_text()
+    )
     assert "1 sweep point(s) failed" in proc.stdout
 
 

@@ -50,8 +50,24 @@ def _back_to_step_10(full: Path, into: Path) -> Path:
         ("zero2", 1, 2, ["data.packing=true", "data.max_seq_len=128"]),
         ("zero3", 1, 2, ["data.packing=false"]),
         ("zero3", 2, 1, ["data.packing=true", "data.max_seq_len=128"]),
+        # The LoRA variants: a PiSSA start (the residual base rebuilt the same way), LoRA+'s
+        # two parameter groups, DoRA's magnitudes, a per-module rank.
+        ("zero3", 2, 1, ["peft.init=pissa_fast", "peft.rslora=true", "peft.loraplus_lr_ratio=2"]),
+        (
+            "zero2",
+            1,
+            2,
+            ["peft.dora=true", "peft.rank_pattern={down_proj: 4}", "peft.loraplus_lr_ratio=2"],
+        ),
     ],
-    ids=["zero2-padded-2to1", "zero2-packed-1to2", "zero3-padded-1to2", "zero3-packed-2to1"],
+    ids=[
+        "zero2-padded-2to1",
+        "zero2-packed-1to2",
+        "zero3-padded-1to2",
+        "zero3-packed-2to1",
+        "zero3-pissa-loraplus-2to1",
+        "zero2-dora-pattern-1to2",
+    ],
 )
 def test_resume_on_another_world_size_continues_the_same_run(
     tmp_path: Path, zero: str, ranks_before: int, ranks_after: int, extra: list[str]

@@ -143,3 +143,25 @@ def checkpointing_label(cfg: RunConfig) -> str:
     """How many decoder layers recompute, for humans: "off", "all 28 layers", "9 of 28 layers"."""
     k, layers = checkpointed_layers(cfg), int(cfg.model.architecture["num_hidden_layers"])
     return "off" if k == 0 else f"all {layers} layers" if k == layers else f"{k} of {layers} layers"
+
+
+def lora_scaling(cfg: RunConfig) -> float:
+    """What the adapter's product B·A is multiplied by: peft.alpha / r, or with rsLoRA
+    alpha / sqrt(r) (modules in peft.rank_pattern / alpha_pattern have their own)."""
+    p = cfg.peft
+    return p.alpha / (p.r**0.5 if p.rslora else p.r)
+
+
+def lora_variant(cfg: RunConfig) -> str:
+    """The adapter in a few words, for reports: "LoRA r=16", "DoRA r=8 rsLoRA init pissa"."""
+    p = cfg.peft
+    words = [f"{'DoRA' if p.dora else 'LoRA'} r={p.r}"]
+    if p.rslora:
+        words.append("rsLoRA")
+    if p.init != "default":
+        words.append(f"init {p.init}")
+    if p.loraplus_lr_ratio is not None:
+        words.append(f"LoRA+ {p.loraplus_lr_ratio:g}")
+    if p.rank_pattern or p.alpha_pattern:
+        words.append("per-module ranks")
+    return " ".join(words)

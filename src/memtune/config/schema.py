@@ -36,6 +36,7 @@ OnBadRecord = Literal["error", "skip"]
 PeftMethod = Literal["lora", "qlora", "lora-int8"]
 PeftTarget = Literal["attention", "all-linear"]
 QuantType = Literal["nf4", "fp4"]
+LoraInit = Literal["default", "gaussian", "pissa", "pissa_fast", "olora"]
 ZeroStage = Literal[2, 3]
 Precision = Literal["bf16", "fp32"]
 Switch = Literal["auto", "on", "off"]
@@ -169,6 +170,25 @@ class PeftConfig:
     init_from: str | None = None
     """An adapter to start from (RUN_DIR/adapter of an SFT run): its weights, its r, alpha and
     targets. With a dpo or ipo objective it is also the reference (frozen as loaded)."""
+    rslora: bool = False
+    """Rank-stabilized LoRA (Kalajdzievski 2023): scale the adapter by alpha / sqrt(r) instead of
+    alpha / r, so that a rank sweep does not change the update's size with the rank."""
+    dora: bool = False
+    """DoRA (Liu et al. 2024): a trained magnitude per output row of each adapted weight, the
+    LoRA update setting its direction. Costs time and memory (the planner counts both)."""
+    init: Choice[LoraInit] = "default"
+    """How the adapters start: default (A random, B zero: the adapter starts as a no-op) |
+    gaussian (A Gaussian, scaled by 1/r) | pissa (A, B from the weight's top r singular
+    vectors, the base keeps the rest; full SVD) | pissa_fast (the same by a randomized SVD,
+    16 subspace iterations) | olora (A, B from a QR decomposition of the weight)."""
+    loraplus_lr_ratio: float | None = None
+    """LoRA+ (Hayou et al. 2024): the B matrices learn at trainer.lr × this ratio (the paper
+    suggests 16), A at trainer.lr. null: one rate for both."""
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    """Ranks other than peft.r for some modules, peft's rank_pattern: {module name or regex:
+    r}, e.g. {"mlp.down_proj": 8}."""
+    alpha_pattern: dict[str, int] = field(default_factory=dict)
+    """Alphas other than peft.alpha for some modules, peft's alpha_pattern."""
 
 
 @dataclass
@@ -390,7 +410,7 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     if problem:
         raise ConfigError(problem)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=list(overrides))
+        return hydra_compose(config_name="config", overrides=open_mappings(overrides))
 
 
 def cache_dir() -> Path:
@@ -489,6 +509,21 @@ def unknown_override(overrides: list[str] | tuple[str, ...]) -> str | None:
             continue
         return _unknown_key_message(key, appended=False)
     return None
+
+
+def open_mappings(overrides: list[str] | tuple[str, ...]) -> list[str]:
+    """The overrides with a whole free-form mapping given on the command line
+    (``peft.rank_pattern={down_proj: 8}``, ``model.rope_scaling={...}``) turned into Hydra's
+    force-add form (``++key=...``). The schema is a struct config, which refuses the mapping's
+    new keys otherwise, and Hydra's advice (``+key=...``) fails too, since the key exists."""
+    leaves = set(schema_keys())
+    out = []
+    for arg in overrides:
+        key, eq, value = arg.partition("=")
+        if eq and key in leaves and _is_mapping(key) and value.lstrip().startswith("{"):
+            arg = f"++{arg}"
+        out.append(arg)
+    return out
 
 
 def _prefixes(key: str) -> list[str]:

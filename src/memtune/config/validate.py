@@ -60,6 +60,7 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
             raise ConfigError(f"{key}={get_field(cfg, key)!r} is not supported; choose {allowed}")
 
     _preference_settings(cfg)
+    _lora_variants(cfg)
     t, p = cfg.trainer, cfg.peft
     positive = {
         "peft.r": p.r,
@@ -419,6 +420,59 @@ def _preference_settings(cfg: RunConfig) -> None:
         )
 
 
+def _lora_variants(cfg: RunConfig) -> None:
+    """rsLoRA, DoRA, the initialisations, LoRA+ and per-module ranks: bad values and the
+    combinations that cannot work, by name."""
+    from memtune.config.derive import REFERENCE_OBJECTIVES, lora_targets
+
+    p = cfg.peft
+    if p.loraplus_lr_ratio is not None and p.loraplus_lr_ratio <= 0:
+        raise ConfigError(
+            f"peft.loraplus_lr_ratio must be > 0 (got {p.loraplus_lr_ratio}; the LoRA+ paper "
+            "uses 16; null: one rate for A and B)"
+        )
+    targets = lora_targets(cfg)
+    for field, pattern in (("rank_pattern", p.rank_pattern), ("alpha_pattern", p.alpha_pattern)):
+        for key, value in pattern.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"peft.{field}.{key}={value!r}: must be a positive integer")
+            last = str(key).split(".")[-1]
+            try:
+                hits = [t for t in targets if re.fullmatch(last, t)]
+            except re.error as err:
+                raise ConfigError(f"peft.{field}: {key!r} is not a valid pattern ({err})") from None
+            if not hits:
+                raise ConfigError(
+                    f"peft.{field}: {key!r} names no adapted module (peft.target="
+                    f"{p.target} adapts {', '.join(targets)}); it would change nothing"
+                )
+    if p.init in ("pissa", "pissa_fast", "olora"):
+        how = f"peft.init={p.init}"
+        if p.method != "lora":
+            raise ConfigError(
+                f"{how} with peft.method={p.method}: {p.init} moves the top of each adapted "
+                "weight into the adapter and leaves the base the rest, which a quantized base "
+                "cannot be rewritten to; use peft.method=lora, or peft.init=default"
+            )
+        if p.dora:
+            raise ConfigError(
+                f"{how} with peft.dora=true: the adapter is exported for the original base as "
+                "a plain LoRA of twice the rank (the base it trains over is the residual), "
+                "which DoRA's magnitudes do not convert to; drop one of them"
+            )
+        if p.init_from:
+            raise ConfigError(
+                f"{how} with peft.init_from: the adapter loaded from init_from replaces the one "
+                f"{p.init} builds, over a base {p.init} has rewritten; drop one of them"
+            )
+        if cfg.trainer.objective in REFERENCE_OBJECTIVES:
+            raise ConfigError(
+                f"{how} with trainer.objective={cfg.trainer.objective}: the reference is the "
+                f"base without the adapter, which {p.init} has rewritten (the original weights "
+                "minus the adapter's start); use peft.init=default"
+            )
+
+
 def _check_init_from(cfg: RunConfig) -> None:
     """peft.init_from: an adapter memtune (or peft) saved, whose shape is this run's LoRA."""
     import json
@@ -438,9 +492,16 @@ def _check_init_from(cfg: RunConfig) -> None:
     saved = json.loads(config_file.read_text())
     p = cfg.peft
     wanted = {"r": p.r, "lora_alpha": p.alpha, "target_modules": sorted(lora_targets(cfg))}
+    wanted |= {"use_rslora": p.rslora, "use_dora": p.dora}
+    wanted |= {"rank_pattern": dict(p.rank_pattern), "alpha_pattern": dict(p.alpha_pattern)}
     fields = {"r": "peft.r", "lora_alpha": "peft.alpha", "target_modules": "peft.target"}
+    fields |= {"use_rslora": "peft.rslora", "use_dora": "peft.dora"}
+    fields |= {"rank_pattern": "peft.rank_pattern", "alpha_pattern": "peft.alpha_pattern"}
+    defaults: dict[str, Any] = {"use_rslora": False, "use_dora": False}
+    defaults |= {"rank_pattern": {}, "alpha_pattern": {}}
     for key, value in wanted.items():
-        have = saved.get(key)
+        have = saved.get(key, defaults.get(key))
+        have = have or ({} if key in ("rank_pattern", "alpha_pattern") else have)
         have = sorted(have) if isinstance(have, list) else have
         if have != value:
             raise ConfigError(

@@ -19,6 +19,8 @@ from memtune.rundir import RunDir
 COLUMNS = [
     "point",
     "overrides",
+    "adapter",
+    "scaling",
     "status",
     "steps",
     "train_loss_last",
@@ -63,6 +65,7 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
         varying = [o for o in overrides if o not in shared] if len(runs) > 1 else overrides
         row: dict[str, Any] = {"point": run.name, "overrides": " ".join(varying)}
         rd = RunDir(run)
+        row |= _adapter(rd)
         if rd.summary.is_file():
             s = rd.read_summary()
             row.update(
@@ -84,6 +87,22 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
             row["status"] = f"failed (exit {code})" if code is not None else "failed"
         rows.append(row)
     return rows
+
+
+def _adapter(rd: RunDir) -> dict[str, Any]:
+    """The point's adapter and its scaling (alpha / r, or alpha / sqrt(r) with rsLoRA): a rank
+    sweep with plain LoRA's scaling changes the update's size along with the rank, and the
+    report says so instead of leaving it to be inferred."""
+    from memtune.config import ConfigError, load_run_config
+    from memtune.config.derive import lora_scaling, lora_variant
+
+    if not rd.config.is_file():
+        return {}
+    try:
+        cfg = load_run_config(rd.config)
+    except ConfigError:
+        return {}
+    return {"adapter": lora_variant(cfg), "scaling": round(lora_scaling(cfg), 4)}
 
 
 def _losses(run: Path) -> list[tuple[int, float]]:
@@ -122,6 +141,7 @@ def write_report(sweep_dir: Path) -> dict[str, Path]:
 
 # Numbers in one column side by side with the same decimals (6.0830 next to 6.0146).
 DECIMALS = {"train_loss_last": 4, "eval_loss": 4, "tokens_per_s": 1, "peak_memory_gib_max": 3}
+DECIMALS |= {"scaling": 4}
 DECIMALS |= {c: 4 for c in PREFERENCE_COLUMNS}
 
 

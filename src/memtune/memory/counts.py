@@ -50,7 +50,7 @@ def arch_config(cfg: RunConfig) -> Any:
     return AutoConfig.for_model(arch.pop("model_type"), **arch)
 
 
-COUNTS_CACHE_FORMAT = 3
+COUNTS_CACHE_FORMAT = 4
 
 
 def count_params(cfg: RunConfig) -> ParamCounts:
@@ -67,6 +67,8 @@ def count_params(cfg: RunConfig) -> ParamCounts:
             "architecture": dict(cfg.model.architecture),
             "r": p.r,
             "targets": sorted(lora_targets(cfg)),
+            "rank_pattern": dict(p.rank_pattern),
+            "dora": p.dora,
             "versions": [version(name) for name in ("transformers", "peft", "torch")],
         },
         sort_keys=True,
@@ -98,6 +100,7 @@ def _count_on_meta(cfg: RunConfig) -> ParamCounts:
     # Imported here: a launch whose counts are cached never imports torch on the job side.
     import torch
     from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"), warnings.catch_warnings():
@@ -130,22 +133,28 @@ def _count_on_meta(cfg: RunConfig) -> ParamCounts:
             )
         )
 
+        lora_config = LoraConfig(
+            r=p.r,
+            lora_alpha=p.alpha,
+            target_modules=targets,
+            use_dora=p.dora,
+            rank_pattern=dict(p.rank_pattern),
+        )
+        peft_model = get_peft_model(model, lora_config)  # adapts the layers in place
+        lora = sum(q.numel() for q in peft_model.parameters() if q.requires_grad)
+
         # What one layer's adapters keep for backward (memory.estimate.layer_bytes), for each
-        # kind of layer.
+        # kind of layer: each adapted module's input width and its rank (peft.rank_pattern's).
         def adapted(layer: Any) -> list[tuple[str, int, int]]:
             return [
-                (name.split(".")[-1], m.in_features, p.r)
+                (name.split(".")[-1], int(m.in_features or 0), int(m.r["default"]))
                 for name, m in layer.named_modules()
-                if isinstance(m, torch.nn.Linear) and name.split(".")[-1] in targets
+                if isinstance(m, LoraLayer) and name.split(".")[-1] in targets
             ]
 
         linear_kind = first.pop("linear_attention", None)
         lora_inputs = adapted(next(iter(first.values()), layers[0]))
         linear_attention_lora_inputs = adapted(linear_kind) if linear_kind is not None else []
-        peft_model = get_peft_model(
-            model, LoraConfig(r=p.r, lora_alpha=p.alpha, target_modules=targets)
-        )
-        lora = sum(q.numel() for q in peft_model.parameters() if q.requires_grad)
     return ParamCounts(
         linear,
         layer,

@@ -34,7 +34,7 @@ from memtune.rank.model import (
     count_parameters,
     load_base_model,
 )
-from memtune.rank.optim import build_optimizer, scheduler_factory
+from memtune.rank.optim import build_optimizer, param_groups, scheduler_factory, with_rates
 
 LoadBase = Callable[[RunConfig, str], Any]
 """(config, attention implementation) -> the base model, before LoRA."""
@@ -161,12 +161,14 @@ def build_engine(
     groups (rank/sequence_parallel.py), when sequences are split."""
     import deepspeed
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer, optimizer_note = build_optimizer(cfg, params, device)
+    groups = param_groups(cfg, model)
+    optimizer, optimizer_note = build_optimizer(cfg, groups, device)
+    if cfg.peft.loraplus_lr_ratio is not None:
+        optimizer_note += f" · LoRA+: B at {cfg.peft.loraplus_lr_ratio:g}× the rate of A"
     engine, _, _, _ = deepspeed.initialize(
         model=loss_module(cfg, model, device),
         optimizer=optimizer,
-        model_parameters=params if optimizer is None else None,
+        model_parameters=with_rates(groups, cfg.trainer.lr) if optimizer is None else None,
         lr_scheduler=scheduler_factory(cfg),
         config=ds_config,
         mpu=mpu,

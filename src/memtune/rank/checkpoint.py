@@ -62,9 +62,46 @@ def export_adapter(model: Any, out_dir: Path, is_writer: bool) -> int:
             f"{len(broken)} adapter tensors hold inf/NaN (first: {broken[0]}); not saved, so "
             "the last checkpoint stays the one to resume from"
         )
+    initial = getattr(model, "memtune_initial_adapter", None)
+    if initial is not None:
+        state = for_original_base(state, initial)
     if is_writer:
         model.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
+        if initial is not None:
+            _doubled_rank_config(out_dir / "adapter_config.json")
     return len(state)
+
+
+def for_original_base(
+    state: dict[str, torch.Tensor], initial: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """An adapter trained from a PiSSA or OLoRA start (which left the base W − B0·A0, scaled)
+    as a plain LoRA adapter of twice the rank for the original base W, the conversion peft
+    documents: W − B0A0 + BA = W + [B | −B0]·[A ; A0]. Exact; plain peft, merge and serving
+    load it onto the checkpoint as released."""
+    out = {}
+    for name, t in state.items():
+        start = initial[name].to(t.dtype)
+        if "lora_A" in name:
+            out[name] = torch.cat([t, start], dim=0)
+        elif "lora_B" in name:
+            out[name] = torch.cat([t, -start], dim=1)
+        else:
+            raise ValueError(f"{name}: only LoRA's A and B convert to the original base")
+    return out
+
+
+def _doubled_rank_config(path: Path) -> None:
+    """adapter_config.json for :func:`for_original_base`: rank and per-module ranks doubled,
+    alphas doubled (× √2 with rsLoRA) so the scaling stays, and no initialisation to redo."""
+    config = json.loads(path.read_text())
+    config["r"] *= 2
+    config["lora_alpha"] *= 2**0.5 if config.get("use_rslora") else 2
+    config["rank_pattern"] = {k: 2 * v for k, v in (config.get("rank_pattern") or {}).items()}
+    grow = 2**0.5 if config.get("use_rslora") else 2
+    config["alpha_pattern"] = {k: grow * v for k, v in (config.get("alpha_pattern") or {}).items()}
+    config["init_lora_weights"] = True
+    write_atomic(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def name_for_multimodal_class(out_dir: Path) -> None:
@@ -284,8 +321,13 @@ def follow_schedule(engine: Any, lr: float) -> None:
     resume ran at the old schedule's rate and the next jumped to the new one."""
     scheduler = engine.lr_scheduler
     basic = getattr(engine.optimizer, "optimizer", engine.optimizer)
-    rates = [lr * factor(scheduler.last_epoch) for factor in scheduler.lr_lambdas]
-    scheduler.base_lrs = [lr] * len(rates)
+    # Each group's own base rate: LoRA+ runs the B matrices at lr × their group's ratio.
+    bases = [lr * group.get("lr_ratio", 1.0) for group in basic.param_groups]
+    rates = [
+        base * factor(scheduler.last_epoch)
+        for base, factor in zip(bases, scheduler.lr_lambdas, strict=True)
+    ]
+    scheduler.base_lrs = bases
     scheduler._last_lr = rates
     for group, rate in zip(basic.param_groups, rates, strict=True):
         group["lr"] = rate
@@ -326,6 +368,7 @@ def save_gathered_state(engine: Any, out: Path, is_writer: bool) -> None:
     step = _optimizer_step(engine)
     if step is None:  # no Adam moments by these names (8-bit AdamW): engine files only
         return
+    _link_optimizer_state(engine.optimizer)
     tensors: dict[str, torch.Tensor] = {}
     for name, param in _trainable(engine):
         tensors[f"{name}::fp32"] = safe_get_full_fp32_param(param).detach().cpu().clone()
@@ -409,8 +452,18 @@ def _materialize_optimizer_state(engine: Any) -> None:
     basic.step()
     for p in fresh:
         p.grad = None
+    _link_optimizer_state(zero)
+
+
+def _link_optimizer_state(zero: Any) -> None:
+    """ZeRO-1/2: map each parameter's fragment of the Adam state (DeepSpeed's accessors read
+    through it), for every parameter group. DeepSpeed (0.19) links lazily, once, right after
+    the *first* group's first step, when the other groups have no state yet; with LoRA+'s two
+    groups the second group's fragments stayed empty ("exp_avg not found in optimizer state
+    fragment"). Linking again once every group has stepped fixes them; ZeRO-3 needs nothing."""
     link = getattr(zero, "_lazy_init_hp_params_optimizer_state", None)
     if link is not None:
+        zero._hp_optimizer_states_linked = False
         link()
 
 

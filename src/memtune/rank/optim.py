@@ -22,11 +22,32 @@ import torch
 from memtune.config import RunConfig
 
 
+def param_groups(cfg: RunConfig, model: torch.nn.Module) -> list[dict[str, Any]]:
+    """The trainable parameters as the optimizer's groups: one, or with LoRA+
+    (peft.loraplus_lr_ratio) two: the A matrices at trainer.lr, the B matrices (and DoRA's
+    magnitudes, one number per output row, as peft's LoRA+ groups them) at trainer.lr × the
+    ratio. Each group carries its ``lr_ratio``, which the schedule multiplies (the first group,
+    whose rate the logs show, is always the base rate)."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    ratio = cfg.peft.loraplus_lr_ratio
+    if ratio is None:
+        return [{"params": [p for _, p in trainable], "lr_ratio": 1.0}]
+    fast = [p for n, p in trainable if "lora_B" in n or p.ndim == 1]
+    slow = [p for n, p in trainable if not ("lora_B" in n or p.ndim == 1)]
+    return [{"params": slow, "lr_ratio": 1.0}, {"params": fast, "lr_ratio": float(ratio)}]
+
+
+def with_rates(groups: list[dict[str, Any]], lr: float) -> list[dict[str, Any]]:
+    return [{**g, "lr": lr * g["lr_ratio"]} for g in groups]
+
+
 def build_optimizer(
-    cfg: RunConfig, params: list[torch.nn.Parameter], device: torch.device
+    cfg: RunConfig, params: list[dict[str, Any]], device: torch.device
 ) -> tuple[Any, str]:
-    """The client optimizer for ``deepspeed.initialize`` (None for cpu_adam) and a log line."""
+    """The client optimizer for ``deepspeed.initialize`` (None for cpu_adam) and a log line;
+    ``params``: :func:`param_groups`."""
     t = cfg.trainer
+    params = with_rates(params, t.lr)
     if t.optimizer == "cpu_adam":
         return None, "optimizer DeepSpeed CPU Adam (state and step on the host)"
     if t.optimizer == "adamw_8bit":

@@ -62,7 +62,7 @@ from memtune.rank.loop import (
     train,
 )
 from memtune.rank.memory_check import check, verdict
-from memtune.rank.model import method_label
+from memtune.rank.model import method_label, variant_label
 from memtune.rank.reference import References
 from memtune.rank.reference import prepare as prepare_references
 from memtune.rank.sequence_parallel import SequenceGroups, shard_batch
@@ -531,7 +531,8 @@ def start_up_lines(cfg: RunConfig, parts: Any, world: int, groups: SequenceGroup
     trainable, total = parts.trainable, parts.total
     return (
         f"memtune: {cfg.model.name_or_path} · attention {parts.attention}{extras} · "
-        f"{method_label(cfg)} r={cfg.peft.r} on {cfg.peft.target} · {trainable:,} trainable of "
+        f"{method_label(cfg)} r={cfg.peft.r} on {cfg.peft.target}"
+        f"{variant_label(cfg, parts.model)} · {trainable:,} trainable of "
         f"{total:,} parameters ({100 * trainable / total:.3f}%)\n"
         f"memtune: {world} rank(s) · ZeRO-{cfg.zero.stage} · {t.precision} · batch "
         f"{t.micro_batch_size} × accum {grad_accumulation_steps(cfg)} × {groups.dp} "

@@ -1,0 +1,147 @@
+"""The LoRA variants on 2 CPU ranks under ZeRO-3: DoRA with rsLoRA scaling, LoRA+ and
+per-module ranks and alphas in one run; a PiSSA start in another. Each adapter loads in plain
+peft onto the base as released and gives memtune's logits."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from memtune.config import ConfigError, to_run_config, validate
+from memtune.memory.counts import count_params
+from tests.conftest import FAST, Run, compose_cfg, start_run
+
+VARIANTS = [
+    "peft.target=all-linear",
+    "peft.dropout=0",
+    "peft.dora=true",
+    "peft.rslora=true",
+    "peft.loraplus_lr_ratio=16",
+    "peft.rank_pattern={down_proj: 4}",
+    "peft.alpha_pattern={o_proj: 8}",
+]
+
+
+def _plain_peft_logits(run: Run) -> tuple[torch.Tensor, torch.Tensor]:
+    """(plain peft on the released base + the exported adapter, memtune's trained model) on
+    the probe batch."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(run.cfg.model.name_or_path, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, run.dir / "adapter").eval()
+    probe = torch.load(run.dir / "probe_logits.pt", weights_only=True)
+    with torch.no_grad():
+        return model(input_ids=probe["input_ids"]).logits, probe["logits"]
+
+
+@pytest.fixture(scope="module")
+def variants_run(runs_root: Path) -> Run:
+    run = start_run(
+        runs_root / "variants", [*FAST, "zero=zero3", "launcher.num_ranks=2", *VARIANTS]
+    )
+    assert run.code == 0
+    return run
+
+
+@pytest.mark.slow
+def test_dora_rslora_loraplus_and_patterns_train_and_load_in_plain_peft(variants_run) -> None:
+    run = variants_run
+    losses = run.losses()
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+    config = json.loads((run.dir / "adapter" / "adapter_config.json").read_text())
+    assert config["use_dora"] is True and config["use_rslora"] is True
+    assert config["rank_pattern"] == {"down_proj": 4} and config["alpha_pattern"] == {"o_proj": 8}
+    tensors = load_file(run.dir / "adapter" / "adapter_model.safetensors")
+    down = [t for k, t in tensors.items() if "down_proj.lora_A" in k]
+    assert down and all(t.shape[0] == 4 for t in down)
+    magnitudes = [k for k in tensors if "lora_magnitude_vector" in k]
+    assert len(magnitudes) == 2 * 7  # one per adapted module: 2 layers × 7 projections
+    assert run.summary()["trainable_params"] == count_params(run.cfg).lora
+    # LoRA+: B (and DoRA's magnitudes) at 16× the rate of A, through the schedule.
+    for probe in run.probes():
+        a, b = probe["group_lrs"]
+        assert b == pytest.approx(16 * a, rel=1e-9) and a > 0
+    got, want = _plain_peft_logits(run)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_pissa_start_trains_from_the_base_and_exports_for_the_released_base(
+    zero3_run: Run, runs_root: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """peft.init=pissa_fast moves each adapted weight's top singular directions into the
+    adapter: the model it starts from is the base itself (the first loss is plain LoRA's), the
+    base the ranks train over is the residual, and the export is a plain LoRA adapter of twice
+    the rank for the released base (peft's documented conversion)."""
+    run = start_run(
+        runs_root / "pissa",
+        [
+            *FAST,
+            "zero=zero3",
+            "launcher.num_ranks=2",
+            "trainer.loss_chunk_tokens=16",
+            "peft.init=pissa_fast",
+        ],
+    )
+    assert run.code == 0
+    out = capfd.readouterr().out
+    assert "init pissa_fast (SVD in " in out
+    assert run.losses()[0] == pytest.approx(zero3_run.losses()[0], rel=1e-5)
+    assert run.losses()[-1] < run.losses()[0]
+    adapted = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    for probe in run.probes():  # the residual: exactly the adapted weights differ from the base
+        changed = {name.split(".")[-3] for name in probe["base_changed"]}
+        assert changed == adapted and len(probe["base_changed"]) == 2 * len(adapted)
+    config = json.loads((run.dir / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (2 * run.cfg.peft.r, 2 * run.cfg.peft.alpha)
+    assert config["init_lora_weights"] is True
+    got, want = _plain_peft_logits(run)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _cfg(*overrides: str):
+    return to_run_config(compose_cfg(list(overrides)))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["peft.loraplus_lr_ratio=0"], "peft.loraplus_lr_ratio must be > 0"),
+        (["peft.target=attention", "peft.rank_pattern={gate_proj: 4}"], "names no adapted module"),
+        (["peft.rank_pattern={q_proj: 0}"], "must be a positive integer"),
+        (["peft.init=pissa", "peft=qlora-nf4"], "a quantized base cannot be rewritten"),
+        (["peft.init=olora", "peft.dora=true"], "DoRA's magnitudes do not convert"),
+        (
+            ["peft.init=pissa", "trainer.objective=dpo", "data=demo-preference", "peft.dropout=0"],
+            "the reference is the base without the adapter",
+        ),
+        (["peft.init=gauss"], "peft.init='gauss' is not supported"),
+    ],
+)
+def test_combinations_that_cannot_work_are_refused_by_name(
+    overrides: list[str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        validate(_cfg(*overrides), inputs=False)
+
+
+def test_the_counts_follow_dora_and_the_per_module_ranks() -> None:
+    """From peft on the meta device: DoRA adds one magnitude per output row of each adapted
+    weight; a rank_pattern entry changes that module's A and B."""
+    plain = count_params(_cfg("peft.target=all-linear"))
+    dora = count_params(_cfg("peft.target=all-linear", "peft.dora=true"))
+    arch = _cfg().model.architecture
+    h, inter, layers = arch["hidden_size"], arch["intermediate_size"], arch["num_hidden_layers"]
+    heads, kv = arch["num_attention_heads"], arch["num_key_value_heads"]
+    kv_width = h // heads * kv
+    rows = h + 2 * kv_width + h + 2 * inter + h  # q, k, v, o, gate, up, down out_features
+    assert dora.lora - plain.lora == layers * rows
+    pattern = count_params(_cfg("peft.target=all-linear", "peft.rank_pattern={down_proj: 4}"))
+    assert plain.lora - pattern.lora == layers * (16 - 4) * (inter + h)
+    assert ("down_proj", inter, 4) in pattern.lora_inputs
