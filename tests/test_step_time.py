@@ -32,8 +32,18 @@ def _counted(cfg, attn: str) -> dict[str, int]:
     return {str(op): n for op, n in mode.get_flop_counts()["Global"].items()}
 
 
-@pytest.mark.parametrize("checkpoint_layers", ["all", "1"])
-def test_flops_equal_torchs_count_of_a_real_step(checkpoint_layers: str) -> None:
+@pytest.mark.parametrize(
+    ("checkpoint_layers", "variant"),
+    [
+        ("all", []),
+        ("1", []),
+        # DoRA: B·A built through an identity in each forward and recompute; with dropout the
+        # base weight once more on the dropped input (forward, recompute, input gradient).
+        ("1", ["peft.dora=true"]),
+        ("1", ["peft.dora=true", "peft.dropout=0.05"]),
+    ],
+)
+def test_flops_equal_torchs_count_of_a_real_step(checkpoint_layers: str, variant: list) -> None:
     cfg = to_run_config(
         compose_cfg(
             [
@@ -43,16 +53,20 @@ def test_flops_equal_torchs_count_of_a_real_step(checkpoint_layers: str) -> None
                 "data.max_seq_len=128",
                 "trainer.micro_batch_size=2",
                 f"trainer.checkpoint_layers={checkpoint_layers}",
+                *variant,
             ]
         )
     )
     synthesize(cfg.model.name_or_path, cfg.model.architecture)
     model = micro_step_flops(cfg, count_params(cfg))
+    assert (model.dora > 0) == cfg.peft.dora
     # torch counts no FLOPs in CPU SDPA's fused kernel: the matmuls are the linear layers.
     varlen = _counted(cfg, "sdpa_varlen")
     assert set(varlen) == {"aten.mm", "aten.addmm"}
     # Within 1%: the head skips each row's last position, which predicts nothing.
-    assert sum(varlen.values()) == pytest.approx(model.base + model.lora, rel=0.01)
+    assert sum(varlen.values()) == pytest.approx(model.base + model.lora + model.dora, rel=0.01)
+    if variant:
+        return
     # Eager attention's matmuls compute the whole n × n scores: twice the causal half.
     eager = _counted(cfg, "eager")
     assert sum(eager.values()) - sum(varlen.values()) == pytest.approx(2 * model.attention)

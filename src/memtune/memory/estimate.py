@@ -138,6 +138,8 @@ def layer_bytes(
     else:
         mlp = 3 * n * inter * b  # gate (SiLU input), SiLU output, up
     lora = lora_activation_bytes(inputs, n, b, cfg.peft.dropout > 0, cuda)
+    if cfg.peft.dora:
+        lora += sum(dora_saved_bytes(out, n, b) for _, out, _ in dora_modules(inputs, counts))
     # o_proj reads the all-to-all's output, or the gated one, not attention's own
     reads_a_copy = sequence_parallel_size(cfg) > 1 or a.get("model_type") in GATED_ATTENTION
     if kind != "linear_attention" and cfg.peft.dropout == 0 and reads_a_copy:
@@ -272,10 +274,51 @@ class StepPeak:
     activations: int
     loss: int = 0
     backward: int = 0
+    dora: int = 0  # DoRA's weight-norm temporaries in a layer's forward (or recompute)
 
     @property
     def total(self) -> int:
-        return self.activations + self.loss + self.backward
+        return self.activations + self.loss + self.backward + self.dora
+
+
+def dora_modules(
+    inputs: list[tuple[str, int, int]], counts: ParamCounts
+) -> list[tuple[int, int, int]]:
+    """(in, out, r) of each adapted module of a layer (``inputs``: its lora_inputs)."""
+    outs = {name.split(".")[-1]: o for name, _, o in counts.linear_shapes}
+    return [(i, outs[name], r) for name, i, r in inputs]
+
+
+def dora_saved_bytes(out: int, n: int, b: int) -> int:
+    """What DoRA adds to an adapted module's saved activations for ``n`` tokens (peft's
+    DoraLinearLayer): the base output and the LoRA output, each n × out, which the product
+    with the magnitude scale keeps for backward (checked against tools.step_trace)."""
+    return 2 * n * out * b
+
+
+def dora_transient_bytes(cfg: RunConfig, counts: ParamCounts, tokens: int, kind: str) -> int:
+    """What peft's DoRA holds for a moment in the forward (or recompute) of an adapted module,
+    beyond what the layer keeps, for its largest module (0 without DoRA). peft builds the LoRA
+    product as a weight by running A and B over an identity matrix (in × in, A's output
+    in × r, the product in × out), which live until the module's forward ends; next to them,
+    first the scaled product and its sum with the base weight for the row norms (out × in
+    each, before the module's own outputs exist), then at the end one product with the
+    magnitudes (n × out). The larger of the two moments, as tools.step_trace sees them."""
+    if not cfg.peft.dora:
+        return 0
+    b = compute_bytes(cfg)
+    inputs = (
+        counts.linear_attention_lora_inputs if kind == "linear_attention" else counts.lora_inputs
+    )
+
+    def moment(m: tuple[int, int, int]) -> int:
+        i, out, r = m
+        identity = (i * i + i * r + i * out) * b
+        norms = identity + 2 * i * out * b - dora_saved_bytes(out, tokens, b)
+        ending = identity + tokens * out * b
+        return max(norms, ending)
+
+    return max((moment(m) for m in dora_modules(inputs, counts)), default=0)
 
 
 def step_peak(
@@ -297,11 +340,18 @@ def step_peak(
     if k < layers:
         moments.append(StepPeak(f"backward of layer {layers - 1}", saved, backward=back))
     if k > 0:
-        recomputed = kept_inputs(cfg, k) * tokens * h * compute_bytes(cfg)
-        recomputed += max(
-            layer_bytes(cfg, tokens, counts, cuda, kind) for kind in set(layer_kinds(cfg)[:k])
-        )
-        moments.append(StepPeak(f"backward of layer {k - 1} (recomputed)", recomputed, 0, back))
+        inputs = kept_inputs(cfg, k) * tokens * h * compute_bytes(cfg)
+        for kind in set(layer_kinds(cfg)[:k]):
+            layer = layer_bytes(cfg, tokens, counts, cuda, kind)
+            where = f"backward of layer {k - 1} (recomputed)"
+            moments.append(StepPeak(where, inputs + layer, 0, back))
+            if dora := dora_transient_bytes(cfg, counts, tokens, kind):
+                # At the end of the recompute, the moment the plain step peaks at too (the
+                # backward allowance stands for what it holds there beyond the saved bytes).
+                where = f"recompute of layer {k - 1} (DoRA)"
+                moments.append(StepPeak(where, inputs + layer, 0, back, dora))
+    if k < layers and (dora := dora_transient_bytes(cfg, counts, tokens, layer_kinds(cfg)[-1])):
+        moments.append(StepPeak(f"forward of layer {layers - 1} (DoRA)", saved, dora=dora))
     return max(moments, key=lambda m: m.total)
 
 
@@ -446,13 +496,21 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
         f"{tokens:,} tokens per micro batch{share}, {', '.join(extras)}",
         per_token=True,
     )
+    if peak.dora:
+        out.add(
+            "DoRA weight norms",
+            peak.dora,
+            "peft's DoRA builds B·A as a weight through an identity matrix (in × in) for the "
+            "row norms, in every forward and recompute; its largest module's "
+            f"(the step's peak: {peak.where})",
+        )
     if peak.loss:
         how = f"{t.loss} cross-entropy (the step's peak: in the loss)"
         if t.objective != "sft":  # rank.preference: the same chunked head, per-token log-probs
             kind = preference_loss_kind(t.loss)
             how = f"{kind} log-probabilities of the replies, {t.objective} (the step's peak)"
         out.add("loss", peak.loss, how, per_token=True)
-    else:
+    elif peak.backward or not peak.dora:
         out.add(
             "backward temporaries",
             peak.backward,

@@ -96,10 +96,11 @@ class Flops:
     attention: float  # causal: half of the n × n scores
     tiles: float = 0.0  # a tiled MLP's second forward (its backward's recompute)
     reference: float = 0.0  # preference.reference=live: the reference's forward in every step
+    dora: float = 0.0  # peft.dora: the weight built through an identity, the dropout's base pass
 
     @property
     def total(self) -> float:
-        return self.base + self.lora + self.attention + self.tiles + self.reference
+        return self.base + self.lora + self.attention + self.tiles + self.reference + self.dora
 
 
 def micro_step_flops(cfg: RunConfig, counts: ParamCounts) -> Flops:
@@ -130,7 +131,35 @@ def micro_step_flops(cfg: RunConfig, counts: ParamCounts) -> Flops:
     if live_reference(cfg):
         # One more forward of the base, adapter off, without grad (rank.preference).
         reference = 2 * tokens * (per_layer * layers + head) + attn_fwd * layers
-    return Flops(base, lora, attn_fwd * (3 * layers + k), tiles, reference)
+    return Flops(base, lora, attn_fwd * (3 * layers + k), tiles, reference, dora_flops(cfg, counts))
+
+
+def dora_flops(cfg: RunConfig, counts: ParamCounts) -> float:
+    """DoRA's extra matmuls in one micro batch (peft's DoraLinearLayer), per adapted module of
+    every layer: A and B over an identity matrix to build B·A as a weight (2·in²·r + 2·in·r·out,
+    in each forward and recompute; no backward: the norms are detached); with dropout, the base
+    weight applied once more to the dropped input (forward, recompute, input gradient). Not
+    counted: its elementwise work on n × out tensors (memory-bound), which peft's benchmark
+    (Llama-3.2-3B, r=32) puts the whole cost at +26% of the step."""
+    if not cfg.peft.dora:
+        return 0.0
+    from memtune.memory.estimate import dora_modules, layer_kinds
+
+    k = checkpointed_layers(cfg)
+    flops = 0
+    for index, kind in enumerate(layer_kinds(cfg)):
+        inputs = (
+            counts.linear_attention_lora_inputs
+            if kind == "linear_attention"
+            else counts.lora_inputs
+        )
+        modules = dora_modules(inputs, counts)
+        passes = 2 if index < k else 1  # forward, and the recompute
+        flops += passes * sum(2 * i * i * r + 2 * i * r * out for i, out, r in modules)
+        if cfg.peft.dropout > 0:
+            dropped = rank_tokens(cfg) * sum(2 * i * out for i, out, _ in modules)
+            flops += (passes + 1) * dropped
+    return float(flops)
 
 
 def traffic(cfg: RunConfig, counts: ParamCounts) -> list[tuple[str, float]]:

@@ -303,7 +303,7 @@ def planned_step(cfg: RunConfig) -> int:
     from memtune.memory.estimate import GIB, plan
 
     rows = plan(cfg).gib()
-    step = ("activations", "loss", "backward temporaries")
+    step = ("activations", "loss", "backward temporaries", "DoRA weight norms")
     return round(sum(rows.get(what, 0.0) for what in step) * GIB)
 
 
