@@ -142,18 +142,25 @@ def one_rank_run(runs_root: Path) -> Run:
 _RUNS: dict[str, Run] = {}
 
 
+QUANTIZED_VARIANTS = {
+    # DoRA over a quantized base (ZeRO-2: under ZeRO-3 it is refused), with rsLoRA and LoRA+.
+    "dora": ["peft.dora=true", "peft.dropout=0", "peft.rslora=true", "peft.loraplus_lr_ratio=4"],
+}
+
+
 def quantized(runs_root: Path, key: str) -> Run:
-    """One 2-rank run per (peft, zero) pair per session, shared by the tests below."""
+    """One 2-rank run per (peft, zero[, variant]) per session, shared by the tests below."""
     if key not in _RUNS:
-        peft, zero = key.split(":")
+        peft, zero, *variant = key.split(":")
         _RUNS[key] = _finished(
             runs_root,
-            f"{peft}-{zero}",
+            "-".join([peft, zero, *variant]),
             f"peft={peft}",
             f"zero={zero}",
             "launcher.num_ranks=2",
             "trainer.precision=bf16",  # bitsandbytes computes in bf16, as on a GPU
             *BF16_SHORT,
+            *(QUANTIZED_VARIANTS[variant[0]] if variant else []),
         )
     return _RUNS[key]
 

@@ -21,6 +21,7 @@ VARIANTS = [
     "peft.dropout=0",
     "peft.dora=true",
     "peft.rslora=true",
+    "peft.init=gaussian",
     "peft.loraplus_lr_ratio=16",
     "peft.rank_pattern={down_proj: 4}",
     "peft.alpha_pattern={o_proj: 8}",
@@ -56,6 +57,7 @@ def test_dora_rslora_loraplus_and_patterns_train_and_load_in_plain_peft(variants
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
     config = json.loads((run.dir / "adapter" / "adapter_config.json").read_text())
     assert config["use_dora"] is True and config["use_rslora"] is True
+    assert config["init_lora_weights"] == "gaussian"
     assert config["rank_pattern"] == {"down_proj": 4} and config["alpha_pattern"] == {"o_proj": 8}
     tensors = load_file(run.dir / "adapter" / "adapter_model.safetensors")
     down = [t for k, t in tensors.items() if "down_proj.lora_A" in k]
@@ -72,8 +74,24 @@ def test_dora_rslora_loraplus_and_patterns_train_and_load_in_plain_peft(variants
 
 
 @pytest.mark.slow
+def test_a_dora_adapter_merges(variants_run, tmp_path: Path) -> None:
+    """memtune merge folds DoRA's magnitudes and the per-module ranks into the weights."""
+    from transformers import AutoModelForCausalLM
+
+    from memtune.tools.merge import merge
+
+    out = merge(variants_run.dir / "adapter", tmp_path / "merged", dtype="fp32")
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert not any("lora_" in n for n, _ in merged.named_parameters())
+    probe = torch.load(variants_run.dir / "probe_logits.pt", weights_only=True)
+    with torch.no_grad():
+        logits = merged(input_ids=probe["input_ids"]).logits
+    torch.testing.assert_close(logits, probe["logits"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
 def test_a_pissa_start_trains_from_the_base_and_exports_for_the_released_base(
-    zero3_run: Run, runs_root: Path, capfd: pytest.CaptureFixture[str]
+    zero3_run: Run, runs_root: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """peft.init=pissa_fast moves each adapted weight's top singular directions into the
     adapter: the model it starts from is the base itself (the first loss is plain LoRA's), the
@@ -103,6 +121,18 @@ def test_a_pissa_start_trains_from_the_base_and_exports_for_the_released_base(
     assert config["init_lora_weights"] is True
     got, want = _plain_peft_logits(run)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # And merged into the released base: the trained model, without peft.
+    from transformers import AutoModelForCausalLM
+
+    from memtune.tools.merge import merge
+
+    merged = AutoModelForCausalLM.from_pretrained(
+        merge(run.dir / "adapter", tmp_path / "m", dtype="fp32")
+    )
+    probe = torch.load(run.dir / "probe_logits.pt", weights_only=True)
+    with torch.no_grad():
+        logits = merged.eval()(input_ids=probe["input_ids"]).logits
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
 
 
 def _cfg(*overrides: str):
@@ -122,6 +152,8 @@ def _cfg(*overrides: str):
             "the reference is the base without the adapter",
         ),
         (["peft.init=gauss"], "peft.init='gauss' is not supported"),
+        (["peft=qlora-nf4", "peft.dora=true", "zero=zero3"], "use zero=zero2"),
+        (["peft=lora-int8", "peft.dora=true", "zero=zero2"], "leaves bitsandbytes without"),
     ],
 )
 def test_combinations_that_cannot_work_are_refused_by_name(

@@ -17,7 +17,9 @@ QUANTIZED_LAYERS = 2 * 7
 STORED = {"qlora": ("Linear4bit", "torch.bfloat16"), "lora-int8": ("Linear8bitLt", "torch.int8")}
 
 
-@pytest.fixture(params=["qlora-nf4:zero2", "qlora-nf4:zero3", "lora-int8:zero2", "lora-int8:zero3"])
+@pytest.fixture(
+    params=["qlora-nf4:zero2", "qlora-nf4:zero3", "qlora-nf4:zero2:dora", "lora-int8:zero3"]
+)
 def quantized_run(request, runs_root: Path) -> Run:
     return quantized(runs_root, request.param)
 
@@ -42,7 +44,8 @@ def test_quantized_base_trains_and_staysquantized(quantized_run: Run) -> None:
     if run.cfg.zero.stage == 3:  # the quantized base is sharded too
         assert all(0.45 < p["held_params"] / p["total_params"] < 0.55 for p in probes)
     adapter = load_file(run.dir / "adapter" / "adapter_model.safetensors")
-    assert len(adapter) == 2 * QUANTIZED_LAYERS
+    # A, B (and with DoRA a magnitude vector) per adapted layer.
+    assert len(adapter) == (3 if run.cfg.peft.dora else 2) * QUANTIZED_LAYERS
     assert all(t.abs().max() > 0 for k, t in adapter.items() if "lora_B" in k)
     assert run.summary()["trainable_params"] == sum(t.numel() for t in adapter.values())
 

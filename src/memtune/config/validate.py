@@ -423,13 +423,27 @@ def _preference_settings(cfg: RunConfig) -> None:
 def _lora_variants(cfg: RunConfig) -> None:
     """rsLoRA, DoRA, the initialisations, LoRA+ and per-module ranks: bad values and the
     combinations that cannot work, by name."""
-    from memtune.config.derive import REFERENCE_OBJECTIVES, lora_targets
+    from memtune.config.derive import REFERENCE_OBJECTIVES, lora_targets, one_rank_zero
 
     p = cfg.peft
     if p.loraplus_lr_ratio is not None and p.loraplus_lr_ratio <= 0:
         raise ConfigError(
             f"peft.loraplus_lr_ratio must be > 0 (got {p.loraplus_lr_ratio}; the LoRA+ paper "
             "uses 16; null: one rate for A and B)"
+        )
+    if p.dora and p.method == "lora-int8":
+        raise ConfigError(
+            "peft.dora=true with peft.method=lora-int8: peft's DoRA dequantizes the LLM.int8 "
+            "weights to take their norms and leaves bitsandbytes without their scales (the "
+            "first forward stops with \"'NoneType' object has no attribute 'unsqueeze'\"); use "
+            "peft.method=qlora (NF4, with zero=zero2) or lora"
+        )
+    if p.dora and p.method != "lora" and one_rank_zero(cfg).zero.stage == 3:
+        raise ConfigError(
+            f"peft.dora=true with peft.method={p.method} under zero.stage=3: peft's DoRA "
+            "dequantizes the base weight inside a forward that ZeRO-3 does not gather "
+            "bitsandbytes' parameters for (it stops with \"'Params4bit' object has no attribute "
+            "'ds_status'\"); use zero=zero2 (tested), or peft.method=lora"
         )
     targets = lora_targets(cfg)
     for field, pattern in (("rank_pattern", p.rank_pattern), ("alpha_pattern", p.alpha_pattern)):
