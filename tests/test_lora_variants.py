@@ -153,6 +153,7 @@ def _cfg(*overrides: str):
         ),
         (["peft.init=gauss"], "peft.init='gauss' is not supported"),
         (["peft=qlora-nf4", "peft.dora=true", "zero=zero3"], "use zero=zero2"),
+        (["peft.rank_pattern={layers.0.mlp.down_proj: 4}"], "names a layer"),
         (["peft=lora-int8", "peft.dora=true", "zero=zero2"], "leaves bitsandbytes without"),
     ],
 )
@@ -161,6 +162,15 @@ def test_combinations_that_cannot_work_are_refused_by_name(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         validate(_cfg(*overrides), inputs=False)
+
+
+def test_patterns_match_as_peft_matches_module_names() -> None:
+    """A regex over module names, a block-qualified name: accepted as peft takes them (a YAML
+    experiment can hold any key; the command line takes plain names)."""
+    for key in (".*_proj", "mlp.down_proj", "(q|k)_proj"):
+        cfg = _cfg()
+        cfg.peft.rank_pattern = {key: 4}
+        validate(cfg, inputs=False)
 
 
 def test_the_counts_follow_dora_and_the_per_module_ranks() -> None:
@@ -177,3 +187,59 @@ def test_the_counts_follow_dora_and_the_per_module_ranks() -> None:
     pattern = count_params(_cfg("peft.target=all-linear", "peft.rank_pattern={down_proj: 4}"))
     assert plain.lora - pattern.lora == layers * (16 - 4) * (inter + h)
     assert ("down_proj", inter, 4) in pattern.lora_inputs
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_the_export_of_a_rewriting_start_is_the_trained_model_on_the_original_base(
+    init: str, tmp_path: Path
+) -> None:
+    """checkpoint.for_original_base and the doubled config, with rsLoRA and per-module ranks
+    and alphas: plain peft loading the converted adapter onto the *original* weights computes
+    what the residual base + the trained adapter computes (no training needed: any A, B)."""
+    import copy
+
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from memtune.rank.checkpoint import _doubled_rank_config, for_original_base
+
+    class Toy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj = torch.nn.Linear(32, 32, bias=False)
+            self.down_proj = torch.nn.Linear(64, 32, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.q_proj(self.down_proj(x))
+
+    torch.manual_seed(0)
+    original = Toy()
+    config = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "down_proj"],
+        use_rslora=True,
+        rank_pattern={"down_proj": 4},
+        alpha_pattern={"down_proj": 12},
+        init_lora_weights=init,
+    )
+    model = get_peft_model(copy.deepcopy(original), config)
+    trained = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+    initial = {n: q.detach().clone() for n, q in trained}
+    base_changed = not torch.equal(model.base_model.model.q_proj.base_layer.weight,
+                                   original.q_proj.weight)  # fmt: skip
+    assert base_changed  # the start was moved out of the base
+    with torch.no_grad():  # "training": anything
+        for _, q in trained:
+            q.add_(0.1 * torch.randn_like(q))
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        want = model(x)
+    state = for_original_base({n: q.detach().clone() for n, q in trained}, initial)
+    model.save_pretrained(str(tmp_path), state_dict=state, safe_serialization=True)
+    _doubled_rank_config(tmp_path / "adapter_config.json")
+    saved = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert (saved["r"], saved["rank_pattern"]) == (16, {"down_proj": 8})
+    loaded = PeftModel.from_pretrained(copy.deepcopy(original), str(tmp_path))
+    with torch.no_grad():
+        got = loaded(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -104,7 +104,8 @@ def test_a_split_linear_layer_keeps_what_the_plan_counts(sp: int) -> None:
     sequence for 1/sp of the linear-attention heads (rank.linear_attention.Split); the plan
     counts the mixer over 1/sp of the tokens with every head. Measured on the meta device:
     the 9B's mixer with 1/sp of its heads over 4,096 tokens keeps what it keeps with all of
-    them over 4,096/sp (to 1e-4; both are per token and per head)."""
+    them over 4,096/sp (measured: 4e-5 at sp=2, 1.1e-4 at sp=4; both are per token and per
+    head)."""
     from memtune.memory.counts import _mixer_saved_on_meta
 
     bf16 = ["model=qwen3.5-9b", "trainer.precision=bf16"]
@@ -114,7 +115,7 @@ def test_a_split_linear_layer_keeps_what_the_plan_counts(sp: int) -> None:
     ]
     on_a_rank = _mixer_saved_on_meta(to_run_config(compose_cfg([*bf16, *heads])), 4096)
     planned = _mixer_saved_on_meta(to_run_config(compose_cfg(bf16)), 4096 // sp)
-    assert on_a_rank == pytest.approx(planned, rel=1e-3)
+    assert on_a_rank == pytest.approx(planned, rel=2e-4)
 
 
 def test_the_sequence_parallel_buffers_are_the_linear_layers_exchange() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from memtune.config.architecture import linear_attention_layers
 from memtune.config.decisions import decided
 from memtune.config.schema import RunConfig
@@ -152,16 +154,58 @@ def lora_scaling(cfg: RunConfig) -> float:
     return p.alpha / (p.r**0.5 if p.rslora else p.r)
 
 
-def lora_variant(cfg: RunConfig) -> str:
-    """The adapter in a few words, for reports: "LoRA r=16", "DoRA r=8 rsLoRA init pissa"."""
+def lora_config(cfg: RunConfig) -> Any:
+    """peft's LoraConfig for ``cfg.peft``: what the ranks adapt with, what the planner counts
+    (memory.counts, on the meta device) and what bench/'s baselines use."""
+    from peft import LoraConfig
+
     p = cfg.peft
-    words = [f"{'DoRA' if p.dora else 'LoRA'} r={p.r}"]
-    if p.rslora:
-        words.append("rsLoRA")
+    return LoraConfig(
+        r=p.r,
+        lora_alpha=p.alpha,
+        lora_dropout=p.dropout,
+        target_modules=lora_targets(cfg),
+        bias="none",
+        task_type="CAUSAL_LM",
+        use_rslora=p.rslora,
+        use_dora=p.dora,
+        init_lora_weights=PEFT_INIT[p.init],
+        rank_pattern=dict(p.rank_pattern or {}),
+        alpha_pattern=dict(p.alpha_pattern or {}),
+    )
+
+
+PEFT_INIT: dict[str, Any] = {
+    "default": True,
+    "gaussian": "gaussian",
+    "pissa": "pissa",
+    "pissa_fast": "pissa_niter_16",
+    "olora": "olora",
+}
+"""peft.init as peft's init_lora_weights (True: peft's default, B = 0)."""
+REWRITING_INIT = ("pissa", "pissa_fast", "olora")
+"""peft.init values that move part of each adapted weight into the adapter (the base keeps
+W − the adapter's start): an adapter trained from them applies to that residual base only."""
+
+
+def variant_words(cfg: RunConfig) -> list[str]:
+    """The LoRA variant in words, [] for plain LoRA: rsLoRA, DoRA, the initialisation, LoRA+,
+    per-module ranks and alphas (the start-up line and the sweep report)."""
+    p = cfg.peft
+    words = ["rsLoRA"] if p.rslora else []
+    if p.dora:
+        words.append("DoRA")
     if p.init != "default":
         words.append(f"init {p.init}")
     if p.loraplus_lr_ratio is not None:
         words.append(f"LoRA+ {p.loraplus_lr_ratio:g}")
-    if p.rank_pattern or p.alpha_pattern:
-        words.append("per-module ranks")
-    return " ".join(words)
+    if p.rank_pattern:
+        words.append("ranks " + ", ".join(f"{k}={v}" for k, v in p.rank_pattern.items()))
+    if p.alpha_pattern:
+        words.append("alphas " + ", ".join(f"{k}={v}" for k, v in p.alpha_pattern.items()))
+    return words
+
+
+def lora_variant(cfg: RunConfig) -> str:
+    """The adapter in a few words, for reports: "LoRA r=16", "LoRA r=8 rsLoRA DoRA"."""
+    return " ".join([f"LoRA r={cfg.peft.r}", *variant_words(cfg)])

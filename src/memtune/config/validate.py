@@ -420,10 +420,20 @@ def _preference_settings(cfg: RunConfig) -> None:
         )
 
 
+LAYER_BLOCKS = ("self_attn", "mlp", "linear_attn")
+"""The blocks of a decoder layer that hold adapted modules (attention, MLP, Qwen3.5's linear
+attention)."""
+
+
 def _lora_variants(cfg: RunConfig) -> None:
     """rsLoRA, DoRA, the initialisations, LoRA+ and per-module ranks: bad values and the
     combinations that cannot work, by name."""
-    from memtune.config.derive import REFERENCE_OBJECTIVES, lora_targets, one_rank_zero
+    from memtune.config.derive import (
+        REFERENCE_OBJECTIVES,
+        REWRITING_INIT,
+        lora_targets,
+        one_rank_zero,
+    )
 
     p = cfg.peft
     if p.loraplus_lr_ratio is not None and p.loraplus_lr_ratio <= 0:
@@ -446,21 +456,28 @@ def _lora_variants(cfg: RunConfig) -> None:
             "'ds_status'\"); use zero=zero2 (tested), or peft.method=lora"
         )
     targets = lora_targets(cfg)
+    # peft's rule (LoraModel: re.match(rf"(.*\.)?({key})$", module name)) over the names the
+    # adapted modules have in a layer, whichever block holds them.
+    names = [f"model.layers.0.{block}.{t}" for t in targets for block in LAYER_BLOCKS]
     for field, pattern in (("rank_pattern", p.rank_pattern), ("alpha_pattern", p.alpha_pattern)):
         for key, value in pattern.items():
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"peft.{field}.{key}={value!r}: must be a positive integer")
-            last = str(key).split(".")[-1]
             try:
-                hits = [t for t in targets if re.fullmatch(last, t)]
+                rule = re.compile(rf"(.*\.)?({key})$")
             except re.error as err:
                 raise ConfigError(f"peft.{field}: {key!r} is not a valid pattern ({err})") from None
-            if not hits:
+            if re.search(r"layers\.\d", str(key)):
+                raise ConfigError(
+                    f"peft.{field}: {key!r} names a layer; memtune plans one rank per module name, "
+                    "every layer alike: key it by module name (e.g. mlp.down_proj)"
+                )
+            if not any(rule.match(name) for name in names):
                 raise ConfigError(
                     f"peft.{field}: {key!r} names no adapted module (peft.target="
                     f"{p.target} adapts {', '.join(targets)}); it would change nothing"
                 )
-    if p.init in ("pissa", "pissa_fast", "olora"):
+    if p.init in REWRITING_INIT:
         how = f"peft.init={p.init}"
         if p.method != "lora":
             raise ConfigError(
@@ -511,16 +528,24 @@ def _check_init_from(cfg: RunConfig) -> None:
     fields = {"r": "peft.r", "lora_alpha": "peft.alpha", "target_modules": "peft.target"}
     fields |= {"use_rslora": "peft.rslora", "use_dora": "peft.dora"}
     fields |= {"rank_pattern": "peft.rank_pattern", "alpha_pattern": "peft.alpha_pattern"}
-    defaults: dict[str, Any] = {"use_rslora": False, "use_dora": False}
-    defaults |= {"rank_pattern": {}, "alpha_pattern": {}}
+    unset: dict[str, Any] = {"use_rslora": False, "use_dora": False}
+    unset |= {"rank_pattern": {}, "alpha_pattern": {}}
     for key, value in wanted.items():
-        have = saved.get(key, defaults.get(key))
-        have = have or ({} if key in ("rank_pattern", "alpha_pattern") else have)
+        have = saved.get(key)
+        if have is None:  # peft writes null (or nothing) for a setting left at its default
+            have = unset.get(key)
         have = sorted(have) if isinstance(have, list) else have
         if have != value:
+            hint = ""
+            if key in ("r", "lora_alpha"):
+                hint = (
+                    " (an adapter exported from a peft.init=pissa or olora run is a plain LoRA "
+                    "of twice the rank and alpha, for the original base; with rsLoRA its alpha "
+                    "is × √2, not an integer peft.alpha can take)"
+                )
             raise ConfigError(
                 f"peft.init_from={path}: the adapter has {key}={have}, this run {fields[key]} "
-                f"gives {value}; set {fields[key]} as the adapter was trained"
+                f"gives {value}; set {fields[key]} as the adapter was trained{hint}"
             )
     if live_reference(cfg):
         raise ConfigError(

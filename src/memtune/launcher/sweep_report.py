@@ -52,8 +52,11 @@ def _run_dirs(sweep_dir: Path) -> list[Path]:
 
 
 def _overrides(run: Path) -> list[str]:
+    """The point's command-line overrides as the user wrote them (train.py gives a whole
+    mapping to Hydra as ``++key={...}``: config.schema.open_mappings)."""
     path = run / ".hydra" / "overrides.yaml"
-    return list(yaml.safe_load(path.read_text()) or []) if path.is_file() else []
+    found = list(yaml.safe_load(path.read_text()) or []) if path.is_file() else []
+    return [o.removeprefix("++") for o in found]
 
 
 def collect(sweep_dir: Path) -> list[dict[str, Any]]:

@@ -99,9 +99,11 @@ def count_params(cfg: RunConfig) -> ParamCounts:
 def _count_on_meta(cfg: RunConfig) -> ParamCounts:
     # Imported here: a launch whose counts are cached never imports torch on the job side.
     import torch
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
     from peft.tuners.lora import LoraLayer
     from transformers import AutoModelForCausalLM
+
+    from memtune.config.derive import lora_config
 
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
@@ -119,7 +121,6 @@ def _count_on_meta(cfg: RunConfig) -> ParamCounts:
         layer = max(sum(q.numel() for q in each.parameters()) for each in layers)
         head_n = 0 if tied or head is None else head.weight.numel()
         small = n_all - linear - embedding.numel() - head_n
-        p = cfg.peft
         targets = lora_targets(cfg)
         # One layer of each kind (a hybrid's linear-attention and attention layers differ).
         kinds = layer_types(dict(cfg.model.architecture))
@@ -133,14 +134,11 @@ def _count_on_meta(cfg: RunConfig) -> ParamCounts:
             )
         )
 
-        lora_config = LoraConfig(
-            r=p.r,
-            lora_alpha=p.alpha,
-            target_modules=targets,
-            use_dora=p.dora,
-            rank_pattern=dict(p.rank_pattern),
-        )
-        peft_model = get_peft_model(model, lora_config)  # adapts the layers in place
+        # The run's own LoraConfig (one place: rank.model), but no initialisation to compute:
+        # counting needs the shapes only (PiSSA's SVD on the meta device is not one).
+        config = lora_config(cfg)
+        config.init_lora_weights = True
+        peft_model = get_peft_model(model, config)  # adapts the layers in place
         lora = sum(q.numel() for q in peft_model.parameters() if q.requires_grad)
 
         # What one layer's adapters keep for backward (memory.estimate.layer_bytes), for each

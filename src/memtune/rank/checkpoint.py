@@ -81,7 +81,7 @@ def for_original_base(
     load it onto the checkpoint as released."""
     out = {}
     for name, t in state.items():
-        start = initial[name].to(t.dtype)
+        start = initial[name].to(t.device, t.dtype)
         if "lora_A" in name:
             out[name] = torch.cat([t, start], dim=0)
         elif "lora_B" in name:
@@ -95,10 +95,10 @@ def _doubled_rank_config(path: Path) -> None:
     """adapter_config.json for :func:`for_original_base`: rank and per-module ranks doubled,
     alphas doubled (× √2 with rsLoRA) so the scaling stays, and no initialisation to redo."""
     config = json.loads(path.read_text())
+    grow = 2**0.5 if config.get("use_rslora") else 2  # alpha / √(2r) or alpha / (2r) kept
     config["r"] *= 2
-    config["lora_alpha"] *= 2**0.5 if config.get("use_rslora") else 2
+    config["lora_alpha"] *= grow
     config["rank_pattern"] = {k: 2 * v for k, v in (config.get("rank_pattern") or {}).items()}
-    grow = 2**0.5 if config.get("use_rslora") else 2
     config["alpha_pattern"] = {k: grow * v for k, v in (config.get("alpha_pattern") or {}).items()}
     config["init_lora_weights"] = True
     write_atomic(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -321,7 +321,8 @@ def follow_schedule(engine: Any, lr: float) -> None:
     resume ran at the old schedule's rate and the next jumped to the new one."""
     scheduler = engine.lr_scheduler
     basic = getattr(engine.optimizer, "optimizer", engine.optimizer)
-    # Each group's own base rate: LoRA+ runs the B matrices at lr × their group's ratio.
+    # Each group's own base rate: LoRA+ runs the B matrices at lr × their group's ratio, as
+    # the restored groups carry it (a resume cannot change the ratio: RESUME_MUST_MATCH).
     bases = [lr * group.get("lr_ratio", 1.0) for group in basic.param_groups]
     rates = [
         base * factor(scheduler.last_epoch)

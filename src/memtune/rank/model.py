@@ -14,8 +14,8 @@ from memtune.config import (
     ConfigError,
     RunConfig,
     checkpointed_layers,
-    lora_targets,
 )
+from memtune.config.derive import REWRITING_INIT, lora_config, variant_words
 
 log = logging.getLogger("memtune")
 
@@ -97,55 +97,15 @@ def load_base_model(
     return model
 
 
-def lora_config(cfg: RunConfig) -> Any:
-    """peft's LoraConfig for ``cfg.peft`` (also what bench/'s baselines adapt with)."""
-    from peft import LoraConfig
-
-    p = cfg.peft
-    return LoraConfig(
-        r=p.r,
-        lora_alpha=p.alpha,
-        lora_dropout=p.dropout,
-        target_modules=lora_targets(cfg),
-        bias="none",
-        task_type="CAUSAL_LM",
-        use_rslora=p.rslora,
-        use_dora=p.dora,
-        init_lora_weights=PEFT_INIT[p.init],
-        rank_pattern=dict(p.rank_pattern or {}),
-        alpha_pattern=dict(p.alpha_pattern or {}),
-    )
-
-
-PEFT_INIT: dict[str, Any] = {
-    "default": True,
-    "gaussian": "gaussian",
-    "pissa": "pissa",
-    "pissa_fast": "pissa_niter_16",
-    "olora": "olora",
-}
-"""peft.init as peft's init_lora_weights (True: peft's default, B = 0)."""
-MUTATING_INIT = ("pissa", "pissa_fast", "olora")
-"""Initialisations that move part of each adapted weight into the adapter (the base keeps
-W − the adapter's start): an adapter trained from them applies to that residual base only."""
-
-
 def variant_label(cfg: RunConfig, model: Any = None) -> str:
-    """The LoRA variant for humans ("" for plain LoRA): rsLoRA, DoRA, the initialisation (and
-    how long its decompositions took), per-module ranks."""
-    p = cfg.peft
-    parts = ["rsLoRA"] if p.rslora else []
-    if p.dora:
-        parts.append("DoRA")
-    if p.init != "default":
-        took = getattr(model, "memtune_init_seconds", None)
-        what = "SVD" if p.init.startswith("pissa") else "QR" if p.init == "olora" else ""
-        parts.append(f"init {p.init}" + (f" ({what} in {took:.1f} s)" if took is not None else ""))
-    if p.rank_pattern:
-        parts.append("ranks " + ", ".join(f"{k}={v}" for k, v in p.rank_pattern.items()))
-    if p.alpha_pattern:
-        parts.append("alphas " + ", ".join(f"{k}={v}" for k, v in p.alpha_pattern.items()))
-    return "".join(f" · {x}" for x in parts)
+    """The start-up line's words for the LoRA variant ("" for plain LoRA), with how long the
+    initialisation's decompositions took (config.derive.variant_words)."""
+    took = getattr(model, "memtune_init_seconds", None)
+    words = variant_words(cfg)
+    if took is not None:
+        what = "QR" if cfg.peft.init == "olora" else "SVD"
+        words = [f"{w} ({what} in {took:.1f} s)" if w.startswith("init ") else w for w in words]
+    return "".join(f" · {w}" for w in words)
 
 
 def add_lora(model: Any, cfg: RunConfig) -> Any:
@@ -165,11 +125,14 @@ def add_lora(model: Any, cfg: RunConfig) -> Any:
         set_checkpointed_layers(model, checkpointed_layers(cfg))
     start = time.perf_counter()
     model = get_peft_model(model, lora_config(cfg))
-    if p.init in MUTATING_INIT:
-        # The base now holds W − (the adapter's start): keep that start, so that the exported
-        # adapter can be turned into one for the original base (checkpoint.export_adapter).
+    if p.init in REWRITING_INIT:
+        # The base now holds W − (the adapter's start): keep that start, on the host, so that
+        # the exported adapter can be turned into one for the original base
+        # (checkpoint.export_adapter).
         model.memtune_initial_adapter = {
-            n: q.detach().float().clone() for n, q in model.named_parameters() if q.requires_grad
+            n: q.detach().float().cpu().clone()
+            for n, q in model.named_parameters()
+            if q.requires_grad
         }
         model.memtune_init_seconds = time.perf_counter() - start
     if p.init_from:

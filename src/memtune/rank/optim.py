@@ -32,8 +32,9 @@ def param_groups(cfg: RunConfig, model: torch.nn.Module) -> list[dict[str, Any]]
     ratio = cfg.peft.loraplus_lr_ratio
     if ratio is None:
         return [{"params": [p for _, p in trainable], "lr_ratio": 1.0}]
-    fast = [p for n, p in trainable if "lora_B" in n or p.ndim == 1]
-    slow = [p for n, p in trainable if not ("lora_B" in n or p.ndim == 1)]
+    fast_names = ("lora_B", "lora_magnitude_vector")
+    fast = [p for n, p in trainable if any(f in n for f in fast_names)]
+    slow = [p for n, p in trainable if not any(f in n for f in fast_names)]
     return [{"params": slow, "lr_ratio": 1.0}, {"params": fast, "lr_ratio": float(ratio)}]
 
 
