@@ -512,6 +512,7 @@ def test_resume_knows_the_base_by_content_not_by_path(finished: Path, tmp_path: 
     assert "trainer.optimizer: checkpoint 'adamw', now 'adamw_8bit'" in proc.stderr
 
 
+@pytest.mark.faults
 def test_a_longer_max_steps_on_resume_follows_the_new_schedule_from_the_next_step(
     finished: Path, tmp_path: Path
 ) -> None:

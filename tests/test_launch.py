@@ -101,6 +101,7 @@ def test_unknown_key_is_reported_by_train_py(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_a_crashed_rank_fails_the_job_without_hanging(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("MEMTUNE_TEST_CRASH_RANK", "1")
     start = time.monotonic()

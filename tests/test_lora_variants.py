@@ -44,7 +44,8 @@ def _plain_peft_logits(run: Run) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.fixture(scope="module")
 def variants_run(runs_root: Path) -> Run:
     run = start_run(
-        runs_root / "variants", [*FAST, "zero=zero3", "launcher.num_ranks=2", *VARIANTS]
+        runs_root / "variants",
+        [*FAST, "trainer.max_steps=8", "zero=zero3", "launcher.num_ranks=2", *VARIANTS],
     )
     assert run.code == 0
     return run
@@ -101,6 +102,7 @@ def test_a_pissa_start_trains_from_the_base_and_exports_for_the_released_base(
         runs_root / "pissa",
         [
             *FAST,
+            "trainer.max_steps=8",
             "zero=zero3",
             "launcher.num_ranks=2",
             "trainer.loss_chunk_tokens=16",

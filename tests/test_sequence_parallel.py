@@ -234,6 +234,7 @@ def test_two_data_parallel_groups_of_two_train_as_1_rank(runs_root: Path, one_ra
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_a_resume_with_sp2_is_exact(sp2_zero3: Run, tmp_path: Path) -> None:
     resumed = tmp_path / "resumed"
     shutil.copytree(sp2_zero3.dir, resumed)
