@@ -137,6 +137,7 @@ def test_packed_two_rank_run(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_non_finite_loss_stops_before_the_weights_change(tmp_path: Path) -> None:
     # lr 1e30: the first update blows the adapter up, so step 2's loss is not finite.
     overrides = [*FAST, "launcher.num_ranks=1", "trainer.lr=1e30", "trainer.warmup_steps=0"]
@@ -149,6 +150,7 @@ def test_non_finite_loss_stops_before_the_weights_change(tmp_path: Path) -> None
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_non_finite_steps_are_skipped_on_every_rank_without_touching_the_weights(
     tmp_path: Path,
 ) -> None:

@@ -93,6 +93,7 @@ def test_the_reference_table_covers_the_pairs_the_steps_read(dpo_run) -> None:
     assert (tables["train"] < 0).all()
 
 
+@pytest.mark.faults
 def test_a_resumed_stage_split_over_ranks_then_on_one_rank_continues_exactly(
     dpo_run, tmp_path: Path
 ) -> None:

@@ -51,6 +51,7 @@ def test_the_hybrid_trains_packed_on_two_zero3_ranks(hybrid_run) -> None:
     assert summary["trainable_params"] == count_params(cfg).lora
 
 
+@pytest.mark.faults
 def test_the_hybrid_resumes_exactly(hybrid_run, tmp_path: Path) -> None:
     run_dir, _ = hybrid_run
     ckpt = run_dir / "checkpoints" / "step-0000006"

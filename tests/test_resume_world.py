@@ -93,6 +93,33 @@ def test_resume_on_another_world_size_continues_the_same_run(
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-3, atol=1e-5)
+    if "peft.init=olora" in extra:
+        _the_export_is_memtunes_model_on_the_released_base(full)
+
+
+def _the_export_is_memtunes_model_on_the_released_base(run_dir: Path) -> None:
+    """An OLoRA start trained on 2 ranks: plain peft on the released base + the exported
+    (converted) adapter computes what memtune's own model computes — the residual base its
+    ranks build (the same decomposition, rank.model.add_lora) with the trained weights of the
+    last checkpoint (its gathered fp32 state)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from memtune.config import load_run_config
+    from memtune.rank.model import add_lora, load_base_model
+
+    cfg = load_run_config(run_dir / "config.yaml")
+    ours = add_lora(load_base_model(cfg, "sdpa"), cfg).eval()
+    state = load_file(str(run_dir / "checkpoints" / "step-0000020" / "gathered_state.safetensors"))
+    with torch.no_grad():
+        for name, param in ours.named_parameters():
+            if param.requires_grad:
+                param.copy_(state[f"{name}::fp32"].view_as(param))
+    base = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, dtype=torch.float32)
+    plain = PeftModel.from_pretrained(base, str(run_dir / "adapter")).eval()
+    ids = torch.randint(5, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, ours(ids).logits, rtol=1e-4, atol=1e-4)
 
 
 def test_a_changed_global_batch_is_refused_before_launch(zero2_run, tmp_path: Path) -> None:
