@@ -159,7 +159,7 @@ CHOICE_FIELDS = {
     "data.overlong": "truncate | drop | split",
     "data.on_bad_record": "error | skip",
     "peft.method": "lora | qlora | lora-int8",
-    "peft.target": "attention | all-linear",
+    "peft.target": "attention | all-linear | all-linear-but-experts",
     "peft.quant_type": "nf4 | fp4",
     "trainer.precision": "bf16 | fp32",
     "trainer.tiled_mlp": "auto | on | off",

@@ -31,6 +31,18 @@ LINEAR_ATTENTION_FIELDS = (
 )
 """A hybrid's (Qwen3.5) linear-attention layers: which layers they are and their widths."""
 
+MOE_FIELDS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "norm_topk_prob",
+)
+"""A mixture of experts' (Qwen3-MoE, Qwen3.5-MoE) routed experts: how many, how many a token
+goes to, their width, the shared expert's, and which layers have them."""
+
 PLANNED_FIELDS = (
     "model_type",
     "hidden_size",
@@ -43,6 +55,7 @@ PLANNED_FIELDS = (
     "tie_word_embeddings",
     "attention_bias",
     *LINEAR_ATTENTION_FIELDS,
+    *MOE_FIELDS,
 )
 """What the memory plan and the parameter counts depend on; a checkpoint and its config group
 must agree on each (head_dim and attention_bias as their model type defaults them)."""
@@ -59,6 +72,7 @@ KEPT_FIELDS = (
     "sliding_window",
     "max_window_layers",
     "partial_rotary_factor",
+    "router_aux_loss_coef",
 )
 """The config.json fields copied into ``model.architecture`` when the checkpoint's win (the
 rest — token ids, dtype, versions, a quantization block — are not the architecture's)."""
@@ -100,11 +114,57 @@ def linear_attention_layers(arch: dict[str, Any]) -> int:
     return sum(kind == "linear_attention" for kind in layer_types(arch))
 
 
+FIELD_ALIASES = {"num_local_experts": "num_experts"}
+"""Other spellings of planned fields: transformers 5 saves Qwen3-MoE's ``num_experts`` as
+``num_local_experts`` (its config's attribute_map); the released config.json files say
+``num_experts``."""
+
+
+def canonical_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with FIELD_ALIASES renamed to the names memtune plans by."""
+    out = dict(data)
+    for alias, name in FIELD_ALIASES.items():
+        if alias in out:
+            value = out.pop(alias)
+            out.setdefault(name, value)
+    return out
+
+
+def routed_experts(arch: dict[str, Any]) -> int:
+    """Routed experts per mixture-of-experts layer; 0 for a dense model."""
+    return int(arch.get("num_experts") or 0)
+
+
+def shared_expert(arch: dict[str, Any]) -> int:
+    """The width of a mixture's shared expert (Qwen3.5-MoE: a dense MLP beside the routed
+    experts, every token goes through it); 0 when it has none."""
+    return int(arch.get("shared_expert_intermediate_size") or 0)
+
+
+ALL_SPARSE = ("qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
+"""MoE model types whose every decoder layer routes (no decoder_sparse_step, no dense layers)."""
+
+
+def moe_layers(arch: dict[str, Any]) -> list[bool]:
+    """Whether each decoder layer's MLP is a routed-experts block, as transformers builds them:
+    every layer of a Qwen3.5-MoE; in a Qwen3-MoE the layers not in ``mlp_only_layers`` whose
+    index + 1 is a multiple of ``decoder_sparse_step`` (default 1: all)."""
+    n = int(arch.get("num_hidden_layers") or 0)
+    if not routed_experts(arch):
+        return [False] * n
+    if str(arch.get("model_type")) in ALL_SPARSE:
+        return [True] * n
+    step = int(arch.get("decoder_sparse_step") or 1)
+    dense = set(arch.get("mlp_only_layers") or [])
+    return [i not in dense and (i + 1) % step == 0 for i in range(n)]
+
+
 def _planned_values(arch: dict[str, Any]) -> dict[str, Any]:
     """The planned fields with their model type's defaults filled in (via transformers' config
     class), so "head_dim absent" and "head_dim = hidden / heads" compare equal."""
     from transformers import AutoConfig
 
+    arch = canonical_fields(arch)
     fields = {k: v for k, v in arch.items() if k in KEPT_FIELDS and k != "model_type"}
     try:
         config = AutoConfig.for_model(str(arch.get("model_type")), **fields)
@@ -179,7 +239,8 @@ def read_architecture(config_file: Path) -> dict[str, Any]:
         raise ConfigError(f"{config_file}: cannot read the model's config.json ({err})") from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise ConfigError(f"{config_file}: no model_type; not a transformers config.json")
-    return {k: v for k, v in language_model_config(data).items() if k in KEPT_FIELDS}
+    text = canonical_fields(language_model_config(data))
+    return {k: v for k, v in text.items() if k in KEPT_FIELDS}
 
 
 def language_model_config(data: dict[str, Any]) -> dict[str, Any]:

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from memtune.config.architecture import linear_attention_layers
+from memtune.config.architecture import (
+    linear_attention_layers,
+    moe_layers,
+    routed_experts,
+    shared_expert,
+)
 from memtune.config.decisions import decided
 from memtune.config.schema import RunConfig
 
@@ -15,22 +20,38 @@ output gate's input and the output. Its two other projections, ``in_proj_a`` and
 (hidden → one value per value head: the decay and the write strength), are left out: an
 adapter of rank r there adds hidden × r weights to steer 32 numbers a token."""
 ATTENTION_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", *LINEAR_ATTENTION_TARGETS]
+MLP_TARGETS = ["gate_proj", "up_proj", "down_proj"]
 LORA_TARGETS = {
     "attention": ATTENTION_TARGETS,
-    "all-linear": [*ATTENTION_TARGETS, "gate_proj", "up_proj", "down_proj"],
+    "all-linear": [*ATTENTION_TARGETS, *MLP_TARGETS],
+    "all-linear-but-experts": [*ATTENTION_TARGETS, *MLP_TARGETS],
 }
 """peft.target → module names peft adapts; the linear-attention names only in a model that has
-such layers (:func:`lora_targets`)."""
+such layers (:func:`lora_targets`). In a mixture of experts the MLP names are the shared
+expert's and the dense layers'; the routed experts are fused 3-D parameters, not modules, and
+``all-linear`` adapts them too (:func:`adapts_experts`, rank.experts)."""
+
+
+def adapts_experts(cfg: RunConfig) -> bool:
+    """LoRA reaches the routed experts: peft.target=all-linear on a mixture of experts (what a
+    user means by "all linear": 93% of Qwen3.5-35B-A3B's weights are routed experts)."""
+    return cfg.peft.target == "all-linear" and routed_experts(dict(cfg.model.architecture)) > 0
 
 
 def lora_targets(cfg: RunConfig) -> list[str]:
     """The module names LoRA adapts in this run's model: ``LORA_TARGETS[peft.target]``, less the
     linear-attention names where the model has no linear-attention layer (an ``out_proj`` of
     some other architecture is not what ``attention`` means)."""
-    names = LORA_TARGETS[cfg.peft.target]
-    if linear_attention_layers(dict(cfg.model.architecture)):
-        return list(names)
-    return [name for name in names if name not in LINEAR_ATTENTION_TARGETS]
+    arch = dict(cfg.model.architecture)
+    names = list(LORA_TARGETS[cfg.peft.target])
+    if not linear_attention_layers(arch):
+        names = [name for name in names if name not in LINEAR_ATTENTION_TARGETS]
+    if all(moe_layers(arch)) and routed_experts(arch) and not shared_expert(arch):
+        # No layer has a dense MLP or a shared expert (Qwen3-30B-A3B): the MLP names would
+        # match nothing, and peft (0.21, for transformers 5) would turn them into its own
+        # adapters on the fused experts, with gate_up at twice the rank, next to memtune's.
+        names = [name for name in names if name not in MLP_TARGETS]
+    return names
 
 
 def one_rank_zero(cfg: RunConfig) -> RunConfig:

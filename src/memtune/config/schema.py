@@ -34,7 +34,7 @@ Template = Literal["chatml", "plain", "qwen3", "qwen3_5"]
 Overlong = Literal["truncate", "drop", "split"]
 OnBadRecord = Literal["error", "skip"]
 PeftMethod = Literal["lora", "qlora", "lora-int8"]
-PeftTarget = Literal["attention", "all-linear"]
+PeftTarget = Literal["attention", "all-linear", "all-linear-but-experts"]
 QuantType = Literal["nf4", "fp4"]
 LoraInit = Literal["default", "gaussian", "pissa", "pissa_fast", "olora"]
 ZeroStage = Literal[2, 3]
@@ -162,7 +162,9 @@ class PeftConfig:
     alpha: int = 32
     dropout: float = 0.05
     target: Choice[PeftTarget] = "attention"
-    """attention (q, k, v, o: the seeds' choice) | all-linear (adds gate, up, down)"""
+    """attention (q, k, v, o: the seeds' choice) | all-linear (adds gate, up, down; in a
+    mixture of experts also every routed expert and the shared expert) | all-linear-but-experts
+    (all-linear with a mixture's routed experts left frozen: a much smaller adapter)"""
     quant_type: Choice[QuantType] = "nf4"
     """qlora only: nf4 | fp4"""
     double_quant: bool = True

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from memtune.config import schema as schema_module
-from memtune.config.architecture import linear_attention_layers
+from memtune.config.architecture import linear_attention_layers, moe_layers, routed_experts
 from memtune.config.schema import (
     FORMATS,
     ConfigError,
@@ -179,6 +179,7 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
     if cfg.model.name_or_path in ("", "???"):
         raise ConfigError("model.name_or_path is not set: give a hub name or a local directory")
     _check_synthesized_path(cfg.model)
+    _check_experts(cfg)
     _check_sequence_parallel(cfg)
     _check_positions(cfg)
     if inputs:
@@ -276,6 +277,63 @@ def _check_sequence_parallel(cfg: RunConfig) -> None:
             f"{where} with model.attn_implementation={attn}: sequence parallelism marks samples "
             "by positions and sample boundaries, not a dense mask, which "
             f"transformers' {attn} needs; use auto (sdpa_varlen, or FlashAttention-2 on a GPU)"
+        )
+
+
+def _check_experts(cfg: RunConfig) -> None:
+    """A mixture of experts: what memtune does not build for its routed experts yet, and what
+    cannot work with LoRA on them, refused by name before any rank loads 30B parameters."""
+    from memtune.config.derive import REWRITING_INIT, adapts_experts
+
+    arch = dict(cfg.model.architecture)
+    experts = routed_experts(arch)
+    if not experts:
+        return
+    p, t = cfg.peft, cfg.trainer
+    model = f"{cfg.model.name_or_path} ({experts} routed experts a layer)"
+    if not all(moe_layers(arch)):
+        dense = [i for i, sparse in enumerate(moe_layers(arch)) if not sparse]
+        raise ConfigError(
+            f"{model}: layers {dense} have a dense MLP (model.architecture mlp_only_layers / "
+            "decoder_sparse_step): memtune plans and adapts mixtures whose every layer routes, "
+            "as the released Qwen3-MoE and Qwen3.5-MoE models do"
+        )
+    if p.method != "lora":
+        raise ConfigError(
+            f"peft.method={p.method} on {model}: bitsandbytes quantizes nn.Linear layers only, "
+            "and a mixture's routed experts are fused 3-D parameters (most of its weights): "
+            f"they would load in {t.precision}, unquantized, without a word. memtune does not "
+            "quantize them yet; use peft.method=lora"
+        )
+    if "on" in (str(t.tiled_mlp), str(t.offload_activations)) or t.compile:
+        raise ConfigError(
+            f"trainer.tiled_mlp / offload_activations=on or trainer.compile=true on {model}: "
+            "not built for routed experts yet; leave them at their defaults"
+        )
+    sp = str(t.sequence_parallel)
+    if sp.isdigit() and int(sp) > 1:
+        raise ConfigError(
+            f"trainer.sequence_parallel={sp} on {model}: not built for routed experts yet; "
+            "use 1 (or auto, which keeps 1 for these models)"
+        )
+    if not adapts_experts(cfg):
+        return
+    why = (
+        f"with peft.target=all-linear on {model}, whose routed experts LoRA adapts as fused "
+        "stacks (peft's target_parameters layout)"
+    )
+    if p.dropout > 0:
+        raise ConfigError(
+            f"peft.dropout={p.dropout} {why}: an expert adapter has no dropout (peft refuses to "
+            "load one trained with it); set peft.dropout=0, or "
+            "peft.target=all-linear-but-experts to leave the routed experts frozen"
+        )
+    if p.dora or p.init in REWRITING_INIT:
+        what = "peft.dora=true" if p.dora else f"peft.init={p.init}"
+        raise ConfigError(
+            f"{what} {why}: peft builds DoRA, PiSSA and OLoRA for linear layers only; use "
+            "plain LoRA (rsLoRA, LoRA+, gaussian init work), or "
+            "peft.target=all-linear-but-experts"
         )
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from memtune.config import ConfigError, RunConfig, cache_dir, compute_bytes, lora_targets
-from memtune.config.architecture import layer_types
+from memtune.config.architecture import layer_types, routed_experts
+from memtune.config.derive import adapts_experts
 from memtune.rundir import RunDir, free_bytes, human_bytes, is_complete, write_atomic
 
 
@@ -36,10 +37,23 @@ class ParamCounts:
     linear_shapes: list[tuple[str, int, int]]  # (name in a layer, in, out) of each linear layer
     linear_attention_lora_inputs: list[tuple[str, int, int]] = field(default_factory=list)
     """lora_inputs of a linear-attention layer (a hybrid's, Qwen3.5); empty for other models."""
+    experts: int = 0
+    """A mixture's routed-expert stacks (fused 3-D parameters, not nn.Linear), all layers."""
+    expert_lora: int = 0
+    """The part of ``lora`` on the routed experts (rank.experts), 0 unless they are adapted."""
 
     @property
     def base(self) -> int:
-        return self.linear + self.embedding + self.head + self.small
+        return self.linear + self.embedding + self.head + self.small + self.experts
+
+    @property
+    def active(self) -> int:
+        """Base parameters one token computes with: all but the routed experts it is not sent
+        to (num_experts_per_tok of num_experts); the base for a dense model."""
+        return self.base - self.experts + round(self.experts * self.routed_share)
+
+    routed_share: float = 1.0
+    """num_experts_per_tok / num_experts (1.0 for a dense model)."""
 
 
 def arch_config(cfg: RunConfig) -> Any:
@@ -50,7 +64,7 @@ def arch_config(cfg: RunConfig) -> Any:
     return AutoConfig.for_model(arch.pop("model_type"), **arch)
 
 
-COUNTS_CACHE_FORMAT = 4
+COUNTS_CACHE_FORMAT = 5
 
 
 def count_params(cfg: RunConfig) -> ParamCounts:
@@ -69,6 +83,7 @@ def count_params(cfg: RunConfig) -> ParamCounts:
             "targets": sorted(lora_targets(cfg)),
             "rank_pattern": dict(p.rank_pattern),
             "dora": p.dora,
+            "experts": adapts_experts(cfg),
             "versions": [version(name) for name in ("transformers", "peft", "torch")],
         },
         sort_keys=True,
@@ -104,6 +119,7 @@ def _count_on_meta(cfg: RunConfig) -> ParamCounts:
     from transformers import AutoModelForCausalLM
 
     from memtune.config.derive import lora_config
+    from memtune.rank.experts import EXPERT_PARAMETERS, add_expert_lora, expert_modules
 
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
@@ -117,10 +133,12 @@ def _count_on_meta(cfg: RunConfig) -> ParamCounts:
                 linear += module.weight.numel()
                 rows += module.out_features
         n_all = sum(p.numel() for p in model.parameters())
+        stacks = expert_modules(model)
+        experts = sum(getattr(m, name).numel() for _, m in stacks for name in EXPERT_PARAMETERS)
         layers = list(model.get_decoder().layers)
         layer = max(sum(q.numel() for q in each.parameters()) for each in layers)
         head_n = 0 if tied or head is None else head.weight.numel()
-        small = n_all - linear - embedding.numel() - head_n
+        small = n_all - linear - embedding.numel() - head_n - experts
         targets = lora_targets(cfg)
         # One layer of each kind (a hybrid's linear-attention and attention layers differ).
         kinds = layer_types(dict(cfg.model.architecture))
@@ -139,6 +157,9 @@ def _count_on_meta(cfg: RunConfig) -> ParamCounts:
         config = lora_config(cfg)
         config.init_lora_weights = True
         peft_model = get_peft_model(model, config)  # adapts the layers in place
+        expert_lora = 0
+        if adapts_experts(cfg):
+            expert_lora = add_expert_lora(peft_model, cfg.peft.r, 1.0)
         lora = sum(q.numel() for q in peft_model.parameters() if q.requires_grad)
 
         # What one layer's adapters keep for backward (memory.estimate.layer_bytes), for each
@@ -164,7 +185,16 @@ def _count_on_meta(cfg: RunConfig) -> ParamCounts:
         lora_inputs,
         linear_shapes,
         linear_attention_lora_inputs,
+        experts,
+        expert_lora,
+        routed_share(dict(cfg.model.architecture)),
     )
+
+
+def routed_share(arch: dict[str, Any]) -> float:
+    """The share of a mixture's routed experts each token is sent to (1.0: dense)."""
+    experts = routed_experts(arch)
+    return int(arch.get("num_experts_per_tok") or 0) / experts if experts else 1.0
 
 
 MIXER_CHUNK = 64

@@ -45,7 +45,12 @@ from memtune.config import (
     sequence_parallel_size,
     tiled_mlp,
 )
-from memtune.config.architecture import head_dim, layer_types, linear_attention_layers
+from memtune.config.architecture import (
+    head_dim,
+    layer_types,
+    linear_attention_layers,
+    routed_experts,
+)
 from memtune.memory.counts import ParamCounts, count_params, linear_mixer_bytes
 from memtune.rundir import PlanRecord, PlanRow
 
@@ -119,7 +124,7 @@ def layer_bytes(
     mixer is measured (memory.counts.linear_mixer_bytes); any other kind is an attention
     layer."""
     a = cfg.model.architecture
-    h, inter = int(a["hidden_size"]), int(a["intermediate_size"])
+    h, inter = int(a["hidden_size"]), int(a.get("intermediate_size") or 0)
     b = compute_bytes(cfg)
     n = tokens
     norms = 2 * n * h * 4  # RMSNorm keeps its input in fp32, twice per layer
@@ -130,7 +135,10 @@ def layer_bytes(
         mixer, extra = attention_bytes(cfg, n)
         norms += extra
         inputs = counts.lora_inputs
-    if tiled_mlp(cfg):
+    if routed_experts(dict(a)):
+        # a mixture's block: router, routed experts, shared expert (its adapters are in inputs)
+        mlp = moe_block_bytes(cfg, n)
+    elif tiled_mlp(cfg):
         # Only the MLP's input; its intermediates and its LoRA's inputs live one tile at a
         # time, inside the backward's recompute (rank/long_context.py).
         mlp = n * h * b
@@ -147,7 +155,34 @@ def layer_bytes(
     return norms + mixer + mlp + lora
 
 
-GATED_ATTENTION = ("qwen3_5_text",)
+def moe_block_bytes(cfg: RunConfig, n: int) -> int:
+    """What a mixture-of-experts block keeps for backward over ``n`` tokens, without its
+    shared expert's adapters (lora_inputs has them). rank.experts runs each expert on the
+    tokens routed to it, n × num_experts_per_tok rows over all experts whatever the balance:
+    per row its gate/up output (2 × moe_intermediate, the SiLU keeps the fused tensor), the
+    SiLU's output, the expert output before and after the routing weight (hidden each), and
+    with adapted experts the row's input (hidden) and the product (moe_intermediate) their A
+    matrices read plus both adapters' r-wide middles. The router keeps its fp32 probabilities
+    over all experts and the top-k picks; a shared expert (Qwen3.5-MoE) keeps a dense MLP's three
+    intermediate-wide tensors, its sigmoid gate and the output that gate multiplies."""
+    from memtune.config.derive import adapts_experts
+
+    a = cfg.model.architecture
+    h, b = int(a["hidden_size"]), compute_bytes(cfg)
+    experts, top = routed_experts(dict(a)), int(a["num_experts_per_tok"])
+    inter = int(a["moe_intermediate_size"])
+    # + the routing weight and the row's token index; the weighted output twice (the product
+    # keeps its input, the index_add_ that sums the rows per token keeps its source)
+    row = (3 * inter + 2 * h) * b + 4 + 8
+    if adapts_experts(cfg):
+        row += (h + inter + 2 * cfg.peft.r) * b
+    router = n * experts * 4 + n * top * (8 + 4) + n * 4
+    shared = int(a.get("shared_expert_intermediate_size") or 0)
+    shared_bytes = n * (3 * shared + h + 1) * b if shared else 0
+    return n * top * row + router + shared_bytes
+
+
+GATED_ATTENTION = ("qwen3_5_text", "qwen3_5_moe_text")
 """Model types whose attention output is gated, ``out * sigmoid(gate)`` (gate: a second half of
 q_proj's output), before o_proj: Qwen3.5's full-attention layers."""
 
@@ -254,7 +289,12 @@ def backward_bytes(cfg: RunConfig, tokens: int, counts: ParamCounts, cuda: bool 
     """
     a = cfg.model.architecture
     n, b = tokens, compute_bytes(cfg)
-    h, inter = int(a["hidden_size"]), int(a["intermediate_size"])
+    h, inter = int(a["hidden_size"]), int(a.get("intermediate_size") or 0)
+    if routed_experts(dict(a)):
+        # The shared expert's MLP backward (a dense one's, at its width); each routed expert's
+        # is over its own few rows.
+        inter = int(a.get("shared_expert_intermediate_size") or 0)
+        return max(2 * n * h * b, 3 * n * inter * b + n * h * b)
     if tiled_mlp(cfg):
         # One tile (hidden_size tokens) recomputed with autograd and backpropagated: its
         # saved intermediates and their gradients, next to the whole input's gradient.
@@ -420,7 +460,10 @@ def live_reference_bytes(cfg: RunConfig, tokens: int) -> float:
     MLP's three intermediate-wide tensors) and its last hidden states. An estimate from the
     architecture, not yet checked against a traced step (tools.step_trace traces SFT's)."""
     a = cfg.model.architecture
-    h, inter = int(a["hidden_size"]), int(a["intermediate_size"])
+    h, inter = int(a["hidden_size"]), int(a.get("intermediate_size") or 0)
+    if routed_experts(dict(a)):  # the routed rows' and the shared expert's intermediates
+        inter = int(a["num_experts_per_tok"]) * int(a["moe_intermediate_size"])
+        inter += int(a.get("shared_expert_intermediate_size") or 0)
     return tokens * (3 * inter + 2 * h) * compute_bytes(cfg)
 
 
@@ -445,8 +488,10 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
         weights = (counts.linear + other * b) / shard + counts.linear_rows * 4 + counts.small * b
         how = f"int8 {counts.linear / 1e9:.2f}B linear weights + {other / 1e9:.2f}B embedding/head"
     else:
-        weights = (counts.linear + other) * b / shard + counts.small * b
+        weights = (counts.linear + counts.experts + other) * b / shard + counts.small * b
         how = f"{_count(counts.base)} parameters in {t.precision}"
+        if counts.experts:
+            how += f" ({_count(counts.experts)} of them routed experts)"
     out.add("base weights", weights, how + (f", sharded over {ranks} ranks" if zero3 else ""))
 
     # In the compute dtype on every stage (model.cast_adapters); the fp32 copy is the

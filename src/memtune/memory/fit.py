@@ -31,6 +31,7 @@ from memtune.config import (
     tiled_mlp,
     validate,
 )
+from memtune.config.architecture import routed_experts
 from memtune.config.decisions import decided, with_sections
 from memtune.memory.counts import ParamCounts, count_params, quantized_shape_problems
 from memtune.memory.estimate import Plan, format_plan, plan
@@ -378,7 +379,9 @@ def long_context_variants(cfg: RunConfig) -> list[tuple[RunConfig, str, float]]:
     offloads = ["off", "on"] if t.offload_activations == "auto" else [t.offload_activations]
     if not t.activation_checkpointing:
         offloads = ["off"]
-    if t.compile:  # not built together: config.validate refuses them when set to on
+    if t.compile or routed_experts(dict(cfg.model.architecture)):
+        # not built together (compile), not built for routed experts: config.validate
+        # refuses them when set to on
         tiles = offloads = ["off"]
     out = []
     for sp, tile, offload in itertools.product(sps, tiles, offloads):

@@ -112,11 +112,14 @@ def micro_step_flops(cfg: RunConfig, counts: ParamCounts) -> Flops:
     tokens, sp = rank_tokens(cfg), sequence_parallel_size(cfg)  # this rank's share
     k = checkpointed_layers(cfg)
     head = counts.head or counts.embedding  # the LM head multiplies even when tied
-    per_layer = counts.linear / layers
+    # A mixture's token multiplies only the experts it is routed to (counts.active).
+    share = counts.routed_share
+    per_layer = (counts.linear + counts.experts * share) / layers
     base = 2 * tokens * (per_layer * (2 * layers + k) + 2 * head)
     # An adapter's weights: 2 FLOPs per token forward, 4 backward (input and weight
     # gradients), 2 more when its layer recomputes.
-    lora = 2 * tokens * (counts.lora / layers) * (3 * layers + k)
+    active_lora = counts.lora - counts.expert_lora * (1 - share)
+    lora = 2 * tokens * (active_lora / layers) * (3 * layers + k)
     heads = int(a["num_attention_heads"])
     # QKᵀ and PV: 2 matmuls × 2 FLOPs × n²/2 (causal) per row and head; backward twice that;
     # a rank of a sequence-parallel group attends for heads / sp of the heads.
@@ -191,8 +194,8 @@ def traffic(cfg: RunConfig, counts: ParamCounts) -> list[tuple[str, float]]:
             base = counts.linear * NF4_BYTES[cfg.peft.double_quant] + other
         elif cfg.peft.method == "lora-int8":
             base = counts.linear + other
-        else:
-            base = counts.linear * b + other
+        else:  # a mixture's whole expert stacks are gathered, not only the routed experts
+            base = (counts.linear + counts.experts) * b + other
         gathers = gas * 2 * ring * (base + lora)
         out.append(("ZeRO-3 weight all-gathers (forward + backward)", gathers))
         if live_reference(cfg):

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from memtune.config.architecture import LANGUAGE_MODEL_PREFIX
+from memtune.rank.experts import add_expert_adapters, to_peft_names
 from memtune.rundir import (
     COMPLETE,
     GATHERED,
@@ -66,7 +67,10 @@ def export_adapter(model: Any, out_dir: Path, is_writer: bool) -> int:
     if initial is not None:
         state = for_original_base(state, initial)
     if is_writer:
-        model.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
+        rest, experts = to_peft_names(state)
+        model.save_pretrained(str(out_dir), state_dict=rest, safe_serialization=True)
+        if experts:
+            add_expert_adapters(out_dir, experts)
         if initial is not None:
             _doubled_rank_config(out_dir / "adapter_config.json")
     return len(state)

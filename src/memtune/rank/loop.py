@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from memtune.config import RunConfig, grad_accumulation_steps, sequence_parallel_size
+from memtune.rank.experts import RouterStats
 from memtune.rank.loss import label_count
 from memtune.rank.sequence_parallel import gradient_averaging_ranks
 from memtune.rank.telemetry import NullLogger, memory_snapshot
@@ -230,6 +231,7 @@ def train(
     result = result or TrainResult()
     hooks = hooks or Hooks()
     engine.train()
+    routing = RouterStats(engine.module)  # a mixture of experts' routing, between two logs
     start = time.perf_counter() - result.wall_s
     for step in range(result.steps + 1, t.max_steps + 1):
         step_start = time.perf_counter()
@@ -287,6 +289,7 @@ def train(
         result.losses.append(loss)
         if step % t.log_every == 0 or step == t.max_steps:
             memory = gather_memory(device)
+            moe = routing.metrics(_all_reduce_sum) if routing else {}
             grad_norm = engine.get_global_grad_norm()
             step_s = time.perf_counter() - step_start
             logger.log(
@@ -300,6 +303,7 @@ def train(
                     "train/input_tokens": input_tokens,
                     "perf/tokens_per_s": input_tokens / step_s,
                     **preference,
+                    **moe,
                     "memory": {f"rank{r}": m for r, m in enumerate(memory)},
                 },
             )

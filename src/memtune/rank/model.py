@@ -15,7 +15,13 @@ from memtune.config import (
     RunConfig,
     checkpointed_layers,
 )
-from memtune.config.derive import REWRITING_INIT, lora_config, variant_words
+from memtune.config.derive import (
+    REWRITING_INIT,
+    adapts_experts,
+    lora_config,
+    lora_scaling,
+    variant_words,
+)
 
 log = logging.getLogger("memtune")
 
@@ -135,6 +141,11 @@ def add_lora(model: Any, cfg: RunConfig) -> Any:
             if q.requires_grad
         }
         model.memtune_init_seconds = time.perf_counter() - start
+    from memtune.rank.experts import add_expert_lora, use_routed_forward
+
+    if adapts_experts(cfg):
+        add_expert_lora(model, p.r, lora_scaling(cfg), p.init)
+    use_routed_forward(model)  # a mixture's experts, adapted or frozen
     if p.init_from:
         load_adapter_weights(model, p.init_from)
     cast_adapters(model, torch_dtype(cfg))
@@ -153,14 +164,24 @@ def load_adapter_weights(model: Any, folder: str) -> None:
     from safetensors.torch import load_file
 
     from memtune.config.architecture import LANGUAGE_MODEL_PREFIX
+    from memtune.rank.experts import expert_adapter_names, expert_modules, from_peft_names
 
     text, multimodal = LANGUAGE_MODEL_PREFIX
     state = load_file(str(Path(folder).expanduser() / "adapter_model.safetensors"))
     # An adapter named for a multimodal class (model.language_model.*) onto its text model.
     state = {k.replace(multimodal, text, 1): v for k, v in state.items()}
+    # The routed experts' adapters: from peft's target_parameters layout into rank.experts'.
+    state = from_peft_names(state, {n: int(m.num_experts) for n, m in expert_modules(model)})
+    own = dict(model.named_parameters())
+    experts = expert_adapter_names(own)
+    problems = [k for k in experts if k not in state or state[k].shape != own[k].shape]
+    with torch.no_grad():
+        for key in experts:
+            if key not in problems:
+                own[key].copy_(state.pop(key))
     result: Any = set_peft_model_state_dict(model, state)
-    lora = {n for n, _ in model.named_parameters() if "lora_" in n}
-    missing = sorted(n for n in result.missing_keys if n in lora)
+    lora = {n for n in own if "lora_" in n and n not in experts}
+    missing = sorted(n for n in result.missing_keys if n in lora) + problems
     if result.unexpected_keys or missing:
         raise ValueError(
             f"peft.init_from={folder}: the adapter does not fit this model "
@@ -311,3 +332,25 @@ def count_parameters(model: Any) -> tuple[int, int]:
         if p.requires_grad:
             trainable += n
     return trainable, total
+
+
+MODEL_PARTS = (
+    (".mlp.experts.", "routed experts"),
+    (".mlp.shared_expert", "shared expert"),
+    (".linear_attn.", "linear attention"),
+    (".self_attn.", "attention"),
+    (".mlp.", "MLP"),
+)
+"""Where a parameter is, by its name, first match: the start-up line's parts."""
+
+
+def trainable_by_part(model: Any) -> dict[str, int]:
+    """Trainable weights by the part of the model they adapt (full sizes under ZeRO-3), in
+    MODEL_PARTS order, parts with none left out."""
+    counts = dict.fromkeys([label for _, label in MODEL_PARTS] + ["other"], 0)
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        part = next((label for key, label in MODEL_PARTS if key in f".{name}"), "other")
+        counts[part] += int(getattr(p, "ds_numel", p.numel()))
+    return {part: n for part, n in counts.items() if n}

@@ -162,6 +162,8 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     for k, v in d.items():
         if isinstance(v, dict):
             out.update(_flatten(v, f"{prefix}{k}/"))
+        elif isinstance(v, list):
+            continue  # metrics.jsonl's (a mixture's expert shares): no wandb scalar
         else:
             out[f"{prefix}{k}"] = v
     return out

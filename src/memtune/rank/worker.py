@@ -34,7 +34,8 @@ from memtune.config import (
     needs_reference,
     sequence_parallel_size,
 )
-from memtune.config.architecture import is_multimodal
+from memtune.config.architecture import is_multimodal, routed_experts
+from memtune.config.derive import adapts_experts
 from memtune.data.encode import DataStats, load_tokenizer
 from memtune.data.loaders import eval_batches, make_loader
 from memtune.exit_codes import (
@@ -62,7 +63,7 @@ from memtune.rank.loop import (
     train,
 )
 from memtune.rank.memory_check import check, verdict
-from memtune.rank.model import method_label, variant_label
+from memtune.rank.model import method_label, trainable_by_part, variant_label
 from memtune.rank.reference import References
 from memtune.rank.reference import prepare as prepare_references
 from memtune.rank.sequence_parallel import SequenceGroups, shard_batch
@@ -540,7 +541,19 @@ def start_up_lines(cfg: RunConfig, parts: Any, world: int, groups: SequenceGroup
         f"{t.global_batch_size}{sequence_note(groups)} · activation checkpointing "
         f"{checkpoint_note(cfg)} · {parts.optimizer_note}\n"
         f"memtune: batches: {batching_summary(cfg)}"
+        f"{experts_line(cfg, parts.model)}"
     )
+
+
+def experts_line(cfg: RunConfig, model: Any) -> str:
+    """For a mixture of experts, where the trainable weights are (a target that left the
+    routed experts frozen shows here, not only in the adapter's size)."""
+    experts = routed_experts(dict(cfg.model.architecture))
+    if not experts:
+        return ""
+    parts = " · ".join(f"{part} {n:,}" for part, n in trainable_by_part(model).items())
+    frozen = "" if adapts_experts(cfg) else " (routed experts frozen)"
+    return f"\nmemtune: trainable by part: {parts}{frozen}"
 
 
 def preference_line(metrics: dict[str, float]) -> str:

@@ -1,0 +1,285 @@
+"""LoRA on the routed experts of a mixture-of-experts model (Qwen3-MoE, Qwen3.5-MoE).
+
+transformers 5 keeps a layer's routed experts as two fused 3-D parameters of one module
+(``mlp.experts.gate_up_proj``: experts × 2·intermediate × hidden, ``mlp.experts.down_proj``:
+experts × hidden × intermediate), not as ``nn.Linear`` layers, so LoRA by module name never
+reaches them. peft 0.21 can adapt them (``target_parameters``), by re-parametrizing the stack as
+``W + scaling · B·A`` for every expert at each forward: a temporary the size of the whole stack
+per layer (1.1 GB for Qwen3.5-35B-A3B's gate_up in bf16), built again in the recompute, and a
+parametrization that ZeRO-3's gather hooks do not see (the stack moves into a module created
+during the forward).
+
+memtune adds the adapters to the experts module itself instead: per expert e and projection,
+``A[e]`` (r × in) and ``B[e]`` (out × r) as ordinary parameters of that module (ZeRO-3 gathers
+them with the stack, DeepSpeed's optimizer sees them like any LoRA weight), and a forward that
+runs each expert on the tokens routed to it as ``x·W[e]ᵀ + scaling · (x·A[e]ᵀ)·B[e]ᵀ``. The
+result is the model peft's adapter describes; :func:`to_peft_names` and :func:`from_peft_names`
+convert to and from peft's layout, so an exported adapter loads in plain peft
+(``target_parameters``) on the released model class.
+
+Dropout is not applied on the experts' adapters (peft's expert adapters refuse one, so an
+adapter trained with it would not be the one peft loads): config.validate asks for
+``peft.dropout=0`` when the routed experts are adapted.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+"""The fused stacks of a transformers experts module, in the order the module registers them
+(peft nests its wrappers in that order: the first is the innermost)."""
+
+
+def expert_modules(model: nn.Module) -> list[tuple[str, Any]]:
+    """(name, module) of every module holding a fused routed-expert stack."""
+    found = []
+    for name, module in model.named_modules():
+        own = dict(module.named_parameters(recurse=False))
+        if all(p in own for p in EXPERT_PARAMETERS) and hasattr(module, "num_experts"):
+            found.append((name, module))
+    return found
+
+
+def _shape(param: nn.Parameter) -> tuple[int, ...]:
+    """The full shape, also of a ZeRO-3 partitioned parameter."""
+    return tuple(getattr(param, "ds_shape", None) or param.shape)
+
+
+def add_expert_lora(
+    model: nn.Module, r: int, scaling: float, init: str = "default", dtype: Any = None
+) -> int:
+    """Give every routed-expert stack of ``model`` a LoRA adapter of rank ``r`` per expert
+    (``init``: ``default``, A uniform in ±1/√in and B = 0 as peft does; ``gaussian``, A with
+    std 1/r) and the forward that applies it; returns the number of adapter weights added."""
+    added = 0
+    for _, experts in expert_modules(model):
+        for name in EXPERT_PARAMETERS:
+            stack = getattr(experts, name)
+            n, out, inp = _shape(stack)
+            a = torch.empty(n, r, inp, device=stack.device, dtype=dtype or torch.float32)
+            b = torch.zeros(n, out, r, device=stack.device, dtype=dtype or torch.float32)
+            if a.device.type != "meta":
+                if init == "gaussian":
+                    nn.init.normal_(a, std=1 / r)
+                else:
+                    bound = 1 / math.sqrt(inp)
+                    nn.init.uniform_(a, -bound, bound)
+            experts.register_parameter(f"{name}_lora_A", nn.Parameter(a))
+            experts.register_parameter(f"{name}_lora_B", nn.Parameter(b))
+            added += a.numel() + b.numel()
+        experts.memtune_lora_scaling = scaling
+    use_routed_forward(model)
+    return added
+
+
+def use_routed_forward(model: nn.Module) -> int:
+    """Run every routed-expert stack of ``model`` with memtune's forward (adapters or not: one
+    code path, whose saved tensors memory.estimate.moe_block_bytes counts); returns how many
+    stacks."""
+    stacks = expert_modules(model)
+    for _, experts in stacks:
+        if not hasattr(experts, "memtune_lora_scaling"):
+            experts.memtune_lora_scaling = None
+        experts.forward = types.MethodType(_forward_with_lora, experts)
+    return len(stacks)
+
+
+def _forward_with_lora(
+    self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """transformers' eager experts forward with each expert's adapter (when it has one)
+    added to its two projections, on the tokens routed to it only."""
+    s = self.memtune_lora_scaling
+    out = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        routed = F.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
+        hit = torch.greater(routed.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist()
+    for e in hit:
+        slot, tokens = torch.where(routed[e])
+        x = hidden_states[tokens]
+        gate_up = F.linear(x, self.gate_up_proj[e])
+        if s is not None:
+            a, b = self.gate_up_proj_lora_A[e], self.gate_up_proj_lora_B[e]
+            gate_up = gate_up + s * F.linear(F.linear(x, a), b)
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = self.act_fn(gate) * up
+        y = F.linear(h, self.down_proj[e])
+        if s is not None:
+            y = y + s * F.linear(F.linear(h, self.down_proj_lora_A[e]), self.down_proj_lora_B[e])
+        y = y * top_k_weights[tokens, slot, None]
+        out.index_add_(0, tokens, y.to(out.dtype))
+    return out
+
+
+def _peft_prefix(module_name: str, param: str) -> str:
+    """peft's name for the wrapper of ``param`` of the experts module ``module_name``: the
+    wrappers nest in EXPERT_PARAMETERS order, the first innermost (``experts.base_layer``)."""
+    depth = len(EXPERT_PARAMETERS) - 1 - EXPERT_PARAMETERS.index(param)
+    return module_name + ".base_layer" * depth
+
+
+def to_peft_names(state: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """Split a trainable state dict (named as this model's parameters) into (the other
+    tensors, the expert adapters in peft's layout under the names of peft's adapter file):
+    ``…experts[.base_layer].lora_A.weight`` as (experts·r) × in, ``lora_B`` as
+    out × (r·experts), experts fastest. peft's own save drops tensors of modules it did not
+    make, so the second part is written into the file after it (checkpoint.export_adapter)."""
+    rest, experts = {}, {}
+    for name, t in state.items():
+        module, _, leaf = name.rpartition(".")
+        param, _, which = leaf.partition("_lora_")
+        if param not in EXPERT_PARAMETERS or which not in ("A", "B"):
+            rest[name] = t
+            continue
+        prefix = _peft_prefix(module, param)
+        if which == "A":  # (E, r, in) -> (E·r, in)
+            experts[f"{prefix}.lora_A.weight"] = t.reshape(-1, t.shape[-1]).contiguous()
+        else:  # (E, out, r) -> (out, r·E): peft reads column j·E + e as expert e's j-th
+            experts[f"{prefix}.lora_B.weight"] = (
+                t.permute(1, 2, 0).reshape(t.shape[1], -1).contiguous()
+            )
+    return rest, experts
+
+
+def from_peft_names(
+    state: dict[str, torch.Tensor], experts: dict[str, int]
+) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`to_peft_names` for an adapter's state (keys without
+    ``.default``): ``experts`` maps each experts module's name (as in the adapter) to its
+    number of experts."""
+    wrappers = {
+        f"{_peft_prefix(module, param)}.lora_{which}.weight": (module, param, which)
+        for module in experts
+        for param in EXPERT_PARAMETERS
+        for which in "AB"
+    }
+    out = {}
+    for name, t in state.items():
+        if name not in wrappers:
+            out[name] = t
+            continue
+        module, param, which = wrappers[name]
+        n = experts[module]
+        if which == "A":
+            out[f"{module}.{param}_lora_A"] = t.reshape(n, -1, t.shape[-1])
+        else:
+            out[f"{module}.{param}_lora_B"] = t.reshape(t.shape[0], -1, n).permute(2, 0, 1)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def peft_target_parameters() -> list[str]:
+    """What an exported adapter's config names in ``target_parameters``."""
+    return [f"mlp.experts.{p}" for p in EXPERT_PARAMETERS]
+
+
+def expert_adapter_names(names: Any) -> list[str]:
+    """The parameter names among ``names`` that are routed-expert adapters (rank.experts')."""
+    out = []
+    for name in names:
+        param, _, which = name.rpartition(".")[2].partition("_lora_")
+        if param in EXPERT_PARAMETERS and which in ("A", "B"):
+            out.append(name)
+    return out
+
+
+def add_expert_adapters(out_dir: Any, experts: dict[str, torch.Tensor]) -> None:
+    """Complete an adapter peft has just saved (its own modules' tensors) with the routed
+    experts' (:func:`to_peft_names`): the tensors into ``adapter_model.safetensors``, and
+    ``target_parameters`` (with ``lora_dropout`` 0, which peft requires of them) into
+    ``adapter_config.json``; each file written to a temporary name and renamed into place."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    from memtune.rundir import write_atomic
+
+    out = Path(out_dir)
+    path = out / "adapter_model.safetensors"
+    state = {**load_file(path), **experts}
+    tmp = path.with_name(f".tmp-{path.name}")
+    save_file(state, tmp, metadata={"format": "pt"})
+    tmp.replace(path)
+    config_path = out / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config["target_parameters"] = peft_target_parameters()
+    config["lora_dropout"] = 0.0
+    write_atomic(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+class RouterStats:
+    """A mixture's routing, accumulated between two logging steps on every rank: how many of
+    the routed slots (tokens × num_experts_per_tok) each layer's router sent to each expert,
+    and its mean probability per expert. From them :meth:`metrics` reports, per layer, the
+    experts' shares of the load and the busiest expert's over the mean (1.0: even; a
+    collapsing router climbs towards num_experts / num_experts_per_tok), and the
+    load-balancing loss of transformers' ``load_balancing_loss_func``
+    (E · Σₑ slotsₑ / tokens · mean probₑ: num_experts_per_tok when even), over all layers'
+    tokens as the model's own aux loss takes it, and per layer. Counted in training forwards
+    only: not in evaluation, nor in the recompute of a checkpointed layer (inside the
+    backward, where it would count that layer's tokens twice)."""
+
+    def __init__(self, model: nn.Module):
+        self.routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+        self.slots: torch.Tensor | None = None
+        self.probs: torch.Tensor | None = None
+        self.tokens: torch.Tensor | None = None
+        for index, router in enumerate(self.routers):
+            router.register_forward_hook(self._hook(index))
+
+    def __bool__(self) -> bool:
+        return bool(self.routers)
+
+    def _hook(self, index: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not module.training or torch._C._current_graph_task_id() != -1:
+                return  # evaluation, or a checkpointed layer's recompute in the backward
+            logits, _, chosen = output
+            with torch.no_grad():
+                experts = logits.shape[-1]
+                if self.slots is None:
+                    shape = (len(self.routers), experts)
+                    self.slots = torch.zeros(shape, dtype=torch.float64, device=logits.device)
+                    self.probs = torch.zeros_like(self.slots)
+                    self.tokens = torch.zeros(shape[0], dtype=torch.float64, device=logits.device)
+                assert self.probs is not None and self.tokens is not None
+                self.slots[index] += torch.bincount(chosen.flatten(), minlength=experts)
+                self.probs[index] += logits.float().softmax(-1).sum(0).double()
+                self.tokens[index] += logits.shape[0]
+
+        return hook
+
+    def metrics(self, reduce: Any = None) -> dict[str, Any]:
+        """The window's metrics (empty when no routed forward ran), then a new window.
+        ``reduce``: sums a tensor over the ranks in place (all ranks call this together)."""
+        if self.slots is None or self.probs is None or self.tokens is None:
+            return {}
+        packed = torch.cat([self.slots.flatten(), self.probs.flatten(), self.tokens])
+        if reduce is not None:
+            reduce(packed)
+        layers, experts = self.slots.shape
+        slots = packed[: layers * experts].view(layers, experts)
+        probs = packed[layers * experts : 2 * layers * experts].view(layers, experts)
+        tokens = packed[2 * layers * experts :].clamp(min=1)
+        self.slots = self.probs = self.tokens = None
+        share = slots / slots.sum(-1, keepdim=True).clamp(min=1)
+        busiest = share.max(-1).values * experts
+        balance = experts * (slots / tokens[:, None] * probs / tokens[:, None]).sum(-1)
+        everywhere = tokens.sum()
+        overall = experts * (slots.sum(0) / everywhere * probs.sum(0) / everywhere).sum()
+        return {
+            "moe/aux_loss": float(overall),
+            "moe/load_max_over_mean": float(busiest.max()),
+            "moe/layers": {
+                f"layer{i}": {"load_max_over_mean": float(busiest[i]), "aux_loss": float(b)}
+                for i, b in enumerate(balance.tolist())
+            },
+            "moe/expert_load": [[round(x, 5) for x in row] for row in share.tolist()],
+        }

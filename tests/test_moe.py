@@ -1,0 +1,336 @@
+"""Mixture-of-experts Qwen (Qwen3-MoE, Qwen3.5-MoE): LoRA on the routed experts as memtune
+runs it (rank.experts) is the adapter plain peft loads with target_parameters; the parameter
+counts of the released shapes; what is refused by name; a tiny Qwen3-MoE trained on 2 CPU
+ranks under ZeRO-3 whose exported adapter gives memtune's logits in plain peft and merges."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from memtune.config import ConfigError, to_run_config, validate
+from memtune.memory.counts import count_params
+from tests.conftest import FAST, Run, compose_cfg, start_run
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    vocab_size=128,
+    initializer_range=0.1,
+)
+
+
+def _cfg(*overrides: str):
+    return to_run_config(compose_cfg(list(overrides)))
+
+
+HYBRID = dict(  # Qwen3.5-MoE: a linear-attention layer, then a full-attention one
+    TINY,
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    shared_expert_intermediate_size=32,
+)
+MODELS = {"qwen3_moe": TINY, "qwen3_5_moe_text": HYBRID}
+TARGETS = {  # peft's part: attention, and the shared expert where there is one
+    "qwen3_moe": ["q_proj", "v_proj"],
+    "qwen3_5_moe_text": ["q_proj", "v_proj", "in_proj_qkv", "gate_proj", "down_proj"],
+}
+
+
+def _tiny_moe(tmp: Path, model_type: str) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **MODELS[model_type])
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp / "base")
+    return tmp / "base"
+
+
+def _adapted(base: Path, model_type: str, r: int = 4, alpha: int = 8) -> Any:
+    """The base loaded back, with LoRA by peft (attention, a shared expert) and on the routed
+    experts by memtune, every B random (a trained adapter, not the no-op start)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from memtune.rank.experts import add_expert_lora
+
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=TARGETS[model_type], lora_dropout=0.0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), config)
+    added = add_expert_lora(model, r, alpha / r)
+    assert added == 2 * 8 * r * ((64 + 64) + (32 + 64))  # layers × experts × r × (in + out)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.2)
+    return model.eval()
+
+
+@pytest.mark.parametrize("model_type", sorted(MODELS))
+def test_expert_adapters_load_in_plain_peft_with_the_same_logits(
+    tmp_path: Path, model_type: str
+) -> None:
+    """memtune's per-token x·Aᵀ·Bᵀ on each routed expert and peft's W + B·A over the stack are
+    one model: the exported adapter (peft's target_parameters layout) gives memtune's logits
+    in plain peft, and loads back into memtune's layout exactly (peft.init_from)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from memtune.rank.checkpoint import export_adapter
+    from memtune.rank.model import load_adapter_weights
+
+    base = _tiny_moe(tmp_path, model_type)
+    ours = _adapted(base, model_type)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = ours(input_ids=ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(base)(input_ids=ids).logits
+    assert (want - plain).abs().max() > 0.1  # the experts' adapters change the model
+    n = export_adapter(ours, tmp_path / "adapter", is_writer=True)
+    assert n == sum(p.requires_grad for p in ours.parameters())
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert sorted(config["target_parameters"]) == [
+        "mlp.experts.down_proj",
+        "mlp.experts.gate_up_proj",
+    ]
+    tensors = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    gate_up_a = tensors["base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"]
+    down_b = tensors["base_model.model.model.layers.0.mlp.experts.lora_B.weight"]
+    assert tuple(gate_up_a.shape) == (8 * 4, 64) and tuple(down_b.shape) == (64, 4 * 8)
+
+    theirs = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter"
+    )
+    with torch.no_grad():
+        got = theirs.eval()(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    from memtune.rank.model import trainable_by_part
+
+    parts = trainable_by_part(ours)  # the start-up line's: where the trainable weights are
+    routed = 2 * 8 * 4 * (128 + 96)  # layers × experts × r × (gate_up in + out, down in + out)
+    assert (
+        parts
+        == {
+            "qwen3_moe": {"routed experts": routed, "attention": 2 * 4 * (64 + 64 + 64 + 16)},
+            "qwen3_5_moe_text": {  # q is twice as wide (its output gate's half), in_proj_qkv 128
+                "routed experts": routed,
+                "shared expert": 2 * 4 * ((64 + 32) + (32 + 64)),
+                "linear attention": 4 * (64 + 128),
+                "attention": 4 * (64 + 128) + 4 * (64 + 16),
+            },
+        }[model_type]
+    )
+
+    again = _adapted(base, model_type)  # other random B: replaced by the adapter's
+    load_adapter_weights(again, str(tmp_path / "adapter"))
+    mine = dict(ours.named_parameters())
+    for name, p in again.named_parameters():
+        if "lora_" in name:
+            assert torch.equal(p, mine[name]), name
+
+
+@pytest.mark.parametrize(
+    ("group", "total", "experts", "active"),
+    [
+        ("qwen3-30b-a3b", 30_532_122_624, 28_991_029_248, 3_353_032_704),
+        ("qwen3.5-35b-a3b", 34_660_610_688, 32_212_254_720, 3_454_988_928),
+    ],
+)
+def test_the_released_shapes_are_counted_from_the_real_classes(
+    group: str, total: int, experts: int, active: int
+) -> None:
+    """Total parameters (memory), routed experts, and those one token uses (FLOPs), from the
+    model built on the meta device; LoRA on all-linear reaches every expert of every layer."""
+    cfg = _cfg(f"model={group}", "peft.target=all-linear", "peft.dropout=0")
+    counts = count_params(cfg)
+    assert (counts.base, counts.experts, counts.active) == (total, experts, active)
+    a = cfg.model.architecture
+    h, inter, r = a["hidden_size"], a["moe_intermediate_size"], cfg.peft.r
+    per_layer = a["num_experts"] * r * ((h + 2 * inter) + (inter + h))  # gate_up, down
+    assert counts.expert_lora == a["num_hidden_layers"] * per_layer
+    frozen = count_params(_cfg(f"model={group}", "peft.target=all-linear-but-experts"))
+    assert frozen.expert_lora == 0 and frozen.lora == counts.lora - counts.expert_lora
+
+
+def test_qwen3_moe_all_linear_leaves_the_mlp_names_to_the_experts() -> None:
+    """No Qwen3-30B-A3B layer has a dense MLP: gate/up/down by name would match nothing, and
+    peft would make its own expert adapters from them (gate_up at twice the rank)."""
+    from memtune.config.derive import lora_targets
+
+    assert "gate_proj" not in lora_targets(_cfg("model=qwen3-30b-a3b", "peft.target=all-linear"))
+    shared = lora_targets(_cfg("model=qwen3.5-35b-a3b", "peft.target=all-linear"))
+    assert {"gate_proj", "up_proj", "down_proj"} <= set(shared)  # its shared expert's
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["peft=qlora-nf4"], "routed experts are fused 3-D parameters"),
+        (["peft=lora-int8"], "would load in .* unquantized"),
+        (["peft.target=all-linear", "peft.dropout=0.05"], r"peft.dropout=0.05 with peft.target"),
+        (["peft.target=all-linear", "peft.dropout=0", "peft.dora=true"], "for linear layers only"),
+        (["peft.target=all-linear", "peft.dropout=0", "peft.init=olora"], "for linear layers only"),
+        (["trainer.sequence_parallel=2", "launcher.num_ranks=2"], "not built for routed experts"),
+        (["trainer.tiled_mlp=on"], "not built for routed experts"),
+        (["++model.architecture.mlp_only_layers=[0]"], r"layers \[0\] have a dense MLP"),
+    ],
+)
+def test_what_moe_cannot_do_yet_is_refused_by_name(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        validate(_cfg("model=qwen3-30b-a3b", *overrides), inputs=False)
+
+
+def test_frozen_experts_take_the_usual_dropout() -> None:
+    validate(_cfg("model=qwen3-30b-a3b", "peft.target=all-linear-but-experts"), inputs=False)
+    validate(_cfg("model=qwen3-30b-a3b", "peft.target=attention"), inputs=False)
+
+
+def test_the_moe_block_plan_is_what_autograd_keeps(tmp_path: Path) -> None:
+    """memory.estimate.moe_block_bytes against the bytes autograd saves in a real mixture block
+    (router, experts run by rank.experts, adapters on them), at widths where the per-expert
+    bookkeeping is as small a share as at full size."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memtune.memory.estimate import moe_block_bytes
+    from memtune.rank.experts import add_expert_lora, use_routed_forward
+
+    arch = dict(
+        model_type="qwen3_moe",
+        hidden_size=512,
+        intermediate_size=1536,
+        moe_intermediate_size=192,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=128,
+        num_experts=32,
+        num_experts_per_tok=4,
+        vocab_size=128,
+    )
+    for adapted in (True, False):
+        cfg = _cfg(
+            "model=tiny-qwen3-moe",
+            f"peft.target={'all-linear' if adapted else 'attention'}",
+            "peft.dropout=0",
+            "trainer.precision=fp32",
+        )
+        cfg.model.architecture = arch
+        fields = {k: v for k, v in arch.items() if k != "model_type"}
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **fields))
+        block = model.model.layers[0].mlp.requires_grad_(False)
+        if adapted:
+            add_expert_lora(block, cfg.peft.r, 2.0)
+        use_routed_forward(block)
+        n = 2048
+        x = torch.randn(1, n, 512, requires_grad=True)
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, saved: dict[int, int] = saved) -> torch.Tensor:
+            saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            block(x)
+        own = {p.untyped_storage()._cdata for p in block.parameters()}
+        got = sum(size for ptr, size in saved.items() if ptr not in own)
+        want = moe_block_bytes(cfg, n)
+        assert want == pytest.approx(got, rel=0.03), (adapted, want, got)
+
+
+@pytest.fixture(scope="module")
+def moe_run(runs_root: Path) -> Run:
+    run = start_run(
+        runs_root / "moe",
+        [
+            *FAST,
+            "trainer.max_steps=8",
+            "model=tiny-qwen3-moe",
+            "zero=zero3",
+            "launcher.num_ranks=2",
+            "peft.target=all-linear",
+            "peft.dropout=0",
+        ],
+    )
+    assert run.code == 0
+    return run
+
+
+@pytest.mark.slow
+def test_a_tiny_qwen3_moe_trains_its_experts_on_two_zero3_ranks(
+    moe_run: Run, tmp_path: Path
+) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from memtune.tools.merge import merge
+
+    run = moe_run
+    losses = run.losses()
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+    counts = count_params(run.cfg)
+    assert run.summary()["trainable_params"] == counts.lora
+    logged = [m for m in run.metrics() if "train/loss" in m]
+    assert all(len(m["moe/expert_load"]) == 2 for m in logged)  # both ranks' routing, summed
+    assert all(1.0 <= m["moe/load_max_over_mean"] <= 8.0 for m in logged)
+    assert all(m["moe/aux_loss"] >= 2.0 - 1e-6 for m in logged)  # top-2: 2 when even
+    assert counts.expert_lora == 2 * 16 * 16 * ((256 + 192) + (96 + 256))
+    base = run.cfg.model.name_or_path
+    probe = torch.load(run.dir / "probe_logits.pt", weights_only=True)
+    tensors = load_file(run.dir / "adapter" / "adapter_model.safetensors")
+    experts = [k for k in tensors if ".mlp.experts." in k]
+    assert len(experts) == 2 * 4
+    assert all(t.abs().max() > 0 for k, t in tensors.items() if "lora_B" in k)  # all trained
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), run.dir / "adapter"
+    )
+    with torch.no_grad():
+        got = model.eval()(input_ids=probe["input_ids"]).logits
+    torch.testing.assert_close(got, probe["logits"], rtol=1e-4, atol=1e-4)
+    merged = AutoModelForCausalLM.from_pretrained(
+        merge(run.dir / "adapter", tmp_path / "merged", dtype="fp32")
+    )
+    with torch.no_grad():
+        logits = merged.eval()(input_ids=probe["input_ids"]).logits
+    torch.testing.assert_close(logits, probe["logits"], rtol=1e-4, atol=1e-4)
+
+
+def test_the_routing_metrics_are_the_models_own_balance_loss(tmp_path: Path) -> None:
+    """RouterStats, from hooks on the routers, gives the load-balancing loss transformers
+    computes from the router logits (output_router_logits), and each layer's expert shares."""
+    from transformers import AutoModelForCausalLM
+
+    from memtune.rank.experts import RouterStats
+
+    model = AutoModelForCausalLM.from_pretrained(_tiny_moe(tmp_path, "qwen3_moe")).train()
+    stats = RouterStats(model)
+    ids = torch.randint(0, 128, (3, 20), generator=torch.Generator().manual_seed(3))
+    out = model(input_ids=ids, output_router_logits=True)
+    metrics = stats.metrics()
+    # the model adds router_aux_loss_coef × its balance loss to the loss it returns
+    assert metrics["moe/aux_loss"] == pytest.approx(float(out.aux_loss), rel=1e-5)
+    shares = torch.tensor(metrics["moe/expert_load"])
+    assert shares.shape == (2, 8)
+    torch.testing.assert_close(shares.sum(-1), torch.ones(2), rtol=0, atol=1e-4)
+    chosen = out.router_logits[1].topk(2, dim=-1).indices.flatten()
+    want = torch.bincount(chosen, minlength=8) / chosen.numel()
+    torch.testing.assert_close(shares[1], want.float(), rtol=0, atol=1e-4)
+    busiest = metrics["moe/layers"]["layer1"]["load_max_over_mean"]
+    assert busiest == pytest.approx(float(want.max()) * 8, rel=1e-4)
+    assert stats.metrics() == {}  # a new window: nothing routed since
