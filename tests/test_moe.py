@@ -182,8 +182,8 @@ def test_qwen3_moe_all_linear_leaves_the_mlp_names_to_the_experts() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["peft=qlora-nf4"], "routed experts are fused 3-D parameters"),
         (["peft=lora-int8"], "would load in .* unquantized"),
+        (["peft=qlora-nf4", "zero=zero2", "plan.device_gib=24"], "use zero=zero3"),
         (["peft.target=all-linear", "peft.dropout=0.05"], r"peft.dropout=0.05 with peft.target"),
         (["peft.target=all-linear", "peft.dropout=0", "peft.dora=true"], "for linear layers only"),
         (["peft.target=all-linear", "peft.dropout=0", "peft.init=olora"], "for linear layers only"),
@@ -264,6 +264,7 @@ def moe_run(runs_root: Path) -> Run:
             "model=tiny-qwen3-moe",
             "zero=zero3",
             "launcher.num_ranks=2",
+            "peft=qlora-nf4",
             "peft.target=all-linear",
             "peft.dropout=0",
         ],
@@ -273,12 +274,18 @@ def moe_run(runs_root: Path) -> Run:
 
 
 @pytest.mark.slow
-def test_a_tiny_qwen3_moe_trains_its_experts_on_two_zero3_ranks(
+def test_a_tiny_qwen3_moe_trains_its_4bit_experts_on_two_zero3_ranks(
     moe_run: Run, tmp_path: Path
 ) -> None:
+    """QLoRA on a mixture: the attention in bitsandbytes' 4-bit layers, the routed experts in
+    memtune's 4-bit stacks, LoRA on both, ZeRO-3 over 2 ranks. The adapter, in plain peft over
+    the base quantized and dequantized as in training, gives memtune's logits; so does
+    memtune merge's model; the routing is logged."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from memtune.rank.experts import round_trip_experts
+    from memtune.rank.model import quantization_config
     from memtune.tools.merge import merge
 
     run = moe_run
@@ -286,23 +293,30 @@ def test_a_tiny_qwen3_moe_trains_its_experts_on_two_zero3_ranks(
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
     counts = count_params(run.cfg)
     assert run.summary()["trainable_params"] == counts.lora
+    assert counts.expert_lora == 2 * 16 * 16 * ((256 + 192) + (96 + 256))
     logged = [m for m in run.metrics() if "train/loss" in m]
     assert all(len(m["moe/expert_load"]) == 2 for m in logged)  # both ranks' routing, summed
     assert all(1.0 <= m["moe/load_max_over_mean"] <= 8.0 for m in logged)
     assert all(m["moe/aux_loss"] >= 2.0 - 1e-6 for m in logged)  # top-2: 2 when even
-    assert counts.expert_lora == 2 * 16 * 16 * ((256 + 192) + (96 + 256))
-    base = run.cfg.model.name_or_path
-    probe = torch.load(run.dir / "probe_logits.pt", weights_only=True)
     tensors = load_file(run.dir / "adapter" / "adapter_model.safetensors")
-    experts = [k for k in tensors if ".mlp.experts." in k]
-    assert len(experts) == 2 * 4
+    assert len([k for k in tensors if ".mlp.experts." in k]) == 2 * 4
     assert all(t.abs().max() > 0 for k, t in tensors.items() if "lora_B" in k)  # all trained
-    model = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), run.dir / "adapter"
-    )
+
+    probe = torch.load(run.dir / "probe_logits.pt", weights_only=True)
+    base = AutoModelForCausalLM.from_pretrained(
+        run.cfg.model.name_or_path,
+        dtype=torch.float32,
+        quantization_config=quantization_config(run.cfg),
+    ).dequantize()
+    assert round_trip_experts(base, "nf4", torch.float32) == 4
+    model = PeftModel.from_pretrained(base, run.dir / "adapter")
     with torch.no_grad():
         got = model.eval()(input_ids=probe["input_ids"]).logits
     torch.testing.assert_close(got, probe["logits"], rtol=1e-4, atol=1e-4)
+    plain = AutoModelForCausalLM.from_pretrained(run.cfg.model.name_or_path, dtype=torch.float32)
+    with torch.no_grad():
+        unquantized = plain.eval()(input_ids=probe["input_ids"]).logits
+    assert (unquantized - probe["logits"]).abs().max() > 1e-2  # the 4-bit base is another
     merged = AutoModelForCausalLM.from_pretrained(
         merge(run.dir / "adapter", tmp_path / "merged", dtype="fp32")
     )
@@ -334,3 +348,59 @@ def test_the_routing_metrics_are_the_models_own_balance_loss(tmp_path: Path) -> 
     busiest = metrics["moe/layers"]["layer1"]["load_max_over_mean"]
     assert busiest == pytest.approx(float(want.max()) * 8, rel=1e-4)
     assert stats.metrics() == {}  # a new window: nothing routed since
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_4bit_expert_stacks_compute_their_dequantized_weights(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """quantize_experts keeps each stack as 4-bit blocks and fp32 scales in one parameter of
+    the training dtype; the experts then compute as a float model holding the dequantized
+    weights does, forward and backward (the adapters' and the input's gradients), and
+    nothing large is left unquantized."""
+    import bitsandbytes.functional as bnbf
+    from transformers import AutoModelForCausalLM
+
+    from memtune.rank.experts import add_expert_lora, full_precision_weights, quantize_experts
+
+    base = _tiny_moe(tmp_path, "qwen3_moe")
+    quantized = AutoModelForCausalLM.from_pretrained(base, dtype=dtype).requires_grad_(False)
+    reference = AutoModelForCausalLM.from_pretrained(base, dtype=dtype).requires_grad_(False)
+    stacks = {n: p for n, p in reference.named_parameters() if ".mlp.experts." in n}
+    smallest = 2 * 64 * 64  # above the float attention weights here (bitsandbytes' in a run)
+    assert sorted(full_precision_weights(quantized, smallest)) == sorted(stacks)
+    assert quantize_experts(quantized, "nf4", dtype) == 4
+    assert full_precision_weights(quantized, smallest) == []
+    for name, param in stacks.items():  # the reference: NF4's round trip, as float weights
+        e, out, inp = param.shape
+        packed, state = bnbf.quantize_4bit(
+            param.data.reshape(-1, inp), blocksize=64, quant_type="nf4"
+        )
+        param.data = bnbf.dequantize_4bit(packed, state).reshape(e, out, inp)
+        held = dict(quantized.named_parameters())[name]
+        assert held.dtype == dtype and held.numel() * held.element_size() == (
+            e * out * inp // 2 + e * out * inp // 64 * 4
+        )
+    for model in (quantized, reference):
+        torch.manual_seed(5)
+        add_expert_lora(model, 4, 2.0, dtype=dtype)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "_lora_B" in name:
+                    p.normal_(std=0.2)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(4))
+    outputs, grads = [], []
+    for model in (quantized, reference):
+        embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+        logits = model(inputs_embeds=embeds).logits
+        logits.float().square().mean().backward()
+        outputs.append(logits.float())
+        grads.append(
+            [embeds.grad.float()]
+            + [p.grad.float() for n, p in sorted(model.named_parameters()) if "_lora_" in n]
+        )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=tol, atol=tol)
+    assert len(grads[0]) == 1 + 2 * 4
+    for got, want in zip(grads[0], grads[1], strict=True):
+        torch.testing.assert_close(got, want, rtol=tol * 10, atol=tol)

@@ -19,6 +19,7 @@ from typing import Any
 from memtune.config import ConfigError, RunConfig, cache_dir, compute_bytes, lora_targets
 from memtune.config.architecture import layer_types, routed_experts
 from memtune.config.derive import adapts_experts
+from memtune.expert_stacks import QUANT_BLOCK
 from memtune.rundir import RunDir, free_bytes, human_bytes, is_complete, write_atomic
 
 
@@ -119,7 +120,7 @@ def _count_on_meta(cfg: RunConfig) -> ParamCounts:
     from transformers import AutoModelForCausalLM
 
     from memtune.config.derive import lora_config
-    from memtune.rank.experts import EXPERT_PARAMETERS, add_expert_lora, expert_modules
+    from memtune.expert_stacks import EXPERT_PARAMETERS, add_expert_adapters, expert_modules
 
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
@@ -159,7 +160,7 @@ def _count_on_meta(cfg: RunConfig) -> ParamCounts:
         peft_model = get_peft_model(model, config)  # adapts the layers in place
         expert_lora = 0
         if adapts_experts(cfg):
-            expert_lora = add_expert_lora(peft_model, cfg.peft.r, 1.0)
+            expert_lora = add_expert_adapters(peft_model, cfg.peft.r, 1.0)
         lora = sum(q.numel() for q in peft_model.parameters() if q.requires_grad)
 
         # What one layer's adapters keep for backward (memory.estimate.layer_bytes), for each
@@ -299,12 +300,21 @@ def quantized_shape_problems(cfg: RunConfig, counts: ParamCounts) -> list[str]:
         return []
     storage = compute_bytes(cfg)
     dtype = "bf16" if storage == 2 else "fp32"
-    return [
+    problems = [
         f"model.layers.*.{name} (in {i}, out {o}): {-(-i * o // 2):,} packed bytes are not a "
         f"multiple of {storage} ({dtype} storage, bnb_4bit_quant_storage)"
         for name, i, o in counts.linear_shapes
         if -(-i * o // 2) % storage
     ]
+    a = cfg.model.architecture
+    if counts.experts:  # rank.experts: one expert's weights in whole 4-bit blocks
+        h, inter = int(a["hidden_size"]), int(a["moe_intermediate_size"])
+        if (h * inter) % QUANT_BLOCK:
+            problems.append(
+                f"model.layers.*.mlp.experts (hidden {h} × moe_intermediate {inter}): an "
+                f"expert's weights are not whole blocks of {QUANT_BLOCK} (its 4-bit scales)"
+            )
+    return problems
 
 
 CHECKPOINT_STATE_BYTES = {"adamw": 12, "cpu_adam": 12, "adamw_8bit": 6}

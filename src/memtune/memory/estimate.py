@@ -51,6 +51,7 @@ from memtune.config.architecture import (
     linear_attention_layers,
     routed_experts,
 )
+from memtune.expert_stacks import EXPERT_NF4_BYTES
 from memtune.memory.counts import ParamCounts, count_params, linear_mixer_bytes
 from memtune.rundir import PlanRecord, PlanRow
 
@@ -482,8 +483,12 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
         per = NF4_BYTES[p.double_quant]
         packed = counts.linear * 0.5
         scales = counts.linear * (per - 0.5)
-        weights = (packed + other * b) / shard + scales + counts.small * b
+        # a mixture's stacks: packed bytes and scales in one parameter ZeRO-3 shards
+        experts = counts.experts * EXPERT_NF4_BYTES
+        weights = (packed + experts + other * b) / shard + scales + counts.small * b
         how = f"NF4 {counts.linear / 1e9:.2f}B linear weights + {other / 1e9:.2f}B embedding/head"
+        if counts.experts:
+            how += f" + {counts.experts / 1e9:.2f}B routed experts (NF4, fp32 block scales)"
     elif p.method == "lora-int8":
         weights = (counts.linear + other * b) / shard + counts.linear_rows * 4 + counts.small * b
         how = f"int8 {counts.linear / 1e9:.2f}B linear weights + {other / 1e9:.2f}B embedding/head"
@@ -515,7 +520,8 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
         # and the head (gathered once for the loss), plus what is prefetched meanwhile.
         largest = max(counts.layer, counts.embedding, counts.head)
         prefetch = prefetch_bucket_elements(cfg)
-        gathered = (largest + prefetch) * (0.5 if p.method == "qlora" else b)
+        per_weight = (EXPERT_NF4_BYTES if counts.experts else 0.5) if p.method == "qlora" else b
+        gathered = (largest + prefetch) * per_weight
         if p.method == "qlora" and largest != counts.layer:
             gathered = largest * b + prefetch * 0.5
         out.add("ZeRO-3 gathered params", gathered, "largest module in use + prefetch")

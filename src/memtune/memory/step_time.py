@@ -45,6 +45,7 @@ from memtune.config import (
     tiled_mlp,
 )
 from memtune.config.architecture import head_dim
+from memtune.expert_stacks import EXPERT_NF4_BYTES
 from memtune.memory.counts import ParamCounts, count_params
 from memtune.memory.estimate import MLP_PROJECTIONS, NF4_BYTES
 
@@ -192,6 +193,7 @@ def traffic(cfg: RunConfig, counts: ParamCounts) -> list[tuple[str, float]]:
         other = (counts.embedding + counts.head) * b
         if cfg.peft.method == "qlora":
             base = counts.linear * NF4_BYTES[cfg.peft.double_quant] + other
+            base += counts.experts * EXPERT_NF4_BYTES
         elif cfg.peft.method == "lora-int8":
             base = counts.linear + other
         else:  # a mixture's whole expert stacks are gathered, not only the routed experts

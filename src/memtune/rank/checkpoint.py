@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from memtune.config.architecture import LANGUAGE_MODEL_PREFIX
-from memtune.rank.experts import add_expert_adapters, to_peft_names
+from memtune.rank.experts import to_peft_names, write_expert_adapters
 from memtune.rundir import (
     COMPLETE,
     GATHERED,
@@ -70,7 +70,7 @@ def export_adapter(model: Any, out_dir: Path, is_writer: bool) -> int:
         rest, experts = to_peft_names(state)
         model.save_pretrained(str(out_dir), state_dict=rest, safe_serialization=True)
         if experts:
-            add_expert_adapters(out_dir, experts)
+            write_expert_adapters(out_dir, experts)
         if initial is not None:
             _doubled_rank_config(out_dir / "adapter_config.json")
     return len(state)

@@ -24,7 +24,6 @@ adapter trained with it would not be the one peft loads): config.validate asks f
 
 from __future__ import annotations
 
-import math
 import types
 from typing import Any
 
@@ -32,49 +31,163 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
-"""The fused stacks of a transformers experts module, in the order the module registers them
-(peft nests its wrappers in that order: the first is the innermost)."""
+from memtune.expert_stacks import (
+    EXPERT_PARAMETERS,
+    QUANT_BLOCK,
+    add_expert_adapters,
+    expert_modules,
+)
 
 
-def expert_modules(model: nn.Module) -> list[tuple[str, Any]]:
-    """(name, module) of every module holding a fused routed-expert stack."""
+def quantize_experts(model: nn.Module, quant_type: str, storage: torch.dtype) -> int:
+    """Quantize every routed-expert stack of ``model`` to 4 bits (``quant_type`` nf4 / fp4)
+    in place; returns the number of stacks.
+
+    bitsandbytes' 4-bit loading replaces ``nn.Linear`` layers only, and leaves the fused
+    stacks in the compute dtype (93% of Qwen3.5-35B-A3B's weights). Each stack is quantized in
+    one call, blocks of QUANT_BLOCK along each expert's weight (an expert's blocks are
+    contiguous, so one expert dequantizes alone), and kept as ONE frozen parameter of the
+    training dtype (``storage``): the packed 4-bit bytes then the fp32 scales, viewed as that
+    dtype, so ZeRO-3 shards and gathers it with the rest of the layer (as QLoRA's
+    ``bnb_4bit_quant_storage`` does for the linear layers). Under ZeRO-3 each stack is
+    gathered whole to be quantized (collective: every rank calls this)."""
+    import bitsandbytes.functional as bnbf
+
+    stacks = 0
+    for _, experts in expert_modules(model):
+        for name in EXPERT_PARAMETERS:
+            param = getattr(experts, name)
+            with _gathered(param):
+                weight = param.data
+                shape = tuple(weight.shape)
+                packed, state = bnbf.quantize_4bit(
+                    weight.reshape(-1, shape[-1]),
+                    blocksize=QUANT_BLOCK,
+                    quant_type=quant_type,
+                    quant_storage=torch.uint8,
+                )
+                raw = torch.cat(
+                    [packed.flatten(), state.absmax.float().contiguous().view(torch.uint8)]
+                )
+                stored = raw.view(storage).clone()
+            quantized = nn.Parameter(stored, requires_grad=False)
+            quantized.memtune_quantized = (shape, quant_type, packed.numel())  # type: ignore[attr-defined]
+            del experts._parameters[name]
+            experts.register_parameter(name, quantized)
+            experts.memtune_code = state.code
+            stacks += 1
+    return stacks
+
+
+def round_trip_experts(model: nn.Module, quant_type: str, dtype: torch.dtype) -> int:
+    """Replace every routed-expert stack of ``model`` by its 4-bit round trip, as training
+    saw it: quantized from ``dtype`` (the training dtype) as quantize_experts does, then
+    dequantized (memtune merge's default, and what an adapter trained over a 4-bit mixture
+    corrects). Returns the number of stacks."""
+    import bitsandbytes.functional as bnbf
+
+    stacks = 0
+    for _, experts in expert_modules(model):
+        for name in EXPERT_PARAMETERS:
+            param = getattr(experts, name)
+            e, out, inp = param.shape
+            weight = param.data.to(dtype).reshape(-1, inp)
+            packed, state = bnbf.quantize_4bit(weight, blocksize=QUANT_BLOCK, quant_type=quant_type)
+            back = bnbf.dequantize_4bit(packed, state).reshape(e, out, inp)
+            param.data = back.to(param.dtype)
+            stacks += 1
+    return stacks
+
+
+class _gathered:
+    """ZeRO-3: the whole parameter for the block (every rank enters together); else nothing."""
+
+    def __init__(self, param: nn.Parameter):
+        self.param = param
+        self.context: Any = None
+
+    def __enter__(self) -> None:
+        if hasattr(self.param, "ds_id"):
+            import deepspeed
+
+            self.context = deepspeed.zero.GatheredParameters([self.param], modifier_rank=None)
+            self.context.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.context is not None:
+            self.context.__exit__(*exc)
+
+
+def _dequantized(param: nn.Parameter, e: int, code: Any, dtype: torch.dtype) -> torch.Tensor:
+    """Expert ``e``'s weight (out × in) of a stack quantize_experts made, in ``dtype``."""
+    import bitsandbytes.functional as bnbf
+
+    (_, out, inp), kind, packed_bytes = param.memtune_quantized  # type: ignore[attr-defined]
+    raw = param.data.view(torch.uint8)
+    per, blocks = out * inp // 2, out * inp // QUANT_BLOCK
+    scales = raw[packed_bytes:].view(torch.float32)[e * blocks : (e + 1) * blocks]
+    state = bnbf.QuantState(
+        absmax=scales,
+        shape=torch.Size([out, inp]),
+        dtype=dtype,
+        blocksize=QUANT_BLOCK,
+        quant_type=kind,
+        code=code,
+    )
+    return bnbf.dequantize_4bit(raw[e * per : (e + 1) * per].view(-1, 1), state)
+
+
+class _QuantizedLinear(torch.autograd.Function):
+    """``x · W[e]ᵀ`` for a 4-bit stack: W[e] is dequantized for the product and again in the
+    backward (for x's gradient), never kept: what autograd holds is the packed stack it
+    already has."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, param: nn.Parameter, e: int, code: Any) -> Any:
+        ctx.param, ctx.e, ctx.code = param, e, code
+        return F.linear(x, _dequantized(param, e, code, x.dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        weight = _dequantized(ctx.param, ctx.e, ctx.code, grad.dtype)
+        return grad @ weight, None, None, None
+
+
+def _expert_linear(experts: Any, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
+    """``x · W[e]ᵀ`` for stack ``name`` of ``experts``, float or 4-bit."""
+    param = getattr(experts, name)
+    if getattr(param, "memtune_quantized", None) is None:
+        return F.linear(x, param[e])
+    return _QuantizedLinear.apply(x, param, e, experts.memtune_code)
+
+
+def full_precision_weights(model: Any, smallest: int) -> list[str]:
+    """Weights of ``smallest`` or more elements that a quantized base left in a floating
+    dtype, by name: every decoder weight that large should be 4-bit (bitsandbytes' layers,
+    rank.experts' stacks); the embedding and the LM head are meant to stay."""
+    keep = set()
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        if module is not None:
+            keep.add(id(module.weight))
     found = []
-    for name, module in model.named_modules():
-        own = dict(module.named_parameters(recurse=False))
-        if all(p in own for p in EXPERT_PARAMETERS) and hasattr(module, "num_experts"):
-            found.append((name, module))
+    for name, param in model.named_parameters():
+        if id(param) in keep or param.requires_grad:
+            continue
+        if getattr(param, "memtune_quantized", None) is not None:
+            continue
+        if hasattr(param, "quant_state") or not param.dtype.is_floating_point:
+            continue  # bitsandbytes' Params4bit (stored as the training dtype) / Int8Params
+        if int(getattr(param, "ds_numel", param.numel())) >= smallest:
+            found.append(name)
     return found
-
-
-def _shape(param: nn.Parameter) -> tuple[int, ...]:
-    """The full shape, also of a ZeRO-3 partitioned parameter."""
-    return tuple(getattr(param, "ds_shape", None) or param.shape)
 
 
 def add_expert_lora(
     model: nn.Module, r: int, scaling: float, init: str = "default", dtype: Any = None
 ) -> int:
-    """Give every routed-expert stack of ``model`` a LoRA adapter of rank ``r`` per expert
-    (``init``: ``default``, A uniform in ±1/√in and B = 0 as peft does; ``gaussian``, A with
-    std 1/r) and the forward that applies it; returns the number of adapter weights added."""
-    added = 0
-    for _, experts in expert_modules(model):
-        for name in EXPERT_PARAMETERS:
-            stack = getattr(experts, name)
-            n, out, inp = _shape(stack)
-            a = torch.empty(n, r, inp, device=stack.device, dtype=dtype or torch.float32)
-            b = torch.zeros(n, out, r, device=stack.device, dtype=dtype or torch.float32)
-            if a.device.type != "meta":
-                if init == "gaussian":
-                    nn.init.normal_(a, std=1 / r)
-                else:
-                    bound = 1 / math.sqrt(inp)
-                    nn.init.uniform_(a, -bound, bound)
-            experts.register_parameter(f"{name}_lora_A", nn.Parameter(a))
-            experts.register_parameter(f"{name}_lora_B", nn.Parameter(b))
-            added += a.numel() + b.numel()
-        experts.memtune_lora_scaling = scaling
+    """memtune.expert_stacks.add_expert_adapters, and the forward that applies them; returns
+    the number of adapter weights added."""
+    added = add_expert_adapters(model, r, scaling, init, dtype)
     use_routed_forward(model)
     return added
 
@@ -104,13 +217,13 @@ def _forward_with_lora(
     for e in hit:
         slot, tokens = torch.where(routed[e])
         x = hidden_states[tokens]
-        gate_up = F.linear(x, self.gate_up_proj[e])
+        gate_up = _expert_linear(self, "gate_up_proj", e, x)
         if s is not None:
             a, b = self.gate_up_proj_lora_A[e], self.gate_up_proj_lora_B[e]
             gate_up = gate_up + s * F.linear(F.linear(x, a), b)
         gate, up = gate_up.chunk(2, dim=-1)
         h = self.act_fn(gate) * up
-        y = F.linear(h, self.down_proj[e])
+        y = _expert_linear(self, "down_proj", e, h)
         if s is not None:
             y = y + s * F.linear(F.linear(h, self.down_proj_lora_A[e]), self.down_proj_lora_B[e])
         y = y * top_k_weights[tokens, slot, None]
@@ -189,7 +302,7 @@ def expert_adapter_names(names: Any) -> list[str]:
     return out
 
 
-def add_expert_adapters(out_dir: Any, experts: dict[str, torch.Tensor]) -> None:
+def write_expert_adapters(out_dir: Any, experts: dict[str, torch.Tensor]) -> None:
     """Complete an adapter peft has just saved (its own modules' tensors) with the routed
     experts' (:func:`to_peft_names`): the tensors into ``adapter_model.safetensors``, and
     ``target_parameters`` (with ``lora_dropout`` 0, which peft requires of them) into

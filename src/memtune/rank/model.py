@@ -120,6 +120,7 @@ def add_lora(model: Any, cfg: RunConfig) -> Any:
     p = cfg.peft
     if p.method != "lora":
         model = prepare_quantized(model, torch_dtype(cfg))
+        check_all_quantized(model, cfg)
     if cfg.trainer.activation_checkpointing:
         # On decoder layers only (transformers wraps its GradientCheckpointingLayer modules);
         # embeddings and the LM head keep their activations.
@@ -293,6 +294,26 @@ def prepare_quantized(model: Any, dtype: torch.dtype) -> Any:
     return model
 
 
+def check_all_quantized(model: Any, cfg: RunConfig) -> None:
+    """A quantized base: a mixture's routed-expert stacks quantized too (rank.experts:
+    bitsandbytes leaves them in the compute dtype), then nothing large left unquantized. A
+    weight of hidden² or more elements still in a floating dtype would be counted 4-bit by the
+    plan and load 4 times larger: refused, named, before any step."""
+    from memtune.rank.experts import expert_modules, full_precision_weights, quantize_experts
+
+    if cfg.peft.method == "qlora" and expert_modules(model):
+        quantize_experts(model, cfg.peft.quant_type, torch_dtype(cfg))
+    hidden = int(cfg.model.architecture["hidden_size"])
+    left = full_precision_weights(model, hidden * hidden)
+    if left:
+        raise ConfigError(
+            f"peft.method={cfg.peft.method}: {len(left)} large weights of "
+            f"{cfg.model.name_or_path} were not quantized ({', '.join(left[:3])}"
+            f"{', …' if len(left) > 3 else ''}); they would take their full size, which the "
+            "plan counted 4-bit or 8-bit. Use peft.method=lora for this model."
+        )
+
+
 def keep_training_layout(layer: Any) -> None:
     """Stop bitsandbytes from repacking this 4-bit layer into its CPU inference layout.
 
@@ -324,7 +345,10 @@ def count_parameters(model: Any) -> tuple[int, int]:
     trainable = total = 0
     for p in model.parameters():
         quant_state = getattr(p, "quant_state", None)
-        if quant_state is not None and getattr(quant_state, "shape", None) is not None:
+        quantized = getattr(p, "memtune_quantized", None)  # a 4-bit expert stack
+        if quantized is not None:
+            n = math.prod(quantized[0])
+        elif quant_state is not None and getattr(quant_state, "shape", None) is not None:
             n = math.prod(quant_state.shape)
         else:
             n = int(getattr(p, "ds_numel", p.numel()))

@@ -118,7 +118,12 @@ def _merge_into(out_dir: Path, adapter_dir: Path, base: str | None, dtype: str, 
             quantized = model_class.from_pretrained(
                 base, dtype=torch_dtype(cfg), quantization_config=quant, revision=revision
             )
-            model = quantized.dequantize().to(getattr(torch, DTYPES[dtype]))
+            model = quantized.dequantize()
+            if cfg.peft.method == "qlora":  # a mixture's expert stacks, which memtune quantized
+                from memtune.rank.experts import round_trip_experts
+
+                round_trip_experts(model, cfg.peft.quant_type, torch_dtype(cfg))
+            model = model.to(getattr(torch, DTYPES[dtype]))
         else:
             model = model_class.from_pretrained(
                 base, dtype=getattr(torch, DTYPES[dtype]), revision=revision

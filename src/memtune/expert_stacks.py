@@ -1,0 +1,75 @@
+"""A mixture of experts' routed-expert stacks as memtune holds them: which modules they are,
+the LoRA adapters added to them, and the 4-bit format of a quantized stack. Shared by the ranks
+(rank.experts: their forward, quantization and export) and the planner (memory.counts adds
+the same adapters on the meta device), so it imports torch only inside its functions.
+
+transformers 5 keeps a layer's routed experts as two fused 3-D parameters of one module
+(``mlp.experts.gate_up_proj``: experts × 2·intermediate × hidden, ``mlp.experts.down_proj``:
+experts × hidden × intermediate), not as ``nn.Linear`` layers, so LoRA by module name never
+reaches them; memtune adds per-expert ``A[e]`` (r × in) and ``B[e]`` (out × r) to that module
+(see rank.experts for why not peft's ``target_parameters``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+"""The fused stacks of a transformers experts module, in the order the module registers them
+(peft nests its wrappers in that order: the first is the innermost)."""
+
+QUANT_BLOCK = 64
+"""Weights per 4-bit block (one fp32 absmax each): bitsandbytes' blocksize for the stacks."""
+EXPERT_NF4_BYTES = 0.5 + 4 / QUANT_BLOCK
+"""Bytes per routed-expert weight when quantized: 4 bits and a block's fp32 scale (the scales
+are not quantized again: peft.double_quant applies to the linear layers)."""
+
+
+def expert_modules(model: Any) -> list[tuple[str, Any]]:
+    """(name, module) of every module holding a fused routed-expert stack."""
+    found = []
+    for name, module in model.named_modules():
+        own = dict(module.named_parameters(recurse=False))
+        if all(p in own for p in EXPERT_PARAMETERS) and hasattr(module, "num_experts"):
+            found.append((name, module))
+    return found
+
+
+def stack_shape(param: Any) -> tuple[int, ...]:
+    """The full (experts, out, in) shape, also of a ZeRO-3 partitioned or a 4-bit stack."""
+    quantized = getattr(param, "memtune_quantized", None)
+    if quantized is not None:
+        return tuple(quantized[0])
+    return tuple(getattr(param, "ds_shape", None) or param.shape)
+
+
+def add_expert_adapters(
+    model: Any, r: int, scaling: float, init: str = "default", dtype: Any = None
+) -> int:
+    """Give every routed-expert stack of ``model`` a LoRA adapter of rank ``r`` per expert
+    (``{stack}_lora_A``: experts × r × in, ``{stack}_lora_B``: experts × out × r; ``init``:
+    ``default``, A uniform in ±1/√in and B = 0 as peft does, or ``gaussian``, A with std 1/r)
+    scaled by ``scaling``; returns the number of adapter weights added."""
+    import torch
+    from torch import nn
+
+    added = 0
+    for _, experts in expert_modules(model):
+        for name in EXPERT_PARAMETERS:
+            stack = getattr(experts, name)
+            n, out, inp = stack_shape(stack)
+            kind = dtype or torch.float32
+            a = torch.empty(n, r, inp, device=stack.device, dtype=kind)
+            b = torch.zeros(n, out, r, device=stack.device, dtype=kind)
+            if a.device.type != "meta":
+                if init == "gaussian":
+                    nn.init.normal_(a, std=1 / r)
+                else:
+                    bound = 1 / math.sqrt(inp)
+                    nn.init.uniform_(a, -bound, bound)
+            experts.register_parameter(f"{name}_lora_A", nn.Parameter(a))
+            experts.register_parameter(f"{name}_lora_B", nn.Parameter(b))
+            added += a.numel() + b.numel()
+        experts.memtune_lora_scaling = scaling
+    return added
