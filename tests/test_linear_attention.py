@@ -1,7 +1,8 @@
 """Packed rows through Qwen3.5's linear-attention layers: each sample as if it were alone.
 
 The tiny Qwen3.5 (conf/model/tiny-qwen3.5.yaml) has three Gated DeltaNet layers and one
-full-attention layer. Two samples packed into one row must give the same logits, the same
+full-attention layer; the tiny Qwen3.5-MoE the same with routed experts (adapted) and a shared
+expert. Two samples packed into one row must give the same logits, the same
 per-sample losses and the same LoRA gradients as each sample run alone; without memtune's
 per-sample path (restarting positions only) the conv and the recurrence carry the first sample
 into the second, and the same comparison fails.
@@ -24,12 +25,13 @@ from tests.conftest import compose_cfg
 LENGTHS = (7, 13)  # a second sample longer than the conv kernel and not a chunk multiple
 
 
-@pytest.fixture(scope="module")
-def hybrid_cfg():
+@pytest.fixture(scope="module", params=["tiny-qwen3.5", "tiny-qwen3.5-moe"])
+def hybrid_cfg(request):
+    """The dense hybrid, and the mixture of experts (its routed experts adapted too)."""
     cfg = to_run_config(
         compose_cfg(
             [
-                "model=tiny-qwen3.5",
+                f"model={request.param}",
                 "peft.target=all-linear",
                 "peft.dropout=0",  # the same masks alone and packed
                 "trainer.precision=fp32",
@@ -100,7 +102,12 @@ def test_a_packed_row_trains_each_sample_as_if_alone(hybrid_cfg) -> None:
     linear = [n for n in grads if "linear_attn" in n]
     assert {n.split(".")[-4] for n in linear} == {"in_proj_qkv", "in_proj_z", "out_proj"}
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, alone_grads[name], rtol=1e-4, atol=5e-5, msg=name)
+        # fp32 sums in another order: ~2e-6 of a tensor's largest gradient (the mixture's
+        # summed losses give gradients of ~100); without the boundaries the mixture's
+        # gradients move by 40-95% of theirs (measured 2026-12-03)
+        want = alone_grads[name]
+        atol = max(5e-5, 1e-5 * float(want.abs().max()))
+        torch.testing.assert_close(grad, want, rtol=1e-4, atol=atol, msg=name)
 
 
 def test_without_the_sample_boundaries_the_second_sample_reads_the_first(hybrid_cfg) -> None:

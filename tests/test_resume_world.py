@@ -17,6 +17,7 @@ from tests.conftest import FAST, ROOT, run_train_py
 pytestmark = pytest.mark.slow
 
 STEPS = ["trainer.max_steps=20", "trainer.save_every=10", "trainer.global_batch_size=16"]
+MOE = ["peft.target=all-linear", "peft.dropout=0"]
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -61,6 +62,15 @@ def _back_to_step_10(full: Path, into: Path) -> Path:
             2,
             ["peft.dora=true", "peft.rank_pattern={down_proj: 4}", "peft.loraplus_lr_ratio=2"],
         ),
+        # Mixtures of experts: the routed experts' adapters (rank.experts), with LoRA+ over
+        # them, on the hybrid Qwen3.5-MoE; a Qwen3-MoE over 4-bit expert stacks.
+        (
+            "zero2",
+            2,
+            1,
+            [*MOE, "model=tiny-qwen3.5-moe", "data.template=qwen3_5", "peft.loraplus_lr_ratio=2"],
+        ),
+        ("zero3", 1, 2, [*MOE, "model=tiny-qwen3-moe", "peft=qlora-nf4"]),
     ],
     ids=[
         "zero2-padded-2to1",
@@ -69,6 +79,8 @@ def _back_to_step_10(full: Path, into: Path) -> Path:
         "zero3-packed-2to1",
         "zero3-olora-loraplus-2to1",
         "zero2-dora-pattern-1to2",
+        "zero2-moe-hybrid-loraplus-2to1",
+        "zero3-moe-qlora-1to2",
     ],
 )
 def test_resume_on_another_world_size_continues_the_same_run(
