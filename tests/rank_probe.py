@@ -16,7 +16,13 @@ from typing import Any
 
 import torch
 
-from memtune.rank.model import is_quantized_layer, load_base_model, prepare_quantized, torch_dtype
+from memtune.rank.model import (
+    check_all_quantized,
+    is_quantized_layer,
+    load_base_model,
+    prepare_quantized,
+    torch_dtype,
+)
 from memtune.rank.worker import RankContext, run
 
 
@@ -67,6 +73,7 @@ def probe(engine: Any, ctx: RankContext) -> None:
     fresh_model = load_base_model(ctx.cfg, "sdpa")
     if ctx.cfg.peft.method != "lora":
         fresh_model = prepare_quantized(fresh_model, torch_dtype(ctx.cfg))
+        check_all_quantized(fresh_model, ctx.cfg)  # a mixture's expert stacks too
     fresh = dict(fresh_model.named_parameters())
     base_changed = []
     for name, value in full.items():

@@ -102,6 +102,12 @@ def test_expert_adapters_load_in_plain_peft_with_the_same_logits(
         want = ours(input_ids=ids).logits
         plain = AutoModelForCausalLM.from_pretrained(base)(input_ids=ids).logits
     assert (want - plain).abs().max() > 0.1  # the experts' adapters change the model
+    from memtune.rank.experts import experts_off
+
+    with torch.no_grad(), ours.disable_adapter(), experts_off(ours):  # a live reference's
+        torch.testing.assert_close(ours(input_ids=ids).logits, plain, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # and back on after it
+        torch.testing.assert_close(ours(input_ids=ids).logits, want, rtol=0, atol=0)
     n = export_adapter(ours, tmp_path / "adapter", is_writer=True)
     assert n == sum(p.requires_grad for p in ours.parameters())
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
@@ -190,11 +196,28 @@ def test_qwen3_moe_all_linear_leaves_the_mlp_names_to_the_experts() -> None:
         (["trainer.sequence_parallel=2", "launcher.num_ranks=2"], "not built for routed experts"),
         (["trainer.tiled_mlp=on"], "not built for routed experts"),
         (["++model.architecture.mlp_only_layers=[0]"], r"layers \[0\] have a dense MLP"),
+        (["peft=qlora-nf4", "zero=zero2", "launcher.require_gpus=true"], "use zero=zero3"),
     ],
 )
 def test_what_moe_cannot_do_yet_is_refused_by_name(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         validate(_cfg("model=qwen3-30b-a3b", *overrides), inputs=False)
+
+
+def test_a_pattern_that_would_reach_the_routed_experts_is_refused() -> None:
+    """peft applies rank / alpha patterns to the fused stacks by name when it loads the
+    adapter, which memtune trains at peft.r: a bare down_proj would change their shape."""
+    adapted = ["model=qwen3.5-35b-a3b", "peft.target=all-linear", "peft.dropout=0"]
+    with pytest.raises(ConfigError, match="also names the routed experts' stacks"):
+        validate(_cfg(*adapted, "peft.rank_pattern={down_proj: 4}"), inputs=False)
+    validate(_cfg(*adapted, "peft.rank_pattern={mlp.shared_expert.down_proj: 4}"), inputs=False)
+
+
+def test_a_mixture_is_not_traced_but_refused_by_name() -> None:
+    from memtune.tools.step_trace import traced_config
+
+    with pytest.raises(ConfigError, match="mixture of experts"):
+        traced_config(_cfg("model=qwen3-30b-a3b"))
 
 
 def test_frozen_experts_take_the_usual_dropout() -> None:
@@ -298,6 +321,8 @@ def test_a_tiny_qwen3_moe_trains_its_4bit_experts_on_two_zero3_ranks(
     assert all(len(m["moe/expert_load"]) == 2 for m in logged)  # both ranks' routing, summed
     assert all(1.0 <= m["moe/load_max_over_mean"] <= 8.0 for m in logged)
     assert all(m["moe/aux_loss"] >= 2.0 - 1e-6 for m in logged)  # top-2: 2 when even
+    for probe_row in run.probes():  # every frozen weight as a fresh 4-bit load makes it
+        assert probe_row["base_changed"] == [] and probe_row["base_tensors_checked"] > 0
     tensors = load_file(run.dir / "adapter" / "adapter_model.safetensors")
     assert len([k for k in tensors if ".mlp.experts." in k]) == 2 * 4
     assert all(t.abs().max() > 0 for k, t in tensors.items() if "lora_B" in k)  # all trained

@@ -28,7 +28,7 @@ LORA_TARGETS = {
 }
 """peft.target → module names peft adapts; the linear-attention names only in a model that has
 such layers (:func:`lora_targets`). In a mixture of experts the MLP names are the shared
-expert's and the dense layers'; the routed experts are fused 3-D parameters, not modules, and
+expert's (Qwen3.5-MoE); the routed experts are fused 3-D parameters, not modules, and
 ``all-linear`` adapts them too (:func:`adapts_experts`, rank.experts)."""
 
 

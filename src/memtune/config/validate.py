@@ -305,7 +305,8 @@ def _check_experts(cfg: RunConfig) -> None:
             f"they would load in {t.precision}, unquantized. memtune quantizes them to 4 bits "
             "(peft=qlora-nf4), not to 8 yet; use peft=qlora-nf4 or peft.method=lora"
         )
-    if p.method == "qlora" and cfg.zero.stage == 2 and cfg.plan.device_gib is not None:
+    on_gpus = cfg.plan.device_gib is not None or cfg.launcher.require_gpus
+    if p.method == "qlora" and cfg.zero.stage == 2 and on_gpus:
         raise ConfigError(
             f"peft.method=qlora with zero=zero2 on {model}: each rank would load the whole "
             f"base in {t.precision} onto its GPU before memtune quantizes the routed experts "
@@ -484,9 +485,9 @@ def _preference_settings(cfg: RunConfig) -> None:
         )
 
 
-LAYER_BLOCKS = ("self_attn", "mlp", "linear_attn")
+LAYER_BLOCKS = ("self_attn", "mlp", "linear_attn", "mlp.shared_expert")
 """The blocks of a decoder layer that hold adapted modules (attention, MLP, Qwen3.5's linear
-attention)."""
+attention, a mixture's shared expert)."""
 
 
 def _lora_variants(cfg: RunConfig) -> None:
@@ -495,6 +496,7 @@ def _lora_variants(cfg: RunConfig) -> None:
     from memtune.config.derive import (
         REFERENCE_OBJECTIVES,
         REWRITING_INIT,
+        adapts_experts,
         lora_targets,
         one_rank_zero,
     )
@@ -535,6 +537,15 @@ def _lora_variants(cfg: RunConfig) -> None:
                 raise ConfigError(
                     f"peft.{field}: {key!r} names a layer; memtune plans one rank per module name, "
                     "every layer alike: key it by module name (e.g. mlp.down_proj)"
+                )
+            stacks = [f"model.layers.0.mlp.experts.{x}" for x in ("gate_up_proj", "down_proj")]
+            if adapts_experts(cfg) and any(rule.match(name) for name in stacks):
+                raise ConfigError(
+                    f"peft.{field}: {key!r} also names the routed experts' stacks "
+                    "(mlp.experts.gate_up_proj / down_proj: peft applies the pattern to them "
+                    "when it loads the adapter), which memtune adapts at peft.r and peft.alpha; "
+                    "key it by its block (e.g. mlp.shared_expert.down_proj), or use "
+                    "peft.target=all-linear-but-experts"
                 )
             if not any(rule.match(name) for name in names):
                 raise ConfigError(

@@ -89,8 +89,8 @@ def memory_changes(cfg: RunConfig) -> list[tuple[str, str, float, Apply]]:
         )
     if z.stage != 3:
         out.append(("zero=zero3", "shard the base weights over the ranks", COST_ZERO3, _zero3))
-    if p.method == "lora" and not routed_experts(dict(cfg.model.architecture)):
-        # (not on a mixture: its fused experts are not quantized yet, config.validate)
+    if p.method == "lora" and (z.stage == 3 or not routed_experts(dict(cfg.model.architecture))):
+        # (a mixture's 4-bit stacks load on ZeRO-3 only: config.validate)
         out.append(
             (
                 "peft=qlora-nf4",

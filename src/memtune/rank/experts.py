@@ -24,7 +24,9 @@ adapter trained with it would not be the one peft loads): config.validate asks f
 
 from __future__ import annotations
 
+import contextlib
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -50,7 +52,8 @@ def quantize_experts(model: nn.Module, quant_type: str, storage: torch.dtype) ->
     training dtype (``storage``): the packed 4-bit bytes then the fp32 scales, viewed as that
     dtype, so ZeRO-3 shards and gathers it with the rest of the layer (as QLoRA's
     ``bnb_4bit_quant_storage`` does for the linear layers). Under ZeRO-3 each stack is
-    gathered whole to be quantized (collective: every rank calls this)."""
+    gathered whole to be quantized, and its 4-bit replacement sharded at once (collective:
+    every rank calls this)."""
     import bitsandbytes.functional as bnbf
 
     stacks = 0
@@ -72,6 +75,11 @@ def quantize_experts(model: nn.Module, quant_type: str, storage: torch.dtype) ->
                 stored = raw.view(storage).clone()
             quantized = nn.Parameter(stored, requires_grad=False)
             quantized.memtune_quantized = (shape, quant_type, packed.numel())  # type: ignore[attr-defined]
+            if hasattr(param, "ds_id"):
+                # sharded at once, like the stack it replaces: left whole until
+                # deepspeed.initialize, every rank would hold all the 4-bit stacks at start-up
+                # (18 GB for Qwen3.5-35B-A3B)
+                param.convert_to_zero_parameters([quantized])
             del experts._parameters[name]
             experts.register_parameter(name, quantized)
             experts.memtune_code = state.code
@@ -153,12 +161,43 @@ class _QuantizedLinear(torch.autograd.Function):
         return grad @ weight, None, None, None
 
 
+class _StackLinear(torch.autograd.Function):
+    """``x · W[e]ᵀ`` for a frozen float stack, keeping the parameter for the backward and not
+    the view ``W[e]``: under ZeRO-3 a view would hold the whole gathered stack alive until the
+    backward (1.2 GB a layer for Qwen3-30B-A3B in bf16) after ZeRO-3 released it; the
+    parameter is gathered again for the layer's backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, param: nn.Parameter, e: int) -> Any:
+        ctx.param, ctx.e = param, e
+        return F.linear(x, param[e])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return grad @ ctx.param[ctx.e].to(grad.dtype), None, None
+
+
 def _expert_linear(experts: Any, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
     """``x · W[e]ᵀ`` for stack ``name`` of ``experts``, float or 4-bit."""
     param = getattr(experts, name)
     if getattr(param, "memtune_quantized", None) is None:
-        return F.linear(x, param[e])
+        return _StackLinear.apply(x, param, e)
     return _QuantizedLinear.apply(x, param, e, experts.memtune_code)
+
+
+@contextlib.contextmanager
+def experts_off(model: nn.Module) -> Iterator[None]:
+    """The routed experts' adapters switched off for the block (peft's ``disable_adapter``
+    does not know them): a live reference's forward."""
+    stacks = [m for _, m in expert_modules(model) if m.memtune_lora_scaling is not None]
+    scalings = [m.memtune_lora_scaling for m in stacks]
+    for m in stacks:
+        m.memtune_lora_scaling = None
+    try:
+        yield
+    finally:
+        for m, scaling in zip(stacks, scalings, strict=True):
+            m.memtune_lora_scaling = scaling
 
 
 def full_precision_weights(model: Any, smallest: int) -> list[str]:
@@ -339,49 +378,56 @@ class RouterStats:
     only: not in evaluation, nor in the recompute of a checkpointed layer (inside the
     backward, where it would count that layer's tokens twice)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, device: Any = None):
         self.routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
-        self.slots: torch.Tensor | None = None
-        self.probs: torch.Tensor | None = None
-        self.tokens: torch.Tensor | None = None
-        for index, router in enumerate(self.routers):
-            router.register_forward_hook(self._hook(index))
+        experts = max((int(getattr(m, "num_experts", 0)) for m in self.routers), default=0)
+        shape = (len(self.routers), experts)
+        self.slots = torch.zeros(shape, dtype=torch.float64, device=device)
+        self.probs = torch.zeros_like(self.slots)
+        self.tokens = torch.zeros(shape[0], dtype=torch.float64, device=device)
+        self.handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
 
     def __bool__(self) -> bool:
         return bool(self.routers)
 
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
     def _hook(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not module.training or torch._C._current_graph_task_id() != -1:
-                return  # evaluation, or a checkpointed layer's recompute in the backward
+            if not (module.training and torch.is_grad_enabled()):
+                return  # evaluation, a reference's forward without grad
+            if torch._C._current_graph_task_id() != -1:
+                return  # a checkpointed layer's recompute, inside the backward
             logits, _, chosen = output
             with torch.no_grad():
                 experts = logits.shape[-1]
-                if self.slots is None:
-                    shape = (len(self.routers), experts)
-                    self.slots = torch.zeros(shape, dtype=torch.float64, device=logits.device)
-                    self.probs = torch.zeros_like(self.slots)
-                    self.tokens = torch.zeros(shape[0], dtype=torch.float64, device=logits.device)
-                assert self.probs is not None and self.tokens is not None
-                self.slots[index] += torch.bincount(chosen.flatten(), minlength=experts)
-                self.probs[index] += logits.float().softmax(-1).sum(0).double()
+                slots = torch.bincount(chosen.flatten(), minlength=experts).double()
+                self.slots[index] += slots.to(self.slots.device)
+                probs = logits.float().softmax(-1).sum(0).double()
+                self.probs[index] += probs.to(self.probs.device)
                 self.tokens[index] += logits.shape[0]
 
         return hook
 
     def metrics(self, reduce: Any = None) -> dict[str, Any]:
-        """The window's metrics (empty when no routed forward ran), then a new window.
-        ``reduce``: sums a tensor over the ranks in place (all ranks call this together)."""
-        if self.slots is None or self.probs is None or self.tokens is None:
-            return {}
+        """The window's metrics (empty when no routed forward ran on any rank), then a new
+        window. ``reduce``: sums a tensor over the ranks in place; every rank calls this
+        together, whatever it routed (the counters have the same shape on all)."""
         packed = torch.cat([self.slots.flatten(), self.probs.flatten(), self.tokens])
         if reduce is not None:
             reduce(packed)
         layers, experts = self.slots.shape
         slots = packed[: layers * experts].view(layers, experts)
         probs = packed[layers * experts : 2 * layers * experts].view(layers, experts)
-        tokens = packed[2 * layers * experts :].clamp(min=1)
-        self.slots = self.probs = self.tokens = None
+        tokens = packed[2 * layers * experts :]
+        self.slots.zero_()
+        self.probs.zero_()
+        self.tokens.zero_()
+        if not float(tokens.sum()):
+            return {}
+        tokens = tokens.clamp(min=1)
         share = slots / slots.sum(-1, keepdim=True).clamp(min=1)
         busiest = share.max(-1).values * experts
         balance = experts * (slots / tokens[:, None] * probs / tokens[:, None]).sum(-1)

@@ -231,7 +231,7 @@ def train(
     result = result or TrainResult()
     hooks = hooks or Hooks()
     engine.train()
-    routing = RouterStats(engine.module)  # a mixture of experts' routing, between two logs
+    routing = RouterStats(engine.module, device)  # a mixture's routing, between two logs
     start = time.perf_counter() - result.wall_s
     for step in range(result.steps + 1, t.max_steps + 1):
         step_start = time.perf_counter()
@@ -310,6 +310,7 @@ def train(
         logger.progress(1, {"loss": f"{loss:.4f}"})
         result.wall_s = time.perf_counter() - start
         hooks.after_step(step, result)
+    routing.close()
     result.wall_s = time.perf_counter() - start
     result.peak_memory = gather_memory(device)
     return result

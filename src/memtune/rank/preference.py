@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from memtune.config import RunConfig
 from memtune.config.derive import REFERENCE_OBJECTIVES
 from memtune.data.encode import IGNORE_INDEX
+from memtune.rank.experts import experts_off
 from memtune.rank.loss import (
     CausalLMLoss,
     FrozenHeadLogProbs,
@@ -215,7 +216,8 @@ class PreferenceLoss(CausalLMLoss):
         with torch.no_grad():
             if self.reference_adapter:
                 return self.sequence_logps(inputs, targets_BT, sequence_BT, n)[0]
-            with self.model.disable_adapter():  # type: ignore[operator]
+            # peft's adapters off, and a mixture's routed-expert adapters (rank.experts)
+            with self.model.disable_adapter(), experts_off(self.model):  # type: ignore[operator]
                 return self.sequence_logps(inputs, targets_BT, sequence_BT, n)[0]
 
     def forward(  # type: ignore[override]

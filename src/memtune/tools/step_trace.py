@@ -156,6 +156,15 @@ def traced_config(cfg: RunConfig) -> tuple[RunConfig, list[str]]:
             "trainer.sequence_parallel=1 trainer.tiled_mlp=off trainer.offload_activations=off "
             "(tests/test_plan.py checks those plans against what autograd saves instead)"
         )
+    from memtune.config.architecture import routed_experts
+
+    if routed_experts(dict(cfg.model.architecture)):
+        raise ConfigError(
+            f"{cfg.model.name_or_path} is a mixture of experts: which tokens each expert gets "
+            "is decided by the data (a nonzero over the routing), which fake tensors cannot "
+            "run, so it cannot be traced; tests/test_moe.py checks the mixture block's plan "
+            "against what autograd saves in a real block instead"
+        )
     out = copy.deepcopy(cfg)
     notes = []
     if out.peft.method != "lora":
