@@ -90,8 +90,9 @@ train-4x4090: $(STAMP) ## The real job: EXP (default qwen2.5-7b-4x4090-lora) on 
 	# for r in 0..3 (DeepSpeed's launcher's environment; the cards: the first 4 of CUDA_VISIBLE_DEVICES, else 0-3)
 	$(PY) train.py experiment=$(EXP) launcher.num_ranks=4 $(ARGS)
 
-bench: $(STAMP) ## Training benchmark: memtune as shipped vs HF Trainer + peft, with ablations -> bench/results/ (~14 min)
+bench: $(STAMP) ## Training benchmark: memtune as shipped vs HF Trainer + peft, with ablations; the MoE block -> bench/results/ (~18 min)
 	$(PY) bench/bench.py $(ARGS)
+	$(PY) bench/moe_bench.py $(ARGS)
 
 bench-data: $(STAMP) ## Data benchmark: preprocessing tokens/s and padding efficiency -> bench/results/
 	$(PY) bench/data_bench.py $(ARGS)

@@ -1,6 +1,6 @@
 """Mixture-of-experts block benchmark: LoRA on the routed experts, memtune's way against peft's.
 
-    .venv/bin/python bench/moe_bench.py                 # ~4 min on 2 CPUs
+    .venv/bin/python bench/moe_bench.py                 # ~4 min on 2 CPUs (make bench runs it)
     .venv/bin/python bench/moe_bench.py --smoke --out /tmp/moe
 
 One Qwen3-MoE sparse block (router + fused expert stacks, transformers 5's own classes, random
@@ -127,7 +127,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="256 tokens, 2 steps, 1 round")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args, _ = parser.parse_known_args()  # make bench passes bench.py's ARGS to both
     if args.smoke:
         args.tokens, args.steps, args.reps = 256, 2, 1
     if args.child:
