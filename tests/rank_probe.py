@@ -77,7 +77,7 @@ def probe(engine: Any, ctx: RankContext) -> None:
     fresh = dict(fresh_model.named_parameters())
     base_changed = []
     for name, value in full.items():
-        if "lora_" in name:
+        if "lora_" in name or params[name].requires_grad:  # adapters, a mixture's trained routers
             continue
         ref = fresh[name.replace("base_model.model.", "").replace(".base_layer", "")].detach()
         if ref.dtype != value.dtype and ref.is_floating_point():

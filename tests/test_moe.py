@@ -68,17 +68,19 @@ def _adapted(base: Path, model_type: str, r: int = 4, alpha: int = 8) -> Any:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from memtune.expert_stacks import train_routers
     from memtune.rank.experts import add_expert_lora
 
     config = LoraConfig(r=r, lora_alpha=alpha, target_modules=TARGETS[model_type], lora_dropout=0.0)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), config)
     added = add_expert_lora(model, r, alpha / r)
     assert added == 2 * 8 * r * ((64 + 64) + (32 + 64))  # layers × experts × r × (in + out)
+    assert train_routers(model) == 2 * 8 * 64  # peft.train_router: layers × experts × hidden
     torch.manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.2)
+            if "lora_B" in name or name.endswith("mlp.gate.weight"):
+                p.add_(torch.randn_like(p), alpha=0.2)
     return model.eval()
 
 
@@ -104,8 +106,17 @@ def test_expert_adapters_load_in_plain_peft_with_the_same_logits(
     assert (want - plain).abs().max() > 0.1  # the experts' adapters change the model
     from memtune.rank.experts import experts_off
 
-    with torch.no_grad(), ours.disable_adapter(), experts_off(ours):  # a live reference's
-        torch.testing.assert_close(ours(input_ids=ids).logits, plain, rtol=1e-5, atol=1e-5)
+    # a live reference's forward: the base with its routers (here trained: the routers are
+    # the base's in a run with a live reference, config.validate)
+    routed = AutoModelForCausalLM.from_pretrained(base)
+    trained = {n.removeprefix("base_model.model."): p for n, p in ours.named_parameters()}
+    with torch.no_grad():
+        for name, p in routed.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.copy_(trained[name])
+        reference = routed(input_ids=ids).logits
+    with torch.no_grad(), ours.disable_adapter(), experts_off(ours):
+        torch.testing.assert_close(ours(input_ids=ids).logits, reference, rtol=1e-5, atol=1e-5)
     with torch.no_grad():  # and back on after it
         torch.testing.assert_close(ours(input_ids=ids).logits, want, rtol=0, atol=0)
     n = export_adapter(ours, tmp_path / "adapter", is_writer=True)
@@ -115,6 +126,7 @@ def test_expert_adapters_load_in_plain_peft_with_the_same_logits(
         "mlp.experts.down_proj",
         "mlp.experts.gate_up_proj",
     ]
+    assert config["modules_to_save"] == ["mlp.gate"]  # the routers, trained in full
     tensors = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     gate_up_a = tensors["base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"]
     down_b = tensors["base_model.model.model.layers.0.mlp.experts.lora_B.weight"]
@@ -131,24 +143,28 @@ def test_expert_adapters_load_in_plain_peft_with_the_same_logits(
 
     parts = trainable_by_part(ours)  # the start-up line's: where the trainable weights are
     routed = 2 * 8 * 4 * (128 + 96)  # layers × experts × r × (gate_up in + out, down in + out)
-    assert (
-        parts
-        == {
-            "qwen3_moe": {"routed experts": routed, "attention": 2 * 4 * (64 + 64 + 64 + 16)},
-            "qwen3_5_moe_text": {  # q is twice as wide (its output gate's half), in_proj_qkv 128
-                "routed experts": routed,
-                "shared expert": 2 * 4 * ((64 + 32) + (32 + 64)),
-                "linear attention": 4 * (64 + 128),
-                "attention": 4 * (64 + 128) + 4 * (64 + 16),
-            },
-        }[model_type]
-    )
+    routers = 2 * 8 * 64  # peft.train_router: layers × experts × hidden
+    want_parts = {
+        "qwen3_moe": {
+            "routed experts": routed,
+            "routers": routers,
+            "attention": 2 * 4 * (64 + 64 + 64 + 16),
+        },
+        "qwen3_5_moe_text": {  # q is twice as wide (its output gate's half), in_proj_qkv 128
+            "routed experts": routed,
+            "shared expert": 2 * 4 * ((64 + 32) + (32 + 64)),
+            "routers": routers,
+            "linear attention": 4 * (64 + 128),
+            "attention": 4 * (64 + 128) + 4 * (64 + 16),
+        },
+    }
+    assert parts == want_parts[model_type]
 
-    again = _adapted(base, model_type)  # other random B: replaced by the adapter's
+    again = _adapted(base, model_type)  # other B and routers: the adapter's replace them
     load_adapter_weights(again, str(tmp_path / "adapter"))
     mine = dict(ours.named_parameters())
     for name, p in again.named_parameters():
-        if "lora_" in name:
+        if p.requires_grad:
             assert torch.equal(p, mine[name]), name
 
 
@@ -173,6 +189,11 @@ def test_the_released_shapes_are_counted_from_the_real_classes(
     assert counts.expert_lora == a["num_hidden_layers"] * per_layer
     frozen = count_params(_cfg(f"model={group}", "peft.target=all-linear-but-experts"))
     assert frozen.expert_lora == 0 and frozen.lora == counts.lora - counts.expert_lora
+    routers = count_params(
+        _cfg(f"model={group}", "peft.target=attention", "peft.train_router=true")
+    )
+    attention = count_params(_cfg(f"model={group}", "peft.target=attention"))
+    assert routers.lora - attention.lora == a["num_hidden_layers"] * a["num_experts"] * h
 
 
 def test_qwen3_moe_all_linear_leaves_the_mlp_names_to_the_experts() -> None:
@@ -195,6 +216,10 @@ def test_qwen3_moe_all_linear_leaves_the_mlp_names_to_the_experts() -> None:
         (["peft.target=all-linear", "peft.dropout=0", "peft.init=olora"], "for linear layers only"),
         (["trainer.sequence_parallel=2", "launcher.num_ranks=2"], "not built for routed experts"),
         (["trainer.tiled_mlp=on"], "not built for routed experts"),
+        (
+            ["peft.train_router=true", "trainer.objective=dpo", "preference.reference=live"],
+            "would route with the trained routers",
+        ),
         (["++model.architecture.mlp_only_layers=[0]"], r"layers \[0\] have a dense MLP"),
         (["peft=qlora-nf4", "zero=zero2", "launcher.require_gpus=true"], "use zero=zero3"),
     ],
@@ -290,6 +315,8 @@ def moe_run(runs_root: Path) -> Run:
             "peft=qlora-nf4",
             "peft.target=all-linear",
             "peft.dropout=0",
+            "peft.train_router=true",  # the routers trained, exported as modules_to_save
+            "trainer.router_aux_loss_coef=0.01",  # and their balance loss in the objective
         ],
     )
     assert run.code == 0
@@ -317,6 +344,8 @@ def test_a_tiny_qwen3_moe_trains_its_4bit_experts_on_two_zero3_ranks(
     counts = count_params(run.cfg)
     assert run.summary()["trainable_params"] == counts.lora
     assert counts.expert_lora == 2 * 16 * 16 * ((256 + 192) + (96 + 256))
+    config = json.loads((run.dir / "adapter" / "adapter_config.json").read_text())
+    assert config["modules_to_save"] == ["mlp.gate"]
     logged = [m for m in run.metrics() if "train/loss" in m]
     assert all(len(m["moe/expert_load"]) == 2 for m in logged)  # both ranks' routing, summed
     assert all(1.0 <= m["moe/load_max_over_mean"] <= 8.0 for m in logged)
@@ -373,6 +402,19 @@ def test_the_routing_metrics_are_the_models_own_balance_loss(tmp_path: Path) -> 
     busiest = metrics["moe/layers"]["layer1"]["load_max_over_mean"]
     assert busiest == pytest.approx(float(want.max()) * 8, rel=1e-4)
     assert stats.metrics() == {}  # a new window: nothing routed since
+    stats.close()
+
+    # trainer.router_aux_loss_coef: the same loss, differentiable, from the captured logits
+    capturing = RouterStats(model, capture=True)
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    out = model(inputs_embeds=embeds, output_router_logits=True)
+    ours = capturing.take_aux_loss()
+    assert float(ours) == pytest.approx(float(out.aux_loss), rel=1e-5)
+    (want,) = torch.autograd.grad(out.aux_loss, embeds, retain_graph=True)
+    (got,) = torch.autograd.grad(ours, embeds)
+    assert want.abs().max() > 0
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+    assert capturing.captured == []  # taken
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -183,7 +183,9 @@ def test_a_sweep_over_beta_on_a_qlora_base_reports_the_preference_metrics(tmp_pa
     sweep = tmp_path / "sweep"
     args = ["-m", *DPO, "preference.beta=0.1,1.0", "launcher.num_ranks=1"]
     args += ["peft=qlora-nf4", "peft.r=16", "peft.alpha=32", "peft.dropout=0.0"]
-    args += ["trainer.precision=bf16"]  # bitsandbytes computes in bf16, as on a GPU
+    # fp32 compute: on a CPU without AVX512-BF16 a bf16 step is many times slower (this test
+    # took 140 s of make test there); the bf16 QLoRA path is test_quantized's
+    args += ["trainer.precision=fp32"]
     args += ["trainer.max_steps=3", "trainer.eval_every=0", "trainer.save_every=0"]
     proc = run_train_py([*args, f"hydra.sweep.dir={sweep}"], cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -199,6 +201,6 @@ def test_a_sweep_over_beta_on_a_qlora_base_reports_the_preference_metrics(tmp_pa
         run_dir = sweep / point
         assert "method: qlora" in (run_dir / "config.yaml").read_text()
         losses = _losses(run_dir)
-        # bf16: the reference came from other rows, rounded differently: ln 2 to ~1e-2.
-        assert abs(losses[0] - LN2) < 2e-2 and all(math.isfinite(x) for x in losses), losses
+        # the reference came from other rows (summed in another order): ln 2 to ~1e-5
+        assert abs(losses[0] - LN2) < 1e-4 and all(math.isfinite(x) for x in losses), losses
         assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()

@@ -73,3 +73,25 @@ def add_expert_adapters(
             added += a.numel() + b.numel()
         experts.memtune_lora_scaling = scaling
     return added
+
+
+ROUTER_MODULE = "mlp.gate"
+"""Where a Qwen mixture keeps a layer's router (``...TopKRouter``, its ``weight`` experts ×
+hidden): the name peft's ``modules_to_save`` takes for it (``mlp.shared_expert_gate``, the
+shared expert's one-number gate, does not end with it)."""
+
+
+def routers(model: Any) -> list[tuple[str, Any]]:
+    """(name, module) of every layer's router."""
+    return [
+        (name, m) for name, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")
+    ]
+
+
+def train_routers(model: Any) -> int:
+    """peft.train_router: every router's weight trainable; returns the weights made so."""
+    n = 0
+    for _, router in routers(model):
+        router.weight.requires_grad_(True)
+        n += int(getattr(router.weight, "ds_numel", router.weight.numel()))
+    return n

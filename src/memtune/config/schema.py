@@ -191,6 +191,10 @@ class PeftConfig:
     r}, e.g. {"mlp.down_proj": 8}."""
     alpha_pattern: dict[str, int] = field(default_factory=dict)
     """Alphas other than peft.alpha for some modules, peft's alpha_pattern."""
+    train_router: bool = False
+    """A mixture of experts: train each layer's router (experts × hidden weights, in full)
+    beside the adapters; exported as peft's modules_to_save. Off: the routing stays the
+    base's."""
 
 
 @dataclass
@@ -276,6 +280,11 @@ class TrainerConfig:
     loss_chunk_tokens: int = 512
     """Tokens per chunk of the chunked loss: its logits peak at chunk × vocab × 6 bytes in bf16
     (fp32 logits + their bf16 cast; README "The loss never holds the whole sequence's logits")."""
+    router_aux_loss_coef: float = 0.0
+    """A mixture of experts: add this × the routers' load-balancing loss (transformers'
+    load_balancing_loss_func over the step's tokens, every layer) to the training loss; 0: off
+    (the loss is the objective's alone; the balance is logged either way, moe/aux_loss). The
+    released Qwen MoE configs pretrained with 0.001."""
     on_nonfinite: Choice[OnNonfinite] = "stop"
     """A step whose loss or gradient norm is not finite never updates the weights. stop: exit
     with code 3 (the last checkpoint is intact) | skip: discard the step and go on."""

@@ -287,7 +287,26 @@ def _check_experts(cfg: RunConfig) -> None:
 
     arch = dict(cfg.model.architecture)
     experts = routed_experts(arch)
+    coef = cfg.trainer.router_aux_loss_coef
+    if coef < 0:
+        raise ConfigError(f"trainer.router_aux_loss_coef must be >= 0 (got {coef})")
+    if coef > 0 and not experts:
+        raise ConfigError(
+            f"trainer.router_aux_loss_coef={coef}: {cfg.model.name_or_path} is not a mixture "
+            "of experts (no router to balance); leave it at 0"
+        )
+    if coef > 0 and cfg.trainer.activation_checkpointing and cfg.trainer.checkpointing_reentrant:
+        raise ConfigError(
+            f"trainer.router_aux_loss_coef={coef} with trainer.checkpointing_reentrant=true: "
+            "reentrant checkpointing runs the forward without grad, so the routers' logits "
+            "would carry no gradient for the balance loss; use checkpointing_reentrant=false"
+        )
     if not experts:
+        if cfg.peft.train_router:
+            raise ConfigError(
+                f"peft.train_router=true: {cfg.model.name_or_path} is not a mixture of experts "
+                "(no router to train)"
+            )
         return
     p, t = cfg.peft, cfg.trainer
     model = f"{cfg.model.name_or_path} ({experts} routed experts a layer)"
@@ -322,6 +341,16 @@ def _check_experts(cfg: RunConfig) -> None:
         raise ConfigError(
             f"trainer.sequence_parallel={sp} on {model}: not built for routed experts yet; "
             "use 1 (or auto, which keeps 1 for these models)"
+        )
+    if (
+        p.train_router
+        and cfg.trainer.objective in ("dpo", "ipo")
+        and cfg.preference.reference == "live"
+    ):
+        raise ConfigError(
+            f"peft.train_router=true with preference.reference=live on {model}: the live "
+            "reference would route with the trained routers, not the base's; use "
+            "preference.reference=precomputed (computed before the first step)"
         )
     if not adapts_experts(cfg):
         return

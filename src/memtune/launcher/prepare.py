@@ -244,6 +244,7 @@ RESUME_MUST_MATCH = {
     "peft.rank_pattern": "the per-module LoRA ranks",
     "peft.alpha_pattern": "the per-module LoRA alphas",
     "peft.loraplus_lr_ratio": "the optimizer's parameter groups (LoRA+)",
+    "peft.train_router": "the trained weights (a mixture's routers)",
     "trainer.micro_batch_size": "the micro batch size (the data position is in micro batches)",
     "trainer.global_batch_size": "the global batch size (the data position is in micro batches)",
     "trainer.precision": "the precision",

@@ -85,6 +85,7 @@ def count_params(cfg: RunConfig) -> ParamCounts:
             "rank_pattern": dict(p.rank_pattern),
             "dora": p.dora,
             "experts": adapts_experts(cfg),
+            "router": cfg.peft.train_router,
             "versions": [version(name) for name in ("transformers", "peft", "torch")],
         },
         sort_keys=True,
@@ -120,7 +121,12 @@ def _count_on_meta(cfg: RunConfig) -> ParamCounts:
     from transformers import AutoModelForCausalLM
 
     from memtune.config.derive import lora_config
-    from memtune.expert_stacks import EXPERT_PARAMETERS, add_expert_adapters, expert_modules
+    from memtune.expert_stacks import (
+        EXPERT_PARAMETERS,
+        add_expert_adapters,
+        expert_modules,
+        train_routers,
+    )
 
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
@@ -161,6 +167,8 @@ def _count_on_meta(cfg: RunConfig) -> ParamCounts:
         expert_lora = 0
         if adapts_experts(cfg):
             expert_lora = add_expert_adapters(peft_model, cfg.peft.r, 1.0)
+        if cfg.peft.train_router:  # trained in full, counted with the adapters
+            train_routers(peft_model)
         lora = sum(q.numel() for q in peft_model.parameters() if q.requires_grad)
 
         # What one layer's adapters keep for backward (memory.estimate.layer_bytes), for each

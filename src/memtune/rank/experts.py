@@ -36,6 +36,7 @@ from torch import nn
 from memtune.expert_stacks import (
     EXPERT_PARAMETERS,
     QUANT_BLOCK,
+    ROUTER_MODULE,
     add_expert_adapters,
     expert_modules,
 )
@@ -285,6 +286,9 @@ def to_peft_names(state: dict[str, torch.Tensor]) -> tuple[dict, dict]:
     make, so the second part is written into the file after it (checkpoint.export_adapter)."""
     rest, experts = {}, {}
     for name, t in state.items():
+        if name.endswith(f".{ROUTER_MODULE}.weight"):  # peft.train_router: modules_to_save
+            experts[name] = t.contiguous()
+            continue
         module, _, leaf = name.rpartition(".")
         param, _, which = leaf.partition("_lora_")
         if param not in EXPERT_PARAMETERS or which not in ("A", "B"):
@@ -361,8 +365,12 @@ def write_expert_adapters(out_dir: Any, experts: dict[str, torch.Tensor]) -> Non
     tmp.replace(path)
     config_path = out / "adapter_config.json"
     config = json.loads(config_path.read_text())
-    config["target_parameters"] = peft_target_parameters()
-    config["lora_dropout"] = 0.0
+    if any(".lora_" in name for name in experts):
+        config["target_parameters"] = peft_target_parameters()
+        config["lora_dropout"] = 0.0
+    if any(name.endswith(f".{ROUTER_MODULE}.weight") for name in experts):
+        # the routers, trained in full: peft puts a trained copy of each in place on load
+        config["modules_to_save"] = sorted({*(config.get("modules_to_save") or []), ROUTER_MODULE})
     write_atomic(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
@@ -378,8 +386,10 @@ class RouterStats:
     only: not in evaluation, nor in the recompute of a checkpointed layer (inside the
     backward, where it would count that layer's tokens twice)."""
 
-    def __init__(self, model: nn.Module, device: Any = None):
+    def __init__(self, model: nn.Module, device: Any = None, capture: bool = False):
         self.routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+        self.capture = capture  # trainer.router_aux_loss_coef: keep the logits, with grad
+        self.captured: list[torch.Tensor] = []
         experts = max((int(getattr(m, "num_experts", 0)) for m in self.routers), default=0)
         shape = (len(self.routers), experts)
         self.slots = torch.zeros(shape, dtype=torch.float64, device=device)
@@ -401,6 +411,8 @@ class RouterStats:
             if torch._C._current_graph_task_id() != -1:
                 return  # a checkpointed layer's recompute, inside the backward
             logits, _, chosen = output
+            if self.capture:
+                self.captured.append(logits)
             with torch.no_grad():
                 experts = logits.shape[-1]
                 slots = torch.bincount(chosen.flatten(), minlength=experts).double()
@@ -410,6 +422,19 @@ class RouterStats:
                 self.tokens[index] += logits.shape[0]
 
         return hook
+
+    def take_aux_loss(self) -> torch.Tensor:
+        """The load-balancing loss of the forwards since the last call, differentiable
+        (transformers' load_balancing_loss_func over every layer's logits, as the model's own
+        aux_loss: num_experts_per_tok when the load is even); then forgets those logits."""
+        logits = torch.cat([x.float() for x in self.captured])
+        self.captured = []
+        first: Any = self.routers[0]
+        top = int(first.top_k)
+        probs = logits.softmax(-1)
+        chosen = probs.topk(top, dim=-1).indices
+        slots = F.one_hot(chosen, probs.shape[-1]).float().sum(1).mean(0)  # per expert
+        return probs.shape[-1] * (slots * probs.mean(0)).sum()
 
     def metrics(self, reduce: Any = None) -> dict[str, Any]:
         """The window's metrics (empty when no routed forward ran on any rank), then a new

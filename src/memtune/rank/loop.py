@@ -231,7 +231,8 @@ def train(
     result = result or TrainResult()
     hooks = hooks or Hooks()
     engine.train()
-    routing = RouterStats(engine.module, device)  # a mixture's routing, between two logs
+    coef = t.router_aux_loss_coef  # a mixture's balance loss added to the objective's
+    routing = RouterStats(engine.module, device, capture=coef > 0)  # and logged
     start = time.perf_counter() - result.wall_s
     for step in range(result.steps + 1, t.max_steps + 1):
         step_start = time.perf_counter()
@@ -258,7 +259,11 @@ def train(
         for i, batch in enumerate(micro):
             batch = {k: v.to(device) for k, v in batch.items() if k != "real_tokens"}
             micro_loss = engine(**{k: batch[k] for k in MODEL_INPUTS if k in batch})
-            engine.backward(micro_loss * _poisoned_scale(micro_loss, scale))
+            step_loss = micro_loss
+            if coef > 0:  # in the loss's units (a sum over them), so the step averages it
+                aux = routing.take_aux_loss() * (coef * loss_units(batch))
+                step_loss = micro_loss + aux.to(micro_loss.dtype)
+            engine.backward(step_loss * _poisoned_scale(micro_loss, scale))
             loss_sum += micro_loss.detach().float()
             stats = _pair_stats(engine)
             if stats is not None:

@@ -147,6 +147,10 @@ def add_lora(model: Any, cfg: RunConfig) -> Any:
     if adapts_experts(cfg):
         add_expert_lora(model, p.r, lora_scaling(cfg), p.init)
     use_routed_forward(model)  # a mixture's experts, adapted or frozen
+    if p.train_router:
+        from memtune.expert_stacks import train_routers
+
+        train_routers(model)
     if p.init_from:
         load_adapter_weights(model, p.init_from)
     cast_adapters(model, torch_dtype(cfg))
@@ -165,6 +169,7 @@ def load_adapter_weights(model: Any, folder: str) -> None:
     from safetensors.torch import load_file
 
     from memtune.config.architecture import LANGUAGE_MODEL_PREFIX
+    from memtune.expert_stacks import ROUTER_MODULE
     from memtune.rank.experts import expert_adapter_names, expert_modules, from_peft_names
 
     text, multimodal = LANGUAGE_MODEL_PREFIX
@@ -175,6 +180,8 @@ def load_adapter_weights(model: Any, folder: str) -> None:
     state = from_peft_names(state, {n: int(m.num_experts) for n, m in expert_modules(model)})
     own = dict(model.named_parameters())
     experts = expert_adapter_names(own)
+    # and a mixture's routers trained in full (peft.train_router: modules_to_save)
+    experts += [k for k in state if k.endswith(f".{ROUTER_MODULE}.weight") and k in own]
     problems = [k for k in experts if k not in state or state[k].shape != own[k].shape]
     with torch.no_grad():
         for key in experts:
@@ -361,6 +368,7 @@ def count_parameters(model: Any) -> tuple[int, int]:
 MODEL_PARTS = (
     (".mlp.experts.", "routed experts"),
     (".mlp.shared_expert", "shared expert"),
+    (".mlp.gate.", "routers"),  # peft.train_router (not gate_proj, not shared_expert_gate)
     (".linear_attn.", "linear attention"),
     (".self_attn.", "attention"),
     (".mlp.", "MLP"),
