@@ -471,3 +471,15 @@ def test_4bit_expert_stacks_compute_their_dequantized_weights(
     assert len(grads[0]) == 1 + 2 * 4
     for got, want in zip(grads[0], grads[1], strict=True):
         torch.testing.assert_close(got, want, rtol=tol * 10, atol=tol)
+
+
+def test_a_rewriting_start_exports_trained_routers_as_they_are() -> None:
+    """peft.init=pissa with peft.train_router: the export for the original base doubles the
+    adapters' rank and leaves the routers (trained in full, never rewritten) as trained."""
+    from memtune.rank.checkpoint import for_original_base
+
+    a, a0, router = torch.randn(4, 8), torch.randn(4, 8), torch.randn(16, 8)
+    state = {"m.q_proj.lora_A.default.weight": a, "m.mlp.gate.weight": router}
+    out = for_original_base(state, {"m.q_proj.lora_A.default.weight": a0})
+    assert torch.equal(out["m.q_proj.lora_A.default.weight"], torch.cat([a, a0]))
+    assert out["m.mlp.gate.weight"] is router

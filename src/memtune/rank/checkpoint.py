@@ -85,6 +85,9 @@ def for_original_base(
     load it onto the checkpoint as released."""
     out = {}
     for name, t in state.items():
+        if name not in initial:  # trained in full, not rewritten (a mixture's routers)
+            out[name] = t
+            continue
         start = initial[name].to(t.device, t.dtype)
         if "lora_A" in name:
             out[name] = torch.cat([t, start], dim=0)

@@ -430,11 +430,12 @@ class RouterStats:
         logits = torch.cat([x.float() for x in self.captured])
         self.captured = []
         first: Any = self.routers[0]
-        top = int(first.top_k)
-        probs = logits.softmax(-1)
-        chosen = probs.topk(top, dim=-1).indices
-        slots = F.one_hot(chosen, probs.shape[-1]).float().sum(1).mean(0)  # per expert
-        return probs.shape[-1] * (slots * probs.mean(0)).sum()
+        probs = logits.softmax(-1)  # rows × experts, the differentiable part
+        experts = probs.shape[-1]
+        with torch.no_grad():  # counts, not a one-hot of rows × top-k × experts
+            chosen = probs.topk(int(first.top_k), dim=-1).indices
+            slots = torch.bincount(chosen.flatten(), minlength=experts).float() / probs.shape[0]
+        return experts * (slots * probs.mean(0)).sum()
 
     def metrics(self, reduce: Any = None) -> dict[str, Any]:
         """The window's metrics (empty when no routed forward ran on any rank), then a new

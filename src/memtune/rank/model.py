@@ -180,13 +180,27 @@ def load_adapter_weights(model: Any, folder: str) -> None:
     state = from_peft_names(state, {n: int(m.num_experts) for n, m in expert_modules(model)})
     own = dict(model.named_parameters())
     experts = expert_adapter_names(own)
-    # and a mixture's routers trained in full (peft.train_router: modules_to_save)
-    experts += [k for k in state if k.endswith(f".{ROUTER_MODULE}.weight") and k in own]
-    problems = [k for k in experts if k not in state or state[k].shape != own[k].shape]
+    # and a mixture's routers trained in full (peft.train_router: modules_to_save); routers in
+    # an adapter for a run that does not train them stay in state: unexpected, refused below
+    routers = [k for k in state if k.endswith(f".{ROUTER_MODULE}.weight") and k in own]
+    experts += [k for k in routers if own[k].requires_grad]
+
+    def full_shape(p: Any) -> tuple[int, ...]:
+        return tuple(getattr(p, "ds_shape", None) or p.shape)  # a ZeRO-3 partition's too
+
+    problems = [k for k in experts if k not in state or tuple(state[k].shape) != full_shape(own[k])]
     with torch.no_grad():
         for key in experts:
-            if key not in problems:
-                own[key].copy_(state.pop(key))
+            if key in problems:
+                continue
+            param, value = own[key], state.pop(key)
+            if hasattr(param, "ds_id"):  # a router loaded under zero.Init: partitioned
+                import deepspeed
+
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                    param.copy_(value)
+            else:
+                param.copy_(value)
     result: Any = set_peft_model_state_dict(model, state)
     lora = {n for n in own if "lora_" in n and n not in experts}
     missing = sorted(n for n in result.missing_keys if n in lora) + problems
