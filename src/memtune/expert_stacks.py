@@ -36,12 +36,31 @@ def expert_modules(model: Any) -> list[tuple[str, Any]]:
     return found
 
 
-def stack_shape(param: Any) -> tuple[int, ...]:
-    """The full (experts, out, in) shape, also of a ZeRO-3 partitioned or a 4-bit stack."""
+def full_shape(param: Any) -> tuple[int, ...]:
+    """A parameter's full shape, also of a ZeRO-3 partition, a 4-bit expert stack
+    (rank.experts.quantize_experts) or a bitsandbytes 4-bit weight (stored packed)."""
     quantized = getattr(param, "memtune_quantized", None)
     if quantized is not None:
         return tuple(quantized[0])
+    state = getattr(param, "quant_state", None)
+    if state is not None and getattr(state, "shape", None) is not None:
+        return tuple(state.shape)
     return tuple(getattr(param, "ds_shape", None) or param.shape)
+
+
+def full_numel(param: Any) -> int:
+    """The weights a parameter holds in full (:func:`full_shape`)."""
+    return math.prod(full_shape(param))
+
+
+def stack_adapter(name: str) -> tuple[str, str, str] | None:
+    """(experts module, stack, "A" or "B") of an expert adapter's parameter name
+    (``…mlp.experts.gate_up_proj_lora_A``), None for any other name."""
+    module, _, leaf = name.rpartition(".")
+    stack, _, which = leaf.partition("_lora_")
+    if stack in EXPERT_PARAMETERS and which in ("A", "B"):
+        return module, stack, which
+    return None
 
 
 def add_expert_adapters(
@@ -58,7 +77,7 @@ def add_expert_adapters(
     for _, experts in expert_modules(model):
         for name in EXPERT_PARAMETERS:
             stack = getattr(experts, name)
-            n, out, inp = stack_shape(stack)
+            n, out, inp = full_shape(stack)
             kind = dtype or torch.float32
             a = torch.empty(n, r, inp, device=stack.device, dtype=kind)
             b = torch.zeros(n, out, r, device=stack.device, dtype=kind)
@@ -93,5 +112,5 @@ def train_routers(model: Any) -> int:
     n = 0
     for _, router in routers(model):
         router.weight.requires_grad_(True)
-        n += int(getattr(router.weight, "ds_numel", router.weight.numel()))
+        n += full_numel(router.weight)
     return n

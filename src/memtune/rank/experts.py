@@ -39,6 +39,8 @@ from memtune.expert_stacks import (
     ROUTER_MODULE,
     add_expert_adapters,
     expert_modules,
+    full_numel,
+    stack_adapter,
 )
 
 
@@ -61,7 +63,7 @@ def quantize_experts(model: nn.Module, quant_type: str, storage: torch.dtype) ->
     for _, experts in expert_modules(model):
         for name in EXPERT_PARAMETERS:
             param = getattr(experts, name)
-            with _gathered(param):
+            with gathered(param):
                 weight = param.data
                 shape = tuple(weight.shape)
                 packed, state = bnbf.quantize_4bit(
@@ -108,18 +110,22 @@ def round_trip_experts(model: nn.Module, quant_type: str, dtype: torch.dtype) ->
     return stacks
 
 
-class _gathered:
-    """ZeRO-3: the whole parameter for the block (every rank enters together); else nothing."""
+class gathered:
+    """ZeRO-3: the whole parameter for the block (every rank enters together; with
+    ``modifier_rank``, what that rank writes into it is partitioned back); else nothing."""
 
-    def __init__(self, param: nn.Parameter):
+    def __init__(self, param: nn.Parameter, modifier_rank: int | None = None):
         self.param = param
+        self.modifier_rank = modifier_rank
         self.context: Any = None
 
     def __enter__(self) -> None:
         if hasattr(self.param, "ds_id"):
             import deepspeed
 
-            self.context = deepspeed.zero.GatheredParameters([self.param], modifier_rank=None)
+            self.context = deepspeed.zero.GatheredParameters(
+                [self.param], modifier_rank=self.modifier_rank
+            )
             self.context.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
@@ -217,7 +223,7 @@ def full_precision_weights(model: Any, smallest: int) -> list[str]:
             continue
         if hasattr(param, "quant_state") or not param.dtype.is_floating_point:
             continue  # bitsandbytes' Params4bit (stored as the training dtype) / Int8Params
-        if int(getattr(param, "ds_numel", param.numel())) >= smallest:
+        if full_numel(param) >= smallest:
             found.append(name)
     return found
 
@@ -225,8 +231,9 @@ def full_precision_weights(model: Any, smallest: int) -> list[str]:
 def add_expert_lora(
     model: nn.Module, r: int, scaling: float, init: str = "default", dtype: Any = None
 ) -> int:
-    """memtune.expert_stacks.add_expert_adapters, and the forward that applies them; returns
-    the number of adapter weights added."""
+    """memtune.expert_stacks.add_expert_adapters, and the forward that applies them (what
+    rank.model.add_lora does in two steps, the forward for frozen experts too); returns the
+    number of adapter weights added."""
     added = add_expert_adapters(model, r, scaling, init, dtype)
     use_routed_forward(model)
     return added
@@ -289,11 +296,11 @@ def to_peft_names(state: dict[str, torch.Tensor]) -> tuple[dict, dict]:
         if name.endswith(f".{ROUTER_MODULE}.weight"):  # peft.train_router: modules_to_save
             experts[name] = t.contiguous()
             continue
-        module, _, leaf = name.rpartition(".")
-        param, _, which = leaf.partition("_lora_")
-        if param not in EXPERT_PARAMETERS or which not in ("A", "B"):
+        parsed = stack_adapter(name)
+        if parsed is None:
             rest[name] = t
             continue
+        module, param, which = parsed
         prefix = _peft_prefix(module, param)
         if which == "A":  # (E, r, in) -> (E·r, in)
             experts[f"{prefix}.lora_A.weight"] = t.reshape(-1, t.shape[-1]).contiguous()
@@ -337,12 +344,7 @@ def peft_target_parameters() -> list[str]:
 
 def expert_adapter_names(names: Any) -> list[str]:
     """The parameter names among ``names`` that are routed-expert adapters (rank.experts')."""
-    out = []
-    for name in names:
-        param, _, which = name.rpartition(".")[2].partition("_lora_")
-        if param in EXPERT_PARAMETERS and which in ("A", "B"):
-            out.append(name)
-    return out
+    return [name for name in names if stack_adapter(name) is not None]
 
 
 def write_expert_adapters(out_dir: Any, experts: dict[str, torch.Tensor]) -> None:

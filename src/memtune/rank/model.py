@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import math
 import time
 from typing import Any
 
@@ -142,14 +141,13 @@ def add_lora(model: Any, cfg: RunConfig) -> Any:
             if q.requires_grad
         }
         model.memtune_init_seconds = time.perf_counter() - start
-    from memtune.rank.experts import add_expert_lora, use_routed_forward
+    from memtune.expert_stacks import add_expert_adapters, train_routers
+    from memtune.rank.experts import use_routed_forward
 
     if adapts_experts(cfg):
-        add_expert_lora(model, p.r, lora_scaling(cfg), p.init)
+        add_expert_adapters(model, p.r, lora_scaling(cfg), p.init)
     use_routed_forward(model)  # a mixture's experts, adapted or frozen
     if p.train_router:
-        from memtune.expert_stacks import train_routers
-
         train_routers(model)
     if p.init_from:
         load_adapter_weights(model, p.init_from)
@@ -169,8 +167,13 @@ def load_adapter_weights(model: Any, folder: str) -> None:
     from safetensors.torch import load_file
 
     from memtune.config.architecture import LANGUAGE_MODEL_PREFIX
-    from memtune.expert_stacks import ROUTER_MODULE
-    from memtune.rank.experts import expert_adapter_names, expert_modules, from_peft_names
+    from memtune.expert_stacks import ROUTER_MODULE, full_shape
+    from memtune.rank.experts import (
+        expert_adapter_names,
+        expert_modules,
+        from_peft_names,
+        gathered,
+    )
 
     text, multimodal = LANGUAGE_MODEL_PREFIX
     state = load_file(str(Path(folder).expanduser() / "adapter_model.safetensors"))
@@ -185,22 +188,12 @@ def load_adapter_weights(model: Any, folder: str) -> None:
     routers = [k for k in state if k.endswith(f".{ROUTER_MODULE}.weight") and k in own]
     experts += [k for k in routers if own[k].requires_grad]
 
-    def full_shape(p: Any) -> tuple[int, ...]:
-        return tuple(getattr(p, "ds_shape", None) or p.shape)  # a ZeRO-3 partition's too
-
     problems = [k for k in experts if k not in state or tuple(state[k].shape) != full_shape(own[k])]
     with torch.no_grad():
         for key in experts:
-            if key in problems:
-                continue
-            param, value = own[key], state.pop(key)
-            if hasattr(param, "ds_id"):  # a router loaded under zero.Init: partitioned
-                import deepspeed
-
-                with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-                    param.copy_(value)
-            else:
-                param.copy_(value)
+            if key not in problems:  # (a router loaded under zero.Init is partitioned)
+                with gathered(own[key], modifier_rank=0):
+                    own[key].copy_(state.pop(key))
     result: Any = set_peft_model_state_dict(model, state)
     lora = {n for n in own if "lora_" in n and n not in experts}
     missing = sorted(n for n in result.missing_keys if n in lora) + problems
@@ -363,16 +356,11 @@ def method_label(cfg: RunConfig) -> str:
 def count_parameters(model: Any) -> tuple[int, int]:
     """(trainable, total) weights, using ZeRO-3's full sizes when parameters are partitioned
     and the unpacked size of 4-bit weights (stored several to an element)."""
+    from memtune.expert_stacks import full_numel
+
     trainable = total = 0
     for p in model.parameters():
-        quant_state = getattr(p, "quant_state", None)
-        quantized = getattr(p, "memtune_quantized", None)  # a 4-bit expert stack
-        if quantized is not None:
-            n = math.prod(quantized[0])
-        elif quant_state is not None and getattr(quant_state, "shape", None) is not None:
-            n = math.prod(quant_state.shape)
-        else:
-            n = int(getattr(p, "ds_numel", p.numel()))
+        n = full_numel(p)
         total += n
         if p.requires_grad:
             trainable += n
@@ -393,10 +381,12 @@ MODEL_PARTS = (
 def trainable_by_part(model: Any) -> dict[str, int]:
     """Trainable weights by the part of the model they adapt (full sizes under ZeRO-3), in
     MODEL_PARTS order, parts with none left out."""
+    from memtune.expert_stacks import full_numel
+
     counts = dict.fromkeys([label for _, label in MODEL_PARTS] + ["other"], 0)
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         part = next((label for key, label in MODEL_PARTS if key in f".{name}"), "other")
-        counts[part] += int(getattr(p, "ds_numel", p.numel()))
+        counts[part] += full_numel(p)
     return {part: n for part, n in counts.items() if n}
