@@ -41,7 +41,12 @@ def test_the_tracker_agrees_with_torchs_profiler() -> None:
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"peft": "lora", "trainer.checkpoint_layers": 1}, {"peft.dora": "true"}],
+    [
+        {},
+        {"peft": "lora", "trainer.checkpoint_layers": 1},
+        {"peft.dora": "true"},
+        {"model": "tiny-qwen3.5-moe", "peft.dropout": 0, "trainer.checkpoint_layers": 1},
+    ],
 )
 def test_fake_tensors_trace_what_real_ones_hold(overrides) -> None:
     cfg = _tiny(**overrides)
@@ -94,6 +99,42 @@ def test_the_plan_matches_a_full_size_hybrid_step(checkpoint_layers: str) -> Non
     cfg = fit_to_device(given, refuse=False).cfg
     traced = trace_step(cfg)
     assert traced.at_peak["base weights"] > 3e9  # the full-size model, bf16
+    assert planned_step(cfg) == pytest.approx(traced.step, rel=0.03), traced
+
+
+@pytest.mark.parametrize(
+    ("experiment", "layers"),
+    [
+        ("qwen3-30b-a3b-4x4090-lora", []),
+        (
+            "qwen3.5-35b-a3b-4x4090-qlora",
+            ["+model.architecture.layer_types=[linear_attention,full_attention]"],
+        ),
+    ],
+)
+def test_the_plan_matches_a_full_width_mixture_step(experiment: str, layers: list[str]) -> None:
+    """The mixtures at their full width (128 / 256 experts, adapters on every expert, Qwen3.5's
+    shared expert and both kinds of layer) but two layers deep, the first recomputed: the
+    router, the rows each expert keeps and the q/k norms against the traced step, within 3%.
+    Which tokens an expert gets is data (rank.experts._routed_rows spreads them evenly, as the
+    plan assumes). Two layers, not 40-48: each layer is 128-256 experts' ops on fake tensors
+    (the whole Qwen3-30B-A3B step takes minutes); bench/results/2026-12-03-moe.md has the
+    full-depth traces."""
+    given = to_run_config(
+        compose_cfg(
+            [
+                f"experiment={experiment}",
+                "data.max_seq_len=2048",
+                "model.architecture.num_hidden_layers=2",
+                *layers,
+                "trainer.checkpoint_layers=1",
+                *ONE_PROCESS,
+            ]
+        )
+    )
+    cfg = fit_to_device(given, refuse=False).cfg
+    traced = trace_step(cfg)
+    assert traced.at_peak["base weights"] > 3e9  # two full-width layers and the embeddings
     assert planned_step(cfg) == pytest.approx(traced.step, rel=0.03), traced
 
 

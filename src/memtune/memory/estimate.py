@@ -188,6 +188,11 @@ GATED_ATTENTION = ("qwen3_5_text", "qwen3_5_moe_text")
 q_proj's output), before o_proj: Qwen3.5's full-attention layers."""
 
 
+QK_NORMED = ("qwen3", "qwen3_moe", *GATED_ATTENTION)
+"""Model types whose attention normalizes q and k per head (RMSNorm, fp32 inputs kept): Qwen3,
+its mixture, and Qwen3.5's full-attention layers."""
+
+
 def attention_bytes(cfg: RunConfig, n: int) -> tuple[int, int]:
     """(attention's saved bytes, its per-head norms' fp32 inputs) for ``n`` tokens."""
     a = cfg.model.architecture
@@ -195,7 +200,7 @@ def attention_bytes(cfg: RunConfig, n: int) -> tuple[int, int]:
     heads, kv = int(a["num_attention_heads"]), int(a["num_key_value_heads"])
     b, sp = compute_bytes(cfg), sequence_parallel_size(cfg)
     norms = 0
-    if a.get("model_type") in ("qwen3", *GATED_ATTENTION):
+    if a.get("model_type") in QK_NORMED:
         norms = n * d * (heads + kv) * 4  # per head on q and k (Qwen3's q_norm, k_norm)
     # q, output, and k, v at their KV heads (sdpa and FA2 read grouped heads; eager repeats;
     # Ulysses repeats KV heads up to sp when there are fewer).

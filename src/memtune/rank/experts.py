@@ -258,11 +258,7 @@ def _forward_with_lora(
     added to its two projections, on the tokens routed to it only."""
     s = self.memtune_lora_scaling
     out = torch.zeros_like(hidden_states)
-    with torch.no_grad():
-        routed = F.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
-        hit = torch.greater(routed.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist()
-    for e in hit:
-        slot, tokens = torch.where(routed[e])
+    for e, slot, tokens in _routed_rows(self, top_k_index):
         x = hidden_states[tokens]
         gate_up = _expert_linear(self, "gate_up_proj", e, x)
         if s is not None:
@@ -276,6 +272,30 @@ def _forward_with_lora(
         y = y * top_k_weights[tokens, slot, None]
         out.index_add_(0, tokens, y.to(out.dtype))
     return out
+
+
+def _routed_rows(
+    experts: Any, top_k_index: torch.Tensor
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(expert, top-k slot, token) of each row routed to each expert that has rows.
+
+    With ``experts.memtune_even_routing`` set (tools.step_trace), row j of the n × top-k
+    routing goes to expert j mod experts whatever the router chose: the router's output is
+    still computed (and kept for backward), but which tokens an expert gets is decided by the
+    data, a nonzero that fake tensors cannot run. Evenly spread rows are what the planner
+    assumes (n × top-k rows over all experts), each token on top-k different experts."""
+    if getattr(experts, "memtune_even_routing", False):
+        n, k = top_k_index.shape
+        for e in range(min(experts.num_experts, n * k)):
+            rows = torch.arange(e, n * k, experts.num_experts, device=top_k_index.device)
+            yield e, rows % k, rows // k
+        return
+    with torch.no_grad():
+        routed = F.one_hot(top_k_index, num_classes=experts.num_experts).permute(2, 1, 0)
+        hit = torch.greater(routed.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist()
+    for e in hit:
+        slot, tokens = torch.where(routed[e])
+        yield e, slot, tokens
 
 
 def _peft_prefix(module_name: str, param: str) -> str:

@@ -39,6 +39,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memtune.config import RunConfig, checkpointed_layers
+from memtune.expert_stacks import expert_modules
 from memtune.memory.counts import arch_config
 from memtune.rank.loss import CausalLMLoss
 from memtune.rank.model import add_lora, decoder_layers, torch_dtype
@@ -156,15 +157,6 @@ def traced_config(cfg: RunConfig) -> tuple[RunConfig, list[str]]:
             "trainer.sequence_parallel=1 trainer.tiled_mlp=off trainer.offload_activations=off "
             "(tests/test_plan.py checks those plans against what autograd saves instead)"
         )
-    from memtune.config.architecture import routed_experts
-
-    if routed_experts(dict(cfg.model.architecture)):
-        raise ConfigError(
-            f"{cfg.model.name_or_path} is a mixture of experts: which tokens each expert gets "
-            "is decided by the data (a nonzero over the routing), which fake tensors cannot "
-            "run, so it cannot be traced; tests/test_moe.py checks the mixture block's plan "
-            "against what autograd saves in a real block instead"
-        )
     out = copy.deepcopy(cfg)
     notes = []
     if out.peft.method != "lora":
@@ -239,6 +231,8 @@ def trace_step(cfg: RunConfig, fake: bool = True) -> Trace:
     model.to(dtype)
     model.config.use_cache = False
     model = add_lora(model, cfg)
+    for _, experts in expert_modules(model):
+        experts.memtune_even_routing = True  # see rank.experts._routed_rows
     for m in model.modules():
         drop = getattr(m, "lora_dropout", None)
         if isinstance(drop, torch.nn.ModuleDict):
