@@ -15,7 +15,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install relock train test test-compile test-faults test-slurm preprocess plan merge lint format train-4x4090 bench bench-data clean
+.PHONY: help install relock train test test-compile test-faults test-slurm preprocess plan merge lint format train-4x4090 bench bench-data docs docs-serve docs-reference docs-check clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-14s %s\n", $$1, $$2}'
@@ -56,7 +56,7 @@ relock: ## Move constraints.txt to the newest versions pyproject.toml allows, re
 test-compile: $(STAMP) ## The compiled-layers tests (trainer.compile; ~2 min cold: inductor builds C++ kernels)
 	$(PY) -m pytest tests/test_compile.py -m compile $(PYTEST_ARGS)
 
-test-faults: $(STAMP) ## Whole jobs stopped, killed, out of memory, resumed on other world sizes (~4 min)
+test-faults: $(STAMP) ## Whole jobs stopped, killed, out of memory, resumed on other world sizes (~8-11 min)
 	$(PY) -m pytest -m faults $(PYTEST_ARGS)
 
 test-slurm: $(STAMP) ## Slurm tier: a real 2-node cluster on 127.0.0.1 (root; apt-installs Slurm + MariaDB if missing; ~5-8 min)
@@ -96,6 +96,21 @@ bench: $(STAMP) ## Training benchmark: memtune as shipped vs HF Trainer + peft, 
 
 bench-data: $(STAMP) ## Data benchmark: preprocessing tokens/s and padding efficiency -> bench/results/
 	$(PY) bench/data_bench.py $(ARGS)
+
+docs: $(STAMP) ## Build the documentation site into site/ (MkDocs, strict: a warning or a broken link fails)
+	$(PY) scripts/docs_reference.py --check
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+docs-serve: $(STAMP) ## Serve the documentation at http://127.0.0.1:8000, rebuilt as you edit docs/
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8000
+
+docs-reference: $(STAMP) ## Regenerate docs/reference/ (options from the schema's docstrings, refusals from the source)
+	$(PY) scripts/docs_reference.py
+
+docs-check: docs ## The built site in headless Chromium: pages render, links resolve, screenshots (apt-installs chromium if missing; root)
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+	  { test "$$(id -u)" -eq 0 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+	$(PY) -m pytest tests/test_docs_site.py -m browser -p no:cacheprovider $(PYTEST_ARGS)
 
 clean: ## Remove run outputs (outputs/, multirun/); keeps .venv
 	rm -rf outputs multirun

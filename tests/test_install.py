@@ -9,8 +9,8 @@ from tests.conftest import ROOT
 
 
 def _readme_table() -> dict[str, str]:
-    text = (ROOT / "README.md").read_text()
-    section = text.split("### Tested versions and the lock", 1)[1].split("\n#", 1)[0]
+    text = (ROOT / "docs" / "development.md").read_text()
+    section = text.split("## Tested versions and the lock", 1)[1].split("\n#", 1)[0]
     return dict(re.findall(r"^\| ([a-z][\w-]*) \| ([\d.]+)[^|]*\|$", section, re.MULTILINE))
 
 

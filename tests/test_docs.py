@@ -1,0 +1,345 @@
+"""The documentation against what it documents: every command it shows, its generated pages,
+and the site's build. A renamed key, group, make target or verb fails here, not for a reader.
+
+Checked, in README.md and every page under docs/ (the generated list of refusals aside: its
+messages are the source's own):
+- each ``python train.py ...``, ``memtune VERB ...`` and ``make TARGET ...`` line of a ```bash
+  block, and each inline code span that is such a command: the overrides compose with Hydra
+  against conf/ into the typed schema (``make ... ARGS="..."`` and ``EXP=`` included; a
+  multirun's sweep ``a,b`` is composed value by value); make targets and variables exist in
+  the Makefile; memtune verbs and their ``--options`` exist (the verb's ``--help``);
+- each inline span that is one override (``trainer.sequence_parallel=4``, ``peft=qlora-nf4``):
+  its key is a setting, or its group ships that option.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+GROUPS = tuple(sorted(p.name for p in (ROOT / "conf").iterdir() if p.is_dir()))
+INLINE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
+ONE_OVERRIDE = re.compile(r"^\+{0,2}[a-z_]+(\.[\w\[\]-]+)+=\S*$")
+
+
+def documents() -> list[Path]:
+    pages = sorted((ROOT / "docs").rglob("*.md"))
+    return [ROOT / "README.md", *(p for p in pages if p.name != "refusals.md")]
+
+
+@dataclass(frozen=True)
+class Command:
+    where: str  # file:line
+    text: str
+
+
+def commands(text: str, name: str) -> tuple[list[Command], list[Command]]:
+    """(the commands of a markdown text's shell blocks and inline spans, its inline single
+    overrides), each with its file and line."""
+    found, overrides = [], []
+    lines = text.splitlines()
+    fence: tuple[int, str] | None = None  # (backticks, language) of the open fence
+    i = 0
+    while i < len(lines):
+        line, number = lines[i], i + 1
+        i += 1
+        opening = re.match(r"^\s*(`{3,}|~{3,})\s*(\w*)", line)
+        if fence is None and opening:
+            fence = (len(opening.group(1)), opening.group(2))
+            continue
+        if fence is not None:
+            if re.match(rf"^\s*(`{{{fence[0]},}}|~{{{fence[0]},}})\s*$", line):
+                fence = None
+                continue
+            if fence[1] not in ("bash", "sh", "shell", "console"):
+                continue
+            while line.rstrip().endswith("\\") and i < len(lines):
+                line = line.rstrip()[:-1] + " " + lines[i]
+                i += 1
+            for part in re.split(r"\s(?:&&|\|\||;|\|)\s", line):
+                if _is_ours(part):
+                    found.append(Command(f"{name}:{number}", part.strip()))
+            continue
+        for m in INLINE.finditer(line):
+            span = m.group(1).strip()
+            if _is_ours(span):
+                found.append(Command(f"{name}:{number}", span))
+            elif ONE_OVERRIDE.match(span) or re.match(rf"^({'|'.join(GROUPS)})=[\w.\-]+$", span):
+                overrides.append(Command(f"{name}:{number}", span))
+    return found, overrides
+
+
+def _is_ours(line: str) -> bool:
+    words = _words(line)
+    return bool(words) and (
+        words[0] in ("memtune", "make") or "train.py" in words[:3] or words[:1] == ["srun"]
+    )
+
+
+def _words(line: str) -> list[str]:
+    try:
+        words = shlex.split(line, comments=True)
+    except ValueError:
+        return []
+    while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):  # VAR=value before a command
+        words.pop(0)
+    return words
+
+
+@functools.cache
+def _make_targets() -> tuple[set[str], set[str]]:
+    makefile = (ROOT / "Makefile").read_text()
+    targets = set(re.findall(r"^([a-z][\w-]*):", makefile, re.M))
+    variables = set(re.findall(r"\$\((\w+)\)", makefile))
+    return targets, variables
+
+
+@functools.cache
+def _verb_help(verb: str) -> str | None:
+    """``memtune VERB --help``'s text, None if there is no such verb."""
+    out = subprocess.run(
+        [sys.executable, "-m", "memtune.cli", verb, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return out.stdout if out.returncode == 0 else None
+
+
+@contextlib.contextmanager
+def hydra() -> Iterator[None]:
+    """Hydra initialized on conf/ once for many compositions (memtune.config.compose
+    initializes it for each: ~0.2 s a command)."""
+    from hydra import initialize_config_dir
+
+    from memtune.config.schema import register_configs
+    from memtune.paths import CONF_DIR
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        yield
+
+
+ELIDED = ("...", "…")
+"""``...`` for more overrides, ``key=...`` for a value left to the reader: its key is checked."""
+PLACEHOLDER = re.compile(r"^[A-Z][A-Z_]*$")
+"""``data.max_seq_len=N``, ``launcher.node_rank=RANK``: a value for the reader; the key is
+checked."""
+WRONG_ON_PURPOSE = {"trainer.max_step=2"}
+"""Overrides the documentation shows as mistakes (with the refusal they get)."""
+
+
+def _elided(override: str) -> bool:
+    value = override.partition("=")[2]
+    return value in ELIDED or bool(PLACEHOLDER.match(value))
+
+
+@functools.cache
+def _composed(groups: tuple[str, ...]) -> object:
+    """Hydra's composition of these group choices (``experiment=...``, ``model=...``): ~0.4 s
+    each, so once per combination; the leaf overrides are applied to a copy."""
+    from hydra import compose
+
+    return compose(config_name="config", overrides=list(groups))
+
+
+def _compose(overrides: list[str]) -> str | None:
+    """None when the overrides compose into the schema (inside :func:`hydra`), else why not.
+    ``...`` stands for more overrides; ``key=...`` for a value: its key is checked.
+
+    The group choices are composed by Hydra, the other overrides applied to that config by
+    Hydra's own code for the command line's overrides, as train.py gets them."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    from memtune.config.schema import open_mappings, unknown_override
+
+    keep = [
+        o[1:-1] if o.startswith("[") and o.endswith("]") else o  # [optional=value]
+        for o in overrides
+        if o not in ELIDED and not o.startswith("hydra.")
+    ]
+    for o in [o for o in keep if _elided(o)]:
+        if why := unknown_override([o]):
+            return why
+        keep.remove(o)
+    sweep = re.compile(r"^([^=]+)=([^{\[]*,.*)$")
+    first = [
+        m.group(1) + "=" + m.group(2).split(",")[0] if (m := sweep.match(o)) else o for o in keep
+    ]
+    tries = [first]
+    for i, o in enumerate(keep):  # a multirun's a,b,c: each value in turn, the others first
+        if m := sweep.match(o):
+            tries += [
+                [*first[:i], f"{m.group(1)}={v}", *first[i + 1 :]] for v in m.group(2).split(",")
+            ]
+    for attempt in tries:
+        try:
+            if why := unknown_override(attempt):
+                return why
+            parsed = OverridesParser.create().parse_overrides(open_mappings(attempt))
+            groups = [
+                o.input_line for o in parsed if o.key_or_group in GROUPS or "/" in o.key_or_group
+            ]
+            cfg = copy.deepcopy(_composed(tuple(groups)))
+            leaves = [o for o in parsed if o.input_line not in groups]
+            ConfigLoaderImpl._apply_overrides_to_config(leaves, cfg)
+            if missing := OmegaConf.missing_keys(cfg):
+                return f"{' '.join(attempt)}: no value for {sorted(missing)}"
+        except Exception as err:
+            return f"{' '.join(attempt)}: {type(err).__name__}: {str(err).splitlines()[0]}"
+    return None
+
+
+def check(command: Command) -> str | None:
+    """Why a documented command would not run as shown, or None."""
+    words = _words(command.text)
+    if words[0] == "make":
+        targets, variables = _make_targets()
+        overrides: list[str] = []
+        named = [w for w in words[1:] if "=" not in w and not w.startswith("-")]
+        for target in named:
+            if target not in targets:
+                return f"make {target}: no such target"
+        for assignment in (w for w in words[1:] if "=" in w):
+            var, _, value = assignment.partition("=")
+            if var not in variables:
+                return f"make {var}=: the Makefile has no {var}"
+            if var == "ARGS" and (not named or named[0] in ("train", "plan", "preprocess")):
+                overrides += shlex.split(value)
+            elif var == "EXP":
+                overrides.append(f"experiment={value}")
+        return _compose(overrides) if overrides else None
+    if words[0] == "memtune":
+        if len(words) < 2 or words[1].startswith("-"):
+            return None
+        verb, args = words[1], words[2:]
+        if not re.match(r"^[a-z][a-z-]*$", verb):
+            return None  # a pattern (memtune VERB: ...), not a command
+        help_text = _verb_help(verb)
+        if help_text is None:
+            return f"memtune {verb}: no such verb"
+        for option in (a.split("=")[0] for a in args if a.startswith("--")):
+            if not re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", help_text):
+                return f"memtune {verb} {option}: not an option of the verb"
+        if verb in ("plan", "trace"):
+            return _compose([a for a in args if "=" in a and not a.startswith("-")])
+        return None
+    if "train.py" in words:
+        args = words[words.index("train.py") + 1 :]
+        return _compose([a for a in args if not a.startswith("-")])
+    return None
+
+
+def check_override(override: Command) -> str | None:
+    from memtune.config.schema import unknown_override
+
+    if override.text in WRONG_ON_PURPOSE:
+        return None
+    key, _, value = override.text.lstrip("+").partition("=")
+    if _elided(override.text):
+        return unknown_override([f"{key}=x"]) if key not in GROUPS else None
+    if key in GROUPS:
+        if not (ROOT / "conf" / key / f"{value}.yaml").exists():
+            return f"{override.text}: conf/{key}/ has no {value}.yaml"
+        return None
+    return unknown_override([f"{key}={value}"])
+
+
+def _all() -> tuple[list[Command], list[Command]]:
+    found: list[Command] = []
+    overrides: list[Command] = []
+    for path in documents():
+        c, o = commands(path.read_text(), str(path.relative_to(ROOT)))
+        found += c
+        overrides += o
+    return found, overrides
+
+
+def test_every_documented_command_composes() -> None:
+    found, _ = _all()
+    assert len(found) > 50, "the command extraction found almost nothing"
+    with hydra():
+        problems = [f"{c.where}: {c.text}\n    {why}" for c in found if (why := check(c))]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_documented_override_names_a_setting() -> None:
+    _, overrides = _all()
+    assert len(overrides) > 50
+    problems = [f"{o.where}: {why}" for o in overrides if (why := check_override(o))]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_checks_catch_a_renamed_key_group_target_and_verb() -> None:
+    """The checker itself can fail: a page with one mistake of each kind."""
+    page = "\n".join(
+        [
+            "```bash",
+            "python train.py experiment=qwen2.5-7b-4x4090-lora peft.rank=32",
+            'make train ARGS="model=tiny-qwen3 trainer.max_step=5"',
+            "make plan EXP=qwen2.5-7b-4x4090-lorax",
+            "make trian",
+            "memtune plot RUN_DIR",
+            "memtune merge RUN_DIR/adapter OUT --dtyp fp32",
+            "python train.py -m peft.r=8,16,3x",
+            "```",
+            "Set `trainer.sequence_paralel=4` or `peft=qlora-nf5`.",
+        ]
+    )
+    found, overrides = commands(page, "page.md")
+    with hydra():
+        assert [bool(check(c)) for c in found] == [True] * 7, [(c.text, check(c)) for c in found]
+        good = commands("```bash\nmake plan EXP=qwen2.5-7b-4x4090-lora\n```\n`peft.r=8`", "ok.md")
+        assert [check(c) for c in good[0]] == [None]
+    assert [bool(check_override(o)) for o in overrides] == [True, True]
+    assert [check_override(o) for o in good[1]] == [None]
+
+
+def test_the_generated_reference_pages_are_current() -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "docs_reference.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_every_option_has_a_docstring() -> None:
+    """The options page is the schema's docstrings: a field without one is a blank row."""
+    text = (ROOT / "docs" / "reference" / "options.md").read_text()
+    blank = [line.split("|")[1].strip() for line in text.splitlines() if line.endswith("|  |")]
+    assert not blank, f"options without a docstring in config/schema.py: {blank}"
+
+
+def _table_row(page: str, first_cell: str) -> str:
+    text = (ROOT / "docs" / page).read_text()
+    (row,) = [line for line in text.splitlines() if line.startswith(f"| {first_cell} |")]
+    return row
+
+
+def test_the_config_table_lists_every_option_of_every_group() -> None:
+    for group in GROUPS:
+        row = _table_row("configuration.md", f"`{group}`")
+        listed = set(re.findall(r"`([\w.\-]+)`", row.split("|")[2]))
+        shipped = {p.stem for p in (ROOT / "conf" / group).glob("*.yaml")}
+        assert shipped <= listed, f"{group}: {sorted(shipped - listed)} missing from the table"
+
+
+def test_the_exit_code_table_lists_every_exit_code() -> None:
+    import memtune.exit_codes as exit_codes
+
+    codes = {v for k, v in vars(exit_codes).items() if k.startswith("EXIT_")}
+    for code in codes:
+        assert _table_row("troubleshooting.md", str(code)), code
