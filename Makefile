@@ -109,7 +109,8 @@ docs-reference: $(STAMP) ## Regenerate docs/reference/ (options from the schema'
 
 docs-check: docs ## The built site in headless Chromium: pages render, links resolve, screenshots (apt-installs chromium if missing; root)
 	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
-	  { test "$$(id -u)" -eq 0 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+	  { test "$$(id -u)" -eq 0 && apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 	$(PY) -m pytest tests/test_docs_site.py -m browser -p no:cacheprovider $(PYTEST_ARGS)
 
 clean: ## Remove run outputs (outputs/, multirun/); keeps .venv
