@@ -376,6 +376,7 @@ def test_the_routing_metrics_are_the_models_own_balance_loss(tmp_path: Path) -> 
     """RouterStats, from hooks on the routers, gives the load-balancing loss transformers
     computes from the router logits (output_router_logits), and each layer's expert shares."""
     from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     from memtune.rank.experts import RouterStats
 
@@ -408,6 +409,20 @@ def test_the_routing_metrics_are_the_models_own_balance_loss(tmp_path: Path) -> 
     assert want.abs().max() > 0
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
     assert capturing.captured == []  # taken
+
+    # a padded batch: its padding left out, as the model leaves it out given the mask
+    mask = torch.ones_like(ids)
+    mask[0, 12:] = mask[2, 5:] = 0
+    capturing.mask = mask.flatten().bool()
+    out = model(input_ids=ids, attention_mask=mask, output_router_logits=True)
+    unmasked = float(load_balancing_loss_func(out.router_logits, 8, 2))
+    ours = float(capturing.take_aux_loss().detach())
+    assert ours == pytest.approx(float(out.aux_loss.detach()), rel=1e-5)
+    assert abs(ours - unmasked) > 1e-3  # the padding would have changed it
+    stats = RouterStats(model)
+    stats.mask = capturing.mask
+    model(input_ids=ids, attention_mask=mask)
+    assert stats.metrics()["moe/aux_loss"] == pytest.approx(ours, rel=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -302,8 +302,9 @@ class TrainerConfig:
     (fp32 logits + their bf16 cast; README "The loss never holds the whole sequence's logits")."""
     router_aux_loss_coef: float = 0.0
     """A mixture of experts: add this × the routers' load-balancing loss (transformers'
-    load_balancing_loss_func over each micro batch's rows, padding included, every layer;
-    weighted as the objective's units) to the training loss; 0: off
+    load_balancing_loss_func over each micro batch's tokens, every layer: a padded batch's
+    padding left out, packed rows' tail padding counted; weighted as the objective's units)
+    to the training loss; 0: off
     (the loss is the objective's alone; the balance is logged either way, moe/aux_loss). The
     released Qwen MoE configs pretrained with 0.001."""
     on_nonfinite: Choice[OnNonfinite] = "stop"

@@ -406,12 +406,18 @@ class RouterStats:
     (E · Σₑ slotsₑ / tokens · mean probₑ: num_experts_per_tok when even), over all layers'
     tokens as the model's own aux loss takes it, and per layer. Counted in training forwards
     only: not in evaluation, nor in the recompute of a checkpointed layer (inside the
-    backward, where it would count that layer's tokens twice)."""
+    backward, where it would count that layer's tokens twice).
+
+    ``mask`` (set by the loop before each forward): the micro batch's real tokens, flattened,
+    when its batch says which they are (padded batches: the attention mask); padding is then
+    left out, as the model's own aux loss leaves it out given the attention mask. Packed rows
+    carry no mask: their tail padding (the rows' fill, printed at start-up) is counted."""
 
     def __init__(self, model: nn.Module, device: Any = None, capture: bool = False):
         self.routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
         self.capture = capture  # trainer.router_aux_loss_coef: keep the logits, with grad
         self.captured: list[torch.Tensor] = []
+        self.mask: torch.Tensor | None = None
         experts = max((int(getattr(m, "num_experts", 0)) for m in self.routers), default=0)
         shape = (len(self.routers), experts)
         self.slots = torch.zeros(shape, dtype=torch.float64, device=device)
@@ -433,6 +439,9 @@ class RouterStats:
             if torch._C._current_graph_task_id() != -1:
                 return  # a checkpointed layer's recompute, inside the backward
             logits, _, chosen = output
+            mask = self.mask
+            if mask is not None and mask.numel() == logits.shape[0]:
+                logits, chosen = logits[mask], chosen[mask]
             if self.capture:
                 self.captured.append(logits)
             with torch.no_grad():

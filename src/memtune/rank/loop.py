@@ -258,6 +258,9 @@ def train(
         pair_sums: torch.Tensor | None = None
         for i, batch in enumerate(micro):
             batch = {k: v.to(device) for k, v in batch.items() if k != "real_tokens"}
+            if routing:
+                real = batch.get("attention_mask")
+                routing.mask = None if real is None else real.flatten().bool()
             micro_loss = engine(**{k: batch[k] for k in MODEL_INPUTS if k in batch})
             step_loss = micro_loss
             if coef > 0:  # in the loss's units (a sum over them), so the step averages it
