@@ -209,8 +209,8 @@ def test_qwen3_moe_all_linear_leaves_the_mlp_names_to_the_experts() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["peft=lora-int8"], "would load in .* unquantized"),
         (["peft=qlora-nf4", "zero=zero2", "plan.device_gib=24"], "use zero=zero3"),
+        (["peft=lora-int8", "zero=zero2", "plan.device_gib=24"], "use zero=zero3"),
         (["peft.target=all-linear", "peft.dropout=0.05"], r"peft.dropout=0.05 with peft.target"),
         (["peft.target=all-linear", "peft.dropout=0", "peft.dora=true"], "for linear layers only"),
         (["peft.target=all-linear", "peft.dropout=0", "peft.init=olora"], "for linear layers only"),
@@ -425,14 +425,22 @@ def test_the_routing_metrics_are_the_models_own_balance_loss(tmp_path: Path) -> 
     assert stats.metrics()["moe/aux_loss"] == pytest.approx(ours, rel=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_4bit_expert_stacks_compute_their_dequantized_weights(
-    tmp_path: Path, dtype: torch.dtype
+@pytest.mark.parametrize(
+    ("kind", "dtype"),
+    [
+        ("nf4", torch.float32),
+        ("nf4", torch.bfloat16),
+        ("int8", torch.float32),
+        ("int8", torch.bfloat16),
+    ],
+)
+def test_quantized_expert_stacks_compute_their_dequantized_weights(
+    tmp_path: Path, kind: str, dtype: torch.dtype
 ) -> None:
-    """quantize_experts keeps each stack as 4-bit blocks and fp32 scales in one parameter of
-    the training dtype; the experts then compute as a float model holding the dequantized
-    weights does, forward and backward (the adapters' and the input's gradients), and
-    nothing large is left unquantized."""
+    """quantize_experts keeps each stack as 4-bit blocks (or int8 rows) and fp32 scales in one
+    parameter of the training dtype; the experts then compute as a float model holding the
+    dequantized weights does, forward and backward (the adapters' and the input's gradients),
+    and nothing large is left unquantized."""
     import bitsandbytes.functional as bnbf
     from transformers import AutoModelForCausalLM
 
@@ -444,18 +452,23 @@ def test_4bit_expert_stacks_compute_their_dequantized_weights(
     stacks = {n: p for n, p in reference.named_parameters() if ".mlp.experts." in n}
     smallest = 2 * 64 * 64  # above the float attention weights here (bitsandbytes' in a run)
     assert sorted(full_precision_weights(quantized, smallest)) == sorted(stacks)
-    assert quantize_experts(quantized, "nf4", dtype) == 4
+    assert quantize_experts(quantized, kind, dtype) == 4
     assert full_precision_weights(quantized, smallest) == []
-    for name, param in stacks.items():  # the reference: NF4's round trip, as float weights
+    for name, param in stacks.items():  # the reference: the round trip, as float weights
         e, out, inp = param.shape
-        packed, state = bnbf.quantize_4bit(
-            param.data.reshape(-1, inp), blocksize=64, quant_type="nf4"
-        )
-        param.data = bnbf.dequantize_4bit(packed, state).reshape(e, out, inp)
+        rows = param.data.reshape(-1, inp)
+        if kind == "int8":  # bitsandbytes' own: a byte a weight, an fp32 absmax a row
+            values, scales, _ = bnbf.int8_vectorwise_quant(rows)
+            back, nbytes = bnbf.int8_vectorwise_dequant(values, scales), e * out * (inp + 4)
+        else:  # 4 bits a weight, an fp32 scale a block of 64
+            packed, state = bnbf.quantize_4bit(rows, blocksize=64, quant_type="nf4")
+            back, nbytes = (
+                bnbf.dequantize_4bit(packed, state),
+                e * out * inp // 2 + e * out * inp // 64 * 4,
+            )
+        param.data = back.reshape(e, out, inp).to(dtype)
         held = dict(quantized.named_parameters())[name]
-        assert held.dtype == dtype and held.numel() * held.element_size() == (
-            e * out * inp // 2 + e * out * inp // 64 * 4
-        )
+        assert held.dtype == dtype and held.numel() * held.element_size() == nbytes
     for model in (quantized, reference):
         torch.manual_seed(5)
         add_expert_lora(model, 4, 2.0, dtype=dtype)

@@ -63,7 +63,8 @@ def _back_to_step_10(full: Path, into: Path) -> Path:
             ["peft.dora=true", "peft.rank_pattern={down_proj: 4}", "peft.loraplus_lr_ratio=2"],
         ),
         # Mixtures of experts: the routed experts' adapters (rank.experts), with LoRA+ over
-        # them, on the hybrid Qwen3.5-MoE; a Qwen3-MoE over 4-bit expert stacks. (Trained
+        # them, on the hybrid Qwen3.5-MoE over int8 expert stacks (LLM.int8 for its linear
+        # layers); a Qwen3-MoE over 4-bit expert stacks. (Trained
         # routers, or their balance loss added, are left out: a top-k pick then flips on 1e-7
         # of reduction order, and the runs part by ~1e-4 within five steps, measured.)
         (
@@ -74,6 +75,7 @@ def _back_to_step_10(full: Path, into: Path) -> Path:
                 *MOE,
                 "model=tiny-qwen3.5-moe",
                 "data.template=qwen3_5",
+                "peft=lora-int8",  # the routed-expert stacks int8 too (rank.experts)
                 "peft.loraplus_lr_ratio=2",
             ],
         ),
@@ -86,7 +88,7 @@ def _back_to_step_10(full: Path, into: Path) -> Path:
         "zero3-packed-2to1",
         "zero3-olora-loraplus-2to1",
         "zero2-dora-pattern-1to2",
-        "zero2-moe-hybrid-loraplus-2to1",
+        "zero2-moe-hybrid-int8-loraplus-2to1",
         "zero3-moe-qlora-1to2",
     ],
 )

@@ -26,6 +26,15 @@ EXPERT_NF4_BYTES = 0.5 + 4 / QUANT_BLOCK
 are not quantized again: peft.double_quant applies to the linear layers)."""
 
 
+def expert_stack_bytes(kind: str, weights: int, rows: int) -> float:
+    """Bytes of routed-expert stacks as rank.experts.quantize_experts stores them: ``weights``
+    weights in ``rows`` rows (experts × out, every stack). nf4 / fp4: 4 bits a weight and an
+    fp32 scale a block; int8: a byte a weight and an fp32 absmax a row."""
+    if kind == "int8":
+        return weights + rows * 4
+    return weights * EXPERT_NF4_BYTES
+
+
 def expert_modules(model: Any) -> list[tuple[str, Any]]:
     """(name, module) of every module holding a fused routed-expert stack."""
     found = []

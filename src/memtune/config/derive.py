@@ -38,6 +38,12 @@ def adapts_experts(cfg: RunConfig) -> bool:
     return cfg.peft.target == "all-linear" and routed_experts(dict(cfg.model.architecture)) > 0
 
 
+def expert_quant_type(cfg: RunConfig) -> str:
+    """How a quantized base's routed-expert stacks are stored (rank.experts.quantize_experts):
+    peft.quant_type (nf4 / fp4) under QLoRA, int8 under LLM.int8."""
+    return "int8" if cfg.peft.method == "lora-int8" else cfg.peft.quant_type
+
+
 def lora_targets(cfg: RunConfig) -> list[str]:
     """The module names LoRA adapts in this run's model: ``LORA_TARGETS[peft.target]``, less the
     linear-attention names where the model has no linear-attention layer (an ``out_proj`` of

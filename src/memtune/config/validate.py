@@ -317,19 +317,13 @@ def _check_experts(cfg: RunConfig) -> None:
             "decoder_sparse_step): memtune plans and adapts mixtures whose every layer routes, "
             "as the released Qwen3-MoE and Qwen3.5-MoE models do"
         )
-    if p.method == "lora-int8":
-        raise ConfigError(
-            f"peft.method=lora-int8 on {model}: bitsandbytes quantizes nn.Linear layers only, "
-            "and a mixture's routed experts are fused 3-D parameters (most of its weights): "
-            f"they would load in {t.precision}, unquantized. memtune quantizes them to 4 bits "
-            "(peft=qlora-nf4), not to 8 yet; use peft=qlora-nf4 or peft.method=lora"
-        )
     on_gpus = cfg.plan.device_gib is not None or cfg.launcher.require_gpus
-    if p.method == "qlora" and cfg.zero.stage == 2 and on_gpus:
+    if p.method in ("qlora", "lora-int8") and cfg.zero.stage == 2 and on_gpus:
         raise ConfigError(
-            f"peft.method=qlora with zero=zero2 on {model}: each rank would load the whole "
-            f"base in {t.precision} onto its GPU before memtune quantizes the routed experts "
-            "(bitsandbytes does not); use zero=zero3, which loads it sharded over the ranks"
+            f"peft.method={p.method} with zero=zero2 on {model}: each rank would load the "
+            f"whole base in {t.precision} onto its GPU before memtune quantizes the routed "
+            "experts (bitsandbytes does not); use zero=zero3, which loads it sharded over the "
+            "ranks"
         )
     if "on" in (str(t.tiled_mlp), str(t.offload_activations)) or t.compile:
         raise ConfigError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import warnings
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import version
@@ -42,6 +43,9 @@ class ParamCounts:
     """A mixture's routed-expert stacks (fused 3-D parameters, not nn.Linear), all layers."""
     expert_lora: int = 0
     """The part of ``lora`` on the routed experts (rank.experts), 0 unless they are adapted."""
+    expert_rows: int = 0
+    """The routed-expert stacks' weight rows (experts × out, every stack): int8 keeps one fp32
+    scale per row."""
 
     @property
     def base(self) -> int:
@@ -65,7 +69,7 @@ def arch_config(cfg: RunConfig) -> Any:
     return AutoConfig.for_model(arch.pop("model_type"), **arch)
 
 
-COUNTS_CACHE_FORMAT = 5
+COUNTS_CACHE_FORMAT = 6
 
 
 def count_params(cfg: RunConfig) -> ParamCounts:
@@ -142,6 +146,9 @@ def _count_on_meta(cfg: RunConfig) -> ParamCounts:
         n_all = sum(p.numel() for p in model.parameters())
         stacks = expert_modules(model)
         experts = sum(getattr(m, name).numel() for _, m in stacks for name in EXPERT_PARAMETERS)
+        expert_rows = sum(
+            math.prod(getattr(m, name).shape[:-1]) for _, m in stacks for name in EXPERT_PARAMETERS
+        )
         layers = list(model.get_decoder().layers)
         layer = max(sum(q.numel() for q in each.parameters()) for each in layers)
         head_n = 0 if tied or head is None else head.weight.numel()
@@ -196,7 +203,8 @@ def _count_on_meta(cfg: RunConfig) -> ParamCounts:
         linear_attention_lora_inputs,
         experts,
         expert_lora,
-        routed_share(dict(cfg.model.architecture)),
+        routed_share=routed_share(dict(cfg.model.architecture)),
+        expert_rows=expert_rows,
     )
 
 

@@ -51,7 +51,7 @@ from memtune.config.architecture import (
     linear_attention_layers,
     routed_experts,
 )
-from memtune.expert_stacks import EXPERT_NF4_BYTES
+from memtune.expert_stacks import EXPERT_NF4_BYTES, expert_stack_bytes
 from memtune.memory.counts import ParamCounts, count_params, linear_mixer_bytes
 from memtune.rundir import PlanRecord, PlanRow
 
@@ -489,14 +489,22 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
         packed = counts.linear * 0.5
         scales = counts.linear * (per - 0.5)
         # a mixture's stacks: packed bytes and scales in one parameter ZeRO-3 shards
-        experts = counts.experts * EXPERT_NF4_BYTES
+        experts = expert_stack_bytes(p.quant_type, counts.experts, counts.expert_rows)
         weights = (packed + experts + other * b) / shard + scales + counts.small * b
         how = f"NF4 {counts.linear / 1e9:.2f}B linear weights + {other / 1e9:.2f}B embedding/head"
         if counts.experts:
             how += f" + {counts.experts / 1e9:.2f}B routed experts (NF4, fp32 block scales)"
     elif p.method == "lora-int8":
-        weights = (counts.linear + other * b) / shard + counts.linear_rows * 4 + counts.small * b
+        # a mixture's stacks: int8 bytes and row scales in one parameter ZeRO-3 shards
+        experts = expert_stack_bytes("int8", counts.experts, counts.expert_rows)
+        weights = (
+            (counts.linear + experts + other * b) / shard
+            + counts.linear_rows * 4
+            + counts.small * b
+        )
         how = f"int8 {counts.linear / 1e9:.2f}B linear weights + {other / 1e9:.2f}B embedding/head"
+        if counts.experts:
+            how += f" + {counts.experts / 1e9:.2f}B routed experts (int8, fp32 row scales)"
     else:
         weights = (counts.linear + counts.experts + other) * b / shard + counts.small * b
         how = f"{_count(counts.base)} parameters in {t.precision}"
@@ -525,7 +533,10 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
         # and the head (gathered once for the loss), plus what is prefetched meanwhile.
         largest = max(counts.layer, counts.embedding, counts.head)
         prefetch = prefetch_bucket_elements(cfg)
-        per_weight = (EXPERT_NF4_BYTES if counts.experts else 0.5) if p.method == "qlora" else b
+        per_weight = {
+            "qlora": EXPERT_NF4_BYTES if counts.experts else 0.5,
+            "lora-int8": 1 if counts.experts else b,  # the int8 stacks fill a mixture's layer
+        }.get(p.method, b)
         gathered = (largest + prefetch) * per_weight
         if p.method == "qlora" and largest != counts.layer:
             gathered = largest * b + prefetch * 0.5

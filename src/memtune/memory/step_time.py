@@ -45,7 +45,7 @@ from memtune.config import (
     tiled_mlp,
 )
 from memtune.config.architecture import head_dim
-from memtune.expert_stacks import EXPERT_NF4_BYTES
+from memtune.expert_stacks import expert_stack_bytes
 from memtune.memory.counts import ParamCounts, count_params
 from memtune.memory.estimate import MLP_PROJECTIONS, NF4_BYTES
 
@@ -193,9 +193,10 @@ def traffic(cfg: RunConfig, counts: ParamCounts) -> list[tuple[str, float]]:
         other = (counts.embedding + counts.head) * b
         if cfg.peft.method == "qlora":
             base = counts.linear * NF4_BYTES[cfg.peft.double_quant] + other
-            base += counts.experts * EXPERT_NF4_BYTES
+            base += expert_stack_bytes(cfg.peft.quant_type, counts.experts, counts.expert_rows)
         elif cfg.peft.method == "lora-int8":
             base = counts.linear + other
+            base += expert_stack_bytes("int8", counts.experts, counts.expert_rows)
         else:  # a mixture's whole expert stacks are gathered, not only the routed experts
             base = (counts.linear + counts.experts) * b + other
         gathers = gas * 2 * ring * (base + lora)

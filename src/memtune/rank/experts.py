@@ -45,39 +45,35 @@ from memtune.expert_stacks import (
 
 
 def quantize_experts(model: nn.Module, quant_type: str, storage: torch.dtype) -> int:
-    """Quantize every routed-expert stack of ``model`` to 4 bits (``quant_type`` nf4 / fp4)
-    in place; returns the number of stacks.
+    """Quantize every routed-expert stack of ``model`` in place, to 4 bits (``quant_type`` nf4
+    / fp4) or 8 (``int8``); returns the number of stacks.
 
-    bitsandbytes' 4-bit loading replaces ``nn.Linear`` layers only, and leaves the fused
-    stacks in the compute dtype (93% of Qwen3.5-35B-A3B's weights). Each stack is quantized in
-    one call, blocks of QUANT_BLOCK along each expert's weight (an expert's blocks are
-    contiguous, so one expert dequantizes alone), and kept as ONE frozen parameter of the
-    training dtype (``storage``): the packed 4-bit bytes then the fp32 scales, viewed as that
-    dtype, so ZeRO-3 shards and gathers it with the rest of the layer (as QLoRA's
+    bitsandbytes' 4-bit and 8-bit loading replaces ``nn.Linear`` layers only, and leaves the
+    fused stacks in the compute dtype (93% of Qwen3.5-35B-A3B's weights). Each stack is
+    quantized in one call — 4-bit: blocks of QUANT_BLOCK along each expert's weight; int8:
+    each weight row scaled by its absmax (bitsandbytes' vectorwise int8, the weights only) —
+    so that one expert dequantizes alone, and kept as ONE frozen parameter of the training
+    dtype (``storage``): the quantized bytes then the fp32 scales, viewed as that dtype, so
+    ZeRO-3 shards and gathers it with the rest of the layer (as QLoRA's
     ``bnb_4bit_quant_storage`` does for the linear layers). Under ZeRO-3 each stack is
-    gathered whole to be quantized, and its 4-bit replacement sharded at once (collective:
-    every rank calls this)."""
-    import bitsandbytes.functional as bnbf
-
+    gathered whole to be quantized, and its replacement sharded at once (collective: every
+    rank calls this)."""
     stacks = 0
     for _, experts in expert_modules(model):
         for name in EXPERT_PARAMETERS:
             param = getattr(experts, name)
             with gathered(param):
-                weight = param.data
-                shape = tuple(weight.shape)
-                packed, state = bnbf.quantize_4bit(
-                    weight.reshape(-1, shape[-1]),
-                    blocksize=QUANT_BLOCK,
-                    quant_type=quant_type,
-                    quant_storage=torch.uint8,
-                )
-                raw = torch.cat(
-                    [packed.flatten(), state.absmax.float().contiguous().view(torch.uint8)]
-                )
+                shape = tuple(param.data.shape)
+                values, scales, code = _quantized(param.data, quant_type)
+                at = -(-values.numel() // 4) * 4  # the scales 4-byte aligned
+                raw = torch.zeros(at + scales.numel() * 4, dtype=torch.uint8)
+                raw[: values.numel()] = values.flatten().view(torch.uint8)
+                raw[at:] = scales.float().contiguous().view(torch.uint8)
+                size = storage.itemsize
+                raw = torch.cat([raw, raw.new_zeros(-raw.numel() % size)])
                 stored = raw.view(storage).clone()
             quantized = nn.Parameter(stored, requires_grad=False)
-            quantized.memtune_quantized = (shape, quant_type, packed.numel())  # type: ignore[attr-defined]
+            quantized.memtune_quantized = (shape, quant_type, at)  # type: ignore[attr-defined]
             if hasattr(param, "ds_id"):
                 # sharded at once, like the stack it replaces: left whole until
                 # deepspeed.initialize, every rank would hold all the 4-bit stacks at start-up
@@ -85,27 +81,49 @@ def quantize_experts(model: nn.Module, quant_type: str, storage: torch.dtype) ->
                 param.convert_to_zero_parameters([quantized])
             del experts._parameters[name]
             experts.register_parameter(name, quantized)
-            experts.memtune_code = state.code
+            experts.memtune_code = code
             stacks += 1
     return stacks
 
 
+def _quantized(weight: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """A stack (experts × out × in) quantized: (its values, their fp32 scales, the 4-bit code
+    table or None)."""
+    import bitsandbytes.functional as bnbf
+
+    rows = weight.reshape(-1, weight.shape[-1])
+    if kind == "int8":
+        values, scales, _ = bnbf.int8_vectorwise_quant(rows)
+        return values, scales, None
+    packed, state = bnbf.quantize_4bit(
+        rows, blocksize=QUANT_BLOCK, quant_type=kind, quant_storage=torch.uint8
+    )
+    return packed, state.absmax, state.code
+
+
 def round_trip_experts(model: nn.Module, quant_type: str, dtype: torch.dtype) -> int:
-    """Replace every routed-expert stack of ``model`` by its 4-bit round trip, as training
-    saw it: quantized from ``dtype`` (the training dtype) as quantize_experts does, then
-    dequantized (memtune merge's default, and what an adapter trained over a 4-bit mixture
-    corrects). Returns the number of stacks."""
+    """Replace every routed-expert stack of ``model`` by its quantization's round trip
+    (``quant_type``: nf4, fp4 or int8), as training saw it: quantized from ``dtype`` (the
+    training dtype) as quantize_experts does, then dequantized (memtune merge's default, and
+    what an adapter trained over a quantized mixture corrects). Returns the number of
+    stacks."""
     import bitsandbytes.functional as bnbf
 
     stacks = 0
     for _, experts in expert_modules(model):
         for name in EXPERT_PARAMETERS:
             param = getattr(experts, name)
-            e, out, inp = param.shape
-            weight = param.data.to(dtype).reshape(-1, inp)
-            packed, state = bnbf.quantize_4bit(weight, blocksize=QUANT_BLOCK, quant_type=quant_type)
-            back = bnbf.dequantize_4bit(packed, state).reshape(e, out, inp)
-            param.data = back.to(param.dtype)
+            weight = param.data.to(dtype)
+            values, scales, _ = _quantized(weight, quant_type)
+            if quant_type == "int8":
+                back = bnbf.int8_vectorwise_dequant(values, scales)
+            else:
+                rows = weight.reshape(-1, weight.shape[-1])
+                packed, state = bnbf.quantize_4bit(
+                    rows, blocksize=QUANT_BLOCK, quant_type=quant_type
+                )
+                back = bnbf.dequantize_4bit(packed, state)
+            param.data = back.reshape(param.shape).to(param.dtype)
             stacks += 1
     return stacks
 
@@ -137,10 +155,14 @@ def _dequantized(param: nn.Parameter, e: int, code: Any, dtype: torch.dtype) -> 
     """Expert ``e``'s weight (out × in) of a stack quantize_experts made, in ``dtype``."""
     import bitsandbytes.functional as bnbf
 
-    (_, out, inp), kind, packed_bytes = param.memtune_quantized  # type: ignore[attr-defined]
+    (_, out, inp), kind, at = param.memtune_quantized  # type: ignore[attr-defined]
     raw = param.data.view(torch.uint8)
+    if kind == "int8":
+        values = raw[e * out * inp : (e + 1) * out * inp].view(torch.int8).view(out, inp)
+        scales = raw[at:].view(torch.float32)[e * out : (e + 1) * out]
+        return bnbf.int8_vectorwise_dequant(values, scales).to(dtype)
     per, blocks = out * inp // 2, out * inp // QUANT_BLOCK
-    scales = raw[packed_bytes:].view(torch.float32)[e * blocks : (e + 1) * blocks]
+    scales = raw[at:].view(torch.float32)[e * blocks : (e + 1) * blocks]
     state = bnbf.QuantState(
         absmax=scales,
         shape=torch.Size([out, inp]),

@@ -313,10 +313,11 @@ def check_all_quantized(model: Any, cfg: RunConfig) -> None:
     bitsandbytes leaves them in the compute dtype), then nothing large left unquantized. A
     weight of hidden² or more elements still in a floating dtype would be counted 4-bit by the
     plan and load 4 times larger: refused, named, before any step."""
+    from memtune.config.derive import expert_quant_type
     from memtune.rank.experts import expert_modules, full_precision_weights, quantize_experts
 
-    if cfg.peft.method == "qlora" and expert_modules(model):
-        quantize_experts(model, cfg.peft.quant_type, torch_dtype(cfg))
+    if expert_modules(model):
+        quantize_experts(model, expert_quant_type(cfg), torch_dtype(cfg))
     hidden = int(cfg.model.architecture["hidden_size"])
     left = full_precision_weights(model, hidden * hidden)
     if left:

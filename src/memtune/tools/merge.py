@@ -119,10 +119,11 @@ def _merge_into(out_dir: Path, adapter_dir: Path, base: str | None, dtype: str, 
                 base, dtype=torch_dtype(cfg), quantization_config=quant, revision=revision
             )
             model = quantized.dequantize()
-            if cfg.peft.method == "qlora":  # a mixture's expert stacks, which memtune quantized
-                from memtune.rank.experts import round_trip_experts
+            # a mixture's expert stacks, which memtune quantized itself (none in a dense model)
+            from memtune.config.derive import expert_quant_type
+            from memtune.rank.experts import round_trip_experts
 
-                round_trip_experts(model, cfg.peft.quant_type, torch_dtype(cfg))
+            round_trip_experts(model, expert_quant_type(cfg), torch_dtype(cfg))
             model = model.to(getattr(torch, DTYPES[dtype]))
         else:
             model = model_class.from_pretrained(
