@@ -504,3 +504,34 @@ def test_a_rewriting_start_exports_trained_routers_as_they_are() -> None:
     out = for_original_base(state, {"m.q_proj.lora_A.default.weight": a0})
     assert torch.equal(out["m.q_proj.lora_A.default.weight"], torch.cat([a, a0]))
     assert out["m.mlp.gate.weight"] is router
+
+
+@pytest.mark.parametrize("peft", ["qlora-nf4", "lora-int8"])
+def test_the_planned_base_weights_are_what_a_quantized_mixture_holds(peft: str) -> None:
+    """The plan's base-weights row against the bytes of the base's parameters after memtune's
+    loading code quantized it (bitsandbytes' linear layers, memtune's expert stacks): one
+    rank, in the training dtype. Within 5%: bitsandbytes keeps the linear layers' scales
+    outside the parameters (the plan counts them)."""
+    from memtune.memory.estimate import GIB, plan
+    from memtune.rank.model import check_all_quantized, load_base_model
+    from memtune.tools.tiny import synthesize
+
+    cfg = _cfg(
+        "model=tiny-qwen3-moe",
+        f"peft={peft}",
+        "peft.target=all-linear",
+        "peft.dropout=0",
+        "zero=zero2",
+        "launcher.num_ranks=1",
+        "trainer.precision=bf16",
+    )
+    synthesize(cfg.model.name_or_path, cfg.model.architecture)
+    model = load_base_model(cfg, "sdpa")
+    check_all_quantized(model, cfg)
+    stacks = [p for n, p in model.named_parameters() if ".mlp.experts." in n]
+    assert stacks and all(
+        p.memtune_quantized[1] == ("int8" if peft == "lora-int8" else "nf4") for p in stacks
+    )
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    planned = plan(cfg).gib()["base weights"] * GIB
+    assert held == pytest.approx(planned, rel=0.05)
