@@ -118,8 +118,8 @@ def test_the_plan_matches_a_full_width_mixture_step(experiment: str, layers: lis
     router, the rows each expert keeps and the q/k norms against the traced step, within 3%.
     Which tokens an expert gets is data (rank.experts._routed_rows spreads them evenly, as the
     plan assumes). Two layers, not 40-48: each layer is 128-256 experts' ops on fake tensors
-    (the whole Qwen3-30B-A3B step takes minutes); bench/results/2026-12-03-moe.md has the
-    full-depth traces."""
+    (the whole Qwen3-30B-A3B step takes minutes); bench/results/2026-12-03-moe-trace.md has
+    the full-depth traces."""
     given = to_run_config(
         compose_cfg(
             [
