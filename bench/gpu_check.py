@@ -28,6 +28,13 @@ bitsandbytes ``Linear4bit`` quantized on the device with the settings of memtune
 ``quantization_config`` (what ``from_pretrained`` does tensor by tensor), no ``zero.Init``
 (memtune's quantized ZeRO-3 path does not use it either).
 
+Then a mixture-of-experts block (phase ``moe-block``): one transformers
+``Qwen3MoeSparseMoeBlock`` at Qwen3-30B-A3B's full width, bf16, random weights, forward and
+backward on 4096 tokens, with memtune's LoRA on the routed experts (rank.experts: a Python loop
+over the experts, each on its routed tokens, which a GPU may find launch-bound) against peft's
+``target_parameters`` over transformers' one-kernel ``grouped_mm``, both frozen, and memtune
+over NF4 and int8 stacks: step time, tokens/s and peak memory of each.
+
 Last, Qwen3.5 (issue #30; phases ``qwen35-torch`` and ``qwen35-fla``): the random-weight
 Qwen3.5-2B, hybrid (3 of 4 layers Gated DeltaNet), with the LoRA of the qwen3.5-9b experiment,
 trained on packed rows of 4096 tokens (cu_seq_lens as the loader gives them) through memtune's
@@ -94,6 +101,7 @@ class Mode:
     long_search: tuple[int, ...] = ()  # ... and the lengths tried under the cap, ascending
     hybrid_model: str = "tiny-qwen3.5"  # the Qwen3.5 phases: a hybrid model ...
     hybrid_len: int = 256  # ... trained on packed rows of this many tokens
+    moe_tokens: int = 256  # the MoE block phase: tokens a step (Qwen3-30B-A3B's width on a GPU)
 
 
 GPU = Mode(
@@ -107,6 +115,7 @@ GPU = Mode(
     long_search=(49152, 65536, 81920, 98304, 114688, 131072),
     hybrid_model="qwen3.5-2b",
     hybrid_len=4096,
+    moe_tokens=4096,
 )
 # The tiny model has 2 layers: checkpoint the first only, so the selective path runs; the
 # search raises a simulated OOM above 256 tokens, so the OOM path runs too.
@@ -149,6 +158,9 @@ PHASES = (
     ("long-lora", "lora", "long", 120),
     # A DPO step on a row holding one pair (reference precomputed: the pass is timed too).
     ("dpo-memtune", "dpo", "memtune", 90),
+    # One Qwen3-MoE sparse block at Qwen3-30B-A3B's width: memtune's loop over the routed
+    # experts against transformers' grouped_mm (no experiment: run_phase dispatches on "moe").
+    ("moe-block", "moe", "block", 60),
     # Qwen3.5 (hybrid) on packed rows, transformers' torch code for the Gated DeltaNet layers
     # (flash-linear-attention blocked in that process), then with flash-linear-attention
     # (its Triton kernels compile and autotune in the first step: a longer cap).
@@ -156,9 +168,10 @@ PHASES = (
     ("qwen35-fla", "qwen35", "fla", 100),
 )
 MIN_PHASE_S = 45  # kept for each later phase when a phase's deadline is set ...
-LEFTOVER_PHASES = ("qwen35-torch", "qwen35-fla")
+LEFTOVER_PHASES = ("moe-block", "qwen35-torch", "qwen35-fla")
 """... except these: they run in what time the others leave (none is kept for them), so they
-never shorten an earlier phase; alone: ``--phases qwen35-torch,qwen35-fla``."""
+never shorten an earlier phase; alone: ``--phases moe-block`` or
+``--phases qwen35-torch,qwen35-fla``."""
 
 
 # ------------------------------------------------------------------ config and plan
@@ -540,7 +553,9 @@ def run_phase(args: argparse.Namespace) -> int:
     watchdog.daemon = True
     watchdog.start()
     try:
-        if method == "qwen35":
+        if method == "moe":
+            run_moe(phase, deadline)
+        elif method == "qwen35":
             run_hybrid(phase, deadline, fla=side == "fla")
         elif side == "baseline":
             run_baseline(phase, deadline)
@@ -1226,6 +1241,231 @@ def run_hybrid(phase: Phase, deadline: float, fla: bool) -> None:
         dist.destroy_process_group()
 
 
+# ------------------------------------------------------------------ the MoE block phase
+
+MOE_SHAPE = dict(
+    hidden_size=2048,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+)
+"""Qwen3-30B-A3B's sparse block at its full width (conf/model/qwen3-30b-a3b.yaml); the dry run
+takes bench/moe_bench.py's reduced SHAPE (half the width, 64 experts), which a CPU can step."""
+MOE_VARIANTS = (
+    "memtune",
+    "peft-grouped_mm",
+    "frozen-memtune",
+    "frozen-grouped_mm",
+    "memtune-nf4",
+    "memtune-int8",
+)
+"""In order of importance (a deadline loses the last ones): memtune's LoRA on the experts
+against peft's over transformers' one-kernel grouped_mm, then the same without adapters (what
+``peft.target=all-linear-but-experts`` runs), then memtune over quantized stacks."""
+MOE_R, MOE_SCALING = 16, 2.0  # LoRA r=16, alpha 32, as bench/moe_bench.py
+MOE_TIMED = 5
+"""Timed steps a variant on the GPU (after ``mode.warmup``): a step is tens of milliseconds
+there, so more than the model phases' 3 for a steadier median; the dry run times one (a step
+of the reduced block takes seconds on a CPU, and its numbers mean nothing)."""
+MOE_VARIANT_S = 8.0
+"""Time a variant needs at the least (build, quantize, warm-up, steps); a variant starts only
+with that (or 1.5× the slowest so far) left before the phase's deadline."""
+MIB = 1024**2
+
+
+def moe_block(shape: dict[str, int], impl: str, device: Any, dtype: Any) -> Any:
+    """transformers' ``Qwen3MoeSparseMoeBlock`` (router + fused expert stacks) of ``shape``,
+    built on ``device`` in ``dtype`` (no fp32 copy on the way: 2.4 GB at full width), random
+    weights (normal, std 0.02), frozen; ``impl``: its experts implementation."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config: Any = AutoConfig.for_model(
+        "qwen3_moe",
+        **shape,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=3072,
+    )
+    config._experts_implementation = impl
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            block = Qwen3MoeSparseMoeBlock(config)
+    finally:
+        torch.set_default_dtype(default)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(std=0.02)
+    return block.requires_grad_(False)
+
+
+def moe_variant(variant: str, shape: dict[str, int], device: Any, dtype: Any) -> tuple[Any, str]:
+    """The block of one :data:`MOE_VARIANTS` entry, ready to step, and a note on what it holds.
+
+    memtune's adapters are made in the block's dtype (DeepSpeed's bf16 leaves them so), peft's
+    too (``autocast_adapter_dtype=False``; its default would keep them fp32): the variants
+    differ in how the experts compute, not in the adapters' precision."""
+    import torch
+
+    from memtune.expert_stacks import EXPERT_PARAMETERS
+    from memtune.rank.experts import add_expert_lora, quantize_experts, use_routed_forward
+
+    frozen = variant.startswith("frozen-")
+    impl = "grouped_mm" if variant.endswith("grouped_mm") else "eager"  # memtune: its own forward
+    block = moe_block(shape, impl, device, dtype)
+    notes = []
+    if "memtune" in variant:
+        quant = variant.split("-")[1] if variant.startswith("memtune-") else None
+        if quant:
+            stacks = quantize_experts(block, quant, dtype)
+            if stacks != len(EXPERT_PARAMETERS):
+                raise RuntimeError(f"quantize_experts found {stacks} stacks in the block")
+            for name in EXPERT_PARAMETERS:  # a stack left off the device would be a bug
+                param = getattr(block.experts, name)
+                if param.device != device:
+                    notes.append(f"{name} left on {param.device}")
+                    param.data = param.data.to(device)  # the same Parameter: its layout stays
+            if notes:
+                notes = [f"quantize_experts: {', '.join(notes)}; moved to {device}"]
+        if frozen:
+            use_routed_forward(block)
+        else:
+            add_expert_lora(block, MOE_R, MOE_SCALING, dtype=dtype)
+    elif not frozen:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=MOE_R,
+            lora_alpha=int(MOE_R * MOE_SCALING),
+            target_modules=[],
+            target_parameters=[f"mlp.experts.{p}" for p in EXPERT_PARAMETERS],
+            lora_dropout=0.0,
+        )
+        wrapper = torch.nn.ModuleDict({"mlp": block})  # peft's names: mlp.experts.<stack>
+        peft_model: Any = get_peft_model(wrapper, lora, autocast_adapter_dtype=False)
+        block = peft_model.base_model.model["mlp"]
+    weights = sum(p.numel() * p.element_size() for p in block.parameters()) / MIB
+    notes.append(f"weights {weights:,.0f} MiB")
+    return block, "; ".join(notes)
+
+
+def time_moe(block: Any, x: Any, steps: int, device: Any) -> list[float]:
+    """``steps`` forward + backward passes (the input's gradient and the adapters'), each timed
+    between device syncs."""
+    marks = []
+    for _ in range(steps):
+        sync(device)
+        t0 = time.perf_counter()
+        out = block(x)
+        out = out[0] if isinstance(out, tuple) else out
+        out.square().mean().backward()
+        sync(device)
+        marks.append(time.perf_counter() - t0)
+    return marks
+
+
+def run_moe(phase: Phase, deadline: float) -> None:
+    """One Qwen3-MoE sparse block, forward + backward on 1 × ``mode.moe_tokens`` tokens, for
+    each of :data:`MOE_VARIANTS` in turn in this process (each built, timed and freed before
+    the next, so the phase stays short): memtune runs a Python loop over the experts, each on
+    its routed tokens, which on a GPU may be bound by kernel launches where grouped_mm is one
+    kernel; this is where that shows. A variant that fails is recorded and the next runs;
+    the fragment is saved after each (what survives a timeout)."""
+    import torch
+
+    mode = phase.mode
+    device = device_and_env(phase)
+    if mode.dry_run:
+        from moe_bench import SHAPE
+
+        shape = dict(SHAPE)
+    else:
+        shape = dict(MOE_SHAPE)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    tokens = mode.moe_tokens
+    timed = 1 if mode.dry_run else MOE_TIMED  # the dry run: code paths, on a shared CPU
+    info: dict[str, Any] = {
+        "shape": dict(shape),
+        "tokens": tokens,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": str(device),
+        "warmup": mode.warmup,
+        "timed": timed,
+        "lora": f"r={MOE_R}, scaling {MOE_SCALING}",
+        "rows": [],
+    }
+    phase.data["moe"] = info
+    phase.save()
+    slowest = 0.0
+    for variant in MOE_VARIANTS:
+        row: dict[str, Any] = {
+            "variant": variant,
+            "tokens": tokens,
+            "step_ms": None,
+            "tokens_per_s": None,
+            "peak_mib": None,
+            "trainable": None,
+            "error": None,
+        }
+        if not time_left(deadline, max(MOE_VARIANT_S, 1.5 * slowest)):
+            row["error"] = "skipped: out of time"
+            info["rows"].append(row)
+            phase.data["errors"].append({"where": f"moe {variant}", "error": row["error"]})
+            phase.save()
+            continue
+        t0 = time.time()
+        block = x = None
+        try:
+            block, row["note"] = moe_variant(variant, shape, device, dtype)
+            row["trainable"] = sum(p.numel() for p in block.parameters() if p.requires_grad)
+            torch.manual_seed(1)
+            x = torch.randn(1, tokens, shape["hidden_size"], device=device, dtype=dtype)
+            x.requires_grad_(True)  # the layers below need the input's gradient
+            before = 0
+            if device.type == "cuda":
+                sync(device)
+                gc.collect()
+                empty_cache(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                before = torch.cuda.memory_allocated(device)
+            steps = time_moe(block, x, mode.warmup + timed, device)
+            if device.type == "cuda":
+                row["peak_mib"] = (torch.cuda.max_memory_allocated(device) - before) / MIB
+            median = statistics.median(steps[mode.warmup :] or steps[-1:])
+            row.update(
+                step_ms=1000 * median,
+                tokens_per_s=tokens / median,
+                steps_ms=[round(1000 * s, 2) for s in steps],
+            )
+        except Exception as err:
+            row["error"] = repr(err)[-2000:]
+            row["oom"] = is_oom(err)
+            info["rows"].append(row)
+            phase.error(f"moe {variant}", err)
+        else:
+            info["rows"].append(row)
+        finally:
+            del block, x
+            gc.collect()
+            empty_cache(device)
+        row["seconds"] = round(time.time() - t0, 1)
+        slowest = max(slowest, row["seconds"])
+        phase.save()
+        tps, peak = row["tokens_per_s"], row["peak_mib"]
+        print(
+            f"gpu_check: {phase.name} {variant}: "
+            + (f"{tps:,.0f} tokens/s, {row['step_ms']:.1f} ms" if tps else "no timing")
+            + (f", peak {peak:,.0f} MiB" if peak is not None else "")
+            + f" ({row['seconds']:.1f} s)",
+            flush=True,
+        )
+
+
 def environment(device: Any) -> dict[str, Any]:
     import torch
 
@@ -1306,6 +1546,7 @@ def collect(mode: Mode, work: Path) -> dict[str, Any]:
             if f.get("long_search_info")
         ],
         "hybrid": [f["hybrid"] for f in frags if f.get("hybrid")],
+        "moe": next((f["moe"] for f in frags if f.get("moe")), None),
         "errors": [{"phase": f["phase"], **e} for f in frags for e in f["errors"]],
         "notes": {f["phase"]: f["notes"] for f in frags},
     }
@@ -1332,6 +1573,14 @@ def format_check(mode: Mode, work: Path) -> Path:
             add_plan_error(r)
             assert "plan_error_pct" in r, r
         r["resolved"] = {"conv": "transformers.x.causal_conv1d_fn", "recurrence": "fla.ops.x.f"}
+    if result["moe"]:
+        result["moe"].update(device="cuda:0", dtype="bfloat16")
+        for i, r in enumerate(result["moe"]["rows"]):
+            if r.get("step_ms"):
+                r["peak_mib"] = 1000.0 + 100 * i
+        result["moe"]["rows"].append(
+            {"variant": "made-up", "tokens": 1, "error": "RuntimeError('made up (format check)')"}
+        )
     for s in result["search"]:
         s.update(peak_allocated_gib=20.0, checkpointed_layers=28)
     if result["search_info"]:
@@ -1339,8 +1588,10 @@ def format_check(mode: Mode, work: Path) -> Path:
     result["comparison"] = compare(result["records"])
     result["env"].update(gpu="FAKE GPU (format check)", gpu_total_gib=139.8, matmul_tflops=777.0)
     assert all("speedup" in c and "memory_ratio" in c for c in result["comparison"])
+    text = markdown(result)
+    assert not result["moe"] or "| memtune | " in text, "the MoE table did not render"
     path = work / "format_check.md"
-    path.write_text(markdown(result))
+    path.write_text(text)
     return path
 
 
@@ -1494,6 +1745,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"planner's longest: {info.get('planned_longest', 0):,} tokens "
             f"({info.get('planned_longest_how', '')}).",
         ]
+    lines += moe_markdown(result.get("moe"))
     lines += hybrid_markdown(result["hybrid"], mode)
     lines += [
         "",
@@ -1514,6 +1766,60 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", "Errors:"]
         lines += [f"- {e['phase']} / {e['where']}: {e['error'][:300]}" for e in result["errors"]]
     return "\n".join(line for line in lines) + "\n"
+
+
+def moe_markdown(moe: dict[str, Any] | None) -> list[str]:
+    """The MoE block phase: one row a variant, then memtune's loop against grouped_mm."""
+    if not moe:
+        return []
+    shape = moe["shape"]
+    lines = [
+        "",
+        "#### Mixture-of-experts block",
+        "",
+        f"One `Qwen3MoeSparseMoeBlock` (transformers' class: router + fused expert stacks), not "
+        f"a model: hidden {shape['hidden_size']}, {shape['num_experts']} experts of "
+        f"{shape['moe_intermediate_size']}, top-{shape['num_experts_per_tok']}"
+        + (" (Qwen3-30B-A3B's full width)" if shape == MOE_SHAPE else " (reduced)")
+        + f", random weights (normal, std 0.02), {moe['dtype']} on {moe['device']}; "
+        f"1 × {moe['tokens']} tokens a step, forward + backward (the input's gradient and the "
+        f"adapters'); LoRA {moe['lora']} on every routed expert; {moe['warmup']} warm-up + "
+        f"{moe['timed']} timed steps (median); the variants built and freed in turn in one "
+        "process:",
+        "",
+        "| variant | tokens/s | step ms | peak MiB | note |",
+        "|---|---:|---:|---:|---|",
+    ]
+    rows = {r["variant"]: r for r in moe["rows"]}
+    for r in moe["rows"]:
+        note = f"error: {r['error'][:120]}" if r.get("error") else r.get("note", "")
+        if r.get("trainable"):
+            note = f"{r['trainable']:,} trainable; {note}"
+        lines.append(
+            f"| {r['variant']} | {_f(r.get('tokens_per_s'), ',.0f')} "
+            f"| {_f(r.get('step_ms'), '.1f')} | {_f(r.get('peak_mib'), ',.0f')} | {note} |"
+        )
+    ratios = []
+    for ours, theirs in (
+        ("memtune", "peft-grouped_mm"),
+        ("frozen-memtune", "frozen-grouped_mm"),
+        ("memtune-nf4", "memtune"),
+    ):
+        a, b = rows.get(ours, {}).get("tokens_per_s"), rows.get(theirs, {}).get("tokens_per_s")
+        if a and b:
+            ratios.append(f"{ours} / {theirs} {a / b:.2f}×")
+    if ratios:
+        lines += ["", "tokens/s: " + "; ".join(ratios) + "."]
+    lines += [
+        "",
+        "*memtune*: rank.experts' forward, a Python loop over the experts each on its routed "
+        "tokens (adapters as x·Aᵀ·Bᵀ); *peft-grouped_mm*: peft's `target_parameters` adapters "
+        "(W + s·B·A built at every forward) over transformers' `grouped_mm` experts; "
+        "*frozen-*: no adapters; *memtune-nf4 / -int8*: `quantize_experts` on the stacks, then "
+        "memtune's adapters. *peak MiB*: `max_memory_allocated` over the steps less what was "
+        "allocated before them (the block and the input): what the steps add.",
+    ]
+    return lines
 
 
 def hybrid_markdown(recs: list[dict[str, Any]], mode: dict[str, Any]) -> list[str]:
@@ -1654,7 +1960,8 @@ def orchestrate(args: argparse.Namespace) -> int:
     if mode.dry_run:
         checked = format_check(mode, work)
         print(f"gpu_check: GPU-only branches rendered with made-up readings: {checked}")
-    measured = result["records"] or result["hybrid"]
+    moe_rows = (result["moe"] or {}).get("rows", [])
+    measured = result["records"] or result["hybrid"] or any(r.get("step_ms") for r in moe_rows)
     return 0 if measured and not result["errors"] else 1
 
 

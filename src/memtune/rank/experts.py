@@ -66,7 +66,7 @@ def quantize_experts(model: nn.Module, quant_type: str, storage: torch.dtype) ->
                 shape = tuple(param.data.shape)
                 values, scales, code = _quantized(param.data, quant_type)
                 at = -(-values.numel() // 4) * 4  # the scales 4-byte aligned
-                raw = torch.zeros(at + scales.numel() * 4, dtype=torch.uint8)
+                raw = torch.zeros(at + scales.numel() * 4, dtype=torch.uint8, device=values.device)
                 raw[: values.numel()] = values.flatten().view(torch.uint8)
                 raw[at:] = scales.float().contiguous().view(torch.uint8)
                 size = storage.itemsize
