@@ -457,11 +457,12 @@ def test_quantized_expert_stacks_compute_their_dequantized_weights(
     for name, param in stacks.items():  # the reference: the round trip, as float weights
         e, out, inp = param.shape
         rows = param.data.reshape(-1, inp)
-        if kind == "int8":  # bitsandbytes' own: a byte a weight, an fp32 absmax a row
-            values, scales, _ = bnbf.int8_vectorwise_quant(rows)
+        if kind == "int8":  # bitsandbytes' own: a byte a weight, an fp32 absmax a row,
+            # from float16 (what its CUDA kernel takes; memtune quantizes so on every device)
+            values, scales, _ = bnbf.int8_vectorwise_quant(rows.half())
             back, nbytes = bnbf.int8_vectorwise_dequant(values, scales), e * out * (inp + 4)
-        else:  # 4 bits a weight, an fp32 scale a block of 64
-            packed, state = bnbf.quantize_4bit(rows, blocksize=64, quant_type="nf4")
+        else:  # 4 bits a weight, an fp32 scale a block of 64 (over the flattened stack)
+            packed, state = bnbf.quantize_4bit(rows.flatten(), blocksize=64, quant_type="nf4")
             back, nbytes = (
                 bnbf.dequantize_4bit(packed, state),
                 e * out * inp // 2 + e * out * inp // 64 * 4,

@@ -91,12 +91,19 @@ def _quantized(weight: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Ten
     table or None)."""
     import bitsandbytes.functional as bnbf
 
-    rows = weight.reshape(-1, weight.shape[-1])
-    if kind == "int8":
-        values, scales, _ = bnbf.int8_vectorwise_quant(rows)
+    if kind == "int8":  # an fp32 absmax a row
+        rows = weight.reshape(-1, weight.shape[-1])
+        # bitsandbytes' CUDA kernel takes float16 alone (its CPU code any float): from
+        # float16 on every device, so a stack quantizes alike everywhere. A weight is far
+        # inside float16's range; bfloat16's mantissa fits in it, fp32's rounding is far
+        # below the int8 step
+        values, scales, _ = bnbf.int8_vectorwise_quant(rows.to(torch.float16))
         return values, scales, None
+    # Flat, as every dequantization below reads it: blocks run over the flattened stack, and
+    # bitsandbytes' AVX-512 CPU kernel mis-blocks 2-D rows whose width is not a multiple of
+    # the block (0.50.2), where a flat tensor is one row
     packed, state = bnbf.quantize_4bit(
-        rows, blocksize=QUANT_BLOCK, quant_type=kind, quant_storage=torch.uint8
+        weight.reshape(-1), blocksize=QUANT_BLOCK, quant_type=kind, quant_storage=torch.uint8
     )
     return packed, state.absmax, state.code
 
@@ -118,11 +125,10 @@ def round_trip_experts(model: nn.Module, quant_type: str, dtype: torch.dtype) ->
             if quant_type == "int8":
                 back = bnbf.int8_vectorwise_dequant(values, scales)
             else:
-                rows = weight.reshape(-1, weight.shape[-1])
                 packed, state = bnbf.quantize_4bit(
-                    rows, blocksize=QUANT_BLOCK, quant_type=quant_type
+                    weight.reshape(-1), blocksize=QUANT_BLOCK, quant_type=quant_type
                 )
-                back = bnbf.dequantize_4bit(packed, state)
+                back = bnbf.dequantize_4bit(packed, state)  # flat: see _quantized
             param.data = back.reshape(param.shape).to(param.dtype)
             stacks += 1
     return stacks
@@ -165,13 +171,13 @@ def _dequantized(param: nn.Parameter, e: int, code: Any, dtype: torch.dtype) -> 
     scales = raw[at:].view(torch.float32)[e * blocks : (e + 1) * blocks]
     state = bnbf.QuantState(
         absmax=scales,
-        shape=torch.Size([out, inp]),
+        shape=torch.Size([out * inp]),  # flat: see _quantized
         dtype=dtype,
         blocksize=QUANT_BLOCK,
         quant_type=kind,
         code=code,
     )
-    return bnbf.dequantize_4bit(raw[e * per : (e + 1) * per].view(-1, 1), state)
+    return bnbf.dequantize_4bit(raw[e * per : (e + 1) * per].view(-1, 1), state).view(out, inp)
 
 
 class _QuantizedLinear(torch.autograd.Function):
