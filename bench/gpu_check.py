@@ -727,6 +727,7 @@ def run_memtune(phase: Phase, deadline: float, long: bool = False) -> None:
     the long-context phase (LONG_OVERRIDES; the MLP re-tiled and the checkpointed layers'
     offload set again for every length)."""
     from memtune.config.deepspeed import build_ds_config
+    from memtune.config.derive import checkpointed_layers
     from memtune.memory.counts import count_params
     from memtune.rank.build import build_rank
     from memtune.rank.long_context import offload_checkpoints, tile_mlps
@@ -774,7 +775,7 @@ def run_memtune(phase: Phase, deadline: float, long: bool = False) -> None:
 
     def steps_at(seq_len: int, n_steps: int, rec: dict[str, Any]) -> Any:
         run_cfg = at_length(cfg0, seq_len, counts)
-        k = int(run_cfg.trainer.checkpoint_layers)
+        k = checkpointed_layers(run_cfg)  # "all" under LONG_OVERRIDES
         set_checkpointed_layers(engine.module.model, k)  # as add_lora does
         if long:
             base = engine.module.model.get_base_model()
