@@ -295,6 +295,60 @@ def test_the_moe_block_plan_is_what_autograd_keeps(tmp_path: Path) -> None:
         assert want == pytest.approx(got, rel=0.03), (adapted, want, got)
 
 
+@pytest.mark.parametrize(
+    "dtype,quant",
+    [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "nf4"), (torch.float32, "int8")],
+)
+def test_the_grouped_experts_forward_is_the_loop(
+    dtype: torch.dtype, quant: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rank.experts' grouped forward (torch's grouped_mm over every expert's rows at once, a
+    quantized stack dequantized a few experts at a time) computes what its loop over the
+    experts does: the output and the gradients of the input and of every adapter, with an
+    expert that gets no row."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memtune.rank import experts as ex
+
+    monkeypatch.setattr(ex, "QUANTIZED_CHUNK_BYTES", 3 * 64 * 64 * 4)  # 3 experts a chunk
+    fields = {k: v for k, v in TINY.items() if k != "num_hidden_layers"}
+    config = AutoConfig.for_model("qwen3_moe", num_hidden_layers=1, **fields)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    block = model.model.layers[0].mlp.requires_grad_(False)
+    if quant:
+        assert ex.quantize_experts(block, quant, dtype) == 2
+    ex.add_expert_lora(block, 8, 2.0, dtype=dtype)
+    assert ex.grouped_available(dtype, 8) and not ex.grouped_available(torch.bfloat16, 4)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            if "_lora_B" in name:
+                p.normal_(std=0.2)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(24, 64, dtype=dtype, generator=g)
+    # each token's 2 experts among the first 7 (expert 7 gets no row), and their weights
+    index = torch.stack([torch.randperm(7, generator=g)[:2] for _ in range(24)])
+    weights = torch.rand(24, 2, generator=g).softmax(-1).to(dtype)
+    results = []
+    for grouped in (False, True):
+        block.experts.memtune_grouped = grouped
+        xi = x.clone().requires_grad_(True)
+        out = block.experts(xi, index, weights)
+        out.float().square().sum().backward()
+        grads = {n: p.grad.clone() for n, p in block.named_parameters() if p.grad is not None}
+        block.zero_grad(set_to_none=True)
+        results.append((out.detach().float(), xi.grad.float(), grads))
+    (out0, dx0, g0), (out1, dx1, g1) = results
+    assert g0.keys() == g1.keys() and len(g0) == 4
+    assert float(g0["experts.down_proj_lora_B"][7].abs().max()) == 0.0  # no row, no gradient
+    assert float(g1["experts.down_proj_lora_B"][7].abs().max()) == 0.0
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(out1, out0, **tol)
+    torch.testing.assert_close(dx1, dx0, **tol)
+    for name in g0:
+        torch.testing.assert_close(g1[name].float(), g0[name].float(), **tol)
+
+
 @pytest.fixture(scope="module")
 def moe_run(runs_root: Path) -> Run:
     run = start_run(
