@@ -117,6 +117,26 @@ GPU = Mode(
     hybrid_len=4096,
     moe_tokens=4096,
 )
+
+
+def lengths_from_env(mode: Mode) -> Mode:
+    """``GPU_CHECK_LONG_TIMED`` / ``GPU_CHECK_LONG_SEARCH`` (comma-separated token counts, may
+    be empty) replace the long phases' lengths: a short rerun for the census, say
+    ``GPU_CHECK_LONG_TIMED= GPU_CHECK_LONG_SEARCH=49152``. Read in every phase's process."""
+    import dataclasses
+
+    def read(name: str) -> tuple[int, ...] | None:
+        value = os.environ.get(name)
+        return None if value is None else tuple(int(v) for v in value.split(",") if v.strip())
+
+    timed, search = read("GPU_CHECK_LONG_TIMED"), read("GPU_CHECK_LONG_SEARCH")
+    if timed is not None:
+        mode = dataclasses.replace(mode, long_lengths=timed)
+    if search is not None:
+        mode = dataclasses.replace(mode, long_search=search)
+    return mode
+
+
 # The tiny model has 2 layers: checkpoint the first only, so the selective path runs; the
 # search raises a simulated OOM above 256 tokens, so the OOM path runs too.
 DRY = Mode(
@@ -403,6 +423,86 @@ def peak_window(device: Any, out: dict[str, Any]) -> Iterator[None]:
         out.update(memory_now(device))
 
 
+CENSUS_TOP = 16
+OUR_CODE = ("memtune", "transformers", "peft", "bitsandbytes", "deepspeed", "gpu_check")
+
+
+@contextlib.contextmanager
+def peak_census(device: Any, out: dict[str, Any]) -> Iterator[None]:
+    """On CUDA, the allocator's history over the block, and ``out["census"]``: what was
+    allocated at the block's peak, grouped by where. The long-context plan missed the measured
+    peak by 7-13% on the H200 (2026-12-04): this names the tensors it missed. Only blocks
+    allocated inside the window count (the weights before it are not in the history), so the
+    census is what the step adds. On an OOM the peak is the last moment before the failure."""
+    import torch
+
+    if device.type != "cuda":
+        yield
+        return
+    memory = torch.cuda.memory
+    memory._record_memory_history(
+        enabled="all", context="alloc", stacks="python", max_entries=2_000_000
+    )
+    try:
+        yield
+    finally:
+        try:
+            snap = memory._snapshot()
+            out["census"] = census(snap["device_traces"][device.index or 0])
+        except Exception as err:  # the census is a diagnosis; never lose the step's record
+            out["census"] = {"error": repr(err)[-300:]}
+        finally:
+            memory._record_memory_history(enabled=None)
+
+
+def census(trace: list[dict[str, Any]], top: int = CENSUS_TOP) -> dict[str, Any]:
+    """The live blocks at the peak of ``trace`` (the allocator's alloc / free_completed
+    events), summed by the innermost frame and the innermost frame of the code we run
+    (memtune, transformers, peft, bitsandbytes, DeepSpeed), largest first."""
+
+    def frames_key(frames: list[dict[str, Any]]) -> str:
+        def name(f: dict[str, Any]) -> str:
+            path = str(f.get("filename", "?"))
+            short = "/".join(path.split("/")[-2:])
+            return f"{f.get('name', '?')} ({short}:{f.get('line', '?')})"
+
+        if frames and frames[0].get("name") == "<module>":  # outermost first: innermost first
+            frames = frames[::-1]
+        inner = name(frames[0]) if frames else "no Python frame (autograd's backward)"
+        ours = next((f for f in frames if any(k in str(f.get("filename")) for k in OUR_CODE)), None)
+        return inner if ours is None or ours is frames[0] else f"{inner} ← {name(ours)}"
+
+    live: dict[int, int] = {}
+    total = peak = peak_at = 0
+    for i, ev in enumerate(trace):
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev["size"]
+            total += ev["size"]
+            if total > peak:
+                peak, peak_at = total, i
+        elif ev["action"] == "free_completed" and ev["addr"] in live:
+            total -= live.pop(ev["addr"])
+    at_peak: dict[int, dict[str, Any]] = {}
+    for ev in trace[: peak_at + 1]:
+        if ev["action"] == "alloc":
+            at_peak[ev["addr"]] = ev
+        elif ev["action"] == "free_completed":
+            at_peak.pop(ev["addr"], None)
+    groups: dict[str, list[int]] = {}
+    for ev in at_peak.values():
+        g = groups.setdefault(frames_key(ev.get("frames") or []), [0, 0])
+        g[0] += ev["size"]
+        g[1] += 1
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][0])
+    return {
+        "peak_gib": peak / GIB,
+        "events": len(trace),
+        "blocks": len(at_peak),
+        "rows": [{"gib": b / GIB, "count": c, "where": w} for w, (b, c) in rows[:top]],
+        "rest_gib": sum(b for _, (b, _) in rows[top:]) / GIB,
+    }
+
+
 def is_oom(err: BaseException) -> bool:
     import torch
 
@@ -534,7 +634,7 @@ class Phase:
 
 
 def run_phase(args: argparse.Namespace) -> int:
-    mode = DRY if args.dry_run else GPU
+    mode = lengths_from_env(DRY if args.dry_run else GPU)
     name = args.phase
     _, method, side, _ = next(p for p in PHASES if p[0] == name)
     phase = Phase(mode, name, method, side, Path(args.fragment), Path(args.out))
@@ -742,9 +842,10 @@ def run_memtune(phase: Phase, deadline: float, long: bool = False) -> None:
     extra = LONG_OVERRIDES if long else ()
     if method == "dpo":  # a preference objective trains without LoRA dropout
         extra = ("peft.dropout=0.0",)
-    cfg0 = compose_cfg(mode, method, lengths[0], extra)
+    first = (lengths or mode.long_search)[0]  # built for the first length it will run
+    cfg0 = compose_cfg(mode, method, first, extra)
     counts = count_params(cfg0)
-    cfg = at_length(cfg0, lengths[0], counts)
+    cfg = at_length(cfg0, first, counts)
     ds_config = build_ds_config(cfg)
     leftover = memory_now(device).get("allocated_gib", 0.0)
 
@@ -773,6 +874,8 @@ def run_memtune(phase: Phase, deadline: float, long: bool = False) -> None:
         f"{params[0].dtype} after deepspeed.initialize; {len(params)} trainable tensors"
     )
 
+    censused: list[bool] = []  # truthy once a census is taken
+
     def steps_at(seq_len: int, n_steps: int, rec: dict[str, Any]) -> Any:
         run_cfg = at_length(cfg0, seq_len, counts)
         k = checkpointed_layers(run_cfg)  # "all" under LONG_OVERRIDES
@@ -794,7 +897,14 @@ def run_memtune(phase: Phase, deadline: float, long: bool = False) -> None:
 
             raise torch.OutOfMemoryError(f"simulated OOM at {seq_len} tokens (dry run)")
         clock = step_clock(device)
-        with peak_window(device, rec):
+        # the first one-step run of a long phase (its first length past the timed one) also
+        # takes the allocator's census at its peak
+        look = long and n_steps == 1 and not any(censused)
+        censused.append(look)
+        with (
+            peak_window(device, rec),
+            peak_census(device, rec) if look else contextlib.nullcontext(),
+        ):
             result = train(engine, batches, run_cfg, device, NullLogger(), TrainResult(), clock)
         rec["losses"] = result.losses
         rec["real_tokens"] = result.input_tokens
@@ -1584,6 +1694,25 @@ def format_check(mode: Mode, work: Path) -> Path:
         )
     for s in result["search"]:
         s.update(peak_allocated_gib=20.0, checkpointed_layers=28)
+    made_up = [  # the allocator's history as _snapshot gives it: a census of its peak
+        {
+            "action": "alloc",
+            "addr": 1,
+            "size": 3 * GIB,
+            "frames": [
+                {"filename": "torch/nn/functional.py", "line": 1, "name": "linear"},
+                {"filename": "/x/memtune/rank/long_context.py", "line": 90, "name": "backward"},
+            ],
+        },
+        {"action": "alloc", "addr": 2, "size": GIB, "frames": []},
+        {"action": "free_completed", "addr": 2, "size": GIB},
+        {"action": "alloc", "addr": 3, "size": GIB // 2, "frames": []},
+    ]
+    for lc in result["long"]:
+        if lc["search"]:
+            lc["search"][0]["census"] = census(made_up)
+            assert abs(lc["search"][0]["census"]["peak_gib"] - 4.0) < 1e-9
+            assert lc["search"][0]["census"]["rows"][0]["gib"] == 3.0
     if result["search_info"]:
         result["search_info"]["allocator_cap_gib"] = 23.4
     result["comparison"] = compare(result["records"])
@@ -1594,6 +1723,30 @@ def format_check(mode: Mode, work: Path) -> Path:
     path = work / "format_check.md"
     path.write_text(text)
     return path
+
+
+def census_markdown(lc: dict[str, Any]) -> list[str]:
+    """The allocator's census at the peak of the long phase's first one-step run."""
+    rec = next((r for r in lc.get("search", []) if r.get("census")), None)
+    if rec is None:
+        return []
+    c = rec["census"]
+    if "error" in c:
+        return ["", f"Census at {rec['seq_len']} tokens failed: {c['error']}"]
+    lines = [
+        "",
+        f"What the step at {rec['seq_len']} tokens had allocated at its peak "
+        f"({c['peak_gib']:.2f} GiB above what existed before it; {c['blocks']:,} blocks, "
+        f"{c['events']:,} allocator events; the allocator's history, grouped by the innermost "
+        "frame ← the innermost frame of memtune, transformers, peft, bitsandbytes or DeepSpeed):",
+        "",
+        "| GiB | blocks | allocated in |",
+        "|---:|---:|---|",
+    ]
+    for r in c["rows"]:
+        lines.append(f"| {r['gib']:.3f} | {r['count']} | {r['where'].replace('|', '/')} |")
+    lines.append(f"| {c['rest_gib']:.3f} | | the rest |")
+    return lines
 
 
 def _search_row(tried: dict[str, Any], planned: dict[str, Any], middle: str) -> str:
@@ -1746,6 +1899,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"planner's longest: {info.get('planned_longest', 0):,} tokens "
             f"({info.get('planned_longest_how', '')}).",
         ]
+        lines += census_markdown(lc)
     lines += moe_markdown(result.get("moe"))
     lines += hybrid_markdown(result["hybrid"], mode)
     lines += [
@@ -1907,7 +2061,7 @@ def _check_line(check: dict[str, Any]) -> str:
 
 
 def orchestrate(args: argparse.Namespace) -> int:
-    mode = DRY if args.dry_run else GPU
+    mode = lengths_from_env(DRY if args.dry_run else GPU)
     start = time.time()
     deadline = start + (args.budget_s or mode.budget_s)
     out = Path(args.out)
