@@ -1369,10 +1369,12 @@ MOE_VARIANTS = (
     "frozen-grouped_mm",
     "memtune-nf4",
     "memtune-int8",
+    "memtune-loop",
 )
 """In order of importance (a deadline loses the last ones): memtune's LoRA on the experts
 against peft's over transformers' one-kernel grouped_mm, then the same without adapters (what
-``peft.target=all-linear-but-experts`` runs), then memtune over quantized stacks."""
+``peft.target=all-linear-but-experts`` runs), then memtune over quantized stacks, then
+memtune's loop over the experts (the forward where torch has no grouped_mm)."""
 MOE_R, MOE_SCALING = 16, 2.0  # LoRA r=16, alpha 32, as bench/moe_bench.py
 MOE_TIMED = 5
 """Timed steps a variant on the GPU (after ``mode.warmup``): a step is tens of milliseconds
@@ -1432,6 +1434,7 @@ def moe_variant(variant: str, shape: dict[str, int], device: Any, dtype: Any) ->
     notes = []
     if "memtune" in variant:
         quant = variant.split("-")[1] if variant.startswith("memtune-") else None
+        quant = quant if quant in ("nf4", "fp4", "int8") else None
         if quant:
             stacks = quantize_experts(block, quant, dtype)
             if stacks != len(EXPERT_PARAMETERS):
@@ -1447,6 +1450,8 @@ def moe_variant(variant: str, shape: dict[str, int], device: Any, dtype: Any) ->
             use_routed_forward(block)
         else:
             add_expert_lora(block, MOE_R, MOE_SCALING, dtype=dtype)
+        if variant == "memtune-loop":
+            block.experts.memtune_grouped = False
     elif not frozen:
         from peft import LoraConfig, get_peft_model
 
@@ -1959,6 +1964,7 @@ def moe_markdown(moe: dict[str, Any] | None) -> list[str]:
         ("memtune", "peft-grouped_mm"),
         ("frozen-memtune", "frozen-grouped_mm"),
         ("memtune-nf4", "memtune"),
+        ("memtune", "memtune-loop"),
     ):
         a, b = rows.get(ours, {}).get("tokens_per_s"), rows.get(theirs, {}).get("tokens_per_s")
         if a and b:
@@ -1967,8 +1973,9 @@ def moe_markdown(moe: dict[str, Any] | None) -> list[str]:
         lines += ["", "tokens/s: " + "; ".join(ratios) + "."]
     lines += [
         "",
-        "*memtune*: rank.experts' forward, a Python loop over the experts each on its routed "
-        "tokens (adapters as x·Aᵀ·Bᵀ); *peft-grouped_mm*: peft's `target_parameters` adapters "
+        "*memtune*: rank.experts' forward, every expert on its routed rows in one grouped_mm "
+        "a projection (adapters as x·Aᵀ·Bᵀ, grouped too; *memtune-loop*: the same as a Python "
+        "loop over the experts); *peft-grouped_mm*: peft's `target_parameters` adapters "
         "(W + s·B·A built at every forward) over transformers' `grouped_mm` experts; "
         "*frozen-*: no adapters; *memtune-nf4 / -int8*: `quantize_experts` on the stacks, then "
         "memtune's adapters. *peak MiB*: `max_memory_allocated` over the steps less what was "
