@@ -2123,7 +2123,13 @@ def orchestrate(args: argparse.Namespace) -> int:
         checked = format_check(mode, work)
         print(f"gpu_check: GPU-only branches rendered with made-up readings: {checked}")
     moe_rows = (result["moe"] or {}).get("rows", [])
-    measured = result["records"] or result["hybrid"] or any(r.get("step_ms") for r in moe_rows)
+    searched = [s for lc in result["long"] for s in lc["search"] if s.get("ok")]
+    measured = (
+        result["records"]
+        or result["hybrid"]
+        or any(r.get("step_ms") for r in moe_rows)
+        or searched  # a long phase run for its census alone (GPU_CHECK_LONG_TIMED=)
+    )
     return 0 if measured and not result["errors"] else 1
 
 
