@@ -1,7 +1,7 @@
 """The planner's long-context figures for the shipped box, written to bench/results/:
 the longest sequence each experiment can train, the 131k run's breakdown, QLoRA on one card,
-and what splitting a sequence costs by the step-time model. Planned, not measured: the GPU
-check (bench/gpu_check.sh, long-* phases) measures them when a GPU is lent.
+and what splitting a sequence costs by the step-time model. Planned: the GPU check
+(bench/gpu_check.sh, long-* phases) measures the one-card limits when a GPU is lent.
 
     .venv/bin/python bench/long_context_plan.py     # ~1 minute, CPU, nothing downloaded
 """
@@ -91,7 +91,11 @@ def main() -> int:
         json.dumps({"longest": rows, "split_cost_32k": split}, indent=2) + "\n"
     )
     lines += [
-        f"# Long context, planned ({today}; CPU planner, no GPU measurement yet)",
+        f"# Long context, planned ({today}; CPU planner)",
+        "",
+        "The one-card limits were measured once, on an H200 under a 24 GB cap (2026-12-04,",
+        "`bench/results/2026-12-04-h200-rerun.md`: QLoRA 65,536 tokens fit, 81,920 did not);",
+        "the planner was corrected from that run. The box's figures are planned only.",
         "",
         "Longest `data.max_seq_len` whose plan fits with 2 GiB spare per rank, the long-context",
         "choices (sequence_parallel, tiled_mlp, offload_activations) and checkpointed layers on",

@@ -43,12 +43,15 @@ def test_131k_on_four_4090d_is_planned_with_2_gib_spare_and_split_four_ways() ->
     assert any("long context (auto): sequence_parallel=4" in n for n in fitted.notes)
 
 
-def test_the_box_trains_256k_tokens_and_one_card_96k_qlora() -> None:
-    """The issue's planned targets: ≥ 256k on the 4 × 4090D box (ZeRO-3, LoRA), ≥ 96k QLoRA on
-    one 24 GB card (sp = 1), above Unsloth's published 78k."""
+def test_the_box_plans_192k_tokens_and_one_card_what_a_gpu_measured() -> None:
+    """The planned limits, held to what an H200 measured under a 24 GB cap (2026-12-04:
+    QLoRA, sp=1, MLP tiled, inputs offloaded: 65,536 tokens fit, 81,920 did not). The issue's
+    first targets (256k on the box, 96k QLoRA on one card) came from a plan that measurement
+    showed optimistic; re-planned with the moment and the fragmentation it missed, one card
+    plans 60,416 (2 GiB spare) and the box (ZeRO-3, LoRA, sp=4) 246,784."""
     box = _cfg(LONG, "data.path=books.jsonl")
     n, how = longest_sequence(box, count_params(box))
-    assert n >= 262_144, how
+    assert n >= 192 * 1024 and "sequence_parallel=4" in how, how
     card = _cfg(
         "experiment=qwen2.5-7b-4x4090-qlora",
         "launcher.num_ranks=1",
@@ -56,7 +59,7 @@ def test_the_box_trains_256k_tokens_and_one_card_96k_qlora() -> None:
         "plan.host_gib=120",
     )
     n, how = longest_sequence(card, count_params(card))
-    assert n >= 96 * 1024 and "sequence_parallel=1" in how, how
+    assert 48 * 1024 <= n < 81_920 and "sequence_parallel=1" in how, how
 
 
 def test_a_run_that_fits_as_it_is_uses_none_of_them() -> None:
@@ -87,8 +90,10 @@ def test_with_compile_auto_leaves_tiles_and_offload_off() -> None:
 
 
 def test_too_little_host_memory_rules_offloading_out() -> None:
-    roomy = _cfg(LONG, "data.path=books.jsonl")
-    tight = _cfg(LONG, "data.path=books.jsonl", "plan.host_gib=8")  # 2 GiB per rank
+    # at 64k tokens offloading is the fastest that fits with room on the host (split 2 ways),
+    # and without it a split 4 ways fits too
+    roomy = _cfg(LONG, "data.path=books.jsonl", "data.max_seq_len=65536")
+    tight = _cfg(LONG, "data.path=books.jsonl", "data.max_seq_len=65536", "plan.host_gib=8")
     counts = count_params(roomy)
     a, _ = resolve_long_context(roomy, counts)
     b, _ = resolve_long_context(tight, counts)

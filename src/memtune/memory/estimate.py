@@ -62,8 +62,17 @@ GIB = 1024**3
 CUDA_CONTEXT_GIB = 0.8
 
 
-# Caching-allocator fragmentation on top of the peak of live tensors.
+# Caching-allocator fragmentation on top of the peak of live tensors: reserved over allocated
+# measured 3-4% at 2-4k tokens (H200, 2026-12-04) ...
 FRAGMENTATION = 0.05
+# ... and with the MLP tiled and the layer inputs offloaded, at 32-64k tokens, 2.1-4.6 GiB: 33-46%
+# of what the step allocates above the weights (tiles, fp32 norm temporaries and the copy
+# stream's blocks of many sizes; the same run): this share of the per-token rows, 5% of the rest
+LONG_CONTEXT_FRAGMENTATION = 0.45
+
+NORM_BACKWARD_FP32 = 5
+"""RMSNorm's backward (it upcasts to fp32) holds this many tokens × hidden fp32 temporaries at
+once (tools.step_trace; the allocator's census on an H200 for a recomputed layer's norm)."""
 
 
 NF4_BYTES = {True: 0.5 + 1 / 64 + 4 / (64 * 256), False: 0.5 + 4 / 64}  # by double_quant
@@ -382,7 +391,8 @@ def step_peak(
     moments = [StepPeak("the loss", saved, loss=round(loss_bytes(cfg, tokens)))]
     # The final norm's backward runs in fp32 (RMSNorm upcasts): five tokens × hidden fp32
     # temporaries at once, next to everything saved (tools.step_trace).
-    moments.append(StepPeak("backward of the final norm", saved, backward=5 * tokens * h * 4))
+    norm_backward = NORM_BACKWARD_FP32 * tokens * h * 4
+    moments.append(StepPeak("backward of the final norm", saved, backward=norm_backward))
     if k < layers:
         moments.append(StepPeak(f"backward of layer {layers - 1}", saved, backward=back))
     if k > 0:
@@ -391,6 +401,12 @@ def step_peak(
             layer = layer_bytes(cfg, tokens, counts, cuda, kind)
             where = f"backward of layer {k - 1} (recomputed)"
             moments.append(StepPeak(where, inputs + layer, 0, back))
+            if tiled_mlp(cfg):
+                # With the MLP tiled its backward is small, and the layer's peak is its second
+                # norm's fp32 backward, the attention half still saved: what the allocator held
+                # at a 49k-token step's peak on an H200 (bench/results/2026-12-04-h200-long.md)
+                where = f"backward of layer {k - 1}'s second norm (recomputed, MLP tiled)"
+                moments.append(StepPeak(where, inputs + layer, 0, norm_backward))
             if dora := dora_transient_bytes(cfg, counts, tokens, kind):
                 # At the end of the recompute, the moment the plain step peaks at too (the
                 # backward allowance stands for what it holds there beyond the saved bytes).
@@ -622,10 +638,18 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
             "(model.attn_implementation=auto needs none)",
         )
     live = out.total_gib * GIB
+    fragmentation, how = live * FRAGMENTATION, f"{FRAGMENTATION:.0%} of the above"
+    if tiled_mlp(cfg) or offload_activations(cfg):
+        step = sum(r.gib for r in out.rows if r.per_token) * GIB
+        fragmentation = (live - step) * FRAGMENTATION + step * LONG_CONTEXT_FRAGMENTATION
+        how = (
+            f"{LONG_CONTEXT_FRAGMENTATION:.0%} of the rows that grow with tokens (MLP tiled / "
+            f"inputs offloaded: measured), {FRAGMENTATION:.0%} of the rest"
+        )
     out.add(
         "allocator fragmentation",
-        live * FRAGMENTATION,
-        f"{FRAGMENTATION:.0%} of the above",
+        fragmentation,
+        how,
         live=False,  # only the allocator's reserved pool holds it
     )
     if cfg.plan.device_gib is not None:
