@@ -21,6 +21,10 @@ EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 
 QUANT_BLOCK = 64
 """Weights per 4-bit block (one fp32 absmax each): bitsandbytes' blocksize for the stacks."""
+QUANTIZED_CHUNK_BYTES = 128 * 2**20
+"""What rank.experts' grouped forward dequantizes of a quantized stack at a time: the experts
+whose weights in the compute dtype fill at most this (one at least). A transient next to the
+step's saved tensors, in the forward and again in the backward (memory.estimate counts it)."""
 EXPERT_NF4_BYTES = 0.5 + 4 / QUANT_BLOCK
 """Bytes per routed-expert weight when quantized: 4 bits and a block's fp32 scale (the scales
 are not quantized again: peft.double_quant applies to the linear layers)."""

@@ -51,7 +51,7 @@ from memtune.config.architecture import (
     linear_attention_layers,
     routed_experts,
 )
-from memtune.expert_stacks import EXPERT_NF4_BYTES, expert_stack_bytes
+from memtune.expert_stacks import EXPERT_NF4_BYTES, QUANTIZED_CHUNK_BYTES, expert_stack_bytes
 from memtune.memory.counts import ParamCounts, count_params, linear_mixer_bytes
 from memtune.rundir import PlanRecord, PlanRow
 
@@ -307,9 +307,14 @@ def backward_bytes(cfg: RunConfig, tokens: int, counts: ParamCounts, cuda: bool 
     h, inter = int(a["hidden_size"]), int(a.get("intermediate_size") or 0)
     if routed_experts(dict(a)):
         # The shared expert's MLP backward (a dense one's, at its width); each routed expert's
-        # is over its own few rows.
+        # is over its own few rows. Over quantized stacks the grouped forward's backward holds
+        # a chunk of experts dequantized (rank.experts) beside the hidden gradients.
         inter = int(a.get("shared_expert_intermediate_size") or 0)
-        return max(2 * n * h * b, 3 * n * inter * b + n * h * b)
+        chunk = 0
+        if cfg.peft.method != "lora":
+            one = 2 * int(a["moe_intermediate_size"]) * h * b  # gate_up, the larger stack
+            chunk = max(one, QUANTIZED_CHUNK_BYTES // one * one)
+        return max(2 * n * h * b + chunk, 3 * n * inter * b + n * h * b)
     if tiled_mlp(cfg):
         # One tile (hidden_size tokens) recomputed with autograd and backpropagated: its
         # saved intermediates and their gradients, next to the whole input's gradient.

@@ -37,6 +37,7 @@ from torch import nn
 from memtune.expert_stacks import (
     EXPERT_PARAMETERS,
     QUANT_BLOCK,
+    QUANTIZED_CHUNK_BYTES,
     ROUTER_MODULE,
     add_expert_adapters,
     expert_modules,
@@ -230,12 +231,6 @@ def _expert_linear(experts: Any, name: str, e: int, x: torch.Tensor) -> torch.Te
     if getattr(param, "memtune_quantized", None) is None:
         return _StackLinear.apply(x, param, e)
     return _QuantizedLinear.apply(x, param, e, experts.memtune_code)
-
-
-QUANTIZED_CHUNK_BYTES = 128 * 2**20
-"""What the grouped forward dequantizes of a quantized stack at a time: the experts whose
-weights in the compute dtype fill at most this (one at least), a transient beside the step's
-saved tensors (memory.estimate counts it)."""
 
 
 def grouped_available(dtype: torch.dtype, r: int | None) -> bool:
