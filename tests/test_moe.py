@@ -297,7 +297,12 @@ def test_the_moe_block_plan_is_what_autograd_keeps(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "dtype,quant",
-    [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "nf4"), (torch.float32, "int8")],
+    [
+        (torch.float32, None),
+        (torch.bfloat16, None),
+        (torch.float32, "nf4"),
+        (torch.float32, "int8"),
+    ],
 )
 def test_the_grouped_experts_forward_is_the_loop(
     dtype: torch.dtype, quant: str | None, monkeypatch: pytest.MonkeyPatch
@@ -320,6 +325,7 @@ def test_the_grouped_experts_forward_is_the_loop(
         assert ex.quantize_experts(block, quant, dtype) == 2
     ex.add_expert_lora(block, 8, 2.0, dtype=dtype)
     assert ex.grouped_available(dtype, 8) and not ex.grouped_available(torch.bfloat16, 4)
+    assert not ex.grouped_available(torch.float32, 8, cpu=False)  # CUDA's kernel: bf16 only
     with torch.no_grad():
         for name, p in block.named_parameters():
             if "_lora_B" in name:

@@ -191,10 +191,12 @@ def _same_training(a: Run, b: Run, rel: float = 1e-5) -> None:
     assert ta.keys() == tb.keys() and any("mlp" in k for k in ta)
     # Per tensor, relative to its norm (Adam divides by √v: an entry whose v is tiny moves
     # elementwise far more than its neighbours for the same 1e-7 difference in its gradient).
-    # Measured 1.7e-5 for sp=2 after 12 steps; a missing sp factor in the gradient gives ~1e-1.
+    # Measured 1.7e-5 for sp=2 after 12 steps, 1.04e-4 after 6 padded steps with torch's AVX2
+    # kernels on an AVX-512 CPU (ATEN_CPU_CAPABILITY=avx2); a missing sp factor in the
+    # gradient gives ~1e-1.
     for key in ta:
         drift = float((tb[key] - ta[key]).norm() / ta[key].norm())
-        assert drift < 1e-4, (key, drift)
+        assert drift < 1e-3, (key, drift)
 
 
 @pytest.fixture(scope="module")

@@ -233,11 +233,12 @@ def _expert_linear(experts: Any, name: str, e: int, x: torch.Tensor) -> torch.Te
     return _QuantizedLinear.apply(x, param, e, experts.memtune_code)
 
 
-def grouped_available(dtype: torch.dtype, r: int | None) -> bool:
+def grouped_available(dtype: torch.dtype, r: int | None, cpu: bool = True) -> bool:
     """Whether torch's ``grouped_mm`` (torch >= 2.10) can run the experts: it wants every
     stride a multiple of 16 bytes, which the adapters' rank ``r`` decides (hidden and
-    intermediate sizes of the released models are)."""
-    if not hasattr(F, "grouped_mm"):
+    intermediate sizes of the released models are), and off the CPU (``cpu`` False: a GPU, or
+    the fake tensors of tools.step_trace, whose meta kernel mirrors CUDA's) bfloat16."""
+    if not hasattr(F, "grouped_mm") or (not cpu and dtype != torch.bfloat16):
         return False
     return r is None or (r * torch.empty((), dtype=dtype).element_size()) % 16 == 0
 
@@ -447,7 +448,12 @@ def _forward_routed(
     (``memtune_grouped = False`` on the module forces the loop: benchmarks, tests)."""
     lora_a = getattr(self, "gate_up_proj_lora_A", None)
     r = None if lora_a is None or self.memtune_lora_scaling is None else int(lora_a.shape[1])
-    if getattr(self, "memtune_grouped", True) and grouped_available(hidden_states.dtype, r):
+    from torch._subclasses.fake_tensor import is_fake
+
+    # tools.step_trace (even routing) takes the path a GPU would, on real and fake tensors alike
+    traced = getattr(self, "memtune_even_routing", False)
+    cpu = hidden_states.device.type == "cpu" and not is_fake(hidden_states) and not traced
+    if getattr(self, "memtune_grouped", True) and grouped_available(hidden_states.dtype, r, cpu):
         return _forward_grouped(self, hidden_states, top_k_index, top_k_weights)
     return _forward_with_lora(self, hidden_states, top_k_index, top_k_weights)
 
