@@ -12,7 +12,9 @@ during the forward).
 memtune adds the adapters to the experts module itself instead: per expert e and projection,
 ``A[e]`` (r × in) and ``B[e]`` (out × r) as ordinary parameters of that module (ZeRO-3 gathers
 them with the stack, DeepSpeed's optimizer sees them like any LoRA weight), and a forward that
-runs each expert on the tokens routed to it as ``x·W[e]ᵀ + scaling · (x·A[e]ᵀ)·B[e]ᵀ``. The
+runs each expert on the tokens routed to it as ``x·W[e]ᵀ + scaling · (x·A[e]ᵀ)·B[e]ᵀ``: all
+experts at once through torch's ``grouped_mm`` where it can (_forward_grouped), else a loop
+over the experts (_forward_with_lora). The
 result is the model peft's adapter describes; :func:`to_peft_names` and :func:`from_peft_names`
 convert to and from peft's layout, so an exported adapter loads in plain peft
 (``target_parameters``) on the released model class.
