@@ -24,6 +24,12 @@ import tomllib
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 SKIP = re.compile(r"^(memtune|torch|triton|nvidia-[\w-]+|cuda-[\w-]+)==", re.IGNORECASE)
+OLDER_PYTHONS = {
+    # package: (the first Python version its pinned release needs, the pin below that), for
+    # pins whose release leaves out Pythons that pyproject.toml admits: Debian 12's CPython
+    # 3.11.2, which a fresh machine's python3 can be, is below pymdown-extensions 13's 3.11.5.
+    "pymdown-extensions": ("3.11.5", "12.3"),
+}
 
 
 def requirements_hash(pyproject: Path) -> str:
@@ -42,7 +48,17 @@ def pins(venv: Path) -> list[str]:
         text=True,
     ).stdout
     lines = [line.strip() for line in out.splitlines()]
-    return sorted((x for x in lines if "==" in x and not SKIP.match(x)), key=str.lower)
+    kept = sorted((x for x in lines if "==" in x and not SKIP.match(x)), key=str.lower)
+    out = []
+    for line in kept:
+        name = line.split("==")[0].lower()
+        if name in OLDER_PYTHONS:
+            floor, older = OLDER_PYTHONS[name]
+            out.append(f'{line}; python_full_version >= "{floor}"')
+            out.append(f'{name}=={older}; python_full_version < "{floor}"')
+        else:
+            out.append(line)
+    return out
 
 
 def main() -> None:

@@ -18,8 +18,26 @@ def test_the_lock_pins_everything_but_torch_and_memtune() -> None:
     pins = lock_pins(REPO_LOCK)
     assert len(pins) > 50 and "torch" not in pins and "memtune" not in pins
     assert not any(name.startswith("nvidia-") or name == "triton" for name in pins)
+    marker = r'(; python_full_version [<>]=? "[\d.]+")?'  # scripts/write_lock.py OLDER_PYTHONS
     for line in REPO_LOCK.read_text().splitlines():
-        assert line.startswith("#") or re.fullmatch(r"[\w.-]+==[\w.+-]+", line), line
+        assert line.startswith("#") or re.fullmatch(r"[\w.-]+==[\w.+-]+" + marker, line), line
+
+
+def test_a_pin_split_by_python_version_resolves_on_debians_python(tmp_path) -> None:
+    """A fresh Debian 12 machine's python3 is CPython 3.11.2, below what some pinned releases
+    need (pymdown-extensions 13 asks for 3.11.5): the lock gives such a pin a marker and an
+    older release for those Pythons, and lock_pins reads the one that holds."""
+    from packaging.markers import Marker
+
+    lines = [x for x in REPO_LOCK.read_text().splitlines() if "python_full_version" in x]
+    assert any(x.startswith("pymdown-extensions==") for x in lines), lines
+    for line in lines:
+        name = line.split("==")[0]
+        holds = Marker(line.split(";", 1)[1].strip()).evaluate()
+        assert (lock_pins(REPO_LOCK)[name] == line.split("==")[1].split(";")[0]) == holds
+        old = Marker(line.split(";", 1)[1].strip()).evaluate({"python_full_version": "3.11.2"})
+        new = Marker(line.split(";", 1)[1].strip()).evaluate({"python_full_version": "3.12.0"})
+        assert old != new, line  # each pair covers every version once
 
 
 def test_the_readme_lists_the_locked_versions() -> None:

@@ -124,11 +124,16 @@ def name_cpu_accelerator() -> None:
 
 
 def lock_pins(path: Path) -> dict[str, str]:
-    """``name==version`` lines of a pip constraints file, by normalized name."""
+    """``name==version`` lines of a pip constraints file, by normalized name; a line with an
+    environment marker (``; python_full_version < "3.11.5"``) counts where it holds, as pip
+    reads it."""
+    from packaging.markers import Marker
+
     pins = {}
     for line in path.read_text().splitlines():
-        name, sep, version = line.split("#", 1)[0].strip().partition("==")
-        if sep:
+        spec, _, marker = line.split("#", 1)[0].partition(";")
+        name, sep, version = spec.strip().partition("==")
+        if sep and (not marker.strip() or Marker(marker.strip()).evaluate()):
             pins[_normalize(name)] = version.strip()
     return pins
 
