@@ -106,14 +106,21 @@ def test_resume_on_another_world_size_continues_the_same_run(
     want, got = _losses(full), _losses(resumed)
     assert sorted(got) == list(range(1, 21))
     # Same samples in every step; only the reduction order (ranks, accumulation) differs:
-    # fp32 sums agree to ~1e-6 relative.
+    # fp32 sums agree to ~1e-6 relative. LLM.int8 layers round their inputs to 1/127 of each
+    # row's range, so that order's noise flips some roundings: the int8 run parted by 1.6e-4
+    # at step 19 with the grouped experts forward (< 1e-4 with the loop; with float stacks and
+    # layers the grouped run stays within 1e-4), measured 2026-12-04.
+    rel = 1e-3 if "peft=lora-int8" in extra else 1e-4
     for step in range(11, 21):
-        assert got[step] == pytest.approx(want[step], rel=1e-4, abs=1e-5), step
+        assert got[step] == pytest.approx(want[step], rel=rel, abs=1e-5), step
     a = load_file(str(full / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(resumed / "adapter" / "adapter_model.safetensors"))
     assert a.keys() == b.keys()
+    # the int8 run's adapters: 45 of 8,192 weights of one tensor 1e-5..8.6e-5 apart (2026-12-04);
+    # 2.5e-4 is 5% of one Adam step at the demo's lr
+    atol = 2.5e-4 if "peft=lora-int8" in extra else 1e-5
     for key in a:
-        torch.testing.assert_close(b[key], a[key], rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(b[key], a[key], rtol=1e-3, atol=atol)
     if "peft.init=olora" in extra:
         _the_export_is_memtunes_model_on_the_released_base(full)
 
