@@ -313,9 +313,10 @@ def test_the_grouped_experts_forward_is_the_loop(
     expert that gets no row."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    import memtune.expert_stacks as stacks
     from memtune.rank import experts as ex
 
-    monkeypatch.setattr(ex, "QUANTIZED_CHUNK_BYTES", 3 * 64 * 64 * 4)  # 3 experts a chunk
+    monkeypatch.setattr(stacks, "QUANTIZED_CHUNK_BYTES", 3 * 64 * 64 * 4)  # 3 experts a chunk
     fields = {k: v for k, v in TINY.items() if k != "num_hidden_layers"}
     config = AutoConfig.for_model("qwen3_moe", num_hidden_layers=1, **fields)
     torch.manual_seed(0)

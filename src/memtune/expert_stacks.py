@@ -25,6 +25,13 @@ QUANTIZED_CHUNK_BYTES = 128 * 2**20
 """What rank.experts' grouped forward dequantizes of a quantized stack at a time: the experts
 whose weights in the compute dtype fill at most this (one at least). A transient next to the
 step's saved tensors, in the forward and again in the backward (memory.estimate counts it)."""
+
+
+def experts_per_chunk(out: int, inp: int, itemsize: int) -> int:
+    """Experts of an out × in stack that one dequantized chunk holds (QUANTIZED_CHUNK_BYTES)."""
+    return max(1, QUANTIZED_CHUNK_BYTES // (out * inp * itemsize))
+
+
 EXPERT_NF4_BYTES = 0.5 + 4 / QUANT_BLOCK
 """Bytes per routed-expert weight when quantized: 4 bits and a block's fp32 scale (the scales
 are not quantized again: peft.double_quant applies to the linear layers)."""

@@ -51,7 +51,7 @@ from memtune.config.architecture import (
     linear_attention_layers,
     routed_experts,
 )
-from memtune.expert_stacks import EXPERT_NF4_BYTES, QUANTIZED_CHUNK_BYTES, expert_stack_bytes
+from memtune.expert_stacks import EXPERT_NF4_BYTES, expert_stack_bytes, experts_per_chunk
 from memtune.memory.counts import ParamCounts, count_params, linear_mixer_bytes
 from memtune.rundir import PlanRecord, PlanRow
 
@@ -311,9 +311,9 @@ def backward_bytes(cfg: RunConfig, tokens: int, counts: ParamCounts, cuda: bool 
         # a chunk of experts dequantized (rank.experts) beside the hidden gradients.
         inter = int(a.get("shared_expert_intermediate_size") or 0)
         chunk = 0
-        if cfg.peft.method != "lora":
-            one = 2 * int(a["moe_intermediate_size"]) * h * b  # gate_up, the larger stack
-            chunk = max(one, QUANTIZED_CHUNK_BYTES // one * one)
+        if cfg.peft.method != "lora":  # gate_up, the larger stack
+            out = 2 * int(a["moe_intermediate_size"])
+            chunk = experts_per_chunk(out, h, b) * out * h * b
         return max(2 * n * h * b + chunk, 3 * n * inter * b + n * h * b)
     if tiled_mlp(cfg):
         # One tile (hidden_size tokens) recomputed with autograd and backpropagated: its

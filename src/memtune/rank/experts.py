@@ -35,14 +35,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from memtune.expert_stacks import (
     EXPERT_PARAMETERS,
     QUANT_BLOCK,
-    QUANTIZED_CHUNK_BYTES,
     ROUTER_MODULE,
     add_expert_adapters,
     expert_modules,
+    experts_per_chunk,
     full_numel,
     full_shape,
     stack_adapter,
@@ -242,38 +243,40 @@ def grouped_available(dtype: torch.dtype, r: int | None, cpu: bool = True) -> bo
     the fake tensors of tools.step_trace, whose meta kernel mirrors CUDA's) bfloat16."""
     if not hasattr(F, "grouped_mm") or (not cpu and dtype != torch.bfloat16):
         return False
-    return r is None or (r * torch.empty((), dtype=dtype).element_size()) % 16 == 0
-
-
-def _chunks(param: nn.Parameter, dtype: torch.dtype) -> list[tuple[int, int]]:
-    """The (first, end) expert ranges the grouped forward takes a stack in: one for a float
-    stack, for a quantized one as many experts as QUANTIZED_CHUNK_BYTES holds dequantized."""
-    n, out, inp = full_shape(param)
-    if getattr(param, "memtune_quantized", None) is None:
-        return [(0, n)]
-    size = torch.empty((), dtype=dtype).element_size()
-    step = max(1, QUANTIZED_CHUNK_BYTES // (out * inp * size))
-    return [(e, min(n, e + step)) for e in range(0, n, step)]
+    return r is None or (r * dtype.itemsize) % 16 == 0
 
 
 def _grouped_stack(
-    x: torch.Tensor, param: nn.Parameter, code: Any, ends: list[int] | None, offs: torch.Tensor
+    x: torch.Tensor,
+    param: nn.Parameter,
+    code: Any,
+    ends: list[int] | None,
+    offs: torch.Tensor,
+    transposed: bool,
 ) -> torch.Tensor:
-    """``x`` (rows sorted by expert, ``offs`` their cumulative counts) through the stack:
-    row block e times ``W[e]ᵀ``. A quantized stack is dequantized a chunk of experts at a time
-    (``ends``: offs on the host, only then read)."""
-    chunks = _chunks(param, x.dtype)
-    if len(chunks) == 1 and getattr(param, "memtune_quantized", None) is None:
-        return F.grouped_mm(x, param.to(x.dtype).transpose(-2, -1), offs=offs)
+    """``x`` (rows sorted by expert, ``offs`` their cumulative counts) through the stack, row
+    block e times ``W[e]ᵀ`` (``transposed``: the forward) or ``W[e]`` (the input's gradient).
+    A float stack is one grouped product; a quantized one is dequantized as many experts at a
+    time as expert_stacks.QUANTIZED_CHUNK_BYTES holds (``ends``: offs read on the host)."""
+    n, rows_out, cols_in = full_shape(param)
+    width = rows_out if transposed else cols_in
+
+    def oriented(weight: torch.Tensor) -> torch.Tensor:
+        return weight.transpose(-2, -1) if transposed else weight
+
+    if getattr(param, "memtune_quantized", None) is None:
+        return F.grouped_mm(x, oriented(param.to(x.dtype)), offs=offs)
     assert ends is not None
-    out = x.new_empty(x.shape[0], full_shape(param)[1])
-    for first, end in chunks:
+    out = x.new_empty(x.shape[0], width)
+    step = experts_per_chunk(rows_out, cols_in, x.dtype.itemsize)
+    for first in range(0, n, step):
+        end = min(n, first + step)
         lo, hi = (ends[first - 1] if first else 0), ends[end - 1]
         if hi == lo:
             continue
         weight = _dequantized_range(param, first, end, code, x.dtype)
         out[lo:hi] = F.grouped_mm(
-            x[lo:hi], weight.transpose(-2, -1), offs=(offs[first:end] - lo).to(torch.int32)
+            x[lo:hi], oriented(weight), offs=(offs[first:end] - lo).to(torch.int32)
         )
     return out
 
@@ -282,7 +285,7 @@ class _GroupedStack(torch.autograd.Function):
     """``x · W[e]ᵀ`` for every expert's rows at once (torch's grouped_mm) over a frozen stack,
     float or quantized: autograd keeps the parameter, not a view or a dequantized copy (the
     reasons of _StackLinear and _QuantizedLinear), and the backward runs the same grouped
-    product with the transposed weights."""
+    product with the weights untransposed."""
 
     @staticmethod
     def forward(
@@ -290,25 +293,12 @@ class _GroupedStack(torch.autograd.Function):
     ) -> Any:
         ctx.param, ctx.code, ctx.ends = param, code, ends
         ctx.save_for_backward(offs)
-        return _grouped_stack(x, param, code, ends, offs)
+        return _grouped_stack(x, param, code, ends, offs, transposed=True)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         (offs,) = ctx.saved_tensors
-        param, grad = ctx.param, grad.contiguous()
-        chunks = _chunks(param, grad.dtype)
-        if len(chunks) == 1 and getattr(param, "memtune_quantized", None) is None:
-            dx = F.grouped_mm(grad, param.to(grad.dtype), offs=offs)
-        else:
-            dx = grad.new_empty(grad.shape[0], full_shape(param)[2])
-            for first, end in chunks:
-                lo, hi = (ctx.ends[first - 1] if first else 0), ctx.ends[end - 1]
-                if hi == lo:
-                    continue
-                weight = _dequantized_range(param, first, end, ctx.code, grad.dtype)
-                dx[lo:hi] = F.grouped_mm(
-                    grad[lo:hi], weight, offs=(offs[first:end] - lo).to(torch.int32)
-                )
+        dx = _grouped_stack(grad.contiguous(), ctx.param, ctx.code, ctx.ends, offs, False)
         return dx, None, None, None, None
 
 
@@ -366,19 +356,18 @@ def _forward_grouped(
     quantized = getattr(self.gate_up_proj, "memtune_quantized", None) is not None
     ends = offs.tolist() if quantized else None  # one read of the counts, for the chunks
     code = getattr(self, "memtune_code", None)
-    x = hidden_states[tokens]
-    gate_up = _GroupedStack.apply(x, self.gate_up_proj, code, ends, offs)
-    if s is not None:
-        a, b = self.gate_up_proj_lora_A, self.gate_up_proj_lora_B
-        mid = _Grouped.apply(x, a.to(x.dtype).transpose(-2, -1), offs)
-        gate_up = gate_up + s * _Grouped.apply(mid, b.to(x.dtype).transpose(-2, -1), offs)
-    gate, up = gate_up.chunk(2, dim=-1)
-    h = self.act_fn(gate) * up
-    y = _GroupedStack.apply(h, self.down_proj, code, ends, offs)
-    if s is not None:
-        a, b = self.down_proj_lora_A, self.down_proj_lora_B
-        mid = _Grouped.apply(h, a.to(h.dtype).transpose(-2, -1), offs)
-        y = y + s * _Grouped.apply(mid, b.to(h.dtype).transpose(-2, -1), offs)
+
+    def projected(name: str, x: torch.Tensor) -> torch.Tensor:
+        """``x`` through stack ``name``, plus its adapter (x·Aᵀ·Bᵀ, grouped too) if any."""
+        y = _GroupedStack.apply(x, getattr(self, name), code, ends, offs)
+        if s is None:
+            return y
+        a, b = (getattr(self, f"{name}_lora_{m}").to(x.dtype) for m in "AB")
+        mid = _Grouped.apply(x, a.transpose(-2, -1), offs)
+        return y + s * _Grouped.apply(mid, b.transpose(-2, -1), offs)
+
+    gate, up = projected("gate_up_proj", hidden_states[tokens]).chunk(2, dim=-1)
+    y = projected("down_proj", self.act_fn(gate) * up)
     y = y * top_k_weights.reshape(-1)[rows, None]
     out = torch.zeros_like(hidden_states)
     return out.index_add_(0, tokens, y.to(out.dtype))
@@ -450,8 +439,6 @@ def _forward_routed(
     (``memtune_grouped = False`` on the module forces the loop: benchmarks, tests)."""
     lora_a = getattr(self, "gate_up_proj_lora_A", None)
     r = None if lora_a is None or self.memtune_lora_scaling is None else int(lora_a.shape[1])
-    from torch._subclasses.fake_tensor import is_fake
-
     # tools.step_trace (even routing) takes the path a GPU would, on real and fake tensors alike
     traced = getattr(self, "memtune_even_routing", False)
     cpu = hidden_states.device.type == "cpu" and not is_fake(hidden_states) and not traced
