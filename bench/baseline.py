@@ -38,7 +38,8 @@ from transformers import (
     TrainingArguments,
 )
 
-from memtune.config import RunConfig, grad_accumulation_steps, load_run_config
+from memtune.config import RunConfig, load_run_config
+from memtune.config.decisions import Decisions
 from memtune.data.cache import load_split
 from memtune.rank.model import lora_config
 from memtune.rank.telemetry import memory_snapshot
@@ -65,13 +66,13 @@ def build_model(cfg: RunConfig) -> Any:
     return get_peft_model(model, lora_config(cfg))
 
 
-def training_args(cfg: RunConfig, out: Path) -> TrainingArguments:
+def training_args(cfg: RunConfig, d: Decisions, out: Path) -> TrainingArguments:
     """memtune's schedule in Trainer terms: warmup, cosine to lr·min_lr_ratio, clipping."""
     t = cfg.trainer
     return TrainingArguments(
         output_dir=str(out),
-        per_device_train_batch_size=t.micro_batch_size,
-        gradient_accumulation_steps=grad_accumulation_steps(cfg),
+        per_device_train_batch_size=d.batch.micro_batch,
+        gradient_accumulation_steps=d.batch.accumulation,
         max_steps=t.max_steps,
         learning_rate=t.lr,
         lr_scheduler_type="cosine_with_min_lr",
@@ -128,12 +129,13 @@ class StepClock(TrainerCallback):
 
 def run(run_dir: Path) -> dict[str, Any]:
     cfg = load_run_config(RunDir(run_dir).config)
+    d = RunDir(run_dir).read_decisions()  # the batch memtune's side runs with
     data_dir = RunDir(run_dir).read_data().dir
     torch.manual_seed(cfg.trainer.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
     model = build_model(cfg)
     clock = StepClock()
-    args = training_args(cfg, run_dir / "hf")
+    args = training_args(cfg, d, run_dir / "hf")
     trainer = CountingTrainer(
         model=model,
         args=args,

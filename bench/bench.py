@@ -226,7 +226,7 @@ def run_variant(v: Variant, base: list[str], run_dir: Path, threads: int) -> dic
     run_dir.mkdir(parents=True)
     log = run_dir / "bench.log"
     with output_to(log):
-        cfg = lay_out(compose_cfg([*base, *v.overrides]), run_dir)
+        cfg, _ = lay_out(compose_cfg([*base, *v.overrides]), run_dir)
     load_before = loadavg()
     started = time.perf_counter()
     if v.baseline:

@@ -16,7 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from memtune.config import compose, rank_tokens, register_configs, to_run_config  # noqa: E402
+from memtune.config import compose, register_configs, to_run_config  # noqa: E402
+from memtune.config.decisions import rank_machine  # noqa: E402
 from memtune.memory.counts import count_params  # noqa: E402
 from memtune.memory.estimate import format_plan  # noqa: E402
 from memtune.memory.fit import fit_to_device, longest_sequence  # noqa: E402
@@ -47,8 +48,10 @@ def main() -> int:
     rows, lines = [], []
     for experiment, extra in EXPERIMENTS:
         cfg = cfg_of(experiment, extra)
-        n, how = longest_sequence(cfg, count_params(cfg))
-        where = f"{cfg.launcher.num_ranks} × {cfg.plan.device_gib} GiB, ZeRO-{cfg.zero.stage}"
+        fitted = fit_to_device(cfg, refuse=False)
+        d = fitted.decisions
+        n, how = longest_sequence(cfg, d, count_params(cfg), fitted.machine)
+        where = f"{cfg.launcher.num_ranks} × {cfg.plan.device_gib} GiB, ZeRO-{d.zero_stage}"
         rows.append(
             {"experiment": experiment, "overrides": extra, "box": where, "longest": n, "with": how}
         )
@@ -73,14 +76,15 @@ def main() -> int:
                 "trainer.checkpoint_layers=all",
             ],
         )
-        t = step_time(cfg)
+        d = fit_to_device(cfg, refuse=False, machine=rank_machine()).decisions
+        t = step_time(cfg, d)
         assert t is not None
         split.append(
             {
                 "zero": zero,
                 "sp": sp,
                 "micro_batch": micro,
-                "rank_tokens": rank_tokens(cfg),
+                "rank_tokens": d.batch.rank_tokens,
                 "step_s": t.step_s,
                 "traffic": t.traffic,
             }
@@ -110,7 +114,7 @@ def main() -> int:
             f"| {r['longest']:,} | {r['with']} |"
         )
     lines += ["", "`make plan EXP=qwen2.5-7b-4x4090-long` (131,072 tokens):", "", "```"]
-    lines += [*fitted.notes, format_plan(fitted.cfg, fitted.plan), "```", ""]
+    lines += [*fitted.notes, format_plan(fitted.cfg, fitted.decisions, fitted.plan), "```", ""]
     lines += [
         "What splitting a sequence costs by the step-time model at 32,768 tokens (every",
         "layer recomputed from an offloaded input, MLP tiled, the same global batch of 4):",

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         for stage in (2, 3):
             run_dir = Path(tmp) / f"zero{stage}"
             log = run_dir.with_suffix(".log")
-            cfg = lay_out(compose(overrides(a, stage, tflops, link["bus_gb_s"])), run_dir)
+            cfg, d = lay_out(compose(overrides(a, stage, tflops, link["bus_gb_s"])), run_dir)
             load = loadavg()
             with log.open("w") as f:
                 saved = os.dup(1), os.dup(2)
@@ -120,12 +120,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(log.read_text()[-3000:], file=sys.stderr)
                 raise SystemExit(f"zero{stage}: exit code {code}")
             measured = statistics.median(step_seconds(run_dir, skip=2))
-            estimate = step_time(cfg, count_params(cfg))
+            estimate = step_time(cfg, d, count_params(cfg))
             assert estimate is not None
             rows.append(
                 {
                     "zero_stage": stage,
-                    "checkpointed_layers": cfg.trainer.checkpoint_layers,
+                    "checkpointed_layers": d.checkpointing.recomputed,
                     "measured_step_s": round(measured, 3),
                     "estimated_step_s": round(estimate.step_s, 3),
                     "estimated_compute_s": round(estimate.compute_s, 3),

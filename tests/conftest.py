@@ -18,6 +18,15 @@ import pytest
 from omegaconf import DictConfig
 
 from memtune.config import RunConfig, compose, register_configs
+from memtune.config.decisions import (
+    CPU_RANKS,
+    Choices,
+    Decisions,
+    RankMachine,
+    decisions_for,
+    requested_recompute,
+    requested_sequence_parallel,
+)
 from memtune.launcher.prepare import lay_out
 from memtune.launcher.spawn import launch
 
@@ -68,11 +77,44 @@ def _private_model_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     )
 
 
+def decided(
+    cfg: RunConfig,
+    *,
+    recompute: int | None = None,
+    sequence_parallel: int | None = None,
+    tiled_mlp: bool | None = None,
+    offload_activations: bool | None = None,
+    machine: RankMachine = CPU_RANKS,
+    **changes: Any,
+) -> Decisions:
+    """``cfg``'s decisions on CPU ranks, with what it leaves to auto given here, explicitly:
+    unless said otherwise every layer recomputed (with checkpointing on), no sequence split,
+    nothing tiled or offloaded — what these tests are written against. ``changes``: decided
+    fields replaced (``attention="sdpa"``)."""
+    import dataclasses
+
+    t = cfg.trainer
+    layers = int(cfg.model.architecture["num_hidden_layers"])
+    on = t.activation_checkpointing
+    if recompute is None and on and requested_recompute(cfg) is None:
+        recompute = layers
+    if sequence_parallel is None and requested_sequence_parallel(cfg) is None:
+        sequence_parallel = 1
+    if tiled_mlp is None and t.tiled_mlp == "auto":
+        tiled_mlp = False
+    if offload_activations is None and on and t.offload_activations == "auto":
+        offload_activations = False
+    choices = Choices(recompute, sequence_parallel, tiled_mlp, offload_activations)
+    d = decisions_for(cfg, machine, choices)
+    return dataclasses.replace(d, **changes) if changes else d
+
+
 @dataclass
 class Run:
     dir: Path
     cfg: RunConfig
     code: int
+    decisions: Decisions | None = None
 
     def summary(self) -> dict[str, Any]:
         return json.loads((self.dir / "summary.json").read_text())
@@ -92,9 +134,9 @@ class Run:
 
 
 def start_run(run_dir: Path, overrides: list[str], probe: bool = True) -> Run:
-    cfg = lay_out(compose_cfg(overrides), run_dir)
+    cfg, d = lay_out(compose_cfg(overrides), run_dir)
     code = launch(cfg, run_dir, module="rank_probe" if probe else "memtune.worker")
-    return Run(run_dir, cfg, code)
+    return Run(run_dir, cfg, code, d)
 
 
 @pytest.fixture(scope="session")

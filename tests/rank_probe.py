@@ -8,6 +8,7 @@ model's logits on a fixed batch, so the test process can compare them with base 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -70,10 +71,11 @@ def probe(engine: Any, ctx: RankContext) -> None:
 
     # The base as a fresh load makes it (quantized and prepared the same way for QLoRA / int8),
     # compared byte for byte: a frozen weight that changed at all is a bug.
-    fresh_model = load_base_model(ctx.cfg, "sdpa")
-    if ctx.cfg.peft.method != "lora":
+    as_run = dataclasses.replace(ctx.decisions, attention="sdpa")
+    fresh_model = load_base_model(ctx.cfg, as_run)
+    if as_run.peft_method != "lora":
         fresh_model = prepare_quantized(fresh_model, torch_dtype(ctx.cfg))
-        check_all_quantized(fresh_model, ctx.cfg)  # a mixture's expert stacks too
+        check_all_quantized(fresh_model, ctx.cfg, as_run)  # a mixture's expert stacks too
     fresh = dict(fresh_model.named_parameters())
     base_changed = []
     for name, value in full.items():

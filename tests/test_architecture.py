@@ -20,7 +20,7 @@ from memtune.memory.counts import _count_on_meta, count_params
 from memtune.memory.estimate import format_plan, plan
 from memtune.rank.model import add_lora, load_base_model
 from memtune.tools.tiny import synthesize
-from tests.conftest import ROOT, compose_cfg
+from tests.conftest import ROOT, compose_cfg, decided
 
 QWEN7B = "experiment=qwen2.5-7b-4x4090-lora"
 
@@ -68,7 +68,8 @@ def test_the_checkpoint_wins_when_asked(checkpoint_14b: Path) -> None:
     assert cfg.model.architecture["num_hidden_layers"] == 48
     counts = count_params(cfg)
     assert counts.base == 14_770_033_664  # Qwen2.5-14B's published size (14.7B)
-    text = format_plan(cfg, plan(cfg, counts))
+    d = decided(cfg)
+    text = format_plan(cfg, d, plan(cfg, d, counts))
     assert f"trainable {counts.lora:,} of {counts.base + counts.lora:,}" in text
 
 
@@ -136,7 +137,7 @@ def test_each_rank_checks_the_model_it_loaded() -> None:
     """rank.build compares the loaded model's config with the planned architecture."""
     cfg = to_run_config(compose_cfg(["trainer.precision=fp32"]))
     synthesize(cfg.model.name_or_path, cfg.model.architecture)
-    base = load_base_model(cfg, "sdpa")
+    base = load_base_model(cfg, decided(cfg, attention="sdpa"))
     assert loaded_mismatches(cfg, base.config) == []
     cfg.model.architecture["num_hidden_layers"] = 3
     cfg.model.architecture["intermediate_size"] = 1024
@@ -150,9 +151,10 @@ def test_the_planned_counts_are_peft_s_counts() -> None:
     """The exact figures the plan prints are the ones peft reports for the loaded model."""
     cfg = to_run_config(compose_cfg(["trainer.precision=fp32", "peft=lora-all-linear"]))
     synthesize(cfg.model.name_or_path, cfg.model.architecture)
-    model = add_lora(load_base_model(cfg, "sdpa"), cfg)
+    d = decided(cfg, attention="sdpa")
+    model = add_lora(load_base_model(cfg, d), cfg, d)
     trainable, total = model.get_nb_trainable_parameters()
-    text = format_plan(cfg, plan(cfg))
+    text = format_plan(cfg, d, plan(cfg, d))
     assert f"trainable {trainable:,} of {total:,}" in text
 
 

@@ -8,8 +8,8 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from memtune.config import ConfigError, grad_accumulation_steps, to_run_config, validate
-from tests.conftest import ROOT, compose_cfg
+from memtune.config import ConfigError, to_run_config, validate
+from tests.conftest import ROOT, compose_cfg, decided
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
 
@@ -52,7 +52,7 @@ def test_4x4090_experiment_values() -> None:
     assert cfg.model.architecture["hidden_size"] == 3584
     assert cfg.launcher.num_ranks == 4 and cfg.zero.stage == 2  # the faster stage that fits
     assert cfg.trainer.precision == "bf16"
-    assert grad_accumulation_steps(cfg) == 32 // (1 * 4)
+    assert decided(cfg).batch.accumulation == 32 // (1 * 4)
 
 
 def test_command_line_wins_over_experiment() -> None:
@@ -136,16 +136,17 @@ def test_data_sources_from_the_command_line(tmp_path: Path) -> None:
 
 
 def test_one_rank_runs_zero2_instead_of_zero3(capsys) -> None:
-    from memtune.config import one_rank_zero
+    from memtune.config import one_rank_stage
     from memtune.launcher.prepare import decide
 
     def stage(*overrides: str) -> int:
-        return one_rank_zero(to_run_config(compose_cfg(["zero=zero3", *overrides]))).zero.stage
+        return one_rank_stage(to_run_config(compose_cfg(["zero=zero3", *overrides])))
 
     assert stage("launcher.num_ranks=1") == 2
     # The job says so when it decides (config.derive only derives).
-    decide(to_run_config(compose_cfg(["zero=zero3", "launcher.num_ranks=1"])))
+    fitted = decide(to_run_config(compose_cfg(["zero=zero3", "launcher.num_ranks=1"])))
     assert "ZeRO-2 instead of ZeRO-3" in capsys.readouterr().out
+    assert fitted.decisions.zero_stage == 2 and fitted.cfg.zero.stage == 3
     assert stage("launcher.num_ranks=2") == 3
     assert stage("launcher.num_ranks=1", "zero.one_rank_stage2=false") == 3
     assert stage("launcher.num_ranks=1", "zero=zero3-offload") == 3  # offload needs ZeRO-3

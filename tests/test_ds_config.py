@@ -8,11 +8,19 @@ import pytest
 
 from memtune.config import ConfigError, to_run_config
 from memtune.config.deepspeed import DS_CONFIG_DIR, build_ds_config, fill_ds_config
-from tests.conftest import compose_cfg
+from tests.conftest import compose_cfg, decided
 
 
 def _cfg(*overrides: str):
     return to_run_config(compose_cfg(list(overrides)))
+
+
+def _ds(cfg) -> dict:
+    return build_ds_config(cfg, decided(cfg))
+
+
+def _fill(template, cfg, **kw) -> dict:
+    return fill_ds_config(template, cfg, decided(cfg), **kw)
 
 
 def _has_auto(node) -> bool:
@@ -23,7 +31,7 @@ def _has_auto(node) -> bool:
 
 def test_zero3_7b_values() -> None:
     cfg = _cfg("experiment=qwen2.5-7b-4x4090-lora", "zero=zero3")
-    ds = build_ds_config(cfg)
+    ds = _ds(cfg)
     h = 3584
     assert ds["train_batch_size"] == 32
     assert ds["train_micro_batch_size_per_gpu"] == 1
@@ -41,7 +49,7 @@ def test_zero3_7b_values() -> None:
 
 def test_zero2_values_and_overrides() -> None:
     cfg = _cfg("zero=zero2", "zero.reduce_bucket_size=1000", "trainer.precision=fp32")
-    ds = build_ds_config(cfg)
+    ds = _ds(cfg)
     z = ds["zero_optimization"]
     assert z["stage"] == 2
     assert z["reduce_bucket_size"] == z["allgather_bucket_size"] == 1000
@@ -52,7 +60,7 @@ def test_zero2_values_and_overrides() -> None:
 
 
 def test_persistence_threshold_zero_is_kept() -> None:
-    ds = build_ds_config(_cfg("zero.param_persistence_threshold=0"))
+    ds = _ds(_cfg("zero.param_persistence_threshold=0"))
     assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 0
 
 
@@ -60,32 +68,32 @@ def test_every_template_fills() -> None:
     for path in sorted(DS_CONFIG_DIR.glob("*.json")):
         stage = 2 if "zero2" in path.name else 3
         cfg = _cfg(f"zero.stage={stage}", f"zero.template={path.stem}")
-        assert not _has_auto(build_ds_config(cfg)), path
+        assert not _has_auto(_ds(cfg)), path
 
 
 def test_hard_value_that_contradicts_is_refused() -> None:
     template = json.loads((DS_CONFIG_DIR / "zero3.json").read_text())
     template["train_micro_batch_size_per_gpu"] = 2
     with pytest.raises(ConfigError, match=r"train_micro_batch_size_per_gpu is 2 but the config"):
-        fill_ds_config(template, _cfg(), source="my.json")
+        _fill(template, _cfg(), source="my.json")
 
 
 def test_hard_value_that_agrees_is_accepted() -> None:
     template = json.loads((DS_CONFIG_DIR / "zero3.json").read_text())
     template["zero_optimization"]["stage"] = 3
-    assert fill_ds_config(template, _cfg())["zero_optimization"]["stage"] == 3
+    assert _fill(template, _cfg())["zero_optimization"]["stage"] == 3
 
 
 def test_unknown_auto_is_refused() -> None:
     template = json.loads((DS_CONFIG_DIR / "zero3.json").read_text())
     template["optimizer"] = {"type": "AdamW", "params": {"lr": "auto"}}
     with pytest.raises(ConfigError, match=r"cannot fill \"auto\" at optimizer\.params\.lr"):
-        fill_ds_config(template, _cfg())
+        _fill(template, _cfg())
 
 
 def test_stage_mismatch_with_template_is_refused() -> None:
     with pytest.raises(ConfigError, match="stage3_"):
-        build_ds_config(_cfg("zero.stage=2", "zero.template=zero3"))
+        _ds(_cfg("zero.stage=2", "zero.template=zero3"))
 
 
 def test_train_py_writes_filled_json(tmp_path) -> None:

@@ -186,10 +186,10 @@ def test_checkpoints_that_cannot_fit_are_refused_before_launch(tmp_path: Path) -
     assert counts.lora == 217_088
     # fp32 master + 2 Adam moments, their gathered copy, the fp32 adapter: 28 bytes a
     # parameter; the demo's real step-12 checkpoint is 6,257,501 bytes
-    assert checkpoint_bytes(demo, counts) == 28 * 217_088
+    assert checkpoint_bytes(demo, "adamw", counts) == 28 * 217_088
     # 24 steps saved every 8: 3 saves, keep_last 2 + the one being written = 3, + the adapter
-    assert run_dir_bytes(demo, counts) == 3 * 28 * 217_088 + 4 * 217_088
-    check_run_dir_room(demo, counts, tmp_path / "run")  # fits anywhere
+    assert run_dir_bytes(demo, "adamw", counts) == 3 * 28 * 217_088 + 4 * 217_088
+    check_run_dir_room(demo, "adamw", counts, tmp_path / "run")  # fits anywhere
 
     huge = to_run_config(
         compose(
@@ -203,9 +203,9 @@ def test_checkpoints_that_cannot_fit_are_refused_before_launch(tmp_path: Path) -
     )
     big = count_params(huge)
     free = free_bytes(tmp_path)
-    assert free is not None and run_dir_bytes(huge, big) > free  # ~250 TB
+    assert free is not None and run_dir_bytes(huge, "adamw", big) > free  # ~250 TB
     with pytest.raises(ConfigError) as err:
-        check_run_dir_room(huge, big, tmp_path / "run")
+        check_run_dir_room(huge, "adamw", big, tmp_path / "run")
     message = str(err.value)
     assert message.startswith(f"run_dir {tmp_path / 'run'}: the run needs at least ")
     assert "trainer.keep_last=1000000 kept" in message and " free there; " in message

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from memtune.config import ConfigError, compose, to_run_config, validate
+from memtune.config.decisions import BatchShape
 from memtune.data.packing import step_shape
 from tests.conftest import ROOT, run_train_py
 
@@ -62,20 +63,24 @@ def test_dataset_smaller_than_one_global_batch_is_refused(tmp_path: Path) -> Non
 
 def test_step_shape_names_a_global_batch_that_fits() -> None:
     lengths = [100] * 20  # 20 rows of 128 (one sample each), 20 samples
+
+    def batch(global_batch: int, micro_step: int = 1) -> BatchShape:
+        return BatchShape(global_batch, micro_step, 1, 1, 128)  # micro_step rows on one rank
+
     with pytest.raises(ConfigError) as err:
-        step_shape(lengths, True, 128, global_batch=32, max_steps=5, micro_step=8)
+        step_shape(lengths, True, batch(32, micro_step=8), max_steps=5)
     assert "trainer.global_batch_size=32 takes 32 rows per step" in str(err.value)
     assert "set trainer.global_batch_size=16 (the most that fits" in str(err.value)
     with pytest.raises(ConfigError) as err:
-        step_shape(lengths, True, 128, global_batch=32, max_steps=5, micro_step=32)
+        step_shape(lengths, True, batch(32, micro_step=32), max_steps=5)
     assert "one micro step over the ranks already takes 32 rows" in str(err.value)
     assert "lower trainer.micro_batch_size" in str(err.value)
     # packed rows are the limit, the samples would do: packing=false is named
     with pytest.raises(ConfigError, match=r"or set data\.packing=false"):
-        step_shape([30] * 20, True, 128, global_batch=16, max_steps=5)
+        step_shape([30] * 20, True, batch(16), max_steps=5)
     with pytest.raises(ConfigError, match=r"has 20 samples: not one step"):
-        step_shape(lengths, False, 128, global_batch=32, max_steps=5)
-    exactly = step_shape(lengths, True, 128, global_batch=20, max_steps=5)
+        step_shape(lengths, False, batch(32), max_steps=5)
+    exactly = step_shape(lengths, True, batch(20), max_steps=5)
     assert exactly.epochs == pytest.approx(5.0)
 
 

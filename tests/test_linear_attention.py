@@ -18,9 +18,9 @@ import torch
 from memtune.config import to_run_config
 from memtune.rank.linear_attention import PATH_PER_SAMPLE, keep_samples_apart
 from memtune.rank.loss import model_inputs, token_loss_sum
-from memtune.rank.model import add_lora, choose_attention, load_base_model
+from memtune.rank.model import add_lora, load_base_model
 from memtune.tools.tiny import synthesize
-from tests.conftest import compose_cfg
+from tests.conftest import compose_cfg, decided
 
 LENGTHS = (7, 13)  # a second sample longer than the conv kernel and not a chunk multiple
 
@@ -45,7 +45,8 @@ def hybrid_cfg(request):
 
 def _model(cfg, per_sample: bool):
     torch.manual_seed(0)
-    model = add_lora(load_base_model(cfg, choose_attention("auto", "cpu")), cfg)
+    d = decided(cfg)
+    model = add_lora(load_base_model(cfg, d), cfg, d)
     # LoRA's B starts at zero: give it values, so its gradients and the A gradients are not 0.
     for name, p in model.named_parameters():
         if "lora_B" in name:

@@ -13,7 +13,7 @@ from memtune.rank.long_context import offload_checkpoints, tile_mlps, tiles_for
 from memtune.rank.loss import CausalLMLoss
 from memtune.rank.model import add_lora, decoder_layers, load_base_model
 from memtune.tools.tiny import synthesize
-from tests.conftest import Run, compose_cfg, start_run
+from tests.conftest import Run, compose_cfg, decided, start_run
 
 
 def _model(*overrides: str):
@@ -21,7 +21,8 @@ def _model(*overrides: str):
     synthesize(cfg.model.name_or_path, cfg.model.architecture)
     torch.manual_seed(0)
     attention.register()
-    model = add_lora(load_base_model(cfg, "sdpa_varlen"), cfg).train()
+    d = decided(cfg, attention="sdpa_varlen")
+    model = add_lora(load_base_model(cfg, d), cfg, d).train()
     with torch.no_grad():  # lora_B starts at 0, which would leave every lora_A gradient 0
         for name, p in model.named_parameters():
             if "lora_B" in name:

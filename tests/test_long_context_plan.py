@@ -4,14 +4,14 @@ saves on two real gloo ranks."""
 
 from __future__ import annotations
 
-import copy
 import os
 import socket
 
 import pytest
 import torch
 
-from memtune.config import ConfigError, sequence_parallel_size, to_run_config, validate
+from memtune.config import ConfigError, to_run_config, validate
+from memtune.config.decisions import CPU_RANKS, Choices
 from memtune.data.encode import DataStats, Sample, apply_length_policy
 from memtune.memory.counts import count_params
 from memtune.memory.estimate import activation_bytes, plan
@@ -23,7 +23,7 @@ from memtune.memory.fit import (
     resolve_long_context,
 )
 from memtune.memory.step_time import step_time
-from tests.conftest import compose_cfg
+from tests.conftest import compose_cfg, decided
 
 LONG = "experiment=qwen2.5-7b-4x4090-long"
 
@@ -34,8 +34,8 @@ def _cfg(*overrides: str):
 
 def test_131k_on_four_4090d_is_planned_with_2_gib_spare_and_split_four_ways() -> None:
     fitted = fit_to_device(_cfg(LONG, "data.path=books.jsonl"))
-    cfg = fitted.cfg
-    assert sequence_parallel_size(cfg) == 4 and cfg.trainer.offload_activations == "on"
+    d = fitted.decisions
+    assert d.sequence_parallel == 4 and d.offload_activations
     assert fitted.plan.fits and fitted.plan.device_gib - fitted.plan.total_gib >= 2.0
     rows = fitted.plan.gib()
     assert rows["sequence-parallel buffers"] > 0
@@ -50,7 +50,7 @@ def test_the_box_plans_192k_tokens_and_one_card_what_a_gpu_measured() -> None:
     showed optimistic; re-planned with the moment and the fragmentation it missed, one card
     plans 60,416 (2 GiB spare) and the box (ZeRO-3, LoRA, sp=4) 246,784."""
     box = _cfg(LONG, "data.path=books.jsonl")
-    n, how = longest_sequence(box, count_params(box))
+    n, how = longest_sequence(box, decided(box), count_params(box), CPU_RANKS)
     assert n >= 192 * 1024 and "sequence_parallel=4" in how, how
     card = _cfg(
         "experiment=qwen2.5-7b-4x4090-qlora",
@@ -58,15 +58,15 @@ def test_the_box_plans_192k_tokens_and_one_card_what_a_gpu_measured() -> None:
         "trainer.global_batch_size=8",
         "plan.host_gib=120",
     )
-    n, how = longest_sequence(card, count_params(card))
+    n, how = longest_sequence(card, decided(card), count_params(card), CPU_RANKS)
     assert 48 * 1024 <= n < 81_920 and "sequence_parallel=1" in how, how
 
 
 def test_a_run_that_fits_as_it_is_uses_none_of_them() -> None:
     cfg = _cfg("experiment=qwen2.5-7b-4x4090-lora")
-    chosen, note = resolve_long_context(cfg, count_params(cfg))
-    assert (chosen.trainer.sequence_parallel, chosen.trainer.tiled_mlp) == ("1", "off")
-    assert chosen.trainer.offload_activations == "off" and note is None  # nothing to say
+    chosen, note = resolve_long_context(cfg, count_params(cfg), CPU_RANKS)
+    assert (chosen.sequence_parallel, chosen.tiled_mlp) == (1, False)
+    assert chosen.offload_activations is False and note is None  # nothing to say
 
 
 def test_with_compile_auto_leaves_tiles_and_offload_off() -> None:
@@ -74,8 +74,8 @@ def test_with_compile_auto_leaves_tiles_and_offload_off() -> None:
     are refused; left to auto, the planner does not pick them (the 131k run without them
     does not fit even split four ways, and the refusal shows that smallest plan)."""
     cfg = _cfg(LONG, "data.path=books.jsonl", "trainer.compile=true")
-    chosen, note = resolve_long_context(cfg, count_params(cfg))
-    assert (chosen.trainer.tiled_mlp, chosen.trainer.offload_activations) == ("off", "off")
+    chosen, note = resolve_long_context(cfg, count_params(cfg), CPU_RANKS)
+    assert (chosen.tiled_mlp, chosen.offload_activations) == (False, False)
     assert note is not None and "tiled_mlp=off offload_activations=off (none fits" in note, note
     with pytest.raises(ConfigError, match=r"not built together with trainer\.tiled_mlp"):
         validate(
@@ -95,13 +95,19 @@ def test_too_little_host_memory_rules_offloading_out() -> None:
     roomy = _cfg(LONG, "data.path=books.jsonl", "data.max_seq_len=65536")
     tight = _cfg(LONG, "data.path=books.jsonl", "data.max_seq_len=65536", "plan.host_gib=8")
     counts = count_params(roomy)
-    a, _ = resolve_long_context(roomy, counts)
-    b, _ = resolve_long_context(tight, counts)
-    assert a.trainer.offload_activations == "on" and b.trainer.offload_activations == "off"
-    forced = copy.deepcopy(tight)
-    forced.trainer.sequence_parallel, forced.trainer.offload_activations = "4", "on"
-    forced.trainer.checkpoint_layers = "all"
-    planned = plan(forced, counts)
+    a, _ = resolve_long_context(roomy, counts, CPU_RANKS)
+    b, _ = resolve_long_context(tight, counts, CPU_RANKS)
+    assert a.offload_activations is True and b.offload_activations is False
+    forced = _cfg(
+        LONG,
+        "data.path=books.jsonl",
+        "data.max_seq_len=65536",
+        "plan.host_gib=8",
+        "trainer.sequence_parallel=4",
+        "trainer.offload_activations=on",
+        "trainer.checkpoint_layers=all",
+    )
+    planned = plan(forced, decided(forced), counts)
     assert not planned.fits and planned.host_total_gib > planned.host_gib == 2.0
 
 
@@ -121,8 +127,8 @@ def _long_32k(zero: str, sp: int, micro: int = 1):
 
 def _estimate(zero: str, sp: int, micro: int = 1):
     cfg = _long_32k(zero, sp, micro)
-    assert plan(cfg).fits
-    estimate = step_time(cfg)
+    assert plan(cfg, decided(cfg)).fits
+    estimate = step_time(cfg, decided(cfg))
     assert estimate is not None
     return estimate
 
@@ -148,7 +154,7 @@ def test_splitting_costs_under_15_percent_where_both_fit() -> None:
     assert dict(wider.traffic)[GATHERS] == pytest.approx(gathers[1])
     assert one.step_s < wider.step_s <= 1.15 * one.step_s
     rows = {
-        t: plan(c).gib()
+        t: plan(c, decided(c)).gib()
         for t, c in ((1, _long_32k("zero3", 1)), (4, _long_32k("zero3", 4, micro=4)))
     }
     assert rows[4]["activations"] == pytest.approx(rows[1]["activations"], rel=0.01)
@@ -156,20 +162,22 @@ def test_splitting_costs_under_15_percent_where_both_fit() -> None:
 
 def test_the_plan_offers_a_larger_micro_batch_when_zero3_splits_sequences() -> None:
     cfg = _long_32k("zero3", 4)
-    text = format_step_estimates(cfg, count_params(cfg))
+    text = format_step_estimates(cfg, decided(cfg), count_params(cfg), CPU_RANKS)
     assert text is not None
     line = next(x for x in text.splitlines() if "instead" in x and "micro_batch" in x)
     assert line.startswith("  trainer.micro_batch_size=4 instead: ")
     # The larger micro batch's own checkpointed layers (auto), as a launch would choose them.
     wider_cfg = _long_32k("zero3", 4, micro=4)
     wider_cfg.trainer.checkpoint_layers = "auto"
-    wider_cfg, _ = resolve_checkpoint_layers(wider_cfg, count_params(wider_cfg))
-    wider = step_time(wider_cfg)
+    wider_d, _ = resolve_checkpoint_layers(wider_cfg, Choices(), count_params(wider_cfg), CPU_RANKS)
+    wider = step_time(wider_cfg, wider_d)
     assert wider is not None and f"{wider.step_s:.2f} s per step" in line
-    assert f"{plan(wider_cfg).total_gib:.2f} GiB per rank (fits" in line
+    assert f"{plan(wider_cfg, wider_d).total_gib:.2f} GiB per rank (fits" in line
     # Not offered where it changes nothing: ZeRO-2, or no split.
     for quiet_cfg in (_long_32k("zero2", 4), _long_32k("zero3", 1)):
-        quiet = format_step_estimates(quiet_cfg, count_params(quiet_cfg))
+        quiet = format_step_estimates(
+            quiet_cfg, decided(quiet_cfg), count_params(quiet_cfg), CPU_RANKS
+        )
         assert quiet is not None and "micro_batch_size" not in quiet
 
 
@@ -220,7 +228,10 @@ def _saved_on_rank(rank: int, port: int, overrides: list[str], out) -> None:
     deepspeed.init_distributed("gloo")
     attention.register()
     cfg = to_run_config(compose_cfg(overrides))
-    model = add_lora(load_base_model(cfg, "sdpa_varlen"), cfg).train()
+    from tests.conftest import decided
+
+    d = decided(cfg, attention="sdpa_varlen")
+    model = add_lora(load_base_model(cfg, d), cfg, d).train()
     register_attention(model.get_base_model(), "sdpa_varlen", 2, micro_batch=4)
     torch.manual_seed(0)
     rows = [
@@ -268,7 +279,7 @@ def test_split_activation_model_matches_what_autograd_saves(peft: str) -> None:
     assert [p.exitcode for p in procs] == [0, 0]
     measured = dict(queue.get(timeout=5) for _ in procs)
     tokens, h = 4 * 128 // 2, cfg.model.architecture["hidden_size"]
-    predicted = activation_bytes(cfg, tokens, 0, count_params(cfg), cuda=False)
+    predicted = activation_bytes(cfg, decided(cfg), tokens, count_params(cfg), cuda=False)
     predicted += tokens * h * 2  # the chunked loss keeps the hidden-state gradient
     for rank, nbytes in measured.items():
         # As in test_plan: small tensors (rotary tables, positions) left out; -1% to +6%.

@@ -14,7 +14,7 @@ from memtune.data.encode import IGNORE_INDEX
 from memtune.rank.loss import CausalLMLoss, chunked_loss_sum, token_loss_sum
 from memtune.rank.model import add_lora, load_base_model
 from memtune.tools.tiny import synthesize
-from tests.conftest import FAST, Run, compose_cfg, start_run
+from tests.conftest import FAST, Run, compose_cfg, decided, start_run
 
 
 def _labels(B: int, T: int, V: int, seed: int = 0) -> torch.Tensor:
@@ -57,7 +57,8 @@ def lora_model():
     cfg = to_run_config(compose_cfg(overrides))
     synthesize(cfg.model.name_or_path, cfg.model.architecture)
     torch.manual_seed(0)
-    model = add_lora(load_base_model(cfg, "sdpa"), cfg)
+    d = decided(cfg, attention="sdpa")
+    model = add_lora(load_base_model(cfg, d), cfg, d)
     for name, p in model.named_parameters():  # non-zero B so every LoRA weight gets gradient
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)

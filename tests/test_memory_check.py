@@ -61,11 +61,11 @@ def test_the_plan_record_says_what_each_row_is(tmp_path) -> None:
     from memtune.config import to_run_config
     from memtune.memory.estimate import plan
     from memtune.rundir import RunDir
-    from tests.conftest import compose_cfg
+    from tests.conftest import compose_cfg, decided
 
     cfg = to_run_config(compose_cfg(["experiment=qwen2.5-7b-4x4090-lora"]))
     rd = RunDir(tmp_path)
-    rd.write_plan(plan(cfg).record())
+    rd.write_plan(plan(cfg, decided(cfg)).record())
     record = rd.read_plan()
     assert record is not None and all(isinstance(r, PlanRow) for r in record.rows)
     kinds = {r.what: (r.allocated, r.live, r.per_token) for r in record.rows}

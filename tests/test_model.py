@@ -10,12 +10,11 @@ from memtune.config.derive import LINEAR_ATTENTION_TARGETS, LORA_TARGETS, lora_t
 from memtune.data.encode import load_tokenizer
 from memtune.rank.model import (
     add_lora,
-    choose_attention,
     count_parameters,
     load_base_model,
 )
 from memtune.tools.tiny import IM_END, IM_START, PAD_TOKEN, synthesize
-from tests.conftest import compose_cfg
+from tests.conftest import compose_cfg, decided
 
 
 def _meta_model(model_name: str):
@@ -65,7 +64,7 @@ def tiny_cfg():
 
 def test_tiny_model_is_deterministic_and_cached(tiny_cfg, tmp_path) -> None:
     other = synthesize(tmp_path / "tiny", tiny_cfg.model.architecture)
-    a = load_base_model(tiny_cfg, "sdpa").state_dict()
+    a = load_base_model(tiny_cfg, decided(tiny_cfg, attention="sdpa")).state_dict()
     from transformers import AutoModelForCausalLM
 
     b = AutoModelForCausalLM.from_pretrained(other).state_dict()
@@ -78,7 +77,7 @@ def test_tiny_model_is_deterministic_and_cached(tiny_cfg, tmp_path) -> None:
 
 
 def test_tiny_model_loads_through_from_pretrained(tiny_cfg) -> None:
-    model = load_base_model(tiny_cfg, "sdpa")
+    model = load_base_model(tiny_cfg, decided(tiny_cfg, attention="sdpa"))
     assert type(model).__name__ == "Qwen2ForCausalLM"
     c = model.config
     assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (256, 1408, 2)
@@ -107,7 +106,8 @@ def test_tiny_tokenizer_has_qwen_specials_and_chatml(tiny_cfg) -> None:
 def test_lora_presets_and_checkpointing_scope(tiny_cfg, target: str) -> None:
     tiny_cfg.peft.target = target
     tiny_cfg.trainer.activation_checkpointing = True
-    model = add_lora(load_base_model(tiny_cfg, "sdpa"), tiny_cfg)
+    d = decided(tiny_cfg, attention="sdpa")
+    model = add_lora(load_base_model(tiny_cfg, d), tiny_cfg, d)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     wrapped = {n.split(".")[-4] for n in trainable}  # ...q_proj.lora_A.default.weight
@@ -134,10 +134,16 @@ def test_lora_presets_and_checkpointing_scope(tiny_cfg, target: str) -> None:
 
 
 def test_attention_choice() -> None:
-    assert choose_attention("auto", "cpu") == "sdpa_varlen"
-    assert choose_attention("sdpa", "cpu") == "sdpa"
-    assert choose_attention("eager", "cpu") == "eager"
+    """The job decides the kernel from the ranks' machine; a rank refuses what it cannot run."""
     from memtune.config import ConfigError
+    from memtune.config.decisions import CPU_RANKS, RankMachine, attention_kernel
+    from memtune.rank.model import use_attention
 
-    with pytest.raises(ConfigError, match="flash_attention_2 needs a CUDA GPU"):
-        choose_attention("flash_attention_2", "cpu")
+    assert attention_kernel("auto", CPU_RANKS) == "sdpa_varlen"
+    assert attention_kernel("auto", RankMachine(cuda=True)) == "sdpa_varlen"
+    assert attention_kernel("auto", RankMachine(cuda=True, flash_attn=True)) == "flash_attention_2"
+    assert attention_kernel("sdpa", RankMachine(cuda=True, flash_attn=True)) == "sdpa"
+    assert use_attention("sdpa", "cpu") == "sdpa"
+    assert use_attention("eager", "cpu") == "eager"
+    with pytest.raises(ConfigError, match=r"flash_attention_2 .* needs a CUDA GPU"):
+        use_attention("flash_attention_2", "cpu")

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from memtune.config import ConfigError, to_run_config, validate
 from memtune.memory.counts import count_params
-from tests.conftest import FAST, Run, compose_cfg, start_run
+from tests.conftest import FAST, Run, compose_cfg, decided, start_run
 
 TINY = dict(
     hidden_size=64,
@@ -291,7 +291,7 @@ def test_the_moe_block_plan_is_what_autograd_keeps(tmp_path: Path) -> None:
             block(x)
         own = {p.untyped_storage()._cdata for p in block.parameters()}
         got = sum(size for ptr, size in saved.items() if ptr not in own)
-        want = moe_block_bytes(cfg, n)
+        want = moe_block_bytes(cfg, decided(cfg), n)
         assert want == pytest.approx(got, rel=0.03), (adapted, want, got)
 
 
@@ -414,7 +414,7 @@ def test_a_tiny_qwen3_moe_trains_its_4bit_experts_on_two_zero3_ranks(
     base = AutoModelForCausalLM.from_pretrained(
         run.cfg.model.name_or_path,
         dtype=torch.float32,
-        quantization_config=quantization_config(run.cfg),
+        quantization_config=quantization_config(run.cfg, run.decisions.peft_method),
     ).dequantize()
     assert round_trip_experts(base, "nf4", torch.float32) == 4
     model = PeftModel.from_pretrained(base, run.dir / "adapter")
@@ -588,12 +588,13 @@ def test_the_planned_base_weights_are_what_a_quantized_mixture_holds(peft: str) 
         "trainer.precision=bf16",
     )
     synthesize(cfg.model.name_or_path, cfg.model.architecture)
-    model = load_base_model(cfg, "sdpa")
-    check_all_quantized(model, cfg)
+    d = decided(cfg, attention="sdpa")
+    model = load_base_model(cfg, d)
+    check_all_quantized(model, cfg, d)
     stacks = [p for n, p in model.named_parameters() if ".mlp.experts." in n]
     assert stacks and all(
         p.memtune_quantized[1] == ("int8" if peft == "lora-int8" else "nf4") for p in stacks
     )
     held = sum(p.numel() * p.element_size() for p in model.parameters())
-    planned = plan(cfg).gib()["base weights"] * GIB
+    planned = plan(cfg, d).gib()["base weights"] * GIB
     assert held == pytest.approx(planned, rel=0.05)

@@ -86,7 +86,10 @@ def test_auto_fit_restarts_once_from_the_checkpoint_and_loses_nothing(tmp_path: 
     (failed,) = [r["step"] for r in record["after"]]
     last_saved = (failed - 1) // 2 * 2  # save_every=2
     assert record["resumed_from"].endswith(f"step-{last_saved:07d}")
-    assert "activation_checkpointing: true" in (run_dir / "config.yaml").read_text()
+    # config.yaml keeps what was asked; decisions.json holds what the restart decided
+    assert "activation_checkpointing: false" in (run_dir / "config.yaml").read_text()
+    checkpointing = json.loads((run_dir / "decisions.json").read_text())["checkpointing"]
+    assert checkpointing["enabled"] and set(checkpointing["layers"]) == {"full"}
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 8
     # Recomputing the forward changes no value: the restarted run's curve is the one an
     # uninterrupted run without checkpointing draws (fp32; the data order continues).

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from memtune.config import to_run_config
+from memtune.config.decisions import BatchShape
 from memtune.data.batching import (
     LengthGroupedSampler,
     PackedDataset,
@@ -20,9 +21,9 @@ from memtune.data.cache import load_split, preprocess
 from memtune.data.encode import load_tokenizer
 from memtune.data.packing import pack_bins, step_shape
 from memtune.rank.loss import model_inputs, token_loss_sum
-from memtune.rank.model import choose_attention, load_base_model
+from memtune.rank.model import load_base_model
 from memtune.tools.tiny import synthesize
-from tests.conftest import compose_cfg
+from tests.conftest import compose_cfg, decided
 
 
 def test_first_fit_decreasing_bins() -> None:
@@ -54,7 +55,7 @@ def _inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("attn", ["sdpa_varlen", "sdpa", "eager"])
 def test_packed_loss_equals_one_by_one(tiny, attn: str) -> None:
     cfg, tokenizer, dataset = tiny
-    model = load_base_model(cfg, choose_attention(attn, "cpu")).eval()
+    model = load_base_model(cfg, decided(cfg, attention=attn)).eval()
     subset = TokenizedDataset.from_samples([dataset[i] for i in range(24)])
     packed = PackedDataset(subset, capacity=128)
     assert len(packed) < len(subset)  # several samples per row
@@ -138,7 +139,7 @@ def test_sdpa_varlen_gradients_equal_the_dense_mask(tiny) -> None:
     assert not bool(batches["padded"]["attention_mask"].all())  # some rows are padded
     grads: dict[str, dict[str, list[torch.Tensor]]] = {}
     for attn in ("sdpa", "sdpa_varlen"):
-        model = load_base_model(cfg, choose_attention(attn, "cpu")).train()
+        model = load_base_model(cfg, decided(cfg, attention=attn)).train()
         for kind, batch in batches.items():
             model.zero_grad()
             loss = token_loss_sum(model(**_inputs(batch)).logits, batch["labels"])
@@ -159,7 +160,7 @@ def test_sdpa_varlen_builds_no_dense_mask(tiny) -> None:
     batch = collate_packed([packed[i] for i in range(2)], tokenizer.pad_token_id)
     masks = {}
     for attn in ("sdpa", "sdpa_varlen"):
-        model = load_base_model(cfg, choose_attention(attn, "cpu"))
+        model = load_base_model(cfg, decided(cfg, attention=attn))
         embeds = model.get_input_embeddings()(batch["input_ids"])
         masks[attn] = create_causal_mask(
             model.config, embeds, None, None, position_ids=batch["position_ids"]
@@ -185,14 +186,15 @@ def test_sdpa_varlen_refuses_left_padding(tiny) -> None:
 
 def test_step_shape_counts_samples_and_epochs() -> None:
     lengths = [60, 60, 40, 40, 30, 20, 10, 10] * 10  # 2,700 tokens
-    packed = step_shape(lengths, True, 128, global_batch=4, max_steps=10)
+    batch = BatchShape(global_batch=4, micro_batch=1, ranks=1, sequence_parallel=1, row_tokens=128)
+    packed = step_shape(lengths, True, batch, max_steps=10)
     rows = len(pack_bins(lengths, 128))
     assert packed.items == rows and packed.samples == 80
     assert packed.samples_per_step == pytest.approx(4 * 80 / rows)
     assert packed.epochs == pytest.approx(10 * 4 / (rows // 4 * 4))
     assert packed.fill == pytest.approx(2700 / (rows * 128))
     assert "packed rows of ≤ 128 tokens" in packed.line()
-    plain = step_shape(lengths, False, 128, global_batch=4, max_steps=10)
+    plain = step_shape(lengths, False, batch, max_steps=10)
     assert plain.samples_per_step == 4 and plain.epochs == pytest.approx(0.5)
 
 

@@ -3,21 +3,24 @@ and a run that cannot fit refused before anything starts."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from memtune.config import checkpointed_layers, offload_activations, tiled_mlp, to_run_config
+from memtune.config import to_run_config
+from memtune.config.decisions import CPU_RANKS, Choices, RankMachine
 from memtune.memory.counts import count_params
 from memtune.memory.estimate import activation_bytes, plan
 from memtune.rank.long_context import offload_checkpoints, tile_mlps
 from memtune.rank.loss import CausalLMLoss
 from memtune.rank.model import add_lora, count_parameters, load_base_model, torch_dtype
 from memtune.tools.tiny import synthesize
-from tests.conftest import compose_cfg, run_train_py
+from tests.conftest import compose_cfg, decided, run_train_py
 
 QWEN7B = "experiment=qwen2.5-7b-4x4090-lora"
 
@@ -26,7 +29,8 @@ QWEN7B = "experiment=qwen2.5-7b-4x4090-lora"
 def test_meta_counts_equal_the_loaded_model(peft: str) -> None:
     cfg = to_run_config(compose_cfg([f"peft={peft}", "trainer.precision=fp32"]))
     synthesize(cfg.model.name_or_path, cfg.model.architecture)
-    trainable, total = count_parameters(add_lora(load_base_model(cfg, "sdpa"), cfg))
+    d = decided(cfg, attention="sdpa")
+    trainable, total = count_parameters(add_lora(load_base_model(cfg, d), cfg, d))
     counts = count_params(cfg)
     assert counts.lora == trainable
     assert counts.base + counts.lora == total
@@ -52,12 +56,13 @@ def test_qwen25_7b_counts_from_the_architecture() -> None:
     assert count_params(cfg_all).lora == _lora_params(arch, 16, all_linear) == 40_370_176
 
 
-def _saved_bytes(cfg) -> int:
+def _saved_bytes(cfg, d) -> int:
     """What autograd really keeps for one forward of 4 × 128 tokens (parameters excluded)."""
-    model = add_lora(load_base_model(cfg, "sdpa"), cfg).train()
-    if tiled_mlp(cfg):
+    d = dataclasses.replace(d, attention="sdpa")
+    model = add_lora(load_base_model(cfg, d), cfg, d).train()
+    if d.tiled_mlp:
         tile_mlps(model.get_base_model(), 4 * 128)
-    if offload_activations(cfg):
+    if d.offload_activations:
         offload_checkpoints(model.get_base_model(), torch.device("cpu"))
     storages: dict[int, int] = {}
 
@@ -118,13 +123,13 @@ def test_activation_model_matches_what_autograd_saves(overrides: list[str]) -> N
     no_ckpt = ["peft=lora-all-linear", "trainer.activation_checkpointing=false"]
     cfg = to_run_config(compose_cfg([*no_ckpt, *overrides]))
     synthesize(cfg.model.name_or_path, cfg.model.architecture)
-    measured = _saved_bytes(cfg)
+    d = decided(cfg)
+    measured = _saved_bytes(cfg, d)
     tokens, h = 4 * 128, cfg.model.architecture["hidden_size"]
     b = 2 if cfg.trainer.precision == "bf16" else 4
-    k = checkpointed_layers(cfg)
-    predicted = activation_bytes(cfg, tokens, k, count_params(cfg), cuda=False)
+    predicted = activation_bytes(cfg, d, tokens, count_params(cfg), cuda=False)
     predicted += tokens * h * b  # the chunked loss keeps the hidden-state gradient
-    if offload_activations(cfg):
+    if d.offload_activations:
         predicted -= tokens * h * b  # the plan's allowance for an input fetched back
     # The model counts the big tensors per layer and leaves out small ones (rotary tables,
     # norm scales) and the dropout masks of the first layer's q/k/v, which autograd does not
@@ -134,15 +139,18 @@ def test_activation_model_matches_what_autograd_saves(overrides: list[str]) -> N
 
 def test_4x4090_experiments_fit_and_a_plain_recipe_does_not() -> None:
     for exp in ("qwen2.5-7b-4x4090-lora", "qwen2.5-7b-4x4090-qlora"):
-        result = plan(to_run_config(compose_cfg([f"experiment={exp}"])))
+        cfg = to_run_config(compose_cfg([f"experiment={exp}"]))
+        result = plan(cfg, decided(cfg))
         assert result.device_gib == 23.99 and result.fits, (exp, result.total_gib)
     seeds_like = [QWEN7B, "zero=zero2", "trainer.activation_checkpointing=false"]
-    result = plan(to_run_config(compose_cfg([*seeds_like, "trainer.loss=plain"])))
+    cfg = to_run_config(compose_cfg([*seeds_like, "trainer.loss=plain"]))
+    result = plan(cfg, decided(cfg))
     assert not result.fits
     rows = result.gib()
     assert rows["base weights"] == pytest.approx(7_615_616_512 * 2 / 1024**3, rel=1e-3)
     # Checkpointing alone takes activations from tens of GiB to about two.
-    ckpt = plan(to_run_config(compose_cfg([QWEN7B, "trainer.activation_checkpointing=true"])))
+    cfg = to_run_config(compose_cfg([QWEN7B, "trainer.activation_checkpointing=true"]))
+    ckpt = plan(cfg, decided(cfg))
     assert ckpt.gib()["activations"] < rows["activations"] / 10
 
 
@@ -178,17 +186,17 @@ def test_suggestions_say_what_each_change_saves_and_skip_what_does_not_help() ->
     cfg = to_run_config(
         compose_cfg([QWEN7B, "zero=zero2", "trainer.activation_checkpointing=false"])
     )
-    tips = suggestions(cfg, count_params(cfg))
+    tips = suggestions(cfg, decided(cfg), count_params(cfg), CPU_RANKS)
     saved = [float(t.rsplit(": -", 1)[1].split()[0]) for t in tips]
     assert saved == sorted(saved, reverse=True) and min(saved) >= 0.05
     assert tips[0].startswith("trainer.activation_checkpointing=true")
     # 10M LoRA parameters: 8-bit moments would save ~0.02 GiB, not worth a line.
     assert not any("adamw_8bit" in t for t in tips)
-    total = plan(cfg).total_gib
+    total = plan(cfg, decided(cfg)).total_gib
     zero3 = to_run_config(
         compose_cfg([QWEN7B, "zero=zero3", "trainer.activation_checkpointing=false"])
     )
-    expected = total - plan(zero3).total_gib
+    expected = total - plan(zero3, decided(zero3)).total_gib
     assert any(t.startswith("zero=zero3") and f"-{expected:.2f} GiB" in t for t in tips)
 
 
@@ -201,8 +209,8 @@ def test_auto_fit_picks_the_cheapest_variant_that_fits() -> None:
             [QWEN7B, "zero=zero2", "trainer.activation_checkpointing=false", "plan.auto_fit=true"]
         )
     )
-    assert not plan(cfg).fits
-    fit = auto_fit(cfg)
+    assert not plan(cfg, decided(cfg)).fits
+    fit = auto_fit(cfg, decided(cfg), CPU_RANKS)
     assert fit is not None and fit.plan.fits
     # Checkpointing is what it needs; nothing slower is added on top.
     assert fit.changes == ["trainer.activation_checkpointing=true"]
@@ -220,12 +228,12 @@ def test_auto_fit_picks_the_cheapest_variant_that_fits() -> None:
             ]
         )
     )
-    fit = auto_fit(plain)
+    fit = auto_fit(plain, decided(plain), CPU_RANKS)
     assert fit is not None and "trainer.loss=auto" in fit.changes
     assert fit.plan.total_gib <= 23.99 - AUTO_CHECKPOINT_SPARE_GIB
     # A config that already fits is returned unchanged.
     fitting = to_run_config(compose_cfg([QWEN7B]))
-    same = auto_fit(fitting)
+    same = auto_fit(fitting, decided(fitting), CPU_RANKS)
     assert same is not None and same.changes == [] and same.cost == 1.0
 
 
@@ -252,11 +260,14 @@ def test_auto_fit_is_applied_before_launch_and_recorded(tmp_path: Path, capsys) 
         "data.packing=false",  # packed at 4,096 tokens the 320 demo samples are 2 rows: no step
         f"model.name_or_path={stand_in}",
     ]
-    cfg = lay_out(compose_cfg(overrides), tmp_path / "run")
+    cfg, d = lay_out(compose_cfg(overrides), tmp_path / "run")
     assert "auto_fit: trainer.activation_checkpointing=true" in capsys.readouterr().out
-    assert cfg.trainer.activation_checkpointing and cfg.zero.stage == 2
-    saved = (tmp_path / "run" / "config.yaml").read_text()
-    assert "activation_checkpointing: true" in saved
+    assert d.checkpointing.enabled and d.zero_stage == 2
+    # config.yaml keeps what was asked; decisions.json records what auto_fit decided.
+    assert not cfg.trainer.activation_checkpointing
+    assert "activation_checkpointing: false" in (tmp_path / "run" / "config.yaml").read_text()
+    saved = json.loads((tmp_path / "run" / "decisions.json").read_text())
+    assert saved["checkpointing"]["enabled"] is True and saved["zero_stage"] == 2
     assert "fits" in (tmp_path / "run" / "plan.txt").read_text()
 
 
@@ -276,7 +287,7 @@ def test_planned_weights_and_optimizer_state_match_what_each_rank_holds(fixture,
     """Per rank, after real 2-rank runs: the bytes of parameters (ZeRO-3: the rank's shards)
     and of optimizer state (fp32 master partition + moments) against the plan's rows."""
     run = request.getfixturevalue(fixture)
-    rows = {what: gib * 1024**3 for what, gib in plan(run.cfg).gib().items()}
+    rows = {what: gib * 1024**3 for what, gib in plan(run.cfg, run.decisions).gib().items()}
     for probe in run.probes():
         # Adapters in the compute dtype whatever the stage and base (model.cast_adapters).
         assert probe["lora_dtypes"] == [str(torch_dtype(run.cfg))]
@@ -293,7 +304,8 @@ def test_selective_checkpointing_keeps_what_the_model_says() -> None:
     cfg = to_run_config(compose_cfg([QWEN7B]))
     counts = count_params(cfg)
     layers, n, h = 28, 4096, 3584
-    acts = [activation_bytes(cfg, n, k, counts) for k in range(layers + 1)]
+    d = decided(cfg)
+    acts = [activation_bytes(cfg, d.with_recompute(k), n, counts) for k in range(layers + 1)]
     tail = n * h * 4  # the final norm's fp32 input
     # k = 0: the first norm keeps nothing (the embedding needs no gradient), nor do the
     # dropouts before its q/k/v adapters keep their masks (1 byte a value on a GPU).
@@ -321,17 +333,18 @@ def test_checkpoint_layers_auto_is_the_fewest_that_fit_with_the_spare() -> None:
     cfg = to_run_config(compose_cfg([QWEN7B]))
     assert cfg.trainer.checkpoint_layers == "auto"
     counts = count_params(cfg)
-    k = choose_checkpoint_layers(cfg, counts)
+    pinned = Choices(None, 1, False, False)  # the long-context choices, as the launch makes them
+    k = choose_checkpoint_layers(cfg, pinned, counts, CPU_RANKS)
     budget = 23.99 - AUTO_CHECKPOINT_SPARE_GIB
 
     def total(layers: int) -> float:
         trial = to_run_config(compose_cfg([QWEN7B, f"trainer.checkpoint_layers={layers}"]))
-        return plan(trial, counts).total_gib
+        return plan(trial, decided(trial), counts).total_gib
 
     assert 0 < k < 28 and total(k) <= budget < total(k - 1)
-    fitted = fit_to_device(cfg)
-    chosen, result = fitted.cfg, fitted.plan
-    assert chosen.trainer.checkpoint_layers == str(k) and cfg.trainer.checkpoint_layers == "auto"
+    fitted = fit_to_device(cfg, machine=CPU_RANKS)
+    chosen, result = fitted.decisions, fitted.plan
+    assert chosen.checkpointing.recomputed == k and fitted.cfg.trainer.checkpoint_layers == "auto"
     assert (
         result.fits
         and f"{k} of 28 layers checkpointed" in {r.what: r.how for r in result.rows}["activations"]
@@ -340,13 +353,13 @@ def test_checkpoint_layers_auto_is_the_fewest_that_fit_with_the_spare() -> None:
     # per rank) needs no recompute; GPU ranks without it recompute every layer.
     cpu = to_run_config(compose_cfg([]))
     assert cpu.trainer.checkpoint_layers == "auto" and cpu.plan.device_gib is None
-    budget = checkpoint_budget(cpu)
-    if torch.cuda.is_available():
-        assert budget is None and choose_checkpoint_layers(cpu, count_params(cpu)) == 2
-    else:
-        assert budget is not None and "available per CPU rank" in budget[1]
-        assert choose_checkpoint_layers(cpu, count_params(cpu)) == 0
-        assert fit_to_device(cpu).cfg.trainer.checkpoint_layers == "0"
+    assert checkpoint_budget(cpu, RankMachine(cuda=True)) is None
+    gpu = choose_checkpoint_layers(cpu, pinned, count_params(cpu), RankMachine(cuda=True))
+    assert gpu == 2
+    budget = checkpoint_budget(cpu, CPU_RANKS)
+    assert budget is not None and "available per CPU rank" in budget[1]
+    assert choose_checkpoint_layers(cpu, pinned, count_params(cpu), CPU_RANKS) == 0
+    assert fit_to_device(cpu, machine=CPU_RANKS).decisions.checkpointing.recomputed == 0
 
 
 def test_only_the_first_layers_recompute_and_the_gradients_do_not_change() -> None:
@@ -361,7 +374,8 @@ def test_only_the_first_layers_recompute_and_the_gradients_do_not_change() -> No
         )
         synthesize(cfg.model.name_or_path, cfg.model.architecture)
         torch.manual_seed(0)
-        model = add_lora(load_base_model(cfg, "sdpa"), cfg).train()
+        d = decided(cfg, attention="sdpa")
+        model = add_lora(load_base_model(cfg, d), cfg, d).train()
         flags = [layer.gradient_checkpointing for layer in decoder_layers(model)]
         assert flags == {"all": [True, True], "1": [True, False], "0": [False, False]}[layers]
         for name, p in model.named_parameters():  # lora_B starts at 0: give it values
@@ -385,10 +399,10 @@ def test_qlora_is_not_offered_for_layers_bitsandbytes_cannot_pack() -> None:
     for overrides, offered in (([], True), (odd, False)):
         cfg = to_run_config(compose_cfg([QWEN7B, "plan.device_gib=12", *overrides]))
         counts = count_params(cfg)
-        tips = suggestions(cfg, counts)
+        tips = suggestions(cfg, decided(cfg), counts, CPU_RANKS)
         assert any(t.startswith("peft=qlora-nf4") for t in tips) is offered, tips
         if not offered:
-            fit = auto_fit(cfg, counts)
+            fit = auto_fit(cfg, decided(cfg), CPU_RANKS, counts)
             assert fit is None or "peft=qlora-nf4" not in fit.changes
 
 
@@ -414,9 +428,12 @@ def test_the_measured_bandwidth_is_the_one_the_choices_and_the_estimate_use() ->
     configured = decide(given, say=False)
     measured = decide(given, link_gb_s=50.0, say=False)
     as_if_set = decide(replace(given, plan=replace(given.plan, link_gb_s=50.0)), say=False)
-    assert configured.cfg.trainer.sequence_parallel == "1"  # (decisions are still strings)
-    assert measured.cfg.trainer.sequence_parallel == "4"
-    assert measured.cfg == as_if_set.cfg and measured.notes == as_if_set.notes
+    assert configured.decisions.sequence_parallel == 1
+    assert measured.decisions.sequence_parallel == 4
+    assert measured.decisions == as_if_set.decisions and measured.notes == as_if_set.notes
     assert measured.cfg.plan.link_gb_s == 50.0 and given.plan.link_gb_s == 0.05
     assert measured.plan.counts is not None
-    assert "at 50 GB/s bus bandwidth" in format_step_estimates(measured.cfg, measured.plan.counts)
+    estimate = format_step_estimates(
+        measured.cfg, measured.decisions, measured.plan.counts, measured.machine
+    )
+    assert "at 50 GB/s bus bandwidth" in estimate

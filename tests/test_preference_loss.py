@@ -250,7 +250,7 @@ def test_the_reference_covers_exactly_what_every_ranks_loader_yields(
     from memtune.data.loaders import make_loader
     from memtune.rank.reference import train_items
     from memtune.rank.worker import _batches
-    from tests.conftest import compose_cfg
+    from tests.conftest import compose_cfg, decided
 
     samples = [Sample([7] * (10 + i % 7), [7] * (10 + i % 7), split=5) for i in range(61)]
     _save(_arrays(samples), tmp_path / "train.safetensors")
@@ -261,12 +261,13 @@ def test_the_reference_covers_exactly_what_every_ranks_loader_yields(
         cfg = to_run_config(compose_cfg([*overrides, f"trainer.max_steps={steps}"]))
         seen: set[int] = set()
         for rank in range(2):
-            loader, sampler = make_loader(cfg, str(tmp_path), 0, rank, 2)
+            d = decided(cfg)
+            loader, sampler = make_loader(cfg, d.batch, str(tmp_path), 0, rank, 2)
             batches = _batches(loader, sampler)
             for _ in range(steps * 2):  # accumulation 2 on each of the 2 ranks
                 seen.update(next(batches)["pair_index"].tolist())
             if rank == 0:  # the worker passes its own loader's dataset and sampler
-                want = train_items(loader.dataset, sampler, cfg)
+                want = train_items(loader.dataset, sampler, cfg, d.batch)
         assert sorted(seen) == want
         wants[steps] = set(want)
     assert wants[2] <= wants[7]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 from bitsandbytes.functional import has_avx512bf16
 from safetensors.torch import load_file
 
-from tests.conftest import Run, quantized
+from tests.conftest import Run, decided, quantized
 
 # Every linear layer of both decoder layers is quantized and carries LoRA.
 QUANTIZED_LAYERS = 2 * 7
@@ -73,7 +74,10 @@ def test_qlora_adapter_merges_into_the_dequantized_base(runs_root: Path, tmp_pat
     adapter = run.dir / "adapter"
     ids = AutoTokenizer.from_pretrained(str(adapter))(MERGE_TEXT, return_tensors="pt").input_ids
     # What was trained: the NF4 base (prepared as in training) plus the adapter.
-    base = prepare_quantized(load_base_model(run.cfg, "sdpa"), torch_dtype(run.cfg))
+    base = prepare_quantized(
+        load_base_model(run.cfg, dataclasses.replace(run.decisions, attention="sdpa")),
+        torch_dtype(run.cfg),
+    )
     trained = PeftModel.from_pretrained(base, str(adapter)).eval()
     for module in trained.modules():  # evaluated in fp32, like the fp32 merges below
         if is_quantized_layer(module):
@@ -106,12 +110,12 @@ def test_quantized_base_keeps_activations_in_the_compute_dtype(tmp_path: Path) -
     cfg = to_run_config(compose_cfg(["peft=qlora-nf4", "trainer.precision=bf16"]))
     synthesize(cfg.model.name_or_path, cfg.model.architecture)
     plain_cfg = to_run_config(compose_cfg(["trainer.precision=bf16"]))
-    model = prepare_quantized(load_base_model(cfg, "sdpa"), torch.bfloat16)
+    model = prepare_quantized(load_base_model(cfg, decided(cfg, attention="sdpa")), torch.bfloat16)
     out = model(input_ids=torch.tensor([[1, 2, 3]]), output_hidden_states=True)
     assert {h.dtype for h in out.hidden_states} == {torch.bfloat16}
     assert out.logits.dtype == torch.bfloat16
     # Parameter counts see through the 4-bit packing: the same as the unquantized model.
-    plain = load_base_model(plain_cfg, "sdpa")
+    plain = load_base_model(plain_cfg, decided(plain_cfg, attention="sdpa"))
     assert count_parameters(model)[1] == count_parameters(plain)[1] == plain.num_parameters()
 
 
@@ -142,7 +146,8 @@ def test_validation_passes_leave_the_4bit_base_differentiable() -> None:
     from memtune.rank.model import add_lora, load_base_model
 
     cfg, ids = _tiny_qlora("peft.dropout=0.0")
-    model = add_lora(load_base_model(cfg, "sdpa"), cfg)
+    d = decided(cfg, attention="sdpa")
+    model = add_lora(load_base_model(cfg, d), cfg, d)
 
     def lowest_layer_grads() -> dict[str, torch.Tensor]:
         model.train()
@@ -177,7 +182,7 @@ def test_bitsandbytes_packed_cpu_path_takes_the_tiny_models_shapes() -> None:
     from memtune.rank.model import load_base_model
 
     cfg, ids = _tiny_qlora()
-    base = load_base_model(cfg, "sdpa").eval()
+    base = load_base_model(cfg, decided(cfg, attention="sdpa")).eval()
     layers = _quantized_layers(base)
     for m in layers:
         m.support_avx512bf16_for_cpu = False

@@ -12,7 +12,7 @@ from memtune.config import ConfigError, to_run_config, validate
 from memtune.config.architecture import layer_types, linear_attention_layers, read_architecture
 from memtune.memory.counts import count_params
 from memtune.memory.estimate import plan
-from tests.conftest import compose_cfg
+from tests.conftest import compose_cfg, decided
 
 # Text parameters (embeddings, decoder, untied head; no vision tower, no MTP head) of the
 # released checkpoints: keras-hub's qwen3_5 presets (text + vision, keras_hub/src/models/
@@ -90,11 +90,12 @@ def test_the_linear_mixer_grows_by_the_chunk_as_measured() -> None:
 
 def test_the_plan_names_the_measured_linear_attention_layers() -> None:
     cfg = to_run_config(compose_cfg(["model=qwen3.5-9b", "trainer.activation_checkpointing=false"]))
-    row = next(r for r in plan(cfg).rows if r.what == "activations")
+    row = next(r for r in plan(cfg, decided(cfg)).rows if r.what == "activations")
     assert "24 linear-attention layers as measured on transformers' torch code" in row.how
     qwen3 = to_run_config(compose_cfg(["model=qwen3-8b"]))
     assert (
-        "linear-attention" not in next(r for r in plan(qwen3).rows if r.what == "activations").how
+        "linear-attention"
+        not in next(r for r in plan(qwen3, decided(qwen3)).rows if r.what == "activations").how
     )
 
 
@@ -134,6 +135,6 @@ def test_the_sequence_parallel_buffers_are_the_linear_layers_exchange() -> None:
             ]
         )
     )
-    row = next(r for r in plan(cfg).rows if r.what == "sequence-parallel buffers")
+    row = next(r for r in plan(cfg, decided(cfg)).rows if r.what == "sequence-parallel buffers")
     assert row.gib * 2**30 == 2 * 2048 * (2 * 16 * 128 + 2 * 32 * 128 + 2 * 32) * 2
     assert "linear-attention layer's q, k, v, z, a, b" in row.how

@@ -4,6 +4,7 @@ so steps 11-20 after a resume on 1 rank are the steps an uninterrupted 2-rank ru
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -135,9 +136,11 @@ def _the_export_is_memtunes_model_on_the_released_base(run_dir: Path) -> None:
 
     from memtune.config import load_run_config
     from memtune.rank.model import add_lora, load_base_model
+    from memtune.rundir import RunDir
 
     cfg = load_run_config(run_dir / "config.yaml")
-    ours = add_lora(load_base_model(cfg, "sdpa"), cfg).eval()
+    d = dataclasses.replace(RunDir(run_dir).read_decisions(), attention="sdpa")
+    ours = add_lora(load_base_model(cfg, d), cfg, d).eval()
     state = load_file(str(run_dir / "checkpoints" / "step-0000020" / "gathered_state.safetensors"))
     with torch.no_grad():
         for name, param in ours.named_parameters():

@@ -18,7 +18,7 @@ from memtune.data.batching import collate_packed, collate_padded
 from memtune.data.encode import IGNORE_INDEX, Sample
 from memtune.rank.loss import next_token_targets
 from memtune.rank.sequence_parallel import SequenceGroups, pad_width, shard_batch
-from tests.conftest import FAST, ROOT, Run, _finished, run_train_py, start_run
+from tests.conftest import FAST, ROOT, Run, _finished, decided, run_train_py, start_run
 
 
 def _samples() -> list[Sample]:
@@ -92,9 +92,10 @@ def test_a_packed_demo_row_has_a_sample_across_the_shard_boundary(zero3_run: Run
     """The runs below would not test the boundary if no sample crossed it."""
     from memtune.data.loaders import make_loader
 
-    cfg = zero3_run.cfg
+    cfg, d = zero3_run.cfg, zero3_run.decisions
+    assert d is not None
     data_dir = json.loads((zero3_run.dir / "data.json").read_text())["dir"]
-    loader, _ = make_loader(cfg, data_dir, 0, 0, 1)
+    loader, _ = make_loader(cfg, d.batch, data_dir, 0, 0, 1)
     batch = next(iter(loader))
     width = batch["input_ids"].shape[1]
     cu = batch["cu_seq_lens"].tolist()
@@ -150,7 +151,8 @@ def test_qwen25_7b_can_split_over_1_2_4_ranks() -> None:
 
 
 def test_the_deepspeed_json_counts_data_parallel_ranks() -> None:
-    ds = build_ds_config(_cfg("launcher.num_ranks=4", "trainer.sequence_parallel=2", "zero=zero3"))
+    cfg = _cfg("launcher.num_ranks=4", "trainer.sequence_parallel=2", "zero=zero3")
+    ds = build_ds_config(cfg, decided(cfg))
     assert ds["sequence_parallel_size"] == 2
     assert ds["zero_optimization"]["reduce_scatter"] is True
     # global 16 = micro 4 × accumulation 2 × 2 data-parallel groups

@@ -4,27 +4,30 @@ ZeRO stage moves, and the shipped 4×4090D experiments on the faster stage that 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from memtune.config import ConfigError, to_run_config, validate
+from memtune.config.decisions import CPU_RANKS
 from memtune.memory.counts import count_params
 from memtune.memory.fit import auto_fit, fit_to_device, format_step_estimates, other_zero_stage
 from memtune.memory.step_time import micro_step_flops, step_time, traffic
 from memtune.rank.loss import CausalLMLoss
-from memtune.rank.model import add_lora, choose_attention, load_base_model
+from memtune.rank.model import add_lora, load_base_model
 from memtune.tools.step_trace import every_position
 from memtune.tools.tiny import synthesize
-from tests.conftest import compose_cfg
+from tests.conftest import compose_cfg, decided
 
 SHIPPED = ["qwen2.5-7b-4x4090-lora", "qwen2.5-7b-4x4090-qlora", "qwen3-8b-4x4090-lora"]
 
 
 def _counted(cfg, attn: str) -> dict[str, int]:
     """torch's FLOP count of one real forward + backward (recompute included) on CPU."""
-    model = add_lora(load_base_model(cfg, choose_attention(attn, "cpu")), cfg).train()
+    d = decided(cfg, attention=attn)
+    model = add_lora(load_base_model(cfg, d), cfg, d).train()
     loss_module = CausalLMLoss(model, "chunked", 512, every_position)
     ids = torch.randint(0, 1000, (cfg.trainer.micro_batch_size, cfg.data.max_seq_len))
     with FlopCounterMode(display=False) as mode:
@@ -58,7 +61,7 @@ def test_flops_equal_torchs_count_of_a_real_step(checkpoint_layers: str, variant
         )
     )
     synthesize(cfg.model.name_or_path, cfg.model.architecture)
-    model = micro_step_flops(cfg, count_params(cfg))
+    model = micro_step_flops(cfg, decided(cfg), count_params(cfg))
     assert (model.dora > 0) == cfg.peft.dora
     # torch counts no FLOPs in CPU SDPA's fused kernel: the matmuls are the linear layers.
     varlen = _counted(cfg, "sdpa_varlen")
@@ -77,29 +80,32 @@ def test_zero3_moves_the_whole_base_twice_per_micro_step_and_zero2_only_lora() -
     counts = count_params(zero3)
     base_bytes = (counts.linear + counts.embedding + counts.head) * 2
     assert 15.0e9 < base_bytes < 15.3e9  # Qwen2.5-7B's sharded weights in bf16
-    moved = dict(traffic(zero3, counts))
+    d3 = decided(zero3)
+    moved = dict(traffic(zero3, d3, counts))
     gathers = moved["ZeRO-3 weight all-gathers (forward + backward)"]
     # 8 micro steps × (forward + backward) × 3/4 of the weights arriving from the other ranks.
     assert gathers == pytest.approx(8 * 2 * 0.75 * (base_bytes + counts.lora * 2))
-    zero2 = other_zero_stage(zero3)
-    assert sum(b for _, b in traffic(zero2, counts)) < 0.2e9
-    zero2.launcher.num_ranks = 1
-    assert traffic(zero2, counts) == []  # one rank moves nothing
+    zero2, _ = other_zero_stage(zero3, d3)
+    d2 = decided(zero2)
+    assert d2.zero_stage == 2 and sum(b for _, b in traffic(zero2, d2, counts)) < 0.2e9
+    one = dataclasses.replace(d2, batch=dataclasses.replace(d2.batch, ranks=1))
+    assert traffic(zero2, one, counts) == []  # one rank moves nothing
 
 
 def test_shipped_4x4090_experiments_run_the_faster_stage_within_the_comm_target() -> None:
     for exp in SHIPPED:
         fitted = fit_to_device(to_run_config(compose_cfg([f"experiment={exp}"])))
-        cfg, counts = fitted.cfg, fitted.plan.counts
-        assert fitted.plan.fits
-        ours = step_time(cfg, counts)
-        other_cfg = fit_to_device(other_zero_stage(cfg)).cfg
-        other = step_time(other_cfg, counts)
+        cfg, d, counts = fitted.cfg, fitted.decisions, fitted.plan.counts
+        assert fitted.plan.fits and counts is not None
+        ours = step_time(cfg, d, counts)
+        other_settings, _ = other_zero_stage(cfg, d)
+        other_d = fit_to_device(other_settings).decisions
+        other = step_time(other_settings, other_d, counts)
         assert ours is not None and other is not None
         assert ours.step_s < other.step_s, exp
         assert ours.comm_share <= 0.20, (exp, ours.comm_share)  # issue #18's planned target
-        text = format_step_estimates(cfg, counts)
-        assert text is not None and f"zero=zero{other_cfg.zero.stage} instead" in text
+        text = format_step_estimates(cfg, d, counts, fitted.machine)
+        assert text is not None and f"zero=zero{other_d.zero_stage} instead" in text
 
 
 def test_auto_fit_picks_the_fastest_fitting_variant_by_the_estimate() -> None:
@@ -119,23 +125,25 @@ def test_auto_fit_picks_the_fastest_fitting_variant_by_the_estimate() -> None:
         )
     )
     assert not fit_to_device(cfg, refuse=False).given_plan.fits
-    fit = auto_fit(cfg)
+    fit = auto_fit(cfg, decided(cfg), CPU_RANKS)
     no_estimate = copy.deepcopy(cfg)
     no_estimate.plan.device_tflops = None
-    by_cost = auto_fit(no_estimate)
+    by_cost = auto_fit(no_estimate, decided(no_estimate), CPU_RANKS)
     assert fit is not None and by_cost is not None
     assert fit.changes == ["trainer.activation_checkpointing=true"]
     assert by_cost.changes == ["zero=zero3"]
     by_cost.cfg.plan.device_tflops = cfg.plan.device_tflops
     counts = count_params(cfg)
-    chosen = step_time(fit_to_device(fit.cfg).cfg, counts)
-    other = step_time(fit_to_device(by_cost.cfg).cfg, counts)
+    chosen = step_time(fit.cfg, fit_to_device(fit.cfg).decisions, counts)
+    other = step_time(by_cost.cfg, fit_to_device(by_cost.cfg).decisions, counts)
     assert chosen is not None and other is not None and chosen.step_s < other.step_s
 
 
 def test_no_estimate_without_device_tflops_and_bad_rates_are_refused() -> None:
     cfg = to_run_config(compose_cfg([]))  # the CPU demo: no device_tflops
-    assert step_time(cfg) is None and format_step_estimates(cfg, count_params(cfg)) is None
+    d = decided(cfg)
+    assert step_time(cfg, d) is None
+    assert format_step_estimates(cfg, d, count_params(cfg), CPU_RANKS) is None
     for bad, field in (("plan.mfu=0", "plan.mfu"), ("plan.link_gb_s=-1", "plan.link_gb_s")):
         with pytest.raises(ConfigError, match=field):
             validate(to_run_config(compose_cfg([bad])), inputs=False)

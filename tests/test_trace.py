@@ -8,7 +8,7 @@ import pytest
 from memtune.config import to_run_config
 from memtune.memory.fit import fit_to_device
 from memtune.tools.step_trace import planned_step, trace_step
-from tests.conftest import compose_cfg
+from tests.conftest import compose_cfg, decided
 
 EXPERIMENTS = ["qwen2.5-7b-4x4090-lora", "qwen2.5-7b-4x4090-qlora", "qwen3-8b-4x4090-lora"]
 
@@ -25,7 +25,8 @@ def test_the_tracker_agrees_with_torchs_profiler() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        traced = trace_step(_tiny(), fake=False)
+        tiny = _tiny()
+        traced = trace_step(tiny, decided(tiny), fake=False)
     events = sorted(
         (e.start_ns(), e.nbytes())
         for e in prof.profiler.kineto_results.events()
@@ -50,7 +51,8 @@ def test_the_tracker_agrees_with_torchs_profiler() -> None:
 )
 def test_fake_tensors_trace_what_real_ones_hold(overrides) -> None:
     cfg = _tiny(**overrides)
-    fake, real = trace_step(cfg), trace_step(cfg, fake=False)
+    d = decided(cfg)
+    fake, real = trace_step(cfg, d), trace_step(cfg, d, fake=False)
     assert fake.peak == real.peak
     assert fake.at_peak == real.at_peak
     assert fake.saved_after_forward == real.saved_after_forward
@@ -74,10 +76,11 @@ def test_the_plan_matches_a_full_size_step(experiment: str, tokens: int) -> None
     given = to_run_config(
         compose_cfg([f"experiment={experiment}", f"data.max_seq_len={tokens}", *ONE_PROCESS])
     )
-    cfg = fit_to_device(given, refuse=False).cfg
-    traced = trace_step(cfg)
+    fitted = fit_to_device(given, refuse=False)
+    cfg, d = fitted.cfg, fitted.decisions
+    traced = trace_step(cfg, d)
     assert traced.at_peak["base weights"] > 14e9  # the full-size model, bf16
-    assert planned_step(cfg) == pytest.approx(traced.step, rel=0.03), traced
+    assert planned_step(cfg, d) == pytest.approx(traced.step, rel=0.03), traced
 
 
 @pytest.mark.parametrize("checkpoint_layers", ["auto", "12"])
@@ -96,10 +99,11 @@ def test_the_plan_matches_a_full_size_hybrid_step(checkpoint_layers: str) -> Non
             ]
         )
     )
-    cfg = fit_to_device(given, refuse=False).cfg
-    traced = trace_step(cfg)
+    fitted = fit_to_device(given, refuse=False)
+    cfg, d = fitted.cfg, fitted.decisions
+    traced = trace_step(cfg, d)
     assert traced.at_peak["base weights"] > 3e9  # the full-size model, bf16
-    assert planned_step(cfg) == pytest.approx(traced.step, rel=0.03), traced
+    assert planned_step(cfg, d) == pytest.approx(traced.step, rel=0.03), traced
 
 
 @pytest.mark.parametrize(
@@ -132,10 +136,11 @@ def test_the_plan_matches_a_full_width_mixture_step(experiment: str, layers: lis
             ]
         )
     )
-    cfg = fit_to_device(given, refuse=False).cfg
-    traced = trace_step(cfg)
+    fitted = fit_to_device(given, refuse=False)
+    cfg, d = fitted.cfg, fitted.decisions
+    traced = trace_step(cfg, d)
     assert traced.at_peak["base weights"] > 3e9  # two full-width layers and the embeddings
-    assert planned_step(cfg) == pytest.approx(traced.step, rel=0.03), traced
+    assert planned_step(cfg, d) == pytest.approx(traced.step, rel=0.03), traced
 
 
 @pytest.mark.parametrize(
@@ -163,6 +168,7 @@ def test_the_plan_matches_a_full_size_dora_step(tokens: int, more: list[str]) ->
             ]
         )
     )
-    cfg = fit_to_device(given, refuse=False).cfg
-    traced = trace_step(cfg)
-    assert -0.03 <= planned_step(cfg) / traced.step - 1 <= 0.04, (planned_step(cfg), traced)
+    fitted = fit_to_device(given, refuse=False)
+    cfg, d = fitted.cfg, fitted.decisions
+    traced = trace_step(cfg, d)
+    assert -0.03 <= planned_step(cfg, d) / traced.step - 1 <= 0.04, (planned_step(cfg, d), traced)

@@ -29,7 +29,10 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from memtune.config.decisions import Decisions
 
 R = TypeVar("R")
 
@@ -363,6 +366,27 @@ class TrainState:
 
 TRAINER_STATE = "trainer_state.json"
 
+DECISIONS = "decisions.json"
+
+
+def write_decisions(path: Path, decisions: Decisions) -> None:
+    write_atomic(path, json.dumps(decisions.as_dict(), indent=2) + "\n")
+
+
+def read_decisions(path: Path) -> Decisions:
+    """The decisions a run dir or checkpoint holds; RecordError naming the file and the field
+    when it is missing, unreadable or holds a value that cannot be used (an ``auto`` too)."""
+    from memtune.config.decisions import DecisionError, Decisions
+
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise RecordError(f"{path}: cannot read it ({err})") from None
+    try:
+        return Decisions.from_dict(raw)
+    except DecisionError as err:
+        raise RecordError(f"{path}: {err}") from None
+
 
 # A checkpoint is complete once rank 0 wrote complete.json, last (rank.checkpoint.save_checkpoint).
 COMPLETE = "complete.json"
@@ -522,6 +546,12 @@ class RunDir:
         return self.path / "config.yaml"
 
     @property
+    def decisions(self) -> Path:
+        """What was decided for the run (config.decisions.Decisions); config.yaml keeps what
+        the user asked. Every checkpoint keeps a copy."""
+        return self.path / DECISIONS
+
+    @property
     def ds_config(self) -> Path:
         return self.path / "ds_config.json"
 
@@ -613,8 +643,8 @@ class RunDir:
 
     # an earlier run in the same dir
     RUN_FILES = (
-        "config.yaml", "ds_config.json", "plan.txt", "plan.json", "data.json", "resume.json",
-        "base.json", "launch.txt", "launch-node[0-9]*.txt", "launch.json",
+        "config.yaml", "decisions.json", "ds_config.json", "plan.txt", "plan.json", "data.json",
+        "resume.json", "base.json", "launch.txt", "launch-node[0-9]*.txt", "launch.json",
         "stopped-node[0-9]*.json", "nodes.hostfile", "exit.json", "metrics.jsonl",
         "checkpoints", "adapter", "summary.json", "memory.json", "oom-rank[0-9]*.json",
         "restarted-oom-rank[0-9]*.json", "oom_restart.json", "wandb", "reference",
@@ -672,6 +702,13 @@ class RunDir:
 
     def read_exit(self) -> ExitRecord:
         return _read(ExitRecord, self.exit)
+
+    def write_decisions(self, decisions: Decisions) -> None:
+        write_decisions(self.decisions, decisions)
+
+    def read_decisions(self) -> Decisions:
+        """RecordError naming the file and the field when it is missing or cannot be used."""
+        return read_decisions(self.decisions)
 
     def write_resume(
         self, checkpoint: Path | None, changed: dict[str, list[Any]] | None = None

@@ -1,30 +1,23 @@
 """The one config tree: schema, validation, derived values and the DeepSpeed JSON.
 
 ``schema`` types every Hydra group, ``validate`` checks what a type cannot, ``derive`` computes
-each derived value once, ``deepspeed`` fills the DeepSpeed JSON. The names most modules need are
-re-exported here (``from memtune.config import RunConfig, validate``).
+each value derived from the settings once, ``decisions`` is the typed value of what was decided
+for a run (memory.fit decides it), ``deepspeed`` fills the DeepSpeed JSON from both. The names
+most modules need are re-exported here (``from memtune.config import RunConfig, validate``).
 """
 
 from memtune.config.derive import (
     LORA_TARGETS,
-    checkpointed_layers,
-    checkpointing_label,
     compute_bytes,
-    data_parallel_ranks,
-    grad_accumulation_steps,
     live_reference,
     lora_targets,
     needs_reference,
-    offload_activations,
-    one_rank_zero,
+    one_rank_stage,
     persistence_threshold,
     preference_loss_kind,
     prefetch_bucket_elements,
-    rank_tokens,
     reduce_bucket_elements,
     rope_positions,
-    sequence_parallel_size,
-    tiled_mlp,
 )
 from memtune.config.schema import (
     ASSETS_DIR,
@@ -66,28 +59,20 @@ __all__ = [
     "TrainerConfig",
     "ZeroConfig",
     "cache_dir",
-    "checkpointed_layers",
-    "checkpointing_label",
     "compose",
     "compute_bytes",
-    "data_parallel_ranks",
     "get_field",
-    "grad_accumulation_steps",
     "live_reference",
     "load_run_config",
     "lora_targets",
     "needs_reference",
-    "offload_activations",
-    "one_rank_zero",
+    "one_rank_stage",
     "persistence_threshold",
     "preference_loss_kind",
     "prefetch_bucket_elements",
-    "rank_tokens",
     "reduce_bucket_elements",
     "register_configs",
     "rope_positions",
-    "sequence_parallel_size",
-    "tiled_mlp",
     "to_run_config",
     "validate",
 ]

@@ -1,84 +1,503 @@
-"""What the planner decides for a run, as one frozen value.
+"""What was decided for a run, as one typed value: :class:`Decisions` (``decisions.json``).
 
-The user's config leaves some choices to memtune (``checkpoint_layers=auto``, the long-context
-switches on ``auto``, ``plan.auto_fit``'s variants, one rank's ZeRO stage). memory.fit tries
-candidates by replacing fields of a :class:`Decisions` value and applying it to the config,
-which replaces only the sections that change and shares the rest: no candidate is a deep copy,
-and none is mutated after it is made. The chosen one reaches ``config.yaml`` when the run dir is
-written (launcher.prepare), so the ranks read the decisions as plain settings.
+The user's config (``config.yaml``) says what they asked for, and may leave choices to memtune
+(``trainer.checkpoint_layers=auto``, the long-context switches on ``auto``, ``plan.auto_fit``'s
+variants, one rank's ZeRO stage, the kernels on ``auto``). :mod:`memtune.memory.fit` makes
+those choices once, before any rank starts, and returns them as a :class:`Decisions`: ints,
+bools and closed choices, with no ``auto`` representable. The job writes it to the run dir
+next to the untouched ``config.yaml`` (and into every checkpoint); the ranks, the planner's
+estimates and the bench read it as is and never re-derive a decided number.
+
+How a value gets here, in one place (:func:`decisions_for`): a setting the user fixed is taken
+as given; a setting left to ``auto`` must be given by the decider, or this refuses. Nothing
+here gives ``auto`` a meaning of its own.
+
+Choices only a rank's machine can see: the attention kernel and the loss kernel are decided by
+the job from :class:`RankMachine` — what the machine the ranks run on offers (CUDA,
+flash-attn, liger-kernel), probed by the job in the Python environment its ranks are started
+with (:func:`rank_machine`). A rank checks that it can run what was decided
+and refuses otherwise (exit 2, naming ``decisions.json`` and the field). Two kernel choices
+stay with the rank, per call, because they depend on the tensors of the call and give the
+same result by test: the routed experts' grouped product or loop (rank.experts), and Qwen3.5's
+linear-attention kernels (memtune.linear_kernels).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from memtune.config.schema import Loss, Optimizer, PeftMethod, RunConfig, Switch, ZeroStage
+from memtune.config.architecture import routed_experts
+from memtune.config.schema import (
+    AttnImplementation,
+    Loss,
+    Optimizer,
+    PeftMethod,
+    RunConfig,
+    ZeroStage,
+    choices_of,
+)
+
+DECISIONS_VERSION = 1
+"""decisions.json's format. A run dir or checkpoint without the file (written before it
+existed) is decided again by the job, as it was then."""
+
+Recompute = Literal["keep", "full"]
+"""One decoder layer's activations in backward: keep (every activation the forward saved) |
+full (only the layer's input; its forward is recomputed in backward)."""
+AttentionKernel = Literal["sdpa_varlen", "sdpa", "eager", "flash_attention_2"]
+"""model.attn_implementation as run: ``auto`` decided (rank.attention: sdpa_varlen)."""
+LossKernel = Literal["chunked", "plain", "liger"]
+"""trainer.loss as run: ``auto`` decided (rank.loss)."""
+ExpertStorage = Literal["compute", "nf4", "fp4", "int8"]
+"""A mixture's routed-expert stacks: in the compute dtype, or quantized (rank.experts)."""
+
+
+class DecisionError(ValueError):
+    """A decided value that cannot be used; the message names the field (and the file)."""
+
+
+@dataclass(frozen=True)
+class RankMachine:
+    """What the machine the ranks run on offers, as the job sees it (memtune.machine)."""
+
+    cuda: bool
+    flash_attn: bool = False
+    liger: bool = False
+
+
+CPU_RANKS = RankMachine(cuda=False)
+"""CPU ranks: no CUDA, so neither FlashAttention-2 nor Liger's kernels."""
+
+
+def rank_machine() -> RankMachine:
+    """What the ranks' machine offers, seen from the job: the ranks run on this machine (or on
+    nodes like it, in the same Python environment: the launchers start them with this
+    interpreter), so what is true here is what they will find. A rank that finds otherwise
+    refuses the decided kernel by name (rank.build)."""
+    import importlib.util
+
+    from memtune.machine import cuda_available
+
+    cuda = cuda_available()
+    return RankMachine(
+        cuda=cuda,
+        flash_attn=cuda and importlib.util.find_spec("flash_attn") is not None,
+        liger=cuda and importlib.util.find_spec("liger_kernel") is not None,
+    )
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """Activation checkpointing, decided per decoder layer.
+
+    ``layers[i]`` is layer i's choice. The recomputed layers are the first ones: backward
+    reaches them last, once every other layer's activations are freed, so one recomputed
+    layer at a time adds to what is left (memory.estimate.activation_bytes). ``enabled``:
+    transformers' checkpointing is installed on the model (trainer.activation_checkpointing),
+    which also makes the embedding's output require a gradient, even with no layer recomputed.
+    """
+
+    layers: tuple[Recompute, ...]
+    enabled: bool = True
+    reentrant: bool = False
+
+    def __post_init__(self) -> None:
+        bad = [i for i, kind in enumerate(self.layers) if kind not in choices_of(Recompute)]
+        if bad:
+            raise DecisionError(
+                f"checkpointing.layers[{bad[0]}] is {self.layers[bad[0]]!r}, not one of "
+                f"{' | '.join(choices_of(Recompute))}"
+            )
+        k = self.recomputed
+        if any(kind == "full" for kind in self.layers[k:]) or self.layers[:k] != ("full",) * k:
+            raise DecisionError(
+                "checkpointing.layers: the recomputed layers ('full') must be the first ones "
+                f"(got {list(self.layers)})"
+            )
+        if k and not self.enabled:
+            raise DecisionError("checkpointing: layers recompute but enabled is false")
+        if self.reentrant and not self.enabled:
+            raise DecisionError("checkpointing: reentrant without enabled")
+
+    @classmethod
+    def first(cls, recomputed: int, layers: int, reentrant: bool = False) -> Checkpointing:
+        """The first ``recomputed`` of ``layers`` decoder layers recompute."""
+        k = max(0, min(recomputed, layers))
+        kinds: list[Recompute] = ["full" if i < k else "keep" for i in range(layers)]
+        return cls(tuple(kinds), True, reentrant)
+
+    @classmethod
+    def off(cls, layers: int) -> Checkpointing:
+        kinds: list[Recompute] = ["keep"] * layers
+        return cls(tuple(kinds), enabled=False)
+
+    @property
+    def recomputed(self) -> int:
+        """How many decoder layers recompute their forward."""
+        return sum(1 for kind in self.layers if kind == "full")
+
+    def label(self) -> str:
+        """For humans: "off", "all 28 layers", "9 of 28 layers"."""
+        k, n = self.recomputed, len(self.layers)
+        return "off" if k == 0 else f"all {n} layers" if k == n else f"{k} of {n} layers"
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """The step's arithmetic, owned here: rows per optimizer step over all ranks, rows per rank
+    per forward, the ranks and how each sequence is split over them. DeepSpeed's batch fields,
+    the data's per-step summary (data.packing), the sampler's global batch and the planner's
+    tokens per rank all read it."""
+
+    global_batch: int
+    """Rows per optimizer step over all ranks (packed rows, or samples / pairs unpacked)."""
+    micro_batch: int
+    """Rows per rank per forward."""
+    ranks: int
+    sequence_parallel: int
+    """Ranks each sequence is split over (Ulysses); the others are data-parallel groups."""
+    row_tokens: int
+    """data.max_seq_len: a row's capacity."""
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch", "micro_batch", "ranks", "sequence_parallel", "row_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise DecisionError(f"batch.{name} must be an integer >= 1 (got {value!r})")
+        if self.ranks % self.sequence_parallel:
+            raise DecisionError(
+                f"batch.sequence_parallel={self.sequence_parallel} does not divide "
+                f"batch.ranks={self.ranks}"
+            )
+        if self.global_batch % self.micro_step_rows:
+            raise DecisionError(
+                f"batch.global_batch={self.global_batch} is not a multiple of batch.micro_batch "
+                f"× data-parallel ranks = {self.micro_step_rows}"
+            )
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that read different data: the ranks over the sequence-parallel size."""
+        return self.ranks // self.sequence_parallel
+
+    @property
+    def micro_step_rows(self) -> int:
+        """Rows one micro step takes over all data-parallel ranks."""
+        return self.micro_batch * self.data_parallel
+
+    @property
+    def accumulation(self) -> int:
+        """Micro batches per optimizer step on each rank."""
+        return self.global_batch // self.micro_step_rows
+
+    @property
+    def rank_tokens(self) -> int:
+        """Tokens one rank computes per micro batch: micro × its share of a row."""
+        return self.micro_batch * self.row_tokens // self.sequence_parallel
+
+    def deepspeed(self) -> dict[str, int]:
+        """DeepSpeed's batch fields (config.deepspeed fills them from here)."""
+        return {
+            "train_batch_size": self.global_batch,
+            "train_micro_batch_size_per_gpu": self.micro_batch,
+            "gradient_accumulation_steps": self.accumulation,
+        }
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture's routed experts: where they live and how they are stored and trained."""
+
+    routed: int
+    """Routed experts per mixture layer."""
+    adapted: bool
+    """LoRA on every routed expert (peft.target=all-linear)."""
+    storage: ExpertStorage
+    parallel: int = 1
+    """Ranks the experts are split over by expert (expert parallelism); 1: every rank holds
+    every expert, and ZeRO-3 shards them with the other weights."""
+
+    def __post_init__(self) -> None:
+        if self.storage not in choices_of(ExpertStorage):
+            raise DecisionError(
+                f"experts.storage is {self.storage!r}, not one of "
+                f"{' | '.join(choices_of(ExpertStorage))}"
+            )
+        if self.parallel != 1:
+            raise DecisionError(f"experts.parallel={self.parallel}: only 1 is built so far")
 
 
 @dataclass(frozen=True)
 class Decisions:
+    """Everything decided for a run (the module docstring says how, and what stays with the
+    rank)."""
+
     zero_stage: ZeroStage
     zero_template: str | None
-    micro_batch_size: int
-    loss: Loss
-    activation_checkpointing: bool
-    checkpoint_layers: str
-    """all | auto | a number of layers"""
-    sequence_parallel: str
-    """auto | a number of ranks"""
-    tiled_mlp: Switch
-    offload_activations: Switch
-    optimizer: Optimizer
+    """A ds_configs/ name or .json path; None: ``zero{stage}``."""
     peft_method: PeftMethod
+    optimizer: Optimizer
+    attention: AttentionKernel
+    loss: LossKernel
+    checkpointing: Checkpointing
+    tiled_mlp: bool
+    offload_activations: bool
+    """Checkpointed layers keep their input in host memory (needs checkpointing)."""
+    batch: BatchShape
+    experts: Experts | None = None
+    version: int = DECISIONS_VERSION
+
+    def __post_init__(self) -> None:
+        closed = {
+            "zero_stage": ZeroStage,
+            "peft_method": PeftMethod,
+            "optimizer": Optimizer,
+            "attention": AttentionKernel,
+            "loss": LossKernel,
+        }
+        for name, literal in closed.items():
+            value = getattr(self, name)
+            if value not in choices_of(literal):
+                raise DecisionError(
+                    f"{name} is {value!r}, not one of "
+                    f"{' | '.join(str(c) for c in choices_of(literal))}"
+                )
+        for name in ("tiled_mlp", "offload_activations"):
+            if not isinstance(getattr(self, name), bool):
+                raise DecisionError(f"{name} must be true or false (got {getattr(self, name)!r})")
+        if self.offload_activations and not self.checkpointing.enabled:
+            raise DecisionError("offload_activations needs checkpointing (enabled: true)")
+
+    @property
+    def sequence_parallel(self) -> int:
+        return self.batch.sequence_parallel
+
+    def with_recompute(self, recomputed: int) -> Decisions:
+        """These decisions with the first ``recomputed`` layers recomputing (checkpointing on)."""
+        c = self.checkpointing
+        return dataclasses.replace(
+            self, checkpointing=Checkpointing.first(recomputed, len(c.layers), c.reentrant)
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """decisions.json's content: the format version first, then each decision."""
+        out = dataclasses.asdict(self)
+        out["checkpointing"]["layers"] = list(self.checkpointing.layers)
+        return {"version": out.pop("version"), **out}
 
     @classmethod
-    def of(cls, cfg: RunConfig) -> Decisions:
-        t = cfg.trainer
-        return cls(
-            zero_stage=cfg.zero.stage,
-            zero_template=cfg.zero.template,
-            micro_batch_size=t.micro_batch_size,
-            loss=t.loss,
-            activation_checkpointing=t.activation_checkpointing,
-            checkpoint_layers=str(t.checkpoint_layers),
-            sequence_parallel=str(t.sequence_parallel),
-            tiled_mlp=t.tiled_mlp,
-            offload_activations=t.offload_activations,
-            optimizer=t.optimizer,
-            peft_method=cfg.peft.method,
+    def from_dict(cls, raw: Any) -> Decisions:
+        """The value a ``decisions.json`` holds, checked field by field: a missing or unknown
+        field, ``auto`` or any value that cannot be used raises DecisionError naming it."""
+        if not isinstance(raw, dict):
+            raise DecisionError("not a JSON object")
+        version = raw.get("version")
+        if version != DECISIONS_VERSION:
+            raise DecisionError(
+                f"version is {version!r}; this memtune reads version {DECISIONS_VERSION} "
+                "(a run dir from another memtune: lay it out again with train.py)"
+            )
+        body = dict(raw)
+        body["checkpointing"] = _record(Checkpointing, body.get("checkpointing"), "checkpointing")
+        body["batch"] = _record(BatchShape, body.get("batch"), "batch")
+        experts = body.get("experts")
+        body["experts"] = None if experts is None else _record(Experts, experts, "experts")
+        decided = _record(cls, body, "")
+        if "auto" in _leaves(raw):
+            # Every closed choice refuses it already; this names the field for a free one.
+            raise DecisionError(f"{_path_of(raw, 'auto')} is 'auto': decisions hold no auto")
+        return decided
+
+
+def _record(cls: type, raw: Any, where: str) -> Any:
+    """``cls(**raw)`` with the field names checked: DecisionError naming a missing or unknown
+    field, or a value the type refuses."""
+    prefix = f"{where}." if where else ""
+    if not isinstance(raw, dict):
+        raise DecisionError(f"{where or 'the file'} is missing or not an object")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise DecisionError(f"{prefix}{unknown[0]} is not a decision field")
+    missing = [
+        name
+        for name, f in fields.items()
+        if name not in raw
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise DecisionError(f"{prefix}{missing[0]} is missing")
+    values = dict(raw)
+    if cls is Checkpointing:
+        if not isinstance(values["layers"], list):
+            raise DecisionError("checkpointing.layers must be a list (one choice per layer)")
+        values["layers"] = tuple(values["layers"])
+    hints = typing.get_type_hints(cls)
+    for name, value in values.items():
+        if hints[name] is bool and not isinstance(value, bool):
+            raise DecisionError(f"{prefix}{name} must be true or false (got {value!r})")
+    try:
+        return cls(**values)
+    except DecisionError as err:
+        text = str(err)
+        raise DecisionError(text if text.startswith(prefix) else f"{prefix}{text}") from None
+
+
+def _leaves(node: Any) -> list[Any]:
+    if isinstance(node, dict):
+        return [x for v in node.values() for x in _leaves(v)]
+    if isinstance(node, list):
+        return [x for v in node for x in _leaves(v)]
+    return [node]
+
+
+def _path_of(node: Any, value: Any, prefix: str = "") -> str:
+    if isinstance(node, dict):
+        for k, v in node.items():
+            found = _path_of(v, value, f"{prefix}{k}.")
+            if found:
+                return found
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            found = _path_of(v, value, f"{prefix.rstrip('.')}[{i}].")
+            if found:
+                return found
+    elif node == value:
+        return prefix.rstrip(".")
+    return ""
+
+
+# --- from the user's settings and the planner's choices -----------------------------------
+
+
+def requested_recompute(cfg: RunConfig) -> int | None:
+    """trainer.checkpoint_layers as the user asked: a number of layers (``all``: every one),
+    or None for ``auto`` (the planner's to choose)."""
+    value = str(cfg.trainer.checkpoint_layers)
+    layers = int(cfg.model.architecture.get("num_hidden_layers") or 0)
+    if value == "auto":
+        return None
+    return layers if value == "all" else min(int(value), layers)
+
+
+def requested_sequence_parallel(cfg: RunConfig) -> int | None:
+    """trainer.sequence_parallel as the user asked, None for ``auto``."""
+    value = str(cfg.trainer.sequence_parallel)
+    return None if value == "auto" else int(value)
+
+
+def requested_switch(value: str) -> bool | None:
+    """An auto | on | off setting as the user asked, None for ``auto``."""
+    return None if value == "auto" else value == "on"
+
+
+def attention_kernel(requested: AttnImplementation, machine: RankMachine) -> AttentionKernel:
+    """model.attn_implementation on the ranks' machine: ``auto`` is FlashAttention-2 where it
+    runs (CUDA and flash-attn), else sdpa_varlen (SDPA per sample, no dense mask)."""
+    if requested == "auto":
+        return "flash_attention_2" if machine.cuda and machine.flash_attn else "sdpa_varlen"
+    return requested
+
+
+def loss_kernel(requested: Loss, machine: RankMachine) -> LossKernel:
+    """trainer.loss on the ranks' machine: ``auto`` is Liger's fused linear cross-entropy on
+    CUDA when installed, else memtune's chunked loss."""
+    if requested == "auto":
+        return "liger" if machine.cuda and machine.liger else "chunked"
+    return requested
+
+
+def experts_of(cfg: RunConfig) -> Experts | None:
+    """A mixture's routed experts as the settings decide them; None for a dense model."""
+    from memtune.config.derive import adapts_experts
+
+    count = routed_experts(dict(cfg.model.architecture))
+    if not count:
+        return None
+    method = cfg.peft.method
+    storage: ExpertStorage = (
+        "int8" if method == "lora-int8" else cfg.peft.quant_type if method == "qlora" else "compute"
+    )
+    return Experts(count, adapts_experts(cfg), storage)
+
+
+def _given(name: str, asked: Any, chosen: Any) -> Any:
+    """The user's fixed setting, or the decider's choice for an ``auto`` one."""
+    if asked is None:
+        if chosen is None:
+            raise DecisionError(
+                f"trainer.{name}=auto is the planner's to decide (memory.fit): no value chosen"
+            )
+        return chosen
+    if chosen is not None and chosen != asked:
+        raise DecisionError(f"trainer.{name} is set to {asked!r}; the choice {chosen!r} differs")
+    return asked
+
+
+@dataclass(frozen=True)
+class Choices:
+    """What a decider chose for the settings left to ``auto`` (None: the setting is fixed, or
+    not chosen yet). A value given for a fixed setting must equal it."""
+
+    recompute: int | None = None
+    sequence_parallel: int | None = None
+    tiled_mlp: bool | None = None
+    offload_activations: bool | None = None
+
+
+def decisions_for(
+    cfg: RunConfig, machine: RankMachine, choices: Choices | None = None
+) -> Decisions:
+    """The decisions for ``cfg`` (a validated config, or one of the decider's variants of it),
+    with ``choices`` for what it leaves to ``auto``."""
+    choices = choices or Choices()
+    t = cfg.trainer
+    layers = int(cfg.model.architecture["num_hidden_layers"])
+    if t.activation_checkpointing:
+        k = _given("checkpoint_layers", requested_recompute(cfg), choices.recompute)
+        checkpointing = Checkpointing.first(k, layers, t.checkpointing_reentrant)
+        offload = _given(
+            "offload_activations",
+            requested_switch(t.offload_activations),
+            choices.offload_activations,
         )
-
-    def applied_to(self, cfg: RunConfig) -> RunConfig:
-        """``cfg`` with these decisions; ``cfg`` itself when they are already its own."""
-        if self == Decisions.of(cfg):
-            return cfg
-        return with_sections(
-            cfg,
-            zero={"stage": self.zero_stage, "template": self.zero_template},
-            trainer={
-                "micro_batch_size": self.micro_batch_size,
-                "loss": self.loss,
-                "activation_checkpointing": self.activation_checkpointing,
-                "checkpoint_layers": self.checkpoint_layers,
-                "sequence_parallel": self.sequence_parallel,
-                "tiled_mlp": self.tiled_mlp,
-                "offload_activations": self.offload_activations,
-                "optimizer": self.optimizer,
-            },
-            peft={"method": self.peft_method},
-        )
-
-
-def decided(cfg: RunConfig, **changes: Any) -> RunConfig:
-    """``cfg`` with some decisions changed (``decided(cfg, zero_stage=3)``)."""
-    return dataclasses.replace(Decisions.of(cfg), **changes).applied_to(cfg)
+    else:
+        if choices.recompute:
+            raise DecisionError("trainer.activation_checkpointing=false: no layer recomputes")
+        checkpointing = Checkpointing.off(layers)
+        offload = False  # it moves checkpointed layers' inputs: there are none
+    sp = _given("sequence_parallel", requested_sequence_parallel(cfg), choices.sequence_parallel)
+    tiled = _given("tiled_mlp", requested_switch(t.tiled_mlp), choices.tiled_mlp)
+    batch = BatchShape(
+        global_batch=t.global_batch_size,
+        micro_batch=t.micro_batch_size,
+        ranks=cfg.launcher.num_ranks,
+        sequence_parallel=sp,
+        row_tokens=cfg.data.max_seq_len,
+    )
+    return Decisions(
+        zero_stage=cfg.zero.stage,
+        zero_template=cfg.zero.template,
+        peft_method=cfg.peft.method,
+        optimizer=t.optimizer,
+        attention=attention_kernel(cfg.model.attn_implementation, machine),
+        loss=loss_kernel(t.loss, machine),
+        checkpointing=checkpointing,
+        tiled_mlp=tiled,
+        offload_activations=offload,
+        batch=batch,
+        experts=experts_of(cfg),
+    )
 
 
 def with_sections(cfg: RunConfig, **sections: dict[str, Any]) -> RunConfig:
     """``cfg`` with fields of some sections replaced (``with_sections(cfg, data={"max_seq_len":
-    512})``): new objects for those sections and the top level, the rest shared."""
+    512})``): new objects for those sections and the top level, the rest shared. The decider's
+    variants of the user's settings are made this way, never by copying or mutating them."""
     return dataclasses.replace(
         cfg,
         **{

@@ -1,4 +1,4 @@
-"""Fill a DeepSpeed JSON template from the resolved config.
+"""Fill a DeepSpeed JSON template from the settings and what was decided for the run.
 
 The templates in ``ds_configs/`` are DeepSpeed's own format with ``"auto"`` where memtune
 derives the value, so a setting is never written twice. Filling replaces every ``"auto"``;
@@ -16,23 +16,21 @@ from memtune.config import (
     SOURCE_ROOT,
     ConfigError,
     RunConfig,
-    grad_accumulation_steps,
     persistence_threshold,
     prefetch_bucket_elements,
     reduce_bucket_elements,
-    sequence_parallel_size,
 )
+from memtune.config.decisions import Decisions
 
 DS_CONFIG_DIR = SOURCE_ROOT / "ds_configs"
 
 
-def derived_values(cfg: RunConfig) -> dict[str, Any]:
-    """Every DeepSpeed value memtune derives, keyed by dotted JSON path."""
-    t, z = cfg.trainer, cfg.zero
+def derived_values(cfg: RunConfig, d: Decisions) -> dict[str, Any]:
+    """Every DeepSpeed value memtune derives, keyed by dotted JSON path: the batch fields
+    from the decided step's shape (config.decisions.BatchShape), the rest from the settings."""
+    t = cfg.trainer
     values: dict[str, Any] = {
-        "train_batch_size": t.global_batch_size,
-        "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": grad_accumulation_steps(cfg),
+        **d.batch.deepspeed(),
         "gradient_clipping": t.max_grad_norm,
         "bf16.enabled": t.precision == "bf16",
         # DeepSpeed's default too; rank/loop.py relies on it to discard non-finite steps in bf16.
@@ -40,28 +38,28 @@ def derived_values(cfg: RunConfig) -> dict[str, Any]:
         # Gradients of the (bf16) adapters summed over micro batches in fp32, not bf16: the
         # adapters are small, so this costs MBs, and 8+ bf16 additions lose low bits.
         "data_types.grad_accum_dtype": "fp32",
-        "zero_optimization.stage": z.stage,
+        "zero_optimization.stage": d.zero_stage,
         "zero_optimization.reduce_bucket_size": reduce_bucket_elements(cfg),
     }
-    if sequence_parallel_size(cfg) > 1:
+    if d.sequence_parallel > 1:
         # DeepSpeed's batch arithmetic counts data-parallel ranks: world / this. (The engine
         # also gets the groups (rank/sequence_parallel.py); this is for configs read without
         # them, e.g. transformers' zero.Init.)
-        values["sequence_parallel_size"] = sequence_parallel_size(cfg)
-        if z.stage == 3:
+        values["sequence_parallel_size"] = d.sequence_parallel
+        if d.zero_stage == 3:
             # ZeRO-3 averages over all ranks on this path only, which rank.loop's loss scale
             # counts on (rank/sequence_parallel.py: gradient_averaging_ranks).
             values["zero_optimization.reduce_scatter"] = True
-    if t.optimizer == "cpu_adam":
+    if d.optimizer == "cpu_adam":
         # DeepSpeed builds DeepSpeedCPUAdam itself only from its own config (see optim.py).
         values["optimizer.type"] = "AdamW"
         values["optimizer.params.lr"] = t.lr
         values["optimizer.params.weight_decay"] = t.weight_decay
         values["zero_optimization.offload_optimizer.device"] = "cpu"
-    if t.optimizer == "adamw_8bit":
+    if d.optimizer == "adamw_8bit":
         # ZeRO wraps bitsandbytes' optimizer like any other; DeepSpeed asks for this opt-in.
         values["zero_allow_untested_optimizer"] = True
-    if z.stage == 2:
+    if d.zero_stage == 2:
         values["zero_optimization.allgather_bucket_size"] = reduce_bucket_elements(cfg)
     else:
         values["zero_optimization.stage3_prefetch_bucket_size"] = prefetch_bucket_elements(cfg)
@@ -70,18 +68,20 @@ def derived_values(cfg: RunConfig) -> dict[str, Any]:
     return values
 
 
-def template_path(cfg: RunConfig) -> Path:
-    name = cfg.zero.template or f"zero{cfg.zero.stage}"
+def template_path(d: Decisions) -> Path:
+    name = d.zero_template or f"zero{d.zero_stage}"
     path = Path(name) if name.endswith(".json") else DS_CONFIG_DIR / f"{name}.json"
     if not path.is_file():
         raise ConfigError(f"zero.template={name!r}: no such DeepSpeed template ({path})")
     return path
 
 
-def fill_ds_config(template: dict[str, Any], cfg: RunConfig, source: str = "template") -> dict:
+def fill_ds_config(
+    template: dict[str, Any], cfg: RunConfig, d: Decisions, source: str = "template"
+) -> dict:
     """Return a copy of ``template`` with every derived value in place, checked."""
     filled = json.loads(json.dumps(template))
-    for dotted, value in derived_values(cfg).items():
+    for dotted, value in derived_values(cfg, d).items():
         *parents, leaf = dotted.split(".")
         node = filled
         for part in parents:
@@ -110,10 +110,10 @@ def _auto_paths(node: Any, prefix: str = ""):
         yield prefix.rstrip(".")
 
 
-def build_ds_config(cfg: RunConfig) -> dict[str, Any]:
-    path = template_path(cfg)
+def build_ds_config(cfg: RunConfig, d: Decisions) -> dict[str, Any]:
+    path = template_path(d)
     try:
         template = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ConfigError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from err
-    return fill_ds_config(template, cfg, source=str(path))
+    return fill_ds_config(template, cfg, d, source=str(path))

@@ -1,4 +1,7 @@
-"""Values derived from a validated config, each computed in this one place."""
+"""Values derived from the user's settings, each computed in this one place: what LoRA adapts
+and how, byte sizes, DeepSpeed's bucket sizes. What memtune decides for a run (recomputed
+layers, sequence split, tiles, offload, the step's shape, kernels) is not derived here: it is
+memory.fit's, as a config.decisions.Decisions."""
 
 from __future__ import annotations
 
@@ -10,8 +13,7 @@ from memtune.config.architecture import (
     routed_experts,
     shared_expert,
 )
-from memtune.config.decisions import decided
-from memtune.config.schema import RunConfig
+from memtune.config.schema import RunConfig, ZeroStage
 
 # The linear layers each peft.target preset adapts, by their name in a Qwen2 decoder layer.
 LINEAR_ATTENTION_TARGETS = ["in_proj_qkv", "in_proj_z", "out_proj"]
@@ -38,12 +40,6 @@ def adapts_experts(cfg: RunConfig) -> bool:
     return cfg.peft.target == "all-linear" and routed_experts(dict(cfg.model.architecture)) > 0
 
 
-def expert_quant_type(cfg: RunConfig) -> str:
-    """How a quantized base's routed-expert stacks are stored (rank.experts.quantize_experts):
-    peft.quant_type (nf4 / fp4) under QLoRA, int8 under LLM.int8."""
-    return "int8" if cfg.peft.method == "lora-int8" else cfg.peft.quant_type
-
-
 def lora_targets(cfg: RunConfig) -> list[str]:
     """The module names LoRA adapts in this run's model: ``LORA_TARGETS[peft.target]``, less the
     linear-attention names where the model has no linear-attention layer (an ``out_proj`` of
@@ -60,31 +56,13 @@ def lora_targets(cfg: RunConfig) -> list[str]:
     return names
 
 
-def one_rank_zero(cfg: RunConfig) -> RunConfig:
-    """``cfg``, or a copy on ZeRO-2 when ZeRO-3 would run on one rank (see one_rank_stage2;
-    launcher.prepare.decide says so)."""
+def one_rank_stage(cfg: RunConfig) -> ZeroStage:
+    """The ZeRO stage the run asks for, with one rank's exception: ZeRO-3 on a single rank
+    shards nothing, yet its gather hooks cost time, so it runs ZeRO-2 (zero.one_rank_stage2;
+    not with a template of the user's). memory.fit decides it; launcher.prepare says so."""
     z = cfg.zero
-    if not (cfg.launcher.num_ranks == 1 and z.stage == 3 and z.template is None):
-        return cfg
-    if not z.one_rank_stage2:
-        return cfg
-    return decided(cfg, zero_stage=2)
-
-
-def checkpointed_layers(cfg: RunConfig) -> int:
-    """Decoder layers that recompute their forward (the first ones): 0 .. num_hidden_layers."""
-    layers = int(cfg.model.architecture.get("num_hidden_layers") or 0)
-    if not cfg.trainer.activation_checkpointing:
-        return 0
-    value = str(cfg.trainer.checkpoint_layers)
-    return layers if value in ("all", "auto") else min(int(value), layers)
-
-
-def sequence_parallel_size(cfg: RunConfig) -> int:
-    """Ranks each sequence is split over (trainer.sequence_parallel); ``auto`` is resolved by
-    the planner before any rank starts, and reads 1 until then."""
-    value = str(cfg.trainer.sequence_parallel)
-    return int(value) if value.isdigit() else 1
+    one = cfg.launcher.num_ranks == 1 and z.stage == 3 and z.template is None
+    return 2 if one and z.one_rank_stage2 else z.stage
 
 
 REFERENCE_OBJECTIVES = ("dpo", "ipo")
@@ -107,23 +85,6 @@ def live_reference(cfg: RunConfig) -> bool:
     return needs_reference(cfg) and cfg.preference.reference == "live"
 
 
-def tiled_mlp(cfg: RunConfig) -> bool:
-    """trainer.tiled_mlp, ``auto`` resolved by the planner (off until then)."""
-    return str(cfg.trainer.tiled_mlp) == "on"
-
-
-def offload_activations(cfg: RunConfig) -> bool:
-    """trainer.offload_activations (with checkpointing), ``auto`` resolved by the planner."""
-    t = cfg.trainer
-    return t.activation_checkpointing and str(t.offload_activations) == "on"
-
-
-def rank_tokens(cfg: RunConfig) -> int:
-    """Tokens one rank computes per micro batch: micro × its share of max_seq_len."""
-    t = cfg.trainer
-    return t.micro_batch_size * cfg.data.max_seq_len // sequence_parallel_size(cfg)
-
-
 def rope_positions(cfg: RunConfig) -> int:
     """Positions the model can encode: max_position_embeddings, × model.rope_scaling's
     factor when set."""
@@ -131,16 +92,6 @@ def rope_positions(cfg: RunConfig) -> int:
     positions = int(a.get("max_position_embeddings") or 0)
     scaling = cfg.model.rope_scaling or a.get("rope_scaling") or {}
     return int(positions * float(scaling.get("factor", 1.0)))
-
-
-def data_parallel_ranks(cfg: RunConfig) -> int:
-    """Ranks that read different data: all ranks over the sequence-parallel size."""
-    return cfg.launcher.num_ranks // sequence_parallel_size(cfg)
-
-
-def grad_accumulation_steps(cfg: RunConfig) -> int:
-    t = cfg.trainer
-    return t.global_batch_size // (t.micro_batch_size * data_parallel_ranks(cfg))
 
 
 def compute_bytes(cfg: RunConfig) -> int:
@@ -166,12 +117,6 @@ def persistence_threshold(cfg: RunConfig) -> int:
     by default 10·hidden_size."""
     t = cfg.zero.param_persistence_threshold
     return 10 * int(cfg.model.architecture["hidden_size"]) if t is None else t
-
-
-def checkpointing_label(cfg: RunConfig) -> str:
-    """How many decoder layers recompute, for humans: "off", "all 28 layers", "9 of 28 layers"."""
-    k, layers = checkpointed_layers(cfg), int(cfg.model.architecture["num_hidden_layers"])
-    return "off" if k == 0 else f"all {layers} layers" if k == layers else f"{k} of {layers} layers"
 
 
 def lora_scaling(cfg: RunConfig) -> float:

@@ -135,26 +135,9 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
             f"trainer.sequence_parallel={sp!r} is not supported; choose auto | 1 | 2 | 4 ... "
             "(ranks each sequence is split over)"
         )
-    sp_ranks = int(sp) if sp.isdigit() else 1
-    if cfg.launcher.num_ranks % sp_ranks:
-        raise ConfigError(
-            f"trainer.sequence_parallel={sp_ranks} does not divide launcher.num_ranks="
-            f"{cfg.launcher.num_ranks}: the ranks form groups of {sp_ranks} that split each "
-            "sequence"
-        )
-    dp = cfg.launcher.num_ranks // sp_ranks
-    per_step = t.micro_batch_size * dp
-    if t.global_batch_size % per_step:
-        across = (
-            f"launcher.num_ranks = {t.micro_batch_size} × {cfg.launcher.num_ranks}"
-            if sp_ranks == 1
-            else f"data-parallel ranks (launcher.num_ranks / trainer.sequence_parallel) = "
-            f"{t.micro_batch_size} × {dp}"
-        )
-        raise ConfigError(
-            f"trainer.global_batch_size={t.global_batch_size} is not a multiple of "
-            f"trainer.micro_batch_size × {across} = {per_step}"
-        )
+    # auto: the batch must divide evenly at 1, the split the planner starts from
+    requested_sp = int(sp) if sp.isdigit() else 1
+    _check_split_ranks(cfg, requested_sp)
     if t.loss == "liger" and importlib.util.find_spec("liger_kernel") is None:
         raise ConfigError(
             "trainer.loss=liger needs the liger-kernel package (CUDA only); "
@@ -180,7 +163,7 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
         raise ConfigError("model.name_or_path is not set: give a hub name or a local directory")
     _check_synthesized_path(cfg.model)
     _check_experts(cfg)
-    _check_sequence_parallel(cfg)
+    _check_ulysses(cfg, requested_sp)
     _check_positions(cfg)
     if inputs:
         _check_model_path(cfg.model)
@@ -193,7 +176,7 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
 def _check_attention_here(model: ModelConfig) -> None:
     """FlashAttention-2 asked for by name on a machine that cannot run it: refused here, on
     the machine the ranks start from, rather than by every rank once it has loaded the model
-    (rank.model.choose_attention). Not for a memory plan (``inputs=False``): planning a GPU
+    (rank.model.use_attention). Not for a memory plan (``inputs=False``): planning a GPU
     run on a laptop is fine."""
     if model.attn_implementation != "flash_attention_2":
         return
@@ -235,15 +218,46 @@ def config_warnings(cfg: RunConfig) -> list[str]:
     return out
 
 
-def _check_sequence_parallel(cfg: RunConfig) -> None:
+def check_sequence_parallel(cfg: RunConfig, sp: int) -> None:
+    """Whether ``cfg`` can split each sequence over ``sp`` ranks (the user's setting, or a
+    split the planner considers); ConfigError naming the rule it breaks."""
+    _check_split_ranks(cfg, sp)
+    _check_ulysses(cfg, sp)
+
+
+def _check_split_ranks(cfg: RunConfig, sp: int) -> None:
+    """The ranks form groups of sp, and the global batch divides over the data-parallel
+    groups."""
+    t, ranks = cfg.trainer, cfg.launcher.num_ranks
+    if ranks % sp:
+        raise ConfigError(
+            f"trainer.sequence_parallel={sp} does not divide launcher.num_ranks={ranks}: the "
+            f"ranks form groups of {sp} that split each sequence"
+        )
+    dp = ranks // sp
+    per_step = t.micro_batch_size * dp
+    if t.global_batch_size % per_step:
+        across = (
+            f"launcher.num_ranks = {t.micro_batch_size} × {ranks}"
+            if sp == 1
+            else f"data-parallel ranks (launcher.num_ranks / trainer.sequence_parallel) = "
+            f"{t.micro_batch_size} × {dp}"
+        )
+        raise ConfigError(
+            f"trainer.global_batch_size={t.global_batch_size} is not a multiple of "
+            f"trainer.micro_batch_size × {across} = {per_step}"
+        )
+
+
+def _check_ulysses(cfg: RunConfig, sp: int) -> None:
     """Ulysses' rules (DeepSpeed's UlyssesSPAttentionHF checks them too, on a rank, mid-load):
     each rank of a group attends for heads/sp query heads and its share of the KV heads
     (replicated when there are fewer KV heads than ranks), over the whole sequence, which is
-    cut into sp equal shards."""
-    value = str(cfg.trainer.sequence_parallel)
-    if not value.isdigit() or int(value) == 1:
+    cut into sp equal shards; not built for routed experts."""
+    if sp == 1:
         return
-    sp, arch = int(value), cfg.model.architecture
+    arch = cfg.model.architecture
+    _check_experts_split(cfg, sp)
     if linear_attention_layers(arch):
         for field in ("linear_num_key_heads", "linear_num_value_heads"):
             count = int(arch.get(field) or 0)
@@ -277,6 +291,16 @@ def _check_sequence_parallel(cfg: RunConfig) -> None:
             f"{where} with model.attn_implementation={attn}: sequence parallelism marks samples "
             "by positions and sample boundaries, not a dense mask, which "
             f"transformers' {attn} needs; use auto (sdpa_varlen, or FlashAttention-2 on a GPU)"
+        )
+
+
+def _check_experts_split(cfg: RunConfig, sp: int) -> None:
+    experts = routed_experts(dict(cfg.model.architecture))
+    if experts and sp > 1:
+        raise ConfigError(
+            f"trainer.sequence_parallel={sp} on {cfg.model.name_or_path} ({experts} routed "
+            "experts a layer): not built for routed experts yet; use 1 (or auto, which keeps 1 "
+            "for these models)"
         )
 
 
@@ -331,11 +355,7 @@ def _check_experts(cfg: RunConfig) -> None:
             "not built for routed experts yet; leave them at their defaults"
         )
     sp = str(t.sequence_parallel)
-    if sp.isdigit() and int(sp) > 1:
-        raise ConfigError(
-            f"trainer.sequence_parallel={sp} on {model}: not built for routed experts yet; "
-            "use 1 (or auto, which keeps 1 for these models)"
-        )
+    _check_experts_split(cfg, int(sp) if sp.isdigit() else 1)
     if (
         p.train_router
         and cfg.trainer.objective in ("dpo", "ipo")
@@ -521,7 +541,7 @@ def _lora_variants(cfg: RunConfig) -> None:
         REWRITING_INIT,
         adapts_experts,
         lora_targets,
-        one_rank_zero,
+        one_rank_stage,
     )
 
     p = cfg.peft
@@ -537,7 +557,7 @@ def _lora_variants(cfg: RunConfig) -> None:
             "first forward stops with \"'NoneType' object has no attribute 'unsqueeze'\"); use "
             "peft.method=qlora (NF4, with zero=zero2) or lora"
         )
-    if p.dora and p.method != "lora" and one_rank_zero(cfg).zero.stage == 3:
+    if p.dora and p.method != "lora" and one_rank_stage(cfg) == 3:
         raise ConfigError(
             f"peft.dora=true with peft.method={p.method} under zero.stage=3: peft's DoRA "
             "dequantizes the base weight inside a forward that ZeRO-3 does not gather "

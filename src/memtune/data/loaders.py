@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from memtune.config import RunConfig
+from memtune.config.decisions import BatchShape
 from memtune.data.batching import (
     GlobalOrderSampler,
     LengthGroupedSampler,
@@ -24,6 +25,7 @@ from memtune.data.encode import IGNORE_INDEX, Sample
 
 def eval_batches(
     cfg: RunConfig,
+    batch: BatchShape,
     prepared_dir: str,
     pad_token_id: int,
     rank: int,
@@ -31,14 +33,14 @@ def eval_batches(
     full_rows: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """This rank's validation micro batches, collated once (the split is small).
-    ``full_rows``: every batch has micro_batch_size rows (label-free rows fill the last one),
+    ``full_rows``: every batch has the micro batch's rows (label-free rows fill the last one),
     as sequence-parallel attention needs."""
     val = load_split(prepared_dir, "val")
     samples = []
     for i in eval_shard(len(val), rank, world):
         s = val[max(i, 0)]
         samples.append(s if i >= 0 else blank_sample(s))
-    micro = cfg.trainer.micro_batch_size
+    micro = batch.micro_batch
     if full_rows and len(samples) % micro:
         samples += [blank_sample(samples[0])] * (-len(samples) % micro)
     collate = collate_pairs if val.pairs else collate_padded
@@ -51,31 +53,30 @@ def blank_sample(s: Sample) -> Sample:
 
 
 def train_order(
-    cfg: RunConfig, base: TokenizedDataset, rank: int, world: int
+    cfg: RunConfig, batch: BatchShape, base: TokenizedDataset, rank: int, world: int
 ) -> tuple[TokenizedDataset | PackedDataset, GlobalOrderSampler | LengthGroupedSampler]:
     """What the loader's items are (samples or pairs; packed rows) and the sampler that deals
     them to this rank: the one place both are made (the reference precompute asks it which
     items the steps read, rank.reference.train_items)."""
-    micro, seed = cfg.trainer.micro_batch_size, cfg.trainer.seed
+    micro, seed = batch.micro_batch, cfg.trainer.seed
     dataset: TokenizedDataset | PackedDataset = base
     if cfg.data.packing:
-        dataset = PackedDataset(base, cfg.data.max_seq_len)
+        dataset = PackedDataset(base, batch.row_tokens)
     if cfg.data.group_by_length:
         return dataset, LengthGroupedSampler(base.lengths, micro, world, rank, seed)
-    return dataset, GlobalOrderSampler(
-        len(dataset), world, rank, seed, cfg.trainer.global_batch_size
-    )
+    return dataset, GlobalOrderSampler(len(dataset), world, rank, seed, batch.global_batch)
 
 
 def make_loader(
-    cfg: RunConfig, prepared_dir: str, pad_token_id: int, rank: int, world: int
+    cfg: RunConfig, batch: BatchShape, prepared_dir: str, pad_token_id: int, rank: int, world: int
 ) -> tuple[Any, Any]:
-    """The rank's DataLoader over the preprocessed cache: padded, length-grouped or packed."""
+    """The rank's DataLoader over the preprocessed cache: padded, length-grouped or packed,
+    ``batch.micro_batch`` rows at a time."""
     from torch.utils.data import DataLoader
 
     base = load_split(prepared_dir, "train")
-    micro = cfg.trainer.micro_batch_size
-    dataset, sampler = train_order(cfg, base, rank, world)
+    micro = batch.micro_batch
+    dataset, sampler = train_order(cfg, batch, base, rank, world)
     collate_fn: Any = partial(
         collate_pairs if base.pairs else collate_padded, pad_token_id=pad_token_id
     )

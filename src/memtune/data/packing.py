@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from memtune.config.decisions import BatchShape
 from memtune.config.schema import ConfigError
 
 
@@ -36,8 +37,9 @@ def pack_bins(lengths: Sequence[int], capacity: int) -> list[list[int]]:
 
 @dataclass(frozen=True)
 class StepShape:
-    """What one optimizer step holds, and what ``max_steps`` amounts to, for the user to read
-    (the start-up line and ``data.json``): with packing, ``global_batch_size`` counts rows."""
+    """What one optimizer step holds of the data, and what ``max_steps`` amounts to, for the
+    user to read (the start-up line and ``data.json``): with packing, the global batch counts
+    rows. The batch arithmetic itself is config.decisions.BatchShape's."""
 
     packed: bool
     samples: int
@@ -81,19 +83,19 @@ class StepShape:
 def step_shape(
     lengths: Sequence[int],
     packed: bool,
-    max_seq_len: int,
-    global_batch: int,
+    batch: BatchShape,
     max_steps: int,
-    micro_step: int = 1,
     unit: str = "samples",
 ) -> StepShape:
-    """The loader's own packing (:func:`pack_bins`, deterministic) over the train lengths.
+    """The loader's own packing (:func:`pack_bins`, deterministic) over the train lengths, in
+    rows of ``batch.row_tokens``.
 
     Raises ConfigError when the data holds fewer rows (samples, unpacked) than one step takes:
-    the ranks' sampler deals whole global batches, so it would hand them nothing to train on.
-    ``micro_step``: rows one micro step takes over all data-parallel ranks (micro batch × data
-    ranks), the least a global batch can be; with it the error names a global batch that fits.
+    the ranks' sampler deals whole global batches, so it would hand them nothing to train on;
+    the error names a global batch that fits (a multiple of the rows one micro step takes
+    over the data-parallel ranks).
     """
+    max_seq_len, global_batch = batch.row_tokens, batch.global_batch
     if not packed:
         shape = StepShape(False, len(lengths), len(lengths), 0, 1.0, global_batch, max_steps, unit)
     else:
@@ -102,7 +104,7 @@ def step_shape(
         shape = StepShape(
             True, len(lengths), rows, max_seq_len, fill, global_batch, max_steps, unit
         )
-    check_one_step(shape, micro_step)
+    check_one_step(shape, batch.micro_step_rows)
     return shape
 
 

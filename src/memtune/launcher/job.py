@@ -11,7 +11,7 @@ import os
 import shutil
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from memtune.config import ConfigError, RunConfig, load_run_config
+from memtune.config.decisions import Decisions, rank_machine
 from memtune.exit_codes import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OOM, EXIT_REQUEUE
 from memtune.launcher import oom
 from memtune.launcher.preflight import PreflightError, for_launch
@@ -51,7 +52,7 @@ from memtune.memory.fit import (
     format_step_estimates,
     format_suggestions,
 )
-from memtune.rundir import RunDir, RunDirBusy, find_latest, hold, write_atomic
+from memtune.rundir import RecordError, RunDir, RunDirBusy, find_latest, hold, write_atomic
 
 WAIT_FOR_NODE0_S = 3600.0
 """Per-node form: how long nodes 1.. wait for node 0 to tokenize the data and plan."""
@@ -85,28 +86,36 @@ def print_plan(cfg: DictConfig) -> int:
     except ConfigError as err:
         print(f"memtune: config error: {err}", file=sys.stderr)
         return EXIT_CONFIG
-    print(format_plan(fitted.given, fitted.given_plan))
+    settings, machine = fitted.cfg, fitted.machine
+    print(format_plan(settings, fitted.given, fitted.given_plan))
     if fitted.changes:
         print(f"\nplan.auto_fit would run it with: {' '.join(fitted.changes)}")
-        print(format_plan(fitted.cfg, fitted.plan))
+        print(format_plan(settings, fitted.decisions, fitted.plan))
     elif not fitted.given_plan.fits:
         assert fitted.given_plan.counts is not None  # memory.estimate.plan always sets them
-        print(format_suggestions(fitted.given, fitted.given_plan.counts))
+        print(format_suggestions(settings, fitted.given, fitted.given_plan.counts, machine))
     assert fitted.plan.counts is not None
-    estimate = format_step_estimates(fitted.cfg, fitted.plan.counts)
+    estimate = format_step_estimates(settings, fitted.decisions, fitted.plan.counts, machine)
     if estimate:
         print(estimate)
-    if fitted.cfg.plan.max_seq_len_search and fitted.cfg.plan.device_gib is not None:
-        print(format_longest_sequence(fitted.cfg, fitted.plan.counts))
+    if settings.plan.max_seq_len_search and settings.plan.device_gib is not None:
+        counts = fitted.plan.counts
+        print(format_longest_sequence(settings, fitted.decisions, counts, machine))
     print(f"planned with {versions_line()}")
     return 0
 
 
-def after_out_of_memory(cfg: RunConfig, run_dir: Path, spec: Any, env: dict[str, str]) -> int:
+def after_out_of_memory(
+    cfg: RunConfig, d: Decisions, run_dir: Path, spec: Any, env: dict[str, str]
+) -> int:
     """Explain an out-of-memory stop; with plan.auto_fit restart once, from the last
     checkpoint, with the cheapest change that saves memory and keeps the checkpoint valid."""
-    oom.say(f"out of memory (exit code {EXIT_OOM}); run dir {run_dir}\n{oom.explain(cfg, run_dir)}")
-    restart = oom.restart_plan(cfg, run_dir)
+    machine = rank_machine()
+    oom.say(
+        f"out of memory (exit code {EXIT_OOM}); run dir {run_dir}\n"
+        f"{oom.explain(cfg, d, run_dir, machine)}"
+    )
+    restart = oom.restart_plan(cfg, d, run_dir, machine)
     if restart is None:
         if cfg.plan.auto_fit:
             oom.say(
@@ -115,12 +124,12 @@ def after_out_of_memory(cfg: RunConfig, run_dir: Path, spec: Any, env: dict[str,
             )
         return EXIT_OOM
     variant, changes = restart
-    if variant.resume == "never" or find_latest(run_dir)[0] is not None:
+    if cfg.resume == "never" or find_latest(run_dir)[0] is not None:
         # The restart continues this run: its newest checkpoint, else its start (a resume=PATH
         # with nothing saved since still starts from PATH; resume=never must not set this run
         # aside as an earlier one).
-        variant.resume = "auto"
-    fresh = prepare_run_dir(Fitted.as_decided(variant), run_dir)
+        cfg = replace(cfg, resume="auto")
+    fresh, _ = prepare_run_dir(Fitted.as_decided(cfg, variant, machine), run_dir)
     resumed = RunDir(run_dir).read_resume().checkpoint
     oom.record_restart(run_dir, changes, resumed)
     where = f"from {resumed}" if resumed else "from the start (no checkpoint yet)"
@@ -200,6 +209,7 @@ class Job:
     environment the GPU preflight decided for the ranks."""
 
     cfg: RunConfig
+    decisions: Decisions
     spec: NodeSpec
     env: dict[str, str]
 
@@ -236,7 +246,7 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
     try:
         given = given_config(cfg)
         spec = resolve(given)
-        run_cfg, env = _decide_and_lay_out(cfg, given, spec, run_dir)
+        run_cfg, decisions, env = _decide_and_lay_out(cfg, given, spec, run_dir)
     except (ConfigError, PreflightError) as err:
         kind = "config error" if isinstance(err, ConfigError) else "preflight"
         if spec is not None and spec.form == "per-node" and spec.node_rank == 0:
@@ -256,12 +266,12 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
     if spec.form == "per-node" and spec.node_rank == 0:
         write_nodes_hostfile(run_dir, spec)
         announce_ready(run_dir, spec)
-    return Job(run_cfg, spec, env)
+    return Job(run_cfg, decisions, spec, env)
 
 
 def _decide_and_lay_out(
     cfg: DictConfig, given: RunConfig, spec: NodeSpec, run_dir: Path
-) -> tuple[RunConfig, dict[str, str]]:
+) -> tuple[RunConfig, Decisions, dict[str, str]]:
     """Config and memory first, then the GPUs, then the data: a run that cannot fit, or a
     machine that cannot run it, stops before anything is tokenized. Node 0 decides and writes
     the run dir; the other nodes of a per-node job wait for it and read it."""
@@ -272,7 +282,12 @@ def _decide_and_lay_out(
     if fitted is None:
         print(f"memtune: node {spec.node_rank}: waiting for node 0 to prepare {run_dir}")
         wait_ready(run_dir, spec, timeout_s=WAIT_FOR_NODE0_S)
-        return load_run_config(RunDir(run_dir).config), env
+        rd = RunDir(run_dir)
+        try:
+            decisions = rd.read_decisions()
+        except RecordError as err:
+            raise ConfigError(str(err)) from None
+        return load_run_config(rd.config), decisions, env
     if measured is not None:
         print(
             f"memtune: preflight: {measured:g} GB/s all-reduce bus bandwidth between the "
@@ -283,7 +298,7 @@ def _decide_and_lay_out(
         # Decided again: auto_fit and the long-context choice order variants by step time.
         fitted = decide(given, link_gb_s=measured, say=False)
     announce(fitted)
-    return prepare_run_dir(fitted, run_dir), env
+    return (*prepare_run_dir(fitted, run_dir), env)
 
 
 def _stopped_before_launch(run_dir: Path, kind: str, error: str, sweeping: bool) -> int:
@@ -303,7 +318,7 @@ def _launch(job: Job, run_dir: Path) -> int:
     # exited first).
     spec = job.spec
     if code != 0 and oom.reports(run_dir) and spec.node_rank == 0 and spec.form != "per-node":
-        code = after_out_of_memory(job.cfg, run_dir, spec, job.env)
+        code = after_out_of_memory(job.cfg, job.decisions, run_dir, spec, job.env)
     return code
 
 

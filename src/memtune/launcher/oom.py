@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from memtune.config import RunConfig
+from memtune.config.decisions import Decisions, RankMachine
 from memtune.memory.counts import count_params
 from memtune.memory.fit import format_suggestions, out_of_memory_variant
 from memtune.rundir import OomReport, OomRestart, RunDir
@@ -21,7 +22,7 @@ def reports(run_dir: Path) -> list[OomReport]:
     return RunDir(run_dir).oom_reports()
 
 
-def explain(cfg: RunConfig, run_dir: Path) -> str:
+def explain(cfg: RunConfig, d: Decisions, run_dir: Path, machine: RankMachine) -> str:
     """Which ranks, at which step, planned vs measured, and the changes that save memory."""
     lines = []
     for r in reports(run_dir):
@@ -34,7 +35,7 @@ def explain(cfg: RunConfig, run_dir: Path) -> str:
         )
     if not lines:
         lines.append("a rank ran out of memory (it left no report)")
-    tips = format_suggestions(cfg, count_params(cfg))
+    tips = format_suggestions(cfg, d, count_params(cfg), machine)
     if len(tips.strip().splitlines()) > 1:
         lines.append(tips)
     else:  # nothing the plan says saves much: what the step's size depends on
@@ -47,11 +48,14 @@ def explain(cfg: RunConfig, run_dir: Path) -> str:
     return "\n".join(lines)
 
 
-def restart_plan(cfg: RunConfig, run_dir: Path) -> tuple[RunConfig, list[str]] | None:
-    """With plan.auto_fit, once per run dir: the config to restart with and its changes."""
+def restart_plan(
+    cfg: RunConfig, d: Decisions, run_dir: Path, machine: RankMachine
+) -> tuple[Decisions, list[str]] | None:
+    """With plan.auto_fit, once per run dir: the decisions to restart with and their changes
+    (the settings stay the user's)."""
     if not cfg.plan.auto_fit or RunDir(run_dir).oom_restart.exists():
         return None
-    return out_of_memory_variant(cfg)
+    return out_of_memory_variant(cfg, d, machine)
 
 
 def record_restart(run_dir: Path, changes: list[str], resumed: str | None) -> None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -13,15 +14,13 @@ from memtune.config import (
     ConfigError,
     RunConfig,
     cache_dir,
-    data_parallel_ranks,
     get_field,
-    grad_accumulation_steps,
     load_run_config,
-    one_rank_zero,
     to_run_config,
     validate,
 )
 from memtune.config.architecture import base_fingerprint, resolve_architecture
+from memtune.config.decisions import Decisions
 from memtune.config.deepspeed import build_ds_config
 from memtune.config.validate import config_warnings
 from memtune.data.cache import (
@@ -38,6 +37,7 @@ from memtune.memory.counts import check_run_dir_room
 from memtune.memory.estimate import format_plan
 from memtune.memory.fit import Fitted, fit_to_device, format_step_estimates
 from memtune.rundir import (
+    DECISIONS,
     BaseRecord,
     DataRecord,
     RecordError,
@@ -47,6 +47,7 @@ from memtune.rundir import (
     find_latest,
     has_gathered_state,
     is_complete,
+    read_decisions,
     verify_manifest,
     write_atomic,
 )
@@ -68,23 +69,16 @@ def given_config(cfg_node: DictConfig, inputs: bool = True) -> RunConfig:
 def decide(
     cfg: RunConfig, refuse: bool = True, link_gb_s: float | None = None, say: bool = True
 ) -> Fitted:
-    """What a launch and ``plan_only`` both decide for a validated config: one rank's ZeRO
-    stage (config.one_rank_zero), the number of checkpointed layers (checkpoint_layers=auto)
-    and, with plan.auto_fit, a variant that fits. With ``refuse``, a run that cannot fit raises
-    ConfigError with the breakdown (memory.fit.fit_to_device). ``link_gb_s``: the bandwidth
-    the GPU preflight measured, in place of plan.link_gb_s before any choice that orders
-    variants by step time, so the choice and the printed estimate use one figure. ``say``:
-    print the decisions (:func:`announce`)."""
+    """What a launch and ``plan_only`` both decide for a validated config, once
+    (memory.fit.fit_to_device): one rank's ZeRO stage, the long-context choices, the number
+    of checkpointed layers, the kernels and, with plan.auto_fit, a variant that fits. With
+    ``refuse``, a run that cannot fit raises ConfigError with the breakdown. ``link_gb_s``:
+    the bandwidth the GPU preflight measured, in place of plan.link_gb_s before any choice
+    that orders variants by step time, so the choice and the printed estimate use one figure.
+    ``say``: print the decisions (:func:`announce`)."""
     if link_gb_s is not None:
         cfg = replace(cfg, plan=replace(cfg.plan, link_gb_s=link_gb_s))
-    staged = one_rank_zero(cfg)
-    fitted = fit_to_device(staged, refuse)
-    if staged.zero.stage != cfg.zero.stage:
-        fitted.notes.insert(
-            0,
-            "one rank: ZeRO-2 instead of ZeRO-3 (nothing to shard; ZeRO-3's gather hooks only "
-            "cost time). zero.one_rank_stage2=false keeps ZeRO-3.",
-        )
+    fitted = fit_to_device(cfg, refuse)
     if say:
         announce(fitted)
     return fitted
@@ -95,23 +89,24 @@ def announce(fitted: Fitted) -> None:
         print(f"memtune: {note}", flush=True)
 
 
-def lay_out(cfg_node: DictConfig, run_dir: Path) -> RunConfig:
+def lay_out(cfg_node: DictConfig, run_dir: Path) -> tuple[RunConfig, Decisions]:
     """What a launch does before its ranks start, in one call (the tests and the benchmarks
     start ranks on what it lays out): validate, decide, :func:`prepare_run_dir`."""
     return prepare_run_dir(decide(given_config(cfg_node)), run_dir)
 
 
-def prepare_run_dir(fitted: Fitted, run_dir: Path) -> RunConfig:
+def prepare_run_dir(fitted: Fitted, run_dir: Path) -> tuple[RunConfig, Decisions]:
     """Lay out ``run_dir`` for the decided run (``fitted``: what :func:`decide` made of the
-    config; config.yaml records it) and return the config the ranks will read.
+    settings; config.yaml records the settings, decisions.json what was decided) and return
+    both, as the ranks will read them.
 
     Everything that can still fail before a rank starts fails here: the DeepSpeed template, the
     disk's room, the data, the checkpoint to resume. A synthesized demo model is built here
     too, once, rather than by every rank at the same time.
     """
-    cfg, memory_plan = fitted.cfg, fitted.plan
+    memory_plan, d = fitted.plan, fitted.decisions
     assert memory_plan.counts is not None
-    cfg.run_dir = str(run_dir)
+    cfg = replace(fitted.cfg, run_dir=str(run_dir))
     taken = RunDir(run_dir).run_names_taken()
     if taken:
         names = ", ".join(p.name for p in taken[:4]) + (", ..." if len(taken) > 4 else "")
@@ -120,24 +115,24 @@ def prepare_run_dir(fitted: Fitted, run_dir: Path) -> RunConfig:
             "base.json or resume.json): a run writes and replaces those names, "
             "so it is not started over them; give the run a dir of its own (run_dir=...)"
         )
-    ds_config = build_ds_config(cfg)
-    check_run_dir_room(cfg, memory_plan.counts, run_dir)
+    ds_config = build_ds_config(cfg, d)
+    check_run_dir_room(cfg, d.optimizer, memory_plan.counts, run_dir)
     if cfg.model.synthesize:
         from memtune.tools.tiny import synthesize  # imports torch: only for the demo model
 
         with no_space_is_an_error(cache_dir(), "MEMTUNE_CACHE_DIR"):
             synthesize(cfg.model.name_or_path, cfg.model.architecture)
     prepared = prepare_data(cfg)
-    shape = train_step_shape(cfg, prepared)
+    shape = train_step_shape(cfg, d, prepared)
     print(f"memtune: {shape.line()}", flush=True)
     name, revision = cfg.model.name_or_path, cfg.model.revision
     base = BaseRecord(name, base_fingerprint(name, revision))
-    resume = resolve_resume(cfg, run_dir, prepared.dir, base)
+    resume = resolve_resume(cfg, d, run_dir, prepared.dir, base)
     if cfg.resume == "never":
         start_over(run_dir)
     with no_space_is_an_error(run_dir, "run_dir"):
         _write_run_dir(cfg, run_dir, fitted, ds_config, prepared, shape, base, resume)
-    return cfg
+    return cfg, d
 
 
 def start_over(run_dir: Path) -> None:
@@ -165,17 +160,18 @@ def _write_run_dir(
     resume: Path | None,
 ) -> None:
     """The job's half of the run dir: what the ranks read."""
-    memory_plan = fitted.plan
+    memory_plan, d = fitted.plan, fitted.decisions
     assert memory_plan.counts is not None
     rd = RunDir(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     rd.write_base(base)
     write_atomic(rd.config, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    rd.write_decisions(d)
     write_atomic(rd.ds_config, json.dumps(ds_config, indent=2) + "\n")
-    estimate = format_step_estimates(cfg, memory_plan.counts)
+    estimate = format_step_estimates(cfg, d, memory_plan.counts, fitted.machine)
     write_atomic(
         rd.plan,
-        f"{format_plan(cfg, memory_plan)}\n{estimate + chr(10) if estimate else ''}"
+        f"{format_plan(cfg, d, memory_plan)}\n{estimate + chr(10) if estimate else ''}"
         f"versions: {versions_line()}\n",
     )
     rd.write_plan(memory_plan.record())
@@ -194,7 +190,7 @@ def _write_run_dir(
             val=None if prepared.val is None else prepared.val.as_dict(),
         )
     )
-    rd.write_resume(resume, resume_changes(cfg, resume))
+    rd.write_resume(resume, resume_changes(cfg, d, resume))
 
 
 def prepare_data(cfg: RunConfig) -> Prepared:
@@ -216,19 +212,11 @@ def prepare_data(cfg: RunConfig) -> Prepared:
     return prepared
 
 
-def train_step_shape(cfg: RunConfig, prepared: Prepared) -> StepShape:
+def train_step_shape(cfg: RunConfig, d: Decisions, prepared: Prepared) -> StepShape:
     t = cfg.trainer
     lengths = load_lengths(prepared.dir, "train")
-    micro_step = t.micro_batch_size * data_parallel_ranks(cfg)
-    return step_shape(
-        lengths,
-        cfg.data.packing,
-        cfg.data.max_seq_len,
-        t.global_batch_size,
-        t.max_steps,
-        micro_step,
-        "samples" if t.objective == "sft" else "pairs",
-    )
+    unit = "samples" if t.objective == "sft" else "pairs"
+    return step_shape(lengths, cfg.data.packing, d.batch, t.max_steps, unit)
 
 
 # What a checkpoint's state depends on: resuming with any of these changed cannot continue the
@@ -274,7 +262,7 @@ base.json, or a hub name not on disk)."""
 
 
 def resolve_resume(
-    cfg: RunConfig, run_dir: Path, data_dir: Path, base: BaseRecord | None = None
+    cfg: RunConfig, d: Decisions, run_dir: Path, data_dir: Path, base: BaseRecord | None = None
 ) -> Path | None:
     """The checkpoint to continue from, verified (its manifest) and checked against the config
     and the base model (``base``: this run's, by content) before any rank starts."""
@@ -293,33 +281,34 @@ def resolve_resume(
         problem = verify_manifest(ckpt)
         if problem is not None:
             raise ConfigError(f"resume={cfg.resume}: the checkpoint is damaged: {problem}")
-    saved = load_run_config(ckpt / "config.yaml")
+    saved = checkpoint_run(ckpt)
     must_match = dict(RESUME_MUST_MATCH)
-    if saved.peft.method == "qlora":
+    if saved.value("peft.method") == "qlora":
         must_match |= QLORA_MUST_MATCH
     diffs = _base_differences(cfg, ckpt, base)
     if diffs is None:
         diffs = []
         must_match |= BASE_BY_NAME
+    now = RunValues(cfg, d)
     for key, what in must_match.items():
-        old, new = get_field(saved, key), get_field(cfg, key)
+        old, new = saved.value(key), now.value(key)
         if old != new:
             diffs.append(f"  {key}: checkpoint {old!r}, now {new!r} ({what})")
     state = _train_state(ckpt)
     ranks = cfg.launcher.num_ranks
-    old_stage, stage = saved.zero.stage, cfg.zero.stage
+    old_stage, stage = saved.value("zero.stage"), d.zero_stage
     if state.world_size != ranks or old_stage != stage:
         why = world_change_problem(cfg, ckpt)
         changed = f"{state.world_size} rank(s), ZeRO-{old_stage} → {ranks}, ZeRO-{stage}"
-        if saved.launcher.nnodes != cfg.launcher.nnodes:
-            changed += f"; {saved.launcher.nnodes} → {cfg.launcher.nnodes} node(s)"
+        if saved.cfg.launcher.nnodes != cfg.launcher.nnodes:
+            changed += f"; {saved.cfg.launcher.nnodes} → {cfg.launcher.nnodes} node(s)"
         if why:
             diffs.append(f"  launcher.num_ranks / zero.stage: checkpoint {changed} ({why})")
         else:
             print(
                 f"memtune: resuming across a change of ranks or ZeRO stage ({changed}): same "
-                f"global batch {cfg.trainer.global_batch_size}, accumulation now "
-                f"{grad_accumulation_steps(cfg)}",
+                f"global batch {d.batch.global_batch}, accumulation now "
+                f"{d.batch.accumulation}",
                 flush=True,
             )
     if state.data_dir and Path(state.data_dir).name != data_dir.name:
@@ -333,9 +322,9 @@ def resolve_resume(
         )
     print(f"memtune: resuming from {ckpt} (step {state.step})", flush=True)
     schedule = [
-        f"{k} {get_field(saved, k)} → {get_field(cfg, k)}"
+        f"{k} {saved.value(k)} → {now.value(k)}"
         for k in SCHEDULE_KEYS
-        if get_field(saved, k) != get_field(cfg, k)
+        if saved.value(k) != now.value(k)
     ]
     if schedule:
         print(
@@ -380,18 +369,53 @@ SCHEDULE_KEYS = (
 from the next step on (rank.checkpoint.follow_schedule), never the saving run's."""
 
 
-def resume_changes(cfg: RunConfig, ckpt: Path | None) -> dict[str, list[Any]]:
+def resume_changes(cfg: RunConfig, d: Decisions, ckpt: Path | None) -> dict[str, list[Any]]:
     """What a resume changes that it may: the number of ranks, nodes, the ZeRO stage, the
     learning-rate schedule."""
     if ckpt is None:
         return {}
-    saved = load_run_config(ckpt / "config.yaml")
+    saved, now = checkpoint_run(ckpt), RunValues(cfg, d)
     keys = ("launcher.num_ranks", "launcher.nnodes", "zero.stage", *SCHEDULE_KEYS)
-    return {
-        k: [get_field(saved, k), get_field(cfg, k)]
-        for k in keys
-        if get_field(saved, k) != get_field(cfg, k)
-    }
+    return {k: [saved.value(k), now.value(k)] for k in keys if saved.value(k) != now.value(k)}
+
+
+DECIDED_KEYS: dict[str, Callable[[Decisions], Any]] = {
+    "peft.method": lambda d: d.peft_method,
+    "zero.stage": lambda d: d.zero_stage,
+    "trainer.optimizer": lambda d: d.optimizer,
+    "trainer.micro_batch_size": lambda d: d.batch.micro_batch,
+    "trainer.global_batch_size": lambda d: d.batch.global_batch,
+}
+"""The settings a resume compares whose value in the run is decided (plan.auto_fit, one
+rank's ZeRO stage may change them): compared as decided."""
+
+
+@dataclass(frozen=True)
+class RunValues:
+    """A run's value of a setting as it ran: decided (DECIDED_KEYS) from its decisions, the
+    rest from its settings. ``d`` None: a checkpoint from before decisions.json, whose
+    config.yaml held the decided values themselves."""
+
+    cfg: RunConfig
+    d: Decisions | None
+
+    def value(self, key: str) -> Any:
+        if self.d is not None and key in DECIDED_KEYS:
+            return DECIDED_KEYS[key](self.d)
+        return get_field(self.cfg, key)
+
+
+def checkpoint_run(ckpt: Path) -> RunValues:
+    """The settings and decisions a checkpoint was saved with; ConfigError naming the file
+    when they cannot be read."""
+    saved = load_run_config(ckpt / "config.yaml")
+    path = ckpt / DECISIONS
+    if not path.is_file():
+        return RunValues(saved, None)  # written before decisions.json: decided values inline
+    try:
+        return RunValues(saved, read_decisions(path))
+    except RecordError as err:
+        raise ConfigError(f"cannot resume: {err}") from None
 
 
 def world_change_problem(cfg: RunConfig, ckpt: Path) -> str | None:

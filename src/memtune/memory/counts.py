@@ -301,7 +301,7 @@ def _mixer_saved_on_meta(cfg: RunConfig, tokens: int) -> int:
     return sum(n for ptr, n in saved.items() if ptr not in own)
 
 
-def quantized_shape_problems(cfg: RunConfig, counts: ParamCounts) -> list[str]:
+def quantized_shape_problems(cfg: RunConfig, method: str, counts: ParamCounts) -> list[str]:
     """The decoder's linear layers whose shape bitsandbytes cannot quantize as configured.
 
     A QLoRA base stores each 4-bit weight as packed bytes (two weights a byte) viewed as the
@@ -312,7 +312,7 @@ def quantized_shape_problems(cfg: RunConfig, counts: ParamCounts) -> list[str]:
     keeps one int8 per weight: no such rule. bitsandbytes' CPU inference layout needs
     out % 32 == 0 too, but training never uses it: rank.model.keep_training_layout.)
     """
-    if cfg.peft.method != "qlora":
+    if method != "qlora":
         return []
     storage = compute_bytes(cfg)
     dtype = "bf16" if storage == 2 else "fp32"
@@ -338,19 +338,19 @@ CHECKPOINT_STATE_BYTES = {"adamw": 12, "cpu_adam": 12, "adamw_8bit": 6}
 optimizer's two moments (fp32, or 8-bit with bitsandbytes' AdamW)."""
 
 
-def checkpoint_bytes(cfg: RunConfig, counts: ParamCounts) -> int:
+def checkpoint_bytes(cfg: RunConfig, optimizer: str, counts: ParamCounts) -> int:
     """The least one resumable checkpoint takes on disk (rank.checkpoint.save_checkpoint):
     the engine files (CHECKPOINT_STATE_BYTES per trainable parameter, summed over the ranks'
     partitions), the gathered copy of the same state that lets a resume change the number of
     ranks (Adam optimizers only) and the adapter in the compute dtype. RNG states and
     DeepSpeed's bookkeeping are left out: the demo's real checkpoint (fp32, AdamW, 217,088
     trainable parameters) is 6.26 MB, this says 6.08 MB."""
-    state = CHECKPOINT_STATE_BYTES[cfg.trainer.optimizer]
-    gathered = 0 if cfg.trainer.optimizer == "adamw_8bit" else state
+    state = CHECKPOINT_STATE_BYTES[optimizer]
+    gathered = 0 if optimizer == "adamw_8bit" else state
     return counts.lora * (state + gathered + compute_bytes(cfg))
 
 
-def run_dir_bytes(cfg: RunConfig, counts: ParamCounts, present: int = 0) -> int:
+def run_dir_bytes(cfg: RunConfig, optimizer: str, counts: ParamCounts, present: int = 0) -> int:
     """The least a run still writes into its run dir: the checkpoints that exist at once (the
     newest trainer.keep_last and the one being written, which is complete before the oldest
     is pruned; fewer when max_steps leaves fewer saves), less the ``present`` ones already on
@@ -358,10 +358,10 @@ def run_dir_bytes(cfg: RunConfig, counts: ParamCounts, present: int = 0) -> int:
     t = cfg.trainer
     saves = -(-t.max_steps // t.save_every) if t.save_every else 1
     at_once = max(0, min(saves, t.keep_last + 1) - present)
-    return at_once * checkpoint_bytes(cfg, counts) + counts.lora * compute_bytes(cfg)
+    return at_once * checkpoint_bytes(cfg, optimizer, counts) + counts.lora * compute_bytes(cfg)
 
 
-def check_run_dir_room(cfg: RunConfig, counts: ParamCounts, run_dir: Path) -> None:
+def check_run_dir_room(cfg: RunConfig, optimizer: str, counts: ParamCounts, run_dir: Path) -> None:
     """Refuse before launch a run whose checkpoints cannot fit where it writes them: the ranks
     would otherwise fail at their first save with a full disk, hours in. A lower bound
     (:func:`run_dir_bytes`), so a run that may fit is never refused."""
@@ -369,10 +369,10 @@ def check_run_dir_room(cfg: RunConfig, counts: ParamCounts, run_dir: Path) -> No
     present = 0  # resume=never: the earlier checkpoints move aside, on the same disk
     if root.is_dir() and cfg.resume != "never":
         present = sum(1 for p in root.glob("step-*") if is_complete(p))
-    need, free = run_dir_bytes(cfg, counts, present), free_bytes(run_dir)
+    need, free = run_dir_bytes(cfg, optimizer, counts, present), free_bytes(run_dir)
     if free is None or need <= free:
         return
-    each = checkpoint_bytes(cfg, counts)
+    each = checkpoint_bytes(cfg, optimizer, counts)
     raise ConfigError(
         f"run_dir {run_dir}: the run needs at least {human_bytes(need)} for its checkpoints "
         f"({human_bytes(each)} each, trainer.keep_last={cfg.trainer.keep_last} kept and one "

@@ -31,19 +31,12 @@ from dataclasses import dataclass, field
 
 from memtune.config import (
     RunConfig,
-    checkpointed_layers,
-    checkpointing_label,
     compute_bytes,
-    grad_accumulation_steps,
     live_reference,
     needs_reference,
-    offload_activations,
     preference_loss_kind,
     prefetch_bucket_elements,
-    rank_tokens,
     reduce_bucket_elements,
-    sequence_parallel_size,
-    tiled_mlp,
 )
 from memtune.config.architecture import (
     head_dim,
@@ -51,6 +44,7 @@ from memtune.config.architecture import (
     linear_attention_layers,
     routed_experts,
 )
+from memtune.config.decisions import Decisions
 from memtune.expert_stacks import EXPERT_NF4_BYTES, expert_stack_bytes, experts_per_chunk
 from memtune.memory.counts import ParamCounts, count_params, linear_mixer_bytes
 from memtune.rundir import PlanRecord, PlanRow
@@ -125,7 +119,12 @@ QKV = ("q_proj", "k_proj", "v_proj")
 
 
 def layer_bytes(
-    cfg: RunConfig, tokens: int, counts: ParamCounts, cuda: bool = True, kind: str = "attention"
+    cfg: RunConfig,
+    d: Decisions,
+    tokens: int,
+    counts: ParamCounts,
+    cuda: bool = True,
+    kind: str = "attention",
 ) -> int:
     """What autograd keeps for one decoder layer's backward, for ``tokens`` tokens (a rank's
     share when the sequence is split: everything but attention is token-wise, and Ulysses
@@ -142,13 +141,13 @@ def layer_bytes(
         mixer = linear_mixer_bytes(cfg, n)
         inputs = counts.linear_attention_lora_inputs
     else:
-        mixer, extra = attention_bytes(cfg, n)
+        mixer, extra = attention_bytes(cfg, d, n)
         norms += extra
         inputs = counts.lora_inputs
     if routed_experts(dict(a)):
         # a mixture's block: router, routed experts, shared expert (its adapters are in inputs)
-        mlp = moe_block_bytes(cfg, n)
-    elif tiled_mlp(cfg):
+        mlp = moe_block_bytes(cfg, d, n)
+    elif d.tiled_mlp:
         # Only the MLP's input; its intermediates and its LoRA's inputs live one tile at a
         # time, inside the backward's recompute (rank/long_context.py).
         mlp = n * h * b
@@ -159,13 +158,13 @@ def layer_bytes(
     if cfg.peft.dora:
         lora += sum(dora_saved_bytes(out, n, b) for _, out, _ in dora_modules(inputs, counts))
     # o_proj reads the all-to-all's output, or the gated one, not attention's own
-    reads_a_copy = sequence_parallel_size(cfg) > 1 or a.get("model_type") in GATED_ATTENTION
+    reads_a_copy = d.sequence_parallel > 1 or a.get("model_type") in GATED_ATTENTION
     if kind != "linear_attention" and cfg.peft.dropout == 0 and reads_a_copy:
         lora += sum(n * i * b for name, i, _ in inputs if name == "o_proj")
     return norms + mixer + mlp + lora
 
 
-def moe_block_bytes(cfg: RunConfig, n: int) -> int:
+def moe_block_bytes(cfg: RunConfig, d: Decisions, n: int) -> int:
     """What a mixture-of-experts block keeps for backward over ``n`` tokens, without its
     shared expert's adapters (lora_inputs has them). rank.experts runs each expert on the
     tokens routed to it, n × num_experts_per_tok rows over all experts whatever the balance:
@@ -175,8 +174,6 @@ def moe_block_bytes(cfg: RunConfig, n: int) -> int:
     matrices read plus both adapters' r-wide middles. The router keeps its fp32 probabilities
     over all experts and the top-k picks; a shared expert (Qwen3.5-MoE) keeps a dense MLP's three
     intermediate-wide tensors, its sigmoid gate and the output that gate multiplies."""
-    from memtune.config.derive import adapts_experts
-
     a = cfg.model.architecture
     h, b = int(a["hidden_size"]), compute_bytes(cfg)
     experts, top = routed_experts(dict(a)), int(a["num_experts_per_tok"])
@@ -184,7 +181,7 @@ def moe_block_bytes(cfg: RunConfig, n: int) -> int:
     # + the routing weight and the row's token index; the weighted output twice (the product
     # keeps its input, the index_add_ that sums the rows per token keeps its source)
     row = (3 * inter + 2 * h) * b + 4 + 8
-    if adapts_experts(cfg):
+    if d.experts is not None and d.experts.adapted:
         row += (h + inter + 2 * cfg.peft.r) * b
     router = n * experts * 4 + n * top * (8 + 4) + n * 4
     shared = int(a.get("shared_expert_intermediate_size") or 0)
@@ -202,28 +199,29 @@ QK_NORMED = ("qwen3", "qwen3_moe", *GATED_ATTENTION)
 its mixture, and Qwen3.5's full-attention layers."""
 
 
-def attention_bytes(cfg: RunConfig, n: int) -> tuple[int, int]:
+def attention_bytes(cfg: RunConfig, d: Decisions, n: int) -> tuple[int, int]:
     """(attention's saved bytes, its per-head norms' fp32 inputs) for ``n`` tokens."""
     a = cfg.model.architecture
-    d = head_dim(a)
+    hd = head_dim(a)
     heads, kv = int(a["num_attention_heads"]), int(a["num_key_value_heads"])
-    b, sp = compute_bytes(cfg), sequence_parallel_size(cfg)
+    b, sp = compute_bytes(cfg), d.sequence_parallel
     norms = 0
     if a.get("model_type") in QK_NORMED:
-        norms = n * d * (heads + kv) * 4  # per head on q and k (Qwen3's q_norm, k_norm)
+        norms = n * hd * (heads + kv) * 4  # per head on q and k (Qwen3's q_norm, k_norm)
     # q, output, and k, v at their KV heads (sdpa and FA2 read grouped heads; eager repeats;
     # Ulysses repeats KV heads up to sp when there are fewer).
-    kv_heads = heads if cfg.model.attn_implementation == "eager" else max(kv, sp)
-    attention = n * d * (2 * heads + 2 * kv_heads) * b + n * heads * 4  # + logsumexp
+    kv_heads = heads if d.attention == "eager" else max(kv, sp)
+    attention = n * hd * (2 * heads + 2 * kv_heads) * b + n * heads * 4  # + logsumexp
     if a.get("model_type") in GATED_ATTENTION:
-        attention += n * heads * d * b  # sigmoid(gate), kept by the product and the sigmoid
+        attention += n * heads * hd * b  # sigmoid(gate), kept by the product and the sigmoid
     return attention, norms
 
 
-def kept_inputs(cfg: RunConfig, checkpointed: int) -> int:
+def kept_inputs(d: Decisions) -> int:
     """Checkpointed layer inputs on the device: all of them, or with offloaded activations
     the one being recomputed and the one fetched ahead (rank/long_context.py)."""
-    return min(checkpointed, 2) if offload_activations(cfg) else checkpointed
+    k = d.checkpointing.recomputed
+    return min(k, 2) if d.offload_activations else k
 
 
 def layer_kinds(cfg: RunConfig) -> list[str]:
@@ -235,9 +233,9 @@ def layer_kinds(cfg: RunConfig) -> list[str]:
 
 
 def _by_kind(
-    cfg: RunConfig, tokens: int, counts: ParamCounts, cuda: bool, kinds: list[str]
+    cfg: RunConfig, d: Decisions, tokens: int, counts: ParamCounts, cuda: bool, kinds: list[str]
 ) -> dict[str, int]:
-    return {kind: layer_bytes(cfg, tokens, counts, cuda, kind) for kind in set(kinds)}
+    return {kind: layer_bytes(cfg, d, tokens, counts, cuda, kind) for kind in set(kinds)}
 
 
 FIRST_NORM_READERS = (*QKV, "in_proj_qkv", "in_proj_z")
@@ -245,18 +243,17 @@ FIRST_NORM_READERS = (*QKV, "in_proj_qkv", "in_proj_z")
 
 
 def saved_bytes(
-    cfg: RunConfig, tokens: int, checkpointed: int, counts: ParamCounts, cuda: bool = True
+    cfg: RunConfig, d: Decisions, tokens: int, counts: ParamCounts, cuda: bool = True
 ) -> int:
-    """What autograd keeps when the forward ends: the input of each of the first
-    ``checkpointed`` layers, everything of the others, and the final norm's input."""
+    """What autograd keeps when the forward ends: the input of each recomputed (first)
+    layer, everything of the others, and the final norm's input."""
     h = int(cfg.model.architecture["hidden_size"])
     n, b = tokens, compute_bytes(cfg)
     kinds = layer_kinds(cfg)
-    k = min(int(checkpointed), len(kinds))
-    each = _by_kind(cfg, tokens, counts, cuda, kinds[k:])
-    kept = kept_inputs(cfg, k) * n * h * b + sum(each[kind] for kind in kinds[k:])
-    t = cfg.trainer
-    if k == 0 and not (t.activation_checkpointing and t.checkpointing_reentrant):
+    k = d.checkpointing.recomputed
+    each = _by_kind(cfg, d, tokens, counts, cuda, kinds[k:])
+    kept = kept_inputs(d) * n * h * b + sum(each[kind] for kind in kinds[k:])
+    if k == 0 and not d.checkpointing.reentrant:
         # The frozen embedding's output needs no gradient, so the first norm keeps nothing
         # (reentrant checkpointing makes it require one), nor do the dropouts of the first
         # layer's adapters that read it keep their masks (only their dropped copies).
@@ -273,10 +270,10 @@ def saved_bytes(
 
 
 def activation_bytes(
-    cfg: RunConfig, tokens: int, checkpointed: int, counts: ParamCounts, cuda: bool = True
+    cfg: RunConfig, d: Decisions, tokens: int, counts: ParamCounts, cuda: bool = True
 ) -> int:
     """The most activations alive at once for one micro batch of ``tokens`` tokens, with the
-    first ``checkpointed`` decoder layers recomputing their forward.
+    decided (first) decoder layers recomputing their forward.
 
     Backward reaches the checkpointed (first) layers last, after the other layers' activations
     are freed, so one recomputed layer never adds to them: the most is the checkpointed inputs
@@ -284,16 +281,18 @@ def activation_bytes(
     a hybrid).
     """
     kinds = layer_kinds(cfg)
-    k = min(int(checkpointed), len(kinds))
-    saved = saved_bytes(cfg, tokens, k, counts, cuda)
+    k = d.checkpointing.recomputed
+    saved = saved_bytes(cfg, d, tokens, counts, cuda)
     if k == 0:
         return saved
-    each = _by_kind(cfg, tokens, counts, cuda, kinds)
+    each = _by_kind(cfg, d, tokens, counts, cuda, kinds)
     others = sum(each[kind] for kind in kinds[k:])
     return max(saved, saved - others + max(each[kind] for kind in kinds[:k]))
 
 
-def backward_bytes(cfg: RunConfig, tokens: int, counts: ParamCounts, cuda: bool = True) -> int:
+def backward_bytes(
+    cfg: RunConfig, d: Decisions, tokens: int, counts: ParamCounts, cuda: bool = True
+) -> int:
     """What a decoder layer's backward adds, at its largest, to the activations it reads.
 
     The MLP's backward holds three tokens × intermediate gradients at once (of the down
@@ -311,11 +310,11 @@ def backward_bytes(cfg: RunConfig, tokens: int, counts: ParamCounts, cuda: bool 
         # a chunk of experts dequantized (rank.experts) beside the hidden gradients.
         inter = int(a.get("shared_expert_intermediate_size") or 0)
         chunk = 0
-        if cfg.peft.method != "lora":  # gate_up, the larger stack
+        if d.peft_method != "lora":  # gate_up, the larger stack
             out = 2 * int(a["moe_intermediate_size"])
             chunk = experts_per_chunk(out, h, b) * out * h * b
         return max(2 * n * h * b + chunk, 3 * n * inter * b + n * h * b)
-    if tiled_mlp(cfg):
+    if d.tiled_mlp:
         # One tile (hidden_size tokens) recomputed with autograd and backpropagated: its
         # saved intermediates and their gradients, next to the whole input's gradient.
         tile = min(n, h)
@@ -382,18 +381,18 @@ def dora_transient_bytes(cfg: RunConfig, counts: ParamCounts, tokens: int, kind:
 
 
 def step_peak(
-    cfg: RunConfig, tokens: int, checkpointed: int, counts: ParamCounts, cuda: bool = True
+    cfg: RunConfig, d: Decisions, tokens: int, counts: ParamCounts, cuda: bool = True
 ) -> StepPeak:
     """The largest of three moments: the loss (all saved activations + its buffers); the
     backward of the last layer, when it is not checkpointed (all saved activations + one
     layer's backward temporaries); the backward of the last checkpointed layer (the
     checkpointed inputs + its recomputed activations + its backward temporaries)."""
     layers = int(cfg.model.architecture["num_hidden_layers"])
-    k = min(int(checkpointed), layers)
+    k = d.checkpointing.recomputed
     h = int(cfg.model.architecture["hidden_size"])
-    saved = saved_bytes(cfg, tokens, k, counts, cuda)
-    back = backward_bytes(cfg, tokens, counts, cuda)
-    moments = [StepPeak("the loss", saved, loss=round(loss_bytes(cfg, tokens)))]
+    saved = saved_bytes(cfg, d, tokens, counts, cuda)
+    back = backward_bytes(cfg, d, tokens, counts, cuda)
+    moments = [StepPeak("the loss", saved, loss=round(loss_bytes(cfg, d, tokens)))]
     # The final norm's backward runs in fp32 (RMSNorm upcasts): five tokens × hidden fp32
     # temporaries at once, next to everything saved (tools.step_trace).
     norm_backward = NORM_BACKWARD_FP32 * tokens * h * 4
@@ -401,12 +400,12 @@ def step_peak(
     if k < layers:
         moments.append(StepPeak(f"backward of layer {layers - 1}", saved, backward=back))
     if k > 0:
-        inputs = kept_inputs(cfg, k) * tokens * h * compute_bytes(cfg)
+        inputs = kept_inputs(d) * tokens * h * compute_bytes(cfg)
         for kind in set(layer_kinds(cfg)[:k]):
-            layer = layer_bytes(cfg, tokens, counts, cuda, kind)
+            layer = layer_bytes(cfg, d, tokens, counts, cuda, kind)
             where = f"backward of layer {k - 1} (recomputed)"
             moments.append(StepPeak(where, inputs + layer, 0, back))
-            if tiled_mlp(cfg):
+            if d.tiled_mlp:
                 # With the MLP tiled its backward is small, and the layer's peak is its second
                 # norm's fp32 backward, the attention half still saved: what the allocator held
                 # at a 49k-token step's peak on an H200 (bench/results/2026-12-04-h200-long.md)
@@ -456,23 +455,23 @@ def lora_activation_bytes(
     return total + sum(n * i * b for i in read.values())
 
 
-def attention_mask_bytes(cfg: RunConfig) -> int:
+def attention_mask_bytes(cfg: RunConfig, d: Decisions) -> int:
     """The dense mask transformers' own ``sdpa`` / ``eager`` build for packed or padded rows:
     (micro, 1, n, n), bool for sdpa, the compute dtype for eager, alive from the forward to
     the last recompute. ``auto`` (sdpa_varlen, FlashAttention-2) builds none, nor does a lone
     unpadded row (is_causal)."""
-    impl, t = cfg.model.attn_implementation, cfg.trainer
-    if impl not in ("sdpa", "eager") or (not cfg.data.packing and t.micro_batch_size == 1):
+    impl, micro = d.attention, d.batch.micro_batch
+    if impl not in ("sdpa", "eager") or (not cfg.data.packing and micro == 1):
         return 0
-    n = cfg.data.max_seq_len
-    return t.micro_batch_size * n * n * (1 if impl == "sdpa" else compute_bytes(cfg))
+    n = d.batch.row_tokens
+    return micro * n * n * (1 if impl == "sdpa" else compute_bytes(cfg))
 
 
-def loss_bytes(cfg: RunConfig, tokens: int) -> float:
+def loss_bytes(cfg: RunConfig, d: Decisions, tokens: int) -> float:
     a = cfg.model.architecture
     vocab, h = int(a["vocab_size"]), int(a["hidden_size"])
     b = compute_bytes(cfg)
-    if cfg.trainer.loss == "plain":
+    if d.loss == "plain":
         # Forward: logits (b) + their fp32 copy + the fp32 log-softmax, for every token. Its
         # backward holds more: the saved fp32 log-softmax, its gradient and the fp32 logits'
         # gradient, 12 bytes a logit in either precision (tools.step_trace).
@@ -494,18 +493,18 @@ def live_reference_bytes(cfg: RunConfig, tokens: int) -> float:
     return tokens * (3 * inter + 2 * h) * compute_bytes(cfg)
 
 
-def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
-    """The per-rank breakdown for ``cfg`` (see the module docstring)."""
+def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Plan:
+    """The per-rank breakdown of ``cfg`` run as decided (``d``; see the module docstring)."""
     counts = counts or count_params(cfg)
-    t, z, p = cfg.trainer, cfg.zero, cfg.peft
-    ranks = cfg.launcher.num_ranks
+    t, p = cfg.trainer, cfg.peft
+    ranks = d.batch.ranks
     b = compute_bytes(cfg)
-    zero3 = z.stage == 3
+    zero3 = d.zero_stage == 3
     shard = ranks if zero3 else 1
     out = Plan(device_gib=cfg.plan.device_gib, counts=counts)
 
     other = counts.embedding + counts.head
-    if p.method == "qlora":
+    if d.peft_method == "qlora":
         per = NF4_BYTES[p.double_quant]
         packed = counts.linear * 0.5
         scales = counts.linear * (per - 0.5)
@@ -515,7 +514,7 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
         how = f"NF4 {counts.linear / 1e9:.2f}B linear weights + {other / 1e9:.2f}B embedding/head"
         if counts.experts:
             how += f" + {counts.experts / 1e9:.2f}B routed experts (NF4, fp32 block scales)"
-    elif p.method == "lora-int8":
+    elif d.peft_method == "lora-int8":
         # a mixture's stacks: int8 bytes and row scales in one parameter ZeRO-3 shards
         experts = expert_stack_bytes("int8", counts.experts, counts.expert_rows)
         weights = (
@@ -537,7 +536,7 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
     # optimizer's master weights, counted below.
     out.add("LoRA weights", counts.lora * b / shard, f"{_count(counts.lora)} {t.precision}")
     out.add("LoRA gradients", counts.lora * 4 / ranks, f"fp32, sharded over {ranks} (ZeRO)")
-    state = {"adamw": 12, "adamw_8bit": 6, "cpu_adam": 0}[t.optimizer]
+    state = {"adamw": 12, "adamw_8bit": 6, "cpu_adam": 0}[d.optimizer]
     out.add(
         "optimizer state",
         counts.lora * state / ranks,
@@ -545,7 +544,7 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
             "adamw": "fp32 master + 2 moments",
             "adamw_8bit": "fp32 master + 8-bit moments",
             "cpu_adam": "on the host (offload)",
-        }[t.optimizer],
+        }[d.optimizer],
     )
 
     out.add("DeepSpeed buckets", reduce_bucket_elements(cfg) * 4, "gradient reduce (fp32)")
@@ -557,22 +556,22 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
         per_weight = {
             "qlora": EXPERT_NF4_BYTES if counts.experts else 0.5,
             "lora-int8": 1 if counts.experts else b,  # the int8 stacks fill a mixture's layer
-        }.get(p.method, b)
+        }.get(d.peft_method, b)
         gathered = (largest + prefetch) * per_weight
-        if p.method == "qlora" and largest != counts.layer:
+        if d.peft_method == "qlora" and largest != counts.layer:
             gathered = largest * b + prefetch * 0.5
         out.add("ZeRO-3 gathered params", gathered, "largest module in use + prefetch")
 
-    tokens, sp = rank_tokens(cfg), sequence_parallel_size(cfg)
+    tokens, sp = d.batch.rank_tokens, d.sequence_parallel
     cuda = cfg.plan.device_gib is not None
-    k = checkpointed_layers(cfg)
-    peak = step_peak(cfg, tokens, k, counts, cuda)
-    label = checkpointing_label(cfg)
+    k = d.checkpointing.recomputed
+    peak = step_peak(cfg, d, tokens, counts, cuda)
+    label = d.checkpointing.label()
     ckpt = "no checkpointing" if k == 0 else f"{label} checkpointed"
     extras = [f"{ckpt}"]
-    if tiled_mlp(cfg):
+    if d.tiled_mlp:
         extras.append("MLP tiled")
-    if offload_activations(cfg) and k:
+    if d.offload_activations and k:
         extras.append("checkpointed inputs on the host")
     share = f" (1/{sp} of each sequence)" if sp > 1 else ""
     linear = linear_attention_layers(cfg.model.architecture)
@@ -593,9 +592,9 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
             f"(the step's peak: {peak.where})",
         )
     if peak.loss:
-        how = f"{t.loss} cross-entropy (the step's peak: in the loss)"
+        how = f"{d.loss} cross-entropy (the step's peak: in the loss)"
         if t.objective != "sft":  # rank.preference: the same chunked head, per-token log-probs
-            kind = preference_loss_kind(t.loss)
+            kind = preference_loss_kind(d.loss)
             how = f"{kind} log-probabilities of the replies, {t.objective} (the step's peak)"
         out.add("loss", peak.loss, how, per_token=True)
     elif peak.backward or not peak.dora:
@@ -614,7 +613,7 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
             per_token=True,
         )
     if sp > 1:
-        buffers, what = ulysses_buffer_bytes(cfg, tokens), "q, k, v"
+        buffers, what = ulysses_buffer_bytes(cfg, d, tokens), "q, k, v"
         if linear and linear_exchange_bytes(cfg, tokens) > buffers:
             buffers = linear_exchange_bytes(cfg, tokens)
             what = "a linear-attention layer's q, k, v, z, a, b"
@@ -623,7 +622,7 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
             buffers,
             f"all-to-all in/out of {what} over {sp} ranks (Ulysses; one layer at a time)",
         )
-    if offload_activations(cfg) and k:
+    if d.offload_activations and k:
         h = int(cfg.model.architecture["hidden_size"])
         out.host_rows.append(
             PlanRow(
@@ -633,18 +632,18 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
             )
         )
         out.host_gib = host_budget_gib(cfg)
-    mask = attention_mask_bytes(cfg)
+    mask = attention_mask_bytes(cfg, d)
     if mask:
-        n = cfg.data.max_seq_len
+        n = d.batch.row_tokens
         out.add(
             "attention mask",
             mask,
-            f"dense {t.micro_batch_size}×{n:,}×{n:,} mask of {cfg.model.attn_implementation} "
+            f"dense {d.batch.micro_batch}×{n:,}×{n:,} mask of {d.attention} "
             "(model.attn_implementation=auto needs none)",
         )
     live = out.total_gib * GIB
     fragmentation, how = live * FRAGMENTATION, f"{FRAGMENTATION:.0%} of the above"
-    if tiled_mlp(cfg) or offload_activations(cfg):
+    if d.tiled_mlp or d.offload_activations:
         step = sum(r.gib for r in out.rows if r.per_token) * GIB
         fragmentation = (live - step) * FRAGMENTATION + step * LONG_CONTEXT_FRAGMENTATION
         how = (
@@ -664,12 +663,12 @@ def plan(cfg: RunConfig, counts: ParamCounts | None = None) -> Plan:
     return out
 
 
-def ulysses_buffer_bytes(cfg: RunConfig, tokens: int) -> int:
+def ulysses_buffer_bytes(cfg: RunConfig, d: Decisions, tokens: int) -> int:
     """The all-to-all's contiguous input and output copies of q, k and v for one layer (the
     backward's exchange of their gradients is the same size)."""
     a = cfg.model.architecture
     heads, kv = int(a["num_attention_heads"]), int(a["num_key_value_heads"])
-    kv_heads = max(kv, sequence_parallel_size(cfg))
+    kv_heads = max(kv, d.sequence_parallel)
     return 2 * tokens * head_dim(a) * (heads + 2 * kv_heads) * compute_bytes(cfg)
 
 
@@ -713,17 +712,16 @@ def _objective_note(cfg: RunConfig) -> str:
     return note + (", the reference precomputed" if needs_reference(cfg) else "")
 
 
-def format_plan(cfg: RunConfig, result: Plan) -> str:
-    ranks = cfg.launcher.num_ranks
+def format_plan(cfg: RunConfig, d: Decisions, result: Plan) -> str:
+    ranks, batch = d.batch.ranks, d.batch
     unit, scale = ("GiB", 1.0) if result.total_gib >= 1 else ("MiB", 1024.0)  # tiny demos
     lines = [
         f"memtune plan: {cfg.experiment} · {cfg.model.name_or_path} · {ranks} rank(s) · "
-        f"ZeRO-{cfg.zero.stage} · {cfg.peft.method} r={cfg.peft.r} · micro batch "
-        f"{cfg.trainer.micro_batch_size} × {cfg.data.max_seq_len:,} tokens · accum "
-        f"{grad_accumulation_steps(cfg)}"
+        f"ZeRO-{d.zero_stage} · {d.peft_method} r={cfg.peft.r} · micro batch "
+        f"{batch.micro_batch} × {batch.row_tokens:,} tokens · accum {batch.accumulation}"
         + (
-            f" · sequence split over {sequence_parallel_size(cfg)} ranks"
-            if sequence_parallel_size(cfg) > 1
+            f" · sequence split over {batch.sequence_parallel} ranks"
+            if batch.sequence_parallel > 1
             else ""
         )
         + _objective_note(cfg),

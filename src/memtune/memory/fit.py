@@ -1,7 +1,15 @@
-"""What a launch decides from the plan: how many layers recompute (checkpoint_layers=auto),
-whether the run fits plan.device_gib, and with plan.auto_fit the fastest variant that does;
-the "Try:" list of a run that does not fit. It returns decisions and notes; the caller
-prints them.
+"""What a launch decides, once, from the plan: the one place a run's choices are made.
+
+From the user's settings it makes a :class:`memtune.config.decisions.Decisions`: one rank's
+ZeRO stage, the long-context choices left to auto (sequence parallel, tiled MLP, offloaded
+inputs), how many layers recompute (checkpoint_layers=auto), the kernels on auto, whether the
+run fits plan.device_gib and, with plan.auto_fit, the fastest variant that does; the "Try:"
+list of a run that does not fit. It returns decisions and notes; the caller prints them.
+
+Candidates are the user's settings varied (config.decisions.with_sections: new sections, the
+rest shared, nothing mutated) with :class:`Choices` for what they leave to auto; each is
+turned into decisions by config.decisions.decisions_for and planned. A decided run's own
+settings (:func:`settings_of`) are where its alternatives start.
 
 plan.auto_fit's variants change only what trades speed for memory: the global batch, the
 data, the LoRA rank and the schedule stay (QLoRA, the dearest, also trades the base's
@@ -15,24 +23,27 @@ choices.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from memtune.config import (
-    ConfigError,
-    RunConfig,
-    checkpointed_layers,
-    grad_accumulation_steps,
-    offload_activations,
-    rope_positions,
-    sequence_parallel_size,
-    tiled_mlp,
-    validate,
-)
+from memtune.config import ConfigError, RunConfig, one_rank_stage, rope_positions, validate
 from memtune.config.architecture import routed_experts
-from memtune.config.decisions import decided, with_sections
+from memtune.config.decisions import (
+    Checkpointing,
+    Choices,
+    Decisions,
+    RankMachine,
+    decisions_for,
+    loss_kernel,
+    rank_machine,
+    requested_recompute,
+    with_sections,
+)
+from memtune.config.validate import check_sequence_parallel
 from memtune.memory.counts import ParamCounts, count_params, quantized_shape_problems
 from memtune.memory.estimate import Plan, format_plan, plan
 from memtune.memory.step_time import format_step_time, step_time
@@ -46,27 +57,87 @@ COST_8BIT_OPTIMIZER = 1.01
 COST_HALF_MICRO_BATCH = 1.05
 
 
+Apply = Callable[[RunConfig], RunConfig]
+"""A change as a function from settings to new ones (with_sections: fields replaced, the
+settings never copied deep or mutated)."""
+
+
+def settings_of(cfg: RunConfig, d: Decisions) -> RunConfig:
+    """The settings that ask for ``d``'s own choices directly: its ZeRO stage, method,
+    optimizer, micro batch, kernels and checkpointing on or off (the number of recomputed
+    layers left to auto, for :func:`pinned` to give). A decided run's alternatives start here:
+    plan.auto_fit's variants, the "Try:" list, the other ZeRO stage. Never handed to a rank."""
+    trainer: dict[str, Any] = {
+        "optimizer": d.optimizer,
+        "micro_batch_size": d.batch.micro_batch,
+        "loss": d.loss,
+        "activation_checkpointing": d.checkpointing.enabled,
+    }
+    if d.checkpointing.enabled:
+        trainer["checkpoint_layers"] = "auto"
+    return with_sections(
+        cfg,
+        zero={"stage": d.zero_stage, "template": d.zero_template},
+        peft={"method": d.peft_method},
+        model={"attn_implementation": d.attention},
+        trainer=trainer,
+    )
+
+
+def pinned(d: Decisions) -> Choices:
+    """``d``'s long-context choices and, with checkpointing, its recomputed layers: what a
+    variant of the decided run keeps unless it changes them (a variant that turns
+    checkpointing on offloads nothing, as the run did)."""
+    on = d.checkpointing.enabled
+    return Choices(
+        recompute=d.checkpointing.recomputed if on else None,
+        sequence_parallel=d.sequence_parallel,
+        tiled_mlp=d.tiled_mlp,
+        offload_activations=d.offload_activations,
+    )
+
+
+def unresolved_layers(cfg: RunConfig, choices: Choices) -> bool:
+    """Checkpointing is on and neither the settings nor the choices say how many layers."""
+    t = cfg.trainer
+    return (
+        t.activation_checkpointing
+        and requested_recompute(cfg) is None
+        and not (choices.recompute is not None)
+    )
+
+
+def admitted(cfg: RunConfig, choices: Choices, machine: RankMachine) -> Decisions:
+    """Decisions to plan a variant by before its layers are chosen: a variant that turns
+    checkpointing on is planned with every layer recomputed (the most it needs); the launch
+    then takes the fewest that fit (:func:`resolve_checkpoint_layers`)."""
+    if unresolved_layers(cfg, choices):
+        layers = int(cfg.model.architecture["num_hidden_layers"])
+        choices = dataclasses.replace(choices, recompute=layers)
+    return decisions_for(cfg, machine, choices)
+
+
 @dataclass
 class Fit:
+    """A variant plan.auto_fit considered: its settings, choices, admission decisions and plan."""
+
     cfg: RunConfig
+    choices: Choices
+    decisions: Decisions
     plan: Plan
     changes: list[str]
     cost: float
 
 
-Apply = Callable[[RunConfig], RunConfig]
-"""A change as a function from a config to a new one (config.decisions: fields replaced, the
-config never copied deep or mutated)."""
-
-
 def _zero3(v: RunConfig) -> RunConfig:
-    return decided(v, zero_stage=3, zero_template=None)
+    return with_sections(v, zero={"stage": 3, "template": None})
 
 
 def memory_changes(cfg: RunConfig) -> list[tuple[str, str, float, Apply]]:
     """Each change that lowers the per-rank peak and keeps the batch, data, LoRA rank and
-    schedule, not already made: (override, why, relative step time, how to apply it to a copy).
-    All but QLoRA compute the same step; QLoRA trains over a 4-bit base (the dearest)."""
+    schedule, not already made: (override, why, relative step time, how to apply it to the
+    settings). All but QLoRA compute the same step; QLoRA trains over a 4-bit base (the
+    dearest). ``cfg``: the decided run's settings (:func:`settings_of`)."""
     t, z, p = cfg.trainer, cfg.zero, cfg.peft
     out: list[tuple[str, str, float, Apply]] = []
     if t.loss == "plain":
@@ -75,7 +146,7 @@ def memory_changes(cfg: RunConfig) -> list[tuple[str, str, float, Apply]]:
                 "trainer.loss=auto",
                 "chunked loss: no full-sequence logits",
                 COST_CHUNKED_LOSS,
-                lambda v: decided(v, loss="auto"),
+                lambda v: with_sections(v, trainer={"loss": "auto"}),
             )
         )
     if not t.activation_checkpointing:
@@ -84,7 +155,7 @@ def memory_changes(cfg: RunConfig) -> list[tuple[str, str, float, Apply]]:
                 "trainer.activation_checkpointing=true",
                 "recompute layers in backward",
                 COST_CHECKPOINTING,
-                lambda v: decided(v, activation_checkpointing=True),
+                lambda v: with_sections(v, trainer={"activation_checkpointing": True}),
             )
         )
     if z.stage != 3:
@@ -96,7 +167,7 @@ def memory_changes(cfg: RunConfig) -> list[tuple[str, str, float, Apply]]:
                 "peft=qlora-nf4",
                 "4-bit base",
                 COST_QLORA,
-                lambda v: decided(v, peft_method="qlora"),
+                lambda v: with_sections(v, peft={"method": "qlora"}),
             )
         )
     if t.optimizer == "adamw":
@@ -105,7 +176,7 @@ def memory_changes(cfg: RunConfig) -> list[tuple[str, str, float, Apply]]:
                 "trainer.optimizer=adamw_8bit",
                 "8-bit moments",
                 COST_8BIT_OPTIMIZER,
-                lambda v: decided(v, optimizer="adamw_8bit"),
+                lambda v: with_sections(v, trainer={"optimizer": "adamw_8bit"}),
             )
         )
     return out
@@ -130,25 +201,29 @@ def _variants(cfg: RunConfig) -> list[tuple[RunConfig, list[str], float]]:
                     names.append(override)
                     cost *= change_cost
             if micro != t.micro_batch_size:
-                v = decided(v, micro_batch_size=micro)
+                v = with_sections(v, trainer={"micro_batch_size": micro})
                 names.append(f"trainer.micro_batch_size={micro}")
                 cost *= COST_HALF_MICRO_BATCH ** math.log2(t.micro_batch_size / micro)
             out.append((v, names, cost))
     return sorted(out, key=lambda item: (item[2], len(item[1])))
 
 
-def suggestions(cfg: RunConfig, counts: ParamCounts) -> list[str]:
-    """Changes that lower the per-rank peak, each alone with what it saves by the plan, largest
-    first; changes that would save less than 0.05 GiB are left out. Besides memory_changes:
-    half the micro batch, and half the sequence length (which does change the data)."""
-    tips = [(override, why, apply) for override, why, _, apply in memory_changes(cfg)]
-    half = cfg.trainer.micro_batch_size // 2
+def suggestions(
+    cfg: RunConfig, d: Decisions, counts: ParamCounts, machine: RankMachine
+) -> list[str]:
+    """Changes that lower the per-rank peak of ``cfg`` run as ``d``, each alone with what it
+    saves by the plan, largest first; changes that would save less than 0.05 GiB are left out.
+    Besides memory_changes: half the micro batch, and half the sequence length (which does
+    change the data)."""
+    settings, choices = settings_of(cfg, d), pinned(d)
+    tips = [(override, why, apply) for override, why, _, apply in memory_changes(settings)]
+    half = d.batch.micro_batch // 2
     if half >= 1:
         tips.append(
             (
                 f"trainer.micro_batch_size={half}",
                 "accumulation makes up the global batch",
-                lambda v: decided(v, micro_batch_size=half),
+                lambda v: with_sections(v, trainer={"micro_batch_size": half}),
             )
         )
     half_len = cfg.data.max_seq_len // 2
@@ -159,27 +234,35 @@ def suggestions(cfg: RunConfig, counts: ParamCounts) -> list[str]:
             lambda v: with_sections(v, data={"max_seq_len": half_len}),
         )
     )
-    total = plan(cfg, counts).total_gib
+    total = plan(cfg, d, counts).total_gib
     scored = []
     for override, why, apply in tips:
-        trial = apply(cfg)
-        if quantized_shape_problems(trial, counts):
+        trial = apply(settings)
+        if quantized_shape_problems(trial, trial.peft.method, counts):
             continue  # a 4-bit base bitsandbytes cannot pack for this architecture
-        saved = total - plan(trial, counts).total_gib
+        saved = total - plan(trial, admitted(trial, choices, machine), counts).total_gib
         if saved >= 0.05:
             scored.append((saved, f"{override} ({why}): -{saved:.2f} GiB"))
     return [tip for _, tip in sorted(scored, key=lambda item: -item[0])]
 
 
-def format_suggestions(cfg: RunConfig, counts: ParamCounts) -> str:
+def format_suggestions(
+    cfg: RunConfig, d: Decisions, counts: ParamCounts, machine: RankMachine
+) -> str:
     """The "Try:" list of a run that does not fit."""
     return "Try (each alone, per rank):\n" + "\n".join(
-        f"  - {tip}" for tip in suggestions(cfg, counts)
+        f"  - {tip}" for tip in suggestions(cfg, d, counts, machine)
     )
 
 
-def auto_fit(cfg: RunConfig, known: ParamCounts | None = None) -> Fit | None:
-    """The cheapest fitting variant of ``cfg`` (``cfg`` itself if it fits), or None.
+def auto_fit(
+    cfg: RunConfig,
+    d: Decisions,
+    machine: RankMachine,
+    known: ParamCounts | None = None,
+) -> Fit | None:
+    """The cheapest fitting variant of ``cfg`` run as ``d`` (the run itself if it fits), or
+    None.
 
     A variant must leave the same spare as checkpoint_layers=auto (AUTO_CHECKPOINT_SPARE_GIB:
     what the plan may miss on a real GPU); only when none does is the cheapest one that fits
@@ -187,92 +270,105 @@ def auto_fit(cfg: RunConfig, known: ParamCounts | None = None) -> Fit | None:
     meta-device build of a 7B model takes seconds; the variants never change what LoRA adapts,
     so they share it).
     """
-    p = cfg.peft
+    settings, choices = settings_of(cfg, d), pinned(d)
+    p = settings.peft
     counts: dict[tuple[str, int], ParamCounts] = {}
     if known is not None:
         counts[(p.target, p.r)] = known
     planned = []
-    for variant, changes, cost in _variants(cfg):
+    for variant, changes, cost in _variants(settings):
         try:
             validate(variant, inputs=False)  # only trainer, zero and peft vary
+            check_sequence_parallel(variant, d.sequence_parallel)
         except ConfigError:
             continue  # e.g. a micro batch the global batch no longer divides evenly
         key = (variant.peft.target, variant.peft.r)  # what the counts depend on
         if key not in counts:
             counts[key] = count_params(variant)
-        if quantized_shape_problems(variant, counts[key]):
+        if quantized_shape_problems(variant, variant.peft.method, counts[key]):
             continue  # QLoRA cannot quantize this architecture's layers
-        planned.append(Fit(variant, plan(variant, counts[key]), changes, cost))
+        decided = admitted(variant, choices, machine)
+        planned.append(
+            Fit(variant, choices, decided, plan(variant, decided, counts[key]), changes, cost)
+        )
     device = cfg.plan.device_gib
     for spare in (AUTO_CHECKPOINT_SPARE_GIB, 0.0):
         fitting = [f for f in planned if device is None or f.plan.total_gib <= device - spare]
         if fitting and cfg.plan.device_tflops:
             # With a step-time estimate (memory/step_time.py), the fastest by that estimate,
             # its checkpointed layers chosen as the launch would; ties keep the cheapest.
-            return min(fitting, key=lambda f: _estimated_step_s(f.cfg, counts))
+            return min(fitting, key=lambda f: _estimated_step_s(f, counts, machine))
         if fitting:
             return fitting[0]  # cheapest first
     return None
 
 
-def _estimated_step_s(cfg: RunConfig, counts: dict[tuple[str, int], ParamCounts]) -> float:
-    c = counts[(cfg.peft.target, cfg.peft.r)]
-    resolved, _ = resolve_checkpoint_layers(cfg, c)
-    estimate = step_time(resolved, c)
+def _estimated_step_s(
+    fit: Fit, counts: dict[tuple[str, int], ParamCounts], machine: RankMachine
+) -> float:
+    c = counts[(fit.cfg.peft.target, fit.cfg.peft.r)]
+    resolved, _ = resolve_checkpoint_layers(fit.cfg, fit.choices, c, machine)
+    estimate = step_time(fit.cfg, resolved, c)
     return estimate.step_s if estimate else math.inf
 
 
-def other_zero_stage(cfg: RunConfig) -> RunConfig:
-    """``cfg`` on the other ZeRO stage, its checkpointed layers left to choose (auto)."""
-    layers = "auto" if cfg.trainer.activation_checkpointing else str(cfg.trainer.checkpoint_layers)
-    stage = 2 if cfg.zero.stage == 3 else 3
-    return decided(cfg, zero_stage=stage, zero_template=None, checkpoint_layers=layers)
+def other_zero_stage(cfg: RunConfig, d: Decisions) -> tuple[RunConfig, Choices]:
+    """The decided run on the other ZeRO stage, its checkpointed layers left to choose."""
+    stage = 2 if d.zero_stage == 3 else 3
+    settings = with_sections(settings_of(cfg, d), zero={"stage": stage, "template": None})
+    return settings, dataclasses.replace(pinned(d), recompute=None)
 
 
-def larger_micro_batch_under_split(cfg: RunConfig) -> RunConfig | None:
-    """Under ZeRO-3 with a split sequence: ``cfg`` with k× the micro batch (the largest
-    k ≤ sp that divides the accumulation steps; its checkpointed layers left to choose), or
-    None. ZeRO-3 gathers the weights once per micro step, and a group of sp ranks runs every
-    one of its sequences together, so at the micro batch of sp=1 a split sequence takes sp×
-    the micro steps — and sp× the gathers — for the same global batch. k× the micro batch
-    holds k× the tokens per rank (at k = sp, as many as sp=1 did) in 1/k of the micro steps."""
-    sp = sequence_parallel_size(cfg)
-    if cfg.zero.stage != 3 or sp == 1:
+def larger_micro_batch_under_split(
+    cfg: RunConfig, d: Decisions
+) -> tuple[RunConfig, Choices] | None:
+    """Under ZeRO-3 with a split sequence: the decided run with k× the micro batch (the
+    largest k ≤ sp that divides the accumulation steps; its checkpointed layers left to
+    choose), or None. ZeRO-3 gathers the weights once per micro step, and a group of sp ranks
+    runs every one of its sequences together, so at the micro batch of sp=1 a split sequence
+    takes sp× the micro steps — and sp× the gathers — for the same global batch. k× the micro
+    batch holds k× the tokens per rank (at k = sp, as many as sp=1 did) in 1/k of the micro
+    steps."""
+    sp = d.sequence_parallel
+    if d.zero_stage != 3 or sp == 1:
         return None
-    gas = grad_accumulation_steps(cfg)
+    gas = d.batch.accumulation
     k = max((k for k in range(2, sp + 1) if gas % k == 0), default=None)
     if k is None:
         return None
-    layers = "auto" if cfg.trainer.activation_checkpointing else str(cfg.trainer.checkpoint_layers)
-    return decided(cfg, micro_batch_size=cfg.trainer.micro_batch_size * k, checkpoint_layers=layers)
+    micro = d.batch.micro_batch * k
+    settings = with_sections(settings_of(cfg, d), trainer={"micro_batch_size": micro})
+    return settings, dataclasses.replace(pinned(d), recompute=None)
 
 
-def format_step_estimates(cfg: RunConfig, counts: ParamCounts) -> str | None:
-    """The step-time estimate of ``cfg`` and, for comparison, of the other ZeRO stage and,
-    under ZeRO-3 with a split sequence, of a larger micro batch (their checkpointed layers
-    chosen again); None without plan.device_tflops."""
-    estimate = step_time(cfg, counts)
+def format_step_estimates(
+    cfg: RunConfig, d: Decisions, counts: ParamCounts, machine: RankMachine
+) -> str | None:
+    """The step-time estimate of ``cfg`` run as ``d`` and, for comparison, of the other ZeRO
+    stage and, under ZeRO-3 with a split sequence, of a larger micro batch (their checkpointed
+    layers chosen again); None without plan.device_tflops."""
+    estimate = step_time(cfg, d, counts)
     if estimate is None:
         return None
     lines = [format_step_time(cfg, estimate)]
     alternatives = []
-    if cfg.launcher.num_ranks > 1:
-        other_stage = other_zero_stage(cfg)
-        alternatives.append((other_stage, f"zero=zero{other_stage.zero.stage}"))
-    larger = larger_micro_batch_under_split(cfg)
+    if d.batch.ranks > 1:
+        stage = 2 if d.zero_stage == 3 else 3
+        alternatives.append((other_zero_stage(cfg, d), f"zero=zero{stage}"))
+    larger = larger_micro_batch_under_split(cfg, d)
     if larger is not None:
-        m = larger.trainer.micro_batch_size
+        m = larger[0].trainer.micro_batch_size
         alternatives.append((larger, f"trainer.micro_batch_size={m}"))
-    for variant, label in alternatives:
-        other, _ = resolve_checkpoint_layers(variant, counts)
-        other_plan = plan(other, counts)
-        other_estimate = step_time(other, counts)
+    for (variant, choices), label in alternatives:
+        other, _ = resolve_checkpoint_layers(variant, choices, counts, machine)
+        other_plan = plan(variant, other, counts)
+        other_estimate = step_time(variant, other, counts)
         assert other_estimate is not None
         fits = "fits" if other_plan.fits else "does not fit"
         lines.append(
             f"  {label} instead: {other_estimate.step_s:.2f} s per step "
             f"(communication {other_estimate.comm_share:.0%}), {other_plan.total_gib:.2f} GiB "
-            f"per rank ({fits}, {checkpointed_layers(other)} layers checkpointed)"
+            f"per rank ({fits}, {other.checkpointing.recomputed} layers checkpointed)"
         )
     return "\n".join(lines)
 
@@ -281,60 +377,67 @@ AUTO_CHECKPOINT_SPARE_GIB = 2.0
 """checkpoint_layers=auto keeps this much of plan.device_gib free for what the plan misses."""
 
 
-def checkpoint_budget(cfg: RunConfig) -> tuple[float, str] | None:
-    """The memory checkpoint_layers=auto fits into: plan.device_gib; for CPU ranks (no CUDA
-    on this machine) without it, the host's available RAM shared by this node's ranks; None
-    for GPU ranks without plan.device_gib (nothing known to fit: every layer)."""
+def checkpoint_budget(cfg: RunConfig, machine: RankMachine) -> tuple[float, str] | None:
+    """The memory checkpoint_layers=auto fits into: plan.device_gib; for CPU ranks without it,
+    the host's available RAM shared by this node's ranks; None for GPU ranks without
+    plan.device_gib (nothing known to fit: every layer)."""
     if cfg.plan.device_gib is not None:
         return cfg.plan.device_gib, f"{cfg.plan.device_gib:.2f} GiB"
-    from memtune.machine import cuda_available, host_available_gib
-
-    if cuda_available():
+    if machine.cuda:
         return None
+    from memtune.machine import host_available_gib
 
     per_node = max(1, cfg.launcher.num_ranks // max(1, cfg.launcher.nnodes))
     per_rank = host_available_gib() / per_node
     return per_rank, f"the host's {per_rank:.1f} GiB available per CPU rank"
 
 
-def choose_checkpoint_layers(cfg: RunConfig, counts: ParamCounts) -> int:
+def choose_checkpoint_layers(
+    cfg: RunConfig, choices: Choices, counts: ParamCounts, machine: RankMachine
+) -> int:
     """The fewest checkpointed layers whose plan fits the budget (:func:`checkpoint_budget`)
     with the spare (all if none does: the refusal then shows the full breakdown)."""
-    return _fewest_layers_that_fit(cfg, counts, checkpoint_budget(cfg))
+    return _fewest_layers_that_fit(cfg, choices, counts, machine, checkpoint_budget(cfg, machine))
 
 
 def _fewest_layers_that_fit(
-    cfg: RunConfig, counts: ParamCounts, budget: tuple[float, str] | None
+    cfg: RunConfig,
+    choices: Choices,
+    counts: ParamCounts,
+    machine: RankMachine,
+    budget: tuple[float, str] | None,
 ) -> int:
     layers = int(cfg.model.architecture["num_hidden_layers"])
     if budget is None:
         return layers
     room = budget[0] - AUTO_CHECKPOINT_SPARE_GIB
+    base = decisions_for(cfg, machine, dataclasses.replace(choices, recompute=0))
     # Up to layers - 1: recomputing the last layer as well would only cost (activation_bytes).
     for k in range(layers):
-        trial = decided(cfg, checkpoint_layers=str(k))
-        if plan(trial, counts).total_gib <= room:
+        if plan(cfg, base.with_recompute(k), counts).total_gib <= room:
             return k
     return layers
 
 
-def resolve_checkpoint_layers(cfg: RunConfig, counts: ParamCounts) -> tuple[RunConfig, str | None]:
-    """``cfg`` with checkpoint_layers=auto replaced by the number chosen, and a note saying
-    why (None when there was nothing to choose)."""
-    if not (cfg.trainer.activation_checkpointing and cfg.trainer.checkpoint_layers == "auto"):
-        return cfg, None
+def resolve_checkpoint_layers(
+    cfg: RunConfig, choices: Choices, counts: ParamCounts, machine: RankMachine
+) -> tuple[Decisions, str | None]:
+    """The decisions for ``cfg`` with ``choices``, checkpoint_layers=auto decided here (the
+    fewest layers that fit), and a note saying why (None when there was nothing to choose)."""
+    if not unresolved_layers(cfg, choices):
+        return decisions_for(cfg, machine, choices), None
     # Read once: the host's available RAM (CPU ranks) moves between reads.
-    budget, spare = checkpoint_budget(cfg), AUTO_CHECKPOINT_SPARE_GIB
-    k = _fewest_layers_that_fit(cfg, counts, budget)
-    cfg = decided(cfg, checkpoint_layers=str(k))
+    budget, spare = checkpoint_budget(cfg, machine), AUTO_CHECKPOINT_SPARE_GIB
+    k = _fewest_layers_that_fit(cfg, choices, counts, machine, budget)
+    d = decisions_for(cfg, machine, dataclasses.replace(choices, recompute=k))
     layers = cfg.model.architecture["num_hidden_layers"]
     if budget is None:
         why = "no plan.device_gib to fit"
-    elif plan(cfg, counts).total_gib <= budget[0] - spare:
+    elif plan(cfg, d, counts).total_gib <= budget[0] - spare:
         why = f"the fewest that fit {budget[1]} with {spare:.0f} GiB to spare"
     else:
         why = f"even all of them leave less than {spare:.0f} GiB of {budget[1]} spare"
-    return cfg, f"checkpoint_layers=auto: {k} of {layers} layers ({why})"
+    return d, f"checkpoint_layers=auto: {k} of {layers} layers ({why})"
 
 
 # Relative step time of each long-context choice, used only without plan.device_tflops
@@ -358,51 +461,51 @@ def sequence_parallel_choices(cfg: RunConfig) -> list[int]:
     the heads, the KV heads and data.max_seq_len allow (config.validate's rules)."""
     out = []
     for sp in range(1, cfg.launcher.num_ranks + 1):
-        if cfg.launcher.num_ranks % sp:
-            continue
-        trial = decided(cfg, sequence_parallel=str(sp))
         try:
-            validate(trial, inputs=False)
+            check_sequence_parallel(cfg, sp)
         except ConfigError:
             continue
         out.append(sp)
     return out
 
 
-def long_context_variants(cfg: RunConfig) -> list[tuple[RunConfig, str, float]]:
+def long_context_variants(cfg: RunConfig) -> list[tuple[Choices, float]]:
     """Every combination of the long-context choices left to auto (sequence_parallel,
-    tiled_mlp, offload_activations), with a label and its fixed relative cost."""
+    tiled_mlp, offload_activations), with its fixed relative cost; the settings' own value
+    where one is set."""
     t = cfg.trainer
-    sps = [sequence_parallel_size(cfg)]
-    if str(t.sequence_parallel) == "auto":
-        sps = sequence_parallel_choices(cfg) or [1]
-    tiles = ["off", "on"] if t.tiled_mlp == "auto" else [t.tiled_mlp]
-    offloads = ["off", "on"] if t.offload_activations == "auto" else [t.offload_activations]
+    value = str(t.sequence_parallel)
+    sps = [int(value)] if value != "auto" else sequence_parallel_choices(cfg) or [1]
+    tiles = [False, True] if t.tiled_mlp == "auto" else [t.tiled_mlp == "on"]
+    offloads = [False, True] if t.offload_activations == "auto" else [t.offload_activations == "on"]
     if not t.activation_checkpointing:
-        offloads = ["off"]
+        offloads = [False]
     if t.compile or routed_experts(dict(cfg.model.architecture)):
         # not built together (compile), not built for routed experts: config.validate
         # refuses them when set to on
-        tiles = offloads = ["off"]
+        tiles = offloads = [False]
     out = []
     for sp, tile, offload in itertools.product(sps, tiles, offloads):
-        v = decided(cfg, sequence_parallel=str(sp), tiled_mlp=tile, offload_activations=offload)
+        choices = Choices(None, sp, tile, offload if t.activation_checkpointing else None)
         cost = COST_SEQUENCE_PARALLEL ** math.log2(sp)
-        cost *= COST_TILED_MLP if tile == "on" else 1.0
-        cost *= COST_OFFLOAD if offload == "on" else 1.0
-        out.append((v, long_context_label(v), cost))
-    return sorted(out, key=lambda item: item[2])
+        cost *= COST_TILED_MLP if tile else 1.0
+        cost *= COST_OFFLOAD if offload else 1.0
+        out.append((choices, cost))
+    return sorted(out, key=lambda item: item[1])
 
 
-def long_context_label(cfg: RunConfig) -> str:
-    parts = [f"sequence_parallel={sequence_parallel_size(cfg)}"]
-    parts.append(f"tiled_mlp={'on' if tiled_mlp(cfg) else 'off'}")
-    parts.append(f"offload_activations={'on' if offload_activations(cfg) else 'off'}")
-    return " ".join(parts)
+def long_context_label(d: Decisions) -> str:
+    on = {True: "on", False: "off"}
+    return (
+        f"sequence_parallel={d.sequence_parallel} tiled_mlp={on[d.tiled_mlp]} "
+        f"offload_activations={on[d.offload_activations]}"
+    )
 
 
-def resolve_long_context(cfg: RunConfig, counts: ParamCounts) -> tuple[RunConfig, str | None]:
-    """``cfg`` with the long-context choices left to auto decided. A run that fits without
+def resolve_long_context(
+    cfg: RunConfig, counts: ParamCounts, machine: RankMachine
+) -> tuple[Choices, str | None]:
+    """The long-context choices ``cfg`` leaves to auto, decided. A run that fits without
     any (sp=1, MLP untiled, nothing offloaded) keeps it that way, even where the estimate
     prices a split sequence with fewer recomputed layers faster: the estimate knows the
     all-to-alls' bytes, not their latency, and none of the three is measured on a GPU yet.
@@ -410,24 +513,23 @@ def resolve_long_context(cfg: RunConfig, counts: ParamCounts) -> tuple[RunConfig
     AUTO_CHECKPOINT_SPARE_GIB to spare on the device; their checkpointed layers chosen as the
     launch would), the fastest by memory.step_time when plan.device_tflops is set, else the
     cheapest by the fixed costs above. When none fits, the one with the smallest plan (the
-    refusal then shows its breakdown). checkpoint_layers stays as given (auto is resolved
-    next, for the chosen combination)."""
+    refusal then shows its breakdown). The checkpointed layers are not chosen here (that
+    comes next, for the chosen combination)."""
     t = cfg.trainer
     if "auto" not in (str(t.sequence_parallel), t.tiled_mlp, t.offload_activations):
-        return cfg, None
-    variants = long_context_variants(cfg)
+        return Choices(), None
     scored = []
-    for variant, label, cost in variants:
-        resolved, _ = resolve_checkpoint_layers(variant, counts)
-        planned = plan(resolved, counts)
+    for choices, cost in long_context_variants(cfg):
+        resolved, _ = resolve_checkpoint_layers(cfg, choices, counts, machine)
+        planned = plan(cfg, resolved, counts)
         fits = fits_with_spare(planned)
-        speed = step_time(resolved, counts) if fits and cfg.plan.device_tflops else None
-        scored.append((variant, label, cost, planned, fits, speed))
+        speed = step_time(cfg, resolved, counts) if fits and cfg.plan.device_tflops else None
+        scored.append((choices, resolved, cost, planned, fits, speed))
     fitting = [s for s in scored if s[4]]
     if scored[0][4]:
         # The cheapest (none of them beyond what was set) fits: take it, and say nothing at
         # every launch — they stay unmeasured on GPUs.
-        return decided(scored[0][0], checkpoint_layers=str(t.checkpoint_layers)), None
+        return scored[0][0], None
     if fitting:
         if cfg.plan.device_tflops:
             best = min(fitting, key=lambda s: s[5].step_s if s[5] else math.inf)
@@ -438,29 +540,29 @@ def resolve_long_context(cfg: RunConfig, counts: ParamCounts) -> tuple[RunConfig
     else:
         best = min(scored, key=lambda s: s[3].total_gib)
         why = "none fits: the smallest plan"
-    chosen = decided(best[0], checkpoint_layers=str(t.checkpoint_layers))
-    return chosen, f"long context (auto): {best[1]} ({why})"
+    return best[0], f"long context (auto): {long_context_label(best[1])} ({why})"
 
 
-def longest_sequence(cfg: RunConfig, counts: ParamCounts, step: int = 1024) -> tuple[int, str]:
-    """The longest data.max_seq_len (a multiple of ``step``) whose plan fits, the long-context
-    choices and checkpointed layers left to auto, and what they chose there. Memory only:
-    positions beyond the model's max_position_embeddings need rope scaling."""
-    layers = "auto" if cfg.trainer.activation_checkpointing else str(cfg.trainer.checkpoint_layers)
+def longest_sequence(
+    cfg: RunConfig, d: Decisions, counts: ParamCounts, machine: RankMachine, step: int = 1024
+) -> tuple[int, str]:
+    """The longest data.max_seq_len (a multiple of ``step``) whose plan fits ``cfg`` run as
+    ``d``, with the long-context choices and checkpointed layers left to auto, and what they
+    chose there. Memory only: positions beyond the model's max_position_embeddings need rope
+    scaling."""
     auto = {"sequence_parallel": "auto", "tiled_mlp": "auto", "offload_activations": "auto"}
-    base = decided(cfg, checkpoint_layers=layers, **auto)
+    base = with_sections(settings_of(cfg, d), trainer=auto)
     # Positions are checked against the rope limits by the caller, not here.
     architecture = {**cfg.model.architecture, "max_position_embeddings": 1 << 40}
     base = with_sections(base, model={"architecture": architecture})
 
     def fits(n: int) -> tuple[bool, str]:
         trial = with_sections(base, data={"max_seq_len": n})
-        chosen, _ = resolve_long_context(trial, counts)
-        chosen, _ = resolve_checkpoint_layers(chosen, counts)
-        planned = plan(chosen, counts)
-        ok = fits_with_spare(planned)
-        layers = chosen.model.architecture["num_hidden_layers"]
-        k = checkpointed_layers(chosen)
+        choices, _ = resolve_long_context(trial, counts, machine)
+        chosen, _ = resolve_checkpoint_layers(trial, choices, counts, machine)
+        ok = fits_with_spare(plan(trial, chosen, counts))
+        layers = trial.model.architecture["num_hidden_layers"]
+        k = chosen.checkpointing.recomputed
         what = f"{long_context_label(chosen)}, {k} of {layers} layers checkpointed"
         return ok, what
 
@@ -479,9 +581,11 @@ def longest_sequence(cfg: RunConfig, counts: ParamCounts, step: int = 1024) -> t
     return lo * step, fits(lo * step)[1]
 
 
-def format_longest_sequence(cfg: RunConfig, counts: ParamCounts) -> str:
+def format_longest_sequence(
+    cfg: RunConfig, d: Decisions, counts: ParamCounts, machine: RankMachine
+) -> str:
     """make plan's line: the longest sequence this experiment's box can train, and how."""
-    n, how = longest_sequence(cfg, counts)
+    n, how = longest_sequence(cfg, d, counts, machine)
     if not n:
         return f"longest sequence that fits: none of 1,024 tokens ({how})"
     limit = rope_positions(cfg)
@@ -500,79 +604,99 @@ def format_longest_sequence(cfg: RunConfig, counts: ParamCounts) -> str:
 
 @dataclass
 class Fitted:
-    """What fit_to_device decided: the config to run and its plan, and the plan of the config
-    as given (with checkpoint_layers=auto resolved) when plan.auto_fit replaced it."""
+    """What fit_to_device decided: the decisions to run and their plan, and the settings'
+    own decisions (before plan.auto_fit replaced them) with theirs."""
 
     cfg: RunConfig
+    """The user's settings, as given (what config.yaml records)."""
+    decisions: Decisions
     plan: Plan
-    given: RunConfig
+    given: Decisions
     given_plan: Plan
     changes: list[str]  # auto_fit's overrides, [] when it changed nothing
     notes: list[str]  # what was decided and why, for the caller to say
+    machine: RankMachine
 
     @classmethod
-    def as_decided(cls, cfg: RunConfig) -> Fitted:
-        """A config whose decisions are made already (an out-of-memory restart's variant of
-        the run's resolved config), with its plan: deciding again could pick another variant
-        (auto_fit), which the run's checkpoint would not continue."""
-        planned = plan(cfg)
-        return cls(cfg, planned, cfg, planned, [], [])
+    def as_decided(cls, cfg: RunConfig, d: Decisions, machine: RankMachine) -> Fitted:
+        """Decisions made already (an out-of-memory restart's variant of the run's), with
+        their plan: deciding again could pick another variant (auto_fit), which the run's
+        checkpoint would not continue."""
+        planned = plan(cfg, d)
+        return cls(cfg, d, planned, d, planned, [], [], machine)
 
 
-def fit_to_device(cfg: RunConfig, refuse: bool = True) -> Fitted:
-    """Decide the number of checkpointed layers (checkpoint_layers=auto) and, with
-    plan.auto_fit, a variant that fits. With ``refuse`` (and plan.enforce) a run that cannot
-    fit raises ConfigError with the breakdown and suggestions; plan_only passes False to show
-    the same decisions without refusing."""
-    counts = count_params(cfg)
-    problems = quantized_shape_problems(cfg, counts)
+ONE_RANK_NOTE = (
+    "one rank: ZeRO-2 instead of ZeRO-3 (nothing to shard; ZeRO-3's gather hooks only cost "
+    "time). zero.one_rank_stage2=false keeps ZeRO-3."
+)
+
+
+def fit_to_device(
+    cfg: RunConfig, refuse: bool = True, machine: RankMachine | None = None
+) -> Fitted:
+    """Decide everything ``cfg`` leaves to memtune: one rank's ZeRO stage, the long-context
+    choices, the number of checkpointed layers, the kernels on ``machine`` (default: this
+    machine, where the ranks start: config.decisions.rank_machine) and, with plan.auto_fit, a
+    variant that fits. With ``refuse`` (and plan.enforce) a run that cannot fit raises
+    ConfigError with the breakdown and suggestions; plan_only passes False to show the same
+    decisions without refusing."""
+    machine = machine or rank_machine()
+    notes = []
+    staged = cfg
+    if one_rank_stage(cfg) != cfg.zero.stage:
+        staged = with_sections(cfg, zero={"stage": one_rank_stage(cfg)})
+        notes.append(ONE_RANK_NOTE)
+    counts = count_params(staged)
+    problems = quantized_shape_problems(staged, staged.peft.method, counts)
     if problems:
         raise ConfigError(
             "peft.method=qlora cannot quantize these layers of model.architecture:\n  "
             + "\n  ".join(problems)
         )
-    cfg, long_note = resolve_long_context(cfg, counts)
-    cfg, note = resolve_checkpoint_layers(cfg, counts)
-    notes = [n for n in (long_note, note) if n]
-    result = plan(cfg, counts)
+    choices, long_note = resolve_long_context(staged, counts, machine)
+    d, note = resolve_checkpoint_layers(staged, choices, counts, machine)
+    notes += [n for n in (long_note, note) if n]
+    result = plan(cfg, d, counts)
     if not result.fits and cfg.plan.auto_fit:
-        fit = auto_fit(cfg, result.counts)
+        fit = auto_fit(cfg, d, machine, result.counts)
         if fit is not None:
             # Variants never change what LoRA adapts: the counts stay valid (see auto_fit).
-            chosen, note = resolve_checkpoint_layers(fit.cfg, counts)
-            chosen_plan = plan(chosen, counts)
+            chosen, note = resolve_checkpoint_layers(fit.cfg, fit.choices, counts, machine)
+            chosen_plan = plan(cfg, chosen, counts)
             notes += [note] if note else []
             notes.append(
                 f"auto_fit: {' '.join(fit.changes)} (planned {chosen_plan.total_gib:.2f} "
                 f"of {result.device_gib:.2f} GiB per rank; as given it needed "
                 f"{result.total_gib:.2f})"
             )
-            return Fitted(chosen, chosen_plan, cfg, result, fit.changes, notes)
+            return Fitted(cfg, chosen, chosen_plan, d, result, fit.changes, notes, machine)
     if not result.fits and cfg.plan.enforce and refuse:
         decided = "".join(f"{note}\n" for note in notes)
         raise ConfigError(
             f"{decided}this run needs {result.total_gib:.2f} GiB per rank but the device has "
-            f"{result.device_gib:.2f} GiB (plan.device_gib):\n{format_plan(cfg, result)}\n"
-            f"{format_suggestions(cfg, counts)}\n(plan.auto_fit=true picks the fastest variant "
-            "that fits; plan.enforce=false launches anyway)"
+            f"{result.device_gib:.2f} GiB (plan.device_gib):\n{format_plan(cfg, d, result)}\n"
+            f"{format_suggestions(cfg, d, counts, machine)}\n(plan.auto_fit=true picks the "
+            "fastest variant that fits; plan.enforce=false launches anyway)"
         )
-    return Fitted(cfg, result, cfg, result, [], notes)
+    return Fitted(cfg, d, result, d, result, [], notes, machine)
 
 
-def out_of_memory_variant(cfg: RunConfig) -> tuple[RunConfig, list[str]] | None:
+def out_of_memory_variant(
+    cfg: RunConfig, d: Decisions, machine: RankMachine
+) -> tuple[Decisions, list[str]] | None:
     """After a rank ran out of memory: the cheapest change that saves memory and can still
     continue from the run's checkpoint (the optimizer state, the data position in micro
     batches and the ZeRO partitions stay as they are, so only what the step recomputes may
     change: the chunked loss, then activation checkpointing of every layer). None when there
     is nothing left of that kind."""
-    t = cfg.trainer
-    layers = int(cfg.model.architecture["num_hidden_layers"])
-    if t.loss == "plain":
-        return decided(cfg, loss="auto"), ["trainer.loss=auto"]
-    if not t.activation_checkpointing:
-        out = decided(cfg, activation_checkpointing=True, checkpoint_layers="all")
+    layers = len(d.checkpointing.layers)
+    if d.loss == "plain":
+        return dataclasses.replace(d, loss=loss_kernel("auto", machine)), ["trainer.loss=auto"]
+    if not d.checkpointing.enabled:
+        every = Checkpointing.first(layers, layers, cfg.trainer.checkpointing_reentrant)
+        out = dataclasses.replace(d, checkpointing=every)
         return out, ["trainer.activation_checkpointing=true", "trainer.checkpoint_layers=all"]
-    value = str(t.checkpoint_layers)
-    if value not in ("all", "auto") and int(value) < layers:
-        return decided(cfg, checkpoint_layers="all"), ["trainer.checkpoint_layers=all"]
+    if d.checkpointing.recomputed < layers:
+        return d.with_recompute(layers), ["trainer.checkpoint_layers=all"]
     return None

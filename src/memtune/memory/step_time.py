@@ -33,18 +33,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memtune.config import (
-    RunConfig,
-    checkpointed_layers,
-    compute_bytes,
-    grad_accumulation_steps,
-    live_reference,
-    offload_activations,
-    rank_tokens,
-    sequence_parallel_size,
-    tiled_mlp,
-)
+from memtune.config import RunConfig, compute_bytes, live_reference
 from memtune.config.architecture import head_dim
+from memtune.config.decisions import Decisions
 from memtune.expert_stacks import expert_stack_bytes
 from memtune.memory.counts import ParamCounts, count_params
 from memtune.memory.estimate import MLP_PROJECTIONS, NF4_BYTES
@@ -104,14 +95,14 @@ class Flops:
         return self.base + self.lora + self.attention + self.tiles + self.reference + self.dora
 
 
-def micro_step_flops(cfg: RunConfig, counts: ParamCounts) -> Flops:
+def micro_step_flops(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> Flops:
     """See the module docstring. The head multiplies every token twice (logits, and the
     gradient of the hidden state): the chunked loss computes both in its forward."""
     a = cfg.model.architecture
     layers = int(a["num_hidden_layers"])
-    n, micro = cfg.data.max_seq_len, cfg.trainer.micro_batch_size
-    tokens, sp = rank_tokens(cfg), sequence_parallel_size(cfg)  # this rank's share
-    k = checkpointed_layers(cfg)
+    n, micro = d.batch.row_tokens, d.batch.micro_batch
+    tokens, sp = d.batch.rank_tokens, d.sequence_parallel  # this rank's share
+    k = d.checkpointing.recomputed
     head = counts.head or counts.embedding  # the LM head multiplies even when tied
     # A mixture's token multiplies only the experts it is routed to (counts.active).
     share = counts.routed_share
@@ -126,7 +117,7 @@ def micro_step_flops(cfg: RunConfig, counts: ParamCounts) -> Flops:
     # a rank of a sequence-parallel group attends for heads / sp of the heads.
     attn_fwd = micro * 2 * n * n * heads * head_dim(a) / sp
     tiles = 0.0
-    if tiled_mlp(cfg):
+    if d.tiled_mlp:
         h, inter = int(a["hidden_size"]), int(a["intermediate_size"])
         adapted = sum(1 for name, _, _ in counts.lora_inputs if name in MLP_PROJECTIONS)
         # 2 FLOPs per weight per token: the three projections, and r × (in + out) per adapter
@@ -135,10 +126,11 @@ def micro_step_flops(cfg: RunConfig, counts: ParamCounts) -> Flops:
     if live_reference(cfg):
         # One more forward of the base, adapter off, without grad (rank.preference).
         reference = 2 * tokens * (per_layer * layers + head) + attn_fwd * layers
-    return Flops(base, lora, attn_fwd * (3 * layers + k), tiles, reference, dora_flops(cfg, counts))
+    dora = dora_flops(cfg, d, counts)
+    return Flops(base, lora, attn_fwd * (3 * layers + k), tiles, reference, dora)
 
 
-def dora_flops(cfg: RunConfig, counts: ParamCounts) -> float:
+def dora_flops(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> float:
     """DoRA's extra matmuls in one micro batch (peft's DoraLinearLayer), per adapted module of
     every layer: A and B over an identity matrix to build B·A as a weight (2·in²·r + 2·in·r·out,
     in each forward and recompute; no backward: the norms are detached); with dropout, the base
@@ -149,7 +141,7 @@ def dora_flops(cfg: RunConfig, counts: ParamCounts) -> float:
         return 0.0
     from memtune.memory.estimate import dora_modules, layer_kinds
 
-    k = checkpointed_layers(cfg)
+    k = d.checkpointing.recomputed
     flops = 0
     for index, kind in enumerate(layer_kinds(cfg)):
         inputs = (
@@ -161,27 +153,27 @@ def dora_flops(cfg: RunConfig, counts: ParamCounts) -> float:
         passes = 2 if index < k else 1  # forward, and the recompute
         flops += passes * sum(2 * i * i * r + 2 * i * r * out for i, out, r in modules)
         if cfg.peft.dropout > 0:
-            dropped = rank_tokens(cfg) * sum(2 * i * out for i, out, _ in modules)
+            dropped = d.batch.rank_tokens * sum(2 * i * out for i, out, _ in modules)
             flops += (passes + 1) * dropped
     return float(flops)
 
 
-def traffic(cfg: RunConfig, counts: ParamCounts) -> list[tuple[str, float]]:
+def traffic(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> list[tuple[str, float]]:
     """Bytes each rank sends per optimizer step, by collective (module docstring)."""
-    ranks = cfg.launcher.num_ranks
+    ranks = d.batch.ranks
     if ranks <= 1:
         return []
     ring = (ranks - 1) / ranks
     b = compute_bytes(cfg)
-    gas = grad_accumulation_steps(cfg)
+    gas = d.batch.accumulation
     lora = counts.lora * b
     out = [("LoRA gradient reduce-scatter", gas * ring * lora)]
-    sp = sequence_parallel_size(cfg)
+    sp = d.sequence_parallel
     if sp > 1:
         a = cfg.model.architecture
         heads, kv = int(a["num_attention_heads"]), int(a["num_key_value_heads"])
-        layers, k = int(a["num_hidden_layers"]), checkpointed_layers(cfg)
-        per_layer = rank_tokens(cfg) * head_dim(a) * (2 * heads + 2 * max(kv, sp)) * b
+        layers, k = int(a["num_hidden_layers"]), d.checkpointing.recomputed
+        per_layer = d.batch.rank_tokens * head_dim(a) * (2 * heads + 2 * max(kv, sp)) * b
         exchanges = 2 * layers + k  # forward, backward, recompute
         out.append(
             (
@@ -189,12 +181,12 @@ def traffic(cfg: RunConfig, counts: ParamCounts) -> list[tuple[str, float]]:
                 gas * exchanges * per_layer * (sp - 1) / sp,
             )
         )
-    if cfg.zero.stage == 3:
+    if d.zero_stage == 3:
         other = (counts.embedding + counts.head) * b
-        if cfg.peft.method == "qlora":
+        if d.peft_method == "qlora":
             base = counts.linear * NF4_BYTES[cfg.peft.double_quant] + other
             base += expert_stack_bytes(cfg.peft.quant_type, counts.experts, counts.expert_rows)
-        elif cfg.peft.method == "lora-int8":
+        elif d.peft_method == "lora-int8":
             base = counts.linear + other
             base += expert_stack_bytes("int8", counts.experts, counts.expert_rows)
         else:  # a mixture's whole expert stacks are gathered, not only the routed experts
@@ -208,23 +200,24 @@ def traffic(cfg: RunConfig, counts: ParamCounts) -> list[tuple[str, float]]:
     return out
 
 
-def step_time(cfg: RunConfig, counts: ParamCounts | None = None) -> StepTime | None:
-    """The model's estimate for ``cfg``; None without ``plan.device_tflops`` (nothing to
-    divide FLOPs by)."""
+def step_time(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> StepTime | None:
+    """The model's estimate for ``cfg`` run as decided; None without ``plan.device_tflops``
+    (nothing to divide FLOPs by)."""
     p = cfg.plan
     if not p.device_tflops:
         return None
     counts = counts or count_params(cfg)
-    flops = grad_accumulation_steps(cfg) * micro_step_flops(cfg, counts).total
+    gas = d.batch.accumulation
+    flops = gas * micro_step_flops(cfg, d, counts).total
     compute = flops / (p.device_tflops * 1e12 * p.mfu)
-    if cfg.peft.method == "qlora":
+    if d.peft_method == "qlora":
         compute *= QLORA_COMPUTE
     host = 0.0
-    if offload_activations(cfg):
+    if d.offload_activations:
         h = int(cfg.model.architecture["hidden_size"])
-        host = grad_accumulation_steps(cfg) * 2 * checkpointed_layers(cfg) * rank_tokens(cfg) * h
+        host = gas * 2 * d.checkpointing.recomputed * d.batch.rank_tokens * h
         host *= compute_bytes(cfg)
-    return StepTime(flops, compute, traffic(cfg, counts), p.link_gb_s, host, p.host_link_gb_s)
+    return StepTime(flops, compute, traffic(cfg, d, counts), p.link_gb_s, host, p.host_link_gb_s)
 
 
 def format_step_time(cfg: RunConfig, t: StepTime) -> str:

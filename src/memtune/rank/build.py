@@ -14,30 +14,23 @@ from typing import Any
 
 import torch
 
-from memtune.config import (
-    ConfigError,
-    RunConfig,
-    offload_activations,
-    preference_loss_kind,
-    rank_tokens,
-    sequence_parallel_size,
-    tiled_mlp,
-)
+from memtune.config import ConfigError, RunConfig, preference_loss_kind
 from memtune.config.architecture import loaded_mismatches
+from memtune.config.decisions import Decisions
 from memtune.rank.linear_attention import keep_samples_apart, split_over_ranks
 from memtune.rank.long_context import offload_checkpoints, tile_mlps
-from memtune.rank.loss import CausalLMLoss, resolve_loss_kind
+from memtune.rank.loss import CausalLMLoss, use_loss_kernel
 from memtune.rank.model import (
     add_lora,
-    choose_attention,
     compile_layers,
     count_parameters,
     load_base_model,
+    use_attention,
 )
 from memtune.rank.optim import build_optimizer, param_groups, scheduler_factory, with_rates
 
-LoadBase = Callable[[RunConfig, str], Any]
-"""(config, attention implementation) -> the base model, before LoRA."""
+LoadBase = Callable[[RunConfig, Decisions], Any]
+"""(settings, decisions) -> the base model, before LoRA."""
 
 
 @dataclass
@@ -57,6 +50,7 @@ class RankParts:
 
 def build_rank(
     cfg: RunConfig,
+    d: Decisions,
     ds_config: dict[str, Any],
     device: torch.device,
     local_rank: int = 0,
@@ -64,25 +58,25 @@ def build_rank(
     zero_init: bool | None = None,
 ) -> RankParts:
     """Base (``load_base``, default: from_pretrained of model.name_or_path on this rank's
-    device), LoRA, engine. ``zero_init`` (default: ZeRO-3) keeps DeepSpeed's HfDeepSpeedConfig
-    alive while the base is built, so transformers creates it under zero.Init, partitioned
-    as it is built."""
+    device), LoRA, engine, each as decided (``d``: decisions.json). ``zero_init`` (default:
+    ZeRO-3) keeps DeepSpeed's HfDeepSpeedConfig alive while the base is built, so
+    transformers creates it under zero.Init, partitioned as it is built."""
     from transformers.integrations import HfDeepSpeedConfig
 
-    attn = choose_attention(cfg.model.attn_implementation, device.type)
+    attn = use_attention(d.attention, device.type)
     if load_base is None:
         gpu = local_rank if device.type == "cuda" else None
 
-        def load_base(c: RunConfig, a: str) -> Any:
-            return load_base_model(c, a, gpu)
+        def load_base(c: RunConfig, decided: Decisions) -> Any:
+            return load_base_model(c, decided, gpu)
 
-    use_zero_init = cfg.zero.stage == 3 if zero_init is None else zero_init
+    use_zero_init = d.zero_stage == 3 if zero_init is None else zero_init
     hf_ds = HfDeepSpeedConfig(ds_config) if use_zero_init else None
     # Loading must not move the RNG the adapters are then drawn from: under zero.Init the
     # modules are built for real, and a Qwen3.5 linear-attention layer draws its A_log at
     # construction, so LoRA would start elsewhere under ZeRO-3 than under ZeRO-2 or one rank.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        base = load_base(cfg, attn)
+        base = load_base(cfg, d)
     wrong = loaded_mismatches(cfg, base.config)
     if wrong:
         raise ConfigError(
@@ -91,25 +85,25 @@ def build_rank(
             + ". The memory plan does not hold for it; plan again (make plan / plan_only=true) "
             "with the checkpoint on disk."
         )
-    model = add_lora(base, cfg)
+    model = add_lora(base, cfg, d)
     linear = keep_samples_apart(base)
-    compiled = compile_layers(model, cfg.zero.stage == 3) if cfg.trainer.compile else 0
+    compiled = compile_layers(model, d.zero_stage == 3) if cfg.trainer.compile else 0
     tiles = offloaded = 0
-    if tiled_mlp(cfg):
-        tiles = tile_mlps(base, rank_tokens(cfg))
-    if offload_activations(cfg):
+    if d.tiled_mlp:
+        tiles = tile_mlps(base, d.batch.rank_tokens)
+    if d.offload_activations:
         offloaded = offload_checkpoints(base, device)
     trainable, total = count_parameters(model)
     mpu = None
-    if sequence_parallel_size(cfg) > 1:
+    if d.sequence_parallel > 1:
         from memtune.rank.sequence_parallel import register_attention
 
-        sp, micro = sequence_parallel_size(cfg), cfg.trainer.micro_batch_size
+        sp, micro = d.sequence_parallel, d.batch.micro_batch
         mpu = register_attention(base, attn, sp, micro)
         if linear:
             group, sp_rank = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank()
             split_over_ranks(base, group, sp, sp_rank)
-    engine, optimizer_note = build_engine(cfg, model, device, ds_config, mpu)
+    engine, optimizer_note = build_engine(cfg, d, model, device, ds_config, mpu)
     if mpu is not None and cfg.trainer.objective != "sft":
         # A pair's sequence log-probabilities are summed over the group's shards.
         group, sp_rank = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank()
@@ -130,10 +124,10 @@ def build_rank(
     )
 
 
-def loss_module(cfg: RunConfig, model: Any, device: torch.device) -> torch.nn.Module:
+def loss_module(cfg: RunConfig, d: Decisions, model: Any, device: torch.device) -> torch.nn.Module:
     """What DeepSpeed wraps: the model and the objective's loss (SFT's token loss, or a
-    preference objective's pair loss, rank.preference)."""
-    loss_kind = resolve_loss_kind(cfg.trainer.loss, device)
+    preference objective's pair loss, rank.preference), with the decided loss kernel."""
+    loss_kind = use_loss_kernel(d.loss, device)
     chunk = cfg.trainer.loss_chunk_tokens
     if cfg.trainer.objective == "sft":
         return CausalLMLoss(model, loss_kind, chunk)
@@ -154,7 +148,12 @@ def loss_module(cfg: RunConfig, model: Any, device: torch.device) -> torch.nn.Mo
 
 
 def build_engine(
-    cfg: RunConfig, model: Any, device: torch.device, ds_config: dict[str, Any], mpu: Any = None
+    cfg: RunConfig,
+    d: Decisions,
+    model: Any,
+    device: torch.device,
+    ds_config: dict[str, Any],
+    mpu: Any = None,
 ) -> tuple[Any, str]:
     """The DeepSpeed engine around memtune's loss module, with the configured optimizer and
     schedule; returns it and a line naming the optimizer. ``mpu``: the sequence-parallel
@@ -162,11 +161,11 @@ def build_engine(
     import deepspeed
 
     groups = param_groups(cfg, model)
-    optimizer, optimizer_note = build_optimizer(cfg, groups, device)
+    optimizer, optimizer_note = build_optimizer(cfg, d.optimizer, groups, device)
     if cfg.peft.loraplus_lr_ratio is not None:
         optimizer_note += f" · LoRA+: B at {cfg.peft.loraplus_lr_ratio:g}× the rate of A"
     engine, _, _, _ = deepspeed.initialize(
-        model=loss_module(cfg, model, device),
+        model=loss_module(cfg, d, model, device),
         optimizer=optimizer,
         model_parameters=with_rates(groups, cfg.trainer.lr) if optimizer is None else None,
         lr_scheduler=scheduler_factory(cfg),

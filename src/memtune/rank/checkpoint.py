@@ -176,7 +176,8 @@ def export_final(
 #     adapter/           the LoRA adapter at this step, PEFT format
 #     trainer_state.json step, loss history, wall time, world size
 #     rng_rank{r}.pt     python / numpy / torch RNG states of every rank
-#     config.yaml        the resolved config the run had
+#     config.yaml        the run's settings, as the user gave them
+#     decisions.json     what was decided for them (config.decisions), compared on resume
 #     complete.json      written last: a directory without it is never resumed from
 # RUN_DIR/checkpoints/latest   name of the newest complete checkpoint, replaced atomically
 #
@@ -235,6 +236,7 @@ def save_checkpoint(engine: Any, run_dir: Path, state: TrainState, keep_last: in
     if rank == 0:
         rd = RunDir(run_dir)
         shutil.copy(rd.config, tmp / "config.yaml")
+        shutil.copy(rd.decisions, tmp / rd.decisions.name)
         if rd.base.is_file():
             shutil.copy(rd.base, tmp / rd.base.name)
         state.write(tmp)

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from memtune.config import RunConfig, grad_accumulation_steps, sequence_parallel_size
+from memtune.config import RunConfig
+from memtune.config.decisions import Decisions
 from memtune.rank.experts import RouterStats
 from memtune.rank.loss import label_count
 from memtune.rank.sequence_parallel import gradient_averaging_ranks
@@ -218,6 +219,7 @@ def train(
     engine: Any,
     batches: Iterator[dict[str, torch.Tensor]],
     cfg: RunConfig,
+    d: Decisions,
     device: torch.device,
     logger: NullLogger,
     result: TrainResult | None = None,
@@ -225,9 +227,9 @@ def train(
 ) -> TrainResult:
     """Run optimizer steps ``result.steps + 1 … max_steps`` (a resumed run passes its result)."""
     t = cfg.trainer
-    gas = grad_accumulation_steps(cfg)
+    gas = d.batch.accumulation
     world = dist.get_world_size() if dist.is_initialized() else 1
-    averaged_over = gradient_averaging_ranks(cfg.zero.stage, world, sequence_parallel_size(cfg))
+    averaged_over = gradient_averaging_ranks(d.zero_stage, world, d.sequence_parallel)
     result = result or TrainResult()
     hooks = hooks or Hooks()
     engine.train()

@@ -172,10 +172,17 @@ def model_inputs(
     return inputs
 
 
-def resolve_loss_kind(kind: str, device: torch.device) -> str:
-    if kind == "auto":
-        return "liger" if liger_available(device) else "chunked"
-    return kind
+def use_loss_kernel(kernel: str, device: torch.device) -> str:
+    """The decided loss kernel (decisions.json ``loss``), checked on this rank: Liger's needs
+    CUDA and liger-kernel here too (the job decided from its view of the machine)."""
+    if kernel == "liger" and not liger_available(device):
+        from memtune.config import ConfigError
+
+        raise ConfigError(
+            "loss=liger (decisions.json) needs CUDA and the liger-kernel package on every "
+            "rank; this rank has neither or one: install it, or run with trainer.loss=chunked"
+        )
+    return kernel
 
 
 class CausalLMLoss(nn.Module):

@@ -9,18 +9,10 @@ from typing import Any
 
 import torch
 
-from memtune.config import (
-    ConfigError,
-    RunConfig,
-    checkpointed_layers,
-)
-from memtune.config.derive import (
-    REWRITING_INIT,
-    adapts_experts,
-    lora_config,
-    lora_scaling,
-    variant_words,
-)
+from memtune.config import ConfigError, RunConfig
+from memtune.config.decisions import AttentionKernel, Checkpointing, Decisions
+from memtune.config.derive import REWRITING_INIT, lora_config, lora_scaling, variant_words
+from memtune.config.schema import PeftMethod
 
 log = logging.getLogger("memtune")
 
@@ -29,26 +21,29 @@ def torch_dtype(cfg: RunConfig) -> torch.dtype:
     return torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
 
 
-def choose_attention(requested: str, device_type: str) -> str:
-    """flash_attention_2 when asked for (or 'auto') and usable, else sdpa_varlen (SDPA per
-    sample, no dense mask: rank/attention.py), which 'auto' registers with transformers."""
+def use_attention(kernel: AttentionKernel, device_type: str) -> AttentionKernel:
+    """The decided attention kernel (decisions.json ``attention``), made ready on this rank:
+    sdpa_varlen (SDPA per sample, no dense mask: rank/attention.py) registered with
+    transformers; FlashAttention-2 refused where this rank cannot run it (the job decided from
+    its view of the machine, which this one may not match)."""
     has_flash = importlib.util.find_spec("flash_attn") is not None
-    if requested == "auto":
-        requested = "flash_attention_2" if device_type == "cuda" and has_flash else "sdpa_varlen"
-    if requested == "flash_attention_2" and not (device_type == "cuda" and has_flash):
+    if kernel == "flash_attention_2" and not (device_type == "cuda" and has_flash):
         raise ConfigError(
-            "model.attn_implementation=flash_attention_2 needs a CUDA GPU and the flash-attn "
-            "package (pip install -e '.[flash]'); use auto to fall back to sdpa_varlen"
+            "attention=flash_attention_2 (decisions.json) needs a CUDA GPU and the flash-attn "
+            "package on every rank (pip install -e '.[flash]'); this rank has "
+            f"{'no CUDA' if device_type != 'cuda' else 'no flash-attn'}: install it, or run "
+            "with model.attn_implementation=sdpa_varlen"
         )
-    if requested == "sdpa_varlen":
+    if kernel == "sdpa_varlen":
         from memtune.rank import attention
 
         attention.register()
-    return requested
+    return kernel
 
 
-def quantization_config(cfg: RunConfig) -> Any:
-    """bitsandbytes settings for a quantized base (peft.method qlora / lora-int8), else None.
+def quantization_config(cfg: RunConfig, method: PeftMethod) -> Any:
+    """bitsandbytes settings for a base quantized by ``method`` (the decided peft method:
+    qlora / lora-int8), else None.
 
     NF4 weights are stored packed in the training dtype (``bnb_4bit_quant_storage``): ZeRO-3
     partitions and gathers parameters of one floating dtype, and a uint8 store would not be
@@ -57,7 +52,7 @@ def quantization_config(cfg: RunConfig) -> Any:
     from transformers import BitsAndBytesConfig
 
     p, dtype = cfg.peft, torch_dtype(cfg)
-    if p.method == "qlora":
+    if method == "qlora":
         return BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type=p.quant_type,
@@ -65,21 +60,20 @@ def quantization_config(cfg: RunConfig) -> Any:
             bnb_4bit_compute_dtype=dtype,
             bnb_4bit_quant_storage=dtype,
         )
-    if p.method == "lora-int8":
+    if method == "lora-int8":
         return BitsAndBytesConfig(load_in_8bit=True)
     return None
 
 
-def load_base_model(
-    cfg: RunConfig, attn_implementation: str, device_index: int | None = None
-) -> Any:
-    """``from_pretrained`` in the training dtype, quantized for QLoRA / int8. Under ZeRO-3 the
-    caller keeps a live ``HfDeepSpeedConfig`` so weights load already partitioned across ranks
-    (no ``device_map`` then); under ZeRO-2 on a GPU the base loads onto the rank's GPU (where
-    bitsandbytes quantizes a quantized one)."""
+def load_base_model(cfg: RunConfig, d: Decisions, device_index: int | None = None) -> Any:
+    """``from_pretrained`` in the training dtype with the decided attention kernel, quantized
+    for QLoRA / int8. Under ZeRO-3 the caller keeps a live ``HfDeepSpeedConfig`` so weights
+    load already partitioned across ranks (no ``device_map`` then); under ZeRO-2 on a GPU the
+    base loads onto the rank's GPU (where bitsandbytes quantizes a quantized one)."""
     from transformers import AutoModelForCausalLM
 
-    quant = quantization_config(cfg)
+    use_attention(d.attention, "cpu" if device_index is None else "cuda")
+    quant = quantization_config(cfg, d.peft_method)
     extra: dict[str, Any] = {}
     if quant is not None:
         extra["quantization_config"] = quant
@@ -87,14 +81,14 @@ def load_base_model(
         extra["rope_scaling"] = dict(cfg.model.rope_scaling)
     if cfg.model.revision:
         extra["revision"] = cfg.model.revision
-    if device_index is not None and cfg.zero.stage != 3:
+    if device_index is not None and d.zero_stage != 3:
         # Straight onto the rank's GPU: a replicated bf16 base would otherwise sit in host
         # memory once per rank (4 × 15 GB for Qwen2.5-7B) before DeepSpeed moves it.
         extra["device_map"] = {"": device_index}
     model = AutoModelForCausalLM.from_pretrained(
         cfg.model.name_or_path,
         dtype=torch_dtype(cfg),
-        attn_implementation=attn_implementation,
+        attn_implementation=d.attention,
         trust_remote_code=cfg.model.trust_remote_code,
         **extra,
     )
@@ -113,22 +107,25 @@ def variant_label(cfg: RunConfig, model: Any = None) -> str:
     return "".join(f" · {w}" for w in words)
 
 
-def add_lora(model: Any, cfg: RunConfig) -> Any:
+def add_lora(model: Any, cfg: RunConfig, d: Decisions) -> Any:
+    """LoRA (and a mixture's expert adapters) on the base, as decided: a quantized base
+    prepared, activation checkpointing per layer, the adapters in the compute dtype."""
     from peft import get_peft_model
 
     p = cfg.peft
-    if p.method != "lora":
+    if d.peft_method != "lora":
         model = prepare_quantized(model, torch_dtype(cfg))
-        check_all_quantized(model, cfg)
-    if cfg.trainer.activation_checkpointing:
+        check_all_quantized(model, cfg, d)
+    c = d.checkpointing
+    if c.enabled:
         # On decoder layers only (transformers wraps its GradientCheckpointingLayer modules);
         # embeddings and the LM head keep their activations.
         model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": cfg.trainer.checkpointing_reentrant}
+            activation_checkpointing_kwargs={"use_reentrant": c.reentrant}
         )
-        # Selective: only the first k layers recompute (backward reaches them last, once the
-        # other layers' activations are freed; see memory.estimate.activation_bytes).
-        set_checkpointed_layers(model, checkpointed_layers(cfg))
+        # Per layer, as decided: the first ones recompute (backward reaches them last, once
+        # the other layers' activations are freed; see memory.estimate.activation_bytes).
+        set_checkpointed_layers(model, c)
     start = time.perf_counter()
     model = get_peft_model(model, lora_config(cfg))
     if p.init in REWRITING_INIT:
@@ -144,7 +141,7 @@ def add_lora(model: Any, cfg: RunConfig) -> Any:
     from memtune.expert_stacks import add_expert_adapters, train_routers
     from memtune.rank.experts import use_routed_forward
 
-    if adapts_experts(cfg):
+    if d.experts is not None and d.experts.adapted:
         add_expert_adapters(model, p.r, lora_scaling(cfg), p.init)
     use_routed_forward(model)  # a mixture's experts, adapted or frozen
     if p.train_router:
@@ -152,7 +149,7 @@ def add_lora(model: Any, cfg: RunConfig) -> Any:
     if p.init_from:
         load_adapter_weights(model, p.init_from)
     cast_adapters(model, torch_dtype(cfg))
-    if cfg.trainer.activation_checkpointing and cfg.trainer.checkpointing_reentrant:
+    if c.reentrant:
         # Reentrant checkpointing drops gradients unless the layer inputs require grad.
         model.enable_input_require_grads()
     return model
@@ -221,10 +218,17 @@ def cast_adapters(model: Any, dtype: torch.dtype) -> None:
             param.data = param.data.to(dtype)
 
 
-def set_checkpointed_layers(model: Any, k: int) -> None:
-    """Recompute the first ``k`` decoder layers in backward, keep the others' activations."""
-    for i, layer in enumerate(decoder_layers(model)):
-        layer.gradient_checkpointing = i < k
+def set_checkpointed_layers(model: Any, checkpointing: Checkpointing) -> None:
+    """Each decoder layer as decided: recompute its forward in backward ("full") or keep its
+    activations ("keep")."""
+    layers = decoder_layers(model)
+    if len(layers) != len(checkpointing.layers):
+        raise ConfigError(
+            f"checkpointing.layers (decisions.json) has {len(checkpointing.layers)} entries, the "
+            f"model {len(layers)} decoder layers"
+        )
+    for layer, kind in zip(layers, checkpointing.layers, strict=True):
+        layer.gradient_checkpointing = kind == "full"
 
 
 def compile_layers(model: Any, zero3: bool = False) -> int:
@@ -308,21 +312,21 @@ def prepare_quantized(model: Any, dtype: torch.dtype) -> Any:
     return model
 
 
-def check_all_quantized(model: Any, cfg: RunConfig) -> None:
-    """A quantized base: a mixture's routed-expert stacks quantized too (rank.experts:
-    bitsandbytes leaves them in the compute dtype), then nothing large left unquantized. A
-    weight of hidden² or more elements still in a floating dtype would be counted 4-bit by the
-    plan and load 4 times larger: refused, named, before any step."""
-    from memtune.config.derive import expert_quant_type
+def check_all_quantized(model: Any, cfg: RunConfig, d: Decisions) -> None:
+    """A quantized base: a mixture's routed-expert stacks quantized too, as decided
+    (decisions.json experts.storage; rank.experts: bitsandbytes leaves them in the compute
+    dtype), then nothing large left unquantized. A weight of hidden² or more elements still in
+    a floating dtype would be counted 4-bit by the plan and load 4 times larger: refused,
+    named, before any step."""
     from memtune.rank.experts import expert_modules, full_precision_weights, quantize_experts
 
-    if expert_modules(model):
-        quantize_experts(model, expert_quant_type(cfg), torch_dtype(cfg))
+    if expert_modules(model) and d.experts is not None and d.experts.storage != "compute":
+        quantize_experts(model, d.experts.storage, torch_dtype(cfg))
     hidden = int(cfg.model.architecture["hidden_size"])
     left = full_precision_weights(model, hidden * hidden)
     if left:
         raise ConfigError(
-            f"peft.method={cfg.peft.method}: {len(left)} large weights of "
+            f"peft.method={d.peft_method}: {len(left)} large weights of "
             f"{cfg.model.name_or_path} were not quantized ({', '.join(left[:3])}"
             f"{', …' if len(left) > 3 else ''}); they would take their full size, which the "
             "plan counted 4-bit or 8-bit. Use peft.method=lora for this model."
@@ -344,12 +348,12 @@ def keep_training_layout(layer: Any) -> None:
         layer.support_avx512bf16_for_cpu = False
 
 
-def method_label(cfg: RunConfig) -> str:
+def method_label(cfg: RunConfig, d: Decisions) -> str:
     """How the run trains, for humans: LoRA, QLoRA (NF4 base), LoRA (int8 base)."""
     p = cfg.peft
-    if p.method == "qlora":
+    if d.peft_method == "qlora":
         return f"QLoRA ({p.quant_type.upper()} base)"
-    if p.method == "lora-int8":
+    if d.peft_method == "lora-int8":
         return "LoRA (int8 base)"
     return f"LoRA ({cfg.trainer.precision} base)"
 

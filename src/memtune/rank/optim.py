@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from memtune.config import RunConfig
+from memtune.config.schema import Optimizer
 
 
 def param_groups(cfg: RunConfig, model: torch.nn.Module) -> list[dict[str, Any]]:
@@ -43,15 +44,15 @@ def with_rates(groups: list[dict[str, Any]], lr: float) -> list[dict[str, Any]]:
 
 
 def build_optimizer(
-    cfg: RunConfig, params: list[dict[str, Any]], device: torch.device
+    cfg: RunConfig, optimizer: Optimizer, params: list[dict[str, Any]], device: torch.device
 ) -> tuple[Any, str]:
     """The client optimizer for ``deepspeed.initialize`` (None for cpu_adam) and a log line;
-    ``params``: :func:`param_groups`."""
+    ``optimizer``: the decided one (decisions.json); ``params``: :func:`param_groups`."""
     t = cfg.trainer
     params = with_rates(params, t.lr)
-    if t.optimizer == "cpu_adam":
+    if optimizer == "cpu_adam":
         return None, "optimizer DeepSpeed CPU Adam (state and step on the host)"
-    if t.optimizer == "adamw_8bit":
+    if optimizer == "adamw_8bit":
         import bitsandbytes as bnb
 
         paged = device.type == "cuda"

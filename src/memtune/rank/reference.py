@@ -31,7 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from memtune.config import RunConfig
+from memtune.config import RunConfig, preference_loss_kind
+from memtune.config.decisions import BatchShape, Decisions
 from memtune.data.batching import GlobalOrderSampler, PackedDataset, TokenizedDataset
 from memtune.data.batching import collate_packed as _collate
 from memtune.data.cache import load_split
@@ -45,9 +46,9 @@ FORMAT = 1
 """Bumped when what a table holds, or how it is computed, changes."""
 
 
-def reference_key(cfg: RunConfig, rd: RunDir, data_dir: str, attention: str, loss_kind: str) -> str:
-    """A digest of everything the tables depend on (``attention``, ``loss_kind``: what the
-    rank resolved, not the config's auto)."""
+def reference_key(cfg: RunConfig, d: Decisions, rd: RunDir, data_dir: str) -> str:
+    """A digest of everything the tables depend on (the attention and loss kernels, the
+    quantization and the batch as decided)."""
     from importlib.metadata import version
 
     base = json.loads(rd.base.read_text()) if rd.base.is_file() else {}
@@ -57,13 +58,13 @@ def reference_key(cfg: RunConfig, rd: RunDir, data_dir: str, attention: str, los
         "base": base.get("fingerprint") or cfg.model.name_or_path,
         "revision": cfg.model.revision,
         "architecture": dict(cfg.model.architecture),
-        "quantization": [p.method, p.quant_type, p.double_quant],
+        "quantization": [d.peft_method, p.quant_type, p.double_quant],
         "data": Path(data_dir).name,  # the tokenized cache's own fingerprint
         "precision": t.precision,
-        "attention": attention,
-        "loss": [loss_kind, t.loss_chunk_tokens],
+        "attention": d.attention,
+        "loss": [preference_loss_kind(d.loss), t.loss_chunk_tokens],
         "versions": [version(name) for name in ("torch", "transformers", "peft")],
-        "order": [t.seed, t.global_batch_size, t.max_steps, cfg.data.packing],
+        "order": [t.seed, d.batch.global_batch, t.max_steps, cfg.data.packing],
         "grouped": cfg.data.group_by_length,
         "max_seq_len": cfg.data.max_seq_len,
         "init_from": _adapter_digest(cfg.peft.init_from),
@@ -87,25 +88,24 @@ def pairs_of(dataset: Items) -> TokenizedDataset:
     return dataset.base if isinstance(dataset, PackedDataset) else dataset
 
 
-def train_items(dataset: Items, sampler: Any, cfg: RunConfig) -> list[int]:
+def train_items(dataset: Items, sampler: Any, cfg: RunConfig, batch: BatchShape) -> list[int]:
     """The train pairs the run's steps read, on every rank: those of the rows (or pairs) the
     loader's global order deals in ``max_steps`` steps (``dataset`` and ``sampler``: the
     loader's own, from data.loaders.train_order; any rank's, the order is global); every one
     with length-grouped batches."""
     if not isinstance(sampler, GlobalOrderSampler):
         return list(range(len(pairs_of(dataset))))
-    t = cfg.trainer
-    seen = sampler.visited(t.max_steps, t.global_batch_size)
+    seen = sampler.visited(cfg.trainer.max_steps, batch.global_batch)
     if isinstance(dataset, PackedDataset):
         return sorted(i for r in seen for i in dataset.bins[r])
     return sorted(seen)
 
 
-def _rows(data: TokenizedDataset, items: list[int], cfg: RunConfig) -> list[list[list[int]]]:
-    """``items`` packed into rows of max_seq_len, grouped micro_batch_size rows per forward."""
+def _rows(data: TokenizedDataset, items: list[int], batch: BatchShape) -> list[list[list[int]]]:
+    """``items`` packed into rows of max_seq_len, grouped a micro batch's rows per forward."""
     lengths = [data.lengths[i] for i in items]
-    rows = [[items[j] for j in b] for b in pack_bins(lengths, cfg.data.max_seq_len)]
-    micro = cfg.trainer.micro_batch_size
+    rows = [[items[j] for j in b] for b in pack_bins(lengths, batch.row_tokens)]
+    micro = batch.micro_batch
     return [rows[a : a + micro] for a in range(0, len(rows), micro)]
 
 
@@ -123,7 +123,7 @@ def compute(
     engine: Any,
     data: TokenizedDataset,
     items: list[int],
-    cfg: RunConfig,
+    batch: BatchShape,
     pad_id: int,
     device: torch.device,
     groups: SequenceGroups | None = None,
@@ -136,7 +136,7 @@ def compute(
     world = dist.get_world_size() if dist.is_initialized() else 1
     if groups is None:
         groups = SequenceGroups.of(dist.get_rank() if world > 1 else 0, world, 1)
-    batches = _rows(data, items[groups.dp_rank :: groups.dp], cfg)  # collated one at a time
+    batches = _rows(data, items[groups.dp_rank :: groups.dp], batch)  # collated one at a time
     n = torch.tensor([len(batches)], device=device)
     if world > 1:
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
@@ -148,11 +148,11 @@ def compute(
     with torch.no_grad():
         for k in range(int(n.item())):
             rows = batches[k] if k < len(batches) else filler
-            full = cfg.trainer.micro_batch_size if groups.sp > 1 else 0
-            batch = _collated(data, rows, pad_id, full)
+            full = batch.micro_batch if groups.sp > 1 else 0
+            collated = _collated(data, rows, pad_id, full)
             if groups.sp > 1:
-                batch = shard_batch(batch, groups, pad_id)
-            inputs = {key: v.to(device) for key, v in batch.items() if key in MODEL_INPUTS}
+                collated = shard_batch(collated, groups, pad_id)
+            inputs = {key: v.to(device) for key, v in collated.items() if key in MODEL_INPUTS}
             logps = engine(**inputs, reference_pass=True).double()
             if k < len(batches) and groups.sp_rank == 0:
                 index = inputs["pair_index"]
@@ -199,6 +199,7 @@ class References:
 def prepare(
     engine: Any,
     cfg: RunConfig,
+    d: Decisions,
     run_dir: Path,
     data_dir: str,
     loader: tuple[Items, Any],
@@ -206,14 +207,13 @@ def prepare(
     device: torch.device,
     with_val: bool,
     say: Callable[[str], None],
-    attention: str,
     groups: SequenceGroups | None = None,
 ) -> References:
     """The tables of this run: read from ``RUN_DIR/reference`` when their key matches, else
     computed (and saved by rank 0). ``loader``: the rank's train dataset and sampler, whose
     order says which pairs the steps read."""
     rd = RunDir(run_dir)
-    key = reference_key(cfg, rd, data_dir, attention, engine.module.kind)
+    key = reference_key(cfg, d, rd, data_dir)
     folder = rd.reference
     saved = _read(folder, key)
     usable = saved is not None and ("val" in saved) == with_val
@@ -227,13 +227,13 @@ def prepare(
         return References(saved)
     start = time.perf_counter()
     train = pairs_of(loader[0])
-    items = train_items(*loader, cfg)
-    tables = {"train": compute(engine, train, items, cfg, pad_id, device, groups)}
+    items = train_items(*loader, cfg, d.batch)
+    tables = {"train": compute(engine, train, items, d.batch, pad_id, device, groups)}
     counted = f"{len(items):,} train pairs"
     val = load_split(data_dir, "val") if with_val else None
     if val is not None and len(val):
         every = list(range(len(val)))
-        tables["val"] = compute(engine, val, every, cfg, pad_id, device, groups)
+        tables["val"] = compute(engine, val, every, d.batch, pad_id, device, groups)
         counted += f" and {len(val):,} validation pairs"
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:

@@ -25,17 +25,9 @@ import torch
 import torch.distributed as dist
 
 from memtune import quiet
-from memtune.config import (
-    ConfigError,
-    RunConfig,
-    checkpointing_label,
-    grad_accumulation_steps,
-    load_run_config,
-    needs_reference,
-    sequence_parallel_size,
-)
+from memtune.config import ConfigError, RunConfig, load_run_config, needs_reference
 from memtune.config.architecture import is_multimodal, routed_experts
-from memtune.config.derive import adapts_experts
+from memtune.config.decisions import Decisions
 from memtune.data.encode import DataStats, load_tokenizer
 from memtune.data.loaders import eval_batches, make_loader
 from memtune.exit_codes import (
@@ -75,7 +67,7 @@ from memtune.rank.telemetry import (
     reset_window_peak,
     window_peak_gib,
 )
-from memtune.rundir import OomReport, RunDir, Summary
+from memtune.rundir import OomReport, RecordError, RunDir, Summary
 
 
 @dataclass
@@ -88,6 +80,7 @@ class RankContext:
     device: torch.device
     tokenizer: Any
     data_stats: DataStats
+    decisions: Decisions
 
 
 AfterTrain = Callable[[Any, RankContext], None]
@@ -220,8 +213,8 @@ def _truncate_metrics(path: Path, step: int) -> None:
     path.write_text("".join(r + "\n" for r in rows))
 
 
-def checkpoint_note(cfg: RunConfig) -> str:
-    label = checkpointing_label(cfg)
+def checkpoint_note(d: Decisions) -> str:
+    label = d.checkpointing.label()
     return label if label == "off" else f"on for {label}"
 
 
@@ -278,6 +271,33 @@ def report_out_of_memory(run_dir: Path, oom: RankOutOfMemory, device_type: str) 
     )
 
 
+def read_decisions(rd: RunDir, cfg: RunConfig) -> Decisions:
+    """decisions.json, read as is: a run dir without it, or with a value this rank cannot use,
+    is refused (ConfigError: exit 2, naming the file and the field) before anything loads."""
+    try:
+        d = rd.read_decisions()
+    except RecordError as err:
+        if not rd.decisions.is_file():
+            raise ConfigError(
+                f"{rd.decisions} is missing: a run dir is laid out by the job (train.py), which "
+                "decides the run and writes it; run train.py with this run_dir"
+            ) from None
+        raise ConfigError(str(err)) from None
+    layers = int(cfg.model.architecture.get("num_hidden_layers") or 0)
+    if len(d.checkpointing.layers) != layers:
+        raise ConfigError(
+            f"{rd.decisions}: checkpointing.layers has {len(d.checkpointing.layers)} entries, "
+            f"the model {layers} decoder layers"
+        )
+    if (d.experts is None) != (routed_experts(dict(cfg.model.architecture)) == 0):
+        raise ConfigError(
+            f"{rd.decisions}: experts is {'null' if d.experts is None else 'set'}, but "
+            f"{cfg.model.name_or_path} {'is' if d.experts is None else 'is not'} a mixture of "
+            "experts"
+        )
+    return d
+
+
 def _config_dict(run_dir: Path) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
@@ -314,35 +334,42 @@ class RankRun:
         self.run_dir = run_dir
         self.rd = RunDir(run_dir)
         self.cfg = load_run_config(self.rd.config)
+        self.decisions = read_decisions(self.rd, self.cfg)
         self.rank, self.local_rank, self.world, self.device = init_distributed()
+        if self.decisions.batch.ranks != self.world:
+            raise ConfigError(
+                f"{self.rd.decisions}: batch.ranks is {self.decisions.batch.ranks}, but "
+                f"{self.world} ranks were started: lay the run dir out again (train.py)"
+            )
         self.print0: Callable[..., None] = print if self.rank == 0 else (lambda *a, **k: None)
 
     def setup(self) -> None:
-        cfg = self.cfg
+        cfg, d = self.cfg, self.decisions
         seed_everything(cfg.trainer.seed)
         self.tokenizer = load_tokenizer(cfg)
         self.data = self.rd.read_data()
-        self.groups = SequenceGroups.of(self.rank, self.world, sequence_parallel_size(cfg))
+        self.groups = SequenceGroups.of(self.rank, self.world, d.sequence_parallel)
         self.pad_id = self.tokenizer.pad_token_id
         dp_rank, dp = self.groups.dp_rank, self.groups.dp
-        self.loader, self.sampler = make_loader(cfg, self.data.dir, self.pad_id, dp_rank, dp)
+        self.loader, self.sampler = make_loader(
+            cfg, d.batch, self.data.dir, self.pad_id, dp_rank, dp
+        )
         self.start_rss_gib = memory_snapshot(self.device).get("rss_gib", 0.0)  # before the model
         ds_config = json.loads(self.rd.ds_config.read_text())
-        self.parts = build_rank(cfg, ds_config, self.device, self.local_rank)
+        self.parts = build_rank(cfg, d, ds_config, self.device, self.local_rank)
         self.engine = self.parts.engine
-        self.print0(start_up_lines(cfg, self.parts, self.world, self.groups), flush=True)
+        self.print0(start_up_lines(cfg, d, self.parts, self.world, self.groups), flush=True)
         stats = DataStats(**self.data.train)
         self.ctx = RankContext(
             cfg, self.run_dir, self.rank, self.local_rank, self.world, self.device,
-            self.tokenizer, stats,
+            self.tokenizer, stats, d,
         )  # fmt: skip
         self.references: References | None = None
         if needs_reference(cfg) and cfg.preference.reference == "precomputed":
             self.references = prepare_references(
-                self.engine, cfg, self.run_dir, self.data.dir, (self.loader.dataset, self.sampler),
-                self.pad_id, self.device,
-                bool(self.data.val), lambda line: self.print0(line, flush=True),
-                self.parts.attention, self.groups,
+                self.engine, cfg, d, self.run_dir, self.data.dir,
+                (self.loader.dataset, self.sampler), self.pad_id, self.device,
+                bool(self.data.val), lambda line: self.print0(line, flush=True), self.groups,
             )  # fmt: skip
 
     def resume(self) -> TrainResult:
@@ -380,7 +407,8 @@ class RankRun:
             self.engine, self.run_dir, cfg, self.data.dir, self._val_batches(), self.logger,
             self.device,
         )  # fmt: skip
-        batches = _batches(self.loader, self.sampler, result.steps * grad_accumulation_steps(cfg))
+        d = self.decisions
+        batches = _batches(self.loader, self.sampler, result.steps * d.batch.accumulation)
         if self.references is not None:
             batches = self.references.attached(batches)
         if self.groups.sp > 1:
@@ -388,7 +416,7 @@ class RankRun:
         try:
             try:
                 result = train(
-                    self.engine, batches, cfg, self.device, self.logger, result, self.hooks
+                    self.engine, batches, cfg, d, self.device, self.logger, result, self.hooks
                 )
                 self.hooks.evaluate(result.steps)
             except BaseException as err:
@@ -410,7 +438,9 @@ class RankRun:
             return None
         g = self.groups
         full_rows = g.sp > 1
-        batches = eval_batches(self.cfg, self.data.dir, self.pad_id, g.dp_rank, g.dp, full_rows)
+        batches = eval_batches(
+            self.cfg, self.decisions.batch, self.data.dir, self.pad_id, g.dp_rank, g.dp, full_rows
+        )
         if self.references is not None:
             batches = [self.references.attach(b, "val") for b in batches]
         return [shard_batch(b, g, self.pad_id) for b in batches] if g.sp > 1 else batches
@@ -472,7 +502,7 @@ class RankRun:
             wall_s=round(result.wall_s, 2),
             tokens_per_s=round(result.input_tokens / max(result.wall_s, 1e-9), 1),
             world_size=self.world,
-            zero_stage=self.cfg.zero.stage,
+            zero_stage=self.decisions.zero_stage,
             attention=self.parts.attention,
             compiled_layers=self.parts.compiled_layers,
             trainable_params=self.parts.trainable,
@@ -519,9 +549,12 @@ def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResu
     return result
 
 
-def start_up_lines(cfg: RunConfig, parts: Any, world: int, groups: SequenceGroups) -> str:
-    """What the rank built and how it batches: the run's first lines."""
-    t = cfg.trainer
+def start_up_lines(
+    cfg: RunConfig, d: Decisions, parts: Any, world: int, groups: SequenceGroups
+) -> str:
+    """What the rank built and how it batches, as decided (decisions.json): the run's first
+    lines."""
+    t, batch = cfg.trainer, d.batch
     extras = f" · {parts.compiled_layers} layers compiled" if parts.compiled_layers else ""
     if parts.mlp_tiles:
         extras += f" · MLP in {parts.mlp_tiles} tiles"
@@ -532,27 +565,27 @@ def start_up_lines(cfg: RunConfig, parts: Any, world: int, groups: SequenceGroup
     trainable, total = parts.trainable, parts.total
     return (
         f"memtune: {cfg.model.name_or_path} · attention {parts.attention}{extras} · "
-        f"{method_label(cfg)} r={cfg.peft.r} on {cfg.peft.target}"
+        f"{method_label(cfg, d)} r={cfg.peft.r} on {cfg.peft.target}"
         f"{variant_label(cfg, parts.model)} · {trainable:,} trainable of "
         f"{total:,} parameters ({100 * trainable / total:.3f}%)\n"
-        f"memtune: {world} rank(s) · ZeRO-{cfg.zero.stage} · {t.precision} · batch "
-        f"{t.micro_batch_size} × accum {grad_accumulation_steps(cfg)} × {groups.dp} "
+        f"memtune: {world} rank(s) · ZeRO-{d.zero_stage} · {t.precision} · batch "
+        f"{batch.micro_batch} × accum {batch.accumulation} × {groups.dp} "
         f"{'ranks' if groups.sp == 1 else 'data-parallel groups'} = "
-        f"{t.global_batch_size}{sequence_note(groups)} · activation checkpointing "
-        f"{checkpoint_note(cfg)} · {parts.optimizer_note}\n"
+        f"{batch.global_batch}{sequence_note(groups)} · activation checkpointing "
+        f"{checkpoint_note(d)} · {parts.optimizer_note}\n"
         f"memtune: batches: {batching_summary(cfg)}"
-        f"{experts_line(cfg, parts.model)}"
+        f"{experts_line(cfg, d, parts.model)}"
     )
 
 
-def experts_line(cfg: RunConfig, model: Any) -> str:
+def experts_line(cfg: RunConfig, d: Decisions, model: Any) -> str:
     """For a mixture of experts, where the trainable weights are (a target that left the
     routed experts frozen shows here, not only in the adapter's size)."""
     experts = routed_experts(dict(cfg.model.architecture))
     if not experts:
         return ""
     parts = " · ".join(f"{part} {n:,}" for part, n in trainable_by_part(model).items())
-    frozen = "" if adapts_experts(cfg) else " (routed experts frozen)"
+    frozen = "" if d.experts is not None and d.experts.adapted else " (routed experts frozen)"
     return f"\nmemtune: trainable by part: {parts}{frozen}"
 
 

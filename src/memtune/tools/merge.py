@@ -23,10 +23,13 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from memtune.config import ConfigError, RunConfig, load_run_config
-from memtune.rundir import follow_umask
+from memtune.config.decisions import experts_of
+from memtune.config.schema import PeftMethod
+from memtune.rundir import DECISIONS, RecordError, follow_umask, read_decisions
 
 # torch's names: torch is imported by merge() only, so a refused merge answers at once.
 DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
@@ -37,11 +40,32 @@ def base_of(adapter_dir: Path) -> str:
     return str(config["base_model_name_or_path"])
 
 
-def run_config_of(adapter_dir: Path) -> RunConfig | None:
-    """The config of the run that wrote the adapter (RUN_DIR/adapter or a checkpoint's)."""
+@dataclass(frozen=True)
+class TrainedAs:
+    """How the run that wrote an adapter held its base: its settings, and the peft method and
+    expert-stack storage it ran with (decided: plan.auto_fit may have chosen QLoRA)."""
+
+    cfg: RunConfig
+    method: PeftMethod
+    expert_storage: str | None
+
+
+def trained_as(adapter_dir: Path) -> TrainedAs | None:
+    """Of the run that wrote the adapter (RUN_DIR/adapter or a checkpoint's): its
+    config.yaml, read with the decisions.json beside it; a run from before decisions.json
+    held the decided values in its config.yaml itself."""
     for parent in [adapter_dir.parent, *adapter_dir.parent.parents][:3]:
         if (parent / "config.yaml").is_file():
-            return load_run_config(parent / "config.yaml")
+            cfg = load_run_config(parent / "config.yaml")
+            if (parent / DECISIONS).is_file():
+                try:
+                    d = read_decisions(parent / DECISIONS)
+                except RecordError as err:
+                    raise ConfigError(str(err)) from None
+                storage = d.experts.storage if d.experts else None
+                return TrainedAs(cfg, d.peft_method, storage)
+            experts = experts_of(cfg)
+            return TrainedAs(cfg, cfg.peft.method, experts.storage if experts else None)
     return None
 
 
@@ -103,16 +127,19 @@ def _merge_into(out_dir: Path, adapter_dir: Path, base: str | None, dtype: str, 
     from memtune.rank.model import quantization_config, torch_dtype
     from memtune.tools.generate import base_class
 
-    cfg = run_config_of(adapter_dir)
+    trained = trained_as(adapter_dir)
+    cfg = trained.cfg if trained is not None else None
     # The revision the run trained on, unless another base is given (its own main).
     revision = cfg.model.revision if cfg is not None and base is None else None
     base = base or base_of(adapter_dir)
-    quant = quantization_config(cfg) if cfg is not None and into == "dequantized" else None
+    quant = None
+    if trained is not None and into == "dequantized":
+        quant = quantization_config(trained.cfg, trained.method)
     # The base's own class: a multimodal checkpoint merges into one of its kind, vision tower
     # and all (its adapter is named for that class).
     model_class = base_class(base, revision, adapter_dir)
     try:
-        if quant is not None and cfg is not None:
+        if quant is not None and trained is not None and cfg is not None:
             # Quantized exactly as in training (from the training dtype), then dequantized: the
             # weights the adapter learned to correct.
             quantized = model_class.from_pretrained(
@@ -120,10 +147,10 @@ def _merge_into(out_dir: Path, adapter_dir: Path, base: str | None, dtype: str, 
             )
             model = quantized.dequantize()
             # a mixture's expert stacks, which memtune quantized itself (none in a dense model)
-            from memtune.config.derive import expert_quant_type
             from memtune.rank.experts import round_trip_experts
 
-            round_trip_experts(model, expert_quant_type(cfg), torch_dtype(cfg))
+            if trained.expert_storage not in (None, "compute"):
+                round_trip_experts(model, trained.expert_storage, torch_dtype(cfg))
             model = model.to(getattr(torch, DTYPES[dtype]))
         else:
             model = model_class.from_pretrained(

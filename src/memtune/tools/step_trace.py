@@ -26,7 +26,7 @@ cast on the meta device and only then swapped for fake tensors, inside the mode.
 from __future__ import annotations
 
 import contextlib
-import copy
+import dataclasses
 import time
 import weakref
 from collections import defaultdict
@@ -38,7 +38,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memtune.config import RunConfig, checkpointed_layers
+from memtune.config import RunConfig
+from memtune.config.decisions import Decisions
 from memtune.expert_stacks import expert_modules
 from memtune.memory.counts import arch_config
 from memtune.rank.loss import CausalLMLoss
@@ -145,28 +146,29 @@ class _NativeDropout(torch.nn.Module):
         return torch.native_dropout(x, self.p, True)[0]
 
 
-def traced_config(cfg: RunConfig) -> tuple[RunConfig, list[str]]:
-    """The config the trace builds: a quantized base in the compute dtype (fake tensors have
-    no 4-bit storage; the activations do not change), SDPA for the attention (FlashAttention-2
-    needs CUDA; both keep the output and a logsumexp), the chunked loss unless plain."""
-    from memtune.config import ConfigError, offload_activations, sequence_parallel_size, tiled_mlp
+def traced_decisions(cfg: RunConfig, d: Decisions) -> tuple[Decisions, list[str]]:
+    """The decisions the trace builds with: a quantized base in the compute dtype (fake
+    tensors have no 4-bit storage; the activations do not change), SDPA for the attention
+    (FlashAttention-2 needs CUDA; both keep the output and a logsumexp), the chunked loss
+    unless plain."""
+    from memtune.config import ConfigError
 
-    if sequence_parallel_size(cfg) > 1 or tiled_mlp(cfg) or offload_activations(cfg):
+    if d.sequence_parallel > 1 or d.tiled_mlp or d.offload_activations:
         raise ConfigError(
             "the trace runs one process without the long-context autograd functions: set "
             "trainer.sequence_parallel=1 trainer.tiled_mlp=off trainer.offload_activations=off "
             "(tests/test_plan.py checks those plans against what autograd saves instead)"
         )
-    out = copy.deepcopy(cfg)
     notes = []
-    if out.peft.method != "lora":
-        notes.append(f"{out.peft.method} base traced in {out.trainer.precision} (analytical)")
-        out.peft.method = "lora"
-    if out.model.attn_implementation not in ("sdpa", "eager"):
-        out.model.attn_implementation = "sdpa"
-    if out.trainer.loss != "plain":
-        out.trainer.loss = "chunked"
-    return out, notes
+    if d.peft_method != "lora":
+        notes.append(f"{d.peft_method} base traced in {cfg.trainer.precision} (analytical)")
+        experts = d.experts and dataclasses.replace(d.experts, storage="compute")
+        d = dataclasses.replace(d, peft_method="lora", experts=experts)
+    if d.attention not in ("sdpa", "eager"):
+        d = dataclasses.replace(d, attention="sdpa")
+    if d.loss != "plain":
+        d = dataclasses.replace(d, loss="chunked")
+    return d, notes
 
 
 def every_position(
@@ -213,34 +215,32 @@ def _fakeify(module: torch.nn.Module) -> None:
                 m._buffers[name] = made[id(b)]
 
 
-def trace_step(cfg: RunConfig, fake: bool = True) -> Trace:
-    """Trace one micro batch (micro_batch_size × max_seq_len tokens, every position a label)
-    forward and backward through memtune's model and loss; see the module docstring.
+def trace_step(cfg: RunConfig, d: Decisions, fake: bool = True) -> Trace:
+    """Trace one micro batch (the decided micro batch × max_seq_len tokens, every position a
+    label) forward and backward through memtune's model and loss; see the module docstring.
     ``fake=False`` runs the same step on real (uninitialised) CPU tensors: for small models,
     to check the tracker against torch's own accounting."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
     started = time.perf_counter()
-    cfg, notes = traced_config(cfg)
+    d, notes = traced_decisions(cfg, d)
     dtype = torch_dtype(cfg)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            arch_config(cfg), attn_implementation=cfg.model.attn_implementation
-        )
+        model = AutoModelForCausalLM.from_config(arch_config(cfg), attn_implementation=d.attention)
     model.to(dtype)
     model.config.use_cache = False
-    model = add_lora(model, cfg)
+    model = add_lora(model, cfg, d)
     for _, experts in expert_modules(model):
         experts.memtune_even_routing = True  # see rank.experts._routed_rows
     for m in model.modules():
         drop = getattr(m, "lora_dropout", None)
         if isinstance(drop, torch.nn.ModuleDict):
-            for key, d in list(drop.items()):
-                if isinstance(d, torch.nn.Dropout):
-                    drop[key] = _NativeDropout(d.p)
+            for key, dropout in list(drop.items()):
+                if isinstance(dropout, torch.nn.Dropout):
+                    drop[key] = _NativeDropout(dropout.p)
     model.train()
-    loss_module = CausalLMLoss(model, cfg.trainer.loss, cfg.trainer.loss_chunk_tokens)
+    loss_module = CausalLMLoss(model, d.loss, cfg.trainer.loss_chunk_tokens)
     loss_module.select = every_position
     tracker = Tracker()
     base = model.get_base_model()
@@ -264,7 +264,7 @@ def trace_step(cfg: RunConfig, fake: bool = True) -> Trace:
             out.last_hidden_state.register_hook(lambda g: setattr(tracker, "where", "final norm"))
 
     base.get_decoder().register_forward_hook(to_loss)
-    micro, seq = cfg.trainer.micro_batch_size, cfg.data.max_seq_len
+    micro, seq = d.batch.micro_batch, d.batch.row_tokens
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
     with mode, _unpacked_mask():
         if fake:
@@ -289,7 +289,7 @@ def trace_step(cfg: RunConfig, fake: bool = True) -> Trace:
             del loss
     return Trace(
         tokens=micro * seq,
-        checkpointed=checkpointed_layers(cfg),
+        checkpointed=d.checkpointing.recomputed,
         peak=tracker.peak,
         at_peak=tracker.at_peak,
         peak_phase=tracker.peak_phase,
@@ -300,18 +300,18 @@ def trace_step(cfg: RunConfig, fake: bool = True) -> Trace:
     )
 
 
-def planned_step(cfg: RunConfig) -> int:
+def planned_step(cfg: RunConfig, d: Decisions) -> int:
     """The planner's bytes for what the trace measures above the weights: its activations and
     loss (or backward temporaries) rows (memory.estimate), for the same tokens and layers."""
     from memtune.memory.estimate import GIB, plan
 
-    rows = plan(cfg).gib()
+    rows = plan(cfg, d).gib()
     step = ("activations", "loss", "backward temporaries", "DoRA weight norms")
     return round(sum(rows.get(what, 0.0) for what in step) * GIB)
 
 
-def format_trace(cfg: RunConfig, t: Trace) -> str:
-    planned = planned_step(cfg)
+def format_trace(cfg: RunConfig, d: Decisions, t: Trace) -> str:
+    planned = planned_step(cfg, d)
     parts = ", ".join(
         f"{k} {v / MIB:,.0f}" for k, v in sorted(t.at_peak.items(), key=lambda kv: -kv[1])
     )

@@ -29,8 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     overrides = parser.parse_args(argv).overrides
     given, _ = resolve_architecture(to_run_config(compose(overrides)))
-    cfg = fit_to_device(given, refuse=False).cfg
-    print(format_trace(cfg, trace_step(cfg)), flush=True)
+    fitted = fit_to_device(given, refuse=False)
+    cfg, d = fitted.cfg, fitted.decisions
+    print(format_trace(cfg, d, trace_step(cfg, d)), flush=True)
     return 0
 
 

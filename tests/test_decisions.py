@@ -1,0 +1,270 @@
+"""The decided run as one typed value: decisions.json holds every choice with no auto, the
+ranks read it as is and refuse one they cannot use, and nothing downstream of the decider
+reads a decided value from the user's settings."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memtune.config import ConfigError, to_run_config
+from memtune.config.decisions import (
+    CPU_RANKS,
+    BatchShape,
+    Checkpointing,
+    Choices,
+    DecisionError,
+    Decisions,
+    decisions_for,
+)
+from memtune.launcher.prepare import checkpoint_run, lay_out
+from memtune.rundir import RunDir
+from tests.conftest import ROOT, compose_cfg, decided, run_train_py
+
+
+@pytest.fixture(scope="module")
+def laid_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The CPU demo laid out as a launch lays it out (no ranks started)."""
+    run_dir = tmp_path_factory.mktemp("decided") / "run"
+    lay_out(compose_cfg(["trainer.max_steps=2"]), run_dir)
+    return run_dir
+
+
+def test_the_run_dir_holds_every_decision_and_no_auto(laid_out: Path) -> None:
+    raw = json.loads((laid_out / "decisions.json").read_text())
+    assert next(iter(raw)) == "version" and raw["version"] == 1
+
+    def leaves(node):
+        if isinstance(node, dict):
+            return [x for v in node.values() for x in leaves(v)]
+        if isinstance(node, list):
+            return [x for v in node for x in leaves(v)]
+        return [node]
+
+    assert "auto" not in leaves(raw)
+    d = RunDir(laid_out).read_decisions()
+    assert Decisions.from_dict(d.as_dict()) == d
+    # The demo asks for auto everywhere it can; the decisions are numbers and switches.
+    settings = (laid_out / "config.yaml").read_text()
+    for asked in ("checkpoint_layers: auto", "sequence_parallel: auto", "tiled_mlp: auto"):
+        assert asked in settings  # config.yaml keeps the user's intent, untouched
+    assert d.checkpointing.layers == ("keep", "keep") and d.sequence_parallel == 1
+    assert (d.tiled_mlp, d.offload_activations, d.attention, d.loss) == (
+        False,
+        False,
+        "sdpa_varlen",
+        "chunked",
+    )
+    # DeepSpeed's batch fields come from the decided step's shape.
+    ds = json.loads((laid_out / "ds_config.json").read_text())
+    assert ds["train_batch_size"] == d.batch.global_batch == 16
+    assert ds["gradient_accumulation_steps"] == d.batch.accumulation == 2
+
+
+def _worker(run_dir: Path) -> subprocess.CompletedProcess:
+    """One rank started on the run dir; it reads decisions.json before anything else."""
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # never reached
+    return subprocess.run(
+        [sys.executable, "-m", "memtune.worker", str(run_dir)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        (lambda raw: raw.update(loss="auto"), "loss is 'auto', not one of chunked | plain | liger"),
+        (
+            lambda raw: raw["checkpointing"]["layers"].__setitem__(1, "auto"),
+            "checkpointing.layers[1] is 'auto'",
+        ),
+        (lambda raw: raw["batch"].update(micro_batch="auto"), "batch.micro_batch must be"),
+        (lambda raw: raw.pop("tiled_mlp"), "tiled_mlp is missing"),
+        (
+            lambda raw: raw["checkpointing"].update(layers=["keep"]),
+            "checkpointing.layers has 1 entries, the model 2 decoder layers",
+        ),
+    ],
+)
+def test_a_rank_refuses_decisions_it_cannot_use(laid_out: Path, tmp_path: Path, edit, named):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(laid_out, run_dir, ignore=shutil.ignore_patterns("job.lock"))
+    raw = json.loads((run_dir / "decisions.json").read_text())
+    edit(raw)
+    (run_dir / "decisions.json").write_text(json.dumps(raw))
+    proc = _worker(run_dir)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"config error: {run_dir / 'decisions.json'}: " in proc.stderr
+    assert named in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_rank_refuses_a_run_dir_without_decisions(laid_out: Path, tmp_path: Path) -> None:
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(laid_out, run_dir, ignore=shutil.ignore_patterns("job.lock"))
+    (run_dir / "decisions.json").unlink()
+    proc = _worker(run_dir)
+    assert proc.returncode == 2 and "decisions.json is missing" in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_the_rank_runs_what_was_decided_not_what_was_asked(tmp_path: Path) -> None:
+    """One rank asked for ZeRO-3 runs ZeRO-2 (decided): config.yaml says 3, decisions.json and
+    the rank's start-up line say 2."""
+    run_dir = tmp_path / "run"
+    args = ["launcher.num_ranks=1", "zero=zero3", "trainer.max_steps=2", f"run_dir={run_dir}"]
+    proc = run_train_py(args, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "stage: 3" in (run_dir / "config.yaml").read_text()
+    assert json.loads((run_dir / "decisions.json").read_text())["zero_stage"] == 2
+    assert "1 rank(s) · ZeRO-2 · fp32" in proc.stdout
+    checkpoint = next((run_dir / "checkpoints").glob("step-*"))
+    assert (checkpoint / "decisions.json").read_bytes() == (run_dir / "decisions.json").read_bytes()
+
+
+def test_a_checkpoint_from_before_decisions_is_compared_by_its_settings(tmp_path: Path) -> None:
+    """An older checkpoint has no decisions.json: its config.yaml held the decided values, and
+    a resume compares those."""
+    cfg = to_run_config(compose_cfg(["trainer.micro_batch_size=2"]))
+    from omegaconf import OmegaConf
+
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    old = checkpoint_run(tmp_path)
+    assert old.d is None and old.value("trainer.micro_batch_size") == 2
+    d = decided(cfg)
+    (tmp_path / "decisions.json").write_text(json.dumps(d.as_dict()))
+    ours = checkpoint_run(tmp_path)
+    changed = dataclasses.replace(d, batch=dataclasses.replace(d.batch, micro_batch=4))
+    (tmp_path / "decisions.json").write_text(json.dumps(changed.as_dict()))
+    assert ours.value("trainer.micro_batch_size") == 2
+    assert checkpoint_run(tmp_path).value("trainer.micro_batch_size") == 4  # decided, not asked
+    (tmp_path / "decisions.json").write_text('{"version": 1, "loss": "auto"}')
+    with pytest.raises(ConfigError, match=r"decisions\.json: .* is missing"):
+        checkpoint_run(tmp_path)
+
+
+def test_nothing_gives_auto_a_meaning_of_its_own() -> None:
+    cfg = to_run_config(compose_cfg([]))  # checkpoint_layers, sequence_parallel, ... on auto
+    with pytest.raises(DecisionError, match=r"checkpoint_layers=auto is the planner's to decide"):
+        decisions_for(cfg, CPU_RANKS)
+    with pytest.raises(DecisionError, match=r"sequence_parallel=auto"):
+        decisions_for(cfg, CPU_RANKS, Choices(recompute=2, offload_activations=False))
+    d = decisions_for(cfg, CPU_RANKS, Choices(2, 1, False, False))
+    assert d.checkpointing.recomputed == 2 and d.batch.accumulation == 2
+    fixed = to_run_config(compose_cfg(["trainer.checkpoint_layers=1"]))
+    with pytest.raises(DecisionError, match=r"checkpoint_layers is set to 1; the choice 2"):
+        decisions_for(fixed, CPU_RANKS, Choices(2, 1, False, False))
+
+
+def test_the_typed_values_refuse_what_cannot_run() -> None:
+    with pytest.raises(DecisionError, match=r"the recomputed layers \('full'\) must be the first"):
+        Checkpointing(("keep", "full"))
+    assert Checkpointing.first(1, 3).label() == "1 of 3 layers"
+    assert Checkpointing.off(3).label() == "off" and not Checkpointing.off(3).enabled
+    with pytest.raises(DecisionError, match=r"batch\.global_batch=10 is not a multiple"):
+        BatchShape(global_batch=10, micro_batch=4, ranks=2, sequence_parallel=1, row_tokens=64)
+    shape = BatchShape(global_batch=16, micro_batch=2, ranks=4, sequence_parallel=2, row_tokens=64)
+    assert (shape.data_parallel, shape.accumulation, shape.rank_tokens) == (2, 4, 64)
+    assert shape.deepspeed() == {
+        "train_batch_size": 16,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 4,
+    }
+
+
+# What the decider alone may read from the user's settings: every other module reads these
+# values from a Decisions (memory.fit decides them; config.validate checks what was asked).
+DECIDED_SETTINGS = {
+    ("zero", "stage"),
+    ("zero", "template"),
+    ("peft", "method"),
+    ("trainer", "optimizer"),
+    ("trainer", "loss"),
+    ("trainer", "micro_batch_size"),
+    ("trainer", "global_batch_size"),
+    ("trainer", "activation_checkpointing"),
+    ("trainer", "checkpoint_layers"),
+    ("trainer", "checkpointing_reentrant"),
+    ("trainer", "sequence_parallel"),
+    ("trainer", "tiled_mlp"),
+    ("trainer", "offload_activations"),
+    ("model", "attn_implementation"),
+}
+DECIDERS = {"config/decisions.py", "config/validate.py", "config/derive.py", "memory/fit.py"}
+"""derive: one_rank_stage, the one intent-level rule the decider and the validator share."""
+OLDER_RUNS = {"tools/merge.py"}
+"""Reads an adapter's run written before decisions.json, whose config.yaml held the decided
+values (tools.merge.trained_as; a run with decisions.json is read from it)."""
+SECTIONS = {"zero": "zero", "peft": "peft", "trainer": "trainer", "model": "model"}
+
+
+def _section_aliases(tree: ast.AST) -> dict[str, str]:
+    """Local names bound to a settings section (``t = cfg.trainer``, ``p = cfg.peft``)."""
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            pairs = []
+            for target in node.targets:
+                if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                    pairs += list(zip(target.elts, node.value.elts, strict=False))
+                else:
+                    pairs.append((target, node.value))
+            for name, value in pairs:
+                if (
+                    isinstance(name, ast.Name)
+                    and isinstance(value, ast.Attribute)
+                    and value.attr in SECTIONS
+                ):
+                    out[name.id] = value.attr
+    return out
+
+
+def decided_reads(path: Path) -> list[str]:
+    """``file:line section.field`` for every read of a decided setting from a RunConfig."""
+    tree = ast.parse(path.read_text())
+    aliases = _section_aliases(tree)
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = node.value
+        section = None
+        if isinstance(owner, ast.Attribute) and owner.attr in SECTIONS:
+            section = owner.attr  # cfg.trainer.tiled_mlp
+        elif isinstance(owner, ast.Name) and owner.id in aliases:
+            section = aliases[owner.id]  # t.tiled_mlp
+        if section and (section, node.attr) in DECIDED_SETTINGS:
+            found.append(f"{path}:{node.lineno} {section}.{node.attr}")
+    return found
+
+
+def test_only_the_decider_reads_decided_values_from_the_settings() -> None:
+    src = ROOT / "src" / "memtune"
+    reads = [
+        read
+        for path in sorted(src.rglob("*.py"))
+        if str(path.relative_to(src)) not in DECIDERS | OLDER_RUNS
+        for read in decided_reads(path)
+    ]
+    assert reads == []
+
+
+def test_the_scan_finds_a_decided_read(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f(cfg):\n    t = cfg.trainer\n    return t.tiled_mlp, cfg.zero.stage\n")
+    assert [r.split(" ")[1] for r in decided_reads(bad)] == ["trainer.tiled_mlp", "zero.stage"]
