@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The one command the lent H200 runs (bench/README.md, "GPU check"): install the carried
-# wheels, record the machine, run bench/gpu_check.py under a global time limit, and leave
-# gpu_check.json, gpu_check.md and gpu_check.log in $OUT. All of it in under 8 minutes.
+# wheels, record the machine, run the check (python -m bench.gpu_check) under a global time
+# limit, and leave gpu_check.json, gpu_check.md and gpu_check.log in $OUT. All of it in under
+# 8 minutes.
 #
 #   device:  bash bench/gpu_check.sh                          (with carry: [".whl"])
 #   here:    OUT=/tmp/gc bash bench/gpu_check.sh --dry-run    (.venv, CPU, tiny model, no wheels)
 #
-# Extra arguments go to gpu_check.py (--phases lora-memtune,qlora-memtune ...; the Qwen3.5
-# phases alone: --phases qwen35-torch,qwen35-fla).
+# Extra arguments go to the check (--phases lora-memtune,qlora-memtune ...; the Qwen3.5
+# phases alone: --phases qwen35-torch,qwen35-fla; what a session skipped for want of time:
+# the "next session" its status line names).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s)
@@ -56,9 +58,9 @@ print(f"== python {platform.python_version()}: " + ", ".join(found), flush=True)
 EOF
 
 LEFT=$((TOTAL_S - ($(date +%s) - START)))
-BUDGET=$((LEFT - 25)) # the orchestrator's own; timeout below is the hard stop
-echo "== gpu_check.py: ${BUDGET} s budget, hard stop at ${LEFT} s"
-timeout -k 10 "$LEFT" "$PY" bench/gpu_check.py --out "$OUT" --work /tmp/gpu_check_parts \
+BUDGET=$((LEFT - 25)) # the phases' one budget; timeout below is the hard stop
+echo "== python -m bench.gpu_check: ${BUDGET} s budget, hard stop at ${LEFT} s"
+timeout -k 10 "$LEFT" "$PY" -m bench.gpu_check --out "$OUT" --work /tmp/gpu_check_parts \
     --budget-s "$BUDGET" "$@"
 code=$?
 echo "== exit $code after $(($(date +%s) - START)) s; results in $OUT"

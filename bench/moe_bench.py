@@ -14,7 +14,8 @@ times, alternating:
   implementation ``<impl>`` (``eager``, ``grouped_mm``): the stack is
   re-parametrized as W + s·B·A (one ``baddbmm``) at every forward;
 * **frozen-memtune** / **frozen-<impl>**: the experts without adapters (what
-  ``peft.target=all-linear-but-experts`` runs), memtune's loop against transformers'
+  ``peft.target=all-linear-but-experts`` runs), memtune's routed forward (torch's
+  ``grouped_mm`` where torch allows, a loop over the experts otherwise) against transformers'
   implementations.
 
 Reported: the median step (forward + backward) in ms, tokens/s, and the process's peak RSS

@@ -1,9 +1,10 @@
 """A rank's parts, built in one place: the base model with LoRA, and the DeepSpeed engine around
 memtune's loss with the configured optimizer and schedule.
 
-:func:`build_rank` is what ``memtune.worker`` runs on every rank; ``bench/gpu_check.py`` calls
-it too, with its own base builder (real Qwen2.5-7B shapes, random weights, in memory), so the
-GPU check measures the same parts a training run builds.
+:func:`build_rank` is what ``memtune.worker`` runs on every rank; the GPU check
+(``bench/gpu_check/``: ``memtune_runner.py``, ``hybrid.py``) calls it too, with its own base
+builder (real Qwen2.5-7B shapes, random weights, in memory), so the GPU check measures the
+same parts a training run builds.
 """
 
 from __future__ import annotations

@@ -1,0 +1,66 @@
+"""One-shot GPU check of memtune on Qwen2.5-7B (issue #7): memory, speed, MFU, the plan's error.
+
+    bash bench/gpu_check.sh                       # on the lent H200 (installs .whl/, see README)
+    python -m bench.gpu_check --dry-run           # here, on CPU: the same code paths, tiny model
+
+For LoRA r=16 on all linear layers over a bf16 base, and for QLoRA (NF4 base), at 4096 and
+2048 tokens, one rank, it measures two sides on the same random-weight Qwen2.5-7B:
+
+* **baseline** — the recipe users follow (``bench/baseline.py``'s ``training_args`` and
+  ``CountingTrainer``): ``transformers.Trainer`` + peft LoRA, full gradient checkpointing, the
+  model's own cross-entropy on full logits, no DeepSpeed; QLoRA with peft's
+  ``prepare_model_for_kbit_training`` as its docs say;
+* **memtune** — memtune's own pieces: ``memtune.rank.model.add_lora`` (``prepare_quantized``,
+  selective checkpointing with ``checkpoint_layers=auto`` planned for a 24 GB card), the
+  chunked loss (``CausalLMLoss``), ``build_optimizer``, ``build_ds_config`` and DeepSpeed
+  ZeRO-3 at world size 1 through ``deepspeed.initialize``, and ``memtune.rank.loop.train``.
+
+Each measurement records peak allocated memory, tokens/s over timed steps after warm-up, MFU
+and the planner's prediction (``memtune.memory``) with its error. Then, for QLoRA with memtune,
+the longest sequence whose step fits under a 24 GB cap (``set_per_process_memory_fraction``).
+
+No checkpoint is read: the base is built from ``model.architecture`` (conf/model/*.yaml) with
+random weights directly on the device. memtune's ``load_base_model`` (``from_pretrained``)
+is the one piece bypassed: for LoRA the model is built with ``from_config`` while a
+``HfDeepSpeedConfig`` is alive, so it is created under ``zero.Init`` exactly as
+``from_pretrained`` creates it under ZeRO-3; for QLoRA every decoder ``nn.Linear`` becomes a
+bitsandbytes ``Linear4bit`` quantized on the device with the settings of memtune's
+``quantization_config`` (what ``from_pretrained`` does tensor by tensor), no ``zero.Init``
+(memtune's quantized ZeRO-3 path does not use it either).
+
+Then a mixture-of-experts block (phase ``moe-block``): one transformers
+``Qwen3MoeSparseMoeBlock`` at Qwen3-30B-A3B's full width, bf16, random weights, forward and
+backward on 4096 tokens, with memtune's LoRA on the routed experts (rank.experts: every expert
+on its routed rows through torch's ``grouped_mm`` where torch allows, a Python loop over the
+experts otherwise; the loop forced is a variant too) against peft's ``target_parameters`` over
+transformers' ``grouped_mm``, both frozen, and memtune over NF4 and int8 stacks: step time,
+tokens/s and peak memory of each.
+
+Last, Qwen3.5 (issue #30; phases ``qwen35-torch`` and ``qwen35-fla``): the random-weight
+Qwen3.5-2B, hybrid (3 of 4 layers Gated DeltaNet), with the LoRA of the qwen3.5-9b experiment,
+trained on packed rows of 4096 tokens (cu_seq_lens as the loader gives them) through memtune's
+per-sample path, once on transformers' torch code (flash-linear-attention blocked in that
+process) and once on flash-linear-attention's Triton kernels: step time, tokens/s, peak
+memory against the plan, which kernels transformers calls, and packed = alone (each sample's
+loss and logits in a packed row as alone, in bf16).
+
+Every phase runs in its own process (a crash, hang or leak stays there); each writes its
+measurements as soon as they exist and the outputs are rewritten after each, so a timeout
+still returns data. The phases share one budget, drawn on in priority order (``phases``): a
+phase that does not fit is skipped and named for the next session. Writes
+``<out>/gpu_check.json`` and ``<out>/gpu_check.md``.
+
+One module per concern: ``modes`` (GPU or dry run), ``configs`` (composition, plan records),
+``bases`` (the random-weight base, quantized), ``measure`` (clocks, memory, census, timing,
+MFU), ``batches``, ``phases`` (the priority order, the budget), ``recorder`` (a phase's
+process and what it records), ``baseline_runner`` (Trainer + peft), ``memtune_runner``
+(memtune, the cap search), ``hybrid`` (Qwen3.5), ``moe`` (the MoE block), ``report``
+(collect, markdown, the format check), ``orchestrate`` (the entry).
+"""
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "src"))  # memtune is not installed on the device machine
+sys.path.insert(0, str(ROOT / "bench"))  # bench/baseline.py and bench/moe_bench.py, by name

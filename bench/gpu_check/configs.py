@@ -1,0 +1,75 @@
+"""memtune's RunConfig for a phase (composition) and the planner's records of it."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+from .modes import CAP_GIB, Mode
+
+METHODS = {
+    "lora": ("qwen2.5-7b-4x4090-lora", "lora-all-linear"),
+    "qlora": ("qwen2.5-7b-4x4090-qlora", "qlora-nf4"),
+    "qwen35": ("qwen3.5-9b-4x4090-lora", "lora"),  # the Qwen3.5 phases: that experiment's LoRA
+    # DPO with the lora phase's adapters, so its rows compare with SFT's at the same shapes
+    "dpo": ("qwen2.5-7b-4x4090-dpo", "lora-all-linear"),
+}
+
+
+def compose_cfg(
+    mode: Mode, method: str, seq_len: int, extra: Sequence[str] = (), model: str | None = None
+) -> Any:
+    """memtune's RunConfig: the 4×4090 experiment of this method, on one rank, micro batch 1,
+    global batch 1 (no accumulation), planned for a 24 GB card, never refused; ``model``:
+    another model group than the mode's."""
+    from memtune.config import compose, to_run_config
+
+    experiment, peft = METHODS[method]
+    overrides = [
+        f"experiment={experiment}",
+        f"model={model or mode.model}",
+        f"peft={peft}",
+        "launcher.num_ranks=1",
+        "trainer.global_batch_size=1",
+        f"data.max_seq_len={seq_len}",
+        "logger=none",
+        f"plan.device_gib={CAP_GIB}",
+        "plan.enforce=false",
+        *extra,
+        *mode.overrides,
+    ]
+    return to_run_config(compose(overrides))
+
+
+def at_length(cfg: Any, seq_len: int, counts: Any) -> Any:
+    """``cfg`` at another sequence length, checkpoint_layers=auto resolved for it."""
+    from memtune.memory.fit import resolve_checkpoint_layers
+
+    cfg = copy.deepcopy(cfg)
+    cfg.data.max_seq_len = seq_len
+    return resolve_checkpoint_layers(cfg, counts)[0]
+
+
+def plan_record(cfg: Any, counts: Any) -> dict[str, Any]:
+    """The planner's rows; ``live_gib`` leaves out what torch's allocator never reports
+    (fragmentation, the CUDA context), so it is what ``max_memory_allocated`` should read."""
+    from memtune.memory.estimate import plan
+
+    p = plan(cfg, counts)
+    return {
+        "total_gib": p.total_gib,
+        "live_gib": sum(r.gib for r in p.rows if r.allocated and r.live),
+        "fits": p.fits,
+        "rows": [{"what": r.what, "gib": r.gib, "how": r.how} for r in p.rows],
+    }
+
+
+def baseline_plan(cfg: Any, counts: Any) -> dict[str, Any]:
+    """The planner's nearest config to the baseline (it knows no run without DeepSpeed):
+    ZeRO-2 on one rank, every layer checkpointed, the plain loss. Approximate by design."""
+    cfg = copy.deepcopy(cfg)
+    cfg.zero.stage = 2
+    cfg.trainer.loss = "plain"
+    cfg.trainer.checkpoint_layers = "all"
+    return plan_record(cfg, counts)

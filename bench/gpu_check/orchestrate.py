@@ -1,0 +1,190 @@
+"""The entry (``python -m bench.gpu_check``): the orchestrator runs each phase in its own
+process (``python -m bench.gpu_check --phase NAME``, internal), in priority order, within one
+budget (phases.Budget)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+from .baseline_runner import run_baseline
+from .hybrid import run_hybrid
+from .memtune_runner import run_memtune
+from .modes import DRY, GPU, lengths_from_env
+from .moe import run_moe
+from .phases import CUT_SHORT, Budget, next_session, select, spec
+from .recorder import Phase
+from .report import format_check, write_outputs
+
+
+def run_phase(args: argparse.Namespace) -> int:
+    mode = lengths_from_env(DRY if args.dry_run else GPU)
+    name = args.phase
+    this = spec(name)
+    method, side = this.method, this.side
+    phase = Phase(mode, name, method, side, Path(args.fragment), Path(args.out))
+    deadline = args.deadline
+
+    def expire() -> None:
+        with contextlib.suppress(Exception):
+            phase.data["errors"].append(
+                {"where": "deadline", "error": "phase stopped: out of time"}
+            )
+            phase.save()
+        print(f"gpu_check: {name}: out of time, stopping", flush=True)
+        os._exit(124)
+
+    watchdog = threading.Timer(max(1.0, deadline - time.time()), expire)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        if method == "moe":
+            run_moe(phase, deadline)
+        elif method == "qwen35":
+            run_hybrid(phase, deadline, fla=side == "fla")
+        elif side == "baseline":
+            run_baseline(phase, deadline)
+        else:
+            run_memtune(phase, deadline, long=side == "long")
+    except Exception as err:
+        phase.error("phase", err)
+        return 1
+    finally:
+        watchdog.cancel()
+    return 0
+
+
+# ------------------------------------------------------------------ orchestration
+
+
+def ran_out(fragment: Path, status: str) -> bool:
+    """Whether the phase ran out of time: killed, stopped by its watchdog, or its tail (later
+    lengths, the search, later variants, the steps) skipped for want of time."""
+    if status.startswith("killed"):
+        return True
+    try:
+        errors = json.loads(fragment.read_text()).get("errors", [])
+    except (OSError, json.JSONDecodeError):
+        return False
+    return any("out of time" in str(e.get("error", "")) for e in errors)
+
+
+def orchestrate(args: argparse.Namespace) -> int:
+    mode = lengths_from_env(DRY if args.dry_run else GPU)
+    budget = Budget(args.budget_s or mode.budget_s, mode.dry_run)
+    out = Path(args.out)
+    # Outside OUT: the device returns at most 8 files from there.
+    work = Path(args.work) if args.work else Path(tempfile.gettempdir()) / "gpu_check_parts"
+    work.mkdir(parents=True, exist_ok=True)
+    for old in work.glob("*.json"):
+        old.unlink()
+    status: dict[str, str] = {}
+    write_outputs(mode, work, out)
+    for phase in select(args.phases):
+        name = phase.name
+        now = time.time()
+        phase_deadline, why = budget.grant(phase, now)
+        if phase_deadline is None:
+            status[name] = why
+            print(f"gpu_check: {name}: {why}", flush=True)
+            (work / "status.json").write_text(json.dumps(status))
+            continue
+        cmd = [
+            sys.executable,
+            "-m",
+            str(__package__),
+            "--phase",
+            name,
+            "--fragment",
+            str(work / f"{name}.json"),
+            "--out",
+            str(out),
+            "--deadline",
+            str(phase_deadline),
+            *(["--dry-run"] if mode.dry_run else []),
+        ]
+        print(
+            f"gpu_check: {name}: starting ({phase_deadline - now:.0f} s at most, "
+            f"{budget.left(now):.0f} s left of the budget)",
+            flush=True,
+        )
+        t0 = time.time()
+        with subprocess.Popen(cmd, start_new_session=True) as child:
+            try:
+                code = child.wait(timeout=phase_deadline - now + 20)
+                status[name] = f"exit {code} in {time.time() - t0:.0f} s"
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, 9)
+                child.wait()
+                status[name] = f"killed after {time.time() - t0:.0f} s"
+        given, cap = phase_deadline - now, budget.cap(phase)
+        if given < cap and ran_out(work / f"{name}.json", status[name]):
+            status[name] += f"; {CUT_SHORT} (given {given:.0f} s of its {cap:.0f})"
+        print(f"gpu_check: {name}: {status[name]}", flush=True)
+        (work / "status.json").write_text(json.dumps(status))
+        write_outputs(mode, work, out)
+    status["total"] = f"{time.time() - budget.start:.0f} s"
+    rerun = next_session(status)
+    if rerun:  # what did not fit, for the next lent session
+        status["next session"] = rerun
+        print(f"gpu_check: not run for want of time; the next session: {rerun}", flush=True)
+    (work / "status.json").write_text(json.dumps(status))
+    result = write_outputs(mode, work, out)
+    print((out / "gpu_check.md").read_text(), flush=True)
+    if mode.dry_run:
+        checked = format_check(mode, work)
+        print(f"gpu_check: GPU-only branches rendered with made-up readings: {checked}")
+    moe_rows = (result["moe"] or {}).get("rows", [])
+    searched = [s for lc in result["long"] for s in lc["search"] if s.get("ok")]
+    measured = (
+        result["records"]
+        or result["hybrid"]
+        or any(r.get("step_ms") for r in moe_rows)
+        or searched  # a long phase run for its census alone (GPU_CHECK_LONG_TIMED=)
+    )
+    return 0 if measured and not result["errors"] else 1
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    summary = (sys.modules[str(__package__)].__doc__ or "").split("\n\n")[0]
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=summary)
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model: code paths only")
+    default_out = os.environ.get("OUT") or str(Path(tempfile.gettempdir()) / "gpu_check_out")
+    ap.add_argument("--out", default=default_out, help="default $OUT, else /tmp/gpu_check_out")
+    ap.add_argument("--work", default=None, help="per-phase fragments (/tmp/gpu_check_parts)")
+    ap.add_argument(
+        "--budget-s", type=float, default=None, help="one budget for all the phases together"
+    )
+    ap.add_argument(
+        "--phases",
+        default=None,
+        help="comma-separated subset, run in priority order (phases.PHASES); what a run "
+        "skipped for want of time: its status' 'next session'",
+    )
+    ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--fragment", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    # Deprecations raised inside DeepSpeed, peft and transformers on every step.
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*is deprecated")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")  # the phases too
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the device machine has no network
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.phase:
+        return run_phase(args)
+    return orchestrate(args)

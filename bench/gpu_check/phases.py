@@ -1,0 +1,112 @@
+"""The phases, in priority order, and the one budget they share.
+
+The orchestrator walks :data:`PHASES` in order (the most valuable first) and draws each phase's
+time from one :class:`Budget` for the whole run: a phase is given its cap or what is left,
+whichever ends first, so the time a phase does not use goes to the phases after it; a phase
+that does not fit (less left than it needs) is not started, and is recorded as skipped with
+the reason; a phase the budget's end cut short (given less than its cap, and out of time) is
+recorded so. What one lent session skipped or cut short, the next runs with ``--phases`` (the
+status line names them: ``next session --phases ...``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PhaseSpec:
+    """One phase: what it runs, the least time worth starting it with, the most it is given."""
+
+    name: str
+    method: str  # conf experiment (configs.METHODS), or "moe" (no experiment)
+    side: str  # memtune, baseline, long (memtune, long context), block, torch, fla
+    need_s: float
+    """On the GPU: the least time it needs for its first result (what it took on the H200,
+    2026-12-04, rounded up); with less left it is skipped, not started to be cut short."""
+    cap_s: float
+    """On the GPU: the most it is given (its deadline); the tail past its first result (a
+    search under the cap, later lengths, later variants) stops at the deadline."""
+
+
+# In order of value, the most valuable first: each takes its time before the next is given
+# any. The H200's times (2026-12-04, bench/results/2026-12-04-h200*.md): 27, 20, 21, 38 s
+# (with the search), long-qlora 128 s (32k timed ~60 s, then the search), long-lora 68 s,
+# 24, 20-31, 31 and 78 s (fla: Triton compiles and autotunes in the first step).
+PHASES = (
+    PhaseSpec("lora-memtune", "lora", "memtune", need_s=30, cap_s=120),
+    PhaseSpec("lora-baseline", "lora", "baseline", need_s=25, cap_s=90),
+    PhaseSpec("qlora-baseline", "qlora", "baseline", need_s=25, cap_s=100),
+    PhaseSpec("qlora-memtune", "qlora", "memtune", need_s=40, cap_s=200),  # + the 24 GB search
+    PhaseSpec("long-qlora", "qlora", "long", need_s=60, cap_s=150),  # 32k timed, then longer
+    PhaseSpec("long-lora", "lora", "long", need_s=60, cap_s=120),
+    # A DPO step on a row holding one pair (reference precomputed: the pass is timed too).
+    PhaseSpec("dpo-memtune", "dpo", "memtune", need_s=30, cap_s=90),
+    # One Qwen3-MoE sparse block at Qwen3-30B-A3B's width: memtune's routed experts (torch's
+    # grouped_mm where torch allows, the loop otherwise) against transformers' grouped_mm
+    # (no experiment: run_phase dispatches on "moe").
+    PhaseSpec("moe-block", "moe", "block", need_s=30, cap_s=60),
+    # Qwen3.5 (hybrid) on packed rows, transformers' torch code for the Gated DeltaNet layers
+    # (flash-linear-attention blocked in that process), then with flash-linear-attention
+    # (its Triton kernels compile and autotune in the first step: a longer cap).
+    PhaseSpec("qwen35-torch", "qwen35", "torch", need_s=35, cap_s=75),
+    PhaseSpec("qwen35-fla", "qwen35", "fla", need_s=80, cap_s=100),
+)
+PHASE_NAMES = tuple(p.name for p in PHASES)
+DRY_NEED_S = 20.0
+DRY_CAP_S = 600.0
+"""The dry run (CPU, tiny models) ignores the GPU's times: a phase needs 20 s and may take
+600 (within the budget, ``Mode.budget_s``)."""
+SKIPPED = "skipped (not run)"
+"""How the status of a phase that did not fit begins."""
+CUT_SHORT = "cut short by the budget"
+"""In the status of a phase given less than its cap that ran out of time."""
+
+
+def spec(name: str) -> PhaseSpec:
+    return next(p for p in PHASES if p.name == name)
+
+
+def select(names: str | None) -> list[PhaseSpec]:
+    """``--phases``' subset (comma-separated), in priority order; all of them without one."""
+    wanted = names.split(",") if names else None
+    return [p for p in PHASES if wanted is None or p.name in wanted]
+
+
+class Budget:
+    """The run's one budget: ``total_s`` from ``start``, drawn on by the phases in turn."""
+
+    def __init__(self, total_s: float, dry_run: bool, start: float | None = None):
+        self.start = time.time() if start is None else start
+        self.end = self.start + total_s
+        self.dry_run = dry_run
+
+    def left(self, now: float | None = None) -> float:
+        return self.end - (time.time() if now is None else now)
+
+    def need(self, phase: PhaseSpec) -> float:
+        return DRY_NEED_S if self.dry_run else phase.need_s
+
+    def cap(self, phase: PhaseSpec) -> float:
+        return DRY_CAP_S if self.dry_run else phase.cap_s
+
+    def grant(self, phase: PhaseSpec, now: float | None = None) -> tuple[float | None, str]:
+        """``(deadline, "")`` for ``phase`` starting ``now``: its cap or the budget's end,
+        whichever comes first; or ``(None, why)`` when less is left than it needs."""
+        now = time.time() if now is None else now
+        left, need = self.left(now), self.need(phase)
+        if left < need:
+            return None, f"{SKIPPED}: needs {need:.0f} s, {max(left, 0):.0f} s left of the budget"
+        return now + min(self.cap(phase), left), ""
+
+
+def next_session(status: dict[str, str]) -> str | None:
+    """The ``--phases`` argument that runs what this run skipped or cut short, in priority
+    order."""
+    again = [
+        n
+        for n in PHASE_NAMES
+        if status.get(n, "").startswith(SKIPPED) or CUT_SHORT in status.get(n, "")
+    ]
+    return f"--phases {','.join(again)}" if again else None

@@ -1,0 +1,477 @@
+"""The outputs: the phases' fragments collected into ``gpu_check.json``, rendered as
+``gpu_check.md``, and the dry run's format check (the GPU-only branches with made-up
+readings)."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from .measure import add_mfu, add_plan_error, census
+from .modes import CAP_GIB, GIB, MEASURED_TFLOPS, MOE_SHAPE, PEAK_TFLOPS, Mode
+from .phases import PHASE_NAMES
+
+
+def short_kernel(path: str) -> str:
+    return "torch" if path.startswith("transformers.") else path.split(".")[0]
+
+
+def load_fragments(work: Path) -> list[dict[str, Any]]:
+    frags = []
+    for name in PHASE_NAMES:
+        path = work / f"{name}.json"
+        if path.is_file():
+            with contextlib.suppress(json.JSONDecodeError):
+                frags.append(json.loads(path.read_text()))
+    return frags
+
+
+def write_outputs(mode: Mode, work: Path, out: Path) -> dict[str, Any]:
+    result = collect(mode, work)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in (
+        ("gpu_check.json", json.dumps(result, indent=2, default=str) + "\n"),
+        ("gpu_check.md", markdown(result)),
+    ):
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text)
+        tmp.replace(out / name)
+    return result
+
+
+def collect(mode: Mode, work: Path) -> dict[str, Any]:
+    frags = load_fragments(work)
+    status_path = work / "status.json"
+    status = json.loads(status_path.read_text()) if status_path.is_file() else {}
+    env = next((f["env"] for f in frags if "env" in f), {})
+    records = [r for f in frags for r in f["records"]]
+    search = next((f for f in frags if f.get("search_info")), None)
+    result = {
+        "mode": asdict(mode),
+        "env": env,
+        "status": status,
+        "constants": {
+            "peak_tflops": PEAK_TFLOPS,
+            "measured_ceiling_tflops": MEASURED_TFLOPS,
+            "cap_gib": CAP_GIB,
+        },
+        "records": records,
+        "comparison": compare(records),
+        "search": search["search"] if search else [],
+        "search_info": search.get("search_info") if search else None,
+        "long": [
+            {
+                "phase": f["phase"],
+                "method": f["method"],
+                "info": f["long_search_info"],
+                "search": f.get("long_search", []),
+                "records": f["records"],
+            }
+            for f in frags
+            if f.get("long_search_info")
+        ],
+        "hybrid": [f["hybrid"] for f in frags if f.get("hybrid")],
+        "moe": next((f["moe"] for f in frags if f.get("moe")), None),
+        "errors": [{"phase": f["phase"], **e} for f in frags for e in f["errors"]],
+        "notes": {f["phase"]: f["notes"] for f in frags},
+    }
+    return result
+
+
+def format_check(mode: Mode, work: Path) -> Path:
+    """Dry run: fill the records with made-up GPU readings and render them, so the accounting
+    and table branches only a CUDA device reaches run here too (never in the real outputs)."""
+    from types import SimpleNamespace
+
+    result = collect(mode, work)
+    fake_gpu = SimpleNamespace(type="cuda")
+    for i, r in enumerate(result["records"]):
+        r.update(peak_allocated_gib=10.0 + i, peak_reserved_gib=11.0 + i)
+        r.update(outside_allocator_gib=0.6, leftover_gib=0.1)
+        add_mfu(r, {"lora": 1e15, "six_n": 1.4e15}, fake_gpu)
+        add_plan_error(r)
+        assert r["mfu"] > 0 and "plan_error_pct" in r, r
+    for i, r in enumerate(result["hybrid"]):
+        if "plan" in r:
+            r.update(peak_allocated_gib=15.0 + i, peak_reserved_gib=16.0 + i)
+            r.update(outside_allocator_gib=0.6, leftover_gib=0.1)
+            add_plan_error(r)
+            assert "plan_error_pct" in r, r
+        r["resolved"] = {"conv": "transformers.x.causal_conv1d_fn", "recurrence": "fla.ops.x.f"}
+    if result["moe"]:
+        result["moe"].update(device="cuda:0", dtype="bfloat16")
+        for i, r in enumerate(result["moe"]["rows"]):
+            if r.get("step_ms"):
+                r["peak_mib"] = 1000.0 + 100 * i
+        result["moe"]["rows"].append(
+            {"variant": "made-up", "tokens": 1, "error": "RuntimeError('made up (format check)')"}
+        )
+    for s in result["search"]:
+        s.update(peak_allocated_gib=20.0, checkpointed_layers=28)
+    made_up = [  # the allocator's history as _snapshot gives it: a census of its peak
+        {
+            "action": "alloc",
+            "addr": 1,
+            "size": 3 * GIB,
+            "frames": [
+                {"filename": "torch/nn/functional.py", "line": 1, "name": "linear"},
+                {"filename": "/x/memtune/rank/long_context.py", "line": 90, "name": "backward"},
+            ],
+        },
+        {"action": "alloc", "addr": 2, "size": GIB, "frames": []},
+        {"action": "free_completed", "addr": 2, "size": GIB},
+        {"action": "alloc", "addr": 3, "size": GIB // 2, "frames": []},
+    ]
+    for lc in result["long"]:
+        if lc["search"]:
+            lc["search"][0]["census"] = census(made_up)
+            assert abs(lc["search"][0]["census"]["peak_gib"] - 4.0) < 1e-9
+            assert lc["search"][0]["census"]["rows"][0]["gib"] == 3.0
+    if result["search_info"]:
+        result["search_info"]["allocator_cap_gib"] = 23.4
+    result["comparison"] = compare(result["records"])
+    result["env"].update(gpu="FAKE GPU (format check)", gpu_total_gib=139.8, matmul_tflops=777.0)
+    assert all("speedup" in c and "memory_ratio" in c for c in result["comparison"])
+    text = markdown(result)
+    assert not result["moe"] or "| memtune | " in text, "the MoE table did not render"
+    path = work / "format_check.md"
+    path.write_text(text)
+    return path
+
+
+def census_markdown(lc: dict[str, Any]) -> list[str]:
+    """The allocator's census at the peak of the long phase's first one-step run."""
+    rec = next((r for r in lc.get("search", []) if r.get("census")), None)
+    if rec is None:
+        return []
+    c = rec["census"]
+    if "error" in c:
+        return ["", f"Census at {rec['seq_len']} tokens failed: {c['error']}"]
+    lines = [
+        "",
+        f"What the step at {rec['seq_len']} tokens had allocated at its peak "
+        f"({c['peak_gib']:.2f} GiB above what existed before it; {c['blocks']:,} blocks, "
+        f"{c['events']:,} allocator events; the allocator's history, grouped by the innermost "
+        "frame ← the innermost frame of memtune, transformers, peft, bitsandbytes or DeepSpeed):",
+        "",
+        "| GiB | blocks | allocated in |",
+        "|---:|---:|---|",
+    ]
+    for r in c["rows"]:
+        lines.append(f"| {r['gib']:.3f} | {r['count']} | {r['where'].replace('|', '/')} |")
+    lines.append(f"| {c['rest_gib']:.3f} | | the rest |")
+    return lines
+
+
+def _search_row(tried: dict[str, Any], planned: dict[str, Any], middle: str) -> str:
+    """One row of a search under the cap: measured (if tried) next to planned."""
+    ok = {True: "yes", False: "OOM" if tried.get("oom") else "error"}.get(tried.get("ok"), "—")
+    return (
+        f"| {planned['seq_len']} | {ok} | {_f(tried.get('peak_allocated_gib'), '.2f')} "
+        f"| {_f(tried.get('step_s'), '.2f')} | {middle} | {planned['total_gib']:.2f} "
+        f"| {'yes' if planned['fits'] else 'no'} |"
+    )
+
+
+def compare(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    by = {(r["method"], r["seq_len"], r["side"]): r for r in records}
+    for (method, seq_len, side), m in by.items():
+        b = by.get((method, seq_len, "baseline"))
+        if side != "memtune" or b is None:
+            continue
+        row: dict[str, Any] = {"method": method, "seq_len": seq_len}
+        if m.get("tokens_per_s") and b.get("tokens_per_s"):
+            row["speedup"] = m["tokens_per_s"] / b["tokens_per_s"]
+        if m.get("measured_gib") and b.get("measured_gib"):
+            row["memory_ratio"] = m["measured_gib"] / b["measured_gib"]
+        rows.append(row)
+    return rows
+
+
+def _f(x: Any, fmt: str) -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+def _pct(x: Any) -> str:
+    return "—" if x is None else f"{x:+.1f}%"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    env, mode = result["env"], result["mode"]
+    gpu = env.get("gpu", "no GPU (dry run on CPU)")
+    lines = [
+        f"### GPU check, {env.get('date', dt.date.today().isoformat())}, {gpu}",
+        "",
+        (
+            "**Dry run on CPU with the tiny model: checks that every code path runs; "
+            "no number below means anything.**\n"
+            if mode["dry_run"]
+            else ""
+        ),
+        f"Model `{mode['model']}` (random weights), one rank, micro batch 1, every token "
+        f"labelled; {mode['warmup']} warm-up + {mode['timed']} timed steps (median). "
+        + ", ".join(
+            f"{k} {env[k]}"
+            for k in ("python", "torch", "torch_cuda", "transformers", "peft", "deepspeed")
+            if k in env
+        )
+        + (f", bitsandbytes {env['bitsandbytes']}" if "bitsandbytes" in env else "")
+        + (f"; {env['gpu_total_gib']:.1f} GiB" if "gpu_total_gib" in env else "")
+        + (
+            f"; bf16 matmul 8192³ {env['matmul_tflops']:.0f} TFLOP/s at the start"
+            if "matmul_tflops" in env
+            else ""
+        )
+        + ".",
+        "",
+        "| method | tokens | side | tokens/s | step s | peak GiB | plan GiB | plan err | "
+        "MFU | MFU 6N | ckpt layers | loss |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in sorted(result["records"], key=lambda r: (r["method"], -r["seq_len"], r["side"])):
+        plan = r.get("plan", {})
+        losses = r.get("losses") or []
+        loss = f"{losses[0]:.3f} → {losses[-1]:.3f}" if losses else r.get("error", "—")[:60]
+        lines.append(
+            f"| {r['method']} | {r['seq_len']} | {r['side']} | {_f(r.get('tokens_per_s'), ',.0f')} "
+            f"| {_f(r.get('step_s_median'), '.3f')} | {_f(r.get('measured_gib'), '.2f')} "
+            f"| {_f(plan.get('live_gib'), '.2f')} | {_pct(r.get('plan_error_pct'))} "
+            f"| {_f(r.get('mfu'), '.1%')} | {_f(r.get('mfu_6n'), '.1%')} "
+            f"| {_f(r.get('checkpointed_layers'), 'd')} | {loss} |"
+        )
+    # The first length's first loss is ln 2 (0.6931): the adapter has not moved yet.
+    for r in result["records"]:
+        if r.get("reference_pass_s") is not None:
+            step = r.get("step_s_median")
+            lines += [
+                "",
+                f"DPO at {r['seq_len']} tokens (one pair per row): the reference pass took "
+                f"{r['reference_pass_s']:.3f} s for the row (memtune's precompute, once per pair "
+                "before training; at the first length the first loss is ln 2 = 0.6931)"
+                + (f"; a training step {step:.3f} s" if step else "")
+                + (f"; first loss {r['losses'][0]:.4f}" if r.get("losses") else "")
+                + ".",
+            ]
+    if result["comparison"]:
+        lines += ["", "| method | tokens | memtune / baseline tokens/s | memtune / baseline peak |"]
+        lines.append("|---|---:|---:|---:|")
+        for c in result["comparison"]:
+            lines.append(
+                f"| {c['method']} | {c['seq_len']} | {_f(c.get('speedup'), '.2f')}× "
+                f"| {_f(c.get('memory_ratio'), '.2f')}× |"
+            )
+    info = result.get("search_info")
+    if info:
+        cap = info.get("allocator_cap_gib")
+        lines += [
+            "",
+            f"Longest QLoRA sequence with memtune under a {info['cap_gib']} GiB card"
+            + (f" (allocator capped at {cap:.2f} GiB: the rest is the CUDA context)" if cap else "")
+            + ", one step each, ascending, stopping at the first failure:",
+            "",
+            "| tokens | fits | peak GiB | step s | ckpt layers | plan total GiB | plan fits |",
+            "|---:|:---:|---:|---:|---:|---:|:---:|",
+        ]
+        planned = {p["seq_len"]: p for p in info.get("planned", [])}
+        tried = {s["seq_len"]: s for s in result["search"]}
+        for seq_len, p in planned.items():
+            s = tried.get(seq_len, {})
+            lines.append(_search_row(s, p, _f(s.get("checkpointed_layers"), "d")))
+        fits = [s["seq_len"] for s in result["search"] if s.get("ok")]
+        plan_fits = [p["seq_len"] for p in info.get("planned", []) if p["fits"]]
+        lines += [
+            "",
+            f"Measured: longest that fits {max(fits) if fits else 'none of those tried'}; "
+            f"planner: {max(plan_fits) if plan_fits else 'none'}.",
+        ]
+    for lc in result.get("long", []):
+        info = lc["info"]
+        lines += [
+            "",
+            f"Long context, {lc['method']} on one GPU under a {info['cap_gib']} GiB card "
+            "(sp=1, MLP tiled, every layer recomputed from an input offloaded to pinned host "
+            "memory), one step each, ascending, stopping at the first failure:",
+            "",
+            "| tokens | fits | peak GiB | step s | tokens/s | plan total GiB | plan fits |",
+            "|---:|:---:|---:|---:|---:|---:|:---:|",
+        ]
+        for r in lc["records"]:
+            lines.append(
+                f"| {r['seq_len']} (timed) | {'error' if r.get('error') else 'yes'} "
+                f"| {_f(r.get('measured_gib'), '.2f')} | {_f(r.get('step_s_median'), '.2f')} "
+                f"| {_f(r.get('tokens_per_s'), ',.0f')} "
+                f"| {_f((r.get('plan') or {}).get('total_gib'), '.2f')} | — |"
+            )
+        tried = {s["seq_len"]: s for s in lc["search"]}
+        for p in info.get("planned", []):
+            lines.append(_search_row(tried.get(p["seq_len"], {}), p, "—"))
+        fits = [s["seq_len"] for s in lc["search"] if s.get("ok")]
+        lines += [
+            "",
+            f"Measured: longest that fits {max(fits) if fits else 'none of those tried'}; "
+            f"planner's longest: {info.get('planned_longest', 0):,} tokens "
+            f"({info.get('planned_longest_how', '')}).",
+        ]
+        lines += census_markdown(lc)
+    lines += moe_markdown(result.get("moe"))
+    lines += hybrid_markdown(result["hybrid"], mode)
+    lines += [
+        "",
+        "*peak GiB*: `torch.cuda.max_memory_allocated` over the steps (reset before them), less "
+        "what was allocated before the model was built. *plan GiB*: the planner's rows less "
+        "fragmentation and the CUDA context (what the allocator can see); *plan err* = plan / "
+        "peak − 1 (baseline rows: the planner's nearest config, ZeRO-2 + plain loss, "
+        "approximate). *MFU*: model FLOPs / step time / 989 TFLOP/s (H200 SXM dense bf16; "
+        "~790 measured for a bf16 matmul, KINDS.md): (4·N + 6·N_lora)·T + 6·L·T²·h, N the "
+        "decoder's linear weights and the LM head (frozen: forward 2N, input gradient 2N, no "
+        "weight gradient), attention causal; recompute not counted. *MFU 6N*: the usual "
+        "6·N·T + attention, for comparison.",
+    ]
+    status = result.get("status") or {}
+    if status:
+        lines += ["", "Phases: " + "; ".join(f"{k} {v}" for k, v in status.items()) + "."]
+    if result["errors"]:
+        lines += ["", "Errors:"]
+        lines += [f"- {e['phase']} / {e['where']}: {e['error'][:300]}" for e in result["errors"]]
+    return "\n".join(line for line in lines) + "\n"
+
+
+def moe_markdown(moe: dict[str, Any] | None) -> list[str]:
+    """The MoE block phase: one row a variant, then memtune's loop against grouped_mm."""
+    if not moe:
+        return []
+    shape = moe["shape"]
+    lines = [
+        "",
+        "#### Mixture-of-experts block",
+        "",
+        f"One `Qwen3MoeSparseMoeBlock` (transformers' class: router + fused expert stacks), not "
+        f"a model: hidden {shape['hidden_size']}, {shape['num_experts']} experts of "
+        f"{shape['moe_intermediate_size']}, top-{shape['num_experts_per_tok']}"
+        + (" (Qwen3-30B-A3B's full width)" if shape == MOE_SHAPE else " (reduced)")
+        + f", random weights (normal, std 0.02), {moe['dtype']} on {moe['device']}; "
+        f"1 × {moe['tokens']} tokens a step, forward + backward (the input's gradient and the "
+        f"adapters'); LoRA {moe['lora']} on every routed expert; {moe['warmup']} warm-up + "
+        f"{moe['timed']} timed steps (median); the variants built and freed in turn in one "
+        "process:",
+        "",
+        "| variant | tokens/s | step ms | peak MiB | note |",
+        "|---|---:|---:|---:|---|",
+    ]
+    rows = {r["variant"]: r for r in moe["rows"]}
+    for r in moe["rows"]:
+        note = f"error: {r['error'][:120]}" if r.get("error") else r.get("note", "")
+        if r.get("trainable"):
+            note = f"{r['trainable']:,} trainable; {note}"
+        lines.append(
+            f"| {r['variant']} | {_f(r.get('tokens_per_s'), ',.0f')} "
+            f"| {_f(r.get('step_ms'), '.1f')} | {_f(r.get('peak_mib'), ',.0f')} | {note} |"
+        )
+    ratios = []
+    for ours, theirs in (
+        ("memtune", "peft-grouped_mm"),
+        ("frozen-memtune", "frozen-grouped_mm"),
+        ("memtune-nf4", "memtune"),
+        ("memtune", "memtune-loop"),
+    ):
+        a, b = rows.get(ours, {}).get("tokens_per_s"), rows.get(theirs, {}).get("tokens_per_s")
+        if a and b:
+            ratios.append(f"{ours} / {theirs} {a / b:.2f}×")
+    if ratios:
+        lines += ["", "tokens/s: " + "; ".join(ratios) + "."]
+    lines += [
+        "",
+        "*memtune*: rank.experts' forward, every expert on its routed rows in one grouped_mm "
+        "a projection (adapters as x·Aᵀ·Bᵀ, grouped too; *memtune-loop*: the same as a Python "
+        "loop over the experts); *peft-grouped_mm*: peft's `target_parameters` adapters "
+        "(W + s·B·A built at every forward) over transformers' `grouped_mm` experts; "
+        "*frozen-*: no adapters; *memtune-nf4 / -int8*: `quantize_experts` on the stacks, then "
+        "memtune's adapters. *peak MiB*: `max_memory_allocated` over the steps less what was "
+        "allocated before them (the block and the input): what the steps add.",
+    ]
+    return lines
+
+
+def hybrid_markdown(recs: list[dict[str, Any]], mode: dict[str, Any]) -> list[str]:
+    """The Qwen3.5 phases: one row each, then each one's packed = alone check."""
+    if not recs:
+        return []
+    r0 = recs[0]
+    samples = next((r["samples"] for r in recs if r.get("samples")), None)
+    lines = [
+        "",
+        f"Qwen3.5 (hybrid: 3 of 4 layers Gated DeltaNet), `{r0['model']}` (random weights), "
+        f"LoRA of `qwen3.5-9b-4x4090-lora` ({r0.get('lora', '?')}), "
+        f"ZeRO-{r0.get('zero_stage', '?')} on one rank, loss {r0.get('loss_kind', '?')}, "
+        f"attention {r0.get('attention', '?')}; one packed row of {r0['seq_len']} tokens a step"
+        + (f" ({len(samples)} samples: {', '.join(map(str, samples))})" if samples else "")
+        + f", cu_seq_lens as the loader gives them; {mode['warmup']} warm-up + {mode['timed']} "
+        "timed steps (median); with flash-linear-attention the first step includes Triton "
+        "compiling and autotuning what the packed = alone check before it did not run:",
+        "",
+        "| phase | recurrence / conv | tokens/s | step s | first step s | peak GiB | plan GiB "
+        "| plan err | ckpt layers | packed = alone | loss |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|:---:|---|",
+    ]
+    for r in recs:
+        res = r.get("resolved")
+        kernels = f"{short_kernel(res['recurrence'])} / {short_kernel(res['conv'])}" if res else "—"
+        check = r.get("check") or {}
+        ok = {True: "yes", False: "**NO**"}.get(check.get("ok"), "error" if check else "—")
+        losses = r.get("losses") or []
+        loss = f"{losses[0]:.3f} → {losses[-1]:.3f}" if losses else r.get("error", "—")[:60]
+        if r.get("skipped") and not r.get("resolved"):
+            loss = r["skipped"][:80]
+        lines.append(
+            f"| {r['phase']} | {kernels} | {_f(r.get('tokens_per_s'), ',.0f')} "
+            f"| {_f(r.get('step_s_median'), '.3f')} | {_f(r.get('first_step_s'), '.2f')} "
+            f"| {_f(r.get('measured_gib'), '.2f')} "
+            f"| {_f((r.get('plan') or {}).get('live_gib'), '.2f')} "
+            f"| {_pct(r.get('plan_error_pct'))} "
+            f"| {_f(r.get('checkpointed_layers'), 'd')} | {ok} | {loss} |"
+        )
+    lines.append("")
+    for r in recs:
+        packages = dict(r.get("packages") or {})
+        fla = packages.pop("fla_import", "?")
+        took = packages.pop("fla_import_s", None)
+        have = ", ".join(f"{k} {v}" for k, v in packages.items() if v)
+        ran = "; the torch path ran in its place" if r.get("skipped") and r.get("resolved") else ""
+        lines.append(
+            f"- {r['phase']}: {r.get('kernels', '—')} (import fla: {fla}"
+            + (f" in {took:.1f} s" if took is not None else "")
+            + (f"; {have}" if have else "")
+            + f"{ran}). {_check_line(r.get('check') or {})}"
+            + (
+                " Seconds: " + ", ".join(f"{k} {v}" for k, v in r["seconds"].items()) + "."
+                if r.get("seconds")
+                else ""
+            )
+        )
+    lines += [""]
+    lines.append(
+        "*plan GiB* for these rows: the planner's live rows, which measure the Gated DeltaNet "
+        "mixer on transformers' torch code (memory.counts.linear_mixer_bytes), so the fla row "
+        "shows how far its kernels are below that."
+    )
+    return lines
+
+
+def _check_line(check: dict[str, Any]) -> str:
+    if "max_loss_diff" not in check:
+        return f"Packed = alone: {check.get('error', 'not run')[:200]}."
+    lengths = ", ".join(map(str, check["lengths"]))
+    return (
+        f"Packed = alone over samples of {lengths} tokens ({check['dtype']}): max |Δ mean loss| "
+        f"{check['max_loss_diff']:.4f} nats, max |Δ logit| {check['max_logit_diff']:.3f} "
+        f"(tolerances {check['tolerance']['loss']}, {check['tolerance']['logit']}); the same "
+        "row without its boundaries: "
+        f"{check['no_bounds_max_loss_diff']:.4f} and {check['no_bounds_max_logit_diff']:.3f}"
+        + ("" if check["control_sees_leak"] else " (a leak would not show on this model)")
+        + "."
+    )
