@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from memtune.config import ConfigError, RunConfig, load_run_config
 from memtune.exit_codes import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OOM, EXIT_REQUEUE
+from memtune.filesystem import write_atomic
 from memtune.launcher import oom
 from memtune.launcher.preflight import PreflightError, for_launch
 from memtune.launcher.prepare import (
@@ -51,7 +52,7 @@ from memtune.memory.fit import (
     format_step_estimates,
     format_suggestions,
 )
-from memtune.rundir import RunDir, RunDirBusy, find_latest, hold, write_atomic
+from memtune.rundir import RunDir, RunDirBusy, find_latest, hold
 
 WAIT_FOR_NODE0_S = 3600.0
 """Per-node form: how long nodes 1.. wait for node 0 to tokenize the data and plan."""

@@ -33,6 +33,7 @@ from memtune.data.cache import (
     tokenizer_files_digest,
 )
 from memtune.data.packing import StepShape, step_shape
+from memtune.filesystem import write_atomic
 from memtune.machine import versions_line
 from memtune.memory.counts import check_run_dir_room
 from memtune.memory.estimate import format_plan
@@ -48,7 +49,6 @@ from memtune.rundir import (
     has_gathered_state,
     is_complete,
     verify_manifest,
-    write_atomic,
 )
 
 

@@ -33,10 +33,11 @@ import psutil
 
 from memtune.config import RunConfig
 from memtune.exit_codes import EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_REQUEUE
+from memtune.filesystem import write_atomic
 from memtune.launcher.extensions import extensions_root
 from memtune.launcher.hygiene import clear_shm_buffers, clear_stale_locks
 from memtune.launcher.topology import NodeSpec, resolve
-from memtune.rundir import RunDir, held_lock_fds, write_atomic
+from memtune.rundir import RunDir, held_lock_fds
 
 WORKER_MODULE = "memtune.worker"
 DS_RUNNER = "memtune.launcher.ds_runner"

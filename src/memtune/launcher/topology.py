@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from memtune.config import ConfigError, RunConfig
-from memtune.rundir import RunDir, write_atomic
+from memtune.filesystem import write_atomic
+from memtune.rundir import RunDir
 
 DEFAULT_PORT = 29500
 
@@ -238,7 +239,7 @@ def write_nodes_hostfile(run_dir: Path, spec: NodeSpec) -> Path:
 
 
 def _write_mark(path: Path, record: dict[str, Any]) -> None:
-    """A node's mark in the shared run dir, whole or not at all: rundir.write_atomic's
+    """A node's mark in the shared run dir, whole or not at all: filesystem.write_atomic's
     fsynced, per-process temporary name (a plain write then rename could show the other nodes
     an empty mark after a crash on a network filesystem), removed if the write fails."""
     write_atomic(path, json.dumps(record) + "\n")

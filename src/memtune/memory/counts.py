@@ -21,7 +21,8 @@ from memtune.config import ConfigError, RunConfig, cache_dir, compute_bytes, lor
 from memtune.config.architecture import layer_types, routed_experts
 from memtune.config.derive import adapts_experts
 from memtune.expert_stacks import QUANT_BLOCK
-from memtune.rundir import RunDir, free_bytes, human_bytes, is_complete, write_atomic
+from memtune.filesystem import free_bytes, human_bytes, write_atomic
+from memtune.rundir import RunDir, is_complete
 
 
 @dataclass

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from memtune.config.architecture import LANGUAGE_MODEL_PREFIX
+from memtune.filesystem import follow_umask, replace_dir, write_atomic
 from memtune.rank.experts import to_peft_names, write_expert_adapters
 from memtune.rundir import (
     COMPLETE,
@@ -20,12 +21,9 @@ from memtune.rundir import (
     GATHERED_META,
     RunDir,
     TrainState,
-    follow_umask,
     is_complete,
     list_files,
-    replace_dir,
     step_dir_name,
-    write_atomic,
     write_manifest,
 )
 

@@ -573,7 +573,7 @@ def write_expert_adapters(out_dir: Any, experts: dict[str, torch.Tensor]) -> Non
 
     from safetensors.torch import load_file, save_file
 
-    from memtune.rundir import write_atomic
+    from memtune.filesystem import write_atomic
 
     out = Path(out_dir)
     path = out / "adapter_model.safetensors"

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from memtune.config import ConfigError, RunConfig, load_run_config
-from memtune.rundir import follow_umask
+from memtune.filesystem import follow_umask
 
 # torch's names: torch is imported by merge() only, so a refused merge answers at once.
 DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
