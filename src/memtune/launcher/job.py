@@ -52,7 +52,8 @@ from memtune.memory.fit import (
     format_step_estimates,
     format_suggestions,
 )
-from memtune.rundir import RunDir, RunDirBusy, find_latest, hold
+from memtune.run_lock import RunDirBusy, hold
+from memtune.rundir import RunDir, find_latest
 
 WAIT_FOR_NODE0_S = 3600.0
 """Per-node form: how long nodes 1.. wait for node 0 to tokenize the data and plan."""
