@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from memtune.checkpoints import TRAINER_STATE
 from memtune.filesystem import write_atomic
 
 R = TypeVar("R")
@@ -197,118 +197,6 @@ class TrainState:
 
     def write(self, checkpoint: Path) -> None:
         _write(self, checkpoint / TRAINER_STATE)
-
-
-TRAINER_STATE = "trainer_state.json"
-
-
-# A checkpoint is complete once rank 0 wrote complete.json, last (rank.checkpoint.save_checkpoint).
-COMPLETE = "complete.json"
-
-
-MANIFEST = "manifest.json"
-"""A checkpoint's (or a run's final outputs') list of files with their sizes and SHA-256,
-written after every file and read before the job trusts them."""
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def list_files(root: Path, skip: tuple[str, ...] = ()) -> dict[str, list[Any]]:
-    """Every file under ``root`` (relative name → [size, sha256]), fsynced on the way: a
-    manifest written after this lists only bytes that are on the disk."""
-    files: dict[str, list[Any]] = {}
-    for f in sorted(root.rglob("*")):
-        if f.is_file() and f.name not in skip:
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-            files[str(f.relative_to(root))] = [f.stat().st_size, file_sha256(f)]
-    return files
-
-
-def write_manifest(root: Path) -> None:
-    """Record every file of ``root`` (but the manifest and complete.json) in its manifest."""
-    files = list_files(root, skip=(MANIFEST, COMPLETE))
-    write_atomic(root / MANIFEST, json.dumps({"files": files}, indent=1) + "\n")
-
-
-def check_files(root: Path, files: dict[str, list[Any]]) -> str | None:
-    """What is wrong with ``root``'s files against ``files`` ({name: [size, sha256]}): the
-    first missing, cut or changed file, named; None when every one verifies."""
-    for name, (size, digest) in files.items():
-        f = root / name
-        if not f.is_file():
-            return f"{f} is missing"
-        if f.stat().st_size != size:
-            return f"{f} has {f.stat().st_size:,} bytes, {size:,} were written"
-        if file_sha256(f) != digest:
-            return f"{f} does not hold the bytes that were written (its SHA-256 differs)"
-    return None
-
-
-def verify_manifest(root: Path) -> str | None:
-    """What is wrong with a checkpoint, by its manifest; None when it verifies, or when it has
-    no manifest (written before manifests: trusted as complete, as before)."""
-    path = root / MANIFEST
-    if not path.is_file():
-        return None
-    try:
-        files = json.loads(path.read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"{path} cannot be read"
-    return check_files(root, files)
-
-
-GATHERED = "gathered_state.safetensors"
-GATHERED_META = "gathered_state.json"
-"""A checkpoint's trainable state gathered from every rank (rank.checkpoint writes them with an
-Adam optimizer): what lets the job allow a resume on another number of ranks or ZeRO stage."""
-
-
-def has_gathered_state(checkpoint: Path) -> bool:
-    return (checkpoint / GATHERED).is_file() and (checkpoint / GATHERED_META).is_file()
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:07d}"
-
-
-def is_complete(path: Path) -> bool:
-    return (path / COMPLETE).is_file() and (path / TRAINER_STATE).is_file()
-
-
-def find_latest(run_dir: Path) -> tuple[Path | None, list[str]]:
-    """Newest complete checkpoint of a run dir, and warnings about any skipped on the way."""
-    root = RunDir(run_dir).checkpoints
-    warnings: list[str] = []
-    if not root.is_dir():
-        return None, warnings
-    # A crash between the two renames of a re-save (rank.checkpoint.save_checkpoint) leaves
-    # the step only at its set-aside name: still a candidate.
-    found = {p.name: p for p in root.glob("step-*") if p.is_dir()}
-    for aside in root.glob(".old-step-*"):
-        found.setdefault(aside.name[len(".old-") :].split(".")[0], aside)
-    candidates = [found[name] for name in sorted(found, reverse=True)]
-    pointer = root / "latest"
-    if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if named in candidates:
-            candidates.remove(named)
-            candidates.insert(0, named)
-    for path in candidates:
-        if not is_complete(path):
-            warnings.append(f"skipping {path}: incomplete (a save was interrupted)")
-            continue
-        problem = verify_manifest(path)
-        if problem is None:
-            return path, warnings
-        warnings.append(f"skipping {path}: damaged ({problem}); the one before it is used")
-    return None, warnings
 
 
 @dataclass

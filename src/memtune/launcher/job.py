@@ -19,6 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from memtune.checkpoints import find_latest
 from memtune.config import ConfigError, RunConfig, load_run_config
 from memtune.exit_codes import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OOM, EXIT_REQUEUE
 from memtune.filesystem import write_atomic
@@ -53,7 +54,7 @@ from memtune.memory.fit import (
     format_suggestions,
 )
 from memtune.run_lock import RunDirBusy, hold
-from memtune.rundir import RunDir, find_latest
+from memtune.rundir import RunDir
 
 WAIT_FOR_NODE0_S = 3600.0
 """Per-node form: how long nodes 1.. wait for node 0 to tokenize the data and plan."""
@@ -117,18 +118,18 @@ def after_out_of_memory(cfg: RunConfig, run_dir: Path, spec: Any, env: dict[str,
             )
         return EXIT_OOM
     variant, changes = restart
-    if variant.resume == "never" or find_latest(run_dir)[0] is not None:
+    rd = RunDir(run_dir)
+    if variant.resume == "never" or find_latest(rd.checkpoints)[0] is not None:
         # The restart continues this run: its newest checkpoint, else its start (a resume=PATH
         # with nothing saved since still starts from PATH; resume=never must not set this run
         # aside as an earlier one).
         variant.resume = "auto"
     fresh = prepare_run_dir(Fitted.as_decided(variant), run_dir)
-    resumed = RunDir(run_dir).read_resume().checkpoint
+    resumed = rd.read_resume().checkpoint
     oom.record_restart(run_dir, changes, resumed)
     where = f"from {resumed}" if resumed else "from the start (no checkpoint yet)"
     oom.say(
-        f"plan.auto_fit: restarting {where} with {' '.join(changes)} (recorded in "
-        f"{RunDir(run_dir).oom_restart})"
+        f"plan.auto_fit: restarting {where} with {' '.join(changes)} (recorded in {rd.oom_restart})"
     )
     return launch(fresh, run_dir, spec=spec, extra_env=env)
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from memtune.checkpoints import find_latest, has_gathered_state, is_complete
 from memtune.config import (
     ConfigError,
     RunConfig,
@@ -34,22 +35,12 @@ from memtune.data.cache import (
 )
 from memtune.data.packing import StepShape, step_shape
 from memtune.filesystem import write_atomic
+from memtune.integrity import check_files, verify_manifest
 from memtune.machine import versions_line
 from memtune.memory.counts import check_run_dir_room
 from memtune.memory.estimate import format_plan
 from memtune.memory.fit import Fitted, fit_to_device, format_step_estimates
-from memtune.rundir import (
-    BaseRecord,
-    DataRecord,
-    RecordError,
-    RunDir,
-    TrainState,
-    check_files,
-    find_latest,
-    has_gathered_state,
-    is_complete,
-    verify_manifest,
-)
+from memtune.rundir import BaseRecord, DataRecord, RecordError, RunDir, TrainState
 
 
 def given_config(cfg_node: DictConfig, inputs: bool = True) -> RunConfig:
@@ -281,7 +272,8 @@ def resolve_resume(
     if cfg.resume == "never":
         return None
     if cfg.resume == "auto":
-        ckpt, warnings = find_latest(run_dir)  # skips damaged ones, with a warning each
+        # skips damaged ones, with a warning each
+        ckpt, warnings = find_latest(RunDir(run_dir).checkpoints)
         for w in warnings:
             print(f"memtune: warning: {w}", flush=True)
         if ckpt is None:
@@ -397,7 +389,7 @@ def resume_changes(cfg: RunConfig, ckpt: Path | None) -> dict[str, list[Any]]:
 def world_change_problem(cfg: RunConfig, ckpt: Path) -> str | None:
     """Why this checkpoint cannot continue on another number of ranks (or ZeRO stage), or
     None when it can:
-    it keeps its trainable state gathered (rundir.GATHERED, Adam optimizers), and the
+    it keeps its trainable state gathered (checkpoints.GATHERED, Adam optimizers), and the
     sample order does not depend on the ranks (not so for length grouping)."""
     if not has_gathered_state(ckpt):
         return (

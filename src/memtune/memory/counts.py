@@ -17,12 +17,13 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from memtune.checkpoints import is_complete
 from memtune.config import ConfigError, RunConfig, cache_dir, compute_bytes, lora_targets
 from memtune.config.architecture import layer_types, routed_experts
 from memtune.config.derive import adapts_experts
 from memtune.expert_stacks import QUANT_BLOCK
 from memtune.filesystem import free_bytes, human_bytes, write_atomic
-from memtune.rundir import RunDir, is_complete
+from memtune.rundir import RunDir
 
 
 @dataclass

@@ -12,20 +12,19 @@ from typing import Any
 
 import torch
 
-from memtune.config.architecture import LANGUAGE_MODEL_PREFIX
-from memtune.filesystem import follow_umask, replace_dir, write_atomic
-from memtune.rank.experts import to_peft_names, write_expert_adapters
-from memtune.rundir import (
-    COMPLETE,
+from memtune.checkpoints import (
     GATHERED,
     GATHERED_META,
-    RunDir,
-    TrainState,
+    LATEST,
     is_complete,
-    list_files,
+    seal,
     step_dir_name,
-    write_manifest,
 )
+from memtune.config.architecture import LANGUAGE_MODEL_PREFIX
+from memtune.filesystem import follow_umask, replace_dir, write_atomic
+from memtune.integrity import list_files
+from memtune.rank.experts import to_peft_names, write_expert_adapters
+from memtune.rundir import RunDir, TrainState
 
 
 class NonFiniteWeights(RuntimeError):
@@ -168,18 +167,10 @@ def export_final(
 
 # ---------------------------------------------------------------- resumable checkpoints
 #
-# RUN_DIR/checkpoints/step-0000040/
-#     engine/            DeepSpeed state of the trainable parameters: fp32 master weights,
-#                        optimizer moments, LR scheduler (frozen base weights excluded)
-#     adapter/           the LoRA adapter at this step, PEFT format
-#     trainer_state.json step, loss history, wall time, world size
-#     rng_rank{r}.pt     python / numpy / torch RNG states of every rank
-#     config.yaml        the resolved config the run had
-#     complete.json      written last: a directory without it is never resumed from
-# RUN_DIR/checkpoints/latest   name of the newest complete checkpoint, replaced atomically
-#
-# A checkpoint is written under .tmp-step-N and renamed into place only when every rank has
-# finished, so a crash during a save leaves the previous checkpoint as the one to resume.
+# What a checkpoint holds, and when it counts as complete: memtune.checkpoints (the job reads
+# it there). A checkpoint is written under .tmp-step-N and renamed into place only when every
+# rank has finished, so a crash during a save leaves the previous checkpoint as the one to
+# resume.
 
 
 def _rng_state() -> dict[str, Any]:
@@ -237,11 +228,10 @@ def save_checkpoint(engine: Any, run_dir: Path, state: TrainState, keep_last: in
             shutil.copy(rd.base, tmp / rd.base.name)
         state.write(tmp)
         follow_umask(tmp)
-        write_manifest(tmp)  # every file fsynced, then listed with its size and hash
-        write_atomic(tmp / COMPLETE, json.dumps({"step": state.step}) + "\n")
+        seal(tmp, state.step)  # the manifest, then complete.json
         # The same step saved again (a resumed run's last step) replaces it whole.
         replace_dir(
-            tmp, final, before_removal=lambda: write_atomic(root / "latest", final.name + "\n")
+            tmp, final, before_removal=lambda: write_atomic(root / LATEST, final.name + "\n")
         )
         done = sorted(p for p in root.glob("step-*") if is_complete(p))
         for old in done[: max(0, len(done) - keep_last)]:
