@@ -174,12 +174,8 @@ def test_checkpoints_that_cannot_fit_are_refused_before_launch(tmp_path: Path) -
     free space (the ranks would fail at their first save, after hours)."""
     from memtune.config import ConfigError, compose, to_run_config
     from memtune.filesystem import free_bytes
-    from memtune.memory.counts import (
-        check_run_dir_room,
-        checkpoint_bytes,
-        count_params,
-        run_dir_bytes,
-    )
+    from memtune.launcher.room import check_run_dir_room, checkpoint_bytes, run_dir_bytes
+    from memtune.memory.counts import count_params
 
     demo = to_run_config(compose(["trainer.precision=fp32"]))
     counts = count_params(demo)

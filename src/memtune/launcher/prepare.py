@@ -36,8 +36,8 @@ from memtune.data.cache import (
 from memtune.data.packing import StepShape, step_shape
 from memtune.filesystem import write_atomic
 from memtune.integrity import check_files, verify_manifest
+from memtune.launcher.room import check_run_dir_room
 from memtune.machine import versions_line
-from memtune.memory.counts import check_run_dir_room
 from memtune.memory.estimate import format_plan
 from memtune.memory.fit import Fitted, fit_to_device, format_step_estimates
 from memtune.rundir import BaseRecord, DataRecord, RecordError, RunDir, TrainState
