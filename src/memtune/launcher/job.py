@@ -270,12 +270,13 @@ def _decide_and_lay_out(
     the run dir; the other nodes of a per-node job wait for it and read it."""
     fitted = decide(given, say=False) if spec.node_rank == 0 else None
     run_dir.mkdir(parents=True, exist_ok=True)
-    preflight = RunDir(run_dir).preflight(spec.node_rank)
+    rd = RunDir(run_dir)
+    preflight = rd.preflight(spec.node_rank)
     env, measured = for_launch(given.launcher, spec.ranks_per_node, spec.nnodes, preflight)
     if fitted is None:
         print(f"memtune: node {spec.node_rank}: waiting for node 0 to prepare {run_dir}")
         wait_ready(run_dir, spec, timeout_s=WAIT_FOR_NODE0_S)
-        return load_run_config(RunDir(run_dir).config), env
+        return load_run_config(rd.config), env
     if measured is not None:
         print(
             f"memtune: preflight: {measured:g} GB/s all-reduce bus bandwidth between the "

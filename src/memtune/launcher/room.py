@@ -6,8 +6,6 @@ that refuses a run before a rank starts.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from memtune.checkpoints import is_complete
 from memtune.config import ConfigError, RunConfig, compute_bytes
 from memtune.filesystem import free_bytes, human_bytes
@@ -42,20 +40,20 @@ def run_dir_bytes(cfg: RunConfig, counts: ParamCounts, present: int = 0) -> int:
     return at_once * checkpoint_bytes(cfg, counts) + counts.lora * compute_bytes(cfg)
 
 
-def check_run_dir_room(cfg: RunConfig, counts: ParamCounts, run_dir: Path) -> None:
+def check_run_dir_room(cfg: RunConfig, counts: ParamCounts, rd: RunDir) -> None:
     """Refuse before launch a run whose checkpoints cannot fit where it writes them: the ranks
     would otherwise fail at their first save with a full disk, hours in. A lower bound
     (:func:`run_dir_bytes`), so a run that may fit is never refused."""
-    root = RunDir(run_dir).checkpoints
+    root = rd.checkpoints
     present = 0  # resume=never: the earlier checkpoints move aside, on the same disk
     if root.is_dir() and cfg.resume != "never":
         present = sum(1 for p in root.glob("step-*") if is_complete(p))
-    need, free = run_dir_bytes(cfg, counts, present), free_bytes(run_dir)
+    need, free = run_dir_bytes(cfg, counts, present), free_bytes(rd.path)
     if free is None or need <= free:
         return
     each = checkpoint_bytes(cfg, counts)
     raise ConfigError(
-        f"run_dir {run_dir}: the run needs at least {human_bytes(need)} for its checkpoints "
+        f"run_dir {rd.path}: the run needs at least {human_bytes(need)} for its checkpoints "
         f"({human_bytes(each)} each, trainer.keep_last={cfg.trainer.keep_last} kept and one "
         f"being written, and the adapter), {human_bytes(free)} free there; free space, lower "
         "trainer.keep_last, or point run_dir at a filesystem with room"

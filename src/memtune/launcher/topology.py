@@ -271,12 +271,11 @@ def wait_stopped(run_dir: Path, spec: NodeSpec, timeout_s: float, poll_s: float 
     non-zero exit kills every other task: a node 0 that exits 75 first would have the others
     killed (their code then is the signal's) and the job would end FAILED, not requeued.
     Returns the nodes that did not mark within ``timeout_s``."""
+    rd = RunDir(run_dir)
     deadline = time.monotonic() + timeout_s
     while True:
         missing = [
-            node
-            for node in range(1, spec.nnodes)
-            if _mark_of(RunDir(run_dir).node_stopped(node), spec) is None
+            node for node in range(1, spec.nnodes) if _mark_of(rd.node_stopped(node), spec) is None
         ]
         if not missing or time.monotonic() > deadline:
             return missing

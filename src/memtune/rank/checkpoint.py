@@ -138,7 +138,7 @@ def names_multimodal_class(adapter_dir: Path) -> bool:
 
 
 def export_final(
-    model: Any, tokenizer: Any, run_dir: Path, is_writer: bool, multimodal: bool = False
+    model: Any, tokenizer: Any, rd: RunDir, is_writer: bool, multimodal: bool = False
 ) -> tuple[int, dict[str, list[Any]]]:
     """The run's adapter and tokenizer, written whole or not at all: into a temporary folder,
     fsynced, then renamed to ``adapter/`` (an earlier export of this run is set aside first and
@@ -147,10 +147,10 @@ def export_final(
     Returns the tensor count and, on the
     writer, the files written ({"adapter/NAME": [size, sha256]}) for summary.json, which the
     job verifies before it calls the run finished."""
-    final = RunDir(run_dir).adapter
+    final = rd.adapter
     if not is_writer:  # the gather is collective; only the writer has a folder to fill
         return export_adapter(model, final, is_writer=False), {}
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}.", dir=run_dir))  # made here: ours
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}.", dir=rd.path))  # made here: ours
     try:
         n_tensors = export_adapter(model, tmp, is_writer=True)
         if multimodal:
@@ -202,12 +202,12 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(engine: Any, run_dir: Path, state: TrainState, keep_last: int) -> Path:
+def save_checkpoint(engine: Any, rd: RunDir, state: TrainState, keep_last: int) -> Path:
     """Collective: every rank calls it. Returns the checkpoint directory."""
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    root = RunDir(run_dir).checkpoints
+    root = rd.checkpoints
     final = root / step_dir_name(state.step)
     tmp = root / f".tmp-{final.name}"
     if rank == 0:
@@ -222,7 +222,6 @@ def save_checkpoint(engine: Any, run_dir: Path, state: TrainState, keep_last: in
     torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
     _barrier()
     if rank == 0:
-        rd = RunDir(run_dir)
         shutil.copy(rd.config, tmp / "config.yaml")
         if rd.base.is_file():
             shutil.copy(rd.base, tmp / rd.base.name)
