@@ -24,6 +24,7 @@ from memtune.config.architecture import LANGUAGE_MODEL_PREFIX
 from memtune.filesystem import follow_umask, replace_dir, write_atomic
 from memtune.integrity import list_files
 from memtune.rank.experts import to_peft_names, write_expert_adapters
+from memtune.rank.model import rewriting_start
 from memtune.rundir import RunDir, TrainState
 
 
@@ -60,15 +61,15 @@ def export_adapter(model: Any, out_dir: Path, is_writer: bool) -> int:
             f"{len(broken)} adapter tensors hold inf/NaN (first: {broken[0]}); not saved, so "
             "the last checkpoint stays the one to resume from"
         )
-    initial = getattr(model, "memtune_initial_adapter", None)
-    if initial is not None:
-        state = for_original_base(state, initial)
+    start = rewriting_start(model)
+    if start is not None:
+        state = for_original_base(state, start.adapter)
     if is_writer:
         rest, experts = to_peft_names(state)
         model.save_pretrained(str(out_dir), state_dict=rest, safe_serialization=True)
         if experts:
             write_expert_adapters(out_dir, experts)
-        if initial is not None:
+        if start is not None:
             _doubled_rank_config(out_dir / "adapter_config.json")
     return len(state)
 

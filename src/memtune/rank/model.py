@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -102,13 +103,30 @@ def load_base_model(
     return model
 
 
+@dataclass
+class RewritingStart:
+    """What a PiSSA or OLoRA start left on the peft model (one attribute, read through
+    :func:`rewriting_start`): the base now holds W − (the adapter's start)."""
+
+    adapter: dict[str, torch.Tensor]
+    """The trainable tensors as initialised, on the host: what turns the exported adapter into
+    one for the original base (rank.checkpoint.export_adapter)."""
+    seconds: float
+    """How long the initialisation's decompositions took (the start-up line)."""
+
+
+def rewriting_start(model: Any) -> RewritingStart | None:
+    return getattr(model, "memtune_rewriting_start", None)
+
+
 def variant_label(cfg: RunConfig, model: Any = None) -> str:
     """The start-up line's words for the LoRA variant ("" for plain LoRA), with how long the
     initialisation's decompositions took (config.derive.variant_words)."""
-    took = getattr(model, "memtune_init_seconds", None)
+    start = rewriting_start(model)
     words = variant_words(cfg)
-    if took is not None:
+    if start is not None:
         what = "QR" if cfg.peft.init == "olora" else "SVD"
+        took = start.seconds
         words = [f"{w} ({what} in {took:.1f} s)" if w.startswith("init ") else w for w in words]
     return "".join(f" · {w}" for w in words)
 
@@ -135,12 +153,12 @@ def add_lora(model: Any, cfg: RunConfig) -> Any:
         # The base now holds W − (the adapter's start): keep that start, on the host, so that
         # the exported adapter can be turned into one for the original base
         # (checkpoint.export_adapter).
-        model.memtune_initial_adapter = {
+        initial = {
             n: q.detach().float().cpu().clone()
             for n, q in model.named_parameters()
             if q.requires_grad
         }
-        model.memtune_init_seconds = time.perf_counter() - start
+        model.memtune_rewriting_start = RewritingStart(initial, time.perf_counter() - start)
     from memtune.expert_stacks import add_expert_adapters, train_routers
     from memtune.rank.experts import use_routed_forward
 

@@ -39,7 +39,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memtune.config import RunConfig, checkpointed_layers
-from memtune.expert_stacks import expert_modules
+from memtune.expert_stacks import expert_modules, experts_state
 from memtune.memory.counts import arch_config
 from memtune.rank.loss import CausalLMLoss
 from memtune.rank.model import add_lora, decoder_layers, torch_dtype
@@ -232,7 +232,7 @@ def trace_step(cfg: RunConfig, fake: bool = True) -> Trace:
     model.config.use_cache = False
     model = add_lora(model, cfg)
     for _, experts in expert_modules(model):
-        experts.memtune_even_routing = True  # see rank.experts._routed_rows
+        experts_state(experts).even_routing = True  # see rank.experts._routed_rows
     for m in model.modules():
         drop = getattr(m, "lora_dropout", None)
         if isinstance(drop, torch.nn.ModuleDict):
