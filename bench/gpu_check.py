@@ -830,9 +830,10 @@ def run_memtune(phase: Phase, deadline: float, long: bool = False) -> None:
     from memtune.config.derive import checkpointed_layers
     from memtune.memory.counts import count_params
     from memtune.rank.build import build_rank
+    from memtune.rank.layers import set_checkpointed_layers
     from memtune.rank.long_context import offload_checkpoints, tile_mlps
     from memtune.rank.loop import TrainResult, train
-    from memtune.rank.model import quantization_config, set_checkpointed_layers
+    from memtune.rank.model import quantization_config
     from memtune.rank.telemetry import NullLogger
 
     mode, method = phase.mode, phase.method

@@ -9,9 +9,10 @@ from safetensors.torch import load_file
 
 from memtune.config import to_run_config
 from memtune.rank import attention
+from memtune.rank.layers import decoder_layers
 from memtune.rank.long_context import offload_checkpoints, tile_mlps, tiles_for
 from memtune.rank.loss import CausalLMLoss
-from memtune.rank.model import add_lora, decoder_layers, load_base_model
+from memtune.rank.model import add_lora, load_base_model
 from memtune.tools.tiny import synthesize
 from tests.conftest import Run, compose_cfg, start_run
 

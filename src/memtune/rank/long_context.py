@@ -43,6 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from memtune.rank.layers import decoder_layers
+
 # --- tiled MLP --------------------------------------------------------------------------------
 
 
@@ -99,8 +101,6 @@ class TiledMLP(torch.autograd.Function):
 def tile_mlps(model: Any, tokens: int) -> int:
     """Make every decoder layer's MLP tiled for ``tokens`` tokens per micro batch on this rank;
     returns the number of tiles."""
-    from memtune.rank.model import decoder_layers
-
     layers = decoder_layers(model)
     hidden = int(model.config.hidden_size)
     tiles = tiles_for(tokens, hidden)
@@ -234,8 +234,6 @@ def _own_checkpoints(
     layer wrapper hands the checkpoint ``partial(forward, layer, **kwargs)``, the unwrapped
     forward; with ``compile_forward``, that forward is swapped for its compiled form (one per layer
     class, compiled on first use)."""
-    from memtune.rank.model import decoder_layers
-
     # Makes the output require grad even when the layer's input does not (the first layer's
     # input is the frozen embedding's output), so the backward reaches the layer's LoRA.
     anchor = torch.ones((), requires_grad=True)

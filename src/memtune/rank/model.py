@@ -22,6 +22,8 @@ from memtune.config.derive import (
     lora_scaling,
     variant_words,
 )
+from memtune.rank.layers import decoder_layers, set_checkpointed_layers
+from memtune.rank.long_context import compiled_checkpoints
 
 log = logging.getLogger("memtune")
 
@@ -239,12 +241,6 @@ def cast_adapters(model: Any, dtype: torch.dtype) -> None:
             param.data = param.data.to(dtype)
 
 
-def set_checkpointed_layers(model: Any, k: int) -> None:
-    """Recompute the first ``k`` decoder layers in backward, keep the others' activations."""
-    for i, layer in enumerate(decoder_layers(model)):
-        layer.gradient_checkpointing = i < k
-
-
 def compile_layers(model: Any, zero3: bool = False) -> int:
     """trainer.compile: ``torch.compile`` the ``forward`` of every decoder layer, LoRA
     included. Regional rather than whole-model: one layer's graph serves them all (same code,
@@ -276,8 +272,6 @@ def compile_layers(model: Any, zero3: bool = False) -> int:
     Called before ``deepspeed.initialize``, which registers the hooks, and after
     :func:`add_lora`, which marks the checkpointed layers. Returns the number of layers
     compiled."""
-    from memtune.rank.long_context import compiled_checkpoints
-
     compiled_checkpoints(model)
     layers = decoder_layers(model)
     if zero3:
@@ -289,13 +283,6 @@ def compile_layers(model: Any, zero3: bool = False) -> int:
         if not layer.gradient_checkpointing:
             layer.forward = torch.compile(layer.forward, dynamic=True)
     return len(layers)
-
-
-def decoder_layers(model: Any) -> list[Any]:
-    """The decoder layers in order: the modules transformers can checkpoint."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 def is_quantized_layer(module: Any) -> bool:

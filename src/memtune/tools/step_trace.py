@@ -41,8 +41,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memtune.config import RunConfig, checkpointed_layers
 from memtune.expert_stacks import expert_modules, experts_state
 from memtune.memory.counts import arch_config
+from memtune.rank.layers import decoder_layers
 from memtune.rank.loss import CausalLMLoss
-from memtune.rank.model import add_lora, decoder_layers, torch_dtype
+from memtune.rank.model import add_lora, torch_dtype
 
 MIB = 1024**2
 
