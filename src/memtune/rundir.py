@@ -5,7 +5,8 @@ The job (memtune.launcher) writes ``config.yaml``, ``ds_config.json``, ``plan.tx
 ``metrics.jsonl``, checkpoints, ``adapter/``, ``summary.json`` and ``memory.json``; the job
 ends with ``exit.json``. Every path is a property of :class:`RunDir`, and every JSON file has a
 typed record here, read and written by that record only, so a renamed field is one edit and
-a missing one fails on reading with the file's name, not later with a KeyError.
+a missing one fails on reading with the file's name, not later with a KeyError. What is inside
+a checkpoint is memtune.checkpoints'; the job lock on ``job.lock`` is memtune.run_lock's.
 
 A checkpoint's ``trainer_state.json`` carries a format version (:data:`TRAIN_STATE_VERSION`): a
 checkpoint written before versions (no field) is read as version 1 when it has every field;
