@@ -128,9 +128,10 @@ class StepClock(TrainerCallback):
 
 
 def run(run_dir: Path) -> dict[str, Any]:
-    cfg = load_run_config(RunDir(run_dir).config)
-    d = RunDir(run_dir).read_decisions()  # the batch memtune's side runs with
-    data_dir = RunDir(run_dir).read_data().dir
+    rd = RunDir(run_dir)
+    cfg = load_run_config(rd.config)
+    d = rd.read_decisions()  # the batch memtune's side runs with
+    data_dir = rd.read_data().dir
     torch.manual_seed(cfg.trainer.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
     model = build_model(cfg)

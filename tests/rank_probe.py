@@ -25,6 +25,7 @@ from memtune.rank.model import (
     torch_dtype,
 )
 from memtune.rank.worker import RankContext, run
+from memtune.rundir import RunDir
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -132,10 +133,10 @@ def probe(engine: Any, ctx: RankContext) -> None:
             {str(v.dtype) for s in basic.state.values() for v in s.values() if torch.is_tensor(v)}
         ),
     }
-    (ctx.run_dir / f"probe_rank{ctx.rank}.json").write_text(json.dumps(result, indent=2))
+    (ctx.rd.path / f"probe_rank{ctx.rank}.json").write_text(json.dumps(result, indent=2))
     if ctx.rank == 0:
-        torch.save({"input_ids": ids, "logits": logits}, ctx.run_dir / "probe_logits.pt")
+        torch.save({"input_ids": ids, "logits": logits}, ctx.rd.path / "probe_logits.pt")
 
 
 if __name__ == "__main__":
-    run(sys.argv[1], after_train=probe)
+    run(RunDir(sys.argv[1]), after_train=probe)

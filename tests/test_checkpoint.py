@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from memtune.checkpoints import step_dir_name
 from memtune.config import load_run_config
 from memtune.launcher.prepare import already_finished
 from memtune.launcher.spawn import rank_processes
-from memtune.rundir import step_dir_name
 from tests.conftest import FAST, ROOT, run_train_py
 
 pytestmark = pytest.mark.slow
@@ -414,7 +414,7 @@ def _copy_run(finished: Path, run_dir: Path) -> None:
 
 
 def test_every_checkpoint_and_the_final_export_list_their_files(finished: Path) -> None:
-    from memtune.rundir import check_files, verify_manifest
+    from memtune.integrity import check_files, verify_manifest
 
     ckpt = finished / "checkpoints" / "step-0000012"
     manifest = json.loads((ckpt / "manifest.json").read_text())["files"]

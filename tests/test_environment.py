@@ -173,13 +173,10 @@ def test_checkpoints_that_cannot_fit_are_refused_before_launch(tmp_path: Path) -
     checkpoints cannot fit where it writes them is refused, naming run_dir, the need and the
     free space (the ranks would fail at their first save, after hours)."""
     from memtune.config import ConfigError, compose, to_run_config
-    from memtune.memory.counts import (
-        check_run_dir_room,
-        checkpoint_bytes,
-        count_params,
-        run_dir_bytes,
-    )
-    from memtune.rundir import free_bytes
+    from memtune.filesystem import free_bytes
+    from memtune.launcher.room import check_run_dir_room, checkpoint_bytes, run_dir_bytes
+    from memtune.memory.counts import count_params
+    from memtune.rundir import RunDir
 
     demo = to_run_config(compose(["trainer.precision=fp32"]))
     counts = count_params(demo)
@@ -189,7 +186,7 @@ def test_checkpoints_that_cannot_fit_are_refused_before_launch(tmp_path: Path) -
     assert checkpoint_bytes(demo, "adamw", counts) == 28 * 217_088
     # 24 steps saved every 8: 3 saves, keep_last 2 + the one being written = 3, + the adapter
     assert run_dir_bytes(demo, "adamw", counts) == 3 * 28 * 217_088 + 4 * 217_088
-    check_run_dir_room(demo, "adamw", counts, tmp_path / "run")  # fits anywhere
+    check_run_dir_room(demo, "adamw", counts, RunDir(tmp_path / "run"))  # fits anywhere
 
     huge = to_run_config(
         compose(
@@ -205,7 +202,7 @@ def test_checkpoints_that_cannot_fit_are_refused_before_launch(tmp_path: Path) -
     free = free_bytes(tmp_path)
     assert free is not None and run_dir_bytes(huge, "adamw", big) > free  # ~250 TB
     with pytest.raises(ConfigError) as err:
-        check_run_dir_room(huge, "adamw", big, tmp_path / "run")
+        check_run_dir_room(huge, "adamw", big, RunDir(tmp_path / "run"))
     message = str(err.value)
     assert message.startswith(f"run_dir {tmp_path / 'run'}: the run needs at least ")
     assert "trainer.keep_last=1000000 kept" in message and " free there; " in message
@@ -218,7 +215,8 @@ import os, sys
 from pathlib import Path
 from memtune.config import LoggerConfig
 from memtune.rank.telemetry import RunLogger
-run_dir = Path(sys.argv[1])
+from memtune.rundir import RunDir
+run_dir = RunDir(Path(sys.argv[1]))
 logger = RunLogger(run_dir, 1, LoggerConfig(backend="wandb", mode="offline"), {"peft": {"r": 4}})
 logger.log(1, {"train/loss": 1.0})
 logger.close()

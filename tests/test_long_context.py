@@ -9,9 +9,10 @@ from safetensors.torch import load_file
 
 from memtune.config import to_run_config
 from memtune.rank import attention
+from memtune.rank.layers import decoder_layers
 from memtune.rank.long_context import offload_checkpoints, tile_mlps, tiles_for
 from memtune.rank.loss import CausalLMLoss
-from memtune.rank.model import add_lora, decoder_layers, load_base_model
+from memtune.rank.model import add_lora, load_base_model
 from memtune.tools.tiny import synthesize
 from tests.conftest import Run, compose_cfg, decided, start_run
 
@@ -101,6 +102,35 @@ def test_both_together_on_the_checkpointed_layers_only() -> None:
     assert offload_checkpoints(model.get_base_model(), torch.device("cpu")) == 1
     tile_mlps(model.get_base_model(), tokens=2 * 256)
     _assert_same(want, _grads(cfg, model))
+
+
+def test_decisions_applied_again_replace_what_was_applied() -> None:
+    """rank.build.apply_layer_decisions on a model that has decisions already (the GPU check
+    applies each length's to the engine it has): the layers, tiles and offload of the new
+    ones, none of the old left, and the gradients of the new ones built afresh."""
+    import dataclasses
+
+    from memtune.rank.build import apply_layer_decisions
+    from memtune.rank.long_context import OwnCheckpoint
+
+    overrides = ("trainer.checkpoint_layers=all", "peft.dropout=0")
+    cfg, model = _model(*overrides)
+    everything = decided(cfg, tiled_mlp=True, offload_activations=True)
+    assert apply_layer_decisions(model, everything, torch.device("cpu")) == (1, 2)
+    assert apply_layer_decisions(model, everything, torch.device("cpu")) == (1, 2)  # no stacking
+    funcs = [layer._gradient_checkpointing_func for layer in decoder_layers(model)]
+    assert all(isinstance(f, OwnCheckpoint) and f.copies is not None for f in funcs)
+    assert not any(isinstance(f.replaces, OwnCheckpoint) for f in funcs)
+    one = dataclasses.replace(everything, tiled_mlp=False, offload_activations=False)
+    one = one.with_recompute(1)
+    assert apply_layer_decisions(model, one, torch.device("cpu")) == (0, 0)
+    assert [layer.gradient_checkpointing for layer in decoder_layers(model)] == [True, False]
+    assert not any(isinstance(layer._gradient_checkpointing_func, OwnCheckpoint) for layer in
+                   decoder_layers(model))  # fmt: skip
+    assert all("forward" not in layer.mlp.__dict__ for layer in decoder_layers(model))
+    got = _grads(cfg, model)
+    cfg, fresh = _model("trainer.checkpoint_layers=1", "peft.dropout=0")
+    _assert_same(_grads(cfg, fresh), got)
 
 
 @pytest.mark.slow

@@ -338,7 +338,7 @@ def test_the_grouped_experts_forward_is_the_loop(
     weights = torch.rand(24, 2, generator=g).softmax(-1).to(dtype)
     results = []
     for grouped in (False, True):
-        block.experts.memtune_grouped = grouped
+        stacks.experts_state(block.experts).grouped = grouped
         xi = x.clone().requires_grad_(True)
         out = block.experts(xi, index, weights)
         out.float().square().sum().backward()
@@ -574,6 +574,7 @@ def test_the_planned_base_weights_are_what_a_quantized_mixture_holds(peft: str) 
     loading code quantized it (bitsandbytes' linear layers, memtune's expert stacks): one
     rank, in the training dtype. Within 5%: bitsandbytes keeps the linear layers' scales
     outside the parameters (the plan counts them)."""
+    from memtune.expert_stacks import quantized_stack
     from memtune.memory.estimate import GIB, plan
     from memtune.rank.model import check_all_quantized, load_base_model
     from memtune.tools.tiny import synthesize
@@ -593,7 +594,7 @@ def test_the_planned_base_weights_are_what_a_quantized_mixture_holds(peft: str) 
     check_all_quantized(model, cfg, d)
     stacks = [p for n, p in model.named_parameters() if ".mlp.experts." in n]
     assert stacks and all(
-        p.memtune_quantized[1] == ("int8" if peft == "lora-int8" else "nf4") for p in stacks
+        quantized_stack(p).kind == ("int8" if peft == "lora-int8" else "nf4") for p in stacks
     )
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     planned = plan(cfg, d).gib()["base weights"] * GIB

@@ -125,7 +125,7 @@ def test_two_processes_building_one_demo_model_both_succeed(tmp_path: Path) -> N
 _HOLD = """
 import sys, time
 from pathlib import Path
-from memtune.rundir import hold
+from memtune.run_lock import hold
 with hold(Path(sys.argv[1])):
     print("held", flush=True)
     time.sleep(600)

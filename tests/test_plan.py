@@ -363,7 +363,7 @@ def test_checkpoint_layers_auto_is_the_fewest_that_fit_with_the_spare() -> None:
 
 
 def test_only_the_first_layers_recompute_and_the_gradients_do_not_change() -> None:
-    from memtune.rank.model import decoder_layers
+    from memtune.rank.layers import decoder_layers
 
     grads = {}
     for layers in ("all", "1", "0"):

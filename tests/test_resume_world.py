@@ -1,5 +1,5 @@
 """Resume on another number of ranks (and ZeRO stage): a checkpoint's gathered trainable state
-(rundir.GATHERED) loads on any world size, and the sample order is one global sequence,
+(checkpoints.GATHERED) loads on any world size, and the sample order is one global sequence,
 so steps 11-20 after a resume on 1 rank are the steps an uninterrupted 2-rank run takes."""
 
 from __future__ import annotations

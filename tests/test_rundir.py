@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from memtune.checkpoints import find_latest
 from memtune.rundir import (
     TRAIN_STATE_VERSION,
     DataRecord,
     RecordError,
     RunDir,
     TrainState,
-    find_latest,
 )
 
 STATE = {
@@ -78,7 +78,7 @@ def test_the_newest_complete_checkpoint_wins(tmp_path: Path) -> None:
         TrainState(**{**STATE, "step": step}).write(ckpt)
         if complete:
             (ckpt / "complete.json").write_text("{}")
-    latest, warnings = find_latest(tmp_path)
+    latest, warnings = find_latest(root)
     assert latest == root / "step-0000008"
     assert warnings == [f"skipping {root / 'step-0000012'}: incomplete (a save was interrupted)"]
 
@@ -91,5 +91,5 @@ def test_a_checkpoint_left_at_its_set_aside_name_is_still_found(tmp_path: Path) 
         ckpt.mkdir(parents=True)
         TrainState(**{**STATE, "step": step}).write(ckpt)
         (ckpt / "complete.json").write_text("{}")
-    latest, _ = find_latest(tmp_path)
+    latest, _ = find_latest(root)
     assert latest == root / ".old-step-0000008.k3j2x_q"

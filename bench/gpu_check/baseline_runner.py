@@ -3,7 +3,6 @@ up (phases ``lora-baseline``, ``qlora-baseline``)."""
 
 from __future__ import annotations
 
-import copy
 import gc
 import tempfile
 import time
@@ -12,7 +11,7 @@ from typing import Any
 
 from .bases import build_base, quantize_decoder, user_qlora_config
 from .batches import synthetic_batch
-from .configs import at_length, baseline_plan, compose_cfg
+from .configs import baseline_plan, compose_cfg, decided_at
 from .measure import (
     add_mfu,
     add_plan_error,
@@ -33,6 +32,7 @@ def run_baseline(phase: Phase, deadline: float) -> None:
     from peft import get_peft_model, prepare_model_for_kbit_training
     from transformers import TrainerCallback, default_data_collator
 
+    from memtune.config.decisions import with_sections
     from memtune.memory.counts import count_params
     from memtune.rank.model import lora_config
 
@@ -84,16 +84,15 @@ def run_baseline(phase: Phase, deadline: float) -> None:
         rec["leftover_gib"] = leftover
         try:
             steps = mode.warmup + mode.timed
-            run_cfg = copy.deepcopy(cfg)
-            run_cfg.data.max_seq_len = seq_len
-            run_cfg.trainer.max_steps = steps
+            at, d = decided_at(cfg, seq_len, counts)
+            run_cfg = with_sections(at, trainer={"max_steps": steps})
             batch = synthetic_batch(int(cfg.model.architecture["vocab_size"]), seq_len, seq_len)
             rows = [{k: v[0] for k, v in batch.items()} for _ in range(steps)]
             clock = StepClock()
             with tempfile.TemporaryDirectory() as tmp:
                 trainer = CountingTrainer(
                     model=model,
-                    args=training_args(run_cfg, Path(tmp)),
+                    args=training_args(run_cfg, d, Path(tmp)),
                     train_dataset=rows,
                     data_collator=default_data_collator,
                     callbacks=[clock],
@@ -107,7 +106,7 @@ def run_baseline(phase: Phase, deadline: float) -> None:
             rec["loss_kind"] = "model's own (full logits)"
             rec["zero_stage"] = None
             add_mfu(rec, flops_per_step(counts, cfg.model.architecture, seq_len), device)
-            rec["plan"] = baseline_plan(at_length(cfg, seq_len, counts), counts)
+            rec["plan"] = baseline_plan(at, d, counts)
             rec["plan_note"] = "approximate: ZeRO-2, all layers checkpointed, plain loss"
             add_plan_error(rec)
             del trainer

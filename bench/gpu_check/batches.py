@@ -19,7 +19,7 @@ def synthetic_batch(vocab: int, seq_len: int, seed: int) -> dict[str, Any]:
 
 
 def pair_batch(
-    engine: Any, cfg: Any, vocab: int, seq_len: int, device: Any, rec: dict[str, Any]
+    engine: Any, d: Any, vocab: int, seq_len: int, device: Any, rec: dict[str, Any]
 ) -> dict[str, Any]:
     """One row holding one preference pair of ``seq_len`` tokens (each sequence a prompt of a
     quarter of the row, then a reply of a quarter), its reference log-probabilities computed
@@ -39,7 +39,7 @@ def pair_batch(
     pair = Sample(ids, labels, split=half, index=0)
     sync(device)
     t0 = time.perf_counter()
-    table = compute(engine, TokenizedDataset.from_samples([pair]), [0], cfg, 0, device)
+    table = compute(engine, TokenizedDataset.from_samples([pair]), [0], d.batch, 0, device)
     sync(device)
     rec["reference_pass_s"] = round(time.perf_counter() - t0, 4)
     return References({"train": table}).attach(collate_packed([[pair]], 0))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,21 +41,30 @@ def compose_cfg(
     return to_run_config(compose(overrides))
 
 
-def at_length(cfg: Any, seq_len: int, counts: Any) -> Any:
-    """``cfg`` at another sequence length, checkpoint_layers=auto resolved for it."""
+def decided_at(cfg: Any, seq_len: int, counts: Any) -> tuple[Any, Any]:
+    """``cfg`` at another sequence length, and its decisions as a launch makes them
+    (memory.fit), with the long-context choices the settings leave to auto kept off: one card,
+    sp=1, the MLP untiled, the inputs on the device (the long phases set all three)."""
+    from memtune.config.decisions import Choices, rank_machine, with_sections
     from memtune.memory.fit import resolve_checkpoint_layers
 
-    cfg = copy.deepcopy(cfg)
-    cfg.data.max_seq_len = seq_len
-    return resolve_checkpoint_layers(cfg, counts)[0]
+    at = with_sections(cfg, data={"max_seq_len": seq_len})
+    t = at.trainer
+    one_card = Choices(
+        sequence_parallel=1 if str(t.sequence_parallel) == "auto" else None,
+        tiled_mlp=False if t.tiled_mlp == "auto" else None,
+        offload_activations=False if t.offload_activations == "auto" else None,
+    )
+    d, _ = resolve_checkpoint_layers(at, one_card, counts, rank_machine())
+    return at, d
 
 
-def plan_record(cfg: Any, counts: Any) -> dict[str, Any]:
+def plan_record(cfg: Any, d: Any, counts: Any) -> dict[str, Any]:
     """The planner's rows; ``live_gib`` leaves out what torch's allocator never reports
     (fragmentation, the CUDA context), so it is what ``max_memory_allocated`` should read."""
     from memtune.memory.estimate import plan
 
-    p = plan(cfg, counts)
+    p = plan(cfg, d, counts)
     return {
         "total_gib": p.total_gib,
         "live_gib": sum(r.gib for r in p.rows if r.allocated and r.live),
@@ -65,11 +73,11 @@ def plan_record(cfg: Any, counts: Any) -> dict[str, Any]:
     }
 
 
-def baseline_plan(cfg: Any, counts: Any) -> dict[str, Any]:
-    """The planner's nearest config to the baseline (it knows no run without DeepSpeed):
+def baseline_plan(cfg: Any, d: Any, counts: Any) -> dict[str, Any]:
+    """The planner's nearest decisions to the baseline (it knows no run without DeepSpeed):
     ZeRO-2 on one rank, every layer checkpointed, the plain loss. Approximate by design."""
-    cfg = copy.deepcopy(cfg)
-    cfg.zero.stage = 2
-    cfg.trainer.loss = "plain"
-    cfg.trainer.checkpoint_layers = "all"
-    return plan_record(cfg, counts)
+    import dataclasses
+
+    layers = len(d.checkpointing.layers)
+    nearest = dataclasses.replace(d, zero_stage=2, loss="plain").with_recompute(layers)
+    return plan_record(cfg, nearest, counts)

@@ -5,7 +5,6 @@ and the packed = alone check."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
 import itertools
 import sys
@@ -14,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .bases import build_base
-from .configs import at_length, compose_cfg, plan_record
+from .configs import compose_cfg, decided_at, plan_record
 from .measure import add_plan_error, empty_cache, memory_now, peak_window, step_clock, timing
 from .recorder import Phase, device_and_env, init_one_rank, time_left
 from .report import short_kernel
@@ -238,6 +237,7 @@ def run_hybrid(phase: Phase, deadline: float, fla: bool) -> None:
             return
         phase.data["notes"].append("dry run: the torch path runs in its place (code paths only)")
 
+    from memtune.config.decisions import with_sections
     from memtune.config.deepspeed import build_ds_config
     from memtune.linear_kernels import kernels
     from memtune.memory.counts import count_params
@@ -252,14 +252,15 @@ def run_hybrid(phase: Phase, deadline: float, fla: bool) -> None:
     seq_len = mode.hybrid_len
     cfg0 = compose_cfg(mode, "qwen35", seq_len, model=mode.hybrid_model)
     counts = count_params(cfg0)
-    cfg = at_length(cfg0, seq_len, counts)
+    cfg, d = decided_at(cfg0, seq_len, counts)
     leftover = memory_now(device).get("allocated_gib", 0.0)
     parts = build_rank(
         cfg,
-        build_ds_config(cfg),
+        d,
+        build_ds_config(cfg, d),
         device,
-        load_base=lambda c, attn: build_base(c, device, attn),
-        zero_init=cfg.zero.stage == 3,
+        load_base=lambda c, decided: build_base(c, device, decided.attention),
+        zero_init=d.zero_stage == 3,
     )
     engine, model = parts.engine, parts.model
     rec.update(
@@ -268,8 +269,8 @@ def run_hybrid(phase: Phase, deadline: float, fla: bool) -> None:
         resolved=resolved_kernels(model),
         attention=parts.attention,
         loss_kind=parts.loss_kind,
-        zero_stage=cfg.zero.stage,
-        checkpointed_layers=int(cfg.trainer.checkpoint_layers),
+        zero_stage=d.zero_stage,
+        checkpointed_layers=d.checkpointing.recomputed,
         leftover_gib=leftover,
         lora=f"r={cfg.peft.r} on {cfg.peft.target}; {parts.trainable:,} trainable",
         seconds={"build": round(time.time() - t0, 1)},
@@ -277,7 +278,7 @@ def run_hybrid(phase: Phase, deadline: float, fla: bool) -> None:
     phase.data["notes"].append(
         f"{mode.hybrid_model}: {parts.linear_attention}; transformers calls "
         f"{rec['resolved']['recurrence']} and {rec['resolved']['conv']}; attention "
-        f"{parts.attention}; ZeRO-{cfg.zero.stage}; {rec['lora']}"
+        f"{parts.attention}; ZeRO-{d.zero_stage}; {rec['lora']}"
     )
     phase.save()
     print(f"gpu_check: {phase.name}: {rec['kernels']}; {rec['resolved']}", flush=True)
@@ -318,14 +319,20 @@ def run_hybrid(phase: Phase, deadline: float, fla: bool) -> None:
 
     try:
         batch, rec["samples"] = packed_batch(vocab, seq_len, seed=seq_len)
-        run_cfg = copy.deepcopy(cfg)
-        run_cfg.trainer.max_steps = mode.warmup + mode.timed
-        rec["plan"] = plan_record(run_cfg, counts)
+        run_cfg = with_sections(cfg, trainer={"max_steps": mode.warmup + mode.timed})
+        rec["plan"] = plan_record(run_cfg, d, counts)
         t0 = time.time()
         clock = step_clock(device, save_steps)
         with peak_window(device, rec):
             result = train(
-                engine, itertools.repeat(batch), run_cfg, device, NullLogger(), TrainResult(), clock
+                engine,
+                itertools.repeat(batch),
+                run_cfg,
+                d,
+                device,
+                NullLogger(),
+                TrainResult(),
+                clock,
             )
         rec["seconds"]["steps"] = round(time.time() - t0, 1)
         rec["losses"] = result.losses

@@ -2,22 +2,23 @@
 memtune's model, loss, optimizer, DeepSpeed engine and training loop on a base built in
 memory, and the search for the longest sequence under a 24 GB cap.
 
-Every call into memtune's build and per-length rewiring is in two functions at the top:
-:func:`build_memtune` (``build_rank`` on the base built here) and :func:`memtune_at_length`
-(``checkpoint_layers=auto`` resolved for the length, ``set_checkpointed_layers``, and for the
-long phases ``tile_mlps`` and ``offload_checkpoints``)."""
+memtune's side is built and rewired as a rank builds itself, in two functions at the top:
+:func:`build_memtune` (``build_rank`` on the base built here, from the decisions a launch
+makes for the first length) and :func:`memtune_at_length` (a length's own decisions, applied to
+the engine it already has through ``rank.build.apply_layer_decisions``, the function
+``build_rank`` applies per-layer decisions with: which layers recompute, the MLP's tiles, the
+offloaded inputs). No config is mutated and nothing is wired by hand."""
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
 import itertools
 from typing import Any
 
 from .bases import build_base, quantize_decoder
 from .batches import pair_batch, synthetic_batch
-from .configs import at_length, compose_cfg, plan_record
+from .configs import compose_cfg, decided_at, plan_record
 from .measure import (
     add_mfu,
     add_plan_error,
@@ -34,50 +35,44 @@ from .modes import CAP_GIB, LONG_OVERRIDES
 from .recorder import Phase, device_and_env, init_one_rank, time_left
 
 
-def build_memtune(cfg: Any, ds_config: Any, device: Any) -> tuple[Any, bool]:
-    """The rank's parts exactly as memtune.worker builds them (``build_rank``); only the base
-    differs, and whether it was built under ``zero.Init``."""
+def build_memtune(cfg: Any, d: Any, ds_config: Any, device: Any) -> tuple[Any, bool]:
+    """The rank's parts exactly as memtune.worker builds them (``build_rank`` from the
+    decisions); only the base differs, and whether it was built under ``zero.Init``."""
     from memtune.rank.build import build_rank
     from memtune.rank.model import quantization_config
 
-    quant = quantization_config(cfg)
+    quant = quantization_config(cfg, d.peft_method)
 
     built: dict[str, bool] = {}
 
-    def load_base(c: Any, attn: str) -> Any:
+    def load_base(c: Any, decided: Any) -> Any:
         """The real architecture with random weights, in memory (nothing to download)."""
-        base = build_base(c, device, attn)
+        base = build_base(c, device, decided.attention)
         built["zero_init"] = any(hasattr(q, "ds_id") for q in base.parameters())
         return base if quant is None else quantize_decoder(base, quant, device)
 
     # The rank's parts exactly as memtune.worker builds them; only the base differs. A 4-bit
     # base is quantized here in memory, outside zero.Init (from_pretrained does that itself).
-    parts = build_rank(
-        cfg, ds_config, device, load_base=load_base, zero_init=quant is None and cfg.zero.stage == 3
-    )
+    zero_init = quant is None and d.zero_stage == 3
+    parts = build_rank(cfg, d, ds_config, device, load_base=load_base, zero_init=zero_init)
     return parts, built["zero_init"]
 
 
 def memtune_at_length(
-    engine: Any, cfg0: Any, counts: Any, seq_len: int, device: Any, rec: dict[str, Any], long: bool
-) -> Any:
-    """The engine's model rewired for ``seq_len``, and the run's config at that length:
-    ``cfg0`` with ``checkpoint_layers=auto`` resolved for it, the checkpointed layers set as
-    ``add_lora`` sets them; for a long phase the MLP re-tiled and the checkpointed layers'
-    inputs offloaded again. Records what it set in ``rec``."""
-    from memtune.config.derive import checkpointed_layers
-    from memtune.rank.long_context import offload_checkpoints, tile_mlps
-    from memtune.rank.model import set_checkpointed_layers
+    engine: Any, cfg0: Any, counts: Any, seq_len: int, device: Any, rec: dict[str, Any]
+) -> tuple[Any, Any]:
+    """The settings at ``seq_len`` and their decisions (configs.decided_at), applied to the
+    engine's model as build_rank applies them (``apply_layer_decisions``: recomputed layers,
+    and for a long phase the MLP's tiles and the offloaded inputs). Records what it set in
+    ``rec``."""
+    from memtune.rank.build import apply_layer_decisions
 
-    run_cfg = at_length(cfg0, seq_len, counts)
-    k = checkpointed_layers(run_cfg)  # "all" under LONG_OVERRIDES
-    set_checkpointed_layers(engine.module.model, k)  # as add_lora does
-    if long:
-        base = engine.module.model.get_base_model()
-        rec["mlp_tiles"] = tile_mlps(base, seq_len)
-        rec["offloaded_layers"] = offload_checkpoints(base, device)
-    rec["checkpointed_layers"] = k
-    return run_cfg
+    cfg, d = decided_at(cfg0, seq_len, counts)
+    tiles, offloaded = apply_layer_decisions(engine.module.model, d, device)
+    if d.tiled_mlp or d.offload_activations:
+        rec["mlp_tiles"], rec["offloaded_layers"] = tiles, offloaded
+    rec["checkpointed_layers"] = d.checkpointing.recomputed
+    return cfg, d
 
 
 def run_memtune(phase: Phase, deadline: float, long: bool = False) -> None:
@@ -100,16 +95,16 @@ def run_memtune(phase: Phase, deadline: float, long: bool = False) -> None:
     first = (lengths or mode.long_search)[0]  # built for the first length it will run
     cfg0 = compose_cfg(mode, method, first, extra)
     counts = count_params(cfg0)
-    cfg = at_length(cfg0, first, counts)
-    ds_config = build_ds_config(cfg)
+    cfg, d0 = decided_at(cfg0, first, counts)
+    ds_config = build_ds_config(cfg, d0)
     leftover = memory_now(device).get("allocated_gib", 0.0)
 
-    parts, zero_init = build_memtune(cfg, ds_config, device)
+    parts, zero_init = build_memtune(cfg, d0, ds_config, device)
     engine, attn, loss_kind = parts.engine, parts.attention, parts.loss_kind
     model = parts.model
     params = [q for q in model.parameters() if q.requires_grad]
     phase.data["notes"].append(
-        f"attention {attn}; loss {loss_kind}; ZeRO-{cfg.zero.stage} on 1 rank; "
+        f"attention {attn}; loss {loss_kind}; ZeRO-{d0.zero_stage} on 1 rank; "
         f"{parts.optimizer_note}; base built under zero.Init: {zero_init}; LoRA weights "
         f"{params[0].dtype} after deepspeed.initialize; {len(params)} trainable tensors"
     )
@@ -117,12 +112,14 @@ def run_memtune(phase: Phase, deadline: float, long: bool = False) -> None:
     censused: list[bool] = []  # truthy once a census is taken
 
     def steps_at(seq_len: int, n_steps: int, rec: dict[str, Any]) -> Any:
-        run_cfg = memtune_at_length(engine, cfg0, counts, seq_len, device, rec, long)
-        run_cfg.trainer.max_steps = n_steps
-        rec["plan"] = plan_record(run_cfg, counts)
+        from memtune.config.decisions import with_sections
+
+        at, d = memtune_at_length(engine, cfg0, counts, seq_len, device, rec)
+        run_cfg = with_sections(at, trainer={"max_steps": n_steps})
+        rec["plan"] = plan_record(run_cfg, d, counts)
         vocab = int(cfg.model.architecture["vocab_size"])
         if method == "dpo":
-            batches = itertools.repeat(pair_batch(engine, run_cfg, vocab, seq_len, device, rec))
+            batches = itertools.repeat(pair_batch(engine, d, vocab, seq_len, device, rec))
         else:
             batches = itertools.repeat(synthetic_batch(vocab, seq_len, seq_len))
         if mode.fake_oom_above is not None and seq_len > mode.fake_oom_above and rec.get("cap"):
@@ -138,7 +135,7 @@ def run_memtune(phase: Phase, deadline: float, long: bool = False) -> None:
             peak_window(device, rec),
             peak_census(device, rec) if look else contextlib.nullcontext(),
         ):
-            result = train(engine, batches, run_cfg, device, NullLogger(), TrainResult(), clock)
+            result = train(engine, batches, run_cfg, d, device, NullLogger(), TrainResult(), clock)
         rec["losses"] = result.losses
         rec["real_tokens"] = result.input_tokens
         return clock
@@ -149,7 +146,7 @@ def run_memtune(phase: Phase, deadline: float, long: bool = False) -> None:
             phase.save()
             continue
         rec: dict[str, Any] = {"side": "memtune", "method": method, "seq_len": seq_len}
-        rec.update(leftover_gib=leftover, loss_kind=loss_kind, zero_stage=cfg.zero.stage)
+        rec.update(leftover_gib=leftover, loss_kind=loss_kind, zero_stage=d0.zero_stage)
         try:
             clock = steps_at(seq_len, mode.warmup + mode.timed, rec)
             rec.update(timing(clock.marks, mode.warmup, seq_len))
@@ -206,15 +203,16 @@ def search_cap(
     lengths = mode.long_search if long else mode.search
     key = "long_" if long else ""
     for seq_len in lengths:
-        p = plan_record(at_length(cfg0, seq_len, counts), counts)
+        p = plan_record(*decided_at(cfg0, seq_len, counts), counts)
         planned.append({"seq_len": seq_len, "total_gib": p["total_gib"], "fits": p["fits"]})
     info["planned"] = planned
     if long:
+        from memtune.config.decisions import rank_machine
         from memtune.memory.fit import longest_sequence
 
-        one = copy.deepcopy(cfg0)
-        one.trainer.sequence_parallel = "1"
-        n, how = longest_sequence(one, counts)
+        # one rank: the split's only choice is 1, as the phase runs
+        at, d = decided_at(cfg0, lengths[0], counts)
+        n, how = longest_sequence(at, d, counts, rank_machine())
         info["planned_longest"], info["planned_longest_how"] = n, how
     phase.data[f"{key}search_info"] = info
     phase.data[f"{key}search"] = []

@@ -76,7 +76,7 @@ def moe_variant(variant: str, shape: dict[str, int], device: Any, dtype: Any) ->
     differ in how the experts compute, not in the adapters' precision."""
     import torch
 
-    from memtune.expert_stacks import EXPERT_PARAMETERS
+    from memtune.expert_stacks import EXPERT_PARAMETERS, experts_state
     from memtune.rank.experts import add_expert_lora, quantize_experts, use_routed_forward
 
     frozen = variant.startswith("frozen-")
@@ -102,7 +102,7 @@ def moe_variant(variant: str, shape: dict[str, int], device: Any, dtype: Any) ->
         else:
             add_expert_lora(block, MOE_R, MOE_SCALING, dtype=dtype)
         if variant == "memtune-loop":
-            block.experts.memtune_grouped = False
+            experts_state(block.experts).grouped = False
     elif not frozen:
         from peft import LoraConfig, get_peft_model
 

@@ -13,6 +13,7 @@ reaches them; memtune adds per-expert ``A[e]`` (r × in) and ``B[e]`` (out × r)
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
@@ -46,6 +47,53 @@ def expert_stack_bytes(kind: str, weights: int, rows: int) -> float:
     return weights * EXPERT_NF4_BYTES
 
 
+@dataclass
+class ExpertsState:
+    """What memtune keeps on a routed-experts module, for rank.experts' forward: one attribute
+    (:func:`experts_state`), not one per setting."""
+
+    lora_scaling: float | None = None
+    """The experts' adapters' scaling (:func:`add_expert_adapters`); None: no adapters, or
+    switched off for the block (rank.experts.experts_off: a live reference's forward)."""
+    grouped: bool = True
+    """False runs the loop over the experts where torch's grouped_mm could run them all at
+    once (benchmarks and tests compare the two)."""
+    even_routing: bool = False
+    """tools.step_trace: row j of the n × top-k routing goes to expert j mod experts, whatever
+    the router chose (fake tensors cannot run the data-dependent split; rank.experts)."""
+
+
+def experts_state(experts: Any) -> ExpertsState:
+    """The state of a routed-experts module, the one way to it: made on first use (by
+    :func:`add_expert_adapters` or rank.experts.use_routed_forward, whichever comes first) and
+    the same object after."""
+    state = getattr(experts, "memtune_experts", None)
+    if state is None:
+        state = ExpertsState()
+        experts.memtune_experts = state
+    return state
+
+
+@dataclass(frozen=True)
+class QuantizedStack:
+    """How rank.experts.quantize_experts stored a stack in its one frozen parameter (the
+    parameter's ``memtune_quantized``, read through :func:`quantized_stack`)."""
+
+    shape: tuple[int, ...]
+    """The stack's full shape: experts × out × in."""
+    kind: str
+    """nf4, fp4 or int8."""
+    scales_at: int
+    """The byte where the fp32 scales start, after the quantized values."""
+    code: Any = None
+    """bitsandbytes' 4-bit code table (nf4 / fp4); None for int8."""
+
+
+def quantized_stack(param: Any) -> QuantizedStack | None:
+    """How ``param`` is quantized, when it is a stack quantize_experts made; else None."""
+    return getattr(param, "memtune_quantized", None)
+
+
 def expert_modules(model: Any) -> list[tuple[str, Any]]:
     """(name, module) of every module holding a fused routed-expert stack."""
     found = []
@@ -59,9 +107,9 @@ def expert_modules(model: Any) -> list[tuple[str, Any]]:
 def full_shape(param: Any) -> tuple[int, ...]:
     """A parameter's full shape, also of a ZeRO-3 partition, a 4-bit expert stack
     (rank.experts.quantize_experts) or a bitsandbytes 4-bit weight (stored packed)."""
-    quantized = getattr(param, "memtune_quantized", None)
+    quantized = quantized_stack(param)
     if quantized is not None:
-        return tuple(quantized[0])
+        return tuple(quantized.shape)
     state = getattr(param, "quant_state", None)
     if state is not None and getattr(state, "shape", None) is not None:
         return tuple(state.shape)
@@ -110,7 +158,7 @@ def add_expert_adapters(
             experts.register_parameter(f"{name}_lora_A", nn.Parameter(a))
             experts.register_parameter(f"{name}_lora_B", nn.Parameter(b))
             added += a.numel() + b.numel()
-        experts.memtune_lora_scaling = scaling
+        experts_state(experts).lora_scaling = scaling
     return added
 
 

@@ -5,7 +5,8 @@ The job (memtune.launcher) writes ``config.yaml``, ``ds_config.json``, ``plan.tx
 ``metrics.jsonl``, checkpoints, ``adapter/``, ``summary.json`` and ``memory.json``; the job
 ends with ``exit.json``. Every path is a property of :class:`RunDir`, and every JSON file has a
 typed record here, read and written by that record only, so a renamed field is one edit and
-a missing one fails on reading with the file's name, not later with a KeyError.
+a missing one fails on reading with the file's name, not later with a KeyError. What is inside
+a checkpoint is memtune.checkpoints'; the job lock on ``job.lock`` is memtune.run_lock's.
 
 A checkpoint's ``trainer_state.json`` carries a format version (:data:`TRAIN_STATE_VERSION`): a
 checkpoint written before versions (no field) is read as version 1 when it has every field;
@@ -14,25 +15,19 @@ one from a newer memtune, or with fields missing, is refused, naming the file an
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
-import errno
-import fcntl
-import hashlib
 import json
 import os
-import shutil
-import socket
-import sys
-import tempfile
-from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from memtune.config.decisions import Decisions
+
+from memtune.checkpoints import TRAINER_STATE
+from memtune.filesystem import write_atomic
 
 R = TypeVar("R")
 
@@ -60,164 +55,8 @@ def _read(cls: type[R], path: Path) -> R:
     return cls(**{k: v for k, v in raw.items() if k in names})
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename in ``path`` durable (the directory entry itself)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def replace_dir(new: Path, final: Path, before_removal: Callable[[], None] | None = None) -> None:
-    """Put the directory ``new`` (written whole under a temporary name) at ``final``: an
-    earlier ``final`` of ours moves aside to a fresh ``.old-NAME.XXXX`` (made here, so nothing
-    but what this call moved there is ever removed) and goes only once the new one is in place
-    (and ``before_removal`` has run), so a crash leaves one of them (find_latest looks at the
-    set-aside name too)."""
-    aside = None
-    if final.exists():
-        aside = Path(tempfile.mkdtemp(prefix=f".old-{final.name}.", dir=final.parent))
-        os.replace(final, aside)  # onto the empty dir just made
-    os.replace(new, final)
-    fsync_dir(final.parent)
-    if before_removal is not None:
-        before_removal()
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary sibling that is fsynced and renamed into
-    place: a reader (or a crash, or a full disk) sees the old file or the whole new one."""
-    # host and pid: two writers of one name on a shared filesystem (the nodes of a job) differ
-    tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()  # ours: left only when the write or the rename failed
-
-
 def _write(record: Any, path: Path) -> None:
     write_atomic(path, json.dumps(asdict(record), indent=2) + "\n")
-
-
-def umask() -> int:
-    """The process's umask, read without changing it (/proc/self/status, Linux ≥ 4.7); else by
-    setting and restoring it (a moment in which another thread's new file would get 0)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def follow_umask(path: Path) -> None:
-    """Give ``path``, and for a directory everything under it, the mode a plain create gives
-    under the umask (dirs 0o777, files 0o666, less the umask). Two writers memtune uses are
-    private by design, not by the user's choice: ``tempfile.mkdtemp`` makes 0700 dirs, and
-    safetensors' ``save_file`` writes a 0600 temporary file and renames it into place (every
-    ``.safetensors``: the data cache, an adapter, a model). A group sharing a cache or a run
-    dir could then not read them. Only for what the caller has just written."""
-    mask = umask()
-    root = Path(path)
-    for item in [root, *root.rglob("*")] if root.is_dir() else [root]:
-        if item.is_symlink():
-            continue
-        item.chmod((0o777 if item.is_dir() else 0o666) & ~mask)
-
-
-def free_bytes(path: Path) -> int | None:
-    """Free bytes on the filesystem that holds ``path`` (or its nearest existing parent: the
-    path may not be made yet); None when it cannot be asked."""
-    probe = Path(path).expanduser().absolute()
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    try:
-        return shutil.disk_usage(probe).free
-    except OSError:
-        return None
-
-
-def human_bytes(n: int) -> str:
-    if n >= 1 << 30:
-        return f"{n / (1 << 30):.1f} GiB"
-    return f"{n / (1 << 20):.1f} MiB"
-
-
-class RunDirBusy(RuntimeError):
-    """Another job holds the run dir (:func:`hold`)."""
-
-
-_HELD: set[int] = set()
-"""The descriptors of the run-dir locks this process holds (:func:`hold`)."""
-
-
-def held_lock_fds() -> tuple[int, ...]:
-    """For the ranks the job starts (launcher.spawn passes them on): a flock belongs to the
-    open file, so the run dir stays held until the job and every rank have ended."""
-    return tuple(sorted(_HELD))
-
-
-@contextlib.contextmanager
-def hold(run_dir: Path, node_rank: int = 0) -> Iterator[None]:
-    """One job per run dir: an exclusive kernel lock (flock) on ``job.lock`` for the whole job.
-
-    The kernel drops it when the holder exits, however it exits, so a stale lock cannot exist
-    and nothing ever has to be removed. The file says who holds it (host, pid, start time,
-    command) for the refusal of a second job. In the per-node (Slurm) form every node runs
-    the job command on the same run dir: node K > 0 holds ``job-nodeK.lock``. On a shared
-    filesystem this needs working flock: local disks and NFSv4 have it (Linux maps it onto
-    NFS byte-range locks), Lustre only when mounted with ``-o flock``; where the filesystem
-    refuses locks the job warns and goes on unguarded.
-    """
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = RunDir(run_dir).lock if node_rank == 0 else run_dir / f"job-node{node_rank}.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RunDirBusy(
-                f"run dir {run_dir} is in use by another memtune job ({_holder(path)}): wait "
-                "for it to end, or give this job another run_dir"
-            ) from None
-        except OSError as err:
-            if err.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-                raise
-            print(
-                f"memtune: warning: cannot lock {path} ({err.strerror}: the filesystem has no "
-                "flock; on Lustre mount with -o flock): a second job on this run dir would not "
-                "be refused",
-                file=sys.stderr,
-                flush=True,
-            )
-        started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-        who = {"host": socket.gethostname(), "pid": os.getpid(), "started": started}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps({**who, "command": sys.argv}) + "\n").encode(), 0)
-        _HELD.add(fd)
-        yield
-    finally:
-        _HELD.discard(fd)
-        os.close(fd)  # releases the lock, unless ranks started with it still run
-
-
-def _holder(path: Path) -> str:
-    try:
-        who = json.loads(path.read_text())
-        return f"host {who['host']}, pid {who['pid']}, started {who['started']}"
-    except (OSError, ValueError, KeyError):
-        return "its holder is still starting"
 
 
 @dataclass
@@ -364,8 +203,6 @@ class TrainState:
         _write(self, checkpoint / TRAINER_STATE)
 
 
-TRAINER_STATE = "trainer_state.json"
-
 DECISIONS = "decisions.json"
 
 
@@ -386,115 +223,6 @@ def read_decisions(path: Path) -> Decisions:
         return Decisions.from_dict(raw)
     except DecisionError as err:
         raise RecordError(f"{path}: {err}") from None
-
-
-# A checkpoint is complete once rank 0 wrote complete.json, last (rank.checkpoint.save_checkpoint).
-COMPLETE = "complete.json"
-
-
-MANIFEST = "manifest.json"
-"""A checkpoint's (or a run's final outputs') list of files with their sizes and SHA-256,
-written after every file and read before the job trusts them."""
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def list_files(root: Path, skip: tuple[str, ...] = ()) -> dict[str, list[Any]]:
-    """Every file under ``root`` (relative name → [size, sha256]), fsynced on the way: a
-    manifest written after this lists only bytes that are on the disk."""
-    files: dict[str, list[Any]] = {}
-    for f in sorted(root.rglob("*")):
-        if f.is_file() and f.name not in skip:
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-            files[str(f.relative_to(root))] = [f.stat().st_size, file_sha256(f)]
-    return files
-
-
-def write_manifest(root: Path) -> None:
-    """Record every file of ``root`` (but the manifest and complete.json) in its manifest."""
-    files = list_files(root, skip=(MANIFEST, COMPLETE))
-    write_atomic(root / MANIFEST, json.dumps({"files": files}, indent=1) + "\n")
-
-
-def check_files(root: Path, files: dict[str, list[Any]]) -> str | None:
-    """What is wrong with ``root``'s files against ``files`` ({name: [size, sha256]}): the
-    first missing, cut or changed file, named; None when every one verifies."""
-    for name, (size, digest) in files.items():
-        f = root / name
-        if not f.is_file():
-            return f"{f} is missing"
-        if f.stat().st_size != size:
-            return f"{f} has {f.stat().st_size:,} bytes, {size:,} were written"
-        if file_sha256(f) != digest:
-            return f"{f} does not hold the bytes that were written (its SHA-256 differs)"
-    return None
-
-
-def verify_manifest(root: Path) -> str | None:
-    """What is wrong with a checkpoint, by its manifest; None when it verifies, or when it has
-    no manifest (written before manifests: trusted as complete, as before)."""
-    path = root / MANIFEST
-    if not path.is_file():
-        return None
-    try:
-        files = json.loads(path.read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"{path} cannot be read"
-    return check_files(root, files)
-
-
-GATHERED = "gathered_state.safetensors"
-GATHERED_META = "gathered_state.json"
-"""A checkpoint's trainable state gathered from every rank (rank.checkpoint writes them with an
-Adam optimizer): what lets the job allow a resume on another number of ranks or ZeRO stage."""
-
-
-def has_gathered_state(checkpoint: Path) -> bool:
-    return (checkpoint / GATHERED).is_file() and (checkpoint / GATHERED_META).is_file()
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:07d}"
-
-
-def is_complete(path: Path) -> bool:
-    return (path / COMPLETE).is_file() and (path / TRAINER_STATE).is_file()
-
-
-def find_latest(run_dir: Path) -> tuple[Path | None, list[str]]:
-    """Newest complete checkpoint of a run dir, and warnings about any skipped on the way."""
-    root = RunDir(run_dir).checkpoints
-    warnings: list[str] = []
-    if not root.is_dir():
-        return None, warnings
-    # A crash between the two renames of a re-save (rank.checkpoint.save_checkpoint) leaves
-    # the step only at its set-aside name: still a candidate.
-    found = {p.name: p for p in root.glob("step-*") if p.is_dir()}
-    for aside in root.glob(".old-step-*"):
-        found.setdefault(aside.name[len(".old-") :].split(".")[0], aside)
-    candidates = [found[name] for name in sorted(found, reverse=True)]
-    pointer = root / "latest"
-    if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if named in candidates:
-            candidates.remove(named)
-            candidates.insert(0, named)
-    for path in candidates:
-        if not is_complete(path):
-            warnings.append(f"skipping {path}: incomplete (a save was interrupted)")
-            continue
-        problem = verify_manifest(path)
-        if problem is None:
-            return path, warnings
-        warnings.append(f"skipping {path}: damaged ({problem}); the one before it is used")
-    return None, warnings
 
 
 @dataclass
@@ -594,10 +322,9 @@ class RunDir:
         """Per-node form: the hostfile DeepSpeed's launcher reads on every node."""
         return self.path / "nodes.hostfile"
 
-    @property
-    def lock(self) -> Path:
-        """Node 0's job lock (:func:`hold`): held by the job for its whole life."""
-        return self.path / "job.lock"
+    def lock(self, node_rank: int = 0) -> Path:
+        """This node's job lock (run_lock.hold): held by the job for its whole life."""
+        return self.path / ("job.lock" if node_rank == 0 else f"job-node{node_rank}.lock")
 
     def oom_report(self, rank: int) -> Path:
         return self.path / f"oom-rank{rank}.json"

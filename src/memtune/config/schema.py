@@ -630,7 +630,20 @@ def _missing_message(missing: list[str]) -> str:
 
 
 def load_run_config(path: str | Path) -> RunConfig:
+    return to_run_config(_load_mapping(path))
+
+
+def read_run_config(path: str | Path) -> tuple[RunConfig, dict[str, Any]]:
+    """A saved config read once, in both forms a rank needs: typed, and as the file holds it
+    (interpolations resolved), for a tracker's run config."""
+    loaded = _load_mapping(path)
+    mapping = OmegaConf.to_container(loaded, resolve=True)
+    assert isinstance(mapping, dict)
+    return to_run_config(loaded), mapping  # type: ignore[return-value]
+
+
+def _load_mapping(path: str | Path) -> DictConfig:
     loaded = OmegaConf.load(path)
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"{path}: expected a mapping at the top level")
-    return to_run_config(loaded)
+    return loaded

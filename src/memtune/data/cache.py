@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 from memtune.config import ConfigError, DataConfig, DataSource, cache_dir
 from memtune.data.encode import DataStats, Sample, apply_length_policy, encode_records
 from memtune.data.readers import IdenticalReplies, Record, RecordError, read_source
+from memtune.filesystem import follow_umask, free_bytes, human_bytes
 from memtune.paths import is_local_source
-from memtune.rundir import follow_umask, free_bytes, human_bytes
 
 CACHE_VERSION = 1
 MAX_BAD_EXAMPLES = 5

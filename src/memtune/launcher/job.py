@@ -19,9 +19,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from memtune.checkpoints import find_latest
 from memtune.config import ConfigError, RunConfig, load_run_config
 from memtune.config.decisions import Decisions, rank_machine
 from memtune.exit_codes import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OOM, EXIT_REQUEUE
+from memtune.filesystem import write_atomic
 from memtune.launcher import oom
 from memtune.launcher.preflight import PreflightError, for_launch
 from memtune.launcher.prepare import (
@@ -52,7 +54,8 @@ from memtune.memory.fit import (
     format_step_estimates,
     format_suggestions,
 )
-from memtune.rundir import RecordError, RunDir, RunDirBusy, find_latest, hold, write_atomic
+from memtune.run_lock import RunDirBusy, hold
+from memtune.rundir import RecordError, RunDir
 
 WAIT_FOR_NODE0_S = 3600.0
 """Per-node form: how long nodes 1.. wait for node 0 to tokenize the data and plan."""
@@ -124,18 +127,18 @@ def after_out_of_memory(
             )
         return EXIT_OOM
     variant, changes = restart
-    if cfg.resume == "never" or find_latest(run_dir)[0] is not None:
+    rd = RunDir(run_dir)
+    if cfg.resume == "never" or find_latest(rd.checkpoints)[0] is not None:
         # The restart continues this run: its newest checkpoint, else its start (a resume=PATH
         # with nothing saved since still starts from PATH; resume=never must not set this run
         # aside as an earlier one).
         cfg = replace(cfg, resume="auto")
     fresh, _ = prepare_run_dir(Fitted.as_decided(cfg, variant, machine), run_dir)
-    resumed = RunDir(run_dir).read_resume().checkpoint
+    resumed = rd.read_resume().checkpoint
     oom.record_restart(run_dir, changes, resumed)
     where = f"from {resumed}" if resumed else "from the start (no checkpoint yet)"
     oom.say(
-        f"plan.auto_fit: restarting {where} with {' '.join(changes)} (recorded in "
-        f"{RunDir(run_dir).oom_restart})"
+        f"plan.auto_fit: restarting {where} with {' '.join(changes)} (recorded in {rd.oom_restart})"
     )
     return launch(fresh, run_dir, spec=spec, extra_env=env)
 
@@ -277,12 +280,12 @@ def _decide_and_lay_out(
     the run dir; the other nodes of a per-node job wait for it and read it."""
     fitted = decide(given, say=False) if spec.node_rank == 0 else None
     run_dir.mkdir(parents=True, exist_ok=True)
-    preflight = RunDir(run_dir).preflight(spec.node_rank)
+    rd = RunDir(run_dir)
+    preflight = rd.preflight(spec.node_rank)
     env, measured = for_launch(given.launcher, spec.ranks_per_node, spec.nnodes, preflight)
     if fitted is None:
         print(f"memtune: node {spec.node_rank}: waiting for node 0 to prepare {run_dir}")
         wait_ready(run_dir, spec, timeout_s=WAIT_FOR_NODE0_S)
-        rd = RunDir(run_dir)
         try:
             decisions = rd.read_decisions()
         except RecordError as err:

@@ -62,7 +62,7 @@ def record_restart(run_dir: Path, changes: list[str], resumed: str | None) -> No
     """oom_restart.json, and the reports it answers renamed restarted-oom-rankN.json (the next
     stop's reports are then the only oom-rankN.json)."""
     rd = RunDir(run_dir)
-    rd.write_oom_restart(OomRestart(reports(run_dir), changes, resumed))
+    rd.write_oom_restart(OomRestart(rd.oom_reports(), changes, resumed))
     for p in run_dir.glob("oom-rank*.json"):
         p.rename(p.with_name(f"restarted-{p.name}"))
 

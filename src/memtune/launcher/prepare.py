@@ -10,6 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from memtune.checkpoints import find_latest, has_gathered_state, is_complete
 from memtune.config import (
     ConfigError,
     RunConfig,
@@ -32,8 +33,10 @@ from memtune.data.cache import (
     tokenizer_files_digest,
 )
 from memtune.data.packing import StepShape, step_shape
+from memtune.filesystem import write_atomic
+from memtune.integrity import check_files, verify_manifest
+from memtune.launcher.room import check_run_dir_room
 from memtune.machine import versions_line
-from memtune.memory.counts import check_run_dir_room
 from memtune.memory.estimate import format_plan
 from memtune.memory.fit import Fitted, fit_to_device, format_step_estimates
 from memtune.rundir import (
@@ -43,13 +46,7 @@ from memtune.rundir import (
     RecordError,
     RunDir,
     TrainState,
-    check_files,
-    find_latest,
-    has_gathered_state,
-    is_complete,
     read_decisions,
-    verify_manifest,
-    write_atomic,
 )
 
 
@@ -107,7 +104,8 @@ def prepare_run_dir(fitted: Fitted, run_dir: Path) -> tuple[RunConfig, Decisions
     memory_plan, d = fitted.plan, fitted.decisions
     assert memory_plan.counts is not None
     cfg = replace(fitted.cfg, run_dir=str(run_dir))
-    taken = RunDir(run_dir).run_names_taken()
+    rd = RunDir(run_dir)
+    taken = rd.run_names_taken()
     if taken:
         names = ", ".join(p.name for p in taken[:4]) + (", ..." if len(taken) > 4 else "")
         raise ConfigError(
@@ -116,7 +114,7 @@ def prepare_run_dir(fitted: Fitted, run_dir: Path) -> tuple[RunConfig, Decisions
             "so it is not started over them; give the run a dir of its own (run_dir=...)"
         )
     ds_config = build_ds_config(cfg, d)
-    check_run_dir_room(cfg, d.optimizer, memory_plan.counts, run_dir)
+    check_run_dir_room(cfg, d.optimizer, memory_plan.counts, rd)
     if cfg.model.synthesize:
         from memtune.tools.tiny import synthesize  # imports torch: only for the demo model
 
@@ -127,20 +125,20 @@ def prepare_run_dir(fitted: Fitted, run_dir: Path) -> tuple[RunConfig, Decisions
     print(f"memtune: {shape.line()}", flush=True)
     name, revision = cfg.model.name_or_path, cfg.model.revision
     base = BaseRecord(name, base_fingerprint(name, revision))
-    resume = resolve_resume(cfg, d, run_dir, prepared.dir, base)
+    resume = resolve_resume(cfg, d, rd, prepared.dir, base)
     if cfg.resume == "never":
-        start_over(run_dir)
+        start_over(rd)
     with no_space_is_an_error(run_dir, "run_dir"):
-        _write_run_dir(cfg, run_dir, fitted, ds_config, prepared, shape, base, resume)
+        _write_run_dir(cfg, rd, fitted, ds_config, prepared, shape, base, resume)
     return cfg, d
 
 
-def start_over(run_dir: Path) -> None:
+def start_over(rd: RunDir) -> None:
     """resume=never in a used run dir: the earlier run moves to previous/ first, so nothing of
     it is read as this run's (its checkpoints counted against keep_last, its latest, its
     metrics, its adapter taken for this run's by a later resume=auto). Done last before the
     run dir is written, once nothing can stop this start any more."""
-    moved = RunDir(run_dir).set_aside_earlier_run()
+    moved = rd.set_aside_earlier_run()
     if moved is not None:
         print(
             f"memtune: resume=never: the earlier run in this dir moved to {moved} (kept whole: "
@@ -151,7 +149,7 @@ def start_over(run_dir: Path) -> None:
 
 def _write_run_dir(
     cfg: RunConfig,
-    run_dir: Path,
+    rd: RunDir,
     fitted: Fitted,
     ds_config: dict[str, Any],
     prepared: Prepared,
@@ -162,8 +160,7 @@ def _write_run_dir(
     """The job's half of the run dir: what the ranks read."""
     memory_plan, d = fitted.plan, fitted.decisions
     assert memory_plan.counts is not None
-    rd = RunDir(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    rd.path.mkdir(parents=True, exist_ok=True)
     rd.write_base(base)
     write_atomic(rd.config, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     rd.write_decisions(d)
@@ -262,14 +259,15 @@ base.json, or a hub name not on disk)."""
 
 
 def resolve_resume(
-    cfg: RunConfig, d: Decisions, run_dir: Path, data_dir: Path, base: BaseRecord | None = None
+    cfg: RunConfig, d: Decisions, rd: RunDir, data_dir: Path, base: BaseRecord | None = None
 ) -> Path | None:
     """The checkpoint to continue from, verified (its manifest) and checked against the config
     and the base model (``base``: this run's, by content) before any rank starts."""
     if cfg.resume == "never":
         return None
     if cfg.resume == "auto":
-        ckpt, warnings = find_latest(run_dir)  # skips damaged ones, with a warning each
+        # skips damaged ones, with a warning each
+        ckpt, warnings = find_latest(rd.checkpoints)
         for w in warnings:
             print(f"memtune: warning: {w}", flush=True)
         if ckpt is None:
@@ -339,9 +337,10 @@ def _base_differences(cfg: RunConfig, ckpt: Path, base: BaseRecord | None) -> li
     """The base model compared by content: [] when it is the checkpoint's (wherever it now
     is), a difference line when it is not, None when either side has no fingerprint (then
     the name and the architecture are compared instead)."""
-    if base is None or base.fingerprint is None or not RunDir(ckpt).base.is_file():
+    saved = RunDir(ckpt)  # a checkpoint keeps the run dir's base.json under its name
+    if base is None or base.fingerprint is None or not saved.base.is_file():
         return None
-    then = RunDir(ckpt).read_base()
+    then = saved.read_base()
     if then.fingerprint is None:
         return None
     if then.fingerprint != base.fingerprint:
@@ -421,7 +420,7 @@ def checkpoint_run(ckpt: Path) -> RunValues:
 def world_change_problem(cfg: RunConfig, ckpt: Path) -> str | None:
     """Why this checkpoint cannot continue on another number of ranks (or ZeRO stage), or
     None when it can:
-    it keeps its trainable state gathered (rundir.GATHERED, Adam optimizers), and the
+    it keeps its trainable state gathered (checkpoints.GATHERED, Adam optimizers), and the
     sample order does not depend on the ranks (not so for length grouping)."""
     if not has_gathered_state(ckpt):
         return (

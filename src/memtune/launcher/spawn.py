@@ -33,10 +33,12 @@ import psutil
 
 from memtune.config import RunConfig
 from memtune.exit_codes import EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_REQUEUE
+from memtune.filesystem import write_atomic
 from memtune.launcher.extensions import extensions_root
 from memtune.launcher.hygiene import clear_shm_buffers, clear_stale_locks
 from memtune.launcher.topology import NodeSpec, resolve
-from memtune.rundir import RunDir, held_lock_fds, write_atomic
+from memtune.run_lock import held_lock_fds
+from memtune.rundir import RunDir
 
 WORKER_MODULE = "memtune.worker"
 DS_RUNNER = "memtune.launcher.ds_runner"
@@ -217,7 +219,7 @@ class _Ranks:
         # run in a process group of their own, so a Ctrl-C in the terminal reaches this
         # process alone (interrupt()), and read no terminal (a background group that reads
         # the tty is stopped, and would never end). They hold the run dir's lock too
-        # (rundir.held_lock_fds): killed, this process alone would free it while they train.
+        # (run_lock.held_lock_fds): killed, this process alone would free it while they train.
         try:
             for env in envs:
                 start = functools.partial(_start_in_group, self.group)

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from memtune.config import ConfigError, RunConfig
-from memtune.rundir import RunDir, write_atomic
+from memtune.filesystem import write_atomic
+from memtune.rundir import RunDir
 
 DEFAULT_PORT = 29500
 
@@ -238,7 +239,7 @@ def write_nodes_hostfile(run_dir: Path, spec: NodeSpec) -> Path:
 
 
 def _write_mark(path: Path, record: dict[str, Any]) -> None:
-    """A node's mark in the shared run dir, whole or not at all: rundir.write_atomic's
+    """A node's mark in the shared run dir, whole or not at all: filesystem.write_atomic's
     fsynced, per-process temporary name (a plain write then rename could show the other nodes
     an empty mark after a crash on a network filesystem), removed if the write fails."""
     write_atomic(path, json.dumps(record) + "\n")
@@ -270,12 +271,11 @@ def wait_stopped(run_dir: Path, spec: NodeSpec, timeout_s: float, poll_s: float 
     non-zero exit kills every other task: a node 0 that exits 75 first would have the others
     killed (their code then is the signal's) and the job would end FAILED, not requeued.
     Returns the nodes that did not mark within ``timeout_s``."""
+    rd = RunDir(run_dir)
     deadline = time.monotonic() + timeout_s
     while True:
         missing = [
-            node
-            for node in range(1, spec.nnodes)
-            if _mark_of(RunDir(run_dir).node_stopped(node), spec) is None
+            node for node in range(1, spec.nnodes) if _mark_of(rd.node_stopped(node), spec) is None
         ]
         if not missing or time.monotonic() > deadline:
             return missing

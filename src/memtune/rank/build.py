@@ -18,8 +18,14 @@ import torch
 from memtune.config import ConfigError, RunConfig, preference_loss_kind
 from memtune.config.architecture import loaded_mismatches
 from memtune.config.decisions import Decisions
+from memtune.rank.layers import set_checkpointed_layers
 from memtune.rank.linear_attention import keep_samples_apart, split_over_ranks
-from memtune.rank.long_context import offload_checkpoints, tile_mlps
+from memtune.rank.long_context import (
+    keep_inputs_on_device,
+    offload_checkpoints,
+    tile_mlps,
+    untile_mlps,
+)
 from memtune.rank.loss import CausalLMLoss, use_loss_kernel
 from memtune.rank.model import (
     add_lora,
@@ -89,11 +95,7 @@ def build_rank(
     model = add_lora(base, cfg, d)
     linear = keep_samples_apart(base)
     compiled = compile_layers(model, d.zero_stage == 3) if cfg.trainer.compile else 0
-    tiles = offloaded = 0
-    if d.tiled_mlp:
-        tiles = tile_mlps(base, d.batch.rank_tokens)
-    if d.offload_activations:
-        offloaded = offload_checkpoints(base, device)
+    tiles, offloaded = apply_layer_decisions(model, d, device)
     trainable, total = count_parameters(model)
     mpu = None
     if d.sequence_parallel > 1:
@@ -123,6 +125,21 @@ def build_rank(
         offloaded_layers=offloaded,
         linear_attention=linear,
     )
+
+
+def apply_layer_decisions(model: Any, d: Decisions, device: torch.device) -> tuple[int, int]:
+    """Every per-layer decision of ``d`` on ``model`` (the peft model), whatever was applied
+    before: which layers recompute (rank.layers), the MLP tiled for the rank's tokens per micro
+    batch, the checkpointed layers' inputs offloaded (rank.long_context). build_rank applies a
+    run's decisions through it; bench/gpu_check applies a new length's decided value through
+    it to the engine it has. (With trainer.compile the layers are compiled for the decisions
+    made at build: compile_layers.) Returns (tiles per MLP call, layers offloading)."""
+    base = model.get_base_model()
+    set_checkpointed_layers(model, d.checkpointing)
+    tiles = tile_mlps(base, d.batch.rank_tokens) if d.tiled_mlp else untile_mlps(base)
+    if d.offload_activations:
+        return tiles, offload_checkpoints(base, device)
+    return tiles, keep_inputs_on_device(base)
 
 
 def loss_module(cfg: RunConfig, d: Decisions, model: Any, device: torch.device) -> torch.nn.Module:

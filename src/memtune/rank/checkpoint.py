@@ -12,22 +12,20 @@ from typing import Any
 
 import torch
 
-from memtune.config.architecture import LANGUAGE_MODEL_PREFIX
-from memtune.rank.experts import to_peft_names, write_expert_adapters
-from memtune.rundir import (
-    COMPLETE,
+from memtune.checkpoints import (
     GATHERED,
     GATHERED_META,
-    RunDir,
-    TrainState,
-    follow_umask,
+    LATEST,
     is_complete,
-    list_files,
-    replace_dir,
+    seal,
     step_dir_name,
-    write_atomic,
-    write_manifest,
 )
+from memtune.config.architecture import LANGUAGE_MODEL_PREFIX
+from memtune.filesystem import follow_umask, replace_dir, write_atomic
+from memtune.integrity import list_files
+from memtune.rank.experts import to_peft_names, write_expert_adapters
+from memtune.rank.model import rewriting_start
+from memtune.rundir import RunDir, TrainState
 
 
 class NonFiniteWeights(RuntimeError):
@@ -63,15 +61,15 @@ def export_adapter(model: Any, out_dir: Path, is_writer: bool) -> int:
             f"{len(broken)} adapter tensors hold inf/NaN (first: {broken[0]}); not saved, so "
             "the last checkpoint stays the one to resume from"
         )
-    initial = getattr(model, "memtune_initial_adapter", None)
-    if initial is not None:
-        state = for_original_base(state, initial)
+    start = rewriting_start(model)
+    if start is not None:
+        state = for_original_base(state, start.adapter)
     if is_writer:
         rest, experts = to_peft_names(state)
         model.save_pretrained(str(out_dir), state_dict=rest, safe_serialization=True)
         if experts:
             write_expert_adapters(out_dir, experts)
-        if initial is not None:
+        if start is not None:
             _doubled_rank_config(out_dir / "adapter_config.json")
     return len(state)
 
@@ -141,7 +139,7 @@ def names_multimodal_class(adapter_dir: Path) -> bool:
 
 
 def export_final(
-    model: Any, tokenizer: Any, run_dir: Path, is_writer: bool, multimodal: bool = False
+    model: Any, tokenizer: Any, rd: RunDir, is_writer: bool, multimodal: bool = False
 ) -> tuple[int, dict[str, list[Any]]]:
     """The run's adapter and tokenizer, written whole or not at all: into a temporary folder,
     fsynced, then renamed to ``adapter/`` (an earlier export of this run is set aside first and
@@ -150,10 +148,10 @@ def export_final(
     Returns the tensor count and, on the
     writer, the files written ({"adapter/NAME": [size, sha256]}) for summary.json, which the
     job verifies before it calls the run finished."""
-    final = RunDir(run_dir).adapter
+    final = rd.adapter
     if not is_writer:  # the gather is collective; only the writer has a folder to fill
         return export_adapter(model, final, is_writer=False), {}
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}.", dir=run_dir))  # made here: ours
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}.", dir=rd.path))  # made here: ours
     try:
         n_tensors = export_adapter(model, tmp, is_writer=True)
         if multimodal:
@@ -170,19 +168,10 @@ def export_final(
 
 # ---------------------------------------------------------------- resumable checkpoints
 #
-# RUN_DIR/checkpoints/step-0000040/
-#     engine/            DeepSpeed state of the trainable parameters: fp32 master weights,
-#                        optimizer moments, LR scheduler (frozen base weights excluded)
-#     adapter/           the LoRA adapter at this step, PEFT format
-#     trainer_state.json step, loss history, wall time, world size
-#     rng_rank{r}.pt     python / numpy / torch RNG states of every rank
-#     config.yaml        the run's settings, as the user gave them
-#     decisions.json     what was decided for them (config.decisions), compared on resume
-#     complete.json      written last: a directory without it is never resumed from
-# RUN_DIR/checkpoints/latest   name of the newest complete checkpoint, replaced atomically
-#
-# A checkpoint is written under .tmp-step-N and renamed into place only when every rank has
-# finished, so a crash during a save leaves the previous checkpoint as the one to resume.
+# What a checkpoint holds, and when it counts as complete: memtune.checkpoints (the job reads
+# it there). A checkpoint is written under .tmp-step-N and renamed into place only when every
+# rank has finished, so a crash during a save leaves the previous checkpoint as the one to
+# resume.
 
 
 def _rng_state() -> dict[str, Any]:
@@ -214,12 +203,12 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(engine: Any, run_dir: Path, state: TrainState, keep_last: int) -> Path:
+def save_checkpoint(engine: Any, rd: RunDir, state: TrainState, keep_last: int) -> Path:
     """Collective: every rank calls it. Returns the checkpoint directory."""
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    root = RunDir(run_dir).checkpoints
+    root = rd.checkpoints
     final = root / step_dir_name(state.step)
     tmp = root / f".tmp-{final.name}"
     if rank == 0:
@@ -234,18 +223,16 @@ def save_checkpoint(engine: Any, run_dir: Path, state: TrainState, keep_last: in
     torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
     _barrier()
     if rank == 0:
-        rd = RunDir(run_dir)
         shutil.copy(rd.config, tmp / "config.yaml")
         shutil.copy(rd.decisions, tmp / rd.decisions.name)
         if rd.base.is_file():
             shutil.copy(rd.base, tmp / rd.base.name)
         state.write(tmp)
         follow_umask(tmp)
-        write_manifest(tmp)  # every file fsynced, then listed with its size and hash
-        write_atomic(tmp / COMPLETE, json.dumps({"step": state.step}) + "\n")
+        seal(tmp, state.step)  # the manifest, then complete.json
         # The same step saved again (a resumed run's last step) replaces it whole.
         replace_dir(
-            tmp, final, before_removal=lambda: write_atomic(root / "latest", final.name + "\n")
+            tmp, final, before_removal=lambda: write_atomic(root / LATEST, final.name + "\n")
         )
         done = sorted(p for p in root.glob("step-*") if is_complete(p))
         for old in done[: max(0, len(done) - keep_last)]:

@@ -41,11 +41,14 @@ from memtune.expert_stacks import (
     EXPERT_PARAMETERS,
     QUANT_BLOCK,
     ROUTER_MODULE,
+    QuantizedStack,
     add_expert_adapters,
     expert_modules,
     experts_per_chunk,
+    experts_state,
     full_numel,
     full_shape,
+    quantized_stack,
     stack_adapter,
 )
 
@@ -79,7 +82,8 @@ def quantize_experts(model: nn.Module, quant_type: str, storage: torch.dtype) ->
                 raw = torch.cat([raw, raw.new_zeros(-raw.numel() % size)])
                 stored = raw.view(storage).clone()
             quantized = nn.Parameter(stored, requires_grad=False)
-            quantized.memtune_quantized = (shape, quant_type, at)  # type: ignore[attr-defined]
+            stored_as = QuantizedStack(shape, quant_type, at, code)
+            quantized.memtune_quantized = stored_as  # type: ignore[attr-defined]
             if hasattr(param, "ds_id"):
                 # sharded at once, like the stack it replaces: left whole until
                 # deepspeed.initialize, every rank would hold all the 4-bit stacks at start-up
@@ -87,7 +91,6 @@ def quantize_experts(model: nn.Module, quant_type: str, storage: torch.dtype) ->
                 param.convert_to_zero_parameters([quantized])
             del experts._parameters[name]
             experts.register_parameter(name, quantized)
-            experts.memtune_code = code
             stacks += 1
     return stacks
 
@@ -163,19 +166,21 @@ class gathered:
             self.context.__exit__(*exc)
 
 
-def _dequantized(param: nn.Parameter, e: int, code: Any, dtype: torch.dtype) -> torch.Tensor:
+def _dequantized(param: nn.Parameter, e: int, dtype: torch.dtype) -> torch.Tensor:
     """Expert ``e``'s weight (out × in) of a stack quantize_experts made, in ``dtype``."""
-    return _dequantized_range(param, e, e + 1, code, dtype)[0]
+    return _dequantized_range(param, e, e + 1, dtype)[0]
 
 
 def _dequantized_range(
-    param: nn.Parameter, first: int, end: int, code: Any, dtype: torch.dtype
+    param: nn.Parameter, first: int, end: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """Experts ``first`` .. ``end - 1`` of a stack quantize_experts made ((end - first) × out
     × in), in ``dtype``: one dequantization over their contiguous bytes."""
     import bitsandbytes.functional as bnbf
 
-    (_, out, inp), kind, at = param.memtune_quantized  # type: ignore[attr-defined]
+    stack = quantized_stack(param)
+    assert stack is not None
+    (_, out, inp), kind, at = stack.shape, stack.kind, stack.scales_at
     raw = param.data.view(torch.uint8)
     count = end - first
     if kind == "int8":
@@ -190,7 +195,7 @@ def _dequantized_range(
         dtype=dtype,
         blocksize=QUANT_BLOCK,
         quant_type=kind,
-        code=code,
+        code=stack.code,
     )
     packed = raw[first * per : end * per].view(-1, 1)
     return bnbf.dequantize_4bit(packed, state).view(count, out, inp)
@@ -202,14 +207,14 @@ class _QuantizedLinear(torch.autograd.Function):
     already has."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, param: nn.Parameter, e: int, code: Any) -> Any:
-        ctx.param, ctx.e, ctx.code = param, e, code
-        return F.linear(x, _dequantized(param, e, code, x.dtype))
+    def forward(ctx: Any, x: torch.Tensor, param: nn.Parameter, e: int) -> Any:
+        ctx.param, ctx.e = param, e
+        return F.linear(x, _dequantized(param, e, x.dtype))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        weight = _dequantized(ctx.param, ctx.e, ctx.code, grad.dtype)
-        return grad @ weight, None, None, None
+        weight = _dequantized(ctx.param, ctx.e, grad.dtype)
+        return grad @ weight, None, None
 
 
 class _StackLinear(torch.autograd.Function):
@@ -231,9 +236,9 @@ class _StackLinear(torch.autograd.Function):
 def _expert_linear(experts: Any, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
     """``x · W[e]ᵀ`` for stack ``name`` of ``experts``, float or 4-bit."""
     param = getattr(experts, name)
-    if getattr(param, "memtune_quantized", None) is None:
+    if quantized_stack(param) is None:
         return _StackLinear.apply(x, param, e)
-    return _QuantizedLinear.apply(x, param, e, experts.memtune_code)
+    return _QuantizedLinear.apply(x, param, e)
 
 
 def grouped_available(dtype: torch.dtype, r: int | None, cpu: bool = True) -> bool:
@@ -249,7 +254,6 @@ def grouped_available(dtype: torch.dtype, r: int | None, cpu: bool = True) -> bo
 def _grouped_stack(
     x: torch.Tensor,
     param: nn.Parameter,
-    code: Any,
     ends: list[int] | None,
     offs: torch.Tensor,
     transposed: bool,
@@ -264,7 +268,7 @@ def _grouped_stack(
     def oriented(weight: torch.Tensor) -> torch.Tensor:
         return weight.transpose(-2, -1) if transposed else weight
 
-    if getattr(param, "memtune_quantized", None) is None:
+    if quantized_stack(param) is None:
         return F.grouped_mm(x, oriented(param.to(x.dtype)), offs=offs)
     assert ends is not None
     out = x.new_empty(x.shape[0], width)
@@ -274,7 +278,7 @@ def _grouped_stack(
         lo, hi = (ends[first - 1] if first else 0), ends[end - 1]
         if hi == lo:
             continue
-        weight = _dequantized_range(param, first, end, code, x.dtype)
+        weight = _dequantized_range(param, first, end, x.dtype)
         out[lo:hi] = F.grouped_mm(
             x[lo:hi], oriented(weight), offs=(offs[first:end] - lo).to(torch.int32)
         )
@@ -289,17 +293,17 @@ class _GroupedStack(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, param: nn.Parameter, code: Any, ends: Any, offs: torch.Tensor
+        ctx: Any, x: torch.Tensor, param: nn.Parameter, ends: Any, offs: torch.Tensor
     ) -> Any:
-        ctx.param, ctx.code, ctx.ends = param, code, ends
+        ctx.param, ctx.ends = param, ends
         ctx.save_for_backward(offs)
-        return _grouped_stack(x, param, code, ends, offs, transposed=True)
+        return _grouped_stack(x, param, ends, offs, transposed=True)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         (offs,) = ctx.saved_tensors
-        dx = _grouped_stack(grad.contiguous(), ctx.param, ctx.code, ctx.ends, offs, False)
-        return dx, None, None, None, None
+        dx = _grouped_stack(grad.contiguous(), ctx.param, ctx.ends, offs, False)
+        return dx, None, None, None
 
 
 class _Grouped(torch.autograd.Function):
@@ -327,12 +331,12 @@ def _sorted_rows(
     experts: Any, top_k_index: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The n × top-k routed rows sorted by expert: (their flat index into top_k_index, their
-    token, the cumulative row count per expert, int32). Under ``memtune_even_routing`` row j
-    goes to expert j mod experts (see _routed_rows), computed without reading the data."""
+    token, the cumulative row count per expert, int32). Under the state's ``even_routing``
+    row j goes to expert j mod experts (see _routed_rows), computed without reading the data."""
     n, k = top_k_index.shape
     count = experts.num_experts
     device = top_k_index.device
-    if getattr(experts, "memtune_even_routing", False):
+    if experts_state(experts).even_routing:
         rows = torch.cat([torch.arange(e, n * k, count, device=device) for e in range(count)])
         sizes = [len(range(e, n * k, count)) for e in range(count)]
         offs = torch.tensor(list(itertools.accumulate(sizes)), dtype=torch.int32, device=device)
@@ -351,15 +355,14 @@ def _forward_grouped(
     routed rows — as a handful of grouped products over all experts at once, where the loop
     launches a few small matmuls per expert (on an H200, one Qwen3-30B-A3B block ran 0.05× the
     speed of grouped_mm that way, 2026-12-04)."""
-    s = self.memtune_lora_scaling
+    s = experts_state(self).lora_scaling
     rows, tokens, offs = _sorted_rows(self, top_k_index)
-    quantized = getattr(self.gate_up_proj, "memtune_quantized", None) is not None
+    quantized = quantized_stack(self.gate_up_proj) is not None
     ends = offs.tolist() if quantized else None  # one read of the counts, for the chunks
-    code = getattr(self, "memtune_code", None)
 
     def projected(name: str, x: torch.Tensor) -> torch.Tensor:
         """``x`` through stack ``name``, plus its adapter (x·Aᵀ·Bᵀ, grouped too) if any."""
-        y = _GroupedStack.apply(x, getattr(self, name), code, ends, offs)
+        y = _GroupedStack.apply(x, getattr(self, name), ends, offs)
         if s is None:
             return y
         a, b = (getattr(self, f"{name}_lora_{m}").to(x.dtype) for m in "AB")
@@ -377,15 +380,16 @@ def _forward_grouped(
 def experts_off(model: nn.Module) -> Iterator[None]:
     """The routed experts' adapters switched off for the block (peft's ``disable_adapter``
     does not know them): a live reference's forward."""
-    stacks = [m for _, m in expert_modules(model) if m.memtune_lora_scaling is not None]
-    scalings = [m.memtune_lora_scaling for m in stacks]
-    for m in stacks:
-        m.memtune_lora_scaling = None
+    states = [experts_state(m) for _, m in expert_modules(model)]
+    states = [state for state in states if state.lora_scaling is not None]
+    scalings = [state.lora_scaling for state in states]
+    for state in states:
+        state.lora_scaling = None
     try:
         yield
     finally:
-        for m, scaling in zip(stacks, scalings, strict=True):
-            m.memtune_lora_scaling = scaling
+        for state, scaling in zip(states, scalings, strict=True):
+            state.lora_scaling = scaling
 
 
 def full_precision_weights(model: Any, smallest: int) -> list[str]:
@@ -400,7 +404,7 @@ def full_precision_weights(model: Any, smallest: int) -> list[str]:
     for name, param in model.named_parameters():
         if id(param) in keep or param.requires_grad:
             continue
-        if getattr(param, "memtune_quantized", None) is not None:
+        if quantized_stack(param) is not None:
             continue
         if hasattr(param, "quant_state") or not param.dtype.is_floating_point:
             continue  # bitsandbytes' Params4bit (stored as the training dtype) / Int8Params
@@ -426,8 +430,7 @@ def use_routed_forward(model: nn.Module) -> int:
     stacks."""
     stacks = expert_modules(model)
     for _, experts in stacks:
-        if not hasattr(experts, "memtune_lora_scaling"):
-            experts.memtune_lora_scaling = None
+        experts_state(experts)  # the adapters' scaling when they came first, else no adapters
         experts.forward = types.MethodType(_forward_routed, experts)
     return len(stacks)
 
@@ -435,14 +438,15 @@ def use_routed_forward(model: nn.Module) -> int:
 def _forward_routed(
     self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """The grouped forward where torch has grouped_mm for these shapes, else the loop
-    (``memtune_grouped = False`` on the module forces the loop: benchmarks, tests)."""
+    """The grouped forward where torch has grouped_mm for these shapes, else the loop (the
+    state's ``grouped`` False forces the loop: benchmarks, tests)."""
+    state = experts_state(self)
     lora_a = getattr(self, "gate_up_proj_lora_A", None)
-    r = None if lora_a is None or self.memtune_lora_scaling is None else int(lora_a.shape[1])
+    r = None if lora_a is None or state.lora_scaling is None else int(lora_a.shape[1])
     # tools.step_trace (even routing) takes the path a GPU would, on real and fake tensors alike
-    traced = getattr(self, "memtune_even_routing", False)
+    traced = state.even_routing
     cpu = hidden_states.device.type == "cpu" and not is_fake(hidden_states) and not traced
-    if getattr(self, "memtune_grouped", True) and grouped_available(hidden_states.dtype, r, cpu):
+    if state.grouped and grouped_available(hidden_states.dtype, r, cpu):
         return _forward_grouped(self, hidden_states, top_k_index, top_k_weights)
     return _forward_with_lora(self, hidden_states, top_k_index, top_k_weights)
 
@@ -452,7 +456,7 @@ def _forward_with_lora(
 ) -> torch.Tensor:
     """transformers' eager experts forward with each expert's adapter (when it has one)
     added to its two projections, on the tokens routed to it only."""
-    s = self.memtune_lora_scaling
+    s = experts_state(self).lora_scaling
     out = torch.zeros_like(hidden_states)
     for e, slot, tokens in _routed_rows(self, top_k_index):
         x = hidden_states[tokens]
@@ -475,12 +479,12 @@ def _routed_rows(
 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """(expert, top-k slot, token) of each row routed to each expert that has rows.
 
-    With ``experts.memtune_even_routing`` set (tools.step_trace), row j of the n × top-k
+    With the state's ``even_routing`` set (tools.step_trace), row j of the n × top-k
     routing goes to expert j mod experts whatever the router chose: the router's output is
     still computed (and kept for backward), but which tokens an expert gets is decided by the
     data, a nonzero that fake tensors cannot run. Evenly spread rows are what the planner
     assumes (n × top-k rows over all experts), each token on top-k different experts."""
-    if getattr(experts, "memtune_even_routing", False):
+    if experts_state(experts).even_routing:
         n, k = top_k_index.shape
         for e in range(min(experts.num_experts, n * k)):
             rows = torch.arange(e, n * k, experts.num_experts, device=top_k_index.device)
@@ -573,7 +577,7 @@ def write_expert_adapters(out_dir: Any, experts: dict[str, torch.Tensor]) -> Non
 
     from safetensors.torch import load_file, save_file
 
-    from memtune.rundir import write_atomic
+    from memtune.filesystem import write_atomic
 
     out = Path(out_dir)
     path = out / "adapter_model.safetensors"

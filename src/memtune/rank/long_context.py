@@ -43,6 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from memtune.rank.layers import decoder_layers
+
 # --- tiled MLP --------------------------------------------------------------------------------
 
 
@@ -99,14 +101,20 @@ class TiledMLP(torch.autograd.Function):
 def tile_mlps(model: Any, tokens: int) -> int:
     """Make every decoder layer's MLP tiled for ``tokens`` tokens per micro batch on this rank;
     returns the number of tiles."""
-    from memtune.rank.model import decoder_layers
-
     layers = decoder_layers(model)
     hidden = int(model.config.hidden_size)
     tiles = tiles_for(tokens, hidden)
     for layer in layers:
         _tile(layer.mlp, tiles)
     return tiles
+
+
+def untile_mlps(model: Any) -> int:
+    """Every decoder layer's MLP back to its own forward (decisions without tiles applied to
+    a model that had them: rank.build.apply_layer_decisions); returns 0, the tiles now."""
+    for layer in decoder_layers(model):
+        layer.mlp.__dict__.pop("forward", None)  # the instance's tiled forward, if any
+    return 0
 
 
 def _tile(mlp: nn.Module, tiles: int) -> None:
@@ -213,9 +221,21 @@ class LayerCheckpoint(torch.autograd.Function):
 
 
 def offload_checkpoints(model: nn.Module, device: torch.device) -> int:
-    """Checkpointed decoder layers keep their input in host memory (rank.model chose which
+    """Checkpointed decoder layers keep their input in host memory (the decisions chose which
     layers checkpoint); returns how many layers offload."""
     return _own_checkpoints(model, HostCopies(device))
+
+
+def keep_inputs_on_device(model: nn.Module) -> int:
+    """Undo :func:`offload_checkpoints`: every layer that offloads gets back the checkpoint
+    function it had before (decisions without offload applied to a model that had it:
+    rank.build.apply_layer_decisions); compiled checkpoints stay. Returns 0, the layers now
+    offloading."""
+    for layer in decoder_layers(model):
+        own = getattr(layer, "_gradient_checkpointing_func", None)
+        if isinstance(own, OwnCheckpoint) and own.copies is not None:
+            layer._gradient_checkpointing_func = own.replaces
+    return 0
 
 
 def compiled_checkpoints(model: nn.Module) -> int:
@@ -234,35 +254,54 @@ def _own_checkpoints(
     layer wrapper hands the checkpoint ``partial(forward, layer, **kwargs)``, the unwrapped
     forward; with ``compile_forward``, that forward is swapped for its compiled form (one per layer
     class, compiled on first use)."""
-    from memtune.rank.model import decoder_layers
-
     # Makes the output require grad even when the layer's input does not (the first layer's
     # input is the frozen embedding's output), so the backward reaches the layer's LoRA.
     anchor = torch.ones((), requires_grad=True)
     compiled: dict[Callable, Callable] = {}
+    layers = [layer for layer in decoder_layers(model) if layer.gradient_checkpointing]
+    for layer in layers:
+        before = layer._gradient_checkpointing_func
+        while isinstance(before, OwnCheckpoint):  # applied again: replace, never stack
+            before = before.replaces
+        layer._gradient_checkpointing_func = OwnCheckpoint(
+            copies, compiled if compile_forward else None, anchor, before
+        )
+    return len(layers)
 
-    def checkpointed(function: Callable, x: torch.Tensor, *args: Any) -> torch.Tensor:
+
+class OwnCheckpoint:
+    """What a checkpointed decoder layer calls in place of transformers' checkpoint function
+    (``_gradient_checkpointing_func``): :class:`LayerCheckpoint` with the input offloaded
+    (``copies``) or compiled (``compiled``: one compiled function per layer class, shared), and
+    the function it replaced, so that it can be undone (:func:`keep_inputs_on_device`)."""
+
+    def __init__(
+        self,
+        copies: HostCopies | None,
+        compiled: dict[Callable, Callable] | None,
+        anchor: torch.Tensor,
+        replaces: Callable,
+    ):
+        self.copies, self.compiled, self.anchor, self.replaces = copies, compiled, anchor, replaces
+
+    def __call__(self, function: Callable, x: torch.Tensor, *args: Any) -> torch.Tensor:
         if args:
             raise ValueError("memtune's layer checkpoints take the hidden states only")
-        if compile_forward:
+        if self.compiled is not None:
             if not isinstance(function, partial):
                 raise TypeError(
                     "trainer.compile expects transformers to checkpoint a partial of the "
                     f"layer's forward, got {function!r}"
                 )
-            if function.func not in compiled:
+            if function.func not in self.compiled:
                 # fallback_random: dropout from torch's RNG, which LayerCheckpoint restores
                 # for the recompute (inductor's own RNG would draw new masks).
-                compiled[function.func] = torch.compile(
+                self.compiled[function.func] = torch.compile(
                     function.func, dynamic=True, options={"fallback_random": True}
                 )
-            function = partial(compiled[function.func], *function.args, **function.keywords)
-        return LayerCheckpoint.apply(function, copies, x, anchor)
-
-    layers = [layer for layer in decoder_layers(model) if layer.gradient_checkpointing]
-    for layer in layers:
-        layer._gradient_checkpointing_func = checkpointed
-    return len(layers)
+            compiled = self.compiled[function.func]
+            function = partial(compiled, *function.args, **function.keywords)
+        return LayerCheckpoint.apply(function, self.copies, x, self.anchor)
 
 
 # --- RNG for the recompute ----------------------------------------------------------------

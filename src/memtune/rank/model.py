@@ -5,14 +5,17 @@ from __future__ import annotations
 import importlib.util
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from memtune.config import ConfigError, RunConfig
-from memtune.config.decisions import AttentionKernel, Checkpointing, Decisions
+from memtune.config.decisions import AttentionKernel, Decisions
 from memtune.config.derive import REWRITING_INIT, lora_config, lora_scaling, variant_words
 from memtune.config.schema import PeftMethod
+from memtune.rank.layers import decoder_layers, set_checkpointed_layers
+from memtune.rank.long_context import compiled_checkpoints
 
 log = logging.getLogger("memtune")
 
@@ -96,13 +99,30 @@ def load_base_model(cfg: RunConfig, d: Decisions, device_index: int | None = Non
     return model
 
 
+@dataclass
+class RewritingStart:
+    """What a PiSSA or OLoRA start left on the peft model (one attribute, read through
+    :func:`rewriting_start`): the base now holds W − (the adapter's start)."""
+
+    adapter: dict[str, torch.Tensor]
+    """The trainable tensors as initialised, on the host: what turns the exported adapter into
+    one for the original base (rank.checkpoint.export_adapter)."""
+    seconds: float
+    """How long the initialisation's decompositions took (the start-up line)."""
+
+
+def rewriting_start(model: Any) -> RewritingStart | None:
+    return getattr(model, "memtune_rewriting_start", None)
+
+
 def variant_label(cfg: RunConfig, model: Any = None) -> str:
     """The start-up line's words for the LoRA variant ("" for plain LoRA), with how long the
     initialisation's decompositions took (config.derive.variant_words)."""
-    took = getattr(model, "memtune_init_seconds", None)
+    start = rewriting_start(model)
     words = variant_words(cfg)
-    if took is not None:
+    if start is not None:
         what = "QR" if cfg.peft.init == "olora" else "SVD"
+        took = start.seconds
         words = [f"{w} ({what} in {took:.1f} s)" if w.startswith("init ") else w for w in words]
     return "".join(f" · {w}" for w in words)
 
@@ -132,12 +152,12 @@ def add_lora(model: Any, cfg: RunConfig, d: Decisions) -> Any:
         # The base now holds W − (the adapter's start): keep that start, on the host, so that
         # the exported adapter can be turned into one for the original base
         # (checkpoint.export_adapter).
-        model.memtune_initial_adapter = {
+        initial = {
             n: q.detach().float().cpu().clone()
             for n, q in model.named_parameters()
             if q.requires_grad
         }
-        model.memtune_init_seconds = time.perf_counter() - start
+        model.memtune_rewriting_start = RewritingStart(initial, time.perf_counter() - start)
     from memtune.expert_stacks import add_expert_adapters, train_routers
     from memtune.rank.experts import use_routed_forward
 
@@ -218,19 +238,6 @@ def cast_adapters(model: Any, dtype: torch.dtype) -> None:
             param.data = param.data.to(dtype)
 
 
-def set_checkpointed_layers(model: Any, checkpointing: Checkpointing) -> None:
-    """Each decoder layer as decided: recompute its forward in backward ("full") or keep its
-    activations ("keep")."""
-    layers = decoder_layers(model)
-    if len(layers) != len(checkpointing.layers):
-        raise ConfigError(
-            f"checkpointing.layers (decisions.json) has {len(checkpointing.layers)} entries, the "
-            f"model {len(layers)} decoder layers"
-        )
-    for layer, kind in zip(layers, checkpointing.layers, strict=True):
-        layer.gradient_checkpointing = kind == "full"
-
-
 def compile_layers(model: Any, zero3: bool = False) -> int:
     """trainer.compile: ``torch.compile`` the ``forward`` of every decoder layer, LoRA
     included. Regional rather than whole-model: one layer's graph serves them all (same code,
@@ -262,8 +269,6 @@ def compile_layers(model: Any, zero3: bool = False) -> int:
     Called before ``deepspeed.initialize``, which registers the hooks, and after
     :func:`add_lora`, which marks the checkpointed layers. Returns the number of layers
     compiled."""
-    from memtune.rank.long_context import compiled_checkpoints
-
     compiled_checkpoints(model)
     layers = decoder_layers(model)
     if zero3:
@@ -275,13 +280,6 @@ def compile_layers(model: Any, zero3: bool = False) -> int:
         if not layer.gradient_checkpointing:
             layer.forward = torch.compile(layer.forward, dynamic=True)
     return len(layers)
-
-
-def decoder_layers(model: Any) -> list[Any]:
-    """The decoder layers in order: the modules transformers can checkpoint."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 def is_quantized_layer(module: Any) -> bool:

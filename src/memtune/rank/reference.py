@@ -200,7 +200,7 @@ def prepare(
     engine: Any,
     cfg: RunConfig,
     d: Decisions,
-    run_dir: Path,
+    rd: RunDir,
     data_dir: str,
     loader: tuple[Items, Any],
     pad_id: int,
@@ -212,7 +212,6 @@ def prepare(
     """The tables of this run: read from ``RUN_DIR/reference`` when their key matches, else
     computed (and saved by rank 0). ``loader``: the rank's train dataset and sampler, whose
     order says which pairs the steps read."""
-    rd = RunDir(run_dir)
     key = reference_key(cfg, d, rd, data_dir)
     folder = rd.reference
     saved = _read(folder, key)

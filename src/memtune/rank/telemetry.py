@@ -88,7 +88,7 @@ class RunLogger(NullLogger):
 
     def __init__(
         self,
-        run_dir: Path,
+        rd: RunDir,
         total_steps: int,
         wandb_cfg: Any,
         config: dict[str, Any],
@@ -96,11 +96,11 @@ class RunLogger(NullLogger):
     ):
         from tqdm import tqdm
 
-        self.metrics_file = RunDir(run_dir).metrics.open("a", encoding="utf-8")
+        self.metrics_file = rd.metrics.open("a", encoding="utf-8")
         self.bar = tqdm(
             total=total_steps, initial=done, desc="train", unit="step", dynamic_ncols=True
         )
-        self.wandb = _start_wandb(run_dir, wandb_cfg, config)
+        self.wandb = _start_wandb(rd.path, wandb_cfg, config)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, "time": round(time.time(), 3), **metrics}

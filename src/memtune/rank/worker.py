@@ -25,9 +25,10 @@ import torch
 import torch.distributed as dist
 
 from memtune import quiet
-from memtune.config import ConfigError, RunConfig, load_run_config, needs_reference
+from memtune.config import ConfigError, RunConfig, needs_reference
 from memtune.config.architecture import is_multimodal, routed_experts
 from memtune.config.decisions import Decisions
+from memtune.config.schema import read_run_config
 from memtune.data.encode import DataStats, load_tokenizer
 from memtune.data.loaders import eval_batches, make_loader
 from memtune.exit_codes import (
@@ -73,7 +74,7 @@ from memtune.rundir import OomReport, RecordError, RunDir, Summary
 @dataclass
 class RankContext:
     cfg: RunConfig
-    run_dir: Path
+    rd: RunDir
     rank: int
     local_rank: int
     world_size: int
@@ -149,14 +150,14 @@ class RunHooks(Hooks):
     def __init__(
         self,
         engine: Any,
-        run_dir: Path,
+        rd: RunDir,
         cfg: RunConfig,
         data_dir: str,
         val_batches: list[dict[str, torch.Tensor]] | None,
         logger: NullLogger,
         device: torch.device,
     ):
-        self.engine, self.run_dir, self.cfg, self.data_dir = engine, run_dir, cfg, data_dir
+        self.engine, self.rd, self.cfg, self.data_dir = engine, rd, cfg, data_dir
         self.val_batches, self.logger, self.device = val_batches, logger, device
         self.eval_losses: dict[int, float] = {}
         self.eval_preference: dict[int, dict[str, float]] = {}
@@ -201,7 +202,7 @@ class RunHooks(Hooks):
     def save(self, step: int, result: TrainResult) -> None:
         world = dist.get_world_size() if dist.is_initialized() else 1
         state = result.state_at(step, world, self.data_dir)
-        save_checkpoint(self.engine, self.run_dir, state, self.cfg.trainer.keep_last)
+        save_checkpoint(self.engine, self.rd, state, self.cfg.trainer.keep_last)
         self.saved_step = step
 
 
@@ -252,10 +253,9 @@ class RankOutOfMemory(Exception):
         self.rank, self.step, self.memory, self.error = rank, step, memory, error
 
 
-def report_out_of_memory(run_dir: Path, oom: RankOutOfMemory, device_type: str) -> None:
+def report_out_of_memory(rd: RunDir, oom: RankOutOfMemory, device_type: str) -> None:
     """Say which rank ran out at which step, against its plan, and leave RUN_DIR/oom-rankN.json
     for the job (which adds what to change, and with plan.auto_fit restarts)."""
-    rd = RunDir(run_dir)
     plan = rd.read_plan()
     planned = plan.total_gib if plan is not None else None
     key = peak_key(torch.device(device_type))
@@ -298,14 +298,6 @@ def read_decisions(rd: RunDir, cfg: RunConfig) -> Decisions:
     return d
 
 
-def _config_dict(run_dir: Path) -> dict[str, Any]:
-    from omegaconf import OmegaConf
-
-    out = OmegaConf.to_container(OmegaConf.load(RunDir(run_dir).config), resolve=True)
-    assert isinstance(out, dict)
-    return out  # type: ignore[return-value]
-
-
 @dataclass
 class VsPlan:
     checks: list[dict[str, Any]]
@@ -330,11 +322,11 @@ class RankRun:
     or an out-of-memory turned into what the job reads), :meth:`finish` (the last checkpoint,
     the export, the summary)."""
 
-    def __init__(self, run_dir: Path):
-        self.run_dir = run_dir
-        self.rd = RunDir(run_dir)
-        self.cfg = load_run_config(self.rd.config)
-        self.decisions = read_decisions(self.rd, self.cfg)
+    def __init__(self, rd: RunDir):
+        self.rd = rd
+        # config.yaml, read once: typed for the run, as written for the logger's run config
+        self.cfg, self.config_mapping = read_run_config(rd.config)
+        self.decisions = read_decisions(rd, self.cfg)
         self.rank, self.local_rank, self.world, self.device = init_distributed()
         if self.decisions.batch.ranks != self.world:
             raise ConfigError(
@@ -361,13 +353,13 @@ class RankRun:
         self.print0(start_up_lines(cfg, d, self.parts, self.world, self.groups), flush=True)
         stats = DataStats(**self.data.train)
         self.ctx = RankContext(
-            cfg, self.run_dir, self.rank, self.local_rank, self.world, self.device,
+            cfg, self.rd, self.rank, self.local_rank, self.world, self.device,
             self.tokenizer, stats, d,
         )  # fmt: skip
         self.references: References | None = None
         if needs_reference(cfg) and cfg.preference.reference == "precomputed":
             self.references = prepare_references(
-                self.engine, cfg, d, self.run_dir, self.data.dir,
+                self.engine, cfg, d, self.rd, self.data.dir,
                 (self.loader.dataset, self.sampler), self.pad_id, self.device,
                 bool(self.data.val), lambda line: self.print0(line, flush=True), self.groups,
             )  # fmt: skip
@@ -397,14 +389,14 @@ class RankRun:
         """The loop from ``result`` on. A stop signal ends here with a checkpoint and
         SystemExit(EXIT_REQUEUE); running out of memory with RankOutOfMemory."""
         cfg = self.cfg
-        resolved = json.loads(json.dumps(_config_dict(self.run_dir)))
+        resolved = json.loads(json.dumps(self.config_mapping))
         self.logger: NullLogger = (
-            RunLogger(self.run_dir, cfg.trainer.max_steps, cfg.logger, resolved, result.steps)
+            RunLogger(self.rd, cfg.trainer.max_steps, cfg.logger, resolved, result.steps)
             if self.rank == 0
             else NullLogger()
         )
         self.hooks = RunHooks(
-            self.engine, self.run_dir, cfg, self.data.dir, self._val_batches(), self.logger,
+            self.engine, self.rd, cfg, self.data.dir, self._val_batches(), self.logger,
             self.device,
         )  # fmt: skip
         d = self.decisions
@@ -478,7 +470,7 @@ class RankRun:
         m = self.cfg.model
         multimodal = is_multimodal(m.name_or_path, m.revision)
         n_tensors, outputs = export_final(
-            model, self.tokenizer, self.run_dir, self.rank == 0, multimodal
+            model, self.tokenizer, self.rd, self.rank == 0, multimodal
         )
         if self.rank == 0:
             summary = self._summary(result, n_tensors, outputs)
@@ -492,7 +484,7 @@ class RankRun:
     ) -> Summary:
         key = peak_key(self.device)
         return Summary(
-            run_dir=str(self.run_dir),
+            run_dir=str(self.rd.path),
             steps=result.steps,
             label_tokens=result.label_tokens,
             input_tokens=result.input_tokens,
@@ -536,12 +528,12 @@ class RankRun:
                 dist.destroy_process_group()
 
 
-def run(run_dir: str | Path, after_train: AfterTrain | None = None) -> TrainResult:
+def run(rd: RunDir, after_train: AfterTrain | None = None) -> TrainResult:
     """One rank, start to end (``after_train``: a test's look at the live engine before the
     export)."""
     catch_stop_signals()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    rank = RankRun(Path(run_dir))
+    rank = RankRun(rd)
     with rank.ending_together():
         rank.setup()
         result = rank.train(rank.resume())
@@ -624,7 +616,7 @@ def closing_lines(ctx: RankContext, result: TrainResult, summary: Summary, vs_pl
         + "".join(f"memtune: vs plan: {line}\n" for line in vs_plan.lines)
         + f"memtune: data: {ctx.data_stats.line()}\n"
         f"memtune: adapter ({summary.adapter_tensors} tensors, {summary.trainable_params:,} "
-        f"parameters) in {RunDir(ctx.run_dir).adapter}"
+        f"parameters) in {ctx.rd.adapter}"
     )
 
 
@@ -632,14 +624,15 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         raise SystemExit("usage: python -m memtune.worker RUN_DIR")
+    rd = RunDir(Path(args[0]))
     try:
-        run(args[0])
+        run(rd)
         code = 0
     except NonFiniteLoss as err:
         print(f"memtune: stopped: {err}", file=sys.stderr, flush=True)
         code = EXIT_NON_FINITE
     except RankOutOfMemory as oom:
-        report_out_of_memory(Path(args[0]), oom, "cuda" if torch.cuda.is_available() else "cpu")
+        report_out_of_memory(rd, oom, "cuda" if torch.cuda.is_available() else "cpu")
         code = EXIT_OOM
     except RuntimeError as err:
         if not lost_peer(err):

@@ -54,13 +54,14 @@ def load(run_dir: Path, model_dir: Path | None = None) -> tuple[Any, Any]:
     from peft import PeftModel
     from transformers import AutoTokenizer
 
-    adapter = RunDir(run_dir).adapter
+    rd = RunDir(run_dir)
+    adapter = rd.adapter
     model: Any
     if model_dir is not None:
         model = base_class(model_dir).from_pretrained(model_dir)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     else:
-        cfg = load_run_config(RunDir(run_dir).config)
+        cfg = load_run_config(rd.config)
         m = cfg.model
         base = base_class(m.name_or_path, m.revision, adapter).from_pretrained(
             m.name_or_path, revision=m.revision

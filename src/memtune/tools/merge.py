@@ -29,7 +29,8 @@ from pathlib import Path
 from memtune.config import ConfigError, RunConfig, load_run_config
 from memtune.config.decisions import experts_of
 from memtune.config.schema import PeftMethod
-from memtune.rundir import DECISIONS, RecordError, follow_umask, read_decisions
+from memtune.filesystem import follow_umask
+from memtune.rundir import DECISIONS, RecordError, read_decisions
 
 # torch's names: torch is imported by merge() only, so a refused merge answers at once.
 DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}

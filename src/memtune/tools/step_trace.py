@@ -40,10 +40,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memtune.config import RunConfig
 from memtune.config.decisions import Decisions
-from memtune.expert_stacks import expert_modules
+from memtune.expert_stacks import expert_modules, experts_state
 from memtune.memory.counts import arch_config
+from memtune.rank.layers import decoder_layers
 from memtune.rank.loss import CausalLMLoss
-from memtune.rank.model import add_lora, decoder_layers, torch_dtype
+from memtune.rank.model import add_lora, torch_dtype
 
 MIB = 1024**2
 
@@ -232,7 +233,7 @@ def trace_step(cfg: RunConfig, d: Decisions, fake: bool = True) -> Trace:
     model.config.use_cache = False
     model = add_lora(model, cfg, d)
     for _, experts in expert_modules(model):
-        experts.memtune_even_routing = True  # see rank.experts._routed_rows
+        experts_state(experts).even_routing = True  # see rank.experts._routed_rows
     for m in model.modules():
         drop = getattr(m, "lora_dropout", None)
         if isinstance(drop, torch.nn.ModuleDict):

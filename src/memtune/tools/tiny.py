@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from memtune.config import ASSETS_DIR, ConfigError
-from memtune.rundir import follow_umask
+from memtune.filesystem import follow_umask
 
 # Qwen2.5-Instruct's specials: pad is <|endoftext|>, an assistant turn ends with <|im_end|>.
 PAD_TOKEN = "<|endoftext|>"

@@ -1,0 +1,92 @@
+"""A checkpoint directory as the job and the ranks both see it: its names, when it is complete,
+and which one a run resumes from.
+
+    RUN_DIR/checkpoints/step-0000040/
+        engine/            DeepSpeed state of the trainable parameters: fp32 master weights,
+                           optimizer moments, LR scheduler (frozen base weights excluded)
+        adapter/           the LoRA adapter at this step, PEFT format
+        gathered_state.*   the trainable state gathered from every rank (Adam optimizers):
+                           what lets a resume change the number of ranks or the ZeRO stage
+        trainer_state.json step, loss history, wall time, world size (rundir.TrainState)
+        rng_rank{r}.pt     python / numpy / torch RNG states of every rank
+        config.yaml        the run's settings as the user gave them; decisions.json, what
+                           was decided for them (compared on resume); base.json, its base
+        manifest.json      every file above with its size and SHA-256 (memtune.integrity)
+        complete.json      written last: a directory without it is never resumed from
+    RUN_DIR/checkpoints/latest   name of the newest complete checkpoint, replaced atomically
+
+The ranks write it (rank.checkpoint.save_checkpoint, then :func:`seal`); the job reads it
+before any rank starts (launcher.prepare: :func:`find_latest`, :func:`is_complete`, the
+manifest, :func:`has_gathered_state`). What needs torch or DeepSpeed to write or load a
+checkpoint stays in rank.checkpoint, which the job side never imports: this module holds what
+both sides need, and imports nothing that needs either.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from memtune.filesystem import write_atomic
+from memtune.integrity import verify_manifest, write_manifest
+
+TRAINER_STATE = "trainer_state.json"
+
+COMPLETE = "complete.json"
+"""A checkpoint is complete once rank 0 wrote it, last (:func:`seal`)."""
+
+LATEST = "latest"
+"""The name of the newest complete checkpoint, in the checkpoints folder."""
+
+GATHERED = "gathered_state.safetensors"
+GATHERED_META = "gathered_state.json"
+"""A checkpoint's trainable state gathered from every rank (rank.checkpoint writes them with an
+Adam optimizer): what lets the job allow a resume on another number of ranks or ZeRO stage."""
+
+
+def has_gathered_state(checkpoint: Path) -> bool:
+    return (checkpoint / GATHERED).is_file() and (checkpoint / GATHERED_META).is_file()
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:07d}"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / COMPLETE).is_file() and (path / TRAINER_STATE).is_file()
+
+
+def seal(checkpoint: Path, step: int) -> None:
+    """A checkpoint's last writes, once every other file is in it: the manifest (every file
+    fsynced, then listed with its size and hash), then complete.json."""
+    write_manifest(checkpoint, skip=(COMPLETE,))
+    write_atomic(checkpoint / COMPLETE, json.dumps({"step": step}) + "\n")
+
+
+def find_latest(root: Path) -> tuple[Path | None, list[str]]:
+    """Newest complete checkpoint in the checkpoints folder ``root`` (RunDir.checkpoints), and
+    warnings about any skipped on the way."""
+    warnings: list[str] = []
+    if not root.is_dir():
+        return None, warnings
+    # A crash between the two renames of a re-save (rank.checkpoint.save_checkpoint) leaves
+    # the step only at its set-aside name: still a candidate.
+    found = {p.name: p for p in root.glob("step-*") if p.is_dir()}
+    for aside in root.glob(".old-step-*"):
+        found.setdefault(aside.name[len(".old-") :].split(".")[0], aside)
+    candidates = [found[name] for name in sorted(found, reverse=True)]
+    pointer = root / LATEST
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        if named in candidates:
+            candidates.remove(named)
+            candidates.insert(0, named)
+    for path in candidates:
+        if not is_complete(path):
+            warnings.append(f"skipping {path}: incomplete (a save was interrupted)")
+            continue
+        problem = verify_manifest(path)
+        if problem is None:
+            return path, warnings
+        warnings.append(f"skipping {path}: damaged ({problem}); the one before it is used")
+    return None, warnings

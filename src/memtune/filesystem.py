@@ -1,0 +1,107 @@
+"""The filesystem habits every memtune process keeps: writes that land whole or not at all
+(:func:`write_atomic`, :func:`replace_dir`), modes that follow the user's umask
+(:func:`follow_umask`), and the free space a write can count on (:func:`free_bytes`).
+
+Imports nothing from memtune: the run dir, the data cache, the demo model, a merge and the
+ranks' exports all write through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable (the directory entry itself)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_dir(new: Path, final: Path, before_removal: Callable[[], None] | None = None) -> None:
+    """Put the directory ``new`` (written whole under a temporary name) at ``final``: an
+    earlier ``final`` of ours moves aside to a fresh ``.old-NAME.XXXX`` (made here, so nothing
+    but what this call moved there is ever removed) and goes only once the new one is in place
+    (and ``before_removal`` has run), so a crash leaves one of them (find_latest looks at the
+    set-aside name too)."""
+    aside = None
+    if final.exists():
+        aside = Path(tempfile.mkdtemp(prefix=f".old-{final.name}.", dir=final.parent))
+        os.replace(final, aside)  # onto the empty dir just made
+    os.replace(new, final)
+    fsync_dir(final.parent)
+    if before_removal is not None:
+        before_removal()
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary sibling that is fsynced and renamed into
+    place: a reader (or a crash, or a full disk) sees the old file or the whole new one."""
+    # host and pid: two writers of one name on a shared filesystem (the nodes of a job) differ
+    tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()  # ours: left only when the write or the rename failed
+
+
+def umask() -> int:
+    """The process's umask, read without changing it (/proc/self/status, Linux ≥ 4.7); else by
+    setting and restoring it (a moment in which another thread's new file would get 0)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: Path) -> None:
+    """Give ``path``, and for a directory everything under it, the mode a plain create gives
+    under the umask (dirs 0o777, files 0o666, less the umask). Two writers memtune uses are
+    private by design, not by the user's choice: ``tempfile.mkdtemp`` makes 0700 dirs, and
+    safetensors' ``save_file`` writes a 0600 temporary file and renames it into place (every
+    ``.safetensors``: the data cache, an adapter, a model). A group sharing a cache or a run
+    dir could then not read them. Only for what the caller has just written."""
+    mask = umask()
+    root = Path(path)
+    for item in [root, *root.rglob("*")] if root.is_dir() else [root]:
+        if item.is_symlink():
+            continue
+        item.chmod((0o777 if item.is_dir() else 0o666) & ~mask)
+
+
+def free_bytes(path: Path) -> int | None:
+    """Free bytes on the filesystem that holds ``path`` (or its nearest existing parent: the
+    path may not be made yet); None when it cannot be asked."""
+    probe = Path(path).expanduser().absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return shutil.disk_usage(probe).free
+    except OSError:
+        return None
+
+
+def human_bytes(n: int) -> str:
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.1f} GiB"
+    return f"{n / (1 << 20):.1f} MiB"

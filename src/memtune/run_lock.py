@@ -1,0 +1,87 @@
+"""The job lock: one job per run dir, held for the job's whole life.
+
+The job takes it before it writes anything (launcher.job), and the ranks it starts inherit the
+lock's descriptor (launcher.spawn), so a second job on the same run dir is refused until the
+first and all of its ranks have ended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from memtune.rundir import RunDir
+
+
+class RunDirBusy(RuntimeError):
+    """Another job holds the run dir (:func:`hold`)."""
+
+
+_HELD: set[int] = set()
+"""The descriptors of the run-dir locks this process holds (:func:`hold`)."""
+
+
+def held_lock_fds() -> tuple[int, ...]:
+    """For the ranks the job starts (launcher.spawn passes them on): a flock belongs to the
+    open file, so the run dir stays held until the job and every rank have ended."""
+    return tuple(sorted(_HELD))
+
+
+@contextlib.contextmanager
+def hold(run_dir: Path, node_rank: int = 0) -> Iterator[None]:
+    """One job per run dir: an exclusive kernel lock (flock) on ``job.lock`` for the whole job.
+
+    The kernel drops it when the holder exits, however it exits, so a stale lock cannot exist
+    and nothing ever has to be removed. The file says who holds it (host, pid, start time,
+    command) for the refusal of a second job. In the per-node (Slurm) form every node runs
+    the job command on the same run dir: node K > 0 holds ``job-nodeK.lock``. On a shared
+    filesystem this needs working flock: local disks and NFSv4 have it (Linux maps it onto
+    NFS byte-range locks), Lustre only when mounted with ``-o flock``; where the filesystem
+    refuses locks the job warns and goes on unguarded.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = RunDir(run_dir).lock(node_rank)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunDirBusy(
+                f"run dir {run_dir} is in use by another memtune job ({_holder(path)}): wait "
+                "for it to end, or give this job another run_dir"
+            ) from None
+        except OSError as err:
+            if err.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            print(
+                f"memtune: warning: cannot lock {path} ({err.strerror}: the filesystem has no "
+                "flock; on Lustre mount with -o flock): a second job on this run dir would not "
+                "be refused",
+                file=sys.stderr,
+                flush=True,
+            )
+        started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        who = {"host": socket.gethostname(), "pid": os.getpid(), "started": started}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps({**who, "command": sys.argv}) + "\n").encode(), 0)
+        _HELD.add(fd)
+        yield
+    finally:
+        _HELD.discard(fd)
+        os.close(fd)  # releases the lock, unless ranks started with it still run
+
+
+def _holder(path: Path) -> str:
+    try:
+        who = json.loads(path.read_text())
+        return f"host {who['host']}, pid {who['pid']}, started {who['started']}"
+    except (OSError, ValueError, KeyError):
+        return "its holder is still starting"
