@@ -116,8 +116,9 @@ def test_decisions_applied_again_replace_what_was_applied() -> None:
     overrides = ("trainer.checkpoint_layers=all", "peft.dropout=0")
     cfg, model = _model(*overrides)
     everything = decided(cfg, tiled_mlp=True, offload_activations=True)
-    assert apply_layer_decisions(model, everything, torch.device("cpu")) == (1, 2)
-    assert apply_layer_decisions(model, everything, torch.device("cpu")) == (1, 2)  # no stacking
+    # 4 rows × 128 tokens a micro batch, tiles of hidden_size (256) tokens; both layers offload
+    assert apply_layer_decisions(model, everything, torch.device("cpu")) == (2, 2)
+    assert apply_layer_decisions(model, everything, torch.device("cpu")) == (2, 2)  # no stacking
     funcs = [layer._gradient_checkpointing_func for layer in decoder_layers(model)]
     assert all(isinstance(f, OwnCheckpoint) and f.copies is not None for f in funcs)
     assert not any(isinstance(f.replaces, OwnCheckpoint) for f in funcs)
