@@ -26,7 +26,7 @@ from memtune.config.decisions import (
 )
 from memtune.launcher.prepare import checkpoint_run, lay_out
 from memtune.rundir import RunDir
-from tests.conftest import ROOT, compose_cfg, decided, run_train_py
+from tests.conftest import ROOT, Run, compose_cfg, decided
 
 
 @pytest.fixture(scope="module")
@@ -68,18 +68,19 @@ def test_the_run_dir_holds_every_decision_and_no_auto(laid_out: Path) -> None:
     assert ds["gradient_accumulation_steps"] == d.batch.accumulation == 2
 
 
-def _worker(run_dir: Path) -> subprocess.CompletedProcess:
-    """One rank started on the run dir; it reads decisions.json before anything else."""
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
-    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # never reached
-    return subprocess.run(
-        [sys.executable, "-m", "memtune.worker", str(run_dir)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=300,
-    )
+def _copy(laid_out: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(laid_out, run_dir, ignore=shutil.ignore_patterns("job.lock"))
+    return run_dir
+
+
+def _edited(run_dir: Path, edit) -> Path:
+    raw = json.loads((run_dir / "decisions.json").read_text())
+    edit(raw)
+    (run_dir / "decisions.json").write_text(json.dumps(raw))
+    return run_dir
 
 
 @pytest.mark.parametrize(
@@ -99,40 +100,57 @@ def _worker(run_dir: Path) -> subprocess.CompletedProcess:
     ],
 )
 def test_a_rank_refuses_decisions_it_cannot_use(laid_out: Path, tmp_path: Path, edit, named):
-    import shutil
+    """What a rank reads first (rank.worker.read_decisions, in this process)."""
+    from memtune.config import load_run_config
+    from memtune.rank.worker import read_decisions
 
-    run_dir = tmp_path / "run"
-    shutil.copytree(laid_out, run_dir, ignore=shutil.ignore_patterns("job.lock"))
-    raw = json.loads((run_dir / "decisions.json").read_text())
-    edit(raw)
-    (run_dir / "decisions.json").write_text(json.dumps(raw))
-    proc = _worker(run_dir)
+    run_dir = _edited(_copy(laid_out, tmp_path), edit)
+    cfg = load_run_config(run_dir / "config.yaml")
+    with pytest.raises(ConfigError) as err:
+        read_decisions(RunDir(run_dir), cfg)
+    assert str(err.value).startswith(f"{run_dir / 'decisions.json'}: ") and named in str(err.value)
+
+
+def test_a_started_rank_exits_2_naming_the_field(laid_out: Path, tmp_path: Path) -> None:
+    """A real rank process on a hand-edited decisions.json: one line, exit 2, before anything
+    loads (it never reaches the rendezvous)."""
+    run_dir = _edited(_copy(laid_out, tmp_path), lambda raw: raw.update(tiled_mlp="auto"))
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # never reached
+    proc = subprocess.run(
+        [sys.executable, "-m", "memtune.worker", str(run_dir)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert f"config error: {run_dir / 'decisions.json'}: " in proc.stderr
-    assert named in proc.stderr and "Traceback" not in proc.stderr
+    assert f"config error: {run_dir / 'decisions.json'}: tiled_mlp must be true or false" in (
+        proc.stderr
+    )
+    assert "Traceback" not in proc.stderr
 
 
 def test_a_rank_refuses_a_run_dir_without_decisions(laid_out: Path, tmp_path: Path) -> None:
-    import shutil
+    from memtune.config import load_run_config
+    from memtune.rank.worker import read_decisions
 
-    run_dir = tmp_path / "run"
-    shutil.copytree(laid_out, run_dir, ignore=shutil.ignore_patterns("job.lock"))
+    run_dir = _copy(laid_out, tmp_path)
     (run_dir / "decisions.json").unlink()
-    proc = _worker(run_dir)
-    assert proc.returncode == 2 and "decisions.json is missing" in proc.stderr, proc.stderr
+    with pytest.raises(ConfigError, match=r"decisions\.json is missing: a run dir is laid out"):
+        read_decisions(RunDir(run_dir), load_run_config(run_dir / "config.yaml"))
 
 
 @pytest.mark.slow
-def test_the_rank_runs_what_was_decided_not_what_was_asked(tmp_path: Path) -> None:
-    """One rank asked for ZeRO-3 runs ZeRO-2 (decided): config.yaml says 3, decisions.json and
-    the rank's start-up line say 2."""
-    run_dir = tmp_path / "run"
-    args = ["launcher.num_ranks=1", "zero=zero3", "trainer.max_steps=2", f"run_dir={run_dir}"]
-    proc = run_train_py(args, cwd=tmp_path, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_the_rank_runs_what_was_decided_not_what_was_asked(one_rank_run: Run) -> None:
+    """One rank asked for ZeRO-3 runs ZeRO-2 (decided): config.yaml says 3, decisions.json,
+    the engine the rank built (its parameters whole, not partitioned) and its summary say 2."""
+    run_dir = one_rank_run.dir
     assert "stage: 3" in (run_dir / "config.yaml").read_text()
     assert json.loads((run_dir / "decisions.json").read_text())["zero_stage"] == 2
-    assert "1 rank(s) · ZeRO-2 · fp32" in proc.stdout
+    (probe,) = one_rank_run.probes()
+    assert probe["zero3"] is False and one_rank_run.summary()["zero_stage"] == 2
     checkpoint = next((run_dir / "checkpoints").glob("step-*"))
     assert (checkpoint / "decisions.json").read_bytes() == (run_dir / "decisions.json").read_bytes()
 
