@@ -347,14 +347,7 @@ def run_hybrid(phase: Phase, deadline: float, fla: bool) -> None:
         gc.collect()
         empty_cache(device)
     phase.save()
-    tps, peak = rec.get("tokens_per_s"), rec.get("measured_gib")
-    print(
-        f"gpu_check: {phase.name} {seq_len}: "
-        + (f"{tps:,.0f} tokens/s" if tps else "no timing")
-        + (f", peak {peak:.2f} GiB" if peak is not None else "")
-        + (f", plan error {rec['plan_error_pct']:+.1f}%" if "plan_error_pct" in rec else ""),
-        flush=True,
-    )
+    phase.say(rec, seq_len)
     with contextlib.suppress(Exception):
         import torch.distributed as dist
 

@@ -53,10 +53,13 @@ class Phase:
     def add(self, rec: dict[str, Any]) -> None:
         self.data["records"].append(rec)
         self.save()
-        tps = rec.get("tokens_per_s")
-        peak = rec.get("measured_gib")
+        self.say(rec, rec["seq_len"])
+
+    def say(self, rec: dict[str, Any], seq_len: int) -> None:
+        """One line for a length's result: tokens/s, peak, the plan's error."""
+        tps, peak = rec.get("tokens_per_s"), rec.get("measured_gib")
         print(
-            f"gpu_check: {self.name} {rec['seq_len']}: "
+            f"gpu_check: {self.name} {seq_len}: "
             + (f"{tps:,.0f} tokens/s" if tps else "no timing")
             + (f", peak {peak:.2f} GiB" if peak is not None else "")
             + (f", plan error {rec['plan_error_pct']:+.1f}%" if "plan_error_pct" in rec else ""),
