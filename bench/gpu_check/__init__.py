@@ -50,11 +50,18 @@ still returns data. The phases share one budget, drawn on in priority order (``p
 phase that does not fit is skipped and named for the next session. Writes
 ``<out>/gpu_check.json`` and ``<out>/gpu_check.md``.
 
+First of all, the profile (issue #47; phases ``profile-memtune`` and ``profile-baseline``):
+memtune's LoRA step and the usual recipe's at 2,048 tokens under ``torch.profiler``, each
+operator's own time put in one kind (base and LoRA GEMMs, the recompute, attention, dropout,
+norms, the loss head, dequantization, the optimizer with ZeRO, copies, communication, the device
+idle), so every change is measured the same way.
+
 One module per concern: ``modes`` (GPU or dry run), ``configs`` (composition, plan records),
 ``bases`` (the random-weight base, quantized), ``measure`` (clocks, memory, census, timing,
 MFU), ``batches``, ``phases`` (the priority order, the budget), ``recorder`` (a phase's
 process and what it records), ``baseline_runner`` (Trainer + peft), ``memtune_runner``
-(memtune, the cap search), ``hybrid`` (Qwen3.5), ``moe`` (the MoE block), ``report``
+(memtune, the cap search), ``profile`` (where a step's time goes), ``hybrid`` (Qwen3.5),
+``moe`` (the MoE block), ``report``
 (collect, markdown, the format check), ``orchestrate`` (the entry).
 """
 

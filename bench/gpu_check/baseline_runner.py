@@ -26,33 +26,39 @@ from .measure import (
 from .recorder import Phase, device_and_env, time_left
 
 
+def recipe_model(cfg: Any, method: str, device: Any) -> Any:
+    """The usual recipe's model, as ``bench/baseline.py`` sets it up, on a base built in
+    memory: transformers' default attention (sdpa), for QLoRA a 4-bit base prepared by peft
+    (frozen, every weight that is not quantized upcast to fp32), peft's LoRA."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    from memtune.config.derive import lora_config
+
+    base = build_base(cfg, device, "sdpa")
+    if method == "qlora":
+        base = quantize_decoder(base, user_qlora_config(cfg), device)
+        base = prepare_model_for_kbit_training(
+            base,
+            use_gradient_checkpointing=True,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    return get_peft_model(base, lora_config(cfg))
+
+
 def run_baseline(phase: Phase, deadline: float) -> None:
     """Trainer + peft, as ``bench/baseline.py`` sets them up, on a base built in memory."""
     from baseline import CountingTrainer, training_args
-    from peft import get_peft_model, prepare_model_for_kbit_training
     from transformers import TrainerCallback, default_data_collator
 
     from memtune.config.decisions import with_sections
     from memtune.memory.counts import count_params
-    from memtune.rank.model import lora_config
 
     mode, method = phase.mode, phase.method
     device = device_and_env(phase)
     cfg = compose_cfg(mode, method, mode.lengths[0])
     counts = count_params(cfg)
     leftover = memory_now(device).get("allocated_gib", 0.0)
-
-    # The attention kernel is left to transformers' default, as users leave it (sdpa).
-    base = build_base(cfg, device, "sdpa")
-    if method == "qlora":
-        base = quantize_decoder(base, user_qlora_config(cfg), device)
-        # peft's recipe: freezes the base and upcasts every non-quantized weight to fp32.
-        base = prepare_model_for_kbit_training(
-            base,
-            use_gradient_checkpointing=True,
-            gradient_checkpointing_kwargs={"use_reentrant": False},
-        )
-    model = get_peft_model(base, lora_config(cfg))
+    model = recipe_model(cfg, method, device)
     phase.data["notes"].append(
         f"attention {model.config._attn_implementation}; base built in memory ({method})"
     )
@@ -119,6 +125,6 @@ def run_baseline(phase: Phase, deadline: float) -> None:
         phase.add(rec)
         if "error" in rec and is_oom_text(rec["error"]):
             break
-    del model, base
+    del model
     gc.collect()
     empty_cache(device)

@@ -23,6 +23,7 @@ from .memtune_runner import run_memtune
 from .modes import DRY, GPU, lengths_from_env
 from .moe import run_moe
 from .phases import CUT_SHORT, Budget, next_session, select, spec
+from .profile import run_profile_baseline, run_profile_memtune
 from .recorder import Phase
 from .report import format_check, write_outputs
 
@@ -48,7 +49,11 @@ def run_phase(args: argparse.Namespace) -> int:
     watchdog.daemon = True
     watchdog.start()
     try:
-        if method == "moe":
+        if side == "profile":
+            run_profile_memtune(phase, deadline)
+        elif side == "profile-baseline":
+            run_profile_baseline(phase, deadline)
+        elif method == "moe":
             run_moe(phase, deadline)
         elif method == "qwen35":
             run_hybrid(phase, deadline, fla=side == "fla")

@@ -21,7 +21,7 @@ class PhaseSpec:
 
     name: str
     method: str  # conf experiment (configs.METHODS), or "moe" (no experiment)
-    side: str  # memtune, baseline, long (memtune, long context), block, torch, fla
+    side: str  # profile, profile-baseline, memtune, baseline, long, block, torch, fla
     need_s: float
     """On the GPU: the least time it needs for its first result (what it took on the H200,
     2026-12-04, rounded up); with less left it is skipped, not started to be cut short."""
@@ -35,6 +35,10 @@ class PhaseSpec:
 # (with the search), long-qlora 128 s (32k timed ~60 s, then the search), long-lora 68 s,
 # 24, 20-31, 31 and 78 s (fla: Triton compiles and autotunes in the first step).
 PHASES = (
+    # Where a step's time goes, memtune's and the recipe's, LoRA at 2,048 tokens under
+    # torch.profiler (issue #47: the profile first, so every change is measured the same way).
+    PhaseSpec("profile-memtune", "lora", "profile", need_s=40, cap_s=90),
+    PhaseSpec("profile-baseline", "lora", "profile-baseline", need_s=35, cap_s=80),
     PhaseSpec("lora-memtune", "lora", "memtune", need_s=30, cap_s=120),
     PhaseSpec("lora-baseline", "lora", "baseline", need_s=25, cap_s=90),
     PhaseSpec("qlora-baseline", "qlora", "baseline", need_s=25, cap_s=100),

@@ -76,6 +76,7 @@ def collect(mode: Mode, work: Path) -> dict[str, Any]:
         ],
         "hybrid": [f["hybrid"] for f in frags if f.get("hybrid")],
         "moe": next((f["moe"] for f in frags if f.get("moe")), None),
+        "profile": [f["profile"] for f in frags if f.get("profile")],
         "errors": [{"phase": f["phase"], **e} for f in frags for e in f["errors"]],
         "notes": {f["phase"]: f["notes"] for f in frags},
     }
@@ -318,6 +319,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"({info.get('planned_longest_how', '')}).",
         ]
         lines += census_markdown(lc)
+    lines += profile_markdown(result.get("profile") or [])
     lines += moe_markdown(result.get("moe"))
     lines += hybrid_markdown(result["hybrid"], mode)
     lines += [
@@ -339,6 +341,42 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", "Errors:"]
         lines += [f"- {e['phase']} / {e['where']}: {e['error'][:300]}" for e in result["errors"]]
     return "\n".join(line for line in lines) + "\n"
+
+
+def profile_markdown(profiles: list[dict[str, Any]]) -> list[str]:
+    """Where a step's time goes, memtune's and the recipe's side by side (profile.KINDS)."""
+    from .profile import KINDS
+
+    if not profiles:
+        return []
+    sides = sorted(profiles, key=lambda p: p["side"] != "memtune")
+    first = sides[0]
+    head = " | ".join(f"{p['side']} ms | {p['side']} share" for p in sides)
+    lines = [
+        "",
+        f"Where a step's time goes (profile phases; LoRA, {first['seq_len']:,} tokens, "
+        f"{first['steps']} profiled steps after the warm-up; own time per operator, "
+        f"{first['measured_on']}):",
+        "",
+        f"| kind | {head} |",
+        "|---|" + "---:|---:|" * len(sides),
+    ]
+    for kind in KINDS:
+        cells = " | ".join(
+            f"{p['kinds_ms'].get(kind, 0.0):,.1f} | {p['shares'].get(kind, 0.0):.1%}" for p in sides
+        )
+        lines.append(f"| {kind} | {cells} |")
+    lines.append(
+        "| **step** | " + " | ".join(f"**{p['step_ms']:,.1f}** | 100%" for p in sides) + " |"
+    )
+    for p in sides:
+        top = "; ".join(f"{name} {ms:,.1f}" for name, ms in p["top_ops_ms"][:8])
+        lines.append(
+            f"- {p['side']}: {p['checkpointed_layers']} layers checkpointed "
+            f"({p['recompute_labelled_layers']} labelled for the recompute), attention "
+            f"{p['attention']}, loss {p['loss_kind']}; costliest ms a step: {top}"
+        )
+    return lines
 
 
 def moe_markdown(moe: dict[str, Any] | None) -> list[str]:
