@@ -14,7 +14,7 @@ from memtune.config import ConfigError, to_run_config, validate
 from memtune.config.decisions import CPU_RANKS, Choices
 from memtune.data.encode import DataStats, Sample, apply_length_policy
 from memtune.memory.counts import count_params
-from memtune.memory.estimate import activation_bytes, plan
+from memtune.memory.estimate import DROPOUT_ROW, activation_bytes, plan
 from memtune.memory.fit import (
     fit_to_device,
     format_step_estimates,
@@ -157,7 +157,10 @@ def test_splitting_costs_under_15_percent_where_both_fit() -> None:
         t: plan(c, decided(c)).gib()
         for t, c in ((1, _long_32k("zero3", 1)), (4, _long_32k("zero3", 4, micro=4)))
     }
-    assert rows[4]["activations"] == pytest.approx(rows[1]["activations"], rel=0.01)
+    # what autograd keeps, LoRA dropout's copies with it (a split o_proj reads its own copy
+    # without dropout: the split moves bytes between the two rows, not their sum)
+    kept = {t: r["activations"] + r.get(DROPOUT_ROW, 0.0) for t, r in rows.items()}
+    assert kept[4] == pytest.approx(kept[1], rel=0.01)
 
 
 def test_the_plan_offers_a_larger_micro_batch_when_zero3_splits_sequences() -> None:

@@ -437,3 +437,26 @@ def test_the_measured_bandwidth_is_the_one_the_choices_and_the_estimate_use() ->
         measured.cfg, measured.decisions, measured.plan.counts, measured.machine
     )
     assert "at 50 GB/s bus bandwidth" in estimate
+
+
+def test_lora_dropouts_copies_have_a_row_of_their_own() -> None:
+    """The plan's "LoRA dropout copies" row is what autograd keeps with peft.dropout > 0 beyond
+    the same step without it (measured on the tiny model, no checkpointing), and the rows add
+    up to the same total as before the split."""
+    from memtune.memory.estimate import DROPOUT_ROW, step_peak
+
+    base = ["peft=lora-all-linear", "trainer.activation_checkpointing=false"]
+    with_dropout = to_run_config(compose_cfg([*base, "trainer.precision=bf16", "peft.dropout=0.1"]))
+    without = to_run_config(compose_cfg([*base, "trainer.precision=bf16", "peft.dropout=0"]))
+    synthesize(with_dropout.model.name_or_path, with_dropout.model.architecture)
+    d, counts = decided(with_dropout), count_params(with_dropout)
+    rows = plan(with_dropout, d, counts).gib()
+    assert DROPOUT_ROW not in plan(without, decided(without), counts).gib()
+    tokens = 4 * 128
+    peak = step_peak(with_dropout, d.with_recompute(0), tokens, counts, cuda=False)
+    assert (rows["activations"] + rows[DROPOUT_ROW]) * 1024**3 == pytest.approx(peak.activations)
+    measured = _saved_bytes(with_dropout, decided(with_dropout)) - _saved_bytes(
+        without, decided(without)
+    )
+    # plan.device_gib is unset here (CPU): the mask counts in the compute dtype, as on CPU
+    assert rows[DROPOUT_ROW] * 1024**3 == pytest.approx(measured, rel=0.06), measured

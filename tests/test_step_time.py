@@ -147,3 +147,22 @@ def test_no_estimate_without_device_tflops_and_bad_rates_are_refused() -> None:
     for bad, field in (("plan.mfu=0", "plan.mfu"), ("plan.link_gb_s=-1", "plan.link_gb_s")):
         with pytest.raises(ConfigError, match=field):
             validate(to_run_config(compose_cfg([bad])), inputs=False)
+
+
+def test_lora_dropouts_passes_are_priced_at_the_memory_bandwidth() -> None:
+    """Qwen2.5-7B's attention adapters at 4,096 tokens: each of q, k, v, o drops its own copy
+    of a hidden-wide input (read, the copy and a 1-byte mask written: 5 bytes a value in bf16),
+    in the forward, again in each recomputed layer, and in the backward."""
+    from memtune.memory.step_time import dropout_pass_bytes
+
+    fitted = fit_to_device(to_run_config(compose_cfg(["experiment=qwen2.5-7b-4x4090-lora"])))
+    cfg, d, counts = fitted.cfg, fitted.decisions, fitted.plan.counts
+    assert counts is not None and d.checkpointing.recomputed == 22
+    per_pass = 4096 * 4 * 3584 * 5
+    assert dropout_pass_bytes(cfg, d, counts) == per_pass * (3 * 22 + 2 * 6)
+    t = step_time(cfg, d, counts)
+    assert t is not None and cfg.plan.device_gb_s == 1008
+    assert t.elementwise_s == pytest.approx(8 * per_pass * 78 / 1008e9)
+    assert t.step_s == pytest.approx(t.compute_s + t.elementwise_s + t.comm_s)
+    without = to_run_config(compose_cfg(["experiment=qwen2.5-7b-4x4090-lora", "peft.dropout=0"]))
+    assert dropout_pass_bytes(without, decided(without), counts) == 0

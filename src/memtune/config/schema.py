@@ -394,6 +394,10 @@ class PlanConfig:
     """Host RAM per node the ranks may pin for offloaded activations (trainer.
     offload_activations); null: this machine's available RAM when planning CPU ranks, else
     unchecked."""
+    device_gb_s: float | None = None
+    """Device memory bandwidth (GB/s) for the memory-bound passes the step-time estimate prices:
+    LoRA dropout's over each adapted input (RTX 4090D: 1,008 by the datasheet); null: not
+    priced."""
     host_link_gb_s: float = 20.0
     """Device↔host copy bandwidth per GPU (GB/s) for offloaded activations: PCIe 4.0 x16
     moves ~25 GB/s pinned; 20 leaves room for four cards sharing the host's lanes."""

@@ -83,6 +83,7 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
     for key, rate in {
         "plan.device_tflops": cfg.plan.device_tflops,
         "plan.link_gb_s": cfg.plan.link_gb_s,
+        "plan.device_gb_s": cfg.plan.device_gb_s,
     }.items():
         if rate is not None and rate <= 0:
             raise ConfigError(f"{key} must be > 0 or null (got {rate})")

@@ -27,6 +27,7 @@ The activation model is checked against the bytes autograd really saves
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from memtune.config import (
@@ -577,12 +578,22 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
     linear = linear_attention_layers(cfg.model.architecture)
     if linear:
         extras.append(f"{linear} linear-attention layers as measured on transformers' torch code")
+    copies = dropout_copies_bytes(cfg, d, tokens, counts, cuda, peak)
     out.add(
         "activations",
-        peak.activations,
+        peak.activations - copies,
         f"{tokens:,} tokens per micro batch{share}, {', '.join(extras)}",
         per_token=True,
     )
+    if copies:
+        out.add(
+            DROPOUT_ROW,
+            copies,
+            f"peft.dropout={cfg.peft.dropout:g}: each adapted module's input copied with its "
+            f"mask ({'1 byte' if cuda else 'the compute dtype'} a value), kept for backward "
+            "where the input itself would be shared; peft.dropout=0 keeps none",
+            per_token=True,
+        )
     if peak.dora:
         out.add(
             "DoRA weight norms",
@@ -661,6 +672,23 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
         context = CUDA_CONTEXT_GIB * GIB
         out.add("CUDA context + workspaces", context, "fixed allowance", allocated=False)
     return out
+
+
+DROPOUT_ROW = "LoRA dropout copies"
+"""The plan row of what LoRA dropout keeps beyond the same step without it (rank.worker names
+it in the start-up line)."""
+
+
+def dropout_copies_bytes(
+    cfg: RunConfig, d: Decisions, tokens: int, counts: ParamCounts, cuda: bool, peak: StepPeak
+) -> int:
+    """What LoRA dropout adds to the step's saved activations at its peak: the activations of
+    ``peak`` less those of the same step with peft.dropout=0 (each adapter's dropped copy and
+    mask, where without dropout the adapters of one input share it; lora_activation_bytes)."""
+    if cfg.peft.dropout <= 0:
+        return 0
+    without = dataclasses.replace(cfg, peft=dataclasses.replace(cfg.peft, dropout=0.0))
+    return max(0, peak.activations - step_peak(without, d, tokens, counts, cuda).activations)
 
 
 def ulysses_buffer_bytes(cfg: RunConfig, d: Decisions, tokens: int) -> int:

@@ -17,6 +17,10 @@ experiments' ZeRO stage) and to say how much of a step is spent moving bytes:
   reduce-scattered per micro step; under ZeRO-2 the LoRA gradients are reduce-scattered per
   micro step and the updated LoRA weights all-gathered once per step. Time = bytes / the bus
   bandwidth ``plan.link_gb_s`` (the GPU preflight measures it: ``preflight.json``).
+* **memory-bound passes** — LoRA dropout reads each adapted module's input and writes its copy
+  and mask in the forward (and a recompute), the backward reads the gradient and the mask and
+  writes the gradient: those bytes at ``plan.device_gb_s`` (the device's memory bandwidth),
+  when it is given. The other elementwise work is inside ``plan.mfu``.
 * **no overlap** is assumed: step = compute + communication. DeepSpeed prefetches ZeRO-3
   gathers during compute, but over PCIe without P2P the copies go through host memory and
   compete with the kernels; the sum is the conservative figure.
@@ -52,6 +56,15 @@ class StepTime:
     link_gb_s: float | None = None
     host_bytes: float = 0.0  # offloaded activations, to the host and back, per rank
     host_link_gb_s: float = 20.0
+    elementwise_bytes: float = 0.0  # memory-bound passes priced apart: LoRA dropout's
+    device_gb_s: float | None = None
+
+    @property
+    def elementwise_s(self) -> float:
+        """The memory-bound passes at the device's bandwidth (0 when it is not given)."""
+        if not self.elementwise_bytes or not self.device_gb_s:
+            return 0.0
+        return self.elementwise_bytes / (self.device_gb_s * 1e9)
 
     @property
     def host_s(self) -> float:
@@ -72,7 +85,7 @@ class StepTime:
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.comm_s + self.host_s
+        return self.compute_s + self.elementwise_s + self.comm_s + self.host_s
 
     @property
     def comm_share(self) -> float:
@@ -158,6 +171,28 @@ def dora_flops(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> float:
     return float(flops)
 
 
+def dropout_pass_bytes(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> float:
+    """What LoRA dropout reads and writes in one micro batch, per rank: over each adapted
+    module's input (n × in; every adapter drops its own copy), the forward reads it and writes
+    the copy and a 1-byte mask, a recompute does it again, the backward reads the gradient and
+    the mask and writes the gradient. Memory-bound: priced at plan.device_gb_s."""
+    if cfg.peft.dropout <= 0:
+        return 0.0
+    from memtune.memory.estimate import layer_kinds
+
+    n, b = d.batch.rank_tokens, compute_bytes(cfg)
+    total = 0
+    for kind, recompute in zip(layer_kinds(cfg), d.checkpointing.layers, strict=False):
+        inputs = (
+            counts.linear_attention_lora_inputs
+            if kind == "linear_attention"
+            else counts.lora_inputs
+        )
+        passes = 3 if recompute == "full" else 2  # forward (+ recompute) + backward
+        total += passes * sum(n * i * (2 * b + 1) for _, i, _ in inputs)
+    return float(total)
+
+
 def traffic(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> list[tuple[str, float]]:
     """Bytes each rank sends per optimizer step, by collective (module docstring)."""
     ranks = d.batch.ranks
@@ -217,7 +252,11 @@ def step_time(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -
         h = int(cfg.model.architecture["hidden_size"])
         host = gas * 2 * d.checkpointing.recomputed * d.batch.rank_tokens * h
         host *= compute_bytes(cfg)
-    return StepTime(flops, compute, traffic(cfg, d, counts), p.link_gb_s, host, p.host_link_gb_s)
+    dropout = gas * dropout_pass_bytes(cfg, d, counts)
+    moved = traffic(cfg, d, counts)
+    return StepTime(
+        flops, compute, moved, p.link_gb_s, host, p.host_link_gb_s, dropout, p.device_gb_s
+    )
 
 
 def format_step_time(cfg: RunConfig, t: StepTime) -> str:
@@ -225,7 +264,9 @@ def format_step_time(cfg: RunConfig, t: StepTime) -> str:
     lines = [
         f"step time (estimate, per optimizer step): {t.step_s:.2f} s = compute "
         f"{t.compute_s:.2f} s ({t.flops / 1e12:,.0f} TFLOP at {p.device_tflops:g} TFLOPS × "
-        f"{p.mfu:.0%} MFU) + communication {t.comm_s:.2f} s ({t.comm_share:.0%} of the step)"
+        f"{p.mfu:.0%} MFU)"
+        + (f" + LoRA dropout {t.elementwise_s:.2f} s" if t.elementwise_s else "")
+        + f" + communication {t.comm_s:.2f} s ({t.comm_share:.0%} of the step)"
     ]
     for what, nbytes in t.traffic:
         secs = nbytes / (t.link_gb_s * 1e9) if t.link_gb_s else float("inf")
@@ -234,6 +275,12 @@ def format_step_time(cfg: RunConfig, t: StepTime) -> str:
         lines.append(
             f"  at {t.link_gb_s:g} GB/s bus bandwidth (plan.link_gb_s; the GPU preflight "
             "measures it), no overlap with compute assumed"
+        )
+    if t.elementwise_s:
+        lines.append(
+            f"  LoRA dropout's passes over the adapted inputs "
+            f"{t.elementwise_bytes / 1e9:>9.2f} GB  {t.elementwise_s:>7.2f} s at "
+            f"{t.device_gb_s:g} GB/s (plan.device_gb_s), in the step"
         )
     if t.host_bytes:
         copy_s = t.host_bytes / (t.host_link_gb_s * 1e9)

@@ -38,6 +38,7 @@ from memtune.exit_codes import (
     EXIT_PEER_LOST,
     EXIT_REQUEUE,
 )
+from memtune.memory.estimate import DROPOUT_ROW
 from memtune.rank.build import build_rank
 from memtune.rank.checkpoint import (
     export_final,
@@ -68,7 +69,7 @@ from memtune.rank.telemetry import (
     reset_window_peak,
     window_peak_gib,
 )
-from memtune.rundir import OomReport, RecordError, RunDir, Summary
+from memtune.rundir import OomReport, PlanRecord, RecordError, RunDir, Summary
 
 
 @dataclass
@@ -350,7 +351,8 @@ class RankRun:
         ds_config = json.loads(self.rd.ds_config.read_text())
         self.parts = build_rank(cfg, d, ds_config, self.device, self.local_rank)
         self.engine = self.parts.engine
-        self.print0(start_up_lines(cfg, d, self.parts, self.world, self.groups), flush=True)
+        lines = start_up_lines(cfg, d, self.parts, self.world, self.groups, self.rd.read_plan())
+        self.print0(lines, flush=True)
         stats = DataStats(**self.data.train)
         self.ctx = RankContext(
             cfg, self.rd, self.rank, self.local_rank, self.world, self.device,
@@ -542,7 +544,12 @@ def run(rd: RunDir, after_train: AfterTrain | None = None) -> TrainResult:
 
 
 def start_up_lines(
-    cfg: RunConfig, d: Decisions, parts: Any, world: int, groups: SequenceGroups
+    cfg: RunConfig,
+    d: Decisions,
+    parts: Any,
+    world: int,
+    groups: SequenceGroups,
+    plan: PlanRecord | None = None,
 ) -> str:
     """What the rank built and how it batches, as decided (decisions.json): the run's first
     lines."""
@@ -567,6 +574,23 @@ def start_up_lines(
         f"{checkpoint_note(d)} · {parts.optimizer_note}\n"
         f"memtune: batches: {batching_summary(cfg)}"
         f"{experts_line(cfg, d, parts.model)}"
+        f"{dropout_line(cfg, plan)}"
+    )
+
+
+def dropout_line(cfg: RunConfig, plan: PlanRecord | None) -> str:
+    """What LoRA dropout costs this run, by its plan (the DROPOUT_ROW row): the memory of the
+    adapters' dropped input copies, which peft.dropout=0 would not keep."""
+    row = next((r for r in plan.rows if r.what == DROPOUT_ROW), None) if plan else None
+    if row is None:
+        return ""
+    assert plan is not None
+    unit, scale = ("GiB", 1.0) if plan.total_gib >= 1 else ("MiB", 1024.0)  # tiny demos
+    share = row.gib / plan.total_gib if plan.total_gib else 0.0
+    return (
+        f"\nmemtune: LoRA dropout {cfg.peft.dropout:g}: {row.gib * scale:.2f} {unit} of each "
+        f"rank's planned {plan.total_gib * scale:.2f} ({share:.0%}) are the adapters' dropped "
+        "input copies (plan.txt: LoRA dropout copies); peft.dropout=0 keeps none"
     )
 
 

@@ -304,10 +304,10 @@ def trace_step(cfg: RunConfig, d: Decisions, fake: bool = True) -> Trace:
 def planned_step(cfg: RunConfig, d: Decisions) -> int:
     """The planner's bytes for what the trace measures above the weights: its activations and
     loss (or backward temporaries) rows (memory.estimate), for the same tokens and layers."""
-    from memtune.memory.estimate import GIB, plan
+    from memtune.memory.estimate import DROPOUT_ROW, GIB, plan
 
     rows = plan(cfg, d).gib()
-    step = ("activations", "loss", "backward temporaries", "DoRA weight norms")
+    step = ("activations", DROPOUT_ROW, "loss", "backward temporaries", "DoRA weight norms")
     return round(sum(rows.get(what, 0.0) for what in step) * GIB)
 
 
