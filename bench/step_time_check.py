@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "zero_stage": stage,
                     "checkpointed_layers": d.checkpointing.recomputed,
+                    "selective_layers": d.checkpointing.selective,
                     "measured_step_s": round(measured, 3),
                     "estimated_step_s": round(estimate.step_s, 3),
                     "estimated_compute_s": round(estimate.compute_s, 3),

@@ -25,6 +25,7 @@ from memtune.config.decisions import (
     RankMachine,
     decisions_for,
     requested_recompute,
+    requested_selective,
     requested_sequence_parallel,
 )
 from memtune.launcher.prepare import lay_out
@@ -84,13 +85,14 @@ def decided(
     sequence_parallel: int | None = None,
     tiled_mlp: bool | None = None,
     offload_activations: bool | None = None,
+    selective: int | None = None,
     machine: RankMachine = CPU_RANKS,
     **changes: Any,
 ) -> Decisions:
     """``cfg``'s decisions on CPU ranks, with what it leaves to auto given here, explicitly:
-    unless said otherwise every layer recomputed (with checkpointing on), no sequence split,
-    nothing tiled or offloaded — what these tests are written against. ``changes``: decided
-    fields replaced (``attention="sdpa"``)."""
+    unless said otherwise every layer recomputed in full (with checkpointing on), none
+    selectively, no sequence split, nothing tiled or offloaded — what these tests are written
+    against. ``changes``: decided fields replaced (``attention="sdpa"``)."""
     import dataclasses
 
     t = cfg.trainer
@@ -98,13 +100,16 @@ def decided(
     on = t.activation_checkpointing
     if recompute is None and on and requested_recompute(cfg) is None:
         recompute = layers
+    full = recompute if recompute is not None else requested_recompute(cfg) or 0
+    if selective is None and on and requested_selective(cfg, full) is None:
+        selective = 0
     if sequence_parallel is None and requested_sequence_parallel(cfg) is None:
         sequence_parallel = 1
     if tiled_mlp is None and t.tiled_mlp == "auto":
         tiled_mlp = False
     if offload_activations is None and on and t.offload_activations == "auto":
         offload_activations = False
-    choices = Choices(recompute, sequence_parallel, tiled_mlp, offload_activations)
+    choices = Choices(recompute, sequence_parallel, tiled_mlp, offload_activations, selective)
     d = decisions_for(cfg, machine, choices)
     return dataclasses.replace(d, **changes) if changes else d
 

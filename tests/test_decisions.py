@@ -181,16 +181,16 @@ def test_nothing_gives_auto_a_meaning_of_its_own() -> None:
     with pytest.raises(DecisionError, match=r"checkpoint_layers=auto is the planner's to decide"):
         decisions_for(cfg, CPU_RANKS)
     with pytest.raises(DecisionError, match=r"sequence_parallel=auto"):
-        decisions_for(cfg, CPU_RANKS, Choices(recompute=2, offload_activations=False))
-    d = decisions_for(cfg, CPU_RANKS, Choices(2, 1, False, False))
+        decisions_for(cfg, CPU_RANKS, Choices(recompute=2, offload_activations=False, selective=0))
+    d = decisions_for(cfg, CPU_RANKS, Choices(2, 1, False, False, 0))
     assert d.checkpointing.recomputed == 2 and d.batch.accumulation == 2
     fixed = to_run_config(compose_cfg(["trainer.checkpoint_layers=1"]))
     with pytest.raises(DecisionError, match=r"checkpoint_layers is set to 1; the choice 2"):
-        decisions_for(fixed, CPU_RANKS, Choices(2, 1, False, False))
+        decisions_for(fixed, CPU_RANKS, Choices(2, 1, False, False, 0))
 
 
 def test_the_typed_values_refuse_what_cannot_run() -> None:
-    with pytest.raises(DecisionError, match=r"the recomputed layers \('full'\) must be the first"):
+    with pytest.raises(DecisionError, match=r"recomputed in full come first, then the selective"):
         Checkpointing(("keep", "full"))
     assert Checkpointing.first(1, 3).label() == "1 of 3 layers"
     assert Checkpointing.off(3).label() == "off" and not Checkpointing.off(3).enabled
@@ -286,3 +286,25 @@ def test_the_scan_finds_a_decided_read(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text("def f(cfg):\n    t = cfg.trainer\n    return t.tiled_mlp, cfg.zero.stage\n")
     assert [r.split(" ")[1] for r in decided_reads(bad)] == ["trainer.tiled_mlp", "zero.stage"]
+
+
+def test_selective_layers_where_they_are_not_built_are_refused_by_name() -> None:
+    from memtune.config import validate
+
+    for extra, named in (
+        (["trainer.checkpointing_reentrant=true"], "checkpointing_reentrant=true"),
+        (["model.attn_implementation=eager"], "attn_implementation=eager"),
+        (["trainer.tiled_mlp=on"], "tiled_mlp / offload_activations=on"),
+        (["model=tiny-qwen3-moe"], "a mixture of experts"),
+        (["model=tiny-qwen3.5"], "linear-attention layers"),
+    ):
+        cfg = to_run_config(compose_cfg(["trainer.selective_layers=1", *extra]))
+        with pytest.raises(ConfigError, match=rf"trainer\.selective_layers=1 with .*{named}"):
+            validate(cfg, inputs=False)
+    with pytest.raises(DecisionError, match="selective layers need the non-reentrant"):
+        Checkpointing(("selective", "keep"), reentrant=True)
+    with pytest.raises(DecisionError, match="full come first, then the selective"):
+        Checkpointing(("selective", "full"))
+    d = decided(to_run_config(compose_cfg([])), recompute=0, selective=2)
+    with pytest.raises(DecisionError, match="selective layers with tiled_mlp"):
+        dataclasses.replace(d, tiled_mlp=True)

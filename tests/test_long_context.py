@@ -162,3 +162,31 @@ def test_tiled_and_offloaded_zero3_ranks_train_as_without(zero3_run: Run, runs_r
     b = load_file(str(zero3_run.dir / "adapter" / "adapter_model.safetensors"))
     for key in a:
         assert float((a[key] - b[key]).norm() / b[key].norm()) < 1e-4, key
+
+
+@pytest.mark.slow
+def test_selective_zero3_ranks_train_as_without(zero3_run: Run, runs_root) -> None:
+    """2 ranks, ZeRO-3 partitioning every weight: every layer selective (its matmuls' and
+    attention's outputs kept through the backward, the rest recomputed under ZeRO-3's gather
+    hooks, dropout with the forward's masks) trains as keeping everything does."""
+    from tests.conftest import FAST
+
+    run = start_run(
+        runs_root / "selective",
+        [
+            *FAST,
+            "zero=zero3",
+            "launcher.num_ranks=2",
+            "trainer.loss_chunk_tokens=16",
+            "trainer.checkpoint_layers=0",
+            "trainer.selective_layers=all",
+        ],
+        probe=False,
+    )
+    assert run.code == 0 and run.decisions is not None
+    assert run.decisions.checkpointing.layers == ("selective", "selective")
+    assert [m["train/loss"] for m in run.metrics()] == pytest.approx(zero3_run.losses(), rel=1e-5)
+    a = load_file(str(run.dir / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(zero3_run.dir / "adapter" / "adapter_model.safetensors"))
+    for key in a:
+        assert float((a[key] - b[key]).norm() / b[key].norm()) < 1e-4, key

@@ -330,16 +330,18 @@ def test_checkpoint_layers_auto_is_the_fewest_that_fit_with_the_spare() -> None:
         fit_to_device,
     )
 
-    cfg = to_run_config(compose_cfg([QWEN7B]))
+    # full recomputes only (selective ones: the test below)
+    cfg = to_run_config(compose_cfg([QWEN7B, "trainer.selective_layers=0"]))
     assert cfg.trainer.checkpoint_layers == "auto"
     counts = count_params(cfg)
     pinned = Choices(None, 1, False, False)  # the long-context choices, as the launch makes them
-    k = choose_checkpoint_layers(cfg, pinned, counts, CPU_RANKS)
+    k, none = choose_checkpoint_layers(cfg, pinned, counts, CPU_RANKS)
+    assert none == 0
     budget = 23.99 - AUTO_CHECKPOINT_SPARE_GIB
 
     def total(layers: int) -> float:
         trial = to_run_config(compose_cfg([QWEN7B, f"trainer.checkpoint_layers={layers}"]))
-        return plan(trial, decided(trial), counts).total_gib
+        return plan(trial, decided(trial, selective=0), counts).total_gib
 
     assert 0 < k < 28 and total(k) <= budget < total(k - 1)
     fitted = fit_to_device(cfg, machine=CPU_RANKS)
@@ -355,10 +357,10 @@ def test_checkpoint_layers_auto_is_the_fewest_that_fit_with_the_spare() -> None:
     assert cpu.trainer.checkpoint_layers == "auto" and cpu.plan.device_gib is None
     assert checkpoint_budget(cpu, RankMachine(cuda=True)) is None
     gpu = choose_checkpoint_layers(cpu, pinned, count_params(cpu), RankMachine(cuda=True))
-    assert gpu == 2
+    assert gpu == (2, 0)
     budget = checkpoint_budget(cpu, CPU_RANKS)
     assert budget is not None and "available per CPU rank" in budget[1]
-    assert choose_checkpoint_layers(cpu, pinned, count_params(cpu), CPU_RANKS) == 0
+    assert choose_checkpoint_layers(cpu, pinned, count_params(cpu), CPU_RANKS) == (0, 0)
     assert fit_to_device(cpu, machine=CPU_RANKS).decisions.checkpointing.recomputed == 0
 
 
@@ -460,3 +462,64 @@ def test_lora_dropouts_copies_have_a_row_of_their_own() -> None:
     )
     # plan.device_gib is unset here (CPU): the mask counts in the compute dtype, as on CPU
     assert rows[DROPOUT_ROW] * 1024**3 == pytest.approx(measured, rel=0.06), measured
+
+
+@pytest.mark.parametrize("dropout", ["0", "0.1"])
+def test_selective_layers_give_the_gradients_of_no_checkpointing(dropout: str) -> None:
+    """torch's selective checkpointing (rank.layers): the layers keep their matmuls' and
+    attention's outputs and recompute the rest in backward (dropout with the forward's masks):
+    the same LoRA gradients as keeping everything, in fp32, with the kept outputs read, not
+    computed again."""
+    from memtune.rank.layers import SelectiveCheckpoint, decoder_layers
+
+    cfg = to_run_config(
+        compose_cfg(["trainer.precision=fp32", "peft=lora-all-linear", f"peft.dropout={dropout}"])
+    )
+    synthesize(cfg.model.name_or_path, cfg.model.architecture)
+    grads = {}
+    for mix in ((0, 0), (0, 2), (1, 1)):
+        torch.manual_seed(0)
+        d = decided(cfg, recompute=mix[0], selective=mix[1], attention="sdpa")
+        model = add_lora(load_base_model(cfg, d), cfg, d).train()
+        kinds = [
+            "selective"
+            if isinstance(layer._gradient_checkpointing_func, SelectiveCheckpoint)
+            else "full"
+            if layer.gradient_checkpointing
+            else "keep"
+            for layer in decoder_layers(model)
+        ]
+        assert kinds == list(d.checkpointing.layers)
+        for name, p in model.named_parameters():  # lora_B starts at 0: give it values
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(1))
+        ids = torch.randint(0, 1024, (2, 64), generator=torch.Generator().manual_seed(2))
+        torch.manual_seed(3)  # the dropout masks
+        CausalLMLoss(model, "chunked", 512)(input_ids=ids, labels=ids).backward()
+        grads[mix] = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    for mix in ((0, 2), (1, 1)):
+        for name, g in grads[(0, 0)].items():
+            torch.testing.assert_close(grads[mix][name], g, rtol=1e-5, atol=1e-7)
+
+
+def test_the_planner_recomputes_the_fewest_layers_in_full_then_selectively() -> None:
+    """Qwen2.5-7B LoRA at 4,096 tokens on a 24 GB card: the fewest full recomputes that fit
+    with selective layers next to them, then the fewest of those; fewer full ones do not fit
+    however many layers are selective, and one selective layer fewer does not fit either."""
+    from memtune.memory.fit import AUTO_CHECKPOINT_SPARE_GIB, choose_checkpoint_layers
+
+    cfg = to_run_config(compose_cfg([QWEN7B]))
+    counts = count_params(cfg)
+    k, s = choose_checkpoint_layers(cfg, Choices(None, 1, False, False), counts, CPU_RANKS)
+    room = 23.99 - AUTO_CHECKPOINT_SPARE_GIB
+
+    def total(full: int, selective: int) -> float:
+        return plan(cfg, decided(cfg, recompute=full, selective=selective), counts).total_gib
+
+    assert s > 0 and k + s < 28 and total(k, s) <= room
+    assert total(k, s - 1) > room and total(k - 1, 28 - (k - 1)) > room
+    # fewer full recomputes than with full ones alone: the step recomputes less
+    alone = next(j for j in range(28) if total(j, 0) <= room)
+    assert k < alone
+    d = decided(cfg, recompute=k, selective=s)
+    assert d.checkpointing.label() == f"{k} of 28 layers, {s} more selectively"

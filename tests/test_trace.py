@@ -83,6 +83,19 @@ def test_the_plan_matches_a_full_size_step(experiment: str, tokens: int) -> None
     assert planned_step(cfg, d) == pytest.approx(traced.step, rel=0.03), traced
 
 
+@pytest.mark.parametrize("mix", [(0, 28), (10, 18), (0, 10)])
+def test_the_plan_matches_a_full_size_selective_step(mix: tuple[int, int]) -> None:
+    """Selective layers (rank.layers: matmuls' and attention's outputs kept, the rest
+    recomputed) in every position the planner models: all of them, after full ones, before
+    layers that keep everything; Qwen2.5-7B at 2,048 tokens, within the same 3%."""
+    given = to_run_config(
+        compose_cfg(["experiment=qwen2.5-7b-4x4090-lora", "data.max_seq_len=2048", *ONE_PROCESS])
+    )
+    d = decided(given, recompute=mix[0], selective=mix[1])
+    traced = trace_step(given, d)
+    assert planned_step(given, d) == pytest.approx(traced.step, rel=0.03), traced
+
+
 @pytest.mark.parametrize("checkpoint_layers", ["auto", "12"])
 def test_the_plan_matches_a_full_size_hybrid_step(checkpoint_layers: str) -> None:
     """Qwen3.5-2B (18 Gated DeltaNet and 6 gated full-attention layers) at 2,048 tokens: the

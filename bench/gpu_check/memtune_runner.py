@@ -72,6 +72,7 @@ def memtune_at_length(
     if d.tiled_mlp or d.offload_activations:
         rec["mlp_tiles"], rec["offloaded_layers"] = tiles, offloaded
     rec["checkpointed_layers"] = d.checkpointing.recomputed
+    rec["selective_layers"] = d.checkpointing.selective
     return cfg, d
 
 

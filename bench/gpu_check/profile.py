@@ -233,6 +233,7 @@ def run_profile_memtune(phase: Phase, deadline: float) -> None:
         method=method,
         seq_len=seq_len,
         checkpointed_layers=d.checkpointing.recomputed,
+        selective_layers=d.checkpointing.selective,
         recompute_labelled_layers=labelled_layers,
         attention=parts.attention,
         loss_kind=parts.loss_kind,

@@ -198,6 +198,12 @@ def _f(x: Any, fmt: str) -> str:
     return "—" if x is None else format(x, fmt)
 
 
+def _layers(r: dict[str, Any]) -> str:
+    """Checkpointed layers in a table cell: "20", or "20 + 5 sel." with selective ones."""
+    full, selective = r.get("checkpointed_layers"), r.get("selective_layers") or 0
+    return _f(full, "d") + (f" + {selective} sel." if selective else "")
+
+
 def _pct(x: Any) -> str:
     return "—" if x is None else f"{x:+.1f}%"
 
@@ -243,7 +249,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {_f(r.get('step_s_median'), '.3f')} | {_f(r.get('measured_gib'), '.2f')} "
             f"| {_f(plan.get('live_gib'), '.2f')} | {_pct(r.get('plan_error_pct'))} "
             f"| {_f(r.get('mfu'), '.1%')} | {_f(r.get('mfu_6n'), '.1%')} "
-            f"| {_f(r.get('checkpointed_layers'), 'd')} | {loss} |"
+            f"| {_layers(r)} | {loss} |"
         )
     # The first length's first loss is ln 2 (0.6931): the adapter has not moved yet.
     for r in result["records"]:
@@ -372,7 +378,7 @@ def profile_markdown(profiles: list[dict[str, Any]]) -> list[str]:
     for p in sides:
         top = "; ".join(f"{name} {ms:,.1f}" for name, ms in p["top_ops_ms"][:8])
         lines.append(
-            f"- {p['side']}: {p['checkpointed_layers']} layers checkpointed "
+            f"- {p['side']}: {_layers(p)} layers checkpointed "
             f"({p['recompute_labelled_layers']} labelled for the recompute), attention "
             f"{p['attention']}, loss {p['loss_kind']}; costliest ms a step: {top}"
         )
@@ -471,7 +477,7 @@ def hybrid_markdown(recs: list[dict[str, Any]], mode: dict[str, Any]) -> list[st
             f"| {_f(r.get('measured_gib'), '.2f')} "
             f"| {_f((r.get('plan') or {}).get('live_gib'), '.2f')} "
             f"| {_pct(r.get('plan_error_pct'))} "
-            f"| {_f(r.get('checkpointed_layers'), 'd')} | {ok} | {loss} |"
+            f"| {_layers(r)} | {ok} | {loss} |"
         )
     lines.append("")
     for r in recs:

@@ -44,9 +44,11 @@ DECISIONS_VERSION = 1
 """decisions.json's format. A run dir or checkpoint without the file (written before it
 existed) is decided again by the job, as it was then."""
 
-Recompute = Literal["keep", "full"]
+Recompute = Literal["keep", "selective", "full"]
 """One decoder layer's activations in backward: keep (every activation the forward saved) |
-full (only the layer's input; its forward is recomputed in backward)."""
+selective (its input and its matmuls' and attention's outputs; the cheap elementwise ops —
+norms, activations, rotary, dropout — recomputed in backward: torch's selective activation
+checkpointing, rank.layers) | full (only its input; its whole forward recomputed)."""
 AttentionKernel = Literal["sdpa_varlen", "sdpa", "eager", "flash_attention_2"]
 """model.attn_implementation as run: ``auto`` decided (rank.attention: sdpa_varlen)."""
 LossKernel = Literal["chunked", "plain", "liger"]
@@ -93,12 +95,13 @@ def rank_machine() -> RankMachine:
 class Checkpointing:
     """Activation checkpointing, decided per decoder layer.
 
-    ``layers[i]`` is layer i's choice. The recomputed layers are the first ones: backward
-    reaches them last, once every other layer's activations are freed, so one recomputed
-    layer at a time adds to what is left (memory.estimate.activation_bytes). ``enabled``:
-    transformers' checkpointing is installed on the model (trainer.activation_checkpointing),
-    which also makes the embedding's output require a gradient, even with no layer recomputed.
-    """
+    ``layers[i]`` is layer i's choice, in the order ``full``, ``selective``, ``keep``: the
+    layers that keep the least come first, since backward reaches them last, once the later
+    layers' activations are freed, so one recomputed layer at a time adds to what is left
+    (memory.estimate.activation_bytes). ``enabled``: transformers' checkpointing is installed
+    on the model (trainer.activation_checkpointing), which also makes the embedding's output
+    require a gradient, even with no layer recomputed. Selective layers need the
+    non-reentrant checkpoint (torch's selective checkpointing runs only there)."""
 
     layers: tuple[Recompute, ...]
     enabled: bool = True
@@ -111,22 +114,33 @@ class Checkpointing:
                 f"checkpointing.layers[{bad[0]}] is {self.layers[bad[0]]!r}, not one of "
                 f"{' | '.join(choices_of(Recompute))}"
             )
-        k = self.recomputed
-        if any(kind == "full" for kind in self.layers[k:]) or self.layers[:k] != ("full",) * k:
+        k, s = self.recomputed, self.selective
+        if self.layers[: k + s] != ("full",) * k + ("selective",) * s:
             raise DecisionError(
-                "checkpointing.layers: the recomputed layers ('full') must be the first ones "
-                f"(got {list(self.layers)})"
+                "checkpointing.layers: the layers recomputed in full come first, then the "
+                f"selective ones, then those that keep everything (got {list(self.layers)})"
             )
-        if k and not self.enabled:
+        if (k or s) and not self.enabled:
             raise DecisionError("checkpointing: layers recompute but enabled is false")
         if self.reentrant and not self.enabled:
             raise DecisionError("checkpointing: reentrant without enabled")
+        if s and self.reentrant:
+            raise DecisionError(
+                "checkpointing: selective layers need the non-reentrant checkpoint "
+                "(reentrant: false)"
+            )
 
     @classmethod
-    def first(cls, recomputed: int, layers: int, reentrant: bool = False) -> Checkpointing:
-        """The first ``recomputed`` of ``layers`` decoder layers recompute."""
+    def first(
+        cls, recomputed: int, layers: int, reentrant: bool = False, selective: int = 0
+    ) -> Checkpointing:
+        """The first ``recomputed`` of ``layers`` decoder layers recompute in full, the next
+        ``selective`` selectively, the rest keep everything."""
         k = max(0, min(recomputed, layers))
-        kinds: list[Recompute] = ["full" if i < k else "keep" for i in range(layers)]
+        s = max(0, min(selective, layers - k))
+        kinds: list[Recompute] = [
+            "full" if i < k else "selective" if i < k + s else "keep" for i in range(layers)
+        ]
         return cls(tuple(kinds), True, reentrant)
 
     @classmethod
@@ -136,13 +150,22 @@ class Checkpointing:
 
     @property
     def recomputed(self) -> int:
-        """How many decoder layers recompute their forward."""
+        """How many decoder layers recompute their whole forward."""
         return sum(1 for kind in self.layers if kind == "full")
 
+    @property
+    def selective(self) -> int:
+        """How many decoder layers recompute their elementwise ops only."""
+        return sum(1 for kind in self.layers if kind == "selective")
+
     def label(self) -> str:
-        """For humans: "off", "all 28 layers", "9 of 28 layers"."""
-        k, n = self.recomputed, len(self.layers)
-        return "off" if k == 0 else f"all {n} layers" if k == n else f"{k} of {n} layers"
+        """For humans: "off", "all 28 layers", "9 of 28 layers", "9 of 28 layers, 12 more
+        selectively", "12 of 28 layers selectively"."""
+        k, s, n = self.recomputed, self.selective, len(self.layers)
+        if k == 0:
+            return "off" if s == 0 else f"{s} of {n} layers selectively"
+        full = f"all {n} layers" if k == n else f"{k} of {n} layers"
+        return full + (f", {s} more selectively" if s else "")
 
 
 @dataclass(frozen=True)
@@ -270,17 +293,32 @@ class Decisions:
                 raise DecisionError(f"{name} must be true or false (got {getattr(self, name)!r})")
         if self.offload_activations and not self.checkpointing.enabled:
             raise DecisionError("offload_activations needs checkpointing (enabled: true)")
+        if self.checkpointing.selective:
+            unbuilt = [
+                what
+                for what, on in (
+                    ("tiled_mlp", self.tiled_mlp),
+                    ("offload_activations", self.offload_activations),
+                    ("experts (a mixture of experts)", self.experts is not None),
+                    ("attention eager (its scores would be kept)", self.attention == "eager"),
+                )
+                if on
+            ]
+            if unbuilt:
+                raise DecisionError(
+                    f"checkpointing.layers: selective layers with {unbuilt[0]}: not built together"
+                )
 
     @property
     def sequence_parallel(self) -> int:
         return self.batch.sequence_parallel
 
-    def with_recompute(self, recomputed: int) -> Decisions:
-        """These decisions with the first ``recomputed`` layers recomputing (checkpointing on)."""
+    def with_recompute(self, recomputed: int, selective: int = 0) -> Decisions:
+        """These decisions with the first ``recomputed`` layers recomputing in full and the
+        next ``selective`` selectively (checkpointing on)."""
         c = self.checkpointing
-        return dataclasses.replace(
-            self, checkpointing=Checkpointing.first(recomputed, len(c.layers), c.reentrant)
-        )
+        mix = Checkpointing.first(recomputed, len(c.layers), c.reentrant, selective)
+        return dataclasses.replace(self, checkpointing=mix)
 
     def as_dict(self) -> dict[str, Any]:
         """decisions.json's content: the format version first, then each decision."""
@@ -384,6 +422,16 @@ def requested_recompute(cfg: RunConfig) -> int | None:
     return layers if value == "all" else min(int(value), layers)
 
 
+def requested_selective(cfg: RunConfig, recompute: int) -> int | None:
+    """trainer.selective_layers as the user asked, of the layers not recomputed in full
+    (``recompute`` of them): a number (``all``: every other one), or None for ``auto``."""
+    value = str(cfg.trainer.selective_layers)
+    rest = int(cfg.model.architecture.get("num_hidden_layers") or 0) - recompute
+    if value == "auto":
+        return None
+    return max(0, rest) if value == "all" else min(int(value), max(0, rest))
+
+
 def requested_sequence_parallel(cfg: RunConfig) -> int | None:
     """trainer.sequence_parallel as the user asked, None for ``auto``."""
     value = str(cfg.trainer.sequence_parallel)
@@ -447,6 +495,7 @@ class Choices:
     sequence_parallel: int | None = None
     tiled_mlp: bool | None = None
     offload_activations: bool | None = None
+    selective: int | None = None
 
 
 def decisions_for(
@@ -459,14 +508,15 @@ def decisions_for(
     layers = int(cfg.model.architecture["num_hidden_layers"])
     if t.activation_checkpointing:
         k = _given("checkpoint_layers", requested_recompute(cfg), choices.recompute)
-        checkpointing = Checkpointing.first(k, layers, t.checkpointing_reentrant)
+        s = _given("selective_layers", requested_selective(cfg, k), choices.selective)
+        checkpointing = Checkpointing.first(k, layers, t.checkpointing_reentrant, s)
         offload = _given(
             "offload_activations",
             requested_switch(t.offload_activations),
             choices.offload_activations,
         )
     else:
-        if choices.recompute:
+        if choices.recompute or choices.selective:
             raise DecisionError("trainer.activation_checkpointing=false: no layer recomputes")
         checkpointing = Checkpointing.off(layers)
         offload = False  # it moves checkpointed layers' inputs: there are none

@@ -269,6 +269,14 @@ class TrainerConfig:
     """With activation_checkpointing: how many decoder layers recompute their forward (the
     first N). all | N | auto: the fewest that fit plan.device_gib with 2 GiB to spare (all when
     no device is planned for). Fewer checkpointed layers, less recompute, more memory."""
+    selective_layers: str = "auto"
+    """With activation_checkpointing: of the layers not recomputed in full, how many (the next
+    ones) recompute only their cheap elementwise ops — norms, activations, rotary, dropout —
+    and keep their matmuls' and attention's outputs (torch's selective activation
+    checkpointing). all | N | auto: the planner's choice, the fewest full recomputes and then
+    the fewest selective layers that fit (0 where it is not built: with
+    checkpointing_reentrant, compile, a tiled MLP or offloaded inputs, eager attention, DoRA,
+    a mixture of experts, linear-attention layers)."""
     checkpointing_reentrant: bool = False
     """torch's older reentrant checkpointing (use_reentrant=True); false: the non-reentrant
     one, which keeps less and lets the first layer's input need no gradient."""

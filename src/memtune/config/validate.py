@@ -117,6 +117,7 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
             f"trainer.checkpoint_layers={ckpt!r} is not supported; choose all | auto | a number "
             "of layers >= 0"
         )
+    _check_selective(cfg)
     if t.eval_every < 0:
         raise ConfigError(f"trainer.eval_every must be >= 0 (got {t.eval_every})")
     if t.save_every < 0:
@@ -217,6 +218,46 @@ def config_warnings(cfg: RunConfig) -> list[str]:
             "model.revision=<40-hex commit hash>"
         )
     return out
+
+
+def selective_unbuilt(cfg: RunConfig) -> str | None:
+    """What keeps selective recompute (trainer.selective_layers) from this run's settings, in
+    words; None when it is built for them. The long-context switches are the decider's to
+    weigh (a tiled MLP or offloaded inputs leave no selective layer)."""
+    t = cfg.trainer
+    if not t.activation_checkpointing:
+        return "trainer.activation_checkpointing=false"
+    if t.checkpointing_reentrant:
+        return "trainer.checkpointing_reentrant=true (torch runs it non-reentrant only)"
+    if t.compile:
+        return "trainer.compile=true"
+    if "on" in (t.tiled_mlp, t.offload_activations):
+        return "trainer.tiled_mlp / offload_activations=on"
+    if cfg.model.attn_implementation == "eager":
+        return "model.attn_implementation=eager (its n × n scores would be kept)"
+    if cfg.peft.dora:
+        return "peft.dora=true (its weight products would be kept)"
+    arch = dict(cfg.model.architecture)
+    if routed_experts(arch):
+        return "a mixture of experts"
+    if linear_attention_layers(arch):
+        return "linear-attention layers (Qwen3.5)"
+    return None
+
+
+def _check_selective(cfg: RunConfig) -> None:
+    value = str(cfg.trainer.selective_layers)
+    if value not in ("all", "auto") and not (value.isdigit() and int(value) >= 0):
+        raise ConfigError(
+            f"trainer.selective_layers={value!r} is not supported; choose all | auto | a number "
+            "of layers >= 0"
+        )
+    why = selective_unbuilt(cfg)
+    if why and value not in ("auto", "0"):
+        raise ConfigError(
+            f"trainer.selective_layers={value} with {why}: selective recompute is not built for "
+            "that; leave trainer.selective_layers=auto (it keeps none there)"
+        )
 
 
 def check_sequence_parallel(cfg: RunConfig, sp: int) -> None:

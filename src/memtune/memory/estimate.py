@@ -239,6 +239,26 @@ def _by_kind(
     return {kind: layer_bytes(cfg, d, tokens, counts, cuda, kind) for kind in set(kinds)}
 
 
+def selective_kept(cfg: RunConfig, tokens: int, counts: ParamCounts) -> tuple[int, int]:
+    """(what a selective layer keeps from its forward to its backward, the part of it a
+    recomputed layer's activations share) for ``tokens`` tokens (rank.layers: torch's
+    selective checkpointing keeping the matmuls' and attention's outputs). Kept: the layer's
+    input, every linear layer's output (q, k, v, o, gate, up, down), each adapter's A and B
+    outputs, attention's output and its fp32 logsumexp. Shared with what the backward's
+    recompute saves: attention's output and logsumexp, the gate and up outputs the MLP's
+    backward reads, the adapters' A outputs (lora_B's input). Dense attention layers only
+    (config.validate: not built for linear attention or routed experts)."""
+    a = cfg.model.architecture
+    n, b, h = tokens, compute_bytes(cfg), int(a["hidden_size"])
+    heads, inter = int(a["num_attention_heads"]), int(a.get("intermediate_size") or 0)
+    outs = {name.split(".")[-1]: o for name, _, o in counts.linear_shapes}
+    attention = n * heads * head_dim(a) * b + n * heads * 4
+    adapters = sum(n * (r + outs[name]) * b for name, _, r in counts.lora_inputs)
+    kept = n * h * b + n * sum(outs.values()) * b + adapters + attention
+    shared = attention + 2 * n * inter * b + sum(n * r * b for _, _, r in counts.lora_inputs)
+    return kept, shared
+
+
 FIRST_NORM_READERS = (*QKV, "in_proj_qkv", "in_proj_z")
 """Adapters that read a layer's first norm: q, k, v, or a linear-attention layer's inputs."""
 
@@ -246,15 +266,18 @@ FIRST_NORM_READERS = (*QKV, "in_proj_qkv", "in_proj_z")
 def saved_bytes(
     cfg: RunConfig, d: Decisions, tokens: int, counts: ParamCounts, cuda: bool = True
 ) -> int:
-    """What autograd keeps when the forward ends: the input of each recomputed (first)
-    layer, everything of the others, and the final norm's input."""
+    """What autograd keeps when the forward ends: the input of each layer recomputed in full
+    (the first ones), what each selective layer keeps (the next ones), everything of the
+    others, and the final norm's input."""
     h = int(cfg.model.architecture["hidden_size"])
     n, b = tokens, compute_bytes(cfg)
     kinds = layer_kinds(cfg)
-    k = d.checkpointing.recomputed
-    each = _by_kind(cfg, d, tokens, counts, cuda, kinds[k:])
-    kept = kept_inputs(d) * n * h * b + sum(each[kind] for kind in kinds[k:])
-    if k == 0 and not d.checkpointing.reentrant:
+    k, s = d.checkpointing.recomputed, d.checkpointing.selective
+    each = _by_kind(cfg, d, tokens, counts, cuda, kinds[k + s :])
+    kept = kept_inputs(d) * n * h * b + sum(each[kind] for kind in kinds[k + s :])
+    if s:
+        kept += s * selective_kept(cfg, tokens, counts)[0]
+    if d.checkpointing.layers[0] == "keep" and not d.checkpointing.reentrant:
         # The frozen embedding's output needs no gradient, so the first norm keeps nothing
         # (reentrant checkpointing makes it require one), nor do the dropouts of the first
         # layer's adapters that read it keep their masks (only their dropped copies).
@@ -274,21 +297,30 @@ def activation_bytes(
     cfg: RunConfig, d: Decisions, tokens: int, counts: ParamCounts, cuda: bool = True
 ) -> int:
     """The most activations alive at once for one micro batch of ``tokens`` tokens, with the
-    decided (first) decoder layers recomputing their forward.
+    decided (first) decoder layers recomputing their forward, in full or selectively.
 
     Backward reaches the checkpointed (first) layers last, after the other layers' activations
     are freed, so one recomputed layer never adds to them: the most is the checkpointed inputs
     plus the larger of the other layers' activations and one recomputed layer (the largest, in
-    a hybrid).
+    a hybrid). A selective layer's backward holds what it kept and its recomputed activations
+    (less what they share), next to what the earlier selective layers keep.
     """
     kinds = layer_kinds(cfg)
-    k = d.checkpointing.recomputed
+    k, s = d.checkpointing.recomputed, d.checkpointing.selective
     saved = saved_bytes(cfg, d, tokens, counts, cuda)
-    if k == 0:
+    if k == 0 and s == 0:
         return saved
     each = _by_kind(cfg, d, tokens, counts, cuda, kinds)
-    others = sum(each[kind] for kind in kinds[k:])
-    return max(saved, saved - others + max(each[kind] for kind in kinds[:k]))
+    others = sum(each[kind] for kind in kinds[k + s :])
+    moments = [saved]
+    if s:
+        shared = selective_kept(cfg, tokens, counts)[1]
+        last = kinds[k + s - 1]
+        moments.append(saved - others + each[last] - shared)
+    if k:
+        selective = s * selective_kept(cfg, tokens, counts)[0] if s else 0
+        moments.append(saved - others - selective + max(each[kind] for kind in kinds[:k]))
+    return max(moments)
 
 
 def backward_bytes(
@@ -389,7 +421,7 @@ def step_peak(
     layer's backward temporaries); the backward of the last checkpointed layer (the
     checkpointed inputs + its recomputed activations + its backward temporaries)."""
     layers = int(cfg.model.architecture["num_hidden_layers"])
-    k = d.checkpointing.recomputed
+    k, s = d.checkpointing.recomputed, d.checkpointing.selective
     h = int(cfg.model.architecture["hidden_size"])
     saved = saved_bytes(cfg, d, tokens, counts, cuda)
     back = backward_bytes(cfg, d, tokens, counts, cuda)
@@ -398,8 +430,17 @@ def step_peak(
     # temporaries at once, next to everything saved (tools.step_trace).
     norm_backward = NORM_BACKWARD_FP32 * tokens * h * 4
     moments.append(StepPeak("backward of the final norm", saved, backward=norm_backward))
-    if k < layers:
+    if k + s < layers:
         moments.append(StepPeak(f"backward of layer {layers - 1}", saved, backward=back))
+    if s > 0:
+        # The last selective layer's backward: the layers after it are freed; it holds what it
+        # kept and its recomputed activations (less what they share), the earlier selective
+        # layers what they keep, the full ones their inputs.
+        kept, shared = selective_kept(cfg, tokens, counts)
+        last = layer_bytes(cfg, d, tokens, counts, cuda, layer_kinds(cfg)[k + s - 1])
+        held = kept_inputs(d) * tokens * h * compute_bytes(cfg) + s * kept - shared + last
+        where = f"backward of layer {k + s - 1} (recomputed selectively)"
+        moments.append(StepPeak(where, held, 0, back))
     if k > 0:
         inputs = kept_inputs(d) * tokens * h * compute_bytes(cfg)
         for kind in set(layer_kinds(cfg)[:k]):
@@ -417,7 +458,8 @@ def step_peak(
                 # backward allowance stands for what it holds there beyond the saved bytes).
                 where = f"recompute of layer {k - 1} (DoRA)"
                 moments.append(StepPeak(where, inputs + layer, 0, back, dora))
-    if k < layers and (dora := dora_transient_bytes(cfg, counts, tokens, layer_kinds(cfg)[-1])):
+    last_keeps = k + s < layers
+    if last_keeps and (dora := dora_transient_bytes(cfg, counts, tokens, layer_kinds(cfg)[-1])):
         moments.append(StepPeak(f"forward of layer {layers - 1} (DoRA)", saved, dora=dora))
     return max(moments, key=lambda m: m.total)
 

@@ -41,9 +41,10 @@ from memtune.config.decisions import (
     loss_kernel,
     rank_machine,
     requested_recompute,
+    requested_selective,
     with_sections,
 )
-from memtune.config.validate import check_sequence_parallel
+from memtune.config.validate import check_sequence_parallel, selective_unbuilt
 from memtune.memory.counts import ParamCounts, count_params, quantized_shape_problems
 from memtune.memory.estimate import Plan, format_plan, plan
 from memtune.memory.step_time import format_step_time, step_time
@@ -75,6 +76,7 @@ def settings_of(cfg: RunConfig, d: Decisions) -> RunConfig:
     }
     if d.checkpointing.enabled:
         trainer["checkpoint_layers"] = "auto"
+        trainer["selective_layers"] = "auto"
     return with_sections(
         cfg,
         zero={"stage": d.zero_stage, "template": d.zero_template},
@@ -94,26 +96,43 @@ def pinned(d: Decisions) -> Choices:
         sequence_parallel=d.sequence_parallel,
         tiled_mlp=d.tiled_mlp,
         offload_activations=d.offload_activations,
+        selective=d.checkpointing.selective if on else None,
     )
+
+
+def _full_asked(cfg: RunConfig, choices: Choices) -> int | None:
+    """How many layers recompute in full, by the settings or the choices; None: not yet."""
+    return choices.recompute if choices.recompute is not None else requested_recompute(cfg)
+
+
+def _selective_asked(cfg: RunConfig, choices: Choices, full: int) -> int | None:
+    """How many layers recompute selectively, by the settings or the choices; None: not yet."""
+    if choices.selective is not None:
+        return choices.selective
+    return requested_selective(cfg, full)
 
 
 def unresolved_layers(cfg: RunConfig, choices: Choices) -> bool:
-    """Checkpointing is on and neither the settings nor the choices say how many layers."""
-    t = cfg.trainer
-    return (
-        t.activation_checkpointing
-        and requested_recompute(cfg) is None
-        and not (choices.recompute is not None)
-    )
+    """Checkpointing is on and the settings and choices leave the recomputed layers open: how
+    many in full, or how many selectively."""
+    if not cfg.trainer.activation_checkpointing:
+        return False
+    full = _full_asked(cfg, choices)
+    return full is None or _selective_asked(cfg, choices, full) is None
 
 
 def admitted(cfg: RunConfig, choices: Choices, machine: RankMachine) -> Decisions:
     """Decisions to plan a variant by before its layers are chosen: a variant that turns
-    checkpointing on is planned with every layer recomputed (the most it needs); the launch
-    then takes the fewest that fit (:func:`resolve_checkpoint_layers`)."""
+    checkpointing on is planned with every layer recomputed in full (the most it needs); the
+    launch then takes the fewest that fit (:func:`resolve_checkpoint_layers`)."""
     if unresolved_layers(cfg, choices):
         layers = int(cfg.model.architecture["num_hidden_layers"])
-        choices = dataclasses.replace(choices, recompute=layers)
+        full = _full_asked(cfg, choices)
+        choices = dataclasses.replace(
+            choices,
+            recompute=layers if full is None else full,
+            selective=0 if full is None else layers - full,
+        )
     return decisions_for(cfg, machine, choices)
 
 
@@ -294,6 +313,11 @@ def auto_fit(
     device = cfg.plan.device_gib
     for spare in (AUTO_CHECKPOINT_SPARE_GIB, 0.0):
         fitting = [f for f in planned if device is None or f.plan.total_gib <= device - spare]
+        # The base's precision is kept whenever a variant that keeps it fits: QLoRA is taken
+        # for memory, never for speed alone (with few layers recomputed, the estimate can
+        # price a 4-bit base faster than a bf16 one that recomputes more).
+        precise = [f for f in fitting if f.decisions.peft_method == d.peft_method]
+        fitting = precise or fitting
         if fitting and cfg.plan.device_tflops:
             # With a step-time estimate (memory/step_time.py), the fastest by that estimate,
             # its checkpointed layers chosen as the launch would; ties keep the cheapest.
@@ -316,7 +340,7 @@ def other_zero_stage(cfg: RunConfig, d: Decisions) -> tuple[RunConfig, Choices]:
     """The decided run on the other ZeRO stage, its checkpointed layers left to choose."""
     stage = 2 if d.zero_stage == 3 else 3
     settings = with_sections(settings_of(cfg, d), zero={"stage": stage, "template": None})
-    return settings, dataclasses.replace(pinned(d), recompute=None)
+    return settings, dataclasses.replace(pinned(d), recompute=None, selective=None)
 
 
 def larger_micro_batch_under_split(
@@ -338,7 +362,7 @@ def larger_micro_batch_under_split(
         return None
     micro = d.batch.micro_batch * k
     settings = with_sections(settings_of(cfg, d), trainer={"micro_batch_size": micro})
-    return settings, dataclasses.replace(pinned(d), recompute=None)
+    return settings, dataclasses.replace(pinned(d), recompute=None, selective=None)
 
 
 def format_step_estimates(
@@ -368,7 +392,7 @@ def format_step_estimates(
         lines.append(
             f"  {label} instead: {other_estimate.step_s:.2f} s per step "
             f"(communication {other_estimate.comm_share:.0%}), {other_plan.total_gib:.2f} GiB "
-            f"per rank ({fits}, {other.checkpointing.recomputed} layers checkpointed)"
+            f"per rank ({fits}, checkpointing {other.checkpointing.label()})"
         )
     return "\n".join(lines)
 
@@ -394,10 +418,18 @@ def checkpoint_budget(cfg: RunConfig, machine: RankMachine) -> tuple[float, str]
 
 def choose_checkpoint_layers(
     cfg: RunConfig, choices: Choices, counts: ParamCounts, machine: RankMachine
-) -> int:
-    """The fewest checkpointed layers whose plan fits the budget (:func:`checkpoint_budget`)
-    with the spare (all if none does: the refusal then shows the full breakdown)."""
-    return _fewest_layers_that_fit(cfg, choices, counts, machine, checkpoint_budget(cfg, machine))
+) -> tuple[int, int]:
+    """(layers recomputed in full, layers recomputed selectively): the fewest full recomputes,
+    then the fewest selective layers, whose plan fits the budget (:func:`checkpoint_budget`)
+    with the spare (all in full if none does: the refusal then shows the full breakdown)."""
+    budget = checkpoint_budget(cfg, machine)
+    return _fewest_layers_that_fit(cfg, choices, counts, machine, budget)
+
+
+def selective_allowed(cfg: RunConfig, d: Decisions) -> bool:
+    """Whether selective recompute is built for these settings and decisions (not with a
+    tiled MLP or offloaded inputs: config.validate.selective_unbuilt says the rest)."""
+    return selective_unbuilt(cfg) is None and not (d.tiled_mlp or d.offload_activations)
 
 
 def _fewest_layers_that_fit(
@@ -406,17 +438,49 @@ def _fewest_layers_that_fit(
     counts: ParamCounts,
     machine: RankMachine,
     budget: tuple[float, str] | None,
-) -> int:
+) -> tuple[int, int]:
+    """By step time within the memory: a full recompute runs a layer's matmuls again, a
+    selective one only its elementwise ops, so the fewest full recomputes come first, then
+    the fewest selective layers."""
     layers = int(cfg.model.architecture["num_hidden_layers"])
+    asked_full = _full_asked(cfg, choices)
+    asked_selective = _selective_asked(cfg, choices, asked_full or 0)
+    base = decisions_for(
+        cfg,
+        machine,
+        dataclasses.replace(choices, recompute=asked_full or 0, selective=asked_selective or 0),
+    )
+    selective_ok = selective_allowed(cfg, base)
     if budget is None:
-        return layers
+        return (layers, 0) if asked_full is None else (asked_full, 0)
     room = budget[0] - AUTO_CHECKPOINT_SPARE_GIB
-    base = decisions_for(cfg, machine, dataclasses.replace(choices, recompute=0))
+
+    def fits(k: int, s: int) -> bool:
+        return plan(cfg, base.with_recompute(k, s), counts).total_gib <= room
+
     # Up to layers - 1: recomputing the last layer as well would only cost (activation_bytes).
-    for k in range(layers):
-        if plan(cfg, base.with_recompute(k), counts).total_gib <= room:
-            return k
-    return layers
+    fulls = range(layers) if asked_full is None else [asked_full]
+    for k in fulls:
+        asked = _selective_asked(cfg, choices, k)
+        if asked is not None:
+            if fits(k, asked):
+                return k, asked
+            continue
+        most = layers - k if selective_ok else 0
+        if not fits(k, most):
+            continue
+        lo, hi = -1, most  # fits(hi); the fewest selective layers that fit, by bisection
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(k, mid):
+                hi = mid
+            else:
+                lo = mid
+        return k, hi
+    if asked_full is None:
+        return layers, 0
+    asked = _selective_asked(cfg, choices, asked_full)
+    return asked_full, (layers - asked_full if selective_ok else 0) if asked is None else asked
 
 
 def resolve_checkpoint_layers(
@@ -428,8 +492,8 @@ def resolve_checkpoint_layers(
         return decisions_for(cfg, machine, choices), None
     # Read once: the host's available RAM (CPU ranks) moves between reads.
     budget, spare = checkpoint_budget(cfg, machine), AUTO_CHECKPOINT_SPARE_GIB
-    k = _fewest_layers_that_fit(cfg, choices, counts, machine, budget)
-    d = decisions_for(cfg, machine, dataclasses.replace(choices, recompute=k))
+    k, s = _fewest_layers_that_fit(cfg, choices, counts, machine, budget)
+    d = decisions_for(cfg, machine, dataclasses.replace(choices, recompute=k, selective=s))
     layers = cfg.model.architecture["num_hidden_layers"]
     if budget is None:
         why = "no plan.device_gib to fit"
@@ -437,7 +501,8 @@ def resolve_checkpoint_layers(
         why = f"the fewest that fit {budget[1]} with {spare:.0f} GiB to spare"
     else:
         why = f"even all of them leave less than {spare:.0f} GiB of {budget[1]} spare"
-    return d, f"checkpoint_layers=auto: {k} of {layers} layers ({why})"
+    mix = f", {s} more selectively" if s else ""
+    return d, f"checkpoint_layers=auto: {k} of {layers} layers{mix} ({why})"
 
 
 # Relative step time of each long-context choice, used only without plan.device_tflops
@@ -480,9 +545,10 @@ def long_context_variants(cfg: RunConfig) -> list[tuple[Choices, float]]:
     offloads = [False, True] if t.offload_activations == "auto" else [t.offload_activations == "on"]
     if not t.activation_checkpointing:
         offloads = [False]
-    if t.compile or routed_experts(dict(cfg.model.architecture)):
-        # not built together (compile), not built for routed experts: config.validate
-        # refuses them when set to on
+    selective = str(t.selective_layers) not in ("auto", "0")
+    if t.compile or selective or routed_experts(dict(cfg.model.architecture)):
+        # not built together (compile, selective layers asked for), not built for routed
+        # experts: config.validate refuses them when set to on
         tiles = offloads = [False]
     out = []
     for sp, tile, offload in itertools.product(sps, tiles, offloads):

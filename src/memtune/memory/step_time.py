@@ -188,7 +188,7 @@ def dropout_pass_bytes(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> flo
             if kind == "linear_attention"
             else counts.lora_inputs
         )
-        passes = 3 if recompute == "full" else 2  # forward (+ recompute) + backward
+        passes = 2 if recompute == "keep" else 3  # forward (+ a recompute) + backward
         total += passes * sum(n * i * (2 * b + 1) for _, i, _ in inputs)
     return float(total)
 

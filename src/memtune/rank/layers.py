@@ -4,10 +4,19 @@ A leaf of the rank side: rank.model (LoRA, compiled layers) and rank.long_contex
 offloaded and compiled checkpoints) both reach the layers through it, so neither imports the
 other for them. rank.build.apply_layer_decisions applies every per-layer decision (this
 module's checkpointing, long_context's tiles and offload) in one call.
+
+A layer recomputes in one of two ways (config.decisions.Recompute): ``full`` runs transformers'
+checkpoint, which keeps the layer's input and runs its whole forward again in backward;
+``selective`` runs torch's selective activation checkpointing (``create_selective_checkpoint_
+contexts``, non-reentrant): the forward keeps the outputs of the layer's matmuls and attention
+(:func:`keeps_output`) beside its input, and the backward's recompute runs only the ops between
+them — norms, activations, rotary, dropout (with the forward's RNG state, so the same masks) —
+reading the kept outputs instead of multiplying again.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -21,9 +30,49 @@ def decoder_layers(model: Any) -> list[Any]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
+MATMULS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten._grouped_mm.")
+"""The operators whose outputs a selective layer keeps, by name (the aten op's ``str``)..."""
+ATTENTION = ("attention", "flash_attn")
+"""... and those of attention: SDPA's kernels (``_scaled_dot_product_*``) and
+flash-attn's custom operators."""
+
+
+def keeps_output(op: Any) -> bool:
+    """Whether a selective layer keeps this operator's outputs (else recomputes it)."""
+    name = str(op)
+    return name.startswith(MATMULS) or any(a in name for a in ATTENTION)
+
+
+class SelectiveCheckpoint:
+    """What a selective layer calls in place of transformers' checkpoint function
+    (``_gradient_checkpointing_func``): torch's non-reentrant checkpoint with the selective
+    policy; ``replaces``, the function it replaced (a layer switched back to ``full``)."""
+
+    def __init__(self, replaces: Callable[..., Any]):
+        self.replaces = replaces
+
+    def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        from functools import partial
+
+        from torch.utils.checkpoint import (
+            CheckpointPolicy,
+            checkpoint,
+            create_selective_checkpoint_contexts,
+        )
+
+        def policy(ctx: Any, op: Any, *a: Any, **k: Any) -> CheckpointPolicy:
+            if keeps_output(op):
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        contexts = partial(create_selective_checkpoint_contexts, policy)
+        return checkpoint(function, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+
 def set_checkpointed_layers(model: Any, checkpointing: Checkpointing) -> None:
     """Each decoder layer as decided (decisions.json ``checkpointing.layers``): recompute its
-    forward in backward ("full") or keep its activations ("keep")."""
+    whole forward in backward ("full"), its elementwise ops only ("selective"), or keep its
+    activations ("keep")."""
     from memtune.config import ConfigError
 
     layers = decoder_layers(model)
@@ -33,4 +82,11 @@ def set_checkpointed_layers(model: Any, checkpointing: Checkpointing) -> None:
             f"model {len(layers)} decoder layers"
         )
     for layer, kind in zip(layers, checkpointing.layers, strict=True):
-        layer.gradient_checkpointing = kind == "full"
+        layer.gradient_checkpointing = kind != "keep"
+        current = getattr(layer, "_gradient_checkpointing_func", None)
+        if current is None:
+            continue  # checkpointing not installed (enabled: false): every layer keeps
+        plain = current.replaces if isinstance(current, SelectiveCheckpoint) else current
+        layer._gradient_checkpointing_func = (
+            SelectiveCheckpoint(plain) if kind == "selective" else plain
+        )

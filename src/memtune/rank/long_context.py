@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memtune.rank.layers import decoder_layers
+from memtune.rank.layers import SelectiveCheckpoint, decoder_layers
 
 # --- tiled MLP --------------------------------------------------------------------------------
 
@@ -258,7 +258,12 @@ def _own_checkpoints(
     # input is the frozen embedding's output), so the backward reaches the layer's LoRA.
     anchor = torch.ones((), requires_grad=True)
     compiled: dict[Callable, Callable] = {}
-    layers = [layer for layer in decoder_layers(model) if layer.gradient_checkpointing]
+    layers = [
+        layer
+        for layer in decoder_layers(model)
+        if layer.gradient_checkpointing
+        and not isinstance(layer._gradient_checkpointing_func, SelectiveCheckpoint)
+    ]  # the layers recomputed in full (selective ones keep torch's selective checkpoint)
     for layer in layers:
         before = layer._gradient_checkpointing_func
         while isinstance(before, OwnCheckpoint):  # applied again: replace, never stack
