@@ -285,7 +285,12 @@ def test_the_data_cache_follows_the_umask(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     (built,) = cache.iterdir()
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [built, *built.iterdir()]}
-    assert modes == {built.name: 0o775, "train.safetensors": 0o664, "stats.json": 0o664}
+    assert modes == {
+        built.name: 0o775,
+        "train.safetensors": 0o664,
+        "stats.json": 0o664,
+        "manifest.json": 0o664,
+    }
 
 
 # ------------------------------------------------------------------ 10e: remote code, pinned

@@ -28,12 +28,17 @@ import json
 from pathlib import Path
 
 from memtune.filesystem import write_atomic
-from memtune.integrity import verify_manifest, write_manifest
+from memtune.integrity import Store, verify_manifest
 
 TRAINER_STATE = "trainer_state.json"
 
 COMPLETE = "complete.json"
 """A checkpoint is complete once rank 0 wrote it, last (:func:`seal`)."""
+
+CHECKPOINT = Store("checkpoint", 1, digest="sha256")
+"""A checkpoint's manifest: SHA-256 (hashed once at a save and once at a resume; a user can
+check a copied checkpoint with sha256sum). Read with :func:`memtune.integrity.verify_manifest`,
+which trusts a checkpoint from before manifests; a damaged one is skipped, never rebuilt."""
 
 LATEST = "latest"
 """The name of the newest complete checkpoint, in the checkpoints folder."""
@@ -59,7 +64,7 @@ def is_complete(path: Path) -> bool:
 def seal(checkpoint: Path, step: int) -> None:
     """A checkpoint's last writes, once every other file is in it: the manifest (every file
     fsynced, then listed with its size and hash), then complete.json."""
-    write_manifest(checkpoint, skip=(COMPLETE,))
+    CHECKPOINT.seal(checkpoint, skip=(COMPLETE,))
     write_atomic(checkpoint / COMPLETE, json.dumps({"step": step}) + "\n")
 
 

@@ -4,6 +4,10 @@ The key hashes the data files' bytes, the tokenizer, the template and every leng
 filtering setting, so a second run with the same inputs reuses the cache and a changed file
 or setting builds a new one. Ranks only read the cache: no rank waits in a collective while
 another tokenizes, and a bad record stops the job before any GPU memory is taken.
+
+An entry is sealed with its manifest (memtune.integrity, XXH3-128) and verified whenever it is
+reused: a damaged or incomplete one is set aside as ``.damaged-KEY`` and tokenized again, with
+one line saying so.
 """
 
 from __future__ import annotations
@@ -26,9 +30,12 @@ from memtune.config import ConfigError, DataConfig, DataSource, cache_dir
 from memtune.data.encode import DataStats, Sample, apply_length_policy, encode_records
 from memtune.data.readers import IdenticalReplies, Record, RecordError, read_source
 from memtune.filesystem import follow_umask, free_bytes, human_bytes
+from memtune.integrity import Store
 from memtune.paths import is_local_source
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
+"""2: every entry sealed with a manifest (entries of 1 are not looked at: their key differs)."""
+DATA_CACHE = Store("data cache", CACHE_VERSION)
 MAX_BAD_EXAMPLES = 5
 CHUNK = 2000
 
@@ -39,6 +46,8 @@ class Prepared:
     train: DataStats
     val: DataStats | None
     reused: bool
+    set_aside: str | None = None
+    """The line saying a damaged entry under this key was set aside before this one was built."""
 
 
 def _digest_path(h: Any, path: str) -> None:
@@ -223,21 +232,32 @@ def _arrays(samples: list[Sample]) -> Arrays:
 
 
 def preprocess(cfg: DataConfig, tokenizer: Any, seed: int) -> Prepared:
-    """Build the cache for ``cfg`` unless it exists; returns where it is and its counts.
-    ``tokenizer``: a loaded tokenizer, or :class:`TokenizerFiles` (loaded only to build)."""
+    """Build the cache for ``cfg`` unless it exists and verifies; returns where it is and its
+    counts. ``tokenizer``: a loaded tokenizer, or :class:`TokenizerFiles` (loaded only to
+    build). A damaged entry is set aside and built again (:attr:`Prepared.set_aside`)."""
     root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else cache_dir() / "data"
     out = root / fingerprint(cfg, tokenizer, seed)
-    stats_file = out / "stats.json"
-    if stats_file.is_file():
-        saved = json.loads(stats_file.read_text())
-        saved_val = DataStats(**saved["val"]) if saved["val"] else None
-        return Prepared(out, DataStats(**saved["train"]), saved_val, reused=True)
+    where = "data.cache_dir" if cfg.cache_dir else "data.cache_dir (or MEMTUNE_CACHE_DIR)"
+    aside_line = None
+    if out.exists():
+        problem = DATA_CACHE.problem(out)
+        if problem is None:
+            saved = json.loads((out / "stats.json").read_text())
+            saved_val = DataStats(**saved["val"]) if saved["val"] else None
+            return Prepared(out, DataStats(**saved["train"]), saved_val, reused=True)
+        try:
+            aside = DATA_CACHE.set_aside(out)
+        except OSError as err:
+            raise ConfigError(
+                f"data cache {out} is damaged ({problem}) and cannot be set aside "
+                f"({err.strerror}): point {where} at a folder memtune can write"
+            ) from None
+        aside_line = DATA_CACHE.damaged_line(out, problem, aside, "tokenizing again")
 
     if isinstance(tokenizer, TokenizerFiles):
         tokenizer = tokenizer.load()
     train, stats, val, val_stats = build(cfg, tokenizer, seed)
-    where = "data.cache_dir" if cfg.cache_dir else "data.cache_dir (or MEMTUNE_CACHE_DIR)"
-    with no_space_is_an_error(root, where):
+    with no_space_is_an_error(root, where), cannot_write_is_an_error(where):
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
     try:
@@ -247,15 +267,31 @@ def preprocess(cfg: DataConfig, tokenizer: Any, seed: int) -> Prepared:
                 _save(val, tmp / "val.safetensors")
             payload = {"train": stats.as_dict(), "val": val_stats and val_stats.as_dict()}
             (tmp / "stats.json").write_text(json.dumps(payload, indent=2) + "\n")
+            DATA_CACHE.seal(tmp)  # last: an entry without its manifest is never reused
         follow_umask(tmp)
         try:
             os.replace(tmp, out)
         except OSError:
-            if not stats_file.is_file():  # not a concurrent identical build: a real failure
+            if DATA_CACHE.problem(out) is not None:  # not a concurrent identical build
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # ours: a build cut short leaves nothing
-    return Prepared(out, stats, val_stats, reused=False)
+    return Prepared(out, stats, val_stats, reused=False, set_aside=aside_line)
+
+
+@contextlib.contextmanager
+def cannot_write_is_an_error(fix: str) -> Iterator[None]:
+    """A cache folder memtune may not write (read-only filesystem, no permission): one line
+    naming it and the setting that moves it, instead of a traceback."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise ConfigError(
+            f"cannot write {err.filename}: {err.strerror}; point {fix} at a folder memtune "
+            "can write"
+        ) from None
 
 
 NO_SPACE = {

@@ -199,6 +199,8 @@ def prepare_data(cfg: RunConfig) -> Prepared:
         TokenizerFiles(digest, lambda: load_tokenizer(cfg)) if digest else load_tokenizer(cfg)
     )
     prepared = preprocess(cfg.data, tokenizer, cfg.trainer.seed)
+    if prepared.set_aside is not None:
+        print(prepared.set_aside, flush=True)
     how = "reused cache" if prepared.reused else "tokenized into"
     print(f"memtune: data {how} {prepared.dir}", flush=True)
     print(f"memtune: train: {prepared.train.line()}", flush=True)

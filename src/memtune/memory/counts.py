@@ -14,13 +14,14 @@ import math
 import warnings
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
 from memtune.config import RunConfig, cache_dir, compute_bytes, lora_targets
 from memtune.config.architecture import layer_types, routed_experts
 from memtune.config.derive import adapts_experts
 from memtune.expert_stacks import QUANT_BLOCK
-from memtune.filesystem import write_atomic
+from memtune.integrity import Store
 
 
 @dataclass
@@ -68,7 +69,32 @@ def arch_config(cfg: RunConfig) -> Any:
     return AutoConfig.for_model(arch.pop("model_type"), **arch)
 
 
-COUNTS_CACHE_FORMAT = 6
+COUNTS_CACHE_FORMAT = 7
+"""7: each entry carries its digest (memtune.integrity.Store.write_value)."""
+
+COUNTS_CACHE = Store("counts cache", COUNTS_CACHE_FORMAT)
+"""The parameter counts and the linear-mixer lines, one JSON file a key in
+``$MEMTUNE_CACHE_DIR/counts/``: a damaged one is set aside and counted again."""
+
+
+def _cached(path: Path, what: str) -> Any:
+    """The value kept at ``path``, None when there is none; a damaged entry is set aside with
+    one line (or, where the cache cannot be changed, only said) and None returned: the caller
+    counts again."""
+    value, problem = COUNTS_CACHE.read_value(path)
+    if problem is None:
+        return value
+    try:
+        aside = COUNTS_CACHE.set_aside(path)
+    except OSError as err:  # a read-only cache only costs the time, as when it cannot be written
+        print(
+            f"memtune: {COUNTS_CACHE.name} {path} was damaged ({problem}) and cannot be set "
+            f"aside ({err.strerror}); {what} again, not kept",
+            flush=True,
+        )
+        return None
+    print(COUNTS_CACHE.damaged_line(path, problem, aside, f"{what} again"), flush=True)
+    return None
 
 
 def count_params(cfg: RunConfig) -> ParamCounts:
@@ -95,8 +121,8 @@ def count_params(cfg: RunConfig) -> ParamCounts:
         default=str,
     )
     path = cache_dir() / "counts" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
-    try:
-        saved = json.loads(path.read_text())
+    saved = _cached(path, "parameters counted")
+    if saved is not None:
         return ParamCounts(
             **{
                 **saved,
@@ -107,12 +133,10 @@ def count_params(cfg: RunConfig) -> ParamCounts:
                 ],
             }
         )
-    except (OSError, ValueError, TypeError, KeyError):
-        pass  # not counted yet (or an unreadable file): count now
     counts = _count_on_meta(cfg)
     with contextlib.suppress(OSError):  # a read-only or full cache only costs the time
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(asdict(counts)))  # its temporary file never stays
+        COUNTS_CACHE.write_value(path, asdict(counts))  # its temporary file never stays
     return counts
 
 
@@ -250,18 +274,17 @@ def _mixer_line(cfg: RunConfig) -> tuple[float, float]:
     if key in _MIXER_LINES:  # the planner asks once per layer kind, trial and length
         return _MIXER_LINES[key]
     path = cache_dir() / "counts" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
-    try:
-        slope, base = json.loads(path.read_text())
+    saved = _cached(path, "the linear mixer measured")
+    if saved is not None:
+        slope, base = saved
         _MIXER_LINES[key] = (float(slope), float(base))
         return _MIXER_LINES[key]
-    except (OSError, ValueError, TypeError):
-        pass
     two, four = (_mixer_saved_on_meta(cfg, c * MIXER_CHUNK) for c in (2, 4))
     line = ((four - two) / 2, two - (four - two))
     _MIXER_LINES[key] = line
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(line))
+        COUNTS_CACHE.write_value(path, list(line))
     return line
 
 

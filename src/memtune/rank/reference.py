@@ -38,6 +38,7 @@ from memtune.data.batching import collate_packed as _collate
 from memtune.data.cache import load_split
 from memtune.data.loaders import blank_sample
 from memtune.data.packing import pack_bins
+from memtune.integrity import MANIFEST, Store
 from memtune.rank.loop import MODEL_INPUTS
 from memtune.rank.sequence_parallel import SequenceGroups, shard_batch
 from memtune.rundir import RunDir
@@ -214,7 +215,8 @@ def prepare(
     order says which pairs the steps read."""
     key = reference_key(cfg, d, rd, data_dir)
     folder = rd.reference
-    saved = _read(folder, key)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    saved = _read(folder, key, say if rank == 0 else None)
     usable = saved is not None and ("val" in saved) == with_val
     # Every rank computes, or none: compute() is a collective, and a rank that cannot read the
     # saved tables (a filesystem's cache, a damaged file) must not leave the others in it.
@@ -234,7 +236,6 @@ def prepare(
         every = list(range(len(val)))
         tables["val"] = compute(engine, val, every, d.batch, pad_id, device, groups)
         counted += f" and {len(val):,} validation pairs"
-    rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         _write(folder, key, tables)
     which = (
@@ -251,28 +252,54 @@ def prepare(
 
 TABLES = "logps.safetensors"
 
+REFERENCE_TABLES = Store("reference folder", FORMAT)
+"""``RUN_DIR/reference/``: the tables and their manifest (memtune.integrity). A damaged one is
+set aside as ``RUN_DIR/.damaged-reference`` and computed again."""
 
-def _read(folder: Path, key: str) -> dict[str, torch.Tensor] | None:
-    """The saved tables when they were computed under ``key`` (kept in the file's metadata)."""
-    from safetensors import safe_open
+
+def _read(
+    folder: Path, key: str, say: Callable[[str], None] | None = None
+) -> dict[str, torch.Tensor] | None:
+    """The saved tables when they verify and were computed under ``key`` (kept in the file's
+    metadata). Damaged ones: None, and with ``say`` (rank 0) set aside with one line."""
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
     path = folder / TABLES
     if not path.is_file():
         return None
-    with safe_open(str(path), framework="pt") as f:
-        if (f.metadata() or {}).get("key") != key:
-            return None
-    return dict(load_file(str(path)))
+    problem = REFERENCE_TABLES.problem(folder)
+    if problem is None:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                if (f.metadata() or {}).get("key") != key:
+                    return None  # another computation's: recomputed and replaced, not damaged
+            return dict(load_file(str(path)))
+        except (OSError, SafetensorError) as err:  # a file written wrong, listed as written
+            problem = f"{path} cannot be read ({err})"
+    if say is not None:
+        try:
+            aside = REFERENCE_TABLES.set_aside(folder)
+        except OSError as err:
+            say(
+                f"memtune: {REFERENCE_TABLES.name} {folder} was damaged ({problem}) and cannot "
+                f"be set aside ({err.strerror}); computing them again"
+            )
+        else:
+            say(REFERENCE_TABLES.damaged_line(folder, problem, aside, "computing them again"))
+    return None
 
 
 def _write(folder: Path, key: str, tables: dict[str, torch.Tensor]) -> None:
-    """The tables and their key in one file, through a temporary name renamed into place: a
-    reader sees the old file or the new one, never tables under another computation's key."""
+    """The tables and their key in one file, through a temporary name renamed into place, then
+    the folder's manifest: a reader sees complete tables, or none (a folder whose manifest is
+    missing or does not list these bytes is never read)."""
     from safetensors.torch import save_file
 
     folder.mkdir(exist_ok=True)
     tmp = folder / f".{TABLES}.tmp-{os.getpid()}"
     meta = {"key": key, "format": str(FORMAT)}
     save_file({k: v.contiguous() for k, v in tables.items()}, str(tmp), metadata=meta)
+    (folder / MANIFEST).unlink(missing_ok=True)  # the old tables' list goes first
     tmp.replace(folder / TABLES)
+    REFERENCE_TABLES.seal(folder)

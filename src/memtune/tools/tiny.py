@@ -23,6 +23,7 @@ from typing import Any
 
 from memtune.config import ASSETS_DIR, ConfigError
 from memtune.filesystem import follow_umask
+from memtune.integrity import MANIFEST, Store
 
 # Qwen2.5-Instruct's specials: pad is <|endoftext|>, an assistant turn ends with <|im_end|>.
 PAD_TOKEN = "<|endoftext|>"
@@ -42,7 +43,12 @@ CHATML_TEMPLATE = (
 
 TOKENIZER_CORPUS = ASSETS_DIR / "demo_alpaca.jsonl"
 _MARKER = "memtune_synth.json"
-_BUILDER_VERSION = 1
+_BUILDER_VERSION = 2
+"""2: the build sealed with a manifest (builds of 1 are replaced as older builds of ours)."""
+
+DEMO_MODEL = Store("demo model", 1)
+"""A synthesized model's folder, sealed with its manifest and verified on every launch that
+uses it: a damaged one is set aside as ``.damaged-NAME`` beside it and built again."""
 
 
 def _fingerprint(architecture: dict[str, Any], tokenizer_dir: Path | None) -> str:
@@ -108,8 +114,18 @@ class NotOurs(ConfigError):
 
 
 def is_synthesized(path: str | Path) -> bool:
-    """Whether ``path`` is a demo model memtune built (it carries memtune's marker)."""
-    return (Path(path) / _MARKER).is_file()
+    """Whether ``path`` is a demo model memtune built (it carries memtune's marker, or the
+    manifest memtune seals it with: a build whose marker was lost is still memtune's)."""
+    return (Path(path) / _MARKER).is_file() or DEMO_MODEL.is_ours(Path(path))
+
+
+def _damage(path: Path, fingerprint: str) -> str | None:
+    """What is wrong with memtune's build at ``path``; None for a sound build, of this
+    fingerprint or an older one (an older build without a manifest, from before manifests, is
+    replaced like any older build, not reported)."""
+    if _current(path, fingerprint) or (path / MANIFEST).is_file():
+        return DEMO_MODEL.problem(path)
+    return None
 
 
 def _current(path: Path, fingerprint: str) -> bool:
@@ -148,11 +164,11 @@ def synthesize(
     path = Path(path)
     tok_dir = None if tokenizer_dir is None else Path(tokenizer_dir)
     fingerprint = _fingerprint(architecture, tok_dir)
-    if _current(path, fingerprint):
+    if _current(path, fingerprint) and DEMO_MODEL.problem(path) is None:
         return path  # before importing transformers: ~2 s of every start of the demo
     path.parent.mkdir(parents=True, exist_ok=True)
     with _build_lock(path):
-        if _current(path, fingerprint):
+        if _current(path, fingerprint) and DEMO_MODEL.problem(path) is None:
             return path  # another process built it while this one waited
         if path.exists() and not is_synthesized(path):
             raise NotOurs(
@@ -160,6 +176,16 @@ def synthesize(
                 "builds demo models only where nothing is, and never replaces a directory it "
                 "did not make"
             )
+        problem = _damage(path, fingerprint) if path.exists() else None
+        if problem is not None:
+            try:
+                aside = DEMO_MODEL.set_aside(path)
+            except OSError as err:
+                raise ConfigError(
+                    f"demo model {path} is damaged ({problem}) and cannot be set aside "
+                    f"({err.strerror}): point MEMTUNE_CACHE_DIR at a folder memtune can write"
+                ) from None
+            print(DEMO_MODEL.damaged_line(path, problem, aside, "building it again"), flush=True)
         _build(path, architecture, seed, tok_dir, fingerprint)
     return path
 
@@ -199,6 +225,7 @@ def _build(
             model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / _MARKER).write_text(json.dumps({"fingerprint": fingerprint, "seed": seed}))
+        DEMO_MODEL.seal(tmp)  # last: a build without its manifest is never used
         follow_umask(tmp)  # mkdtemp's 0700, safetensors' 0600: a shared cache needs the umask's
         if path.exists():  # an older build of ours (synthesize checked the marker): set aside
             os.replace(path, old)

@@ -1,0 +1,353 @@
+"""Every store memtune reads back is verified (memtune.integrity): the tokenized data cache, the
+counts caches, the DPO reference tables and the synthesized demo models. Each is damaged here
+for real (a cut file, a flipped byte, a missing file, a manifest from another version) and read
+again: the damaged entry is set aside under memtune's name with one line, and what is rebuilt
+is byte for byte a clean build. The checkpoints' own tests are in test_checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from memtune.config import ConfigError, DataConfig, to_run_config
+from memtune.data.cache import load_split, preprocess
+from memtune.data.encode import load_tokenizer
+from memtune.integrity import MANIFEST, Store
+from memtune.memory.counts import COUNTS_CACHE, count_params
+from memtune.rank import reference
+from memtune.tools.tiny import _MARKER, DEMO_MODEL, is_synthesized, synthesize
+from tests.conftest import FAST, ROOT, compose_cfg
+from tests.test_environment import public_dir, unprivileged  # noqa: F401 - a fixture
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {
+        str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()
+    }
+
+
+def _cut(f: Path) -> None:
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _flip(f: Path, at: int | None = None) -> None:
+    data = bytearray(f.read_bytes())
+    i = len(data) // 2 if at is None else at
+    data[i] ^= 0x01
+    f.write_bytes(bytes(data))
+
+
+def _other_version(entry: Path) -> None:
+    record = json.loads((entry / MANIFEST).read_text())
+    (entry / MANIFEST).write_text(json.dumps({**record, "format": record["format"] - 1}))
+
+
+DAMAGE: dict[str, Callable[[Path, str], None]] = {
+    "cut": lambda entry, name: _cut(entry / name),
+    "flipped byte": lambda entry, name: _flip(entry / name),
+    "missing file": lambda entry, name: (entry / name).unlink(),
+    "manifest of another version": lambda entry, name: _other_version(entry),
+    "no manifest": lambda entry, name: (entry / MANIFEST).unlink(),
+}
+SAID = {
+    "cut": "were written",
+    "flipped byte": "its XXH3-128 differs",
+    "missing file": "is missing",
+    "manifest of another version": "format",
+    "no manifest": "writing was cut short",
+}
+
+
+# ------------------------------------------------------------------ the mechanism
+
+
+def test_a_store_names_what_is_wrong(tmp_path: Path) -> None:
+    store = Store("test store", 3)
+    entry = tmp_path / "entry"
+    (entry / "sub").mkdir(parents=True)
+    (entry / "a.bin").write_bytes(bytes(range(256)) * 40)
+    (entry / "sub" / "b.json").write_text('{"x": 1}')
+    store.seal(entry)
+    assert store.problem(entry) is None and store.is_ours(entry)
+    record = json.loads((entry / MANIFEST).read_text())
+    assert record["store"] == "test store" and record["format"] == 3
+    assert record["digest"] == "xxh3_128" and record["files"]["a.bin"][0] == 10240
+    assert not Store("other store", 3).is_ours(entry)
+    assert "other store format 3" in str(Store("other store", 3).problem(entry))
+    for kind, damage in DAMAGE.items():
+        copy = tmp_path / kind.replace(" ", "-")
+        shutil.copytree(entry, copy)
+        damage(copy, "a.bin")
+        problem = store.problem(copy)
+        assert problem is not None and SAID[kind] in problem, (kind, problem)
+    (entry / MANIFEST).write_text("{not json")
+    assert store.problem(entry) == f"{entry / MANIFEST} cannot be read"
+
+
+def test_a_one_file_entry_knows_a_changed_digit(tmp_path: Path) -> None:
+    store = Store("test store", 2)
+    path = tmp_path / "value.json"
+    value = {"linear": 123456, "shapes": [["q_proj", 64, 64]], "share": 0.0625}
+    store.write_value(path, value)
+    assert store.read_value(path) == (value, None)
+    assert store.read_value(tmp_path / "absent.json") == (None, None)
+    path.write_text(path.read_text().replace("123456", "123457"))  # still valid JSON
+    assert store.read_value(path) == (
+        None,
+        "its value does not hold what was written (its digest differs)",
+    )
+    path.write_text(path.read_text()[:-9])
+    assert store.read_value(path) == (None, "it cannot be read")
+    store.write_value(path, value)
+    assert "format 1" in str(Store("test store", 1).read_value(path)[1])
+
+
+def test_set_aside_replaces_only_its_own_earlier_aside(tmp_path: Path) -> None:
+    store = Store("test store", 1)
+    for text in ("first", "second"):
+        entry = tmp_path / "key"
+        entry.mkdir()
+        (entry / "f").write_text(text)
+        aside = store.set_aside(entry)
+        assert aside == tmp_path / ".damaged-key" and not entry.exists()
+    assert (aside / "f").read_text() == "second"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".damaged-key"]
+
+
+# ------------------------------------------------------------------ the tokenized data cache
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    cfg = to_run_config(compose_cfg())
+    synthesize(cfg.model.name_or_path, cfg.model.architecture)
+    return load_tokenizer(cfg)
+
+
+def _data(root: Path) -> DataConfig:
+    path = root / "d.jsonl"
+    rows = [{"instruction": f"q{i}", "input": "", "output": f"a{i} " * (i + 1)} for i in range(12)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return DataConfig(path=str(path), cache_dir=str(root / "cache"), val_fraction=0.25)
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_a_damaged_data_cache_is_set_aside_and_tokenized_again(
+    tokenizer, tmp_path: Path, kind: str
+) -> None:
+    cfg = _data(tmp_path)
+    first = preprocess(cfg, tokenizer, seed=0)
+    clean = _files(first.dir)
+    assert preprocess(cfg, tokenizer, seed=0).reused  # sound: reused, no line
+    DAMAGE[kind](first.dir, "train.safetensors")
+    again = preprocess(cfg, tokenizer, seed=0)
+    aside = first.dir.parent / f".damaged-{first.dir.name}"
+    assert not again.reused and again.dir == first.dir
+    assert again.set_aside is not None and SAID[kind] in again.set_aside
+    assert again.set_aside.startswith(f"memtune: data cache {first.dir} was damaged (")
+    assert again.set_aside.endswith(f"set aside as {aside}; tokenizing again")
+    assert _files(again.dir) == clean  # the rebuilt entry is a clean build, byte for byte
+    assert aside.is_dir() and _files(aside) != clean
+    assert again.train == first.train and again.val == first.val
+    assert len(load_split(again.dir)) == first.train.samples
+    assert preprocess(cfg, tokenizer, seed=0).reused
+
+
+def test_a_damaged_data_cache_that_cannot_be_set_aside(tokenizer, public_dir: Path) -> None:  # noqa: F811
+    """A read-only cache: rebuilding is impossible, so one line (exit 2 before launch)."""
+    cfg = _data(public_dir)
+    first = preprocess(cfg, tokenizer, seed=0)
+    _flip(first.dir / "stats.json", at=3)
+    cache = Path(cfg.cache_dir)
+    for f in [public_dir, *public_dir.rglob("*")]:
+        f.chmod(0o555 if f.is_dir() else 0o444)
+    try:
+        with unprivileged(), pytest.raises(ConfigError) as err:
+            preprocess(cfg, tokenizer, seed=0)
+    finally:
+        for f in [public_dir, *public_dir.rglob("*")]:
+            f.chmod(0o755 if f.is_dir() else 0o644)
+    assert str(err.value).startswith(f"data cache {first.dir} is damaged (")
+    assert "cannot be set aside (Permission denied): point data.cache_dir" in str(err.value)
+    assert sorted(p.name for p in cache.iterdir()) == [first.dir.name]
+
+
+# ------------------------------------------------------------------ the counts caches
+
+
+def test_a_damaged_counts_entry_is_counted_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("MEMTUNE_CACHE_DIR", str(tmp_path))
+    cfg = to_run_config(compose_cfg())
+    clean = count_params(cfg)
+    (entry,) = (tmp_path / "counts").iterdir()
+    record = json.loads(entry.read_text())
+    assert record["store"] == COUNTS_CACHE.name and record["value"]["linear"] == clean.linear
+    # One digit of a count changed: the JSON still parses, the digest does not match.
+    digits = str(clean.linear)
+    entry.write_text(entry.read_text().replace(f'"linear": {digits}', f'"linear": {digits}1'))
+    capsys.readouterr()
+    assert count_params(cfg) == clean
+    line = capsys.readouterr().out.strip()
+    aside = tmp_path / "counts" / f".damaged-{entry.name}"
+    assert line == (
+        f"memtune: counts cache {entry} was damaged (its value does not hold what was written "
+        f"(its digest differs)): set aside as {aside}; parameters counted again"
+    )
+    assert json.loads(entry.read_text()) == record and aside.is_file()
+    assert count_params(cfg) == clean and capsys.readouterr().out == ""
+
+
+# ------------------------------------------------------------------ the DPO reference tables
+
+
+def test_damaged_reference_tables_are_set_aside_and_computed_again(tmp_path: Path) -> None:
+    folder = tmp_path / "reference"
+    tables = {"train": torch.arange(12, dtype=torch.float32).reshape(6, 2)}
+    reference._write(folder, "key-1", tables)
+    clean = _files(folder)
+    assert reference._read(folder, "key-1")["train"].equal(tables["train"])
+    assert reference._read(folder, "key-2") is None  # another computation's: not damage
+    assert (folder / reference.TABLES).is_file()
+    said: list[str] = []
+    _flip(folder / reference.TABLES, at=-5)
+    assert reference._read(folder, "key-1", None) is None  # a rank other than 0: only None
+    assert folder.is_dir()
+    assert reference._read(folder, "key-1", said.append) is None
+    aside = tmp_path / ".damaged-reference"
+    assert len(said) == 1 and said[0].startswith(f"memtune: reference folder {folder} was ")
+    assert said[0].endswith(f"set aside as {aside}; computing them again")
+    assert "XXH3-128 differs" in said[0] and not folder.exists() and aside.is_dir()
+    reference._write(folder, "key-1", tables)
+    # The same tables under the same key (safetensors orders a header's metadata as it likes:
+    # the bytes of two clean writes can differ there).
+    assert clean.keys() == _files(folder).keys() == {reference.TABLES, MANIFEST}
+    assert reference._read(folder, "key-1")["train"].equal(tables["train"])
+
+
+# ------------------------------------------------------------------ the demo models
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda model: _flip(model / "model.safetensors", at=-3),
+        lambda model: (model / _MARKER).unlink(),
+    ],
+    ids=["flipped byte in the weights", "marker missing"],
+)
+def test_a_damaged_demo_model_is_set_aside_and_built_again(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: Callable[[Path], None]
+) -> None:
+    arch = dict(compose_cfg()["model"]["architecture"])
+    model = synthesize(tmp_path / "tiny", arch)
+    clean = _files(model)
+    assert DEMO_MODEL.problem(model) is None
+    damage(model)
+    assert is_synthesized(model)  # memtune's by its manifest, even without its marker
+    capsys.readouterr()
+    assert synthesize(model, arch) == model
+    line = capsys.readouterr().out.strip()
+    aside = tmp_path / ".damaged-tiny"
+    assert line.startswith(f"memtune: demo model {model} was damaged (")
+    assert line.endswith(f"set aside as {aside}; building it again")
+    assert _files(model) == clean and aside.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".damaged-tiny", ".tiny.lock", "tiny"]
+    synthesize(model, arch)
+    assert capsys.readouterr().out == ""
+
+
+def test_an_older_demo_build_without_a_manifest_is_replaced_quietly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    arch = dict(compose_cfg()["model"]["architecture"])
+    model = synthesize(tmp_path / "tiny", arch)
+    (model / MANIFEST).unlink()
+    marker = json.loads((model / _MARKER).read_text())
+    (model / _MARKER).write_text(json.dumps({**marker, "fingerprint": "an older builder"}))
+    capsys.readouterr()
+    synthesize(model, arch)
+    assert capsys.readouterr().out == "" and DEMO_MODEL.problem(model) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tiny.lock", "tiny"]
+    assert os.access(model / MANIFEST, os.R_OK)
+
+
+def test_a_damaged_linear_mixer_entry_is_measured_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from memtune.memory import counts
+
+    monkeypatch.setenv("MEMTUNE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(counts, "_MIXER_LINES", {})  # this process's copy: read the file again
+    cfg = to_run_config(compose_cfg(["model=tiny-qwen3.5"]))
+    clean = counts.linear_mixer_bytes(cfg, 256)
+    (entry,) = (tmp_path / "counts").iterdir()
+    _flip(entry, at=entry.read_text().index('"value": [') + 11)  # a digit of the slope
+    counts._MIXER_LINES.clear()
+    capsys.readouterr()
+    assert counts.linear_mixer_bytes(cfg, 256) == clean
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"memtune: counts cache {entry} was damaged (")
+    assert line.endswith("; the linear mixer measured again")
+    assert (tmp_path / "counts" / f".damaged-{entry.name}").is_file()
+
+
+# ------------------------------------------------------------------ end to end
+
+
+def _train(run_dir: Path, cache: Path) -> subprocess.CompletedProcess:
+    args = [*FAST, "launcher.num_ranks=1", "trainer.max_steps=3", f"run_dir={run_dir}"]
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "MEMTUNE_CACHE_DIR": str(cache)},
+    )
+
+
+def _losses(run_dir: Path) -> list[float]:
+    rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["train/loss"] for r in rows if "train/loss" in r]
+
+
+@pytest.mark.faults
+def test_a_job_after_its_caches_were_damaged(tmp_path: Path) -> None:
+    """The issue's user: the demo trained once, then a byte of its tokenized data and of its
+    demo model flipped (a disk hiccup); the same command in a new run dir says what it rebuilt
+    in one line each and trains exactly as before (it used to end in a SafetensorError
+    traceback, on every later run)."""
+    cache = tmp_path / "cache"
+    first = _train(tmp_path / "run1", cache)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (data,) = (cache / "data").iterdir()
+    model = cache / "tiny-qwen2"
+    clean = {"data": _files(data), "model": _files(model)}
+    _flip(data / "train.safetensors", at=-7)
+    _flip(model / "model.safetensors", at=-7)
+
+    again = _train(tmp_path / "run2", cache)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Traceback" not in again.stderr
+    lines = [line for line in again.stdout.splitlines() if "was damaged" in line]
+    assert lines == [
+        f"memtune: demo model {model} was damaged ({model / 'model.safetensors'} does not hold "
+        f"the bytes that were written (its XXH3-128 differs)): set aside as "
+        f"{cache / '.damaged-tiny-qwen2'}; building it again",
+        f"memtune: data cache {data} was damaged ({data / 'train.safetensors'} does not hold "
+        f"the bytes that were written (its XXH3-128 differs)): set aside as "
+        f"{data.parent / ('.damaged-' + data.name)}; tokenizing again",
+    ]
+    assert _files(data) == clean["data"] and _files(model) == clean["model"]
+    assert (cache / ".damaged-tiny-qwen2").is_dir()
+    assert (data.parent / f".damaged-{data.name}").is_dir()
+    assert _losses(tmp_path / "run2") == _losses(tmp_path / "run1")
