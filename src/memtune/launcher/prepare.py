@@ -193,12 +193,17 @@ def _write_run_dir(
 def prepare_data(cfg: RunConfig) -> Prepared:
     """Tokenize into the cache (or find it there) and say what was kept, cut and dropped."""
     from memtune.data.encode import load_tokenizer
+    from memtune.data.vision import model_image_settings
 
     digest = tokenizer_files_digest(cfg.model.name_or_path, cfg.model.revision)
     tokenizer = (
         TokenizerFiles(digest, lambda: load_tokenizer(cfg)) if digest else load_tokenizer(cfg)
     )
-    prepared = preprocess(cfg.data, tokenizer, cfg.trainer.seed)
+    m = cfg.model
+    images = model_image_settings(
+        m.name_or_path, m.revision, cfg.data.min_pixels, cfg.data.max_pixels
+    )
+    prepared = preprocess(cfg.data, tokenizer, cfg.trainer.seed, images)
     how = "reused cache" if prepared.reused else "tokenized into"
     print(f"memtune: data {how} {prepared.dir}", flush=True)
     print(f"memtune: train: {prepared.train.line()}", flush=True)
