@@ -211,7 +211,22 @@ def prepare_data(cfg: RunConfig) -> Prepared:
         print(f"memtune: val: {prepared.val.line()}", flush=True)
     for example in prepared.train.bad_examples[1:]:
         print(f"memtune:   also skipped: {example}", flush=True)
+    refuse_images_until_trained(prepared, cfg.preprocess_only)
     return prepared
+
+
+def refuse_images_until_trained(prepared: Prepared, preprocess_only: bool) -> None:
+    """Data with images is read, encoded and cached (#49 items 1-2), and the ranks do not yet
+    feed the images to a vision tower (items 3-4): they would embed each ``<|image_pad|>`` as a
+    text token and train on that, silently. So a run stops here, after the counts, unless it
+    only preprocesses."""
+    images = prepared.train.images + (prepared.val.images if prepared.val else 0)
+    if images and not preprocess_only:
+        raise ConfigError(
+            f"data: the records hold {images:,} images, and training on images is not built "
+            "yet (the ranks would read each image's tokens as text): preprocess_only=true "
+            f"builds and checks the cache ({prepared.dir}) without starting the ranks"
+        )
 
 
 def train_step_shape(cfg: RunConfig, d: Decisions, prepared: Prepared) -> StepShape:
