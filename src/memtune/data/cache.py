@@ -122,8 +122,6 @@ def _mentions_images(path: str) -> bool:
     ``"image"`` parts, an ``images`` list, a ``datasets`` Image column): only then are its
     records parsed for the key. A text-only source is not parsed twice per launch."""
     p = Path(path).expanduser()
-    if not is_local_source(path):
-        return True
     files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
     for f in files:
         tail = b""
@@ -138,8 +136,13 @@ def _mentions_images(path: str) -> bool:
 def _digest_images(h: Any, path: str, fmt: str) -> bool:
     """Add every image file a source's records name, bytes and path, in record order (images
     given as bytes in a column are in the source's own bytes already); True when any record
-    of the source has an image. A bad record is left to the build, which says what is wrong."""
-    if fmt != "messages" or not _mentions_images(path):
+    of the source has an image (a hub dataset: keyed by its name, as for text, and taken to
+    have some). A bad record is left to the build, which says what is wrong."""
+    if fmt != "messages":
+        return False
+    if not is_local_source(path):
+        return True  # may hold images: the image settings join the key, unparsed
+    if not _mentions_images(path):
         return False
     found = False
     for item in read_source(path, fmt):

@@ -203,7 +203,8 @@ def _iter_hub(name: str) -> Iterator[tuple[str, Any]]:
     from datasets import load_dataset
 
     ds = load_dataset(name, split="train")
-    for i, rec in enumerate(ds):
+    rows = _undecoded_rows(ds) if _has_images(ds.features) else iter(ds)
+    for i, rec in enumerate(rows):
         yield f"{name} row {i}", rec
 
 
