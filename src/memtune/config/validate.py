@@ -483,6 +483,16 @@ def _check_data(data: DataConfig) -> None:
                 f"data.overlong=split cuts long documents (format text); a {chat[0]} record "
                 "cut in pieces would lose its prompt: use truncate or drop for it"
             )
+    for key in ("min_pixels", "max_pixels"):
+        value = getattr(data, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"data.{key} must be a positive number of pixels (got {value})")
+    if data.min_pixels and data.max_pixels and data.min_pixels > data.max_pixels:
+        raise ConfigError(
+            f"data.min_pixels={data.min_pixels} is above data.max_pixels={data.max_pixels}"
+        )
+    if data.image_cache_gb <= 0:
+        raise ConfigError(f"data.image_cache_gb must be > 0 (got {data.image_cache_gb})")
     if data.packing and data.group_by_length:
         raise ConfigError(
             "data.group_by_length batches unpacked samples; packing is on by default: "

@@ -8,6 +8,12 @@ another tokenizes, and a bad record stops the job before any GPU memory is taken
 An entry is sealed with its manifest (memtune.integrity, XXH3-128) and verified whenever it is
 reused: a damaged or incomplete one is set aside as ``.damaged-KEY`` and tokenized again, with
 one line saying so.
+
+Data with images adds every image file's bytes and the image processor's settings to the key,
+and four arrays to a split's file: the resized images as uint8 (``image_pixels``, flat;
+``image_sizes``, each image's height and width; ``image_offsets``, each sample's first image)
+and ``mm_token_type_ids`` per token. ``vision.json`` holds the settings the rank patchifies
+them with (:func:`memtune.data.vision.pixel_values`).
 """
 
 from __future__ import annotations
@@ -27,8 +33,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memtune.config import ConfigError, DataConfig, DataSource, cache_dir
-from memtune.data.encode import DataStats, Sample, apply_length_policy, encode_records
+from memtune.data.encode import (
+    DataStats,
+    Sample,
+    apply_length_policy,
+    encode_records,
+    resize_record_images,
+)
 from memtune.data.readers import IdenticalReplies, Record, RecordError, read_source
+from memtune.data.vision import ImageSettings, Resized
 from memtune.filesystem import follow_umask, free_bytes, human_bytes
 from memtune.integrity import Store
 from memtune.paths import is_local_source
@@ -38,6 +51,7 @@ CACHE_VERSION = 2
 DATA_CACHE = Store("data cache", CACHE_VERSION)
 MAX_BAD_EXAMPLES = 5
 CHUNK = 2000
+VISION_FILE = "vision.json"
 
 
 @dataclass
@@ -112,15 +126,62 @@ def _tokenizer_digest(tokenizer: Any) -> str:
     return tokenizer.backend_tokenizer.to_str() + str(tokenizer.eos_token)
 
 
-def fingerprint(cfg: DataConfig, tokenizer: Any, seed: int) -> str:
+def _mentions_images(path: str) -> bool:
+    """The source's bytes hold ``image`` (every record with images names the field:
+    ``"image"`` parts, an ``images`` list, a ``datasets`` Image column): only then are its
+    records parsed for the key. A text-only source is not parsed twice per launch."""
+    p = Path(path).expanduser()
+    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+    for f in files:
+        tail = b""
+        with f.open("rb") as fh:
+            while block := fh.read(1 << 20):
+                if b"image" in tail + block:
+                    return True
+                tail = block[-4:]
+    return False
+
+
+def _digest_images(h: Any, path: str, fmt: str) -> bool:
+    """Add every image file a source's records name, bytes and path, in record order (images
+    given as bytes in a column are in the source's own bytes already); True when any record
+    of the source has an image (a hub dataset: keyed by its name, as for text, and taken to
+    have some). A bad record is left to the build, which says what is wrong."""
+    if fmt != "messages":
+        return False
+    if not is_local_source(path):
+        return True  # may hold images: the image settings join the key, unparsed
+    if not _mentions_images(path):
+        return False
+    found = False
+    for item in read_source(path, fmt):
+        if isinstance(item, RecordError):
+            continue
+        for ref in item.images:
+            found = True
+            if ref.path is not None:
+                h.update(str(ref.path).encode())
+                _digest_path(h, str(ref.path))
+    return found
+
+
+def fingerprint(
+    cfg: DataConfig, tokenizer: Any, seed: int, images: ImageSettings | None = None
+) -> str:
     """The cache key: the sources' bytes, the tokenizer (its files' digest, or a loaded
-    tokenizer's vocabulary and rules) and every setting that changes what is stored."""
+    tokenizer's vocabulary and rules) and every setting that changes what is stored; with
+    images, every image's bytes and the image processor's settings (``images``)."""
     h = hashlib.sha256()
+    has_images = False
     for src in cfg.all_sources():
         h.update(json.dumps([src.path, src.format, src.weight]).encode())
         _digest_path(h, src.path)
+        has_images |= _digest_images(h, src.path, src.format)
     if cfg.val_path:
         _digest_path(h, cfg.val_path)
+        has_images |= _digest_images(h, cfg.val_path, cfg.all_sources()[0].format)
+    if has_images:
+        h.update(f"images {images.as_json() if images else None}".encode())
     h.update(_tokenizer_digest(tokenizer).encode())
     settings = [
         CACHE_VERSION,
@@ -146,17 +207,20 @@ def _read(src: DataSource, cfg: DataConfig, stats: DataStats) -> list[Record]:
         raise ConfigError(str(err)) from err
     for item in items:
         if isinstance(item, RecordError):
-            if cfg.on_bad_record == "error":
-                raise ConfigError(
-                    f"{item} (data.on_bad_record=skip would skip and count such records)"
-                )
-            stats.skipped_bad += 1
-            stats.identical_pairs += isinstance(item, IdenticalReplies)
-            if len(stats.bad_examples) < MAX_BAD_EXAMPLES:
-                stats.bad_examples.append(str(item))
+            _bad_record(item, cfg, stats)
             continue
         records.append(item)
     return records
+
+
+def _bad_record(err: RecordError, cfg: DataConfig, stats: DataStats) -> None:
+    """data.on_bad_record: stop with the record's error, or count it and go on."""
+    if cfg.on_bad_record == "error":
+        raise ConfigError(f"{err} (data.on_bad_record=skip would skip and count such records)")
+    stats.skipped_bad += 1
+    stats.identical_pairs += isinstance(err, IdenticalReplies)
+    if len(stats.bad_examples) < MAX_BAD_EXAMPLES:
+        stats.bad_examples.append(str(err))
 
 
 def _weighted(records: list[Record], weight: float, rng: random.Random) -> list[Record]:
@@ -167,16 +231,58 @@ def _weighted(records: list[Record], weight: float, rng: random.Random) -> list[
     return out
 
 
-def _encode(records: list[Record], tokenizer: Any, cfg: DataConfig, stats: DataStats, desc: str):
+def _encode(
+    records: list[Record],
+    tokenizer: Any,
+    cfg: DataConfig,
+    stats: DataStats,
+    desc: str,
+    images: ImageSettings | None = None,
+) -> list[Sample]:
     from tqdm import tqdm
 
     samples = []
     with tqdm(total=len(records), desc=desc, unit="rec", disable=len(records) < CHUNK) as bar:
         for start in range(0, len(records), CHUNK):
             chunk = records[start : start + CHUNK]
-            samples += apply_length_policy(encode_records(chunk, tokenizer, cfg), cfg, stats)
+            resized = None
+            if images is not None and any(rec.images for rec in chunk):
+                chunk, resized = _resize_images(chunk, images, cfg, stats)
+            encoded = encode_records(chunk, tokenizer, cfg, resized)
+            samples += apply_length_policy(encoded, cfg, stats)
+            _check_image_budget(stats, cfg)
             bar.update(len(chunk))
     return samples
+
+
+def _resize_images(
+    chunk: list[Record], images: ImageSettings, cfg: DataConfig, stats: DataStats
+) -> tuple[list[Record], list[list[Resized]]]:
+    """Each record's images read and resized; a record with a bad image is a bad record
+    (data.on_bad_record), no longer counted among the records read."""
+    kept, resized = [], []
+    for rec in chunk:
+        try:
+            resized.append(resize_record_images(rec, images) if rec.images else [])
+        except RecordError as err:
+            _bad_record(err, cfg, stats)
+            stats.records -= 1
+            continue
+        kept.append(rec)
+    return kept, resized
+
+
+def _check_image_budget(stats: DataStats, cfg: DataConfig) -> None:
+    """The resized images stay under data.image_cache_gb: the build holds them in memory
+    before it writes them, and the cache keeps them (see the setting's docstring)."""
+    budget = cfg.image_cache_gb * 2**30
+    if stats.image_bytes > budget:
+        raise ConfigError(
+            f"data: the resized images pass data.image_cache_gb={cfg.image_cache_gb:g} after "
+            f"{stats.images:,} images ({stats.image_bytes / 2**30:.2f} GiB as uint8): lower "
+            "data.max_pixels (each image's resized size; its tokens shrink with it), or raise "
+            "data.image_cache_gb if this machine and the cache's disk hold them"
+        )
 
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: a cached launch needs none
@@ -188,9 +294,10 @@ Arrays = dict[str, "torch.Tensor"]
 
 
 def build(
-    cfg: DataConfig, tokenizer: Any, seed: int
+    cfg: DataConfig, tokenizer: Any, seed: int, images: ImageSettings | None = None
 ) -> tuple[Arrays, DataStats, Arrays | None, DataStats | None]:
-    """Read, split and tokenize: (train arrays, train counts, val arrays, val counts)."""
+    """Read, split and tokenize: (train arrays, train counts, val arrays, val counts).
+    ``images``: the model's image processor settings (None: a text-only model)."""
     rng = random.Random(seed)
     pairs = any(src.format == "preference" for src in cfg.all_sources())
     stats = DataStats(preference=pairs)
@@ -208,13 +315,13 @@ def build(
         n_val = max(1, round(cfg.val_fraction * len(records)))
         val_records, records = records[:n_val], records[n_val:]
     stats.records = len(records)
-    train = _encode(records, tokenizer, cfg, stats, "tokenize train")
+    train = _encode(records, tokenizer, cfg, stats, "tokenize train", images)
     if not train:
         raise ConfigError(f"data: no usable training samples left ({stats.line()})")
     val = None
     if val_stats is not None:
         val_stats.records = len(val_records)
-        val_samples = _encode(val_records, tokenizer, cfg, val_stats, "tokenize val")
+        val_samples = _encode(val_records, tokenizer, cfg, val_stats, "tokenize val", images)
         if not val_samples:
             raise ConfigError(f"data: the validation split is empty ({val_stats.line()})")
         val = _arrays(val_samples)
@@ -228,15 +335,74 @@ def _arrays(samples: list[Sample]) -> Arrays:
     arrays = {"input_ids": ds.input_ids, "labels": ds.labels, "offsets": ds.offsets}
     if ds.splits is not None:
         arrays["splits"] = ds.splits
+    if any(s.images for s in samples):
+        arrays.update(_image_arrays(samples))
     return arrays
 
 
-def preprocess(cfg: DataConfig, tokenizer: Any, seed: int) -> Prepared:
+def _image_arrays(samples: list[Sample]) -> Arrays:
+    """The samples' images as four flat arrays (see the module docstring): uint8 pixels, not
+    the float32 patches (8 times the bytes), patchified on the rank."""
+    import numpy as np
+    import torch
+
+    types = [t for s in samples for t in (s.mm_token_type_ids or [0] * len(s.input_ids))]
+    images = [im for s in samples for im in s.images]
+    counts = [0] + [len(s.images) for s in samples]
+    sizes = [im.shape[1:] for im in images]
+    return {
+        "mm_token_type_ids": torch.tensor(types, dtype=torch.uint8),
+        "image_pixels": torch.from_numpy(np.concatenate([im.reshape(-1) for im in images])),
+        "image_sizes": torch.tensor(sizes, dtype=torch.int64).reshape(-1, 2),
+        "image_offsets": torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0),
+    }
+
+
+def load_images(prepared_dir: str | Path, split: str, index: int) -> list[Any]:
+    """Sample ``index``'s resized images (``3 × H × W`` uint8 numpy arrays), read from the
+    split's file without loading the others (the rank's loader reads one sample at a time)."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(prepared_dir) / f"{split}.safetensors"), framework="np") as f:
+        if "image_offsets" not in set(f.keys()):
+            return []
+        offsets = f.get_slice("image_offsets")
+        first, last = (int(x) for x in offsets[index : index + 2])
+        if first == last:
+            return []
+        sizes = f.get_slice("image_sizes")[0:last]
+        starts = [0]
+        for h, w in sizes.tolist():
+            starts.append(starts[-1] + 3 * h * w)
+        pixels = f.get_slice("image_pixels")[starts[first] : starts[last]]
+    out, at = [], 0
+    for h, w in sizes[first:last].tolist():
+        out.append(pixels[at : at + 3 * h * w].reshape(3, h, w))
+        at += 3 * h * w
+    return out
+
+
+def load_image_settings(prepared_dir: str | Path) -> ImageSettings | None:
+    """The image processor settings the cache's images were resized with (None: no images)."""
+    path = Path(prepared_dir) / VISION_FILE
+    if not path.is_file():
+        return None
+    fields = json.loads(path.read_text())
+    for key in ("image_mean", "image_std"):
+        fields[key] = tuple(fields[key])
+    return ImageSettings(**fields)
+
+
+def preprocess(
+    cfg: DataConfig, tokenizer: Any, seed: int, images: ImageSettings | None = None
+) -> Prepared:
     """Build the cache for ``cfg`` unless it exists and verifies; returns where it is and its
     counts. ``tokenizer``: a loaded tokenizer, or :class:`TokenizerFiles` (loaded only to
-    build). A damaged entry is set aside and built again (:attr:`Prepared.set_aside`)."""
+    build). ``images``: the model's image processor settings, for records with images (None:
+    the model reads no images, and such a record stops the build). A damaged entry is set
+    aside and built again (:attr:`Prepared.set_aside`)."""
     root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else cache_dir() / "data"
-    out = root / fingerprint(cfg, tokenizer, seed)
+    out = root / fingerprint(cfg, tokenizer, seed, images)
     where = "data.cache_dir" if cfg.cache_dir else "data.cache_dir (or MEMTUNE_CACHE_DIR)"
     aside_line = None
     if out.exists():
@@ -256,7 +422,7 @@ def preprocess(cfg: DataConfig, tokenizer: Any, seed: int) -> Prepared:
 
     if isinstance(tokenizer, TokenizerFiles):
         tokenizer = tokenizer.load()
-    train, stats, val, val_stats = build(cfg, tokenizer, seed)
+    train, stats, val, val_stats = build(cfg, tokenizer, seed, images)
     with no_space_is_an_error(root, where), cannot_write_is_an_error(where):
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
@@ -265,6 +431,8 @@ def preprocess(cfg: DataConfig, tokenizer: Any, seed: int) -> Prepared:
             _save(train, tmp / "train.safetensors")
             if val is not None:
                 _save(val, tmp / "val.safetensors")
+            if images is not None and any("image_pixels" in a for a in (train, val or {})):
+                (tmp / VISION_FILE).write_text(images.as_json() + "\n")
             payload = {"train": stats.as_dict(), "val": val_stats and val_stats.as_dict()}
             (tmp / "stats.json").write_text(json.dumps(payload, indent=2) + "\n")
             DATA_CACHE.seal(tmp)  # last: an entry without its manifest is never reused

@@ -8,6 +8,13 @@ replies' log-probabilities, and an earlier reply, the same in both, would add th
 to each side. The two halves stay together in one packed row, so data.max_seq_len bounds the
 pair (:func:`apply_length_policy`).
 
+A conversation with images (:attr:`Record.images`) is tokenized with one
+``<|vision_start|><|image_pad|><|vision_end|>`` per image, as the Qwen VL chat templates write
+it, and each ``<|image_pad|>`` is then repeated once per merged patch of its resized image, as
+the model's processor repeats it (:mod:`memtune.data.vision`); the Sample keeps the resized
+images and each token's ``mm_token_type_ids`` (1 on those repeated tokens). Image tokens are
+always in the prompt (images are read in user turns only), so never labels.
+
 Tokenization happens once, on the launcher side (:mod:`memtune.data.cache`); ranks read
 the cache's flat arrays (:class:`memtune.data.batching.TokenizedDataset`) and only batch them.
 """
@@ -20,12 +27,17 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from memtune.config import ConfigError, DataConfig, RunConfig
-from memtune.data.readers import Record
+from memtune.data.readers import Record, RecordError
 from memtune.data.templates import Segment, segments, with_system
+from memtune.data.vision import IMAGE_PAD, MM_IMAGE, MM_TEXT, ImageSettings, Resized, open_image
+from memtune.data.vision import resize as resize_image
+
+if TYPE_CHECKING:
+    import numpy as np
 
 IGNORE_INDEX = -100
 
@@ -40,6 +52,10 @@ class Sample:
     index: int = -1
     """The item's index in its split of the cache (the key into the reference log-probs);
     -1: not read from a cache, or a label-free filler."""
+    images: list[np.ndarray] = field(default_factory=list)
+    """The resized images (``3 × H × W`` uint8), in the order of their tokens."""
+    mm_token_type_ids: list[int] | None = None
+    """Per token: 1 on an image's ``<|image_pad|>`` tokens, 0 elsewhere (None: no images)."""
 
 
 @dataclass
@@ -60,6 +76,13 @@ class DataStats:
     that is truncated or dropped counts once."""
     identical_pairs: int = 0
     """Of skipped_bad: preference records whose chosen and rejected replies are the same."""
+    images: int = 0
+    """Images in the kept samples."""
+    image_bytes: int = 0
+    """Their resized pixels' bytes (uint8), what the cache holds for them."""
+    dropped_image_cut: int = 0
+    """Over-long samples dropped because data.max_seq_len falls inside an image's tokens (an
+    image is never cut; a cut after it keeps it whole, one before it drops it)."""
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -73,6 +96,10 @@ class DataStats:
         )
         if self.split:
             out += f"; split {self.split} over-long documents into {self.split_pieces} pieces"
+        if self.images or self.dropped_image_cut:
+            out += f"; {self.images:,} images ({self.image_bytes / 2**30:.2f} GiB resized)"
+            if self.dropped_image_cut:
+                out += f", {self.dropped_image_cut} samples dropped: the cut fell in an image"
         if self.skipped_bad:
             identical = (
                 f"{self.identical_pairs} with identical replies; " if self.identical_pairs else ""
@@ -184,10 +211,38 @@ def _hub_unreachable() -> str | None:
     return f"{ENDPOINT} cannot be reached from this machine ({outcome[0]})"
 
 
-def encode_records(records: Sequence[Record], tokenizer: Any, cfg: DataConfig) -> list[Sample]:
+def resize_record_images(rec: Record, settings: ImageSettings) -> list[Resized]:
+    """A record's images read whole and resized (:func:`memtune.data.vision.resize`); a
+    missing, unreadable, truncated or undecodable image raises RecordError naming the record
+    and the image."""
+    processor = settings.processor()
+    out = []
+    for ref in rec.images:
+        try:
+            pixels = resize_image(open_image(ref), settings, processor)
+        except (OSError, ValueError, SyntaxError) as err:  # what PIL raises for bad files
+            raise RecordError(rec.where, f"{ref.label}: cannot read the image ({err})") from err
+        out.append(Resized(pixels, settings.tokens(*pixels.shape[1:])))
+    return out
+
+
+def encode_records(
+    records: Sequence[Record],
+    tokenizer: Any,
+    cfg: DataConfig,
+    images: Sequence[Sequence[Resized]] | None = None,
+) -> list[Sample]:
     """Tokenize rendered segments in one batch call (the fast tokenizer runs it in parallel).
     A preference record (``Record.pair``) gives one Sample holding both its sequences (see the
-    module docstring); data.train_on_prompt does not apply to it."""
+    module docstring); data.train_on_prompt does not apply to it. ``images``: each record's
+    resized images (:func:`resize_record_images`), for the records that have any."""
+    if images is None and any(rec.images for rec in records):
+        raise ConfigError(
+            f"{next(r.where for r in records if r.images)}: the record has images, and the "
+            "model has no image processor settings (preprocessor_config.json next to its "
+            "config.json): train images with a vision-language model (Qwen3.5, Qwen3-VL, "
+            "Qwen2.5-VL)"
+        )
     eos = tokenizer.eos_token
     rendered: list[tuple[list[Segment], bool]] = []  # (segments, label the prompt too)
     for rec in records:
@@ -202,7 +257,11 @@ def encode_records(records: Sequence[Record], tokenizer: Any, cfg: DataConfig) -
             msgs = with_system(rec.messages, cfg.system_prompt)
             rendered.append((segments(msgs, cfg.template, eos), cfg.train_on_prompt))
     flat = [text for segs, _ in rendered for text, _ in segs]
+    with_images = images is not None and any(rec.images for rec in records)
+    if with_images:
+        flat.append(IMAGE_PAD)
     ids = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
+    image_pad = image_pad_id(ids.pop(), tokenizer) if with_images else -1
     sequences, k = [], 0
     for segs, label_all in rendered:
         input_ids: list[int] = []
@@ -214,13 +273,84 @@ def encode_records(records: Sequence[Record], tokenizer: Any, cfg: DataConfig) -
             labels += piece if (is_label or label_all) else [IGNORE_INDEX] * len(piece)
         sequences.append(Sample(input_ids, labels))
     samples, next_sequence = [], iter(sequences)
-    for rec in records:
-        if rec.pair is None:
+    for i, rec in enumerate(records):
+        if rec.pair is None and rec.images:
+            assert images is not None
+            samples.append(expand_images(next(next_sequence), images[i], image_pad, rec.where))
+        elif rec.pair is None:
             samples.append(next(next_sequence))
         else:
             chosen, rejected = next(next_sequence), next(next_sequence)
             samples.append(join_pair(chosen, rejected))
     return samples
+
+
+def image_pad_id(ids: list[int], tokenizer: Any) -> int:
+    """The id of ``<|image_pad|>`` (``ids``: what the tokenizer made of that text): one
+    token, or the tokenizer is not a vision-language model's."""
+    if len(ids) != 1:
+        name = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
+        raise ConfigError(
+            f"the tokenizer ({name}) has no {IMAGE_PAD} token (it split it into {len(ids)}): "
+            "records with images need a Qwen vision-language model's tokenizer"
+        )
+    return ids[0]
+
+
+def expand_images(s: Sample, images: Sequence[Resized], image_pad: int, where: str) -> Sample:
+    """The sample with each image's one ``<|image_pad|>`` repeated once per merged patch of
+    that image (as the processor repeats it), its ``mm_token_type_ids`` and its images."""
+    input_ids: list[int] = []
+    labels: list[int] = []
+    types: list[int] = []
+    k = 0
+    for token, label in zip(s.input_ids, s.labels, strict=True):
+        if token != image_pad:
+            input_ids.append(token)
+            labels.append(label)
+            types.append(MM_TEXT)
+            continue
+        assert label == IGNORE_INDEX, f"{where}: an image token is a label"
+        n = images[k].tokens
+        k += 1
+        input_ids += [token] * n
+        labels += [IGNORE_INDEX] * n
+        types += [MM_IMAGE] * n
+    assert k == len(images), f"{where}: {k} image placeholders for {len(images)} images"
+    return Sample(input_ids, labels, images=[im.pixels for im in images], mm_token_type_ids=types)
+
+
+def image_runs(types: Sequence[int]) -> list[tuple[int, int]]:
+    """Each image's token span ``[start, end)`` from ``mm_token_type_ids``, in order (two
+    images' tokens are never adjacent: ``<|vision_end|><|vision_start|>`` separate them)."""
+    runs, start = [], -1
+    for i, t in enumerate(types):
+        if t == MM_IMAGE and start < 0:
+            start = i
+        elif t != MM_IMAGE and start >= 0:
+            runs.append((start, i))
+            start = -1
+    if start >= 0:
+        runs.append((start, len(types)))
+    return runs
+
+
+def cut(s: Sample, n: int) -> Sample | None:
+    """The sample's first ``n`` tokens, with the images wholly before the cut; None when the
+    cut falls inside an image's tokens (an image's tokens must all be there: the model puts
+    one patch embedding on each)."""
+    if s.mm_token_type_ids is None:
+        return Sample(s.input_ids[:n], s.labels[:n])
+    runs = image_runs(s.mm_token_type_ids)
+    if any(a < n < b for a, b in runs):
+        return None
+    kept = sum(1 for _, b in runs if b <= n)
+    return Sample(
+        s.input_ids[:n],
+        s.labels[:n],
+        images=s.images[:kept],
+        mm_token_type_ids=s.mm_token_type_ids[:n],
+    )
 
 
 def final_reply_only(rendered: list[Segment]) -> list[Segment]:
@@ -280,20 +410,26 @@ def apply_length_policy(samples: list[Sample], cfg: DataConfig, stats: DataStats
             pieces += [(part, False) for part in parts]
         else:
             pieces.append((s, len(s.input_ids) > n))
-    for s, cut in pieces:
-        if cut:
+    for s, over in pieces:
+        if over:
             if cfg.overlong == "drop":
                 stats.dropped_overlong += 1
                 continue
-            s = Sample(s.input_ids[:n], s.labels[:n])
+            short = cut(s, n)
+            if short is None:
+                stats.dropped_image_cut += 1
+                continue
+            s = short
         count = n_labels(s.labels)
         if count == 0:
             stats.dropped_no_labels += 1
             continue
-        stats.truncated += cut
+        stats.truncated += over
         stats.samples += 1
         stats.tokens += len(s.input_ids)
         stats.label_tokens += count
+        stats.images += len(s.images)
+        stats.image_bytes += sum(im.nbytes for im in s.images)
         kept.append(s)
     return kept
 

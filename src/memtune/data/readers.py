@@ -6,7 +6,18 @@ Formats
 - ``messages``: ``{"messages": [{"role": ..., "content": ...}, ...]}`` (OpenAI style) or
   ShareGPT's ``{"conversations": [{"from": "human"|"gpt"|"system", "value": ...}]}``. An
   assistant turn may carry ``reasoning_content`` (its thinking, rendered by the qwen3 and
-  qwen3_5 templates).
+  qwen3_5 templates). Images, in user turns, in either of the two shapes people have:
+
+  - Qwen's / Hugging Face's: a user turn's ``content`` is a list of parts,
+    ``{"type": "image", "image": PATH}`` and ``{"type": "text", "text": ...}``;
+  - ShareGPT's (LLaMA-Factory's): ``<image>`` placeholders in the text and an ``images`` list
+    beside the turns, one image per placeholder, in order.
+
+  An image is a path (relative to the data file's folder, or absolute), or bytes in a column
+  (a ``datasets`` Image feature: ``{"bytes": ..., "path": ...}``). The turn's text gets the
+  chat templates' ``<|vision_start|><|image_pad|><|vision_end|>`` where each image is, and
+  :attr:`Record.images` the images in that order (read and resized later, when encoding:
+  :mod:`memtune.data.vision`).
 - ``text``: ``{"text": ...}`` for plain continued pre-training (every token is a label).
 - ``preference``: a prompt with a preferred (``chosen``) and a dispreferred (``rejected``)
   reply, for the preference objectives (trainer.objective=dpo, ipo, simpo, orpo). The shapes
@@ -33,10 +44,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from memtune.data.vision import (
+    IMAGE_PLACEHOLDER,
+    SHAREGPT_PLACEHOLDER,
+    VISION_TOKENS,
+    ImageRef,
+)
 from memtune.paths import is_local_source
 
 ROLE_ALIASES = {
@@ -76,6 +93,9 @@ class Record:
     text: str | None = None
     pair: Pair | None = None
     """format preference: the shared prompt and the two replies to it (see :data:`Pair`)."""
+    images: list[ImageRef] = field(default_factory=list)
+    """format messages: the images of the user turns, in the order of their placeholders
+    (:data:`memtune.data.vision.IMAGE_PLACEHOLDER`) in the text."""
 
     def conversations(self) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
         """A pair as the two conversations it stands for: prompt + chosen, prompt + rejected."""
@@ -152,15 +172,39 @@ def _iter_dataset_dir(p: Path) -> Iterator[tuple[str, Any]]:
         if "train" not in ds:
             raise RecordError(str(p), f"a DatasetDict without a 'train' split ({list(ds)})")
         ds = ds["train"]
-    for i, rec in enumerate(ds):
+    rows = _undecoded_rows(ds) if _has_images(ds.features) else iter(ds)
+    for i, rec in enumerate(rows):
         yield f"{p} row {i}", rec
+
+
+def _has_images(features: Any) -> bool:
+    """``features`` (a datasets Features, or a part of one) holds an Image feature."""
+    from datasets import Image
+
+    if isinstance(features, Image):
+        return True
+    if isinstance(features, dict):
+        return any(_has_images(f) for f in features.values())
+    if isinstance(features, list | tuple):
+        return any(_has_images(f) for f in features)
+    inner = getattr(features, "feature", None)  # Sequence / List
+    return inner is not None and _has_images(inner)
+
+
+def _undecoded_rows(ds: Any) -> Iterator[dict[str, Any]]:
+    """The rows as stored: an Image feature as ``{"bytes": ..., "path": ...}``, not decoded
+    into PIL images (the encoder decodes and checks each, and the cache key hashes the bytes
+    on disk)."""
+    for batch in ds.with_format("arrow").iter(batch_size=1000):
+        yield from batch.to_pylist()
 
 
 def _iter_hub(name: str) -> Iterator[tuple[str, Any]]:
     from datasets import load_dataset
 
     ds = load_dataset(name, split="train")
-    for i, rec in enumerate(ds):
+    rows = _undecoded_rows(ds) if _has_images(ds.features) else iter(ds)
+    for i, rec in enumerate(rows):
         yield f"{name} row {i}", rec
 
 
@@ -174,7 +218,9 @@ def _string(rec: dict[str, Any], key: str, where: str, required: bool = True) ->
     return value
 
 
-def parse(raw: Any, fmt: str, where: str) -> Record:
+def parse(raw: Any, fmt: str, where: str, base: Path | None = None) -> Record:
+    """One raw record in format ``fmt``. ``base``: the folder that image paths are relative
+    to (the data file's; None: the working directory)."""
     if isinstance(raw, RecordError):
         raise raw
     if not isinstance(raw, dict):
@@ -186,9 +232,13 @@ def parse(raw: Any, fmt: str, where: str) -> Record:
         return Record(where, text=text)
     if fmt == "preference":
         return Record(where, pair=_preference_pair(raw, where))
-    messages = _alpaca_messages(raw, where) if fmt == "alpaca" else _chat_messages(raw, where)
+    images: list[ImageRef] = []
+    if fmt == "alpaca":
+        messages = _alpaca_messages(raw, where)
+    else:
+        messages, images = _chat_messages(raw, where, base)
     _check_turns(messages, where)
-    return Record(where, messages=messages)
+    return Record(where, messages=messages, images=images)
 
 
 def _alpaca_messages(rec: dict[str, Any], where: str) -> list[dict[str, str]]:
@@ -214,19 +264,156 @@ def _alpaca_messages(rec: dict[str, Any], where: str) -> list[dict[str, str]]:
     return messages
 
 
-def _chat_messages(rec: dict[str, Any], where: str) -> list[dict[str, str]]:
+def _chat_messages(
+    rec: dict[str, Any], where: str, base: Path | None
+) -> tuple[list[dict[str, str]], list[ImageRef]]:
     if "messages" in rec:
         key, role_key, text_key = "messages", "role", "content"
     elif "conversations" in rec:
         key, role_key, text_key = "conversations", "from", "value"
     else:
         raise RecordError(where, "field 'messages' (or ShareGPT 'conversations') is missing")
-    return _turns(rec[key], key, role_key, text_key, where)
+    images = _Images(rec.get("images"), where, base)
+    messages = _turns(rec[key], key, role_key, text_key, where, images)
+    images.check_all_placed()
+    return messages, images.refs
 
 
-def _turns(turns: Any, key: str, role_key: str, text_key: str, where: str) -> list[dict[str, str]]:
+class _Images:
+    """A record's images as its turns are read: each image part, and each ``<image>``
+    placeholder (taking the next entry of the record's ``images`` list), becomes the chat
+    templates' :data:`IMAGE_PLACEHOLDER` in the text and an :class:`ImageRef`, in order."""
+
+    def __init__(self, listed: Any, where: str, base: Path | None):
+        self.where, self.base = where, base
+        self.listed: list[Any] | None = None  # the ShareGPT 'images' field, when given
+        if isinstance(listed, str | bytes | dict):
+            listed = [listed]
+        if listed is not None and not isinstance(listed, list):
+            kind = type(listed).__name__
+            raise RecordError(where, f"field 'images' is a {kind}, not a list of images")
+        self.listed = listed
+        self.placed = 0  # placeholders met so far
+        self.refs: list[ImageRef] = []
+
+    def text(self, text: str, at: str, role: str) -> str:
+        """A turn's text with its ``<image>`` placeholders placed (when the record lists
+        images), checked for vision tokens only an image may place."""
+        _no_vision_tokens(text, at, self.where)
+        if self.listed is None or SHAREGPT_PLACEHOLDER not in text:
+            return text
+        pieces = text.split(SHAREGPT_PLACEHOLDER)
+        out = pieces[0]
+        for piece in pieces[1:]:
+            k = self.placed
+            self.placed += 1
+            if k < len(self.listed):
+                self.add(self.listed[k], f"field 'images'[{k}]", role, at)
+            out += IMAGE_PLACEHOLDER + piece
+        return out
+
+    def part(self, value: Any, at: str, role: str) -> str:
+        self.add(value, f"field {at!r}", role, at)
+        return IMAGE_PLACEHOLDER
+
+    def add(self, value: Any, field_name: str, role: str, at: str) -> None:
+        n = len(self.refs) + 1
+        if role != "user":
+            raise RecordError(
+                self.where,
+                f"field {at!r} places image {n} in {'an' if role[0] in 'aeiou' else 'a'} {role} "
+                "turn: images are read in user "
+                "turns only (the model reads them; it does not write them)",
+            )
+        self.refs.append(_image_ref(value, n, field_name, self.where, self.base))
+
+    def check_all_placed(self) -> None:
+        if self.listed is not None and self.placed != len(self.listed):
+            raise RecordError(
+                self.where,
+                f"the text has {self.placed} {SHAREGPT_PLACEHOLDER} placeholder"
+                f"{'s' if self.placed != 1 else ''} and field 'images' lists "
+                f"{len(self.listed)} image{'s' if len(self.listed) != 1 else ''}: each image "
+                f"needs its {SHAREGPT_PLACEHOLDER} where it goes in a user turn",
+            )
+
+
+def _no_vision_tokens(text: str, at: str, where: str) -> None:
+    for token in VISION_TOKENS:
+        if token in text:
+            raise RecordError(
+                where,
+                f"field {at!r} holds {token!r}, which only an image may place (give the image "
+                f"as a part, or as {SHAREGPT_PLACEHOLDER} with an 'images' list)",
+            )
+
+
+def _image_ref(value: Any, n: int, field_name: str, where: str, base: Path | None) -> ImageRef:
+    """Image ``n`` of a record from its value in ``field_name``: a path (relative to ``base``),
+    bytes, or a ``datasets`` Image value ``{"bytes": ..., "path": ...}``. A file must exist."""
+    if isinstance(value, dict):
+        if value.get("bytes") is not None:
+            value = value["bytes"]
+        elif value.get("path") is not None:
+            value = value["path"]
+    if isinstance(value, bytes | bytearray):
+        return ImageRef(f"image {n} (bytes in {field_name})", data=bytes(value))
+    if not isinstance(value, str) or not value.strip():
+        kind = "empty" if isinstance(value, str) else f"a {type(value).__name__}"
+        raise RecordError(where, f"{field_name}: image {n} is {kind}, not a path or image bytes")
+    if value.startswith(("http://", "https://")):
+        raise RecordError(
+            where,
+            f"{field_name}: image {n} is a URL ({value}); memtune reads local files: "
+            "download the images and give their paths",
+        )
+    path = Path(value.removeprefix("file://")).expanduser()
+    if not path.is_absolute():
+        path = (base or Path.cwd()) / path
+    if not path.is_file():
+        raise RecordError(where, f"image {n} ({path}): no such file ({field_name})")
+    return ImageRef(f"image {n} ({path})", path=path)
+
+
+IMAGE_PART_TYPES = ("image", "text")
+
+
+def _content_parts(parts: list[Any], at: str, role: str, where: str, images: _Images) -> str:
+    """A turn's content given as a list of parts (Qwen's / Hugging Face's shape): text parts
+    and image parts, in order, as the chat templates render them."""
+    out = ""
+    for j, part in enumerate(parts):
+        here = f"{at}[{j}]"
+        if not isinstance(part, dict):
+            raise RecordError(where, f"field {here!r} is not an object")
+        kind = part.get("type") or ("image" if part.get("image") is not None else "text")
+        if kind == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise RecordError(where, f"field '{here}.text' is missing or not a string")
+            out += images.text(text, f"{here}.text", role)
+        elif kind == "image":
+            keys = [k for k in ("image", "path", "url") if part.get(k) is not None]
+            value = part[keys[0]] if keys else None
+            if value is None:
+                raise RecordError(where, f"field '{here}.image' is missing")
+            out += images.part(value, f"{here}.image", role)
+        else:
+            raise RecordError(
+                where,
+                f"field '{here}.type' is {kind!r}; memtune reads parts of type "
+                f"{' or '.join(IMAGE_PART_TYPES)} (video is not supported)",
+            )
+    return out
+
+
+def _turns(
+    turns: Any, key: str, role_key: str, text_key: str, where: str, images: _Images | None = None
+) -> list[dict[str, str]]:
     """The message list ``turns`` (field ``key`` of the record) in memtune's shape: role
-    ``system`` / ``user`` / ``assistant`` and ``content``, ``reasoning_content`` kept."""
+    ``system`` / ``user`` / ``assistant`` and ``content``, ``reasoning_content`` kept.
+    ``images``: the record's images (format messages), placed as the turns are read; None
+    where images are not read (preference pairs: a content must be a string)."""
     if not isinstance(turns, list) or not turns:
         raise RecordError(where, f"field {key!r} must be a non-empty list")
     messages = []
@@ -241,9 +428,14 @@ def _turns(turns: Any, key: str, role_key: str, text_key: str, where: str) -> li
                 where, f"field '{at}.{role_key}' is {role!r}; expected one of {roles}"
             )
         content = turn.get(text_key)
-        if not isinstance(content, str):
+        role = ROLE_ALIASES[role]
+        if images is not None and isinstance(content, list):
+            content = _content_parts(content, f"{at}.{text_key}", role, where, images)
+        elif not isinstance(content, str):
             raise RecordError(where, f"field '{at}.{text_key}' is missing or not a string")
-        message = {"role": ROLE_ALIASES[role], "content": content}
+        elif images is not None:
+            content = images.text(content, f"{at}.{text_key}", role)
+        message = {"role": role, "content": content}
         reasoning = turn.get("reasoning_content")
         if reasoning is not None:
             if not isinstance(reasoning, str) or message["role"] != "assistant":
@@ -378,9 +570,12 @@ def _check_turns(messages: list[dict[str, str]], where: str, key: str | None = N
 
 
 def read_source(path: str, fmt: str) -> Iterator[Record | RecordError]:
-    """Parsed records of one source; a bad record is yielded as its error, in order."""
+    """Parsed records of one source; a bad record is yielded as its error, in order. Image
+    paths are relative to the data file's folder (a ``datasets`` folder: that folder)."""
+    p = Path(path).expanduser()
+    base = (p if p.is_dir() else p.parent) if is_local_source(path) else None
     for where, raw in iter_raw(path):
         try:
-            yield parse(raw, fmt, where)
+            yield parse(raw, fmt, where, base)
         except RecordError as err:
             yield err

@@ -193,12 +193,17 @@ def _write_run_dir(
 def prepare_data(cfg: RunConfig) -> Prepared:
     """Tokenize into the cache (or find it there) and say what was kept, cut and dropped."""
     from memtune.data.encode import load_tokenizer
+    from memtune.data.vision import model_image_settings
 
     digest = tokenizer_files_digest(cfg.model.name_or_path, cfg.model.revision)
     tokenizer = (
         TokenizerFiles(digest, lambda: load_tokenizer(cfg)) if digest else load_tokenizer(cfg)
     )
-    prepared = preprocess(cfg.data, tokenizer, cfg.trainer.seed)
+    m = cfg.model
+    images = model_image_settings(
+        m.name_or_path, m.revision, cfg.data.min_pixels, cfg.data.max_pixels
+    )
+    prepared = preprocess(cfg.data, tokenizer, cfg.trainer.seed, images)
     if prepared.set_aside is not None:
         print(prepared.set_aside, flush=True)
     how = "reused cache" if prepared.reused else "tokenized into"
@@ -208,7 +213,22 @@ def prepare_data(cfg: RunConfig) -> Prepared:
         print(f"memtune: val: {prepared.val.line()}", flush=True)
     for example in prepared.train.bad_examples[1:]:
         print(f"memtune:   also skipped: {example}", flush=True)
+    refuse_images_until_trained(prepared, cfg.preprocess_only)
     return prepared
+
+
+def refuse_images_until_trained(prepared: Prepared, preprocess_only: bool) -> None:
+    """Data with images is read, encoded and cached (#49 items 1-2), and the ranks do not yet
+    feed the images to a vision tower (items 3-4): they would embed each ``<|image_pad|>`` as a
+    text token and train on that, silently. So a run stops here, after the counts, unless it
+    only preprocesses."""
+    images = prepared.train.images + (prepared.val.images if prepared.val else 0)
+    if images and not preprocess_only:
+        raise ConfigError(
+            f"data: the records hold {images:,} images, and training on images is not built "
+            "yet (the ranks would read each image's tokens as text): preprocess_only=true "
+            f"builds and checks the cache ({prepared.dir}) without starting the ranks"
+        )
 
 
 def train_step_shape(cfg: RunConfig, d: Decisions, prepared: Prepared) -> StepShape:
