@@ -613,8 +613,8 @@ def loading_peak(
     transient = max(2 * stack, stack + temporaries + 2 * quantized)
     zero3 = d.zero_stage == 3
     how = (
-        f"the quantized base + one {stack / GIB:.2f} GiB expert stack in {cfg.trainer.precision} "
-        f"being merged and quantized ({transient / GIB:.2f} GiB at most)"
+        f"the quantized base + one {_size(stack)} expert stack in {cfg.trainer.precision} "
+        f"being merged and quantized ({_size(transient)} at most)"
     )
     largest_read = max(counts.embedding, counts.head, weights) * b
     if cuda and not zero3:  # read onto the GPU, a checkpoint tensor at a time through the host
@@ -865,6 +865,10 @@ def host_budget_gib(cfg: RunConfig) -> float | None:
 
         return host_available_gib() / per_node
     return None
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.2f} MiB"
 
 
 def _count(n: int) -> str:
