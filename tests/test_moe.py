@@ -209,8 +209,6 @@ def test_qwen3_moe_all_linear_leaves_the_mlp_names_to_the_experts() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["peft=qlora-nf4", "zero=zero2", "plan.device_gib=24"], "use zero=zero3"),
-        (["peft=lora-int8", "zero=zero2", "plan.device_gib=24"], "use zero=zero3"),
         (["peft.target=all-linear", "peft.dropout=0.05"], r"peft.dropout=0.05 with peft.target"),
         (["peft.target=all-linear", "peft.dropout=0", "peft.dora=true"], "for linear layers only"),
         (["peft.target=all-linear", "peft.dropout=0", "peft.init=olora"], "for linear layers only"),
@@ -221,7 +219,6 @@ def test_qwen3_moe_all_linear_leaves_the_mlp_names_to_the_experts() -> None:
             "would route with the trained routers",
         ),
         (["++model.architecture.mlp_only_layers=[0]"], r"layers \[0\] have a dense MLP"),
-        (["peft=qlora-nf4", "zero=zero2", "launcher.require_gpus=true"], "use zero=zero3"),
     ],
 )
 def test_what_moe_cannot_do_yet_is_refused_by_name(overrides: list[str], message: str) -> None:

@@ -383,14 +383,6 @@ def _check_experts(cfg: RunConfig) -> None:
             "decoder_sparse_step): memtune plans and adapts mixtures whose every layer routes, "
             "as the released Qwen3-MoE and Qwen3.5-MoE models do"
         )
-    on_gpus = cfg.plan.device_gib is not None or cfg.launcher.require_gpus
-    if p.method in ("qlora", "lora-int8") and cfg.zero.stage == 2 and on_gpus:
-        raise ConfigError(
-            f"peft.method={p.method} with zero=zero2 on {model}: each rank would load the "
-            f"whole base in {t.precision} onto its GPU before memtune quantizes the routed "
-            "experts (bitsandbytes does not); use zero=zero3, which loads it sharded over the "
-            "ranks"
-        )
     if "on" in (str(t.tiled_mlp), str(t.offload_activations)) or t.compile:
         raise ConfigError(
             f"trainer.tiled_mlp / offload_activations=on or trainer.compile=true on {model}: "

@@ -43,6 +43,7 @@ from memtune.config.architecture import (
     head_dim,
     layer_types,
     linear_attention_layers,
+    moe_layers,
     routed_experts,
 )
 from memtune.config.decisions import Decisions
@@ -82,6 +83,9 @@ class Plan:
     counts: ParamCounts | None = None
     host_rows: list[PlanRow] = field(default_factory=list)  # pinned, per rank
     host_gib: float | None = None  # what the ranks of a node may pin, per rank
+    loading: LoadingPeak | None = None
+    """A quantized mixture's start-up: what a rank holds while its base is read and its expert
+    stacks quantized (:func:`loading_peak`); None where loading holds no more than the base."""
 
     @property
     def host_total_gib(self) -> float:
@@ -98,6 +102,8 @@ class Plan:
     @property
     def fits(self) -> bool:
         device = self.device_gib is None or self.total_gib <= self.device_gib
+        if self.loading is not None and self.device_gib is not None:
+            device = device and self.loading.device_gib <= self.device_gib
         return device and (self.host_gib is None or self.host_total_gib <= self.host_gib)
 
     def add(self, what: str, nbytes: float, how: str, **kind: bool) -> None:
@@ -112,6 +118,8 @@ class Plan:
             device_gib=self.device_gib,
             host_rows=list(self.host_rows),
             host_gib=self.host_gib or 0.0,
+            loading_device_gib=None if self.loading is None else self.loading.device_gib,
+            loading_host_gib=None if self.loading is None else self.loading.host_gib,
         )
 
 
@@ -536,16 +544,92 @@ def live_reference_bytes(cfg: RunConfig, tokens: int) -> float:
     return tokens * (3 * inter + 2 * h) * compute_bytes(cfg)
 
 
-def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Plan:
-    """The per-rank breakdown of ``cfg`` run as decided (``d``; see the module docstring)."""
-    counts = counts or count_params(cfg)
-    t, p = cfg.trainer, cfg.peft
-    ranks = d.batch.ranks
-    b = compute_bytes(cfg)
-    zero3 = d.zero_stage == 3
-    shard = ranks if zero3 else 1
-    out = Plan(device_gib=cfg.plan.device_gib, counts=counts)
+QUANTIZE_TEMPORARY_BYTES = {
+    ("cpu", "nf4"): 12,
+    ("cpu", "fp4"): 12,
+    ("cpu", "int8"): 6.5,
+    ("cuda", "nf4"): 0,
+    ("cuda", "fp4"): 0,
+    ("cuda", "int8"): 2,
+}
+"""Bytes per weight of a chunk of experts that quantizing it holds besides its input and its
+output (rank.experts._quantized, expert_stacks.QUANTIZED_CHUNK_BYTES of weights at a time).
+On a CPU, bitsandbytes quantizes 4-bit through torch code: the weights in fp32, scaled, then
+their bucket indices as int32 (3 × 4 bytes); int8 through a float16 copy and fp32 row
+temporaries: fitted to the live heap measured while tiny mixtures load (7.6 and 5.4 stacks
+above the quantized model, tests/test_quantized_loading.py). On a GPU its CUDA kernels write
+the packed values and the scales straight from the input (4-bit: none), int8 from the float16
+copy memtune makes (2 bytes): read from the kernels, not measured."""
 
+
+@dataclass
+class LoadingPeak:
+    """What a rank holds at the peak of loading a quantized mixture (rank.experts.
+    quantize_experts_as_loaded): the quantized model read so far and one routed-expert stack
+    in the compute dtype with what quantizing it takes; per rank."""
+
+    device_gib: float
+    """On the rank's device (a GPU; the host for CPU ranks)."""
+    host_gib: float
+    """In host memory, besides the checkpoint's pages in the page cache (file-backed, shared
+    by the node's ranks, reclaimable)."""
+    how: str
+
+
+def loading_peak(
+    cfg: RunConfig, d: Decisions, counts: ParamCounts, whole: float, held: float
+) -> LoadingPeak | None:
+    """The loading peak of a mixture whose expert stacks are quantized as they are read; None
+    for anything else (a bf16 or dense base loads no more than it keeps). ``whole``: the
+    quantized base's bytes, all of it; ``held``: a rank's share of them once DeepSpeed has
+    them (the plan's base-weights row).
+
+    One stack (gate_up, the larger: experts × 2·moe_intermediate × hidden) is in the compute
+    dtype at a time: twice over while transformers merges a checkpoint that stores each expert
+    apart (the stacked gate and up halves, then their concatenation; Qwen3-MoE's layout), then
+    once while memtune quantizes it a chunk at a time, next to the chunk's temporaries
+    (QUANTIZE_TEMPORARY_BYTES) and its quantized bytes, built then stored (2 copies).
+
+    Under ZeRO-2 (and on CPU ranks) the base is read onto the rank's device, replicated. Under
+    ZeRO-3 transformers reads a quantized base whole into each rank's host memory (it cannot
+    build one under zero.Init) and DeepSpeed moves it to the devices in shards afterwards."""
+    experts = d.experts
+    if experts is None or experts.storage == "compute" or not counts.experts:
+        return None
+    layers = sum(moe_layers(dict(cfg.model.architecture))) or 1
+    b = compute_bytes(cfg)
+    weights = counts.experts * 2 / (3 * layers)  # gate_up: 2 of a layer's 3 projections
+    stack = weights * b
+    rows = counts.expert_rows * 2 / (3 * layers)
+    quantized = expert_stack_bytes(experts.storage, round(weights), round(rows))
+    cuda = cfg.plan.device_gib is not None
+    out, inp = (
+        2 * int(cfg.model.architecture["moe_intermediate_size"]),
+        int(cfg.model.architecture["hidden_size"]),
+    )
+    per_expert = out * inp
+    chunk = min(weights, experts_per_chunk(out, inp, b) * per_expert)
+    temporaries = QUANTIZE_TEMPORARY_BYTES[("cuda" if cuda else "cpu", experts.storage)] * chunk
+    transient = max(2 * stack, stack + temporaries + 2 * quantized)
+    zero3 = d.zero_stage == 3
+    how = (
+        f"the quantized base + one {_size(stack)} expert stack in {cfg.trainer.precision} "
+        f"being merged and quantized ({_size(transient)} at most)"
+    )
+    largest_read = max(counts.embedding, counts.head, weights) * b
+    if cuda and not zero3:  # read onto the GPU, a checkpoint tensor at a time through the host
+        return LoadingPeak((whole + transient) / GIB, largest_read / GIB, how)
+    if cuda:  # ZeRO-3 on GPUs: whole on the host, then sharded onto the devices
+        return LoadingPeak(held / GIB, (whole + transient) / GIB, how + ", on the host")
+    return LoadingPeak((whole + transient) / GIB, (whole + transient) / GIB, how)
+
+
+def base_weight_bytes(
+    cfg: RunConfig, d: Decisions, counts: ParamCounts, shard: int
+) -> tuple[float, str]:
+    """The base's bytes on a rank whose sharded weights are 1/``shard`` of them (ZeRO-3's
+    ranks; 1: the whole base), and how they are stored."""
+    p, t, b = cfg.peft, cfg.trainer, compute_bytes(cfg)
     other = counts.embedding + counts.head
     if d.peft_method == "qlora":
         per = NF4_BYTES[p.double_quant]
@@ -573,7 +657,23 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
         how = f"{_count(counts.base)} parameters in {t.precision}"
         if counts.experts:
             how += f" ({_count(counts.experts)} of them routed experts)"
+    return weights, how
+
+
+def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Plan:
+    """The per-rank breakdown of ``cfg`` run as decided (``d``; see the module docstring)."""
+    counts = counts or count_params(cfg)
+    t = cfg.trainer
+    ranks = d.batch.ranks
+    b = compute_bytes(cfg)
+    zero3 = d.zero_stage == 3
+    shard = ranks if zero3 else 1
+    out = Plan(device_gib=cfg.plan.device_gib, counts=counts)
+
+    weights, how = base_weight_bytes(cfg, d, counts, shard)
     out.add("base weights", weights, how + (f", sharded over {ranks} ranks" if zero3 else ""))
+    whole = base_weight_bytes(cfg, d, counts, 1)[0] if zero3 else weights
+    out.loading = loading_peak(cfg, d, counts, whole, weights)
 
     # In the compute dtype on every stage (model.cast_adapters); the fp32 copy is the
     # optimizer's master weights, counted below.
@@ -767,6 +867,10 @@ def host_budget_gib(cfg: RunConfig) -> float | None:
     return None
 
 
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.2f} MiB"
+
+
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
 
@@ -818,6 +922,12 @@ def format_plan(cfg: RunConfig, d: Decisions, result: Plan) -> str:
                 f"  host {result.host_gib:.2f} GiB per rank (plan.host_gib / ranks per node): "
                 f"{ok} ({result.host_gib - result.host_total_gib:+.2f} GiB)"
             )
+    if result.loading is not None:
+        lo = result.loading
+        lines.append(
+            f"  loading: device {lo.device_gib * scale:.2f} {unit}, host {lo.host_gib * scale:.2f} "
+            f"{unit} at the peak ({lo.how})"
+        )
     if result.device_gib is None:
         lines.append("  (no device memory set: plan.device_gib=null, nothing to check against)")
     else:

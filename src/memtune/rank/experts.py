@@ -30,6 +30,7 @@ import contextlib
 import itertools
 import types
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from torch._subclasses.fake_tensor import is_fake
 from memtune.expert_stacks import (
     EXPERT_PARAMETERS,
     QUANT_BLOCK,
+    QUANTIZED_CHUNK_BYTES,
     ROUTER_MODULE,
     QuantizedStack,
     add_expert_adapters,
@@ -54,36 +56,23 @@ from memtune.expert_stacks import (
 
 
 def quantize_experts(model: nn.Module, quant_type: str, storage: torch.dtype) -> int:
-    """Quantize every routed-expert stack of ``model`` in place, to 4 bits (``quant_type`` nf4
-    / fp4) or 8 (``int8``); returns the number of stacks.
+    """Quantize every routed-expert stack of ``model`` still in a floating dtype in place, to 4
+    bits (``quant_type`` nf4 / fp4) or 8 (``int8``); returns the number of stacks quantized
+    here (none when :func:`quantize_experts_as_loaded` quantized them as they were read).
 
     bitsandbytes' 4-bit and 8-bit loading replaces ``nn.Linear`` layers only, and leaves the
-    fused stacks in the compute dtype (93% of Qwen3.5-35B-A3B's weights). Each stack is
-    quantized in one call — 4-bit: blocks of QUANT_BLOCK along each expert's weight; int8:
-    each weight row scaled by its absmax (bitsandbytes' vectorwise int8, the weights only) —
-    so that one expert dequantizes alone, and kept as ONE frozen parameter of the training
-    dtype (``storage``): the quantized bytes then the fp32 scales, viewed as that dtype, so
-    ZeRO-3 shards and gathers it with the rest of the layer (as QLoRA's
-    ``bnb_4bit_quant_storage`` does for the linear layers). Under ZeRO-3 each stack is
-    gathered whole to be quantized, and its replacement sharded at once (collective: every
-    rank calls this)."""
+    fused stacks in the compute dtype (93% of Qwen3.5-35B-A3B's weights). Each stack becomes
+    ONE frozen parameter (:func:`quantized_parameter`). Under ZeRO-3 each stack is gathered
+    whole to be quantized, and its replacement sharded at once (collective: every rank calls
+    this)."""
     stacks = 0
     for _, experts in expert_modules(model):
         for name in EXPERT_PARAMETERS:
             param = getattr(experts, name)
+            if quantized_stack(param) is not None:
+                continue
             with gathered(param):
-                shape = tuple(param.data.shape)
-                values, scales, code = _quantized(param.data, quant_type)
-                at = -(-values.numel() // 4) * 4  # the scales 4-byte aligned
-                raw = torch.zeros(at + scales.numel() * 4, dtype=torch.uint8, device=values.device)
-                raw[: values.numel()] = values.flatten().view(torch.uint8)
-                raw[at:] = scales.float().contiguous().view(torch.uint8)
-                size = storage.itemsize
-                raw = torch.cat([raw, raw.new_zeros(-raw.numel() % size)])
-                stored = raw.view(storage).clone()
-            quantized = nn.Parameter(stored, requires_grad=False)
-            stored_as = QuantizedStack(shape, quant_type, at, code)
-            quantized.memtune_quantized = stored_as  # type: ignore[attr-defined]
+                quantized = quantized_parameter(param.data, quant_type, storage)
             if hasattr(param, "ds_id"):
                 # sharded at once, like the stack it replaces: left whole until
                 # deepspeed.initialize, every rank would hold all the 4-bit stacks at start-up
@@ -95,9 +84,104 @@ def quantize_experts(model: nn.Module, quant_type: str, storage: torch.dtype) ->
     return stacks
 
 
-def _quantized(weight: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, Any]:
+def quantized_parameter(weight: torch.Tensor, quant_type: str, storage: torch.dtype) -> Any:
+    """A stack (experts × out × in) as memtune stores it quantized: quantized in one call —
+    4-bit: blocks of QUANT_BLOCK along each expert's weight; int8: each weight row scaled by
+    its absmax (bitsandbytes' vectorwise int8, the weights only) — so that one expert
+    dequantizes alone, and kept as ONE frozen parameter of the training dtype (``storage``):
+    the quantized bytes then the fp32 scales, viewed as that dtype, so ZeRO-3 shards and
+    gathers it with the rest of the layer (as QLoRA's ``bnb_4bit_quant_storage`` does for the
+    linear layers). On ``weight``'s device."""
+    shape = tuple(weight.shape)
+    values, scales, code = _quantized(weight, quant_type)
+    at = -(-values.numel() // 4) * 4  # the scales 4-byte aligned
+    size = storage.itemsize
+    total = at + scales.numel() * 4
+    raw = torch.zeros(total + (-total % size), dtype=torch.uint8, device=values.device)
+    raw[: values.numel()] = values.flatten().view(torch.uint8)
+    raw[at:total] = scales.float().contiguous().view(torch.uint8)
+    quantized = nn.Parameter(raw.view(storage), requires_grad=False)
+    quantized.memtune_quantized = QuantizedStack(shape, quant_type, at, code)  # type: ignore[attr-defined]
+    return quantized
+
+
+@dataclass
+class LoadedStacks:
+    """What :func:`quantize_experts_as_loaded` quantized while a base was read."""
+
+    stacks: int = 0
+    """Stacks quantized as they were read."""
+    largest_bytes: int = 0
+    """The largest stack in the dtype it was read in: what one stack adds while it is quantized
+    (memory.estimate.loading_peak counts the copies of it that loading holds at once)."""
+
+
+@contextlib.contextmanager
+def quantize_experts_as_loaded(quant_type: str, storage: torch.dtype) -> Iterator[LoadedStacks]:
+    """While transformers' ``from_pretrained`` reads a mixture (rank.model.load_base_model):
+    each routed-expert stack quantized (:func:`quantized_parameter`) the moment the loader
+    puts it on its module, so no rank ever holds the whole base in the compute dtype — only
+    the quantized model and the one stack being read.
+
+    transformers 5 builds a quantized model on the meta device and reads the checkpoint one
+    target tensor at a time (``safe_open`` slices, no thread pool when it quantizes on the
+    fly): an expert stack is gathered from its checkpoint tensors (one fused tensor, or each
+    expert's gate / up / down merged), cast, moved to the rank's device and set on the experts
+    module as a ``Parameter``. torch's global parameter-registration hook sees that
+    ``Parameter`` and returns the quantized one in its place; the stack in the compute dtype
+    is freed as the loader moves on. The result is bit for bit :func:`quantize_experts` after a
+    full load (tests/test_quantized_loading.py)."""
+    loaded = LoadedStacks()
+
+    def quantize(module: nn.Module, name: str, param: Any) -> Any:
+        if (
+            name not in EXPERT_PARAMETERS
+            or not hasattr(module, "num_experts")
+            or param is None
+            or param.device.type == "meta"  # the model being built, before any weight is read
+            or param.dim() != 3
+            or not param.dtype.is_floating_point
+            or quantized_stack(param) is not None
+        ):
+            return None
+        loaded.stacks += 1
+        loaded.largest_bytes = max(loaded.largest_bytes, param.numel() * param.element_size())
+        quantized = quantized_parameter(param.data, quant_type, storage)
+        # loaded, not missing: transformers would draw it again from its initializer
+        quantized._is_hf_initialized = True
+        return quantized
+
+    handle = nn.modules.module.register_module_parameter_registration_hook(quantize)
+    try:
+        yield loaded
+    finally:
+        handle.remove()
+
+
+def _quantized(
+    weight: torch.Tensor, kind: str, chunk_bytes: int = QUANTIZED_CHUNK_BYTES
+) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """A stack (experts × out × in) quantized: (its values, their fp32 scales, the 4-bit code
-    table or None)."""
+    table or None), a chunk of experts at a time (their weights in ``weight``'s dtype at most
+    ``chunk_bytes``, one expert at least).
+
+    bitsandbytes' CPU code quantizes through fp32 temporaries several times the input (its
+    CUDA kernel through none), so a whole stack at once would add ~6 copies of it to the
+    loading peak on a CPU rank (Qwen3-30B-A3B's gate_up: 0.8 GB in bf16). In chunks the bytes
+    are the same: a 4-bit block never straddles two experts when an expert's weights are a
+    whole number of blocks (every released shape), and int8 scales a row at a time."""
+    n, out, inp = weight.shape
+    step = max(1, chunk_bytes // (out * inp * weight.element_size()))
+    if n <= step or (kind != "int8" and (out * inp) % QUANT_BLOCK):
+        return _quantized_at_once(weight, kind)
+    parts = [_quantized_at_once(weight[i : i + step], kind) for i in range(0, n, step)]
+    values = torch.cat([v for v, _, _ in parts])  # packed bytes (k × 1) / int8 rows
+    scales = torch.cat([s for _, s, _ in parts])
+    return values, scales, parts[0][2]
+
+
+def _quantized_at_once(weight: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """:func:`_quantized` in one call of bitsandbytes."""
     import bitsandbytes.functional as bnbf
 
     if kind == "int8":  # an fp32 absmax a row

@@ -88,15 +88,29 @@ def load_base_model(cfg: RunConfig, d: Decisions, device_index: int | None = Non
         # Straight onto the rank's GPU: a replicated bf16 base would otherwise sit in host
         # memory once per rank (4 × 15 GB for Qwen2.5-7B) before DeepSpeed moves it.
         extra["device_map"] = {"": device_index}
-    model = AutoModelForCausalLM.from_pretrained(
-        cfg.model.name_or_path,
-        dtype=torch_dtype(cfg),
-        attn_implementation=d.attention,
-        trust_remote_code=cfg.model.trust_remote_code,
-        **extra,
-    )
+    with quantized_as_loaded(cfg, d):
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.model.name_or_path,
+            dtype=torch_dtype(cfg),
+            attn_implementation=d.attention,
+            trust_remote_code=cfg.model.trust_remote_code,
+            **extra,
+        )
     model.config.use_cache = False  # a KV cache is useless in training and defeats recompute
     return model
+
+
+def quantized_as_loaded(cfg: RunConfig, d: Decisions) -> Any:
+    """A quantized mixture's expert stacks quantized as the checkpoint is read
+    (rank.experts.quantize_experts_as_loaded: no whole base in the compute dtype on any rank,
+    which lets a quantized mixture run replicated under ZeRO-2); else nothing to do."""
+    import contextlib
+
+    from memtune.rank.experts import quantize_experts_as_loaded
+
+    if d.peft_method == "lora" or d.experts is None or d.experts.storage == "compute":
+        return contextlib.nullcontext()
+    return quantize_experts_as_loaded(d.experts.storage, torch_dtype(cfg))
 
 
 @dataclass
@@ -288,23 +302,32 @@ def is_quantized_layer(module: Any) -> bool:
 
 
 def prepare_quantized(model: Any, dtype: torch.dtype) -> Any:
-    """peft's ``prepare_model_for_kbit_training``, without its fp32 upcast.
+    """A quantized base frozen for LoRA, every weight that is not quantized in the compute
+    dtype: peft's ``prepare_model_for_kbit_training`` (without gradient checkpointing: it
+    freezes the base and upcasts every bf16 / fp16 weight that is not bitsandbytes' 4-bit to
+    fp32), without its fp32 upcast.
 
-    It freezes the base and upcasts every weight that is not quantized to fp32. The upcast
-    costs twice: the embedding and LM head (frozen, 2 × vocab × hidden) double to 4.4 GB on
-    Qwen2.5-7B, and fp32 norms turn the whole residual stream fp32 (RMSNorm multiplies by its
-    weight's dtype, and bitsandbytes layers return their input's dtype), doubling the
-    activations kept for the backward pass. So those weights go back to the compute dtype,
-    as in a plain bf16 LoRA run.
+    The upcast costs twice: the embedding and LM head (frozen, 2 × vocab × hidden) double to
+    4.4 GB on Qwen2.5-7B, and fp32 norms turn the whole residual stream fp32 (RMSNorm multiplies
+    by its weight's dtype, and bitsandbytes layers return their input's dtype), doubling the
+    activations kept for the backward pass; memtune used to cast those weights back, which
+    still held every one of them in fp32 at once during start-up. It would also read a
+    mixture's quantized expert stacks (rank.experts: packed bytes stored as the training dtype,
+    quantized as they were loaded) as numbers and rewrite them. So: frozen, bitsandbytes'
+    layers kept in their training layout, any fp32 weight (other than a quantized stack) in the
+    compute dtype, as in a plain bf16 LoRA run.
     """
-    from peft import prepare_model_for_kbit_training
+    from memtune.expert_stacks import quantized_stack
 
-    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    for param in model.parameters():
+        param.requires_grad = False
     for module in model.modules():
         if is_quantized_layer(module):
             keep_training_layout(module)
             continue
         for param in module.parameters(recurse=False):
+            if quantized_stack(param) is not None:
+                continue
             if param.dtype == torch.float32 and dtype != torch.float32:
                 param.data = param.data.to(dtype)
     return model
