@@ -322,24 +322,31 @@ def _losses(run_dir: Path) -> list[float]:
 
 @pytest.mark.faults
 def test_a_job_after_its_caches_were_damaged(tmp_path: Path) -> None:
-    """The issue's user: the demo trained once, then a byte of its tokenized data and of its
-    demo model flipped (a disk hiccup); the same command in a new run dir says what it rebuilt
-    in one line each and trains exactly as before (it used to end in a SafetensorError
-    traceback, on every later run)."""
+    """The issue's user: the demo trained once, then a byte of its tokenized data, of its demo
+    model and of a cached parameter count changed (a disk hiccup); the same command in a new run
+    dir says what it rebuilt in one line each and trains exactly as before (it used to end in a
+    SafetensorError traceback, on every later run)."""
     cache = tmp_path / "cache"
     first = _train(tmp_path / "run1", cache)
     assert first.returncode == 0, first.stderr[-3000:]
     (data,) = (cache / "data").iterdir()
     model = cache / "tiny-qwen2"
-    clean = {"data": _files(data), "model": _files(model)}
+    counts = sorted((cache / "counts").iterdir())
+    clean = {"data": _files(data), "model": _files(model), "counts": counts[0].read_bytes()}
     _flip(data / "train.safetensors", at=-7)
     _flip(model / "model.safetensors", at=-7)
+    text = counts[0].read_text()  # one digit of the first number in the value
+    at = text.index('"value": ') + next(
+        i for i, c in enumerate(text[text.index('"value": ') :]) if c.isdigit()
+    )
+    counts[0].write_text(text[:at] + str((int(text[at]) + 1) % 10) + text[at + 1 :])
 
     again = _train(tmp_path / "run2", cache)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "Traceback" not in again.stderr
     lines = [line for line in again.stdout.splitlines() if "was damaged" in line]
-    assert lines == [
+    assert lines[0].startswith(f"memtune: counts cache {counts[0]} was damaged (")
+    assert lines[1:] == [
         f"memtune: demo model {model} was damaged ({model / 'model.safetensors'} does not hold "
         f"the bytes that were written (its XXH3-128 differs)): set aside as "
         f"{cache / '.damaged-tiny-qwen2'}; building it again",
@@ -348,6 +355,7 @@ def test_a_job_after_its_caches_were_damaged(tmp_path: Path) -> None:
         f"{data.parent / ('.damaged-' + data.name)}; tokenizing again",
     ]
     assert _files(data) == clean["data"] and _files(model) == clean["model"]
+    assert counts[0].read_bytes() == clean["counts"]
     assert (cache / ".damaged-tiny-qwen2").is_dir()
     assert (data.parent / f".damaged-{data.name}").is_dir()
     assert _losses(tmp_path / "run2") == _losses(tmp_path / "run1")
