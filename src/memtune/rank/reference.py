@@ -298,7 +298,7 @@ def _write(folder: Path, key: str, tables: dict[str, torch.Tensor]) -> None:
 
     folder.mkdir(exist_ok=True)
     tmp = folder / f".{TABLES}.tmp-{os.getpid()}"
-    meta = {"key": key, "format": str(FORMAT)}
+    meta = {"key": key}  # one entry (FORMAT is in the key): safetensors orders several at random
     save_file({k: v.contiguous() for k, v in tables.items()}, str(tmp), metadata=meta)
     (folder / MANIFEST).unlink(missing_ok=True)  # the old tables' list goes first
     tmp.replace(folder / TABLES)
