@@ -1,5 +1,6 @@
-"""Training on images (issue #49 items 3 and 4): tiny vision-language models of the released
-classes, and what the planner counts of them.
+"""Training on images (issue #49 items 3 and 4): the vision-language class with its tower, a
+packed row of samples with images trained as each sample alone, the tower frozen and never
+quantized unless asked.
 
 The models are tiny ones of the real classes (memtune.tools.tiny.build_vision_language:
 Qwen3-VL with deepstack, Qwen2.5-VL with windowed attention, Qwen3.5 with its linear
@@ -8,14 +9,29 @@ attention), saved with save_pretrained and loaded through memtune's own loading 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+import torch
+from PIL import Image
 
 from memtune.config import RunConfig, to_run_config
 from memtune.config.architecture import resolve_architecture
+from memtune.config.decisions import Decisions, Vision
+from memtune.data.batching import collate_packed
+from memtune.data.encode import IGNORE_INDEX, Sample, encode_records, resize_record_images
+from memtune.data.readers import read_source
+from memtune.data.vision import ImageSettings, model_image_settings
+from memtune.rank.linear_attention import keep_samples_apart
+from memtune.rank.loop import MODEL_INPUTS
+from memtune.rank.loss import CausalLMLoss
+from memtune.rank.model import add_lora, load_base_model
 from memtune.tools.tiny import build_vision_language
-from tests.conftest import compose_cfg
+from tests.conftest import compose_cfg, decided
 
 FAMILIES = ("qwen3_vl", "qwen2_5_vl", "qwen3_5")
 
@@ -24,6 +40,47 @@ FAMILIES = ("qwen3_vl", "qwen2_5_vl", "qwen3_5")
 def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vl-models")
     return {kind: build_vision_language(root / kind, kind) for kind in FAMILIES}
+
+
+def picture(path: Path, width: int, height: int, colour: tuple[int, int, int], seed: int) -> str:
+    """A small real image: one colour with noise."""
+    rng = np.random.default_rng(seed)
+    pixels = np.array(colour)[None, None] + rng.normal(0, 20, (height, width, 3))
+    Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(path)
+    return path.name
+
+
+def user(*parts: Any) -> dict[str, Any]:
+    content = [
+        {"type": "image", "image": f"img/{p}"}
+        if p.endswith(".png")
+        else {"type": "text", "text": p}
+        for p in parts
+    ]
+    return {"role": "user", "content": content}
+
+
+def reply(text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": text}
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three conversations for one packed row: an image, none, two images of other sizes (one
+    wider than Qwen2.5-VL's 112-pixel attention windows)."""
+    root = tmp_path_factory.mktemp("vl-records")
+    (root / "img").mkdir()
+    a = picture(root / "img" / "a.png", 64, 64, (220, 30, 30), 0)
+    b = picture(root / "img" / "b.png", 96, 160, (30, 200, 40), 1)
+    c = picture(root / "img" / "c.png", 150, 70, (30, 40, 220), 2)
+    rows = [
+        {"messages": [user(a, "colour?"), reply("red, mostly")]},
+        {"messages": [user("no image here"), reply("fine then")]},
+        {"messages": [user("two:", b, c), reply("the second is wide")]},
+    ]
+    path = root / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
 
 
 def vl_cfg(base: Path, *overrides: str) -> RunConfig:
@@ -42,6 +99,169 @@ def vl_cfg(base: Path, *overrides: str) -> RunConfig:
         )
     )
     return resolve_architecture(cfg)[0]
+
+
+def with_tower(cfg: RunConfig, adapted: bool) -> Decisions:
+    return dataclasses.replace(decided(cfg), vision=Vision(adapted=adapted, recompute=False))
+
+
+def encoded(cfg: RunConfig, path: Path) -> tuple[list[Sample], ImageSettings, int]:
+    from transformers import AutoTokenizer
+
+    settings = model_image_settings(cfg.model.name_or_path, None, None, None)
+    assert settings is not None
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
+    recs = list(read_source(str(path), "messages"))
+    resized = [resize_record_images(r, settings) if r.images else [] for r in recs]
+    return encode_records(recs, tokenizer, cfg.data, resized), settings, tokenizer.pad_token_id
+
+
+def adapted_model(cfg: RunConfig, d: Decisions) -> Any:
+    torch.manual_seed(0)
+    model = add_lora(load_base_model(cfg, d), cfg, d)
+    keep_samples_apart(model)  # Qwen3.5's linear attention (build_rank does this)
+    for name, p in model.named_parameters():  # LoRA's B starts at 0: give the A's gradients
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    return model.train()
+
+
+def step(
+    loss: CausalLMLoss, batch: dict[str, torch.Tensor]
+) -> tuple[float, dict[str, torch.Tensor]]:
+    model = loss.model
+    model.zero_grad(set_to_none=True)
+    value = loss(**{k: batch[k] for k in MODEL_INPUTS if k in batch})
+    value.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(value.detach()), grads
+
+
+def each_sample(
+    loss: CausalLMLoss, batch: dict[str, torch.Tensor], n: int, bounds: bool = True
+) -> list[float]:
+    """Each sample's loss inside the packed row (the others' labels masked); ``bounds``: the
+    model is told where the samples are (``cu_seq_lens``), else it runs the row as one."""
+    cu = batch["cu_seq_lens"].tolist()
+    out = []
+    with torch.no_grad():
+        for i in range(n):
+            labels = batch["labels"].clone()
+            for j in range(n):
+                if j != i:
+                    labels[0, cu[j] : cu[j + 1]] = IGNORE_INDEX
+            only = dict(batch, labels=labels)
+            if not bounds:
+                only = {k: v for k, v in only.items() if k not in ("cu_seq_lens", "max_length")}
+            out.append(float(loss(**{k: only[k] for k in MODEL_INPUTS if k in only})))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("kind", "target"),
+    [
+        ("qwen3_vl", "all-linear-and-vision"),
+        ("qwen2_5_vl", "all-linear-and-vision"),
+        ("qwen3_5", "attention-and-vision"),
+    ],
+)
+def test_a_packed_row_with_images_trains_each_sample_as_if_alone(
+    bases: dict[str, Path], records: Path, kind: str, target: str
+) -> None:
+    """Three samples (one image, none, two) in one packed row: each sample's loss and the LoRA
+    gradients (language model and tower) equal the samples run alone. The row crosses every
+    boundary there is: the 3-D rotary positions restart per sample, attention (and Qwen3.5's
+    linear attention) stays within each sample, the tower's attention within each image
+    (Qwen2.5-VL's within its windows), Qwen3-VL's deepstack features land on their own
+    sample's image tokens."""
+    cfg = vl_cfg(bases[kind], f"peft.target={target}")
+    samples, settings, pad = encoded(cfg, records)
+    assert [len(s.images) for s in samples] == [1, 0, 2]
+    loss = CausalLMLoss(adapted_model(cfg, with_tower(cfg, adapted=True)), "chunked")
+    packed = collate_packed([samples], pad, settings)
+    assert packed["image_grid_thw"].shape == (3, 3)
+    packed_loss, packed_grads = step(loss, packed)
+    alone = [step(loss, collate_packed([[s]], pad, settings)) for s in samples]
+    assert packed_loss == pytest.approx(sum(value for value, _ in alone), rel=1e-5)
+    assert each_sample(loss, packed, 3) == pytest.approx([v for v, _ in alone], rel=1e-5)
+    tower = [n for n in packed_grads if ".visual." in n]
+    assert tower and len(packed_grads) > len(tower)
+    for name, grad in packed_grads.items():
+        want = sum(g[name] for _, g in alone)
+        # fp32 sums in another order; Qwen3.5's linear attention empties its state at a
+        # sample's start by a decay of e^-30, not exactly (rank.linear_attention)
+        atol = max(1e-6, 1e-4 * float(want.abs().max()))
+        torch.testing.assert_close(grad, want, rtol=1e-4, atol=atol, msg=name)
+
+
+def test_each_sample_gets_the_positions_it_has_alone_and_a_leak_shows(
+    bases: dict[str, Path], records: Path
+) -> None:
+    """The packed row's 3-D positions are each sample's own, as the model's get_rope_index
+    gives them for the sample alone (text row restarting too). And the comparison above can
+    tell a leak: the same row without its sample boundaries (what transformers' forward does
+    with a packed row it is not told about) gives the later samples other losses."""
+    from memtune.rank.vision import rope_positions
+
+    cfg = vl_cfg(bases["qwen3_vl"], "peft.target=all-linear")
+    samples, settings, pad = encoded(cfg, records)
+    loss = CausalLMLoss(adapted_model(cfg, with_tower(cfg, adapted=False)), "chunked")
+    vl = loss.model.get_base_model().model
+    packed = collate_packed([samples], pad, settings)
+    args = (packed["input_ids"], packed["mm_token_type_ids"], packed["image_grid_thw"])
+    positions = rope_positions(vl, *args, packed["cu_seq_lens"], None)
+    alone = []
+    for s in samples:
+        one = collate_packed([[s]], pad, settings)
+        grid = one.get("image_grid_thw")
+        mrope, _ = vl.get_rope_index(one["input_ids"], one["mm_token_type_ids"], grid)
+        alone.append(torch.cat([torch.arange(len(s.input_ids))[None, None], mrope]))
+    assert torch.equal(positions, torch.cat(alone, dim=2))
+    assert int(positions[1:, 0, len(samples[0].input_ids)].max()) == 0  # the second starts at 0
+
+    losses = [step(loss, collate_packed([[s]], pad, settings))[0] for s in samples]
+    leaked = each_sample(loss, packed, 3, bounds=False)
+    assert leaked[0] == pytest.approx(losses[0], rel=1e-5)
+    assert abs(leaked[2] - losses[2]) > 1e-2 * losses[2]
+
+
+def test_the_tower_is_frozen_unquantized_and_adapted_only_when_asked(
+    bases: dict[str, Path],
+) -> None:
+    """peft.target=all-linear adapts the language model only (Qwen2.5-VL's tower has gate /
+    up / down projections of its own); all-linear-and-vision adds exactly the tower's blocks'
+    and mergers' linear layers. Under QLoRA the tower stays in the compute dtype while the
+    language model's linear layers are 4-bit."""
+    base = bases["qwen2_5_vl"]
+    for target, tower_adapted in (("all-linear", False), ("all-linear-and-vision", True)):
+        cfg = vl_cfg(base, f"peft.target={target}")
+        d = with_tower(cfg, tower_adapted)
+        model = add_lora(load_base_model(cfg, d), cfg, d)
+        adapted = {n.split(".lora_A")[0] for n, _ in model.named_parameters() if ".lora_A." in n}
+        tower = {n for n in adapted if ".visual." in n}
+        linear = {
+            n
+            for n, m in model.named_modules()
+            if ".visual." in n and type(m) is torch.nn.Linear and "lora_" not in n
+        }
+        if tower_adapted:
+            assert {n.replace(".base_layer", "") for n in linear} == tower, target
+            assert any(".merger.mlp.0" in n for n in tower)
+        else:
+            assert not tower and all(".language_model." in n for n in adapted), target
+        assert not any(p.requires_grad for n, p in model.named_parameters() if "lora_" not in n)
+
+    cfg = vl_cfg(base, "peft=qlora-nf4", "trainer.precision=bf16")
+    d = with_tower(cfg, adapted=False)
+    model = add_lora(load_base_model(cfg, d), cfg, d)  # check_all_quantized passes
+    kinds = {
+        n: type(m).__name__
+        for n, m in model.get_base_model().named_modules()
+        if n.endswith(("q_proj", "qkv", "linear_fc1", "mlp.0", "down_proj"))
+    }
+    assert kinds and all((k == "Linear") == (".visual." in n) for n, k in kinds.items()), kinds
+    weights = [p for n, p in model.named_parameters() if ".visual." in n]
+    assert {p.dtype for p in weights} == {torch.bfloat16}
 
 
 def test_the_plan_counts_the_language_model_of_the_released_class(bases: dict[str, Path]) -> None:
