@@ -1,6 +1,6 @@
 """Training on images (issue #49 items 3 and 4): the vision-language class with its tower, a
 packed row of samples with images trained as each sample alone, the tower frozen and never
-quantized unless asked.
+quantized unless asked, and one real 2-rank run.
 
 The models are tiny ones of the real classes (memtune.tools.tiny.build_vision_language:
 Qwen3-VL with deepstack, Qwen2.5-VL with windowed attention, Qwen3.5 with its linear
@@ -19,7 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
-from memtune.config import RunConfig, to_run_config
+from memtune.config import ConfigError, RunConfig, to_run_config
 from memtune.config.architecture import resolve_architecture
 from memtune.config.decisions import Decisions, Vision
 from memtune.data.batching import collate_packed
@@ -31,7 +31,7 @@ from memtune.rank.loop import MODEL_INPUTS
 from memtune.rank.loss import CausalLMLoss
 from memtune.rank.model import add_lora, load_base_model
 from memtune.tools.tiny import build_vision_language
-from tests.conftest import compose_cfg, decided
+from tests.conftest import FAST, compose_cfg, decided, start_run
 
 FAMILIES = ("qwen3_vl", "qwen2_5_vl", "qwen3_5")
 
@@ -277,3 +277,116 @@ def test_the_plan_counts_the_language_model_of_the_released_class(bases: dict[st
         model = AutoModelForImageTextToText.from_pretrained(bases[kind])
         text = sum(p.numel() for n, p in model.named_parameters() if ".visual." not in f".{n}")
         assert count_params(cfg).base == text, kind
+
+
+def test_what_is_not_built_is_refused_by_name(bases: dict[str, Path], tmp_path: Path) -> None:
+    """Before the ranks: images with a model type memtune does not train on images, a
+    preference objective, sequence parallelism or compile; a -and-vision target on text."""
+    from transformers import AutoConfig
+
+    from memtune.data.cache import Prepared
+    from memtune.data.encode import DataStats
+    from memtune.launcher.prepare import vision_for_images
+
+    with_images = Prepared(tmp_path, DataStats(images=3), DataStats(images=1), reused=False)
+    text = Prepared(tmp_path, DataStats(), None, reused=False)
+    cfg = vl_cfg(bases["qwen3_vl"])
+    d = decided(cfg)
+    assert vision_for_images(cfg, d, text) is d
+    assert vision_for_images(cfg, d, with_images).vision == Vision(False, False)
+    both = vl_cfg(bases["qwen3_vl"], "peft.target=attention-and-vision")
+    assert vision_for_images(both, d, with_images).vision == Vision(True, False)
+    with pytest.raises(ConfigError, match="adapts a vision tower, and the data has no images"):
+        vision_for_images(both, d, text)
+    for change, words in (
+        (["trainer.objective=dpo"], "trainer.objective=dpo"),
+        (["trainer.compile=true"], "trainer.compile=true"),
+    ):
+        with pytest.raises(
+            ConfigError, match=f"hold 4 images, and training on images with {words} is not built"
+        ):
+            vision_for_images(vl_cfg(bases["qwen3_vl"], *change), d, with_images)
+    split = dataclasses.replace(d, batch=dataclasses.replace(d.batch, sequence_parallel=2))
+    with pytest.raises(ConfigError, match="with sequence parallelism"):
+        vision_for_images(cfg, split, with_images)
+    only = vl_cfg(bases["qwen3_vl"], "preprocess_only=true", "trainer.objective=dpo")
+    assert vision_for_images(only, d, with_images) is d  # builds the cache, trains nothing
+
+    moe = tmp_path / "moe"
+    config = json.loads((bases["qwen3_5"] / "config.json").read_text())
+    AutoConfig.for_model("qwen3_5_moe", vision_config=config["vision_config"]).save_pretrained(moe)
+    other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name_or_path=str(moe)))
+    with pytest.raises(ConfigError, match="is a qwen3_5_moe model: training on images is built"):
+        vision_for_images(other, d, with_images)
+    tiny = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, name_or_path=str(tmp_path))
+    )
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    with pytest.raises(ConfigError, match="has no vision tower"):
+        vision_for_images(tiny, d, with_images)
+
+
+def test_images_train_on_two_zero3_ranks_packed(bases: dict[str, Path], tmp_path: Path) -> None:
+    """A real run: 2 CPU ranks, ZeRO-3 (the tower sharded with the rest), LoRA on the language
+    model and the tower (its blocks recomputed), packed rows of samples with images and without
+    (some micro batches have none, and their ranks run the tower on a blank image: ZeRO-3's
+    gathers stay in step). The loss falls; the adapter is named for the released class."""
+    from memtune.config.decisions import BatchShape
+    from memtune.data.loaders import make_loader
+
+    root = tmp_path / "data"
+    (root / "img").mkdir(parents=True)
+    colours = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220)}
+    sizes = [(64, 64), (96, 64), (64, 128), (128, 96)]
+    rows = []
+    for i in range(24):
+        name = list(colours)[i % 3]
+        w, h = sizes[i % 4]
+        img = picture(root / "img" / f"{i}.png", w, h, colours[name], i)
+        rows.append({"messages": [user(img, "What colour is this?"), reply(f"It is {name}.")]})
+        if i % 3 < 2:  # text-only samples of ~80 tokens: each fills a row of its own
+            words = " ".join(["colours"] * 30)
+            rows.append({"messages": [user(f"Name three {words}."), reply("Red, green, blue.")]})
+    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = start_run(
+        tmp_path / "run",
+        [
+            *FAST,
+            "model=local",
+            f"model.name_or_path={bases['qwen3_vl']}",
+            "data=messages",
+            f"data.path={root / 'data.jsonl'}",
+            "data.template=chatml",
+            "data.max_seq_len=96",
+            "trainer.global_batch_size=8",
+            "trainer.activation_checkpointing=true",
+            "trainer.checkpoint_layers=all",
+            "peft.target=all-linear-and-vision",
+            "zero=zero3",
+            "launcher.num_ranks=2",
+        ],
+        probe=False,
+    )
+    assert run.code == 0
+    assert run.decisions is not None and run.decisions.vision == Vision(True, recompute=True)
+    losses = run.losses()
+    assert len(losses) == 12 and losses[-1] < 0.5 * losses[0], losses
+    from safetensors import safe_open
+
+    with safe_open(str(run.dir / "adapter" / "adapter_model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert any(n.startswith("base_model.model.model.visual.blocks.") for n in names)
+    assert any(n.startswith("base_model.model.model.language_model.layers.") for n in names)
+
+    # Some micro batches of the run held no image: those ranks ran the tower on a blank one.
+    data_dir = json.loads((run.dir / "data.json").read_text())["dir"]
+    batch: BatchShape = run.decisions.batch
+    blank = 0
+    for rank in range(2):
+        loader, sampler = make_loader(run.cfg, batch, data_dir, 0, rank, 2)
+        seen = []
+        for epoch in range(12):  # the worker's epochs, until its 12 micro batches
+            sampler.set_epoch(epoch)
+            seen += ["pixel_values" not in b for b in loader]
+        blank += sum(seen[:12])
+    assert blank > 0
