@@ -326,6 +326,7 @@ def test_what_is_not_built_is_refused_by_name(bases: dict[str, Path], tmp_path: 
         vision_for_images(tiny, d, with_images)
 
 
+@pytest.mark.slow
 def test_images_train_on_two_zero3_ranks_packed(bases: dict[str, Path], tmp_path: Path) -> None:
     """A real run: 2 CPU ranks, ZeRO-3 (the tower sharded with the rest), LoRA on the language
     model and the tower (its blocks recomputed), packed rows of samples with images and without
