@@ -279,6 +279,34 @@ def test_the_plan_counts_the_language_model_of_the_released_class(bases: dict[st
         assert count_params(cfg).base == text, kind
 
 
+def test_an_image_run_starts_from_an_image_runs_adapter(
+    bases: dict[str, Path], tmp_path: Path
+) -> None:
+    """peft.init_from with the adapter of a run on images: its target pattern is this run's
+    (checked before launch), and its weights, language model and tower, load as saved."""
+    from memtune.config.validate import _check_init_from
+
+    cfg = vl_cfg(bases["qwen3_vl"], "peft.target=all-linear-and-vision")
+    d = with_tower(cfg, adapted=True)
+    trained = adapted_model(cfg, d)
+    trained.save_pretrained(tmp_path / "adapter")
+    again = vl_cfg(
+        bases["qwen3_vl"], "peft.target=all-linear-and-vision", f"peft.init_from={tmp_path}/adapter"
+    )
+    _check_init_from(again)
+    loaded = add_lora(load_base_model(again, d), again, d)
+    want = {n: p for n, p in trained.named_parameters() if p.requires_grad}
+    got = {n: p for n, p in loaded.named_parameters() if p.requires_grad}
+    assert want.keys() == got.keys() and any(".visual." in n for n in got)
+    for name, p in got.items():
+        torch.testing.assert_close(p, want[name], msg=name)
+    text_only = vl_cfg(
+        bases["qwen3_vl"], "peft.target=all-linear", f"peft.init_from={tmp_path}/adapter"
+    )
+    with pytest.raises(ConfigError, match="the adapter has target_modules="):
+        _check_init_from(text_only)
+
+
 def test_what_is_not_built_is_refused_by_name(bases: dict[str, Path], tmp_path: Path) -> None:
     """Before the ranks: images with a model type memtune does not train on images, a
     preference objective, sequence parallelism or compile; a -and-vision target on text."""
