@@ -198,9 +198,10 @@ def test_each_sample_gets_the_positions_it_has_alone_and_a_leak_shows(
     bases: dict[str, Path], records: Path
 ) -> None:
     """The packed row's 3-D positions are each sample's own, as the model's get_rope_index
-    gives them for the sample alone (text row restarting too). And the comparison above can
-    tell a leak: the same row without its sample boundaries (what transformers' forward does
-    with a packed row it is not told about) gives the later samples other losses."""
+    gives them for the sample alone (text row restarting too); trainer.loss=plain gives the
+    chunked loss's value. And the comparison above can tell a leak: the same row without its
+    sample boundaries (what transformers' forward does with a packed row it is not told
+    about) gives the later samples other losses."""
     from memtune.rank.vision import rope_positions
 
     cfg = vl_cfg(bases["qwen3_vl"], "peft.target=all-linear")
@@ -220,6 +221,8 @@ def test_each_sample_gets_the_positions_it_has_alone_and_a_leak_shows(
     assert int(positions[1:, 0, len(samples[0].input_ids)].max()) == 0  # the second starts at 0
 
     losses = [step(loss, collate_packed([[s]], pad, settings))[0] for s in samples]
+    plain = CausalLMLoss(loss.model, "plain")  # trainer.loss=plain: the whole logits
+    assert step(plain, packed)[0] == pytest.approx(sum(losses), rel=1e-5)
     leaked = each_sample(loss, packed, 3, bounds=False)
     assert leaked[0] == pytest.approx(losses[0], rel=1e-5)
     assert abs(leaked[2] - losses[2]) > 1e-2 * losses[2]
