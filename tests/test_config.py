@@ -160,7 +160,10 @@ CHOICE_FIELDS = {
     "data.overlong": "truncate | drop | split",
     "data.on_bad_record": "error | skip",
     "peft.method": "lora | qlora | lora-int8",
-    "peft.target": "attention | all-linear | all-linear-but-experts",
+    "peft.target": (
+        "attention | all-linear | all-linear-but-experts | attention-and-vision | "
+        "all-linear-and-vision"
+    ),
     "peft.quant_type": "nf4 | fp4",
     "trainer.precision": "bf16 | fp32",
     "trainer.tiled_mlp": "auto | on | off",

@@ -397,16 +397,3 @@ def test_a_cut_never_splits_an_image(tok: Any, pics: Path) -> None:
         kept = apply_length_policy([whole], DataConfig(path="x", max_seq_len=n), stats)
         assert stats.dropped_image_cut == dropped
         assert [len(s.images) for s in kept] == ([images] if not dropped else [])
-
-
-def test_a_run_with_images_stops_before_the_ranks(tmp_path: Path) -> None:
-    """Until the ranks feed images to the vision tower (#49 items 3-4), a run whose data has
-    images stops after the counts, and preprocess_only=true builds the cache."""
-    from memtune.data.cache import Prepared
-    from memtune.launcher.prepare import refuse_images_until_trained
-
-    prepared = Prepared(tmp_path, DataStats(images=3), DataStats(images=1), reused=False)
-    refuse_images_until_trained(prepared, preprocess_only=True)
-    refuse_images_until_trained(Prepared(tmp_path, DataStats(), None, False), False)
-    with pytest.raises(ConfigError, match="hold 4 images, and training on images is not built"):
-        refuse_images_until_trained(prepared, preprocess_only=False)

@@ -277,6 +277,26 @@ def is_multimodal(name_or_path: str, revision: str | None = None) -> bool:
     return isinstance(text, dict) and bool(text.get("model_type"))
 
 
+VISION_LANGUAGE_TYPES = ("qwen3_5", "qwen3_vl", "qwen2_5_vl")
+"""The vision-language checkpoints (config.json ``model_type``) memtune trains on images: their
+released class with its vision tower (rank.vision). Qwen3.6 is ``qwen3_5``."""
+
+
+def vision_model_type(name_or_path: str, revision: str | None = None) -> str | None:
+    """The checkpoint's ``model_type`` when its config.json has a vision tower
+    (``vision_config``); None for a text model, or a checkpoint not on disk."""
+    found = checkpoint_config_file(name_or_path, revision)
+    if found is None:
+        return None
+    try:
+        data = json.loads(found.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(data, dict) and isinstance(data.get("vision_config"), dict)):
+        return None
+    return str(data.get("model_type"))
+
+
 def mismatches(planned: dict[str, Any], actual: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     """(field, planned value, actual value) for each PLANNED_FIELDS entry that differs."""
     a, b = _planned_values(planned), _planned_values(actual)
@@ -333,8 +353,9 @@ def resolve_architecture(cfg: RunConfig) -> tuple[RunConfig, list[str]]:
 def loaded_mismatches(cfg: RunConfig, loaded_config: Any) -> list[str]:
     """After from_pretrained: how the loaded model's config differs from the planned
     architecture ("field: planned X, loaded Y"); empty when it is the planned model."""
-    loaded = loaded_config.to_dict()
-    loaded.setdefault("head_dim", getattr(loaded_config, "head_dim", None))
+    # A vision-language class (its tower loaded for images) nests the planned text fields.
+    loaded = language_model_config(loaded_config.to_dict())
+    loaded.setdefault("head_dim", getattr(loaded_config.get_text_config(), "head_dim", None))
     return [
         f"{k}: planned {old!r}, loaded {new!r}"
         for k, old, new in mismatches(dict(cfg.model.architecture), loaded)

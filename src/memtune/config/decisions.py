@@ -254,6 +254,23 @@ class Experts:
 
 
 @dataclass(frozen=True)
+class Vision:
+    """A vision-language model's vision tower and merger, loaded because the data has images
+    (the released class, ``AutoModelForImageTextToText``, instead of its text model): in the
+    compute dtype (never quantized), sharded under ZeRO-3 with the other weights (rank.vision).
+    Decided by the job once the data is read (launcher.prepare.vision_for_images): the plan
+    does not count the tower yet."""
+
+    adapted: bool
+    """LoRA on the tower's blocks and the merger (peft.target attention-and-vision |
+    all-linear-and-vision); else they are frozen."""
+    recompute: bool
+    """The tower's blocks recomputed in backward, all of them: when adapted and the language
+    model recomputes any layer (a frozen tower keeps no activations: nothing in it needs a
+    gradient)."""
+
+
+@dataclass(frozen=True)
 class Decisions:
     """Everything decided for a run (the module docstring says how, and what stays with the
     rank)."""
@@ -271,6 +288,7 @@ class Decisions:
     """Checkpointed layers keep their input in host memory (needs checkpointing)."""
     batch: BatchShape
     experts: Experts | None = None
+    vision: Vision | None = None
     version: int = DECISIONS_VERSION
 
     def __post_init__(self) -> None:
@@ -343,6 +361,8 @@ class Decisions:
         body["batch"] = _record(BatchShape, body.get("batch"), "batch")
         experts = body.get("experts")
         body["experts"] = None if experts is None else _record(Experts, experts, "experts")
+        vision = body.get("vision")
+        body["vision"] = None if vision is None else _record(Vision, vision, "vision")
         decided = _record(cls, body, "")
         if "auto" in _leaves(raw):
             # Every closed choice refuses it already; this names the field for a free one.

@@ -27,6 +27,8 @@ LORA_TARGETS = {
     "attention": ATTENTION_TARGETS,
     "all-linear": [*ATTENTION_TARGETS, *MLP_TARGETS],
     "all-linear-but-experts": [*ATTENTION_TARGETS, *MLP_TARGETS],
+    "attention-and-vision": ATTENTION_TARGETS,
+    "all-linear-and-vision": [*ATTENTION_TARGETS, *MLP_TARGETS],
 }
 """peft.target → module names peft adapts; the linear-attention names only in a model that has
 such layers (:func:`lora_targets`). In a mixture of experts the MLP names are the shared
@@ -34,10 +36,43 @@ expert's (Qwen3.5-MoE); the routed experts are fused 3-D parameters, not modules
 ``all-linear`` adapts them too (:func:`adapts_experts`, rank.experts)."""
 
 
+VISION_SUFFIX = "-and-vision"
+"""peft.target values ending so adapt a vision-language model's tower too
+(:func:`adapts_vision`); in the language model they adapt what the value without it does."""
+
+VISION_TARGETS = (
+    r"blocks\.\d+\.(?:attn\.(?:qkv|proj)"
+    r"|mlp\.(?:linear_fc1|linear_fc2|gate_proj|up_proj|down_proj))"
+    r"|(?:merger|deepstack_merger_list\.\d+)\.(?:linear_fc1|linear_fc2|mlp\.0|mlp\.2)"
+)
+"""The linear layers of a Qwen vision tower's blocks (attention's fused q/k/v and output, the
+MLP: Qwen3-VL's and Qwen3.5's two layers, Qwen2.5-VL's gated three) and of its mergers
+(Qwen3-VL's deepstack mergers too), under ``model.visual``: what LoRA adapts there. The patch
+embedding (a convolution), norms and position tables are left frozen."""
+
+
+def adapts_vision(cfg: RunConfig) -> bool:
+    """peft.target asks for LoRA on a vision tower and its merger (``*-and-vision``)."""
+    return cfg.peft.target.endswith(VISION_SUFFIX)
+
+
 def adapts_experts(cfg: RunConfig) -> bool:
     """LoRA reaches the routed experts: peft.target=all-linear on a mixture of experts (what a
     user means by "all linear": 93% of Qwen3.5-35B-A3B's weights are routed experts)."""
-    return cfg.peft.target == "all-linear" and routed_experts(dict(cfg.model.architecture)) > 0
+    language = cfg.peft.target.removesuffix(VISION_SUFFIX)
+    return language == "all-linear" and routed_experts(dict(cfg.model.architecture)) > 0
+
+
+def lora_target_pattern(names: list[str], vision: bool) -> str:
+    """peft's ``target_modules`` for a vision-language class (its tower loaded, rank.vision):
+    one regex, which peft matches whole against each module's name. The language names
+    (:func:`lora_targets`) only under ``model.language_model`` — Qwen2.5-VL's tower has
+    gate / up / down projections of its own — and, with ``vision``, the tower's
+    :data:`VISION_TARGETS`."""
+    language = r"model\.language_model\..*\.(?:" + "|".join(names) + ")"
+    if not vision:
+        return language
+    return f"(?:{language}|model\\.visual\\.(?:{VISION_TARGETS}))"
 
 
 def lora_targets(cfg: RunConfig) -> list[str]:
@@ -126,17 +161,22 @@ def lora_scaling(cfg: RunConfig) -> float:
     return p.alpha / (p.r**0.5 if p.rslora else p.r)
 
 
-def lora_config(cfg: RunConfig) -> Any:
+def lora_config(cfg: RunConfig, tower: bool = False) -> Any:
     """peft's LoraConfig for ``cfg.peft``: what the ranks adapt with, what the planner counts
-    (memory.counts, on the meta device) and what bench/'s baselines use."""
+    (memory.counts, on the meta device) and what bench/'s baselines use. ``tower``: the model
+    is a vision-language class with its vision tower (decisions.json ``vision``), whose
+    modules are named apart (:func:`lora_target_pattern`)."""
     from peft import LoraConfig
 
     p = cfg.peft
+    targets: Any = lora_targets(cfg)
+    if tower:
+        targets = lora_target_pattern(targets, adapts_vision(cfg))
     return LoraConfig(
         r=p.r,
         lora_alpha=p.alpha,
         lora_dropout=p.dropout,
-        target_modules=lora_targets(cfg),
+        target_modules=targets,
         bias="none",
         task_type="CAUSAL_LM",
         use_rslora=p.rslora,

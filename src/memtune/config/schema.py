@@ -35,7 +35,13 @@ Template = Literal["chatml", "plain", "qwen3", "qwen3_5"]
 Overlong = Literal["truncate", "drop", "split"]
 OnBadRecord = Literal["error", "skip"]
 PeftMethod = Literal["lora", "qlora", "lora-int8"]
-PeftTarget = Literal["attention", "all-linear", "all-linear-but-experts"]
+PeftTarget = Literal[
+    "attention",
+    "all-linear",
+    "all-linear-but-experts",
+    "attention-and-vision",
+    "all-linear-and-vision",
+]
 QuantType = Literal["nf4", "fp4"]
 LoraInit = Literal["default", "gaussian", "pissa", "pissa_fast", "olora"]
 ZeroStage = Literal[2, 3]
@@ -184,7 +190,10 @@ class PeftConfig:
     target: Choice[PeftTarget] = "attention"
     """attention (q, k, v, o: the seeds' choice) | all-linear (adds gate, up, down; in a
     mixture of experts also every routed expert and the shared expert) | all-linear-but-experts
-    (all-linear with a mixture's routed experts left frozen: a much smaller adapter)"""
+    (all-linear with a mixture's routed experts left frozen: a much smaller adapter) |
+    attention-and-vision, all-linear-and-vision (the same in the language model, and LoRA on a
+    vision-language model's vision blocks and merger too: data with images only; without, the
+    tower is frozen)"""
     quant_type: Choice[QuantType] = "nf4"
     """qlora only: nf4 | fp4"""
     double_quant: bool = True

@@ -670,7 +670,12 @@ def _check_init_from(cfg: RunConfig) -> None:
     """peft.init_from: an adapter memtune (or peft) saved, whose shape is this run's LoRA."""
     import json
 
-    from memtune.config.derive import live_reference, lora_targets
+    from memtune.config.derive import (
+        adapts_vision,
+        live_reference,
+        lora_target_pattern,
+        lora_targets,
+    )
 
     path = cfg.peft.init_from
     if path is None:
@@ -697,6 +702,9 @@ def _check_init_from(cfg: RunConfig) -> None:
         if have is None:  # peft writes null (or nothing) for a setting left at its default
             have = unset.get(key)
         have = sorted(have) if isinstance(have, list) else have
+        if key == "target_modules" and isinstance(have, str):
+            # an adapter of a vision-language class (trained on images): one pattern
+            value = lora_target_pattern(lora_targets(cfg), adapts_vision(cfg))
         if have != value:
             hint = ""
             if key in ("r", "lora_alpha"):

@@ -1,14 +1,30 @@
-"""Samples → batches: padded per micro batch, length-grouped, or packed into rows."""
+"""Samples → batches: padded per micro batch, length-grouped, or packed into rows.
+
+Data with images: a sample's resized uint8 images are read from the cache with the sample
+(:class:`memtune.data.cache.CachedImages`), and a batch carries them patchified
+(``pixel_values``, ``image_grid_thw``: :func:`memtune.data.vision.pixel_values`, the image
+processor's own steps, here on the rank) in the order of their tokens, with each token's
+``mm_token_type_ids``. Packing places samples whole, so an image's tokens and its patches stay
+with their sample.
+"""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from memtune.data.encode import IGNORE_INDEX, Sample
 from memtune.data.packing import pack_bins
+from memtune.data.vision import ImageSettings, pixel_values
+
+
+class SampleImages(Protocol):
+    """Each sample's images by its index (a list of lists, or the cache's reader)."""
+
+    def __getitem__(self, index: int) -> list[Any]: ...
 
 
 class TokenizedDataset(torch.utils.data.Dataset):
@@ -20,10 +36,16 @@ class TokenizedDataset(torch.utils.data.Dataset):
         labels: torch.Tensor,
         offsets: torch.Tensor,
         splits: torch.Tensor | None = None,
+        mm_token_type_ids: torch.Tensor | None = None,
+        images: SampleImages | None = None,
     ):
         self.input_ids, self.labels, self.offsets = input_ids, labels, offsets
         self.splits = splits
         """Preference data: each item's chosen length (items are chosen ++ rejected)."""
+        self.mm_token_type_ids = mm_token_type_ids
+        """Data with images: each token's type (1 on an image's tokens), flat as input_ids."""
+        self.images = images
+        """Data with images: ``images[i]``, sample i's resized images (3 × H × W uint8)."""
         self.lengths = (offsets[1:] - offsets[:-1]).tolist()
 
     @classmethod
@@ -32,11 +54,15 @@ class TokenizedDataset(torch.utils.data.Dataset):
         flat_ids = [t for s in samples for t in s.input_ids]
         flat_labels = [t for s in samples for t in s.labels]
         pairs = any(s.split for s in samples)
+        with_images = any(s.mm_token_type_ids is not None for s in samples)
+        types = [t for s in samples for t in (s.mm_token_type_ids or [0] * len(s.input_ids))]
         return cls(
             torch.tensor(flat_ids, dtype=torch.int32),
             torch.tensor(flat_labels, dtype=torch.int32),
             torch.cumsum(lengths, 0),
             torch.tensor([s.split for s in samples], dtype=torch.int64) if pairs else None,
+            torch.tensor(types, dtype=torch.uint8) if with_images else None,
+            [list(s.images) for s in samples] if with_images else None,
         )
 
     @property
@@ -49,11 +75,46 @@ class TokenizedDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> Sample:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         split = int(self.splits[i]) if self.splits is not None else 0
-        return Sample(self.input_ids[a:b].tolist(), self.labels[a:b].tolist(), split, i)
+        s = Sample(self.input_ids[a:b].tolist(), self.labels[a:b].tolist(), split, i)
+        if self.mm_token_type_ids is not None:
+            s.mm_token_type_ids = self.mm_token_type_ids[a:b].tolist()
+        if self.images is not None:
+            s.images = list(self.images[i])
+        return s
 
 
-def collate_padded(batch: list[Sample], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest sample of the micro batch."""
+def image_batch(
+    rows: list[list[Sample]], width: int, images: ImageSettings | None
+) -> dict[str, torch.Tensor]:
+    """A batch's image keys (none when ``images`` is None: the data has no images):
+    ``mm_token_type_ids`` (rows × width, each row's samples back to back), and when any
+    sample has an image, ``pixel_values`` and ``image_grid_thw`` of all of them in the order
+    of their tokens (row by row, sample by sample)."""
+    if images is None:
+        return {}
+    types = torch.zeros((len(rows), width), dtype=torch.long)
+    pictures = []
+    for r, row in enumerate(rows):
+        at = 0
+        for s in row:
+            n = len(s.input_ids)
+            if s.mm_token_type_ids is not None:
+                types[r, at : at + n] = torch.tensor(s.mm_token_type_ids)
+            pictures += s.images
+            at += n
+    out = {"mm_token_type_ids": types}
+    if pictures:
+        patches = pixel_values(pictures, images)
+        out["pixel_values"] = torch.from_numpy(patches["pixel_values"])
+        out["image_grid_thw"] = torch.from_numpy(patches["image_grid_thw"]).long()
+    return out
+
+
+def collate_padded(
+    batch: list[Sample], pad_token_id: int, images: ImageSettings | None = None
+) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest sample of the micro batch (``images``: the cache's image
+    settings, for data with images: :func:`image_batch`)."""
     width = max(len(s.input_ids) for s in batch)
     input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
     labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
@@ -63,7 +124,8 @@ def collate_padded(batch: list[Sample], pad_token_id: int) -> dict[str, torch.Te
         input_ids[row, :n] = torch.tensor(s.input_ids)
         labels[row, :n] = torch.tensor(s.labels)
         attention_mask[row, :n] = 1
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+    out = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+    return out | image_batch([[s] for s in batch], width, images)
 
 
 class PackedDataset(torch.utils.data.Dataset):
@@ -81,7 +143,9 @@ class PackedDataset(torch.utils.data.Dataset):
         return [self.base[j] for j in self.bins[i]]
 
 
-def collate_packed(batch: list[list[Sample]], pad_token_id: int) -> dict[str, torch.Tensor]:
+def collate_packed(
+    batch: list[list[Sample]], pad_token_id: int, images: ImageSettings | None = None
+) -> dict[str, torch.Tensor]:
     """Concatenate each row's samples; ``position_ids`` restart at 0 for every sample.
 
     No attention mask is passed: ``cu_seq_lens`` (each sample's start in the flattened
@@ -96,6 +160,10 @@ def collate_packed(batch: list[list[Sample]], pad_token_id: int) -> dict[str, to
     its split, in batch order; -1 for a label-free filler) and ``sequence_index`` (per token:
     2k for the k-th pair's chosen tokens, 2k + 1 for its rejected ones, -1 elsewhere), from
     which the preference loss sums each sequence's log-probabilities.
+
+    ``images``: the cache's image settings, for data with images (:func:`image_batch`; a
+    vision-language model computes each sample's 3-D rotary positions from its tokens' types
+    and its images, rank.vision).
     """
     width = max(sum(len(s.input_ids) for s in row) for row in batch)
     input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
@@ -139,7 +207,7 @@ def collate_packed(batch: list[list[Sample]], pad_token_id: int) -> dict[str, to
     }
     if sequence is not None:
         out |= {"sequence_index": sequence, "pair_index": torch.tensor(pair_index)}
-    return out
+    return out | image_batch(batch, width, images)
 
 
 def collate_pairs(batch: list[Sample], pad_token_id: int) -> dict[str, torch.Tensor]:

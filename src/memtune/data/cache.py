@@ -526,12 +526,38 @@ def load_lengths(prepared_dir: str | Path, split: str = "train") -> list[int]:
     return (offsets[1:] - offsets[:-1]).tolist()
 
 
+IMAGE_ARRAYS = ("image_pixels", "image_sizes", "image_offsets")
+"""A split's image arrays: read a sample at a time (:class:`CachedImages`), never whole."""
+
+
+class CachedImages:
+    """A split's images, sample by sample: ``images[i]`` is sample i's resized images, read
+    from the cache's file when asked (:func:`load_images`), so a rank holds no more of them
+    than its current batches (the split's may be gigabytes: data.image_cache_gb)."""
+
+    def __init__(self, prepared_dir: str | Path, split: str):
+        self.prepared_dir, self.split = str(prepared_dir), split
+
+    def __getitem__(self, index: int) -> list[Any]:
+        return load_images(self.prepared_dir, self.split, index)
+
+
 def load_split(prepared_dir: str | Path, split: str = "train") -> TokenizedDataset:
-    from safetensors.torch import load_file
+    """A split's samples: the token arrays in memory, images (data with images) read with each
+    sample (:class:`CachedImages`)."""
+    from safetensors import safe_open
 
     from memtune.data.batching import TokenizedDataset
 
-    arrays = load_file(str(Path(prepared_dir) / f"{split}.safetensors"))
+    with safe_open(str(Path(prepared_dir) / f"{split}.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        arrays = {k: f.get_tensor(k) for k in names if k not in IMAGE_ARRAYS}
+    images = CachedImages(prepared_dir, split) if "image_offsets" in names else None
     return TokenizedDataset(
-        arrays["input_ids"], arrays["labels"], arrays["offsets"], arrays.get("splits")
+        arrays["input_ids"],
+        arrays["labels"],
+        arrays["offsets"],
+        arrays.get("splits"),
+        arrays.get("mm_token_type_ids"),
+        images,
     )

@@ -19,7 +19,7 @@ from memtune.data.batching import (
     collate_padded,
     collate_pairs,
 )
-from memtune.data.cache import load_split
+from memtune.data.cache import load_image_settings, load_split
 from memtune.data.encode import IGNORE_INDEX, Sample
 
 
@@ -36,6 +36,7 @@ def eval_batches(
     ``full_rows``: every batch has the micro batch's rows (label-free rows fill the last one),
     as sequence-parallel attention needs."""
     val = load_split(prepared_dir, "val")
+    images = load_image_settings(prepared_dir)
     samples = []
     for i in eval_shard(len(val), rank, world):
         s = val[max(i, 0)]
@@ -43,13 +44,26 @@ def eval_batches(
     micro = batch.micro_batch
     if full_rows and len(samples) % micro:
         samples += [blank_sample(samples[0])] * (-len(samples) % micro)
-    collate = collate_pairs if val.pairs else collate_padded
-    return [collate(samples[a : a + micro], pad_token_id) for a in range(0, len(samples), micro)]
+    if val.pairs:
+        return [
+            collate_pairs(samples[a : a + micro], pad_token_id)
+            for a in range(0, len(samples), micro)
+        ]
+    return [
+        collate_padded(samples[a : a + micro], pad_token_id, images)
+        for a in range(0, len(samples), micro)
+    ]
 
 
 def blank_sample(s: Sample) -> Sample:
     """A label-free copy that fills a rank's shard (every rank runs as many forwards)."""
-    return Sample(s.input_ids, [IGNORE_INDEX] * len(s.labels), s.split)
+    return Sample(
+        s.input_ids,
+        [IGNORE_INDEX] * len(s.labels),
+        s.split,
+        images=s.images,
+        mm_token_type_ids=s.mm_token_type_ids,
+    )
 
 
 def train_order(
@@ -71,17 +85,19 @@ def make_loader(
     cfg: RunConfig, batch: BatchShape, prepared_dir: str, pad_token_id: int, rank: int, world: int
 ) -> tuple[Any, Any]:
     """The rank's DataLoader over the preprocessed cache: padded, length-grouped or packed,
-    ``batch.micro_batch`` rows at a time."""
+    ``batch.micro_batch`` rows at a time; data with images patchified here, on the rank, batch
+    by batch (data.batching.image_batch)."""
     from torch.utils.data import DataLoader
 
     base = load_split(prepared_dir, "train")
+    images = load_image_settings(prepared_dir)  # None: the data has no images
     micro = batch.micro_batch
     dataset, sampler = train_order(cfg, batch, base, rank, world)
-    collate_fn: Any = partial(
-        collate_pairs if base.pairs else collate_padded, pad_token_id=pad_token_id
-    )
+    collate_fn: Any = partial(collate_padded, pad_token_id=pad_token_id, images=images)
+    if base.pairs:
+        collate_fn = partial(collate_pairs, pad_token_id=pad_token_id)
     if cfg.data.packing:
-        collate_fn = partial(collate_packed, pad_token_id=pad_token_id)
+        collate_fn = partial(collate_packed, pad_token_id=pad_token_id, images=images)
     if len(sampler) < micro:
         raise RuntimeError(
             f"rank {rank} gets {len(sampler)} items per epoch, fewer than one micro batch "

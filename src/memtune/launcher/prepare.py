@@ -121,6 +121,8 @@ def prepare_run_dir(fitted: Fitted, run_dir: Path) -> tuple[RunConfig, Decisions
         with no_space_is_an_error(cache_dir(), "MEMTUNE_CACHE_DIR"):
             synthesize(cfg.model.name_or_path, cfg.model.architecture)
     prepared = prepare_data(cfg)
+    d = vision_for_images(cfg, d, prepared)
+    fitted = replace(fitted, decisions=d)
     shape = train_step_shape(cfg, d, prepared)
     print(f"memtune: {shape.line()}", flush=True)
     name, revision = cfg.model.name_or_path, cfg.model.revision
@@ -213,22 +215,65 @@ def prepare_data(cfg: RunConfig) -> Prepared:
         print(f"memtune: val: {prepared.val.line()}", flush=True)
     for example in prepared.train.bad_examples[1:]:
         print(f"memtune:   also skipped: {example}", flush=True)
-    refuse_images_until_trained(prepared, cfg.preprocess_only)
     return prepared
 
 
-def refuse_images_until_trained(prepared: Prepared, preprocess_only: bool) -> None:
-    """Data with images is read, encoded and cached (#49 items 1-2), and the ranks do not yet
-    feed the images to a vision tower (items 3-4): they would embed each ``<|image_pad|>`` as a
-    text token and train on that, silently. So a run stops here, after the counts, unless it
-    only preprocesses."""
+def vision_for_images(cfg: RunConfig, d: Decisions, prepared: Prepared) -> Decisions:
+    """``d`` with decisions.json ``vision`` for the data read: data with images loads the
+    checkpoint's vision-language class, its tower frozen unless peft.target adapts it (#49
+    items 3-4, rank.vision); text data keeps the text model. What is not built is refused
+    here, by name, before the ranks (they would otherwise read each image's tokens as text):
+    images with a model that has no vision tower or is not one of
+    config.architecture.VISION_LANGUAGE_TYPES, with a preference objective, sequence
+    parallelism or trainer.compile; a ``-and-vision`` target without images.
+    ``preprocess_only`` only builds and checks the cache: nothing is refused then."""
+    from memtune.config.architecture import VISION_LANGUAGE_TYPES, vision_model_type
+    from memtune.config.decisions import Vision
+    from memtune.config.derive import adapts_vision
+
     images = prepared.train.images + (prepared.val.images if prepared.val else 0)
-    if images and not preprocess_only:
+    if cfg.preprocess_only:
+        return d
+    adapted = adapts_vision(cfg)
+    if not images:
+        if adapted:
+            raise ConfigError(
+                f"peft.target={cfg.peft.target} adapts a vision tower, and the data has no "
+                "images (the tower is loaded for data with images only): use "
+                f"peft.target={cfg.peft.target.removesuffix('-and-vision')}"
+            )
+        return d
+    m = cfg.model
+    kind = vision_model_type(m.name_or_path, m.revision)
+    if kind is None:
         raise ConfigError(
-            f"data: the records hold {images:,} images, and training on images is not built "
-            "yet (the ranks would read each image's tokens as text): preprocess_only=true "
-            f"builds and checks the cache ({prepared.dir}) without starting the ranks"
+            f"data: the records hold {images:,} images, and {m.name_or_path} has no vision "
+            "tower (no vision_config in its config.json): train images with a vision-language "
+            "checkpoint (Qwen3.5 / 3.6, Qwen3-VL, Qwen2.5-VL)"
         )
+    if kind not in VISION_LANGUAGE_TYPES:
+        raise ConfigError(
+            f"data: the records hold {images:,} images, and {m.name_or_path} is a {kind} model: "
+            "training on images is built for "
+            f"{', '.join(VISION_LANGUAGE_TYPES)} (Qwen3.5 / 3.6, Qwen3-VL, Qwen2.5-VL) only"
+        )
+    unbuilt = [
+        (cfg.trainer.objective != "sft", f"trainer.objective={cfg.trainer.objective}"),
+        (d.sequence_parallel > 1, f"sequence parallelism ({d.sequence_parallel} ranks a sample)"),
+        (cfg.trainer.compile, "trainer.compile=true"),
+    ]
+    for on, what in unbuilt:
+        if on:
+            raise ConfigError(
+                f"data: the records hold {images:,} images, and training on images with {what} "
+                "is not built yet: images train with trainer.objective=sft, each sample on one "
+                "rank (trainer.sequence_parallel=1), without trainer.compile"
+            )
+    # An adapted tower recomputes its blocks when the language model recomputes any layer (a
+    # frozen one keeps no activations): the planner's per-layer choice is the language
+    # model's, and does not count the tower yet (#49 item 5).
+    recomputing = any(layer != "keep" for layer in d.checkpointing.layers)
+    return replace(d, vision=Vision(adapted, recompute=adapted and recomputing))
 
 
 def train_step_shape(cfg: RunConfig, d: Decisions, prepared: Prepared) -> StepShape:

@@ -61,12 +61,25 @@ class ParamCounts:
     """num_experts_per_tok / num_experts (1.0 for a dense model)."""
 
 
+TEXT_STAND_INS = {"qwen3_vl_text": "qwen3", "qwen2_5_vl_text": "qwen2"}
+"""Language models that transformers builds only inside their vision-language class (no
+causal-LM class of their own), counted as the text model whose decoder layers and head they
+share: Qwen3-VL's are Qwen3's, Qwen2.5-VL's Qwen2's (biased q/k/v). Their 3-D rotary positions
+hold no weight (tests/test_vision_train.py checks the counts against the released class)."""
+
+
 def arch_config(cfg: RunConfig) -> Any:
-    """The transformers config of ``model.architecture`` (no weights, nothing downloaded)."""
+    """The transformers config of ``model.architecture`` (no weights, nothing downloaded); a
+    :data:`TEXT_STAND_INS` language model as its stand-in."""
     from transformers import AutoConfig
 
     arch = dict(cfg.model.architecture)
-    return AutoConfig.for_model(arch.pop("model_type"), **arch)
+    kind = str(arch.pop("model_type"))
+    if kind in TEXT_STAND_INS:
+        kind = TEXT_STAND_INS[kind]
+        for rope in ("rope_parameters", "rope_scaling"):  # mRoPE sections: no weights
+            arch.pop(rope, None)
+    return AutoConfig.for_model(kind, **arch)
 
 
 COUNTS_CACHE_FORMAT = 7

@@ -24,10 +24,15 @@ if TYPE_CHECKING:
 
 
 def decoder_layers(model: Any) -> list[Any]:
-    """The decoder layers in order: the modules transformers can checkpoint."""
+    """The decoder layers in order: the modules transformers can checkpoint, but a vision
+    tower's blocks (``.visual.``: rank.vision decides those)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    return [
+        m
+        for name, m in model.named_modules()
+        if isinstance(m, GradientCheckpointingLayer) and ".visual." not in f".{name}."
+    ]
 
 
 MATMULS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten._grouped_mm.")

@@ -121,6 +121,9 @@ MODEL_INPUTS = (
     "shift_sequence_index",  # … cut into a sequence-parallel shard (rank.sequence_parallel)
     "pair_index",
     "reference_logps",  # precomputed (rank.reference)
+    "pixel_values",  # images (data.batching, patchified on the rank; rank.vision)
+    "image_grid_thw",
+    "mm_token_type_ids",
 )
 
 

@@ -200,15 +200,27 @@ class CausalLMLoss(nn.Module):
         self.kind = kind
         self.chunk_tokens = chunk_tokens
         self.select = select
+        from memtune.rank.vision import has_tower
 
-    def hidden_and_head(self, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        unwrap = getattr(model, "get_base_model", None)
+        self.tower = has_tower(unwrap() if unwrap is not None else model)
+
+    def hidden_and_head(
+        self, inputs: dict[str, Any], images: dict[str, Any] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder's last hidden states and the LM head's weight, for a loss that applies
-        the head itself (chunked, Liger, the preference objectives' log-probs)."""
+        the head itself (chunked, Liger, the preference objectives' log-probs). ``images``:
+        a vision-language model's image inputs (rank.vision.multimodal_hidden)."""
         base = self.model.get_base_model()  # type: ignore[operator]
         head = base.get_output_embeddings()
         if head.weight.requires_grad or getattr(head, "bias", None) is not None:
             raise ValueError("the chunked loss needs a frozen, bias-free LM head; use loss=plain")
-        hidden = base.get_decoder()(**inputs).last_hidden_state
+        if images is not None:
+            from memtune.rank.vision import multimodal_hidden
+
+            hidden = multimodal_hidden(base, inputs, **images)
+        else:
+            hidden = base.get_decoder()(**inputs).last_hidden_state
         # Under ZeRO-3, reading head.weight inside this forward registers it as an external
         # parameter of this module: DeepSpeed all-gathers it here, once, on every rank alike,
         # and releases it when this forward ends.
@@ -223,9 +235,15 @@ class CausalLMLoss(nn.Module):
         cu_seq_lens: torch.Tensor | None = None,
         max_length: torch.Tensor | None = None,
         shift_labels: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        mm_token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``labels`` (collated), or ``shift_labels``: next-token targets of this rank's
-        shard of the sequence (rank/sequence_parallel.py shifts before it splits)."""
+        shard of the sequence (rank/sequence_parallel.py shifts before it splits). A
+        vision-language model (its tower loaded) takes the batch's images, patchified
+        (``pixel_values``, ``image_grid_thw``), and ``mm_token_type_ids``; every micro batch
+        runs its tower, with images or without (rank.vision)."""
         if shift_labels is not None:
             targets = shift_labels
         elif labels is not None:
@@ -233,9 +251,24 @@ class CausalLMLoss(nn.Module):
         else:
             raise ValueError("CausalLMLoss needs labels or shift_labels")
         inputs = model_inputs(input_ids, attention_mask, position_ids, cu_seq_lens, max_length)
-        if self.kind == "plain":
+        images = None
+        if self.tower:
+            images = {
+                "pixel_values": pixel_values,
+                "image_grid_thw": image_grid_thw,
+                "mm_token_type_ids": mm_token_type_ids,
+            }
+        elif pixel_values is not None:
+            raise ValueError("images in the batch, and the model has no vision tower loaded")
+        if self.kind == "plain" and images is None:
             return token_loss_sum(self.model(**inputs).logits, targets, shifted=True)
-        hidden, weight = self.hidden_and_head(inputs)
+        if self.kind == "plain" and images is not None:
+            from memtune.rank.vision import multimodal_hidden
+
+            base = self.model.get_base_model()  # type: ignore[operator]
+            logits = base.get_output_embeddings()(multimodal_hidden(base, inputs, **images))
+            return token_loss_sum(logits, targets, shifted=True)
+        hidden, weight = self.hidden_and_head(inputs, images)
         if self.kind == "liger":
             return _liger_loss_sum(hidden, weight, targets)
         return chunked_loss_sum(

@@ -44,9 +44,10 @@ def use_attention(kernel: AttentionKernel, device_type: str) -> AttentionKernel:
     return kernel
 
 
-def quantization_config(cfg: RunConfig, method: PeftMethod) -> Any:
+def quantization_config(cfg: RunConfig, method: PeftMethod, keep: list[str] | None = None) -> Any:
     """bitsandbytes settings for a base quantized by ``method`` (the decided peft method:
-    qlora / lora-int8), else None.
+    qlora / lora-int8), else None. ``keep``: modules left unquantized, in place of
+    bitsandbytes' default (the LM head; a vision tower: rank.vision.NOT_QUANTIZED).
 
     NF4 weights are stored packed in the training dtype (``bnb_4bit_quant_storage``): ZeRO-3
     partitions and gathers parameters of one floating dtype, and a uint8 store would not be
@@ -62,9 +63,10 @@ def quantization_config(cfg: RunConfig, method: PeftMethod) -> Any:
             bnb_4bit_use_double_quant=p.double_quant,
             bnb_4bit_compute_dtype=dtype,
             bnb_4bit_quant_storage=dtype,
+            llm_int8_skip_modules=keep,
         )
     if method == "lora-int8":
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=keep)
     return None
 
 
@@ -72,11 +74,18 @@ def load_base_model(cfg: RunConfig, d: Decisions, device_index: int | None = Non
     """``from_pretrained`` in the training dtype with the decided attention kernel, quantized
     for QLoRA / int8. Under ZeRO-3 the caller keeps a live ``HfDeepSpeedConfig`` so weights
     load already partitioned across ranks (no ``device_map`` then); under ZeRO-2 on a GPU the
-    base loads onto the rank's GPU (where bitsandbytes quantizes a quantized one)."""
-    from transformers import AutoModelForCausalLM
+    base loads onto the rank's GPU (where bitsandbytes quantizes a quantized one). With
+    decisions ``vision`` (data with images) the checkpoint's vision-language class loads, its
+    tower in the compute dtype (rank.vision)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from memtune.rank.vision import NOT_QUANTIZED, attention_per_part
 
     use_attention(d.attention, "cpu" if device_index is None else "cuda")
-    quant = quantization_config(cfg, d.peft_method)
+    tower = d.vision is not None
+    quant = quantization_config(cfg, d.peft_method, NOT_QUANTIZED if tower else None)
+    auto: Any = AutoModelForImageTextToText if tower else AutoModelForCausalLM
+    attention: Any = attention_per_part(d.attention) if tower else d.attention
     extra: dict[str, Any] = {}
     if quant is not None:
         extra["quantization_config"] = quant
@@ -89,14 +98,17 @@ def load_base_model(cfg: RunConfig, d: Decisions, device_index: int | None = Non
         # memory once per rank (4 × 15 GB for Qwen2.5-7B) before DeepSpeed moves it.
         extra["device_map"] = {"": device_index}
     with quantized_as_loaded(cfg, d):
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto.from_pretrained(
             cfg.model.name_or_path,
             dtype=torch_dtype(cfg),
-            attn_implementation=d.attention,
+            attn_implementation=attention,
             trust_remote_code=cfg.model.trust_remote_code,
             **extra,
         )
-    model.config.use_cache = False  # a KV cache is useless in training and defeats recompute
+    # A KV cache is useless in training and defeats recompute (a vision-language class reads
+    # its text config's; Qwen3.5's per-sample linear attention gives way to a cache).
+    model.config.use_cache = False
+    model.config.get_text_config().use_cache = False
     return model
 
 
@@ -146,6 +158,8 @@ def add_lora(model: Any, cfg: RunConfig, d: Decisions) -> Any:
     prepared, activation checkpointing per layer, the adapters in the compute dtype."""
     from peft import get_peft_model
 
+    from memtune.rank.vision import set_tower_recompute
+
     p = cfg.peft
     if d.peft_method != "lora":
         model = prepare_quantized(model, torch_dtype(cfg))
@@ -160,8 +174,10 @@ def add_lora(model: Any, cfg: RunConfig, d: Decisions) -> Any:
         # Per layer, as decided: the first ones recompute (backward reaches them last, once
         # the other layers' activations are freed; see memory.estimate.activation_bytes).
         set_checkpointed_layers(model, c)
+    if d.vision is not None:
+        set_tower_recompute(model, d.vision)
     start = time.perf_counter()
-    model = get_peft_model(model, lora_config(cfg))
+    model = get_peft_model(model, lora_config(cfg, tower=d.vision is not None))
     if p.init in REWRITING_INIT:
         # The base now holds W − (the adapter's start): keep that start, on the host, so that
         # the exported adapter can be turned into one for the original base
@@ -181,7 +197,7 @@ def add_lora(model: Any, cfg: RunConfig, d: Decisions) -> Any:
     if p.train_router:
         train_routers(model)
     if p.init_from:
-        load_adapter_weights(model, p.init_from)
+        load_adapter_weights(model, p.init_from, text_class=d.vision is None)
     cast_adapters(model, torch_dtype(cfg))
     if c.reentrant:
         # Reentrant checkpointing drops gradients unless the layer inputs require grad.
@@ -189,9 +205,10 @@ def add_lora(model: Any, cfg: RunConfig, d: Decisions) -> Any:
     return model
 
 
-def load_adapter_weights(model: Any, folder: str) -> None:
+def load_adapter_weights(model: Any, folder: str, text_class: bool = True) -> None:
     """peft.init_from: the saved adapter's weights into this model's LoRA, every one of them
-    (config.validate checked r, alpha and targets before launch)."""
+    (config.validate checked r, alpha and targets before launch). ``text_class``: the model is
+    a text class, onto which an adapter named for a multimodal class is renamed."""
     from pathlib import Path
 
     from peft import set_peft_model_state_dict
@@ -209,7 +226,8 @@ def load_adapter_weights(model: Any, folder: str) -> None:
     text, multimodal = LANGUAGE_MODEL_PREFIX
     state = load_file(str(Path(folder).expanduser() / "adapter_model.safetensors"))
     # An adapter named for a multimodal class (model.language_model.*) onto its text model.
-    state = {k.replace(multimodal, text, 1): v for k, v in state.items()}
+    if text_class:
+        state = {k.replace(multimodal, text, 1): v for k, v in state.items()}
     # The routed experts' adapters: from peft's target_parameters layout into rank.experts'.
     state = from_peft_names(state, {n: int(m.num_experts) for n, m in expert_modules(model)})
     own = dict(model.named_parameters())
@@ -343,8 +361,11 @@ def check_all_quantized(model: Any, cfg: RunConfig, d: Decisions) -> None:
 
     if expert_modules(model) and d.experts is not None and d.experts.storage != "compute":
         quantize_experts(model, d.experts.storage, torch_dtype(cfg))
+    from memtune.rank.vision import is_tower_module
+
     hidden = int(cfg.model.architecture["hidden_size"])
-    left = full_precision_weights(model, hidden * hidden)
+    # A vision tower stays in the compute dtype (rank.vision.NOT_QUANTIZED).
+    left = [n for n in full_precision_weights(model, hidden * hidden) if not is_tower_module(n)]
     if left:
         raise ConfigError(
             f"peft.method={d.peft_method}: {len(left)} large weights of "
@@ -394,6 +415,7 @@ def count_parameters(model: Any) -> tuple[int, int]:
 
 
 MODEL_PARTS = (
+    (".visual.", "vision tower"),
     (".mlp.experts.", "routed experts"),
     (".mlp.shared_expert", "shared expert"),
     (".mlp.gate.", "routers"),  # peft.train_router (not gate_proj, not shared_expert_gate)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from memtune import quiet
 from memtune.config import ConfigError, RunConfig, needs_reference
 from memtune.config.architecture import is_multimodal, routed_experts
-from memtune.config.decisions import Decisions
+from memtune.config.decisions import Decisions, Vision
 from memtune.config.schema import read_run_config
 from memtune.data.encode import DataStats, load_tokenizer
 from memtune.data.loaders import eval_batches, make_loader
@@ -470,7 +470,9 @@ class RankRun:
             after_train(self.engine, self.ctx)
         model = self.engine.module.model
         m = self.cfg.model
-        multimodal = is_multimodal(m.name_or_path, m.revision)
+        # A text model trained from a multimodal checkpoint exports under the released class's
+        # names; the released class itself (its tower loaded for images) has them already.
+        multimodal = is_multimodal(m.name_or_path, m.revision) and self.decisions.vision is None
         n_tensors, outputs = export_final(
             model, self.tokenizer, self.rd, self.rank == 0, multimodal
         )
@@ -543,6 +545,14 @@ def run(rd: RunDir, after_train: AfterTrain | None = None) -> TrainResult:
     return result
 
 
+def vision_note(vision: Vision, precision: str) -> str:
+    """The start-up line's words for the vision tower (decisions.json ``vision``)."""
+    if not vision.adapted:
+        return f"vision tower frozen ({precision}, never quantized)"
+    recompute = ", its blocks recomputed" if vision.recompute else ""
+    return f"vision tower with LoRA ({precision}{recompute})"
+
+
 def start_up_lines(
     cfg: RunConfig,
     d: Decisions,
@@ -561,6 +571,8 @@ def start_up_lines(
         extras += f" · {parts.offloaded_layers} layers' inputs offloaded to the host"
     if parts.linear_attention:
         extras += f" · linear attention {parts.linear_attention}"
+    if d.vision is not None:
+        extras += f" · {vision_note(d.vision, t.precision)}"
     trainable, total = parts.trainable, parts.total
     return (
         f"memtune: {cfg.model.name_or_path} · attention {parts.attention}{extras} · "

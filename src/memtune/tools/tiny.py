@@ -70,7 +70,9 @@ def _corpus_texts() -> list[str]:
     return texts
 
 
-def build_tokenizer(vocab_size: int, think_tokens: bool = False):
+def build_tokenizer(
+    vocab_size: int, think_tokens: bool = False, extra_special: list[str] | None = None
+):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -79,7 +81,11 @@ def build_tokenizer(vocab_size: int, think_tokens: bool = False):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS + (THINK_TOKENS if think_tokens else []),
+        special_tokens=[
+            *SPECIAL_TOKENS,
+            *(THINK_TOKENS if think_tokens else []),
+            *(extra_special or []),
+        ],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -88,7 +94,7 @@ def build_tokenizer(vocab_size: int, think_tokens: bool = False):
         tokenizer_object=tok,
         eos_token=IM_END,
         pad_token=PAD_TOKEN,
-        additional_special_tokens=[IM_START],
+        additional_special_tokens=[IM_START, *(extra_special or [])],
         model_max_length=32768,
     )
     fast.chat_template = CHATML_TEMPLATE
@@ -234,3 +240,187 @@ def _build(
         for ours in (tmp, old):
             if ours.exists():
                 shutil.rmtree(ours, ignore_errors=True)
+
+
+VISION_SPECIAL_TOKENS = [
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+"""The Qwen VL tokens (memtune.data.vision), single special tokens of a tiny model's BPE."""
+
+TINY_VISION_LANGUAGE: dict[str, dict[str, Any]] = {
+    # Qwen3-VL-8B's proportions: text head_dim 128 of hidden 4096 (here 32 of 128), mRoPE
+    # sections 24:20:20 of head_dim / 2 (6:5:5), interleaved; vision patch 16, merge 2,
+    # temporal 2, deepstack features from three of the tower's middle blocks (8, 16, 24 of 27;
+    # here 1 and 2 of 4) added to the first text layers.
+    "qwen3_vl": {
+        "text": {
+            "hidden_size": 128,
+            "intermediate_size": 384,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 32,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 5000000.0,
+                "mrope_section": [6, 5, 5],
+                "mrope_interleaved": True,
+            },
+        },
+        "vision": {
+            "depth": 4,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_heads": 2,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [1, 2],
+        },
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+    },
+    # Qwen2.5-VL-7B's: text head_dim 128 of 3584 with biased q/k/v (here 16 of 64), mRoPE
+    # sections 16:24:24 (2:3:3), not interleaved; vision patch 14, merge 2, temporal 2,
+    # attention in 112-pixel windows but in a few full-attention blocks (7, 15, 23, 31 of 32;
+    # here 1 and 3 of 4), a gated MLP in each block.
+    "qwen2_5_vl": {
+        "text": {
+            "hidden_size": 64,
+            "intermediate_size": 192,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1000000.0,
+                "mrope_section": [2, 3, 3],
+            },
+        },
+        "vision": {
+            "depth": 4,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 112,
+            "fullatt_block_indexes": [1, 3],
+        },
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+    },
+    # Qwen3.5's: the tiny hybrid's text model (conf/model/tiny-qwen3.5.yaml: three Gated
+    # DeltaNet layers, then full attention with partial rotary 0.25 of head_dim 64), mRoPE
+    # sections 11:11:10 of the rotary half (3:3:2), interleaved; vision as Qwen3-VL's, patch
+    # 16, merge 2, temporal 2, no deepstack.
+    "qwen3_5": {
+        "text": {
+            "hidden_size": 256,
+            "intermediate_size": 768,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 64,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 64,
+            "linear_value_head_dim": 64,
+            "linear_conv_kernel_dim": 4,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [3, 3, 2],
+                "mrope_interleaved": True,
+            },
+        },
+        "vision": {
+            "depth": 2,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_heads": 2,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 64,
+        },
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+    },
+}
+"""Tiny vision-language models of each family memtune trains on images, built from the real
+config classes at the real proportions (patch, merge and temporal sizes as released; widths
+and depths cut down), and the image settings their preprocessor_config.json carries."""
+
+TINY_VISION_PIXELS = (64 * 64, 128 * 128)
+"""The tiny models' min_pixels and max_pixels: 4 to 16 image tokens with a 32-pixel merged
+patch, 5 to 20 with Qwen2.5-VL's 28 (the released settings would give 64 to 16,384)."""
+
+
+def build_vision_language(path: str | Path, model_type: str, seed: int = 0) -> Path:
+    """A tiny vision-language checkpoint of ``model_type`` (a TINY_VISION_LANGUAGE key) at
+    ``path``: the released class (``AutoModelForImageTextToText``) with its vision tower,
+    random weights from ``seed``, saved with ``save_pretrained`` beside a byte-level BPE with
+    Qwen's specials and vision tokens and a preprocessor_config.json, so that every loader
+    reads it as it reads a released checkpoint. Written in place (tests and demos build it in
+    a folder of their own)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    spec = TINY_VISION_LANGUAGE[model_type]
+    path = Path(path)
+    tokenizer = build_tokenizer(
+        1024, think_tokens=model_type.startswith("qwen3"), extra_special=VISION_SPECIAL_TOKENS
+    )
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in VISION_SPECIAL_TOKENS}
+    text = {
+        **spec["text"],
+        "vocab_size": 1024,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": 0.1,  # as the tiny text models: LoRA has something to sharpen
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": None,
+    }
+    vision = {**spec["vision"], "out_hidden_size": text["hidden_size"]}
+    config = AutoConfig.for_model(
+        model_type,
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    with _no_progress_bars():
+        model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    low, high = TINY_VISION_PIXELS
+    v = spec["vision"]
+    preprocessor = {
+        "size": {"shortest_edge": low, "longest_edge": high},
+        "patch_size": v["patch_size"],
+        "temporal_patch_size": v["temporal_patch_size"],
+        "merge_size": v["spatial_merge_size"],
+        "image_mean": spec["image_mean"],
+        "image_std": spec["image_std"],
+        "image_processor_type": "Qwen2VLImageProcessor",
+    }
+    (path / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
+    return path
