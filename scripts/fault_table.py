@@ -90,7 +90,8 @@ FAULTS = [
      "files written under umask 002",
      "0664 / 0775, not safetensors' 0600"),
     ("test_stores", "test_a_job_after_its_caches_were_damaged",
-     "a flipped byte in the tokenized data cache and in the demo model, then the same command",
+     "a flipped byte in the tokenized data cache and in the demo model, a changed digit in a "
+     "cached parameter count, then the same command",
      "each set aside with one line naming it and what was wrong, rebuilt byte for byte; exit 0, "
      "the same losses"),
     ("test_stores", "test_a_damaged_data_cache_is_set_aside",
