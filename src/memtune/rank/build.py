@@ -18,6 +18,7 @@ import torch
 from memtune.config import ConfigError, RunConfig, preference_loss_kind
 from memtune.config.architecture import loaded_mismatches
 from memtune.config.decisions import Decisions
+from memtune.rank.kernels import kernels_label, use_fused_kernels
 from memtune.rank.layers import set_checkpointed_layers
 from memtune.rank.linear_attention import keep_samples_apart, split_over_ranks
 from memtune.rank.long_context import (
@@ -53,6 +54,7 @@ class RankParts:
     mlp_tiles: int = 0  # trainer.tiled_mlp: tiles per MLP call (0: not tiled)
     offloaded_layers: int = 0  # trainer.offload_activations: layers whose input waits on the host
     linear_attention: str | None = None  # how packed rows pass linear-attention layers (Qwen3.5)
+    kernels: str = ""  # the fused layer kernels reached (rank.kernels); "": transformers' own
 
 
 def build_rank(
@@ -93,6 +95,7 @@ def build_rank(
             "with the checkpoint on disk."
         )
     model = add_lora(base, cfg, d)
+    kernels = use_fused_kernels(model, d.kernels, device)
     linear = keep_samples_apart(base)
     compiled = compile_layers(model, d.zero_stage == 3) if cfg.trainer.compile else 0
     tiles, offloaded = apply_layer_decisions(model, d, device)
@@ -124,6 +127,7 @@ def build_rank(
         mlp_tiles=tiles,
         offloaded_layers=offloaded,
         linear_attention=linear,
+        kernels=kernels_label(kernels),
     )
 
 

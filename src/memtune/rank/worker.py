@@ -561,6 +561,8 @@ def start_up_lines(
         extras += f" · {parts.offloaded_layers} layers' inputs offloaded to the host"
     if parts.linear_attention:
         extras += f" · linear attention {parts.linear_attention}"
+    if parts.kernels:
+        extras += f" · {parts.kernels}"
     trainable, total = parts.trainable, parts.total
     return (
         f"memtune: {cfg.model.name_or_path} · attention {parts.attention}{extras} · "
