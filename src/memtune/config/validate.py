@@ -177,24 +177,25 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
         _check_kernels_here(cfg)
 
 
-KERNEL_SETTINGS = ("rms_norm_kernel", "swiglu_kernel", "rope_kernel")
-"""trainer's layer-kernel settings (auto | torch | liger; rank.kernels)."""
+KERNELS = ("rms_norm", "swiglu", "rope")
+"""trainer's layer-kernel settings, trainer.{name}_kernel (auto | torch | liger; rank.kernels)."""
 KERNEL_MODELS = ("qwen2", "qwen3")
 """The model types Liger's layer kernels are wired for: the dense Qwen2 / Qwen2.5 and Qwen3."""
 
 
-def liger_kernel_settings(cfg: RunConfig) -> list[str]:
-    """The layer-kernel settings asked for as liger, dotted (``trainer.rope_kernel``)."""
-    return [f"trainer.{k}" for k in KERNEL_SETTINGS if getattr(cfg.trainer, k) == "liger"]
+def liger_kernels(cfg: RunConfig) -> list[str]:
+    """The layer kernels asked for as liger (``["rope"]``: trainer.rope_kernel=liger)."""
+    return [k for k in KERNELS if getattr(cfg.trainer, f"{k}_kernel") == "liger"]
 
 
 def _check_kernels(cfg: RunConfig) -> None:
     """Liger's layer kernels are wired for the dense Qwen2 / Qwen3 layers (rank.kernels): a
     mixture of experts, Qwen3.5's hybrid layers (gated attention, partial rotary, its own
     norms) and compiled layers are refused by name."""
-    asked = liger_kernel_settings(cfg)
+    asked = liger_kernels(cfg)
     if not asked:
         return
+    name = asked[0]
     arch = dict(cfg.model.architecture)
     kind = arch.get("model_type")
     why = None
@@ -206,13 +207,13 @@ def _check_kernels(cfg: RunConfig) -> None:
         why = f"model_type {kind!r}"
     if why:
         raise ConfigError(
-            f"{asked[0]}=liger is wired for the dense Qwen2 / Qwen2.5 / Qwen3 layers only; "
-            f"{cfg.model.name_or_path} is {why}: use {asked[0]}=auto (torch)"
+            f"trainer.{name}_kernel=liger is wired for the dense Qwen2 / Qwen2.5 / Qwen3 layers "
+            f"only; {cfg.model.name_or_path} is {why}: use trainer.{name}_kernel=auto (torch)"
         )
     if cfg.trainer.compile:
         raise ConfigError(
-            f"{asked[0]}=liger is not built together with trainer.compile=true (Liger's Triton "
-            "kernels inside compiled layers are untested); turn one off"
+            f"trainer.{name}_kernel=liger is not built together with trainer.compile=true "
+            "(Liger's Triton kernels inside compiled layers are untested); turn one off"
         )
 
 
@@ -220,9 +221,10 @@ def _check_kernels_here(cfg: RunConfig) -> None:
     """A layer kernel asked for as liger on a machine that cannot run it: refused here, before
     any rank starts (a rank that finds otherwise refuses too: rank.kernels). Not for a memory
     plan (``inputs=False``): planning a GPU run on a laptop is fine."""
-    asked = liger_kernel_settings(cfg)
+    asked = liger_kernels(cfg)
     if not asked:
         return
+    name = asked[0]
     from memtune.machine import cuda_available
 
     if not cuda_available():
@@ -231,7 +233,10 @@ def _check_kernels_here(cfg: RunConfig) -> None:
         why = "the liger-kernel package is not installed (pip install -e '.[liger]')"
     else:
         return
-    raise ConfigError(f"{asked[0]}=liger cannot run here: {why}; use {asked[0]}=auto (torch)")
+    raise ConfigError(
+        f"trainer.{name}_kernel=liger cannot run here: {why}; use trainer.{name}_kernel=auto "
+        "(torch)"
+    )
 
 
 def _check_attention_here(model: ModelConfig) -> None:
