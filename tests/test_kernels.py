@@ -339,9 +339,14 @@ def test_liger_kernels_match_torch_on_a_gpu(model: str) -> None:
         fused = step(peft_model, IDS.cuda())
     finally:
         remove_kernels(peft_model)
-    torch.testing.assert_close(fused[0], plain[0], rtol=2e-2, atol=5e-2)
-    for name in plain[1]:
-        torch.testing.assert_close(fused[1][name], plain[1][name], rtol=5e-2, atol=5e-3, msg=name)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    assert rel(fused[0], plain[0]) < 1e-2  # bf16 rounding, not another computation
+    assert fused[1].keys() == plain[1].keys()
+    worst = max(rel(fused[1][n], plain[1][n]) for n in plain[1])
+    assert worst < 5e-2, worst
 
 
 def test_over_a_4bit_base() -> None:
@@ -371,3 +376,56 @@ def test_over_a_4bit_base() -> None:
     torch.testing.assert_close(fused[0], plain[0], rtol=0, atol=0)
     assert fused[1].keys() == plain[1].keys() and len(plain[1]) == 28
     assert all(torch.equal(fused[1][n], plain[1][n]) for n in plain[1])
+
+
+def test_the_gpu_checks_kernels_phase_compares_each_variant_with_all_torch() -> None:
+    """bench/gpu_check/kernels.py: speed against the first row, and equal loss (every step's
+    loss within EQUAL_LOSS nats and gradient norm within EQUAL_GRAD_NORM); the phase itself
+    runs in .ci/run's dry run."""
+    import sys
+
+    from tests.conftest import ROOT
+
+    sys.path.insert(0, str(ROOT))
+    from bench.gpu_check.kernels import VARIANTS, compare_to_first, kernels_markdown
+
+    assert VARIANTS[0] == ("torch", {}) and len(VARIANTS) == 7
+    tol = {"loss_nats": 0.01, "grad_norm_rel": 0.05}
+    out = {
+        "seq_len": 2048,
+        "steps": 3,
+        "tolerance": tol,
+        "variants": [
+            {
+                "variant": "torch",
+                "tokens_per_s": 100.0,
+                "losses": [12.0, 11.9],
+                "grad_norms": [1.0, 2.0],
+            },
+            {
+                "variant": "all three",
+                "tokens_per_s": 125.0,
+                "losses": [12.0, 11.905],
+                "grad_norms": [1.01, 2.02],
+            },
+            {
+                "variant": "off",
+                "tokens_per_s": 150.0,
+                "losses": [12.0, 11.8],
+                "grad_norms": [1.0, 2.0],
+            },
+            {
+                "variant": "grads",
+                "tokens_per_s": 90.0,
+                "losses": [12.0, 11.9],
+                "grad_norms": [1.0, 2.5],
+            },
+        ],
+    }
+    compare_to_first(out)
+    v = {r["variant"]: r for r in out["variants"]}
+    assert v["all three"]["speedup"] == 1.25 and v["all three"]["equal"] is True
+    assert v["off"]["equal"] is False and abs(v["off"]["max_loss_diff"] - 0.1) < 1e-9
+    assert v["grads"]["equal"] is False and v["grads"]["max_grad_norm_rel_diff"] == 0.25
+    text = "\n".join(kernels_markdown(out))
+    assert "| all three |" in text and "| **NO** |" in text

@@ -18,7 +18,7 @@ import torch
 from memtune.config import ConfigError, RunConfig, preference_loss_kind
 from memtune.config.architecture import loaded_mismatches
 from memtune.config.decisions import Decisions
-from memtune.rank.kernels import kernels_label, use_fused_kernels
+from memtune.rank.kernels import Wired, kernels_label, use_fused_kernels
 from memtune.rank.layers import set_checkpointed_layers
 from memtune.rank.linear_attention import keep_samples_apart, split_over_ranks
 from memtune.rank.long_context import (
@@ -144,6 +144,18 @@ def apply_layer_decisions(model: Any, d: Decisions, device: torch.device) -> tup
     if d.offload_activations:
         return tiles, offload_checkpoints(base, device)
     return tiles, keep_inputs_on_device(base)
+
+
+def apply_kernel_decisions(module: CausalLMLoss, d: Decisions, device: torch.device) -> Wired:
+    """The decided kernels on a built rank's loss module (``engine.module``: the loss and its
+    peft model), whatever was applied before: the loss kernel and the layer kernels
+    (rank.kernels). build_rank applies both as it builds; bench/gpu_check's kernels phase
+    applies each variant's decisions through this to the engine it has."""
+    from memtune.rank.preference import PreferenceLoss
+
+    kind = use_loss_kernel(d.loss, device)
+    module.kind = preference_loss_kind(kind) if isinstance(module, PreferenceLoss) else kind
+    return use_fused_kernels(module.model, d.kernels, device)
 
 
 def loss_module(cfg: RunConfig, d: Decisions, model: Any, device: torch.device) -> torch.nn.Module:
