@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import sys
 from collections import Counter
 from typing import Any
 
@@ -347,6 +348,61 @@ def test_liger_kernels_match_torch_on_a_gpu(model: str) -> None:
     assert fused[1].keys() == plain[1].keys()
     worst = max(rel(fused[1][n], plain[1][n]) for n in plain[1])
     assert worst < 5e-2, worst
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available()
+    or "liger_kernel" in sys.modules
+    or not (importlib.util.find_spec("liger_kernel") and importlib.util.find_spec("triton")),
+    reason="needs liger-kernel and triton installed (not in the .venv) and no GPU",
+)
+def test_liger_rotary_in_tritons_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Liger's rotary kernel itself, run on CPU by Triton's interpreter (TRITON_INTERPRET=1;
+    Liger's RMSNorm and SwiGLU kernels do not run there): the same logits and LoRA gradients
+    through the wiring, with layers recomputed in full and selectively; and the hazard the
+    guard refuses shown: q_proj and k_proj without LoRA, every layer selective, gives wrong
+    LoRA gradients (the kept matmul output rotated twice). Run by hand in a venv with
+    liger-kernel 0.8.5 and triton (2026-12-05: both checks as stated)."""
+    from peft import LoraConfig, get_peft_model
+
+    from memtune.rank.kernels import liger_functions
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when liger's kernels are defined
+    liger = liger_functions()
+    rope_only = KernelFunctions(rope=liger.rope, rope_in_place=True)
+    for model in ("tiny-qwen2", "tiny-qwen3"):
+        peft_model = tiny_lora(model, recompute=1, selective=1)
+        plain = step(peft_model)
+        use_kernels(peft_model, rope_only)
+        fused = step(peft_model)
+        remove_kernels(peft_model)
+        assert_same(fused, plain)
+    # LoRA on v_proj and o_proj only, every layer selective
+    cfg = to_run_config(compose_cfg(["++model.architecture.num_hidden_layers=3"]))
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memtune.rank.layers import set_checkpointed_layers
+
+    arch = dict(cfg.model.architecture)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(arch.pop("model_type"), **arch), attn_implementation="sdpa"
+    )
+    base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    set_checkpointed_layers(base, decided(cfg, recompute=0, selective=3).checkpointing)
+    qk_bare = get_peft_model(base, LoraConfig(r=8, target_modules=["v_proj", "o_proj"])).train()
+    with torch.no_grad():
+        for name, param in qk_bare.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    plain = step(qk_bare)
+    with pytest.raises(ConfigError, match="rotates q and k in place"):
+        use_kernels(qk_bare, rope_only)
+    use_kernels(qk_bare, dataclasses.replace(rope_only, rope_in_place=False))  # the guard off
+    wrong = step(qk_bare)
+    remove_kernels(qk_bare)
+    torch.testing.assert_close(wrong[0], plain[0])  # the forward is right ...
+    assert max((wrong[1][n] - plain[1][n]).abs().max() for n in plain[1]) > 1e-2  # not so LoRA's
 
 
 def test_over_a_4bit_base() -> None:
