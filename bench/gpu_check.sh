@@ -34,8 +34,16 @@ else
     fi
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || { echo "wheel install failed"; exit 3; }
+    # Opt-in wheels (liger-kernel) apart: only the phase that measures them puts them on its
+    # path (bench/gpu_check/kernels.py); the others run what a default install runs.
+    if ls .whl/opt/*.whl >/dev/null 2>&1; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site-opt .whl/opt/*.whl && export GPU_CHECK_OPT_SITE=/tmp/site-opt ||
+            echo "opt-in wheel install failed: the kernels phase runs without liger-kernel"
+        echo "== opt-in: $(ls .whl/opt/) in /tmp/site-opt"
+    fi
     # --no-compile keeps the install short; compile on all cores once, not in every phase.
-    "$PY" -m compileall -q -j 0 /tmp/site >/dev/null 2>&1 || true
+    "$PY" -m compileall -q -j 0 /tmp/site /tmp/site-opt >/dev/null 2>&1 || true
     export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
     echo "== installed in $(($(date +%s) - START)) s"
     nvidia-smi || true

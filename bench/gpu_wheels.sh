@@ -19,6 +19,10 @@
 #                      needs einops, triton >= 3.3, torch >= 2.7, transformers >= 5.6.2, <6:
 #                      the image's or carried): the qwen35-fla phase. Pinned (FLA below): not
 #                      in the .venv, whose CPU torch has no Triton
+#   liger-kernel       Liger's Triton kernels (pure Python; needs torch and triton, the image's):
+#                      the kernels phase. Pinned (LIGER below), opt-in: in .whl/opt/, which
+#                      gpu_check.sh installs apart and only that phase puts on its path (with it
+#                      installed, trainer.loss=auto would pick Liger's loss in every phase)
 #
 # Versions are those of this repo's .venv (what `make test` runs), so the GPU check runs the
 # library versions the CPU tests pass with; only torch (2.11+cu130) and the packages listed
@@ -30,7 +34,8 @@ PY=${PY:-$ROOT/.venv/bin/python}
 DEST=$ROOT/.whl
 LIMIT_MIB=55
 
-grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
+EXCLUDE=$(git rev-parse --git-path info/exclude) # (a worktree's is its repository's)
+grep -qxF '/.whl/' "$EXCLUDE" 2>/dev/null || echo '/.whl/' >>"$EXCLUDE"
 
 version() { "$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
 
@@ -41,6 +46,8 @@ SDIST=(deepspeed antlr4-python3-runtime)
 # flash-linear-attention adds fla.layers and fla.models on top, as `pip install` gives them.
 FLA_VERSION=0.6.0
 FLA=(flash-linear-attention=="$FLA_VERSION" fla-core=="$FLA_VERSION")
+LIGER_VERSION=0.8.5
+OPT=(liger-kernel=="$LIGER_VERSION")
 
 rm -rf "$DEST" && mkdir -p "$DEST"
 WORK=$(mktemp -d)
@@ -54,6 +61,9 @@ echo "== binary wheels for cp312 manylinux x86_64: ${specs[*]}"
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$DEST" "${specs[@]}"
+
+echo "== opt-in wheels (.whl/opt): ${OPT[*]}"
+"$PY" -m pip download -q --no-deps --only-binary=:all: -d "$DEST/opt" "${OPT[@]}"
 
 for name in "${SDIST[@]}"; do
     spec="$name==$(version "$name")"
@@ -99,8 +109,8 @@ print(f"   dropped {dropped} libraries; kept {', '.join(libs)}; RECORD hashes ch
 EOF
 
 echo "== $DEST"
-ls -l "$DEST" | awk 'NR > 1 {printf "%10.2f MiB  %s\n", $5 / 1048576, $9}'
-total=$(du -cb "$DEST"/*.whl | tail -1 | cut -f1)
+ls -l "$DEST" "$DEST/opt" | awk '/\.whl$/ {printf "%10.2f MiB  %s\n", $5 / 1048576, $9}'
+total=$(du -cb "$DEST"/*.whl "$DEST"/opt/*.whl | tail -1 | cut -f1)
 tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
 awk -v w="$total" -v t="$tree" -v lim="$LIMIT_MIB" 'BEGIN {
     printf "total wheels %.2f MiB; working tree without them %.2f MiB; together %.2f of 64 MiB\n",
@@ -122,7 +132,7 @@ fi
 echo "== verifying with $("$PY312" -V) in a scratch venv"
 VENV=$WORK/venv312
 "$PY312" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --no-index --no-deps --no-compile "$DEST"/*.whl
+"$VENV/bin/python" -m pip install -q --no-index --no-deps --no-compile "$DEST"/*.whl "$DEST"/opt/*.whl
 # The image's own pyyaml and packaging, for the import test only (kept out of the venv's
 # site-packages, where they would count as carried).
 "$VENV/bin/python" -m pip install -q --target "$WORK/helpers" pyyaml packaging

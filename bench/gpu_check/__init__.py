@@ -56,13 +56,18 @@ operator's own time put in one kind (base and LoRA GEMMs, the recompute, attenti
 norms, the loss head, dequantization, the optimizer with ZeRO, copies, communication, the device
 idle), so every change is measured the same way.
 
+After the main rows, the fused kernels one by one (issue #47 item 4; phase ``kernels``):
+memtune's LoRA step at 2,048 tokens with every layer kernel torch, each of Liger's RMSNorm,
+SwiGLU and rotary alone, all three, Liger's loss against the chunked head, and all of it, each
+from the same restored trainable state: tokens/s, peak memory and equal loss.
+
 One module per concern: ``modes`` (GPU or dry run), ``configs`` (composition, plan records),
 ``bases`` (the random-weight base, quantized), ``measure`` (clocks, memory, census, timing,
 MFU), ``batches``, ``phases`` (the priority order, the budget), ``recorder`` (a phase's
 process and what it records), ``baseline_runner`` (Trainer + peft), ``memtune_runner``
-(memtune, the cap search), ``profile`` (where a step's time goes), ``hybrid`` (Qwen3.5),
-``moe`` (the MoE block), ``report``
-(collect, markdown, the format check), ``orchestrate`` (the entry).
+(memtune, the cap search), ``profile`` (where a step's time goes), ``kernels`` (the fused
+kernels one by one), ``hybrid`` (Qwen3.5), ``moe`` (the MoE block), ``report`` (collect,
+markdown, the format check), ``orchestrate`` (the entry).
 """
 
 import sys

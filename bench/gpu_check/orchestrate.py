@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .baseline_runner import run_baseline
 from .hybrid import run_hybrid
+from .kernels import run_kernels
 from .memtune_runner import run_memtune
 from .modes import DRY, GPU, lengths_from_env
 from .moe import run_moe
@@ -53,6 +54,8 @@ def run_phase(args: argparse.Namespace) -> int:
             run_profile_memtune(phase, deadline)
         elif side == "profile-baseline":
             run_profile_baseline(phase, deadline)
+        elif side == "kernels":
+            run_kernels(phase, deadline)
         elif method == "moe":
             run_moe(phase, deadline)
         elif method == "qwen35":
@@ -150,11 +153,13 @@ def orchestrate(args: argparse.Namespace) -> int:
         checked = format_check(mode, work)
         print(f"gpu_check: GPU-only branches rendered with made-up readings: {checked}")
     moe_rows = (result["moe"] or {}).get("rows", [])
+    kernel_rows = (result["kernels"] or {}).get("variants", [])
     searched = [s for lc in result["long"] for s in lc["search"] if s.get("ok")]
     measured = (
         result["records"]
         or result["hybrid"]
         or any(r.get("step_ms") for r in moe_rows)
+        or any(v.get("tokens_per_s") for v in kernel_rows)
         or searched  # a long phase run for its census alone (GPU_CHECK_LONG_TIMED=)
     )
     return 0 if measured and not result["errors"] else 1

@@ -21,7 +21,7 @@ class PhaseSpec:
 
     name: str
     method: str  # conf experiment (configs.METHODS), or "moe" (no experiment)
-    side: str  # profile, profile-baseline, memtune, baseline, long, block, torch, fla
+    side: str  # profile, profile-baseline, memtune, baseline, kernels, long, block, torch, fla
     need_s: float
     """On the GPU: the least time it needs for its first result (what it took on the H200,
     2026-12-04, rounded up); with less left it is skipped, not started to be cut short."""
@@ -43,6 +43,11 @@ PHASES = (
     PhaseSpec("lora-baseline", "lora", "baseline", need_s=25, cap_s=90),
     PhaseSpec("qlora-baseline", "qlora", "baseline", need_s=25, cap_s=100),
     PhaseSpec("qlora-memtune", "qlora", "memtune", need_s=40, cap_s=200),  # + the 24 GB search
+    # The fused kernels one by one on memtune's LoRA step at 2,048 tokens (issue #47 item 4):
+    # all torch, each of Liger's alone, all three, Liger's loss against the chunked head. Not
+    # measured yet: an estimate (the build ~15 s, 7 variants of 5 steps ~25 s, Triton's first
+    # compiles ~15 s).
+    PhaseSpec("kernels", "lora", "kernels", need_s=35, cap_s=100),
     PhaseSpec("long-qlora", "qlora", "long", need_s=60, cap_s=150),  # 32k timed, then longer
     PhaseSpec("long-lora", "lora", "long", need_s=60, cap_s=120),
     # A DPO step on a row holding one pair (reference precomputed: the pass is timed too).

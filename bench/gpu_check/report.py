@@ -77,6 +77,7 @@ def collect(mode: Mode, work: Path) -> dict[str, Any]:
         "hybrid": [f["hybrid"] for f in frags if f.get("hybrid")],
         "moe": next((f["moe"] for f in frags if f.get("moe")), None),
         "profile": [f["profile"] for f in frags if f.get("profile")],
+        "kernels": next((f["kernels"] for f in frags if f.get("kernels")), None),
         "errors": [{"phase": f["phase"], **e} for f in frags for e in f["errors"]],
         "notes": {f["phase"]: f["notes"] for f in frags},
     }
@@ -113,6 +114,16 @@ def format_check(mode: Mode, work: Path) -> Path:
         )
     for s in result["search"]:
         s.update(peak_allocated_gib=20.0, checkpointed_layers=28)
+    if result["kernels"]:
+        from .kernels import compare_to_first
+
+        for i, v in enumerate(result["kernels"]["variants"]):
+            if v.get("losses"):
+                v["peak_allocated_gib"] = 19.5 - 0.1 * i
+        result["kernels"]["variants"].append(
+            {"variant": "made-up", "kernels": "?", "error": "RuntimeError('made up')"}
+        )
+        compare_to_first(result["kernels"])
     made_up = [  # the allocator's history as _snapshot gives it: a census of its peak
         {
             "action": "alloc",
@@ -139,6 +150,7 @@ def format_check(mode: Mode, work: Path) -> Path:
     assert all("speedup" in c and "memory_ratio" in c for c in result["comparison"])
     text = markdown(result)
     assert not result["moe"] or "| memtune | " in text, "the MoE table did not render"
+    assert not result["kernels"] or "| all three |" in text, "the kernels table did not render"
     path = work / "format_check.md"
     path.write_text(text)
     return path
@@ -326,6 +338,9 @@ def markdown(result: dict[str, Any]) -> str:
         ]
         lines += census_markdown(lc)
     lines += profile_markdown(result.get("profile") or [])
+    from .kernels import kernels_markdown
+
+    lines += kernels_markdown(result.get("kernels"))
     lines += moe_markdown(result.get("moe"))
     lines += hybrid_markdown(result["hybrid"], mode)
     lines += [

@@ -12,8 +12,10 @@ How a value gets here, in one place (:func:`decisions_for`): a setting the user 
 as given; a setting left to ``auto`` must be given by the decider, or this refuses. Nothing
 here gives ``auto`` a meaning of its own.
 
-Choices only a rank's machine can see: the attention kernel and the loss kernel are decided by
-the job from :class:`RankMachine` — what the machine the ranks run on offers (CUDA,
+The layer kernels (trainer.rms_norm_kernel, swiglu_kernel, rope_kernel: :class:`Kernels`) are
+torch unless one is asked for by name, whatever the machine, until the GPU check measures
+them. Choices only a rank's machine can see: the attention kernel and the loss kernel are
+decided by the job from :class:`RankMachine` — what the machine the ranks run on offers (CUDA,
 flash-attn, liger-kernel), probed by the job in the Python environment its ranks are started
 with (:func:`rank_machine`). A rank checks that it can run what was decided
 and refuses otherwise (exit 2, naming ``decisions.json`` and the field). Two kernel choices
@@ -32,6 +34,7 @@ from typing import Any, Literal
 from memtune.config.architecture import routed_experts
 from memtune.config.schema import (
     AttnImplementation,
+    FusedKernel,
     Loss,
     Optimizer,
     PeftMethod,
@@ -53,6 +56,9 @@ AttentionKernel = Literal["sdpa_varlen", "sdpa", "eager", "flash_attention_2"]
 """model.attn_implementation as run: ``auto`` decided (rank.attention: sdpa_varlen)."""
 LossKernel = Literal["chunked", "plain", "liger"]
 """trainer.loss as run: ``auto`` decided (rank.loss)."""
+LayerKernel = Literal["torch", "liger"]
+"""trainer.rms_norm_kernel / swiglu_kernel / rope_kernel as run: transformers' own code, or
+Liger's fused kernel (rank.kernels); ``auto`` decided torch until the GPU check measures it."""
 ExpertStorage = Literal["compute", "nf4", "fp4", "int8"]
 """A mixture's routed-expert stacks: in the compute dtype, or quantized (rank.experts)."""
 
@@ -271,6 +277,35 @@ class Vision:
 
 
 @dataclass(frozen=True)
+class Kernels:
+    """The fused kernels the decoder layers run (rank.kernels), each ``torch`` (transformers'
+    own code, nothing replaced) or ``liger``. A decisions.json written before this field
+    existed reads as all torch: those runs ran transformers' code."""
+
+    rms_norm: LayerKernel = "torch"
+    swiglu: LayerKernel = "torch"
+    rope: LayerKernel = "torch"
+
+    def __post_init__(self) -> None:
+        for name in ("rms_norm", "swiglu", "rope"):
+            value = getattr(self, name)
+            if value not in choices_of(LayerKernel):
+                raise DecisionError(
+                    f"kernels.{name} is {value!r}, not one of {' | '.join(choices_of(LayerKernel))}"
+                )
+
+    def fused(self) -> list[str]:
+        """The kernels decided ``liger``, by name (``["rms_norm", "rope"]``)."""
+        return [name for name in ("rms_norm", "swiglu", "rope") if getattr(self, name) != "torch"]
+
+    def label(self) -> str:
+        """For humans: "torch", or "Liger RMSNorm + SwiGLU" (the rest torch)."""
+        names = {"rms_norm": "RMSNorm", "swiglu": "SwiGLU", "rope": "rotary"}
+        fused = self.fused()
+        return "Liger " + " + ".join(names[n] for n in fused) if fused else "torch"
+
+
+@dataclass(frozen=True)
 class Decisions:
     """Everything decided for a run (the module docstring says how, and what stays with the
     rank)."""
@@ -289,6 +324,7 @@ class Decisions:
     batch: BatchShape
     experts: Experts | None = None
     vision: Vision | None = None
+    kernels: Kernels = Kernels()
     version: int = DECISIONS_VERSION
 
     def __post_init__(self) -> None:
@@ -309,6 +345,16 @@ class Decisions:
         for name in ("tiled_mlp", "offload_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise DecisionError(f"{name} must be true or false (got {getattr(self, name)!r})")
+        if self.experts is not None and self.kernels.fused():
+            raise DecisionError(
+                f"kernels.{self.kernels.fused()[0]} is liger with experts (a mixture of "
+                "experts): Liger's layer kernels are built for the dense Qwen models only"
+            )
+        if self.vision is not None and self.kernels.fused():
+            raise DecisionError(
+                f"kernels.{self.kernels.fused()[0]} is liger with vision (data with images): "
+                "not built together yet"
+            )
         if self.offload_activations and not self.checkpointing.enabled:
             raise DecisionError("offload_activations needs checkpointing (enabled: true)")
         if self.checkpointing.selective:
@@ -363,6 +409,8 @@ class Decisions:
         body["experts"] = None if experts is None else _record(Experts, experts, "experts")
         vision = body.get("vision")
         body["vision"] = None if vision is None else _record(Vision, vision, "vision")
+        if "kernels" in body:  # absent: written before the field, when every run was torch's
+            body["kernels"] = _record(Kernels, body["kernels"], "kernels")
         decided = _record(cls, body, "")
         if "auto" in _leaves(raw):
             # Every closed choice refuses it already; this names the field for a free one.
@@ -479,6 +527,23 @@ def loss_kernel(requested: Loss, machine: RankMachine) -> LossKernel:
     return requested
 
 
+def fused_kernel(requested: FusedKernel) -> LayerKernel:
+    """A layer-kernel setting as run: ``auto`` is torch (transformers' own code) until the GPU
+    check (bench/gpu_check, phase ``kernels``) shows Liger's faster at equal loss; a kernel
+    asked for by name is taken as given, and a rank that cannot run it refuses."""
+    return "torch" if requested == "auto" else requested
+
+
+def kernels_of(cfg: RunConfig) -> Kernels:
+    """trainer.rms_norm_kernel, swiglu_kernel and rope_kernel as decided."""
+    t = cfg.trainer
+    return Kernels(
+        rms_norm=fused_kernel(t.rms_norm_kernel),
+        swiglu=fused_kernel(t.swiglu_kernel),
+        rope=fused_kernel(t.rope_kernel),
+    )
+
+
 def experts_of(cfg: RunConfig) -> Experts | None:
     """A mixture's routed experts as the settings decide them; None for a dense model."""
     from memtune.config.derive import adapts_experts
@@ -561,6 +626,7 @@ def decisions_for(
         offload_activations=offload,
         batch=batch,
         experts=experts_of(cfg),
+        kernels=kernels_of(cfg),
     )
 
 

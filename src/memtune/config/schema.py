@@ -49,6 +49,7 @@ Precision = Literal["bf16", "fp32"]
 Switch = Literal["auto", "on", "off"]
 Optimizer = Literal["adamw", "adamw_8bit", "cpu_adam"]
 Loss = Literal["auto", "chunked", "plain", "liger"]
+FusedKernel = Literal["auto", "torch", "liger"]
 OnNonfinite = Literal["stop", "skip"]
 Objective = Literal["sft", "dpo", "ipo", "simpo", "orpo"]
 ReferenceMode = Literal["precomputed", "live"]
@@ -327,6 +328,20 @@ class TrainerConfig:
     loss: Choice[Loss] = "auto"
     """auto (Liger's fused linear CE on CUDA when installed, else chunked) | chunked | plain
     (full-sequence logits, as HF models compute them) | liger"""
+    rms_norm_kernel: Choice[FusedKernel] = "auto"
+    """auto | torch | liger: every RMSNorm of a dense Qwen2 / Qwen2.5 / Qwen3 (each decoder
+    layer's two, Qwen3's per-head q / k norms, the final one) as transformers computes it
+    (torch), or by Liger's fused kernel (CUDA and liger-kernel). auto: torch until the GPU
+    check shows Liger's faster at equal loss (rank.kernels)."""
+    swiglu_kernel: Choice[FusedKernel] = "auto"
+    """auto | torch | liger: the MLP's silu(gate) × up by Liger's fused kernel (silu
+    recomputed in backward, so neither its output nor the product's inputs are kept twice);
+    gate_proj, up_proj and down_proj stay the LoRA layers they are. auto: torch until
+    measured."""
+    rope_kernel: Choice[FusedKernel] = "auto"
+    """auto | torch | liger: the rotary position embedding applied to q and k in one Liger
+    kernel, in place, instead of transformers' six elementwise ops. auto: torch until
+    measured."""
     loss_chunk_tokens: int = 512
     """Tokens per chunk of the chunked loss: its logits peak at chunk × vocab × 6 bytes in bf16
     (fp32 logits + their bf16 cast; README "The loss never holds the whole sequence's logits")."""

@@ -145,6 +145,7 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
             "trainer.loss=liger needs the liger-kernel package (CUDA only); "
             "use trainer.loss=auto to fall back to memtune's chunked loss"
         )
+    _check_kernels(cfg)
     for key in ("zero.reduce_bucket_size", "zero.prefetch_bucket_size"):
         value = get_field(cfg, key)
         if value is not None and value <= 0:
@@ -173,6 +174,69 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
         _check_objective(cfg)
         _check_init_from(cfg)
         _check_attention_here(cfg.model)
+        _check_kernels_here(cfg)
+
+
+KERNELS = ("rms_norm", "swiglu", "rope")
+"""trainer's layer-kernel settings, trainer.{name}_kernel (auto | torch | liger; rank.kernels)."""
+KERNEL_MODELS = ("qwen2", "qwen3")
+"""The model types Liger's layer kernels are wired for: the dense Qwen2 / Qwen2.5 and Qwen3."""
+
+
+def liger_kernels(cfg: RunConfig) -> list[str]:
+    """The layer kernels asked for as liger (``["rope"]``: trainer.rope_kernel=liger)."""
+    return [k for k in KERNELS if getattr(cfg.trainer, f"{k}_kernel") == "liger"]
+
+
+def _check_kernels(cfg: RunConfig) -> None:
+    """Liger's layer kernels are wired for the dense Qwen2 / Qwen3 layers (rank.kernels): a
+    mixture of experts, Qwen3.5's hybrid layers (gated attention, partial rotary, its own
+    norms) and compiled layers are refused by name."""
+    asked = liger_kernels(cfg)
+    if not asked:
+        return
+    name = asked[0]
+    arch = dict(cfg.model.architecture)
+    kind = arch.get("model_type")
+    why = None
+    if routed_experts(arch):
+        why = "a mixture of experts"
+    elif linear_attention_layers(arch):
+        why = "a hybrid with linear-attention layers (Qwen3.5)"
+    elif kind not in KERNEL_MODELS:
+        why = f"model_type {kind!r}"
+    if why:
+        raise ConfigError(
+            f"trainer.{name}_kernel=liger is wired for the dense Qwen2 / Qwen2.5 / Qwen3 layers "
+            f"only; {cfg.model.name_or_path} is {why}: use trainer.{name}_kernel=auto (torch)"
+        )
+    if cfg.trainer.compile:
+        raise ConfigError(
+            f"trainer.{name}_kernel=liger is not built together with trainer.compile=true "
+            "(Liger's Triton kernels inside compiled layers are untested); turn one off"
+        )
+
+
+def _check_kernels_here(cfg: RunConfig) -> None:
+    """A layer kernel asked for as liger on a machine that cannot run it: refused here, before
+    any rank starts (a rank that finds otherwise refuses too: rank.kernels). Not for a memory
+    plan (``inputs=False``): planning a GPU run on a laptop is fine."""
+    asked = liger_kernels(cfg)
+    if not asked:
+        return
+    name = asked[0]
+    from memtune.machine import cuda_available
+
+    if not cuda_available():
+        why = "this machine has no CUDA GPU (Liger's kernels are Triton, GPU only)"
+    elif importlib.util.find_spec("liger_kernel") is None:
+        why = "the liger-kernel package is not installed (pip install -e '.[liger]')"
+    else:
+        return
+    raise ConfigError(
+        f"trainer.{name}_kernel=liger cannot run here: {why}; use trainer.{name}_kernel=auto "
+        "(torch)"
+    )
 
 
 def _check_attention_here(model: ModelConfig) -> None:

@@ -72,6 +72,9 @@ def settings_of(cfg: RunConfig, d: Decisions) -> RunConfig:
         "optimizer": d.optimizer,
         "micro_batch_size": d.batch.micro_batch,
         "loss": d.loss,
+        "rms_norm_kernel": d.kernels.rms_norm,
+        "swiglu_kernel": d.kernels.swiglu,
+        "rope_kernel": d.kernels.rope,
         "activation_checkpointing": d.checkpointing.enabled,
     }
     if d.checkpointing.enabled:

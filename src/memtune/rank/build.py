@@ -18,6 +18,7 @@ import torch
 from memtune.config import ConfigError, RunConfig, preference_loss_kind
 from memtune.config.architecture import loaded_mismatches
 from memtune.config.decisions import Decisions
+from memtune.rank.kernels import Wired, kernels_label, use_fused_kernels
 from memtune.rank.layers import set_checkpointed_layers
 from memtune.rank.linear_attention import keep_samples_apart, split_over_ranks
 from memtune.rank.long_context import (
@@ -53,6 +54,7 @@ class RankParts:
     mlp_tiles: int = 0  # trainer.tiled_mlp: tiles per MLP call (0: not tiled)
     offloaded_layers: int = 0  # trainer.offload_activations: layers whose input waits on the host
     linear_attention: str | None = None  # how packed rows pass linear-attention layers (Qwen3.5)
+    kernels: str = ""  # the fused layer kernels reached (rank.kernels); "": transformers' own
 
 
 def build_rank(
@@ -93,6 +95,7 @@ def build_rank(
             "with the checkpoint on disk."
         )
     model = add_lora(base, cfg, d)
+    kernels = use_fused_kernels(model, d.kernels, device)
     linear = keep_samples_apart(base)
     compiled = compile_layers(model, d.zero_stage == 3) if cfg.trainer.compile else 0
     tiles, offloaded = apply_layer_decisions(model, d, device)
@@ -124,6 +127,7 @@ def build_rank(
         mlp_tiles=tiles,
         offloaded_layers=offloaded,
         linear_attention=linear,
+        kernels=kernels_label(kernels),
     )
 
 
@@ -140,6 +144,18 @@ def apply_layer_decisions(model: Any, d: Decisions, device: torch.device) -> tup
     if d.offload_activations:
         return tiles, offload_checkpoints(base, device)
     return tiles, keep_inputs_on_device(base)
+
+
+def apply_kernel_decisions(module: CausalLMLoss, d: Decisions, device: torch.device) -> Wired:
+    """The decided kernels on a built rank's loss module (``engine.module``: the loss and its
+    peft model), whatever was applied before: the loss kernel and the layer kernels
+    (rank.kernels). build_rank applies both as it builds; bench/gpu_check's kernels phase
+    applies each variant's decisions through this to the engine it has."""
+    from memtune.rank.preference import PreferenceLoss
+
+    kind = use_loss_kernel(d.loss, device)
+    module.kind = preference_loss_kind(kind) if isinstance(module, PreferenceLoss) else kind
+    return use_fused_kernels(module.model, d.kernels, device)
 
 
 def loss_module(cfg: RunConfig, d: Decisions, model: Any, device: torch.device) -> torch.nn.Module:

@@ -117,8 +117,15 @@ def untile_mlps(model: Any) -> int:
     return 0
 
 
+def _plain_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The MLP's own forward, read from its class when called: the fused one when rank.kernels
+    has given the MLP its fused class, before or after the tiles."""
+    out: torch.Tensor = type(mlp).forward(mlp, x)
+    return out
+
+
 def _tile(mlp: nn.Module, tiles: int) -> None:
-    plain = type(mlp).forward
+    plain = _plain_forward
     trainable = [p for p in mlp.parameters() if p.requires_grad]
 
     def forward(x: torch.Tensor) -> torch.Tensor:

@@ -48,8 +48,8 @@ FORMAT = 1
 
 
 def reference_key(cfg: RunConfig, d: Decisions, rd: RunDir, data_dir: str) -> str:
-    """A digest of everything the tables depend on (the attention and loss kernels, the
-    quantization and the batch as decided)."""
+    """A digest of everything the tables depend on (the attention, loss and layer kernels,
+    the quantization and the batch as decided)."""
     from importlib.metadata import version
 
     base = json.loads(rd.base.read_text()) if rd.base.is_file() else {}
@@ -70,6 +70,8 @@ def reference_key(cfg: RunConfig, d: Decisions, rd: RunDir, data_dir: str) -> st
         "max_seq_len": cfg.data.max_seq_len,
         "init_from": _adapter_digest(cfg.peft.init_from),
     }
+    if d.kernels.fused():  # (absent when all torch: the tables of earlier runs keep their key)
+        parts["kernels"] = d.kernels.fused()
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
 

@@ -573,6 +573,8 @@ def start_up_lines(
         extras += f" · linear attention {parts.linear_attention}"
     if d.vision is not None:
         extras += f" · {vision_note(d.vision, t.precision)}"
+    if parts.kernels:
+        extras += f" · {parts.kernels}"
     trainable, total = parts.trainable, parts.total
     return (
         f"memtune: {cfg.model.name_or_path} · attention {parts.attention}{extras} · "
