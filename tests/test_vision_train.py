@@ -21,7 +21,7 @@ from PIL import Image
 
 from memtune.config import ConfigError, RunConfig, to_run_config
 from memtune.config.architecture import resolve_architecture
-from memtune.config.decisions import Decisions, Vision
+from memtune.config.decisions import Decisions, Kernels, Vision
 from memtune.data.batching import collate_packed
 from memtune.data.encode import IGNORE_INDEX, Sample, encode_records, resize_record_images
 from memtune.data.readers import read_source
@@ -337,6 +337,9 @@ def test_what_is_not_built_is_refused_by_name(bases: dict[str, Path], tmp_path: 
             ConfigError, match=f"hold 4 images, and training on images with {words} is not built"
         ):
             vision_for_images(vl_cfg(bases["qwen3_vl"], *change), d, with_images)
+    fused = dataclasses.replace(d, kernels=Kernels(swiglu="liger"))
+    with pytest.raises(ConfigError, match=r"with trainer\.swiglu_kernel=liger is not built"):
+        vision_for_images(cfg, fused, with_images)
     split = dataclasses.replace(d, batch=dataclasses.replace(d.batch, sequence_parallel=2))
     with pytest.raises(ConfigError, match="with sequence parallelism"):
         vision_for_images(cfg, split, with_images)

@@ -261,13 +261,15 @@ def vision_for_images(cfg: RunConfig, d: Decisions, prepared: Prepared) -> Decis
         (cfg.trainer.objective != "sft", f"trainer.objective={cfg.trainer.objective}"),
         (d.sequence_parallel > 1, f"sequence parallelism ({d.sequence_parallel} ranks a sample)"),
         (cfg.trainer.compile, "trainer.compile=true"),
+        (bool(d.kernels.fused()), f"trainer.{(d.kernels.fused() or [''])[0]}_kernel=liger"),
     ]
     for on, what in unbuilt:
         if on:
             raise ConfigError(
                 f"data: the records hold {images:,} images, and training on images with {what} "
                 "is not built yet: images train with trainer.objective=sft, each sample on one "
-                "rank (trainer.sequence_parallel=1), without trainer.compile"
+                "rank (trainer.sequence_parallel=1), without trainer.compile or Liger's layer "
+                "kernels"
             )
     # An adapted tower recomputes its blocks when the language model recomputes any layer (a
     # frozen one keeps no activations): the planner's per-layer choice is the language
