@@ -215,7 +215,7 @@ def test_patched_layers_give_the_same_logits_and_lora_gradients() -> None:
 @pytest.fixture
 def one_rank(monkeypatch: pytest.MonkeyPatch) -> Any:
     """A world of one CPU rank in this process (as bench/gpu_check's phases start theirs),
-    taken down after the test."""
+    taken down after the test, F.linear put back."""
     import torch.distributed as dist
 
     from memtune.launcher.spawn import free_port, node_env
@@ -224,9 +224,14 @@ def one_rank(monkeypatch: pytest.MonkeyPatch) -> Any:
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", **node_env([0], free_port())}.items():
         if key != "CUDA_VISIBLE_DEVICES":
             monkeypatch.setenv(key, value)
+    linear = torch.nn.functional.linear
     init_distributed()
     yield
     dist.destroy_process_group()
+    # A ZeRO-3 engine puts DeepSpeed's zero3_linear_wrap in its place, process-wide, and never
+    # puts it back: every later test in this process would save its tensors instead of
+    # F.linear's (test_plan counts what autograd saves).
+    torch.nn.functional.linear = linear
 
 
 def test_under_zero3_with_partitioned_norm_weights(one_rank: None) -> None:
