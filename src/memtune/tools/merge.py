@@ -2,7 +2,10 @@
 
 Loads the base (bf16 by default), applies the adapter, folds it into the weights with
 ``merge_and_unload`` and saves a plain model + tokenizer that
-``AutoModelForCausalLM.from_pretrained(OUT)`` loads with no peft installed.
+``AutoModelForCausalLM.from_pretrained(OUT)`` loads with no peft installed. A vision-language
+base (Qwen3-VL, Qwen2.5-VL, Qwen3.5) merges into its own class, vision tower and merger kept
+(merged too where the adapter has LoRA on them), with its image processor's settings
+(``preprocessor_config.json``) copied beside it: ``AutoModelForImageTextToText`` loads OUT.
 
 An adapter trained over a quantized base (QLoRA NF4, LLM.int8) learned to correct the
 *quantized* weights, so by default it is merged into the base quantized exactly as in training
@@ -167,6 +170,40 @@ def _merge_into(out_dir: Path, adapter_dir: Path, base: str | None, dtype: str, 
     else:
         tokenizer = AutoTokenizer.from_pretrained(base, revision=revision)
     tokenizer.save_pretrained(str(out_dir))
+    copy_processor_files(base, revision, out_dir)
+
+
+PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
+    "chat_template.json",
+)
+"""A vision-language checkpoint's processor settings beside its weights: the image processor's
+(patch size, merge size, min / max pixels) that the merged model needs to read an image as the
+base did. The tokenizer's files are written by the tokenizer itself."""
+
+
+def copy_processor_files(base: str, revision: str | None, out_dir: Path) -> list[str]:
+    """Copy the base's :data:`PROCESSOR_FILES` it has (a local dir, or the Hub) into ``out_dir``
+    where the tokenizer wrote none of the same name; returns the names copied."""
+    from transformers.utils import cached_file
+
+    copied = []
+    for name in PROCESSOR_FILES:
+        if (out_dir / name).exists():
+            continue
+        found = cached_file(
+            base,
+            name,
+            revision=revision,
+            _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False,
+        )
+        if found is not None:
+            shutil.copyfile(found, out_dir / name)
+            copied.append(name)
+    return copied
 
 
 def main(argv: list[str] | None = None) -> None:

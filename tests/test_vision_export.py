@@ -1,0 +1,142 @@
+"""Out the other end for a run on images (issue #49 item 6): the adapter of the released
+vision-language class, exported as the worker exports it, loads with plain peft on that class
+and computes memtune's logits on an image conversation; ``memtune merge`` keeps the tower.
+
+The models are the tiny ones of tests/test_vision_train.py (the real classes, saved and loaded
+through the real loading code); the adapter's LoRA B is drawn at random instead of trained
+(rank.vision's step is tested there), so every adapted module changes the logits.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from memtune.config import RunConfig
+from memtune.data.batching import collate_padded
+from memtune.rank.checkpoint import export_final, renames_for_multimodal_class
+from memtune.rank.loss import model_inputs
+from memtune.rank.vision import multimodal_hidden
+from memtune.rundir import RunDir
+from memtune.tools.merge import merge
+from memtune.tools.tiny import build_vision_language
+from tests.test_vision_train import adapted_model, encoded, picture, reply, user, vl_cfg, with_tower
+
+
+@pytest.fixture(scope="module")
+def conversation(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One conversation with two images of other sizes (one wider than Qwen2.5-VL's windows)."""
+    root = tmp_path_factory.mktemp("vl-export-records")
+    (root / "img").mkdir()
+    a = picture(root / "img" / "a.png", 96, 64, (220, 30, 30), 0)
+    b = picture(root / "img" / "b.png", 150, 70, (30, 40, 220), 1)
+    rows = [{"messages": [user("compare", a, b, "please"), reply("the first is red")]}]
+    path = root / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def released(path: Path | str) -> Any:
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+
+
+PROCESSOR_KEYS = (
+    "input_ids",
+    "attention_mask",
+    "pixel_values",
+    "image_grid_thw",
+    "mm_token_type_ids",
+)
+"""What the model's processor gives for a conversation with images, and its forward takes."""
+
+
+def trained_run(cfg: RunConfig, adapted_tower: bool, run_dir: Path) -> tuple[Any, Path]:
+    """The rank's peft model of ``cfg`` (LoRA B at random), its adapter exported into
+    ``run_dir/adapter`` by the worker's own export."""
+    from transformers import AutoTokenizer
+
+    d = with_tower(cfg, adapted_tower)
+    model = adapted_model(cfg, d).eval()
+    run_dir.mkdir()
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.name_or_path)
+    multimodal = renames_for_multimodal_class(cfg, d)
+    assert not multimodal  # the released class: named as released already
+    export_final(model, tokenizer, RunDir(run_dir), True, multimodal)
+    return model, run_dir / "adapter"
+
+
+def memtune_logits(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The logits the rank computes (trainer.loss=plain with images: rank.loss)."""
+    base = model.get_base_model()
+    inputs = model_inputs(batch["input_ids"], batch["attention_mask"])
+    images = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids")}
+    with torch.no_grad():
+        return base.get_output_embeddings()(multimodal_hidden(base, inputs, **images))
+
+
+@pytest.mark.parametrize(
+    ("kind", "target"),
+    [
+        ("qwen3_vl", "all-linear"),
+        ("qwen3_vl", "all-linear-and-vision"),
+        ("qwen2_5_vl", "all-linear-and-vision"),
+        ("qwen3_5", "attention-and-vision"),
+    ],
+)
+def test_an_image_runs_adapter_gives_memtunes_logits_on_the_released_class_and_merges(
+    conversation: Path, tmp_path: Path, kind: str, target: str
+) -> None:
+    """Plain peft on the checkpoint's released class (AutoModelForImageTextToText), given the
+    processor's inputs for a conversation with two images and run through the class's own
+    forward, computes the rank's logits; the adapter changes them; its tower tensors (when
+    adapted) load as trained. ``memtune merge`` writes a checkpoint of that class with its
+    tower (merged where adapted), its image settings beside it, and the same logits."""
+    from peft import PeftModel, get_peft_model_state_dict
+    from safetensors import safe_open
+
+    base_dir = build_vision_language(tmp_path / kind, kind)
+    cfg = vl_cfg(base_dir, f"peft.target={target}")
+    adapted_tower = target.endswith("-and-vision")
+    model, adapter = trained_run(cfg, adapted_tower, tmp_path / "run")
+    samples, settings, pad = encoded(cfg, conversation)
+    batch = collate_padded(samples, pad, settings)
+    assert batch["image_grid_thw"].shape == (2, 3)
+    want = memtune_logits(model, batch)
+
+    with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert any(n.startswith("base_model.model.model.language_model.layers.") for n in names)
+    assert any(".visual." in n for n in names) == adapted_tower
+
+    served = PeftModel.from_pretrained(released(base_dir), adapter).eval()
+    assert type(served.get_base_model()).__name__ == type(model.get_base_model()).__name__
+    loaded = get_peft_model_state_dict(served)
+    trained = get_peft_model_state_dict(model)
+    assert loaded.keys() == trained.keys()
+    for name, t in trained.items():
+        torch.testing.assert_close(loaded[name], t, msg=name)
+    inputs = {k: batch[k] for k in PROCESSOR_KEYS}
+    with torch.no_grad():
+        got = served(**inputs).logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        with served.disable_adapter():
+            assert (got - served(**inputs).logits).abs().max() > 1e-3
+
+    merged_dir = merge(adapter, tmp_path / "merged", dtype="fp32")
+    merged = released(merged_dir)
+    assert type(merged).__name__ == type(served.get_base_model()).__name__
+    original = released(base_dir).state_dict()
+    weights = merged.state_dict()
+    assert weights.keys() == original.keys()
+    tower = [n for n in weights if ".visual." in f".{n}" and n.endswith(".weight")]
+    changed = [n for n in tower if not torch.equal(weights[n], original[n])]
+    assert bool(changed) == adapted_tower
+    assert (merged_dir / "preprocessor_config.json").is_file()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**inputs).logits, got, rtol=1e-4, atol=1e-4)
