@@ -17,7 +17,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from memtune.config import RunConfig
+from memtune.config import ConfigError, RunConfig
 from memtune.data.batching import collate_padded
 from memtune.data.encode import IGNORE_INDEX
 from memtune.rank.checkpoint import export_final, renames_for_multimodal_class
@@ -141,7 +141,7 @@ def test_an_image_runs_adapter_gives_memtunes_logits_on_the_released_class_and_m
     tower = [n for n in weights if ".visual." in f".{n}" and n.endswith(".weight")]
     changed = [n for n in tower if not torch.equal(weights[n], original[n])]
     assert bool(changed) == adapted_tower
-    assert (merged_dir / "preprocessor_config.json").is_file()
+    assert image_settings(adapter.parent, merged_dir) == image_settings(adapter.parent)
     with torch.no_grad():
         torch.testing.assert_close(merged(**inputs).logits, got, rtol=1e-4, atol=1e-4)
 
@@ -172,9 +172,10 @@ def test_generate_with_an_image_answers_as_plain_peft_decodes_greedily(
     conversation: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``memtune generate RUN_DIR --image PATH``: the prompt's tokens, image tokens and pixels
-    are the run's encoding of that turn (the training sample up to its reply), and the answer,
-    by the model's own generate, is greedy decoding by plain transformers + peft on the
-    released class; ``memtune generate --model MERGED --image PATH`` prints the same answer."""
+    are the run's encoding of that turn (the training sample up to its reply); the answer, by
+    the model's own generate, is greedy decoding by plain transformers + peft on the released
+    class, and the command prints it. An unreadable image and a model without image settings
+    are refused by name. (A merged model's image settings and logits: the test above.)"""
     from peft import PeftModel
 
     from memtune.rank.vision import MM_IMAGE
@@ -202,15 +203,22 @@ def test_generate_with_an_image_answers_as_plain_peft_decodes_greedily(
     trained = collate_padded([sample], 0, settings)
     torch.testing.assert_close(inputs["pixel_values"], trained["pixel_values"])
 
-    steps = 6
+    with pytest.raises(ConfigError, match=r"--image: image 1 \(.*nothing.png\): cannot read"):
+        prompt_inputs(
+            run_dir, question, tokenizer, images=[tmp_path / "nothing.png"], settings=settings
+        )
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    with pytest.raises(ConfigError, match="has no image processor settings"):
+        image_settings(run_dir, tmp_path / "text")
+
+    steps = 4
     _, new = answer(model, tokenizer, run_dir, question, steps, images=[image], settings=settings)
     served = PeftModel.from_pretrained(released(base_dir), adapter).eval()
     stops = stop_token_ids(tokenizer)
     assert new and new == greedy(served, inputs, steps, stops)
 
-    merged_dir = merge(adapter, tmp_path / "merged", dtype="fp32")
-    assert image_settings(run_dir, merged_dir) == settings
-    argv = [str(run_dir), "--model", str(merged_dir), "--image", str(image), question]
+    argv = [str(run_dir), "--image", str(image), question]
     main([*argv, "--max-new-tokens", str(steps)])  # memtune generate
     printed = capsys.readouterr().out.strip().splitlines()[-1]  # after any import warning
     text = tokenizer.decode(new, skip_special_tokens=True).strip()
