@@ -225,3 +225,21 @@ def test_generate_with_an_image_answers_as_plain_peft_decodes_greedily(
     assert printed == (
         text or f"(empty answer: the model ended its turn after {len(new)} token(s))"
     )
+
+
+def test_a_qlora_adapter_merges_into_the_quantized_base_with_its_tower_as_trained(
+    tmp_path: Path,
+) -> None:
+    """An image run under QLoRA kept the tower out of bitsandbytes (rank.vision.NOT_QUANTIZED):
+    ``memtune merge`` (into the base quantized as in training, then dequantized) leaves the
+    tower's weights as released, while the language model's carry the NF4 round trip."""
+    base_dir = build_vision_language(tmp_path / "qwen2_5_vl", "qwen2_5_vl")
+    cfg = vl_cfg(base_dir, "peft=qlora-nf4", "trainer.precision=bf16", "peft.target=all-linear")
+    _, adapter = trained_run(cfg, False, tmp_path / "run")
+    merged = released(merge(adapter, tmp_path / "merged", dtype="fp32")).state_dict()
+    original = released(base_dir).state_dict()
+    tower = [n for n in original if ".visual." in f".{n}" and n.endswith(".weight")]
+    for name in tower:
+        torch.testing.assert_close(merged[name], original[name].bfloat16().float(), msg=name)
+    q = "model.language_model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged[q], original[q].bfloat16().float())

@@ -126,9 +126,10 @@ def _merge_into(out_dir: Path, adapter_dir: Path, base: str | None, dtype: str, 
     # Inside the function: torch, transformers and peft take seconds to import.
     import torch
     from peft import PeftModel
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from memtune.rank.model import quantization_config, torch_dtype
+    from memtune.rank.vision import NOT_QUANTIZED
     from memtune.tools.generate import base_class
 
     trained = trained_as(adapter_dir)
@@ -136,12 +137,15 @@ def _merge_into(out_dir: Path, adapter_dir: Path, base: str | None, dtype: str, 
     # The revision the run trained on, unless another base is given (its own main).
     revision = cfg.model.revision if cfg is not None and base is None else None
     base = base or base_of(adapter_dir)
-    quant = None
-    if trained is not None and into == "dequantized":
-        quant = quantization_config(trained.cfg, trained.method)
     # The base's own class: a multimodal checkpoint merges into one of its kind, vision tower
     # and all (its adapter is named for that class).
     model_class = base_class(base, revision, adapter_dir)
+    quant = None
+    if trained is not None and into == "dequantized":
+        # A run on images kept the tower out of bitsandbytes (and a text run never loaded it):
+        # quantizing it here would put a rounding into it that training never saw.
+        keep = NOT_QUANTIZED if model_class is not AutoModelForCausalLM else None
+        quant = quantization_config(trained.cfg, trained.method, keep)
     try:
         if quant is not None and trained is not None and cfg is not None:
             # Quantized exactly as in training (from the training dtype), then dequantized: the
