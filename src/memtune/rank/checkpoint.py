@@ -20,7 +20,9 @@ from memtune.checkpoints import (
     seal,
     step_dir_name,
 )
-from memtune.config.architecture import LANGUAGE_MODEL_PREFIX
+from memtune.config import RunConfig
+from memtune.config.architecture import LANGUAGE_MODEL_PREFIX, is_multimodal
+from memtune.config.decisions import Decisions
 from memtune.filesystem import follow_umask, replace_dir, write_atomic
 from memtune.integrity import list_files
 from memtune.rank.experts import to_peft_names, write_expert_adapters
@@ -123,6 +125,15 @@ def name_for_multimodal_class(out_dir: Path) -> None:
     state = load_file(path)
     renamed = {(dst + k[len(src) :] if k.startswith(src) else k): t for k, t in state.items()}
     save_file(renamed, path, metadata={"format": "pt"})
+
+
+def renames_for_multimodal_class(cfg: RunConfig, decisions: Decisions) -> bool:
+    """Whether the run's adapter is renamed for the checkpoint's multimodal class on export
+    (:func:`name_for_multimodal_class`): a text model trained from a multimodal checkpoint. The
+    released class itself, loaded with its tower for images, has the released names already
+    (its vision blocks' too, when adapted)."""
+    m = cfg.model
+    return is_multimodal(m.name_or_path, m.revision) and decisions.vision is None
 
 
 def names_multimodal_class(adapter_dir: Path) -> bool:

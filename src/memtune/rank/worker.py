@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from memtune import quiet
 from memtune.config import ConfigError, RunConfig, needs_reference
-from memtune.config.architecture import is_multimodal, routed_experts
+from memtune.config.architecture import routed_experts
 from memtune.config.decisions import Decisions, Vision
 from memtune.config.schema import read_run_config
 from memtune.data.encode import DataStats, load_tokenizer
@@ -45,6 +45,7 @@ from memtune.rank.checkpoint import (
     follow_schedule,
     load_checkpoint,
     load_checkpoint_any_world,
+    renames_for_multimodal_class,
     save_checkpoint,
 )
 from memtune.rank.loop import (
@@ -469,10 +470,7 @@ class RankRun:
         if after_train is not None:
             after_train(self.engine, self.ctx)
         model = self.engine.module.model
-        m = self.cfg.model
-        # A text model trained from a multimodal checkpoint exports under the released class's
-        # names; the released class itself (its tower loaded for images) has them already.
-        multimodal = is_multimodal(m.name_or_path, m.revision) and self.decisions.vision is None
+        multimodal = renames_for_multimodal_class(self.cfg, self.decisions)
         n_tensors, outputs = export_final(
             model, self.tokenizer, self.rd, self.rank == 0, multimodal
         )

@@ -3,20 +3,30 @@
     memtune generate RUN_DIR "What is the capital of France?"
     memtune generate RUN_DIR --model MERGED_DIR "..."
 
+    memtune generate RUN_DIR --image receipt.png "What is the total?"
+
 The run's config gives the template and system prompt, so the prompt is the same text the
 model was trained on (qwen3, qwen3_5: with the empty think block, unless ``--thinking``). Generation
 stops at the turn's end marker (``<|im_end|>`` in ChatML) or the tokenizer's eos.
+
+``--image PATH`` (once per image) puts images in the user turn, before its text, encoded as the
+run's data encodes them: resized by the model's image processor with the run's
+``data.min_pixels`` / ``data.max_pixels``, one ``<|image_pad|>`` per merged patch. The model
+(a vision-language checkpoint's released class, or a merged one) generates with its own
+``generate``.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from memtune.config import ConfigError, load_run_config
 from memtune.config.architecture import is_multimodal
 from memtune.data.templates import IM_END, render_prompt, with_system
+from memtune.data.vision import IMAGE_PLACEHOLDER, ImageSettings
 from memtune.rundir import RunDir
 
 
@@ -78,6 +88,75 @@ def prompt_text(run_dir: Path, prompt: str, tokenizer: Any, thinking: bool = Fal
     return render_prompt(messages, cfg.data.template, tokenizer.eos_token, thinking)
 
 
+def image_settings(run_dir: Path, model_dir: Path | None = None) -> ImageSettings:
+    """The image processor's settings the run read its images with: the model's
+    preprocessor_config.json (the merged model's, which memtune merge copies from the base,
+    when ``model_dir`` is given) under the run's data.min_pixels / data.max_pixels."""
+    from memtune.data.vision import model_image_settings
+
+    cfg = load_run_config(RunDir(run_dir).config)
+    name, revision = cfg.model.name_or_path, cfg.model.revision
+    if model_dir is not None:
+        name, revision = str(model_dir), None
+    settings = model_image_settings(name, revision, cfg.data.min_pixels, cfg.data.max_pixels)
+    if settings is None:
+        raise ConfigError(
+            f"--image: {name} has no image processor settings (preprocessor_config.json beside "
+            "its config.json): images need a vision-language model (Qwen3.5, Qwen3-VL, "
+            "Qwen2.5-VL)"
+        )
+    return settings
+
+
+def prompt_inputs(
+    run_dir: Path,
+    prompt: str,
+    tokenizer: Any,
+    thinking: bool = False,
+    images: Sequence[Path] = (),
+    settings: ImageSettings | None = None,
+) -> dict[str, Any]:
+    """The model's inputs for one user turn, as the run's data encodes a turn: the text of
+    :func:`prompt_text`, and with ``images`` (each before the text, in order; ``settings``:
+    :func:`image_settings`) each image's tokens, ``mm_token_type_ids``, ``pixel_values`` and
+    ``image_grid_thw``. An unreadable image: ConfigError naming it."""
+    import torch
+
+    from memtune.data.encode import (
+        IGNORE_INDEX,
+        Sample,
+        expand_images,
+        image_pad_id,
+        resize_record_images,
+    )
+    from memtune.data.readers import Record, RecordError
+    from memtune.data.vision import IMAGE_PAD, ImageRef, pixel_values
+
+    text = prompt_text(run_dir, IMAGE_PLACEHOLDER * len(images) + prompt, tokenizer, thinking)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if not images:
+        input_ids = torch.tensor([ids])
+        return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    if settings is None:
+        raise ValueError("images without the image processor's settings")
+    refs = [ImageRef(f"image {i + 1} ({p})", path=Path(p)) for i, p in enumerate(images)]
+    try:
+        resized = resize_record_images(Record("--image", images=refs), settings)
+    except RecordError as err:
+        raise ConfigError(str(err)) from None
+    pad = image_pad_id(tokenizer.encode(IMAGE_PAD, add_special_tokens=False), tokenizer)
+    sample = expand_images(Sample(ids, [IGNORE_INDEX] * len(ids)), resized, pad, "the prompt")
+    patches = pixel_values(sample.images, settings)
+    input_ids = torch.tensor([sample.input_ids])
+    return {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "mm_token_type_ids": torch.tensor([sample.mm_token_type_ids]),
+        "pixel_values": torch.from_numpy(patches["pixel_values"]),
+        "image_grid_thw": torch.from_numpy(patches["image_grid_thw"]).long(),
+    }
+
+
 def answer(
     model: Any,
     tokenizer: Any,
@@ -85,25 +164,26 @@ def answer(
     prompt: str,
     max_new_tokens: int = 128,
     thinking: bool = False,
+    images: Sequence[Path] = (),
+    settings: ImageSettings | None = None,
 ) -> tuple[str, list[int]]:
     """Greedy answer to one user turn; returns (text, generated ids). ``thinking`` (the qwen3
-    and qwen3_5 templates): the model writes its own think block instead of the empty one."""
+    and qwen3_5 templates): the model writes its own think block instead of the empty one.
+    ``images``: in the turn, before its text (:func:`prompt_inputs`)."""
     # Inside the function: torch takes seconds to import, and a refused command needs none of it.
     import torch
 
-    text = prompt_text(run_dir, prompt, tokenizer, thinking)
-    ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+    inputs = prompt_inputs(run_dir, prompt, tokenizer, thinking, images, settings)
     stops = stop_token_ids(tokenizer)
     with torch.no_grad():
         out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
+            **inputs,
             max_new_tokens=max_new_tokens,
             do_sample=False,
             eos_token_id=stops,
             pad_token_id=tokenizer.pad_token_id,
         )
-    new = out[0, ids.shape[1] :].tolist()
+    new = out[0, inputs["input_ids"].shape[1] :].tolist()
     return tokenizer.decode(new, skip_special_tokens=True), new
 
 
@@ -139,15 +219,32 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="qwen3, qwen3_5 templates: let the model think (no empty think block in the prompt)",
     )
+    parser.add_argument(
+        "--image",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an image in the user turn, before the prompt (once per image; a vision-language "
+        "model)",
+    )
     args = parser.parse_args(argv)
     check_paths(args.run_dir, args.model)
+    settings = image_settings(args.run_dir, args.model) if args.image else None
     try:
         model, tokenizer = load(args.run_dir, args.model)
     except OSError as err:  # transformers: neither a local model dir nor one on the Hub
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"cannot load the model: {first}") from None
     text, new = answer(
-        model, tokenizer, args.run_dir, args.prompt, args.max_new_tokens, args.thinking
+        model,
+        tokenizer,
+        args.run_dir,
+        args.prompt,
+        args.max_new_tokens,
+        args.thinking,
+        args.image,
+        settings,
     )
     if text.strip():
         print(text)

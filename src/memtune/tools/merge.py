@@ -2,7 +2,10 @@
 
 Loads the base (bf16 by default), applies the adapter, folds it into the weights with
 ``merge_and_unload`` and saves a plain model + tokenizer that
-``AutoModelForCausalLM.from_pretrained(OUT)`` loads with no peft installed.
+``AutoModelForCausalLM.from_pretrained(OUT)`` loads with no peft installed. A vision-language
+base (Qwen3-VL, Qwen2.5-VL, Qwen3.5) merges into its own class, vision tower and merger kept
+(merged too where the adapter has LoRA on them), with its image processor's settings
+(``preprocessor_config.json``) copied beside it: ``AutoModelForImageTextToText`` loads OUT.
 
 An adapter trained over a quantized base (QLoRA NF4, LLM.int8) learned to correct the
 *quantized* weights, so by default it is merged into the base quantized exactly as in training
@@ -123,9 +126,10 @@ def _merge_into(out_dir: Path, adapter_dir: Path, base: str | None, dtype: str, 
     # Inside the function: torch, transformers and peft take seconds to import.
     import torch
     from peft import PeftModel
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from memtune.rank.model import quantization_config, torch_dtype
+    from memtune.rank.vision import NOT_QUANTIZED
     from memtune.tools.generate import base_class
 
     trained = trained_as(adapter_dir)
@@ -133,12 +137,15 @@ def _merge_into(out_dir: Path, adapter_dir: Path, base: str | None, dtype: str, 
     # The revision the run trained on, unless another base is given (its own main).
     revision = cfg.model.revision if cfg is not None and base is None else None
     base = base or base_of(adapter_dir)
-    quant = None
-    if trained is not None and into == "dequantized":
-        quant = quantization_config(trained.cfg, trained.method)
     # The base's own class: a multimodal checkpoint merges into one of its kind, vision tower
     # and all (its adapter is named for that class).
     model_class = base_class(base, revision, adapter_dir)
+    quant = None
+    if trained is not None and into == "dequantized":
+        # A run on images kept the tower out of bitsandbytes (and a text run never loaded it):
+        # quantizing it here would put a rounding into it that training never saw.
+        keep = NOT_QUANTIZED if model_class is not AutoModelForCausalLM else None
+        quant = quantization_config(trained.cfg, trained.method, keep)
     try:
         if quant is not None and trained is not None and cfg is not None:
             # Quantized exactly as in training (from the training dtype), then dequantized: the
@@ -167,6 +174,40 @@ def _merge_into(out_dir: Path, adapter_dir: Path, base: str | None, dtype: str, 
     else:
         tokenizer = AutoTokenizer.from_pretrained(base, revision=revision)
     tokenizer.save_pretrained(str(out_dir))
+    copy_processor_files(base, revision, out_dir)
+
+
+PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
+    "chat_template.json",
+)
+"""A vision-language checkpoint's processor settings beside its weights: the image processor's
+(patch size, merge size, min / max pixels) that the merged model needs to read an image as the
+base did. The tokenizer's files are written by the tokenizer itself."""
+
+
+def copy_processor_files(base: str, revision: str | None, out_dir: Path) -> list[str]:
+    """Copy the base's :data:`PROCESSOR_FILES` it has (a local dir, or the Hub) into ``out_dir``
+    where the tokenizer wrote none of the same name; returns the names copied."""
+    from transformers.utils import cached_file
+
+    copied = []
+    for name in PROCESSOR_FILES:
+        if (out_dir / name).exists():
+            continue
+        found = cached_file(
+            base,
+            name,
+            revision=revision,
+            _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False,
+        )
+        if found is not None:
+            shutil.copyfile(found, out_dir / name)
+            copied.append(name)
+    return copied
 
 
 def main(argv: list[str] | None = None) -> None:
