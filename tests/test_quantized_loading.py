@@ -20,6 +20,7 @@ import torch
 
 from memtune.config import to_run_config, validate
 from tests.conftest import compose_cfg, decided
+from tests.test_moe import TINY
 
 MIB = 2**20
 
@@ -83,18 +84,7 @@ HYBRID = dict(  # Qwen3.5-MoE: linear attention, then full attention, a shared e
     num_experts_per_tok=2,
     vocab_size=128,
 )
-MOE = dict(  # Qwen3-MoE
-    hidden_size=64,
-    intermediate_size=128,
-    moe_intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=1,
-    head_dim=16,
-    num_experts=8,
-    num_experts_per_tok=2,
-    vocab_size=128,
-)
+MOE = {k: v for k, v in TINY.items() if k != "initializer_range"}  # Qwen3-MoE
 
 
 @pytest.mark.parametrize(
