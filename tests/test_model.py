@@ -136,13 +136,20 @@ def test_lora_presets_and_checkpointing_scope(tiny_cfg, target: str) -> None:
 def test_attention_choice() -> None:
     """The job decides the kernel from the ranks' machine; a rank refuses what it cannot run."""
     from memtune.config import ConfigError
-    from memtune.config.decisions import CPU_RANKS, RankMachine, attention_kernel
+    from memtune.config.decisions import CPU_RANKS, RankMachine, attention_kernel, loss_kernel
     from memtune.rank.model import use_attention
 
     assert attention_kernel("auto", CPU_RANKS) == "sdpa_varlen"
     assert attention_kernel("auto", RankMachine(cuda=True)) == "sdpa_varlen"
     assert attention_kernel("auto", RankMachine(cuda=True, flash_attn=True)) == "flash_attention_2"
     assert attention_kernel("sdpa", RankMachine(cuda=True, flash_attn=True)) == "sdpa"
+    # The loss head: Liger's only by name, never auto's (not measured faster yet, #47).
+    with_liger = RankMachine(cuda=True, liger=True)
+    assert [loss_kernel(x, with_liger) for x in ("auto", "liger", "plain")] == [
+        "chunked",
+        "liger",
+        "plain",
+    ]
     assert use_attention("sdpa", "cpu") == "sdpa"
     assert use_attention("eager", "cpu") == "eager"
     with pytest.raises(ConfigError, match=r"flash_attention_2 .* needs a CUDA GPU"):

@@ -22,7 +22,7 @@ tests/test_kernels.py check the kernels' math itself).
 
 liger-kernel travels to the GPU machine as an opt-in wheel (``.whl/opt``, installed apart into
 ``$GPU_CHECK_OPT_SITE``) and only this phase puts it on its path: the other phases run what a
-default install runs (trainer.loss=auto is Liger's where liger-kernel is installed). In the dry
+default install runs, as the 2026-12-04 rows did. In the dry
 run (CPU, no Triton) Liger's functions are stood in by the same math in torch
 (rank.kernels.REFERENCE) and Liger's loss by the plain one; the table says so.
 """

@@ -520,11 +520,12 @@ def attention_kernel(requested: AttnImplementation, machine: RankMachine) -> Att
 
 
 def loss_kernel(requested: Loss, machine: RankMachine) -> LossKernel:
-    """trainer.loss on the ranks' machine: ``auto`` is Liger's fused linear cross-entropy on
-    CUDA when installed, else memtune's chunked loss."""
-    if requested == "auto":
-        return "liger" if machine.cuda and machine.liger else "chunked"
-    return requested
+    """trainer.loss on the ranks' machine: ``auto`` is memtune's chunked loss, wherever it
+    runs. Liger's fused linear cross-entropy runs when asked for by name (``liger``): like the
+    layer kernels, it is kept on by default only once the GPU check shows it faster at equal
+    loss (issue #47; it used to be ``auto``'s choice wherever liger-kernel was installed)."""
+    del machine  # what it offers decides no loss kernel until one is measured faster
+    return "chunked" if requested == "auto" else requested
 
 
 def fused_kernel(requested: FusedKernel) -> LayerKernel:

@@ -326,8 +326,9 @@ class TrainerConfig:
     optim_8bit_min_size: int = 4096
     """adamw_8bit: tensors with fewer elements keep 32-bit state (bitsandbytes' rule)."""
     loss: Choice[Loss] = "auto"
-    """auto (Liger's fused linear CE on CUDA when installed, else chunked) | chunked | plain
-    (full-sequence logits, as HF models compute them) | liger"""
+    """auto (memtune's chunked loss, until the GPU check measures Liger's faster) | chunked |
+    plain (full-sequence logits, as HF models compute them) | liger (Liger's fused linear CE:
+    CUDA and liger-kernel)"""
     rms_norm_kernel: Choice[FusedKernel] = "auto"
     """auto | torch | liger: every RMSNorm of a dense Qwen2 / Qwen2.5 / Qwen3 (each decoder
     layer's two, Qwen3's per-head q / k norms, the final one) as transformers computes it
