@@ -110,16 +110,33 @@ def test_a_one_file_entry_knows_a_changed_digit(tmp_path: Path) -> None:
     assert "format 1" in str(Store("test store", 1).read_value(path)[1])
 
 
-def test_set_aside_replaces_only_its_own_earlier_aside(tmp_path: Path) -> None:
+def _aside(parent: Path, name: str) -> Path:
+    """The one entry set aside from ``name`` in ``parent`` (``.damaged-NAME.XXXX``)."""
+    (found,) = parent.glob(f".damaged-{name}.*")
+    return found
+
+
+def test_set_aside_deletes_and_replaces_nothing(tmp_path: Path) -> None:
+    """Each damaged entry (a directory or a file) goes to a fresh name of its own: an earlier
+    aside, and a name the user chose that looks like one, stay as they were."""
     store = Store("test store", 1)
+    (tmp_path / ".damaged-key").write_text("the user's")
+    asides = []
     for text in ("first", "second"):
         entry = tmp_path / "key"
         entry.mkdir()
         (entry / "f").write_text(text)
-        aside = store.set_aside(entry)
-        assert aside == tmp_path / ".damaged-key" and not entry.exists()
-    assert (aside / "f").read_text() == "second"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".damaged-key"]
+        asides.append(store.set_aside(entry))
+        assert asides[-1].name.startswith(".damaged-key.") and not entry.exists()
+    assert [(a / "f").read_text() for a in asides] == ["first", "second"]
+    one = tmp_path / "value.json"
+    one.write_text("{}")
+    aside = store.set_aside(one)
+    assert aside.name.startswith(".damaged-value.json.") and aside.read_text() == "{}"
+    assert (tmp_path / ".damaged-key").read_text() == "the user's"
+    assert len(list(tmp_path.iterdir())) == 4
+    gone = store.set_aside(tmp_path / "absent")  # moved by another job meanwhile
+    assert not gone.exists() and len(list(tmp_path.iterdir())) == 4
 
 
 # ------------------------------------------------------------------ the tokenized data cache
@@ -149,7 +166,7 @@ def test_a_damaged_data_cache_is_set_aside_and_tokenized_again(
     assert preprocess(cfg, tokenizer, seed=0).reused  # sound: reused, no line
     DAMAGE[kind](first.dir, "train.safetensors")
     again = preprocess(cfg, tokenizer, seed=0)
-    aside = first.dir.parent / f".damaged-{first.dir.name}"
+    aside = _aside(first.dir.parent, first.dir.name)
     assert not again.reused and again.dir == first.dir
     assert again.set_aside is not None and SAID[kind] in again.set_aside
     assert again.set_aside.startswith(f"memtune: data cache {first.dir} was damaged (")
@@ -198,7 +215,7 @@ def test_a_damaged_counts_entry_is_counted_again(
     capsys.readouterr()
     assert count_params(cfg) == clean
     line = capsys.readouterr().out.strip()
-    aside = tmp_path / "counts" / f".damaged-{entry.name}"
+    aside = _aside(tmp_path / "counts", entry.name)
     assert line == (
         f"memtune: counts cache {entry} was damaged (its value does not hold what was written "
         f"(its digest differs)): set aside as {aside}; parameters counted again"
@@ -223,7 +240,7 @@ def test_damaged_reference_tables_are_set_aside_and_computed_again(tmp_path: Pat
     assert reference._read(folder, "key-1", None) is None  # a rank other than 0: only None
     assert folder.is_dir()
     assert reference._read(folder, "key-1", said.append) is None
-    aside = tmp_path / ".damaged-reference"
+    aside = _aside(tmp_path, "reference")
     assert len(said) == 1 and said[0].startswith(f"memtune: reference folder {folder} was ")
     assert said[0].endswith(f"set aside as {aside}; computing them again")
     assert "XXH3-128 differs" in said[0] and not folder.exists() and aside.is_dir()
@@ -255,11 +272,11 @@ def test_a_damaged_demo_model_is_set_aside_and_built_again(
     capsys.readouterr()
     assert synthesize(model, arch) == model
     line = capsys.readouterr().out.strip()
-    aside = tmp_path / ".damaged-tiny"
+    aside = _aside(tmp_path, "tiny")
     assert line.startswith(f"memtune: demo model {model} was damaged (")
     assert line.endswith(f"set aside as {aside}; building it again")
     assert _files(model) == clean and aside.is_dir()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".damaged-tiny", ".tiny.lock", "tiny"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [aside.name, ".tiny.lock", "tiny"]
     synthesize(model, arch)
     assert capsys.readouterr().out == ""
 
@@ -296,7 +313,7 @@ def test_a_damaged_linear_mixer_entry_is_measured_again(
     line = capsys.readouterr().out.strip()
     assert line.startswith(f"memtune: counts cache {entry} was damaged (")
     assert line.endswith("; the linear mixer measured again")
-    assert (tmp_path / "counts" / f".damaged-{entry.name}").is_file()
+    assert _aside(tmp_path / "counts", entry.name).is_file()
 
 
 # ------------------------------------------------------------------ end to end
@@ -344,16 +361,16 @@ def test_a_job_after_its_caches_were_damaged(tmp_path: Path) -> None:
     assert "Traceback" not in again.stderr
     lines = [line for line in again.stdout.splitlines() if "was damaged" in line]
     assert lines[0].startswith(f"memtune: counts cache {counts[0]} was damaged (")
+    model_aside, data_aside = _aside(cache, "tiny-qwen2"), _aside(data.parent, data.name)
     assert lines[1:] == [
         f"memtune: demo model {model} was damaged ({model / 'model.safetensors'} does not hold "
         f"the bytes that were written (its XXH3-128 differs)): set aside as "
-        f"{cache / '.damaged-tiny-qwen2'}; building it again",
+        f"{model_aside}; building it again",
         f"memtune: data cache {data} was damaged ({data / 'train.safetensors'} does not hold "
         f"the bytes that were written (its XXH3-128 differs)): set aside as "
-        f"{data.parent / ('.damaged-' + data.name)}; tokenizing again",
+        f"{data_aside}; tokenizing again",
     ]
     assert _files(data) == clean["data"] and _files(model) == clean["model"]
     assert counts[0].read_bytes() == clean["counts"]
-    assert (cache / ".damaged-tiny-qwen2").is_dir()
-    assert (data.parent / f".damaged-{data.name}").is_dir()
+    assert model_aside.is_dir() and data_aside.is_dir()
     assert _losses(tmp_path / "run2") == _losses(tmp_path / "run1")

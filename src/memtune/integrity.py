@@ -21,8 +21,8 @@ Two digests, chosen by what a store costs to hash against what a reader has at s
   byte, a cut or a stale file, not a forger (the checkpoints, which are copied between
   machines, keep SHA-256).
 
-A damaged or incomplete cache entry is moved aside under memtune's own name
-(:meth:`Store.set_aside`: ``.damaged-NAME`` next to it, replacing an earlier one of ours) and
+A damaged or incomplete cache entry is moved aside under a fresh name of memtune's own
+(:meth:`Store.set_aside`: ``.damaged-NAME.XXXX`` next to it; nothing is deleted) and
 rebuilt by its owner, with one line naming it and what was wrong; checkpoints are never
 rebuilt (memtune.checkpoints skips a damaged one for the one before it).
 """
@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -222,20 +222,28 @@ class Store:
     # ---------------------------------------------------------------- a damaged entry
 
     def set_aside(self, entry: Path) -> Path:
-        """Move the damaged ``entry`` (a directory or a file) to ``.damaged-NAME`` beside it,
-        replacing an earlier set-aside entry of that name (memtune's own); returns where it
-        went. Raises OSError where the store cannot be changed (read-only, no permission). An
-        entry already gone (another job that found the same damage moved it) is not an error."""
-        aside = entry.parent / f"{ASIDE_PREFIX}{entry.name}"
+        """Move the damaged ``entry`` (a directory or a file) to a fresh ``.damaged-NAME.XXXX``
+        beside it, made here, so nothing is ever removed or replaced (an earlier aside, or a
+        name the user chose, stays as it is) and two jobs never aim at one name; returns where
+        it went. Raises OSError where the store cannot be changed (read-only, no permission).
+        An entry already gone (another job that found the same damage moved it) is not an
+        error: the fresh name made for it is removed again."""
+        prefix = f"{ASIDE_PREFIX}{entry.name}."
+        if entry.is_dir() and not entry.is_symlink():
+            aside = Path(tempfile.mkdtemp(prefix=prefix, dir=entry.parent))
+        else:
+            fd, name = tempfile.mkstemp(prefix=prefix, dir=entry.parent)
+            os.close(fd)
+            aside = Path(name)
         try:
-            if aside.is_dir() and not aside.is_symlink():
-                shutil.rmtree(aside)
-            elif aside.exists() or aside.is_symlink():
-                aside.unlink()
-            os.replace(entry, aside)
+            os.replace(entry, aside)  # onto the empty dir / file just made
         except FileNotFoundError:
             if entry.exists():
                 raise
+            if aside.is_dir():  # ours, made above, empty
+                aside.rmdir()
+            else:
+                aside.unlink()
         return aside
 
     def damaged_line(self, entry: Path, problem: str, aside: Path, then: str) -> str:

@@ -379,7 +379,7 @@ class RunDir:
         "stopped-node[0-9]*.json", "nodes.hostfile", "exit.json", "metrics.jsonl",
         "checkpoints", "adapter", "summary.json", "memory.json", "oom-rank[0-9]*.json",
         "restarted-oom-rank[0-9]*.json", "oom_restart.json", "wandb", "reference",
-        ".damaged-reference",
+        ".damaged-reference.*",
     )  # fmt: skip
     """What a run leaves in its dir (the README's table), as names and glob patterns. Not the
     GPU preflight's records (they describe the machine, and this launch's are written before

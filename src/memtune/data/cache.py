@@ -6,7 +6,7 @@ or setting builds a new one. Ranks only read the cache: no rank waits in a colle
 another tokenizes, and a bad record stops the job before any GPU memory is taken.
 
 An entry is sealed with its manifest (memtune.integrity, XXH3-128) and verified whenever it is
-reused: a damaged or incomplete one is set aside as ``.damaged-KEY`` and tokenized again, with
+reused: a damaged or incomplete one is set aside as ``.damaged-KEY.XXXX`` and tokenized again, with
 one line saying so.
 
 Data with images adds every image file's bytes and the image processor's settings to the key,

@@ -256,7 +256,7 @@ TABLES = "logps.safetensors"
 
 REFERENCE_TABLES = Store("reference folder", FORMAT)
 """``RUN_DIR/reference/``: the tables and their manifest (memtune.integrity). A damaged one is
-set aside as ``RUN_DIR/.damaged-reference`` and computed again."""
+set aside as ``RUN_DIR/.damaged-reference.XXXX`` and computed again."""
 
 
 def _read(

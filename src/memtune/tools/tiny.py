@@ -48,7 +48,7 @@ _BUILDER_VERSION = 2
 
 DEMO_MODEL = Store("demo model", 1)
 """A synthesized model's folder, sealed with its manifest and verified on every launch that
-uses it: a damaged one is set aside as ``.damaged-NAME`` beside it and built again."""
+uses it: a damaged one is set aside as ``.damaged-NAME.XXXX`` beside it and built again."""
 
 
 def _fingerprint(architecture: dict[str, Any], tokenizer_dir: Path | None) -> str:
