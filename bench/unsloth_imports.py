@@ -309,6 +309,7 @@ def check(site: Path, kinds: Path | None, also: Iterable[Path] = ()) -> dict[str
         "ok": not graph.missing and not unmet,
         "image_checked": kinds is not None,
         "modules": len(graph.modules),
+        "carried_reached": sorted({m.split(".")[0] for m in graph.modules}),
         "missing_modules": graph.missing,
         "required": {t: s for t, s in required.items() if s != "stdlib"},
         "unmet": {t: graph.required[t][:3] for t in unmet},
@@ -329,7 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result, indent=1))
     else:
-        print(f"Unsloth's import graph: {result['modules']} modules of unsloth / unsloth_zoo")
+        print(
+            f"Unsloth's import graph: {result['modules']} carried modules reached, of "
+            + ", ".join(result["carried_reached"])
+        )
         print("required: " + ", ".join(f"{t} ({s})" for t, s in result["required"].items()))
         print("tried, absent on the device (Unsloth goes on without): "
               + ", ".join(result["tried_absent"]))  # fmt: skip
