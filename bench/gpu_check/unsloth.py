@@ -244,6 +244,8 @@ def setup_of(model: Any) -> dict[str, Any]:
     for part, module in (("mlp", layer.mlp), ("attention", layer.self_attn)):
         f = getattr(module, "forward", None)
         info[f"{part}_forward"] = f"{getattr(f, '__module__', '?')}.{getattr(f, '__name__', '?')}"
+    info["gradient_checkpointing"] = repr(getattr(inner.model, "gradient_checkpointing", None))
+    info["training"] = bool(model.training)
     params = [p for p in model.parameters() if p.requires_grad]
     info["trainable"] = sum(p.numel() for p in params)
     info["trainable_dtype"] = str(params[0].dtype) if params else None
@@ -259,6 +261,9 @@ def run_unsloth(phase: Phase, deadline: float) -> None:
         phase.save()
         return
     phase.data["unsloth"] = {"site": site()}
+    # No network there: offline (main() sets HF_HUB_OFFLINE), and no usage statistics (Unsloth
+    # fetches a README from the hub to count runs; offline it skips that too).
+    os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
     t0 = time.perf_counter()
     try:
         import unsloth  # noqa: F401  (first: it patches transformers, peft and trl)
@@ -306,14 +311,19 @@ def run_unsloth(phase: Phase, deadline: float) -> None:
             use_gradient_checkpointing="unsloth",
             random_state=s["seed"],
         )
-        phase.data["unsloth"]["setup"] = setup_of(model)
-        phase.save()
+        # Training mode as Unsloth sets it (its checkpointing armed on every layer), what its
+        # trainer does and its notebooks call after generating.
+        FastLanguageModel.for_training(model)
     except BaseException as err:
-        cannot_run(phase, "from_pretrained / get_peft_model", err, lengths)
+        cannot_run(phase, "from_pretrained / get_peft_model / for_training", err, lengths)
         return
+    try:  # a record of what runs: never the reason a measurement is lost
+        phase.data["unsloth"]["setup"] = setup_of(model)
+    except Exception as err:
+        phase.data["unsloth"]["setup"] = {"error": repr(err)[-500:]}
+    phase.save()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=s["lr"], weight_decay=s["weight_decay"])
-    model.train()
     from .batches import synthetic_batch
 
     for seq_len in lengths:
