@@ -87,3 +87,24 @@ trap 'rm -rf "$SITE"' EXIT
 "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" --python-version 3.12 \
     --implementation cp --only-binary=:all: --platform manylinux_2_24_x86_64 "$DEST"/*.whl
 "$PY" "$ROOT/bench/unsloth_imports.py" "$SITE" $([ -f "$KINDS" ] && echo --kinds "$KINDS")
+
+# UNSLOTH_IMPORT_CHECK=1: import Unsloth for real here (~2 min, downloads ~200 MB: Triton), with
+# the image's transformers, huggingface_hub and Triton (versions from KINDS.md) built for this
+# .venv's Python and torch, under Unsloth's CPU-CI switch UNSLOTH_ALLOW_CPU=1, then the trl
+# patching that switch skips (bench/unsloth_imports.py --import-on-cpu).
+if [ "${UNSLOTH_IMPORT_CHECK:-0}" = 1 ]; then
+    IMAGE=$("$PY" -c "
+import sys; sys.path.insert(0, 'bench')
+from gpu_wheels_check import image_packages
+v = image_packages(__import__('pathlib').Path(sys.argv[1]))
+print(' '.join(f'{n}=={v[n]}' for n in ('transformers', 'huggingface-hub', 'triton')))" "$KINDS")
+    echo "== the real import on this CPU, with the image's ${IMAGE}"
+    CPU_SITE=$SITE-cpu
+    trap 'rm -rf "$SITE" "$CPU_SITE"' EXIT
+    # This Python's builds of the image's packages and of multiprocess (a wheel per Python)
+    "$PY" -m pip download -q --no-deps -d "$CPU_SITE.dl" $IMAGE "multiprocess==$(version multiprocess)"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$CPU_SITE" \
+        "$CPU_SITE".dl/*.whl $(ls "$DEST"/*.whl | grep -v /multiprocess-)
+    rm -rf "$CPU_SITE.dl"
+    PYTHONPATH=$CPU_SITE "$PY" "$ROOT/bench/unsloth_imports.py" --import-on-cpu
+fi

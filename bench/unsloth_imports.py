@@ -1,6 +1,7 @@
 """What Unsloth imports, read from its source: the static import graph of the carried Unsloth.
 
     python bench/unsloth_imports.py SITE [--kinds KINDS.md]     # SITE: the wheels installed
+    PYTHONPATH=SITE python bench/unsloth_imports.py --import-on-cpu   # and the image's versions
 
 The GPU check's Unsloth phases (``bench/gpu_check/unsloth.py``) run Unsloth from the wheels in
 ``.whl-unsloth/`` (``bench/gpu_wheels_unsloth.sh``) on the lent H200's image, which has no
@@ -319,7 +320,51 @@ def check(site: Path, kinds: Path | None, also: Iterable[Path] = ()) -> dict[str
     }
 
 
+def import_on_cpu() -> None:
+    """``import unsloth`` and ``from unsloth import FastLanguageModel`` for real, on this CPU,
+    with the carried set and the image's versions of transformers, huggingface_hub and Triton
+    on the path (``gpu_wheels_unsloth.sh`` with ``UNSLOTH_IMPORT_CHECK=1`` lays them out), under
+    Unsloth's own CPU-CI switch ``UNSLOTH_ALLOW_CPU=1`` (its GPU import path on a machine
+    without CUDA); then the trl patching that switch skips (``PatchFastRL``, the SFTTrainer
+    rewrite), as the import runs it on the device. Not checked: anything past import (loading a
+    model asks the device for its properties)."""
+    import os
+    import time
+
+    os.environ["UNSLOTH_ALLOW_CPU"] = "1"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
+    t0 = time.perf_counter()
+    import unsloth
+    from unsloth import FastLanguageModel  # noqa: F401
+
+    imported = time.perf_counter() - t0
+    del os.environ["UNSLOTH_ALLOW_CPU"]
+    from unsloth import _gpu_init
+    from unsloth.context_parallel import patch_sft_trainer
+    from unsloth.models.llama import FastLlamaModel
+    from unsloth.models.rl import PatchFastRL
+
+    PatchFastRL(FastLanguageModel=FastLlamaModel)
+    _gpu_init._patch_trl_trainer()
+    patch_sft_trainer()
+    import importlib.metadata as md
+
+    import trl
+
+    names = ("unsloth", "unsloth_zoo", "transformers", "trl", "peft", "datasets", "triton", "torch")
+    print(
+        f"import unsloth (UNSLOTH_ALLOW_CPU=1) in {imported:.0f} s, trl patched "
+        f"(SFTTrainer: {type(trl.SFTTrainer).__name__} {trl.SFTTrainer.__name__}): "
+        + ", ".join(f"{n} {md.version(n)}" for n in names)
+        + f"; unsloth {unsloth.__version__}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and sys.argv[1:] == ["--import-on-cpu"]:
+        import_on_cpu()
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("site", type=Path, help="the Unsloth wheels installed (pip --target)")
     ap.add_argument("--kinds", type=Path, default=None, help="KINDS.md: the image's packages")
