@@ -264,6 +264,8 @@ def run_unsloth(phase: Phase, deadline: float) -> None:
     # No network there: offline (main() sets HF_HUB_OFFLINE), and no usage statistics (Unsloth
     # fetches a README from the hub to count runs; offline it skips that too).
     os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
+    # The modules Unsloth writes for its patched trainers: in the work dir, not the checkout.
+    os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", str(phase.frag.parent / "unsloth_compiled"))
     t0 = time.perf_counter()
     try:
         import unsloth  # noqa: F401  (first: it patches transformers, peft and trl)
