@@ -183,7 +183,7 @@ def test_cannot_run_records_the_exact_error_and_the_table_shows_it(bench, tmp_pa
 
 def test_the_unsloth_phases_run_in_their_own_call(bench) -> None:
     """A group: not in the main call's default selection; named by --phases unsloth (in
-    priority order), or selected when .whl-unsloth/ was installed (or in the dry run)."""
+    priority order), or by its phases' names; in the dry run's."""
     phases = bench[1]
     group = [
         "unsloth-model",

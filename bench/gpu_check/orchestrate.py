@@ -101,7 +101,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     # Outside OUT: the device returns at most 8 files from there.
     work = Path(args.work) if args.work else Path(tempfile.gettempdir()) / "gpu_check_parts"
     work.mkdir(parents=True, exist_ok=True)
-    groups = ("unsloth",) if mode.dry_run or os.environ.get(SITE_ENV) else ()
+    groups = ("unsloth",) if mode.dry_run else ()  # on the device: when named (--phases)
     chosen = select(args.phases, groups)
     # --keep-parts: an earlier call's fragments on this machine stay (the Unsloth call's
     # results beside the main check's); only the phases about to run start afresh.

@@ -30,8 +30,8 @@ class PhaseSpec:
     """On the GPU: the most it is given (its deadline); the tail past its first result (a
     search under the cap, later lengths, later variants) stops at the deadline."""
     group: str = ""
-    """A group run only when named (``--phases unsloth``, or the phase's name), in the dry run,
-    or when its carry was installed (``unsloth``: ``$GPU_CHECK_UNSLOTH_SITE``)."""
+    """A group run only when named (``--phases unsloth``, or the phase's name) and in the dry
+    run: ``unsloth`` needs its own carry and its own device call."""
 
 
 # In order of value, the most valuable first: each takes its time before the next is given
