@@ -90,7 +90,8 @@ trap 'rm -rf "$SITE"' EXIT
 
 # UNSLOTH_IMPORT_CHECK=1: import Unsloth for real here (~2 min, downloads ~200 MB: Triton), with
 # the image's transformers, huggingface_hub and Triton (versions from KINDS.md) built for this
-# .venv's Python and torch, under Unsloth's CPU-CI switch UNSLOTH_ALLOW_CPU=1, then the trl
+# .venv's Python, and nothing else but the image's other packages (this .venv's installs of them,
+# torch 2.13 CPU among them), under Unsloth's CPU-CI switch UNSLOTH_ALLOW_CPU=1, then the trl
 # patching that switch skips (bench/unsloth_imports.py --import-on-cpu).
 if [ "${UNSLOTH_IMPORT_CHECK:-0}" = 1 ]; then
     IMAGE=$("$PY" -c "
@@ -106,5 +107,9 @@ print(' '.join(f'{n}=={v[n]}' for n in ('transformers', 'huggingface-hub', 'trit
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$CPU_SITE" \
         "$CPU_SITE".dl/*.whl $(ls "$DEST"/*.whl | grep -v /multiprocess-)
     rm -rf "$CPU_SITE.dl"
-    PYTHONPATH=$CPU_SITE "$PY" "$ROOT/bench/unsloth_imports.py" --import-on-cpu
+    # Only the image's packages beside the carried set: python -S (no site-packages) with links
+    # to this Python's installs of what KINDS.md lists (torch, numpy, safetensors ...).
+    trap 'rm -rf "$SITE" "$CPU_SITE" "$SITE-image"' EXIT
+    "$PY" "$ROOT/bench/unsloth_imports.py" --image-stand-in "$KINDS" "$SITE-image" "$CPU_SITE"
+    PYTHONPATH=$CPU_SITE:$SITE-image "$PY" -S "$ROOT/bench/unsloth_imports.py" --import-on-cpu
 fi

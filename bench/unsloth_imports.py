@@ -320,6 +320,35 @@ def check(site: Path, kinds: Path | None, also: Iterable[Path] = ()) -> dict[str
     }
 
 
+def image_stand_in(kinds: Path, dest: Path, carried: Path) -> list[str]:
+    """Links in ``dest`` to this Python's installed packages that KINDS.md lists for the image
+    and ``carried`` does not hold: with ``python -S`` and ``PYTHONPATH=carried:dest`` nothing
+    else is importable (the .venv's deepspeed, pydantic, its newer transformers are not)."""
+    import importlib.metadata as md
+    import os
+    import sysconfig
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_wheels_check import canon, image_packages
+
+    image = image_packages(kinds)
+    held = {canon(p.name.split("-")[0]) for p in carried.glob("*.dist-info")}
+    site = Path(sysconfig.get_paths()["purelib"])
+    dest.mkdir(parents=True, exist_ok=True)
+    linked = []
+    for dist in md.distributions():
+        name = canon(dist.metadata["Name"])
+        if name not in image or name in held:
+            continue
+        for top in {f.parts[0] for f in dist.files or []}:
+            if top in ("..", "bin", "__pycache__") or top.endswith(".data"):
+                continue
+            if (site / top).exists() and not (dest / top).exists():
+                os.symlink(site / top, dest / top)
+        linked.append(name)
+    return sorted(linked)
+
+
 def import_on_cpu() -> None:
     """``import unsloth`` and ``from unsloth import FastLanguageModel`` for real, on this CPU,
     with the carried set and the image's versions of transformers, huggingface_hub and Triton
@@ -364,6 +393,11 @@ def import_on_cpu() -> None:
 def main(argv: list[str] | None = None) -> int:
     if argv is None and sys.argv[1:] == ["--import-on-cpu"]:
         import_on_cpu()
+        return 0
+    if argv is None and sys.argv[1:2] == ["--image-stand-in"]:
+        kinds, dest, carried = map(Path, sys.argv[2:5])
+        linked = image_stand_in(kinds, dest, carried)
+        print(f"the image stood in by {len(linked)} of this Python's packages: {', '.join(linked)}")
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("site", type=Path, help="the Unsloth wheels installed (pip --target)")
