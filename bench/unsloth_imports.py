@@ -363,6 +363,10 @@ def import_on_cpu() -> None:
     os.environ["UNSLOTH_ALLOW_CPU"] = "1"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
+    # the trainers Unsloth rewrites are written here, not into the checkout
+    import tempfile
+
+    os.environ["UNSLOTH_COMPILE_LOCATION"] = tempfile.mkdtemp(prefix="unsloth_compiled.")
     t0 = time.perf_counter()
     import unsloth
     from unsloth import FastLanguageModel  # noqa: F401
