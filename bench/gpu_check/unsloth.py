@@ -244,6 +244,11 @@ def setup_of(model: Any) -> dict[str, Any]:
     for part, module in (("mlp", layer.mlp), ("attention", layer.self_attn)):
         f = getattr(module, "forward", None)
         info[f"{part}_forward"] = f"{getattr(f, '__module__', '?')}.{getattr(f, '__name__', '?')}"
+    quant = getattr(inner.config, "quantization_config", None)
+    if quant is not None:  # Unsloth's own 4-bit settings, against memtune's in the spec
+        q = quant if isinstance(quant, dict) else quant.to_dict()
+        keys = ("bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype")
+        info["quantization"] = {k: str(q.get(k)) for k in keys}
     info["gradient_checkpointing"] = repr(getattr(inner.model, "gradient_checkpointing", None))
     info["training"] = bool(model.training)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -84,6 +84,8 @@ def unsloth_markdown(u: dict[str, Any]) -> list[str]:
                 f"{setup.get('xformers')}); forward `{setup.get('causal_lm_forward')}`, MLP "
                 f"`{setup.get('mlp_forward')}`, attention `{setup.get('attention_forward')}`; "
                 f"{setup.get('trainable', 0):,} trainable ({setup.get('trainable_dtype')}); "
+                + (f"4-bit {setup['quantization']}; " if setup.get("quantization") else "")
+                + f"checkpointing {setup.get('gradient_checkpointing')}; "
                 f"import {m.get('import_s', '—')} s, load {m.get('load_s', '—')} s."
             )
         bad = m.get("cannot_run")
