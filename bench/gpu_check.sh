@@ -88,6 +88,18 @@ for n in names:
 print(f"== python {platform.python_version()}: " + ", ".join(found), flush=True)
 EOF
 
+if [ -n "${GPU_CHECK_UNSLOTH_SITE:-}" ]; then # Unsloth's environment: its wheels and the image's
+    PYTHONPATH=$GPU_CHECK_UNSLOTH_SITE "$PY" -c '
+import importlib.metadata as md
+names = ["unsloth", "unsloth_zoo", "trl", "datasets", "transformers", "peft", "bitsandbytes",
+         "triton", "torch", "huggingface-hub", "accelerate"]
+def v(n):
+    try:
+        return md.version(n)
+    except md.PackageNotFoundError:
+        return "MISSING"
+print("== Unsloth environment: " + ", ".join(f"{n} {v(n)}" for n in names), flush=True)' || true
+fi
 LEFT=$((TOTAL_S - ($(date +%s) - START)))
 BUDGET=$((LEFT - 25)) # the phases' one budget; timeout below is the hard stop
 echo "== python -m bench.gpu_check: ${BUDGET} s budget, hard stop at ${LEFT} s"
