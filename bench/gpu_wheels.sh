@@ -75,38 +75,8 @@ done
 DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$DEST" "$WORK"/sdist/*
 
 echo "== repacking bitsandbytes: keep libbitsandbytes_cuda130.so (torch 2.11+cu130) and the CPU one"
-"$PY" - "$DEST" <<'EOF'
-import base64, hashlib, pathlib, re, sys, zipfile
-
-dest = pathlib.Path(sys.argv[1])
-(wheel,) = dest.glob("bitsandbytes-*.whl")
-keep_lib = re.compile(r"libbitsandbytes_(cuda130|cpu)\.so$")
-tmp = wheel.with_suffix(".tmp")
-dropped = 0
-with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as out:
-    names = [i.filename for i in src.infolist()]
-    drop = {n for n in names if n.endswith(".so") and "libbitsandbytes_" in n and not keep_lib.search(n)}
-    for info in src.infolist():
-        if info.filename in drop:
-            dropped += 1
-            continue
-        data = src.read(info.filename)
-        if info.filename.endswith(".dist-info/RECORD"):
-            lines = [ln for ln in data.decode().splitlines() if ln.split(",")[0] not in drop]
-            data = ("\n".join(lines) + "\n").encode()
-        out.writestr(info, data)
-tmp.replace(wheel)
-with zipfile.ZipFile(wheel) as z:  # every kept file still matches its RECORD hash
-    record = next(n for n in z.namelist() if n.endswith(".dist-info/RECORD"))
-    for line in z.read(record).decode().splitlines():
-        path, digest, _ = line.rsplit(",", 2)
-        if digest:
-            algo, want = digest.split("=", 1)
-            got = base64.urlsafe_b64encode(hashlib.new(algo, z.read(path)).digest()).rstrip(b"=")
-            assert got.decode() == want, path
-    libs = sorted(n for n in z.namelist() if n.endswith(".so"))
-print(f"   dropped {dropped} libraries; kept {', '.join(libs)}; RECORD hashes check")
-EOF
+"$PY" "$ROOT/bench/wheel_repack.py" "$DEST"/bitsandbytes-*.whl 'libbitsandbytes_(?!(cuda130|cpu)\.so$)[^/]*\.so$'
+unzip -Z1 "$DEST"/bitsandbytes-*.whl | grep '\.so$' | sed 's/^/   kept /'
 
 echo "== $DEST"
 ls -l "$DEST" "$DEST/opt" | awk '/\.whl$/ {printf "%10.2f MiB  %s\n", $5 / 1048576, $9}'

@@ -66,8 +66,14 @@ One module per concern: ``modes`` (GPU or dry run), ``configs`` (composition, pl
 MFU), ``batches``, ``phases`` (the priority order, the budget), ``recorder`` (a phase's
 process and what it records), ``baseline_runner`` (Trainer + peft), ``memtune_runner``
 (memtune, the cap search), ``profile`` (where a step's time goes), ``kernels`` (the fused
-kernels one by one), ``hybrid`` (Qwen3.5), ``moe`` (the MoE block), ``report`` (collect,
-markdown, the format check), ``orchestrate`` (the entry).
+kernels one by one), ``hybrid`` (Qwen3.5), ``moe`` (the MoE block), ``unsloth`` and
+``unsloth_report`` (Unsloth beside memtune), ``report`` (collect, markdown, the format check),
+``orchestrate`` (the entry).
+
+In their own device call (``--phases unsloth``, with ``.whl-unsloth/`` carried), Unsloth beside
+memtune (issue #47 item 5): the same random-weight model saved with Qwen's tokenizer, Unsloth's
+LoRA and QLoRA in its own environment (transformers 5.17, the image's), then memtune planned at
+the memory Unsloth used.
 """
 
 import sys

@@ -58,16 +58,29 @@ def build_memtune(cfg: Any, d: Any, ds_config: Any, device: Any) -> tuple[Any, b
     return parts, built["zero_init"]
 
 
+def planned_for(cfg: Any, device_gib: float | None) -> Any:
+    """``cfg`` planned for a card of ``device_gib`` (None: as composed, the 24 GB card)."""
+    from memtune.config.decisions import with_sections
+
+    return cfg if device_gib is None else with_sections(cfg, plan={"device_gib": device_gib})
+
+
 def memtune_at_length(
-    engine: Any, cfg0: Any, counts: Any, seq_len: int, device: Any, rec: dict[str, Any]
+    engine: Any,
+    cfg0: Any,
+    counts: Any,
+    seq_len: int,
+    device: Any,
+    rec: dict[str, Any],
+    device_gib: float | None = None,
 ) -> tuple[Any, Any]:
-    """The settings at ``seq_len`` and their decisions (configs.decided_at), applied to the
-    engine's model as build_rank applies them (``apply_layer_decisions``: recomputed layers,
-    and for a long phase the MLP's tiles and the offloaded inputs). Records what it set in
-    ``rec``."""
+    """The settings at ``seq_len`` (planned for ``device_gib``) and their decisions
+    (configs.decided_at), applied to the engine's model as build_rank applies them
+    (``apply_layer_decisions``: recomputed layers, and for a long phase the MLP's tiles and
+    the offloaded inputs). Records what it set in ``rec``."""
     from memtune.rank.build import apply_layer_decisions
 
-    cfg, d = decided_at(cfg0, seq_len, counts)
+    cfg, d = decided_at(planned_for(cfg0, device_gib), seq_len, counts)
     tiles, offloaded = apply_layer_decisions(engine.module.model, d, device)
     if d.tiled_mlp or d.offload_activations:
         rec["mlp_tiles"], rec["offloaded_layers"] = tiles, offloaded
@@ -76,11 +89,17 @@ def memtune_at_length(
     return cfg, d
 
 
-def run_memtune(phase: Phase, deadline: float, long: bool = False) -> None:
+def run_memtune(
+    phase: Phase,
+    deadline: float,
+    long: bool = False,
+    device_gib_at: dict[int, float] | None = None,
+) -> None:
     """memtune's model, loss, optimizer, DeepSpeed engine and training loop, as
     ``memtune.rank.build.build_rank`` assembles them, on a base built in memory. ``long``:
     the long-context phase (LONG_OVERRIDES; the MLP re-tiled and the checkpointed layers'
-    offload set again for every length)."""
+    offload set again for every length). ``device_gib_at``: the lengths to run, each planned
+    for a card of that many GiB and capped at it (memtune at Unsloth's peak, unsloth.py)."""
     from memtune.config.deepspeed import build_ds_config
     from memtune.memory.counts import count_params
     from memtune.rank.loop import TrainResult, train
@@ -90,13 +109,16 @@ def run_memtune(phase: Phase, deadline: float, long: bool = False) -> None:
     device = device_and_env(phase)
     init_one_rank(device)
     lengths = mode.long_lengths if long else mode.lengths
+    if device_gib_at:
+        lengths = tuple(sorted(device_gib_at, reverse=True))
+    gib_at = device_gib_at or {}
     extra = LONG_OVERRIDES if long else ()
     if method == "dpo":  # a preference objective trains without LoRA dropout
         extra = ("peft.dropout=0.0",)
     first = (lengths or mode.long_search)[0]  # built for the first length it will run
     cfg0 = compose_cfg(mode, method, first, extra)
     counts = count_params(cfg0)
-    cfg, d0 = decided_at(cfg0, first, counts)
+    cfg, d0 = decided_at(planned_for(cfg0, gib_at.get(first)), first, counts)
     ds_config = build_ds_config(cfg, d0)
     leftover = memory_now(device).get("allocated_gib", 0.0)
 
@@ -115,7 +137,7 @@ def run_memtune(phase: Phase, deadline: float, long: bool = False) -> None:
     def steps_at(seq_len: int, n_steps: int, rec: dict[str, Any]) -> Any:
         from memtune.config.decisions import with_sections
 
-        at, d = memtune_at_length(engine, cfg0, counts, seq_len, device, rec)
+        at, d = memtune_at_length(engine, cfg0, counts, seq_len, device, rec, gib_at.get(seq_len))
         run_cfg = with_sections(at, trainer={"max_steps": n_steps})
         rec["plan"] = plan_record(run_cfg, d, counts)
         vocab = int(cfg.model.architecture["vocab_size"])
@@ -146,9 +168,13 @@ def run_memtune(phase: Phase, deadline: float, long: bool = False) -> None:
             phase.data["errors"].append({"where": f"{seq_len}", "error": "skipped: out of time"})
             phase.save()
             continue
-        rec: dict[str, Any] = {"side": "memtune", "method": method, "seq_len": seq_len}
+        side = "memtune-at-unsloth" if device_gib_at else "memtune"
+        rec: dict[str, Any] = {"side": side, "method": method, "seq_len": seq_len}
         rec.update(leftover_gib=leftover, loss_kind=loss_kind, zero_stage=d0.zero_stage)
         try:
+            if seq_len in gib_at:
+                rec["device_gib"] = gib_at[seq_len]
+                cap_allocator(device, gib_at[seq_len], rec)
             clock = steps_at(seq_len, mode.warmup + mode.timed, rec)
             rec.update(timing(clock.marks, mode.warmup, seq_len))
             add_mfu(rec, flops_per_step(counts, cfg.model.architecture, seq_len), device)
@@ -159,16 +185,35 @@ def run_memtune(phase: Phase, deadline: float, long: bool = False) -> None:
         finally:
             gc.collect()
             empty_cache(device)
+            if seq_len in gib_at:
+                cap_allocator(device, None, rec)
         phase.add(rec)
 
     if long:
         search_cap(phase, deadline, device, steps_at, cfg0, counts, long=True)
-    elif method == "qlora":
+    elif method == "qlora" and not device_gib_at:  # at Unsloth's peak: its lengths, no more
         search_cap(phase, deadline, device, steps_at, cfg0, counts)
     with contextlib.suppress(Exception):
         import torch.distributed as dist
 
         dist.destroy_process_group()
+
+
+def cap_allocator(device: Any, device_gib: float | None, rec: dict[str, Any]) -> None:
+    """Cap the allocator so the whole device use stays under ``device_gib`` (less what lies
+    outside the allocator: the CUDA context); None lifts the cap."""
+    if device.type != "cuda":
+        return
+    import torch
+
+    if device_gib is None:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        return
+    gc.collect()
+    empty_cache(device)
+    now = memory_now(device)
+    rec["allocator_cap_gib"] = device_gib - now["outside_allocator_gib"]
+    torch.cuda.set_per_process_memory_fraction(rec["allocator_cap_gib"] / now["total_gib"], device)
 
 
 def search_cap(

@@ -27,6 +27,7 @@ from .phases import CUT_SHORT, Budget, next_session, select, spec
 from .profile import run_profile_baseline, run_profile_memtune
 from .recorder import Phase
 from .report import format_check, write_outputs
+from .unsloth import SITE_ENV, run_at_unsloth, run_unsloth, run_unsloth_model
 
 
 def run_phase(args: argparse.Namespace) -> int:
@@ -56,6 +57,12 @@ def run_phase(args: argparse.Namespace) -> int:
             run_profile_baseline(phase, deadline)
         elif side == "kernels":
             run_kernels(phase, deadline)
+        elif side == "unsloth-model":
+            run_unsloth_model(phase, deadline)
+        elif side == "unsloth":
+            run_unsloth(phase, deadline)
+        elif side == "at-unsloth":
+            run_at_unsloth(phase, deadline)
         elif method == "moe":
             run_moe(phase, deadline)
         elif method == "qwen35":
@@ -94,11 +101,21 @@ def orchestrate(args: argparse.Namespace) -> int:
     # Outside OUT: the device returns at most 8 files from there.
     work = Path(args.work) if args.work else Path(tempfile.gettempdir()) / "gpu_check_parts"
     work.mkdir(parents=True, exist_ok=True)
+    groups = ("unsloth",) if mode.dry_run else ()  # on the device: when named (--phases)
+    chosen = select(args.phases, groups)
+    # --keep-parts: an earlier call's fragments on this machine stay (the Unsloth call's
+    # results beside the main check's); only the phases about to run start afresh.
+    names = {p.name for p in chosen} if args.keep_parts else None
     for old in work.glob("*.json"):
-        old.unlink()
+        if names is None or old.stem in names:
+            old.unlink()
     status: dict[str, str] = {}
+    with contextlib.suppress(OSError, json.JSONDecodeError):
+        if args.keep_parts:
+            status = json.loads((work / "status.json").read_text())
+            status = {k: v for k, v in status.items() if k not in ("total", "next session")}
     write_outputs(mode, work, out)
-    for phase in select(args.phases):
+    for phase in chosen:
         name = phase.name
         now = time.time()
         phase_deadline, why = budget.grant(phase, now)
@@ -127,7 +144,12 @@ def orchestrate(args: argparse.Namespace) -> int:
             flush=True,
         )
         t0 = time.time()
-        with subprocess.Popen(cmd, start_new_session=True) as child:
+        env = None
+        if phase.side.startswith("unsloth") and os.environ.get(SITE_ENV):
+            # Unsloth's own environment: its wheels and the image's, not the main check's
+            # (transformers 5.24 there; Unsloth 2026.10.9 takes <= 5.17, the image's).
+            env = {**os.environ, "PYTHONPATH": os.environ[SITE_ENV]}
+        with subprocess.Popen(cmd, start_new_session=True, env=env) as child:
             try:
                 code = child.wait(timeout=phase_deadline - now + 20)
                 status[name] = f"exit {code} in {time.time() - t0:.0f} s"
@@ -180,6 +202,11 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="comma-separated subset, run in priority order (phases.PHASES); what a run "
         "skipped for want of time: its status' 'next session'",
+    )
+    ap.add_argument(
+        "--keep-parts",
+        action="store_true",
+        help="keep the other phases' results of an earlier call in --work (the Unsloth call)",
     )
     ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--fragment", default=None, help=argparse.SUPPRESS)

@@ -21,13 +21,17 @@ class PhaseSpec:
 
     name: str
     method: str  # conf experiment (configs.METHODS), or "moe" (no experiment)
-    side: str  # profile, profile-baseline, memtune, baseline, kernels, long, block, torch, fla
+    side: str  # profile, profile-baseline, memtune, baseline, kernels, long, block, torch, fla,
+    # unsloth-model, unsloth, at-unsloth
     need_s: float
     """On the GPU: the least time it needs for its first result (what it took on the H200,
     2026-12-04, rounded up); with less left it is skipped, not started to be cut short."""
     cap_s: float
     """On the GPU: the most it is given (its deadline); the tail past its first result (a
     search under the cap, later lengths, later variants) stops at the deadline."""
+    group: str = ""
+    """A group run only when named (``--phases unsloth``, or the phase's name) and in the dry
+    run: ``unsloth`` needs its own carry and its own device call."""
 
 
 # In order of value, the most valuable first: each takes its time before the next is given
@@ -61,6 +65,16 @@ PHASES = (
     # (its Triton kernels compile and autotune in the first step: a longer cap).
     PhaseSpec("qwen35-torch", "qwen35", "torch", need_s=35, cap_s=75),
     PhaseSpec("qwen35-fla", "qwen35", "fla", need_s=80, cap_s=100),
+    # Unsloth beside memtune (issue #47 item 5), in its own device call with its own carry
+    # (.whl-unsloth/, bench/gpu_check/unsloth.py): the same random-weight model saved with
+    # Qwen's tokenizer (bf16, 15 GB), Unsloth's LoRA and QLoRA at the same lengths, then memtune
+    # planned and capped at Unsloth's peak. Not run yet: estimates (import ~30 s, loading
+    # 15 GB ~30 s, QLoRA quantizing on load, 2 lengths of 5 steps; memtune's build ~20 s).
+    PhaseSpec("unsloth-model", "lora", "unsloth-model", need_s=45, cap_s=120, group="unsloth"),
+    PhaseSpec("unsloth-lora", "lora", "unsloth", need_s=90, cap_s=150, group="unsloth"),
+    PhaseSpec("unsloth-qlora", "qlora", "unsloth", need_s=100, cap_s=180, group="unsloth"),
+    PhaseSpec("lora-at-unsloth", "lora", "at-unsloth", need_s=30, cap_s=90, group="unsloth"),
+    PhaseSpec("qlora-at-unsloth", "qlora", "at-unsloth", need_s=40, cap_s=100, group="unsloth"),
 )
 PHASE_NAMES = tuple(p.name for p in PHASES)
 DRY_NEED_S = 20.0
@@ -77,10 +91,13 @@ def spec(name: str) -> PhaseSpec:
     return next(p for p in PHASES if p.name == name)
 
 
-def select(names: str | None) -> list[PhaseSpec]:
-    """``--phases``' subset (comma-separated), in priority order; all of them without one."""
-    wanted = names.split(",") if names else None
-    return [p for p in PHASES if wanted is None or p.name in wanted]
+def select(names: str | None, groups: tuple[str, ...] = ()) -> list[PhaseSpec]:
+    """``--phases``' subset (comma-separated names, or a group's name), in priority order;
+    without one, every phase outside a group and those of ``groups``."""
+    if names:
+        wanted = names.split(",")
+        return [p for p in PHASES if p.name in wanted or (p.group and p.group in wanted)]
+    return [p for p in PHASES if not p.group or p.group in groups]
 
 
 class Budget:

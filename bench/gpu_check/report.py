@@ -14,6 +14,7 @@ from typing import Any
 from .measure import add_mfu, add_plan_error, census
 from .modes import CAP_GIB, GIB, MEASURED_TFLOPS, MOE_SHAPE, PEAK_TFLOPS, Mode
 from .phases import PHASE_NAMES
+from .unsloth_report import collect_unsloth, compare_unsloth, unsloth_markdown
 
 
 def short_kernel(path: str) -> str:
@@ -78,6 +79,7 @@ def collect(mode: Mode, work: Path) -> dict[str, Any]:
         "moe": next((f["moe"] for f in frags if f.get("moe")), None),
         "profile": [f["profile"] for f in frags if f.get("profile")],
         "kernels": next((f["kernels"] for f in frags if f.get("kernels")), None),
+        "unsloth": collect_unsloth(frags, records),
         "errors": [{"phase": f["phase"], **e} for f in frags for e in f["errors"]],
         "notes": {f["phase"]: f["notes"] for f in frags},
     }
@@ -92,11 +94,18 @@ def format_check(mode: Mode, work: Path) -> Path:
     result = collect(mode, work)
     fake_gpu = SimpleNamespace(type="cuda")
     for i, r in enumerate(result["records"]):
+        if r["side"] == "unsloth":  # made up below: the dry run cannot import Unsloth
+            r.pop("error", None)
+            r.update(step_s_median=0.5, tokens_per_s=2.0 * r["seq_len"], losses=[12.1, 12.0])
         r.update(peak_allocated_gib=10.0 + i, peak_reserved_gib=11.0 + i)
         r.update(outside_allocator_gib=0.6, leftover_gib=0.1)
         add_mfu(r, {"lora": 1e15, "six_n": 1.4e15}, fake_gpu)
-        add_plan_error(r)
-        assert r["mfu"] > 0 and "plan_error_pct" in r, r
+        if "plan" in r:
+            add_plan_error(r)
+            assert r["mfu"] > 0 and "plan_error_pct" in r, r
+        else:
+            r["measured_gib"] = r["peak_allocated_gib"] - r["leftover_gib"]
+            r["device_used_gib"] = r["peak_reserved_gib"] - r["leftover_gib"] + 0.6
     for i, r in enumerate(result["hybrid"]):
         if "plan" in r:
             r.update(peak_allocated_gib=15.0 + i, peak_reserved_gib=16.0 + i)
@@ -146,11 +155,17 @@ def format_check(mode: Mode, work: Path) -> Path:
     if result["search_info"]:
         result["search_info"]["allocator_cap_gib"] = 23.4
     result["comparison"] = compare(result["records"])
+    if result["unsloth"]:
+        result["unsloth"]["comparison"] = compare_unsloth(result["records"])
     result["env"].update(gpu="FAKE GPU (format check)", gpu_total_gib=139.8, matmul_tflops=777.0)
     assert all("speedup" in c and "memory_ratio" in c for c in result["comparison"])
     text = markdown(result)
     assert not result["moe"] or "| memtune | " in text, "the MoE table did not render"
     assert not result["kernels"] or "| all three |" in text, "the kernels table did not render"
+    if result["unsloth"]:
+        rows = result["unsloth"]["comparison"]
+        assert rows and all(r.get("at_peak_speed") or "at_peak" not in r for r in rows), rows
+        assert "#### Unsloth beside memtune" in text, "the Unsloth table did not render"
     path = work / "format_check.md"
     path.write_text(text)
     return path
@@ -341,6 +356,7 @@ def markdown(result: dict[str, Any]) -> str:
     from .kernels import kernels_markdown
 
     lines += kernels_markdown(result.get("kernels"))
+    lines += unsloth_markdown(result.get("unsloth") or {})
     lines += moe_markdown(result.get("moe"))
     lines += hybrid_markdown(result["hybrid"], mode)
     lines += [
