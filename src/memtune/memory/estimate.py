@@ -282,7 +282,9 @@ def saved_bytes(
     kept = kept_inputs(d) * n * h * b + sum(each[kind] for kind in kinds[k + s :])
     if s:
         kept += s * selective_kept(cfg, tokens, counts)[0]
-    if d.checkpointing.layers[0] == "keep" and not d.checkpointing.reentrant:
+    # an adapted tower's features need a gradient: the first norm's input then does too
+    tower_grads = d.vision is not None and d.vision.adapted
+    if d.checkpointing.layers[0] == "keep" and not d.checkpointing.reentrant and not tower_grads:
         # The frozen embedding's output needs no gradient, so the first norm keeps nothing
         # (reentrant checkpointing makes it require one), nor do the dropouts of the first
         # layer's adapters that read it keep their masks (only their dropped copies).
@@ -589,6 +591,13 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
 
     weights, how = base_weight_bytes(cfg, d, counts, shard)
     out.add("base weights", weights, how + (f", sharded over {ranks} ranks" if zero3 else ""))
+    if d.vision is not None:
+        out.add(
+            VISION_WEIGHTS_ROW,
+            counts.vision * b / shard,
+            f"{_count(counts.vision)} tower + merger parameters in {t.precision} (never "
+            "quantized)" + (f", sharded over {ranks} ranks" if zero3 else ""),
+        )
     whole = base_weight_bytes(cfg, d, counts, 1)[0] if zero3 else weights
     out.loading = loading_peak(cfg, d, counts, whole, weights)
 
@@ -653,6 +662,7 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
             "where the input itself would be shared; peft.dropout=0 keeps none",
             per_token=True,
         )
+    add_image_rows(out, cfg, d, cuda)
     if peak.dora:
         out.add(
             "DoRA weight norms",
@@ -731,6 +741,37 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
         context = CUDA_CONTEXT_GIB * GIB
         out.add("CUDA context + workspaces", context, "fixed allowance", allocated=False)
     return out
+
+
+VISION_WEIGHTS_ROW = "vision tower weights"
+IMAGE_ROWS = ("image inputs", "vision activations")
+"""The plan rows of a micro batch's images (memory.vision): their patches, and what an adapted
+tower keeps for backward (tools.step_trace checks both against a traced step)."""
+
+
+def add_image_rows(out: Plan, cfg: RunConfig, d: Decisions, cuda: bool) -> None:
+    """The images' rows: their float32 patches, and an adapted tower's saved activations,
+    alive from the tower's forward (the step's first) to its backward (its last), so beside
+    every moment of the language model's step."""
+    from memtune.memory.vision import image_load, pixel_bytes, tower_saved_bytes
+
+    load = image_load(cfg, d)
+    if load is None:
+        return
+    out.add(
+        IMAGE_ROWS[0], pixel_bytes(cfg, load), f"float32 patches: {load.line()}", per_token=True
+    )
+    assert d.vision is not None  # image_load: none without a tower
+    saved = tower_saved_bytes(cfg, d, load, cuda)
+    if saved:
+        how = (
+            "each tower block's input (recomputed), the merger's as measured"
+            if d.vision.recompute
+            else "what the adapted tower's blocks and merger keep, as measured"
+        )
+        out.add(
+            IMAGE_ROWS[1], saved, f"{load.images} image(s) a micro batch: {how}", per_token=True
+        )
 
 
 DROPOUT_ROW = "LoRA dropout copies"
@@ -815,10 +856,10 @@ def format_plan(cfg: RunConfig, d: Decisions, result: Plan) -> str:
     ]
     if result.counts is not None:
         c = result.counts
+        every = c.base + c.lora + (c.vision if d.vision is not None else 0)
         lines.append(
-            f"parameters: trainable {c.lora:,} of {c.base + c.lora:,} "
-            f"({100 * c.lora / (c.base + c.lora):.3f}%; peft's print_trainable_parameters counts "
-            "the same)"
+            f"parameters: trainable {c.lora:,} of {every:,} "
+            f"({100 * c.lora / every:.3f}%; peft's print_trainable_parameters counts the same)"
         )
     lines.append(f"{'per rank':<28}{unit:>8}  how")
     for r in result.rows:

@@ -764,7 +764,7 @@ def out_of_memory_variant(
         return dataclasses.replace(d, loss=loss_kernel("auto", machine)), ["trainer.loss=auto"]
     if not d.checkpointing.enabled:
         every = Checkpointing.first(layers, layers, cfg.trainer.checkpointing_reentrant)
-        out = dataclasses.replace(d, checkpointing=every)
+        out = d.with_checkpointing(every)
         return out, ["trainer.activation_checkpointing=true", "trainer.checkpoint_layers=all"]
     if d.checkpointing.recomputed < layers:
         return d.with_recompute(layers), ["trainer.checkpoint_layers=all"]
