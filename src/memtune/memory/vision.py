@@ -108,6 +108,17 @@ def resized(cfg: RunConfig, width: int, height: int) -> tuple[int, int, int, int
     return h, w, patches, s.tokens(h, w)
 
 
+def row_image_tokens(cfg: RunConfig) -> int:
+    """The row tokens plan.images take (each image's tokens, start and end); 0 when the run is
+    not planned with images (config.decisions.vision_of)."""
+    from memtune.config.decisions import Checkpointing, vision_of
+
+    if cfg.plan.images <= 0 or vision_of(cfg, Checkpointing.off(1)) is None:
+        return 0
+    tokens = resized(cfg, cfg.plan.image_width, cfg.plan.image_height)[3]
+    return cfg.plan.images * (tokens + PLACEHOLDER_TOKENS)
+
+
 def image_load(cfg: RunConfig, d: Decisions) -> ImageLoad | None:
     """What a micro batch holds of images (plan.images of plan.image_width × image_height each
     a row); None without a tower or images. A packed row can hold several samples' images: it
