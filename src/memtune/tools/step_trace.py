@@ -265,6 +265,9 @@ def trace_step(cfg: RunConfig, d: Decisions, fake: bool = True) -> Trace:
             _fakeify(model)
         else:
             model.to_empty(device="cpu")
+            with torch.no_grad():  # uninitialised memory can hold denormals: slow CPU math
+                for t in [*model.parameters(), *model.buffers()]:
+                    t.zero_()
         for name, p in model.named_parameters():
             tracker.track(p, "LoRA weights" if "lora_" in name else "base weights")
             if p.requires_grad:
