@@ -94,6 +94,10 @@ def test_the_vision_decision_is_the_planners() -> None:
     text_data = Prepared(Path("."), DataStats(), None, reused=False)
     frozen = decided(tiny_vl())
     assert vision_for_images(tiny_vl(), frozen, text_data).vision is None
+    from memtune.config import validate
+
+    with pytest.raises(ConfigError, match=r"plan\.images must be >= 0 \(got -1\)"):
+        validate(tiny_vl("plan.images=-1"), inputs=False)
     short = tiny_vl("data.max_seq_len=64", "plan.images=9")
     with pytest.raises(ConfigError, match=r"plan\.images=9 images of 128×96 are 126 tokens"):
         plan(short, decided(short))
