@@ -307,7 +307,7 @@ def vision_language_model(cfg: RunConfig, d: Decisions) -> Any:
     from memtune.memory.counts import vision_language_type
     from memtune.rank.vision import attention_per_part
 
-    text = arch_config(cfg).to_dict()
+    text = dict(cfg.model.architecture)  # its own text config (mRoPE sections and all)
     vocab = int(text["vocab_size"])
     config = AutoConfig.for_model(
         vision_language_type(cfg),
