@@ -176,3 +176,31 @@ def test_a_launch_is_planned_for_the_images_its_data_holds(tmp_path: Path) -> No
     rows = again.plan.gib()
     assert rows["vision tower weights"] > 0 and rows["image inputs"] > 0
     assert again.decisions.batch == fitted.decisions.batch
+
+
+def test_the_towers_flops_are_torchs_count() -> None:
+    """The step-time estimate's tower (memory.step_time.tower_flops): a frozen tower's forward
+    on the planned images, against torch's FLOP counter on the tiny Qwen3.5's tower run on
+    them (its patch embedding, blocks, per-image attention and merger), within 1% (the
+    estimate counts the norms and biases as weights too)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModel
+
+    from memtune.memory.counts import count_params, tower_config
+    from memtune.memory.step_time import tower_flops
+    from memtune.memory.vision import image_load
+
+    cfg = tiny_vl()
+    d = decided(cfg)
+    load = image_load(cfg, d)
+    assert load is not None and load.images == 4
+    # eager attention: its matmuls are in torch's count (CPU flash attention's are not)
+    tower = AutoModel.from_config(tower_config(cfg), attn_implementation="eager").eval()
+    p = int(tower.config.patch_size)
+    grid = torch.tensor([[1, load.height // p, load.width // p]] * load.images)
+    pixels = torch.zeros(load.images * load.patches, 3 * 2 * p * p)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        tower(pixels, grid_thw=grid)
+    planned = tower_flops(cfg, d, count_params(cfg))
+    assert planned == pytest.approx(counter.get_total_flops(), rel=0.01)

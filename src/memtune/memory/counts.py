@@ -51,6 +51,8 @@ class ParamCounts:
     for data with images (Decisions.vision), in the compute dtype."""
     vision_lora: int = 0
     """The part of ``lora`` on the tower (peft.target ``*-and-vision``), 0 unless adapted."""
+    vision_merger: int = 0
+    """The part of ``vision`` in its mergers, which run once a merged token (merge² patches)."""
 
     @property
     def base(self) -> int:
@@ -221,7 +223,7 @@ def _count_on_meta(cfg: RunConfig) -> ParamCounts:
         if cfg.peft.train_router:  # trained in full, counted with the adapters
             train_routers(peft_model)
         lora = sum(q.numel() for q in peft_model.parameters() if q.requires_grad)
-        vision, vision_lora = _tower_counts(cfg)
+        vision, vision_merger, vision_lora = _tower_counts(cfg)
         lora += vision_lora
 
         # What one layer's adapters keep for backward (memory.estimate.layer_bytes), for each
@@ -253,14 +255,16 @@ def _count_on_meta(cfg: RunConfig) -> ParamCounts:
         expert_rows=expert_rows,
         vision=vision,
         vision_lora=vision_lora,
+        vision_merger=vision_merger,
     )
 
 
-def _tower_counts(cfg: RunConfig) -> tuple[int, int]:
-    """(the tower's and merger's parameters, their LoRA's: 0 unless peft.target adapts them) of
-    model.vision, built alone on the meta device as the vision-language class builds it."""
+def _tower_counts(cfg: RunConfig) -> tuple[int, int, int]:
+    """(the tower's and merger's parameters, the mergers' alone, their LoRA's: 0 unless
+    peft.target adapts them) of model.vision, built alone on the meta device as the
+    vision-language class builds it."""
     if not cfg.model.vision:
-        return 0, 0
+        return 0, 0, 0
     import torch
     from peft import inject_adapter_in_model
     from transformers import AutoModel
@@ -269,11 +273,12 @@ def _tower_counts(cfg: RunConfig) -> tuple[int, int]:
         warnings.simplefilter("ignore")
         tower = AutoModel.from_config(tower_config(cfg))
         vision = sum(q.numel() for q in tower.parameters())
+        merger = sum(q.numel() for n, q in tower.named_parameters() if "merger" in n)
         if not adapts_vision(cfg):
-            return vision, 0
+            return vision, merger, 0
         inject_adapter_in_model(tower_lora_config(cfg), tower)
         lora = sum(q.numel() for n, q in tower.named_parameters() if "lora_" in n)
-    return vision, lora
+    return vision, merger, lora
 
 
 def routed_share(arch: dict[str, Any]) -> float:
