@@ -324,8 +324,9 @@ def resolve_architecture(cfg: RunConfig) -> tuple[RunConfig, list[str]]:
     vision = read_vision(found) if found is not None else {}
     if not vision or vision == dict(m.vision):
         return out, notes
-    if m.vision:
-        notes.append(f"model.vision from {found} (the config group's differs)")
+    differs = sorted(k for k, v in m.vision.items() if k in vision and vision[k] != v)
+    if differs:
+        notes.append(f"model.vision from {found} (the config group's differs in {differs})")
     out = copy.deepcopy(out)
     out.model.vision = vision
     return out, notes

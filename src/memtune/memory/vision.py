@@ -44,14 +44,6 @@ PIXEL_BYTES = 4
 """pixel_values are float32 (the image processor's output; the patch embedding casts them)."""
 
 
-def plans_vision(cfg: RunConfig) -> bool:
-    """The run is planned with its vision tower loaded: the model has one (model.vision) and
-    the plan is told of images (plan.images), or peft.target adapts the tower."""
-    from memtune.config.derive import adapts_vision
-
-    return bool(cfg.model.vision) and (cfg.plan.images > 0 or adapts_vision(cfg))
-
-
 def image_settings(cfg: RunConfig) -> Any:
     """The image processor's settings: the checkpoint's preprocessor_config.json when it is on
     disk, else the tower's patch, temporal patch and merge sizes with the processor class's
