@@ -49,6 +49,7 @@ from memtune.config.decisions import Decisions
 from memtune.expert_stacks import EXPERT_NF4_BYTES, expert_stack_bytes, experts_per_chunk
 from memtune.memory.counts import ParamCounts, count_params, linear_mixer_bytes
 from memtune.memory.loading import GIB, LoadingPeak, loading_peak
+from memtune.memory.vision import add_image_rows
 from memtune.rundir import PlanRecord, PlanRow
 
 # CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers: not in torch's allocator statistics.
@@ -662,7 +663,7 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
             "where the input itself would be shared; peft.dropout=0 keeps none",
             per_token=True,
         )
-    add_image_rows(out, cfg, d, cuda)
+    add_image_rows(out.add, cfg, d, cuda)
     if peak.dora:
         out.add(
             "DoRA weight norms",
@@ -744,36 +745,6 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
 
 
 VISION_WEIGHTS_ROW = "vision tower weights"
-IMAGE_ROWS = ("image inputs", "vision activations")
-"""The plan rows of a micro batch's images (memory.vision): their patches, and what an adapted
-tower keeps for backward (tools.step_trace checks both against a traced step)."""
-
-
-def add_image_rows(out: Plan, cfg: RunConfig, d: Decisions, cuda: bool) -> None:
-    """The images' rows: their float32 patches, and an adapted tower's saved activations,
-    alive from the tower's forward (the step's first) to its backward (its last), so beside
-    every moment of the language model's step."""
-    from memtune.memory.vision import image_load, pixel_bytes, tower_saved_bytes
-
-    load = image_load(cfg, d)
-    if load is None:
-        return
-    out.add(
-        IMAGE_ROWS[0], pixel_bytes(cfg, load), f"float32 patches: {load.line()}", per_token=True
-    )
-    assert d.vision is not None  # image_load: none without a tower
-    saved = tower_saved_bytes(cfg, d, load, cuda)
-    if saved:
-        how = (
-            "each tower block's input (recomputed), the merger's as measured"
-            if d.vision.recompute
-            else "what the adapted tower's blocks and merger keep, as measured"
-        )
-        out.add(
-            IMAGE_ROWS[1], saved, f"{load.images} image(s) a micro batch: {how}", per_token=True
-        )
-
-
 DROPOUT_ROW = "LoRA dropout copies"
 """The plan row of what LoRA dropout keeps beyond the same step without it (rank.worker names
 it in the start-up line)."""

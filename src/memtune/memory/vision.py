@@ -28,6 +28,7 @@ import contextlib
 import hashlib
 import json
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import version
 from typing import Any
@@ -136,6 +137,30 @@ def pixel_bytes(cfg: RunConfig, load: ImageLoad) -> int:
     t = tower_config(cfg)
     width = int(t.in_channels) * int(t.temporal_patch_size) * int(t.patch_size) ** 2
     return load.images * load.patches * width * PIXEL_BYTES
+
+
+IMAGE_ROWS = ("image inputs", "vision activations")
+"""The plan rows of a micro batch's images, added by memory.estimate: their patches, and what an
+adapted tower keeps for backward (tools.step_trace checks both against a traced step)."""
+
+
+def add_image_rows(add: Callable[..., None], cfg: RunConfig, d: Decisions, cuda: bool) -> None:
+    """The images' rows: their float32 patches, and an adapted tower's saved activations,
+    alive from the tower's forward (the step's first) to its backward (its last), so beside
+    every moment of the language model's step. ``add``: the plan's Plan.add."""
+    load = image_load(cfg, d)
+    if load is None:
+        return
+    add(IMAGE_ROWS[0], pixel_bytes(cfg, load), f"float32 patches: {load.line()}", per_token=True)
+    assert d.vision is not None  # image_load: none without a tower
+    saved = tower_saved_bytes(cfg, d, load, cuda)
+    if saved:
+        how = (
+            "each tower block's input (recomputed), the merger's as measured"
+            if d.vision.recompute
+            else "what the adapted tower's blocks and merger keep, as measured"
+        )
+        add(IMAGE_ROWS[1], saved, f"{load.images} image(s) a micro batch: {how}", per_token=True)
 
 
 def tower_saved_bytes(cfg: RunConfig, d: Decisions, load: ImageLoad, cuda: bool) -> int:

@@ -356,7 +356,8 @@ def image_batch(cfg: RunConfig, d: Decisions, ids: torch.Tensor, config: Any) ->
 def planned_step(cfg: RunConfig, d: Decisions) -> int:
     """The planner's bytes for what the trace measures above the weights: its activations and
     loss (or backward temporaries) rows (memory.estimate), for the same tokens and layers."""
-    from memtune.memory.estimate import DROPOUT_ROW, GIB, IMAGE_ROWS, plan
+    from memtune.memory.estimate import DROPOUT_ROW, GIB, plan
+    from memtune.memory.vision import IMAGE_ROWS
 
     rows = plan(cfg, d).gib()
     step = (
