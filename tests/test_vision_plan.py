@@ -32,7 +32,7 @@ def tiny_vl(*overrides: str) -> RunConfig:
         "model=tiny-qwen3.5",
         *TOWER,
         "trainer.precision=fp32",
-        "data.max_seq_len=256",
+        "data.max_seq_len=128",
         "data.packing=false",
         "trainer.micro_batch_size=2",
         "plan.images=2",
@@ -57,13 +57,13 @@ def tiny_vl(*overrides: str) -> RunConfig:
 def test_the_plan_matches_a_traced_step_with_images(overrides: list[str], vision: Vision) -> None:
     """A frozen tower (its weights and the patches only), an adapted one keeping everything
     (the measured blocks and merger), an adapted one recomputed with the language model's
-    layers, packed (a row planned with as many images as it holds: 18): the plan's step rows
+    layers, packed (a row planned with as many images as it holds: 9): the plan's step rows
     within 3% of the traced step on real tensors, the images' rows among them."""
     cfg = tiny_vl(*overrides)
     d = decided(cfg)
     assert d.vision == vision
     rows = plan(cfg, d).gib()
-    per_row = 256 // (12 + 2) if cfg.data.packing else 2
+    per_row = 128 // (12 + 2) if cfg.data.packing else 2
     # float32 patches of 3 channels × 2 frames × 16² pixels
     assert rows["image inputs"] * GIB == 2 * per_row * 48 * 3 * 2 * 16**2 * 4
     assert ("vision activations" in rows) == vision.adapted
