@@ -204,3 +204,16 @@ def test_the_towers_flops_are_torchs_count() -> None:
         tower(pixels, grid_thw=grid)
     planned = tower_flops(cfg, d, count_params(cfg))
     assert planned == pytest.approx(counter.get_total_flops(), rel=0.01)
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_the_towers_measured_line_predicts_another_tower(cuda: bool) -> None:
+    """memory.vision.tower_line measures towers of 1 and 2 blocks on images of 4² and 8²
+    patches; its line gives, to the byte, what a 3-block tower saves on an image of 10² patches
+    (all-linear adapters with dropout, CPU's noise or CUDA's bool masks)."""
+    from memtune.memory.vision import _tower_saved, tower_line
+
+    cfg = tiny_vl("peft.target=all-linear-and-vision", "peft.dropout=0.1")
+    block, rest, image = tower_line(cfg, cuda)
+    assert block > 0 and rest > 0
+    assert _tower_saved(cfg, 3, 5, cuda) == 3 * block * 100 + rest * 100 + image
