@@ -303,10 +303,36 @@ def mismatches(planned: dict[str, Any], actual: dict[str, Any]) -> list[tuple[st
     return [(k, a[k], b[k]) for k in PLANNED_FIELDS if a[k] != b[k]]
 
 
+def read_vision(config_file: Path) -> dict[str, Any]:
+    """A vision-language config.json's ``vision_config`` (model.vision); {} when it has none."""
+    try:
+        data = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    vision = data.get("vision_config") if isinstance(data, dict) else None
+    return dict(vision) if isinstance(vision, dict) else {}
+
+
 def resolve_architecture(cfg: RunConfig) -> tuple[RunConfig, list[str]]:
     """``cfg`` with the architecture that will really be loaded, and notes saying where it came
     from. Raises ConfigError when the checkpoint on disk contradicts ``model.architecture``
-    (and model.architecture_source is not ``checkpoint``)."""
+    (and model.architecture_source is not ``checkpoint``). A vision-language checkpoint on
+    disk gives model.vision its ``vision_config`` (the tower the ranks load for images)."""
+    out, notes = _resolve_text(cfg)
+    m = out.model
+    found = None if m.synthesize else checkpoint_config_file(m.name_or_path, m.revision)
+    vision = read_vision(found) if found is not None else {}
+    if not vision or vision == dict(m.vision):
+        return out, notes
+    differs = sorted(k for k, v in m.vision.items() if k in vision and vision[k] != v)
+    if differs:
+        notes.append(f"model.vision from {found} (the config group's differs in {differs})")
+    out = copy.deepcopy(out)
+    out.model.vision = vision
+    return out, notes
+
+
+def _resolve_text(cfg: RunConfig) -> tuple[RunConfig, list[str]]:
     m = cfg.model
     source = m.architecture_source
     if m.synthesize:

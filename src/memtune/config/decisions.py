@@ -261,11 +261,13 @@ class Experts:
 
 @dataclass(frozen=True)
 class Vision:
-    """A vision-language model's vision tower and merger, loaded because the data has images
-    (the released class, ``AutoModelForImageTextToText``, instead of its text model): in the
+    """A vision-language model's vision tower and merger, loaded for a run on images (the
+    released class, ``AutoModelForImageTextToText``, instead of its text model): in the
     compute dtype (never quantized), sharded under ZeRO-3 with the other weights (rank.vision).
-    Decided by the job once the data is read (launcher.prepare.vision_for_images): the plan
-    does not count the tower yet."""
+    Decided with the rest by the planner (:func:`vision_of`, through :func:`decisions_for`)
+    when the plan is told of images (plan.images) or the target adapts the tower, and planned
+    with them (memory.vision); once the data is read the job decides it from the data
+    (launcher.prepare.vision_for_images) and plans again when the data says otherwise."""
 
     adapted: bool
     """LoRA on the tower's blocks and the merger (peft.target attention-and-vision |
@@ -382,7 +384,15 @@ class Decisions:
         next ``selective`` selectively (checkpointing on)."""
         c = self.checkpointing
         mix = Checkpointing.first(recomputed, len(c.layers), c.reentrant, selective)
-        return dataclasses.replace(self, checkpointing=mix)
+        return self.with_checkpointing(mix)
+
+    def with_checkpointing(self, mix: Checkpointing) -> Decisions:
+        """These decisions with the decoder layers checkpointed as ``mix``, and an adapted
+        vision tower recomputing with them (:func:`vision_of`'s rule)."""
+        vision = self.vision
+        if vision is not None:
+            vision = Vision(vision.adapted, tower_recomputes(vision.adapted, mix))
+        return dataclasses.replace(self, checkpointing=mix, vision=vision)
 
     def as_dict(self) -> dict[str, Any]:
         """decisions.json's content: the format version first, then each decision."""
@@ -559,6 +569,32 @@ def experts_of(cfg: RunConfig) -> Experts | None:
     return Experts(count, adapts_experts(cfg), storage)
 
 
+def vision_of(
+    cfg: RunConfig, checkpointing: Checkpointing, images: bool | None = None
+) -> Vision | None:
+    """The vision tower as decided, or None (the text model). ``images``: whether the data has
+    images, once it is read; None before, when the plan is told of them by plan.images and the
+    tower is that of model.vision (empty: a text model, nothing to load). peft.target
+    ``*-and-vision`` loads it too (the data must then have images: launcher.prepare). An
+    adapted tower recomputes its blocks when the language model recomputes any layer."""
+    from memtune.config.derive import adapts_vision
+
+    adapted = adapts_vision(cfg)
+    if images is None:
+        if not cfg.model.vision:
+            return None
+        images = cfg.plan.images > 0
+    if not (images or adapted):
+        return None
+    return Vision(adapted, tower_recomputes(adapted, checkpointing))
+
+
+def tower_recomputes(adapted: bool, checkpointing: Checkpointing) -> bool:
+    """Vision.recompute: an adapted tower's blocks recompute when the language model recomputes
+    any layer (in full or selectively); a frozen tower keeps nothing to recompute."""
+    return adapted and any(layer != "keep" for layer in checkpointing.layers)
+
+
 def _given(name: str, asked: Any, chosen: Any) -> Any:
     """The user's fixed setting, or the decider's choice for an ``auto`` one."""
     if asked is None:
@@ -627,6 +663,7 @@ def decisions_for(
         offload_activations=offload,
         batch=batch,
         experts=experts_of(cfg),
+        vision=vision_of(cfg, checkpointing),
         kernels=kernels_of(cfg),
     )
 

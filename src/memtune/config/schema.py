@@ -95,6 +95,11 @@ class ModelConfig:
     architecture_source: Choice[ArchitectureSource] = "auto"
     """auto (the checkpoint's config.json when on disk, and it must agree with architecture) |
     checkpoint (the checkpoint's config.json replaces architecture; it must be on disk)"""
+    vision: dict[str, Any] = field(default_factory=dict)
+    """A vision-language checkpoint's vision tower: the fields of its config.json's
+    ``vision_config`` (depth, widths, patch_size, temporal_patch_size, spatial_merge_size),
+    what the planner counts a run on images with (memory.vision). Filled from the checkpoint's
+    config.json when it is on disk; empty: a text model, or a tower not planned."""
     synthesize: bool = False
     """Build a random-init model and tokenizer at ``name_or_path`` if absent (tiny demos)."""
     attn_implementation: Choice[AttnImplementation] = "auto"
@@ -450,6 +455,17 @@ class PlanConfig:
     max_seq_len_search: bool = True
     """make plan / plan_only: also report the longest data.max_seq_len that fits (long-context
     choices left to auto)."""
+    images: int = 0
+    """Images in the row the plan is for (a conversation; unpacked, the most one sample holds),
+    each of plan.image_width × plan.image_height pixels before the processor resizes it: a
+    vision-language model (model.vision) is planned with its tower, the images' patches and,
+    when adapted, the tower's activations (memory.vision). 0: planned without images until the
+    data is read; a launch whose data holds more images, or larger ones, is planned again with
+    the data's (launcher.prepare)."""
+    image_width: int = 1280
+    """The planned images' width in pixels, before resizing (plan.images)."""
+    image_height: int = 720
+    """The planned images' height in pixels, before resizing (plan.images)."""
 
 
 @dataclass

@@ -76,6 +76,8 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
         "launcher.num_ranks": cfg.launcher.num_ranks,
         "launcher.nnodes": cfg.launcher.nnodes,
         "data.max_seq_len": cfg.data.max_seq_len,
+        "plan.image_width": cfg.plan.image_width,
+        "plan.image_height": cfg.plan.image_height,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -89,6 +91,8 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
             raise ConfigError(f"{key} must be > 0 or null (got {rate})")
     if not 0.0 < cfg.plan.mfu <= 1.0:
         raise ConfigError(f"plan.mfu must be in (0, 1] (got {cfg.plan.mfu})")
+    if cfg.plan.images < 0:
+        raise ConfigError(f"plan.images must be >= 0 (got {cfg.plan.images})")
     if cfg.trainer.compile and cfg.peft.method != "lora":
         raise ConfigError(
             f"trainer.compile=true is only built and tested for peft.method=lora (a "

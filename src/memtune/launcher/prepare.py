@@ -21,7 +21,7 @@ from memtune.config import (
     validate,
 )
 from memtune.config.architecture import base_fingerprint, resolve_architecture
-from memtune.config.decisions import Decisions
+from memtune.config.decisions import Decisions, with_sections
 from memtune.config.deepspeed import build_ds_config
 from memtune.config.validate import config_warnings
 from memtune.data.cache import (
@@ -121,8 +121,10 @@ def prepare_run_dir(fitted: Fitted, run_dir: Path) -> tuple[RunConfig, Decisions
         with no_space_is_an_error(cache_dir(), "MEMTUNE_CACHE_DIR"):
             synthesize(cfg.model.name_or_path, cfg.model.architecture)
     prepared = prepare_data(cfg)
-    d = vision_for_images(cfg, d, prepared)
-    fitted = replace(fitted, decisions=d)
+    fitted = planned_for_data(fitted, prepared)
+    memory_plan, d = fitted.plan, fitted.decisions
+    cfg = replace(fitted.cfg, run_dir=str(run_dir))
+    ds_config = build_ds_config(cfg, d)  # as decided for the data (the same unless planned again)
     shape = train_step_shape(cfg, d, prepared)
     print(f"memtune: {shape.line()}", flush=True)
     name, revision = cfg.model.name_or_path, cfg.model.revision
@@ -228,7 +230,7 @@ def vision_for_images(cfg: RunConfig, d: Decisions, prepared: Prepared) -> Decis
     parallelism or trainer.compile; a ``-and-vision`` target without images.
     ``preprocess_only`` only builds and checks the cache: nothing is refused then."""
     from memtune.config.architecture import VISION_LANGUAGE_TYPES, vision_model_type
-    from memtune.config.decisions import Vision
+    from memtune.config.decisions import vision_of
     from memtune.config.derive import adapts_vision
 
     images = prepared.train.images + (prepared.val.images if prepared.val else 0)
@@ -242,7 +244,7 @@ def vision_for_images(cfg: RunConfig, d: Decisions, prepared: Prepared) -> Decis
                 "images (the tower is loaded for data with images only): use "
                 f"peft.target={cfg.peft.target.removesuffix('-and-vision')}"
             )
-        return d
+        return d if d.vision is None else replace(d, vision=None)
     m = cfg.model
     kind = vision_model_type(m.name_or_path, m.revision)
     if kind is None:
@@ -271,11 +273,63 @@ def vision_for_images(cfg: RunConfig, d: Decisions, prepared: Prepared) -> Decis
                 "rank (trainer.sequence_parallel=1), without trainer.compile or Liger's layer "
                 "kernels"
             )
-    # An adapted tower recomputes its blocks when the language model recomputes any layer (a
-    # frozen one keeps no activations): the planner's per-layer choice is the language
-    # model's, and does not count the tower yet (#49 item 5).
-    recomputing = any(layer != "keep" for layer in d.checkpointing.layers)
-    return replace(d, vision=Vision(adapted, recompute=adapted and recomputing))
+    return replace(d, vision=vision_of(cfg, d.checkpointing, images=True))
+
+
+def images_of(prepared: Prepared) -> tuple[int, int, int]:
+    """(the most images one sample holds, the largest image's width and height as resized) in
+    the prepared data, train and val; (0, 0, 0) without images."""
+    from safetensors import safe_open
+
+    most = width = height = 0
+    for split in ("train", "val"):
+        path = Path(prepared.dir) / f"{split}.safetensors"
+        if not path.is_file():
+            continue
+        with safe_open(str(path), framework="np") as f:
+            if "image_offsets" not in set(f.keys()):
+                continue
+            offsets = f.get_tensor("image_offsets")
+            sizes = f.get_tensor("image_sizes")
+        most = max(most, int((offsets[1:] - offsets[:-1]).max(initial=0)))
+        for h, w in sizes.tolist():
+            if h * w > height * width:
+                height, width = int(h), int(w)
+    return most, width, height
+
+
+def planned_for_data(fitted: Fitted, prepared: Prepared) -> Fitted:
+    """``fitted`` as the data read says: the vision decision for its images
+    (:func:`vision_for_images`, with its refusals), and the plan made again when the data
+    holds more images a sample than plan.images, or a larger one than plan.image_width ×
+    image_height resized, or none where the plan counted some: a launch is planned for the
+    images it will train on (memory.vision)."""
+    cfg = fitted.cfg
+    d = vision_for_images(cfg, fitted.decisions, prepared)
+    if cfg.preprocess_only:
+        return fitted
+    p = cfg.plan
+    if d.vision is None:
+        wanted = {"images": 0} if p.images else {}
+    else:
+        from memtune.memory.vision import resized
+
+        most, width, height = images_of(prepared)
+        planned = resized(cfg, p.image_width, p.image_height)
+        wanted = {}
+        if most > p.images:
+            wanted["images"] = most
+        if width and width * height > planned[0] * planned[1]:
+            wanted |= {"image_width": width, "image_height": height}
+    if not wanted and d == fitted.decisions:
+        return fitted
+    if wanted:
+        told = " ".join(f"plan.{k}={v}" for k, v in wanted.items())
+        print(f"memtune: the data's images: planned again with {told}", flush=True)
+    again = decide(with_sections(cfg, plan=wanted))
+    # the planner's rule (config.decisions.vision_of) and the data's agree
+    assert again.decisions.vision == vision_for_images(again.cfg, again.decisions, prepared).vision
+    return again
 
 
 def train_step_shape(cfg: RunConfig, d: Decisions, prepared: Prepared) -> StepShape:

@@ -17,9 +17,9 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from memtune.config import RunConfig, cache_dir, compute_bytes, lora_targets
+from memtune.config import ConfigError, RunConfig, cache_dir, compute_bytes, lora_targets
 from memtune.config.architecture import layer_types, routed_experts
-from memtune.config.derive import adapts_experts
+from memtune.config.derive import adapts_experts, adapts_vision
 from memtune.expert_stacks import QUANT_BLOCK
 from memtune.integrity import Store
 
@@ -46,6 +46,13 @@ class ParamCounts:
     expert_rows: int = 0
     """The routed-expert stacks' weight rows (experts × out, every stack): int8 keeps one fp32
     scale per row."""
+    vision: int = 0
+    """A vision-language model's tower and merger (model.vision), not in ``base``: loaded only
+    for data with images (Decisions.vision), in the compute dtype."""
+    vision_lora: int = 0
+    """The part of ``lora`` on the tower (peft.target ``*-and-vision``), 0 unless adapted."""
+    vision_merger: int = 0
+    """The part of ``vision`` in its mergers, which run once a merged token (merge² patches)."""
 
     @property
     def base(self) -> int:
@@ -82,15 +89,16 @@ def arch_config(cfg: RunConfig) -> Any:
     return AutoConfig.for_model(kind, **arch)
 
 
-COUNTS_CACHE_FORMAT = 7
-"""7: each entry carries its digest (memtune.integrity.Store.write_value)."""
+COUNTS_CACHE_FORMAT = 8
+"""7: each entry carries its digest (memtune.integrity.Store.write_value); 8: the vision
+tower's counts (model.vision)."""
 
 COUNTS_CACHE = Store("counts cache", COUNTS_CACHE_FORMAT)
 """The parameter counts and the linear-mixer lines, one JSON file a key in
 ``$MEMTUNE_CACHE_DIR/counts/``: a damaged one is set aside and counted again."""
 
 
-def _cached(path: Path, what: str) -> Any:
+def cached(path: Path, what: str) -> Any:
     """The value kept at ``path``, None when there is none; a damaged entry is set aside with
     one line (or, where the cache cannot be changed, only said) and None returned: the caller
     counts again."""
@@ -122,11 +130,13 @@ def count_params(cfg: RunConfig) -> ParamCounts:
         {
             "format": COUNTS_CACHE_FORMAT,
             "architecture": dict(cfg.model.architecture),
+            "vision": dict(cfg.model.vision),
             "r": p.r,
             "targets": sorted(lora_targets(cfg)),
             "rank_pattern": dict(p.rank_pattern),
             "dora": p.dora,
             "experts": adapts_experts(cfg),
+            "tower": adapts_vision(cfg),
             "router": cfg.peft.train_router,
             "versions": [version(name) for name in ("transformers", "peft", "torch")],
         },
@@ -134,7 +144,7 @@ def count_params(cfg: RunConfig) -> ParamCounts:
         default=str,
     )
     path = cache_dir() / "counts" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
-    saved = _cached(path, "parameters counted")
+    saved = cached(path, "parameters counted")
     if saved is not None:
         return ParamCounts(
             **{
@@ -213,6 +223,8 @@ def _count_on_meta(cfg: RunConfig) -> ParamCounts:
         if cfg.peft.train_router:  # trained in full, counted with the adapters
             train_routers(peft_model)
         lora = sum(q.numel() for q in peft_model.parameters() if q.requires_grad)
+        vision, vision_merger, vision_lora = _tower_counts(cfg)
+        lora += vision_lora
 
         # What one layer's adapters keep for backward (memory.estimate.layer_bytes), for each
         # kind of layer: each adapted module's input width and its rank (peft.rank_pattern's).
@@ -241,7 +253,32 @@ def _count_on_meta(cfg: RunConfig) -> ParamCounts:
         expert_lora,
         routed_share=routed_share(dict(cfg.model.architecture)),
         expert_rows=expert_rows,
+        vision=vision,
+        vision_lora=vision_lora,
+        vision_merger=vision_merger,
     )
+
+
+def _tower_counts(cfg: RunConfig) -> tuple[int, int, int]:
+    """(the tower's and merger's parameters, the mergers' alone, their LoRA's: 0 unless
+    peft.target adapts them) of model.vision, built alone on the meta device as the
+    vision-language class builds it."""
+    if not cfg.model.vision:
+        return 0, 0, 0
+    import torch
+    from peft import inject_adapter_in_model
+    from transformers import AutoModel
+
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tower = AutoModel.from_config(tower_config(cfg))
+        vision = sum(q.numel() for q in tower.parameters())
+        merger = sum(q.numel() for n, q in tower.named_parameters() if "merger" in n)
+        if not adapts_vision(cfg):
+            return vision, merger, 0
+        inject_adapter_in_model(tower_lora_config(cfg), tower)
+        lora = sum(q.numel() for n, q in tower.named_parameters() if "lora_" in n)
+    return vision, merger, lora
 
 
 def routed_share(arch: dict[str, Any]) -> float:
@@ -287,7 +324,7 @@ def _mixer_line(cfg: RunConfig) -> tuple[float, float]:
     if key in _MIXER_LINES:  # the planner asks once per layer kind, trial and length
         return _MIXER_LINES[key]
     path = cache_dir() / "counts" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
-    saved = _cached(path, "the linear mixer measured")
+    saved = cached(path, "the linear mixer measured")
     if saved is not None:
         slope, base = saved
         _MIXER_LINES[key] = (float(slope), float(base))
@@ -366,3 +403,49 @@ def quantized_shape_problems(cfg: RunConfig, method: str, counts: ParamCounts) -
                 f"expert's weights are not whole blocks of {QUANT_BLOCK} (its 4-bit scales)"
             )
     return problems
+
+
+VISION_LANGUAGE_OF = {
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_vl_text": "qwen3_vl",
+    "qwen2_5_vl_text": "qwen2_5_vl",
+}
+"""The vision-language class (config.json ``model_type``) whose language model each planned
+text model is (config.architecture.VISION_LANGUAGE_TYPES)."""
+
+
+def vision_language_type(cfg: RunConfig) -> str:
+    """The vision-language ``model_type`` of ``cfg``'s language model, or a ConfigError naming
+    model.vision when there is none."""
+    text = str(cfg.model.architecture.get("model_type"))
+    kind = VISION_LANGUAGE_OF.get(text)
+    if kind is None:
+        raise ConfigError(
+            f"model.vision is set, and model.architecture is a {text} model: a vision tower is "
+            f"planned for the language models of {', '.join(VISION_LANGUAGE_OF.values())} only"
+        )
+    return kind
+
+
+def tower_config(cfg: RunConfig, **changes: Any) -> Any:
+    """transformers' config of the tower (``model.vision``, with ``changes``), as the
+    vision-language class builds it (its out_hidden_size the language model's width unless the
+    fields say)."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in dict(cfg.model.vision).items() if k != "model_type"}
+    fields.setdefault("out_hidden_size", int(cfg.model.architecture["hidden_size"]))
+    fields.update(changes)
+    return AutoConfig.for_model(vision_language_type(cfg), vision_config=fields).vision_config
+
+
+def tower_lora_config(cfg: RunConfig) -> Any:
+    """The run's LoraConfig (config.derive.lora_config) aimed at a tower built alone: its
+    blocks' and mergers' linear layers (config.derive.VISION_TARGETS)."""
+    from memtune.config.derive import VISION_TARGETS, lora_config
+
+    config = lora_config(cfg)
+    config.target_modules = f"(?:{VISION_TARGETS})"
+    config.init_lora_weights = True  # shapes only: no SVD of uninitialised weights
+    config.task_type = None
+    return config

@@ -43,16 +43,14 @@ from memtune.config.architecture import (
     head_dim,
     layer_types,
     linear_attention_layers,
-    moe_layers,
     routed_experts,
 )
 from memtune.config.decisions import Decisions
 from memtune.expert_stacks import EXPERT_NF4_BYTES, expert_stack_bytes, experts_per_chunk
 from memtune.memory.counts import ParamCounts, count_params, linear_mixer_bytes
+from memtune.memory.loading import GIB, LoadingPeak, loading_peak
+from memtune.memory.vision import add_image_rows
 from memtune.rundir import PlanRecord, PlanRow
-
-GIB = 1024**3
-
 
 # CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers: not in torch's allocator statistics.
 CUDA_CONTEXT_GIB = 0.8
@@ -285,7 +283,9 @@ def saved_bytes(
     kept = kept_inputs(d) * n * h * b + sum(each[kind] for kind in kinds[k + s :])
     if s:
         kept += s * selective_kept(cfg, tokens, counts)[0]
-    if d.checkpointing.layers[0] == "keep" and not d.checkpointing.reentrant:
+    # an adapted tower's features need a gradient: the first norm's input then does too
+    tower_grads = d.vision is not None and d.vision.adapted
+    if d.checkpointing.layers[0] == "keep" and not d.checkpointing.reentrant and not tower_grads:
         # The frozen embedding's output needs no gradient, so the first norm keeps nothing
         # (reentrant checkpointing makes it require one), nor do the dropouts of the first
         # layer's adapters that read it keep their masks (only their dropped copies).
@@ -544,86 +544,6 @@ def live_reference_bytes(cfg: RunConfig, tokens: int) -> float:
     return tokens * (3 * inter + 2 * h) * compute_bytes(cfg)
 
 
-QUANTIZE_TEMPORARY_BYTES = {
-    ("cpu", "nf4"): 12,
-    ("cpu", "fp4"): 12,
-    ("cpu", "int8"): 6.5,
-    ("cuda", "nf4"): 0,
-    ("cuda", "fp4"): 0,
-    ("cuda", "int8"): 2,
-}
-"""Bytes per weight of a chunk of experts that quantizing it holds besides its input and its
-output (rank.experts._quantized, expert_stacks.QUANTIZED_CHUNK_BYTES of weights at a time).
-On a CPU, bitsandbytes quantizes 4-bit through torch code: the weights in fp32, scaled, then
-their bucket indices as int32 (3 × 4 bytes); int8 through a float16 copy and fp32 row
-temporaries: fitted to the live heap measured while tiny mixtures load (7.6 and 5.4 stacks
-above the quantized model, tests/test_quantized_loading.py). On a GPU its CUDA kernels write
-the packed values and the scales straight from the input (4-bit: none), int8 from the float16
-copy memtune makes (2 bytes): read from the kernels, not measured."""
-
-
-@dataclass
-class LoadingPeak:
-    """What a rank holds at the peak of loading a quantized mixture (rank.experts.
-    quantize_experts_as_loaded): the quantized model read so far and one routed-expert stack
-    in the compute dtype with what quantizing it takes; per rank."""
-
-    device_gib: float
-    """On the rank's device (a GPU; the host for CPU ranks)."""
-    host_gib: float
-    """In host memory, besides the checkpoint's pages in the page cache (file-backed, shared
-    by the node's ranks, reclaimable)."""
-    how: str
-
-
-def loading_peak(
-    cfg: RunConfig, d: Decisions, counts: ParamCounts, whole: float, held: float
-) -> LoadingPeak | None:
-    """The loading peak of a mixture whose expert stacks are quantized as they are read; None
-    for anything else (a bf16 or dense base loads no more than it keeps). ``whole``: the
-    quantized base's bytes, all of it; ``held``: a rank's share of them once DeepSpeed has
-    them (the plan's base-weights row).
-
-    One stack (gate_up, the larger: experts × 2·moe_intermediate × hidden) is in the compute
-    dtype at a time: twice over while transformers merges a checkpoint that stores each expert
-    apart (the stacked gate and up halves, then their concatenation; Qwen3-MoE's layout), then
-    once while memtune quantizes it a chunk at a time, next to the chunk's temporaries
-    (QUANTIZE_TEMPORARY_BYTES) and its quantized bytes, built then stored (2 copies).
-
-    Under ZeRO-2 (and on CPU ranks) the base is read onto the rank's device, replicated. Under
-    ZeRO-3 transformers reads a quantized base whole into each rank's host memory (it cannot
-    build one under zero.Init) and DeepSpeed moves it to the devices in shards afterwards."""
-    experts = d.experts
-    if experts is None or experts.storage == "compute" or not counts.experts:
-        return None
-    layers = sum(moe_layers(dict(cfg.model.architecture))) or 1
-    b = compute_bytes(cfg)
-    weights = counts.experts * 2 / (3 * layers)  # gate_up: 2 of a layer's 3 projections
-    stack = weights * b
-    rows = counts.expert_rows * 2 / (3 * layers)
-    quantized = expert_stack_bytes(experts.storage, round(weights), round(rows))
-    cuda = cfg.plan.device_gib is not None
-    out, inp = (
-        2 * int(cfg.model.architecture["moe_intermediate_size"]),
-        int(cfg.model.architecture["hidden_size"]),
-    )
-    per_expert = out * inp
-    chunk = min(weights, experts_per_chunk(out, inp, b) * per_expert)
-    temporaries = QUANTIZE_TEMPORARY_BYTES[("cuda" if cuda else "cpu", experts.storage)] * chunk
-    transient = max(2 * stack, stack + temporaries + 2 * quantized)
-    zero3 = d.zero_stage == 3
-    how = (
-        f"the quantized base + one {_size(stack)} expert stack in {cfg.trainer.precision} "
-        f"being merged and quantized ({_size(transient)} at most)"
-    )
-    largest_read = max(counts.embedding, counts.head, weights) * b
-    if cuda and not zero3:  # read onto the GPU, a checkpoint tensor at a time through the host
-        return LoadingPeak((whole + transient) / GIB, largest_read / GIB, how)
-    if cuda:  # ZeRO-3 on GPUs: whole on the host, then sharded onto the devices
-        return LoadingPeak(held / GIB, (whole + transient) / GIB, how + ", on the host")
-    return LoadingPeak((whole + transient) / GIB, (whole + transient) / GIB, how)
-
-
 def base_weight_bytes(
     cfg: RunConfig, d: Decisions, counts: ParamCounts, shard: int
 ) -> tuple[float, str]:
@@ -672,6 +592,13 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
 
     weights, how = base_weight_bytes(cfg, d, counts, shard)
     out.add("base weights", weights, how + (f", sharded over {ranks} ranks" if zero3 else ""))
+    if d.vision is not None:
+        out.add(
+            VISION_WEIGHTS_ROW,
+            counts.vision * b / shard,
+            f"{_count(counts.vision)} tower + merger parameters in {t.precision} (never "
+            "quantized)" + (f", sharded over {ranks} ranks" if zero3 else ""),
+        )
     whole = base_weight_bytes(cfg, d, counts, 1)[0] if zero3 else weights
     out.loading = loading_peak(cfg, d, counts, whole, weights)
 
@@ -736,6 +663,7 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
             "where the input itself would be shared; peft.dropout=0 keeps none",
             per_token=True,
         )
+    add_image_rows(out.add, cfg, d, cuda)
     if peak.dora:
         out.add(
             "DoRA weight norms",
@@ -816,6 +744,7 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
     return out
 
 
+VISION_WEIGHTS_ROW = "vision tower weights"
 DROPOUT_ROW = "LoRA dropout copies"
 """The plan row of what LoRA dropout keeps beyond the same step without it (rank.worker names
 it in the start-up line)."""
@@ -867,10 +796,6 @@ def host_budget_gib(cfg: RunConfig) -> float | None:
     return None
 
 
-def _size(nbytes: float) -> str:
-    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.2f} MiB"
-
-
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
 
@@ -902,10 +827,10 @@ def format_plan(cfg: RunConfig, d: Decisions, result: Plan) -> str:
     ]
     if result.counts is not None:
         c = result.counts
+        every = c.base + c.lora + (c.vision if d.vision is not None else 0)
         lines.append(
-            f"parameters: trainable {c.lora:,} of {c.base + c.lora:,} "
-            f"({100 * c.lora / (c.base + c.lora):.3f}%; peft's print_trainable_parameters counts "
-            "the same)"
+            f"parameters: trainable {c.lora:,} of {every:,} "
+            f"({100 * c.lora / every:.3f}%; peft's print_trainable_parameters counts the same)"
         )
     lines.append(f"{'per rank':<28}{unit:>8}  how")
     for r in result.rows:

@@ -42,12 +42,14 @@ from memtune.config.decisions import (
     rank_machine,
     requested_recompute,
     requested_selective,
+    vision_of,
     with_sections,
 )
 from memtune.config.validate import check_sequence_parallel, selective_unbuilt
 from memtune.memory.counts import ParamCounts, count_params, quantized_shape_problems
 from memtune.memory.estimate import Plan, format_plan, plan
 from memtune.memory.step_time import format_step_time, step_time
+from memtune.memory.vision import row_image_tokens
 
 # Relative step time of each change (1.0: free). Rough, on purpose: they only order variants.
 COST_CHUNKED_LOSS = 1.0  # no slower than the plain loss (make bench: faster on CPU)
@@ -544,6 +546,8 @@ def long_context_variants(cfg: RunConfig) -> list[tuple[Choices, float]]:
     t = cfg.trainer
     value = str(t.sequence_parallel)
     sps = [int(value)] if value != "auto" else sequence_parallel_choices(cfg) or [1]
+    if value == "auto" and vision_of(cfg, Checkpointing.off(1)) is not None:
+        sps = [1]  # images train each sample on one rank (launcher.prepare.vision_for_images)
     tiles = [False, True] if t.tiled_mlp == "auto" else [t.tiled_mlp == "on"]
     offloads = [False, True] if t.offload_activations == "auto" else [t.offload_activations == "on"]
     if not t.activation_checkpointing:
@@ -635,10 +639,11 @@ def longest_sequence(
         what = f"{long_context_label(chosen)}, {k} of {layers} layers checkpointed"
         return ok, what
 
-    ok, what = fits(step)
+    first = max(1, -(-row_image_tokens(cfg) // step))  # a row that holds plan.images
+    ok, what = fits(first * step)
     if not ok:
         return 0, what
-    lo, hi = 1, 2
+    lo, hi = first, 2 * first
     while fits(hi * step)[0] and hi < (1 << 14):
         lo, hi = hi, hi * 2
     while hi - lo > 1:
@@ -656,7 +661,8 @@ def format_longest_sequence(
     """make plan's line: the longest sequence this experiment's box can train, and how."""
     n, how = longest_sequence(cfg, d, counts, machine)
     if not n:
-        return f"longest sequence that fits: none of 1,024 tokens ({how})"
+        least = max(1, -(-row_image_tokens(cfg) // 1024)) * 1024  # longest_sequence's first
+        return f"longest sequence that fits: none of {least:,} tokens ({how})"
     limit = rope_positions(cfg)
     note = ""
     if n > limit and cfg.model.rope_scaling:
@@ -665,6 +671,14 @@ def format_longest_sequence(
         note = f"; beyond the model's {limit:,} positions it needs model.rope_scaling (YaRN)"
     # A preference pair's two sequences share the row (either may be nearly all of it).
     unit = "sample" if cfg.trainer.objective == "sft" else "pair (chosen + rejected)"
+    if row_image_tokens(cfg):
+        p = cfg.plan
+        size = f"{p.image_width}×{p.image_height}"
+        unit += (
+            f" packed with as many {size} images as it holds (at least {p.images})"
+            if cfg.data.packing
+            else f" with {p.images} image(s) of {size} in it"
+        )
     return (
         f"longest sequence that fits (plan.max_seq_len_search, 2 GiB spare, long-context "
         f"choices on auto): {n:,} tokens per {unit} with {how}{note}"
@@ -764,7 +778,7 @@ def out_of_memory_variant(
         return dataclasses.replace(d, loss=loss_kernel("auto", machine)), ["trainer.loss=auto"]
     if not d.checkpointing.enabled:
         every = Checkpointing.first(layers, layers, cfg.trainer.checkpointing_reentrant)
-        out = dataclasses.replace(d, checkpointing=every)
+        out = d.with_checkpointing(every)
         return out, ["trainer.activation_checkpointing=true", "trainer.checkpoint_layers=all"]
     if d.checkpointing.recomputed < layers:
         return d.with_recompute(layers), ["trainer.checkpoint_layers=all"]

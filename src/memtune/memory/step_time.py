@@ -21,6 +21,8 @@ experiments' ZeRO stage) and to say how much of a step is spent moving bytes:
   and mask in the forward (and a recompute), the backward reads the gradient and the mask and
   writes the gradient: those bytes at ``plan.device_gb_s`` (the device's memory bandwidth),
   when it is given. The other elementwise work is inside ``plan.mfu``.
+* **images** — the vision tower's matmuls on the micro batch's planned images
+  (:func:`tower_flops`), and under ZeRO-3 its all-gathers: forward only for a frozen tower.
 * **no overlap** is assumed: step = compute + communication. DeepSpeed prefetches ZeRO-3
   gathers during compute, but over PCIe without P2P the copies go through host memory and
   compete with the kernels; the sum is the conservative figure.
@@ -102,10 +104,12 @@ class Flops:
     tiles: float = 0.0  # a tiled MLP's second forward (its backward's recompute)
     reference: float = 0.0  # preference.reference=live: the reference's forward in every step
     dora: float = 0.0  # peft.dora: the weight built through an identity, the dropout's base pass
+    vision: float = 0.0  # the vision tower on the micro batch's images (memory.vision)
 
     @property
     def total(self) -> float:
-        return self.base + self.lora + self.attention + self.tiles + self.reference + self.dora
+        parts = (self.base, self.lora, self.attention, self.tiles, self.reference, self.dora)
+        return sum(parts) + self.vision
 
 
 def micro_step_flops(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> Flops:
@@ -123,7 +127,7 @@ def micro_step_flops(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> Flops
     base = 2 * tokens * (per_layer * (2 * layers + k) + 2 * head)
     # An adapter's weights: 2 FLOPs per token forward, 4 backward (input and weight
     # gradients), 2 more when its layer recomputes.
-    active_lora = counts.lora - counts.expert_lora * (1 - share)
+    active_lora = counts.lora - counts.expert_lora * (1 - share) - counts.vision_lora
     lora = 2 * tokens * (active_lora / layers) * (3 * layers + k)
     heads = int(a["num_attention_heads"])
     # QKᵀ and PV: 2 matmuls × 2 FLOPs × n²/2 (causal) per row and head; backward twice that;
@@ -140,7 +144,36 @@ def micro_step_flops(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> Flops
         # One more forward of the base, adapter off, without grad (rank.preference).
         reference = 2 * tokens * (per_layer * layers + head) + attn_fwd * layers
     dora = dora_flops(cfg, d, counts)
-    return Flops(base, lora, attn_fwd * (3 * layers + k), tiles, reference, dora)
+    vision = tower_flops(cfg, d, counts)
+    return Flops(base, lora, attn_fwd * (3 * layers + k), tiles, reference, dora, vision)
+
+
+def tower_flops(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> float:
+    """The vision tower's matmul FLOPs on one micro batch's images: 2 a weight and a patch in
+    the blocks and the patch embedding (the merger's weights once a merged token, of
+    merge² patches), and per image and block bidirectional attention (QKᵀ and PV over the
+    image's patches). A frozen tower runs forward only; an adapted one's backward takes the
+    input gradients through every block (twice the forward's attention), and a recomputed
+    one its forward again; its adapters as the language model's (forward, two backward)."""
+    from memtune.memory.counts import tower_config
+    from memtune.memory.vision import image_load
+
+    load = image_load(cfg, d)
+    if load is None or d.vision is None:
+        return 0.0
+    t = tower_config(cfg)
+    patches = load.images * load.patches
+    merged = patches / int(t.spatial_merge_size) ** 2
+    # the learned position table (Qwen3-VL, Qwen3.5) is looked up, not multiplied
+    table = int(getattr(t, "num_position_embeddings", 0) or 0) * int(t.hidden_size)
+    blocks = counts.vision - counts.vision_merger - table
+    weights = 2 * (patches * blocks + merged * counts.vision_merger)
+    attention = 4 * load.images * load.patches**2 * int(t.hidden_size) * int(t.depth)
+    if not d.vision.adapted:
+        return float(weights + attention)
+    again = 1 if d.vision.recompute else 0
+    lora = 2 * patches * counts.vision_lora * (3 + again)
+    return float(weights * (2 + again) + attention * (3 + again) + lora)
 
 
 def dora_flops(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> float:
@@ -230,6 +263,10 @@ def traffic(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> list[tuple[str
         out.append(("ZeRO-3 weight all-gathers (forward + backward)", gathers))
         if live_reference(cfg):
             out.append(("ZeRO-3 weight all-gathers (live reference forward)", gas * ring * base))
+        if d.vision is not None:  # forward, and an adapted tower's backward
+            passes = 2 if d.vision.adapted else 1
+            tower = gas * passes * ring * counts.vision * b
+            out.append(("ZeRO-3 vision tower all-gathers", tower))
     else:
         out.append(("LoRA weight all-gather after the step", ring * lora))
     return out

@@ -113,7 +113,7 @@ class LoadedStacks:
     """Stacks quantized as they were read."""
     largest_bytes: int = 0
     """The largest stack in the dtype it was read in: what one stack adds while it is quantized
-    (memory.estimate.loading_peak counts the copies of it that loading holds at once)."""
+    (memory.loading.loading_peak counts the copies of it that loading holds at once)."""
 
 
 @contextlib.contextmanager

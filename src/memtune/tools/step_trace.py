@@ -42,6 +42,7 @@ from memtune.config import RunConfig
 from memtune.config.decisions import Decisions
 from memtune.expert_stacks import expert_modules, experts_state
 from memtune.memory.counts import arch_config
+from memtune.memory.vision import as_on_cuda
 from memtune.rank.layers import decoder_layers
 from memtune.rank.loss import CausalLMLoss
 from memtune.rank.model import add_lora, torch_dtype
@@ -132,21 +133,6 @@ class Trace:
         return self.peak - self.parameters
 
 
-class _NativeDropout(torch.nn.Module):
-    """LoRA's dropout as CUDA runs it: ``native_dropout`` keeps a bool mask (1 byte per
-    element) for backward, where CPU's ``dropout`` keeps a noise tensor in the input's dtype;
-    the trace stands for a GPU rank."""
-
-    def __init__(self, p: float):
-        super().__init__()
-        self.p = p
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0:
-            return x
-        return torch.native_dropout(x, self.p, True)[0]
-
-
 def traced_decisions(cfg: RunConfig, d: Decisions) -> tuple[Decisions, list[str]]:
     """The decisions the trace builds with: a quantized base in the compute dtype (fake
     tensors have no 4-bit storage; the activations do not change), SDPA for the attention
@@ -227,19 +213,26 @@ def trace_step(cfg: RunConfig, d: Decisions, fake: bool = True) -> Trace:
     started = time.perf_counter()
     d, notes = traced_decisions(cfg, d)
     dtype = torch_dtype(cfg)
+    if d.vision is not None and fake:
+        from memtune.config import ConfigError
+
+        raise ConfigError(
+            "a run on images is traced on real tensors only (fake=False, small models): the "
+            "tower's per-image boundaries and the 3-D positions are computed from the values"
+        )
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(arch_config(cfg), attn_implementation=d.attention)
+        if d.vision is not None:
+            model = vision_language_model(cfg, d)
+        else:
+            model = AutoModelForCausalLM.from_config(
+                arch_config(cfg), attn_implementation=d.attention
+            )
     model.to(dtype)
     model.config.use_cache = False
     model = add_lora(model, cfg, d)
     for _, experts in expert_modules(model):
         experts_state(experts).even_routing = True  # see rank.experts._routed_rows
-    for m in model.modules():
-        drop = getattr(m, "lora_dropout", None)
-        if isinstance(drop, torch.nn.ModuleDict):
-            for key, dropout in list(drop.items()):
-                if isinstance(dropout, torch.nn.Dropout):
-                    drop[key] = _NativeDropout(dropout.p)
+    as_on_cuda(model)  # the trace stands for a GPU rank
     model.train()
     loss_module = CausalLMLoss(model, d.loss, cfg.trainer.loss_chunk_tokens)
     loss_module.select = every_position
@@ -272,6 +265,9 @@ def trace_step(cfg: RunConfig, d: Decisions, fake: bool = True) -> Trace:
             _fakeify(model)
         else:
             model.to_empty(device="cpu")
+            with torch.no_grad():  # uninitialised memory can hold denormals: slow CPU math
+                for t in [*model.parameters(), *model.buffers()]:
+                    t.zero_()
         for name, p in model.named_parameters():
             tracker.track(p, "LoRA weights" if "lora_" in name else "base weights")
             if p.requires_grad:
@@ -280,8 +276,9 @@ def trace_step(cfg: RunConfig, d: Decisions, fake: bool = True) -> Trace:
             tracker.track(b, "base weights")
         with tracker:
             ids = torch.zeros((micro, seq), dtype=torch.long)
+            images = image_batch(cfg, d, ids, model.config) if d.vision is not None else {}
             tracker.phase = "forward"
-            loss = loss_module(input_ids=ids, labels=ids)
+            loss = loss_module(input_ids=ids, labels=ids, **images)
             saved = sum(
                 n for _, (n, c) in tracker.live.items() if c not in ("base weights", "LoRA weights")
             )
@@ -301,13 +298,76 @@ def trace_step(cfg: RunConfig, d: Decisions, fake: bool = True) -> Trace:
     )
 
 
+def vision_language_model(cfg: RunConfig, d: Decisions) -> Any:
+    """The vision-language class of ``cfg`` (its language model and model.vision's tower), as
+    rank.model loads it for images; its image tokens the last ids of the vocabulary (the trace
+    writes its own rows)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from memtune.memory.counts import vision_language_type
+    from memtune.rank.vision import attention_per_part
+
+    text = dict(cfg.model.architecture)  # its own text config (mRoPE sections and all)
+    vocab = int(text["vocab_size"])
+    config = AutoConfig.for_model(
+        vision_language_type(cfg),
+        text_config=text,
+        vision_config={
+            "out_hidden_size": text["hidden_size"],
+            **{k: v for k, v in dict(cfg.model.vision).items() if k != "model_type"},
+        },
+        image_token_id=vocab - 1,
+        vision_start_token_id=vocab - 2,
+        vision_end_token_id=vocab - 3,
+        video_token_id=vocab - 4,
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+    )
+    return AutoModelForImageTextToText.from_config(
+        config, attn_implementation=attention_per_part(d.attention)
+    )
+
+
+def image_batch(cfg: RunConfig, d: Decisions, ids: torch.Tensor, config: Any) -> dict[str, Any]:
+    """The planned images of the micro batch (memory.vision.image_load) written into ``ids``
+    (each image's tokens between its start and end tokens, from each row's start) with their
+    patches, grids and token types, as the rank's collator gives them."""
+    from memtune.memory.vision import image_load, tower_config
+
+    load = image_load(cfg, d)
+    if load is None:
+        return {}
+    t = tower_config(cfg)
+    p = int(t.patch_size)
+    width = int(t.in_channels) * int(t.temporal_patch_size) * p**2
+    types = torch.zeros_like(ids)
+    for r in range(ids.shape[0]):
+        at = 0
+        for _ in range(load.per_row):
+            ids[r, at] = config.vision_start_token_id
+            ids[r, at + 1 : at + 1 + load.tokens] = config.image_token_id
+            types[r, at + 1 : at + 1 + load.tokens] = 1
+            ids[r, at + 1 + load.tokens] = config.vision_end_token_id
+            at += load.tokens + 2
+    grid = torch.tensor([[1, load.height // p, load.width // p]] * load.images)
+    pixels = torch.zeros(load.images * load.patches, width)
+    return {"pixel_values": pixels, "image_grid_thw": grid, "mm_token_type_ids": types}
+
+
 def planned_step(cfg: RunConfig, d: Decisions) -> int:
     """The planner's bytes for what the trace measures above the weights: its activations and
     loss (or backward temporaries) rows (memory.estimate), for the same tokens and layers."""
     from memtune.memory.estimate import DROPOUT_ROW, GIB, plan
+    from memtune.memory.vision import IMAGE_ROWS
 
     rows = plan(cfg, d).gib()
-    step = ("activations", DROPOUT_ROW, "loss", "backward temporaries", "DoRA weight norms")
+    step = (
+        "activations",
+        DROPOUT_ROW,
+        "loss",
+        "backward temporaries",
+        "DoRA weight norms",
+        *IMAGE_ROWS,
+    )
     return round(sum(rows.get(what, 0.0) for what in step) * GIB)
 
 
