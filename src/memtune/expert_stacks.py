@@ -61,6 +61,31 @@ class ExpertsState:
     even_routing: bool = False
     """tools.step_trace: row j of the n × top-k routing goes to expert j mod experts, whatever
     the router chose (fake tensors cannot run the data-dependent split; rank.experts)."""
+    shard: ExpertShard | None = None
+    """Expert parallelism (rank.expert_parallel): the experts this rank holds of the layer's,
+    and the ranks holding the others; None: every expert is here."""
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """The routed experts one rank of an expert-parallel group holds (rank.expert_parallel):
+    experts ``first`` .. ``first + count - 1`` of ``total``, rank ``rank`` of ``size`` in
+    ``group`` (a torch process group, which exchanges the tokens), every expert parameter
+    tagged with DeepSpeed's expert group ``group_name``."""
+
+    size: int
+    rank: int
+    total: int
+    group: Any
+    group_name: str
+
+    @property
+    def count(self) -> int:
+        return self.total // self.size
+
+    @property
+    def first(self) -> int:
+        return self.rank * self.count
 
 
 def experts_state(experts: Any) -> ExpertsState:

@@ -432,6 +432,12 @@ def _check_experts(cfg: RunConfig) -> None:
             "would carry no gradient for the balance loss; use checkpointing_reentrant=false"
         )
     if not experts:
+        ep = str(cfg.trainer.expert_parallel)
+        if ep not in ("1", "auto"):
+            raise ConfigError(
+                f"trainer.expert_parallel={ep}: {cfg.model.name_or_path} is not a mixture of "
+                "experts (no routed experts to split over ranks); leave it at 1"
+            )
         if cfg.peft.train_router:
             raise ConfigError(
                 f"peft.train_router=true: {cfg.model.name_or_path} is not a mixture of experts "
@@ -454,6 +460,7 @@ def _check_experts(cfg: RunConfig) -> None:
         )
     sp = str(t.sequence_parallel)
     _check_experts_split(cfg, int(sp) if sp.isdigit() else 1)
+    _check_expert_parallel(cfg, experts)
     if (
         p.train_router
         and cfg.trainer.objective in ("dpo", "ipo")
@@ -483,6 +490,53 @@ def _check_experts(cfg: RunConfig) -> None:
             "plain LoRA (rsLoRA, LoRA+, gaussian init work), or "
             "peft.target=all-linear-but-experts"
         )
+
+
+def _check_expert_parallel(cfg: RunConfig, experts: int) -> None:
+    """Expert parallelism (rank.expert_parallel): the groups of ranks and what it is built
+    with so far; the rest refused by name."""
+    value = str(cfg.trainer.expert_parallel)
+    if value != "auto" and not (value.isdigit() and int(value) >= 1):
+        raise ConfigError(
+            f"trainer.expert_parallel={value!r} is not supported; choose 1 | 2 | 4 ... | auto "
+            "(ranks a mixture's routed experts are split over)"
+        )
+    ep = int(value) if value.isdigit() else 1  # auto: 1 until the planner prices it
+    if ep == 1:
+        return
+    where, ranks = f"trainer.expert_parallel={ep}", cfg.launcher.num_ranks
+    if ranks % ep:
+        raise ConfigError(
+            f"{where} does not divide launcher.num_ranks={ranks}: the ranks form groups of {ep} "
+            "that split the routed experts between them"
+        )
+    if experts % ep:
+        ok = [n for n in range(1, experts + 1) if experts % n == 0 and ranks % n == 0]
+        raise ConfigError(
+            f"{where} does not divide {cfg.model.name_or_path}'s {experts} routed experts a "
+            f"layer (each rank holds an equal share); choose one of {ok}"
+        )
+    unbuilt = [
+        (
+            cfg.zero.stage == 3,
+            "zero.stage=3",
+            "DeepSpeed 0.19.8 keeps expert parameters out "
+            "of ZeRO-3's partitioning for its own AutoEP layers only; use zero=zero2",
+        ),
+        (
+            cfg.trainer.optimizer == "cpu_adam",
+            "trainer.optimizer=cpu_adam",
+            "the offloaded optimizer's expert groups are not tested; use adamw or adamw_8bit",
+        ),
+        (
+            cfg.trainer.objective != "sft",
+            f"trainer.objective={cfg.trainer.objective}",
+            "preference objectives are not tested with it; use sft",
+        ),
+    ]
+    for refused, what, why in unbuilt:
+        if refused:
+            raise ConfigError(f"{where} with {what}: not built yet ({why})")
 
 
 def _check_positions(cfg: RunConfig) -> None:

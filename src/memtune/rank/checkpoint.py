@@ -25,6 +25,7 @@ from memtune.config.architecture import LANGUAGE_MODEL_PREFIX, is_multimodal
 from memtune.config.decisions import Decisions
 from memtune.filesystem import follow_umask, replace_dir, write_atomic
 from memtune.integrity import list_files
+from memtune.rank.expert_parallel import gathered_expert_adapters
 from memtune.rank.experts import to_peft_names, write_expert_adapters
 from memtune.rank.model import rewriting_start
 from memtune.rundir import RunDir, TrainState
@@ -35,8 +36,8 @@ class NonFiniteWeights(RuntimeError):
 
 
 def trainable_state_dict(model: Any) -> dict[str, torch.Tensor]:
-    """Full (gathered) copies of the trainable tensors. A collective under ZeRO-3: every rank
-    must call it; all ranks get the result."""
+    """Full (gathered) copies of the trainable tensors. A collective under ZeRO-3 and expert
+    parallelism: every rank must call it; all ranks get the result."""
     import deepspeed
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -45,7 +46,8 @@ def trainable_state_dict(model: Any) -> dict[str, torch.Tensor]:
     if zero3:
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             return {n: p.detach().cpu().clone() for n, p in named}
-    return {n: p.detach().cpu().clone() for n, p in named}
+    # expert parallelism: each expert's adapter from the rank holding it, the layer's whole
+    return {n: p.detach().cpu().clone() for n, p in named} | gathered_expert_adapters(model)
 
 
 def export_adapter(model: Any, out_dir: Path, is_writer: bool) -> int:
