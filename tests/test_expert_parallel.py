@@ -1,0 +1,160 @@
+"""Expert parallelism (trainer.expert_parallel, rank.expert_parallel): the dispatch and combine
+compute what one rank's experts forward does, values and gradients, on 2 gloo processes; a
+tiny Qwen3-MoE trains at expert_parallel=2 on 2 ZeRO-2 ranks as it does at 1 (losses, gradient
+norms, routing statistics, the exported adapter); what is not built is refused by name."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import pytest
+import torch
+
+from memtune.config import ConfigError, to_run_config, validate
+from tests.conftest import compose_cfg
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=3,
+    vocab_size=128,
+    initializer_range=0.1,
+)
+
+
+def _block(quant: str | None) -> Any:
+    """One Qwen3-MoE block, its experts adapted (B drawn, so the adapters count), the same on
+    every process."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memtune.rank import experts as ex
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **TINY))
+    block = model.model.layers[0].mlp.requires_grad_(False)
+    if quant:
+        ex.quantize_experts(block, quant, torch.float32)
+    ex.add_expert_lora(block, 8, 2.0)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            if "_lora_B" in name:
+                p.normal_(std=0.2)
+    return block
+
+
+def _inputs(rank: int, experts: int) -> tuple[torch.Tensor, ...]:
+    """Rank ``rank``'s tokens (10 + 3·rank of them), routing among the first ``experts``
+    experts, the routing weights, and the probe the loss is taken against."""
+    g = torch.Generator().manual_seed(100 + rank)
+    n = 10 + 3 * rank
+    x = torch.randn(n, 64, generator=g)
+    index = torch.stack([torch.randperm(experts, generator=g)[:3] for _ in range(n)])
+    weights = torch.rand(n, 3, generator=g).softmax(-1)
+    return x, index, weights, torch.randn(n, 64, generator=g)
+
+
+def _run(block: Any, x: torch.Tensor, index: torch.Tensor, w: torch.Tensor, probe: Any) -> Any:
+    x, w = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    out = block.experts(x, index, w)
+    (out * probe).sum().backward()
+    grads = {n: p.grad.clone() for n, p in block.experts.named_parameters() if p.grad is not None}
+    block.zero_grad(set_to_none=True)
+    return out.detach(), x.grad, w.grad, grads
+
+
+def _dispatch_worker(rank: int, port: int) -> None:
+    import deepspeed
+
+    from memtune.expert_stacks import full_shape
+    from memtune.rank.expert_parallel import counting, split_experts
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+    )
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    # float and NF4 stacks; every expert (8), then only experts 0-3 (rank 1's half gets no
+    # row from anyone)
+    for quant, experts in ((None, 8), (None, 4), ("nf4", 8)):
+        whole = _block(quant)
+        mine = _inputs(rank, experts)
+        expected = _run(whole, *mine)
+        summed: dict[str, torch.Tensor] = {}  # an expert's gradient: both ranks' tokens
+        for r in (0, 1):
+            for name, grad in _run(whole, *_inputs(r, experts))[3].items():
+                summed[name] = summed.get(name, 0) + grad
+        split = _block(quant)
+        assert split_experts(split, 2) == 2
+        with counting() as counter:
+            out, dx, dw, grads = _run(split, *mine)
+        torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dx, expected[1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dw, expected[2], rtol=1e-5, atol=1e-5)
+        assert sorted(grads) == sorted(summed) and len(grads) == 4
+        for name, grad in grads.items():  # this rank's four experts of eight
+            torch.testing.assert_close(grad, summed[name][4 * rank : 4 * rank + 4])
+        if experts == 4 and rank == 1:
+            assert all(float(g.abs().max()) == 0 for g in grads.values())
+        # a token goes once to the other rank when any of its experts is there (not once per
+        # expert), and the other rank's such tokens come back summed: the counter (the forward
+        # sends) against the routing
+        there = int((mine[1] // 4 != rank).any(-1).sum())
+        here = int((_inputs(1 - rank, experts)[1] // 4 == rank).any(-1).sum())
+        assert counter.bytes == (there + here) * 64 * 4
+        for stack in split.experts.parameters():  # this rank's share only, kept
+            assert full_shape(stack)[0] == 4
+
+
+def test_the_dispatch_computes_one_ranks_experts_forward() -> None:
+    """Two gloo processes, each with its own tokens, holding 4 of 8 experts (float or NF4
+    stacks, LoRA on them): the output, the gradients of the tokens and of the routing weights
+    are what the whole experts give for that rank's tokens; each expert's adapter gradient is
+    the sum over both ranks' tokens; a rank that no row reaches still has (zero) gradients;
+    the bytes sent are a token once per other rank it is routed to, there and back."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_dispatch_worker, args=(port,), nprocs=2, join=True)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.expert_parallel=3", "launcher.num_ranks=4"], "does not divide launcher"),
+        (["trainer.expert_parallel=4", "launcher.num_ranks=4", "model=tiny-qwen3-moe"], ""),
+        (["trainer.expert_parallel=2", "launcher.num_ranks=2", "zero=zero3"], "zero.stage=3"),
+        (["trainer.expert_parallel=2", "launcher.num_ranks=2", "trainer.optimizer=cpu_adam"], "cpu_adam"),
+        (["trainer.expert_parallel=x"], "is not supported"),
+    ],
+)
+def test_what_expert_parallelism_cannot_do_is_refused_by_name(
+    overrides: list[str], message: str
+) -> None:
+    base = ["model=tiny-qwen3-moe", "peft.dropout=0", "zero=zero2"]
+    cfg = to_run_config(compose_cfg([*base, *overrides]))
+    if not message:  # it is built: validates
+        validate(cfg, inputs=False)
+        return
+    with pytest.raises(ConfigError, match="trainer.expert_parallel") as err:
+        validate(cfg, inputs=False)
+    assert message in str(err.value)
+
+
+def test_a_dense_model_refuses_expert_parallelism() -> None:
+    cfg = to_run_config(compose_cfg(["trainer.expert_parallel=2", "launcher.num_ranks=2"]))
+    with pytest.raises(ConfigError, match="trainer.expert_parallel=2: .* not a mixture"):
+        validate(cfg, inputs=False)
