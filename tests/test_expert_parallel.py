@@ -137,7 +137,10 @@ def test_the_dispatch_computes_one_ranks_experts_forward() -> None:
         (["trainer.expert_parallel=3", "launcher.num_ranks=4"], "does not divide launcher"),
         (["trainer.expert_parallel=4", "launcher.num_ranks=4", "model=tiny-qwen3-moe"], ""),
         (["trainer.expert_parallel=2", "launcher.num_ranks=2", "zero=zero3"], "zero.stage=3"),
-        (["trainer.expert_parallel=2", "launcher.num_ranks=2", "trainer.optimizer=cpu_adam"], "cpu_adam"),
+        (
+            ["trainer.expert_parallel=2", "launcher.num_ranks=2", "trainer.optimizer=cpu_adam"],
+            "cpu_adam",
+        ),
         (["trainer.expert_parallel=x"], "is not supported"),
     ],
 )
@@ -149,14 +152,14 @@ def test_what_expert_parallelism_cannot_do_is_refused_by_name(
     if not message:  # it is built: validates
         validate(cfg, inputs=False)
         return
-    with pytest.raises(ConfigError, match="trainer.expert_parallel") as err:
+    with pytest.raises(ConfigError, match=r"trainer\.expert_parallel") as err:
         validate(cfg, inputs=False)
     assert message in str(err.value)
 
 
 def test_a_dense_model_refuses_expert_parallelism() -> None:
     cfg = to_run_config(compose_cfg(["trainer.expert_parallel=2", "launcher.num_ranks=2"]))
-    with pytest.raises(ConfigError, match="trainer.expert_parallel=2: .* not a mixture"):
+    with pytest.raises(ConfigError, match=r"trainer\.expert_parallel=2: .* not a mixture"):
         validate(cfg, inputs=False)
 
 
@@ -189,9 +192,10 @@ def ep_runs(runs_root: Any) -> tuple[Any, Any]:
 @pytest.mark.slow
 def test_expert_parallel_trains_as_one_rank_holding_every_expert(ep_runs: Any) -> None:
     """A tiny Qwen3-MoE (16 experts, top-2), LoRA on attention and every routed expert,
-    routers trained, balance loss on, the first layer recomputed, ZeRO-2 over 2 ranks: at expert_parallel=2 each rank holds
-    8 experts and their adapters, and the run is the run at 1 — the losses, gradient norms and
-    routing statistics of every step, and the exported adapter (whole, in peft's layout)."""
+    routers trained, balance loss on, the first layer recomputed, ZeRO-2 over 2 ranks: at
+    expert_parallel=2 each rank holds 8 experts and their adapters, and the run is the run at
+    1 — the losses, gradient norms and routing statistics of every step, and the exported
+    adapter (whole, in peft's layout)."""
     from safetensors.torch import load_file
 
     one, two = ep_runs
@@ -213,3 +217,37 @@ def test_expert_parallel_trains_as_one_rank_holding_every_expert(ep_runs: Any) -
         # adds in another order) where a gradient is near 0: one weight in 65,536 5.9e-6 apart
         torch.testing.assert_close(adapters[1][name], tensor, rtol=1e-4, atol=2e-5)
     assert all(adapters[1][k].abs().max() > 0 for k in experts if "lora_B" in k)
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_a_run_stopped_at_expert_parallel_2_resumes_on_one_rank(tmp_path: Any) -> None:
+    """The hybrid Qwen3.5-MoE over NF4 expert stacks (LoRA on them): 20 steps at
+    expert_parallel=2 on 2 ZeRO-2 ranks, and the same run stopped after step 10 and resumed on
+    1 rank (every expert there): the checkpoint's gathered state holds each expert's adapter
+    and moments whole, so steps 11-20 are the uninterrupted run's, within the tolerances of
+    tests/test_resume_world.py."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from tests.test_resume_world import MOE, _back_to_step_10, _losses, _train
+
+    args = [*MOE, "zero=zero2", "model=tiny-qwen3.5-moe", "data.template=qwen3_5"]
+    args += ["peft=qlora-nf4"]
+    full = tmp_path / "full"
+    _train(full, *args, "launcher.num_ranks=2", "trainer.expert_parallel=2")
+    resumed = _back_to_step_10(full, tmp_path / "resumed")
+    proc = _train(resumed, *args, "launcher.num_ranks=1", "trainer.expert_parallel=1")
+    assert "trainer.expert_parallel 2 → 1" in proc.stdout
+    changed = json.loads((resumed / "resume.json").read_text())["changed"]
+    assert changed["trainer.expert_parallel"] == [2, 1]
+    want, got = _losses(full), _losses(resumed)
+    assert sorted(got) == list(range(1, 21))
+    for step in range(11, 21):
+        assert got[step] == pytest.approx(want[step], rel=1e-4, abs=1e-5), step
+    a = load_file(str(full / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(resumed / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and any(".mlp.experts." in k for k in a)
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-3, atol=1e-5)

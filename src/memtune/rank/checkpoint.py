@@ -25,7 +25,7 @@ from memtune.config.architecture import LANGUAGE_MODEL_PREFIX, is_multimodal
 from memtune.config.decisions import Decisions
 from memtune.filesystem import follow_umask, replace_dir, write_atomic
 from memtune.integrity import list_files
-from memtune.rank.expert_parallel import gathered_expert_adapters
+from memtune.rank.expert_parallel import gathered_expert_adapters, own_experts, whole_experts
 from memtune.rank.experts import to_peft_names, write_expert_adapters
 from memtune.rank.model import rewriting_start
 from memtune.rundir import RunDir, TrainState
@@ -371,7 +371,8 @@ def _optimizer_step(engine: Any) -> int | None:
 
 
 def save_gathered_state(engine: Any, out: Path, is_writer: bool) -> None:
-    """Collective. Writes GATHERED (+ GATHERED_META) when the optimizer keeps Adam moments."""
+    """Collective. Writes GATHERED (+ GATHERED_META) when the optimizer keeps Adam moments:
+    each trainable tensor whole (a split expert adapter gathered from its group's ranks)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     from safetensors.torch import save_file
 
@@ -381,10 +382,12 @@ def save_gathered_state(engine: Any, out: Path, is_writer: bool) -> None:
     _link_optimizer_state(engine.optimizer)
     tensors: dict[str, torch.Tensor] = {}
     for name, param in _trainable(engine):
-        tensors[f"{name}::fp32"] = safe_get_full_fp32_param(param).detach().cpu().clone()
+        # expert parallelism: every expert's, from the ranks holding them (whole_experts)
+        value = whole_experts(param, safe_get_full_fp32_param(param).detach())
+        tensors[f"{name}::fp32"] = value.cpu().clone()
         for key in ADAM_STATES:
-            value = safe_get_full_optimizer_state(param, key)
-            tensors[f"{name}::{key}"] = value.detach().cpu().clone()
+            value = whole_experts(param, safe_get_full_optimizer_state(param, key).detach())
+            tensors[f"{name}::{key}"] = value.cpu().clone()
     if is_writer:
         save_file(tensors, str(out / GATHERED))
         meta = {"optimizer_step": step, "lr_scheduler": engine.lr_scheduler.state_dict()}
@@ -399,10 +402,15 @@ def load_gathered_state(engine: Any, checkpoint: Path) -> None:
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
     from safetensors.torch import load_file
 
-    tensors = load_file(str(checkpoint / GATHERED))
     meta = json.loads((checkpoint / GATHERED_META).read_text())
     _materialize_optimizer_state(engine)
     named = _trainable(engine)
+    # expert parallelism: each layer's experts saved whole, this rank's kept (own_experts)
+    tensors = {
+        key: own_experts(param, value)
+        for key, value in load_file(str(checkpoint / GATHERED)).items()
+        for param in [dict(named).get(key.partition("::")[0])]
+    }
     missing = [n for n, _ in named if f"{n}::fp32" not in tensors]
     if missing:
         raise RuntimeError(f"{checkpoint / GATHERED}: no state for {missing[0]} (and others?)")

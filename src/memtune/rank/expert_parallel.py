@@ -91,6 +91,7 @@ def split_experts(model: nn.Module, size: int) -> int:
                 )
             kept.allreduce = False  # type: ignore[attr-defined]
             kept.group_name = name  # type: ignore[attr-defined]
+            kept.memtune_shard = shard  # type: ignore[attr-defined]
             experts._parameters[param_name] = kept
             stacks += param_name in EXPERT_PARAMETERS
         experts.num_experts = shard.count
@@ -308,8 +309,27 @@ def gathered_expert_adapters(model: nn.Module) -> dict[str, torch.Tensor]:
         for name, param in experts.named_parameters(recurse=False):
             if not param.requires_grad or stack_adapter(prefix + name) is None:
                 continue
-            mine = param.detach().contiguous()
-            parts = [torch.empty_like(mine) for _ in range(shard.size)]
-            dist.all_gather([_wire(p) for p in parts], _wire(mine), group=shard.group)
-            out[prefix + name] = torch.cat(parts).cpu()
+            out[prefix + name] = whole_experts(param, param.detach()).cpu()
     return out
+
+
+def whole_experts(param: Any, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (a value of ``param``: its weight, gradient or optimizer moment) for every
+    expert of the layer, gathered from the ranks of ``param``'s expert-parallel group when
+    :func:`split_experts` split it (a collective over that group), else as it is."""
+    shard = getattr(param, "memtune_shard", None)
+    if shard is None:
+        return tensor
+    mine = tensor.contiguous()
+    parts = [torch.empty_like(mine) for _ in range(shard.size)]
+    dist.all_gather([_wire(p) for p in parts], _wire(mine), group=shard.group)
+    return torch.cat(parts)
+
+
+def own_experts(param: Any, tensor: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`whole_experts`: this rank's experts of a whole layer's
+    ``tensor``, when ``param`` is split."""
+    shard = getattr(param, "memtune_shard", None)
+    if shard is None:
+        return tensor
+    return tensor[shard.first : shard.first + shard.count]

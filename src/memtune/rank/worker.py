@@ -374,7 +374,8 @@ class RankRun:
         if not resume.checkpoint:
             return TrainResult()
         checkpoint = Path(resume.checkpoint)
-        layout = ("launcher.num_ranks", "zero.stage")  # what the engine files depend on
+        # what the engine files depend on
+        layout = ("launcher.num_ranks", "zero.stage", "trainer.expert_parallel")
         moved = {k: v for k, v in resume.changed.items() if k in layout}
         if not moved:
             state = load_checkpoint(self.engine, checkpoint, self.rank)
