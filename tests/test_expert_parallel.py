@@ -157,6 +157,26 @@ def test_what_expert_parallelism_cannot_do_is_refused_by_name(
     assert message in str(err.value)
 
 
+def test_the_split_is_decided_and_read_back_checked() -> None:
+    """decisions.json holds the split (experts.parallel), read back as written; a split the
+    ranks could not run is refused naming the field."""
+    import dataclasses
+
+    from memtune.config.decisions import DecisionError, Decisions, Experts
+    from tests.conftest import decided
+
+    base = ["model=tiny-qwen3-moe", "peft.dropout=0", "zero=zero2", "launcher.num_ranks=2"]
+    d = decided(to_run_config(compose_cfg([*base, "trainer.expert_parallel=2"])))
+    assert d.experts == Experts(routed=16, adapted=True, storage="compute", parallel=2)
+    assert Decisions.from_dict(d.as_dict()) == d
+    auto = decided(to_run_config(compose_cfg([*base, "trainer.expert_parallel=auto"])))
+    assert auto.experts is not None and auto.experts.parallel == 1  # until item 3 prices it
+    with pytest.raises(DecisionError, match="zero_stage 3"):
+        dataclasses.replace(d, zero_stage=3)
+    with pytest.raises(DecisionError, match=r"experts\.parallel=3 does not divide"):
+        Decisions.from_dict({**d.as_dict(), "experts": {**d.as_dict()["experts"], "parallel": 3}})
+
+
 def test_a_dense_model_refuses_expert_parallelism() -> None:
     cfg = to_run_config(compose_cfg(["trainer.expert_parallel=2", "launcher.num_ranks=2"]))
     with pytest.raises(ConfigError, match=r"trainer\.expert_parallel=2: .* not a mixture"):
