@@ -30,19 +30,19 @@ TINY = dict(
 )
 
 
-def _block(quant: str | None) -> Any:
-    """One Qwen3-MoE block, its experts adapted (B drawn, so the adapters count), the same on
-    every process."""
+def _block(quant: str | None, dtype: torch.dtype = torch.float32) -> Any:
+    """One Qwen3-MoE block in ``dtype``, its experts adapted (B drawn, so the adapters count),
+    the same on every process."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from memtune.rank import experts as ex
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **TINY))
-    block = model.model.layers[0].mlp.requires_grad_(False)
+    block = model.model.layers[0].mlp.requires_grad_(False).to(dtype)
     if quant:
-        ex.quantize_experts(block, quant, torch.float32)
-    ex.add_expert_lora(block, 8, 2.0)
+        ex.quantize_experts(block, quant, dtype)
+    ex.add_expert_lora(block, 8, 2.0, dtype=dtype)
     with torch.no_grad():
         for name, p in block.named_parameters():
             if "_lora_B" in name:
@@ -50,7 +50,7 @@ def _block(quant: str | None) -> Any:
     return block
 
 
-def _inputs(rank: int, experts: int) -> tuple[torch.Tensor, ...]:
+def _inputs(rank: int, experts: int, dtype: torch.dtype = torch.float32) -> tuple[Any, ...]:
     """Rank ``rank``'s tokens (10 + 3·rank of them), routing among the first ``experts``
     experts, the routing weights, and the probe the loss is taken against."""
     g = torch.Generator().manual_seed(100 + rank)
@@ -58,7 +58,8 @@ def _inputs(rank: int, experts: int) -> tuple[torch.Tensor, ...]:
     x = torch.randn(n, 64, generator=g)
     index = torch.stack([torch.randperm(experts, generator=g)[:3] for _ in range(n)])
     weights = torch.rand(n, 3, generator=g).softmax(-1)
-    return x, index, weights, torch.randn(n, 64, generator=g)
+    probe = torch.randn(n, 64, generator=g)
+    return x.to(dtype), index, weights.to(dtype), probe.to(dtype)
 
 
 def _run(block: Any, x: torch.Tensor, index: torch.Tensor, w: torch.Tensor, probe: Any) -> Any:
@@ -87,32 +88,39 @@ def _dispatch_worker(rank: int, port: int) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     # float and NF4 stacks; every expert (8), then only experts 0-3 (rank 1's half gets no
     # row from anyone)
-    for quant, experts in ((None, 8), (None, 4), ("nf4", 8)):
-        whole = _block(quant)
-        mine = _inputs(rank, experts)
+    # (bf16: exchanged as its bytes, gloo has no bfloat16 all-to-all; the sums run in another
+    # order, so to bf16's rounding)
+    cases = ((None, 8, torch.float32), (None, 4, torch.float32), ("nf4", 8, torch.float32))
+    for quant, experts, dtype in (*cases, (None, 8, torch.bfloat16)):
+        tol = (
+            {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 0.02, "atol": 0.02}
+        )
+        whole = _block(quant, dtype)
+        mine = _inputs(rank, experts, dtype)
         expected = _run(whole, *mine)
         summed: dict[str, torch.Tensor] = {}  # an expert's gradient: both ranks' tokens
         for r in (0, 1):
-            for name, grad in _run(whole, *_inputs(r, experts))[3].items():
-                summed[name] = summed.get(name, 0) + grad
-        split = _block(quant)
+            for name, grad in _run(whole, *_inputs(r, experts, dtype))[3].items():
+                summed[name] = summed.get(name, 0) + grad.float()
+        split = _block(quant, dtype)
         assert split_experts(split, 2) == 2
         with counting() as counter:
             out, dx, dw, grads = _run(split, *mine)
-        torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(dx, expected[1], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(dw, expected[2], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, expected[0], **tol)
+        torch.testing.assert_close(dx, expected[1], **tol)
+        torch.testing.assert_close(dw, expected[2], **tol)
         assert sorted(grads) == sorted(summed) and len(grads) == 4
         for name, grad in grads.items():  # this rank's four experts of eight
-            torch.testing.assert_close(grad, summed[name][4 * rank : 4 * rank + 4])
+            want = summed[name][4 * rank : 4 * rank + 4]
+            torch.testing.assert_close(grad.float(), want, **tol)
         if experts == 4 and rank == 1:
             assert all(float(g.abs().max()) == 0 for g in grads.values())
         # a token goes once to the other rank when any of its experts is there (not once per
         # expert), and the other rank's such tokens come back summed: the counter (the forward
         # sends) against the routing
         there = int((mine[1] // 4 != rank).any(-1).sum())
-        here = int((_inputs(1 - rank, experts)[1] // 4 == rank).any(-1).sum())
-        assert counter.bytes == (there + here) * 64 * 4
+        here = int((_inputs(1 - rank, experts, dtype)[1] // 4 == rank).any(-1).sum())
+        assert counter.bytes == (there + here) * 64 * dtype.itemsize
         for stack in split.experts.parameters():  # this rank's share only, kept
             assert full_shape(stack)[0] == 4
 

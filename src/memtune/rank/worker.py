@@ -615,7 +615,15 @@ def experts_line(cfg: RunConfig, d: Decisions, model: Any) -> str:
         return ""
     parts = " · ".join(f"{part} {n:,}" for part, n in trainable_by_part(model).items())
     frozen = "" if d.experts is not None and d.experts.adapted else " (routed experts frozen)"
-    return f"\nmemtune: trainable by part: {parts}{frozen}"
+    split = ""
+    if d.experts is not None and d.experts.parallel > 1:
+        ep = d.experts.parallel
+        split = (
+            f"\nmemtune: expert parallel {ep}: each rank holds {experts // ep} of the {experts} "
+            "routed experts a layer and their LoRA (the routed experts' count above is this "
+            "rank's), tokens exchanged by all-to-all"
+        )
+    return f"\nmemtune: trainable by part: {parts}{frozen}{split}"
 
 
 def preference_line(metrics: dict[str, float]) -> str:
