@@ -126,9 +126,9 @@ def _quantized_experts(param: nn.Parameter, first: int, end: int) -> nn.Paramete
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as gloo and NCCL both exchange it: 16-bit floats as int16 (gloo's all-to-all has
-    no bfloat16), the same bytes."""
-    return t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
+    """``t`` as gloo and NCCL both exchange it: bfloat16 viewed as float16, the same bytes
+    (gloo's all-to-all and all-gather have no bfloat16 nor int16; they copy, never add)."""
+    return t.view(torch.float16) if t.dtype == torch.bfloat16 else t
 
 
 def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
