@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from memtune.config import ConfigError, to_run_config, validate
-from tests.conftest import compose_cfg
+from tests.conftest import compose_cfg, decided
 
 TINY = dict(
     hidden_size=64,
@@ -137,6 +137,55 @@ def test_the_dispatch_computes_one_ranks_experts_forward() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_dispatch_worker, args=(port,), nprocs=2, join=True)
+
+
+@pytest.mark.parametrize("peft", ["lora", "qlora-nf4"])
+def test_a_rank_reads_only_its_experts(
+    tmp_path: Any, peft: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under expert parallelism each stack the loader reads (a checkpoint storing each expert
+    apart, merged by transformers) keeps only this rank's experts — in bf16, or quantized as
+    read — the bytes of the whole load's experts 4-7 (rank 1 of 2); the experts' adapters are
+    drawn whole and cut, the whole model's."""
+    from transformers import AutoModelForCausalLM
+
+    import memtune.rank.expert_parallel as ep
+    from memtune.expert_stacks import (
+        ExpertShard,
+        add_expert_adapters,
+        expert_modules,
+        experts_state,
+        full_shape,
+    )
+    from memtune.rank.experts import quantize_experts
+    from memtune.rank.model import load_base_model
+    from tests.test_quantized_loading import MOE, _bytes, _cfg, _save
+
+    path = _save("qwen3_moe", MOE, tmp_path / "base")
+    cfg = _cfg("tiny-qwen3-moe", path, peft, "launcher.num_ranks=2", "trainer.expert_parallel=2")
+    d = decided(cfg, attention="sdpa")
+    # the process group of rank 1 of 2 (no collective runs while loading)
+    monkeypatch.setattr(ep, "shard_for", lambda size, total: ExpertShard(size, 1, total, None, "g"))
+    mine = load_base_model(cfg, d)
+    whole = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    if peft != "lora":
+        quantize_experts(whole, "nf4", torch.bfloat16)
+    stacks = 0
+    for (name, ours), (_, theirs) in zip(expert_modules(mine), expert_modules(whole), strict=True):
+        assert experts_state(ours).shard is not None
+        for stack in ("gate_up_proj", "down_proj"):
+            got, full = getattr(ours, stack), getattr(theirs, stack)
+            assert full_shape(got) == (4, *full_shape(full)[1:]), name
+            want = ep._quantized_experts(full, 4, 8) if peft != "lora" else full[4:8]
+            assert torch.equal(_bytes(got), _bytes(want)), (name, stack)
+            stacks += 1
+    assert stacks == 2 * 2
+    torch.manual_seed(1)
+    add_expert_adapters(mine, 4, 1.0)
+    torch.manual_seed(1)
+    add_expert_adapters(whole, 4, 1.0)
+    for (_, ours), (_, theirs) in zip(expert_modules(mine), expert_modules(whole), strict=True):
+        torch.testing.assert_close(ours.down_proj_lora_A, theirs.down_proj_lora_A[4:8])
 
 
 @pytest.mark.parametrize(

@@ -47,10 +47,17 @@ from memtune.expert_stacks import (
     QuantizedStack,
     expert_modules,
     experts_state,
+    full_shape,
     quantized_stack,
     stack_adapter,
 )
 from memtune.rank.experts import _forward_routed
+
+
+def shard_for(size: int, total: int) -> ExpertShard:
+    """This rank's share of ``total`` experts a layer at expert-parallel size ``size``."""
+    group, name = expert_parallel_group(size)
+    return ExpertShard(size, dist.get_rank(group), total, group, name)
 
 
 def expert_parallel_group(size: int) -> tuple[Any, str]:
@@ -80,18 +87,23 @@ def split_experts(model: nn.Module, size: int) -> int:
     rank = dist.get_rank(group)
     stacks = 0
     for _, experts in expert_modules(model):
-        shard = ExpertShard(size, rank, int(experts.num_experts), group, name)
+        # loaded so already (rank.model.load_base_model: only this rank's experts read), or
+        # split now
+        shard = experts_state(experts).shard
+        if shard is None:
+            shard = ExpertShard(size, rank, int(experts.num_experts), group, name)
         first, end = shard.first, shard.first + shard.count
         for param_name, param in list(experts.named_parameters(recurse=False)):
-            if quantized_stack(param) is not None:
+            kept: Any = param  # this rank's already, when loaded so
+            if full_shape(param)[0] != shard.count and quantized_stack(param) is not None:
                 kept = _quantized_experts(param, first, end)
-            else:
+            elif full_shape(param)[0] != shard.count:
                 kept = nn.Parameter(
                     param.data[first:end].clone(), requires_grad=param.requires_grad
                 )
-            kept.allreduce = False  # type: ignore[attr-defined]
-            kept.group_name = name  # type: ignore[attr-defined]
-            kept.memtune_shard = shard  # type: ignore[attr-defined]
+            kept.allreduce = False
+            kept.group_name = name
+            kept.memtune_shard = shard
             experts._parameters[param_name] = kept
             stacks += param_name in EXPERT_PARAMETERS
         experts.num_experts = shard.count
