@@ -242,6 +242,7 @@ def test_a_dense_model_refuses_expert_parallelism() -> None:
 
 RUN = [
     "trainer.max_steps=4",
+    "trainer.global_batch_size=8",  # a micro batch of 4 rows a rank, no accumulation
     "trainer.activation_checkpointing=true",  # the first layer's dispatch again in backward
     "trainer.checkpoint_layers=1",
     "model=tiny-qwen3-moe",
