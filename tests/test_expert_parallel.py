@@ -105,7 +105,7 @@ def _dispatch_worker(rank: int, port: int) -> None:
         split = _block(quant, dtype)
         assert split_experts(split, 2) == 2
         with counting() as counter:
-            out, dx, dw, grads = _run(split, *mine)
+            out, dx, dw, grads = _run(split, *mine)  # a forward and its backward
         torch.testing.assert_close(out, expected[0], **tol)
         torch.testing.assert_close(dx, expected[1], **tol)
         torch.testing.assert_close(dw, expected[2], **tol)
@@ -116,11 +116,11 @@ def _dispatch_worker(rank: int, port: int) -> None:
         if experts == 4 and rank == 1:
             assert all(float(g.abs().max()) == 0 for g in grads.values())
         # a token goes once to the other rank when any of its experts is there (not once per
-        # expert), and the other rank's such tokens come back summed: the counter (the forward
-        # sends) against the routing
+        # expert), and the other rank's such tokens go back summed; the backward sends as
+        # much again: the counter against the routing
         there = int((mine[1] // 4 != rank).any(-1).sum())
         here = int((_inputs(1 - rank, experts, dtype)[1] // 4 == rank).any(-1).sum())
-        assert counter.bytes == (there + here) * 64 * dtype.itemsize
+        assert counter.sent["tokens"] == 2 * (there + here) * 64 * dtype.itemsize
         for stack in split.experts.parameters():  # this rank's share only, kept
             assert full_shape(stack)[0] == 4
 

@@ -153,25 +153,39 @@ def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> 
 
 class _AllToAll(torch.autograd.Function):
     """:func:`_exchange`, differentiable: the gradient of what was received goes back to the
-    rank it came from (the same exchange with the counts swapped)."""
+    rank it came from (the same exchange with the counts swapped). ``kind`` names what moves,
+    for :data:`COUNTER`."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> Any:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
+    def forward(
+        ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: Any, kind: str
+    ) -> Any:
+        ctx.send, ctx.recv, ctx.group, ctx.kind = send, recv, group, kind
+        COUNTER.add(kind, x, send, group)
         return _exchange(x, send, recv, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return _exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+        COUNTER.add(ctx.kind, grad, ctx.recv, ctx.group)
+        return _exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None, None
 
 
 class ExchangeCounter:
-    """Bytes this rank's dispatch and combine sent to other ranks (rows, not the counts), for
-    tests and the planner's check; off unless :func:`counting` is on."""
+    """Bytes this rank's dispatch and combine sent to the other ranks, by what moved
+    (``tokens``: the hidden vectors, there and back, in forwards, recomputes and backwards
+    alike; ``weights``: the routing weights of the rows), while :func:`counting` is on: what
+    the planner's all-to-all bytes are checked against (issue #48 item 3)."""
 
     def __init__(self) -> None:
-        self.bytes = 0
+        self.sent: dict[str, int] = {}
         self.on = False
+
+    def add(self, kind: str, x: torch.Tensor, send: list[int], group: Any) -> None:
+        if not self.on:
+            return
+        rows = sum(send) - send[dist.get_rank(group)]
+        row_bytes = x[0].numel() * x.element_size() if x.shape[0] else 0
+        self.sent[kind] = self.sent.get(kind, 0) + rows * row_bytes
 
 
 COUNTER = ExchangeCounter()
@@ -179,7 +193,7 @@ COUNTER = ExchangeCounter()
 
 @contextlib.contextmanager
 def counting() -> Iterator[ExchangeCounter]:
-    COUNTER.bytes, COUNTER.on = 0, True
+    COUNTER.sent, COUNTER.on = {}, True
     try:
         yield COUNTER
     finally:
@@ -230,8 +244,10 @@ def _forward_dispatched(
         )
         row_pair = their[:, 0] + offsets[from_rank]
         row_expert = their[:, 1]
-    x = _AllToAll.apply(hidden_states[pair_token], send_pairs, recv_pairs, group)
-    weights = _AllToAll.apply(top_k_weights.reshape(-1)[order], send_rows, recv_rows, group)
+    x = _AllToAll.apply(hidden_states[pair_token], send_pairs, recv_pairs, group, "tokens")
+    weights = _AllToAll.apply(
+        top_k_weights.reshape(-1)[order], send_rows, recv_rows, group, "weights"
+    )
     # this rank's experts on the rows routed to them: rank.experts' forward, a row a "token"
     rows = _forward_routed(self, x[row_pair], row_expert[:, None], weights[:, None])
     summed = x.new_zeros(x.shape).index_add_(0, row_pair, rows.to(x.dtype))
@@ -241,11 +257,7 @@ def _forward_dispatched(
         for param in self.parameters():
             if param.requires_grad:
                 summed = summed + 0 * param.reshape(-1)[:1].sum().to(summed.dtype)
-    back = _AllToAll.apply(summed, recv_pairs, send_pairs, group)
-    if COUNTER.on:
-        mine = shard.rank
-        sent = sum(send_pairs) - send_pairs[mine] + sum(recv_pairs) - recv_pairs[mine]
-        COUNTER.bytes += sent * hidden_states.shape[-1] * hidden_states.element_size()
+    back = _AllToAll.apply(summed, recv_pairs, send_pairs, group, "tokens")
     out = torch.zeros_like(hidden_states)
     return out.index_add_(0, pair_token, back.to(out.dtype))
 
