@@ -43,6 +43,7 @@ from torch import nn
 
 from memtune.expert_stacks import (
     EXPERT_PARAMETERS,
+    QUANT_BLOCK,
     ExpertShard,
     QuantizedStack,
     expert_modules,
@@ -78,8 +79,10 @@ def split_experts(model: nn.Module, size: int) -> int:
     """Keep this rank's share of every routed-expert stack of ``model`` (its expert-parallel
     group's rank i of ``size`` holds experts [i·E/size, (i+1)·E/size)), float or quantized,
     and of their adapters, and run the experts through :func:`_forward_dispatched`; the other
-    experts' weights are dropped here, before the optimizer is built. Every expert parameter
-    is tagged for DeepSpeed (``allreduce=False``, ``group_name``). Returns the stacks split.
+    experts' weights are dropped here, before the optimizer is built (where the loader did not
+    drop them already: rank.model.load_base_model keeps only this rank's experts of each stack
+    it reads). Every expert parameter is tagged for DeepSpeed (``allreduce=False``,
+    ``group_name``). Returns the stacks split.
 
     The adapters were drawn whole (the same start as on one rank) and are cut like the
     stacks: a run at any expert-parallel size starts from the same adapter."""
@@ -121,8 +124,13 @@ def _quantized_experts(param: nn.Parameter, first: int, end: int) -> nn.Paramete
     raw = param.data.view(torch.uint8)
     if stack.kind == "int8":  # a byte a weight, an fp32 scale a row
         per, scales = out * inp, out
-    else:  # 4 bits a weight, an fp32 scale a block (whole blocks per expert: rank.experts)
-        per, scales = out * inp // 2, out * inp // 64
+    elif (out * inp) % QUANT_BLOCK:
+        raise ValueError(
+            f"a 4-bit expert stack of {out} × {inp} weights an expert: its blocks of "
+            f"{QUANT_BLOCK} straddle two experts, so it cannot be split by expert"
+        )
+    else:  # 4 bits a weight, an fp32 scale a block
+        per, scales = out * inp // 2, out * inp // QUANT_BLOCK
     values = raw[first * per : end * per]
     scale = raw[stack.scales_at :].view(torch.float32)[first * scales : end * scales]
     at = -(-values.numel() // 4) * 4
