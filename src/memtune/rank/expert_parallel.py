@@ -270,12 +270,6 @@ def _forward_dispatched(
     return out.index_add_(0, pair_token, back.to(out.dtype))
 
 
-def tagged_expert_params(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters :func:`split_experts` tagged as expert parameters (DeepSpeed's
-    ``allreduce=False``)."""
-    return [p for p in model.parameters() if getattr(p, "allreduce", True) is False]
-
-
 def expert_param_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The optimizer's groups (rank.optim.param_groups) with the expert parameters in groups
     of their own, marked as DeepSpeed's ZeRO-1/2 wants them (``moe``, and ``name``: the expert
