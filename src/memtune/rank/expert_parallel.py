@@ -291,12 +291,15 @@ def expert_param_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
 @contextlib.contextmanager
 def deepspeed_sees_experts(module: nn.Module, model: nn.Module) -> Iterator[None]:
     """While ``deepspeed.initialize`` builds the engine around ``module``: a parameterless
-    ``deepspeed.moe.layer.MoE`` on it when ``model`` holds split experts, so the engine builds
-    its ZeRO-1/2 optimizer with the expert groups (the module docstring); taken off after, so
-    nothing else (checkpoints, state dicts) ever meets it."""
+    ``deepspeed.moe.layer.MoE`` on it when ``model`` holds split experts that train, so the
+    engine builds its ZeRO-1/2 optimizer with the expert groups (the module docstring); taken
+    off after, so nothing else (checkpoints, state dicts) ever meets it."""
     shards = [experts_state(m).shard for _, m in expert_modules(model)]
     found = [s for s in shards if s is not None]
-    if not found:
+    trained = any(p.requires_grad and hasattr(p, "memtune_shard") for p in model.parameters())
+    if not found or not trained:
+        # frozen experts (peft.target=all-linear-but-experts): no gradient to keep apart, and
+        # DeepSpeed's MoE mode would want an expert optimizer group
         yield
         return
     shard = found[0]

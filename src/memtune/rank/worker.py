@@ -618,10 +618,10 @@ def experts_line(cfg: RunConfig, d: Decisions, model: Any) -> str:
     split = ""
     if d.experts is not None and d.experts.parallel > 1:
         ep = d.experts.parallel
+        lora = " and their LoRA (the count above is this rank's)" if not frozen else ""
         split = (
             f"\nmemtune: expert parallel {ep}: each rank holds {experts // ep} of the {experts} "
-            "routed experts a layer and their LoRA (the routed experts' count above is this "
-            "rank's), tokens exchanged by all-to-all"
+            f"routed experts a layer{lora}, tokens exchanged by all-to-all"
         )
     return f"\nmemtune: trainable by part: {parts}{frozen}{split}"
 
