@@ -291,9 +291,14 @@ def test_expert_parallel_trains_as_one_rank_holding_every_expert(ep_runs: Any) -
     assert adapters[0].keys() == adapters[1].keys()
     experts = [k for k in adapters[0] if ".mlp.experts." in k]
     assert len(experts) == 2 * 4  # two layers, A and B of both stacks, every expert in each
-    for name, tensor in adapters[0].items():  # Adam's m/√v magnifies rounding (the combine
-        # adds in another order) where a gradient is near 0: one weight in 65,536 5.9e-6 apart
-        torch.testing.assert_close(adapters[1][name], tensor, rtol=1e-4, atol=2e-5)
+    # Adam's m/√v magnifies rounding (the combine adds in another order) where a gradient is
+    # near 0: a weight in ~65,000 parted by up to 1.1e-4 (2% of one step at the demo's lr,
+    # 5e-3), the rest within 1e-5
+    apart = 0
+    for name, tensor in adapters[0].items():
+        torch.testing.assert_close(adapters[1][name], tensor, rtol=1e-3, atol=2.5e-4)
+        apart += int(((adapters[1][name] - tensor).abs() > 1e-5).sum())
+    assert apart <= 4, apart
     assert all(adapters[1][k].abs().max() > 0 for k in experts if "lora_B" in k)
 
 
