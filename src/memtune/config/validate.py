@@ -534,6 +534,12 @@ def _check_expert_parallel(cfg: RunConfig, experts: int) -> None:
             f"trainer.expert_parallel={ep} with trainer.objective={cfg.trainer.objective}: not "
             "built yet (preference objectives are untested with it); use sft"
         )
+    if cfg.peft.init_from:
+        raise ConfigError(
+            f"trainer.expert_parallel={ep} with peft.init_from: not built yet (a rank would "
+            "load every expert's adapter into its share); start from it at "
+            "trainer.expert_parallel=1, or resume a checkpoint, which may change the split"
+        )
 
 
 def _check_positions(cfg: RunConfig) -> None:
