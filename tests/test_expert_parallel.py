@@ -336,15 +336,16 @@ def test_a_run_stopped_at_expert_parallel_2_resumes_on_one_rank(tmp_path: Any) -
         torch.testing.assert_close(b[key], a[key], rtol=1e-3, atol=1e-5)
 
 
-def test_the_plan_of_an_expert_parallel_run_names_what_it_compares() -> None:
+def test_the_plan_of_an_expert_parallel_run_names_what_it_compares(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """plan_only at expert_parallel=4 (Qwen3-30B-A3B, ZeRO-2): the plan, its hints and its
     comparison with the other ZeRO stage — which is ZeRO-3 without expert parallelism (not
     built with it) — print, with no trace from a variant that cannot be built."""
-    from tests.conftest import ROOT, run_train_py
+    from memtune.launcher.job import print_plan
 
     args = ["experiment=qwen3-30b-a3b-4x4090-lora", "zero=zero2", "trainer.expert_parallel=4"]
-    proc = run_train_py([*args, "plan_only=true"], cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
-    assert "zero=zero3 trainer.expert_parallel=1 instead:" in proc.stdout
-    assert "Try (each alone, per rank):" in proc.stdout and "zero=zero3 (" not in proc.stdout
+    assert print_plan(compose_cfg([*args, "plan_only=true"])) == 0
+    out = capsys.readouterr().out
+    assert "zero=zero3 trainer.expert_parallel=1 instead:" in out
+    assert "Try (each alone, per rank):" in out and "zero=zero3 (" not in out
