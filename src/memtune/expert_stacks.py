@@ -61,6 +61,31 @@ class ExpertsState:
     even_routing: bool = False
     """tools.step_trace: row j of the n × top-k routing goes to expert j mod experts, whatever
     the router chose (fake tensors cannot run the data-dependent split; rank.experts)."""
+    shard: ExpertShard | None = None
+    """Expert parallelism (rank.expert_parallel): the experts this rank holds of the layer's,
+    and the ranks holding the others; None: every expert is here."""
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """The routed experts one rank of an expert-parallel group holds (rank.expert_parallel):
+    experts ``first`` .. ``first + count - 1`` of ``total``, rank ``rank`` of ``size`` in
+    ``group`` (a torch process group, which exchanges the tokens), every expert parameter
+    tagged with DeepSpeed's expert group ``group_name``."""
+
+    size: int
+    rank: int
+    total: int
+    group: Any
+    group_name: str
+
+    @property
+    def count(self) -> int:
+        return self.total // self.size
+
+    @property
+    def first(self) -> int:
+        return self.rank * self.count
 
 
 def experts_state(experts: Any) -> ExpertsState:
@@ -143,18 +168,25 @@ def add_expert_adapters(
 
     added = 0
     for _, experts in expert_modules(model):
+        # experts loaded split over ranks (rank.expert_parallel): every expert's drawn, the
+        # rank's kept, so a run starts from the same adapter at any split
+        shard = experts_state(experts).shard
         for name in EXPERT_PARAMETERS:
             stack = getattr(experts, name)
             n, out, inp = full_shape(stack)
+            whole = shard.total if shard is not None and n == shard.count else n
             kind = dtype or torch.float32
-            a = torch.empty(n, r, inp, device=stack.device, dtype=kind)
-            b = torch.zeros(n, out, r, device=stack.device, dtype=kind)
+            a = torch.empty(whole, r, inp, device=stack.device, dtype=kind)
+            b = torch.zeros(whole, out, r, device=stack.device, dtype=kind)
             if a.device.type != "meta":
                 if init == "gaussian":
                     nn.init.normal_(a, std=1 / r)
                 else:
                     bound = 1 / math.sqrt(inp)
                     nn.init.uniform_(a, -bound, bound)
+            if whole != n:
+                assert shard is not None
+                a, b = (t[shard.first : shard.first + n].clone() for t in (a, b))
             experts.register_parameter(f"{name}_lora_A", nn.Parameter(a))
             experts.register_parameter(f"{name}_lora_B", nn.Parameter(b))
             added += a.numel() + b.numel()

@@ -246,8 +246,10 @@ class Experts:
     """LoRA on every routed expert (peft.target=all-linear)."""
     storage: ExpertStorage
     parallel: int = 1
-    """Ranks the experts are split over by expert (expert parallelism); 1: every rank holds
-    every expert, and ZeRO-3 shards them with the other weights."""
+    """Ranks the experts are split over by expert (expert parallelism, rank.expert_parallel:
+    each group of ``parallel`` ranks holds routed / parallel experts a layer on each rank, and
+    sends tokens to them by all-to-all); 1: every rank holds every expert, and ZeRO-3 shards
+    them with the other weights. Built under ZeRO-2 only."""
 
     def __post_init__(self) -> None:
         if self.storage not in choices_of(ExpertStorage):
@@ -255,8 +257,12 @@ class Experts:
                 f"experts.storage is {self.storage!r}, not one of "
                 f"{' | '.join(choices_of(ExpertStorage))}"
             )
-        if self.parallel != 1:
-            raise DecisionError(f"experts.parallel={self.parallel}: only 1 is built so far")
+        if not isinstance(self.parallel, int) or isinstance(self.parallel, bool):
+            raise DecisionError(f"experts.parallel must be an integer (got {self.parallel!r})")
+        if self.parallel < 1 or self.routed % self.parallel:
+            raise DecisionError(
+                f"experts.parallel={self.parallel} does not divide experts.routed={self.routed}"
+            )
 
 
 @dataclass(frozen=True)
@@ -357,6 +363,19 @@ class Decisions:
                 f"kernels.{self.kernels.fused()[0]} is liger with vision (data with images): "
                 "not built together yet"
             )
+        if self.experts is not None and self.experts.parallel > 1:
+            ep = self.experts.parallel
+            if self.batch.ranks % ep:
+                raise DecisionError(
+                    f"experts.parallel={ep} does not divide batch.ranks={self.batch.ranks}"
+                )
+            if self.zero_stage == 3 or self.sequence_parallel > 1:
+                raise DecisionError(
+                    f"experts.parallel={ep} with "
+                    + ("zero_stage 3" if self.zero_stage == 3 else "sequence_parallel > 1")
+                    + ": not built together (expert parallelism runs under ZeRO-2, sequences "
+                    "whole)"
+                )
         if self.offload_activations and not self.checkpointing.enabled:
             raise DecisionError("offload_activations needs checkpointing (enabled: true)")
         if self.checkpointing.selective:
@@ -516,6 +535,14 @@ def requested_sequence_parallel(cfg: RunConfig) -> int | None:
     return None if value == "auto" else int(value)
 
 
+def requested_expert_parallel(cfg: RunConfig) -> int:
+    """trainer.expert_parallel as run: the user's number, and ``auto`` 1 — the planner does not
+    price expert parallelism yet (issue #48 item 3); when it does, memory.fit chooses and this
+    takes its choice like the other settings left to auto."""
+    value = str(cfg.trainer.expert_parallel)
+    return 1 if value == "auto" else int(value)
+
+
 def requested_switch(value: str) -> bool | None:
     """An auto | on | off setting as the user asked, None for ``auto``."""
     return None if value == "auto" else value == "on"
@@ -566,7 +593,7 @@ def experts_of(cfg: RunConfig) -> Experts | None:
     storage: ExpertStorage = (
         "int8" if method == "lora-int8" else cfg.peft.quant_type if method == "qlora" else "compute"
     )
-    return Experts(count, adapts_experts(cfg), storage)
+    return Experts(count, adapts_experts(cfg), storage, requested_expert_parallel(cfg))
 
 
 def vision_of(

@@ -314,6 +314,12 @@ class TrainerConfig:
     It must divide launcher.num_ranks (the rest are data-parallel groups), the query heads, and
     the KV heads (or be a multiple of them), and data.max_seq_len. auto: the planner's choice
     (1 unless a longer sequence needs it; README "Long context")."""
+    expert_parallel: str = "1"
+    """A mixture of experts: ranks its routed experts are split over by expert (expert
+    parallelism; docs/moe.md). 1 | 2 | 4 ... | auto. Each group of N ranks holds E/N of each
+    layer's experts (and their LoRA), and sends each token to the ranks holding its experts and
+    back (all-to-all). It must divide launcher.num_ranks and the model's routed experts; ZeRO-2
+    only so far. auto: 1 until the planner prices expert parallelism (issue #48 item 3)."""
     tiled_mlp: Choice[Switch] = "auto"
     """auto | on | off: run each MLP over tiles of hidden_size tokens and recompute them in
     backward, so the 3 × tokens × intermediate temporaries exist for one tile only."""

@@ -436,6 +436,12 @@ def _check_experts(cfg: RunConfig) -> None:
             "would carry no gradient for the balance loss; use checkpointing_reentrant=false"
         )
     if not experts:
+        ep = str(cfg.trainer.expert_parallel)
+        if ep not in ("1", "auto"):
+            raise ConfigError(
+                f"trainer.expert_parallel={ep}: {cfg.model.name_or_path} is not a mixture of "
+                "experts (no routed experts to split over ranks); leave it at 1"
+            )
         if cfg.peft.train_router:
             raise ConfigError(
                 f"peft.train_router=true: {cfg.model.name_or_path} is not a mixture of experts "
@@ -458,6 +464,7 @@ def _check_experts(cfg: RunConfig) -> None:
         )
     sp = str(t.sequence_parallel)
     _check_experts_split(cfg, int(sp) if sp.isdigit() else 1)
+    _check_expert_parallel(cfg, experts)
     if (
         p.train_router
         and cfg.trainer.objective in ("dpo", "ipo")
@@ -486,6 +493,56 @@ def _check_experts(cfg: RunConfig) -> None:
             f"{what} {why}: peft builds DoRA, PiSSA and OLoRA for linear layers only; use "
             "plain LoRA (rsLoRA, LoRA+, gaussian init work), or "
             "peft.target=all-linear-but-experts"
+        )
+
+
+def _check_expert_parallel(cfg: RunConfig, experts: int) -> None:
+    """Expert parallelism (rank.expert_parallel): the groups of ranks and what it is built
+    with so far; the rest refused by name."""
+    value = str(cfg.trainer.expert_parallel)
+    if value != "auto" and not (value.isdigit() and int(value) >= 1):
+        raise ConfigError(
+            f"trainer.expert_parallel={value!r} is not supported; choose 1 | 2 | 4 ... | auto "
+            "(ranks a mixture's routed experts are split over)"
+        )
+    ep = int(value) if value.isdigit() else 1  # auto: 1 until the planner prices it
+    if ep == 1:
+        return
+    ranks = cfg.launcher.num_ranks
+    if ranks % ep:
+        raise ConfigError(
+            f"trainer.expert_parallel={ep} does not divide launcher.num_ranks={ranks}: the "
+            f"ranks form groups of {ep} that split the routed experts between them"
+        )
+    if experts % ep:
+        ok = [n for n in range(1, experts + 1) if experts % n == 0 and ranks % n == 0]
+        raise ConfigError(
+            f"trainer.expert_parallel={ep} does not divide {cfg.model.name_or_path}'s "
+            f"{experts} routed experts a layer (each rank holds an equal share); choose one "
+            f"of {ok}"
+        )
+    if cfg.zero.stage == 3:
+        raise ConfigError(
+            f"trainer.expert_parallel={ep} with zero.stage=3: not built (DeepSpeed 0.19.8 keeps "
+            "expert parameters out of ZeRO-3's partitioning for its own AutoEP layers only); "
+            "use zero=zero2"
+        )
+    if cfg.trainer.optimizer != "adamw":
+        raise ConfigError(
+            f"trainer.expert_parallel={ep} with trainer.optimizer={cfg.trainer.optimizer}: not "
+            "built yet (tested with torch's AdamW, whose state the checkpoints keep whole for "
+            "a resume at another split); use adamw"
+        )
+    if cfg.trainer.objective != "sft":
+        raise ConfigError(
+            f"trainer.expert_parallel={ep} with trainer.objective={cfg.trainer.objective}: not "
+            "built yet (preference objectives are untested with it); use sft"
+        )
+    if cfg.peft.init_from:
+        raise ConfigError(
+            f"trainer.expert_parallel={ep} with peft.init_from: not built yet (a rank would "
+            "load every expert's adapter into its share); start from it at "
+            "trainer.expert_parallel=1, or resume a checkpoint, which may change the split"
         )
 
 

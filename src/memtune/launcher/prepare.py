@@ -418,9 +418,12 @@ def resolve_resume(
     state = _train_state(ckpt)
     ranks = cfg.launcher.num_ranks
     old_stage, stage = saved.value("zero.stage"), d.zero_stage
-    if state.world_size != ranks or old_stage != stage:
+    old_ep, ep = saved.value("trainer.expert_parallel"), now.value("trainer.expert_parallel")
+    if state.world_size != ranks or old_stage != stage or str(old_ep) != str(ep):
         why = world_change_problem(cfg, ckpt)
         changed = f"{state.world_size} rank(s), ZeRO-{old_stage} → {ranks}, ZeRO-{stage}"
+        if str(old_ep) != str(ep):
+            changed += f"; trainer.expert_parallel {old_ep} → {ep}"
         if saved.cfg.launcher.nnodes != cfg.launcher.nnodes:
             changed += f"; {saved.cfg.launcher.nnodes} → {cfg.launcher.nnodes} node(s)"
         if why:
@@ -493,11 +496,18 @@ from the next step on (rank.checkpoint.follow_schedule), never the saving run's.
 
 def resume_changes(cfg: RunConfig, d: Decisions, ckpt: Path | None) -> dict[str, list[Any]]:
     """What a resume changes that it may: the number of ranks, nodes, the ZeRO stage, the
-    learning-rate schedule."""
+    expert-parallel size (a mixture's experts split otherwise over the ranks: the engine files
+    hold the old split, the gathered state every expert), the learning-rate schedule."""
     if ckpt is None:
         return {}
     saved, now = checkpoint_run(ckpt), RunValues(cfg, d)
-    keys = ("launcher.num_ranks", "launcher.nnodes", "zero.stage", *SCHEDULE_KEYS)
+    keys = (
+        "launcher.num_ranks",
+        "launcher.nnodes",
+        "zero.stage",
+        "trainer.expert_parallel",
+        *SCHEDULE_KEYS,
+    )
     return {k: [saved.value(k), now.value(k)] for k in keys if saved.value(k) != now.value(k)}
 
 
@@ -507,6 +517,7 @@ DECIDED_KEYS: dict[str, Callable[[Decisions], Any]] = {
     "trainer.optimizer": lambda d: d.optimizer,
     "trainer.micro_batch_size": lambda d: d.batch.micro_batch,
     "trainer.global_batch_size": lambda d: d.batch.global_batch,
+    "trainer.expert_parallel": lambda d: 1 if d.experts is None else d.experts.parallel,
 }
 """The settings a resume compares whose value in the run is decided (plan.auto_fit, one
 rank's ZeRO stage may change them): compared as decided."""

@@ -264,6 +264,10 @@ def suggestions(
         trial = apply(settings)
         if quantized_shape_problems(trial, trial.peft.method, counts):
             continue  # a 4-bit base bitsandbytes cannot pack for this architecture
+        try:
+            validate(trial, inputs=False)  # e.g. ZeRO-3 with trainer.expert_parallel > 1
+        except ConfigError:
+            continue
         saved = total - plan(trial, admitted(trial, choices, machine), counts).total_gib
         if saved >= 0.05:
             scored.append((saved, f"{override} ({why}): -{saved:.2f} GiB"))
@@ -342,9 +346,12 @@ def _estimated_step_s(
 
 
 def other_zero_stage(cfg: RunConfig, d: Decisions) -> tuple[RunConfig, Choices]:
-    """The decided run on the other ZeRO stage, its checkpointed layers left to choose."""
+    """The decided run on the other ZeRO stage, its checkpointed layers left to choose (to
+    ZeRO-3 without expert parallelism, which is not built there)."""
     stage = 2 if d.zero_stage == 3 else 3
     settings = with_sections(settings_of(cfg, d), zero={"stage": stage, "template": None})
+    if stage == 3 and d.experts is not None and d.experts.parallel > 1:
+        settings = with_sections(settings, trainer={"expert_parallel": "1"})
     return settings, dataclasses.replace(pinned(d), recompute=None, selective=None)
 
 
@@ -383,7 +390,9 @@ def format_step_estimates(
     alternatives = []
     if d.batch.ranks > 1:
         stage = 2 if d.zero_stage == 3 else 3
-        alternatives.append((other_zero_stage(cfg, d), f"zero=zero{stage}"))
+        split = d.experts is not None and d.experts.parallel > 1
+        label = f"zero=zero{stage}" + (" trainer.expert_parallel=1" if split else "")
+        alternatives.append((other_zero_stage(cfg, d), label))
     larger = larger_micro_batch_under_split(cfg, d)
     if larger is not None:
         m = larger[0].trainer.micro_batch_size

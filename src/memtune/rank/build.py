@@ -18,6 +18,11 @@ import torch
 from memtune.config import ConfigError, RunConfig, preference_loss_kind
 from memtune.config.architecture import loaded_mismatches
 from memtune.config.decisions import Decisions
+from memtune.rank.expert_parallel import (
+    deepspeed_sees_experts,
+    expert_param_groups,
+    split_experts,
+)
 from memtune.rank.kernels import Wired, kernels_label, use_fused_kernels
 from memtune.rank.layers import set_checkpointed_layers
 from memtune.rank.linear_attention import keep_samples_apart, split_over_ranks
@@ -100,6 +105,8 @@ def build_rank(
     compiled = compile_layers(model, d.zero_stage == 3) if cfg.trainer.compile else 0
     tiles, offloaded = apply_layer_decisions(model, d, device)
     trainable, total = count_parameters(model)
+    if d.experts is not None and d.experts.parallel > 1:
+        split_experts(model, d.experts.parallel)  # counted whole above, as the plan counts
     mpu = None
     if d.sequence_parallel > 1:
         from memtune.rank.sequence_parallel import register_attention
@@ -194,16 +201,18 @@ def build_engine(
     groups (rank/sequence_parallel.py), when sequences are split."""
     import deepspeed
 
-    groups = param_groups(cfg, model)
+    groups = expert_param_groups(param_groups(cfg, model))
     optimizer, optimizer_note = build_optimizer(cfg, d.optimizer, groups, device)
     if cfg.peft.loraplus_lr_ratio is not None:
         optimizer_note += f" · LoRA+: B at {cfg.peft.loraplus_lr_ratio:g}× the rate of A"
-    engine, _, _, _ = deepspeed.initialize(
-        model=loss_module(cfg, d, model, device),
-        optimizer=optimizer,
-        model_parameters=with_rates(groups, cfg.trainer.lr) if optimizer is None else None,
-        lr_scheduler=scheduler_factory(cfg),
-        config=ds_config,
-        mpu=mpu,
-    )
+    module = loss_module(cfg, d, model, device)
+    with deepspeed_sees_experts(module, model):
+        engine, _, _, _ = deepspeed.initialize(
+            model=module,
+            optimizer=optimizer,
+            model_parameters=with_rates(groups, cfg.trainer.lr) if optimizer is None else None,
+            lr_scheduler=scheduler_factory(cfg),
+            config=ds_config,
+            mpu=mpu,
+        )
     return engine, optimizer_note

@@ -25,6 +25,7 @@ from memtune.config.architecture import LANGUAGE_MODEL_PREFIX, is_multimodal
 from memtune.config.decisions import Decisions
 from memtune.filesystem import follow_umask, replace_dir, write_atomic
 from memtune.integrity import list_files
+from memtune.rank.expert_parallel import gathered_expert_adapters, own_experts, whole_experts
 from memtune.rank.experts import to_peft_names, write_expert_adapters
 from memtune.rank.model import rewriting_start
 from memtune.rundir import RunDir, TrainState
@@ -35,8 +36,8 @@ class NonFiniteWeights(RuntimeError):
 
 
 def trainable_state_dict(model: Any) -> dict[str, torch.Tensor]:
-    """Full (gathered) copies of the trainable tensors. A collective under ZeRO-3: every rank
-    must call it; all ranks get the result."""
+    """Full (gathered) copies of the trainable tensors. A collective under ZeRO-3 and expert
+    parallelism: every rank must call it; all ranks get the result."""
     import deepspeed
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -45,7 +46,8 @@ def trainable_state_dict(model: Any) -> dict[str, torch.Tensor]:
     if zero3:
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             return {n: p.detach().cpu().clone() for n, p in named}
-    return {n: p.detach().cpu().clone() for n, p in named}
+    # expert parallelism: each expert's adapter from the rank holding it, the layer's whole
+    return {n: p.detach().cpu().clone() for n, p in named} | gathered_expert_adapters(model)
 
 
 def export_adapter(model: Any, out_dir: Path, is_writer: bool) -> int:
@@ -369,7 +371,8 @@ def _optimizer_step(engine: Any) -> int | None:
 
 
 def save_gathered_state(engine: Any, out: Path, is_writer: bool) -> None:
-    """Collective. Writes GATHERED (+ GATHERED_META) when the optimizer keeps Adam moments."""
+    """Collective. Writes GATHERED (+ GATHERED_META) when the optimizer keeps Adam moments:
+    each trainable tensor whole (a split expert adapter gathered from its group's ranks)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     from safetensors.torch import save_file
 
@@ -379,10 +382,12 @@ def save_gathered_state(engine: Any, out: Path, is_writer: bool) -> None:
     _link_optimizer_state(engine.optimizer)
     tensors: dict[str, torch.Tensor] = {}
     for name, param in _trainable(engine):
-        tensors[f"{name}::fp32"] = safe_get_full_fp32_param(param).detach().cpu().clone()
+        # expert parallelism: every expert's, from the ranks holding them (whole_experts)
+        value = whole_experts(param, safe_get_full_fp32_param(param).detach())
+        tensors[f"{name}::fp32"] = value.cpu().clone()
         for key in ADAM_STATES:
-            value = safe_get_full_optimizer_state(param, key)
-            tensors[f"{name}::{key}"] = value.detach().cpu().clone()
+            value = whole_experts(param, safe_get_full_optimizer_state(param, key).detach())
+            tensors[f"{name}::{key}"] = value.cpu().clone()
     if is_writer:
         save_file(tensors, str(out / GATHERED))
         meta = {"optimizer_step": step, "lr_scheduler": engine.lr_scheduler.state_dict()}
@@ -397,10 +402,15 @@ def load_gathered_state(engine: Any, checkpoint: Path) -> None:
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
     from safetensors.torch import load_file
 
-    tensors = load_file(str(checkpoint / GATHERED))
     meta = json.loads((checkpoint / GATHERED_META).read_text())
     _materialize_optimizer_state(engine)
     named = _trainable(engine)
+    # expert parallelism: each layer's experts saved whole, this rank's kept (own_experts)
+    tensors = {
+        key: own_experts(param, value)
+        for key, value in load_file(str(checkpoint / GATHERED)).items()
+        for param in [dict(named).get(key.partition("::")[0])]
+    }
     missing = [n for n, _ in named if f"{n}::fp32" not in tensors]
     if missing:
         raise RuntimeError(f"{checkpoint / GATHERED}: no state for {missing[0]} (and others?)")

@@ -27,6 +27,7 @@ adapter trained with it would not be the one peft loads): config.validate asks f
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import types
 from collections.abc import Iterator
@@ -43,6 +44,7 @@ from memtune.expert_stacks import (
     QUANT_BLOCK,
     QUANTIZED_CHUNK_BYTES,
     ROUTER_MODULE,
+    ExpertShard,
     QuantizedStack,
     add_expert_adapters,
     expert_modules,
@@ -117,11 +119,15 @@ class LoadedStacks:
 
 
 @contextlib.contextmanager
-def quantize_experts_as_loaded(quant_type: str, storage: torch.dtype) -> Iterator[LoadedStacks]:
+def quantize_experts_as_loaded(
+    quant_type: str | None, storage: torch.dtype, shard: ExpertShard | None = None
+) -> Iterator[LoadedStacks]:
     """While transformers' ``from_pretrained`` reads a mixture (rank.model.load_base_model):
-    each routed-expert stack quantized (:func:`quantized_parameter`) the moment the loader
-    puts it on its module, so no rank ever holds the whole base in the compute dtype — only
-    the quantized model and the one stack being read.
+    each routed-expert stack quantized (:func:`quantized_parameter`; ``quant_type`` None: kept
+    in its dtype) the moment the loader puts it on its module, so no rank ever holds the whole
+    base in the compute dtype — only the quantized model and the one stack being read. With
+    expert parallelism (``shard``), only this rank's experts of each stack are kept
+    (rank.expert_parallel), quantized or not: the others are freed with the stack read.
 
     transformers 5 builds a quantized model on the meta device and reads the checkpoint one
     target tensor at a time (``safe_open`` slices, no thread pool when it quantizes on the
@@ -142,14 +148,25 @@ def quantize_experts_as_loaded(quant_type: str, storage: torch.dtype) -> Iterato
             or param.dim() != 3
             or not param.dtype.is_floating_point
             or quantized_stack(param) is not None
+            or getattr(param, "memtune_as_loaded", False)
         ):
             return None
-        loaded.stacks += 1
-        loaded.largest_bytes = max(loaded.largest_bytes, param.numel() * param.element_size())
-        quantized = quantized_parameter(param.data, quant_type, storage)
+        data = param.data
+        if shard is not None:  # of the experts this module has (the checkpoint's)
+            mine = dataclasses.replace(shard, total=int(data.shape[0]))
+            experts_state(module).shard = mine
+            data = data[mine.first : mine.first + mine.count].clone()
+        kept: Any
+        if quant_type is None:
+            kept = nn.Parameter(data, requires_grad=param.requires_grad)
+        else:
+            loaded.stacks += 1
+            loaded.largest_bytes = max(loaded.largest_bytes, param.numel() * param.element_size())
+            kept = quantized_parameter(data, quant_type, storage)
+        kept.memtune_as_loaded = True  # the hook sees its own replacement registered
         # loaded, not missing: transformers would draw it again from its initializer
-        quantized._is_hf_initialized = True
-        return quantized
+        kept._is_hf_initialized = True
+        return kept
 
     handle = nn.modules.module.register_module_parameter_registration_hook(quantize)
     try:

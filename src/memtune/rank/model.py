@@ -115,14 +115,24 @@ def load_base_model(cfg: RunConfig, d: Decisions, device_index: int | None = Non
 def quantized_as_loaded(cfg: RunConfig, d: Decisions) -> Any:
     """A quantized mixture's expert stacks quantized as the checkpoint is read
     (rank.experts.quantize_experts_as_loaded: no whole base in the compute dtype on any rank,
-    which lets a quantized mixture run replicated under ZeRO-2); else nothing to do."""
+    which lets a quantized mixture run replicated under ZeRO-2), and under expert parallelism
+    only this rank's experts kept of each stack read; else nothing to do."""
     import contextlib
 
     from memtune.rank.experts import quantize_experts_as_loaded
 
-    if d.peft_method == "lora" or d.experts is None or d.experts.storage == "compute":
+    if d.experts is None:
         return contextlib.nullcontext()
-    return quantize_experts_as_loaded(d.experts.storage, torch_dtype(cfg))
+    shard = None
+    if d.experts.parallel > 1:  # only this rank's experts kept as they are read
+        from memtune.rank.expert_parallel import shard_for
+
+        shard = shard_for(d.experts.parallel, d.experts.routed)
+    quantized = d.peft_method != "lora" and d.experts.storage != "compute"
+    if not quantized and shard is None:
+        return contextlib.nullcontext()
+    storage = d.experts.storage if quantized else None
+    return quantize_experts_as_loaded(storage, torch_dtype(cfg), shard)
 
 
 @dataclass

@@ -374,7 +374,8 @@ class RankRun:
         if not resume.checkpoint:
             return TrainResult()
         checkpoint = Path(resume.checkpoint)
-        layout = ("launcher.num_ranks", "zero.stage")  # what the engine files depend on
+        # what the engine files depend on
+        layout = ("launcher.num_ranks", "zero.stage", "trainer.expert_parallel")
         moved = {k: v for k, v in resume.changed.items() if k in layout}
         if not moved:
             state = load_checkpoint(self.engine, checkpoint, self.rank)
@@ -614,7 +615,15 @@ def experts_line(cfg: RunConfig, d: Decisions, model: Any) -> str:
         return ""
     parts = " · ".join(f"{part} {n:,}" for part, n in trainable_by_part(model).items())
     frozen = "" if d.experts is not None and d.experts.adapted else " (routed experts frozen)"
-    return f"\nmemtune: trainable by part: {parts}{frozen}"
+    split = ""
+    if d.experts is not None and d.experts.parallel > 1:
+        ep = d.experts.parallel
+        lora = " and their LoRA (the count above is this rank's)" if not frozen else ""
+        split = (
+            f"\nmemtune: expert parallel {ep}: each rank holds {experts // ep} of the {experts} "
+            f"routed experts a layer{lora}, tokens exchanged by all-to-all"
+        )
+    return f"\nmemtune: trainable by part: {parts}{frozen}{split}"
 
 
 def preference_line(metrics: dict[str, float]) -> str:

@@ -1,0 +1,351 @@
+"""Expert parallelism (trainer.expert_parallel, rank.expert_parallel): the dispatch and combine
+compute what one rank's experts forward does, values and gradients, on 2 gloo processes; a
+tiny Qwen3-MoE trains at expert_parallel=2 on 2 ZeRO-2 ranks as it does at 1 (losses, gradient
+norms, routing statistics, the exported adapter); what is not built is refused by name."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import pytest
+import torch
+
+from memtune.config import ConfigError, to_run_config, validate
+from tests.conftest import compose_cfg, decided
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=3,
+    vocab_size=128,
+    initializer_range=0.1,
+)
+
+
+def _block(quant: str | None, dtype: torch.dtype = torch.float32) -> Any:
+    """One Qwen3-MoE block in ``dtype``, its experts adapted (B drawn, so the adapters count),
+    the same on every process."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memtune.rank import experts as ex
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **TINY))
+    block = model.model.layers[0].mlp.requires_grad_(False).to(dtype)
+    if quant:
+        ex.quantize_experts(block, quant, dtype)
+    ex.add_expert_lora(block, 8, 2.0, dtype=dtype)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            if "_lora_B" in name:
+                p.normal_(std=0.2)
+    return block
+
+
+def _inputs(rank: int, experts: int, dtype: torch.dtype = torch.float32) -> tuple[Any, ...]:
+    """Rank ``rank``'s tokens (10 + 3·rank of them), routing among the first ``experts``
+    experts, the routing weights, and the probe the loss is taken against."""
+    g = torch.Generator().manual_seed(100 + rank)
+    n = 10 + 3 * rank
+    x = torch.randn(n, 64, generator=g)
+    index = torch.stack([torch.randperm(experts, generator=g)[:3] for _ in range(n)])
+    weights = torch.rand(n, 3, generator=g).softmax(-1)
+    probe = torch.randn(n, 64, generator=g)
+    return x.to(dtype), index, weights.to(dtype), probe.to(dtype)
+
+
+def _run(block: Any, x: torch.Tensor, index: torch.Tensor, w: torch.Tensor, probe: Any) -> Any:
+    x, w = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    out = block.experts(x, index, w)
+    (out * probe).sum().backward()
+    grads = {n: p.grad.clone() for n, p in block.experts.named_parameters() if p.grad is not None}
+    block.zero_grad(set_to_none=True)
+    return out.detach(), x.grad, w.grad, grads
+
+
+def _dispatch_worker(rank: int, port: int) -> None:
+    import deepspeed
+
+    from memtune.expert_stacks import full_shape
+    from memtune.rank.expert_parallel import counting, split_experts
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+    )
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    # float and NF4 stacks; every expert (8), then only experts 0-3 (rank 1's half gets no
+    # row from anyone)
+    # (bf16: exchanged as its bytes, gloo has no bfloat16 all-to-all; the sums run in another
+    # order, so to bf16's rounding)
+    cases = ((None, 8, torch.float32), (None, 4, torch.float32), ("nf4", 8, torch.float32))
+    for quant, experts, dtype in (*cases, (None, 8, torch.bfloat16)):
+        tol = (
+            {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 0.02, "atol": 0.02}
+        )
+        whole = _block(quant, dtype)
+        mine = _inputs(rank, experts, dtype)
+        expected = _run(whole, *mine)
+        summed: dict[str, torch.Tensor] = {}  # an expert's gradient: both ranks' tokens
+        for r in (0, 1):
+            for name, grad in _run(whole, *_inputs(r, experts, dtype))[3].items():
+                summed[name] = summed.get(name, 0) + grad.float()
+        split = _block(quant, dtype)
+        assert split_experts(split, 2) == 2
+        with counting() as counter:
+            out, dx, dw, grads = _run(split, *mine)  # a forward and its backward
+        torch.testing.assert_close(out, expected[0], **tol)
+        torch.testing.assert_close(dx, expected[1], **tol)
+        torch.testing.assert_close(dw, expected[2], **tol)
+        assert sorted(grads) == sorted(summed) and len(grads) == 4
+        for name, grad in grads.items():  # this rank's four experts of eight
+            want = summed[name][4 * rank : 4 * rank + 4]
+            torch.testing.assert_close(grad.float(), want, **tol)
+        if experts == 4 and rank == 1:
+            assert all(float(g.abs().max()) == 0 for g in grads.values())
+        # a token goes once to the other rank when any of its experts is there (not once per
+        # expert), and the other rank's such tokens go back summed; the backward sends as
+        # much again: the counter against the routing
+        there = int((mine[1] // 4 != rank).any(-1).sum())
+        here = int((_inputs(1 - rank, experts, dtype)[1] // 4 == rank).any(-1).sum())
+        assert counter.sent["tokens"] == 2 * (there + here) * 64 * dtype.itemsize
+        for stack in split.experts.parameters():  # this rank's share only, kept
+            assert full_shape(stack)[0] == 4
+
+
+def test_the_dispatch_computes_one_ranks_experts_forward() -> None:
+    """Two gloo processes, each with its own tokens, holding 4 of 8 experts (float or NF4
+    stacks, LoRA on them): the output, the gradients of the tokens and of the routing weights
+    are what the whole experts give for that rank's tokens; each expert's adapter gradient is
+    the sum over both ranks' tokens; a rank that no row reaches still has (zero) gradients;
+    the bytes sent are a token once per other rank it is routed to, there and back."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_dispatch_worker, args=(port,), nprocs=2, join=True)
+
+
+@pytest.mark.parametrize("peft", ["lora", "qlora-nf4"])
+def test_a_rank_reads_only_its_experts(
+    tmp_path: Any, peft: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under expert parallelism each stack the loader reads (a checkpoint storing each expert
+    apart, merged by transformers) keeps only this rank's experts — in bf16, or quantized as
+    read — the bytes of the whole load's experts 4-7 (rank 1 of 2); the experts' adapters are
+    drawn whole and cut, the whole model's."""
+    from transformers import AutoModelForCausalLM
+
+    import memtune.rank.expert_parallel as ep
+    from memtune.expert_stacks import (
+        ExpertShard,
+        add_expert_adapters,
+        expert_modules,
+        experts_state,
+        full_shape,
+    )
+    from memtune.rank.experts import quantize_experts
+    from memtune.rank.model import load_base_model
+    from tests.test_quantized_loading import MOE, _bytes, _cfg, _save
+
+    path = _save("qwen3_moe", MOE, tmp_path / "base")
+    cfg = _cfg("tiny-qwen3-moe", path, peft, "launcher.num_ranks=2", "trainer.expert_parallel=2")
+    d = decided(cfg, attention="sdpa")
+    # the process group of rank 1 of 2 (no collective runs while loading)
+    monkeypatch.setattr(ep, "shard_for", lambda size, total: ExpertShard(size, 1, total, None, "g"))
+    mine = load_base_model(cfg, d)
+    whole = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    if peft != "lora":
+        quantize_experts(whole, "nf4", torch.bfloat16)
+    stacks = 0
+    for (name, ours), (_, theirs) in zip(expert_modules(mine), expert_modules(whole), strict=True):
+        assert experts_state(ours).shard is not None
+        for stack in ("gate_up_proj", "down_proj"):
+            got, full = getattr(ours, stack), getattr(theirs, stack)
+            assert full_shape(got) == (4, *full_shape(full)[1:]), name
+            want = ep._quantized_experts(full, 4, 8) if peft != "lora" else full[4:8]
+            assert torch.equal(_bytes(got), _bytes(want)), (name, stack)
+            stacks += 1
+    assert stacks == 2 * 2
+    torch.manual_seed(1)
+    add_expert_adapters(mine, 4, 1.0)
+    torch.manual_seed(1)
+    add_expert_adapters(whole, 4, 1.0)
+    for (_, ours), (_, theirs) in zip(expert_modules(mine), expert_modules(whole), strict=True):
+        torch.testing.assert_close(ours.down_proj_lora_A, theirs.down_proj_lora_A[4:8])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.expert_parallel=3", "launcher.num_ranks=4"], "does not divide launcher"),
+        (["trainer.expert_parallel=4", "launcher.num_ranks=4", "model=tiny-qwen3-moe"], ""),
+        (["trainer.expert_parallel=2", "launcher.num_ranks=2", "zero=zero3"], "zero.stage=3"),
+        (
+            ["trainer.expert_parallel=2", "launcher.num_ranks=2", "trainer.optimizer=cpu_adam"],
+            "cpu_adam",
+        ),
+        (["trainer.expert_parallel=x"], "is not supported"),
+    ],
+)
+def test_what_expert_parallelism_cannot_do_is_refused_by_name(
+    overrides: list[str], message: str
+) -> None:
+    base = ["model=tiny-qwen3-moe", "peft.dropout=0", "zero=zero2"]
+    cfg = to_run_config(compose_cfg([*base, *overrides]))
+    if not message:  # it is built: validates
+        validate(cfg, inputs=False)
+        return
+    with pytest.raises(ConfigError, match=r"trainer\.expert_parallel") as err:
+        validate(cfg, inputs=False)
+    assert message in str(err.value)
+
+
+def test_the_split_is_decided_and_read_back_checked() -> None:
+    """decisions.json holds the split (experts.parallel), read back as written; a split the
+    ranks could not run is refused naming the field."""
+    import dataclasses
+
+    from memtune.config.decisions import DecisionError, Decisions, Experts
+    from tests.conftest import decided
+
+    base = ["model=tiny-qwen3-moe", "peft.dropout=0", "zero=zero2", "launcher.num_ranks=2"]
+    d = decided(to_run_config(compose_cfg([*base, "trainer.expert_parallel=2"])))
+    assert d.experts == Experts(routed=16, adapted=True, storage="compute", parallel=2)
+    assert Decisions.from_dict(d.as_dict()) == d
+    auto = decided(to_run_config(compose_cfg([*base, "trainer.expert_parallel=auto"])))
+    assert auto.experts is not None and auto.experts.parallel == 1  # until item 3 prices it
+    with pytest.raises(DecisionError, match="zero_stage 3"):
+        dataclasses.replace(d, zero_stage=3)
+    with pytest.raises(DecisionError, match=r"experts\.parallel=3 does not divide"):
+        Decisions.from_dict({**d.as_dict(), "experts": {**d.as_dict()["experts"], "parallel": 3}})
+
+
+def test_a_dense_model_refuses_expert_parallelism() -> None:
+    cfg = to_run_config(compose_cfg(["trainer.expert_parallel=2", "launcher.num_ranks=2"]))
+    with pytest.raises(ConfigError, match=r"trainer\.expert_parallel=2: .* not a mixture"):
+        validate(cfg, inputs=False)
+
+
+RUN = [
+    "trainer.max_steps=4",
+    "trainer.global_batch_size=8",  # a micro batch of 4 rows a rank, no accumulation
+    "trainer.activation_checkpointing=true",  # the first layer's dispatch again in backward
+    "trainer.checkpoint_layers=1",
+    "model=tiny-qwen3-moe",
+    "zero=zero2",
+    "launcher.num_ranks=2",
+    "peft.target=all-linear",
+    "peft.dropout=0",
+    "peft.train_router=true",  # the routers replicated, their gradients averaged as usual
+    "trainer.router_aux_loss_coef=0.01",  # each rank's balance loss, over its own tokens
+]
+
+
+@pytest.fixture(scope="module")
+def ep_runs(runs_root: Any) -> tuple[Any, Any]:
+    from tests.conftest import FAST, start_run
+
+    runs = [
+        start_run(runs_root / f"ep{ep}", [*FAST, *RUN, f"trainer.expert_parallel={ep}"])
+        for ep in (1, 2)
+    ]
+    assert [run.code for run in runs] == [0, 0]
+    return runs[0], runs[1]
+
+
+@pytest.mark.slow
+def test_expert_parallel_trains_as_one_rank_holding_every_expert(ep_runs: Any) -> None:
+    """A tiny Qwen3-MoE (16 experts, top-2), LoRA on attention and every routed expert,
+    routers trained, balance loss on, the first layer recomputed, ZeRO-2 over 2 ranks: at
+    expert_parallel=2 each rank holds 8 experts and their adapters, and the run is the run at
+    1 — the losses, gradient norms and routing statistics of every step, and the exported
+    adapter (whole, in peft's layout)."""
+    from safetensors.torch import load_file
+
+    one, two = ep_runs
+    assert two.decisions.experts.parallel == 2 and one.decisions.experts.parallel == 1
+    steps = [[m for m in run.metrics() if "train/loss" in m] for run in (one, two)]
+    assert len(steps[0]) == len(steps[1]) == 4
+    for a, b in zip(*steps, strict=True):
+        assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5)
+        assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-4)
+        assert b["moe/aux_loss"] == pytest.approx(a["moe/aux_loss"], rel=1e-5)
+        torch.testing.assert_close(
+            torch.tensor(b["moe/expert_load"]), torch.tensor(a["moe/expert_load"])
+        )
+    adapters = [load_file(run.dir / "adapter" / "adapter_model.safetensors") for run in ep_runs]
+    assert adapters[0].keys() == adapters[1].keys()
+    experts = [k for k in adapters[0] if ".mlp.experts." in k]
+    assert len(experts) == 2 * 4  # two layers, A and B of both stacks, every expert in each
+    # Adam's m/√v magnifies rounding (the combine adds in another order) where a gradient is
+    # near 0: a weight in ~65,000 parted by up to 1.1e-4 (2% of one step at the demo's lr,
+    # 5e-3), the rest within 1e-5
+    apart = 0
+    for name, tensor in adapters[0].items():
+        torch.testing.assert_close(adapters[1][name], tensor, rtol=1e-3, atol=2.5e-4)
+        apart += int(((adapters[1][name] - tensor).abs() > 1e-5).sum())
+    assert apart <= 4, apart
+    assert all(adapters[1][k].abs().max() > 0 for k in experts if "lora_B" in k)
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_a_run_stopped_at_expert_parallel_2_resumes_on_one_rank(tmp_path: Any) -> None:
+    """The hybrid Qwen3.5-MoE over NF4 expert stacks (LoRA on them): 20 steps at
+    expert_parallel=2 on 2 ZeRO-2 ranks, and the same run stopped after step 10 and resumed on
+    1 rank (every expert there): the checkpoint's gathered state holds each expert's adapter
+    and moments whole, so steps 11-20 are the uninterrupted run's, within the tolerances of
+    tests/test_resume_world.py."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from tests.test_resume_world import MOE, _back_to_step_10, _losses, _train
+
+    args = [*MOE, "zero=zero2", "model=tiny-qwen3.5-moe", "data.template=qwen3_5"]
+    args += ["peft=qlora-nf4"]
+    full = tmp_path / "full"
+    _train(full, *args, "launcher.num_ranks=2", "trainer.expert_parallel=2")
+    resumed = _back_to_step_10(full, tmp_path / "resumed")
+    proc = _train(resumed, *args, "launcher.num_ranks=1", "trainer.expert_parallel=1")
+    assert "trainer.expert_parallel 2 → 1" in proc.stdout
+    changed = json.loads((resumed / "resume.json").read_text())["changed"]
+    assert changed["trainer.expert_parallel"] == [2, 1]
+    want, got = _losses(full), _losses(resumed)
+    assert sorted(got) == list(range(1, 21))
+    for step in range(11, 21):
+        assert got[step] == pytest.approx(want[step], rel=1e-4, abs=1e-5), step
+    a = load_file(str(full / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(resumed / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and any(".mlp.experts." in k for k in a)
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-3, atol=1e-5)
+
+
+def test_the_plan_of_an_expert_parallel_run_names_what_it_compares(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """plan_only at expert_parallel=4 (Qwen3-30B-A3B, ZeRO-2): the plan, its hints and its
+    comparison with the other ZeRO stage — which is ZeRO-3 without expert parallelism (not
+    built with it) — print, with no trace from a variant that cannot be built."""
+    from memtune.launcher.job import print_plan
+
+    args = ["experiment=qwen3-30b-a3b-4x4090-lora", "zero=zero2", "trainer.expert_parallel=4"]
+    assert print_plan(compose_cfg([*args, "plan_only=true"])) == 0
+    out = capsys.readouterr().out
+    assert "zero=zero3 trainer.expert_parallel=1 instead:" in out
+    assert "Try (each alone, per rank):" in out and "zero=zero3 (" not in out
