@@ -6,8 +6,8 @@ bytes each) and ``train.jsonl``, conversations whose image paths are relative to
 the Qwen / Hugging Face message shape (a ``content`` list of ``{"type": "image"}`` and
 ``{"type": "text"}`` parts); some in the ShareGPT shape (``<image>`` in the text, an ``images``
 list beside the turns); a few hold two images, a few are multi-turn. What a tiny random model
-can learn from it in a minute: the answers' wording, and (from the image tokens) which colour,
-shape, digit or count each picture shows.
+learns from it in a minute is mostly the answers' wording: the set shows the pipeline working
+end to end on CPU ranks, with answers that a longer run can tie to the pictures.
 
 The files are committed (the demo runs from a fresh clone with no step of its own); this script
 is how they were made. Deterministic: drawings have no randomness and the records are in a fixed

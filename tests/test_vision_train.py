@@ -368,6 +368,6 @@ def test_a_vision_config_on_another_model_type_is_refused_by_name(tmp_path: Path
     from memtune.tools.tiny import synthesize
 
     arch = {"model_type": "qwen3", "vocab_size": 1024, "vision_config": {"depth": 1}}
-    with pytest.raises(ConfigError, match="model.architecture: model_type qwen3 with a vision"):
+    with pytest.raises(ConfigError, match=r"model\.architecture: model_type qwen3 with a vision"):
         synthesize(tmp_path / "tiny", arch)
     assert [p.name for p in tmp_path.iterdir()] == [".tiny.lock"]
