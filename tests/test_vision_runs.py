@@ -217,6 +217,7 @@ def test_the_demos_adapter_changes_the_released_class_on_an_image(runs_dir: Path
     from peft import PeftModel
 
     from memtune.data.batching import collate_padded
+    from tests.test_vision_export import PROCESSOR_KEYS
     from tests.test_vision_train import encoded
 
     run = cell("demo", runs_dir)
@@ -231,23 +232,9 @@ def test_the_demos_adapter_changes_the_released_class_on_an_image(runs_dir: Path
         got = served(input_ids=probe["input_ids"]).logits
     torch.testing.assert_close(got, probe["logits"], rtol=1e-4, atol=1e-4)
 
-    first = DEMO_DATA.read_text().splitlines()[0]
-    one = runs_dir / "one" / "demo_vl"
-    one.mkdir(parents=True)
-    (one / "images").symlink_to(DEMO_DATA.parent / "images")
-    (one / "one.jsonl").write_text(first + "\n")
-    samples, settings, pad = encoded(run.cfg, one / "one.jsonl")
-    batch = collate_padded(samples, pad, settings)
-    inputs = {
-        k: batch[k]
-        for k in (
-            "input_ids",
-            "attention_mask",
-            "pixel_values",
-            "image_grid_thw",
-            "mm_token_type_ids",
-        )
-    }
+    samples, settings, pad = encoded(run.cfg, DEMO_DATA)  # the first: a red circle, described
+    batch = collate_padded(samples[:1], pad, settings)
+    inputs = {k: batch[k] for k in PROCESSOR_KEYS}
     assert int(batch["image_grid_thw"].shape[0]) == 1
     with torch.no_grad():
         tuned = served(**inputs).logits
