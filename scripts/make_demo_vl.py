@@ -118,7 +118,7 @@ def build(out: Path) -> list[dict[str, Any]]:
     for k, ((shape, colour), img) in enumerate(shapes.items()):
         records.append(chat((parts(img, "Describe the picture."), f"A {colour} {shape}.")))
         records.append(chat((parts("What colour is the shape?", img), f"{colour.title()}.")))
-        if k % 3 == 0:  # a quarter as ShareGPT records
+        if k % 3 == 0:  # a third as ShareGPT records
             records.append(sharegpt(img, "What shape is this?", f"A {shape}."))
         else:
             records.append(chat((parts(img, "What shape is this?"), f"A {shape}.")))

@@ -361,13 +361,13 @@ def test_what_is_not_built_is_refused_by_name(bases: dict[str, Path], tmp_path: 
         vision_for_images(tiny, d, with_images)
 
 
-def test_a_vision_config_on_another_model_type_is_refused_by_name(tmp_path: Path) -> None:
-    """A synthesized model group whose architecture has a vision_config is built as the
-    released vision-language class of its language model's type; another type is refused
-    naming the field, and nothing is left behind."""
+def test_a_tower_on_another_model_type_is_refused_by_name(tmp_path: Path) -> None:
+    """A synthesized model group with a tower (model.vision) is built as the released
+    vision-language class of its language model's type; another type is refused naming the
+    fields, and nothing is left behind."""
     from memtune.tools.tiny import synthesize
 
-    arch = {"model_type": "qwen3", "vocab_size": 1024, "vision_config": {"depth": 1}}
-    with pytest.raises(ConfigError, match=r"model\.architecture: model_type qwen3 with a vision"):
-        synthesize(tmp_path / "tiny", arch)
+    arch = {"model_type": "qwen3", "vocab_size": 1024}
+    with pytest.raises(ConfigError, match=r"model\.vision is set, and model\.architecture's"):
+        synthesize(tmp_path / "tiny", arch, vision={"depth": 1})
     assert [p.name for p in tmp_path.iterdir()] == [".tiny.lock"]

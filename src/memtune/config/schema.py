@@ -95,6 +95,11 @@ class ModelConfig:
     architecture_source: Choice[ArchitectureSource] = "auto"
     """auto (the checkpoint's config.json when on disk, and it must agree with architecture) |
     checkpoint (the checkpoint's config.json replaces architecture; it must be on disk)"""
+    vision: dict[str, Any] = field(default_factory=dict)
+    """A vision-language checkpoint's vision tower: the fields of its config.json's
+    ``vision_config`` (depth, widths, patch_size, temporal_patch_size, spatial_merge_size),
+    what the planner counts a run on images with (memory.vision). Filled from the checkpoint's
+    config.json when it is on disk; empty: a text model, or a tower not planned."""
     synthesize: bool = False
     """Build a random-init model and tokenizer at ``name_or_path`` if absent (tiny demos)."""
     attn_implementation: Choice[AttnImplementation] = "auto"

@@ -6,8 +6,8 @@ Nothing can be downloaded here, so the demo model is built from its transformers
 a real checkpoint takes. Its tokenizer is a byte-level BPE trained on the bundled demo data,
 with Qwen's special tokens (and Qwen3's ``<think>`` / ``</think>`` for a qwen3 model) and a
 ChatML chat template — or, given ``tokenizer_dir``, a real tokenizer copied from there (the
-tests use Qwen's own). An architecture with a ``vision_config`` is built as the released
-vision-language class, with its tower, Qwen's vision tokens and a preprocessor_config.json
+tests use Qwen's own). With a tower (model.vision: a ``vision_config``), the released
+vision-language class is built, with its tower, Qwen's vision tokens and a preprocessor_config.json
 (the image demo's model, conf/model/tiny-qwen3.5-vl.yaml, and the tests' Qwen3-VL and
 Qwen2.5-VL).
 """
@@ -56,9 +56,13 @@ DEMO_MODEL = Store("demo model", 1)
 uses it: a damaged one is set aside as ``.damaged-NAME.XXXX`` beside it and built again."""
 
 
-def _fingerprint(architecture: dict[str, Any], tokenizer_dir: Path | None) -> str:
+def _fingerprint(
+    architecture: dict[str, Any], tokenizer_dir: Path | None, vision: dict[str, Any]
+) -> str:
     h = hashlib.sha256()
     h.update(json.dumps(architecture, sort_keys=True).encode())
+    if vision:  # (a text model's fingerprint as before towers: its build is kept)
+        h.update(json.dumps(vision, sort_keys=True).encode())
     h.update(TOKENIZER_CORPUS.read_bytes())
     if tokenizer_dir is not None:
         for name in sorted(p.name for p in tokenizer_dir.iterdir() if p.is_file()):
@@ -164,8 +168,10 @@ def synthesize(
     architecture: dict[str, Any],
     seed: int = 0,
     tokenizer_dir: str | Path | None = None,
+    vision: dict[str, Any] | None = None,
 ) -> Path:
-    """Build model + tokenizer at ``path`` unless an identical build is already there.
+    """Build model + tokenizer at ``path`` unless an identical build is already there; with
+    ``vision`` (model.vision: a vision_config), the vision-language class with its tower.
 
     memtune replaces only what it built: an existing ``path`` without memtune's marker file is
     refused (:class:`NotOurs`), never deleted. The build goes to a temporary sibling that is
@@ -174,7 +180,8 @@ def synthesize(
     """
     path = Path(path)
     tok_dir = None if tokenizer_dir is None else Path(tokenizer_dir)
-    fingerprint = _fingerprint(architecture, tok_dir)
+    vision = dict(vision or {})
+    fingerprint = _fingerprint(architecture, tok_dir, vision)
     if _current(path, fingerprint) and DEMO_MODEL.problem(path) is None:
         return path  # before importing transformers: ~2 s of every start of the demo
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -197,13 +204,14 @@ def synthesize(
                     f"({err.strerror}): point MEMTUNE_CACHE_DIR at a folder memtune can write"
                 ) from None
             print(DEMO_MODEL.damaged_line(path, problem, aside, "building it again"), flush=True)
-        _build(path, architecture, seed, tok_dir, fingerprint)
+        _build(path, architecture, vision, seed, tok_dir, fingerprint)
     return path
 
 
 def _build(
     path: Path,
     architecture: dict[str, Any],
+    vision: dict[str, Any],
     seed: int,
     tok_dir: Path | None,
     fingerprint: str,
@@ -211,8 +219,8 @@ def _build(
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     old = path.parent / f".{path.name}.old-{os.getpid()}"
     try:
-        if VISION_CONFIG in architecture:
-            _write_vision_language(tmp, architecture, seed)
+        if vision:
+            _write_vision_language(tmp, architecture, vision, seed)
         else:
             _write_text(tmp, architecture, seed, tok_dir)
         (tmp / _MARKER).write_text(json.dumps({"fingerprint": fingerprint, "seed": seed}))
@@ -255,11 +263,6 @@ def _write_text(path: Path, architecture: dict[str, Any], seed: int, tok_dir: Pa
     tokenizer.save_pretrained(path)
 
 
-VISION_CONFIG = "vision_config"
-"""An architecture with this field (a vision-language checkpoint's config.json read as memtune
-plans it: the language model's fields at the top, the tower's here) is built as the released
-vision-language class (:func:`_write_vision_language`)."""
-
 VISION_SPECIAL_TOKENS = [
     "<|vision_start|>",
     "<|vision_end|>",
@@ -275,8 +278,9 @@ TINY_VISION_LANGUAGE = {
     "qwen2_5_vl": "tiny-qwen2.5-vl",
 }
 """The tiny vision-language model of each family memtune trains on images: its model group
-(conf/model/), whose ``architecture`` is the one place its widths, depths and tower are set
-(the real patch, merge and temporal sizes, mRoPE proportions, deepstack and windows)."""
+(conf/model/), whose ``architecture`` and ``vision`` are the one place its widths, depths and
+tower are set (the real patch, merge and temporal sizes, mRoPE proportions, deepstack and
+windows)."""
 
 IMAGE_NORMALIZATION = {
     "qwen3_5": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
@@ -290,17 +294,18 @@ TINY_VISION_PIXELS = (64 * 64, 128 * 128)
 patch, 5 to 20 with Qwen2.5-VL's 28 (the released settings would give 64 to 16,384)."""
 
 
-def tiny_vision_architecture(model_type: str) -> dict[str, Any]:
-    """The architecture of the tiny ``model_type`` (a :data:`TINY_VISION_LANGUAGE` key), as its
-    model group composes it."""
+def tiny_vision_architecture(model_type: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The architecture and the tower (model.vision) of the tiny ``model_type`` (a
+    :data:`TINY_VISION_LANGUAGE` key), as its model group composes them."""
     from omegaconf import OmegaConf
 
     from memtune.config import compose
 
-    node = compose([f"model={TINY_VISION_LANGUAGE[model_type]}"])
-    arch = OmegaConf.to_container(node.model.architecture, resolve=True)
-    assert isinstance(arch, dict)
-    return {str(k): v for k, v in arch.items()}
+    model = OmegaConf.to_container(
+        compose([f"model={TINY_VISION_LANGUAGE[model_type]}"]).model, resolve=True
+    )
+    assert isinstance(model, dict)
+    return dict(model["architecture"]), dict(model["vision"])
 
 
 def build_vision_language(path: str | Path, model_type: str, seed: int = 0) -> Path:
@@ -309,13 +314,15 @@ def build_vision_language(path: str | Path, model_type: str, seed: int = 0) -> P
     build it in a folder of their own)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    _write_vision_language(path, tiny_vision_architecture(model_type), seed)
+    _write_vision_language(path, *tiny_vision_architecture(model_type), seed)
     return path
 
 
-def _write_vision_language(path: Path, architecture: dict[str, Any], seed: int) -> None:
+def _write_vision_language(
+    path: Path, architecture: dict[str, Any], vision: dict[str, Any], seed: int
+) -> None:
     """The released vision-language class (``AutoModelForImageTextToText``) of
-    ``architecture`` with its vision tower, random weights from ``seed``, saved with
+    ``architecture`` with the tower ``vision``, random weights from ``seed``, saved with
     ``save_pretrained`` beside a byte-level BPE with Qwen's specials and vision tokens and a
     preprocessor_config.json, so that every loader reads it as it reads a released checkpoint.
     The class's model type is the language model's without ``_text`` (qwen3_5_text: qwen3_5)."""
@@ -325,13 +332,13 @@ def _write_vision_language(path: Path, architecture: dict[str, Any], seed: int) 
     from memtune.config.architecture import VISION_LANGUAGE_TYPES
 
     text = dict(architecture)
-    vision = dict(text.pop(VISION_CONFIG))
     model_type = str(text["model_type"]).removesuffix("_text")
     if model_type not in VISION_LANGUAGE_TYPES:
         raise ConfigError(
-            f"model.architecture: model_type {text['model_type']} with a vision_config: memtune "
-            f"builds tiny vision-language models of {', '.join(VISION_LANGUAGE_TYPES)} only "
-            "(model_type qwen3_5_text, qwen3_vl_text or qwen2_5_vl_text)"
+            f"model.vision is set, and model.architecture's model_type is {text['model_type']}: "
+            "memtune builds tiny vision-language models of "
+            f"{', '.join(VISION_LANGUAGE_TYPES)} only (model_type qwen3_5_text, qwen3_vl_text or "
+            "qwen2_5_vl_text)"
         )
     tie = bool(text.pop("tie_word_embeddings", False))
     tokenizer = build_tokenizer(
@@ -348,7 +355,7 @@ def _write_vision_language(path: Path, architecture: dict[str, Any], seed: int) 
     config = AutoConfig.for_model(
         model_type,
         text_config=text,
-        vision_config={**vision, "out_hidden_size": text["hidden_size"]},
+        vision_config={"out_hidden_size": text["hidden_size"], **vision},
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
