@@ -71,6 +71,7 @@ CELLS: dict[str, list[str]] = {
         "trainer.precision=bf16",
         *BF16_SHORT,
         "trainer.micro_batch_size=1",  # a text-only sample is a micro batch of its own
+        "trainer.global_batch_size=4",  # 16 such micro batches a rank (bf16 is slow on a CPU)
     ],
     "qwen2_5_vl-z2": [
         "model=tiny-qwen2.5-vl",
