@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-14s %s\n", $$1, $$2}'
-	@echo "  Variables: EXP=<experiment> (train-4x4090, plan), ARGS='<hydra overrides>', PYTEST_ARGS='...'"
+	@echo "  Variables: EXP=<experiment> (train, train-4x4090, plan), ARGS='<hydra overrides>', PYTEST_ARGS='...'"
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,8 +32,11 @@ $(STAMP): pyproject.toml $(LOCK)
 install: $(STAMP) ## Create .venv and install memtune with its dev tools
 	@echo "memtune installed in $(VENV)"
 
-train: $(STAMP) ## Run the embedded CPU demo (tiny Qwen2, 2 ranks, ZeRO-3); ARGS= adds overrides
-	@$(PY) train.py $(ARGS)
+# `make train` is the CPU demo unless EXP= is given (EXP's default names the GPU job's experiment).
+TRAIN_EXP := $(if $(filter command line environment,$(origin EXP)),experiment=$(EXP))
+
+train: $(STAMP) ## Run the embedded CPU demo (tiny Qwen2, 2 ranks, ZeRO-3); EXP=demo-vl-cpu: the image demo; ARGS= adds overrides
+	@$(PY) train.py $(TRAIN_EXP) $(ARGS)
 
 test: $(STAMP) ## Run the test suite (CPU; real DeepSpeed ranks)
 	@$(VENV)/bin/memtune machine

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 
 STEPS = ["trainer.max_steps=20", "trainer.save_every=10", "trainer.global_batch_size=16"]
 MOE = ["peft.target=all-linear", "peft.dropout=0"]
+VISION = ["data=demo-vl", "data.template=chatml", "peft.dropout=0"]
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -81,6 +82,9 @@ def _back_to_step_10(full: Path, into: Path) -> Path:
             ],
         ),
         ("zero3", 1, 2, [*MOE, "model=tiny-qwen3-moe", "peft=qlora-nf4"]),
+        # Images (#49): a tiny Qwen3-VL on the bundled image demo set, packed, LoRA on the
+        # language model and on the tower (its gathered state resumed with the rest).
+        ("zero3", 2, 1, [*VISION, "model=tiny-qwen3-vl", "peft.target=all-linear-and-vision"]),
     ],
     ids=[
         "zero2-padded-2to1",
@@ -91,6 +95,7 @@ def _back_to_step_10(full: Path, into: Path) -> Path:
         "zero2-dora-pattern-1to2",
         "zero2-moe-hybrid-int8-loraplus-2to1",
         "zero3-moe-qlora-1to2",
+        "zero3-images-2to1",
     ],
 )
 def test_resume_on_another_world_size_continues_the_same_run(

@@ -1,10 +1,11 @@
 """Training on images (issue #49 items 3 and 4): the vision-language class with its tower, a
 packed row of samples with images trained as each sample alone, the tower frozen and never
-quantized unless asked, and one real 2-rank run.
+quantized unless asked. Whole runs on 2 ranks: tests/test_vision_runs.py.
 
-The models are tiny ones of the real classes (memtune.tools.tiny.build_vision_language:
-Qwen3-VL with deepstack, Qwen2.5-VL with windowed attention, Qwen3.5 with its linear
-attention), saved with save_pretrained and loaded through memtune's own loading code.
+The models are tiny ones of the real classes (memtune.tools.tiny.build_vision_language, from
+conf/model/tiny-*-vl.yaml: Qwen3-VL with deepstack, Qwen2.5-VL with windowed attention, Qwen3.5
+with its linear attention), saved with save_pretrained and loaded through memtune's own
+loading code.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from memtune.rank.loop import MODEL_INPUTS
 from memtune.rank.loss import CausalLMLoss
 from memtune.rank.model import add_lora, load_base_model
 from memtune.tools.tiny import build_vision_language
-from tests.conftest import FAST, compose_cfg, decided, start_run
+from tests.conftest import compose_cfg, decided
 
 FAMILIES = ("qwen3_vl", "qwen2_5_vl", "qwen3_5")
 
@@ -360,68 +361,13 @@ def test_what_is_not_built_is_refused_by_name(bases: dict[str, Path], tmp_path: 
         vision_for_images(tiny, d, with_images)
 
 
-@pytest.mark.slow
-def test_images_train_on_two_zero3_ranks_packed(bases: dict[str, Path], tmp_path: Path) -> None:
-    """A real run: 2 CPU ranks, ZeRO-3 (the tower sharded with the rest), LoRA on the language
-    model and the tower (its blocks recomputed), packed rows of samples with images and without
-    (some micro batches have none, and their ranks run the tower on a blank image: ZeRO-3's
-    gathers stay in step). The loss falls; the adapter is named for the released class."""
-    from memtune.config.decisions import BatchShape
-    from memtune.data.loaders import make_loader
+def test_a_tower_on_another_model_type_is_refused_by_name(tmp_path: Path) -> None:
+    """A synthesized model group with a tower (model.vision) is built as the released
+    vision-language class of its language model's type; another type is refused naming the
+    fields, and nothing is left behind."""
+    from memtune.tools.tiny import synthesize
 
-    root = tmp_path / "data"
-    (root / "img").mkdir(parents=True)
-    colours = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220)}
-    sizes = [(64, 64), (96, 64), (64, 128), (128, 96)]
-    rows = []
-    for i in range(24):
-        name = list(colours)[i % 3]
-        w, h = sizes[i % 4]
-        img = picture(root / "img" / f"{i}.png", w, h, colours[name], i)
-        rows.append({"messages": [user(img, "What colour is this?"), reply(f"It is {name}.")]})
-        if i % 3 < 2:  # text-only samples of ~80 tokens: each fills a row of its own
-            words = " ".join(["colours"] * 30)
-            rows.append({"messages": [user(f"Name three {words}."), reply("Red, green, blue.")]})
-    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run = start_run(
-        tmp_path / "run",
-        [
-            *FAST,
-            "model=local",
-            f"model.name_or_path={bases['qwen3_vl']}",
-            "data=messages",
-            f"data.path={root / 'data.jsonl'}",
-            "data.template=chatml",
-            "data.max_seq_len=96",
-            "trainer.global_batch_size=8",
-            "trainer.activation_checkpointing=true",
-            "trainer.checkpoint_layers=all",
-            "peft.target=all-linear-and-vision",
-            "zero=zero3",
-            "launcher.num_ranks=2",
-        ],
-        probe=False,
-    )
-    assert run.code == 0
-    assert run.decisions is not None and run.decisions.vision == Vision(True, recompute=True)
-    losses = run.losses()
-    assert len(losses) == 12 and losses[-1] < 0.5 * losses[0], losses
-    from safetensors import safe_open
-
-    with safe_open(str(run.dir / "adapter" / "adapter_model.safetensors"), "pt") as f:
-        names = list(f.keys())
-    assert any(n.startswith("base_model.model.model.visual.blocks.") for n in names)
-    assert any(n.startswith("base_model.model.model.language_model.layers.") for n in names)
-
-    # Some micro batches of the run held no image: those ranks ran the tower on a blank one.
-    data_dir = json.loads((run.dir / "data.json").read_text())["dir"]
-    batch: BatchShape = run.decisions.batch
-    blank = 0
-    for rank in range(2):
-        loader, sampler = make_loader(run.cfg, batch, data_dir, 0, rank, 2)
-        seen = []
-        for epoch in range(12):  # the worker's epochs, until its 12 micro batches
-            sampler.set_epoch(epoch)
-            seen += ["pixel_values" not in b for b in loader]
-        blank += sum(seen[:12])
-    assert blank > 0
+    arch = {"model_type": "qwen3", "vocab_size": 1024}
+    with pytest.raises(ConfigError, match=r"model\.vision is set, and model\.architecture's"):
+        synthesize(tmp_path / "tiny", arch, vision={"depth": 1})
+    assert [p.name for p in tmp_path.iterdir()] == [".tiny.lock"]

@@ -119,7 +119,7 @@ def prepare_run_dir(fitted: Fitted, run_dir: Path) -> tuple[RunConfig, Decisions
         from memtune.tools.tiny import synthesize  # imports torch: only for the demo model
 
         with no_space_is_an_error(cache_dir(), "MEMTUNE_CACHE_DIR"):
-            synthesize(cfg.model.name_or_path, cfg.model.architecture)
+            synthesize(cfg.model.name_or_path, cfg.model.architecture, vision=cfg.model.vision)
     prepared = prepare_data(cfg)
     fitted = planned_for_data(fitted, prepared)
     memory_plan, d = fitted.plan, fitted.decisions

@@ -1,11 +1,15 @@
-"""Synthesize a tiny Qwen2- or Qwen3-architecture model and its tokenizer, for demos and tests.
+"""Synthesize a tiny Qwen model and its tokenizer, for demos and tests.
 
 Nothing can be downloaded here, so the demo model is built from its transformers config class
-(``model_type`` qwen2 or qwen3) with a fixed seed, saved with ``save_pretrained`` and then read
-back by the ranks through exactly the ``from_pretrained`` path a real checkpoint takes. Its
-tokenizer is a byte-level BPE trained on the bundled demo data, with Qwen's special tokens (and
-Qwen3's ``<think>`` / ``</think>`` for a qwen3 model) and a ChatML chat template — or, given
-``tokenizer_dir``, a real tokenizer copied from there (the tests use Qwen's own).
+(``model_type`` qwen2, qwen3, qwen3_5_text, ...) with a fixed seed, saved with
+``save_pretrained`` and then read back by the ranks through exactly the ``from_pretrained`` path
+a real checkpoint takes. Its tokenizer is a byte-level BPE trained on the bundled demo data,
+with Qwen's special tokens (and Qwen3's ``<think>`` / ``</think>`` for a qwen3 model) and a
+ChatML chat template — or, given ``tokenizer_dir``, a real tokenizer copied from there (the
+tests use Qwen's own). With a tower (model.vision: a ``vision_config``), the released
+vision-language class is built, with its tower, Qwen's vision tokens and a preprocessor_config.json
+(the image demo's model, conf/model/tiny-qwen3.5-vl.yaml, and the tests' Qwen3-VL and
+Qwen2.5-VL).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from memtune.config import ASSETS_DIR, ConfigError
+from memtune.data.vision import CLIP_MEAN, CLIP_STD, PREPROCESSOR_CONFIG
 from memtune.filesystem import follow_umask
 from memtune.integrity import MANIFEST, Store
 
@@ -51,9 +56,13 @@ DEMO_MODEL = Store("demo model", 1)
 uses it: a damaged one is set aside as ``.damaged-NAME.XXXX`` beside it and built again."""
 
 
-def _fingerprint(architecture: dict[str, Any], tokenizer_dir: Path | None) -> str:
+def _fingerprint(
+    architecture: dict[str, Any], tokenizer_dir: Path | None, vision: dict[str, Any]
+) -> str:
     h = hashlib.sha256()
     h.update(json.dumps(architecture, sort_keys=True).encode())
+    if vision:  # (a text model's fingerprint as before towers: its build is kept)
+        h.update(json.dumps(vision, sort_keys=True).encode())
     h.update(TOKENIZER_CORPUS.read_bytes())
     if tokenizer_dir is not None:
         for name in sorted(p.name for p in tokenizer_dir.iterdir() if p.is_file()):
@@ -159,8 +168,10 @@ def synthesize(
     architecture: dict[str, Any],
     seed: int = 0,
     tokenizer_dir: str | Path | None = None,
+    vision: dict[str, Any] | None = None,
 ) -> Path:
-    """Build model + tokenizer at ``path`` unless an identical build is already there.
+    """Build model + tokenizer at ``path`` unless an identical build is already there; with
+    ``vision`` (model.vision: a vision_config), the vision-language class with its tower.
 
     memtune replaces only what it built: an existing ``path`` without memtune's marker file is
     refused (:class:`NotOurs`), never deleted. The build goes to a temporary sibling that is
@@ -169,7 +180,8 @@ def synthesize(
     """
     path = Path(path)
     tok_dir = None if tokenizer_dir is None else Path(tokenizer_dir)
-    fingerprint = _fingerprint(architecture, tok_dir)
+    vision = dict(vision or {})
+    fingerprint = _fingerprint(architecture, tok_dir, vision)
     if _current(path, fingerprint) and DEMO_MODEL.problem(path) is None:
         return path  # before importing transformers: ~2 s of every start of the demo
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -192,44 +204,25 @@ def synthesize(
                     f"({err.strerror}): point MEMTUNE_CACHE_DIR at a folder memtune can write"
                 ) from None
             print(DEMO_MODEL.damaged_line(path, problem, aside, "building it again"), flush=True)
-        _build(path, architecture, seed, tok_dir, fingerprint)
+        _build(path, architecture, vision, seed, tok_dir, fingerprint)
     return path
 
 
 def _build(
     path: Path,
     architecture: dict[str, Any],
+    vision: dict[str, Any],
     seed: int,
     tok_dir: Path | None,
     fingerprint: str,
 ) -> None:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     old = path.parent / f".{path.name}.old-{os.getpid()}"
     try:
-        model_type = architecture.get("model_type", "qwen2")
-        if tok_dir is not None:
-            tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+        if vision:
+            _write_vision_language(tmp, architecture, vision, seed)
         else:
-            think = model_type.startswith("qwen3")  # Qwen3 and Qwen3.5 have think tokens
-            tokenizer = build_tokenizer(int(architecture["vocab_size"]), think)
-        arch = {k: v for k, v in architecture.items() if k != "model_type"}
-        config = AutoConfig.for_model(
-            model_type,
-            **arch,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            bos_token_id=None,
-        )
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)
-        model.generation_config.eos_token_id = tokenizer.eos_token_id
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-        with _no_progress_bars():  # one tiny shard: a bar would only be noise
-            model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+            _write_text(tmp, architecture, seed, tok_dir)
         (tmp / _MARKER).write_text(json.dumps({"fingerprint": fingerprint, "seed": seed}))
         DEMO_MODEL.seal(tmp)  # last: a build without its manifest is never used
         follow_umask(tmp)  # mkdtemp's 0700, safetensors' 0600: a shared cache needs the umask's
@@ -242,6 +235,34 @@ def _build(
                 shutil.rmtree(ours, ignore_errors=True)
 
 
+def _write_text(path: Path, architecture: dict[str, Any], seed: int, tok_dir: Path | None) -> None:
+    """A text model of ``architecture`` (a causal-LM class) and its tokenizer, into ``path``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    model_type = architecture.get("model_type", "qwen2")
+    if tok_dir is not None:
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    else:
+        think = model_type.startswith("qwen3")  # Qwen3 and Qwen3.5 have think tokens
+        tokenizer = build_tokenizer(int(architecture["vocab_size"]), think)
+    arch = {k: v for k, v in architecture.items() if k != "model_type"}
+    config = AutoConfig.for_model(
+        model_type,
+        **arch,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    with _no_progress_bars():  # one tiny shard: a bar would only be noise
+        model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
 VISION_SPECIAL_TOKENS = [
     "<|vision_start|>",
     "<|vision_end|>",
@@ -251,155 +272,95 @@ VISION_SPECIAL_TOKENS = [
 ]
 """The Qwen VL tokens (memtune.data.vision), single special tokens of a tiny model's BPE."""
 
-TINY_VISION_LANGUAGE: dict[str, dict[str, Any]] = {
-    # Qwen3-VL-8B's proportions: text head_dim 128 of hidden 4096 (here 32 of 128), mRoPE
-    # sections 24:20:20 of head_dim / 2 (6:5:5), interleaved; vision patch 16, merge 2,
-    # temporal 2, deepstack features from three of the tower's middle blocks (8, 16, 24 of 27;
-    # here 1 and 2 of 4) added to the first text layers.
-    "qwen3_vl": {
-        "text": {
-            "hidden_size": 128,
-            "intermediate_size": 384,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 1,
-            "head_dim": 32,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 5000000.0,
-                "mrope_section": [6, 5, 5],
-                "mrope_interleaved": True,
-            },
-        },
-        "vision": {
-            "depth": 4,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_heads": 2,
-            "patch_size": 16,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "num_position_embeddings": 64,
-            "deepstack_visual_indexes": [1, 2],
-        },
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-    },
-    # Qwen2.5-VL-7B's: text head_dim 128 of 3584 with biased q/k/v (here 16 of 64), mRoPE
-    # sections 16:24:24 (2:3:3), not interleaved; vision patch 14, merge 2, temporal 2,
-    # attention in 112-pixel windows but in a few full-attention blocks (7, 15, 23, 31 of 32;
-    # here 1 and 3 of 4), a gated MLP in each block.
-    "qwen2_5_vl": {
-        "text": {
-            "hidden_size": 64,
-            "intermediate_size": 192,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 1000000.0,
-                "mrope_section": [2, 3, 3],
-            },
-        },
-        "vision": {
-            "depth": 4,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "window_size": 112,
-            "fullatt_block_indexes": [1, 3],
-        },
-        "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711],
-    },
-    # Qwen3.5's: the tiny hybrid's text model (conf/model/tiny-qwen3.5.yaml: three Gated
-    # DeltaNet layers, then full attention with partial rotary 0.25 of head_dim 64), mRoPE
-    # sections 11:11:10 of the rotary half (3:3:2), interleaved; vision as Qwen3-VL's, patch
-    # 16, merge 2, temporal 2, no deepstack.
-    "qwen3_5": {
-        "text": {
-            "hidden_size": 256,
-            "intermediate_size": 768,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 1,
-            "head_dim": 64,
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "linear_key_head_dim": 64,
-            "linear_value_head_dim": 64,
-            "linear_conv_kernel_dim": 4,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 10000000.0,
-                "partial_rotary_factor": 0.25,
-                "mrope_section": [3, 3, 2],
-                "mrope_interleaved": True,
-            },
-        },
-        "vision": {
-            "depth": 2,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_heads": 2,
-            "patch_size": 16,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "num_position_embeddings": 64,
-        },
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-    },
+TINY_VISION_LANGUAGE = {
+    "qwen3_5": "tiny-qwen3.5-vl",
+    "qwen3_vl": "tiny-qwen3-vl",
+    "qwen2_5_vl": "tiny-qwen2.5-vl",
 }
-"""Tiny vision-language models of each family memtune trains on images, built from the real
-config classes at the real proportions (patch, merge and temporal sizes as released; widths
-and depths cut down), and the image settings their preprocessor_config.json carries."""
+"""The tiny vision-language model of each family memtune trains on images: its model group
+(conf/model/), whose ``architecture`` and ``vision`` are the one place its widths, depths and
+tower are set (the real patch, merge and temporal sizes, mRoPE proportions, deepstack and
+windows)."""
+
+IMAGE_NORMALIZATION = {
+    "qwen3_5": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
+    "qwen3_vl": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
+    "qwen2_5_vl": (CLIP_MEAN, CLIP_STD),
+}
+"""image_mean and image_std of each family's released preprocessor_config.json."""
 
 TINY_VISION_PIXELS = (64 * 64, 128 * 128)
 """The tiny models' min_pixels and max_pixels: 4 to 16 image tokens with a 32-pixel merged
 patch, 5 to 20 with Qwen2.5-VL's 28 (the released settings would give 64 to 16,384)."""
 
 
+def tiny_vision_architecture(model_type: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The architecture and the tower (model.vision) of the tiny ``model_type`` (a
+    :data:`TINY_VISION_LANGUAGE` key), as its model group composes them."""
+    from omegaconf import OmegaConf
+
+    from memtune.config import compose
+
+    model = OmegaConf.to_container(
+        compose([f"model={TINY_VISION_LANGUAGE[model_type]}"]).model, resolve=True
+    )
+    assert isinstance(model, dict)
+    return dict(model["architecture"]), dict(model["vision"])
+
+
 def build_vision_language(path: str | Path, model_type: str, seed: int = 0) -> Path:
-    """A tiny vision-language checkpoint of ``model_type`` (a TINY_VISION_LANGUAGE key) at
-    ``path``: the released class (``AutoModelForImageTextToText``) with its vision tower,
-    random weights from ``seed``, saved with ``save_pretrained`` beside a byte-level BPE with
-    Qwen's specials and vision tokens and a preprocessor_config.json, so that every loader
-    reads it as it reads a released checkpoint. Written in place (tests and demos build it in
-    a folder of their own)."""
+    """A tiny vision-language checkpoint of ``model_type`` (a :data:`TINY_VISION_LANGUAGE`
+    key) at ``path``, as its model group builds it in memtune's cache, written in place (tests
+    build it in a folder of their own)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _write_vision_language(path, *tiny_vision_architecture(model_type), seed)
+    return path
+
+
+def _write_vision_language(
+    path: Path, architecture: dict[str, Any], vision: dict[str, Any], seed: int
+) -> None:
+    """The released vision-language class (``AutoModelForImageTextToText``) of
+    ``architecture`` with the tower ``vision``, random weights from ``seed``, saved with
+    ``save_pretrained`` beside a byte-level BPE with Qwen's specials and vision tokens and a
+    preprocessor_config.json, so that every loader reads it as it reads a released checkpoint.
+    The class's model type is the language model's without ``_text`` (qwen3_5_text: qwen3_5)."""
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    spec = TINY_VISION_LANGUAGE[model_type]
-    path = Path(path)
+    from memtune.config.architecture import VISION_LANGUAGE_TYPES
+
+    text = dict(architecture)
+    model_type = str(text["model_type"]).removesuffix("_text")
+    if model_type not in VISION_LANGUAGE_TYPES:
+        raise ConfigError(
+            f"model.vision is set, and model.architecture's model_type is {text['model_type']}: "
+            "memtune builds tiny vision-language models of "
+            f"{', '.join(VISION_LANGUAGE_TYPES)} only (model_type qwen3_5_text, qwen3_vl_text or "
+            "qwen2_5_vl_text)"
+        )
+    tie = bool(text.pop("tie_word_embeddings", False))
     tokenizer = build_tokenizer(
-        1024, think_tokens=model_type.startswith("qwen3"), extra_special=VISION_SPECIAL_TOKENS
+        int(text["vocab_size"]),
+        think_tokens=model_type.startswith("qwen3"),
+        extra_special=VISION_SPECIAL_TOKENS,
     )
     ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in VISION_SPECIAL_TOKENS}
-    text = {
-        **spec["text"],
-        "vocab_size": 1024,
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-6,
-        "initializer_range": 0.1,  # as the tiny text models: LoRA has something to sharpen
+    text |= {
         "pad_token_id": tokenizer.pad_token_id,
         "eos_token_id": tokenizer.eos_token_id,
         "bos_token_id": None,
     }
-    vision = {**spec["vision"], "out_hidden_size": text["hidden_size"]}
     config = AutoConfig.for_model(
         model_type,
         text_config=text,
-        vision_config=vision,
+        vision_config={"out_hidden_size": text["hidden_size"], **vision},
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -412,15 +373,14 @@ def build_vision_language(path: str | Path, model_type: str, seed: int = 0) -> P
         model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     low, high = TINY_VISION_PIXELS
-    v = spec["vision"]
+    mean, std = IMAGE_NORMALIZATION[model_type]
     preprocessor = {
         "size": {"shortest_edge": low, "longest_edge": high},
-        "patch_size": v["patch_size"],
-        "temporal_patch_size": v["temporal_patch_size"],
-        "merge_size": v["spatial_merge_size"],
-        "image_mean": spec["image_mean"],
-        "image_std": spec["image_std"],
+        "patch_size": vision["patch_size"],
+        "temporal_patch_size": vision["temporal_patch_size"],
+        "merge_size": vision["spatial_merge_size"],
+        "image_mean": list(mean),
+        "image_std": list(std),
         "image_processor_type": "Qwen2VLImageProcessor",
     }
-    (path / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
-    return path
+    (path / PREPROCESSOR_CONFIG).write_text(json.dumps(preprocessor, indent=2) + "\n")
