@@ -211,21 +211,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _overrides(peft: str) -> list[str]:
-    return [
-        f"peft={peft}",
-        "peft.dropout=0",
-        "trainer.precision=bf16",
-        "trainer.activation_checkpointing=false",
-        "launcher.num_ranks=2",
-        "trainer.sequence_parallel=2",
-    ]
-
-
-SPLIT_PEFTS = ["lora-all-linear", "lora"]
-
-
-def _saved_on_rank(rank: int, port: int, pefts: list[str], out) -> None:
+def _saved_on_rank(rank: int, port: int, overrides: list[str], out) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -244,67 +230,57 @@ def _saved_on_rank(rank: int, port: int, pefts: list[str], out) -> None:
 
     deepspeed.init_distributed("gloo")
     attention.register()
+    cfg = to_run_config(compose_cfg(overrides))
     from tests.conftest import decided
 
-    for peft in pefts:  # one pair of processes for every peft: their start-up is most of it
-        cfg = to_run_config(compose_cfg(_overrides(peft)))
-        d = decided(cfg, attention="sdpa_varlen")
-        model = add_lora(load_base_model(cfg, d), cfg, d).train()
-        if peft == pefts[0]:  # once a process (its groups); the pefts share the base
-            register_attention(model.get_base_model(), "sdpa_varlen", 2, micro_batch=4)
-        torch.manual_seed(0)
-        rows = [
-            [
-                Sample(ids, [IGNORE_INDEX] * 20 + ids[20:])
-                for ids in (list(range(60)), list(range(68)))
-            ]
-            for _ in range(4)
-        ]  # 4 packed rows of 128 tokens, a sample across the middle of each
-        batch = shard_batch(collate_packed(rows, 0), SequenceGroups.of(rank, 2, 2), 0)
-        batch.pop("real_tokens")
-        storages: dict[int, int] = {}
+    d = decided(cfg, attention="sdpa_varlen")
+    model = add_lora(load_base_model(cfg, d), cfg, d).train()
+    register_attention(model.get_base_model(), "sdpa_varlen", 2, micro_batch=4)
+    torch.manual_seed(0)
+    rows = [
+        [Sample(ids, [IGNORE_INDEX] * 20 + ids[20:]) for ids in (list(range(60)), list(range(68)))]
+        for _ in range(4)
+    ]  # 4 packed rows of 128 tokens, a sample across the middle of each
+    batch = shard_batch(collate_packed(rows, 0), SequenceGroups.of(rank, 2, 2), 0)
+    batch.pop("real_tokens")
+    storages: dict[int, int] = {}
 
-        def pack(t: torch.Tensor, storages: dict[int, int] = storages) -> torch.Tensor:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            CausalLMLoss(model, "chunked", 512)(**batch)
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        out.put((peft, rank, sum(n for ptr, n in storages.items() if ptr not in params)))
-        del model, batch, storages
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        CausalLMLoss(model, "chunked", 512)(**batch)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    out.put((rank, sum(n for ptr, n in storages.items() if ptr not in params)))
 
 
-@pytest.fixture(scope="module")
-def saved_by_peft() -> dict[str, dict[int, int]]:
-    """The bytes autograd saves on each of 2 gloo ranks, per peft in SPLIT_PEFTS."""
+@pytest.mark.parametrize("peft", ["lora-all-linear", "lora"])
+def test_split_activation_model_matches_what_autograd_saves(peft: str) -> None:
     import torch.multiprocessing as mp
 
     from memtune.tools.tiny import synthesize
 
-    cfg = to_run_config(compose_cfg(_overrides(SPLIT_PEFTS[0])))
+    overrides = [
+        f"peft={peft}",
+        "peft.dropout=0",
+        "trainer.precision=bf16",
+        "trainer.activation_checkpointing=false",
+        "launcher.num_ranks=2",
+        "trainer.sequence_parallel=2",
+    ]
+    cfg = to_run_config(compose_cfg(overrides))
     synthesize(cfg.model.name_or_path, cfg.model.architecture)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_saved_on_rank, args=(r, port, SPLIT_PEFTS, queue)) for r in (0, 1)]
+    procs = [ctx.Process(target=_saved_on_rank, args=(r, port, overrides, queue)) for r in (0, 1)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=240)
     assert [p.exitcode for p in procs] == [0, 0]
-    measured: dict[str, dict[int, int]] = {peft: {} for peft in SPLIT_PEFTS}
-    for _ in range(len(procs) * len(SPLIT_PEFTS)):
-        peft, rank, nbytes = queue.get(timeout=5)
-        measured[peft][rank] = nbytes
-    return measured
-
-
-@pytest.mark.parametrize("peft", SPLIT_PEFTS)
-def test_split_activation_model_matches_what_autograd_saves(peft: str, saved_by_peft) -> None:
-    cfg = to_run_config(compose_cfg(_overrides(peft)))
-    measured = saved_by_peft[peft]
-    assert sorted(measured) == [0, 1]
+    measured = dict(queue.get(timeout=5) for _ in procs)
     tokens, h = 4 * 128 // 2, cfg.model.architecture["hidden_size"]
     predicted = activation_bytes(cfg, decided(cfg), tokens, count_params(cfg), cuda=False)
     predicted += tokens * h * 2  # the chunked loss keeps the hidden-state gradient
