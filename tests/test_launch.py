@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from memtune.config import to_run_config
 from memtune.launcher.spawn import job_code, local_devices, rank_command, rank_env
 from memtune.rank.loop import lr_factor
-from tests.conftest import FAST, ROOT, compose_cfg, run_train_py, start_run
+from tests.conftest import FAST, ROOT, Run, compose_cfg, run_train_py, start_run
 
 
 def test_rank_commands() -> None:
@@ -125,14 +125,19 @@ def test_preprocess_only_tokenizes_once_and_launches_nothing(tmp_path: Path, mon
 
 
 @pytest.mark.slow
-def test_packed_two_rank_run(tmp_path: Path) -> None:
-    overrides = [*FAST, "launcher.num_ranks=2", "data.packing=true", "trainer.micro_batch_size=2"]
-    run = start_run(tmp_path / "packed", overrides, probe=False)
-    assert run.code == 0
+def test_packed_two_rank_run(zero3_run: Run) -> None:
+    """The session's 2-rank ZeRO-3 run (packing is the default; this test had a launch of its
+    own, micro batch 2, from before it was)."""
+    run = zero3_run
+    assert run.cfg.data.packing is True and run.cfg.launcher.num_ranks == 2
+    assert run.decisions is not None
+    micro, accum = run.decisions.batch.micro_batch, run.decisions.batch.accumulation
+    assert micro * accum * 2 == 16  # rows per step, all ranks
     losses = run.losses()
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
     rows = run.metrics()
-    # Real tokens only: a packed step of 2 ranks × 2 rows × accum 4 holds at most 16 × 128.
+    # Real tokens only: a packed step of 2 ranks × micro × accumulation = 16 rows of at most
+    # 128 tokens each.
     assert all(0 < r["train/input_tokens"] <= 16 * 128 for r in rows)
 
 

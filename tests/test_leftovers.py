@@ -116,9 +116,18 @@ def test_a_finished_job_leaves_no_shared_memory(zero3_run: Run) -> None:
     assert shm_buffers(port) == []
 
 
-def test_the_extensions_root_is_torchs_own(tmp_path: Path, monkeypatch) -> None:
-    """The launcher works out torch's JIT build root without importing torch: the same dir."""
+def test_the_extensions_root_is_this_environments_dir_beneath_torchs_own(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The launcher works out torch's JIT build root without importing torch: the same dir.
+    memtune's ops go to a dir of this environment beneath it (another venv's builds of the same
+    ops would otherwise replace them at every switch), which the ranks are given."""
     from torch.utils.cpp_extension import get_default_build_root
+
+    from memtune.config import to_run_config
+    from memtune.launcher.extensions import torch_build_root
+    from memtune.launcher.spawn import rank_env
+    from tests.conftest import compose_cfg
 
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     for xdg in (None, str(tmp_path / "xdg")):
@@ -126,6 +135,16 @@ def test_the_extensions_root_is_torchs_own(tmp_path: Path, monkeypatch) -> None:
             monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
         else:
             monkeypatch.setenv("XDG_CACHE_HOME", xdg)
-        assert extensions_root() == Path(get_default_build_root())
+        assert torch_build_root() == Path(get_default_build_root())
+        assert extensions_root().parent == torch_build_root()
+    ours = extensions_root()
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "another-venv"))
+    other = extensions_root()
+    assert other.parent == ours.parent and other != ours
+    cfg = to_run_config(compose_cfg(["launcher.num_ranks=2"]))
+    assert rank_env(cfg, base={})["TORCH_EXTENSIONS_DIR"] == str(other)
+    # A dir the user chose is kept, for the ranks too.
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))
     assert extensions_root() == tmp_path / "mine"
+    assert rank_env(cfg)["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "mine")
+    assert rank_env(cfg, base={"TORCH_EXTENSIONS_DIR": "/x"})["TORCH_EXTENSIONS_DIR"] == "/x"

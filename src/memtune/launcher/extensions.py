@@ -4,27 +4,45 @@ DeepSpeed builds some native ops on first use through ``torch.utils.cpp_extensio
 machine its shared-memory all-reduce and CPU Adam). ``python -m memtune.launcher.extensions``
 (run by ``make install``) clears stale build locks (see memtune.launcher.hygiene) and builds them
 once per machine.
+
+torch keeps one build dir per op and Python version (``py311_cpu/cpu_adam``) whatever the
+environment, and a build records the paths of the torch and DeepSpeed it was built against: a
+second virtual environment on the machine (another checkout's ``.venv``, a fresh clone) rebuilt
+both ops on every switch, ~1 min each on 2 cores, inside whichever job came next (a rank waits
+on the build; one suite measured 56 s for a 12 s test). So unless ``TORCH_EXTENSIONS_DIR`` is
+set, memtune builds and loads them under a dir of this environment's own, beneath torch's root.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import sys
 from pathlib import Path
 
 from memtune.launcher.hygiene import clear_stale_locks
 from memtune.machine import name_cpu_accelerator
 
 
+def torch_build_root() -> Path:
+    """torch's own JIT build root, ``torch.utils.cpp_extension.get_default_build_root()``
+    ($XDG_CACHE_HOME or ~/.cache, then torch_extensions), worked out here because the launcher
+    asks before every launch and importing torch for it would cost ~2 s
+    (tests/test_leftovers.py holds the two equal)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(os.path.realpath(os.path.join(cache, "torch_extensions")))
+
+
 def extensions_root() -> Path:
-    """Where torch builds JIT extensions: $TORCH_EXTENSIONS_DIR or its per-user cache —
-    ``torch.utils.cpp_extension.get_default_build_root()`` ($XDG_CACHE_HOME or ~/.cache, then
-    torch_extensions), worked out here because the launcher asks before every launch and
-    importing torch for it would cost ~2 s (tests/test_leftovers.py holds the two equal)."""
+    """Where memtune's processes build and load DeepSpeed's ops: $TORCH_EXTENSIONS_DIR when
+    set, else this environment's own dir beneath torch's root (see the module docstring),
+    named by the environment's prefix."""
     env = os.environ.get("TORCH_EXTENSIONS_DIR")
     if env:
         return Path(env)
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return Path(os.path.realpath(os.path.join(cache, "torch_extensions")))
+    prefix = os.path.realpath(sys.prefix)
+    key = hashlib.sha256(prefix.encode()).hexdigest()[:12]
+    return torch_build_root() / f"env-{key}"
 
 
 def build_cpu_ops() -> list[str]:
@@ -45,6 +63,8 @@ def build_cpu_ops() -> list[str]:
 
 def main() -> None:
     name_cpu_accelerator()
+    # torch's builder reads it: this environment's dir, unless the user chose one
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_root()))
     clear_stale_locks(extensions_root())
     print("memtune: checking DeepSpeed's native CPU ops (the first build takes ~2 min on 2 cores)")
     for name in build_cpu_ops():

@@ -56,8 +56,10 @@ def free_port() -> int:
 
 
 def rank_env(cfg: RunConfig, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment for the ranks: one OpenMP thread pool per rank, not per core each."""
+    """The environment for the ranks: one OpenMP thread pool per rank, not per core each; the
+    DeepSpeed ops built for this environment (launcher.extensions)."""
     env = dict(os.environ if base is None else base)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_root()))
     if "OMP_NUM_THREADS" not in env:
         here = cfg.launcher.num_ranks // cfg.launcher.nnodes  # ranks on this node
         threads = cfg.launcher.omp_threads or max(1, (os.cpu_count() or 1) // here)
