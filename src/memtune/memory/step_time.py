@@ -45,6 +45,7 @@ from memtune.config.decisions import Decisions
 from memtune.expert_stacks import expert_stack_bytes
 from memtune.memory.counts import ParamCounts, count_params
 from memtune.memory.estimate import MLP_PROJECTIONS, NF4_BYTES
+from memtune.memory.expert_parallel import expert_parallel, step_exchange_bytes
 
 QLORA_COMPUTE = 1.30
 """A 4-bit base dequantizes every weight before each matmul: ~30% more compute time."""
@@ -88,6 +89,12 @@ class StepTime:
     @property
     def step_s(self) -> float:
         return self.compute_s + self.elementwise_s + self.comm_s + self.host_s
+
+    @property
+    def overlapped_s(self) -> float:
+        """The step were every transfer hidden behind the compute it can run beside: the
+        larger of the two (the lower bound; :attr:`step_s` is the sum)."""
+        return max(self.compute_s + self.elementwise_s, self.comm_s) + self.host_s
 
     @property
     def comm_share(self) -> float:
@@ -235,7 +242,19 @@ def traffic(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> list[tuple[str
     b = compute_bytes(cfg)
     gas = d.batch.accumulation
     lora = counts.lora * b
-    out = [("LoRA gradient reduce-scatter", gas * ring * lora)]
+    shared = ring * lora  # what a reduce-scatter or an all-gather of the adapters sends
+    ep = expert_parallel(d)
+    if ep > 1:
+        # the experts' adapters (1/ep of them on a rank) are reduced and gathered over the
+        # ranks holding the same experts (ranks / ep of them), the others over all
+        group = ranks // ep
+        experts = counts.expert_lora * b
+        shared = ring * (lora - experts) + (group - 1) / group * experts / ep
+    out = [("LoRA gradient reduce-scatter", gas * shared)]
+    if ep > 1:
+        moved, meta = step_exchange_bytes(cfg, d)
+        out.append((f"expert all-to-alls (tokens, weights; ep={ep})", moved))
+        out.append(("expert all-to-alls (row indices)", meta))
     sp = d.sequence_parallel
     if sp > 1:
         a = cfg.model.architecture
@@ -268,7 +287,7 @@ def traffic(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> list[tuple[str
             tower = gas * passes * ring * counts.vision * b
             out.append(("ZeRO-3 vision tower all-gathers", tower))
     else:
-        out.append(("LoRA weight all-gather after the step", ring * lora))
+        out.append(("LoRA weight all-gather after the step", shared))
     return out
 
 
@@ -311,7 +330,8 @@ def format_step_time(cfg: RunConfig, t: StepTime) -> str:
     if t.traffic:
         lines.append(
             f"  at {t.link_gb_s:g} GB/s bus bandwidth (plan.link_gb_s; the GPU preflight "
-            "measures it), no overlap with compute assumed"
+            f"measures it), no overlap with compute assumed; with full overlap "
+            f"{t.overlapped_s:.2f} s"
         )
     if t.elementwise_s:
         lines.append(
