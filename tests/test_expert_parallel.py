@@ -123,6 +123,38 @@ def _dispatch_worker(rank: int, port: int) -> None:
         assert counter.sent["tokens"] == 2 * (there + here) * 64 * dtype.itemsize
         for stack in split.experts.parameters():  # this rank's share only, kept
             assert full_shape(stack)[0] == 4
+        if quant is None and experts == 8 and dtype == torch.float32:
+            _check_planned_bytes(split, rank)
+
+
+def _check_planned_bytes(split: Any, rank: int) -> None:
+    """The planner's exchange bytes (memory.expert_parallel.exchange_bytes) against what this
+    rank's dispatch and combine send (the counter), a forward and its backward: on the routing
+    the run had (its pairs and rows to the other rank, as the plan takes them), exactly; and
+    the plan's uniform-routing expectation against 1,500 tokens each routed to a uniformly
+    drawn 3 of 8 experts, within 5%."""
+    from memtune.memory.expert_parallel import exchange_bytes
+    from memtune.rank.expert_parallel import counting
+
+    n = 1500
+    g = torch.Generator().manual_seed(7 + rank)
+    x, probe = torch.randn(n, 64, generator=g), torch.randn(n, 64, generator=g)
+    index = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(n)])
+    w = torch.rand(n, 3, generator=g).softmax(-1)
+    with counting() as counter:
+        _run(split, x, index, w, probe)
+    sent = counter.sent["tokens"] + counter.sent["weights"]
+    gathered = [torch.empty_like(index) for _ in range(2)]
+    torch.distributed.all_gather(gathered, index)
+    theirs = gathered[1 - rank]
+    pairs = int((index // 4 != rank).any(-1).sum()) + int((theirs // 4 == rank).any(-1).sum())
+    rows = int((index // 4 != rank).sum()) + int((theirs // 4 == rank).sum())
+    # forward and backward: each direction's pairs and rows once (the plan's two of a pass)
+    one = exchange_bytes(64, 4, 8, 3, n, 2, others=pairs / 2, rows=rows / 2)
+    assert sent == 2 * (one.tokens + one.weights)
+    uniform = exchange_bytes(64, 4, 8, 3, n, 2)
+    assert counter.sent["tokens"] == pytest.approx(2 * uniform.tokens, rel=0.05)
+    assert sent == pytest.approx(2 * (uniform.tokens + uniform.weights), rel=0.05)
 
 
 def test_the_dispatch_computes_one_ranks_experts_forward() -> None:

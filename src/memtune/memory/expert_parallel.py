@@ -68,28 +68,33 @@ class Exchange:
     meta: float  # the rows' indices (forward and recompute only)
 
 
-def per_token(cfg: RunConfig, size: int) -> tuple[float, float]:
+def per_token(experts: int, top_k: int, size: int) -> tuple[float, float]:
     """(other ranks a token is sent to, routing-weight rows a token sends to other ranks), on
     average under uniform routing, at expert-parallel size ``size``."""
-    a = cfg.model.architecture
-    experts, top = int(a["num_experts"]), int(a["num_experts_per_tok"])
-    others = (size - 1) * (1 - missed_share(experts, top, size))
-    return others, top * (size - 1) / size
+    others = (size - 1) * (1 - missed_share(experts, top_k, size))
+    return others, top_k * (size - 1) / size
 
 
 def exchange_bytes(
-    cfg: RunConfig, tokens: float, size: int, others: float | None = None, rows: float | None = None
+    hidden: int,
+    value_bytes: int,
+    experts: int,
+    top_k: int,
+    tokens: float,
+    size: int,
+    others: float | None = None,
+    rows: float | None = None,
 ) -> Exchange:
-    """One pass of one mixture layer over ``tokens`` tokens of this rank (module docstring).
-    ``others`` and ``rows``: the (token, other rank) pairs and the rows sent to other ranks,
-    when known (a real routing's); else :func:`per_token`'s uniform expectation × ``tokens``.
-    The combine sends back as many vectors as the others' dispatches brought: as many as this
-    rank's dispatch sends, on average."""
-    h, b = int(cfg.model.architecture["hidden_size"]), compute_bytes(cfg)
-    share, weight_rows = per_token(cfg, size)
+    """One pass of one mixture layer over ``tokens`` tokens of this rank (module docstring),
+    hidden ``hidden`` wide in values of ``value_bytes``. ``others`` and ``rows``: the (token,
+    other rank) pairs and the rows sent to other ranks, when known (a real routing's); else
+    :func:`per_token`'s uniform expectation × ``tokens``. The combine sends back as many
+    vectors as the others' dispatches brought: as many as this rank's dispatch sends, on
+    average."""
+    share, weight_rows = per_token(experts, top_k, size)
     pairs = tokens * share if others is None else others
     routed = tokens * weight_rows if rows is None else rows
-    return Exchange(2 * pairs * h * b, routed * b, routed * META_BYTES)
+    return Exchange(2 * pairs * hidden * value_bytes, routed * value_bytes, routed * META_BYTES)
 
 
 def micro_step_exchanges(cfg: RunConfig, d: Decisions) -> tuple[int, int]:
@@ -109,7 +114,10 @@ def step_exchange_bytes(cfg: RunConfig, d: Decisions) -> tuple[float, float]:
     if size <= 1:
         return 0.0, 0.0
     layers, recomputed = micro_step_exchanges(cfg, d)
-    one = exchange_bytes(cfg, d.batch.rank_tokens, size)
+    a = cfg.model.architecture
+    experts, top = int(a["num_experts"]), int(a["num_experts_per_tok"])
+    h, b = int(a["hidden_size"]), compute_bytes(cfg)
+    one = exchange_bytes(h, b, experts, top, d.batch.rank_tokens, size)
     gas = d.batch.accumulation
     passes = 2 * layers + recomputed
     return gas * passes * (one.tokens + one.weights), gas * (layers + recomputed) * one.meta
