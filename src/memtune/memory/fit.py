@@ -388,7 +388,12 @@ def format_step_estimates(
         return None
     lines = [format_step_time(cfg, estimate)]
     alternatives = []
-    if d.batch.ranks > 1:
+    from memtune.memory.layouts import expert_layouts, format_layouts
+
+    layouts = expert_layouts(cfg, d, counts, machine)
+    if layouts:  # a mixture: its ZeRO stages are among its layouts
+        lines += format_layouts(layouts, d)
+    elif d.batch.ranks > 1:
         stage = 2 if d.zero_stage == 3 else 3
         split = d.experts is not None and d.experts.parallel > 1
         label = f"zero=zero{stage}" + (" trainer.expert_parallel=1" if split else "")
@@ -749,6 +754,9 @@ def fit_to_device(
     choices, long_note = resolve_long_context(staged, counts, machine)
     d, note = resolve_checkpoint_layers(staged, choices, counts, machine)
     notes += [n for n in (long_note, note) if n]
+    if str(cfg.trainer.expert_parallel) == "auto":
+        d, note = _expert_layout(staged, d, counts, machine)
+        notes += [note] if note else []
     result = plan(cfg, d, counts)
     if not result.fits and cfg.plan.auto_fit:
         fit = auto_fit(cfg, d, machine, result.counts)
@@ -772,6 +780,23 @@ def fit_to_device(
             "fastest variant that fits; plan.enforce=false launches anyway)"
         )
     return Fitted(cfg, d, result, d, result, [], notes, machine)
+
+
+def _expert_layout(
+    cfg: RunConfig, d: Decisions, counts: ParamCounts, machine: RankMachine
+) -> tuple[Decisions, str | None]:
+    """trainer.expert_parallel=auto: the decisions of the layout memory.layouts chooses (the
+    ZeRO stage with it), and a note naming it; ``d`` as it is for a dense model or one rank."""
+    from memtune.memory.layouts import choose_layout, expert_layouts, layout_setting
+
+    chosen = choose_layout(expert_layouts(cfg, d, counts, machine))
+    if chosen is None:
+        return d, None
+    step = f"{chosen.step_s:.2f} s a step, " if chosen.step is not None else ""
+    return chosen.decisions, (
+        f"trainer.expert_parallel=auto: {layout_setting(chosen)} ({chosen.label}; {step}"
+        f"{chosen.plan.total_gib:.2f} GiB per rank; the layouts side by side under the step time)"
+    )
 
 
 def out_of_memory_variant(
