@@ -105,8 +105,10 @@ def format_layouts(layouts: list[Layout], current: Decisions) -> list[str]:
     """The layouts, one line each (GiB per rank, step s without and with overlap, fits), the
     run's own and auto's choice marked."""
     chosen = choose_layout(layouts)
-    lines = ["  where the routed experts live (trainer.expert_parallel=auto takes the fastest "
-             "that fits):"]
+    lines = [
+        "  where the routed experts live (trainer.expert_parallel=auto takes the fastest "
+        "that fits):"
+    ]
     for lay in layouts:
         d = lay.decisions
         ep = d.experts.parallel if d.experts is not None else 1
