@@ -67,9 +67,10 @@ settings never copied deep or mutated)."""
 
 def settings_of(cfg: RunConfig, d: Decisions) -> RunConfig:
     """The settings that ask for ``d``'s own choices directly: its ZeRO stage, method,
-    optimizer, micro batch, kernels and checkpointing on or off (the number of recomputed
-    layers left to auto, for :func:`pinned` to give). A decided run's alternatives start here:
-    plan.auto_fit's variants, the "Try:" list, the other ZeRO stage. Never handed to a rank."""
+    optimizer, micro batch, kernels, experts' split and checkpointing on or off (the number of
+    recomputed layers left to auto, for :func:`pinned` to give). A decided run's alternatives
+    start here: plan.auto_fit's variants, the "Try:" list, the other ZeRO stage. Never handed
+    to a rank."""
     trainer: dict[str, Any] = {
         "optimizer": d.optimizer,
         "micro_batch_size": d.batch.micro_batch,
@@ -82,6 +83,8 @@ def settings_of(cfg: RunConfig, d: Decisions) -> RunConfig:
     if d.checkpointing.enabled:
         trainer["checkpoint_layers"] = "auto"
         trainer["selective_layers"] = "auto"
+    if d.experts is not None:  # trainer.expert_parallel=auto's choice kept (memory.layouts)
+        trainer["expert_parallel"] = str(d.experts.parallel)
     return with_sections(
         cfg,
         zero={"stage": d.zero_stage, "template": d.zero_template},
