@@ -613,9 +613,12 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
     out.add("LoRA weights", lora * b / shard, f"{_count(round(lora))} {t.precision}")
     # under expert parallelism, the experts' 1/ep sharded over the ranks/ep holding them (the
     # expert-data-parallel group): 1/ranks of them as well (memory.expert_parallel)
-    over = f"{ranks} (ZeRO" + (
-        f"; experts' over the {ranks // ep} holding them)" if ep > 1 else ")"
-    )
+    group = ranks // ep
+    over = f"{ranks} (ZeRO)"
+    if ep > 1:
+        over = f"{ranks} (ZeRO; the experts' over the {group} ranks holding them)"
+    if ep > 1 and group == 1:
+        over = f"{ranks} (ZeRO; the experts' each whole on its one rank)"
     out.add("LoRA gradients", counts.lora * 4 / ranks, f"fp32, sharded over {over}")
     state = {"adamw": 12, "adamw_8bit": 6, "cpu_adam": 0}[d.optimizer]
     out.add(
