@@ -132,7 +132,7 @@ def _check_planned_bytes(split: Any, rank: int) -> None:
     rank's dispatch and combine send (the counter), a forward and its backward: on the routing
     the run had (its pairs and rows to the other rank, as the plan takes them), exactly; and
     the plan's uniform-routing expectation against 1,500 tokens each routed to a uniformly
-    drawn 3 of 8 experts, within 5%."""
+    drawn 3 of 8 experts, within 5%; checkpointed, a third pass (the recompute), exactly."""
     from memtune.memory.expert_parallel import exchange_bytes
     from memtune.rank.expert_parallel import counting
 
@@ -155,6 +155,19 @@ def _check_planned_bytes(split: Any, rank: int) -> None:
     uniform = exchange_bytes(64, 4, 8, 3, n, 2)
     assert counter.sent["tokens"] == pytest.approx(2 * uniform.tokens, rel=0.05)
     assert sent == pytest.approx(2 * (uniform.tokens + uniform.weights), rel=0.05)
+    # checkpointed, as a recomputed layer: the forward's exchanges once more (the plan's
+    # 2 × layers + recomputed passes, memory.expert_parallel.step_exchange_bytes)
+    from torch.utils.checkpoint import checkpoint
+
+    xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    with counting() as counter:
+        out = checkpoint(split.experts, xr, index, wr, use_reentrant=False)
+        (out * probe).sum().backward()
+    split.zero_grad(set_to_none=True)
+    assert counter.sent["tokens"] == 3 * one.tokens
+    # the weights: this rank's rows there twice (forward, recompute), their gradients back once
+    there, here = int((index // 4 != rank).sum()), int((theirs // 4 == rank).sum())
+    assert counter.sent["weights"] == (2 * there + here) * 4
 
 
 def test_the_dispatch_computes_one_ranks_experts_forward() -> None:
