@@ -19,7 +19,9 @@ follow from dtypes, the ZeRO stage and the optimizer:
 * the loss — plain cross-entropy holds tokens × vocab logits in bf16 and fp32 plus the fp32
   log-softmax; the chunked loss one chunk;
 * DeepSpeed's reduce/prefetch buckets, and on a GPU a fixed allowance for the CUDA context and
-  library workspaces.
+  library workspaces;
+* under expert parallelism, a rank's share of the routed experts and the exchange's buffers
+  (:mod:`memtune.memory.expert_parallel`).
 
 The activation model is checked against the bytes autograd really saves
 (``tests/test_plan.py``).

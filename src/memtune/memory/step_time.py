@@ -23,9 +23,15 @@ experiments' ZeRO stage) and to say how much of a step is spent moving bytes:
   when it is given. The other elementwise work is inside ``plan.mfu``.
 * **images** — the vision tower's matmuls on the micro batch's planned images
   (:func:`tower_flops`), and under ZeRO-3 its all-gathers: forward only for a frozen tower.
+* **expert parallelism** — per mixture layer and micro batch, the dispatch's and the
+  combine's hidden vectors and the rows' routing weights to the other ranks of the group, in
+  forward, backward and every recompute, and the rows' indices in forward and recompute
+  (memory.expert_parallel: uniform routing, the distinct ranks a token reaches exact); the
+  experts' adapter gradients reduced over the ranks holding the same experts only.
 * **no overlap** is assumed: step = compute + communication. DeepSpeed prefetches ZeRO-3
   gathers during compute, but over PCIe without P2P the copies go through host memory and
-  compete with the kernels; the sum is the conservative figure.
+  compete with the kernels; the sum is the conservative figure. The other bound, every
+  transfer hidden behind the compute (:attr:`StepTime.overlapped_s`), is printed beside it.
 * **long context** — a sequence split over sp ranks (Ulysses) leaves each rank 1/sp of the
   tokens of every linear layer and 1/sp of the heads of full-sequence attention, and adds
   four all-to-alls per layer (q, k, v in, the output back), each sending (sp−1)/sp of its
