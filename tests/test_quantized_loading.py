@@ -300,7 +300,9 @@ def test_the_plan_states_the_loading_peak_of_a_quantized_mixture(zero: str) -> N
     before DeepSpeed shards it. A bf16 base's plan states none."""
     from memtune.memory.estimate import format_plan, plan
 
-    cfg = to_run_config(compose_cfg(["experiment=qwen3.5-35b-a3b-4x4090-qlora", f"zero={zero}"]))
+    # every expert on every rank (the shipped run splits them: trainer.expert_parallel=2)
+    args = ["experiment=qwen3.5-35b-a3b-4x4090-qlora", f"zero={zero}", "trainer.expert_parallel=1"]
+    cfg = to_run_config(compose_cfg(args))
     d = decided(cfg)
     result = plan(cfg, d)
     lo = result.loading

@@ -536,9 +536,9 @@ def requested_sequence_parallel(cfg: RunConfig) -> int | None:
 
 
 def requested_expert_parallel(cfg: RunConfig) -> int:
-    """trainer.expert_parallel as run: the user's number, and ``auto`` 1 — the planner does not
-    price expert parallelism yet (issue #48 item 3); when it does, memory.fit chooses and this
-    takes its choice like the other settings left to auto."""
+    """trainer.expert_parallel as the user asked, and ``auto`` 1: the decisions a run starts
+    from before memory.fit chooses the experts' layout (memory.layouts, the ZeRO stage with
+    it) and replaces them with the chosen layout's."""
     value = str(cfg.trainer.expert_parallel)
     return 1 if value == "auto" else int(value)
 

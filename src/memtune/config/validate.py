@@ -505,7 +505,7 @@ def _check_expert_parallel(cfg: RunConfig, experts: int) -> None:
             f"trainer.expert_parallel={value!r} is not supported; choose 1 | 2 | 4 ... | auto "
             "(ranks a mixture's routed experts are split over)"
         )
-    ep = int(value) if value.isdigit() else 1  # auto: 1 until the planner prices it
+    ep = int(value) if value.isdigit() else 1  # auto: memory.layouts plans only what passes
     if ep == 1:
         return
     ranks = cfg.launcher.num_ranks

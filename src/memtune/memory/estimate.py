@@ -19,7 +19,9 @@ follow from dtypes, the ZeRO stage and the optimizer:
 * the loss — plain cross-entropy holds tokens × vocab logits in bf16 and fp32 plus the fp32
   log-softmax; the chunked loss one chunk;
 * DeepSpeed's reduce/prefetch buckets, and on a GPU a fixed allowance for the CUDA context and
-  library workspaces.
+  library workspaces;
+* under expert parallelism, a rank's share of the routed experts and the exchange's buffers
+  (:mod:`memtune.memory.expert_parallel`).
 
 The activation model is checked against the bytes autograd really saves
 (``tests/test_plan.py``).
@@ -48,6 +50,7 @@ from memtune.config.architecture import (
 from memtune.config.decisions import Decisions
 from memtune.expert_stacks import EXPERT_NF4_BYTES, expert_stack_bytes, experts_per_chunk
 from memtune.memory.counts import ParamCounts, count_params, linear_mixer_bytes
+from memtune.memory.expert_parallel import assumption, buffer_bytes, expert_parallel
 from memtune.memory.loading import GIB, LoadingPeak, loading_peak
 from memtune.memory.vision import add_image_rows
 from memtune.rundir import PlanRecord, PlanRow
@@ -551,19 +554,20 @@ def base_weight_bytes(
     ranks; 1: the whole base), and how they are stored."""
     p, t, b = cfg.peft, cfg.trainer, compute_bytes(cfg)
     other = counts.embedding + counts.head
+    ep = expert_parallel(d)  # a rank holds 1/ep of each routed-expert stack
     if d.peft_method == "qlora":
         per = NF4_BYTES[p.double_quant]
         packed = counts.linear * 0.5
         scales = counts.linear * (per - 0.5)
         # a mixture's stacks: packed bytes and scales in one parameter ZeRO-3 shards
-        experts = expert_stack_bytes(p.quant_type, counts.experts, counts.expert_rows)
+        experts = expert_stack_bytes(p.quant_type, counts.experts, counts.expert_rows) / ep
         weights = (packed + experts + other * b) / shard + scales + counts.small * b
         how = f"NF4 {counts.linear / 1e9:.2f}B linear weights + {other / 1e9:.2f}B embedding/head"
         if counts.experts:
             how += f" + {counts.experts / 1e9:.2f}B routed experts (NF4, fp32 block scales)"
     elif d.peft_method == "lora-int8":
         # a mixture's stacks: int8 bytes and row scales in one parameter ZeRO-3 shards
-        experts = expert_stack_bytes("int8", counts.experts, counts.expert_rows)
+        experts = expert_stack_bytes("int8", counts.experts, counts.expert_rows) / ep
         weights = (
             (counts.linear + experts + other * b) / shard
             + counts.linear_rows * 4
@@ -573,10 +577,12 @@ def base_weight_bytes(
         if counts.experts:
             how += f" + {counts.experts / 1e9:.2f}B routed experts (int8, fp32 row scales)"
     else:
-        weights = (counts.linear + counts.experts + other) * b / shard + counts.small * b
+        weights = (counts.linear + counts.experts / ep + other) * b / shard + counts.small * b
         how = f"{_count(counts.base)} parameters in {t.precision}"
         if counts.experts:
             how += f" ({_count(counts.experts)} of them routed experts)"
+    if ep > 1:
+        how += f", 1/{ep} of the routed experts on this rank (trainer.expert_parallel={ep})"
     return weights, how
 
 
@@ -604,8 +610,18 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
 
     # In the compute dtype on every stage (model.cast_adapters); the fp32 copy is the
     # optimizer's master weights, counted below.
-    out.add("LoRA weights", counts.lora * b / shard, f"{_count(counts.lora)} {t.precision}")
-    out.add("LoRA gradients", counts.lora * 4 / ranks, f"fp32, sharded over {ranks} (ZeRO)")
+    ep = expert_parallel(d)
+    lora = counts.lora - counts.expert_lora * (1 - 1 / ep)  # this rank's experts' adapters
+    out.add("LoRA weights", lora * b / shard, f"{_count(round(lora))} {t.precision}")
+    # under expert parallelism, the experts' 1/ep sharded over the ranks/ep holding them (the
+    # expert-data-parallel group): 1/ranks of them as well (memory.expert_parallel)
+    group = ranks // ep
+    over = f"{ranks} (ZeRO)"
+    if ep > 1:
+        over = f"{ranks} (ZeRO; the experts' over the {group} ranks holding them)"
+    if ep > 1 and group == 1:
+        over = f"{ranks} (ZeRO; the experts' each whole on its one rank)"
+    out.add("LoRA gradients", counts.lora * 4 / ranks, f"fp32, sharded over {over}")
     state = {"adamw": 12, "adamw_8bit": 6, "cpu_adam": 0}[d.optimizer]
     out.add(
         "optimizer state",
@@ -703,6 +719,8 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
             buffers,
             f"all-to-all in/out of {what} over {sp} ranks (Ulysses; one layer at a time)",
         )
+    if ep > 1:
+        out.add(EXPERT_BUFFERS_ROW, buffer_bytes(cfg, d), assumption(cfg, d), per_token=True)
     if d.offload_activations and k:
         h = int(cfg.model.architecture["hidden_size"])
         out.host_rows.append(
@@ -745,6 +763,7 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
 
 
 VISION_WEIGHTS_ROW = "vision tower weights"
+EXPERT_BUFFERS_ROW = "expert-parallel buffers"
 DROPOUT_ROW = "LoRA dropout copies"
 """The plan row of what LoRA dropout keeps beyond the same step without it (rank.worker names
 it in the start-up line)."""

@@ -67,9 +67,10 @@ settings never copied deep or mutated)."""
 
 def settings_of(cfg: RunConfig, d: Decisions) -> RunConfig:
     """The settings that ask for ``d``'s own choices directly: its ZeRO stage, method,
-    optimizer, micro batch, kernels and checkpointing on or off (the number of recomputed
-    layers left to auto, for :func:`pinned` to give). A decided run's alternatives start here:
-    plan.auto_fit's variants, the "Try:" list, the other ZeRO stage. Never handed to a rank."""
+    optimizer, micro batch, kernels, experts' split and checkpointing on or off (the number of
+    recomputed layers left to auto, for :func:`pinned` to give). A decided run's alternatives
+    start here: plan.auto_fit's variants, the "Try:" list, the other ZeRO stage. Never handed
+    to a rank."""
     trainer: dict[str, Any] = {
         "optimizer": d.optimizer,
         "micro_batch_size": d.batch.micro_batch,
@@ -82,6 +83,8 @@ def settings_of(cfg: RunConfig, d: Decisions) -> RunConfig:
     if d.checkpointing.enabled:
         trainer["checkpoint_layers"] = "auto"
         trainer["selective_layers"] = "auto"
+    if d.experts is not None:  # trainer.expert_parallel=auto's choice kept (memory.layouts)
+        trainer["expert_parallel"] = str(d.experts.parallel)
     return with_sections(
         cfg,
         zero={"stage": d.zero_stage, "template": d.zero_template},
@@ -388,7 +391,12 @@ def format_step_estimates(
         return None
     lines = [format_step_time(cfg, estimate)]
     alternatives = []
-    if d.batch.ranks > 1:
+    from memtune.memory.layouts import expert_layouts, format_layouts
+
+    layouts = expert_layouts(cfg, d, counts, machine)
+    if layouts:  # a mixture: its ZeRO stages are among its layouts
+        lines += format_layouts(layouts, d)
+    elif d.batch.ranks > 1:
         stage = 2 if d.zero_stage == 3 else 3
         split = d.experts is not None and d.experts.parallel > 1
         label = f"zero=zero{stage}" + (" trainer.expert_parallel=1" if split else "")
@@ -749,6 +757,9 @@ def fit_to_device(
     choices, long_note = resolve_long_context(staged, counts, machine)
     d, note = resolve_checkpoint_layers(staged, choices, counts, machine)
     notes += [n for n in (long_note, note) if n]
+    if str(cfg.trainer.expert_parallel) == "auto":
+        d, note = _expert_layout(staged, d, counts, machine)
+        notes += [note] if note else []
     result = plan(cfg, d, counts)
     if not result.fits and cfg.plan.auto_fit:
         fit = auto_fit(cfg, d, machine, result.counts)
@@ -772,6 +783,23 @@ def fit_to_device(
             "fastest variant that fits; plan.enforce=false launches anyway)"
         )
     return Fitted(cfg, d, result, d, result, [], notes, machine)
+
+
+def _expert_layout(
+    cfg: RunConfig, d: Decisions, counts: ParamCounts, machine: RankMachine
+) -> tuple[Decisions, str | None]:
+    """trainer.expert_parallel=auto: the decisions of the layout memory.layouts chooses (the
+    ZeRO stage with it), and a note naming it; ``d`` as it is for a dense model or one rank."""
+    from memtune.memory.layouts import choose_layout, expert_layouts, layout_setting
+
+    chosen = choose_layout(expert_layouts(cfg, d, counts, machine))
+    if chosen is None:
+        return d, None
+    step = f"{chosen.step_s:.2f} s a step, " if chosen.step is not None else ""
+    return chosen.decisions, (
+        f"trainer.expert_parallel=auto: {layout_setting(chosen)} ({chosen.label}; {step}"
+        f"{chosen.plan.total_gib:.2f} GiB per rank; the layouts side by side under the step time)"
+    )
 
 
 def out_of_memory_variant(

@@ -23,9 +23,15 @@ experiments' ZeRO stage) and to say how much of a step is spent moving bytes:
   when it is given. The other elementwise work is inside ``plan.mfu``.
 * **images** — the vision tower's matmuls on the micro batch's planned images
   (:func:`tower_flops`), and under ZeRO-3 its all-gathers: forward only for a frozen tower.
+* **expert parallelism** — per mixture layer and micro batch, the dispatch's and the
+  combine's hidden vectors and the rows' routing weights to the other ranks of the group, in
+  forward, backward and every recompute, and the rows' indices in forward and recompute
+  (memory.expert_parallel: uniform routing, the distinct ranks a token reaches exact); the
+  experts' adapter gradients reduced over the ranks holding the same experts only.
 * **no overlap** is assumed: step = compute + communication. DeepSpeed prefetches ZeRO-3
   gathers during compute, but over PCIe without P2P the copies go through host memory and
-  compete with the kernels; the sum is the conservative figure.
+  compete with the kernels; the sum is the conservative figure. The other bound, every
+  transfer hidden behind the compute (:attr:`StepTime.overlapped_s`), is printed beside it.
 * **long context** — a sequence split over sp ranks (Ulysses) leaves each rank 1/sp of the
   tokens of every linear layer and 1/sp of the heads of full-sequence attention, and adds
   four all-to-alls per layer (q, k, v in, the output back), each sending (sp−1)/sp of its
@@ -45,6 +51,7 @@ from memtune.config.decisions import Decisions
 from memtune.expert_stacks import expert_stack_bytes
 from memtune.memory.counts import ParamCounts, count_params
 from memtune.memory.estimate import MLP_PROJECTIONS, NF4_BYTES
+from memtune.memory.expert_parallel import expert_parallel, step_exchange_bytes
 
 QLORA_COMPUTE = 1.30
 """A 4-bit base dequantizes every weight before each matmul: ~30% more compute time."""
@@ -88,6 +95,12 @@ class StepTime:
     @property
     def step_s(self) -> float:
         return self.compute_s + self.elementwise_s + self.comm_s + self.host_s
+
+    @property
+    def overlapped_s(self) -> float:
+        """The step were every transfer hidden behind the compute it can run beside: the
+        larger of the two (the lower bound; :attr:`step_s` is the sum)."""
+        return max(self.compute_s + self.elementwise_s, self.comm_s) + self.host_s
 
     @property
     def comm_share(self) -> float:
@@ -235,7 +248,19 @@ def traffic(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> list[tuple[str
     b = compute_bytes(cfg)
     gas = d.batch.accumulation
     lora = counts.lora * b
-    out = [("LoRA gradient reduce-scatter", gas * ring * lora)]
+    shared = ring * lora  # what a reduce-scatter or an all-gather of the adapters sends
+    ep = expert_parallel(d)
+    if ep > 1:
+        # the experts' adapters (1/ep of them on a rank) are reduced and gathered over the
+        # ranks holding the same experts (ranks / ep of them), the others over all
+        group = ranks // ep
+        experts = counts.expert_lora * b
+        shared = ring * (lora - experts) + (group - 1) / group * experts / ep
+    out = [("LoRA gradient reduce-scatter", gas * shared)]
+    if ep > 1:
+        moved, meta = step_exchange_bytes(cfg, d)
+        out.append((f"expert all-to-alls (tokens, weights; ep={ep})", moved))
+        out.append(("expert all-to-alls (row indices)", meta))
     sp = d.sequence_parallel
     if sp > 1:
         a = cfg.model.architecture
@@ -268,7 +293,7 @@ def traffic(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> list[tuple[str
             tower = gas * passes * ring * counts.vision * b
             out.append(("ZeRO-3 vision tower all-gathers", tower))
     else:
-        out.append(("LoRA weight all-gather after the step", ring * lora))
+        out.append(("LoRA weight all-gather after the step", shared))
     return out
 
 
@@ -311,7 +336,8 @@ def format_step_time(cfg: RunConfig, t: StepTime) -> str:
     if t.traffic:
         lines.append(
             f"  at {t.link_gb_s:g} GB/s bus bandwidth (plan.link_gb_s; the GPU preflight "
-            "measures it), no overlap with compute assumed"
+            f"measures it), no overlap with compute assumed; with full overlap "
+            f"{t.overlapped_s:.2f} s"
         )
     if t.elementwise_s:
         lines.append(

@@ -1,0 +1,130 @@
+"""Where a mixture's routed experts live across the ranks, planned side by side, and
+``trainer.expert_parallel=auto``'s choice among them (issue #48 item 3):
+
+* **ZeRO-3, experts sharded** (expert_parallel=1): every weight sharded over the ranks and
+  all-gathered in each micro step's forward and backward — the least memory, the most bytes;
+* **ZeRO-2, experts replicated** (expert_parallel=1): every rank holds every expert (where it
+  fits: quantized stacks), nothing gathered;
+* **ZeRO-2, expert parallelism** (expert_parallel=N, each N dividing the ranks and the
+  experts): a rank holds 1/N of the experts and sends tokens to them by all-to-all
+  (memory.expert_parallel).
+
+Each is planned with its checkpointed layers chosen as a launch would (the fewest that fit);
+``auto`` takes the fastest by the step-time estimate (memory.step_time, no overlap) among those
+that fit with checkpoint_layers=auto's spare, else among those that fit at all (plan.auto_fit's
+rule), else ZeRO-3. Without plan.device_tflops (no estimate) it takes the first that fits in the
+order above. ZeRO-3 with expert parallelism is not built (config.validate), so not a layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from memtune.config import ConfigError, RunConfig, validate
+from memtune.config.decisions import Decisions, RankMachine, with_sections
+from memtune.memory.counts import ParamCounts
+from memtune.memory.estimate import Plan, plan
+from memtune.memory.step_time import StepTime, step_time
+
+
+@dataclass
+class Layout:
+    """One placement of the experts, planned: its settings, decisions, plan and step time."""
+
+    label: str
+    cfg: RunConfig
+    decisions: Decisions
+    plan: Plan
+    step: StepTime | None
+
+    @property
+    def step_s(self) -> float:
+        return self.step.step_s if self.step is not None else math.inf
+
+
+def expert_parallel_sizes(ranks: int, experts: int) -> list[int]:
+    """The expert-parallel sizes > 1 the ranks and the experts allow (config.validate)."""
+    return [n for n in range(2, ranks + 1) if ranks % n == 0 and experts % n == 0]
+
+
+def expert_layouts(
+    cfg: RunConfig, d: Decisions, counts: ParamCounts, machine: RankMachine
+) -> list[Layout]:
+    """The layouts of ``cfg`` run as ``d`` (module docstring); [] for a dense model or one
+    rank. ``cfg``'s other settings are kept; the ones a layout cannot run with (an optimizer
+    not built with expert parallelism) leave it out."""
+    from memtune.memory.fit import pinned, resolve_checkpoint_layers, settings_of
+
+    if d.experts is None or d.batch.ranks <= 1:
+        return []
+    settings = settings_of(cfg, d)
+    choices = dataclasses.replace(pinned(d), recompute=None, selective=None)
+    candidates = [(3, 1, "ZeRO-3, experts sharded"), (2, 1, "ZeRO-2, experts replicated")]
+    candidates += [
+        (2, n, f"ZeRO-2, experts split over {n} ranks")
+        for n in expert_parallel_sizes(d.batch.ranks, d.experts.routed)
+    ]
+    out = []
+    for stage, ep, label in candidates:
+        variant = with_sections(
+            settings,
+            zero={"stage": stage, "template": None},
+            trainer={"expert_parallel": str(ep)},
+        )
+        try:
+            validate(variant, inputs=False)
+        except ConfigError:
+            continue
+        decided, _ = resolve_checkpoint_layers(variant, choices, counts, machine)
+        planned = plan(variant, decided, counts)
+        out.append(Layout(label, variant, decided, planned, step_time(variant, decided, counts)))
+    return out
+
+
+def choose_layout(layouts: list[Layout]) -> Layout | None:
+    """``auto``'s choice (module docstring); None when there is nothing to choose from."""
+    from memtune.memory.fit import fits_with_spare
+
+    for fits in (fits_with_spare, lambda p: p.fits):
+        fitting = [lay for lay in layouts if fits(lay.plan)]
+        if fitting:
+            return min(fitting, key=lambda lay: lay.step_s)  # ties: the first listed
+    return layouts[0] if layouts else None
+
+
+def layout_setting(layout: Layout) -> str:
+    """The settings that ask for ``layout``: zero=zeroS trainer.expert_parallel=N."""
+    d = layout.decisions
+    ep = d.experts.parallel if d.experts is not None else 1
+    return f"zero=zero{d.zero_stage} trainer.expert_parallel={ep}"
+
+
+def format_layouts(layouts: list[Layout], current: Decisions) -> list[str]:
+    """The layouts, one line each (GiB per rank, step s without and with overlap, fits), the
+    run's own and auto's choice marked."""
+    chosen = choose_layout(layouts)
+    lines = [
+        "  where the routed experts live (trainer.expert_parallel=auto takes the fastest "
+        "that fits):"
+    ]
+    for lay in layouts:
+        d = lay.decisions
+        ep = d.experts.parallel if d.experts is not None else 1
+        mine = current.experts is not None and (d.zero_stage, ep) == (
+            current.zero_stage,
+            current.experts.parallel,
+        )
+        marks = [m for m, on in (("this run", mine), ("auto", lay is chosen)) if on]
+        fits = "fits" if lay.plan.fits else "does not fit"
+        if lay.step is None:
+            time = "no step estimate (plan.device_tflops)"
+        else:
+            time = f"{lay.step.step_s:6.2f} s a step ({lay.step.overlapped_s:.2f} s overlapped)"
+        lines.append(
+            f"    {lay.label:<34}{lay.plan.total_gib:6.2f} GiB  {time}  {fits}, checkpointing "
+            f"{d.checkpointing.label()}  [{layout_setting(lay)}]"
+            + (f"  ← {', '.join(marks)}" if marks else "")
+        )
+    return lines
