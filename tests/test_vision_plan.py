@@ -18,11 +18,12 @@ from memtune.config.decisions import Vision
 from memtune.memory.estimate import GIB, plan
 from memtune.memory.vision import resized
 from memtune.tools.step_trace import planned_step, trace_step
-from memtune.tools.tiny import TINY_VISION_LANGUAGE, build_vision_language
+from memtune.tools.tiny import build_vision_language, tiny_vision_architecture
 from tests.conftest import compose_cfg, decided
 
-TOWER = [f"+model.vision.{k}={v}" for k, v in TINY_VISION_LANGUAGE["qwen3_5"]["vision"].items()]
-"""The tiny Qwen3.5's tower (memtune.tools.tiny), on the tiny-qwen3.5 language model."""
+TOWER = [f"+model.vision.{k}={v}" for k, v in tiny_vision_architecture("qwen3_5")[1].items()]
+"""The tiny Qwen3.5's tower (conf/model/tiny-qwen3.5-vl.yaml), on the tiny-qwen3.5 language
+model."""
 
 
 def tiny_vl(*overrides: str) -> RunConfig:
