@@ -26,6 +26,7 @@ from memtune.config import ConfigError, RunConfig, validate
 from memtune.config.decisions import Decisions, RankMachine, with_sections
 from memtune.memory.counts import ParamCounts
 from memtune.memory.estimate import Plan, plan
+from memtune.memory.recompute import fits_with_spare, pinned, resolve_checkpoint_layers, settings_of
 from memtune.memory.step_time import StepTime, step_time
 
 
@@ -55,8 +56,6 @@ def expert_layouts(
     """The layouts of ``cfg`` run as ``d`` (module docstring); [] for a dense model or one
     rank. ``cfg``'s other settings are kept; the ones a layout cannot run with (an optimizer
     not built with expert parallelism) leave it out."""
-    from memtune.memory.fit import pinned, resolve_checkpoint_layers, settings_of
-
     if d.experts is None or d.batch.ranks <= 1:
         return []
     settings = settings_of(cfg, d)
@@ -85,8 +84,6 @@ def expert_layouts(
 
 def choose_layout(layouts: list[Layout]) -> Layout | None:
     """``auto``'s choice (module docstring); None when there is nothing to choose from."""
-    from memtune.memory.fit import fits_with_spare
-
     for fits in (fits_with_spare, lambda p: p.fits):
         fitting = [lay for lay in layouts if fits(lay.plan)]
         if fitting:
