@@ -21,16 +21,12 @@ from memtune.tools.step_trace import planned_step, trace_step
 from memtune.tools.tiny import TINY_VISION_LANGUAGE, build_vision_language
 from tests.conftest import compose_cfg, decided
 
-TOWER = [f"+model.vision.{k}={v}" for k, v in TINY_VISION_LANGUAGE["qwen3_5"]["vision"].items()]
-"""The tiny Qwen3.5's tower (memtune.tools.tiny), on the tiny-qwen3.5 language model."""
-
 
 def tiny_vl(*overrides: str) -> RunConfig:
     """tiny-qwen3.5 with its tower, two 128 × 96 images a sample (4 × 3 merged patches of 32
     pixels: 12 tokens, 48 patches each), unpacked, 2 × 256 tokens a micro batch."""
     args = [
-        "model=tiny-qwen3.5",
-        *TOWER,
+        f"model={TINY_VISION_LANGUAGE['qwen3_5']}",
         "trainer.precision=fp32",
         "data.max_seq_len=128",
         "data.packing=false",
