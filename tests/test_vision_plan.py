@@ -54,7 +54,8 @@ def test_the_plan_matches_a_traced_step_with_images(overrides: list[str], vision
     """A frozen tower (its weights and the patches only), an adapted one keeping everything
     (the measured blocks and merger), an adapted one recomputed with the language model's
     layers, packed (a row planned with as many images as it holds: 9): the plan's step rows
-    within 3% of the traced step on real tensors, the images' rows among them."""
+    within 3% of the traced step on real tensors, the images' rows among them; and the same
+    step on fake tensors holds the same bytes, to the byte, at every moment that matters."""
     cfg = tiny_vl(*overrides)
     d = decided(cfg)
     assert d.vision == vision
@@ -67,6 +68,10 @@ def test_the_plan_matches_a_traced_step_with_images(overrides: list[str], vision
     traced = trace_step(cfg, d, fake=False)
     assert traced.at_peak["LoRA weights"] > 0
     assert planned_step(cfg, d) == pytest.approx(traced.step, rel=0.03), traced
+    # fake tensors (the full-size trace's: tests/test_trace.py) hold what real ones hold
+    fake = trace_step(cfg, d)
+    assert (fake.peak, fake.at_peak) == (traced.peak, traced.at_peak)
+    assert fake.saved_after_forward == traced.saved_after_forward
 
 
 def test_the_vision_decision_is_the_planners() -> None:
