@@ -257,11 +257,11 @@ def trace_step(cfg: RunConfig, d: Decisions, fake: bool = True) -> Trace:
     micro, seq = d.batch.micro_batch, d.batch.row_tokens
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
     known = _known_values(micro * seq) if d.vision is not None else contextlib.nullcontext()
-    with mode, _unpacked_mask(), known:
+    with mode, _unpacked_mask(), known, contextlib.ExitStack() as stack:
         if fake:
             _fakeify(model)
             if d.vision is not None:
-                _rope_index_on_values(model, tracker)
+                stack.enter_context(_computed_on_values(model, tracker))
         else:
             model.to_empty(device="cpu")
             with torch.no_grad():  # uninitialised memory can hold denormals: slow CPU math
@@ -386,20 +386,16 @@ def _known_values(numel: int) -> Iterator[None]:
         fake_tensor.CONSTANT_NUMEL_LIMIT = limit
 
 
-def _rope_index_on_values(model: Any, tracker: Tracker) -> None:
-    """The vision-language model's ``get_rope_index`` (rank.vision.rope_positions calls it on
-    each sample) run on the values of its constant inputs, as plain CPU tensors: it builds the
-    3-D positions from ``torch.arange`` pieces, which a FakeTensorMode makes without values, and
-    reads them back (``max()`` into a delta). Its outputs return as constants; the tracker sees
-    its new tensors as on a real step, and views of its inputs (the constants' storages, which
-    the fake inputs' own storages already count) as nothing new."""
+def _on_values(fn: Any, tracker: Tracker) -> Any:
+    """``fn`` run on the values of its constant inputs, as plain CPU tensors, its outputs
+    returned as constants: for the functions of a step on images that build tensors from
+    ``torch.arange`` pieces (which a FakeTensorMode makes without values) and read them back.
+    The tracker sees their new tensors as on a real step, and views of their inputs (the
+    constants' storages, which the fake inputs' own storages already count) as nothing new."""
     from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
-    vl = model.get_base_model().model
-    original = vl.get_rope_index
-
     def real(t: FakeTensor) -> torch.Tensor:
-        assert t.constant is not None, "get_rope_index on a tensor of no known values"
+        assert t.constant is not None, f"{fn.__name__} on a tensor of no known values"
         return t.constant
 
     def on_values(*args: Any, **kwargs: Any) -> Any:
@@ -412,14 +408,37 @@ def _rope_index_on_values(model: Any, tracker: Tracker) -> None:
         tracker.not_counted |= inputs
         try:
             with unset_fake_temporarily():
-                out = original(*args, **kwargs)
+                out = fn(*args, **kwargs)
         finally:
             tracker.not_counted -= inputs
         return pytree.tree_map_only(
             torch.Tensor, lambda t: torch.tensor(t.tolist(), dtype=t.dtype), out
         )
 
-    vl.get_rope_index = on_values
+    return on_values
+
+
+@contextlib.contextmanager
+def _computed_on_values(model: Any, tracker: Tracker) -> Iterator[None]:
+    """The vision-language model's functions that read what they build (:func:`_on_values`):
+    its ``get_rope_index`` (the 3-D positions, which rank.vision.rope_positions calls on each
+    sample: pieces of ``arange`` and a delta read back from their ``max()``), and Qwen2.5-VL's
+    windows (``get_vision_window_index``: an ``arange`` grid, its padding dropped by a boolean
+    mask), in the tower's module while the step runs."""
+    import sys
+
+    vl = model.get_base_model().model
+    vl.get_rope_index = _on_values(vl.get_rope_index, tracker)
+    tower = sys.modules[type(vl.visual).__module__]
+    windows = getattr(tower, "get_vision_window_index", None)
+    if windows is not None:
+        tower.get_vision_window_index = _on_values(windows, tracker)
+    try:
+        yield
+    finally:
+        del vl.get_rope_index
+        if windows is not None:
+            tower.get_vision_window_index = windows
 
 
 def planned_step(cfg: RunConfig, d: Decisions) -> int:
