@@ -272,9 +272,7 @@ def as_on_cuda(model: Any) -> None:
                     drop[key] = native_dropout(dropout.p)
 
 
-def _tower_saved(
-    cfg: RunConfig, depth: int, side: int, cuda: bool, deepstack: bool = False
-) -> int:
+def _tower_saved(cfg: RunConfig, depth: int, side: int, cuda: bool, deepstack: bool = False) -> int:
     """Bytes autograd saves in an adapted tower of ``depth`` blocks over one image of
     ``side × side`` merged patches (see :func:`tower_line`); ``deepstack``: a deepstack merger
     on the first block's output, else none."""
