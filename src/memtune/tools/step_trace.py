@@ -17,6 +17,11 @@ What fake tensors cannot show stays analytical in the planner: ZeRO's partitioni
 4-bit / int8 storage (a quantized base is traced in the compute dtype: its activations are the
 same), the optimizer state, DeepSpeed's buckets, allocator fragmentation and the CUDA context.
 
+A run on images traces the same way (the vision-language class, the planned images written into
+the row): the few values such a step reads — the tower's per-image boundaries, the 3-D rotary
+positions, the placeholder check — come from the batch's ids, token types and grids, which are
+fake-tensor constants here (:func:`_known_values`, :func:`_computed_on_values`).
+
 Construction order matters (torch 2.13): a module's ``.to()`` or peft's adapter placement on
 parameters that are already fake goes through ``torch.utils.swap_tensors``, which refuses the
 fake mode's weak-referenced tensors ("Couldn't swap Linear.weight"). So everything is built and
@@ -429,7 +434,7 @@ def _computed_on_values(model: Any, tracker: Tracker) -> Iterator[None]:
 
     vl = model.get_base_model().model
     vl.get_rope_index = _on_values(vl.get_rope_index, tracker)
-    tower = sys.modules[type(vl.visual).__module__]
+    tower: Any = sys.modules[type(vl.visual).__module__]
     windows = getattr(tower, "get_vision_window_index", None)
     if windows is not None:
         tower.get_vision_window_index = _on_values(windows, tracker)
