@@ -18,20 +18,15 @@ from memtune.config.decisions import Vision
 from memtune.memory.estimate import GIB, plan
 from memtune.memory.vision import resized
 from memtune.tools.step_trace import planned_step, trace_step
-from memtune.tools.tiny import build_vision_language, tiny_vision_architecture
+from memtune.tools.tiny import TINY_VISION_LANGUAGE, build_vision_language
 from tests.conftest import compose_cfg, decided
-
-TOWER = [f"+model.vision.{k}={v}" for k, v in tiny_vision_architecture("qwen3_5")[1].items()]
-"""The tiny Qwen3.5's tower (conf/model/tiny-qwen3.5-vl.yaml), on the tiny-qwen3.5 language
-model."""
 
 
 def tiny_vl(*overrides: str) -> RunConfig:
     """tiny-qwen3.5 with its tower, two 128 × 96 images a sample (4 × 3 merged patches of 32
     pixels: 12 tokens, 48 patches each), unpacked, 2 × 256 tokens a micro batch."""
     args = [
-        "model=tiny-qwen3.5",
-        *TOWER,
+        f"model={TINY_VISION_LANGUAGE['qwen3_5']}",
         "trainer.precision=fp32",
         "data.max_seq_len=128",
         "data.packing=false",
@@ -59,7 +54,8 @@ def test_the_plan_matches_a_traced_step_with_images(overrides: list[str], vision
     """A frozen tower (its weights and the patches only), an adapted one keeping everything
     (the measured blocks and merger), an adapted one recomputed with the language model's
     layers, packed (a row planned with as many images as it holds: 9): the plan's step rows
-    within 3% of the traced step on real tensors, the images' rows among them."""
+    within 3% of the traced step on real tensors, the images' rows among them; and the same
+    step on fake tensors holds the same bytes, to the byte, at every moment that matters."""
     cfg = tiny_vl(*overrides)
     d = decided(cfg)
     assert d.vision == vision
@@ -72,6 +68,10 @@ def test_the_plan_matches_a_traced_step_with_images(overrides: list[str], vision
     traced = trace_step(cfg, d, fake=False)
     assert traced.at_peak["LoRA weights"] > 0
     assert planned_step(cfg, d) == pytest.approx(traced.step, rel=0.03), traced
+    # fake tensors (the full-size trace's: tests/test_trace.py) hold what real ones hold
+    fake = trace_step(cfg, d)
+    assert (fake.peak, fake.at_peak) == (traced.peak, traced.at_peak)
+    assert fake.saved_after_forward == traced.saved_after_forward
 
 
 def test_the_vision_decision_is_the_planners() -> None:
@@ -215,6 +215,6 @@ def test_the_towers_measured_line_predicts_another_tower(cuda: bool) -> None:
     from memtune.memory.vision import _tower_saved, tower_line
 
     cfg = tiny_vl("peft.target=all-linear-and-vision", "peft.dropout=0.1")
-    block, rest, image = tower_line(cfg, cuda)
-    assert block > 0 and rest > 0
+    block, rest, image, deepstack = tower_line(cfg, cuda)
+    assert block > 0 and rest > 0 and deepstack == 0  # Qwen3.5's tower has no deepstack
     assert _tower_saved(cfg, 3, 5, cuda) == 3 * block * 100 + rest * 100 + image

@@ -169,27 +169,39 @@ def tower_saved_bytes(cfg: RunConfig, d: Decisions, load: ImageLoad, cuda: bool)
     block's input (the compute dtype) plus what the rest of the tower keeps."""
     if d.vision is None or not d.vision.adapted:
         return 0
-    per_block, rest, per_image = tower_line(cfg, cuda)
+    per_block, rest, per_image, per_deepstack = tower_line(cfg, cuda)
     t = tower_config(cfg)
     depth, hidden = int(t.depth), int(t.hidden_size)
     patches = load.images * load.patches
     kept = patches * hidden * compute_bytes(cfg)  # a recomputed block's input
     block = kept if d.vision.recompute else per_block * patches
-    return round(depth * block + rest * patches + per_image * load.images)
+    # Qwen3-VL's deepstack mergers run in the tower's loop, outside the (recomputed) blocks.
+    deepstack = len(deepstack_blocks(t)) * per_deepstack * patches
+    return round(depth * block + rest * patches + per_image * load.images + deepstack)
 
 
-TOWER_LINE_FORMAT = 1
+def deepstack_blocks(config: Any) -> list[int]:
+    """The tower's blocks whose output a deepstack merger also takes (Qwen3-VL; none in
+    Qwen3.5's and Qwen2.5-VL's towers)."""
+    depth = int(config.depth)
+    return [i for i in getattr(config, "deepstack_visual_indexes", None) or [] if i < depth]
 
-_TOWER_LINES: dict[str, tuple[float, float, float]] = {}
+
+TOWER_LINE_FORMAT = 2  # 2: the deepstack mergers apart
+
+_TOWER_LINES: dict[str, tuple[float, float, float, float]] = {}
 
 
-def tower_line(cfg: RunConfig, cuda: bool) -> tuple[float, float, float]:
+def tower_line(cfg: RunConfig, cuda: bool) -> tuple[float, float, float, float]:
     """(saved bytes per patch of one adapted block, per patch of the rest — patch embedding,
-    position embeddings, merger —, per image) of the tower run forward with LoRA on the
-    modules peft.target adapts there (config.derive.VISION_TARGETS), measured: the tower is
-    built at its real widths with 1 and 2 blocks and run on images of two sizes on CPU
-    tensors (uninitialised; only the bytes are read), and every tensor autograd saves is
-    counted. Kept in the counts cache (memory.counts) like the linear mixer's line."""
+    position embeddings, merger —, per image, per patch of one deepstack merger) of the tower
+    run forward with LoRA on the modules peft.target adapts there
+    (config.derive.VISION_TARGETS), measured: the tower is built at its real widths with 1
+    and 2 blocks (no deepstack) and run on images of two sizes on CPU tensors (uninitialised;
+    only the bytes are read), and every tensor autograd saves is counted; a deepstack merger
+    (Qwen3-VL's: a block's output to the language model's first layers) is the difference it
+    makes on one block. Kept in the counts cache (memory.counts) like the linear mixer's
+    line."""
     p = cfg.peft
     key = json.dumps(
         {
@@ -210,7 +222,7 @@ def tower_line(cfg: RunConfig, cuda: bool) -> tuple[float, float, float]:
     path = cache_dir() / "counts" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
     saved = cached(path, "the vision tower measured")
     if saved is not None:
-        _TOWER_LINES[key] = (float(saved[0]), float(saved[1]), float(saved[2]))
+        _TOWER_LINES[key] = (float(saved[0]), float(saved[1]), float(saved[2]), float(saved[3]))
         return _TOWER_LINES[key]
     m = int(cfg.model.vision.get("spatial_merge_size", 2))
     # Images of (2m)² and (4m)² patches (2 and 4 merged patches a side), towers of 1 and 2
@@ -222,7 +234,10 @@ def tower_line(cfg: RunConfig, cuda: bool) -> tuple[float, float, float]:
     per_patch = (one_large - one_small) / (large - small)
     rest = per_patch - block
     per_image = one_small - per_patch * small
-    line = (block, rest, per_image)
+    deepstack = 0.0
+    if deepstack_blocks(tower_config(cfg)):
+        deepstack = (_tower_saved(cfg, 1, 2, cuda, deepstack=True) - one_small) / small
+    line = (block, rest, per_image, deepstack)
     _TOWER_LINES[key] = line
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -257,15 +272,16 @@ def as_on_cuda(model: Any) -> None:
                     drop[key] = native_dropout(dropout.p)
 
 
-def _tower_saved(cfg: RunConfig, depth: int, side: int, cuda: bool) -> int:
+def _tower_saved(cfg: RunConfig, depth: int, side: int, cuda: bool, deepstack: bool = False) -> int:
     """Bytes autograd saves in an adapted tower of ``depth`` blocks over one image of
-    ``side × side`` merged patches (see :func:`tower_line`)."""
+    ``side × side`` merged patches (see :func:`tower_line`); ``deepstack``: a deepstack merger
+    on the first block's output, else none."""
     import torch
     from peft import inject_adapter_in_model
     from transformers import AutoModel
 
     dtype = torch.bfloat16 if compute_bytes(cfg) == 2 else torch.float32
-    config = tower_config(cfg, depth=depth)
+    config = tower_config(cfg, depth=depth, deepstack_visual_indexes=[0] if deepstack else [])
     config._attn_implementation = "sdpa"  # as rank.vision.tower_attention (flash: the same bytes)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

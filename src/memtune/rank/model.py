@@ -168,7 +168,7 @@ def add_lora(model: Any, cfg: RunConfig, d: Decisions) -> Any:
     prepared, activation checkpointing per layer, the adapters in the compute dtype."""
     from peft import get_peft_model
 
-    from memtune.rank.vision import set_tower_recompute
+    from memtune.rank.vision import set_tower_recompute, tower_inputs_need_no_grad
 
     p = cfg.peft
     if d.peft_method != "lora":
@@ -212,6 +212,8 @@ def add_lora(model: Any, cfg: RunConfig, d: Decisions) -> Any:
     if c.reentrant:
         # Reentrant checkpointing drops gradients unless the layer inputs require grad.
         model.enable_input_require_grads()
+    if d.vision is not None:
+        tower_inputs_need_no_grad(model)
     return model
 
 

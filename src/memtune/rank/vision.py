@@ -101,6 +101,33 @@ def set_tower_recompute(model: Any, vision: Vision) -> None:
             block._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
 
 
+REQUIRE_GRAD_HOOKS = ("make_inputs_require_grads", "make_inputs_require_grad")
+"""transformers' ``enable_input_require_grads`` hook (peft's prepare_model_for_kbit_training
+has its own, one letter shorter)."""
+
+
+def tower_inputs_need_no_grad(model: Any) -> int:
+    """Drop the hooks that make the tower's patch embedding output require a gradient; the
+    number dropped. peft calls transformers' ``enable_input_require_grads`` on a model with
+    gradient checkpointing, which hooks the input embeddings of every pretrained model inside,
+    Qwen2.5-VL's tower's patch embedding too: a frozen tower would then keep every block's
+    activations for a backward that computes nothing (20 GB a rank for Qwen2.5-VL-7B on 3
+    screenshots; found by tools.step_trace). Nothing in the tower needs it: its blocks recompute
+    non-reentrantly (:func:`set_tower_recompute`) and an adapted block's LoRA weights get their
+    gradients from its output's."""
+    unwrap = getattr(model, "get_base_model", None)
+    base = unwrap() if unwrap is not None else model
+    if not has_tower(base):
+        return 0
+    dropped = 0
+    for module in getattr(base.model, TOWER).modules():
+        for key, hook in list(module._forward_hooks.items()):
+            if getattr(hook, "__name__", "") in REQUIRE_GRAD_HOOKS:
+                del module._forward_hooks[key]
+                dropped += 1
+    return dropped
+
+
 def _blank_image(visual: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The smallest image the tower takes: one merged patch (merge × merge patches) of zeros."""
     config = visual.config

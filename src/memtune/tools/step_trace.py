@@ -17,6 +17,11 @@ What fake tensors cannot show stays analytical in the planner: ZeRO's partitioni
 4-bit / int8 storage (a quantized base is traced in the compute dtype: its activations are the
 same), the optimizer state, DeepSpeed's buckets, allocator fragmentation and the CUDA context.
 
+A run on images traces the same way (the vision-language class, the planned images written into
+the row): the few values such a step reads — the tower's per-image boundaries, the 3-D rotary
+positions, the placeholder check — come from the batch's ids, token types and grids, which are
+fake-tensor constants here (:func:`_known_values`, :func:`_computed_on_values`).
+
 Construction order matters (torch 2.13): a module's ``.to()`` or peft's adapter placement on
 parameters that are already fake goes through ``torch.utils.swap_tensors``, which refuses the
 fake mode's weak-referenced tensors ("Couldn't swap Linear.weight"). So everything is built and
@@ -67,6 +72,7 @@ class Tracker(TorchDispatchMode):
         self.at_peak: dict[str, int] = {}
         self.peak_phase = self.peak_where = ""
         self.phase, self.where = "setup", ""
+        self.not_counted: set[int] = set()  # storages the step holds already under another key
 
     def _category(self) -> str:
         if self.phase == "backward":
@@ -82,6 +88,8 @@ class Tracker(TorchDispatchMode):
     def track(self, tensor: torch.Tensor, category: str | None = None) -> None:
         storage = tensor.untyped_storage()
         key = storage._cdata
+        if key in self.not_counted:
+            return
         if key in self.live:
             if category is not None:  # re-label (a gradient accumulated into a new tensor)
                 nbytes, old = self.live[key]
@@ -213,13 +221,6 @@ def trace_step(cfg: RunConfig, d: Decisions, fake: bool = True) -> Trace:
     started = time.perf_counter()
     d, notes = traced_decisions(cfg, d)
     dtype = torch_dtype(cfg)
-    if d.vision is not None and fake:
-        from memtune.config import ConfigError
-
-        raise ConfigError(
-            "a run on images is traced on real tensors only (fake=False, small models): the "
-            "tower's per-image boundaries and the 3-D positions are computed from the values"
-        )
     with torch.device("meta"):
         if d.vision is not None:
             model = vision_language_model(cfg, d)
@@ -260,9 +261,12 @@ def trace_step(cfg: RunConfig, d: Decisions, fake: bool = True) -> Trace:
     base.get_decoder().register_forward_hook(to_loss)
     micro, seq = d.batch.micro_batch, d.batch.row_tokens
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
-    with mode, _unpacked_mask():
+    known = _known_values(micro * seq) if d.vision is not None else contextlib.nullcontext()
+    with mode, _unpacked_mask(), known, contextlib.ExitStack() as stack:
         if fake:
             _fakeify(model)
+            if d.vision is not None:
+                stack.enter_context(_computed_on_values(model, tracker))
         else:
             model.to_empty(device="cpu")
             with torch.no_grad():  # uninitialised memory can hold denormals: slow CPU math
@@ -275,8 +279,12 @@ def trace_step(cfg: RunConfig, d: Decisions, fake: bool = True) -> Trace:
         for b in model.buffers():
             tracker.track(b, "base weights")
         with tracker:
-            ids = torch.zeros((micro, seq), dtype=torch.long)
-            images = image_batch(cfg, d, ids, model.config) if d.vision is not None else {}
+            if d.vision is not None:
+                ids, images = image_batch(cfg, d, micro, seq, model.config)
+                for t in [ids, *images.values()]:  # torch.tensor on real lists: not an op
+                    tracker.track(t)
+            else:
+                ids, images = torch.zeros((micro, seq), dtype=torch.long), {}
             tracker.phase = "forward"
             loss = loss_module(input_ids=ids, labels=ids, **images)
             saved = sum(
@@ -327,30 +335,115 @@ def vision_language_model(cfg: RunConfig, d: Decisions) -> Any:
     )
 
 
-def image_batch(cfg: RunConfig, d: Decisions, ids: torch.Tensor, config: Any) -> dict[str, Any]:
-    """The planned images of the micro batch (memory.vision.image_load) written into ``ids``
-    (each image's tokens between its start and end tokens, from each row's start) with their
-    patches, grids and token types, as the rank's collator gives them."""
+def image_batch(
+    cfg: RunConfig, d: Decisions, micro: int, seq: int, config: Any
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The micro batch's token ids and its planned images (memory.vision.image_load): each
+    image's tokens between its start and end tokens, from each row's start, with their patches,
+    grids and token types, as the rank's collator gives them.
+
+    The ids, token types and grids are made by ``torch.tensor`` from Python lists: inside a
+    FakeTensorMode that makes them constants (:func:`_known_values`)."""
     from memtune.memory.vision import image_load, tower_config
 
     load = image_load(cfg, d)
     if load is None:
-        return {}
+        return torch.zeros((micro, seq), dtype=torch.long), {}
     t = tower_config(cfg)
     p = int(t.patch_size)
     width = int(t.in_channels) * int(t.temporal_patch_size) * p**2
-    types = torch.zeros_like(ids)
-    for r in range(ids.shape[0]):
+    ids = [[0] * seq for _ in range(micro)]
+    types = [[0] * seq for _ in range(micro)]
+    for r in range(micro):
         at = 0
         for _ in range(load.per_row):
-            ids[r, at] = config.vision_start_token_id
-            ids[r, at + 1 : at + 1 + load.tokens] = config.image_token_id
-            types[r, at + 1 : at + 1 + load.tokens] = 1
-            ids[r, at + 1 + load.tokens] = config.vision_end_token_id
+            ids[r][at] = config.vision_start_token_id
+            ids[r][at + 1 : at + 1 + load.tokens] = [config.image_token_id] * load.tokens
+            types[r][at + 1 : at + 1 + load.tokens] = [1] * load.tokens
+            ids[r][at + 1 + load.tokens] = config.vision_end_token_id
             at += load.tokens + 2
-    grid = torch.tensor([[1, load.height // p, load.width // p]] * load.images)
+    grid = [[1, load.height // p, load.width // p]] * load.images
     pixels = torch.zeros(load.images * load.patches, width)
-    return {"pixel_values": pixels, "image_grid_thw": grid, "mm_token_type_ids": types}
+    return torch.tensor(ids), {
+        "pixel_values": pixels,
+        "image_grid_thw": torch.tensor(grid),
+        "mm_token_type_ids": torch.tensor(types),
+    }
+
+
+@contextlib.contextmanager
+def _known_values(numel: int) -> Iterator[None]:
+    """A step on images reads values: the tower's per-image boundaries and patch positions,
+    the features' split per image and the placeholder check (from ``image_grid_thw``), the 3-D
+    rotary positions (from the ids and token types: rank.vision.rope_positions). FakeTensorMode
+    keeps a tensor made by ``torch.tensor`` as a constant and carries constants through ops whose
+    inputs are all constants, up to ``CONSTANT_NUMEL_LIMIT`` elements (1 by default): raised to
+    the micro batch's tokens here, the ids, token types and grids and everything computed from
+    them alone keep their values (computed on the CPU, the fake tensor with its shape is what
+    the step holds), while every tensor that touches a weight stays a shape."""
+    import torch._subclasses.fake_tensor as fake_tensor
+
+    limit = fake_tensor.CONSTANT_NUMEL_LIMIT
+    fake_tensor.CONSTANT_NUMEL_LIMIT = max(limit, 4 * numel)  # position_ids: 4 × the tokens
+    try:
+        yield
+    finally:
+        fake_tensor.CONSTANT_NUMEL_LIMIT = limit
+
+
+def _on_values(fn: Any, tracker: Tracker) -> Any:
+    """``fn`` run on the values of its constant inputs, as plain CPU tensors, its outputs
+    returned as constants: for the functions of a step on images that build tensors from
+    ``torch.arange`` pieces (which a FakeTensorMode makes without values) and read them back.
+    The tracker sees their new tensors as on a real step, and views of their inputs (the
+    constants' storages, which the fake inputs' own storages already count) as nothing new."""
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+    def real(t: FakeTensor) -> torch.Tensor:
+        assert t.constant is not None, f"{fn.__name__} on a tensor of no known values"
+        return t.constant
+
+    def on_values(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = pytree.tree_map_only(FakeTensor, real, (args, kwargs))
+        inputs = {
+            t.untyped_storage()._cdata
+            for t in pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        tracker.not_counted |= inputs
+        try:
+            with unset_fake_temporarily():
+                out = fn(*args, **kwargs)
+        finally:
+            tracker.not_counted -= inputs
+        return pytree.tree_map_only(
+            torch.Tensor, lambda t: torch.tensor(t.tolist(), dtype=t.dtype), out
+        )
+
+    return on_values
+
+
+@contextlib.contextmanager
+def _computed_on_values(model: Any, tracker: Tracker) -> Iterator[None]:
+    """The vision-language model's functions that read what they build (:func:`_on_values`):
+    its ``get_rope_index`` (the 3-D positions, which rank.vision.rope_positions calls on each
+    sample: pieces of ``arange`` and a delta read back from their ``max()``), and Qwen2.5-VL's
+    windows (``get_vision_window_index``: an ``arange`` grid, its padding dropped by a boolean
+    mask), in the tower's module while the step runs."""
+    import sys
+
+    vl = model.get_base_model().model
+    vl.get_rope_index = _on_values(vl.get_rope_index, tracker)
+    tower: Any = sys.modules[type(vl.visual).__module__]
+    windows = getattr(tower, "get_vision_window_index", None)
+    if windows is not None:
+        tower.get_vision_window_index = _on_values(windows, tracker)
+    try:
+        yield
+    finally:
+        del vl.get_rope_index
+        if windows is not None:
+            tower.get_vision_window_index = windows
 
 
 def planned_step(cfg: RunConfig, d: Decisions) -> int:
