@@ -226,8 +226,15 @@ DECIDED_SETTINGS = {
     ("trainer", "offload_activations"),
     ("model", "attn_implementation"),
 }
-DECIDERS = {"config/decisions.py", "config/validate.py", "config/derive.py", "memory/fit.py"}
-"""derive: one_rank_stage, the one intent-level rule the decider and the validator share."""
+DECIDERS = {
+    "config/decisions.py",
+    "config/validate.py",
+    "config/derive.py",
+    "memory/fit.py",
+    "memory/recompute.py",
+}
+"""derive: one_rank_stage, the one intent-level rule the decider and the validator share;
+memory.recompute: checkpoint_layers=auto's part of memory.fit."""
 OLDER_RUNS = {"tools/merge.py"}
 """Reads an adapter's run written before decisions.json, whose config.yaml held the decided
 values (tools.merge.trained_as; a run with decisions.json is read from it)."""
