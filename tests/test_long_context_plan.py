@@ -19,9 +19,9 @@ from memtune.memory.fit import (
     fit_to_device,
     format_step_estimates,
     longest_sequence,
-    resolve_checkpoint_layers,
     resolve_long_context,
 )
+from memtune.memory.recompute import resolve_checkpoint_layers
 from memtune.memory.step_time import step_time
 from tests.conftest import compose_cfg, decided
 

@@ -201,7 +201,8 @@ def test_suggestions_say_what_each_change_saves_and_skip_what_does_not_help() ->
 
 
 def test_auto_fit_picks_the_cheapest_variant_that_fits() -> None:
-    from memtune.memory.fit import AUTO_CHECKPOINT_SPARE_GIB, auto_fit
+    from memtune.memory.fit import auto_fit
+    from memtune.memory.recompute import AUTO_CHECKPOINT_SPARE_GIB
 
     # The usual recipe on 4 × 24 GB: does not fit as it is.
     cfg = to_run_config(
@@ -323,11 +324,11 @@ def test_selective_checkpointing_keeps_what_the_model_says() -> None:
 
 
 def test_checkpoint_layers_auto_is_the_fewest_that_fit_with_the_spare() -> None:
-    from memtune.memory.fit import (
+    from memtune.memory.fit import fit_to_device
+    from memtune.memory.recompute import (
         AUTO_CHECKPOINT_SPARE_GIB,
         checkpoint_budget,
         choose_checkpoint_layers,
-        fit_to_device,
     )
 
     # full recomputes only (selective ones: the test below)
@@ -506,7 +507,7 @@ def test_the_planner_recomputes_the_fewest_layers_in_full_then_selectively() -> 
     """Qwen2.5-7B LoRA at 4,096 tokens on a 24 GB card: the fewest full recomputes that fit
     with selective layers next to them, then the fewest of those; fewer full ones do not fit
     however many layers are selective, and one selective layer fewer does not fit either."""
-    from memtune.memory.fit import AUTO_CHECKPOINT_SPARE_GIB, choose_checkpoint_layers
+    from memtune.memory.recompute import AUTO_CHECKPOINT_SPARE_GIB, choose_checkpoint_layers
 
     cfg = to_run_config(compose_cfg([QWEN7B]))
     counts = count_params(cfg)

@@ -96,7 +96,7 @@ def test_the_plan_matches_a_full_size_selective_step(mix: tuple[int, int]) -> No
     assert planned_step(given, d) == pytest.approx(traced.step, rel=0.03), traced
 
 
-@pytest.mark.parametrize("checkpoint_layers", ["auto", "12"])
+@pytest.mark.parametrize("checkpoint_layers", ["12"])  # auto: the images case below
 def test_the_plan_matches_a_full_size_hybrid_step(checkpoint_layers: str) -> None:
     """Qwen3.5-2B (18 Gated DeltaNet and 6 gated full-attention layers) at 2,048 tokens: the
     measured linear-attention mixer, the gated attention and a recomputed linear-attention
@@ -122,7 +122,6 @@ def test_the_plan_matches_a_full_size_hybrid_step(checkpoint_layers: str) -> Non
 @pytest.mark.parametrize(
     ("model", "images", "target"),
     [
-        ("qwen3.5-2b", 2, "attention"),
         ("qwen3.5-2b", 2, "attention-and-vision"),
         ("qwen3-vl-8b", 2, "attention-and-vision"),
         ("qwen2.5-vl-7b", 1, "attention"),
@@ -134,8 +133,9 @@ def test_the_plan_matches_a_full_size_step_with_images(
     """The released vision-language models with their towers on screenshots of 1280 × 720 in a
     packed row of 2,048 tokens, traced on fake tensors (tools.step_trace: the ids, grids and
     token types as constants): Qwen3.5-2B (24 tower blocks of 1,024; 880 tokens, 3,520 patches
-    an image) with the tower frozen (its patches only) and adapted (recomputed with the language
-    model's checkpointed layers), Qwen3-VL-8B adapted (its deepstack mergers, which the tower's
+    an image) with the tower adapted as the shipped experiment has it (recomputed with the
+    language model's checkpointed layers; its layers on auto, which also covers the hybrid
+    text model's auto case), Qwen3-VL-8B adapted (its deepstack mergers, which the tower's
     measured line once missed: -3.6%), Qwen2.5-VL-7B frozen (its windowed tower, whose patch
     embedding transformers' enable_input_require_grads had made keep every block: -57%). The
     plan's step rows, the images' among them, within 3% of the traced step. 2,048 tokens, not

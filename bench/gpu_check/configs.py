@@ -46,7 +46,7 @@ def decided_at(cfg: Any, seq_len: int, counts: Any) -> tuple[Any, Any]:
     (memory.fit), with the long-context choices the settings leave to auto kept off: one card,
     sp=1, the MLP untiled, the inputs on the device (the long phases set all three)."""
     from memtune.config.decisions import Choices, rank_machine, with_sections
-    from memtune.memory.fit import resolve_checkpoint_layers
+    from memtune.memory.recompute import resolve_checkpoint_layers
 
     at = with_sections(cfg, data={"max_seq_len": seq_len})
     t = at.trainer
