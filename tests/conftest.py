@@ -248,3 +248,16 @@ def run_train_py(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.C
         text=True,
         timeout=timeout,
     )
+
+
+def as_gloo_rank(rank: int, port: int, world: int = 2) -> None:
+    """This process as rank ``rank`` of ``world`` on 127.0.0.1:``port``, in the environment
+    torch.distributed's env:// (and deepspeed.init_distributed) reads: for tests that spawn
+    their own gloo processes rather than a whole job."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+    )

@@ -5,15 +5,14 @@ norms, routing statistics, the exported adapter); what is not built is refused b
 
 from __future__ import annotations
 
-import os
-import socket
 from typing import Any
 
 import pytest
 import torch
 
 from memtune.config import ConfigError, to_run_config, validate
-from tests.conftest import compose_cfg, decided
+from memtune.launcher.spawn import free_port
+from tests.conftest import as_gloo_rank, compose_cfg, decided
 
 TINY = dict(
     hidden_size=64,
@@ -77,13 +76,7 @@ def _dispatch_worker(rank: int, port: int) -> None:
     from memtune.expert_stacks import full_shape
     from memtune.rank.expert_parallel import counting, split_experts
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE="2",
-    )
+    as_gloo_rank(rank, port)
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     # float and NF4 stacks; every expert (8), then only experts 0-3 (rank 1's half gets no
@@ -178,10 +171,7 @@ def test_the_dispatch_computes_one_ranks_experts_forward() -> None:
     the bytes sent are a token once per other rank it is routed to, there and back."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_dispatch_worker, args=(port,), nprocs=2, join=True)
+    mp.spawn(_dispatch_worker, args=(free_port(),), nprocs=2, join=True)
 
 
 @pytest.mark.parametrize("peft", ["lora", "qlora-nf4"])

@@ -4,15 +4,13 @@ saves on two real gloo ranks."""
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 
 from memtune.config import ConfigError, to_run_config, validate
 from memtune.config.decisions import CPU_RANKS, Choices
 from memtune.data.encode import DataStats, Sample, apply_length_policy
+from memtune.launcher.spawn import free_port
 from memtune.memory.counts import count_params
 from memtune.memory.estimate import DROPOUT_ROW, activation_bytes, plan
 from memtune.memory.fit import (
@@ -23,7 +21,7 @@ from memtune.memory.fit import (
 )
 from memtune.memory.recompute import resolve_checkpoint_layers
 from memtune.memory.step_time import step_time
-from tests.conftest import compose_cfg, decided
+from tests.conftest import as_gloo_rank, compose_cfg, decided
 
 LONG = "experiment=qwen2.5-7b-4x4090-long"
 
@@ -205,20 +203,8 @@ def test_long_documents_are_split_and_counted() -> None:
 # --- the activation model of a split sequence, against autograd on two gloo ranks --------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _saved_on_rank(rank: int, port: int, overrides: list[str], out) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE="2",
-    )
+    as_gloo_rank(rank, port)
     import deepspeed
 
     from memtune.data.batching import collate_packed
@@ -273,7 +259,7 @@ def test_split_activation_model_matches_what_autograd_saves(peft: str) -> None:
     synthesize(cfg.model.name_or_path, cfg.model.architecture)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_saved_on_rank, args=(r, port, overrides, queue)) for r in (0, 1)]
     for p in procs:
         p.start()
