@@ -58,12 +58,19 @@ def test_only_locks_nobody_holds_are_removed(tmp_path: Path) -> None:
 @pytest.mark.faults
 def test_a_job_starts_despite_a_lock_left_by_a_killed_rank(tmp_path: Path, monkeypatch) -> None:
     # A private copy of the built DeepSpeed op with the lock a kill -9 during loading leaves.
-    built = [p for p in extensions_root().glob("*/deepspeed_shm_comm") if p.is_dir()]
-    if not built:
+    # memtune's own dir holds the ops by name (TORCH_EXTENSIONS_DIR's layout); a root the
+    # user set without it, torch's py311_cpu/ layout.
+    root = extensions_root()
+
+    def built() -> list[Path]:
+        found = (root / "deepspeed_shm_comm", *root.glob("*/deepspeed_shm_comm"))
+        return [p for p in found if p.is_dir()]
+
+    if not built():
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(root))
         build_cpu_ops()
-        built = [p for p in extensions_root().glob("*/deepspeed_shm_comm") if p.is_dir()]
     private = tmp_path / "ext"
-    shutil.copytree(built[0], private / "deepspeed_shm_comm")
+    shutil.copytree(built()[0], private / "deepspeed_shm_comm")
     lock = private / "deepspeed_shm_comm" / "lock"
     lock.touch()
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(private))
