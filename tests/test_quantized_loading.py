@@ -1,6 +1,6 @@
 """A quantized mixture loaded without a whole copy of its base in the compute dtype: each
 routed-expert stack is quantized as transformers' loader reads it (rank.experts.
-quantize_experts_as_loaded), bit for bit what quantizing after a full load gives, and the
+experts_as_loaded), bit for bit what quantizing after a full load gives, and the
 loading peak is the quantized model and one stack, as the plan states it."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a rank holds while it loads a quantized mixture, before its first step: the plan's
 ``loading:`` line (device and host peak). A mixture whose routed-expert stacks are quantized as
 they are read holds, at the peak, the quantized model read so far and one stack in the compute
-dtype with what quantizing it takes (rank.experts.quantize_experts_as_loaded); every other base
+dtype with what quantizing it takes (rank.experts.experts_as_loaded); every other base
 loads no more than it keeps. Pure functions of the config, the decisions and the parameter
 counts (:mod:`memtune.memory.counts`), like :mod:`memtune.memory.estimate`, whose
 :class:`~memtune.memory.estimate.Plan` carries the result.
@@ -45,7 +45,7 @@ copy memtune makes (2 bytes): read from the kernels, not measured."""
 @dataclass
 class LoadingPeak:
     """What a rank holds at the peak of loading a quantized mixture (rank.experts.
-    quantize_experts_as_loaded): the quantized model read so far and one routed-expert stack
+    experts_as_loaded): the quantized model read so far and one routed-expert stack
     in the compute dtype with what quantizing it takes; per rank."""
 
     device_gib: float

@@ -60,7 +60,7 @@ from memtune.expert_stacks import (
 def quantize_experts(model: nn.Module, quant_type: str, storage: torch.dtype) -> int:
     """Quantize every routed-expert stack of ``model`` still in a floating dtype in place, to 4
     bits (``quant_type`` nf4 / fp4) or 8 (``int8``); returns the number of stacks quantized
-    here (none when :func:`quantize_experts_as_loaded` quantized them as they were read).
+    here (none when :func:`experts_as_loaded` quantized them as they were read).
 
     bitsandbytes' 4-bit and 8-bit loading replaces ``nn.Linear`` layers only, and leaves the
     fused stacks in the compute dtype (93% of Qwen3.5-35B-A3B's weights). Each stack becomes
@@ -109,7 +109,7 @@ def quantized_parameter(weight: torch.Tensor, quant_type: str, storage: torch.dt
 
 @dataclass
 class LoadedStacks:
-    """What :func:`quantize_experts_as_loaded` quantized while a base was read."""
+    """What :func:`experts_as_loaded` quantized while a base was read."""
 
     stacks: int = 0
     """Stacks quantized as they were read."""
@@ -119,7 +119,7 @@ class LoadedStacks:
 
 
 @contextlib.contextmanager
-def quantize_experts_as_loaded(
+def experts_as_loaded(
     quant_type: str | None, storage: torch.dtype, shard: ExpertShard | None = None
 ) -> Iterator[LoadedStacks]:
     """While transformers' ``from_pretrained`` reads a mixture (rank.model.load_base_model):

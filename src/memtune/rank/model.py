@@ -114,12 +114,12 @@ def load_base_model(cfg: RunConfig, d: Decisions, device_index: int | None = Non
 
 def quantized_as_loaded(cfg: RunConfig, d: Decisions) -> Any:
     """A quantized mixture's expert stacks quantized as the checkpoint is read
-    (rank.experts.quantize_experts_as_loaded: no whole base in the compute dtype on any rank,
+    (rank.experts.experts_as_loaded: no whole base in the compute dtype on any rank,
     which lets a quantized mixture run replicated under ZeRO-2), and under expert parallelism
     only this rank's experts kept of each stack read; else nothing to do."""
     import contextlib
 
-    from memtune.rank.experts import quantize_experts_as_loaded
+    from memtune.rank.experts import experts_as_loaded
 
     if d.experts is None:
         return contextlib.nullcontext()
@@ -132,7 +132,7 @@ def quantized_as_loaded(cfg: RunConfig, d: Decisions) -> Any:
     if not quantized and shard is None:
         return contextlib.nullcontext()
     storage = d.experts.storage if quantized else None
-    return quantize_experts_as_loaded(storage, torch_dtype(cfg), shard)
+    return experts_as_loaded(storage, torch_dtype(cfg), shard)
 
 
 @dataclass
