@@ -83,7 +83,9 @@ def _pair(root: Path, args: list[str]) -> tuple[Run, Run]:
     return first, second
 
 
-def _same_training(one: Run, two: Run, experts: int, r: int = 16, rel: float = 1e-5) -> dict[str, Any]:
+def _same_training(
+    one: Run, two: Run, experts: int, r: int = 16, rel: float = 1e-5
+) -> dict[str, Any]:
     """EP=2 is EP=1 (one, two): every step's loss, gradient norm, balance loss and per-expert
     load, and the exported adapter (whole: every expert in each expert tensor, in peft's
     layout); returns the adapter."""

@@ -289,11 +289,11 @@ def traffic(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> list[tuple[str
             # the rest from every rank; a rank's experts (1/ep of the stacks and their
             # adapters) from the ranks / ep holding them (none to gather at ranks = ep)
             group = ranks // ep
-            experts = (stacks + counts.expert_lora * b) / ep
+            own = (stacks + counts.expert_lora * b) / ep
             gathers = gas * 2 * (ring * (base + lora - counts.expert_lora * b))
             out.append(("ZeRO-3 weight all-gathers (forward + backward)", gathers))
             if group > 1:
-                moved = gas * 2 * (group - 1) / group * experts
+                moved = gas * 2 * (group - 1) / group * own
                 out.append((f"ZeRO-3 expert all-gathers (over {group} ranks)", moved))
         else:
             gathers = gas * 2 * ring * (base + stacks + lora)
