@@ -339,20 +339,30 @@ def test_expert_parallel_trains_as_one_rank_holding_every_expert(ep_runs: Any) -
 
 @pytest.mark.slow
 @pytest.mark.faults
-def test_a_run_stopped_at_expert_parallel_2_resumes_on_one_rank(tmp_path: Any) -> None:
-    """The hybrid Qwen3.5-MoE over NF4 expert stacks (LoRA on them): 20 steps at
-    expert_parallel=2 on 2 ZeRO-2 ranks, and the same run stopped after step 10 and resumed on
-    1 rank (every expert there): the checkpoint's gathered state holds each expert's adapter
-    and moments whole, so steps 11-20 are the uninterrupted run's, within the tolerances of
-    tests/test_resume_world.py."""
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["zero=zero2", "model=tiny-qwen3.5-moe", "data.template=qwen3_5", "peft=qlora-nf4"],
+        ["zero=zero3", "model=tiny-qwen3-moe"],
+    ],
+    ids=["zero2-hybrid-nf4", "zero3-qwen3-moe"],
+)
+def test_a_run_stopped_at_expert_parallel_2_resumes_on_one_rank(
+    tmp_path: Any, args: list[str]
+) -> None:
+    """The hybrid Qwen3.5-MoE over NF4 expert stacks under ZeRO-2, and Qwen3-MoE's stacks in
+    the compute dtype under ZeRO-3 (each rank's experts partitioned over the ranks holding
+    them), LoRA on them: 20 steps at expert_parallel=2 on 2 ranks, and the same run stopped
+    after step 10 and resumed on 1 rank (every expert there): the checkpoint's gathered state
+    holds each expert's adapter and moments whole, so steps 11-20 are the uninterrupted run's,
+    within the tolerances of tests/test_resume_world.py."""
     import json
 
     from safetensors.torch import load_file
 
     from tests.test_resume_world import MOE, _back_to_step_10, _losses, _train
 
-    args = [*MOE, "zero=zero2", "model=tiny-qwen3.5-moe", "data.template=qwen3_5"]
-    args += ["peft=qlora-nf4"]
+    args = [*MOE, *args]
     full = tmp_path / "full"
     _train(full, *args, "launcher.num_ranks=2", "trainer.expert_parallel=2")
     resumed = _back_to_step_10(full, tmp_path / "resumed")

@@ -156,3 +156,16 @@ def test_multimodal_qwen3_5_moe_nf4_stacks_under_zero2(
     one, two = _pair(tmp_path, args)
     adapter = _same_training(one, two, experts=16)
     assert all(".language_model." in k for k in adapter), sorted(adapter)[:3]
+
+
+@pytest.mark.slow
+@pytest.mark.faults  # 4 ranks on the 2-core machine: the slow tier
+def test_experts_partitioned_over_two_ranks_under_zero3(tmp_path: Path) -> None:
+    """Qwen3-MoE under ZeRO-3 on 4 ranks at expert_parallel=2: each rank's 8 experts are
+    partitioned over the 2 ranks holding them (ranks 0 and 2, 1 and 3), so their gradients are
+    reduce-scattered and their norm summed within that group, then over the expert-parallel
+    group — each expert once in the gradient norm; the run is the run at 1."""
+    steps = [a for a in STEPS if not a.startswith("launcher.num_ranks=")]
+    args = [*FAST, *steps, "model=tiny-qwen3-moe", "zero=zero3", "launcher.num_ranks=4"]
+    one, two = _pair(tmp_path, args)
+    _same_training(one, two, experts=16)
