@@ -5,6 +5,7 @@ norms, routing statistics, the exported adapter); what is not built is refused b
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -292,14 +293,25 @@ RUN = [
 
 @pytest.fixture(scope="module")
 def ep_runs(runs_root: Any) -> tuple[Any, Any]:
-    from tests.conftest import FAST, start_run
+    """The run at expert_parallel=1, then at ``auto`` on a device the replicated experts do not
+    fit (plan.device_gib halfway between the replicated layout's plan and the 2-way split's,
+    with a step-time estimate to choose by), in one start of the 2 ranks (tests/ep_pair.py)."""
+    from memtune.config.decisions import rank_machine
+    from memtune.memory.fit import fit_to_device
+    from memtune.memory.layouts import expert_layouts
+    from tests.conftest import FAST
+    from tests.test_expert_parallel_matrix import _pair
 
-    runs = [
-        start_run(runs_root / f"ep{ep}", [*FAST, *RUN, f"trainer.expert_parallel={ep}"])
-        for ep in (1, 2)
-    ]
-    assert [run.code for run in runs] == [0, 0]
-    return runs[0], runs[1]
+    auto = ["trainer.expert_parallel=auto", "plan.device_tflops=1", "plan.link_gb_s=10"]
+    cfg = to_run_config(compose_cfg([*FAST, *RUN, *auto, "plan.device_gib=2"]))
+    fitted = fit_to_device(cfg, refuse=False)
+    layouts = expert_layouts(cfg, fitted.decisions, fitted.plan.counts, rank_machine())
+    by = {(lay.decisions.zero_stage, lay.decisions.experts.parallel): lay for lay in layouts}
+    replicated, split = by[2, 1].plan.total_gib, by[2, 2].plan.total_gib
+    assert split < replicated  # each rank holds half the experts
+    assert by[2, 2].step_s < min(by[3, 1].step_s, by[3, 2].step_s)  # nothing gathered
+    device = f"plan.device_gib={(replicated + split) / 2:.6f}"
+    return _pair(runs_root / "ep", [*FAST, *RUN], second=(*auto, device))
 
 
 @pytest.mark.slow
@@ -308,11 +320,19 @@ def test_expert_parallel_trains_as_one_rank_holding_every_expert(ep_runs: Any) -
     routers trained, balance loss on, the first layer recomputed, ZeRO-2 over 2 ranks: at
     expert_parallel=2 each rank holds 8 experts and their adapters, and the run is the run at
     1 — the losses, gradient norms and routing statistics of every step, and the exported
-    adapter (whole, in peft's layout)."""
+    adapter (whole, in peft's layout). The split is ``auto``'s choice, written to the run dir
+    and trained with: where every expert on every rank does not fit, the fastest layout that
+    does (nothing gathered, unlike ZeRO-3's) — issue #48's auto, in a whole job."""
     from safetensors.torch import load_file
+
+    from memtune.config.decisions import Decisions
 
     one, two = ep_runs
     assert two.decisions.experts.parallel == 2 and one.decisions.experts.parallel == 1
+    assert two.decisions.zero_stage == one.decisions.zero_stage == 2
+    assert two.cfg.trainer.expert_parallel == "auto"
+    written = Decisions.from_dict(json.loads((two.dir / "decisions.json").read_text()))
+    assert written.experts == two.decisions.experts
     steps = [[m for m in run.metrics() if "train/loss" in m] for run in (one, two)]
     assert len(steps[0]) == len(steps[1]) == 4
     for a, b in zip(*steps, strict=True):
