@@ -324,6 +324,10 @@ def resolve_architecture(cfg: RunConfig) -> tuple[RunConfig, list[str]]:
     vision = read_vision(found) if found is not None else {}
     if not vision or vision == dict(m.vision):
         return out, notes
+    if vision_model_type(m.name_or_path, m.revision) not in VISION_LANGUAGE_TYPES:
+        # a tower memtune does not train images with (the released Qwen3.5-MoE's): its text
+        # model alone, as text data loads it; images are refused by name (launcher.prepare)
+        return out, notes
     differs = sorted(k for k, v in m.vision.items() if k in vision and vision[k] != v)
     if differs:
         notes.append(f"model.vision from {found} (the config group's differs in {differs})")

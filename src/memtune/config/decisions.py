@@ -369,12 +369,10 @@ class Decisions:
                 raise DecisionError(
                     f"experts.parallel={ep} does not divide batch.ranks={self.batch.ranks}"
                 )
-            if self.zero_stage == 3 or self.sequence_parallel > 1:
+            if self.sequence_parallel > 1:
                 raise DecisionError(
-                    f"experts.parallel={ep} with "
-                    + ("zero_stage 3" if self.zero_stage == 3 else "sequence_parallel > 1")
-                    + ": not built together (expert parallelism runs under ZeRO-2, sequences "
-                    "whole)"
+                    f"experts.parallel={ep} with sequence_parallel > 1: not built together "
+                    "(expert parallelism runs with sequences whole)"
                 )
         if self.offload_activations and not self.checkpointing.enabled:
             raise DecisionError("offload_activations needs checkpointing (enabled: true)")

@@ -521,11 +521,12 @@ def _check_expert_parallel(cfg: RunConfig, experts: int) -> None:
             f"{experts} routed experts a layer (each rank holds an equal share); choose one "
             f"of {ok}"
         )
-    if cfg.zero.stage == 3:
+    if cfg.zero.stage == 3 and cfg.zero.template is not None:
         raise ConfigError(
-            f"trainer.expert_parallel={ep} with zero.stage=3: not built (DeepSpeed 0.19.8 keeps "
-            "expert parameters out of ZeRO-3's partitioning for its own AutoEP layers only); "
-            "use zero=zero2"
+            f"trainer.expert_parallel={ep} with zero={cfg.zero.template.replace('_', '-')}: "
+            "not built (ZeRO-3 partitions the experts over the ranks holding them, tested "
+            "with the weights on the device; DeepSpeed's parameter offload is untested with "
+            "that placement); use zero=zero3 or zero=zero2"
         )
     if cfg.trainer.optimizer != "adamw":
         raise ConfigError(

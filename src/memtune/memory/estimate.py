@@ -50,7 +50,13 @@ from memtune.config.architecture import (
 from memtune.config.decisions import Decisions
 from memtune.expert_stacks import EXPERT_NF4_BYTES, expert_stack_bytes, experts_per_chunk
 from memtune.memory.counts import ParamCounts, count_params, linear_mixer_bytes
-from memtune.memory.expert_parallel import assumption, buffer_bytes, expert_parallel
+from memtune.memory.expert_parallel import (
+    assumption,
+    buffer_bytes,
+    expert_parallel,
+    expert_partitions,
+    layer_experts,
+)
 from memtune.memory.loading import GIB, LoadingPeak, loading_peak
 from memtune.memory.vision import add_image_rows
 from memtune.rundir import PlanRecord, PlanRow
@@ -555,7 +561,9 @@ def base_weight_bytes(
     ranks; 1: the whole base), and how they are stored."""
     p, t, b = cfg.peft, cfg.trainer, compute_bytes(cfg)
     other = counts.embedding + counts.head
-    ep = expert_parallel(d)  # a rank holds 1/ep of each routed-expert stack
+    # a rank holds 1/ep of each routed-expert stack; sharded (ZeRO-3), over the ranks / ep
+    # holding the same experts: 1/shard of them, as of the rest
+    ep = 1 if shard > 1 else expert_parallel(d)
     if d.peft_method == "qlora":
         per = NF4_BYTES[p.double_quant]
         packed = counts.linear * 0.5
@@ -582,8 +590,9 @@ def base_weight_bytes(
         how = f"{_count(counts.base)} parameters in {t.precision}"
         if counts.experts:
             how += f" ({_count(counts.experts)} of them routed experts)"
-    if ep > 1:
-        how += f", 1/{ep} of the routed experts on this rank (trainer.expert_parallel={ep})"
+    if expert_parallel(d) > 1:
+        n = expert_parallel(d)
+        how += f", 1/{n} of the routed experts on this rank (trainer.expert_parallel={n})"
     return weights, how
 
 
@@ -613,7 +622,9 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
     # optimizer's master weights, counted below.
     ep = expert_parallel(d)
     lora = counts.lora - counts.expert_lora * (1 - 1 / ep)  # this rank's experts' adapters
-    out.add("LoRA weights", lora * b / shard, f"{_count(round(lora))} {t.precision}")
+    # (ZeRO-3: the experts' share over the ranks / ep holding them, 1/ranks as the rest)
+    held = counts.lora / ranks if zero3 else lora
+    out.add("LoRA weights", held * b, f"{_count(round(lora))} {t.precision}")
     # under expert parallelism, the experts' 1/ep sharded over the ranks/ep holding them (the
     # expert-data-parallel group): 1/ranks of them as well (memory.expert_parallel)
     group = ranks // ep
@@ -638,14 +649,18 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
     if zero3:
         # Whole tensors gathered while in use: the largest of one decoder layer, the embedding
         # and the head (gathered once for the loss), plus what is prefetched meanwhile.
-        largest = max(counts.layer, counts.embedding, counts.head)
+        # (under expert parallelism a layer's experts are its group's 1/ep, gathered over
+        # the ranks holding them: none where they are whole on one rank)
+        gone = 1 - (1 / ep if expert_partitions(d) > 1 else 0) if ep > 1 else 0
+        layer = counts.layer - layer_experts(cfg, counts.experts) * gone
+        largest = max(layer, counts.embedding, counts.head)
         prefetch = prefetch_bucket_elements(cfg)
         per_weight = {
             "qlora": EXPERT_NF4_BYTES if counts.experts else 0.5,
             "lora-int8": 1 if counts.experts else b,  # the int8 stacks fill a mixture's layer
         }.get(d.peft_method, b)
         gathered = (largest + prefetch) * per_weight
-        if d.peft_method == "qlora" and largest != counts.layer:
+        if d.peft_method == "qlora" and largest != layer:
             gathered = largest * b + prefetch * 0.5
         out.add("ZeRO-3 gathered params", gathered, "largest module in use + prefetch")
 

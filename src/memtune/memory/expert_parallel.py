@@ -7,7 +7,10 @@ parameters in optimizer groups of their own (``moe``) whose gradients are reduce
 optimizer state is partitioned over the expert-data-parallel group (the ranks / N ranks
 holding the same experts), so a rank keeps (1/N) / (ranks/N) = 1/ranks of the experts'
 adapter gradients and optimizer state: what ZeRO-2 gives every adapter at N=1. Only the bf16
-adapter weights and the stacks shrink by N.
+adapter weights and the stacks shrink by N. Under ZeRO-3 the experts' weights (stacks and
+adapters) are partitioned over that group as well (:func:`expert_partitions`): a rank keeps
+1/ranks of them between uses, as of every other weight, and gathers its group's E/N a layer
+(nothing, where the group is one rank) while the rest of the layer is gathered from all.
 
 The exchange (rank.expert_parallel's dispatch): per mixture layer a token goes once to each
 rank of its group holding any of its top-k experts (its own rank too, where no byte crosses a
@@ -44,6 +47,18 @@ META_BYTES = 16
 def expert_parallel(d: Decisions) -> int:
     """The decided expert-parallel size (1: no expert parallelism, or a dense model)."""
     return d.experts.parallel if d.experts is not None else 1
+
+
+def expert_partitions(d: Decisions) -> int:
+    """The ranks a rank's routed experts are partitioned over between uses: under ZeRO-3 the
+    expert-data-parallel group (ranks / N, the ranks holding the same experts; all the ranks at
+    N=1), else 1 (held whole)."""
+    return d.batch.ranks // expert_parallel(d) if d.zero_stage == 3 else 1
+
+
+def layer_experts(cfg: RunConfig, experts: int) -> float:
+    """One mixture layer's share of ``experts`` (a count over every routed-expert stack)."""
+    return experts / (sum(moe_layers(dict(cfg.model.architecture))) or 1)
 
 
 def missed_share(experts: int, top_k: int, size: int) -> float:

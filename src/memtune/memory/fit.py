@@ -291,12 +291,9 @@ def _estimated_step_s(
 
 
 def other_zero_stage(cfg: RunConfig, d: Decisions) -> tuple[RunConfig, Choices]:
-    """The decided run on the other ZeRO stage, its checkpointed layers left to choose (to
-    ZeRO-3 without expert parallelism, which is not built there)."""
+    """The decided run on the other ZeRO stage, its checkpointed layers left to choose."""
     stage = 2 if d.zero_stage == 3 else 3
     settings = with_sections(settings_of(cfg, d), zero={"stage": stage, "template": None})
-    if stage == 3 and d.experts is not None and d.experts.parallel > 1:
-        settings = with_sections(settings, trainer={"expert_parallel": "1"})
     return settings, dataclasses.replace(pinned(d), recompute=None, selective=None)
 
 
@@ -340,9 +337,7 @@ def format_step_estimates(
         lines += format_layouts(layouts, d)
     elif d.batch.ranks > 1:
         stage = 2 if d.zero_stage == 3 else 3
-        split = d.experts is not None and d.experts.parallel > 1
-        label = f"zero=zero{stage}" + (" trainer.expert_parallel=1" if split else "")
-        alternatives.append((other_zero_stage(cfg, d), label))
+        alternatives.append((other_zero_stage(cfg, d), f"zero=zero{stage}"))
     larger = larger_micro_batch_under_split(cfg, d)
     if larger is not None:
         m = larger[0].trainer.micro_batch_size

@@ -7,13 +7,16 @@
   fits: quantized stacks), nothing gathered;
 * **ZeRO-2, expert parallelism** (expert_parallel=N, each N dividing the ranks and the
   experts): a rank holds 1/N of the experts and sends tokens to them by all-to-all
-  (memory.expert_parallel).
+  (memory.expert_parallel);
+* **ZeRO-3, expert parallelism** (the same N): as under ZeRO-2, the rest of the model sharded
+  over all the ranks and gathered in each micro step, a rank's experts over the ranks holding
+  the same experts (ranks / N; at N = ranks never gathered).
 
 Each is planned with its checkpointed layers chosen as a launch would (the fewest that fit);
 ``auto`` takes the fastest by the step-time estimate (memory.step_time, no overlap) among those
 that fit with checkpoint_layers=auto's spare, else among those that fit at all (plan.auto_fit's
 rule), else ZeRO-3. Without plan.device_tflops (no estimate) it takes the first that fits in the
-order above. ZeRO-3 with expert parallelism is not built (config.validate), so not a layout.
+order above.
 """
 
 from __future__ import annotations
@@ -61,10 +64,9 @@ def expert_layouts(
     settings = settings_of(cfg, d)
     choices = dataclasses.replace(pinned(d), recompute=None, selective=None)
     candidates = [(3, 1, "ZeRO-3, experts sharded"), (2, 1, "ZeRO-2, experts replicated")]
-    candidates += [
-        (2, n, f"ZeRO-2, experts split over {n} ranks")
-        for n in expert_parallel_sizes(d.batch.ranks, d.experts.routed)
-    ]
+    sizes = expert_parallel_sizes(d.batch.ranks, d.experts.routed)
+    candidates += [(2, n, f"ZeRO-2, experts split over {n} ranks") for n in sizes]
+    candidates += [(3, n, f"ZeRO-3, experts split over {n} ranks") for n in sizes]
     out = []
     for stage, ep, label in candidates:
         variant = with_sections(

@@ -278,14 +278,26 @@ def traffic(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> list[tuple[str
         other = (counts.embedding + counts.head) * b
         if d.peft_method == "qlora":
             base = counts.linear * NF4_BYTES[cfg.peft.double_quant] + other
-            base += expert_stack_bytes(cfg.peft.quant_type, counts.experts, counts.expert_rows)
+            stacks = expert_stack_bytes(cfg.peft.quant_type, counts.experts, counts.expert_rows)
         elif d.peft_method == "lora-int8":
             base = counts.linear + other
-            base += expert_stack_bytes("int8", counts.experts, counts.expert_rows)
+            stacks = expert_stack_bytes("int8", counts.experts, counts.expert_rows)
         else:  # a mixture's whole expert stacks are gathered, not only the routed experts
-            base = (counts.linear + counts.experts) * b + other
-        gathers = gas * 2 * ring * (base + lora)
-        out.append(("ZeRO-3 weight all-gathers (forward + backward)", gathers))
+            base = counts.linear * b + other
+            stacks = counts.experts * b
+        if ep > 1:
+            # the rest from every rank; a rank's experts (1/ep of the stacks and their
+            # adapters) from the ranks / ep holding them (none to gather at ranks = ep)
+            group = ranks // ep
+            own = (stacks + counts.expert_lora * b) / ep
+            gathers = gas * 2 * (ring * (base + lora - counts.expert_lora * b))
+            out.append(("ZeRO-3 weight all-gathers (forward + backward)", gathers))
+            if group > 1:
+                moved = gas * 2 * (group - 1) / group * own
+                out.append((f"ZeRO-3 expert all-gathers (over {group} ranks)", moved))
+        else:
+            gathers = gas * 2 * ring * (base + stacks + lora)
+            out.append(("ZeRO-3 weight all-gathers (forward + backward)", gathers))
         if live_reference(cfg):
             out.append(("ZeRO-3 weight all-gathers (live reference forward)", gas * ring * base))
         if d.vision is not None:  # forward, and an adapted tower's backward

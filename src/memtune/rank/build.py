@@ -21,6 +21,7 @@ from memtune.config.decisions import Decisions
 from memtune.rank.expert_parallel import (
     deepspeed_sees_experts,
     expert_param_groups,
+    partition_experts_over_groups,
     split_experts,
 )
 from memtune.rank.kernels import Wired, kernels_label, use_fused_kernels
@@ -84,7 +85,11 @@ def build_rank(
         def load_base(c: RunConfig, decided: Decisions) -> Any:
             return load_base_model(c, decided, gpu)
 
-    use_zero_init = d.zero_stage == 3 if zero_init is None else zero_init
+    split = d.experts is not None and d.experts.parallel > 1
+    # Under expert parallelism not under zero.Init, which would partition every expert over
+    # all the ranks: each rank reads its own experts, and DeepSpeed partitions the model when
+    # it builds the engine (rank.expert_parallel.partition_experts_over_groups)
+    use_zero_init = d.zero_stage == 3 and not split if zero_init is None else zero_init
     hf_ds = HfDeepSpeedConfig(ds_config) if use_zero_init else None
     # Loading must not move the RNG the adapters are then drawn from: under zero.Init the
     # modules are built for real, and a Qwen3.5 linear-attention layer draws its A_log at
@@ -107,6 +112,8 @@ def build_rank(
     trainable, total = count_parameters(model)
     if d.experts is not None and d.experts.parallel > 1:
         split_experts(model, d.experts.parallel)  # counted whole above, as the plan counts
+        if d.zero_stage == 3:
+            partition_experts_over_groups(model)
     mpu = None
     if d.sequence_parallel > 1:
         from memtune.rank.sequence_parallel import register_attention

@@ -43,10 +43,12 @@ def trainable_state_dict(model: Any) -> dict[str, torch.Tensor]:
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     zero3 = any(hasattr(p, "ds_id") for p in params)
+    # expert parallelism: each expert's adapter from the rank holding it, the layer's whole
+    # (under ZeRO-3 gathered first over the ranks sharing those experts)
     if zero3:
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            return {n: p.detach().cpu().clone() for n, p in named}
-    # expert parallelism: each expert's adapter from the rank holding it, the layer's whole
+            state = {n: p.detach().cpu().clone() for n, p in named}
+            return state | gathered_expert_adapters(model)
     return {n: p.detach().cpu().clone() for n, p in named} | gathered_expert_adapters(model)
 
 

@@ -12,9 +12,25 @@ ZeRO-1/2, which this module uses as is: a parameter with ``allreduce=False`` and
 the same experts), its optimizer group marked ``moe``, and broadcast at start within that group
 only. That machinery switches on when the engine finds a ``deepspeed.moe.layer.MoE`` module;
 :func:`deepspeed_sees_experts` puts a parameterless one on the module for
-``deepspeed.initialize`` and takes it off again. ZeRO-3 partitions expert parameters over the
-expert-data-parallel group for AutoEP's layers alone (and asserts that any other MoE module is
-not there), so expert parallelism is refused under ZeRO-3 (config.validate).
+``deepspeed.initialize`` and takes it off again.
+
+Under ZeRO-3 no MoE module may be seen (the engine's ``_validate_zero3_moe_compatibility``
+asserts unless every one is AutoEP's), and none is needed: ZeRO-3 reads its placement from the
+parameters themselves. :func:`partition_experts_over_groups` tags each expert parameter as
+AutoEP tags its own (``auto_ep_layer.py``, "Mark expert params for EDP gradient reduction"):
+family ``autoep_expert``, its group's name, and ``ds_zero_partition_process_group`` its
+expert-data-parallel group, which ``Init._convert_to_deepspeed_param`` partitions it over
+(``partition_parameters.py``: ``param.ds_process_group = getattr(param,
+"ds_zero_partition_process_group", ...)``) when the engine converts the model; its broadcast
+runs within that group too, so no rank's experts are overwritten by another's. ZeRO-3's
+optimizer then keeps them in sub-groups of their own (``_get_trainable_parameter_groups``, by
+process group), averages their gradients by the whole data-parallel world
+(``_gradient_averaging_world_size``: what the sum over the group's tokens on the owner needs)
+and adds their gradient norm over the expert-parallel group once each partition is summed over
+its own group. The base must therefore not be built under ``zero.Init``, which would partition
+every expert over all the ranks before the tags exist: rank.build loads it as a quantized base
+is loaded (each rank reading only its experts, rank.experts.experts_as_loaded), the rest of it
+whole in host memory per rank until DeepSpeed partitions it (memory.loading counts that).
 
 The dispatch. Per layer, each token is sent once to each rank holding any of its top-k experts
 (not once per expert), with the rows routed to that rank (local expert, token, weight); the
@@ -113,6 +129,31 @@ def split_experts(model: nn.Module, size: int) -> int:
         experts_state(experts).shard = shard
         experts.forward = types.MethodType(_forward_dispatched, experts)
     return stacks
+
+
+def partition_experts_over_groups(model: nn.Module) -> int:
+    """ZeRO-3: tag every parameter of ``model``'s split experts (:func:`split_experts`) so that
+    DeepSpeed partitions it over its expert-data-parallel group only (the module docstring),
+    before ``deepspeed.initialize`` converts the model; returns the parameters tagged."""
+    from deepspeed.utils import groups
+
+    tagged = 0
+    for _, experts in expert_modules(model):
+        shard = experts_state(experts).shard
+        if shard is None:
+            continue
+        group = groups._get_expert_data_parallel_group(shard.group_name)
+        for param in experts.parameters(recurse=False):
+            if hasattr(param, "ds_id"):  # built under zero.Init: over the world already
+                raise RuntimeError(
+                    "expert parallelism under ZeRO-3: the routed experts were partitioned "
+                    "over every rank as the base was built (zero.Init); build it without"
+                )
+            param.ds_zero_placement_family = "autoep_expert"
+            param.ds_zero_partition_group_name = shard.group_name
+            param.ds_zero_partition_process_group = group
+            tagged += 1
+    return tagged
 
 
 def _quantized_experts(param: nn.Parameter, first: int, end: int) -> nn.Parameter:
@@ -297,9 +338,11 @@ def deepspeed_sees_experts(module: nn.Module, model: nn.Module) -> Iterator[None
     shards = [experts_state(m).shard for _, m in expert_modules(model)]
     found = [s for s in shards if s is not None]
     trained = any(p.requires_grad and hasattr(p, "memtune_shard") for p in model.parameters())
-    if not found or not trained:
+    zero3 = any(hasattr(p, "ds_zero_placement_family") for p in model.parameters())
+    if not found or not trained or zero3:
         # frozen experts (peft.target=all-linear-but-experts): no gradient to keep apart, and
-        # DeepSpeed's MoE mode would want an expert optimizer group
+        # DeepSpeed's MoE mode would want an expert optimizer group; ZeRO-3 reads the tags
+        # (partition_experts_over_groups) and asserts on any MoE module but AutoEP's
         yield
         return
     shard = found[0]
