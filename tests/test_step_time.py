@@ -149,6 +149,23 @@ def test_no_estimate_without_device_tflops_and_bad_rates_are_refused() -> None:
             validate(to_run_config(compose_cfg([bad])), inputs=False)
 
 
+def test_without_a_link_bandwidth_the_bytes_are_listed_and_left_unpriced() -> None:
+    """plan.device_tflops given, plan.link_gb_s not: the compute is estimated, the exchanges'
+    bytes listed, the step says they are not priced (it crashed formatting None), and the
+    choices see an unbounded step."""
+    cfg = to_run_config(compose_cfg(["experiment=qwen2.5-7b-4x4090-lora", "plan.link_gb_s=null"]))
+    fitted = fit_to_device(cfg)
+    d, counts = fitted.decisions, fitted.plan.counts
+    t = step_time(cfg, d, counts)
+    assert t is not None and not t.priced and t.step_s == float("inf") and t.bytes > 0.1e9
+    assert t.seconds() == (
+        f"{t.compute_s + t.elementwise_s:.2f} s + communication not priced (plan.link_gb_s unset)"
+    )
+    text = format_step_estimates(cfg, d, counts, fitted.machine)
+    assert text is not None and "plan.link_gb_s is not set, so these bytes are not priced" in text
+    assert "inf" not in text
+
+
 def test_lora_dropouts_passes_are_priced_at_the_memory_bandwidth() -> None:
     """Qwen2.5-7B's attention adapters at 4,096 tokens: each of q, k, v, o drops its own copy
     of a hidden-wide input (read, the copy and a 1-byte mask written: 5 bytes a value in bf16),

@@ -38,7 +38,7 @@ from .recorder import Phase, device_and_env, init_one_rank, time_left
 def build_memtune(cfg: Any, d: Any, ds_config: Any, device: Any) -> tuple[Any, bool]:
     """The rank's parts exactly as memtune.worker builds them (``build_rank`` from the
     decisions); only the base differs, and whether it was built under ``zero.Init``."""
-    from memtune.rank.build import build_rank
+    from memtune.rank.build import build_rank, built_under_zero_init
     from memtune.rank.model import quantization_config
 
     quant = quantization_config(cfg, d.peft_method)
@@ -53,7 +53,7 @@ def build_memtune(cfg: Any, d: Any, ds_config: Any, device: Any) -> tuple[Any, b
 
     # The rank's parts exactly as memtune.worker builds them; only the base differs. A 4-bit
     # base is quantized here in memory, outside zero.Init (from_pretrained does that itself).
-    zero_init = quant is None and d.zero_stage == 3
+    zero_init = quant is None and built_under_zero_init(d)
     parts = build_rank(cfg, d, ds_config, device, load_base=load_base, zero_init=zero_init)
     return parts, built["zero_init"]
 

@@ -349,8 +349,9 @@ def format_step_estimates(
         assert other_estimate is not None
         fits = "fits" if other_plan.fits else "does not fit"
         lines.append(
-            f"  {label} instead: {other_estimate.step_s:.2f} s per step "
-            f"(communication {other_estimate.comm_share:.0%}), {other_plan.total_gib:.2f} GiB "
+            f"  {label} instead: {other_estimate.seconds()} per step"
+            + (f" (communication {other_estimate.comm_share:.0%})" if other_estimate.priced else "")
+            + f", {other_plan.total_gib:.2f} GiB "
             f"per rank ({fits}, checkpointing {other.checkpointing.label()})"
         )
     return "\n".join(lines)
@@ -615,7 +616,7 @@ def _expert_layout(
     chosen = choose_layout(expert_layouts(cfg, d, counts, machine))
     if chosen is None:
         return d, None
-    step = f"{chosen.step_s:.2f} s a step, " if chosen.step is not None else ""
+    step = f"{chosen.step.seconds()} a step, " if chosen.step is not None else ""
     return chosen.decisions, (
         f"trainer.expert_parallel=auto: {layout_setting(chosen)} ({chosen.label}; {step}"
         f"{chosen.plan.total_gib:.2f} GiB per rank; the layouts side by side under the step time)"

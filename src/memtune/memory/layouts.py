@@ -119,6 +119,8 @@ def format_layouts(layouts: list[Layout], current: Decisions) -> list[str]:
         fits = "fits" if lay.plan.fits else "does not fit"
         if lay.step is None:
             time = "no step estimate (plan.device_tflops)"
+        elif not lay.step.priced:
+            time = f"{lay.step.seconds()} a step"
         else:
             time = f"{lay.step.step_s:6.2f} s a step ({lay.step.overlapped_s:.2f} s overlapped)"
         lines.append(

@@ -106,6 +106,19 @@ class StepTime:
     def comm_share(self) -> float:
         return self.comm_s / self.step_s if self.step_s else 0.0
 
+    @property
+    def priced(self) -> bool:
+        """False where the ranks exchange bytes but ``plan.link_gb_s`` is not given: the step
+        is then unbounded for the choices (:attr:`step_s` is inf) and printed as its compute."""
+        return bool(self.link_gb_s) or not self.bytes
+
+    def seconds(self) -> str:
+        """The step for a line: its seconds, or its compute and the unpriced exchanges."""
+        if self.priced:
+            return f"{self.step_s:.2f} s"
+        done = self.compute_s + self.elementwise_s + self.host_s
+        return f"{done:.2f} s + communication not priced (plan.link_gb_s unset)"
+
 
 @dataclass(frozen=True)
 class Flops:
@@ -335,17 +348,28 @@ def step_time(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -
 
 def format_step_time(cfg: RunConfig, t: StepTime) -> str:
     p = cfg.plan
-    lines = [
-        f"step time (estimate, per optimizer step): {t.step_s:.2f} s = compute "
-        f"{t.compute_s:.2f} s ({t.flops / 1e12:,.0f} TFLOP at {p.device_tflops:g} TFLOPS × "
-        f"{p.mfu:.0%} MFU)"
+    head = (
+        f"compute {t.compute_s:.2f} s ({t.flops / 1e12:,.0f} TFLOP at {p.device_tflops:g} "
+        f"TFLOPS × {p.mfu:.0%} MFU)"
         + (f" + LoRA dropout {t.elementwise_s:.2f} s" if t.elementwise_s else "")
-        + f" + communication {t.comm_s:.2f} s ({t.comm_share:.0%} of the step)"
-    ]
+    )
+    if t.priced:
+        head = (
+            f"{t.step_s:.2f} s = {head} + communication {t.comm_s:.2f} s "
+            f"({t.comm_share:.0%} of the step)"
+        )
+    else:
+        head = f"{t.seconds()}: {head}"
+    lines = [f"step time (estimate, per optimizer step): {head}"]
     for what, nbytes in t.traffic:
-        secs = nbytes / (t.link_gb_s * 1e9) if t.link_gb_s else float("inf")
-        lines.append(f"  {what:<48}{nbytes / 1e9:>9.2f} GB  {secs:>7.2f} s")
-    if t.traffic:
+        secs = f"{nbytes / (t.link_gb_s * 1e9):>7.2f} s" if t.link_gb_s else ""
+        lines.append(f"  {what:<48}{nbytes / 1e9:>9.2f} GB  {secs}".rstrip())
+    if t.traffic and not t.priced:
+        lines.append(
+            "  plan.link_gb_s is not set, so these bytes are not priced (the GPU preflight "
+            "measures it: preflight.json; a 4×4090D box over PCIe without P2P: ~10)"
+        )
+    elif t.traffic:
         lines.append(
             f"  at {t.link_gb_s:g} GB/s bus bandwidth (plan.link_gb_s; the GPU preflight "
             f"measures it), no overlap with compute assumed; with full overlap "

@@ -63,6 +63,16 @@ class RankParts:
     kernels: str = ""  # the fused layer kernels reached (rank.kernels); "": transformers' own
 
 
+def built_under_zero_init(d: Decisions) -> bool:
+    """Whether the base is built under zero.Init (ZeRO-3): not under expert parallelism, where
+    zero.Init would partition every expert over all the ranks; there each rank reads its own
+    experts, and DeepSpeed partitions the model when it builds the engine
+    (rank.expert_parallel.partition_experts_over_groups). A quantized base is never built
+    under it either: transformers reads it whole, whatever this says."""
+    split = d.experts is not None and d.experts.parallel > 1
+    return d.zero_stage == 3 and not split
+
+
 def build_rank(
     cfg: RunConfig,
     d: Decisions,
@@ -85,11 +95,7 @@ def build_rank(
         def load_base(c: RunConfig, decided: Decisions) -> Any:
             return load_base_model(c, decided, gpu)
 
-    split = d.experts is not None and d.experts.parallel > 1
-    # Under expert parallelism not under zero.Init, which would partition every expert over
-    # all the ranks: each rank reads its own experts, and DeepSpeed partitions the model when
-    # it builds the engine (rank.expert_parallel.partition_experts_over_groups)
-    use_zero_init = d.zero_stage == 3 and not split if zero_init is None else zero_init
+    use_zero_init = built_under_zero_init(d) if zero_init is None else zero_init
     hf_ds = HfDeepSpeedConfig(ds_config) if use_zero_init else None
     # Loading must not move the RNG the adapters are then drawn from: under zero.Init the
     # modules are built for real, and a Qwen3.5 linear-attention layer draws its A_log at
