@@ -227,4 +227,7 @@ def test_a_base_read_for_zero3_expert_parallelism_peaks_as_planned(
     assert held == pytest.approx(planned_host - 2.5 * stack, rel=0.01)
     assert planned_host <= 0.65 * counts.base * 2  # not the whole base in bf16 (0.63)
     print(f"loading peak {host / 2**20:.2f} MiB, planned {planned_host / 2**20:.2f} MiB")
-    assert held + 2 * stack <= host <= planned_host * 1.05  # measured -0.6% (2026-12-05)
+    # measured -0.6% alone (2026-12-05); the lower bound is what it keeps, not the merged
+    # stack's transient too: the heap is sampled from a thread, which can miss a transient
+    # that short when the machine is busy (-5% in the whole suite on 2 cores)
+    assert held <= host <= planned_host * 1.05
