@@ -114,7 +114,7 @@ def peak_window(device: Any, out: dict[str, Any]) -> Iterator[None]:
         out.update(memory_now(device))
 
 
-def _rss_gib() -> tuple[float, float] | None:
+def rss_gib() -> tuple[float, float] | None:
     """This process's resident memory, (anonymous, file-backed) in GiB: RssAnon is what it
     allocated (tensors, buffers), RssFile the pages of files it maps (a safetensors
     checkpoint read through mmap: the page cache, shared and reclaimable). None off Linux."""
@@ -140,7 +140,7 @@ def host_peak(out: dict[str, Any], every_s: float = 0.005) -> Iterator[None]:
     and ``["host_samples"]``. A sampler can miss a peak shorter than ``every_s``."""
     import threading
 
-    first = _rss_gib()
+    first = rss_gib()
     if first is None:
         yield
         return
@@ -150,7 +150,7 @@ def host_peak(out: dict[str, Any], every_s: float = 0.005) -> Iterator[None]:
 
     def sample() -> None:
         while not stop.is_set():
-            now = _rss_gib()
+            now = rss_gib()
             if now is not None:
                 peak[0], peak[1] = max(peak[0], now[0]), max(peak[1], now[1])
                 samples[0] += 1

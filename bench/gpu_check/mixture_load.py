@@ -183,6 +183,7 @@ def run_mixture_load(phase: Phase, deadline: float) -> None:
         gc.collect()
         empty_cache(device)
         load: dict[str, Any] = {"before": memory_now(device)}
+        load["host_trimmed_gib"] = trim_host_heap()
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         t = time.perf_counter()
         with peak_window(device, load), host_peak(load):
@@ -202,6 +203,23 @@ def run_mixture_load(phase: Phase, deadline: float) -> None:
         gc.collect()
         empty_cache(device)
     phase.save()
+
+
+def trim_host_heap() -> float | None:
+    """Give the heap's free pages back to the system (glibc's ``malloc_trim``), so the load
+    cannot reuse what writing freed without RssAnon showing it; returns the GiB released (None
+    where there is no glibc)."""
+    import ctypes
+
+    from .measure import rss_gib
+
+    before = rss_gib()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        return None
+    after = rss_gib()
+    return None if before is None or after is None else before[0] - after[0]
 
 
 def layout_check(model: Any, path: Path, storage: str, cfg: Any) -> dict[str, Any]:
