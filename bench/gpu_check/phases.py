@@ -80,14 +80,15 @@ PHASES = (
     # device call (--phases mixture): Qwen3-30B-A3B QLoRA as the planner fits a 24 GB card,
     # the base quantized a layer at a time; then the streaming loader on a 12-layer
     # Qwen3-30B-A3B written to local disk (mixture_load.py); then LoRA on every expert with
-    # the optimizer on the host, if the planner's pick was not that. Not run yet: estimates.
-    # mixture-qlora: imports and the plans ~25 s, the build (48 layers drawn and quantized on
-    # the GPU) ~30 s, DeepSpeed ~15 s, 5 steps at 2,048 and 5 at 4,096 tokens ~25 s (a step
-    # planned ~1 s on a 4090). mixture-load: 15.6 GB written (~30 s at 0.5 GB/s), read and
-    # quantized by from_pretrained (~45 s). mixture-qlora-offload: the build again, DeepSpeed's
-    # CPU Adam compiled at first use (~60 s), steps with 642.5M weights updated on the host.
-    PhaseSpec("mixture-qlora", "mixture", "whole", need_s=120, cap_s=240, group="mixture"),
-    PhaseSpec("mixture-load", "mixture", "load", need_s=120, cap_s=240, group="mixture"),
+    # the optimizer on the host, if the planner's pick was not that. Not run yet: estimates,
+    # from the H200's dense phases and this CPU's dry run, not measured. mixture-qlora: imports
+    # ~15 s, the candidates planned ~3 s, 48 layers drawn and quantized on the GPU ~30 s,
+    # DeepSpeed ~10 s, 5 steps at 2,048 and 5 at 4,096 tokens ~20 s. mixture-load: 15.6 GB
+    # written (~30 s), read and quantized by from_pretrained (~40 s). mixture-qlora-offload:
+    # the build again, DeepSpeed's CPU Adam compiled at first use (~60-90 s), 5 steps with
+    # 642.5M weights updated on the host (~10 s), 4,096 tokens planned not to fit (its OOM).
+    PhaseSpec("mixture-qlora", "mixture", "whole", need_s=90, cap_s=200, group="mixture"),
+    PhaseSpec("mixture-load", "mixture", "load", need_s=100, cap_s=200, group="mixture"),
     PhaseSpec(
         "mixture-qlora-offload", "mixture", "whole-offload", need_s=180, cap_s=300, group="mixture"
     ),
