@@ -141,3 +141,13 @@ def test_the_checkpoint_is_written_as_save_pretrained_names_it(
     index = json.loads((tmp_path / "ours" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(ours)
     assert ".mlp.experts.15.up_proj.weight" in " ".join(ours)
+
+
+def test_the_mixture_group_runs_only_when_named_and_in_the_dry_run(gpu_check: Any) -> None:
+    from bench.gpu_check import phases
+
+    group = ["mixture-qlora", "mixture-load", "mixture-qlora-offload"]  # in priority order
+    assert [p.name for p in phases.select("mixture")] == group
+    assert not {p.name for p in phases.select(None)} & set(group)  # a plain device run
+    assert [p.name for p in phases.select(None, ("unsloth", "mixture"))][-3:] == group
+    assert all(phases.spec(n).need_s < phases.spec(n).cap_s for n in group)

@@ -38,6 +38,9 @@ def fake_readings(mixture: dict[str, Any] | None) -> None:
             add_mfu(r, {"lora": 1e14, "six_n": 1.5e14}, gpu)
             add_plan_error(r)
             assert "plan_error_pct" in r and r["mfu"] > 0, r
+        if run["rows"]:  # a longer row out of memory where the plan said it would not fit
+            made_up = "OutOfMemoryError('made up (format check)')"
+            run["rows"].append({"seq_len": 8192, "error": made_up, "oom": True, "as_planned": True})
     load = mixture["load"]
     if load and "load" in load:
         load["load"].update(device_peak_gib=5.0, device_kept_gib=4.5)
@@ -116,6 +119,8 @@ def _run_markdown(run: dict[str, Any]) -> list[str]:
         plan = r.get("plan") or {}
         losses = r.get("losses") or []
         loss = f"{losses[0]:.3f} → {losses[-1]:.3f}" if losses else (r.get("error") or "—")[:80]
+        if r.get("as_planned"):
+            loss = "out of memory, as the plan said (does not fit)"
         lines.append(
             f"| {r['seq_len']} | {_f(r.get('tokens_per_s'), ',.0f')} "
             f"| {_f(r.get('step_s_median'), '.3f')} | {_f(r.get('measured_gib'), '.2f')} "

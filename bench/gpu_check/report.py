@@ -167,6 +167,7 @@ def format_check(mode: Mode, work: Path) -> Path:
     assert not result["kernels"] or "| all three |" in text, "the kernels table did not render"
     runs = (result.get("mixture") or {}).get("runs") or []
     assert not runs or "#### A whole mixture on one card" in text, "the mixture did not render"
+    assert not any(r["rows"] for r in runs) or "as the plan said" in text, "no planned OOM row"
     if result["unsloth"]:
         rows = result["unsloth"]["comparison"]
         assert rows and all(r.get("at_peak_speed") or "at_peak" not in r for r in rows), rows
