@@ -67,13 +67,30 @@ MFU), ``batches``, ``phases`` (the priority order, the budget), ``recorder`` (a 
 process and what it records), ``baseline_runner`` (Trainer + peft), ``memtune_runner``
 (memtune, the cap search), ``profile`` (where a step's time goes), ``kernels`` (the fused
 kernels one by one), ``hybrid`` (Qwen3.5), ``moe`` (the MoE block), ``unsloth`` and
-``unsloth_report`` (Unsloth beside memtune), ``report`` (collect, markdown, the format check),
-``orchestrate`` (the entry).
+``unsloth_report`` (Unsloth beside memtune), ``mixture``, ``mixture_load`` and
+``mixture_report`` (a whole mixture on one card), ``report`` (collect, markdown, the format
+check), ``orchestrate`` (the entry).
 
 In their own device call (``--phases unsloth``, with ``.whl-unsloth/`` carried), Unsloth beside
 memtune (issue #47 item 5): the same random-weight model saved with Qwen's tokenizer, Unsloth's
 LoRA and QLoRA in its own environment (transformers 5.17, the image's), then memtune planned at
 the memory Unsloth used.
+
+In their own device call (``--phases mixture``; issue #48 item 6), a whole mixture on one card:
+Qwen3-30B-A3B (random weights) QLoRA under a 24 GB cap as the planner fits it
+(``mixture-qlora``: the candidates planned, the pick and why recorded; the base built on the
+meta device and quantized a layer at a time, never whole in bf16), the streaming loader's peak
+on a 12-layer Qwen3-30B-A3B written to local disk (``mixture-load``), and LoRA on every expert
+with the optimizer on the host (``mixture-qlora-offload``). Not run on a GPU yet; the phases'
+needs and caps are estimates. The next session with a GPU, after ``bash bench/gpu_wheels.sh``
+and ``python -m bench.gpu_check --dry-run --phases mixture`` here::
+
+    run(command="GPU_CHECK_TOTAL_S=560 bash bench/gpu_check.sh --phases mixture",
+        carry=[".whl"], timeout_s=600)
+    # only if the first names mixture-qlora-offload for the next session, with >= 6 min left:
+    run(command="GPU_CHECK_TOTAL_S=300 bash bench/gpu_check.sh --phases mixture-qlora-offload "
+        "--keep-parts", carry=[".whl"], timeout_s=330)
+    give_back()
 """
 
 import sys

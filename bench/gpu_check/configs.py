@@ -13,6 +13,8 @@ METHODS = {
     "qwen35": ("qwen3.5-9b-4x4090-lora", "lora"),  # the Qwen3.5 phases: that experiment's LoRA
     # DPO with the lora phase's adapters, so its rows compare with SFT's at the same shapes
     "dpo": ("qwen2.5-7b-4x4090-dpo", "lora-all-linear"),
+    # the whole-mixture phases: Qwen3-30B-A3B's experiment, QLoRA, on one card (mixture.py)
+    "mixture": ("qwen3-30b-a3b-4x4090-lora", "qlora-nf4"),
 }
 
 

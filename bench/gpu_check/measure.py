@@ -11,6 +11,7 @@ import platform
 import statistics
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from .modes import GIB, MEASURED_TFLOPS, PEAK_TFLOPS
@@ -23,16 +24,24 @@ def flops_per_step(counts: Any, arch: dict[str, Any], tokens: int) -> dict[str, 
     embedding is a lookup). Forward 2N per token. Backward: the base is frozen, so only the
     input gradient (2N per token) is needed, not the weight gradient: 4N per token in all,
     where full training takes 6N. LoRA adds 6 per adapter weight per token. Attention (no
-    weights, causal): forward 2·T²·h per layer (QKᵀ and AV, half of T² each), backward twice
-    that: 6·L·T²·h. ``six_n`` is the usual 6N convention on the same N, for comparison.
-    """
-    n = counts.linear + (counts.head or counts.embedding)
-    h, layers = int(arch["hidden_size"]), int(arch["num_hidden_layers"])
+    weights, causal; h the query width): forward 2·T²·h per layer (QKᵀ and AV, half of T²
+    each), backward twice that: 6·L·T²·h. ``six_n`` is the usual 6N convention on the same
+    N, for comparison.
+
+    A mixture's routed experts count as a token uses them: num_experts_per_tok of
+    num_experts, their stacks and their adapters (``counts.routed_share``; 1 for a dense
+    model, which has none). The router's matmul is left out (experts × hidden a token)."""
+    share = counts.routed_share
+    n = counts.linear + round(counts.experts * share) + (counts.head or counts.embedding)
+    lora = counts.lora - counts.expert_lora + round(counts.expert_lora * share)
+    heads, layers = int(arch["num_attention_heads"]), int(arch["num_hidden_layers"])
+    # h: the query width, heads × head_dim (Qwen3-30B-A3B's 4,096 over a 2,048 hidden state)
+    h = heads * int(arch.get("head_dim") or int(arch["hidden_size"]) // heads)
     attention = 6 * layers * tokens**2 * h
     return {
         "n_matmul": n,
-        "n_lora": counts.lora,
-        "lora": (4 * n + 6 * counts.lora) * tokens + attention,
+        "n_lora": lora,
+        "lora": (4 * n + 6 * lora) * tokens + attention,
         "six_n": 6 * n * tokens + attention,
     }
 
@@ -103,6 +112,61 @@ def peak_window(device: Any, out: dict[str, Any]) -> Iterator[None]:
         out["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
         out.update(memory_now(device))
+
+
+def rss_gib() -> tuple[float, float] | None:
+    """This process's resident memory, (anonymous, file-backed) in GiB: RssAnon is what it
+    allocated (tensors, buffers), RssFile the pages of files it maps (a safetensors
+    checkpoint read through mmap: the page cache, shared and reclaimable). None off Linux."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    kib = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name in ("RssAnon", "RssFile"):
+            kib[name] = int(value.split()[0])
+    if len(kib) != 2:
+        return None
+    return kib["RssAnon"] / 2**20, kib["RssFile"] / 2**20
+
+
+@contextlib.contextmanager
+def host_peak(out: dict[str, Any], every_s: float = 0.005) -> Iterator[None]:
+    """The host memory the block adds: RssAnon and RssFile sampled every ``every_s`` in a
+    thread, ``out["host_anon_before_gib"]``, ``["host_anon_peak_gib"]`` (the peak less what
+    was there before), ``["host_file_peak_gib"]`` (likewise, the checkpoint's mapped pages)
+    and ``["host_samples"]``. A sampler can miss a peak shorter than ``every_s``."""
+    import threading
+
+    first = rss_gib()
+    if first is None:
+        yield
+        return
+    peak = list(first)
+    samples = [0]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            now = rss_gib()
+            if now is not None:
+                peak[0], peak[1] = max(peak[0], now[0]), max(peak[1], now[1])
+                samples[0] += 1
+            stop.wait(every_s)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        out["host_anon_before_gib"] = first[0]
+        out["host_anon_peak_gib"] = peak[0] - first[0]
+        out["host_file_peak_gib"] = peak[1] - first[1]
+        out["host_samples"] = samples[0]
 
 
 CENSUS_TOP = 16

@@ -34,6 +34,9 @@ class Mode:
     hybrid_model: str = "tiny-qwen3.5"  # the Qwen3.5 phases: a hybrid model ...
     hybrid_len: int = 256  # ... trained on packed rows of this many tokens
     moe_tokens: int = 256  # the MoE block phase: tokens a step (Qwen3-30B-A3B's width on a GPU)
+    mixture_model: str = "tiny-qwen3-moe"  # the whole-mixture phases (mixture.py): the model
+    mixture_lengths: tuple[int, ...] = (64, 128)  # ... its rows, the shorter first
+    mixture_load_layers: int = 2  # mixture-load: the decoder layers of the checkpoint it writes
 
 
 GPU = Mode(
@@ -48,6 +51,9 @@ GPU = Mode(
     hybrid_model="qwen3.5-2b",
     hybrid_len=4096,
     moe_tokens=4096,
+    mixture_model="qwen3-30b-a3b",
+    mixture_lengths=(2048, 4096),
+    mixture_load_layers=12,  # of 48: 15.6 GB of bf16 shards, on the lent machine's 64 GiB disk
 )
 
 

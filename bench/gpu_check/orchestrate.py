@@ -21,6 +21,8 @@ from .baseline_runner import run_baseline
 from .hybrid import run_hybrid
 from .kernels import run_kernels
 from .memtune_runner import run_memtune
+from .mixture import run_mixture
+from .mixture_load import run_mixture_load
 from .modes import DRY, GPU, lengths_from_env
 from .moe import run_moe
 from .phases import CUT_SHORT, Budget, next_session, select, spec
@@ -63,6 +65,10 @@ def run_phase(args: argparse.Namespace) -> int:
             run_unsloth(phase, deadline)
         elif side == "at-unsloth":
             run_at_unsloth(phase, deadline)
+        elif side in ("whole", "whole-offload"):
+            run_mixture(phase, deadline, offload=side == "whole-offload")
+        elif side == "load":
+            run_mixture_load(phase, deadline)
         elif method == "moe":
             run_moe(phase, deadline)
         elif method == "qwen35":
@@ -101,7 +107,8 @@ def orchestrate(args: argparse.Namespace) -> int:
     # Outside OUT: the device returns at most 8 files from there.
     work = Path(args.work) if args.work else Path(tempfile.gettempdir()) / "gpu_check_parts"
     work.mkdir(parents=True, exist_ok=True)
-    groups = ("unsloth",) if mode.dry_run else ()  # on the device: when named (--phases)
+    # on the device: when named (--phases); the dry run runs them all
+    groups = ("unsloth", "mixture") if mode.dry_run else ()
     chosen = select(args.phases, groups)
     # --keep-parts: an earlier call's fragments on this machine stay (the Unsloth call's
     # results beside the main check's); only the phases about to run start afresh.
@@ -177,12 +184,16 @@ def orchestrate(args: argparse.Namespace) -> int:
     moe_rows = (result["moe"] or {}).get("rows", [])
     kernel_rows = (result["kernels"] or {}).get("variants", [])
     searched = [s for lc in result["long"] for s in lc["search"] if s.get("ok")]
+    mixture = result["mixture"] or {}
+    mixture_rows = [r for run in mixture.get("runs", []) for r in run["rows"]]
     measured = (
         result["records"]
         or result["hybrid"]
         or any(r.get("step_ms") for r in moe_rows)
         or any(v.get("tokens_per_s") for v in kernel_rows)
         or searched  # a long phase run for its census alone (GPU_CHECK_LONG_TIMED=)
+        or any(r.get("tokens_per_s") for r in mixture_rows)
+        or "load" in (mixture.get("load") or {})
     )
     return 0 if measured and not result["errors"] else 1
 

@@ -22,7 +22,7 @@ class PhaseSpec:
     name: str
     method: str  # conf experiment (configs.METHODS), or "moe" (no experiment)
     side: str  # profile, profile-baseline, memtune, baseline, kernels, long, block, torch, fla,
-    # unsloth-model, unsloth, at-unsloth
+    # unsloth-model, unsloth, at-unsloth, whole, whole-offload, load
     need_s: float
     """On the GPU: the least time it needs for its first result (what it took on the H200,
     2026-12-04, rounded up); with less left it is skipped, not started to be cut short."""
@@ -31,7 +31,8 @@ class PhaseSpec:
     search under the cap, later lengths, later variants) stops at the deadline."""
     group: str = ""
     """A group run only when named (``--phases unsloth``, or the phase's name) and in the dry
-    run: ``unsloth`` needs its own carry and its own device call."""
+    run: ``unsloth`` needs its own carry and its own device call; ``mixture`` its own call
+    (a 30B model: minutes of the device's time)."""
 
 
 # In order of value, the most valuable first: each takes its time before the next is given
@@ -75,6 +76,22 @@ PHASES = (
     PhaseSpec("unsloth-qlora", "qlora", "unsloth", need_s=100, cap_s=180, group="unsloth"),
     PhaseSpec("lora-at-unsloth", "lora", "at-unsloth", need_s=30, cap_s=90, group="unsloth"),
     PhaseSpec("qlora-at-unsloth", "qlora", "at-unsloth", need_s=40, cap_s=100, group="unsloth"),
+    # A whole mixture on one card (issue #48 item 6; bench/gpu_check/mixture.py), in its own
+    # device call (--phases mixture): Qwen3-30B-A3B QLoRA as the planner fits a 24 GB card,
+    # the base quantized a layer at a time; then the streaming loader on a 12-layer
+    # Qwen3-30B-A3B written to local disk (mixture_load.py); then LoRA on every expert with
+    # the optimizer on the host, if the planner's pick was not that. Not run yet: estimates,
+    # from the H200's dense phases and this CPU's dry run, not measured. mixture-qlora: imports
+    # ~15 s, the candidates planned ~3 s, 48 layers drawn and quantized on the GPU ~30 s,
+    # DeepSpeed ~10 s, 5 steps at 2,048 and 5 at 4,096 tokens ~20 s. mixture-load: 15.6 GB
+    # written (~30 s), read and quantized by from_pretrained (~40 s). mixture-qlora-offload:
+    # the build again, DeepSpeed's CPU Adam compiled at first use (~60-90 s), 5 steps with
+    # 642.5M weights updated on the host (~10 s), 4,096 tokens planned not to fit (its OOM).
+    PhaseSpec("mixture-qlora", "mixture", "whole", need_s=90, cap_s=200, group="mixture"),
+    PhaseSpec("mixture-load", "mixture", "load", need_s=100, cap_s=200, group="mixture"),
+    PhaseSpec(
+        "mixture-qlora-offload", "mixture", "whole-offload", need_s=180, cap_s=300, group="mixture"
+    ),
 )
 PHASE_NAMES = tuple(p.name for p in PHASES)
 DRY_NEED_S = 20.0

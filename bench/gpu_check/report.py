@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .measure import add_mfu, add_plan_error, census
+from .mixture_report import collect_mixture, fake_readings, mixture_markdown
 from .modes import CAP_GIB, GIB, MEASURED_TFLOPS, MOE_SHAPE, PEAK_TFLOPS, Mode
 from .phases import PHASE_NAMES
 from .unsloth_report import collect_unsloth, compare_unsloth, unsloth_markdown
@@ -80,6 +81,7 @@ def collect(mode: Mode, work: Path) -> dict[str, Any]:
         "profile": [f["profile"] for f in frags if f.get("profile")],
         "kernels": next((f["kernels"] for f in frags if f.get("kernels")), None),
         "unsloth": collect_unsloth(frags, records),
+        "mixture": collect_mixture(frags),
         "errors": [{"phase": f["phase"], **e} for f in frags for e in f["errors"]],
         "notes": {f["phase"]: f["notes"] for f in frags},
     }
@@ -157,11 +159,15 @@ def format_check(mode: Mode, work: Path) -> Path:
     result["comparison"] = compare(result["records"])
     if result["unsloth"]:
         result["unsloth"]["comparison"] = compare_unsloth(result["records"])
+    fake_readings(result.get("mixture"))
     result["env"].update(gpu="FAKE GPU (format check)", gpu_total_gib=139.8, matmul_tflops=777.0)
     assert all("speedup" in c and "memory_ratio" in c for c in result["comparison"])
     text = markdown(result)
     assert not result["moe"] or "| memtune | " in text, "the MoE table did not render"
     assert not result["kernels"] or "| all three |" in text, "the kernels table did not render"
+    runs = (result.get("mixture") or {}).get("runs") or []
+    assert not runs or "#### A whole mixture on one card" in text, "the mixture did not render"
+    assert not any(r["rows"] for r in runs) or "as the plan said" in text, "no planned OOM row"
     if result["unsloth"]:
         rows = result["unsloth"]["comparison"]
         assert rows and all(r.get("at_peak_speed") or "at_peak" not in r for r in rows), rows
@@ -359,6 +365,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines += unsloth_markdown(result.get("unsloth") or {})
     lines += moe_markdown(result.get("moe"))
     lines += hybrid_markdown(result["hybrid"], mode)
+    lines += mixture_markdown(result.get("mixture"))
     lines += [
         "",
         "*peak GiB*: `torch.cuda.max_memory_allocated` over the steps (reset before them), less "

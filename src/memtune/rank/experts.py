@@ -717,7 +717,7 @@ class RouterStats:
     def __init__(self, model: nn.Module, device: Any = None, capture: bool = False):
         self.routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
         self.capture = capture  # trainer.router_aux_loss_coef: keep the logits, with grad
-        self.captured: list[torch.Tensor] = []
+        self.captured: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (logits, mask)
         self.mask: torch.Tensor | None = None
         experts = max((int(getattr(m, "num_experts", 0)) for m in self.routers), default=0)
         shape = (len(self.routers), experts)
@@ -741,11 +741,16 @@ class RouterStats:
                 return  # a checkpointed layer's recompute, inside the backward
             logits, _, chosen = output
             mask = self.mask
-            if mask is not None and mask.numel() == logits.shape[0]:
-                logits, chosen = logits[mask], chosen[mask]
+            if mask is None or mask.numel() != logits.shape[0]:
+                mask = None
             if self.capture:
-                self.captured.append(logits)
+                # masked in take_aux_loss, outside the layer: an index taken here with grad,
+                # inside a checkpointed layer's forward, would save a tensor its recompute
+                # (which skips this hook) does not, and torch's checkpoint refuses the backward
+                self.captured.append((logits, mask))
             with torch.no_grad():
+                if mask is not None:
+                    logits, chosen = logits[mask], chosen[mask]
                 experts = logits.shape[-1]
                 slots = torch.bincount(chosen.flatten(), minlength=experts).double()
                 self.slots[index] += slots.to(self.slots.device)
@@ -759,7 +764,7 @@ class RouterStats:
         """The load-balancing loss of the forwards since the last call, differentiable
         (transformers' load_balancing_loss_func over every layer's logits, as the model's own
         aux_loss: num_experts_per_tok when the load is even); then forgets those logits."""
-        logits = torch.cat([x.float() for x in self.captured])
+        logits = torch.cat([(x if m is None else x[m]).float() for x, m in self.captured])
         self.captured = []
         first: Any = self.routers[0]
         probs = logits.softmax(-1)  # rows × experts, the differentiable part
