@@ -483,6 +483,48 @@ def test_the_routing_metrics_are_the_models_own_balance_loss(tmp_path: Path) -> 
     assert stats.metrics()["moe/aux_loss"] == pytest.approx(ours, rel=1e-5)
 
 
+def test_a_padded_batch_through_a_recomputed_layer_gives_the_gradients_of_no_recompute(
+    tmp_path: Path,
+) -> None:
+    """RouterStats' hook, padding masked out, inside a layer checkpointed as memtune's ranks
+    checkpoint (non-reentrant): the recompute skips the hook, so the forward must not save
+    anything for the mask there; it did (the logits indexed with grad), and the backward
+    failed with torch's "a different number of tensors was saved". With and without the
+    balance loss: the gradients of the layer's weights are those without recompute."""
+    from transformers import AutoModelForCausalLM
+
+    from memtune.rank.experts import RouterStats
+
+    model = AutoModelForCausalLM.from_pretrained(_tiny_moe(tmp_path, "qwen3_moe")).train()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    grads = {}
+    for capture in (False, True):
+        for recompute in (False, True):
+            if recompute:
+                model.gradient_checkpointing_enable({"use_reentrant": False})
+            stats = RouterStats(model, capture=capture)
+            stats.mask = mask.flatten().bool()
+            loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+            if capture:
+                loss = loss + 0.1 * stats.take_aux_loss()
+            loss.backward()
+            grads[capture, recompute] = {
+                n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+            }
+            model.zero_grad(set_to_none=True)
+            stats.close()
+            model.gradient_checkpointing_disable()
+    for capture in (False, True):
+        plain, recomputed = grads[capture, False], grads[capture, True]
+        assert sorted(plain) == sorted(recomputed) and any("gate" in n for n in plain)
+        for name, grad in plain.items():
+            torch.testing.assert_close(recomputed[name], grad, rtol=1e-5, atol=1e-7)
+    router = next(n for n in grads[True, False] if n.endswith("mlp.gate.weight"))
+    assert not torch.equal(grads[True, False][router], grads[False, False][router])
+
+
 @pytest.mark.parametrize(
     ("kind", "dtype"),
     [
