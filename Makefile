@@ -13,13 +13,17 @@ PIP_LOCK := $(if $(LOCK),-c $(LOCK))
 EXP ?= qwen2.5-7b-4x4090-lora
 ARGS ?=
 PYTEST_ARGS ?=
+# make test's workers (pytest-xdist, a file's tests on one worker): most tests launch 2-rank
+# jobs whose start-up and launcher waits leave a core idle; 2 is ~15% faster on 2 cores.
+# TEST_WORKERS=0 runs in this process, one test after another.
+TEST_WORKERS ?= 2
 
 .DEFAULT_GOAL := help
 .PHONY: help install relock train test test-compile test-faults test-slurm preprocess plan merge lint format train-4x4090 bench bench-data docs docs-serve docs-reference docs-check clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-14s %s\n", $$1, $$2}'
-	@echo "  Variables: EXP=<experiment> (train, train-4x4090, plan), ARGS='<hydra overrides>', PYTEST_ARGS='...'"
+	@echo "  Variables: EXP=<experiment> (train, train-4x4090, plan), ARGS='<hydra overrides>', PYTEST_ARGS='...', TEST_WORKERS=2 (test)"
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -40,7 +44,7 @@ train: $(STAMP) ## Run the embedded CPU demo (tiny Qwen2, 2 ranks, ZeRO-3); EXP=
 
 test: $(STAMP) ## Run the test suite (CPU; real DeepSpeed ranks)
 	@$(VENV)/bin/memtune machine
-	@$(PY) -m pytest $(PYTEST_ARGS)
+	@$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 relock: ## Move constraints.txt to the newest versions pyproject.toml allows, reinstall, run the suite
 	rm -rf $(VENV)-relock
