@@ -17,7 +17,8 @@ from memtune.config import ConfigError, cache_dir, to_run_config
 from memtune.config.architecture import loaded_mismatches, resolve_architecture
 from memtune.launcher.prepare import given_config
 from memtune.memory.counts import _count_on_meta, count_params
-from memtune.memory.estimate import format_plan, plan
+from memtune.memory.estimate import plan
+from memtune.memory.plan_text import format_plan
 from memtune.rank.model import add_lora, load_base_model
 from memtune.tools.tiny import synthesize
 from tests.conftest import ROOT, compose_cfg, decided

@@ -298,7 +298,8 @@ def test_the_plan_states_the_loading_peak_of_a_quantized_mixture(zero: str) -> N
     (1 GiB), held twice while the checkpoint's experts are merged (no CUDA temporaries for
     NF4). ZeRO-2 reads the quantized base onto each GPU; ZeRO-3 into each rank's host, whole,
     before DeepSpeed shards it. A bf16 base's plan states none."""
-    from memtune.memory.estimate import format_plan, plan
+    from memtune.memory.estimate import plan
+    from memtune.memory.plan_text import format_plan
 
     # every expert on every rank (the shipped run splits them: trainer.expert_parallel=2)
     args = ["experiment=qwen3.5-35b-a3b-4x4090-qlora", f"zero={zero}", "trainer.expert_parallel=1"]
@@ -314,6 +315,15 @@ def test_the_plan_states_the_loading_peak_of_a_quantized_mixture(zero: str) -> N
     else:
         assert lo.device_gib == pytest.approx(base)
         assert lo.host_gib == pytest.approx(base * 4 + 2.0, rel=0.01)
-    assert "loading: device" in format_plan(cfg, d, result)
+    text = format_plan(cfg, d, result)
+    assert "loading: device" in text
+    # the experiment's plan.host_gib (120) over its 4 ranks, which all read at once
+    assert result.loading_host_budget_gib == pytest.approx(30.0) and result.loading_fits_host
+    assert "all reading at once): fits" in text
+    if zero == "zero3":  # ~21.5 GiB a rank: a box with 64 GiB for 4 ranks cannot start it
+        small = to_run_config(compose_cfg([*args, "plan.host_gib=64"]))
+        tight = plan(small, decided(small))
+        assert tight.device_fits and not tight.loading_fits_host and not tight.fits
+        assert "DOES NOT FIT (-5.4" in format_plan(small, decided(small), tight)
     bf16 = to_run_config(compose_cfg(["experiment=qwen3-30b-a3b-4x4090-lora"]))
     assert plan(bf16, decided(bf16)).loading is None

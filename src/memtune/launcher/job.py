@@ -47,13 +47,13 @@ from memtune.launcher.topology import (
     write_nodes_hostfile,
 )
 from memtune.machine import name_cpu_accelerator, versions_line
-from memtune.memory.estimate import format_plan
 from memtune.memory.fit import (
     Fitted,
     format_longest_sequence,
     format_step_estimates,
     format_suggestions,
 )
+from memtune.memory.plan_text import format_plan
 from memtune.run_lock import RunDirBusy, hold
 from memtune.rundir import RecordError, RunDir
 

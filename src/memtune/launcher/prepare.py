@@ -37,8 +37,8 @@ from memtune.filesystem import write_atomic
 from memtune.integrity import check_files, verify_manifest
 from memtune.launcher.room import check_run_dir_room
 from memtune.machine import versions_line
-from memtune.memory.estimate import format_plan
 from memtune.memory.fit import Fitted, fit_to_device, format_step_estimates
+from memtune.memory.plan_text import format_plan
 from memtune.rundir import (
     DECISIONS,
     BaseRecord,

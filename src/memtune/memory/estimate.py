@@ -36,7 +36,6 @@ from memtune.config import (
     RunConfig,
     compute_bytes,
     live_reference,
-    needs_reference,
     preference_loss_kind,
     prefetch_bucket_elements,
     reduce_bucket_elements,
@@ -93,6 +92,9 @@ class Plan:
     loading: LoadingPeak | None = None
     """A quantized mixture's start-up: what a rank holds while its base is read and its expert
     stacks quantized (:func:`loading_peak`); None where loading holds no more than the base."""
+    loading_host_budget_gib: float | None = None
+    """Host memory a rank may hold while loading: plan.host_gib over a node's ranks (they all
+    load at once), or this machine's for CPU ranks (:func:`host_budget_gib`); None: unchecked."""
 
     @property
     def host_total_gib(self) -> float:
@@ -107,11 +109,28 @@ class Plan:
         return {r.what: r.gib for r in self.rows}
 
     @property
-    def fits(self) -> bool:
+    def device_fits(self) -> bool:
+        """The step's peak and the loading peak within the device (where it is known)."""
         device = self.device_gib is None or self.total_gib <= self.device_gib
         if self.loading is not None and self.device_gib is not None:
             device = device and self.loading.device_gib <= self.device_gib
-        return device and (self.host_gib is None or self.host_total_gib <= self.host_gib)
+        return device
+
+    @property
+    def fits(self) -> bool:
+        """The device, the pinned host rows and the loading's host memory, each where known."""
+        return (
+            self.device_fits
+            and (self.host_gib is None or self.host_total_gib <= self.host_gib)
+            and self.loading_fits_host
+        )
+
+    @property
+    def loading_fits_host(self) -> bool:
+        """The loading peak's host memory within :attr:`loading_host_budget_gib` (where both
+        are known): every rank of a node reads its base at once."""
+        budget = self.loading_host_budget_gib
+        return self.loading is None or budget is None or self.loading.host_gib <= budget
 
     def add(self, what: str, nbytes: float, how: str, **kind: bool) -> None:
         self.rows.append(PlanRow(what, nbytes / GIB, how, **kind))
@@ -617,6 +636,8 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
         )
     whole = base_weight_bytes(cfg, d, counts, 1)[0] if zero3 else weights
     out.loading = loading_peak(cfg, d, counts, whole, weights)
+    if out.loading is not None:
+        out.loading_host_budget_gib = host_budget_gib(cfg)
 
     # In the compute dtype on every stage (model.cast_adapters); the fp32 copy is the
     # optimizer's master weights, counted below.
@@ -833,65 +854,3 @@ def host_budget_gib(cfg: RunConfig) -> float | None:
 
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
-
-
-def _objective_note(cfg: RunConfig) -> str:
-    """The plan header's word on a preference objective (nothing for SFT)."""
-    objective = cfg.trainer.objective
-    if objective == "sft":
-        return ""
-    note = f" · {objective}: a pair's chosen and rejected share a row"
-    if live_reference(cfg):
-        return note + ", the reference's forward in every step"
-    return note + (", the reference precomputed" if needs_reference(cfg) else "")
-
-
-def format_plan(cfg: RunConfig, d: Decisions, result: Plan) -> str:
-    ranks, batch = d.batch.ranks, d.batch
-    unit, scale = ("GiB", 1.0) if result.total_gib >= 1 else ("MiB", 1024.0)  # tiny demos
-    lines = [
-        f"memtune plan: {cfg.experiment} · {cfg.model.name_or_path} · {ranks} rank(s) · "
-        f"ZeRO-{d.zero_stage} · {d.peft_method} r={cfg.peft.r} · micro batch "
-        f"{batch.micro_batch} × {batch.row_tokens:,} tokens · accum {batch.accumulation}"
-        + (
-            f" · sequence split over {batch.sequence_parallel} ranks"
-            if batch.sequence_parallel > 1
-            else ""
-        )
-        + _objective_note(cfg),
-    ]
-    if result.counts is not None:
-        c = result.counts
-        every = c.base + c.lora + (c.vision if d.vision is not None else 0)
-        lines.append(
-            f"parameters: trainable {c.lora:,} of {every:,} "
-            f"({100 * c.lora / every:.3f}%; peft's print_trainable_parameters counts the same)"
-        )
-    lines.append(f"{'per rank':<28}{unit:>8}  how")
-    for r in result.rows:
-        lines.append(f"  {r.what:<26}{r.gib * scale:>8.2f}  {r.how}")
-    lines.append(f"  {'total':<26}{result.total_gib * scale:>8.2f}")
-    for r in result.host_rows:
-        lines.append(f"  host: {r.what:<20}{r.gib * scale:>8.2f}  {r.how}")
-    if result.host_rows:
-        if result.host_gib is None:
-            lines.append("  host memory per rank not checked (plan.host_gib=null)")
-        else:
-            ok = "fits" if result.host_total_gib <= result.host_gib else "DOES NOT FIT"
-            lines.append(
-                f"  host {result.host_gib:.2f} GiB per rank (plan.host_gib / ranks per node): "
-                f"{ok} ({result.host_gib - result.host_total_gib:+.2f} GiB)"
-            )
-    if result.loading is not None:
-        lo = result.loading
-        lines.append(
-            f"  loading: device {lo.device_gib * scale:.2f} {unit}, host {lo.host_gib * scale:.2f} "
-            f"{unit} at the peak ({lo.how})"
-        )
-    if result.device_gib is None:
-        lines.append("  (no device memory set: plan.device_gib=null, nothing to check against)")
-    else:
-        verdict = "fits" if result.fits else "DOES NOT FIT"
-        spare = result.device_gib - result.total_gib
-        lines.append(f"  device {result.device_gib:.2f} GiB per rank: {verdict} ({spare:+.2f} GiB)")
-    return "\n".join(lines)

@@ -44,7 +44,8 @@ from memtune.config.decisions import (
 )
 from memtune.config.validate import check_sequence_parallel
 from memtune.memory.counts import ParamCounts, count_params, quantized_shape_problems
-from memtune.memory.estimate import Plan, format_plan, plan
+from memtune.memory.estimate import Plan, plan
+from memtune.memory.plan_text import format_plan
 from memtune.memory.recompute import (
     AUTO_CHECKPOINT_SPARE_GIB,
     _full_asked,
