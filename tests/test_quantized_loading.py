@@ -328,7 +328,7 @@ def test_the_plan_states_the_loading_peak_of_a_quantized_mixture(zero: str) -> N
         from memtune.config import ConfigError
         from memtune.memory.fit import fit_to_device
 
-        with pytest.raises(ConfigError, match="host memory per rank does not fit plan.host_gib"):
+        with pytest.raises(ConfigError, match=r"host memory per rank does not fit plan\.host_gib"):
             fit_to_device(small)  # a launch: refused before any rank starts
     bf16 = to_run_config(compose_cfg(["experiment=qwen3-30b-a3b-4x4090-lora"]))
     assert plan(bf16, decided(bf16)).loading is None
