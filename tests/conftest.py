@@ -146,12 +146,31 @@ def start_run(run_dir: Path, overrides: list[str], probe: bool = True) -> Run:
 
 @pytest.fixture(scope="session")
 def runs_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's shared runs. Under pytest-xdist (make test's workers) the workers share
+    one folder beside their own temporary roots, so each shared run below is made once by the
+    first worker that needs it, not once per worker (:func:`_finished`)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = tmp_path_factory.getbasetemp().parent / "shared-runs"
+        root.mkdir(exist_ok=True)
+        return root
     return tmp_path_factory.mktemp("runs")
 
 
 def _finished(root: Path, name: str, *overrides: str) -> Run:
-    run = start_run(root / name, [*FAST, *overrides])
-    assert run.code == 0, f"{name}: the ranks exited with {run.code}"
+    """A finished shared run: made under a lock, or read back (pickled) where another worker
+    made it."""
+    import pickle
+
+    from filelock import FileLock
+
+    made = root / f"{name}.run.pickle"
+    with FileLock(str(root / f"{name}.lock")):
+        if made.exists():
+            run: Run = pickle.loads(made.read_bytes())
+            return run
+        run = start_run(root / name, [*FAST, *overrides])
+        assert run.code == 0, f"{name}: the ranks exited with {run.code}"
+        made.write_bytes(pickle.dumps(run))
     return run
 
 
