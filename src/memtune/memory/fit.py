@@ -598,17 +598,19 @@ def fit_to_device(
             return Fitted(cfg, chosen, chosen_plan, d, result, fit.changes, notes, machine)
     if not result.fits and cfg.plan.enforce and refuse:
         decided = "".join(f"{note}\n" for note in notes)
-        if result.device_fits:  # the host: pinned inputs, or the loading peak
-            short = "this run's host memory per rank does not fit plan.host_gib (its lines below)"
-        else:
-            short = (
-                f"this run needs {result.total_gib:.2f} GiB per rank but the device has "
-                f"{result.device_gib:.2f} GiB (plan.device_gib)"
-            )
-        raise ConfigError(
-            f"{decided}{short}:\n{format_plan(cfg, d, result)}\n"
+        text = format_plan(cfg, d, result)
+        tail = (
             f"{format_suggestions(cfg, d, counts, machine)}\n(plan.auto_fit=true picks the "
             "fastest variant that fits; plan.enforce=false launches anyway)"
+        )
+        if result.device_fits:  # the host: pinned inputs, or the loading peak
+            raise ConfigError(
+                f"{decided}this run's host memory per rank does not fit plan.host_gib (its "
+                f"lines below):\n{text}\n{tail}"
+            )
+        raise ConfigError(
+            f"{decided}this run needs {result.total_gib:.2f} GiB per rank but the device has "
+            f"{result.device_gib:.2f} GiB (plan.device_gib):\n{text}\n{tail}"
         )
     return Fitted(cfg, d, result, d, result, [], notes, machine)
 
