@@ -276,19 +276,18 @@ def test_a_dense_model_refuses_expert_parallelism() -> None:
         validate(cfg, inputs=False)
 
 
-RUN = [
-    "trainer.max_steps=4",
+# What every EP=1 against EP=2 comparison trains with (here and the matrix's cells)
+EP_TRAINING = [
     "trainer.global_batch_size=8",  # a micro batch of 4 rows a rank, no accumulation
     "trainer.activation_checkpointing=true",  # the first layer's dispatch again in backward
     "trainer.checkpoint_layers=1",
-    "model=tiny-qwen3-moe",
-    "zero=zero2",
     "launcher.num_ranks=2",
     "peft.target=all-linear",
     "peft.dropout=0",
     "peft.train_router=true",  # the routers replicated, their gradients averaged as usual
     "trainer.router_aux_loss_coef=0.01",  # each rank's balance loss, over its own tokens
 ]
+RUN = ["trainer.max_steps=4", *EP_TRAINING, "model=tiny-qwen3-moe", "zero=zero2"]
 
 
 @pytest.fixture(scope="module")

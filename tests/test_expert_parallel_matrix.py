@@ -28,18 +28,9 @@ import pytest
 import torch
 
 from tests.conftest import FAST, Run, compose_cfg
+from tests.test_expert_parallel import EP_TRAINING
 
-STEPS = [
-    "trainer.max_steps=3",
-    "trainer.global_batch_size=8",  # a micro batch of 4 rows a rank, no accumulation
-    "trainer.activation_checkpointing=true",  # the first layer's dispatch again in backward
-    "trainer.checkpoint_layers=1",
-    "launcher.num_ranks=2",
-    "peft.target=all-linear",
-    "peft.dropout=0",
-    "peft.train_router=true",  # the routers trained, their gradients averaged as usual
-    "trainer.router_aux_loss_coef=0.01",  # each rank's balance loss, over its own tokens
-]
+STEPS = ["trainer.max_steps=3", *EP_TRAINING]
 
 
 @pytest.fixture(scope="module")
