@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,39 @@ BF16_SHORT = ["trainer.max_steps=8", "trainer.global_batch_size=8"]
 
 def compose_cfg(overrides: list[str] | None = None) -> DictConfig:
     return compose(overrides or [])
+
+
+# DeepSpeed's module-level process groups (deepspeed.utils.groups) and what they start as
+_DEEPSPEED_GROUPS = {
+    "_EXPERT_PARALLEL_GROUP": dict,
+    "_EXPERT_PARALLEL_GROUP_RANKS": dict,
+    "_EXPERT_DATA_PARALLEL_GROUP": dict,
+    "_EXPERT_DATA_PARALLEL_GROUP_RANKS": dict,
+    "_ALL_TO_ALL_GROUP": dict,
+    "_WORLD_GROUP": lambda: None,
+    "_ZERO_PARAM_INTRA_PARALLEL_GROUP": lambda: None,
+    "_TENSOR_MODEL_PARALLEL_GROUP": lambda: None,
+    "_MODEL_PARALLEL_GROUP": lambda: None,
+    "_DATA_PARALLEL_GROUP": lambda: None,
+    "mpu": lambda: None,
+    "mesh_device": lambda: None,
+}
+
+
+@pytest.fixture(autouse=True)
+def _deepspeed_groups_of_a_destroyed_world() -> Iterator[None]:
+    """After a test that ran torch.distributed in this process and destroyed it, DeepSpeed's
+    cached groups (its clone of the world group first) belong to a world that is gone: the
+    next in-process deepspeed.initialize would fail ("Group ... is not registered"). Which
+    test comes next in a process depends on the order, and under make test's workers on
+    which worker took which file: so they are put back as DeepSpeed starts them."""
+    yield
+    groups = sys.modules.get("deepspeed.utils.groups")
+    import torch.distributed as dist
+
+    if groups is not None and not dist.is_initialized():
+        for name, fresh in _DEEPSPEED_GROUPS.items():
+            setattr(groups, name, fresh())
 
 
 @pytest.fixture(scope="session", autouse=True)
