@@ -178,6 +178,33 @@ def start_run(run_dir: Path, overrides: list[str], probe: bool = True) -> Run:
     return Run(run_dir, cfg, code, d)
 
 
+def save_multimodal_qwen35(
+    folder: Path, group: str, vision: dict[str, int], **text_changes: Any
+) -> Path:
+    """A tiny Qwen3.5 saved as the released checkpoints are: the multimodal class (vision tower
+    included; Qwen3_5MoeForConditionalGeneration for a mixture) whose text model is model
+    group ``group``'s (with ``text_changes``), and its tokenizer; returns the folder."""
+    import torch
+    import transformers
+
+    from memtune.config import to_run_config
+    from memtune.tools.tiny import build_tokenizer
+
+    text = dict(to_run_config(compose_cfg([f"model={group}"])).model.architecture)
+    prefix = "Qwen3_5Moe" if text.pop("model_type").startswith("qwen3_5_moe") else "Qwen3_5"
+    text |= text_changes
+    tokenizer = build_tokenizer(int(text["vocab_size"]), think_tokens=True)
+    text |= {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    vision = {**vision, "out_hidden_size": text["hidden_size"]}
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{prefix}Config")(
+        text_config=text, vision_config=vision, tie_word_embeddings=False
+    )
+    getattr(transformers, f"{prefix}ForConditionalGeneration")(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def runs_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The session's shared runs. Under pytest-xdist (make test's workers) the workers share

@@ -38,24 +38,14 @@ def multimodal_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny hybrid Qwen3.5-MoE saved as the released checkpoints are: the multimodal class
     (Qwen3_5MoeForConditionalGeneration, vision tower included), its text model
     tiny-qwen3.5-moe's at two layers (linear attention, then full attention)."""
-    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
-
-    from memtune.config import to_run_config
-    from memtune.tools.tiny import build_tokenizer
+    from tests.conftest import save_multimodal_qwen35
 
     root = tmp_path_factory.mktemp("qwen35-moe-mm")
-    text = dict(to_run_config(compose_cfg(["model=tiny-qwen3.5-moe"])).model.architecture)
-    text.pop("model_type")
-    text |= {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]}
-    tokenizer = build_tokenizer(int(text["vocab_size"]), think_tokens=True)
-    text |= {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
     vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2}
-    vision["out_hidden_size"] = text["hidden_size"]
-    torch.manual_seed(0)
-    config = Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
-    Qwen3_5MoeForConditionalGeneration(config).save_pretrained(root / "base")
-    tokenizer.save_pretrained(root / "base")
-    return root / "base"
+    layers = ["linear_attention", "full_attention"]
+    return save_multimodal_qwen35(
+        root / "base", "tiny-qwen3.5-moe", vision, num_hidden_layers=2, layer_types=layers
+    )
 
 
 def _pair(root: Path, args: list[str], second: tuple[str, ...] = ()) -> tuple[Run, Run]:

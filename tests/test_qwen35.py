@@ -93,23 +93,11 @@ def test_the_hybrid_exports_merges_and_generates(hybrid_run, tmp_path: Path) -> 
 def multimodal_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A tiny *multimodal* Qwen3.5 checkpoint (Qwen3_5ForConditionalGeneration, vision tower
     included, saved with save_pretrained as the released ones are), trained by path."""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-
-    from memtune.config import to_run_config
-    from memtune.tools.tiny import build_tokenizer
-    from tests.conftest import compose_cfg
+    from tests.conftest import save_multimodal_qwen35
 
     root = tmp_path_factory.mktemp("qwen35-mm")
-    text = dict(to_run_config(compose_cfg(["model=tiny-qwen3.5"])).model.architecture)
-    text.pop("model_type")
-    tokenizer = build_tokenizer(int(text["vocab_size"]), think_tokens=True)
-    text |= {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
     vision = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2}
-    vision["out_hidden_size"] = text["hidden_size"]
-    torch.manual_seed(0)
-    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
-    Qwen3_5ForConditionalGeneration(config).save_pretrained(root / "base")
-    tokenizer.save_pretrained(root / "base")
+    save_multimodal_qwen35(root / "base", "tiny-qwen3.5", vision)
     # Trained with its sequences split over the two ranks (sp=2), which the next test compares
     # with one rank: one multi-rank run serves both.
     run_dir = root / "run"
