@@ -48,7 +48,12 @@ def test_auto_is_torch_and_a_kernel_asked_for_is_decided_as_asked() -> None:
     assert asked.kernels.label() == "Liger RMSNorm + SwiGLU"
     # decisions.json holds them; one written before the field reads as all torch
     raw = asked.as_dict()
-    assert raw["kernels"] == {"rms_norm": "liger", "swiglu": "liger", "rope": "torch"}
+    assert raw["kernels"] == {
+        "rms_norm": "liger",
+        "swiglu": "liger",
+        "rope": "torch",
+        "lora_dropout": asked.kernels.lora_dropout,
+    }
     assert Decisions.from_dict(raw) == asked
     assert (
         Decisions.from_dict({k: v for k, v in raw.items() if k != "kernels"}).kernels == Kernels()
@@ -450,7 +455,7 @@ def test_the_gpu_checks_kernels_phase_compares_each_variant_with_all_torch() -> 
     sys.path.insert(0, str(ROOT))
     from bench.gpu_check.kernels import VARIANTS, compare_to_first, kernels_markdown
 
-    assert VARIANTS[0] == ("torch", {}) and len(VARIANTS) == 7
+    assert VARIANTS[0] == ("torch", {}) and len(VARIANTS) == 8
     tol = {"loss_nats": 0.01, "grad_norm_rel": 0.05}
     out = {
         "seq_len": 2048,

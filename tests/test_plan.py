@@ -80,8 +80,12 @@ def _saved_bytes(cfg, d) -> int:
 @pytest.mark.parametrize(
     "overrides",
     [
+        # LoRA dropout regenerated in backward (auto): the adapters keep what dropout 0 keeps;
+        # and peft's, each adapter's dropped copy and mask kept (rank.lora_dropout).
         ["trainer.precision=fp32", "peft.dropout=0.05"],
         ["trainer.precision=bf16", "peft.dropout=0.05"],
+        ["trainer.precision=bf16", "peft.dropout=0.05", "trainer.lora_dropout_kernel=peft"],
+        ["trainer.precision=fp32", "peft.dropout=0.05", "trainer.lora_dropout_kernel=peft"],
         ["trainer.precision=bf16", "peft.dropout=0"],
         ["trainer.precision=bf16", "peft.dropout=0", "peft=lora"],
         # Qwen3: per-head q/k norms, head_dim 128 over a 256 hidden state, tied embeddings.
@@ -90,6 +94,12 @@ def _saved_bytes(cfg, d) -> int:
         # Qwen3.5's hybrid: three Gated DeltaNet layers (their mixer measured on the meta device,
         # memory.counts.linear_mixer_bytes) and a gated full-attention layer.
         ["model=tiny-qwen3.5", "trainer.precision=fp32", "peft.dropout=0.05"],
+        [
+            "model=tiny-qwen3.5",
+            "trainer.precision=fp32",
+            "peft.dropout=0.05",
+            "trainer.lora_dropout_kernel=peft",
+        ],
         ["model=tiny-qwen3.5", "trainer.precision=bf16", "peft.dropout=0"],
         [
             "model=tiny-qwen3.5",
@@ -109,6 +119,12 @@ def _saved_bytes(cfg, d) -> int:
         # offloaded layer 0 keeps nothing on the device (the model allows one input back).
         ["trainer.precision=bf16", "peft.dropout=0", "trainer.tiled_mlp=on"],
         ["trainer.precision=fp32", "peft.dropout=0.05", "trainer.tiled_mlp=on"],
+        [
+            "trainer.precision=fp32",
+            "peft.dropout=0.05",
+            "trainer.tiled_mlp=on",
+            "trainer.lora_dropout_kernel=peft",
+        ],
         [
             "trainer.precision=bf16",
             "peft.dropout=0",

@@ -169,10 +169,12 @@ def test_without_a_link_bandwidth_the_bytes_are_listed_and_left_unpriced() -> No
 def test_lora_dropouts_passes_are_priced_at_the_memory_bandwidth() -> None:
     """Qwen2.5-7B's attention adapters at 4,096 tokens: each of q, k, v, o drops its own copy
     of a hidden-wide input (read, the copy and a 1-byte mask written: 5 bytes a value in bf16),
-    in the forward, again in each recomputed layer, and in the backward."""
+    in the forward, again in each recomputed layer, and in the backward; with the masks
+    regenerated (auto's choice there), once more in the backward."""
     from memtune.memory.step_time import dropout_pass_bytes
 
-    fitted = fit_to_device(to_run_config(compose_cfg(["experiment=qwen2.5-7b-4x4090-lora"])))
+    peft = ["experiment=qwen2.5-7b-4x4090-lora", "trainer.lora_dropout_kernel=peft"]
+    fitted = fit_to_device(to_run_config(compose_cfg(peft)))
     cfg, d, counts = fitted.cfg, fitted.decisions, fitted.plan.counts
     assert counts is not None
     assert (d.checkpointing.recomputed, d.checkpointing.selective) == (20, 5)
@@ -183,5 +185,10 @@ def test_lora_dropouts_passes_are_priced_at_the_memory_bandwidth() -> None:
     assert t is not None and cfg.plan.device_gb_s == 1008
     assert t.elementwise_s == pytest.approx(8 * per_pass * 81 / 1008e9)
     assert t.step_s == pytest.approx(t.compute_s + t.elementwise_s + t.comm_s)
+    auto = fit_to_device(to_run_config(compose_cfg(["experiment=qwen2.5-7b-4x4090-lora"])))
+    regenerated = auto.decisions
+    assert regenerated.kernels.lora_dropout == "regenerate"
+    assert (regenerated.checkpointing.recomputed, regenerated.checkpointing.selective) == (19, 7)
+    assert dropout_pass_bytes(cfg, regenerated, counts) == per_pass * (4 * 26 + 3 * 2)
     without = to_run_config(compose_cfg(["experiment=qwen2.5-7b-4x4090-lora", "peft.dropout=0"]))
     assert dropout_pass_bytes(without, decided(without), counts) == 0

@@ -1,7 +1,8 @@
 """The fused kernels, one by one (phase ``kernels``, issue #47 item 4): memtune's LoRA step on
-Qwen2.5-7B's shapes at 2,048 tokens (the profile's row) with every layer kernel torch and the
-chunked loss head; each of Liger's RMSNorm, SwiGLU and rotary alone; all three; Liger's fused
-linear cross-entropy (trainer.loss=liger) against the chunked head; and all of it together.
+Qwen2.5-7B's shapes at 2,048 tokens (the profile's row) with every layer kernel torch, the
+chunked loss head and peft's LoRA dropout; each of Liger's RMSNorm, SwiGLU and rotary alone;
+all three; Liger's fused linear cross-entropy (trainer.loss=liger) against the chunked head;
+all of it together; and LoRA dropout's masks regenerated in backward (rank.lora_dropout).
 
 One rank is built as ranks build themselves (``memtune_runner.build_memtune``: build_rank from
 the all-torch variant's decisions); each variant's settings are then decided as a launch
@@ -54,6 +55,10 @@ VARIANTS: tuple[tuple[str, dict[str, str]], ...] = (
     ("all three", THREE),
     ("loss liger", {"loss": "liger"}),
     ("all three + loss liger", {**THREE, "loss": "liger"}),
+    # LoRA dropout's masks regenerated in backward (rank.lora_dropout): no copies kept, one
+    # more dropout pass; the engine keeps the first variant's recomputed layers, so this is
+    # the pass's cost, and the peak what the copies held.
+    ("dropout regenerated", {"lora_dropout_kernel": "regenerate"}),
 )
 """Each variant's trainer settings over BASE; the first is what the others are compared with."""
 BASE = {
@@ -61,6 +66,7 @@ BASE = {
     "rms_norm_kernel": "torch",
     "swiglu_kernel": "torch",
     "rope_kernel": "torch",
+    "lora_dropout_kernel": "peft",
 }
 """Every kernel named, none left to auto (auto's meaning depends on what is installed)."""
 EQUAL_LOSS = 0.01
@@ -112,7 +118,9 @@ def apply_variant(engine: Any, d: Any, device: Any, stand_in: bool) -> tuple[Any
     if not stand_in:
         return apply_kernel_decisions(engine.module, d, device), ""
     torch_only = dataclasses.replace(
-        d, kernels=Kernels(), loss="plain" if d.loss == "liger" else d.loss
+        d,
+        kernels=Kernels(lora_dropout=d.kernels.lora_dropout),
+        loss="plain" if d.loss == "liger" else d.loss,
     )
     wired = apply_kernel_decisions(engine.module, torch_only, device)
     if d.kernels.fused():
@@ -184,6 +192,8 @@ def run_kernels(phase: Phase, deadline: float) -> None:
         try:
             at, d = decided_at(with_sections(cfg0, trainer=settings), seq_len, counts)
             rec["kernels"], rec["loss_kind"] = d.kernels.label(), d.loss
+            if d.kernels.lora_dropout == "regenerate":
+                rec["kernels"] += ", LoRA dropout regenerated"
             rec["same_recompute"] = d.checkpointing == d0.checkpointing
             wired, rec["note"] = apply_variant(engine, d, device, stand_in)
             rec["reached"] = dataclasses.asdict(wired)

@@ -9,9 +9,11 @@ from dataclasses import dataclass
 
 GIB = 1024**3
 PEAK_TFLOPS = 989.0
-"""H200 SXM dense bf16 by the datasheet (the H100's rate)."""
+"""H100 and H200 SXM dense bf16 by the datasheet (the two kinds this workplace lends)."""
 MEASURED_TFLOPS = 790.0
-"""An 8192³ bf16 matmul through PyTorch on random data on this workplace's H200 (KINDS.md)."""
+"""An 8192³ bf16 matmul through PyTorch on random data on this workplace's H200 (KINDS.md;
+the H100 gave 798): ``of_measured_ceiling``'s yardstick. Each run also measures its own card
+(``env.matmul_tflops``)."""
 CAP_GIB = 23.99
 """A 24 GB card: RTX 4090D's 24,564 MiB, what the 4×4090 experiments plan against."""
 

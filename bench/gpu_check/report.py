@@ -372,8 +372,9 @@ def markdown(result: dict[str, Any]) -> str:
         "what was allocated before the model was built. *plan GiB*: the planner's rows less "
         "fragmentation and the CUDA context (what the allocator can see); *plan err* = plan / "
         "peak − 1 (baseline rows: the planner's nearest config, ZeRO-2 + plain loss, "
-        "approximate). *MFU*: model FLOPs / step time / 989 TFLOP/s (H200 SXM dense bf16; "
-        "~790 measured for a bf16 matmul, KINDS.md): (4·N + 6·N_lora)·T + 6·L·T²·h, N the "
+        "approximate). *MFU*: model FLOPs / step time / 989 TFLOP/s (H100 and H200 SXM dense "
+        "bf16 by the datasheet; this card's bf16 matmul, measured at the start, is in the "
+        "header): (4·N + 6·N_lora)·T + 6·L·T²·h, N the "
         "decoder's linear weights and the LM head (frozen: forward 2N, input gradient 2N, no "
         "weight gradient), attention causal; recompute not counted. *MFU 6N*: the usual "
         "6·N·T + attention, for comparison.",

@@ -34,6 +34,7 @@ from typing import Any, Literal
 from memtune.config.architecture import routed_experts
 from memtune.config.schema import (
     AttnImplementation,
+    DropoutKernel,
     FusedKernel,
     Loss,
     Optimizer,
@@ -59,6 +60,9 @@ LossKernel = Literal["chunked", "plain", "liger"]
 LayerKernel = Literal["torch", "liger"]
 """trainer.rms_norm_kernel / swiglu_kernel / rope_kernel as run: transformers' own code, or
 Liger's fused kernel (rank.kernels); ``auto`` decided torch until the GPU check measures it."""
+LoraDropout = Literal["peft", "regenerate"]
+"""trainer.lora_dropout_kernel as run: peft's dropout module (its dropped copies and masks kept
+for backward), or the mask regenerated in backward (rank.lora_dropout)."""
 ExpertStorage = Literal["compute", "nf4", "fp4", "int8"]
 """A mixture's routed-expert stacks: in the compute dtype, or quantized (rank.experts)."""
 
@@ -287,12 +291,14 @@ class Vision:
 @dataclass(frozen=True)
 class Kernels:
     """The fused kernels the decoder layers run (rank.kernels), each ``torch`` (transformers'
-    own code, nothing replaced) or ``liger``. A decisions.json written before this field
-    existed reads as all torch: those runs ran transformers' code."""
+    own code, nothing replaced) or ``liger``; and how LoRA's dropout keeps what backward needs
+    (rank.lora_dropout). A decisions.json written before a field existed reads as torch and
+    peft: those runs ran transformers' and peft's code."""
 
     rms_norm: LayerKernel = "torch"
     swiglu: LayerKernel = "torch"
     rope: LayerKernel = "torch"
+    lora_dropout: LoraDropout = "peft"
 
     def __post_init__(self) -> None:
         for name in ("rms_norm", "swiglu", "rope"):
@@ -301,6 +307,11 @@ class Kernels:
                 raise DecisionError(
                     f"kernels.{name} is {value!r}, not one of {' | '.join(choices_of(LayerKernel))}"
                 )
+        if self.lora_dropout not in choices_of(LoraDropout):
+            raise DecisionError(
+                f"kernels.lora_dropout is {self.lora_dropout!r}, not one of "
+                f"{' | '.join(choices_of(LoraDropout))}"
+            )
 
     def fused(self) -> list[str]:
         """The kernels decided ``liger``, by name (``["rms_norm", "rope"]``)."""
@@ -570,13 +581,40 @@ def fused_kernel(requested: FusedKernel) -> LayerKernel:
     return "torch" if requested == "auto" else requested
 
 
-def kernels_of(cfg: RunConfig) -> Kernels:
-    """trainer.rms_norm_kernel, swiglu_kernel and rope_kernel as decided."""
+def dropout_regeneration_unbuilt(cfg: RunConfig) -> str | None:
+    """Why LoRA dropout cannot be regenerated for ``cfg`` (rank.lora_dropout), or None."""
+    if cfg.peft.dora:
+        return "peft.dora=true (peft's DoRA path drops inside its own forward)"
+    if cfg.trainer.compile:
+        return "trainer.compile=true (the random state is read outside the compiled graph)"
+    return None
+
+
+def dropout_kernel(
+    cfg: RunConfig, requested: DropoutKernel, chosen: LoraDropout | None = None
+) -> LoraDropout:
+    """trainer.lora_dropout_kernel as run. ``auto``: the decider's choice (memory.recompute
+    compares the two by step time within the memory), or before it chooses, regenerated
+    wherever that is built and something is dropped (the same gradients, none of the copies),
+    else peft's."""
+    if requested != "auto":
+        return _given("lora_dropout_kernel", requested, chosen)
+    if chosen is not None:
+        return chosen
+    if cfg.peft.dropout > 0 and dropout_regeneration_unbuilt(cfg) is None:
+        return "regenerate"
+    return "peft"
+
+
+def kernels_of(cfg: RunConfig, lora_dropout: LoraDropout | None = None) -> Kernels:
+    """trainer.rms_norm_kernel, swiglu_kernel, rope_kernel and lora_dropout_kernel as decided
+    (``lora_dropout``: the decider's choice for an ``auto`` one)."""
     t = cfg.trainer
     return Kernels(
         rms_norm=fused_kernel(t.rms_norm_kernel),
         swiglu=fused_kernel(t.swiglu_kernel),
         rope=fused_kernel(t.rope_kernel),
+        lora_dropout=dropout_kernel(cfg, t.lora_dropout_kernel, lora_dropout),
     )
 
 
@@ -643,6 +681,7 @@ class Choices:
     tiled_mlp: bool | None = None
     offload_activations: bool | None = None
     selective: int | None = None
+    lora_dropout: LoraDropout | None = None
 
 
 def decisions_for(
@@ -689,7 +728,7 @@ def decisions_for(
         batch=batch,
         experts=experts_of(cfg),
         vision=vision_of(cfg, checkpointing),
-        kernels=kernels_of(cfg),
+        kernels=kernels_of(cfg, choices.lora_dropout),
     )
 
 

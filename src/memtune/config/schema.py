@@ -50,6 +50,7 @@ Switch = Literal["auto", "on", "off"]
 Optimizer = Literal["adamw", "adamw_8bit", "cpu_adam"]
 Loss = Literal["auto", "chunked", "plain", "liger"]
 FusedKernel = Literal["auto", "torch", "liger"]
+DropoutKernel = Literal["auto", "peft", "regenerate"]
 OnNonfinite = Literal["stop", "skip"]
 Objective = Literal["sft", "dpo", "ipo", "simpo", "orpo"]
 ReferenceMode = Literal["precomputed", "live"]
@@ -356,6 +357,13 @@ class TrainerConfig:
     """auto | torch | liger: the rotary position embedding applied to q and k in one Liger
     kernel, in place, instead of transformers' six elementwise ops. auto: torch until
     measured."""
+    lora_dropout_kernel: Choice[DropoutKernel] = "auto"
+    """auto | peft | regenerate: LoRA dropout as peft computes it, which keeps each adapted
+    module's dropped input copy and mask for backward (q, k and v each their own), or
+    regenerated: the mask drawn again in backward from the forward's random state (the same
+    masks, the same gradients), keeping only the input the adapters share. One more dropout
+    pass in backward; no copies (the plan's "LoRA dropout copies" row). auto: regenerate
+    where it runs (not with DoRA or trainer.compile: peft's there)."""
     loss_chunk_tokens: int = 512
     """Tokens per chunk of the chunked loss: its logits peak at chunk × vocab × 6 bytes in bf16
     (fp32 logits + their bf16 cast; README "The loss never holds the whole sequence's logits")."""

@@ -13,6 +13,7 @@ from typing import Any
 
 from memtune.config import schema as schema_module
 from memtune.config.architecture import linear_attention_layers, moe_layers, routed_experts
+from memtune.config.decisions import dropout_regeneration_unbuilt
 from memtune.config.schema import (
     FORMATS,
     ConfigError,
@@ -111,6 +112,12 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
         )
     if not 0.0 <= p.dropout < 1.0:
         raise ConfigError(f"peft.dropout must be in [0, 1) (got {p.dropout})")
+    unbuilt = dropout_regeneration_unbuilt(cfg)
+    if t.lora_dropout_kernel == "regenerate" and unbuilt:
+        raise ConfigError(
+            f"trainer.lora_dropout_kernel=regenerate is not built with {unbuilt}; use "
+            "trainer.lora_dropout_kernel=auto (peft's dropout there)"
+        )
     if t.warmup_steps < 0:
         raise ConfigError(f"trainer.warmup_steps must be >= 0 (got {t.warmup_steps})")
     if not 0.0 <= t.min_lr_ratio <= 1.0:

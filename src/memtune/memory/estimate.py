@@ -189,12 +189,13 @@ def layer_bytes(
         inputs = [i for i in inputs if i[0] not in MLP_PROJECTIONS]
     else:
         mlp = 3 * n * inter * b  # gate (SiLU input), SiLU output, up
-    lora = lora_activation_bytes(inputs, n, b, cfg.peft.dropout > 0, cuda)
+    copies = keeps_dropout_copies(cfg, d)
+    lora = lora_activation_bytes(inputs, n, b, copies, cuda)
     if cfg.peft.dora:
         lora += sum(dora_saved_bytes(out, n, b) for _, out, _ in dora_modules(inputs, counts))
     # o_proj reads the all-to-all's output, or the gated one, not attention's own
     reads_a_copy = d.sequence_parallel > 1 or a.get("model_type") in GATED_ATTENTION
-    if kind != "linear_attention" and cfg.peft.dropout == 0 and reads_a_copy:
+    if kind != "linear_attention" and not copies and reads_a_copy:
         lora += sum(n * i * b for name, i, _ in inputs if name == "o_proj")
     return norms + mixer + mlp + lora
 
@@ -319,7 +320,7 @@ def saved_bytes(
         # (reentrant checkpointing makes it require one), nor do the dropouts of the first
         # layer's adapters that read it keep their masks (only their dropped copies).
         kept -= n * h * 4
-        if cfg.peft.dropout > 0:
+        if keeps_dropout_copies(cfg, d):
             mask = 1 if cuda else b
             first = (
                 counts.linear_attention_lora_inputs
@@ -391,7 +392,8 @@ def backward_bytes(
         return max(2 * n * h * b, 6 * tile * inter * b + 2 * n * h * b)
     freed = 0
     if any(name == "down_proj" for name, _, _ in counts.lora_inputs):
-        freed = n * inter * (b + (1 if cuda else b)) if cfg.peft.dropout > 0 else n * inter * b
+        dropped = keeps_dropout_copies(cfg, d)
+        freed = n * inter * (b + (1 if cuda else b)) if dropped else n * inter * b
     return max(2 * n * h * b, 3 * n * inter * b + n * h * b - freed)
 
 
@@ -700,6 +702,8 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
     linear = linear_attention_layers(cfg.model.architecture)
     if linear:
         extras.append(f"{linear} linear-attention layers as measured on transformers' torch code")
+    if cfg.peft.dropout > 0 and not keeps_dropout_copies(cfg, d):
+        extras.append("LoRA dropout's masks regenerated in backward (no copies kept)")
     copies = dropout_copies_bytes(cfg, d, tokens, counts, cuda, peak)
     out.add(
         "activations",
@@ -806,13 +810,21 @@ DROPOUT_ROW = "LoRA dropout copies"
 it in the start-up line)."""
 
 
+def keeps_dropout_copies(cfg: RunConfig, d: Decisions) -> bool:
+    """Whether LoRA dropout keeps each adapter's dropped input copy and mask for backward
+    (peft's dropout), or nothing beyond the input the adapters share, as at peft.dropout=0
+    (none dropped, or regenerated in backward: rank.lora_dropout)."""
+    return cfg.peft.dropout > 0 and d.kernels.lora_dropout == "peft"
+
+
 def dropout_copies_bytes(
     cfg: RunConfig, d: Decisions, tokens: int, counts: ParamCounts, cuda: bool, peak: StepPeak
 ) -> int:
     """What LoRA dropout adds to the step's saved activations at its peak: the activations of
     ``peak`` less those of the same step with peft.dropout=0 (each adapter's dropped copy and
-    mask, where without dropout the adapters of one input share it; lora_activation_bytes)."""
-    if cfg.peft.dropout <= 0:
+    mask, where without dropout the adapters of one input share it; lora_activation_bytes).
+    None when the masks are regenerated in backward (kernels.lora_dropout)."""
+    if not keeps_dropout_copies(cfg, d):
         return 0
     without = dataclasses.replace(cfg, peft=dataclasses.replace(cfg.peft, dropout=0.0))
     return max(0, peak.activations - step_peak(without, d, tokens, counts, cuda).activations)

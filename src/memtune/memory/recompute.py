@@ -28,7 +28,8 @@ from memtune.memory.estimate import Plan, plan
 def settings_of(cfg: RunConfig, d: Decisions) -> RunConfig:
     """The settings that ask for ``d``'s own choices directly: its ZeRO stage, method,
     optimizer, micro batch, kernels, experts' split and checkpointing on or off (the number of
-    recomputed layers left to auto, for :func:`pinned` to give). A decided run's alternatives
+    recomputed layers left to auto, for :func:`pinned` to give, and LoRA's dropout as the user
+    set it: auto decides it with the layers). A decided run's alternatives
     start here: plan.auto_fit's variants, the "Try:" list, the other ZeRO stage. Never handed
     to a rank."""
     trainer: dict[str, Any] = {
@@ -178,8 +179,52 @@ def _fewest_layers_that_fit(
 def resolve_checkpoint_layers(
     cfg: RunConfig, choices: Choices, counts: ParamCounts, machine: RankMachine
 ) -> tuple[Decisions, str | None]:
-    """The decisions for ``cfg`` with ``choices``, checkpoint_layers=auto decided here (the
-    fewest layers that fit), and a note saying why (None when there was nothing to choose)."""
+    """The decisions for ``cfg`` with ``choices``: checkpoint_layers=auto decided here (the
+    fewest layers that fit) and, with trainer.lora_dropout_kernel=auto, LoRA's dropout with
+    them (:func:`peft_dropout_is_better`); and a note saying why (None when there was nothing
+    to choose)."""
+    d, note = _resolve_layers(cfg, choices, counts, machine)
+    if choices.lora_dropout is not None or d.kernels.lora_dropout != "regenerate":
+        return d, note
+    if cfg.trainer.lora_dropout_kernel != "auto":
+        return d, note
+    alt, alt_note = _resolve_layers(
+        cfg, dataclasses.replace(choices, lora_dropout="peft"), counts, machine
+    )
+    better = peft_dropout_is_better(cfg, d, alt, counts)
+    if better is None:
+        return d, note
+    chosen = f"lora_dropout_kernel=auto: peft's ({better})"
+    return alt, "; ".join(n for n in (alt_note, chosen) if n)
+
+
+def peft_dropout_is_better(
+    cfg: RunConfig, regenerated: Decisions, peft: Decisions, counts: ParamCounts
+) -> str | None:
+    """Why peft's dropout (its copies kept) is the better choice than the masks regenerated
+    in backward, each with the layers it recomputes; None when it is not. Regenerating needs
+    less memory and one more dropout pass in backward: peft's is better when it fits as
+    well (with the spare) and its step is no slower by the step-time estimate — or, unpriced
+    (no plan.device_tflops), when regenerating would recompute no fewer layers."""
+    from memtune.memory.step_time import step_time
+
+    if not fits_with_spare(plan(cfg, peft, counts)):
+        return None
+    fast, slow = step_time(cfg, peft, counts), step_time(cfg, regenerated, counts)
+    if fast is not None and slow is not None and fast.priced and slow.priced:
+        if fast.step_s <= slow.step_s:
+            return f"{fast.step_s:.2f} s a step against {slow.step_s:.2f} s regenerated"
+        return None
+    c, r = peft.checkpointing, regenerated.checkpointing
+    if (c.recomputed, c.selective) == (r.recomputed, r.selective):
+        return "regenerating would recompute no fewer layers"
+    return None
+
+
+def _resolve_layers(
+    cfg: RunConfig, choices: Choices, counts: ParamCounts, machine: RankMachine
+) -> tuple[Decisions, str | None]:
+    """resolve_checkpoint_layers for the kernels ``choices`` give."""
     if not unresolved_layers(cfg, choices):
         return decisions_for(cfg, machine, choices), None
     # Read once: the host's available RAM (CPU ranks) moves between reads.

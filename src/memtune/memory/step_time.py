@@ -234,9 +234,11 @@ def dropout_pass_bytes(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> flo
     """What LoRA dropout reads and writes in one micro batch, per rank: over each adapted
     module's input (n × in; every adapter drops its own copy), the forward reads it and writes
     the copy and a 1-byte mask, a recompute does it again, the backward reads the gradient and
-    the mask and writes the gradient. Memory-bound: priced at plan.device_gb_s."""
+    the mask and writes the gradient. With the masks regenerated (kernels.lora_dropout) the
+    backward drops the input once more first. Memory-bound: priced at plan.device_gb_s."""
     if cfg.peft.dropout <= 0:
         return 0.0
+    again = 1 if d.kernels.lora_dropout == "regenerate" else 0
     from memtune.memory.estimate import layer_kinds
 
     n, b = d.batch.rank_tokens, compute_bytes(cfg)
@@ -247,7 +249,7 @@ def dropout_pass_bytes(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> flo
             if kind == "linear_attention"
             else counts.lora_inputs
         )
-        passes = 2 if recompute == "keep" else 3  # forward (+ a recompute) + backward
+        passes = (2 if recompute == "keep" else 3) + again  # forward (+ a recompute) + backward
         total += passes * sum(n * i * (2 * b + 1) for _, i, _ in inputs)
     return float(total)
 

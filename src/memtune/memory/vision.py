@@ -25,6 +25,7 @@ the rest of the row.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import warnings
@@ -169,6 +170,10 @@ def tower_saved_bytes(cfg: RunConfig, d: Decisions, load: ImageLoad, cuda: bool)
     block's input (the compute dtype) plus what the rest of the tower keeps."""
     if d.vision is None or not d.vision.adapted:
         return 0
+    from memtune.memory.estimate import keeps_dropout_copies
+
+    if not keeps_dropout_copies(cfg, d):  # the tower's adapters keep what dropout 0 keeps
+        cfg = dataclasses.replace(cfg, peft=dataclasses.replace(cfg.peft, dropout=0.0))
     per_block, rest, per_image, per_deepstack = tower_line(cfg, cuda)
     t = tower_config(cfg)
     depth, hidden = int(t.depth), int(t.hidden_size)

@@ -33,6 +33,7 @@ from memtune.rank.long_context import (
     tile_mlps,
     untile_mlps,
 )
+from memtune.rank.lora_dropout import regenerated_dropouts, use_lora_dropout
 from memtune.rank.loss import CausalLMLoss, use_loss_kernel
 from memtune.rank.model import (
     add_lora,
@@ -61,6 +62,7 @@ class RankParts:
     offloaded_layers: int = 0  # trainer.offload_activations: layers whose input waits on the host
     linear_attention: str | None = None  # how packed rows pass linear-attention layers (Qwen3.5)
     kernels: str = ""  # the fused layer kernels reached (rank.kernels); "": transformers' own
+    regenerated_dropouts: int = 0  # adapters whose dropout mask is regenerated (rank.lora_dropout)
 
 
 def built_under_zero_init(d: Decisions) -> bool:
@@ -112,6 +114,7 @@ def build_rank(
         )
     model = add_lora(base, cfg, d)
     kernels = use_fused_kernels(model, d.kernels, device)
+    regenerated = regenerated_dropouts(model)
     linear = keep_samples_apart(base)
     compiled = compile_layers(model, d.zero_stage == 3) if cfg.trainer.compile else 0
     tiles, offloaded = apply_layer_decisions(model, d, device)
@@ -148,6 +151,7 @@ def build_rank(
         offloaded_layers=offloaded,
         linear_attention=linear,
         kernels=kernels_label(kernels),
+        regenerated_dropouts=regenerated,
     )
 
 
@@ -168,13 +172,15 @@ def apply_layer_decisions(model: Any, d: Decisions, device: torch.device) -> tup
 
 def apply_kernel_decisions(module: CausalLMLoss, d: Decisions, device: torch.device) -> Wired:
     """The decided kernels on a built rank's loss module (``engine.module``: the loss and its
-    peft model), whatever was applied before: the loss kernel and the layer kernels
-    (rank.kernels). build_rank applies both as it builds; bench/gpu_check's kernels phase
-    applies each variant's decisions through this to the engine it has."""
+    peft model), whatever was applied before: the loss kernel, the layer kernels
+    (rank.kernels) and LoRA's dropout (rank.lora_dropout). build_rank applies them as it
+    builds; bench/gpu_check's kernels phase applies each variant's decisions through this to
+    the engine it has."""
     from memtune.rank.preference import PreferenceLoss
 
     kind = use_loss_kernel(d.loss, device)
     module.kind = preference_loss_kind(kind) if isinstance(module, PreferenceLoss) else kind
+    use_lora_dropout(module.model, d.kernels.lora_dropout)
     return use_fused_kernels(module.model, d.kernels, device)
 
 

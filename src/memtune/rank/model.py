@@ -165,9 +165,11 @@ def variant_label(cfg: RunConfig, model: Any = None) -> str:
 
 def add_lora(model: Any, cfg: RunConfig, d: Decisions) -> Any:
     """LoRA (and a mixture's expert adapters) on the base, as decided: a quantized base
-    prepared, activation checkpointing per layer, the adapters in the compute dtype."""
+    prepared, activation checkpointing per layer, the adapters in the compute dtype, their
+    dropout peft's or regenerated (rank.lora_dropout)."""
     from peft import get_peft_model
 
+    from memtune.rank.lora_dropout import use_lora_dropout
     from memtune.rank.vision import set_tower_recompute, tower_inputs_need_no_grad
 
     p = cfg.peft
@@ -209,6 +211,7 @@ def add_lora(model: Any, cfg: RunConfig, d: Decisions) -> Any:
     if p.init_from:
         load_adapter_weights(model, p.init_from, text_class=d.vision is None)
     cast_adapters(model, torch_dtype(cfg))
+    use_lora_dropout(model, d.kernels.lora_dropout)
     if c.reentrant:
         # Reentrant checkpointing drops gradients unless the layer inputs require grad.
         model.enable_input_require_grads()

@@ -587,13 +587,20 @@ def start_up_lines(
         f"{checkpoint_note(d)} · {parts.optimizer_note}\n"
         f"memtune: batches: {batching_summary(cfg)}"
         f"{experts_line(cfg, d, parts.model)}"
-        f"{dropout_line(cfg, plan)}"
+        f"{dropout_line(cfg, plan, parts.regenerated_dropouts)}"
     )
 
 
-def dropout_line(cfg: RunConfig, plan: PlanRecord | None) -> str:
-    """What LoRA dropout costs this run, by its plan (the DROPOUT_ROW row): the memory of the
-    adapters' dropped input copies, which peft.dropout=0 would not keep."""
+def dropout_line(cfg: RunConfig, plan: PlanRecord | None, regenerated: int = 0) -> str:
+    """What LoRA dropout costs this run: with peft's dropout, by its plan (the DROPOUT_ROW
+    row), the memory of the adapters' dropped input copies, which peft.dropout=0 would not
+    keep; with the masks regenerated (rank.lora_dropout), in how many adapters."""
+    if regenerated:
+        return (
+            f"\nmemtune: LoRA dropout {cfg.peft.dropout:g}: masks regenerated in backward in "
+            f"{regenerated} adapters (trainer.lora_dropout_kernel): no dropped input copies "
+            "kept, one more dropout pass in backward"
+        )
     row = next((r for r in plan.rows if r.what == DROPOUT_ROW), None) if plan else None
     if row is None:
         return ""
@@ -603,7 +610,8 @@ def dropout_line(cfg: RunConfig, plan: PlanRecord | None) -> str:
     return (
         f"\nmemtune: LoRA dropout {cfg.peft.dropout:g}: {row.gib * scale:.2f} {unit} of each "
         f"rank's planned {plan.total_gib * scale:.2f} ({share:.0%}) are the adapters' dropped "
-        "input copies (plan.txt: LoRA dropout copies); peft.dropout=0 keeps none"
+        "input copies (plan.txt: LoRA dropout copies); peft.dropout=0 or "
+        "trainer.lora_dropout_kernel=regenerate keeps none"
     )
 
 
