@@ -255,3 +255,67 @@ def test_auto_is_decided_with_the_layers_by_step_time_within_the_memory() -> Non
     assert roomy.decisions.kernels.lora_dropout == "peft"
     tight = fitted("experiment=qwen2.5-7b-4x4090-lora", "plan.device_tflops=null")
     assert tight.decisions.kernels.lora_dropout == "regenerate"
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_backward_holds_one_copy_and_the_mask_at_a_time(native: bool) -> None:
+    """The backward of one regenerated adapter over an input x of n × in (bf16) holds the
+    redrawn mask and one input-sized tensor at a time: the dropped copy for lora_A's weight
+    gradient, freed before the input's gradient is made (memory.estimate.backward_bytes prices
+    it at the down_proj adapter's backward, beside the base's gradient). The mask: CPU's noise
+    in x's dtype, or CUDA's bool (``native``, as tools.step_trace stands for a GPU rank)."""
+    from memtune.tools.step_trace import Tracker
+
+    n, width, r = 4096, 512, 8
+    a = torch.nn.Linear(width, r, bias=False).to(torch.bfloat16)
+    a.__class__ = RegeneratedDropoutLinear
+    vars(a)["memtune_dropout_p"] = 0.1
+    vars(a)["memtune_native_dropout"] = native
+    x = torch.randn(n, width, dtype=torch.bfloat16, requires_grad=True)
+    out = a(x)
+    grad = torch.ones_like(out)
+    tracker = Tracker()
+    with tracker:
+        (grad_x,) = torch.autograd.grad(out, x, grad)
+    one = n * width * 2
+    assert grad_x.shape == x.shape
+    mask = one // 2 if native else one
+    assert one + mask <= tracker.peak <= one + mask + one // 16, tracker.peak / one
+
+
+def test_the_generator_is_left_where_peft_leaves_it() -> None:
+    """After a step the random generator is where peft's dropout leaves it (backward puts it
+    back after each replay), so the next step's masks are peft's too — layers kept, recomputed
+    in full and selectively."""
+    model = tiny_lora("tiny-qwen3", recompute=1, selective=1)
+    step(model)
+    regenerated = torch.get_rng_state()
+    use_lora_dropout(model, "peft")
+    step(model)
+    assert torch.equal(regenerated, torch.get_rng_state())
+
+
+@pytest.mark.parametrize("path", ["reentrant", "tiled", "offloaded"])
+def test_the_same_gradients_through_memtunes_own_recomputes(path: str) -> None:
+    """Reentrant checkpointing (its forward under no_grad), rank.long_context's tiled MLP (3
+    tiles, each recomputed and backpropagated in turn) and its offloaded LayerCheckpoint: each
+    restores the generator for its recompute, and the regenerated masks equal peft's."""
+    from memtune.rank.layers import decoder_layers
+    from memtune.rank.long_context import _tile, offload_checkpoints
+
+    overrides = ["trainer.checkpointing_reentrant=true"] if path == "reentrant" else []
+    model = tiny_lora("tiny-qwen3", *overrides, recompute=3 if path != "tiled" else 1, selective=0)
+    base = model.get_base_model()
+    if path == "tiled":
+        for layer in decoder_layers(base):
+            _tile(layer.mlp, 3)
+    if path == "offloaded":
+        assert offload_checkpoints(base, torch.device("cpu")) == 3
+    assert regenerated_dropouts(model) == 3 * 7
+    regenerated = step(model)
+    use_lora_dropout(model, "peft")
+    peft = step(model)
+    torch.testing.assert_close(regenerated[0], peft[0], rtol=1e-6, atol=1e-6)
+    assert regenerated[1].keys() == peft[1].keys() and len(peft[1]) == 3 * 14
+    for name in peft[1]:
+        torch.testing.assert_close(regenerated[1][name], peft[1][name], rtol=1e-5, atol=1e-7)

@@ -317,16 +317,18 @@ def test_planned_weights_and_optimizer_state_match_what_each_rank_holds(fixture,
         assert probe["optimizer_bytes"] == pytest.approx(rows["optimizer state"], rel=0.05)
 
 
-def test_selective_checkpointing_keeps_what_the_model_says() -> None:
-    cfg = to_run_config(compose_cfg([QWEN7B]))
+@pytest.mark.parametrize("dropout_kernel", ["regenerate", "peft"])
+def test_selective_checkpointing_keeps_what_the_model_says(dropout_kernel: str) -> None:
+    cfg = to_run_config(compose_cfg([QWEN7B, f"trainer.lora_dropout_kernel={dropout_kernel}"]))
     counts = count_params(cfg)
     layers, n, h = 28, 4096, 3584
     d = decided(cfg)
+    assert cfg.peft.dropout > 0 and d.kernels.lora_dropout == dropout_kernel
     acts = [activation_bytes(cfg, d.with_recompute(k), n, counts) for k in range(layers + 1)]
     tail = n * h * 4  # the final norm's fp32 input
     # k = 0: the first norm keeps nothing (the embedding needs no gradient), nor do the
     # dropouts before its q/k/v adapters keep their masks (1 byte a value on a GPU).
-    first = n * h * 4 + (3 * n * h if cfg.peft.dropout > 0 else 0)
+    first = n * h * 4 + (3 * n * h if dropout_kernel == "peft" else 0)
     per_layer = (acts[0] - tail + first) // layers  # k = 0: every layer's activations
     assert acts[0] == layers * per_layer + tail - first
     # The first k layers keep only their bf16 input; backward recomputes them after the others
@@ -441,6 +443,8 @@ def test_the_measured_bandwidth_is_the_one_the_choices_and_the_estimate_use() ->
                 "plan.device_tflops=165",
                 "plan.link_gb_s=0.05",
                 "data.max_seq_len=32768",
+                # the scenario as written for peft's dropout (regenerated, sp=1 fits both ways)
+                "trainer.lora_dropout_kernel=peft",
             ]
         )
     )
@@ -465,7 +469,8 @@ def test_lora_dropouts_copies_have_a_row_of_their_own() -> None:
     from memtune.memory.estimate import DROPOUT_ROW, step_peak
 
     base = ["peft=lora-all-linear", "trainer.activation_checkpointing=false"]
-    with_dropout = to_run_config(compose_cfg([*base, "trainer.precision=bf16", "peft.dropout=0.1"]))
+    peft = ["trainer.precision=bf16", "peft.dropout=0.1", "trainer.lora_dropout_kernel=peft"]
+    with_dropout = to_run_config(compose_cfg([*base, *peft]))
     without = to_run_config(compose_cfg([*base, "trainer.precision=bf16", "peft.dropout=0"]))
     synthesize(with_dropout.model.name_or_path, with_dropout.model.architecture)
     d, counts = decided(with_dropout), count_params(with_dropout)

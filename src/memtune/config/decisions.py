@@ -606,6 +606,13 @@ def dropout_kernel(
     return "peft"
 
 
+def keeps_dropout_copies(cfg: RunConfig, d: Decisions) -> bool:
+    """Whether LoRA dropout keeps each adapter's dropped input copy and mask for backward
+    (peft's dropout), or nothing beyond the input the adapters share, as at peft.dropout=0
+    (none dropped, or regenerated in backward: rank.lora_dropout)."""
+    return cfg.peft.dropout > 0 and d.kernels.lora_dropout == "peft"
+
+
 def kernels_of(cfg: RunConfig, lora_dropout: LoraDropout | None = None) -> Kernels:
     """trainer.rms_norm_kernel, swiglu_kernel, rope_kernel and lora_dropout_kernel as decided
     (``lora_dropout``: the decider's choice for an ``auto`` one)."""

@@ -35,7 +35,7 @@ from importlib.metadata import version
 from typing import Any
 
 from memtune.config import ConfigError, RunConfig, cache_dir, compute_bytes
-from memtune.config.decisions import Decisions
+from memtune.config.decisions import Decisions, keeps_dropout_copies
 from memtune.memory.counts import COUNTS_CACHE, cached, tower_config, tower_lora_config
 
 PLACEHOLDER_TOKENS = 2
@@ -170,8 +170,6 @@ def tower_saved_bytes(cfg: RunConfig, d: Decisions, load: ImageLoad, cuda: bool)
     block's input (the compute dtype) plus what the rest of the tower keeps."""
     if d.vision is None or not d.vision.adapted:
         return 0
-    from memtune.memory.estimate import keeps_dropout_copies
-
     if not keeps_dropout_copies(cfg, d):  # the tower's adapters keep what dropout 0 keeps
         cfg = dataclasses.replace(cfg, peft=dataclasses.replace(cfg.peft, dropout=0.0))
     per_block, rest, per_image, per_deepstack = tower_line(cfg, cuda)
@@ -266,7 +264,9 @@ def native_dropout(p: float) -> Any:
 
 
 def as_on_cuda(model: Any) -> None:
-    """Every LoRA dropout of ``model`` as CUDA runs it (:func:`native_dropout`)."""
+    """Every LoRA dropout of ``model`` as CUDA runs it (:func:`native_dropout`), and every
+    regenerated one (rank.lora_dropout, marked by its ``memtune_dropout_p``) drawing its mask
+    again as CUDA does (a bool, not CPU's noise in the input's dtype)."""
     import torch
 
     for m in model.modules():
@@ -275,6 +275,8 @@ def as_on_cuda(model: Any) -> None:
             for key, dropout in list(drop.items()):
                 if isinstance(dropout, torch.nn.Dropout):
                     drop[key] = native_dropout(dropout.p)
+        if "memtune_dropout_p" in vars(m):
+            vars(m)["memtune_native_dropout"] = True
 
 
 def _tower_saved(cfg: RunConfig, depth: int, side: int, cuda: bool, deepstack: bool = False) -> int:

@@ -53,38 +53,60 @@ def _generator(device: torch.device) -> torch.Generator:
     )
 
 
+def replayed_dropout(
+    x: torch.Tensor, p: float, native: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``F.dropout(x, p, training=True)`` as torch computes it, and the factor backward
+    multiplies the gradient by: on CUDA torch's fused ``native_dropout`` (the output and a bool
+    mask; the gradient is ``grad · mask / (1 − p)``), on CPU a Bernoulli noise in x's dtype
+    already divided by ``1 − p`` (``x · noise``; the gradient is ``grad · noise``). The same
+    draws from the generator as ``F.dropout`` (tests/test_lora_dropout.py checks it against
+    peft's module on CPU, and on a GPU when there is one). ``native``: CUDA's way on any
+    device (tools.step_trace stands for a GPU rank on CPU: memory.vision.as_on_cuda)."""
+    if native or x.device.type == "cuda":
+        dropped, mask = torch.native_dropout(x, p, True)
+        return dropped, mask
+    noise = torch.empty_like(x).bernoulli_(1 - p).div_(1 - p)
+    return x * noise, noise
+
+
 class DroppedInput(torch.autograd.Function):
     """``dropout(x, p) @ weightᵀ``, keeping ``x`` and the generator's state instead of the
-    dropped copy and its mask (module docstring)."""
+    dropped copy and its mask (module docstring). Backward holds one input-sized copy and the
+    mask at a time: the copy for the weight's gradient, freed before the input's gradient."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, p: float) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, p: float, native: bool = False
+    ) -> torch.Tensor:
         ctx.state = _generator(x.device).get_state()
-        ctx.p = p
+        ctx.p, ctx.native = p, native
         ctx.save_for_backward(x, weight)
-        return F.linear(F.dropout(x, p, True), weight)
+        dropped = torch.native_dropout(x, p, True)[0] if native else F.dropout(x, p, True)
+        return F.linear(dropped, weight)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         x, weight = ctx.saved_tensors
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         generator = _generator(x.device)
         now = generator.get_state()
         generator.set_state(ctx.state)
         try:
-            with torch.enable_grad():
-                source = x.detach().requires_grad_(need_x)
-                dropped = F.dropout(source, ctx.p, True)
+            dropped, factor = replayed_dropout(x, ctx.p, ctx.native)
         finally:
             generator.set_state(now)
         grad_w = None
-        if need_w:
+        if ctx.needs_input_grad[1]:
             rows = grad.reshape(-1, grad.shape[-1])
-            grad_w = (rows.t() @ dropped.detach().reshape(-1, dropped.shape[-1])).to(weight.dtype)
+            grad_w = (rows.t() @ dropped.reshape(-1, dropped.shape[-1])).to(weight.dtype)
+        del dropped
         grad_x = None
-        if need_x:
-            (grad_x,) = torch.autograd.grad(dropped, source, grad @ weight)
-        return grad_x, grad_w, None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad @ weight.to(grad.dtype)
+            grad_x.mul_(factor)
+            if factor.dtype == torch.bool:
+                grad_x.mul_(1.0 / (1.0 - ctx.p))
+        return grad_x, grad_w, None, None
 
 
 class RegeneratedDropoutLinear(nn.Linear):
@@ -97,7 +119,8 @@ class RegeneratedDropoutLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
             return F.linear(x, self.weight, self.bias)
-        out: torch.Tensor = DroppedInput.apply(x, self.weight, self.memtune_dropout_p)
+        native = vars(self).get("memtune_native_dropout", False)
+        out: torch.Tensor = DroppedInput.apply(x, self.weight, self.memtune_dropout_p, native)
         return out
 
 
@@ -140,6 +163,7 @@ def use_lora_dropout(model: nn.Module, kind: str) -> int:
         elif isinstance(a, RegeneratedDropoutLinear):
             a.__class__ = nn.Linear  # type: ignore[assignment]
             del a.memtune_dropout_p
+            vars(a).pop("memtune_native_dropout", None)
             drops[name] = nn.Dropout(p).train(a.training)
     return regenerated
 
