@@ -319,3 +319,19 @@ def test_the_same_gradients_through_memtunes_own_recomputes(path: str) -> None:
     assert regenerated[1].keys() == peft[1].keys() and len(peft[1]) == 3 * 14
     for name in peft[1]:
         torch.testing.assert_close(regenerated[1][name], peft[1][name], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+def test_the_replay_draws_f_dropouts_mask_on_a_gpu() -> None:
+    """On CUDA the backward's replay is torch's fused native_dropout: from the same generator
+    state it gives F.dropout's output, bit for bit (the CPU tests check the CPU replay)."""
+    from memtune.rank.lora_dropout import replayed_dropout
+
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(1024, 768, device="cuda", dtype=dtype)
+        state = torch.cuda.get_rng_state()
+        expected = torch.nn.functional.dropout(x, 0.1, True)
+        torch.cuda.set_rng_state(state)
+        dropped, mask = replayed_dropout(x, 0.1)
+        assert mask.dtype == torch.bool and torch.equal(dropped, expected)
