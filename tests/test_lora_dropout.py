@@ -35,7 +35,13 @@ def test_auto_regenerates_where_it_is_built_and_a_setting_is_taken_as_given() ->
     assert kernel("peft.dropout=0.1", "trainer.compile=true") == "peft"
     assert kernel("peft.dropout=0.1", "trainer.lora_dropout_kernel=peft") == "peft"
     with pytest.raises(ConfigError, match=r"trainer.lora_dropout_kernel=regenerate .*peft.dora"):
-        validate(compose_cfg(["peft.dora=true", "trainer.lora_dropout_kernel=regenerate"]))
+        validate(
+            compose_cfg(
+                ["peft.dora=true", "peft.dropout=0.1", "trainer.lora_dropout_kernel=regenerate"]
+            )
+        )
+    with pytest.raises(ConfigError, match=r"regenerate with peft.dropout=0: nothing is dropped"):
+        validate(compose_cfg(["peft.dropout=0", "trainer.lora_dropout_kernel=regenerate"]))
     # decisions.json: a file from before the field reads as peft's (what those runs ran), and
     # a value outside the choices is refused by its name.
     d = decided(to_run_config(compose_cfg(["peft.dropout=0.1"])))

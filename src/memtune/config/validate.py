@@ -113,6 +113,11 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
     if not 0.0 <= p.dropout < 1.0:
         raise ConfigError(f"peft.dropout must be in [0, 1) (got {p.dropout})")
     unbuilt = dropout_regeneration_unbuilt(cfg)
+    if t.lora_dropout_kernel == "regenerate" and p.dropout == 0:
+        raise ConfigError(
+            "trainer.lora_dropout_kernel=regenerate with peft.dropout=0: nothing is dropped, so "
+            "there is no mask to regenerate; set peft.dropout > 0, or leave the kernel on auto"
+        )
     if t.lora_dropout_kernel == "regenerate" and unbuilt:
         raise ConfigError(
             f"trainer.lora_dropout_kernel=regenerate is not built with {unbuilt}; use "
