@@ -159,6 +159,16 @@ def tiny_lora(model: str, *overrides: str, recompute: int = 1, selective: int = 
     return peft_model.train()
 
 
+ZERO3_ONE_RANK = [
+    "zero.stage=3",
+    "zero.one_rank_stage2=false",
+    "zero.param_persistence_threshold=0",
+    "launcher.num_ranks=1",
+    "trainer.global_batch_size=2",
+    "trainer.micro_batch_size=2",
+]
+"""ZeRO-3 on one in-process rank, every weight partitioned (the one_rank fixture's world)."""
+
 IDS = torch.tensor(
     [[5, 17, 42, 99, 3, 8, 250, 11, 64, 7, 300, 2], [9, 1, 4, 77, 120, 6, 8, 15, 3, 3, 5, 900]]
 )
@@ -256,12 +266,7 @@ def test_under_zero3_with_partitioned_norm_weights(one_rank: None) -> None:
                 "peft.target=all-linear",
                 "peft.dropout=0.1",
                 "++model.architecture.num_hidden_layers=3",
-                "zero.stage=3",
-                "zero.one_rank_stage2=false",
-                "zero.param_persistence_threshold=0",
-                "launcher.num_ranks=1",
-                "trainer.global_batch_size=2",
-                "trainer.micro_batch_size=2",
+                *ZERO3_ONE_RANK,
             ]
         )
     )

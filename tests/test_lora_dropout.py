@@ -22,7 +22,13 @@ from memtune.rank.lora_dropout import (
     use_lora_dropout,
 )
 from tests.conftest import compose_cfg, decided
-from tests.test_kernels import IDS, one_rank, step, tiny_lora  # noqa: F401 (one_rank: a fixture)
+from tests.test_kernels import (  # noqa: F401 (one_rank: a fixture)
+    IDS,
+    ZERO3_ONE_RANK,
+    one_rank,
+    step,
+    tiny_lora,
+)
 
 
 def test_auto_regenerates_where_it_is_built_and_a_setting_is_taken_as_given() -> None:
@@ -130,12 +136,7 @@ def test_under_zero3(one_rank: None) -> None:  # noqa: F811 (the fixture)
                 "peft.target=all-linear",
                 "peft.dropout=0.1",
                 "++model.architecture.num_hidden_layers=2",
-                "zero.stage=3",
-                "zero.one_rank_stage2=false",
-                "zero.param_persistence_threshold=0",
-                "launcher.num_ranks=1",
-                "trainer.global_batch_size=2",
-                "trainer.micro_batch_size=2",
+                *ZERO3_ONE_RANK,
             ]
         )
     )
