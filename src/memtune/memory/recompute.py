@@ -184,9 +184,8 @@ def resolve_checkpoint_layers(
     them (:func:`peft_dropout_is_better`); and a note saying why (None when there was nothing
     to choose)."""
     d, note = _resolve_layers(cfg, choices, counts, machine)
-    if choices.lora_dropout is not None or d.kernels.lora_dropout != "regenerate":
-        return d, note
-    if cfg.trainer.lora_dropout_kernel != "auto":
+    auto = cfg.trainer.lora_dropout_kernel == "auto" and choices.lora_dropout is None
+    if not auto or d.kernels.lora_dropout != "regenerate":
         return d, note
     alt, alt_note = _resolve_layers(
         cfg, dataclasses.replace(choices, lora_dropout="peft"), counts, machine
@@ -224,7 +223,8 @@ def peft_dropout_is_better(
 def _resolve_layers(
     cfg: RunConfig, choices: Choices, counts: ParamCounts, machine: RankMachine
 ) -> tuple[Decisions, str | None]:
-    """resolve_checkpoint_layers for the kernels ``choices`` give."""
+    """resolve_checkpoint_layers for the kernels ``choices`` give (LoRA's dropout on auto, not
+    chosen yet: regenerated where that is built)."""
     if not unresolved_layers(cfg, choices):
         return decisions_for(cfg, machine, choices), None
     # Read once: the host's available RAM (CPU ranks) moves between reads.

@@ -82,7 +82,7 @@ class DroppedInput(torch.autograd.Function):
         ctx.state = _generator(x.device).get_state()
         ctx.p, ctx.native = p, native
         ctx.save_for_backward(x, weight)
-        dropped = torch.native_dropout(x, p, True)[0] if native else F.dropout(x, p, True)
+        dropped = replayed_dropout(x, p, True)[0] if native else F.dropout(x, p, True)
         return F.linear(dropped, weight)
 
     @staticmethod
@@ -133,8 +133,9 @@ def _adapters(model: nn.Module) -> list[tuple[nn.ModuleDict, str, nn.Linear]]:
         if not isinstance(drops, nn.ModuleDict) or not isinstance(a_of, nn.ModuleDict):
             continue
         variants = getattr(module, "lora_variant", {}) or {}
+        a_by_name = dict(a_of.items())
         for name in drops:
-            a = dict(a_of.items()).get(name)
+            a = a_by_name.get(name)
             if name in variants or not isinstance(a, nn.Linear):
                 continue
             if type(a) in (nn.Linear, RegeneratedDropoutLinear):
