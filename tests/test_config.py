@@ -60,6 +60,22 @@ def test_command_line_wins_over_experiment() -> None:
     assert (cfg.peft.r, cfg.zero.stage, cfg.trainer.max_steps) == (4, 2, 7)
 
 
+def test_a_mapping_on_the_command_line_where_none_is_set() -> None:
+    """model.rope_scaling as the positions error advises it, typed on the command line: it
+    used to end in an OmegaConf traceback (a mapping merged into null); and over an
+    experiment's own, the keys given win."""
+    yarn = "{type: yarn, factor: 8.0, original_max_position_embeddings: 32768}"
+    cfg = to_run_config(compose_cfg(["experiment=qwen2.5-7b-4x4090-qlora", f"model.rope_scaling={yarn}"]))
+    assert cfg.model.rope_scaling == {
+        "type": "yarn",
+        "factor": 8.0,
+        "original_max_position_embeddings": 32768,
+    }
+    assert not to_run_config(compose_cfg(["experiment=qwen2.5-7b-4x4090-qlora"])).model.rope_scaling
+    long = ["experiment=qwen2.5-7b-4x4090-long", "model.rope_scaling={factor: 2.0}"]
+    assert to_run_config(compose_cfg(long)).model.rope_scaling["factor"] == 2.0
+
+
 @pytest.mark.parametrize(
     ("override", "said"),
     [

@@ -111,10 +111,11 @@ class ModelConfig:
     revision: str | None = None
     """The hub revision to load, model and tokenizer (from_pretrained's ``revision``): a commit
     hash pins it; a branch or tag can move. null: the repo's main branch."""
-    rope_scaling: dict[str, Any] | None = None
+    rope_scaling: dict[str, Any] | None = field(default_factory=dict)
     """Passed to from_pretrained over the checkpoint's config.json, e.g. Qwen's documented
     YaRN for 128k: {type: yarn, factor: 4.0, original_max_position_embeddings: 32768}; the
-    positions a sample may use become max_position_embeddings × factor."""
+    positions a sample may use become max_position_embeddings × factor. Empty (or null): the
+    checkpoint's own."""
 
 
 @dataclass
