@@ -65,7 +65,9 @@ def test_a_mapping_on_the_command_line_where_none_is_set() -> None:
     used to end in an OmegaConf traceback (a mapping merged into null); and over an
     experiment's own, the keys given win."""
     yarn = "{type: yarn, factor: 8.0, original_max_position_embeddings: 32768}"
-    cfg = to_run_config(compose_cfg(["experiment=qwen2.5-7b-4x4090-qlora", f"model.rope_scaling={yarn}"]))
+    cfg = to_run_config(
+        compose_cfg(["experiment=qwen2.5-7b-4x4090-qlora", f"model.rope_scaling={yarn}"])
+    )
     assert cfg.model.rope_scaling == {
         "type": "yarn",
         "factor": 8.0,
@@ -186,7 +188,7 @@ CHOICE_FIELDS = {
     "trainer.offload_activations": "auto | on | off",
     "trainer.optimizer": "adamw | adamw_8bit | cpu_adam",
     "trainer.loss": "auto | chunked | plain | liger",
-    "trainer.rms_norm_kernel": "auto | torch | liger",
+    "trainer.rms_norm_kernel": "auto | torch | lean | liger",
     "trainer.swiglu_kernel": "auto | torch | liger",
     "trainer.rope_kernel": "auto | torch | liger",
     "trainer.on_nonfinite": "stop | skip",

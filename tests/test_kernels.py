@@ -41,7 +41,9 @@ LIGER = [
 
 
 def test_auto_is_torch_and_a_kernel_asked_for_is_decided_as_asked() -> None:
-    d = decided(to_run_config(compose_cfg([])))
+    """auto: Liger's never (until measured); RMSNorm the lean one where it is wired
+    (tests/test_lean_norm.py)."""
+    d = decided(to_run_config(compose_cfg(["trainer.rms_norm_kernel=torch"])))
     assert d.kernels == Kernels() and d.kernels.label() == "torch"
     asked = decided(to_run_config(compose_cfg(LIGER[:2])))
     assert asked.kernels == Kernels("liger", "liger", "torch")
@@ -60,6 +62,9 @@ def test_auto_is_torch_and_a_kernel_asked_for_is_decided_as_asked() -> None:
     )
     bad = {**raw, "kernels": {**raw["kernels"], "rope": "auto"}}
     with pytest.raises(DecisionError, match=r"kernels\.rope is 'auto', not one of torch \| liger"):
+        Decisions.from_dict(bad)
+    bad = {**raw, "kernels": {**raw["kernels"], "swiglu": "lean"}}  # lean is an RMSNorm only
+    with pytest.raises(DecisionError, match=r"kernels\.swiglu is 'lean', not one of torch \| li"):
         Decisions.from_dict(bad)
     with pytest.raises(DecisionError, match=r"kernels\.fast is not a decision field"):
         Decisions.from_dict({**raw, "kernels": {**raw["kernels"], "fast": "liger"}})
@@ -93,7 +98,7 @@ def test_liger_on_a_machine_without_it_is_refused_before_launch_and_by_a_rank() 
     with pytest.raises(DecisionError, match=r"kernels\.swiglu is liger with experts"):
         moe = to_run_config(compose_cfg(["model=tiny-qwen3-moe"]))
         dataclasses.replace(decided(moe), kernels=Kernels(swiglu="liger"))
-    from memtune.config.validate import KERNEL_MODELS
+    from memtune.config.decisions import KERNEL_MODELS
 
     assert set(KERNEL_MODELS) == set(WIRED) == {"qwen2", "qwen3"}  # one list, checked
 
@@ -460,7 +465,7 @@ def test_the_gpu_checks_kernels_phase_compares_each_variant_with_all_torch() -> 
     sys.path.insert(0, str(ROOT))
     from bench.gpu_check.kernels import VARIANTS, compare_to_first, kernels_markdown
 
-    assert VARIANTS[0] == ("torch", {}) and len(VARIANTS) == 8
+    assert VARIANTS[0] == ("torch", {}) and len(VARIANTS) == 9
     tol = {"loss_nats": 0.01, "grad_norm_rel": 0.05}
     out = {
         "seq_len": 2048,

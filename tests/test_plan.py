@@ -16,6 +16,7 @@ from memtune.config import to_run_config
 from memtune.config.decisions import CPU_RANKS, Choices, RankMachine
 from memtune.memory.counts import count_params
 from memtune.memory.estimate import activation_bytes, plan
+from memtune.rank.kernels import use_fused_kernels
 from memtune.rank.long_context import offload_checkpoints, tile_mlps
 from memtune.rank.loss import CausalLMLoss
 from memtune.rank.model import add_lora, count_parameters, load_base_model, torch_dtype
@@ -60,6 +61,7 @@ def _saved_bytes(cfg, d) -> int:
     """What autograd really keeps for one forward of 4 × 128 tokens (parameters excluded)."""
     d = dataclasses.replace(d, attention="sdpa")
     model = add_lora(load_base_model(cfg, d), cfg, d).train()
+    use_fused_kernels(model, d.kernels, torch.device("cpu"))  # the lean RMSNorm, as decided
     if d.tiled_mlp:
         tile_mlps(model.get_base_model(), 4 * 128)
     if d.offload_activations:
@@ -88,8 +90,11 @@ def _saved_bytes(cfg, d) -> int:
         ["trainer.precision=fp32", "peft.dropout=0.05", "trainer.lora_dropout_kernel=peft"],
         ["trainer.precision=bf16", "peft.dropout=0"],
         ["trainer.precision=bf16", "peft.dropout=0", "peft=lora"],
+        # transformers' RMSNorm, its fp32 inputs kept (auto: the lean one, rank.lean_norm)
+        ["trainer.precision=bf16", "peft.dropout=0", "trainer.rms_norm_kernel=torch"],
         # Qwen3: per-head q/k norms, head_dim 128 over a 256 hidden state, tied embeddings.
         ["model=tiny-qwen3", "trainer.precision=bf16", "peft.dropout=0"],
+        ["model=tiny-qwen3", "trainer.precision=bf16", "trainer.rms_norm_kernel=torch"],
         ["model=tiny-qwen3", "trainer.precision=fp32", "peft.dropout=0.05"],
         # Qwen3.5's hybrid: three Gated DeltaNet layers (their mixer measured on the meta device,
         # memory.counts.linear_mixer_bytes) and a gated full-attention layer.
@@ -317,18 +322,31 @@ def test_planned_weights_and_optimizer_state_match_what_each_rank_holds(fixture,
         assert probe["optimizer_bytes"] == pytest.approx(rows["optimizer state"], rel=0.05)
 
 
-@pytest.mark.parametrize("dropout_kernel", ["regenerate", "peft"])
-def test_selective_checkpointing_keeps_what_the_model_says(dropout_kernel: str) -> None:
-    cfg = to_run_config(compose_cfg([QWEN7B, f"trainer.lora_dropout_kernel={dropout_kernel}"]))
+@pytest.mark.parametrize(
+    ("dropout_kernel", "norm_kernel"), [("regenerate", "lean"), ("peft", "torch")]
+)
+def test_selective_checkpointing_keeps_what_the_model_says(
+    dropout_kernel: str, norm_kernel: str
+) -> None:
+    cfg = to_run_config(
+        compose_cfg(
+            [
+                QWEN7B,
+                f"trainer.lora_dropout_kernel={dropout_kernel}",
+                f"trainer.rms_norm_kernel={norm_kernel}",
+            ]
+        )
+    )
     counts = count_params(cfg)
     layers, n, h = 28, 4096, 3584
     d = decided(cfg)
     assert cfg.peft.dropout > 0 and d.kernels.lora_dropout == dropout_kernel
     acts = [activation_bytes(cfg, d.with_recompute(k), n, counts) for k in range(layers + 1)]
-    tail = n * h * 4  # the final norm's fp32 input
+    # the final norm's input: in fp32 (transformers'), or bf16 and a fp32 inverse RMS a token
+    tail = n * h * 4 if norm_kernel == "torch" else n * h * 2 + n * 4
     # k = 0: the first norm keeps nothing (the embedding needs no gradient), nor do the
     # dropouts before its q/k/v adapters keep their masks (1 byte a value on a GPU).
-    first = n * h * 4 + (3 * n * h if dropout_kernel == "peft" else 0)
+    first = tail + (3 * n * h if dropout_kernel == "peft" else 0)
     per_layer = (acts[0] - tail + first) // layers  # k = 0: every layer's activations
     assert acts[0] == layers * per_layer + tail - first
     # The first k layers keep only their bf16 input; backward recomputes them after the others
@@ -443,8 +461,10 @@ def test_the_measured_bandwidth_is_the_one_the_choices_and_the_estimate_use() ->
                 "plan.device_tflops=165",
                 "plan.link_gb_s=0.05",
                 "data.max_seq_len=32768",
-                # the scenario as written for peft's dropout (regenerated, sp=1 fits both ways)
+                # the scenario as written for peft's dropout and transformers' RMSNorm
+                # (regenerated, or the lean norm, sp=1 fits both ways)
                 "trainer.lora_dropout_kernel=peft",
+                "trainer.rms_norm_kernel=torch",
             ]
         )
     )

@@ -173,7 +173,9 @@ def test_lora_dropouts_passes_are_priced_at_the_memory_bandwidth() -> None:
     regenerated (auto's choice there), once more in the backward."""
     from memtune.memory.step_time import dropout_pass_bytes
 
-    peft = ["experiment=qwen2.5-7b-4x4090-lora", "trainer.lora_dropout_kernel=peft"]
+    # transformers' RMSNorm: with the lean one auto keeps peft's dropout here (test_lora_dropout)
+    lora = ["experiment=qwen2.5-7b-4x4090-lora", "trainer.rms_norm_kernel=torch"]
+    peft = [*lora, "trainer.lora_dropout_kernel=peft"]
     fitted = fit_to_device(to_run_config(compose_cfg(peft)))
     cfg, d, counts = fitted.cfg, fitted.decisions, fitted.plan.counts
     assert counts is not None
@@ -185,7 +187,7 @@ def test_lora_dropouts_passes_are_priced_at_the_memory_bandwidth() -> None:
     assert t is not None and cfg.plan.device_gb_s == 1008
     assert t.elementwise_s == pytest.approx(8 * per_pass * 81 / 1008e9)
     assert t.step_s == pytest.approx(t.compute_s + t.elementwise_s + t.comm_s)
-    auto = fit_to_device(to_run_config(compose_cfg(["experiment=qwen2.5-7b-4x4090-lora"])))
+    auto = fit_to_device(to_run_config(compose_cfg(lora)))
     regenerated = auto.decisions
     assert regenerated.kernels.lora_dropout == "regenerate"
     assert (regenerated.checkpointing.recomputed, regenerated.checkpointing.selective) == (19, 7)

@@ -66,24 +66,32 @@ ONE_PROCESS = [
 
 
 # Each shipped experiment at two of the three lengths, each length twice (the 9 of the
-# product cost ~35 s of make test; the planner's code is shared, the layers and heads differ)
+# product cost ~35 s of make test; the planner's code is shared, the layers and heads differ);
+# RMSNorm the lean one (auto), and transformers' at both lengths of one
 FULL_SIZE = [
-    ("qwen2.5-7b-4x4090-lora", 2048),
-    ("qwen2.5-7b-4x4090-lora", 4096),
-    ("qwen2.5-7b-4x4090-qlora", 4096),
-    ("qwen2.5-7b-4x4090-qlora", 32768),
-    ("qwen3-8b-4x4090-lora", 2048),
-    ("qwen3-8b-4x4090-lora", 32768),
+    ("qwen2.5-7b-4x4090-lora", 2048, "auto"),
+    ("qwen2.5-7b-4x4090-lora", 4096, "auto"),
+    ("qwen2.5-7b-4x4090-qlora", 4096, "auto"),
+    ("qwen2.5-7b-4x4090-qlora", 32768, "auto"),
+    ("qwen3-8b-4x4090-lora", 2048, "torch"),
+    ("qwen3-8b-4x4090-lora", 32768, "torch"),
 ]
 
 
-@pytest.mark.parametrize(("experiment", "tokens"), FULL_SIZE)
-def test_the_plan_matches_a_full_size_step(experiment: str, tokens: int) -> None:
+@pytest.mark.parametrize(("experiment", "tokens", "norm"), FULL_SIZE)
+def test_the_plan_matches_a_full_size_step(experiment: str, tokens: int, norm: str) -> None:
     """The shipped 4×4090D experiments at 2k, 4k and 32k tokens, with the checkpointed
     layers a launch would choose: the planner's activations + loss (or backward temporaries)
     rows within 3% of the peak the traced step holds above its weights."""
     given = to_run_config(
-        compose_cfg([f"experiment={experiment}", f"data.max_seq_len={tokens}", *ONE_PROCESS])
+        compose_cfg(
+            [
+                f"experiment={experiment}",
+                f"data.max_seq_len={tokens}",
+                f"trainer.rms_norm_kernel={norm}",
+                *ONE_PROCESS,
+            ]
+        )
     )
     fitted = fit_to_device(given, refuse=False)
     cfg, d = fitted.cfg, fitted.decisions

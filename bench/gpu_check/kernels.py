@@ -2,7 +2,8 @@
 Qwen2.5-7B's shapes at 2,048 tokens (the profile's row) with every layer kernel torch, the
 chunked loss head and peft's LoRA dropout; each of Liger's RMSNorm, SwiGLU and rotary alone;
 all three; Liger's fused linear cross-entropy (trainer.loss=liger) against the chunked head;
-all of it together; and LoRA dropout's masks regenerated in backward (rank.lora_dropout).
+all of it together; LoRA dropout's masks regenerated in backward (rank.lora_dropout); and
+memtune's lean RMSNorm (rank.lean_norm).
 
 One rank is built as ranks build themselves (``memtune_runner.build_memtune``: build_rank from
 the all-torch variant's decisions); each variant's settings are then decided as a launch
@@ -59,6 +60,10 @@ VARIANTS: tuple[tuple[str, dict[str, str]], ...] = (
     # more dropout pass; the engine keeps the first variant's recomputed layers, so this is
     # the pass's cost, and the peak what the copies held.
     ("dropout regenerated", {"lora_dropout_kernel": "regenerate"}),
+    # memtune's lean RMSNorm (rank.lean_norm): transformers' ops, the input kept instead of
+    # its fp32 copy, the backward block by block; the same recomputed layers, so this is its
+    # cost (one more cast), and the peak what the copies held.
+    ("RMSNorm lean", {"rms_norm_kernel": "lean"}),
 )
 """Each variant's trainer settings over BASE; the first is what the others are compared with."""
 BASE = {
@@ -119,7 +124,10 @@ def apply_variant(engine: Any, d: Any, device: Any, stand_in: bool) -> tuple[Any
         return apply_kernel_decisions(engine.module, d, device), ""
     torch_only = dataclasses.replace(
         d,
-        kernels=Kernels(lora_dropout=d.kernels.lora_dropout),
+        kernels=Kernels(
+            rms_norm="lean" if d.kernels.rms_norm == "lean" else "torch",  # torch, runs here
+            lora_dropout=d.kernels.lora_dropout,
+        ),
         loss="plain" if d.loss == "liger" else d.loss,
     )
     wired = apply_kernel_decisions(engine.module, torch_only, device)

@@ -31,12 +31,13 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from memtune.config.architecture import routed_experts
+from memtune.config.architecture import linear_attention_layers, routed_experts
 from memtune.config.schema import (
     AttnImplementation,
     DropoutKernel,
     FusedKernel,
     Loss,
+    NormKernel,
     Optimizer,
     PeftMethod,
     RunConfig,
@@ -60,6 +61,9 @@ LossKernel = Literal["chunked", "plain", "liger"]
 LayerKernel = Literal["torch", "liger"]
 """trainer.rms_norm_kernel / swiglu_kernel / rope_kernel as run: transformers' own code, or
 Liger's fused kernel (rank.kernels); ``auto`` decided torch until the GPU check measures it."""
+RmsNormKernel = Literal["torch", "lean", "liger"]
+"""trainer.rms_norm_kernel as run: transformers' own code, memtune's lean RMSNorm (the same ops,
+no fp32 copy kept: rank.lean_norm), or Liger's fused kernel."""
 LoraDropout = Literal["peft", "regenerate"]
 """trainer.lora_dropout_kernel as run: peft's dropout module (its dropped copies and masks kept
 for backward), or the mask regenerated in backward (rank.lora_dropout)."""
@@ -290,22 +294,24 @@ class Vision:
 
 @dataclass(frozen=True)
 class Kernels:
-    """The fused kernels the decoder layers run (rank.kernels), each ``torch`` (transformers'
-    own code, nothing replaced) or ``liger``; and how LoRA's dropout keeps what backward needs
-    (rank.lora_dropout). A decisions.json written before a field existed reads as torch and
-    peft: those runs ran transformers' and peft's code."""
+    """The kernels the decoder layers run (rank.kernels): transformers' own code (``torch``),
+    Liger's fused kernels (``liger``), or for RMSNorm memtune's lean one (rank.lean_norm); and
+    how LoRA's dropout keeps what backward needs (rank.lora_dropout). A decisions.json written
+    before a field existed reads as torch and peft: those runs ran transformers' and peft's
+    code."""
 
-    rms_norm: LayerKernel = "torch"
+    rms_norm: RmsNormKernel = "torch"
     swiglu: LayerKernel = "torch"
     rope: LayerKernel = "torch"
     lora_dropout: LoraDropout = "peft"
 
     def __post_init__(self) -> None:
-        for name in ("rms_norm", "swiglu", "rope"):
+        closed = {"rms_norm": RmsNormKernel, "swiglu": LayerKernel, "rope": LayerKernel}
+        for name, literal in closed.items():
             value = getattr(self, name)
-            if value not in choices_of(LayerKernel):
+            if value not in choices_of(literal):
                 raise DecisionError(
-                    f"kernels.{name} is {value!r}, not one of {' | '.join(choices_of(LayerKernel))}"
+                    f"kernels.{name} is {value!r}, not one of {' | '.join(choices_of(literal))}"
                 )
         if self.lora_dropout not in choices_of(LoraDropout):
             raise DecisionError(
@@ -315,13 +321,17 @@ class Kernels:
 
     def fused(self) -> list[str]:
         """The kernels decided ``liger``, by name (``["rms_norm", "rope"]``)."""
-        return [name for name in ("rms_norm", "swiglu", "rope") if getattr(self, name) != "torch"]
+        return [name for name in ("rms_norm", "swiglu", "rope") if getattr(self, name) == "liger"]
 
     def label(self) -> str:
-        """For humans: "torch", or "Liger RMSNorm + SwiGLU" (the rest torch)."""
+        """For humans: "torch", "lean RMSNorm", or "Liger RMSNorm + SwiGLU" (the rest
+        torch)."""
         names = {"rms_norm": "RMSNorm", "swiglu": "SwiGLU", "rope": "rotary"}
         fused = self.fused()
-        return "Liger " + " + ".join(names[n] for n in fused) if fused else "torch"
+        parts = ["lean RMSNorm"] if self.rms_norm == "lean" else []
+        if fused:
+            parts.append("Liger " + " + ".join(names[n] for n in fused))
+        return ", ".join(parts) or "torch"
 
 
 @dataclass(frozen=True)
@@ -581,6 +591,34 @@ def fused_kernel(requested: FusedKernel) -> LayerKernel:
     return "torch" if requested == "auto" else requested
 
 
+KERNEL_MODELS = ("qwen2", "qwen3")
+"""The model types rank.kernels wires its layer kernels into: the dense Qwen2 / Qwen2.5 and
+Qwen3 layers."""
+
+
+def lean_norm_unbuilt(cfg: RunConfig) -> str | None:
+    """Why memtune's lean RMSNorm is not wired for ``cfg`` (rank.kernels), or None."""
+    arch = dict(cfg.model.architecture)
+    if routed_experts(arch):
+        return "a mixture of experts"
+    if linear_attention_layers(arch):
+        return "a hybrid with linear-attention layers (Qwen3.5)"
+    if arch.get("model_type") not in KERNEL_MODELS:
+        return f"model_type {arch.get('model_type')!r}"
+    if cfg.trainer.compile:
+        return "trainer.compile=true (the compiled layers fuse their norms themselves)"
+    return None
+
+
+def norm_kernel(cfg: RunConfig, requested: NormKernel) -> RmsNormKernel:
+    """trainer.rms_norm_kernel as run: ``auto`` is the lean RMSNorm wherever it is wired (the
+    same values as transformers', no fp32 copy kept), else transformers' own; Liger's only by
+    name."""
+    if requested != "auto":
+        return requested
+    return "lean" if lean_norm_unbuilt(cfg) is None else "torch"
+
+
 def dropout_regeneration_unbuilt(cfg: RunConfig) -> str | None:
     """Why LoRA dropout cannot be regenerated for ``cfg`` (rank.lora_dropout), or None."""
     if cfg.peft.dora:
@@ -618,7 +656,7 @@ def kernels_of(cfg: RunConfig, lora_dropout: LoraDropout | None = None) -> Kerne
     (``lora_dropout``: the decider's choice for an ``auto`` one)."""
     t = cfg.trainer
     return Kernels(
-        rms_norm=fused_kernel(t.rms_norm_kernel),
+        rms_norm=norm_kernel(cfg, t.rms_norm_kernel),
         swiglu=fused_kernel(t.swiglu_kernel),
         rope=fused_kernel(t.rope_kernel),
         lora_dropout=dropout_kernel(cfg, t.lora_dropout_kernel, lora_dropout),

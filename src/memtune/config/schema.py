@@ -50,6 +50,7 @@ Switch = Literal["auto", "on", "off"]
 Optimizer = Literal["adamw", "adamw_8bit", "cpu_adam"]
 Loss = Literal["auto", "chunked", "plain", "liger"]
 FusedKernel = Literal["auto", "torch", "liger"]
+NormKernel = Literal["auto", "torch", "lean", "liger"]
 DropoutKernel = Literal["auto", "peft", "regenerate"]
 OnNonfinite = Literal["stop", "skip"]
 Objective = Literal["sft", "dpo", "ipo", "simpo", "orpo"]
@@ -344,11 +345,15 @@ class TrainerConfig:
     """auto (memtune's chunked loss, until the GPU check measures Liger's faster) | chunked |
     plain (full-sequence logits, as HF models compute them) | liger (Liger's fused linear CE:
     CUDA and liger-kernel)"""
-    rms_norm_kernel: Choice[FusedKernel] = "auto"
-    """auto | torch | liger: every RMSNorm of a dense Qwen2 / Qwen2.5 / Qwen3 (each decoder
+    rms_norm_kernel: Choice[NormKernel] = "auto"
+    """auto | torch | lean | liger: every RMSNorm of a dense Qwen2 / Qwen2.5 / Qwen3 (each decoder
     layer's two, Qwen3's per-head q / k norms, the final one) as transformers computes it
-    (torch), or by Liger's fused kernel (CUDA and liger-kernel). auto: torch until the GPU
-    check shows Liger's faster at equal loss (rank.kernels)."""
+    (torch: it keeps an fp32 copy of its input for backward); lean: the same ops as one
+    autograd function that keeps the input as it came and a per-token inverse RMS, and runs
+    its backward a block of tokens at a time (the same gradients; rank.lean_norm); or Liger's
+    fused kernel (CUDA and liger-kernel). auto: lean where it is built (the dense Qwen models
+    without trainer.compile), else torch; Liger's only by name until the GPU check shows it
+    faster at equal loss."""
     swiglu_kernel: Choice[FusedKernel] = "auto"
     """auto | torch | liger: the MLP's silu(gate) × up by Liger's fused kernel (silu
     recomputed in backward, so neither its output nor the product's inputs are kept twice);

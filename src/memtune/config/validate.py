@@ -13,7 +13,7 @@ from typing import Any
 
 from memtune.config import schema as schema_module
 from memtune.config.architecture import linear_attention_layers, moe_layers, routed_experts
-from memtune.config.decisions import dropout_regeneration_unbuilt
+from memtune.config.decisions import KERNEL_MODELS, dropout_regeneration_unbuilt, lean_norm_unbuilt
 from memtune.config.schema import (
     FORMATS,
     ConfigError,
@@ -194,9 +194,8 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
 
 
 KERNELS = ("rms_norm", "swiglu", "rope")
-"""trainer's layer-kernel settings, trainer.{name}_kernel (auto | torch | liger; rank.kernels)."""
-KERNEL_MODELS = ("qwen2", "qwen3")
-"""The model types Liger's layer kernels are wired for: the dense Qwen2 / Qwen2.5 and Qwen3."""
+"""trainer's layer-kernel settings, trainer.{name}_kernel (auto | torch | liger, and lean for
+RMSNorm; rank.kernels)."""
 
 
 def liger_kernels(cfg: RunConfig) -> list[str]:
@@ -208,6 +207,12 @@ def _check_kernels(cfg: RunConfig) -> None:
     """Liger's layer kernels are wired for the dense Qwen2 / Qwen3 layers (rank.kernels): a
     mixture of experts, Qwen3.5's hybrid layers (gated attention, partial rotary, its own
     norms) and compiled layers are refused by name."""
+    if cfg.trainer.rms_norm_kernel == "lean" and (why := lean_norm_unbuilt(cfg)):
+        raise ConfigError(
+            "trainer.rms_norm_kernel=lean is wired for the dense Qwen2 / Qwen2.5 / Qwen3 layers "
+            f"without trainer.compile; {cfg.model.name_or_path} runs with {why}: use "
+            "trainer.rms_norm_kernel=auto"
+        )
     asked = liger_kernels(cfg)
     if not asked:
         return

@@ -73,8 +73,15 @@ FRAGMENTATION = 0.05
 LONG_CONTEXT_FRAGMENTATION = 0.45
 
 NORM_BACKWARD_FP32 = 5
-"""RMSNorm's backward (it upcasts to fp32) holds this many tokens × hidden fp32 temporaries at
-once (tools.step_trace; the allocator's census on an H200 for a recomputed layer's norm)."""
+"""transformers' RMSNorm's backward (it upcasts to fp32) holds this many tokens × hidden fp32
+temporaries at once (tools.step_trace; the allocator's census on an H200 for a recomputed
+layer's norm)."""
+LEAN_NORM_BLOCK_TOKENS = 4096
+"""memtune's lean RMSNorm (rank.lean_norm) runs its forward and backward this many tokens at a
+time: what bounds its fp32 temporaries."""
+LEAN_NORM_BACKWARD_FP32 = 4
+"""... of which its backward holds this many block-sized fp32 tensors at once (the recomputed
+fp32 input, the two partial gradients, pow's; tools.step_trace)."""
 
 
 NF4_BYTES = {True: 0.5 + 1 / 64 + 4 / (64 * 256), False: 0.5 + 4 / 64}  # by double_quant
@@ -171,7 +178,7 @@ def layer_bytes(
     h, inter = int(a["hidden_size"]), int(a.get("intermediate_size") or 0)
     b = compute_bytes(cfg)
     n = tokens
-    norms = 2 * n * h * 4  # RMSNorm keeps its input in fp32, twice per layer
+    norms = 2 * norm_saved_bytes(d, n, h, b)  # the layer's two RMSNorms
     if kind == "linear_attention":
         mixer = linear_mixer_bytes(cfg, n)
         inputs = counts.linear_attention_lora_inputs
@@ -236,15 +243,37 @@ its mixture, Qwen3-VL's language models (Qwen3's layers; a full-size trace showe
 10.7% under without them) and Qwen3.5's full-attention layers."""
 
 
+def norm_saved_bytes(d: Decisions, rows: int, width: int, b: int) -> int:
+    """What one RMSNorm over ``rows`` × ``width`` keeps for backward: transformers' its input
+    upcast to fp32; memtune's lean one (rank.lean_norm) and Liger's the input as it came and
+    one fp32 inverse RMS a row."""
+    if d.kernels.rms_norm == "torch":
+        return rows * width * 4
+    return rows * width * b + rows * 4
+
+
+def norm_backward_bytes(d: Decisions, tokens: int, width: int, b: int) -> int:
+    """What an RMSNorm's backward allocates at once over ``tokens`` × ``width``: transformers'
+    runs in fp32 over the whole sequence; the lean one a block of tokens at a time into the
+    input's gradient (its own dtype); Liger's writes that gradient alone."""
+    if d.kernels.rms_norm == "torch":
+        return NORM_BACKWARD_FP32 * tokens * width * 4
+    grad = tokens * width * b
+    if d.kernels.rms_norm == "liger":
+        return grad
+    block = min(tokens, LEAN_NORM_BLOCK_TOKENS) * width
+    return grad + LEAN_NORM_BACKWARD_FP32 * block * 4
+
+
 def attention_bytes(cfg: RunConfig, d: Decisions, n: int) -> tuple[int, int]:
-    """(attention's saved bytes, its per-head norms' fp32 inputs) for ``n`` tokens."""
+    """(attention's saved bytes, what its per-head q / k norms keep) for ``n`` tokens."""
     a = cfg.model.architecture
     hd = head_dim(a)
     heads, kv = int(a["num_attention_heads"]), int(a["num_key_value_heads"])
     b, sp = compute_bytes(cfg), d.sequence_parallel
     norms = 0
     if a.get("model_type") in QK_NORMED:
-        norms = n * hd * (heads + kv) * 4  # per head on q and k (Qwen3's q_norm, k_norm)
+        norms = norm_saved_bytes(d, n * (heads + kv), hd, b)  # Qwen3's q_norm, k_norm per head
     # q, output, and k, v at their KV heads (sdpa and FA2 read grouped heads; eager repeats;
     # Ulysses repeats KV heads up to sp when there are fewer).
     kv_heads = heads if d.attention == "eager" else max(kv, sp)
@@ -319,7 +348,7 @@ def saved_bytes(
         # The frozen embedding's output needs no gradient, so the first norm keeps nothing
         # (reentrant checkpointing makes it require one), nor do the dropouts of the first
         # layer's adapters that read it keep their masks (only their dropped copies).
-        kept -= n * h * 4
+        kept -= norm_saved_bytes(d, n, h, b)
         if keeps_dropout_copies(cfg, d):
             mask = 1 if cuda else b
             first = (
@@ -328,7 +357,7 @@ def saved_bytes(
                 else counts.lora_inputs
             )
             kept -= sum(n * i * mask for name, i, _ in first if name in FIRST_NORM_READERS)
-    return kept + n * h * 4  # + the final norm's input
+    return kept + norm_saved_bytes(d, n, h, b)  # + the final norm's
 
 
 def activation_bytes(
@@ -470,9 +499,8 @@ def step_peak(
     saved = saved_bytes(cfg, d, tokens, counts, cuda)
     back = backward_bytes(cfg, d, tokens, counts, cuda)
     moments = [StepPeak("the loss", saved, loss=round(loss_bytes(cfg, d, tokens)))]
-    # The final norm's backward runs in fp32 (RMSNorm upcasts): five tokens × hidden fp32
-    # temporaries at once, next to everything saved (tools.step_trace).
-    norm_backward = NORM_BACKWARD_FP32 * tokens * h * 4
+    # The final norm's backward, next to everything saved (tools.step_trace).
+    norm_backward = norm_backward_bytes(d, tokens, h, compute_bytes(cfg))
     moments.append(StepPeak("backward of the final norm", saved, backward=norm_backward))
     if k + s < layers:
         moments.append(StepPeak(f"backward of layer {layers - 1}", saved, backward=back))
@@ -487,8 +515,10 @@ def step_peak(
         moments.append(StepPeak(where, held, 0, back))
     if k > 0:
         inputs = kept_inputs(d) * tokens * h * compute_bytes(cfg)
+        # a lean (or Liger's) first norm keeps the layer's input: the checkpoint's, counted
+        shared_input = 0 if d.kernels.rms_norm == "torch" else tokens * h * compute_bytes(cfg)
         for kind in set(layer_kinds(cfg)[:k]):
-            layer = layer_bytes(cfg, d, tokens, counts, cuda, kind)
+            layer = layer_bytes(cfg, d, tokens, counts, cuda, kind) - shared_input
             where = f"backward of layer {k - 1} (recomputed)"
             moments.append(StepPeak(where, inputs + layer, 0, back))
             if d.tiled_mlp:
@@ -709,6 +739,10 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
         extras.append(f"{linear} linear-attention layers as measured on transformers' torch code")
     if cfg.peft.dropout > 0 and not keeps_dropout_copies(cfg, d):
         extras.append("LoRA dropout's masks regenerated in backward (no copies kept)")
+    if d.kernels.rms_norm != "torch":
+        extras.append(
+            f"{'lean' if d.kernels.rms_norm == 'lean' else 'Liger'} RMSNorm (no fp32 copies)"
+        )
     copies = dropout_copies_bytes(cfg, d, tokens, counts, cuda, peak)
     out.add(
         "activations",

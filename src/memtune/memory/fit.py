@@ -229,6 +229,11 @@ def format_suggestions(
     )
 
 
+ESTIMATE_TIE = 0.005
+"""plan.auto_fit: variants whose estimated steps are this close (relative) are tied, and the
+cheapest of them is taken (e.g. the 8-bit optimizer for a selective layer's 1 ms: no)."""
+
+
 def auto_fit(
     cfg: RunConfig,
     d: Decisions,
@@ -275,8 +280,13 @@ def auto_fit(
         fitting = precise or fitting
         if fitting and cfg.plan.device_tflops:
             # With a step-time estimate (memory/step_time.py), the fastest by that estimate,
-            # its checkpointed layers chosen as the launch would; ties keep the cheapest.
-            return min(fitting, key=lambda f: _estimated_step_s(f, counts, machine))
+            # its checkpointed layers chosen as the launch would; ties (within ESTIMATE_TIE)
+            # keep the cheapest: a change is made for speed, never for a rounding of it.
+            steps = [_estimated_step_s(f, counts, machine) for f in fitting]
+            fastest = min(steps)
+            return next(
+                f for f, s in zip(fitting, steps, strict=True) if s <= fastest * (1 + ESTIMATE_TIE)
+            )
         if fitting:
             return fitting[0]  # cheapest first
     return None

@@ -150,7 +150,7 @@ def build_rank(
         mlp_tiles=tiles,
         offloaded_layers=offloaded,
         linear_attention=linear,
-        kernels=kernels_label(kernels),
+        kernels=kernels_label(kernels, d.kernels),
         regenerated_dropouts=regenerated,
     )
 

@@ -1,7 +1,9 @@
 """Fused RMSNorm, SwiGLU and rotary kernels in the decoder layers, as decided (decisions.json
 ``kernels``; trainer.rms_norm_kernel, swiglu_kernel, rope_kernel).
 
-``torch`` replaces nothing: transformers' own code runs. ``liger`` puts Liger's functional ops
+``torch`` replaces nothing: transformers' own code runs. ``lean`` (RMSNorm only) puts memtune's
+lean RMSNorm (rank.lean_norm: the same ops, no fp32 copy kept) in every RMSNorm module, wired
+as Liger's is below. ``liger`` puts Liger's functional ops
 (``liger_kernel.ops``: the Triton autograd Functions themselves, not its whole-model patches)
 into the model memtune loaded, module by module, so memtune says what is replaced:
 
@@ -42,6 +44,7 @@ import torch
 
 from memtune.config import ConfigError
 from memtune.config.decisions import Kernels
+from memtune.rank.lean_norm import lean_rms_norm
 
 RmsNorm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 """(x, weight, eps) -> weight · x / rms(x), in x's dtype as transformers' Qwen RMSNorm."""
@@ -130,13 +133,19 @@ def liger_functions() -> KernelFunctions:
 
 
 def chosen(kernels: Kernels, functions: KernelFunctions) -> KernelFunctions:
-    """``functions`` for the kernels decided liger, None (transformers' code) for the rest."""
+    """``functions`` for the kernels decided liger, memtune's lean RMSNorm where decided
+    (rank.lean_norm), None (transformers' code) for the rest."""
+    rms_norm = {"liger": functions.rms_norm, "lean": lean_rms_norm}.get(kernels.rms_norm)
     return KernelFunctions(
-        rms_norm=functions.rms_norm if kernels.rms_norm == "liger" else None,
+        rms_norm=rms_norm,
         silu_mul=functions.silu_mul if kernels.swiglu == "liger" else None,
         rope=functions.rope if kernels.rope == "liger" else None,
         rope_in_place=functions.rope_in_place,
     )
+
+
+NO_LIGER = KernelFunctions()
+"""No Liger function: what :func:`chosen` picks from for a run that decided none."""
 
 
 def liger_available(device: torch.device) -> bool:
@@ -145,11 +154,13 @@ def liger_available(device: torch.device) -> bool:
 
 def use_fused_kernels(model: Any, kernels: Kernels, device: torch.device) -> Wired:
     """The decided kernels (decisions.json ``kernels``) on ``model`` (the peft model), whatever
-    was applied before; refused (ConfigError: exit 2, naming the field) on a rank without CUDA
-    and liger-kernel (the job decided from its view of the machine)."""
-    if not kernels.fused():
+    was applied before; Liger's refused (ConfigError: exit 2, naming the field) on a rank
+    without CUDA and liger-kernel (the job decided from its view of the machine)."""
+    if not kernels.fused() and kernels.rms_norm != "lean":
         remove_kernels(model)
         return Wired()
+    if not kernels.fused():
+        return use_kernels(model, chosen(kernels, NO_LIGER))
     if not liger_available(device):
         name = kernels.fused()[0]
         raise ConfigError(
@@ -192,7 +203,7 @@ def wiring_of(model: Any) -> Wiring:
     kind = getattr(model.config, "model_type", None)
     if kind not in WIRED:
         raise ConfigError(
-            f"kernels: Liger's layer kernels are wired for {' and '.join(sorted(WIRED))} "
+            f"kernels: the layer kernels are wired for {' and '.join(sorted(WIRED))} "
             f"models; this one is {kind!r}: run with the trainer.*_kernel settings on torch"
         )
     return WIRED[kind]
@@ -273,18 +284,22 @@ def remove_kernels(model: Any) -> None:
         setattr(modeling, ROPE_NAME, _ROPE_ORIGINAL.pop(WIRED[kind].modeling))
 
 
-def kernels_label(wired: Wired) -> str:
-    """For the start-up line: what was reached ("" with nothing fused)."""
+def kernels_label(wired: Wired, kernels: Kernels) -> str:
+    """For the start-up line: what was reached ("" with nothing replaced)."""
+    lean = kernels.rms_norm == "lean"
     parts = [
         f"{n} {what}"
         for n, what in (
-            (wired.norms, "RMSNorms"),
+            (0 if lean else wired.norms, "RMSNorms"),
             (wired.mlps, "SwiGLU MLPs"),
             (wired.attentions, "rotary attentions"),
         )
         if n
     ]
-    return f"Liger kernels in {', '.join(parts)}" if parts else ""
+    said = [f"lean RMSNorm in {wired.norms} norms"] if lean and wired.norms else []
+    if parts:
+        said.append(f"Liger kernels in {', '.join(parts)}")
+    return "; ".join(said)
 
 
 # --- the same math in torch ------------------------------------------------------------------

@@ -48,6 +48,7 @@ from memtune.config.decisions import Decisions
 from memtune.expert_stacks import expert_modules, experts_state
 from memtune.memory.counts import arch_config
 from memtune.memory.vision import as_on_cuda
+from memtune.rank.kernels import use_fused_kernels
 from memtune.rank.layers import decoder_layers
 from memtune.rank.loss import CausalLMLoss
 from memtune.rank.model import add_lora, torch_dtype
@@ -163,6 +164,13 @@ def traced_decisions(cfg: RunConfig, d: Decisions) -> tuple[Decisions, list[str]
         d = dataclasses.replace(d, attention="sdpa")
     if d.loss != "plain":
         d = dataclasses.replace(d, loss="chunked")
+    if d.kernels.fused():
+        # Liger's RMSNorm keeps what the lean one keeps (the input and a per-row inverse RMS);
+        # its SwiGLU and rotary are Triton, traced as transformers' ops
+        notes.append(f"Liger's {' + '.join(d.kernels.fused())} traced as lean RMSNorm / torch")
+        lean = "lean" if d.kernels.rms_norm == "liger" else d.kernels.rms_norm
+        kernels = dataclasses.replace(d.kernels, rms_norm=lean, swiglu="torch", rope="torch")
+        d = dataclasses.replace(d, kernels=kernels)
     return d, notes
 
 
@@ -231,6 +239,7 @@ def trace_step(cfg: RunConfig, d: Decisions, fake: bool = True) -> Trace:
     model.to(dtype)
     model.config.use_cache = False
     model = add_lora(model, cfg, d)
+    use_fused_kernels(model, d.kernels, torch.device("cpu"))  # the lean RMSNorm, if decided
     for _, experts in expert_modules(model):
         experts_state(experts).even_routing = True  # see rank.experts._routed_rows
     as_on_cuda(model)  # the trace stands for a GPU rank
