@@ -67,13 +67,27 @@ class Phase:
         )
 
 
+BASELINE_SIDES = ("profile-baseline", "baseline", "unsloth-model", "unsloth")
+"""Phases that run another recipe as its users run it: CUDA's allocator left as torch sets it."""
+
+
 def device_and_env(phase: Phase) -> Any:
     import torch
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cpu" and not phase.mode.dry_run:
         raise RuntimeError("no CUDA device: the GPU check needs one (--dry-run runs on CPU)")
+    allocator = None
+    if phase.side not in BASELINE_SIDES:
+        # as a rank starts (rank.worker), before anything starts CUDA: the shipped default
+        from memtune.config import compose, to_run_config
+        from memtune.config.decisions import cuda_allocator
+        from memtune.rank.worker import use_cuda_allocator
+
+        allocator = use_cuda_allocator(cuda_allocator(to_run_config(compose([]))))
     phase.data["env"] = environment(device)
+    if device.type == "cuda":
+        phase.data["env"]["cuda_allocator"] = allocator or "torch's defaults (the recipe's)"
     if device.type == "cuda":
         torch.cuda.set_device(device)
         phase.data["env"]["matmul_tflops"] = matmul_tflops(device)

@@ -49,7 +49,16 @@ def collect(mode: Mode, work: Path) -> dict[str, Any]:
     frags = load_fragments(work)
     status_path = work / "status.json"
     status = json.loads(status_path.read_text()) if status_path.is_file() else {}
-    env = next((f["env"] for f in frags if "env" in f), {})
+    env = dict(next((f["env"] for f in frags if "env" in f), {}))
+    # each phase's CUDA allocator (recorder.device_and_env): memtune's as a rank starts, the
+    # recipes' as their users run them; by allocator, the phases that ran with it
+    allocators: dict[str, list[str]] = {}
+    for f in frags:
+        if "cuda_allocator" in f.get("env", {}):
+            allocators.setdefault(f["env"]["cuda_allocator"], []).append(f["phase"])
+    env.pop("cuda_allocator", None)
+    if allocators:
+        env["cuda_allocators"] = allocators
     records = [r for f in frags for r in f["records"]]
     search = next((f for f in frags if f.get("search_info")), None)
     result = {
@@ -161,8 +170,13 @@ def format_check(mode: Mode, work: Path) -> Path:
         result["unsloth"]["comparison"] = compare_unsloth(result["records"])
     fake_readings(result.get("mixture"))
     result["env"].update(gpu="FAKE GPU (format check)", gpu_total_gib=139.8, matmul_tflops=777.0)
+    result["env"]["cuda_allocators"] = {
+        "expandable segments": ["lora-memtune"],
+        "torch's defaults (the recipe's)": ["lora-baseline"],
+    }
     assert all("speedup" in c and "memory_ratio" in c for c in result["comparison"])
     text = markdown(result)
+    assert "; CUDA allocator expandable segments: lora-memtune;" in text, "no allocator"
     assert not result["moe"] or "| memtune | " in text, "the MoE table did not render"
     assert not result["kernels"] or "| all three |" in text, "the kernels table did not render"
     runs = (result.get("mixture") or {}).get("runs") or []
@@ -266,6 +280,10 @@ def markdown(result: dict[str, Any]) -> str:
             f"; bf16 matmul 8192³ {env['matmul_tflops']:.0f} TFLOP/s at the start"
             if "matmul_tflops" in env
             else ""
+        )
+        + "".join(
+            f"; CUDA allocator {alloc}: {', '.join(phases)}"
+            for alloc, phases in env.get("cuda_allocators", {}).items()
         )
         + ".",
         "",

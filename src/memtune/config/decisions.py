@@ -27,7 +27,9 @@ linear-attention kernels (memtune.linear_kernels).
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -67,6 +69,13 @@ no fp32 copy kept: rank.lean_norm), or Liger's fused kernel."""
 LoraDropout = Literal["peft", "regenerate"]
 """trainer.lora_dropout_kernel as run: peft's dropout module (its dropped copies and masks kept
 for backward), or the mask regenerated in backward (rank.lora_dropout)."""
+CudaAllocator = Literal["torch", "expandable", "environment"]
+"""The CUDA caching allocator's settings a rank starts with: torch's defaults, expandable
+segments (trainer.expandable_segments), or what the job's environment set
+(PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF, kept as given)."""
+ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+"""Where torch reads its allocator settings (the second is torch 2.9's name for both)."""
+EXPANDABLE = "expandable_segments:True"
 ExpertStorage = Literal["compute", "nf4", "fp4", "int8"]
 """A mixture's routed-expert stacks: in the compute dtype, or quantized (rank.experts)."""
 
@@ -354,6 +363,9 @@ class Decisions:
     experts: Experts | None = None
     vision: Vision | None = None
     kernels: Kernels = Kernels()
+    cuda_allocator: CudaAllocator = "torch"
+    """A decisions.json written before the field reads as torch's defaults (what those ranks
+    ran, unless their environment said otherwise)."""
     version: int = DECISIONS_VERSION
 
     def __post_init__(self) -> None:
@@ -363,6 +375,7 @@ class Decisions:
             "optimizer": Optimizer,
             "attention": AttentionKernel,
             "loss": LossKernel,
+            "cuda_allocator": CudaAllocator,
         }
         for name, literal in closed.items():
             value = getattr(self, name)
@@ -774,7 +787,18 @@ def decisions_for(
         experts=experts_of(cfg),
         vision=vision_of(cfg, checkpointing),
         kernels=kernels_of(cfg, choices.lora_dropout),
+        cuda_allocator=cuda_allocator(cfg),
     )
+
+
+def cuda_allocator(cfg: RunConfig, env: Mapping[str, str] | None = None) -> CudaAllocator:
+    """trainer.expandable_segments as run: the environment's allocator settings where it has
+    any (``env``, default this process's: the ranks inherit it), else expandable segments
+    unless turned off."""
+    env = os.environ if env is None else env
+    if any(env.get(name) for name in ALLOC_CONF_VARIABLES):
+        return "environment"
+    return "expandable" if cfg.trainer.expandable_segments else "torch"
 
 
 def with_sections(cfg: RunConfig, **sections: dict[str, Any]) -> RunConfig:

@@ -331,6 +331,13 @@ class TrainerConfig:
     offload_activations: Choice[Switch] = "auto"
     """auto | on | off: checkpointed layers keep their input in (pinned) host memory until
     backward, instead of on the device. Needs activation_checkpointing."""
+    expandable_segments: bool = True
+    """CUDA ranks run PyTorch's caching allocator with expandable segments
+    (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): a segment grows in place instead of
+    freed blocks of many sizes staying reserved — the fragmentation that ended a one-card
+    long-context run at 81,920 tokens with 2.21 GiB reserved but unallocated. Where the
+    environment sets PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF already, yours is kept
+    (decisions.json says which). No effect on CPU ranks."""
     compile: bool = False
     """torch.compile each decoder layer's forward (regional: one graph for all layers, dynamic
     shapes, attention left eager; checkpointed layers compiled inside memtune's checkpoint;

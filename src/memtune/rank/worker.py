@@ -16,7 +16,7 @@ import os
 import random
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -27,7 +27,13 @@ import torch.distributed as dist
 from memtune import quiet
 from memtune.config import ConfigError, RunConfig, needs_reference
 from memtune.config.architecture import routed_experts
-from memtune.config.decisions import Decisions, Vision
+from memtune.config.decisions import (
+    ALLOC_CONF_VARIABLES,
+    EXPANDABLE,
+    CudaAllocator,
+    Decisions,
+    Vision,
+)
 from memtune.config.schema import read_run_config
 from memtune.data.encode import DataStats, load_tokenizer
 from memtune.data.loaders import eval_batches, make_loader
@@ -98,6 +104,25 @@ def seed_everything(seed: int) -> None:
         np.random.seed(seed)
     except ImportError:
         pass
+
+
+def use_cuda_allocator(
+    decided: CudaAllocator, env: MutableMapping[str, str] | None = None
+) -> str:
+    """The CUDA caching allocator's settings as decided (decisions.json ``cuda_allocator``),
+    put in this process's environment (``env``) before anything starts CUDA, which reads them
+    once; what the rank then runs with, for its start-up line. Settings the rank's own
+    environment has already are never replaced."""
+    env = os.environ if env is None else env
+    given = next((f"{n}={env[n]}" for n in ALLOC_CONF_VARIABLES if env.get(n)), None)
+    if given is not None:
+        return f"{given} (the environment's)"
+    if decided == "expandable":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE
+        return "expandable segments"
+    if decided == "environment":
+        return "torch's defaults (the job's allocator settings did not reach this rank)"
+    return "torch's defaults"
 
 
 def init_distributed() -> tuple[int, int, int, torch.device]:
@@ -329,6 +354,8 @@ class RankRun:
         # config.yaml, read once: typed for the run, as written for the logger's run config
         self.cfg, self.config_mapping = read_run_config(rd.config)
         self.decisions = read_decisions(rd, self.cfg)
+        # before anything starts CUDA
+        self.allocator = use_cuda_allocator(self.decisions.cuda_allocator)
         self.rank, self.local_rank, self.world, self.device = init_distributed()
         if self.decisions.batch.ranks != self.world:
             raise ConfigError(
@@ -352,7 +379,10 @@ class RankRun:
         ds_config = json.loads(self.rd.ds_config.read_text())
         self.parts = build_rank(cfg, d, ds_config, self.device, self.local_rank)
         self.engine = self.parts.engine
-        lines = start_up_lines(cfg, d, self.parts, self.world, self.groups, self.rd.read_plan())
+        allocator = self.allocator if self.device.type == "cuda" else ""
+        lines = start_up_lines(
+            cfg, d, self.parts, self.world, self.groups, self.rd.read_plan(), allocator
+        )
         self.print0(lines, flush=True)
         stats = DataStats(**self.data.train)
         self.ctx = RankContext(
@@ -559,11 +589,14 @@ def start_up_lines(
     world: int,
     groups: SequenceGroups,
     plan: PlanRecord | None = None,
+    allocator: str = "",
 ) -> str:
     """What the rank built and how it batches, as decided (decisions.json): the run's first
-    lines."""
+    lines (``allocator``: a CUDA rank's allocator settings, :func:`use_cuda_allocator`)."""
     t, batch = cfg.trainer, d.batch
     extras = f" · {parts.compiled_layers} layers compiled" if parts.compiled_layers else ""
+    if allocator:
+        extras += f" · allocator {allocator}"
     if parts.mlp_tiles:
         extras += f" · MLP in {parts.mlp_tiles} tiles"
     if parts.offloaded_layers:
