@@ -106,9 +106,7 @@ def seed_everything(seed: int) -> None:
         pass
 
 
-def use_cuda_allocator(
-    decided: CudaAllocator, env: MutableMapping[str, str] | None = None
-) -> str:
+def use_cuda_allocator(decided: CudaAllocator, env: MutableMapping[str, str] | None = None) -> str:
     """The CUDA caching allocator's settings as decided (decisions.json ``cuda_allocator``),
     put in this process's environment (``env``) before anything starts CUDA, which reads them
     once; what the rank then runs with, for its start-up line. Settings the rank's own
