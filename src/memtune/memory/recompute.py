@@ -151,8 +151,26 @@ def _fewest_layers_that_fit(
     def fits(k: int, s: int) -> bool:
         return plan(cfg, base.with_recompute(k, s), counts).total_gib <= room
 
+    def selective(k: int) -> int:
+        asked = _selective_asked(cfg, choices, k)
+        return asked if asked is not None else (layers - k if selective_ok else 0)
+
     # Up to layers - 1: recomputing the last layer as well would only cost (activation_bytes).
-    fulls = range(layers) if asked_full is None else [asked_full]
+    fulls: range | list[int] = range(layers) if asked_full is None else [asked_full]
+    top = layers - 1
+    if asked_full is None and fits(top, selective(top)):
+        # The first k that fits, by bisection: with top fitting, a step's peak only falls as
+        # k grows (a layer recomputed in full keeps its input, less than anything else keeps;
+        # the one moment that grows with k, the inputs beside the recomputed layer, is below
+        # the room at top). The same k as trying each from 0, in log2(layers) plans.
+        lo, hi = -1, top
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid, selective(mid)):
+                hi = mid
+            else:
+                lo = mid
+        fulls = [hi]
     for k in fulls:
         asked = _selective_asked(cfg, choices, k)
         if asked is not None:
