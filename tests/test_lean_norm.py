@@ -223,3 +223,27 @@ def test_lean_where_it_is_not_wired_is_refused_by_name(overrides: list[str], nam
     cfg = to_run_config(compose_cfg([*overrides, "trainer.rms_norm_kernel=lean"]))
     with pytest.raises(ConfigError, match=rf"trainer\.rms_norm_kernel=lean .*{named}"):
         validate(cfg, inputs=False)
+
+
+@pytest.mark.parametrize("blocks", [False, True])
+def test_its_output_takes_an_in_place_op_as_transformers_does(
+    monkeypatch: pytest.MonkeyPatch, blocks: bool
+) -> None:
+    """The output is a tensor of its own, not a view made inside the Function: autograd
+    refuses an in-place op on such a view, or on a view of it (Qwen3's q_norm output is
+    transposed, then rotated: in place by Liger's rotary, or by any consumer), where
+    transformers' output takes it. One block and many, the same values and gradients."""
+    if blocks:
+        monkeypatch.setattr(lean_norm, "BLOCK_TOKENS", 5)
+    torch.manual_seed(0)
+    x0 = torch.randn(3, 7, 4, 16, dtype=torch.bfloat16)
+    weight = (torch.randn(16) * 0.5 + 1).to(torch.bfloat16)
+    got = []
+    for fn in (reference_rms_norm, lean_rms_norm):
+        x = x0.clone().requires_grad_()
+        q = fn(x, weight, 1e-6).transpose(1, 2)
+        q.mul_(2.0)
+        (q * torch.linspace(-1, 1, q.numel()).view(q.shape)).sum().backward()
+        got.append((q.detach(), x.grad))
+    torch.testing.assert_close(got[1][0], got[0][0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1][1], got[0][1])

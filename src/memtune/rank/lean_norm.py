@@ -45,19 +45,24 @@ class LeanRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # The output is a tensor of its own, never a view (of a block buffer, of a reshape):
+        # autograd forbids an in-place op on a custom Function's view output, or on any view
+        # of it (``q_norm(...).transpose(1, 2)`` then ``mul_``), where transformers' allows it.
         width = x.shape[-1]
-        rows = x.reshape(-1, width)
-        if rows.shape[0] <= BLOCK_TOKENS:
-            out, rstd = _normed(rows, weight, eps)
+        if x.numel() <= BLOCK_TOKENS * width:
+            out, rstd = _normed(x, weight, eps)  # every op is over the last dim: any shape
+            rstd = rstd.reshape(-1, 1)
         else:
-            first = _normed(rows[:1], weight, eps)[0]  # the output's dtype (weight · x promotes)
-            out = rows.new_empty(rows.shape, dtype=first.dtype)
+            rows = x.reshape(-1, width)
+            dtype = torch.promote_types(weight.dtype, x.dtype)  # weight · x promotes
+            out = x.new_empty(x.shape, dtype=dtype)
+            flat = out.view(-1, width)
             rstd = rows.new_empty((rows.shape[0], 1), dtype=torch.float32)
             for start in range(0, rows.shape[0], BLOCK_TOKENS):
                 block = slice(start, start + BLOCK_TOKENS)
-                out[block], rstd[block] = _normed(rows[block], weight, eps)
+                flat[block], rstd[block] = _normed(rows[block], weight, eps)
         ctx.save_for_backward(x, weight, rstd)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
