@@ -249,3 +249,27 @@ def test_the_plan_matches_a_full_size_dora_step(tokens: int, more: list[str]) ->
     cfg, d = fitted.cfg, fitted.decisions
     traced = trace_step(cfg, d)
     assert -0.03 <= planned_step(cfg, d) / traced.step - 1 <= 0.04, (planned_step(cfg, d), traced)
+
+
+def test_the_lean_norms_saving_at_a_selective_layers_backward_is_what_the_trace_sees() -> None:
+    """27 layers recomputed in full, the last selectively (its backward the step's peak),
+    Qwen2.5-7B at 4,096 tokens: what the lean RMSNorm saves there against transformers' is
+    the traced saving — its first norm keeps the layer's input, which the selective layer
+    keeps already (once, not twice)."""
+    steps = {}
+    for norm in ("torch", "lean"):
+        given = to_run_config(
+            compose_cfg(
+                [
+                    "experiment=qwen2.5-7b-4x4090-lora",
+                    "data.max_seq_len=4096",
+                    f"trainer.rms_norm_kernel={norm}",
+                    *ONE_PROCESS,
+                ]
+            )
+        )
+        d = decided(given, recompute=27, selective=1)
+        steps[norm] = (planned_step(given, d), trace_step(given, d).step)
+    planned = steps["torch"][0] - steps["lean"][0]
+    traced = steps["torch"][1] - steps["lean"][1]
+    assert planned == pytest.approx(traced, rel=0.02), (planned, traced)

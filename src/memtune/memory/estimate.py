@@ -504,19 +504,21 @@ def step_peak(
     moments.append(StepPeak("backward of the final norm", saved, backward=norm_backward))
     if k + s < layers:
         moments.append(StepPeak(f"backward of layer {layers - 1}", saved, backward=back))
+    # a lean (or Liger's) first norm keeps the layer's input: the checkpoint's, counted
+    shared_input = 0 if d.kernels.rms_norm == "torch" else tokens * h * compute_bytes(cfg)
     if s > 0:
         # The last selective layer's backward: the layers after it are freed; it holds what it
-        # kept and its recomputed activations (less what they share), the earlier selective
-        # layers what they keep, the full ones their inputs.
+        # kept and its recomputed activations (less what they share: the outputs it kept, and
+        # its input, which it kept too), the earlier selective layers what they keep, the
+        # full ones their inputs.
         kept, shared = selective_kept(cfg, tokens, counts)
         last = layer_bytes(cfg, d, tokens, counts, cuda, layer_kinds(cfg)[k + s - 1])
+        last -= shared_input
         held = kept_inputs(d) * tokens * h * compute_bytes(cfg) + s * kept - shared + last
         where = f"backward of layer {k + s - 1} (recomputed selectively)"
         moments.append(StepPeak(where, held, 0, back))
     if k > 0:
         inputs = kept_inputs(d) * tokens * h * compute_bytes(cfg)
-        # a lean (or Liger's) first norm keeps the layer's input: the checkpoint's, counted
-        shared_input = 0 if d.kernels.rms_norm == "torch" else tokens * h * compute_bytes(cfg)
         for kind in set(layer_kinds(cfg)[:k]):
             layer = layer_bytes(cfg, d, tokens, counts, cuda, kind) - shared_input
             where = f"backward of layer {k - 1} (recomputed)"
