@@ -31,6 +31,7 @@ LEAN = Kernels(rms_norm="lean")
 def blocks_of_five(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
     """The forward and backward five tokens a block (the rank's and the planner's constant)."""
     monkeypatch.setattr(lean_norm, "BLOCK_TOKENS", 5)
+    monkeypatch.setattr(lean_norm, "NARROW_WIDTH", 1)  # every width a hidden norm's
     monkeypatch.setattr(estimate, "LEAN_NORM_BLOCK_TOKENS", 5)
     yield 5
 
@@ -235,6 +236,7 @@ def test_its_output_takes_an_in_place_op_as_transformers_does(
     transformers' output takes it. One block and many, the same values and gradients."""
     if blocks:
         monkeypatch.setattr(lean_norm, "BLOCK_TOKENS", 5)
+        monkeypatch.setattr(lean_norm, "NARROW_WIDTH", 1)
     torch.manual_seed(0)
     x0 = torch.randn(3, 7, 4, 16, dtype=torch.bfloat16)
     weight = (torch.randn(16) * 0.5 + 1).to(torch.bfloat16)
@@ -247,3 +249,23 @@ def test_its_output_takes_an_in_place_op_as_transformers_does(
         got.append((q.detach(), x.grad))
     torch.testing.assert_close(got[1][0], got[0][0], rtol=0, atol=0)
     torch.testing.assert_close(got[1][1], got[0][1])
+
+
+def test_narrow_rows_go_more_to_a_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3's per-head q / k norms (128 wide, every head of every token a row) run blocks of
+    about a hidden norm's values, not of its rows: a tenth of the Python loop's launches at
+    Qwen3-8B's shapes; a hidden norm's blocks stay the planner's tokens."""
+    monkeypatch.setattr(lean_norm, "NARROW_WIDTH", 1024)
+    calls: list[int] = []
+    normed = lean_norm._normed
+
+    def counted(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Any:
+        calls.append(x.shape[0])
+        return normed(x, weight, eps)
+
+    monkeypatch.setattr(lean_norm, "_normed", counted)
+    assert lean_norm.block_rows(3584) == lean_norm.block_rows(1024) == lean_norm.BLOCK_TOKENS
+    assert lean_norm.block_rows(128) == 8 * lean_norm.BLOCK_TOKENS
+    x = torch.randn(1, 4096, 32 + 8, 128, dtype=torch.bfloat16)  # 4,096 tokens' q and k heads
+    lean_rms_norm(x, torch.ones(128, dtype=torch.bfloat16), 1e-6)
+    assert len(calls) == 5 and calls[0] == 8 * lean_norm.BLOCK_TOKENS  # not 40 of 4,096 rows

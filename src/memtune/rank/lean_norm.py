@@ -16,7 +16,8 @@ two norms' fp32 copies held 1.31 GiB and the backward's own temporaries 3.61 GiB
 * The backward makes the fp32 copy again from the kept input (an exact cast) and runs, block by
   block, the ops autograd runs for transformers' forward, in its order — the gradient is the
   same bit for bit on the same machine (tests/test_kernels.py) — with at most
-  :data:`~memtune.memory.estimate.LEAN_NORM_BLOCK_TOKENS` tokens' temporaries alive at once.
+  :data:`~memtune.memory.estimate.LEAN_NORM_BLOCK_TOKENS` tokens' temporaries alive at once
+  (rows narrower than :data:`NARROW_WIDTH`, proportionally more rows: :func:`block_rows`).
 
 The cost is one more cast of the input in backward (memory-bound, small beside a layer's
 matmuls). A trainable norm weight (a plain full fine-tune of the norms) takes transformers' own
@@ -30,6 +31,18 @@ from typing import Any
 import torch
 
 from memtune.memory.estimate import LEAN_NORM_BLOCK_TOKENS as BLOCK_TOKENS
+
+NARROW_WIDTH = 1024
+"""Rows narrower than this (Qwen3's per-head q / k norms: 128 wide, a token's heads each a row)
+go that many times more to a block, so that a block holds about as many values as a hidden
+norm's: 4,096 rows of 128 would be a Python loop of ~40 kernel launches a block over
+tokens × heads rows (320 blocks a layer at 32k tokens), launch-bound on a GPU for no memory
+the planner counts."""
+
+
+def block_rows(width: int) -> int:
+    """Rows a block of the lean RMSNorm runs at once, at this width."""
+    return BLOCK_TOKENS * max(1, NARROW_WIDTH // max(width, 1))
 
 
 def _normed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +62,8 @@ class LeanRMSNorm(torch.autograd.Function):
         # autograd forbids an in-place op on a custom Function's view output, or on any view
         # of it (``q_norm(...).transpose(1, 2)`` then ``mul_``), where transformers' allows it.
         width = x.shape[-1]
-        if x.numel() <= BLOCK_TOKENS * width:
+        step = block_rows(width)
+        if x.numel() <= step * width:
             out, rstd = _normed(x, weight, eps)  # every op is over the last dim: any shape
             rstd = rstd.reshape(-1, 1)
         else:
@@ -58,8 +72,8 @@ class LeanRMSNorm(torch.autograd.Function):
             out = x.new_empty(x.shape, dtype=dtype)
             flat = out.view(-1, width)
             rstd = rows.new_empty((rows.shape[0], 1), dtype=torch.float32)
-            for start in range(0, rows.shape[0], BLOCK_TOKENS):
-                block = slice(start, start + BLOCK_TOKENS)
+            for start in range(0, rows.shape[0], step):
+                block = slice(start, start + step)
                 flat[block], rstd[block] = _normed(rows[block], weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return out
@@ -70,8 +84,9 @@ class LeanRMSNorm(torch.autograd.Function):
         width = x.shape[-1]
         rows, grads = x.reshape(-1, width), grad.reshape(-1, width)
         dx = torch.empty_like(rows)
-        for start in range(0, rows.shape[0], BLOCK_TOKENS):
-            block = slice(start, start + BLOCK_TOKENS)
+        step = block_rows(width)
+        for start in range(0, rows.shape[0], step):
+            block = slice(start, start + step)
             dx[block] = _input_grad(rows[block], grads[block], weight, rstd[block])
         return dx.view(x.shape), None, None
 
