@@ -257,7 +257,8 @@ def one_rank(monkeypatch: pytest.MonkeyPatch) -> Any:
 def test_under_zero3_with_partitioned_norm_weights(one_rank: None) -> None:
     """Qwen2 under ZeRO-3 (build_rank's engine, every weight partitioned, the norms' too):
     each kernel call gets the norm's whole weight, gathered for that call, and the loss and
-    LoRA gradients equal transformers' own code's."""
+    LoRA gradients equal the engine's as built — with auto's lean RMSNorm (rank.lean_norm), so
+    this is also the lean norm under ZeRO-3 against transformers' math."""
     from deepspeed.utils import safe_get_full_grad
 
     from memtune.config.deepspeed import build_ds_config
@@ -282,6 +283,7 @@ def test_under_zero3_with_partitioned_norm_weights(one_rank: None) -> None:
     model = engine.module.model
     norm = model.get_base_model().model.norm
     assert d.zero_stage == 3 and norm.weight.numel() == 0  # partitioned between calls
+    assert d.kernels.rms_norm == "lean" and type(norm).__name__ == "FusedQwen2RMSNorm"
 
     def go() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         torch.manual_seed(1)

@@ -162,10 +162,11 @@ def _saved_tensors(y: torch.Tensor) -> list[torch.Tensor]:
     return list(node.saved_tensors)
 
 
-def test_in_a_model_under_every_recompute_path() -> None:
+def test_in_a_model_under_every_recompute_path(blocks_of_five: int) -> None:
     """Qwen3 (per-head q / k norms), 3 layers — recomputed in full, selectively, kept — LoRA
     with dropout on every linear layer: every norm reached, the same logits and LoRA gradients
-    as transformers' norms (the logits bit for bit; the gradients to fp32's rounding: in an
+    as transformers' norms, five tokens a block (the logits bit for bit; the gradients to
+    fp32's rounding: in an
     fp32 model transformers' upcast is the input itself, so the residual's gradient and the
     norm's two are summed in another order); then the MLP tiled and the layers' inputs offloaded
     (rank.long_context's own checkpoint); and taken out again."""
@@ -200,6 +201,7 @@ def test_in_a_model_under_every_recompute_path() -> None:
         (["model=tiny-qwen3"], "lean"),
         (["model=tiny-qwen3-moe"], "torch"),
         (["model=tiny-qwen3.5"], "torch"),
+        (["model=tiny-qwen2.5-vl"], "torch"),  # the vision-language models: their own norms
         (["trainer.compile=true"], "torch"),
         (["trainer.rms_norm_kernel=torch"], "torch"),
     ],

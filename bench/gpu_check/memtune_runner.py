@@ -31,7 +31,7 @@ from .measure import (
     step_clock,
     timing,
 )
-from .modes import CAP_GIB, LONG_OVERRIDES
+from .modes import CAP_GIB, LONG_OVERRIDES, long_search_of
 from .recorder import Phase, device_and_env, init_one_rank, time_left
 
 
@@ -115,7 +115,7 @@ def run_memtune(
     extra = LONG_OVERRIDES if long else ()
     if method == "dpo":  # a preference objective trains without LoRA dropout
         extra = ("peft.dropout=0.0",)
-    first = (lengths or mode.long_search)[0]  # built for the first length it will run
+    first = (lengths or long_search_of(mode, method))[0]  # built for the first length it runs
     cfg0 = compose_cfg(mode, method, first, extra)
     counts = count_params(cfg0)
     cfg, d0 = decided_at(planned_for(cfg0, gib_at.get(first)), first, counts)
@@ -246,7 +246,7 @@ def search_cap(
         torch.cuda.set_per_process_memory_fraction(allocator_cap / now["total_gib"], device)
     # What the planner says fits, for every length tried and beyond.
     planned = []
-    lengths = mode.long_search if long else mode.search
+    lengths = long_search_of(mode, phase.method) if long else mode.search
     key = "long_" if long else ""
     for seq_len in lengths:
         p = plan_record(*decided_at(cfg0, seq_len, counts), counts)

@@ -33,6 +33,7 @@ class Mode:
     budget_s: float = 420.0
     long_lengths: tuple[int, ...] = ()  # long-context phases: timed lengths
     long_search: tuple[int, ...] = ()  # ... and the lengths tried under the cap, ascending
+    long_search_lora: tuple[int, ...] = ()  # ... for LoRA on a bf16 base, if not those
     hybrid_model: str = "tiny-qwen3.5"  # the Qwen3.5 phases: a hybrid model ...
     hybrid_len: int = 256  # ... trained on packed rows of this many tokens
     moe_tokens: int = 256  # the MoE block phase: tokens a step (Qwen3-30B-A3B's width on a GPU)
@@ -52,6 +53,9 @@ GPU = Mode(
     # from 96k (issue #47's target): 65,536 was measured with transformers' RMSNorm
     # (2026-12-04); the lean one plans twice as far, and a step there takes about a minute
     long_search=(98304, 131072, 163840),
+    # a bf16 base: 32,768 fitted and 49,152 did not with transformers' RMSNorm (2026-12-04);
+    # the lean one plans 54,272
+    long_search_lora=(49152, 57344, 65536),
     hybrid_model="qwen3.5-2b",
     hybrid_len=4096,
     moe_tokens=4096,
@@ -75,8 +79,13 @@ def lengths_from_env(mode: Mode) -> Mode:
     if timed is not None:
         mode = dataclasses.replace(mode, long_lengths=timed)
     if search is not None:
-        mode = dataclasses.replace(mode, long_search=search)
+        mode = dataclasses.replace(mode, long_search=search, long_search_lora=search)
     return mode
+
+
+def long_search_of(mode: Mode, method: str) -> tuple[int, ...]:
+    """The lengths a long phase of ``method`` tries under the cap, ascending."""
+    return mode.long_search_lora if method == "lora" and mode.long_search_lora else mode.long_search
 
 
 # The tiny model has 2 layers: checkpoint the first only, so the selective path runs; the

@@ -81,10 +81,10 @@ def device_and_env(phase: Phase) -> Any:
     if phase.side not in BASELINE_SIDES:
         # as a rank starts (rank.worker), before anything starts CUDA: the shipped default
         from memtune.config import compose, to_run_config
-        from memtune.config.decisions import cuda_allocator
+        from memtune.config.decisions import cuda_alloc_conf
         from memtune.rank.worker import use_cuda_allocator
 
-        allocator = use_cuda_allocator(cuda_allocator(to_run_config(compose([]))))
+        allocator = use_cuda_allocator(cuda_alloc_conf(to_run_config(compose([]))))
     phase.data["env"] = environment(device)
     if device.type == "cuda":
         phase.data["env"]["cuda_allocator"] = allocator or "torch's defaults (the recipe's)"

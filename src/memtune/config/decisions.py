@@ -69,12 +69,9 @@ no fp32 copy kept: rank.lean_norm), or Liger's fused kernel."""
 LoraDropout = Literal["peft", "regenerate"]
 """trainer.lora_dropout_kernel as run: peft's dropout module (its dropped copies and masks kept
 for backward), or the mask regenerated in backward (rank.lora_dropout)."""
-CudaAllocator = Literal["torch", "expandable", "environment"]
-"""The CUDA caching allocator's settings a rank starts with: torch's defaults, expandable
-segments (trainer.expandable_segments), or what the job's environment set
-(PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF, kept as given)."""
-ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-"""Where torch reads its allocator settings (the second is torch 2.9's name for both)."""
+ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+"""Where torch reads its allocator settings, in the order it reads them (the first is torch
+2.9's name for every device; the second the older, CUDA's own)."""
 EXPANDABLE = "expandable_segments:True"
 ExpertStorage = Literal["compute", "nf4", "fp4", "int8"]
 """A mixture's routed-expert stacks: in the compute dtype, or quantized (rank.experts)."""
@@ -363,9 +360,9 @@ class Decisions:
     experts: Experts | None = None
     vision: Vision | None = None
     kernels: Kernels = Kernels()
-    cuda_allocator: CudaAllocator = "torch"
-    """A decisions.json written before the field reads as torch's defaults (what those ranks
-    ran, unless their environment said otherwise)."""
+    cuda_alloc_conf: str = ""
+    """The CUDA caching allocator's settings the ranks start with (PYTORCH_CUDA_ALLOC_CONF's
+    form; "": torch's defaults, as a decisions.json written before the field reads)."""
     version: int = DECISIONS_VERSION
 
     def __post_init__(self) -> None:
@@ -375,7 +372,6 @@ class Decisions:
             "optimizer": Optimizer,
             "attention": AttentionKernel,
             "loss": LossKernel,
-            "cuda_allocator": CudaAllocator,
         }
         for name, literal in closed.items():
             value = getattr(self, name)
@@ -387,6 +383,8 @@ class Decisions:
         for name in ("tiled_mlp", "offload_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise DecisionError(f"{name} must be true or false (got {getattr(self, name)!r})")
+        if not isinstance(self.cuda_alloc_conf, str):
+            raise DecisionError(f"cuda_alloc_conf must be a string (got {self.cuda_alloc_conf!r})")
         if self.experts is not None and self.kernels.fused():
             raise DecisionError(
                 f"kernels.{self.kernels.fused()[0]} is liger with experts (a mixture of "
@@ -787,18 +785,21 @@ def decisions_for(
         experts=experts_of(cfg),
         vision=vision_of(cfg, checkpointing),
         kernels=kernels_of(cfg, choices.lora_dropout),
-        cuda_allocator=cuda_allocator(cfg),
+        cuda_alloc_conf=cuda_alloc_conf(cfg),
     )
 
 
-def cuda_allocator(cfg: RunConfig, env: Mapping[str, str] | None = None) -> CudaAllocator:
-    """trainer.expandable_segments as run: the environment's allocator settings where it has
-    any (``env``, default this process's: the ranks inherit it), else expandable segments
-    unless turned off."""
+def cuda_alloc_conf(cfg: RunConfig, env: Mapping[str, str] | None = None) -> str:
+    """trainer.expandable_segments as run: the allocator settings of the job's environment
+    (``env``, default this process's) where it has any — kept as given, and carried by
+    decisions.json to ranks whose launcher does not pass the environment on (DeepSpeed's
+    hostfile runner over ssh) —, else expandable segments unless turned off ("": torch's
+    defaults)."""
     env = os.environ if env is None else env
-    if any(env.get(name) for name in ALLOC_CONF_VARIABLES):
-        return "environment"
-    return "expandable" if cfg.trainer.expandable_segments else "torch"
+    given = next((env[name] for name in ALLOC_CONF_VARIABLES if env.get(name)), None)
+    if given:
+        return given
+    return EXPANDABLE if cfg.trainer.expandable_segments else ""
 
 
 def with_sections(cfg: RunConfig, **sections: dict[str, Any]) -> RunConfig:

@@ -59,6 +59,7 @@ def reference_key(cfg: RunConfig, d: Decisions, rd: RunDir, data_dir: str) -> st
         "base": base.get("fingerprint") or cfg.model.name_or_path,
         "revision": cfg.model.revision,
         "architecture": dict(cfg.model.architecture),
+        "rope_scaling": dict(cfg.model.rope_scaling or {}),  # YaRN changes every log-prob
         "quantization": [d.peft_method, p.quant_type, p.double_quant],
         "data": Path(data_dir).name,  # the tokenized cache's own fingerprint
         "precision": t.precision,

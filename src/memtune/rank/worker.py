@@ -30,7 +30,6 @@ from memtune.config.architecture import routed_experts
 from memtune.config.decisions import (
     ALLOC_CONF_VARIABLES,
     EXPANDABLE,
-    CudaAllocator,
     Decisions,
     Vision,
 )
@@ -106,21 +105,28 @@ def seed_everything(seed: int) -> None:
         pass
 
 
-def use_cuda_allocator(decided: CudaAllocator, env: MutableMapping[str, str] | None = None) -> str:
-    """The CUDA caching allocator's settings as decided (decisions.json ``cuda_allocator``),
+def use_cuda_allocator(decided: str, env: MutableMapping[str, str] | None = None) -> str:
+    """The CUDA caching allocator's settings as decided (decisions.json ``cuda_alloc_conf``),
     put in this process's environment (``env``) before anything starts CUDA, which reads them
     once; what the rank then runs with, for its start-up line. Settings the rank's own
-    environment has already are never replaced."""
+    environment has already are never replaced (the line says when they differ)."""
     env = os.environ if env is None else env
-    given = next((f"{n}={env[n]}" for n in ALLOC_CONF_VARIABLES if env.get(n)), None)
-    if given is not None:
-        return f"{given} (the environment's)"
-    if decided == "expandable":
-        env["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE
+    own = next(((name, env[name]) for name in ALLOC_CONF_VARIABLES if env.get(name)), None)
+    if own is None:
+        if decided:
+            env["PYTORCH_CUDA_ALLOC_CONF"] = decided
+        return allocator_label(decided)
+    name, value = own
+    if value == decided:
+        return allocator_label(value)
+    return f"{name}={value} (this rank's environment; decided: {allocator_label(decided)})"
+
+
+def allocator_label(conf: str) -> str:
+    """For the start-up line: "expandable segments", the settings, or torch's defaults."""
+    if conf == EXPANDABLE:
         return "expandable segments"
-    if decided == "environment":
-        return "torch's defaults (the job's allocator settings did not reach this rank)"
-    return "torch's defaults"
+    return f"PYTORCH_CUDA_ALLOC_CONF={conf}" if conf else "torch's defaults"
 
 
 def init_distributed() -> tuple[int, int, int, torch.device]:
@@ -353,7 +359,7 @@ class RankRun:
         self.cfg, self.config_mapping = read_run_config(rd.config)
         self.decisions = read_decisions(rd, self.cfg)
         # before anything starts CUDA
-        self.allocator = use_cuda_allocator(self.decisions.cuda_allocator)
+        self.allocator = use_cuda_allocator(self.decisions.cuda_alloc_conf)
         self.rank, self.local_rank, self.world, self.device = init_distributed()
         if self.decisions.batch.ranks != self.world:
             raise ConfigError(
