@@ -1,6 +1,6 @@
 """A rank entry point for tests: two whole runs in one start of the ranks — the run dir named by
 ``$MEMTUNE_TEST_FIRST_RUN``, then RUN_DIR — each ``memtune.rank.worker.run`` from build to
-export, the process group kept between them (a run ends with a barrier, never destroying it).
+export, the process group kept between them (the first run's teardown skips destroying it).
 What two launches give, without starting the ranks twice (the interpreters, their imports,
 gloo's rendezvous): tests/test_expert_parallel_matrix.py compares a run at
 trainer.expert_parallel=2 with the same run at 1 this way.
@@ -21,8 +21,12 @@ from memtune.rundir import RunDir
 
 
 def main() -> None:
-    run(RunDir(Path(os.environ["MEMTUNE_TEST_FIRST_RUN"])))
-    assert dist.is_initialized()  # the second run's ranks find the group the first one made
+    destroy = dist.destroy_process_group
+    dist.destroy_process_group = lambda *args, **kwargs: None  # kept for the second run
+    try:
+        run(RunDir(Path(os.environ["MEMTUNE_TEST_FIRST_RUN"])))
+    finally:
+        dist.destroy_process_group = destroy
     run(RunDir(Path(sys.argv[1])))
     leave(0)
 

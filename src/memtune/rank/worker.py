@@ -548,16 +548,9 @@ class RankRun:
 
     @contextlib.contextmanager
     def ending_together(self) -> Iterator[None]:
-        """The ranks end together (a barrier) when they end together: a finished run, or an
-        end every rank agreed in a collective (a stop, a non-finite loss). A rank failing
-        alone skips it: the others are in a collective it will never join.
-
-        After the barrier no collective is pending on any rank, and the process group is not
-        destroyed: the rank ends through :func:`leave` (``os._exit``), which runs no C++
-        destructor, and ``destroy_process_group`` is where the rest of the native teardown
-        was (gloo's process groups shut down and freed, the store released): a rank still
-        aborted now and then after a complete run ("terminate called without an active
-        exception", once in about three full test runs) with it in place."""
+        """The ranks leave the process group together (a barrier) when they end together: a
+        finished run, or an end every rank agreed in a collective (a stop, a non-finite loss).
+        A rank failing alone skips it: the others are in a collective it will never join."""
         failed = False
         try:
             yield
@@ -569,6 +562,7 @@ class RankRun:
         finally:
             if dist.is_initialized() and not failed:
                 dist.barrier()
+                dist.destroy_process_group()
 
 
 def run(rd: RunDir, after_train: AfterTrain | None = None) -> TrainResult:
@@ -755,13 +749,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def leave(code: int) -> None:
-    """End a rank whose work is done (results written, files closed, the ranks past their last
-    barrier) without the interpreter's teardown of the native libraries: there, now and then, a
-    C++ thread still joinable is destroyed and the rank aborts ("terminate called without an
+    """End a rank whose work is done (results written, files closed, process group destroyed)
+    without the interpreter's teardown of the native libraries: there, now and then, a C++
+    thread still joinable is destroyed and the rank aborts ("terminate called without an
     active exception", SIGABRT, the job exits 250) after a complete run — seen twice in six
-    full test runs on 2 CPU ranks, never reproduced alone (nor in 150 two-rank gloo starts
-    that destroy their group). Real errors (any other exception) still take Python's normal
-    exit, with their traceback."""
+    full test runs on 2 CPU ranks, never reproduced alone. Real errors (any other exception)
+    still take Python's normal exit, with their traceback."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
