@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import sys
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,6 @@ from memtune.config import ConfigError, RunConfig, load_run_config
 from memtune.config.decisions import Decisions, rank_machine
 from memtune.exit_codes import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OOM, EXIT_REQUEUE
 from memtune.filesystem import write_atomic
-from memtune.integrity import check_files
 from memtune.launcher import oom
 from memtune.launcher.preflight import PreflightError, for_launch
 from memtune.launcher.prepare import (
@@ -318,48 +316,13 @@ def _stopped_before_launch(run_dir: Path, kind: str, error: str, sweeping: bool)
 def _launch(job: Job, run_dir: Path) -> int:
     """This node's ranks to their end; after an out-of-memory stop, plan.auto_fit's restart."""
     print(f"memtune: run dir {run_dir}", flush=True)
-    started = time.time()
     code = launch(job.cfg, run_dir, spec=job.spec, extra_env=job.env)
-    if code == ABORTED and (why := finished_before(job.cfg, run_dir, started)) is not None:
-        print(
-            f"memtune: warning: a rank aborted (SIGABRT) after the run had finished: {why}, "
-            "so the run counts as finished (exit 0). A native library's teardown aborts now "
-            "and then after a complete run on CPU ranks under load; nothing of the run is lost.",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 0
     # Any rank's report counts, whatever the code (a peer that lost its connection may have
     # exited first).
     spec = job.spec
     if code != 0 and oom.reports(run_dir) and spec.node_rank == 0 and spec.form != "per-node":
         code = after_out_of_memory(job.cfg, job.decisions, run_dir, spec, job.env)
     return code
-
-
-ABORTED = 128 + signal.SIGABRT
-"""The job's exit code when a rank died by SIGABRT (launcher.spawn.job_code)."""
-
-
-def finished_before(cfg: RunConfig, run_dir: Path, started: float) -> str | None:
-    """What shows that this launch's run finished before a rank died, or None: rank 0 wrote
-    the end of trainer.max_steps in summary.json after ``started`` (after the export, which
-    every rank joins), and every file it lists verifies (sizes and sha256)."""
-    rd = RunDir(run_dir)
-    try:
-        if rd.summary.stat().st_mtime < started:
-            return None
-        summary = rd.read_summary()
-    except (OSError, RecordError):
-        return None
-    if summary.steps != cfg.trainer.max_steps or not summary.outputs:
-        return None
-    if check_files(rd.path, summary.outputs) is not None:
-        return None
-    return (
-        f"{rd.summary.name} holds step {summary.steps} of {cfg.trainer.max_steps} and its "
-        f"{len(summary.outputs)} files verify"
-    )
 
 
 def _report(code: int, spec: NodeSpec, run_dir: Path, sweeping: bool) -> int:
