@@ -13,8 +13,8 @@ import torch
 
 from memtune.config import ConfigError, to_run_config, validate
 from memtune.config.decisions import Decisions, Kernels
-from memtune.memory import estimate
-from memtune.memory.estimate import norm_backward_bytes, norm_saved_bytes
+from memtune.memory import norms
+from memtune.memory.norms import norm_backward_bytes, norm_saved_bytes
 from memtune.rank import lean_norm
 from memtune.rank.kernels import kernels_label, reference_rms_norm, remove_kernels
 from memtune.rank.kernels import use_fused_kernels as wire
@@ -32,7 +32,7 @@ def blocks_of_five(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
     """The forward and backward five tokens a block (the rank's and the planner's constant)."""
     monkeypatch.setattr(lean_norm, "BLOCK_TOKENS", 5)
     monkeypatch.setattr(lean_norm, "NARROW_WIDTH", 1)  # every width a hidden norm's
-    monkeypatch.setattr(estimate, "LEAN_NORM_BLOCK_TOKENS", 5)
+    monkeypatch.setattr(norms, "LEAN_NORM_BLOCK_TOKENS", 5)
     yield 5
 
 
@@ -128,7 +128,7 @@ def test_it_keeps_the_input_and_an_inverse_rms_a_token_not_an_fp32_copy() -> Non
 
 def test_the_backward_holds_a_few_blocks_and_the_gradient(blocks_of_five: int) -> None:
     """1,000 tokens × 64 in blocks of five: the lean backward holds the input's gradient (bf16)
-    and four fp32 blocks at its peak — memory.estimate.norm_backward_bytes — where
+    and four fp32 blocks at its peak — memory.norms.norm_backward_bytes — where
     transformers' holds fp32 tensors of the whole sequence."""
     del blocks_of_five
     tokens, width = 1000, 64

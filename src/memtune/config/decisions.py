@@ -607,8 +607,9 @@ KERNEL_MODELS = ("qwen2", "qwen3")
 Qwen3 layers."""
 
 
-def lean_norm_unbuilt(cfg: RunConfig) -> str | None:
-    """Why memtune's lean RMSNorm is not wired for ``cfg`` (rank.kernels), or None."""
+def kernels_unwired(cfg: RunConfig) -> str | None:
+    """Why rank.kernels' layer kernels (Liger's, the lean RMSNorm) are not wired into ``cfg``'s
+    model — not a dense Qwen2 / Qwen3 —, or None."""
     arch = dict(cfg.model.architecture)
     if routed_experts(arch):
         return "a mixture of experts"
@@ -616,9 +617,14 @@ def lean_norm_unbuilt(cfg: RunConfig) -> str | None:
         return "a hybrid with linear-attention layers (Qwen3.5)"
     if arch.get("model_type") not in KERNEL_MODELS:
         return f"model_type {arch.get('model_type')!r}"
+    return None
+
+
+def lean_norm_unbuilt(cfg: RunConfig) -> str | None:
+    """Why memtune's lean RMSNorm is not wired for ``cfg`` (rank.kernels), or None."""
     if cfg.trainer.compile:
         return "trainer.compile=true (the compiled layers fuse their norms themselves)"
-    return None
+    return kernels_unwired(cfg)
 
 
 def norm_kernel(cfg: RunConfig, requested: NormKernel) -> RmsNormKernel:

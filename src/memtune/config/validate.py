@@ -13,7 +13,11 @@ from typing import Any
 
 from memtune.config import schema as schema_module
 from memtune.config.architecture import linear_attention_layers, moe_layers, routed_experts
-from memtune.config.decisions import KERNEL_MODELS, dropout_regeneration_unbuilt, lean_norm_unbuilt
+from memtune.config.decisions import (
+    dropout_regeneration_unbuilt,
+    kernels_unwired,
+    lean_norm_unbuilt,
+)
 from memtune.config.schema import (
     FORMATS,
     ConfigError,
@@ -217,16 +221,7 @@ def _check_kernels(cfg: RunConfig) -> None:
     if not asked:
         return
     name = asked[0]
-    arch = dict(cfg.model.architecture)
-    kind = arch.get("model_type")
-    why = None
-    if routed_experts(arch):
-        why = "a mixture of experts"
-    elif linear_attention_layers(arch):
-        why = "a hybrid with linear-attention layers (Qwen3.5)"
-    elif kind not in KERNEL_MODELS:
-        why = f"model_type {kind!r}"
-    if why:
+    if why := kernels_unwired(cfg):
         raise ConfigError(
             f"trainer.{name}_kernel=liger is wired for the dense Qwen2 / Qwen2.5 / Qwen3 layers "
             f"only; {cfg.model.name_or_path} is {why}: use trainer.{name}_kernel=auto (torch)"

@@ -57,6 +57,7 @@ from memtune.memory.expert_parallel import (
     layer_experts,
 )
 from memtune.memory.loading import GIB, LoadingPeak, loading_peak
+from memtune.memory.norms import norm_backward_bytes, norm_saved_bytes
 from memtune.memory.vision import add_image_rows
 from memtune.rundir import PlanRecord, PlanRow
 
@@ -71,18 +72,6 @@ FRAGMENTATION = 0.05
 # of what the step allocates above the weights (tiles, fp32 norm temporaries and the copy
 # stream's blocks of many sizes; the same run): this share of the per-token rows, 5% of the rest
 LONG_CONTEXT_FRAGMENTATION = 0.45
-
-NORM_BACKWARD_FP32 = 5
-"""transformers' RMSNorm's backward (it upcasts to fp32) holds this many tokens × hidden fp32
-temporaries at once (tools.step_trace; the allocator's census on an H200 for a recomputed
-layer's norm)."""
-LEAN_NORM_BLOCK_TOKENS = 4096
-"""memtune's lean RMSNorm (rank.lean_norm) runs its forward and backward this many tokens at a
-time: what bounds its fp32 temporaries."""
-LEAN_NORM_BACKWARD_FP32 = 4
-"""... of which its backward holds this many block-sized fp32 tensors at once (the recomputed
-fp32 input, the two partial gradients, pow's; tools.step_trace)."""
-
 
 NF4_BYTES = {True: 0.5 + 1 / 64 + 4 / (64 * 256), False: 0.5 + 4 / 64}  # by double_quant
 
@@ -241,28 +230,6 @@ QK_NORMED = ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text", *GATED_
 """Model types whose attention normalizes q and k per head (RMSNorm, fp32 inputs kept): Qwen3,
 its mixture, Qwen3-VL's language models (Qwen3's layers; a full-size trace showed the plan
 10.7% under without them) and Qwen3.5's full-attention layers."""
-
-
-def norm_saved_bytes(d: Decisions, rows: int, width: int, b: int) -> int:
-    """What one RMSNorm over ``rows`` × ``width`` keeps for backward: transformers' its input
-    upcast to fp32; memtune's lean one (rank.lean_norm) and Liger's the input as it came and
-    one fp32 inverse RMS a row."""
-    if d.kernels.rms_norm == "torch":
-        return rows * width * 4
-    return rows * width * b + rows * 4
-
-
-def norm_backward_bytes(d: Decisions, tokens: int, width: int, b: int) -> int:
-    """What an RMSNorm's backward allocates at once over ``tokens`` × ``width``: transformers'
-    runs in fp32 over the whole sequence; the lean one a block of tokens at a time into the
-    input's gradient (its own dtype); Liger's writes that gradient alone."""
-    if d.kernels.rms_norm == "torch":
-        return NORM_BACKWARD_FP32 * tokens * width * 4
-    grad = tokens * width * b
-    if d.kernels.rms_norm == "liger":
-        return grad
-    block = min(tokens, LEAN_NORM_BLOCK_TOKENS) * width
-    return grad + LEAN_NORM_BACKWARD_FP32 * block * 4
 
 
 def attention_bytes(cfg: RunConfig, d: Decisions, n: int) -> tuple[int, int]:

@@ -156,19 +156,18 @@ def use_fused_kernels(model: Any, kernels: Kernels, device: torch.device) -> Wir
     """The decided kernels (decisions.json ``kernels``) on ``model`` (the peft model), whatever
     was applied before; Liger's refused (ConfigError: exit 2, naming the field) on a rank
     without CUDA and liger-kernel (the job decided from its view of the machine)."""
-    if not kernels.fused() and kernels.rms_norm != "lean":
+    liger = kernels.fused()
+    if not liger and kernels.rms_norm == "torch":
         remove_kernels(model)
         return Wired()
-    if not kernels.fused():
-        return use_kernels(model, chosen(kernels, NO_LIGER))
-    if not liger_available(device):
-        name = kernels.fused()[0]
+    if liger and not liger_available(device):
+        name = liger[0]
         raise ConfigError(
             f"kernels.{name}=liger (decisions.json) needs CUDA and the liger-kernel package on "
             "every rank; this rank has neither or one: install it, or run with "
             f"trainer.{name}_kernel=torch"
         )
-    return use_kernels(model, chosen(kernels, liger_functions()))
+    return use_kernels(model, chosen(kernels, liger_functions() if liger else NO_LIGER))
 
 
 # --- the wiring ------------------------------------------------------------------------------

@@ -15,8 +15,8 @@ two norms' fp32 copies held 1.31 GiB and the backward's own temporaries 3.61 GiB
   input as it came (bf16) and each token's inverse RMS (one fp32 value a token).
 * The backward makes the fp32 copy again from the kept input (an exact cast) and runs, block by
   block, the ops autograd runs for transformers' forward, in its order — the gradient is the
-  same bit for bit on the same machine (tests/test_kernels.py) — with at most
-  :data:`~memtune.memory.estimate.LEAN_NORM_BLOCK_TOKENS` tokens' temporaries alive at once
+  same bit for bit on the same machine (tests/test_lean_norm.py) — with at most
+  :data:`~memtune.memory.norms.LEAN_NORM_BLOCK_TOKENS` tokens' temporaries alive at once
   (rows narrower than :data:`NARROW_WIDTH`, proportionally more rows: :func:`block_rows`).
 
 The cost is one more cast of the input in backward (memory-bound, small beside a layer's
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from memtune.memory.estimate import LEAN_NORM_BLOCK_TOKENS as BLOCK_TOKENS
+from memtune.memory.norms import LEAN_NORM_BLOCK_TOKENS as BLOCK_TOKENS
 
 NARROW_WIDTH = 1024
 """Rows narrower than this (Qwen3's per-head q / k norms: 128 wide, a token's heads each a row)
