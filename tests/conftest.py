@@ -107,6 +107,14 @@ def _deepspeed_groups_of_a_destroyed_world() -> Iterator[None]:
 def _private_model_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     # Synthesized models go to a per-session dir so tests never depend on ~/.cache.
     os.environ["MEMTUNE_CACHE_DIR"] = str(tmp_path_factory.mktemp("memtune-cache"))
+    # DeepSpeed's CPU ops as make install built them (memtune.launcher.extensions): the ranks
+    # memtune's launcher starts are given that dir, and so are the tests' own processes (gloo
+    # ranks spawned by a test, the one-rank engines in this one), which would otherwise build
+    # the shared-memory op once more in torch's default dir (45 s inside the first such test
+    # on a fresh machine).
+    from memtune.launcher.extensions import extensions_root
+
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_root()))
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]
     )

@@ -346,13 +346,15 @@ def test_expert_parallel_trains_as_one_rank_holding_every_expert(ep_runs: Any) -
     experts = [k for k in adapters[0] if ".mlp.experts." in k]
     assert len(experts) == 2 * 4  # two layers, A and B of both stacks, every expert in each
     # Adam's m/√v magnifies rounding (the combine adds in another order) where a gradient is
-    # near 0: a weight in ~65,000 parted by up to 1.1e-4 (2% of one step at the demo's lr,
-    # 5e-3), the rest within 1e-5
-    apart = 0
+    # near 0: a few weights of ~65,000 parted by up to 1.1e-4 (2% of one step at the demo's
+    # lr, 5e-3), the rest within 1e-5 — how few depends on the CPU's kernels (1 on an AVX-512
+    # EPYC, 6 on an AMX Xeon): at most 1 in 4,000, where a wrong expert's adapter parts most
+    apart = total = 0
     for name, tensor in adapters[0].items():
         torch.testing.assert_close(adapters[1][name], tensor, rtol=1e-3, atol=2.5e-4)
         apart += int(((adapters[1][name] - tensor).abs() > 1e-5).sum())
-    assert apart <= 4, apart
+        total += tensor.numel()
+    assert apart <= total // 4000, (apart, total)
     assert all(adapters[1][k].abs().max() > 0 for k in experts if "lora_B" in k)
 
 
