@@ -189,7 +189,7 @@ CHOICE_FIELDS = {
     "trainer.optimizer": "adamw | adamw_8bit | cpu_adam",
     "trainer.loss": "auto | chunked | plain | liger",
     "trainer.rms_norm_kernel": "auto | torch | lean | liger",
-    "trainer.swiglu_kernel": "auto | torch | liger",
+    "trainer.swiglu_kernel": "auto | torch | lean | liger",
     "trainer.rope_kernel": "auto | torch | liger",
     "trainer.on_nonfinite": "stop | skip",
     "logger.backend": "wandb | none",

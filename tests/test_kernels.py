@@ -41,9 +41,10 @@ LIGER = [
 
 
 def test_auto_is_torch_and_a_kernel_asked_for_is_decided_as_asked() -> None:
-    """auto: Liger's never (until measured); RMSNorm the lean one where it is wired
-    (tests/test_lean_norm.py)."""
-    d = decided(to_run_config(compose_cfg(["trainer.rms_norm_kernel=torch"])))
+    """auto: Liger's never (until measured); RMSNorm and SwiGLU the lean ones where they are
+    wired (tests/test_lean_norm.py, tests/test_lean_swiglu.py)."""
+    torch_layers = ["trainer.rms_norm_kernel=torch", "trainer.swiglu_kernel=torch"]
+    d = decided(to_run_config(compose_cfg(torch_layers)))
     assert d.kernels == Kernels() and d.kernels.label() == "torch"
     asked = decided(to_run_config(compose_cfg(LIGER[:2])))
     assert asked.kernels == Kernels("liger", "liger", "torch")
@@ -63,8 +64,8 @@ def test_auto_is_torch_and_a_kernel_asked_for_is_decided_as_asked() -> None:
     bad = {**raw, "kernels": {**raw["kernels"], "rope": "auto"}}
     with pytest.raises(DecisionError, match=r"kernels\.rope is 'auto', not one of torch \| liger"):
         Decisions.from_dict(bad)
-    bad = {**raw, "kernels": {**raw["kernels"], "swiglu": "lean"}}  # lean is an RMSNorm only
-    with pytest.raises(DecisionError, match=r"kernels\.swiglu is 'lean', not one of torch \| li"):
+    bad = {**raw, "kernels": {**raw["kernels"], "rope": "lean"}}  # lean: RMSNorm and SwiGLU
+    with pytest.raises(DecisionError, match=r"kernels\.rope is 'lean', not one of torch \| li"):
         Decisions.from_dict(bad)
     with pytest.raises(DecisionError, match=r"kernels\.fast is not a decision field"):
         Decisions.from_dict({**raw, "kernels": {**raw["kernels"], "fast": "liger"}})
@@ -257,8 +258,9 @@ def one_rank(monkeypatch: pytest.MonkeyPatch) -> Any:
 def test_under_zero3_with_partitioned_norm_weights(one_rank: None) -> None:
     """Qwen2 under ZeRO-3 (build_rank's engine, every weight partitioned, the norms' too):
     each kernel call gets the norm's whole weight, gathered for that call, and the loss and
-    LoRA gradients equal the engine's as built — with auto's lean RMSNorm (rank.lean_norm), so
-    this is also the lean norm under ZeRO-3 against transformers' math."""
+    LoRA gradients equal the engine's as built — with auto's lean RMSNorm and SwiGLU
+    (rank.lean_norm, rank.lean_swiglu), so this is also the lean kernels under ZeRO-3 against
+    transformers' math."""
     from deepspeed.utils import safe_get_full_grad
 
     from memtune.config.deepspeed import build_ds_config
@@ -284,6 +286,8 @@ def test_under_zero3_with_partitioned_norm_weights(one_rank: None) -> None:
     norm = model.get_base_model().model.norm
     assert d.zero_stage == 3 and norm.weight.numel() == 0  # partitioned between calls
     assert d.kernels.rms_norm == "lean" and type(norm).__name__ == "FusedQwen2RMSNorm"
+    mlp = model.get_base_model().model.layers[0].mlp
+    assert d.kernels.swiglu == "lean" and type(mlp).__name__ == "FusedQwen2MLP"
 
     def go() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         torch.manual_seed(1)
@@ -467,7 +471,7 @@ def test_the_gpu_checks_kernels_phase_compares_each_variant_with_all_torch() -> 
     sys.path.insert(0, str(ROOT))
     from bench.gpu_check.kernels import VARIANTS, compare_to_first, kernels_markdown
 
-    assert VARIANTS[0] == ("torch", {}) and len(VARIANTS) == 9
+    assert VARIANTS[0] == ("torch", {}) and len(VARIANTS) == 10
     tol = {"loss_nats": 0.01, "grad_norm_rel": 0.05}
     out = {
         "seq_len": 2048,

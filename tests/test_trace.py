@@ -252,10 +252,10 @@ def test_the_plan_matches_a_full_size_dora_step(tokens: int, more: list[str]) ->
 
 
 def test_the_lean_norms_saving_at_a_selective_layers_backward_is_what_the_trace_sees() -> None:
-    """27 layers recomputed in full, the last selectively (its backward the step's peak),
-    Qwen2.5-7B at 4,096 tokens: what the lean RMSNorm saves there against transformers' is
-    the traced saving — its first norm keeps the layer's input, which the selective layer
-    keeps already (once, not twice)."""
+    """27 layers recomputed in full, the last selectively (its backward the step's peak, with
+    transformers' SwiGLU; with the lean one the loss's), Qwen2.5-7B at 4,096 tokens: what the
+    lean RMSNorm saves there against transformers' is the traced saving — its first norm keeps
+    the layer's input, which the selective layer keeps already (once, not twice)."""
     steps = {}
     for norm in ("torch", "lean"):
         given = to_run_config(
@@ -264,6 +264,7 @@ def test_the_lean_norms_saving_at_a_selective_layers_backward_is_what_the_trace_
                     "experiment=qwen2.5-7b-4x4090-lora",
                     "data.max_seq_len=4096",
                     f"trainer.rms_norm_kernel={norm}",
+                    "trainer.swiglu_kernel=torch",
                     *ONE_PROCESS,
                 ]
             )

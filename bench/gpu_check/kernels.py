@@ -3,7 +3,7 @@ Qwen2.5-7B's shapes at 2,048 tokens (the profile's row) with every layer kernel 
 chunked loss head and peft's LoRA dropout; each of Liger's RMSNorm, SwiGLU and rotary alone;
 all three; Liger's fused linear cross-entropy (trainer.loss=liger) against the chunked head;
 all of it together; LoRA dropout's masks regenerated in backward (rank.lora_dropout); and
-memtune's lean RMSNorm (rank.lean_norm).
+memtune's lean RMSNorm and SwiGLU (rank.lean_norm, rank.lean_swiglu).
 
 One rank is built as ranks build themselves (``memtune_runner.build_memtune``: build_rank from
 the all-torch variant's decisions); each variant's settings are then decided as a launch
@@ -64,6 +64,9 @@ VARIANTS: tuple[tuple[str, dict[str, str]], ...] = (
     # its fp32 copy, the backward block by block; the same recomputed layers, so this is its
     # cost (one more cast), and the peak what the copies held.
     ("RMSNorm lean", {"rms_norm_kernel": "lean"}),
+    # memtune's lean SwiGLU (rank.lean_swiglu): SiLU's output made again in backward instead
+    # of kept; the same recomputed layers, so this is its cost, and the peak what it held.
+    ("SwiGLU lean", {"swiglu_kernel": "lean"}),
 )
 """Each variant's trainer settings over BASE; the first is what the others are compared with."""
 BASE = {

@@ -38,8 +38,8 @@ from memtune.config.schema import (
     AttnImplementation,
     DropoutKernel,
     FusedKernel,
+    LeanKernel,
     Loss,
-    NormKernel,
     Optimizer,
     PeftMethod,
     RunConfig,
@@ -61,11 +61,12 @@ AttentionKernel = Literal["sdpa_varlen", "sdpa", "eager", "flash_attention_2"]
 LossKernel = Literal["chunked", "plain", "liger"]
 """trainer.loss as run: ``auto`` decided (rank.loss)."""
 LayerKernel = Literal["torch", "liger"]
-"""trainer.rms_norm_kernel / swiglu_kernel / rope_kernel as run: transformers' own code, or
-Liger's fused kernel (rank.kernels); ``auto`` decided torch until the GPU check measures it."""
-RmsNormKernel = Literal["torch", "lean", "liger"]
-"""trainer.rms_norm_kernel as run: transformers' own code, memtune's lean RMSNorm (the same ops,
-no fp32 copy kept: rank.lean_norm), or Liger's fused kernel."""
+"""trainer.rope_kernel as run: transformers' own code, or Liger's fused kernel (rank.kernels);
+``auto`` decided torch until the GPU check measures it."""
+LeanLayerKernel = Literal["torch", "lean", "liger"]
+"""trainer.rms_norm_kernel / swiglu_kernel as run: transformers' own code, memtune's lean
+RMSNorm or SwiGLU (the same ops, less kept for backward: rank.lean_norm, rank.lean_swiglu), or
+Liger's fused kernel."""
 LoraDropout = Literal["peft", "regenerate"]
 """trainer.lora_dropout_kernel as run: peft's dropout module (its dropped copies and masks kept
 for backward), or the mask regenerated in backward (rank.lora_dropout)."""
@@ -301,18 +302,19 @@ class Vision:
 @dataclass(frozen=True)
 class Kernels:
     """The kernels the decoder layers run (rank.kernels): transformers' own code (``torch``),
-    Liger's fused kernels (``liger``), or for RMSNorm memtune's lean one (rank.lean_norm); and
+    Liger's fused kernels (``liger``), or for RMSNorm and SwiGLU memtune's lean ones
+    (rank.lean_norm, rank.lean_swiglu); and
     how LoRA's dropout keeps what backward needs (rank.lora_dropout). A decisions.json written
     before a field existed reads as torch and peft: those runs ran transformers' and peft's
     code."""
 
-    rms_norm: RmsNormKernel = "torch"
-    swiglu: LayerKernel = "torch"
+    rms_norm: LeanLayerKernel = "torch"
+    swiglu: LeanLayerKernel = "torch"
     rope: LayerKernel = "torch"
     lora_dropout: LoraDropout = "peft"
 
     def __post_init__(self) -> None:
-        closed = {"rms_norm": RmsNormKernel, "swiglu": LayerKernel, "rope": LayerKernel}
+        closed = {"rms_norm": LeanLayerKernel, "swiglu": LeanLayerKernel, "rope": LayerKernel}
         for name, literal in closed.items():
             value = getattr(self, name)
             if value not in choices_of(literal):
@@ -329,12 +331,16 @@ class Kernels:
         """The kernels decided ``liger``, by name (``["rms_norm", "rope"]``)."""
         return [name for name in ("rms_norm", "swiglu", "rope") if getattr(self, name) == "liger"]
 
+    def lean(self) -> list[str]:
+        """The kernels decided ``lean``, by name (``["rms_norm", "swiglu"]``)."""
+        return [name for name in ("rms_norm", "swiglu") if getattr(self, name) == "lean"]
+
     def label(self) -> str:
-        """For humans: "torch", "lean RMSNorm", or "Liger RMSNorm + SwiGLU" (the rest
+        """For humans: "torch", "lean RMSNorm + SwiGLU", or "Liger RMSNorm + SwiGLU" (the rest
         torch)."""
         names = {"rms_norm": "RMSNorm", "swiglu": "SwiGLU", "rope": "rotary"}
-        fused = self.fused()
-        parts = ["lean RMSNorm"] if self.rms_norm == "lean" else []
+        fused, lean = self.fused(), self.lean()
+        parts = ["lean " + " + ".join(names[n] for n in lean)] if lean else []
         if fused:
             parts.append("Liger " + " + ".join(names[n] for n in fused))
         return ", ".join(parts) or "torch"
@@ -620,20 +626,21 @@ def kernels_unwired(cfg: RunConfig) -> str | None:
     return None
 
 
-def lean_norm_unbuilt(cfg: RunConfig) -> str | None:
-    """Why memtune's lean RMSNorm is not wired for ``cfg`` (rank.kernels), or None."""
+def lean_unbuilt(cfg: RunConfig) -> str | None:
+    """Why memtune's lean RMSNorm and SwiGLU are not wired for ``cfg`` (rank.kernels), or
+    None."""
     if cfg.trainer.compile:
-        return "trainer.compile=true (the compiled layers fuse their norms themselves)"
+        return "trainer.compile=true (the compiled layers fuse these ops themselves)"
     return kernels_unwired(cfg)
 
 
-def norm_kernel(cfg: RunConfig, requested: NormKernel) -> RmsNormKernel:
-    """trainer.rms_norm_kernel as run: ``auto`` is the lean RMSNorm wherever it is wired (the
-    same values as transformers', no fp32 copy kept), else transformers' own; Liger's only by
-    name."""
+def lean_kernel(cfg: RunConfig, requested: LeanKernel) -> LeanLayerKernel:
+    """trainer.rms_norm_kernel / swiglu_kernel as run: ``auto`` is memtune's lean kernel
+    wherever it is wired (transformers' values, less kept for backward), else transformers'
+    own; Liger's only by name."""
     if requested != "auto":
         return requested
-    return "lean" if lean_norm_unbuilt(cfg) is None else "torch"
+    return "lean" if lean_unbuilt(cfg) is None else "torch"
 
 
 def dropout_regeneration_unbuilt(cfg: RunConfig) -> str | None:
@@ -673,8 +680,8 @@ def kernels_of(cfg: RunConfig, lora_dropout: LoraDropout | None = None) -> Kerne
     (``lora_dropout``: the decider's choice for an ``auto`` one)."""
     t = cfg.trainer
     return Kernels(
-        rms_norm=norm_kernel(cfg, t.rms_norm_kernel),
-        swiglu=fused_kernel(t.swiglu_kernel),
+        rms_norm=lean_kernel(cfg, t.rms_norm_kernel),
+        swiglu=lean_kernel(cfg, t.swiglu_kernel),
         rope=fused_kernel(t.rope_kernel),
         lora_dropout=dropout_kernel(cfg, t.lora_dropout_kernel, lora_dropout),
     )

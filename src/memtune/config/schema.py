@@ -50,7 +50,7 @@ Switch = Literal["auto", "on", "off"]
 Optimizer = Literal["adamw", "adamw_8bit", "cpu_adam"]
 Loss = Literal["auto", "chunked", "plain", "liger"]
 FusedKernel = Literal["auto", "torch", "liger"]
-NormKernel = Literal["auto", "torch", "lean", "liger"]
+LeanKernel = Literal["auto", "torch", "lean", "liger"]
 DropoutKernel = Literal["auto", "peft", "regenerate"]
 OnNonfinite = Literal["stop", "skip"]
 Objective = Literal["sft", "dpo", "ipo", "simpo", "orpo"]
@@ -352,7 +352,7 @@ class TrainerConfig:
     """auto (memtune's chunked loss, until the GPU check measures Liger's faster) | chunked |
     plain (full-sequence logits, as HF models compute them) | liger (Liger's fused linear CE:
     CUDA and liger-kernel)"""
-    rms_norm_kernel: Choice[NormKernel] = "auto"
+    rms_norm_kernel: Choice[LeanKernel] = "auto"
     """auto | torch | lean | liger: every RMSNorm of a dense Qwen2 / Qwen2.5 / Qwen3 (each decoder
     layer's two, Qwen3's per-head q / k norms, the final one) as transformers computes it
     (torch: it keeps an fp32 copy of its input for backward); lean: the same ops as one
@@ -361,11 +361,14 @@ class TrainerConfig:
     fused kernel (CUDA and liger-kernel). auto: lean where it is built (the dense Qwen models
     without trainer.compile), else torch; Liger's only by name until the GPU check shows it
     faster at equal loss."""
-    swiglu_kernel: Choice[FusedKernel] = "auto"
-    """auto | torch | liger: the MLP's silu(gate) × up by Liger's fused kernel (silu
-    recomputed in backward, so neither its output nor the product's inputs are kept twice);
-    gate_proj, up_proj and down_proj stay the LoRA layers they are. auto: torch until
-    measured."""
+    swiglu_kernel: Choice[LeanKernel] = "auto"
+    """auto | torch | lean | liger: each dense Qwen MLP's silu(gate) × up as transformers
+    computes it (torch: SiLU's output kept for backward beside gate and up); lean: the same ops
+    as one autograd function that keeps gate and up only and makes SiLU's output again in
+    backward, a block of tokens at a time (the same gradients; rank.lean_swiglu); or Liger's
+    fused kernel (CUDA and liger-kernel). gate_proj, up_proj and down_proj stay the LoRA layers
+    they are. auto: lean where it is built (as rms_norm_kernel's), else torch; Liger's only by
+    name until the GPU check shows it faster at equal loss."""
     rope_kernel: Choice[FusedKernel] = "auto"
     """auto | torch | liger: the rotary position embedding applied to q and k in one Liger
     kernel, in place, instead of transformers' six elementwise ops. auto: torch until

@@ -16,7 +16,7 @@ from memtune.config.architecture import linear_attention_layers, moe_layers, rou
 from memtune.config.decisions import (
     dropout_regeneration_unbuilt,
     kernels_unwired,
-    lean_norm_unbuilt,
+    lean_unbuilt,
 )
 from memtune.config.schema import (
     FORMATS,
@@ -199,7 +199,7 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
 
 KERNELS = ("rms_norm", "swiglu", "rope")
 """trainer's layer-kernel settings, trainer.{name}_kernel (auto | torch | liger, and lean for
-RMSNorm; rank.kernels)."""
+RMSNorm and SwiGLU; rank.kernels)."""
 
 
 def liger_kernels(cfg: RunConfig) -> list[str]:
@@ -211,11 +211,12 @@ def _check_kernels(cfg: RunConfig) -> None:
     """Liger's layer kernels are wired for the dense Qwen2 / Qwen3 layers (rank.kernels): a
     mixture of experts, Qwen3.5's hybrid layers (gated attention, partial rotary, its own
     norms) and compiled layers are refused by name."""
-    if cfg.trainer.rms_norm_kernel == "lean" and (why := lean_norm_unbuilt(cfg)):
+    lean = [k for k in ("rms_norm", "swiglu") if getattr(cfg.trainer, f"{k}_kernel") == "lean"]
+    if lean and (why := lean_unbuilt(cfg)):
         raise ConfigError(
-            "trainer.rms_norm_kernel=lean is wired for the dense Qwen2 / Qwen2.5 / Qwen3 layers "
-            f"without trainer.compile; {cfg.model.name_or_path} runs with {why}: use "
-            "trainer.rms_norm_kernel=auto"
+            f"trainer.{lean[0]}_kernel=lean is wired for the dense Qwen2 / Qwen2.5 / Qwen3 "
+            f"layers without trainer.compile; {cfg.model.name_or_path} runs with {why}: use "
+            f"trainer.{lean[0]}_kernel=auto"
         )
     asked = liger_kernels(cfg)
     if not asked:

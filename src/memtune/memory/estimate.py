@@ -57,6 +57,7 @@ from memtune.memory.expert_parallel import (
     layer_experts,
 )
 from memtune.memory.loading import GIB, LoadingPeak, loading_peak
+from memtune.memory.mlp import swiglu_backward_bytes, swiglu_saved_bytes
 from memtune.memory.norms import norm_backward_bytes, norm_saved_bytes
 from memtune.memory.vision import add_image_rows
 from memtune.rundir import PlanRecord, PlanRow
@@ -184,7 +185,7 @@ def layer_bytes(
         mlp = n * h * b
         inputs = [i for i in inputs if i[0] not in MLP_PROJECTIONS]
     else:
-        mlp = 3 * n * inter * b  # gate (SiLU input), SiLU output, up
+        mlp = swiglu_saved_bytes(d, n, inter, b)
     copies = keeps_dropout_copies(cfg, d)
     lora = lora_activation_bytes(inputs, n, b, copies, cuda)
     if cfg.peft.dora:
@@ -271,22 +272,42 @@ def _by_kind(
     return {kind: layer_bytes(cfg, d, tokens, counts, cuda, kind) for kind in set(kinds)}
 
 
+RECOMPUTED_OUT_PER_INNER = 8
+"""A selective layer recomputes a matmul whose output has this many values or more for each
+step of its inner dimension (:func:`keeps_matmul_output`)."""
+
+
+def keeps_matmul_output(inner: int, out: int) -> bool:
+    """Whether a selective layer keeps a matmul's output (rank.layers), by its inner dimension
+    and output width: a value of the output costs 2 × ``inner`` FLOPs to make again, so an
+    output ``RECOMPUTED_OUT_PER_INNER`` times wider than the inner dimension is cheap to
+    recompute for the memory it holds — LoRA's B (r deep: r = 16 against 18,944 values a token
+    for gate_proj's), made again from the kept A output. The base projections (in ≥ out / 8 in
+    every Qwen layer) and LoRA's A (r wide) are kept."""
+    return out < RECOMPUTED_OUT_PER_INNER * inner
+
+
 def selective_kept(cfg: RunConfig, tokens: int, counts: ParamCounts) -> tuple[int, int]:
     """(what a selective layer keeps from its forward to its backward, the part of it a
     recomputed layer's activations share) for ``tokens`` tokens (rank.layers: torch's
     selective checkpointing keeping the matmuls' and attention's outputs). Kept: the layer's
-    input, every linear layer's output (q, k, v, o, gate, up, down), each adapter's A and B
-    outputs, attention's output and its fp32 logsumexp. Shared with what the backward's
-    recompute saves: attention's output and logsumexp, the gate and up outputs the MLP's
-    backward reads, the adapters' A outputs (lora_B's input). Dense attention layers only
-    (config.validate: not built for linear attention or routed experts)."""
+    input, every linear layer's output (q, k, v, o, gate, up, down), each adapter's A output
+    (and its B output where :func:`keeps_matmul_output` keeps it), attention's output and its
+    fp32 logsumexp. Shared with what the backward's recompute saves: attention's output and
+    logsumexp, the gate and up outputs the MLP's backward reads, the adapters' A outputs
+    (lora_B's input). Dense attention layers only (config.validate: not built for linear
+    attention or routed experts)."""
     a = cfg.model.architecture
     n, b, h = tokens, compute_bytes(cfg), int(a["hidden_size"])
     heads, inter = int(a["num_attention_heads"]), int(a.get("intermediate_size") or 0)
-    outs = {name.split(".")[-1]: o for name, _, o in counts.linear_shapes}
+    shapes = {name.split(".")[-1]: (i, o) for name, i, o in counts.linear_shapes}
+    base = sum(o for i, o in shapes.values() if keeps_matmul_output(i, o))
     attention = n * heads * head_dim(a) * b + n * heads * 4
-    adapters = sum(n * (r + outs[name]) * b for name, _, r in counts.lora_inputs)
-    kept = n * h * b + n * sum(outs.values()) * b + adapters + attention
+    adapters = sum(
+        n * (r + (shapes[name][1] if keeps_matmul_output(r, shapes[name][1]) else 0)) * b
+        for name, _, r in counts.lora_inputs
+    )
+    kept = n * h * b + n * base * b + adapters + attention
     shared = attention + 2 * n * inter * b + sum(n * r * b for _, _, r in counts.lora_inputs)
     return kept, shared
 
@@ -363,7 +384,8 @@ def backward_bytes(
     """What a decoder layer's backward adds, at its largest, to the activations it reads.
 
     The MLP's backward holds three tokens × intermediate gradients at once (of the down
-    projection's input, and of the gate and up outputs) plus the hidden-state gradient; by
+    projection's input, and of the gate and up outputs; memory.mlp, by kernel) plus the
+    hidden-state gradient; by
     then the down projection's backward has freed what its LoRA kept (its input). At the start
     of the layer's backward only the incoming and residual hidden gradients are new.
     (tools.step_trace measures these moments on the full-size model.)
@@ -385,7 +407,8 @@ def backward_bytes(
         # One tile (hidden_size tokens) recomputed with autograd and backpropagated: its
         # saved intermediates and their gradients, next to the whole input's gradient.
         tile = min(n, h)
-        return max(2 * n * h * b, 6 * tile * inter * b + 2 * n * h * b)
+        in_tile = swiglu_saved_bytes(d, tile, inter, b) + swiglu_backward_bytes(d, tile, inter, b)
+        return max(2 * n * h * b, in_tile + 2 * n * h * b)
     freed = 0
     if any(name == "down_proj" for name, _, _ in counts.lora_inputs):
         # With the masks regenerated (rank.lora_dropout) the down projection's adapter holds,
@@ -395,7 +418,7 @@ def backward_bytes(
         mask = 1 if cuda else b
         dropped = keeps_dropout_copies(cfg, d)
         freed = n * inter * (b + mask) if dropped else n * inter * b
-    return max(2 * n * h * b, 3 * n * inter * b + n * h * b - freed)
+    return max(2 * n * h * b, swiglu_backward_bytes(d, n, inter, b) + n * h * b - freed)
 
 
 @dataclass
@@ -711,6 +734,10 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
     if d.kernels.rms_norm != "torch":
         extras.append(
             f"{'lean' if d.kernels.rms_norm == 'lean' else 'Liger'} RMSNorm (no fp32 copies)"
+        )
+    if d.kernels.swiglu != "torch":
+        extras.append(
+            f"{'lean' if d.kernels.swiglu == 'lean' else 'Liger'} SwiGLU (SiLU's output not kept)"
         )
     copies = dropout_copies_bytes(cfg, d, tokens, counts, cuda, peak)
     out.add(

@@ -134,7 +134,13 @@ def _fewest_layers_that_fit(
 ) -> tuple[int, int]:
     """By step time within the memory: a full recompute runs a layer's matmuls again, a
     selective one only its elementwise ops, so the fewest full recomputes come first, then
-    the fewest selective layers."""
+    the fewest selective layers.
+
+    A selective layer holds less than a layer that keeps everything when its matmuls' outputs
+    are fewer bytes than the activations the layer would keep — not always: with the lean
+    kernels and LoRA dropout regenerated a kept Qwen2.5-7B layer holds less than a selective
+    one. So k full recomputes fit when the rest fit either all selective or all kept (the
+    layers are alike: the plan moves one way as selective layers replace kept ones)."""
     layers = int(cfg.model.architecture["num_hidden_layers"])
     asked_full = _full_asked(cfg, choices)
     asked_selective = _selective_asked(cfg, choices, asked_full or 0)
@@ -155,10 +161,17 @@ def _fewest_layers_that_fit(
         asked = _selective_asked(cfg, choices, k)
         return asked if asked is not None else (layers - k if selective_ok else 0)
 
+    def fits_some(k: int) -> bool:
+        """k full recomputes fit with the rest selective as asked, or (auto) all selective or
+        none."""
+        s = selective(k)
+        auto = _selective_asked(cfg, choices, k) is None
+        return fits(k, s) or (auto and s > 0 and fits(k, 0))
+
     # Up to layers - 1: recomputing the last layer as well would only cost (activation_bytes).
     fulls: range | list[int] = range(layers) if asked_full is None else [asked_full]
     top = layers - 1
-    if asked_full is None and fits(top, selective(top)):
+    if asked_full is None and fits_some(top):
         # The first k that fits, by bisection: with top fitting, a step's peak only falls as
         # k grows (a layer recomputed in full keeps its input, less than anything else keeps;
         # the one moment that grows with k, the inputs beside the recomputed layer, is below
@@ -166,7 +179,7 @@ def _fewest_layers_that_fit(
         lo, hi = -1, top
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if fits(mid, selective(mid)):
+            if fits_some(mid):
                 hi = mid
             else:
                 lo = mid
@@ -178,9 +191,11 @@ def _fewest_layers_that_fit(
                 return k, asked
             continue
         most = layers - k if selective_ok else 0
+        if fits(k, 0):
+            return k, 0
         if not fits(k, most):
             continue
-        lo, hi = -1, most  # fits(hi); the fewest selective layers that fit, by bisection
+        lo, hi = 0, most  # fits(hi); the fewest selective layers that fit, by bisection
         while hi - lo > 1:
             mid = (lo + hi) // 2
             if fits(k, mid):

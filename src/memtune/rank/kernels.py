@@ -1,9 +1,10 @@
 """Fused RMSNorm, SwiGLU and rotary kernels in the decoder layers, as decided (decisions.json
 ``kernels``; trainer.rms_norm_kernel, swiglu_kernel, rope_kernel).
 
-``torch`` replaces nothing: transformers' own code runs. ``lean`` (RMSNorm only) puts memtune's
-lean RMSNorm (rank.lean_norm: the same ops, no fp32 copy kept) in every RMSNorm module, wired
-as Liger's is below. ``liger`` puts Liger's functional ops
+``torch`` replaces nothing: transformers' own code runs. ``lean`` (RMSNorm and SwiGLU) puts
+memtune's lean RMSNorm (rank.lean_norm: the same ops, no fp32 copy kept) in every RMSNorm
+module, and its lean SwiGLU (rank.lean_swiglu: the same ops, SiLU's output not kept) in every
+MLP, wired as Liger's are below. ``liger`` puts Liger's functional ops
 (``liger_kernel.ops``: the Triton autograd Functions themselves, not its whole-model patches)
 into the model memtune loaded, module by module, so memtune says what is replaced:
 
@@ -45,6 +46,7 @@ import torch
 from memtune.config import ConfigError
 from memtune.config.decisions import Kernels
 from memtune.rank.lean_norm import lean_rms_norm
+from memtune.rank.lean_swiglu import lean_silu_mul
 
 RmsNorm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 """(x, weight, eps) -> weight · x / rms(x), in x's dtype as transformers' Qwen RMSNorm."""
@@ -133,12 +135,13 @@ def liger_functions() -> KernelFunctions:
 
 
 def chosen(kernels: Kernels, functions: KernelFunctions) -> KernelFunctions:
-    """``functions`` for the kernels decided liger, memtune's lean RMSNorm where decided
-    (rank.lean_norm), None (transformers' code) for the rest."""
+    """``functions`` for the kernels decided liger, memtune's lean RMSNorm and SwiGLU where
+    decided (rank.lean_norm, rank.lean_swiglu), None (transformers' code) for the rest."""
     rms_norm = {"liger": functions.rms_norm, "lean": lean_rms_norm}.get(kernels.rms_norm)
+    silu_mul = {"liger": functions.silu_mul, "lean": lean_silu_mul}.get(kernels.swiglu)
     return KernelFunctions(
         rms_norm=rms_norm,
-        silu_mul=functions.silu_mul if kernels.swiglu == "liger" else None,
+        silu_mul=silu_mul,
         rope=functions.rope if kernels.rope == "liger" else None,
         rope_in_place=functions.rope_in_place,
     )
@@ -157,7 +160,7 @@ def use_fused_kernels(model: Any, kernels: Kernels, device: torch.device) -> Wir
     was applied before; Liger's refused (ConfigError: exit 2, naming the field) on a rank
     without CUDA and liger-kernel (the job decided from its view of the machine)."""
     liger = kernels.fused()
-    if not liger and kernels.rms_norm == "torch":
+    if not liger and not kernels.lean():
         remove_kernels(model)
         return Wired()
     if liger and not liger_available(device):
@@ -239,8 +242,8 @@ def use_kernels(model: Any, functions: KernelFunctions) -> Wired:
     for mlp in mlps:
         if mlp.config.hidden_act not in ("silu", "swish"):
             raise ConfigError(
-                f"kernels.swiglu=liger: the MLP's activation is {mlp.config.hidden_act!r}, not "
-                "silu: run with trainer.swiglu_kernel=torch"
+                f"kernels.swiglu: the MLP's activation is {mlp.config.hidden_act!r}, not silu: "
+                "run with trainer.swiglu_kernel=torch"
             )
     for attention in attentions:
         fresh = hasattr(attention, "q_norm") or (
@@ -285,17 +288,27 @@ def remove_kernels(model: Any) -> None:
 
 def kernels_label(wired: Wired, kernels: Kernels) -> str:
     """For the start-up line: what was reached ("" with nothing replaced)."""
-    lean = kernels.rms_norm == "lean"
+    lean = kernels.lean()
+    lean_norm, lean_mlp = "rms_norm" in lean, "swiglu" in lean
     parts = [
         f"{n} {what}"
         for n, what in (
-            (0 if lean else wired.norms, "RMSNorms"),
-            (wired.mlps, "SwiGLU MLPs"),
+            (0 if lean_norm else wired.norms, "RMSNorms"),
+            (0 if lean_mlp else wired.mlps, "SwiGLU MLPs"),
             (wired.attentions, "rotary attentions"),
         )
         if n
     ]
-    said = [f"lean RMSNorm in {wired.norms} norms"] if lean and wired.norms else []
+    got = [
+        (n, kind, what)
+        for n, kind, what in (
+            (wired.norms if lean_norm else 0, "RMSNorm", "norms"),
+            (wired.mlps if lean_mlp else 0, "SwiGLU", "MLPs"),
+        )
+        if n
+    ]
+    named = " + ".join(kind for _, kind, _ in got)
+    said = [f"lean {named} in {', '.join(f'{n} {w}' for n, _, w in got)}"] if got else []
     if parts:
         said.append(f"Liger kernels in {', '.join(parts)}")
     return "; ".join(said)

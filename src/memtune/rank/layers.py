@@ -11,7 +11,9 @@ checkpoint, which keeps the layer's input and runs its whole forward again in ba
 contexts``, non-reentrant): the forward keeps the outputs of the layer's matmuls and attention
 (:func:`keeps_output`) beside its input, and the backward's recompute runs only the ops between
 them — norms, activations, rotary, dropout (with the forward's RNG state, so the same masks) —
-reading the kept outputs instead of multiplying again.
+reading the kept outputs instead of multiplying again; but for the matmuls that are cheap to
+redo for the memory their output holds (LoRA's B, r deep and as wide as its module's output:
+memory.estimate.keeps_matmul_output, which the planner counts by), which it runs again.
 """
 
 from __future__ import annotations
@@ -42,10 +44,23 @@ ATTENTION = ("attention", "flash_attn")
 flash-attn's custom operators."""
 
 
-def keeps_output(op: Any) -> bool:
-    """Whether a selective layer keeps this operator's outputs (else recomputes it)."""
+def keeps_output(op: Any, args: tuple[Any, ...] = ()) -> bool:
+    """Whether a selective layer keeps this operator's outputs (else recomputes it); ``args``:
+    the operator's, whose shapes say a matmul's inner dimension and output width."""
+    from memtune.memory.estimate import keeps_matmul_output
+
     name = str(op)
-    return name.startswith(MATMULS) or any(a in name for a in ATTENTION)
+    if any(a in name for a in ATTENTION):
+        return True
+    if not name.startswith(MATMULS):
+        return False
+    if name.startswith(("aten.mm.", "aten.bmm.")) and len(args) >= 2:
+        left, right = args[0], args[1]
+    elif name.startswith("aten.addmm.") and len(args) >= 3:
+        left, right = args[1], args[2]
+    else:
+        return True  # a grouped expert matmul: kept
+    return keeps_matmul_output(int(left.shape[-1]), int(right.shape[-1]))
 
 
 class SelectiveCheckpoint:
@@ -66,7 +81,7 @@ class SelectiveCheckpoint:
         )
 
         def policy(ctx: Any, op: Any, *a: Any, **k: Any) -> CheckpointPolicy:
-            if keeps_output(op):
+            if keeps_output(op, a):
                 return CheckpointPolicy.MUST_SAVE
             return CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -165,11 +165,16 @@ def traced_decisions(cfg: RunConfig, d: Decisions) -> tuple[Decisions, list[str]
     if d.loss != "plain":
         d = dataclasses.replace(d, loss="chunked")
     if d.kernels.fused():
-        # Liger's RMSNorm keeps what the lean one keeps (the input and a per-row inverse RMS);
-        # its SwiGLU and rotary are Triton, traced as transformers' ops
-        notes.append(f"Liger's {' + '.join(d.kernels.fused())} traced as lean RMSNorm / torch")
-        lean = "lean" if d.kernels.rms_norm == "liger" else d.kernels.rms_norm
-        kernels = dataclasses.replace(d.kernels, rms_norm=lean, swiglu="torch", rope="torch")
+        # Liger's RMSNorm and SwiGLU keep what the lean ones keep (the input and a per-row
+        # inverse RMS; gate and up); its rotary is Triton, traced as transformers' ops
+        notes.append(f"Liger's {' + '.join(d.kernels.fused())} traced as lean / torch")
+        k = d.kernels
+        kernels = dataclasses.replace(
+            k,
+            rms_norm="lean" if k.rms_norm == "liger" else k.rms_norm,
+            swiglu="lean" if k.swiglu == "liger" else k.swiglu,
+            rope="torch",
+        )
         d = dataclasses.replace(d, kernels=kernels)
     return d, notes
 
@@ -239,7 +244,7 @@ def trace_step(cfg: RunConfig, d: Decisions, fake: bool = True) -> Trace:
     model.to(dtype)
     model.config.use_cache = False
     model = add_lora(model, cfg, d)
-    use_fused_kernels(model, d.kernels, torch.device("cpu"))  # the lean RMSNorm, if decided
+    use_fused_kernels(model, d.kernels, torch.device("cpu"))  # the lean kernels, if decided
     for _, experts in expert_modules(model):
         experts_state(experts).even_routing = True  # see rank.experts._routed_rows
     as_on_cuda(model)  # the trace stands for a GPU rank
