@@ -188,7 +188,7 @@ def test_in_a_model_under_every_recompute_path(blocks_of_five: int) -> None:
     tile_mlps(base, tokens=768)
     offload_checkpoints(base, CPU)
     plain = step(long)
-    wire(long, LEAN, CPU)
+    wire(long, Kernels(rms_norm="lean", swiglu="lean"), CPU)  # the tiles run the lean SwiGLU
     assert_same(step(long), plain)
     untile_mlps(base)
     remove_kernels(long)
@@ -203,15 +203,17 @@ def test_in_a_model_under_every_recompute_path(blocks_of_five: int) -> None:
         (["model=tiny-qwen3.5"], "torch"),
         (["model=tiny-qwen2.5-vl"], "torch"),  # the vision-language models: their own norms
         (["trainer.compile=true"], "torch"),
-        (["trainer.rms_norm_kernel=torch"], "torch"),
+        (["trainer.rms_norm_kernel=torch", "trainer.swiglu_kernel=torch"], "torch"),
     ],
 )
 def test_auto_is_lean_where_it_is_wired(overrides: list[str], kernel: str) -> None:
+    """RMSNorm's and SwiGLU's (rank.lean_swiglu) auto alike: one rule, config.decisions."""
     d = decided(to_run_config(compose_cfg(overrides)))
-    assert d.kernels.rms_norm == kernel
-    assert d.kernels.label().startswith("lean RMSNorm") == (kernel == "lean")
+    assert d.kernels.rms_norm == d.kernels.swiglu == kernel
+    assert d.kernels.label() == ("lean RMSNorm + SwiGLU" if kernel == "lean" else "torch")
     raw = d.as_dict()
-    assert raw["kernels"]["rms_norm"] == kernel and Decisions.from_dict(raw) == d
+    assert raw["kernels"]["rms_norm"] == raw["kernels"]["swiglu"] == kernel
+    assert Decisions.from_dict(raw) == d
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """memtune's lean SwiGLU (rank.lean_swiglu; trainer.swiglu_kernel=lean, auto's choice for the
 dense Qwen models): transformers' values and gradients bit for bit, what it keeps for backward
 and what its backward holds (the planner's figures, memory.mlp), wired into a model under every
-recompute path, and decided where it is built."""
+recompute path, and refused by name where it is not built (auto's choice, the lean RMSNorm's
+rule: tests/test_lean_norm.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from memtune.config import ConfigError, to_run_config, validate
-from memtune.config.decisions import Decisions, Kernels
+from memtune.config.decisions import Kernels
 from memtune.memory import mlp as mlp_figures
 from memtune.memory.mlp import swiglu_backward_bytes, swiglu_saved_bytes
 from memtune.rank import lean_swiglu
@@ -127,10 +128,8 @@ def test_the_backward_holds_both_gradients_and_one_block(blocks_of_five: int) ->
 def test_in_a_model_under_every_recompute_path(blocks_of_five: int) -> None:
     """Qwen2, 3 layers — recomputed in full, selectively, kept — LoRA with dropout on every
     linear layer, the lean RMSNorm and SwiGLU wired (as auto decides): every MLP reached, the
-    logits and LoRA gradients of transformers' ops, five tokens a block; then the MLP tiled and
-    the layers' inputs offloaded (rank.long_context's own checkpoint); and taken out again."""
-    from memtune.rank.long_context import offload_checkpoints, tile_mlps, untile_mlps
-
+    logits and LoRA gradients of transformers' ops, five tokens a block; and taken out again
+    (the MLP tiled and the inputs offloaded: tests/test_lean_norm.py, with both)."""
     model = tiny_lora("tiny-qwen2", recompute=1, selective=1)
     plain = step(model)
     wired = wire(model, LEAN, CPU)
@@ -141,34 +140,6 @@ def test_in_a_model_under_every_recompute_path(blocks_of_five: int) -> None:
     assert_same(step(model), plain)
     remove_kernels(model)
     assert type(mlp).__name__ == "Qwen2MLP"
-
-    long = tiny_lora("tiny-qwen2", recompute=3, selective=0)
-    base = long.get_base_model()
-    tile_mlps(base, tokens=768)
-    offload_checkpoints(base, CPU)
-    plain = step(long)
-    wire(long, Kernels(swiglu="lean"), CPU)
-    assert_same(step(long), plain)
-    untile_mlps(base)
-    remove_kernels(long)
-
-
-@pytest.mark.parametrize(
-    ("overrides", "kernel"),
-    [
-        ([], "lean"),  # the CPU demo: a tiny Qwen2
-        (["model=tiny-qwen3"], "lean"),
-        (["model=tiny-qwen3-moe"], "torch"),
-        (["model=tiny-qwen3.5"], "torch"),
-        (["trainer.compile=true"], "torch"),
-        (["trainer.swiglu_kernel=torch"], "torch"),
-    ],
-)
-def test_auto_is_lean_where_it_is_wired(overrides: list[str], kernel: str) -> None:
-    d = decided(to_run_config(compose_cfg(overrides)))
-    assert d.kernels.swiglu == kernel
-    raw = d.as_dict()
-    assert raw["kernels"]["swiglu"] == kernel and Decisions.from_dict(raw) == d
 
 
 def test_lean_where_it_is_not_wired_is_refused_by_name() -> None:
