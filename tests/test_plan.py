@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -569,3 +570,96 @@ def test_the_planner_recomputes_the_fewest_layers_in_full_then_selectively() -> 
     assert k < alone
     d = decided(cfg, recompute=k, selective=s)
     assert d.checkpointing.label() == f"{k} of 28 layers, {s} more selectively"
+
+
+def _quantized(kind: str) -> Any:
+    """A 64 → 128 bitsandbytes layer on the CPU (4-bit NF4 or 8-bit), frozen."""
+    import bitsandbytes as bnb
+
+    torch.manual_seed(0)
+    weight = torch.randn(128, 64)
+    if kind == "4bit":
+        layer = bnb.nn.Linear4bit(64, 128, bias=False, compute_dtype=torch.float32)
+        layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")
+    else:
+        layer = bnb.nn.Linear8bitLt(64, 128, bias=False, has_fp16_weights=False)
+        layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+    return layer.to("cpu")
+
+
+@pytest.mark.parametrize("kind", ["4bit", "8bit", "bf16"])
+def test_a_selective_layer_keeps_the_base_output_and_makes_loras_b_again(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A base projection (bitsandbytes' 4-bit or 8-bit one under QLoRA / lora-int8, a plain
+    matmul otherwise) with an r=4 adapter, under a selective layer's checkpoint: the base's
+    output and LoRA's A output are kept, LoRA's B (4 deep, 128 wide) is made again in backward
+    — memory.estimate.keeps_matmul_output, the rule the plan counts by — and the gradients are
+    those without checkpointing."""
+    from memtune.rank import layers
+    from memtune.rank.layers import SelectiveCheckpoint
+
+    torch.manual_seed(1)
+    if kind == "bf16":
+        base: Any = torch.nn.Linear(64, 128, bias=True).requires_grad_(False)
+    else:
+        base = _quantized(kind)
+    lora_a, lora_b = torch.nn.Linear(64, 4, bias=False), torch.nn.Linear(4, 128, bias=False)
+    torch.nn.init.normal_(lora_b.weight, std=0.1)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return base(x) + lora_b(lora_a(x)) * 2.0
+
+    x = torch.randn(2, 5, 64)
+    grads = []
+    decided: dict[str, bool] = {}
+    keeps = layers.keeps_output
+
+    def recorded(op: Any, args: tuple[Any, ...] = ()) -> bool:
+        keep = keeps(op, args)
+        dims = layers.matmul_dims(str(op), args) if str(op).startswith(layers.MATMULS) else None
+        if dims is not None:
+            decided[f"{dims[0]}x{dims[1]}"] = keep
+        return keep
+
+    monkeypatch.setattr(layers, "keeps_output", recorded)
+    for selective in (False, True):
+        for p in (lora_a.weight, lora_b.weight):
+            p.grad = None
+        inp = x.clone().requires_grad_()
+        out = SelectiveCheckpoint(None)(layer, inp) if selective else layer(inp)
+        (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+        grads.append([inp.grad, lora_a.weight.grad, lora_b.weight.grad])
+    # base 64 deep → 128 kept; A 64 → 4 kept; B 4 deep → 128 made again
+    assert decided == {"64x128": True, "64x4": True, "4x128": False}, decided
+    for ours, theirs in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(ours, theirs)
+
+
+def test_the_layer_search_finds_the_fewest_full_recomputes_where_the_last_layer_is_kept() -> None:
+    """Qwen3-8B LoRA at 8,192 tokens on a 24 GB card, peft's dropout: a selective last layer
+    holds more than a kept one (its backward is the peak), so neither all-selective nor
+    all-kept fits with 34 full recomputes, but 1 selective and 1 kept do. The search found 35
+    (it tried only the two ends); the fewest full, then the fewest selective, checked here
+    against every arrangement one full recompute fewer."""
+    from memtune.memory.recompute import AUTO_CHECKPOINT_SPARE_GIB, choose_checkpoint_layers
+
+    cfg = to_run_config(
+        compose_cfg(
+            [
+                "experiment=qwen3-8b-4x4090-lora",
+                "data.max_seq_len=8192",
+                "trainer.lora_dropout_kernel=peft",
+            ]
+        )
+    )
+    counts = count_params(cfg)
+    k, s = choose_checkpoint_layers(cfg, Choices(None, 1, False, False), counts, CPU_RANKS)
+    room = 23.99 - AUTO_CHECKPOINT_SPARE_GIB
+
+    def total(full: int, selective: int) -> float:
+        return plan(cfg, decided(cfg, recompute=full, selective=selective), counts).total_gib
+
+    assert (k, s) == (34, 1)
+    assert total(k, s) <= room and total(k, 0) > room and total(k, 2) > room
+    assert all(total(k - 1, j) > room for j in range(36 - k + 2))

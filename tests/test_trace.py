@@ -102,9 +102,9 @@ def test_the_plan_matches_a_full_size_step(experiment: str, tokens: int, norm: s
 
 @pytest.mark.parametrize("mix", [(0, 28), (10, 18), (0, 10)])
 def test_the_plan_matches_a_full_size_selective_step(mix: tuple[int, int]) -> None:
-    """Selective layers (rank.layers: matmuls' and attention's outputs kept, the rest
-    recomputed) in every position the planner models: all of them, after full ones, before
-    layers that keep everything; Qwen2.5-7B at 2,048 tokens, within the same 3%."""
+    """Selective layers (rank.layers: the base matmuls', LoRA's A and attention's outputs
+    kept, the rest recomputed) in every position the planner models: all of them, after full
+    ones, before layers that keep everything; Qwen2.5-7B at 2,048 tokens, within the same 3%."""
     given = to_run_config(
         compose_cfg(["experiment=qwen2.5-7b-4x4090-lora", "data.max_seq_len=2048", *ONE_PROCESS])
     )

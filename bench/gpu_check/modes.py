@@ -54,7 +54,7 @@ GPU = Mode(
     # (2026-12-04); the lean one plans twice as far, and a step there takes about a minute
     long_search=(98304, 131072, 163840),
     # a bf16 base: 32,768 fitted and 49,152 did not with transformers' RMSNorm (2026-12-04);
-    # the lean one plans 54,272
+    # the lean kernels plan 56,320
     long_search_lora=(49152, 57344, 65536),
     hybrid_model="qwen3.5-2b",
     hybrid_len=4096,

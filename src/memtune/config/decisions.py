@@ -53,9 +53,10 @@ existed) is decided again by the job, as it was then."""
 
 Recompute = Literal["keep", "selective", "full"]
 """One decoder layer's activations in backward: keep (every activation the forward saved) |
-selective (its input and its matmuls' and attention's outputs; the cheap elementwise ops —
-norms, activations, rotary, dropout — recomputed in backward: torch's selective activation
-checkpointing, rank.layers) | full (only its input; its whole forward recomputed)."""
+selective (its input, its base matmuls', LoRA's A and attention's outputs; the cheap ops —
+norms, activations, rotary, dropout, LoRA's r-deep B — recomputed in backward: torch's
+selective activation checkpointing, rank.layers) | full (only its input; its whole forward
+recomputed)."""
 AttentionKernel = Literal["sdpa_varlen", "sdpa", "eager", "flash_attention_2"]
 """model.attn_implementation as run: ``auto`` decided (rank.attention: sdpa_varlen)."""
 LossKernel = Literal["chunked", "plain", "liger"]
@@ -63,6 +64,8 @@ LossKernel = Literal["chunked", "plain", "liger"]
 LayerKernel = Literal["torch", "liger"]
 """trainer.rope_kernel as run: transformers' own code, or Liger's fused kernel (rank.kernels);
 ``auto`` decided torch until the GPU check measures it."""
+LEAN_KERNELS = ("rms_norm", "swiglu")
+"""The layer kernels memtune has a lean one of (rank.lean_norm, rank.lean_swiglu)."""
 LeanLayerKernel = Literal["torch", "lean", "liger"]
 """trainer.rms_norm_kernel / swiglu_kernel as run: transformers' own code, memtune's lean
 RMSNorm or SwiGLU (the same ops, less kept for backward: rank.lean_norm, rank.lean_swiglu), or
@@ -333,7 +336,7 @@ class Kernels:
 
     def lean(self) -> list[str]:
         """The kernels decided ``lean``, by name (``["rms_norm", "swiglu"]``)."""
-        return [name for name in ("rms_norm", "swiglu") if getattr(self, name) == "lean"]
+        return [name for name in LEAN_KERNELS if getattr(self, name) == "lean"]
 
     def label(self) -> str:
         """For humans: "torch", "lean RMSNorm + SwiGLU", or "Liger RMSNorm + SwiGLU" (the rest

@@ -302,10 +302,10 @@ class TrainerConfig:
     no device is planned for). Fewer checkpointed layers, less recompute, more memory."""
     selective_layers: str = "auto"
     """With activation_checkpointing: of the layers not recomputed in full, how many (the next
-    ones) recompute only their cheap elementwise ops — norms, activations, rotary, dropout —
-    and keep their matmuls' and attention's outputs (torch's selective activation
-    checkpointing). all | N | auto: the planner's choice, the fewest full recomputes and then
-    the fewest selective layers that fit (0 where it is not built: with
+    ones) recompute only their cheap ops — norms, activations, rotary, dropout, LoRA's r-deep
+    B — and keep their base matmuls', LoRA's A and attention's outputs (torch's selective
+    activation checkpointing). all | N | auto: the planner's choice, the fewest full
+    recomputes and then the fewest selective layers that fit (0 where it is not built: with
     checkpointing_reentrant, compile, a tiled MLP or offloaded inputs, eager attention, DoRA,
     a mixture of experts, linear-attention layers)."""
     checkpointing_reentrant: bool = False

@@ -14,6 +14,7 @@ from typing import Any
 from memtune.config import schema as schema_module
 from memtune.config.architecture import linear_attention_layers, moe_layers, routed_experts
 from memtune.config.decisions import (
+    LEAN_KERNELS,
     dropout_regeneration_unbuilt,
     kernels_unwired,
     lean_unbuilt,
@@ -211,7 +212,7 @@ def _check_kernels(cfg: RunConfig) -> None:
     """Liger's layer kernels are wired for the dense Qwen2 / Qwen3 layers (rank.kernels): a
     mixture of experts, Qwen3.5's hybrid layers (gated attention, partial rotary, its own
     norms) and compiled layers are refused by name."""
-    lean = [k for k in ("rms_norm", "swiglu") if getattr(cfg.trainer, f"{k}_kernel") == "lean"]
+    lean = [k for k in LEAN_KERNELS if getattr(cfg.trainer, f"{k}_kernel") == "lean"]
     if lean and (why := lean_unbuilt(cfg)):
         raise ConfigError(
             f"trainer.{lean[0]}_kernel=lean is wired for the dense Qwen2 / Qwen2.5 / Qwen3 "

@@ -290,7 +290,7 @@ def keeps_matmul_output(inner: int, out: int) -> bool:
 def selective_kept(cfg: RunConfig, tokens: int, counts: ParamCounts) -> tuple[int, int]:
     """(what a selective layer keeps from its forward to its backward, the part of it a
     recomputed layer's activations share) for ``tokens`` tokens (rank.layers: torch's
-    selective checkpointing keeping the matmuls' and attention's outputs). Kept: the layer's
+    selective checkpointing keeping the base matmuls' and attention's outputs). Kept: the layer's
     input, every linear layer's output (q, k, v, o, gate, up, down), each adapter's A output
     (and its B output where :func:`keeps_matmul_output` keeps it), attention's output and its
     fp32 logsumexp. Shared with what the backward's recompute saves: attention's output and
@@ -719,7 +719,7 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
     k = d.checkpointing.recomputed
     peak = step_peak(cfg, d, tokens, counts, cuda)
     label = d.checkpointing.label()
-    ckpt = "no checkpointing" if k == 0 else f"{label} checkpointed"
+    ckpt = "no checkpointing" if label == "off" else f"{label} checkpointed"
     extras = [f"{ckpt}"]
     if d.tiled_mlp:
         extras.append("MLP tiled")

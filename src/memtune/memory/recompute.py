@@ -133,14 +133,16 @@ def _fewest_layers_that_fit(
     budget: tuple[float, str] | None,
 ) -> tuple[int, int]:
     """By step time within the memory: a full recompute runs a layer's matmuls again, a
-    selective one only its elementwise ops, so the fewest full recomputes come first, then
-    the fewest selective layers.
+    selective one only its cheap ops (elementwise, and LoRA's r-deep B), so the fewest full
+    recomputes come first, then the fewest selective layers.
 
-    A selective layer holds less than a layer that keeps everything when its matmuls' outputs
-    are fewer bytes than the activations the layer would keep — not always: with the lean
-    kernels and LoRA dropout regenerated a kept Qwen2.5-7B layer holds less than a selective
-    one. So k full recomputes fit when the rest fit either all selective or all kept (the
-    layers are alike: the plan moves one way as selective layers replace kept ones)."""
+    A selective layer holds less than a layer that keeps everything when its kept outputs are
+    fewer bytes than the activations the layer would keep — not always: with the lean kernels
+    and LoRA dropout regenerated a kept Qwen2.5-7B layer holds less than a selective one; and
+    the last layer's backward, the step's peak in many plans, holds more selective than kept.
+    So k full recomputes fit when the rest fit all kept, all selective, or all selective but
+    the last (the plan moves one way as selective layers replace kept ones, but for that last
+    one); then the fewest selective layers are searched below the fewest of those that fit."""
     layers = int(cfg.model.architecture["num_hidden_layers"])
     asked_full = _full_asked(cfg, choices)
     asked_selective = _selective_asked(cfg, choices, asked_full or 0)
@@ -161,12 +163,17 @@ def _fewest_layers_that_fit(
         asked = _selective_asked(cfg, choices, k)
         return asked if asked is not None else (layers - k if selective_ok else 0)
 
+    def most_selective(k: int) -> int | None:
+        """The fewer of all selective and all but the last that fits with k full (auto)."""
+        most = layers - k if selective_ok else 0
+        return next((s for s in (most - 1, most) if s > 0 and fits(k, s)), None)
+
     def fits_some(k: int) -> bool:
-        """k full recomputes fit with the rest selective as asked, or (auto) all selective or
-        none."""
-        s = selective(k)
-        auto = _selective_asked(cfg, choices, k) is None
-        return fits(k, s) or (auto and s > 0 and fits(k, 0))
+        """k full recomputes fit with the rest selective as asked, or (auto) in one of the
+        arrangements the docstring names."""
+        if _selective_asked(cfg, choices, k) is not None:
+            return fits(k, selective(k))
+        return fits(k, 0) or most_selective(k) is not None
 
     # Up to layers - 1: recomputing the last layer as well would only cost (activation_bytes).
     fulls: range | list[int] = range(layers) if asked_full is None else [asked_full]
@@ -190,10 +197,10 @@ def _fewest_layers_that_fit(
             if fits(k, asked):
                 return k, asked
             continue
-        most = layers - k if selective_ok else 0
         if fits(k, 0):
             return k, 0
-        if not fits(k, most):
+        most = most_selective(k)
+        if most is None:
             continue
         lo, hi = 0, most  # fits(hi); the fewest selective layers that fit, by bisection
         while hi - lo > 1:

@@ -22,11 +22,11 @@ into the model memtune loaded, module by module, so memtune says what is replace
   module). Process-wide for that model class, which is one model on a rank.
 
 Recompute composes as it does for the ops they replace: a layer recomputed in full runs them
-again; a selective layer keeps its matmuls' and attention's outputs and runs them again (Liger's
-Functions are not matmuls). Liger's rotary writes q and k in place: they come from peft's LoRA
-layers (a fresh sum, ``result + lora``) or Qwen3's q / k norms, never straight from a matmul
-whose output selective recompute keeps, and an attention whose q_proj or k_proj is not a LoRA
-layer is refused rather than risk it.
+again; a selective layer keeps its base matmuls' and attention's outputs and runs them again
+(Liger's Functions are not matmuls). Liger's rotary writes q and k in place: they come from
+peft's LoRA layers (a fresh sum, ``result + lora``) or Qwen3's q / k norms, never straight
+from a matmul whose output selective recompute keeps, and an attention whose q_proj or k_proj
+is not a LoRA layer is refused rather than risk it.
 
 :func:`use_kernels` takes the functions as arguments: the CPU tests pass :data:`REFERENCE`
 (the same math in torch, as transformers computes it) and check the patched model against the

@@ -37,8 +37,19 @@ def decoder_layers(model: Any) -> list[Any]:
     ]
 
 
-MATMULS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten._grouped_mm.")
-"""The operators whose outputs a selective layer keeps, by name (the aten op's ``str``)..."""
+MATMULS = (
+    "aten.mm.",
+    "aten.addmm.",
+    "aten.bmm.",
+    "aten._grouped_mm.",
+    "bitsandbytes.gemm_4bit.",
+    "bitsandbytes.int8_scaled_mm.",
+    "bitsandbytes.int8_mixed_scaled_mm.",
+)
+"""The operators whose outputs a selective layer keeps, by name (the op's ``str``) — torch's
+matmuls and bitsandbytes' 4-bit and 8-bit ones (a QLoRA or lora-int8 base projection: one op
+that dequantizes and multiplies) — unless :func:`matmul_dims` says the output is cheap to make
+again..."""
 ATTENTION = ("attention", "flash_attn")
 """... and those of attention: SDPA's kernels (``_scaled_dot_product_*``) and
 flash-attn's custom operators."""
@@ -54,13 +65,24 @@ def keeps_output(op: Any, args: tuple[Any, ...] = ()) -> bool:
         return True
     if not name.startswith(MATMULS):
         return False
-    if name.startswith(("aten.mm.", "aten.bmm.")) and len(args) >= 2:
-        left, right = args[0], args[1]
-    elif name.startswith("aten.addmm.") and len(args) >= 3:
-        left, right = args[1], args[2]
-    else:
-        return True  # a grouped expert matmul: kept
-    return keeps_matmul_output(int(left.shape[-1]), int(right.shape[-1]))
+    dims = matmul_dims(name, args)
+    return dims is None or keeps_matmul_output(*dims)
+
+
+def matmul_dims(name: str, args: tuple[Any, ...]) -> tuple[int, int] | None:
+    """(inner dimension, output width) of a matmul operator, from its arguments; None for a
+    grouped expert matmul (kept)."""
+    if name.startswith(("aten.mm.", "aten.bmm.")):
+        return int(args[0].shape[-1]), int(args[1].shape[-1])
+    if name.startswith("aten.addmm."):  # (bias, input, weight.T)
+        return int(args[1].shape[-1]), int(args[2].shape[-1])
+    if name.startswith("bitsandbytes.gemm_4bit."):  # (input, packed, [out, in], ...)
+        return int(args[0].shape[-1]), int(args[2][0])
+    if name.startswith("bitsandbytes.int8_scaled_mm."):  # (int8 input, int8 weight [out, in])
+        return int(args[0].shape[-1]), int(args[1].shape[0])
+    if name.startswith("bitsandbytes.int8_mixed_scaled_mm."):  # (input, int8 input, weight)
+        return int(args[0].shape[-1]), int(args[2].shape[0])
+    return None
 
 
 class SelectiveCheckpoint:

@@ -17,7 +17,9 @@ is worth at 4,096 tokens, which the planner buys back with recompute.
   same bits) and runs the two derivatives autograd runs — the product's (``grad · up``,
   ``grad · silu(gate)``) and SiLU's (``aten.silu_backward``) — block by block into the two
   gradients, with one block of temporaries alive at a time. The gradients are autograd's bit
-  for bit (tests/test_lean_swiglu.py).
+  for bit (tests/test_lean_swiglu.py) wherever a block's values fill the vector lanes as the
+  whole's do (every Qwen width; a block ending mid-vector may round an fp32 value in its last
+  bit).
 
 The cost is one more SiLU over the intermediate values in backward: memory-bound and small
 beside the MLP's three matmuls.
@@ -29,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from memtune.memory.mlp import LEAN_SWIGLU_BLOCK_TOKENS as BLOCK_TOKENS
 
@@ -55,6 +58,7 @@ class LeanSiluMul(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # its out= kernels have no derivative of their own: say so plainly
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         gate, up = ctx.saved_tensors
         wants_gate, wants_up = ctx.needs_input_grad
