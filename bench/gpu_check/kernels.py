@@ -119,18 +119,16 @@ def apply_variant(engine: Any, d: Any, device: Any, stand_in: bool) -> tuple[Any
     """``d``'s kernels on the engine, as build_rank applies them; with ``stand_in`` (a machine
     without Triton: the dry run) Liger's functions replaced by their torch math and its loss
     by the plain one. Returns what was reached and a note."""
-    from memtune.config.decisions import Kernels
+    from memtune.config.decisions import LEAN_KERNELS, Kernels
     from memtune.rank.build import apply_kernel_decisions
     from memtune.rank.kernels import REFERENCE, chosen, use_kernels
 
     if not stand_in:
         return apply_kernel_decisions(engine.module, d, device), ""
+    lean = {k: "lean" if k in d.kernels.lean() else "torch" for k in LEAN_KERNELS}
     torch_only = dataclasses.replace(
         d,
-        kernels=Kernels(
-            rms_norm="lean" if d.kernels.rms_norm == "lean" else "torch",  # torch, runs here
-            lora_dropout=d.kernels.lora_dropout,
-        ),
+        kernels=Kernels(**lean, lora_dropout=d.kernels.lora_dropout),  # torch, runs here
         loss="plain" if d.loss == "liger" else d.loss,
     )
     wired = apply_kernel_decisions(engine.module, torch_only, device)
