@@ -594,7 +594,7 @@ def test_a_selective_layer_keeps_the_base_output_and_makes_loras_b_again(
     """A base projection (bitsandbytes' 4-bit or 8-bit one under QLoRA / lora-int8, a plain
     matmul otherwise) with an r=4 adapter, under a selective layer's checkpoint: the base's
     output and LoRA's A output are kept, LoRA's B (4 deep, 128 wide) is made again in backward
-    — memory.estimate.keeps_matmul_output, the rule the plan counts by — and the gradients are
+    — memory.selective.keeps_matmul_output, the rule the plan counts by — and the gradients are
     those without checkpointing."""
     from memtune.rank import layers
     from memtune.rank.layers import SelectiveCheckpoint

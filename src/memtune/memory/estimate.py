@@ -59,6 +59,7 @@ from memtune.memory.expert_parallel import (
 from memtune.memory.loading import GIB, LoadingPeak, loading_peak
 from memtune.memory.mlp import swiglu_backward_bytes, swiglu_saved_bytes
 from memtune.memory.norms import norm_backward_bytes, norm_saved_bytes
+from memtune.memory.selective import keeps_matmul_output
 from memtune.memory.vision import add_image_rows
 from memtune.rundir import PlanRecord, PlanRow
 
@@ -270,21 +271,6 @@ def _by_kind(
     cfg: RunConfig, d: Decisions, tokens: int, counts: ParamCounts, cuda: bool, kinds: list[str]
 ) -> dict[str, int]:
     return {kind: layer_bytes(cfg, d, tokens, counts, cuda, kind) for kind in set(kinds)}
-
-
-RECOMPUTED_OUT_PER_INNER = 8
-"""A selective layer recomputes a matmul whose output has this many values or more for each
-step of its inner dimension (:func:`keeps_matmul_output`)."""
-
-
-def keeps_matmul_output(inner: int, out: int) -> bool:
-    """Whether a selective layer keeps a matmul's output (rank.layers), by its inner dimension
-    and output width: a value of the output costs 2 × ``inner`` FLOPs to make again, so an
-    output ``RECOMPUTED_OUT_PER_INNER`` times wider than the inner dimension is cheap to
-    recompute for the memory it holds — LoRA's B (r deep: r = 16 against 18,944 values a token
-    for gate_proj's), made again from the kept A output. The base projections (in ≥ out / 8 in
-    every Qwen layer) and LoRA's A (r wide) are kept."""
-    return out < RECOMPUTED_OUT_PER_INNER * inner
 
 
 def selective_kept(cfg: RunConfig, tokens: int, counts: ParamCounts) -> tuple[int, int]:

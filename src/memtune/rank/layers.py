@@ -13,13 +13,15 @@ contexts``, non-reentrant): the forward keeps the outputs of the layer's matmuls
 them — norms, activations, rotary, dropout (with the forward's RNG state, so the same masks) —
 reading the kept outputs instead of multiplying again; but for the matmuls that are cheap to
 redo for the memory their output holds (LoRA's B, r deep and as wide as its module's output:
-memory.estimate.keeps_matmul_output, which the planner counts by), which it runs again.
+memory.selective.keeps_matmul_output, which the planner counts by), which it runs again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from memtune.memory.selective import keeps_matmul_output
 
 if TYPE_CHECKING:
     from memtune.config.decisions import Checkpointing
@@ -58,8 +60,6 @@ flash-attn's custom operators."""
 def keeps_output(op: Any, args: tuple[Any, ...] = ()) -> bool:
     """Whether a selective layer keeps this operator's outputs (else recomputes it); ``args``:
     the operator's, whose shapes say a matmul's inner dimension and output width."""
-    from memtune.memory.estimate import keeps_matmul_output
-
     name = str(op)
     if any(a in name for a in ATTENTION):
         return True
