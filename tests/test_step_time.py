@@ -8,16 +8,23 @@ import dataclasses
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from memtune.config import ConfigError, to_run_config, validate
 from memtune.config.decisions import CPU_RANKS
 from memtune.memory.counts import count_params
 from memtune.memory.fit import auto_fit, fit_to_device, format_step_estimates, other_zero_stage
-from memtune.memory.step_time import micro_step_flops, step_time, traffic
+from memtune.memory.step_time import (
+    dropout_pass_bytes,
+    micro_step_flops,
+    selective_pass_bytes,
+    step_time,
+    traffic,
+)
 from memtune.rank.loss import CausalLMLoss
 from memtune.rank.model import add_lora, load_base_model
-from memtune.tools.step_trace import every_position
+from memtune.tools.step_trace import Tracker, every_position, trace_step
 from memtune.tools.tiny import synthesize
 from tests.conftest import compose_cfg, decided
 
@@ -44,6 +51,9 @@ def _counted(cfg, attn: str) -> dict[str, int]:
         # base weight once more on the dropped input (forward, recompute, input gradient).
         ("1", ["peft.dora=true"]),
         ("1", ["peft.dora=true", "peft.dropout=0.05"]),
+        # Selective layers: LoRA's B multiplied again (but down_proj's: the recompute stops
+        # at down_proj's input).
+        ("0", ["trainer.selective_layers=all"]),
     ],
 )
 def test_flops_equal_torchs_count_of_a_real_step(checkpoint_layers: str, variant: list) -> None:
@@ -61,8 +71,10 @@ def test_flops_equal_torchs_count_of_a_real_step(checkpoint_layers: str, variant
         )
     )
     synthesize(cfg.model.name_or_path, cfg.model.architecture)
-    model = micro_step_flops(cfg, decided(cfg), count_params(cfg))
+    d = decided(cfg)
+    model = micro_step_flops(cfg, d, count_params(cfg))
     assert (model.dora > 0) == cfg.peft.dora
+    assert d.checkpointing.selective == (2 if "selective" in str(variant) else 0)
     # torch counts no FLOPs in CPU SDPA's fused kernel: the matmuls are the linear layers.
     varlen = _counted(cfg, "sdpa_varlen")
     assert set(varlen) == {"aten.mm", "aten.addmm"}
@@ -172,8 +184,6 @@ def test_lora_dropouts_passes_are_priced_at_the_memory_bandwidth() -> None:
     of a hidden-wide input (read, the copy and a 1-byte mask written: 5 bytes a value in bf16),
     in the forward, again in each recomputed layer, and in the backward; with the masks
     regenerated (auto's choice there), once more in the backward."""
-    from memtune.memory.step_time import dropout_pass_bytes
-
     lora = ["experiment=qwen2.5-7b-4x4090-lora"]
     peft = [*lora, "trainer.lora_dropout_kernel=peft"]
     fitted = fit_to_device(to_run_config(compose_cfg(peft)))
@@ -185,7 +195,8 @@ def test_lora_dropouts_passes_are_priced_at_the_memory_bandwidth() -> None:
     assert dropout_pass_bytes(cfg, d, counts) == per_pass * (3 * 25 + 2 * 3)
     t = step_time(cfg, d, counts)
     assert t is not None and cfg.plan.device_gb_s == 1008
-    assert t.elementwise_s == pytest.approx(8 * per_pass * 81 / 1008e9)
+    assert t.dropout_s == pytest.approx(8 * per_pass * 81 / 1008e9)
+    assert t.selective_s == pytest.approx(8 * selective_pass_bytes(cfg, d, counts) / 1008e9)
     assert t.step_s == pytest.approx(t.compute_s + t.elementwise_s + t.comm_s)
     auto = fit_to_device(to_run_config(compose_cfg(lora)))
     regenerated = auto.decisions
@@ -194,3 +205,61 @@ def test_lora_dropouts_passes_are_priced_at_the_memory_bandwidth() -> None:
     assert dropout_pass_bytes(cfg, regenerated, counts) == per_pass * (4 * 17 + 3 * 11)
     without = to_run_config(compose_cfg(["experiment=qwen2.5-7b-4x4090-lora", "peft.dropout=0"]))
     assert dropout_pass_bytes(without, decided(without), counts) == 0
+
+
+class _LayerCensus(Tracker):
+    """Also adds up what every op of one decoder layer's backward (its recompute included)
+    reads and writes; a view (an output on an input's storage) moves nothing."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.layer, self.moved = where, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.phase == "backward" and self.where == self.layer:
+            ins = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            read = {t.untyped_storage()._cdata for t in ins}
+            if not all(o.untyped_storage()._cdata in read for o in outs):
+                self.moved += sum(t.numel() * t.element_size() for t in ins + outs)
+        return out
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        # the lean norms and SwiGLU, dropout masks regenerated, q / k / v / o adapted
+        ["experiment=qwen2.5-7b-4x4090-lora"],
+        # transformers' norms and SwiGLU, peft's dropout, Qwen3's q / k norms, the MLP adapted
+        [
+            "experiment=qwen3-8b-4x4090-lora",
+            "peft=lora-all-linear",
+            "trainer.lora_dropout_kernel=peft",
+            "trainer.rms_norm_kernel=torch",
+            "trainer.swiglu_kernel=torch",
+        ],
+    ],
+)
+def test_a_selective_layers_recompute_moves_the_bytes_the_estimate_prices(variant: list) -> None:
+    """Full size, 1,024 tokens, on fake tensors: what the ops of layer 3's backward read and
+    write, the layer selective against the layer keeping everything — the difference is its
+    recompute — equals selective_pass_bytes for one selective layer, plus its dropout's extra
+    pass (dropout_pass_bytes), within 1%."""
+    one_process = ["trainer.sequence_parallel=1", "trainer.tiled_mlp=off"]
+    given = to_run_config(
+        compose_cfg([*variant, "data.max_seq_len=1024", "trainer.micro_batch_size=1", *one_process])
+    )
+    counts = count_params(given)
+    moved, priced = {}, {}
+    for selective in (0, 4):
+        d = decided(given, recompute=0, selective=selective, offload_activations=False)
+        census = _LayerCensus("layer 3")
+        trace_step(given, d, tracker=census)
+        moved[selective] = census.moved
+        priced[selective] = dropout_pass_bytes(given, d, counts) + selective_pass_bytes(
+            given, d, counts
+        )
+    recompute = moved[4] - moved[0]
+    assert recompute > 0.5e9  # Qwen-7B/8B's layer at 1,024 tokens: ~0.7 / 1.3 GB
+    assert (priced[4] - priced[0]) / 4 == pytest.approx(recompute, rel=0.01)

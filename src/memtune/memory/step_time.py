@@ -6,7 +6,8 @@ experiments' ZeRO stage) and to say how much of a step is spent moving bytes:
 * **compute** — matmul FLOPs per rank: the decoder's and the head's linear layers (2 FLOPs per
   weight per token forward, 2 more for the activation gradient in backward — a frozen base
   computes no weight gradient — and 2 more in each recomputed layer), LoRA's (6 per weight per
-  token, 8 when recomputed), and causal attention over whole rows (an upper bound when rows
+  token, 8 when recomputed, and a selective layer's B again where it does not keep B's
+  output), and causal attention over whole rows (an upper bound when rows
   are packed with short samples). Time = FLOPs / (``plan.device_tflops`` × ``plan.mfu``);
   a 4-bit base adds its dequantization (``QLORA_COMPUTE``). ``tests/test_step_time.py``
   checks the FLOPs against torch's own count of a real step.
@@ -19,8 +20,10 @@ experiments' ZeRO stage) and to say how much of a step is spent moving bytes:
   bandwidth ``plan.link_gb_s`` (the GPU preflight measures it: ``preflight.json``).
 * **memory-bound passes** — LoRA dropout reads each adapted module's input and writes its copy
   and mask in the forward (and a recompute), the backward reads the gradient and the mask and
-  writes the gradient: those bytes at ``plan.device_gb_s`` (the device's memory bandwidth),
-  when it is given. The other elementwise work is inside ``plan.mfu``.
+  writes the gradient; a selective layer's recompute runs its norms, rotary, SiLU and LoRA
+  adds again without the matmuls that would carry them inside ``plan.mfu``
+  (:func:`selective_pass_bytes`): those bytes at ``plan.device_gb_s`` (the device's memory
+  bandwidth), when it is given. The other elementwise work is inside ``plan.mfu``.
 * **images** — the vision tower's matmuls on the micro batch's planned images
   (:func:`tower_flops`), and under ZeRO-3 its all-gathers: forward only for a frozen tower.
 * **expert parallelism** — per mixture layer and micro batch, the dispatch's and the
@@ -50,8 +53,9 @@ from memtune.config.architecture import head_dim
 from memtune.config.decisions import Decisions
 from memtune.expert_stacks import expert_stack_bytes
 from memtune.memory.counts import ParamCounts, count_params
-from memtune.memory.estimate import MLP_PROJECTIONS, NF4_BYTES
+from memtune.memory.estimate import MLP_PROJECTIONS, NF4_BYTES, QK_NORMED
 from memtune.memory.expert_parallel import expert_parallel, step_exchange_bytes
+from memtune.memory.selective import keeps_matmul_output
 
 QLORA_COMPUTE = 1.30
 """A 4-bit base dequantizes every weight before each matmul: ~30% more compute time."""
@@ -65,15 +69,25 @@ class StepTime:
     link_gb_s: float | None = None
     host_bytes: float = 0.0  # offloaded activations, to the host and back, per rank
     host_link_gb_s: float = 20.0
-    elementwise_bytes: float = 0.0  # memory-bound passes priced apart: LoRA dropout's
+    dropout_bytes: float = 0.0  # memory-bound passes priced apart: LoRA dropout's,
     device_gb_s: float | None = None
+    selective_bytes: float = 0.0  # and the selective layers' recomputes
+
+    def _at_device_bandwidth(self, nbytes: float) -> float:
+        return nbytes / (self.device_gb_s * 1e9) if self.device_gb_s else 0.0
+
+    @property
+    def dropout_s(self) -> float:
+        return self._at_device_bandwidth(self.dropout_bytes)
+
+    @property
+    def selective_s(self) -> float:
+        return self._at_device_bandwidth(self.selective_bytes)
 
     @property
     def elementwise_s(self) -> float:
         """The memory-bound passes at the device's bandwidth (0 when it is not given)."""
-        if not self.elementwise_bytes or not self.device_gb_s:
-            return 0.0
-        return self.elementwise_bytes / (self.device_gb_s * 1e9)
+        return self.dropout_s + self.selective_s
 
     @property
     def host_s(self) -> float:
@@ -155,6 +169,9 @@ def micro_step_flops(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> Flops
     # gradients), 2 more when its layer recomputes.
     active_lora = counts.lora - counts.expert_lora * (1 - share) - counts.vision_lora
     lora = 2 * tokens * (active_lora / layers) * (3 * layers + k)
+    # a selective layer multiplies again the B whose outputs it does not keep: r × out each
+    remade = sum(r * out for r, out, kept in selective_adapters(counts) if not kept)
+    lora += 2 * tokens * d.checkpointing.selective * remade
     heads = int(a["num_attention_heads"])
     # QKᵀ and PV: 2 matmuls × 2 FLOPs × n²/2 (causal) per row and head; backward twice that;
     # a rank of a sequence-parallel group attends for heads / sp of the heads.
@@ -254,6 +271,59 @@ def dropout_pass_bytes(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> flo
     return float(total)
 
 
+def selective_adapters(counts: ParamCounts) -> list[tuple[int, int, bool]]:
+    """(r, output width, whether B's output is kept) of each adapter whose output a selective
+    layer's recompute makes again: every adapter but down_proj's. The recompute stops once it
+    has remade what the backward needs (torch's early stop), and the last thing it needs is
+    down_proj's input; down_proj's adapter output feeds only the residual add."""
+    shapes = {name.split(".")[-1]: out for name, _, out in counts.linear_shapes}
+    return [
+        (r, shapes[name], keeps_matmul_output(r, shapes[name]))
+        for name, _, r in counts.lora_inputs
+        if name != "down_proj"
+    ]
+
+
+def selective_pass_bytes(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> float:
+    """What the memory-bound ops of the selective layers' recomputes (rank.layers) read and
+    write in one micro batch, per rank. A selective layer's backward first runs its forward
+    again up to down_proj's input, keeping its matmuls' and attention's outputs, so it runs
+    again, per token:
+
+    * both RMSNorms (and Qwen3's per-head q / k norms): transformers' ops and the lean norm's
+      forward alike — the cast to fp32, the square, the mean, the product with the inverse
+      RMS, the cast back, the weight — 20 + 2·b bytes a value, and the casts' 2·(b + 4) below
+      fp32 (Liger's fused norm: the input read, the output written);
+    * rotary on q and k (transformers' rotate_half: a product, a negated half, a
+      concatenation, a product, a sum: 10·b a value; Liger's in place: 2·b);
+    * each adapter's scaled output added to its base output (the scale: read and write, the
+      sum: two reads and a write) and, where the layer does not keep it, B's output made
+      again; the residual add after attention;
+    * SiLU and its product with up's output (5·b an intermediate value; Liger's one kernel:
+      3·b).
+
+    LoRA dropout's passes in a recompute are :func:`dropout_pass_bytes`'. Priced at
+    ``plan.device_gb_s``; ``tests/test_step_time.py`` checks the count against every op a
+    traced selective layer runs again (tools.step_trace) within 2%."""
+    s = d.checkpointing.selective
+    if not s:
+        return 0.0
+    a = cfg.model.architecture
+    b, k = compute_bytes(cfg), d.kernels
+    h, inter, hd = int(a["hidden_size"]), int(a["intermediate_size"]), head_dim(a)
+    qk = (int(a["num_attention_heads"]) + int(a["num_key_value_heads"])) * hd
+    casts = 0 if b == 4 else 2 * (b + 4)
+    norm = 2 * b if k.rms_norm == "liger" else 20 + 2 * b + casts
+    per_token = 2 * norm * h + (norm * qk if a.get("model_type") in QK_NORMED else 0)
+    per_token += (2 * b if k.rope == "liger" else 10 * b) * qk
+    per_token += 3 * b * h  # the residual add after attention
+    per_token += sum(
+        5 * b * out + (0 if kept else b * (out + r)) for r, out, kept in selective_adapters(counts)
+    )
+    per_token += (3 * b if k.swiglu == "liger" else 5 * b) * inter
+    return float(s * d.batch.rank_tokens * per_token)
+
+
 def traffic(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> list[tuple[str, float]]:
     """Bytes each rank sends per optimizer step, by collective (module docstring)."""
     ranks = d.batch.ranks
@@ -342,9 +412,18 @@ def step_time(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -
         host = gas * 2 * d.checkpointing.recomputed * d.batch.rank_tokens * h
         host *= compute_bytes(cfg)
     dropout = gas * dropout_pass_bytes(cfg, d, counts)
+    selective = gas * selective_pass_bytes(cfg, d, counts)
     moved = traffic(cfg, d, counts)
     return StepTime(
-        flops, compute, moved, p.link_gb_s, host, p.host_link_gb_s, dropout, p.device_gb_s
+        flops,
+        compute,
+        moved,
+        p.link_gb_s,
+        host,
+        p.host_link_gb_s,
+        dropout,
+        p.device_gb_s,
+        selective,
     )
 
 
@@ -353,7 +432,8 @@ def format_step_time(cfg: RunConfig, t: StepTime) -> str:
     head = (
         f"compute {t.compute_s:.2f} s ({t.flops / 1e12:,.0f} TFLOP at {p.device_tflops:g} "
         f"TFLOPS × {p.mfu:.0%} MFU)"
-        + (f" + LoRA dropout {t.elementwise_s:.2f} s" if t.elementwise_s else "")
+        + (f" + LoRA dropout {t.dropout_s:.2f} s" if t.dropout_s else "")
+        + (f" + selective recompute {t.selective_s:.2f} s" if t.selective_s else "")
     )
     if t.priced:
         head = (
@@ -377,12 +457,16 @@ def format_step_time(cfg: RunConfig, t: StepTime) -> str:
             f"measures it), no overlap with compute assumed; with full overlap "
             f"{t.overlapped_s:.2f} s"
         )
-    if t.elementwise_s:
-        lines.append(
-            f"  LoRA dropout's passes over the adapted inputs "
-            f"{t.elementwise_bytes / 1e9:>9.2f} GB  {t.elementwise_s:>7.2f} s at "
-            f"{t.device_gb_s:g} GB/s (plan.device_gb_s), in the step"
-        )
+    passes = [
+        ("LoRA dropout's passes over the adapted inputs", t.dropout_bytes, t.dropout_s),
+        ("selective layers' norms, rotary, SiLU, LoRA adds", t.selective_bytes, t.selective_s),
+    ]
+    for what, nbytes, seconds in passes:
+        if seconds:
+            lines.append(
+                f"  {what:<48}{nbytes / 1e9:>9.2f} GB  {seconds:>7.2f} s at {t.device_gb_s:g} "
+                "GB/s (plan.device_gb_s), in the step"
+            )
     if t.host_bytes:
         copy_s = t.host_bytes / (t.host_link_gb_s * 1e9)
         lines.append(

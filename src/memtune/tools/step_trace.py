@@ -223,11 +223,14 @@ def _fakeify(module: torch.nn.Module) -> None:
                 m._buffers[name] = made[id(b)]
 
 
-def trace_step(cfg: RunConfig, d: Decisions, fake: bool = True) -> Trace:
+def trace_step(
+    cfg: RunConfig, d: Decisions, fake: bool = True, tracker: Tracker | None = None
+) -> Trace:
     """Trace one micro batch (the decided micro batch × max_seq_len tokens, every position a
     label) forward and backward through memtune's model and loss; see the module docstring.
     ``fake=False`` runs the same step on real (uninitialised) CPU tensors: for small models,
-    to check the tracker against torch's own accounting."""
+    to check the tracker against torch's own accounting. ``tracker``: a :class:`Tracker`
+    that records more of each op (the tests' census of what a recompute reads and writes)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
@@ -251,7 +254,7 @@ def trace_step(cfg: RunConfig, d: Decisions, fake: bool = True) -> Trace:
     model.train()
     loss_module = CausalLMLoss(model, d.loss, cfg.trainer.loss_chunk_tokens)
     loss_module.select = every_position
-    tracker = Tracker()
+    tracker = tracker or Tracker()
     base = model.get_base_model()
     for i, layer in enumerate(decoder_layers(model)):
         here = f"layer {i}"
