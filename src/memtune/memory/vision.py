@@ -31,12 +31,17 @@ import json
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.metadata import version
 from typing import Any
 
 from memtune.config import ConfigError, RunConfig, cache_dir, compute_bytes
 from memtune.config.decisions import Decisions, keeps_dropout_copies
-from memtune.memory.counts import COUNTS_CACHE, cached, tower_config, tower_lora_config
+from memtune.memory.counts import (
+    COUNTS_CACHE,
+    built_with,
+    cached,
+    tower_config,
+    tower_lora_config,
+)
 
 PLACEHOLDER_TOKENS = 2
 """An image's tokens in a row beside its patches' (memtune.data.vision.IMAGE_PLACEHOLDER):
@@ -215,7 +220,7 @@ def tower_line(cfg: RunConfig, cuda: bool) -> tuple[float, float, float, float]:
             "hidden": int(cfg.model.architecture["hidden_size"]),
             "bytes": compute_bytes(cfg),
             "lora": [p.r, p.dropout > 0, p.dora, cuda],
-            "versions": [version(name) for name in ("transformers", "torch", "peft")],
+            "versions": built_with("transformers", "torch", "peft"),
         },
         sort_keys=True,
         default=str,
