@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT
 
 GROUPS = tuple(sorted(p.name for p in (ROOT / "conf").iterdir() if p.is_dir()))
@@ -343,3 +345,39 @@ def test_the_exit_code_table_lists_every_exit_code() -> None:
     codes = {v for k, v in vars(exit_codes).items() if k.startswith("EXIT_")}
     for code in codes:
         assert _table_row("troubleshooting.md", str(code)), code
+
+
+README_PLANS = re.findall(
+    r"^\| `([\w.-]+)`[^|]*\| ([\d.]+) GiB[^|]*\| ([\d.]+) s",
+    (ROOT / "README.md").read_text(),
+    re.MULTILINE,
+)
+"""README's table of the shipped experiments: (experiment, GiB a rank, seconds a step)."""
+
+
+def test_the_readme_lists_every_shipped_4x4090_experiment() -> None:
+    """The table the next test reads is there, a row for each shipped 4 × 4090 training
+    experiment (an empty parse would leave it nothing to check)."""
+    shipped = {p.stem for p in (ROOT / "conf" / "experiment").glob("*-4x4090-*.yaml")}
+    listed = {name for name, _, _ in README_PLANS}
+    assert listed and listed <= shipped
+    assert shipped - listed <= {"qwen2.5-7b-4x4090-dpo", "qwen2.5-7b-4x4090-long"}, shipped - listed
+
+
+@pytest.mark.parametrize(("experiment", "gib", "seconds"), README_PLANS)
+def test_the_readmes_plans_are_what_make_plan_says(experiment: str, gib: str, seconds: str) -> None:
+    """Each shipped experiment's memory per rank and step, as README states them, are what
+    ``make plan`` decides and prints now (the planner moved under five of these rows between
+    12-03 and 12-05 without anyone re-planning them)."""
+    from memtune.launcher.prepare import decide, given_config
+    from memtune.memory.step_time import step_time
+    from tests.conftest import compose_cfg
+
+    fitted = decide(
+        given_config(compose_cfg([f"experiment={experiment}"]), inputs=False),
+        refuse=False,
+        say=False,
+    )
+    estimate = step_time(fitted.cfg, fitted.decisions, fitted.plan.counts)
+    assert estimate is not None
+    assert (f"{fitted.plan.total_gib:.2f}", f"{estimate.step_s:.1f}") == (gib, seconds)
