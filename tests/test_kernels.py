@@ -511,3 +511,18 @@ def test_the_gpu_checks_kernels_phase_compares_each_variant_with_all_torch() -> 
     assert v["grads"]["equal"] is False and v["grads"]["max_grad_norm_rel_diff"] == 0.25
     text = "\n".join(kernels_markdown(out))
     assert "| all three |" in text and "| **NO** |" in text
+
+
+def test_a_decided_kernel_that_reached_no_module_is_named() -> None:
+    """What the GPU check's kernels phase refuses to time (its dry-run stand-in once ran
+    transformers' SwiGLU as "SwiGLU lean": 0 MLPs reached)."""
+    from memtune.rank.kernels import Wired
+
+    lean = Kernels("lean", "lean", "torch", "regenerate")
+    assert Wired(norms=5, mlps=2).missing(lean) == []
+    assert Wired(norms=5, attentions=2).missing(lean) == ["swiglu=lean decided but no mlps reached"]
+    liger_rope = Kernels("torch", "torch", "liger")
+    assert Wired(norms=5, mlps=2).missing(liger_rope) == [
+        "rope=liger decided but no attentions reached"
+    ]
+    assert Wired().missing(Kernels()) == []

@@ -138,21 +138,6 @@ def apply_variant(engine: Any, d: Any, device: Any, stand_in: bool) -> tuple[Any
     return wired, ", ".join(stood)
 
 
-REACHES = {"rms_norm": "norms", "swiglu": "mlps", "rope": "attentions"}
-"""Which of rank.kernels.Wired's counts each kernel setting replaces modules in."""
-
-
-def unreached(kernels: Any, reached: dict[str, int]) -> list[str]:
-    """Each kernel decided other than torch that reached no module: a variant that would time
-    transformers' code under another kernel's name (the dry run's stand-in once ran torch's
-    SwiGLU for "SwiGLU lean")."""
-    return [
-        f"{name}={getattr(kernels, name)} decided but no {where} reached"
-        for name, where in REACHES.items()
-        if getattr(kernels, name) != "torch" and not reached.get(where)
-    ]
-
-
 def run_kernels(phase: Phase, deadline: float) -> None:
     import torch
 
@@ -221,7 +206,7 @@ def run_kernels(phase: Phase, deadline: float) -> None:
             rec["same_recompute"] = d.checkpointing == d0.checkpointing
             wired, rec["note"] = apply_variant(engine, d, device, stand_in)
             rec["reached"] = dataclasses.asdict(wired)
-            missed = unreached(d.kernels, rec["reached"])
+            missed = wired.missing(d.kernels)
             if missed:
                 raise RuntimeError(f"{name}: {'; '.join(missed)}")
             load_gathered_state(engine, snapshot)

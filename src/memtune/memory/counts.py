@@ -452,7 +452,8 @@ def tower_config(cfg: RunConfig, **changes: Any) -> Any:
     if key not in _TOWER_CONFIGS:
         from transformers import AutoConfig
 
-        _TOWER_CONFIGS[key] = AutoConfig.for_model(kind, vision_config=fields).vision_config
+        built = AutoConfig.for_model(kind, vision_config=copy.deepcopy(fields))
+        _TOWER_CONFIGS[key] = built.vision_config
     return copy.deepcopy(_TOWER_CONFIGS[key])
 
 

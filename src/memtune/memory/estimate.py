@@ -59,7 +59,7 @@ from memtune.memory.expert_parallel import (
 from memtune.memory.loading import GIB, LoadingPeak, loading_peak
 from memtune.memory.mlp import swiglu_backward_bytes, swiglu_saved_bytes
 from memtune.memory.norms import norm_backward_bytes, norm_saved_bytes
-from memtune.memory.selective import keeps_matmul_output
+from memtune.memory.selective import adapter_outputs, keeps_matmul_output
 from memtune.memory.vision import add_image_rows
 from memtune.rundir import PlanRecord, PlanRow
 
@@ -290,8 +290,7 @@ def selective_kept(cfg: RunConfig, tokens: int, counts: ParamCounts) -> tuple[in
     base = sum(o for i, o in shapes.values() if keeps_matmul_output(i, o))
     attention = n * heads * head_dim(a) * b + n * heads * 4
     adapters = sum(
-        n * (r + (shapes[name][1] if keeps_matmul_output(r, shapes[name][1]) else 0)) * b
-        for name, _, r in counts.lora_inputs
+        n * (r + (out if kept else 0)) * b for _, r, out, kept in adapter_outputs(counts)
     )
     kept = n * h * b + n * base * b + adapters + attention
     shared = attention + 2 * n * inter * b + sum(n * r * b for _, _, r in counts.lora_inputs)

@@ -32,3 +32,13 @@ def swiglu_backward_bytes(d: Decisions, tokens: int, inter: int, b: int) -> int:
     if d.kernels.swiglu == "lean":
         return three + min(tokens, LEAN_SWIGLU_BLOCK_TOKENS) * inter * b
     return three
+
+
+def swiglu_forward_bytes(d: Decisions, tokens: int, inter: int, b: int) -> int:
+    """What the activation's forward reads and writes over ``tokens`` × ``inter`` (a selective
+    layer's recompute runs it again: memory.step_time): SiLU (its input read, its output
+    written) and the product (two read, one written), transformers' and the lean one's alike
+    (a block at a time, written in place); Liger's one kernel reads gate and up and writes the
+    product."""
+    per_value = 3 if d.kernels.swiglu == "liger" else 5
+    return per_value * tokens * inter * b

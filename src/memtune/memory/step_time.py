@@ -55,7 +55,9 @@ from memtune.expert_stacks import expert_stack_bytes
 from memtune.memory.counts import ParamCounts, count_params
 from memtune.memory.estimate import MLP_PROJECTIONS, NF4_BYTES, QK_NORMED
 from memtune.memory.expert_parallel import expert_parallel, step_exchange_bytes
-from memtune.memory.selective import keeps_matmul_output
+from memtune.memory.mlp import swiglu_forward_bytes
+from memtune.memory.norms import norm_forward_bytes
+from memtune.memory.selective import adapter_outputs
 
 QLORA_COMPUTE = 1.30
 """A 4-bit base dequantizes every weight before each matmul: ~30% more compute time."""
@@ -170,7 +172,7 @@ def micro_step_flops(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> Flops
     active_lora = counts.lora - counts.expert_lora * (1 - share) - counts.vision_lora
     lora = 2 * tokens * (active_lora / layers) * (3 * layers + k)
     # a selective layer multiplies again the B whose outputs it does not keep: r × out each
-    remade = sum(r * out for r, out, kept in selective_adapters(counts) if not kept)
+    remade = sum(r * out for r, out, kept in remade_adapters(counts) if not kept)
     lora += 2 * tokens * d.checkpointing.selective * remade
     heads = int(a["num_attention_heads"])
     # QKᵀ and PV: 2 matmuls × 2 FLOPs × n²/2 (causal) per row and head; backward twice that;
@@ -271,17 +273,12 @@ def dropout_pass_bytes(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> flo
     return float(total)
 
 
-def selective_adapters(counts: ParamCounts) -> list[tuple[int, int, bool]]:
+def remade_adapters(counts: ParamCounts) -> list[tuple[int, int, bool]]:
     """(r, output width, whether B's output is kept) of each adapter whose output a selective
     layer's recompute makes again: every adapter but down_proj's. The recompute stops once it
     has remade what the backward needs (torch's early stop), and the last thing it needs is
     down_proj's input; down_proj's adapter output feeds only the residual add."""
-    shapes = {name.split(".")[-1]: out for name, _, out in counts.linear_shapes}
-    return [
-        (r, shapes[name], keeps_matmul_output(r, shapes[name]))
-        for name, _, r in counts.lora_inputs
-        if name != "down_proj"
-    ]
+    return [(r, out, kept) for name, r, out, kept in adapter_outputs(counts) if name != "down_proj"]
 
 
 def selective_pass_bytes(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> float:
@@ -290,38 +287,36 @@ def selective_pass_bytes(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> f
     again up to down_proj's input, keeping its matmuls' and attention's outputs, so it runs
     again, per token:
 
-    * both RMSNorms (and Qwen3's per-head q / k norms): transformers' ops and the lean norm's
-      forward alike — the cast to fp32, the square, the mean, the product with the inverse
-      RMS, the cast back, the weight — 20 + 2·b bytes a value, and the casts' 2·(b + 4) below
-      fp32 (Liger's fused norm: the input read, the output written);
+    * both RMSNorms and Qwen3's per-head q / k norms (memory.norms.norm_forward_bytes);
     * rotary on q and k (transformers' rotate_half: a product, a negated half, a
       concatenation, a product, a sum: 10·b a value; Liger's in place: 2·b);
     * each adapter's scaled output added to its base output (the scale: read and write, the
       sum: two reads and a write) and, where the layer does not keep it, B's output made
-      again; the residual add after attention;
-    * SiLU and its product with up's output (5·b an intermediate value; Liger's one kernel:
-      3·b).
+      again; under QLoRA peft's 4-bit layer first copies the base output (``result.clone()``);
+      the residual add after attention;
+    * SiLU and its product with up's output (memory.mlp.swiglu_forward_bytes).
 
-    LoRA dropout's passes in a recompute are :func:`dropout_pass_bytes`'. Priced at
+    LoRA dropout's passes in a recompute are :func:`dropout_pass_bytes`'. Not counted: an
+    8-bit base's input quantization, which runs again too (lora-int8). Priced at
     ``plan.device_gb_s``; ``tests/test_step_time.py`` checks the count against every op a
-    traced selective layer runs again (tools.step_trace) within 2%."""
+    traced full-size selective layer runs again (tools.step_trace) within 1%."""
     s = d.checkpointing.selective
     if not s:
         return 0.0
     a = cfg.model.architecture
-    b, k = compute_bytes(cfg), d.kernels
+    n, b = d.batch.rank_tokens, compute_bytes(cfg)
     h, inter, hd = int(a["hidden_size"]), int(a["intermediate_size"]), head_dim(a)
-    qk = (int(a["num_attention_heads"]) + int(a["num_key_value_heads"])) * hd
-    casts = 0 if b == 4 else 2 * (b + 4)
-    norm = 2 * b if k.rms_norm == "liger" else 20 + 2 * b + casts
-    per_token = 2 * norm * h + (norm * qk if a.get("model_type") in QK_NORMED else 0)
-    per_token += (2 * b if k.rope == "liger" else 10 * b) * qk
-    per_token += 3 * b * h  # the residual add after attention
-    per_token += sum(
-        5 * b * out + (0 if kept else b * (out + r)) for r, out, kept in selective_adapters(counts)
-    )
-    per_token += (3 * b if k.swiglu == "liger" else 5 * b) * inter
-    return float(s * d.batch.rank_tokens * per_token)
+    heads, kv = int(a["num_attention_heads"]), int(a["num_key_value_heads"])
+    total = 2 * norm_forward_bytes(d, n, h, b)
+    if a.get("model_type") in QK_NORMED:
+        total += norm_forward_bytes(d, n * heads, hd, b) + norm_forward_bytes(d, n * kv, hd, b)
+    total += (2 * b if d.kernels.rope == "liger" else 10 * b) * n * (heads + kv) * hd
+    total += 3 * b * n * h  # the residual add after attention
+    copy = 2 * b if d.peft_method == "qlora" else 0
+    for r, out, kept in remade_adapters(counts):
+        total += n * ((5 * b + copy) * out + (0 if kept else b * (out + r)))
+    total += swiglu_forward_bytes(d, n, inter, b)
+    return float(s * total)
 
 
 def traffic(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> list[tuple[str, float]]:
@@ -352,7 +347,9 @@ def traffic(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> list[tuple[str
         heads, kv = int(a["num_attention_heads"]), int(a["num_key_value_heads"])
         layers, k = int(a["num_hidden_layers"]), d.checkpointing.recomputed
         per_layer = d.batch.rank_tokens * head_dim(a) * (2 * heads + 2 * max(kv, sp)) * b
-        exchanges = 2 * layers + k  # forward, backward, recompute
+        # forward, backward, and every recompute: a selective layer's too (the all-to-alls
+        # are not operators its policy keeps)
+        exchanges = 2 * layers + k + d.checkpointing.selective
         out.append(
             (
                 f"Ulysses all-to-alls (q, k, v, output; sp={sp})",

@@ -97,6 +97,17 @@ class Wired:
     mlps: int = 0
     attentions: int = 0
 
+    def missing(self, kernels: Kernels) -> list[str]:
+        """Each kernel decided other than torch that reached no module, in words: a run (or
+        a GPU check's variant) that would time transformers' code under another kernel's
+        name."""
+        reaches = {"rms_norm": "norms", "swiglu": "mlps", "rope": "attentions"}
+        return [
+            f"{name}={getattr(kernels, name)} decided but no {where} reached"
+            for name, where in reaches.items()
+            if getattr(kernels, name) != "torch" and not getattr(self, where)
+        ]
+
 
 # --- the functions ---------------------------------------------------------------------------
 

@@ -17,7 +17,8 @@ two norms' fp32 copies held 1.31 GiB and the backward's own temporaries 3.61 GiB
   block, the ops autograd runs for transformers' forward, in its order — the gradient is the
   same bit for bit on the same machine (tests/test_lean_norm.py) — with at most
   :data:`~memtune.memory.norms.LEAN_NORM_BLOCK_TOKENS` tokens' temporaries alive at once
-  (rows narrower than :data:`NARROW_WIDTH`, proportionally more rows: :func:`block_rows`).
+  (rows narrower than :data:`~memtune.memory.norms.LEAN_NORM_NARROW_WIDTH`, proportionally
+  more rows: :func:`block_rows`).
 
 The cost is one more cast of the input in backward (memory-bound, small beside a layer's
 matmuls). A trainable norm weight (a plain full fine-tune of the norms) takes transformers' own
@@ -31,18 +32,14 @@ from typing import Any
 import torch
 
 from memtune.memory.norms import LEAN_NORM_BLOCK_TOKENS as BLOCK_TOKENS
-
-NARROW_WIDTH = 1024
-"""Rows narrower than this (Qwen3's per-head q / k norms: 128 wide, a token's heads each a row)
-go that many times more to a block, so that a block holds about as many values as a hidden
-norm's: 4,096 rows of 128 would be a Python loop of ~40 kernel launches a block over
-tokens × heads rows (320 blocks a layer at 32k tokens), launch-bound on a GPU for no memory
-the planner counts."""
+from memtune.memory.norms import LEAN_NORM_NARROW_WIDTH as NARROW_WIDTH
+from memtune.memory.norms import lean_norm_block_rows
 
 
 def block_rows(width: int) -> int:
-    """Rows a block of the lean RMSNorm runs at once, at this width."""
-    return BLOCK_TOKENS * max(1, NARROW_WIDTH // max(width, 1))
+    """Rows a block of the lean RMSNorm runs at once, at this width (this module's constants,
+    which the tests shrink)."""
+    return lean_norm_block_rows(width, BLOCK_TOKENS, NARROW_WIDTH)
 
 
 def _normed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

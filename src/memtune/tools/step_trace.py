@@ -254,7 +254,8 @@ def trace_step(
     model.train()
     loss_module = CausalLMLoss(model, d.loss, cfg.trainer.loss_chunk_tokens)
     loss_module.select = every_position
-    tracker = tracker or Tracker()
+    if tracker is None:
+        tracker = Tracker()
     base = model.get_base_model()
     for i, layer in enumerate(decoder_layers(model)):
         here = f"layer {i}"
