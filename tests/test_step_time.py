@@ -42,6 +42,24 @@ def _counted(cfg, attn: str) -> dict[str, int]:
     return {str(op): n for op, n in mode.get_flop_counts()["Global"].items()}
 
 
+def _tiny_fp32_lora(*overrides: str):
+    """The tiny model with LoRA on every linear layer, fp32, 2 rows of 128 tokens, on disk."""
+    cfg = to_run_config(
+        compose_cfg(
+            [
+                "peft=lora-all-linear",
+                "peft.dropout=0",
+                "trainer.precision=fp32",
+                "data.max_seq_len=128",
+                "trainer.micro_batch_size=2",
+                *overrides,
+            ]
+        )
+    )
+    synthesize(cfg.model.name_or_path, cfg.model.architecture)
+    return cfg
+
+
 @pytest.mark.parametrize(
     ("checkpoint_layers", "variant"),
     [
@@ -54,20 +72,7 @@ def _counted(cfg, attn: str) -> dict[str, int]:
     ],
 )
 def test_flops_equal_torchs_count_of_a_real_step(checkpoint_layers: str, variant: list) -> None:
-    cfg = to_run_config(
-        compose_cfg(
-            [
-                "peft=lora-all-linear",
-                "peft.dropout=0",
-                "trainer.precision=fp32",
-                "data.max_seq_len=128",
-                "trainer.micro_batch_size=2",
-                f"trainer.checkpoint_layers={checkpoint_layers}",
-                *variant,
-            ]
-        )
-    )
-    synthesize(cfg.model.name_or_path, cfg.model.architecture)
+    cfg = _tiny_fp32_lora(f"trainer.checkpoint_layers={checkpoint_layers}", *variant)
     model = micro_step_flops(cfg, decided(cfg), count_params(cfg))
     assert (model.dora > 0) == cfg.peft.dora
     # torch counts no FLOPs in CPU SDPA's fused kernel: the matmuls are the linear layers.
@@ -89,20 +94,9 @@ def test_a_selective_layer_multiplies_loras_b_again_but_down_projs() -> None:
     recompute stops at down_proj's input)."""
     counted, modeled = {}, {}
     for selective in ("0", "all"):
-        cfg = to_run_config(
-            compose_cfg(
-                [
-                    "peft=lora-all-linear",
-                    "peft.dropout=0",
-                    "trainer.precision=fp32",
-                    "data.max_seq_len=128",
-                    "trainer.micro_batch_size=2",
-                    "trainer.checkpoint_layers=0",
-                    f"trainer.selective_layers={selective}",
-                ]
-            )
+        cfg = _tiny_fp32_lora(
+            "trainer.checkpoint_layers=0", f"trainer.selective_layers={selective}"
         )
-        synthesize(cfg.model.name_or_path, cfg.model.architecture)
         d = decided(cfg)
         assert d.checkpointing.selective == (2 if selective == "all" else 0)
         counted[selective] = sum(_counted(cfg, "sdpa_varlen").values())
