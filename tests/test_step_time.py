@@ -306,3 +306,53 @@ def test_a_selective_layers_recompute_moves_the_bytes_the_estimate_prices(
     recompute = moved[4] - moved[0]
     assert recompute > 0.5e6 * tokens  # Qwen-7B/8B's layer: ~0.7 / 1.3 MB a token
     assert (priced[4] - priced[0]) / 4 == pytest.approx(recompute, rel=0.01)
+
+
+ONE_CARD = [
+    "launcher.num_ranks=1",
+    "trainer.global_batch_size=1",
+    "plan.device_gib=24",
+    "trainer.sequence_parallel=1",
+    "trainer.tiled_mlp=off",
+    "trainer.offload_activations=off",
+]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        *([f"experiment={e}"] for e in SHIPPED),
+        # one 24 GB card, LoRA on every linear layer at 2,048 tokens: 7 full and 21 selective
+        ["experiment=qwen2.5-7b-4x4090-lora", "peft=lora-all-linear", *ONE_CARD],
+        # QLoRA at 8,192 tokens: 14 full and 13 selective
+        ["experiment=qwen2.5-7b-4x4090-qlora", "data.max_seq_len=8192", *ONE_CARD],
+    ],
+)
+def test_the_layer_search_takes_the_fastest_mix_that_fits(overrides: list) -> None:
+    """The search takes the fewest full recomputes, then the fewest selective layers
+    (memory.recompute), a rule, not a timing: by the step-time estimate, a selective layer's
+    recompute priced, it is the fastest of every mix of full, selective and kept layers that
+    fits with the spare."""
+    from memtune.config.decisions import RankMachine
+    from memtune.memory.estimate import plan
+    from memtune.memory.recompute import AUTO_CHECKPOINT_SPARE_GIB
+
+    gpu = RankMachine(cuda=True)
+    fitted = fit_to_device(to_run_config(compose_cfg(overrides)), machine=gpu)
+    cfg, chosen, counts = fitted.cfg, fitted.decisions, fitted.plan.counts
+    assert counts is not None and cfg.plan.device_gib is not None
+    budget = cfg.plan.device_gib - AUTO_CHECKPOINT_SPARE_GIB
+    layers = int(cfg.model.architecture["num_hidden_layers"])
+    steps = {}
+    for full in range(layers + 1):
+        for selective in range(layers - full + 1):
+            d = decided(
+                cfg, recompute=full, selective=selective, machine=gpu, kernels=chosen.kernels
+            )
+            if plan(cfg, d, counts).total_gib <= budget:
+                estimate = step_time(cfg, d, counts)
+                assert estimate is not None
+                steps[(full, selective)] = estimate.step_s
+    c = chosen.checkpointing
+    assert len(steps) > layers  # many mixes fit: the choice is among them
+    assert min(steps, key=steps.__getitem__) == (c.recomputed, c.selective), steps
