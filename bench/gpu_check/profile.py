@@ -238,10 +238,28 @@ def run_profile_memtune(phase: Phase, deadline: float) -> None:
         attention=parts.attention,
         loss_kind=parts.loss_kind,
         memory=memory_now(device),
+        planned=planned_step(cfg, d, counts),
     )
     phase.data["profile"] = summary
     phase.save()
     print(f"gpu_check: {phase.name}: {summary['step_ms']:.0f} ms a step profiled", flush=True)
+
+
+def planned_step(cfg: Any, d: Any, counts: Any) -> dict[str, float]:
+    """What the step-time estimate counts in the profiled step (one micro batch): its matmul
+    TFLOPs (full recomputes included) and the memory-bound passes it prices apart, in GB —
+    beside the measured kinds, what a GPU's times check it against."""
+    from memtune.memory.step_time import (
+        dropout_pass_bytes,
+        micro_step_flops,
+        selective_pass_bytes,
+    )
+
+    return {
+        "matmul_tflop": micro_step_flops(cfg, d, counts).total / 1e12,
+        "selective_recompute_gb": selective_pass_bytes(cfg, d, counts) / 1e9,
+        "lora_dropout_gb": dropout_pass_bytes(cfg, d, counts) / 1e9,
+    }
 
 
 def run_profile_baseline(phase: Phase, deadline: float) -> None:

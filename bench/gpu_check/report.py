@@ -439,6 +439,15 @@ def profile_markdown(profiles: list[dict[str, Any]]) -> list[str]:
             f"({p['recompute_labelled_layers']} labelled for the recompute), attention "
             f"{p['attention']}, loss {p['loss_kind']}; costliest ms a step: {top}"
         )
+        planned = p.get("planned")
+        if planned:
+            lines.append(
+                f"- {p['side']}, as the step-time estimate counts this step: "
+                f"{planned['matmul_tflop']:.3g} TFLOP of matmuls (full recomputes included), "
+                f"the selective layers' recompute passes {planned['selective_recompute_gb']:.3g} "
+                f"GB, LoRA dropout's {planned['lora_dropout_gb']:.3g} GB (memory-bound: at the "
+                "card's bandwidth)"
+            )
     return lines
 
 
