@@ -117,6 +117,20 @@ def test_flash_attention_where_it_cannot_run_is_refused(tmp_path: Path) -> None:
     assert "cannot run here" in refused(proc, tmp_path / "run")
 
 
+def test_torch_varlen_attention_without_cuda_is_refused() -> None:
+    from memtune.machine import cuda_available
+
+    cfg = to_run_config(compose(["model.attn_implementation=torch_varlen"]))
+    validate(cfg, inputs=False)  # a memory plan may be made anywhere
+    if cuda_available():
+        validate(cfg)
+        return
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert "model.attn_implementation=torch_varlen cannot run here" in str(err.value)
+    assert "model.attn_implementation=auto" in str(err.value)
+
+
 # ------------------------------------------------------------------ 7c: model=local, no path
 
 

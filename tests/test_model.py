@@ -154,3 +154,6 @@ def test_attention_choice() -> None:
     assert use_attention("eager", "cpu") == "eager"
     with pytest.raises(ConfigError, match=r"flash_attention_2 .* needs a CUDA GPU"):
         use_attention("flash_attention_2", "cpu")
+    with pytest.raises(ConfigError, match=r"torch_varlen .* needs a CUDA GPU"):
+        use_attention("torch_varlen", "cpu")
+    assert attention_kernel("torch_varlen", RankMachine(cuda=True)) == "torch_varlen"

@@ -211,3 +211,88 @@ def test_length_grouped_sampler() -> None:
     assert real / padded > 0.9  # random batching of this distribution gives ~0.6
     samplers[0].set_epoch(1)
     assert list(samplers[0]) != per_rank[0]
+
+
+def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa):
+    """torch.nn.attention.varlen.varlen_attn's contract in plain SDPA (its kernel is CUDA
+    only): (tokens, heads, d) in and out, causal within each cu_seq segment."""
+    assert window_size == (-1, 0) and torch.equal(cu_q, cu_k)
+    bounds = cu_q.tolist()
+    assert max_q == max_k == max(b - a for a, b in itertools.pairwise(bounds))
+    out = torch.empty_like(q)
+    for a, b in itertools.pairwise(bounds):
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
+        out[a:b] = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=enable_gqa
+        ).transpose(0, 1)
+    return out
+
+
+def _varlen_cases() -> dict[str, dict]:
+    """Three rows of 12 tokens: packed (two samples, then padding; one sample; three), right
+    padded, and neither."""
+    packed = torch.tensor([0, 5, 10, 12, 24, 27, 31, 36], dtype=torch.int32)
+    padded = torch.ones(3, 12, dtype=torch.long)
+    padded[0, 9:] = 0
+    padded[2, 4:] = 0
+    real_packed = torch.ones(3, 12, dtype=torch.bool)
+    real_packed[0, 10:] = False  # the row's padding segment
+    return {
+        "packed": {"kwargs": {"cu_seq_lens_q": packed}, "mask": None, "real": real_packed},
+        "padded": {"kwargs": {}, "mask": padded, "real": padded.bool()},
+        "plain": {"kwargs": {}, "mask": None, "real": torch.ones(3, 12, dtype=torch.bool)},
+    }
+
+
+@pytest.mark.parametrize("case", ["packed", "padded", "plain"])
+def test_torch_varlen_attends_as_sdpa_varlen(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """torch_varlen's layout (the flattened tokens, the segments' bounds from a packed batch's
+    cu_seq_lens or a padding mask, grouped KV heads) gives sdpa_varlen's outputs and
+    gradients at every real token, with a reference in place of torch's CUDA kernel."""
+    from memtune.rank import attention
+
+    monkeypatch.setattr(attention, "varlen_kernel", lambda: _reference_varlen)
+    monkeypatch.setattr(attention, "_cumulative_cache", {"key": None, "value": None})
+    given = _varlen_cases()[case]
+    torch.manual_seed(0)
+    q0, k0, v0 = torch.randn(3, 4, 12, 8), torch.randn(3, 2, 12, 8), torch.randn(3, 2, 12, 8)
+    real = given["real"]
+    results = []
+    module = torch.nn.Module()
+    module.num_key_value_groups = 2  # what transformers' attention modules carry (GQA)
+    for forward in (attention.sdpa_varlen_forward, attention.torch_varlen_forward):
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        out, _ = forward(module, q, k, v, given["mask"], scaling=0.3, **given["kwargs"])
+        assert out.shape == (3, 12, 4, 8)
+        weights = torch.linspace(-1, 1, out.numel()).view(out.shape)
+        (out[real] * weights[real]).sum().backward()
+        results.append((out[real].detach(), q.grad, k.grad, v.grad))
+    for varlen, per_sample in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(varlen, per_sample)
+    cu, longest = attention.cumulative_bounds(
+        3, 12, given["kwargs"].get("cu_seq_lens_q"), given["mask"], torch.device("cpu")
+    )
+    expected = {
+        "packed": ([0, 5, 10, 12, 24, 27, 31, 36], 12),
+        "padded": ([0, 9, 12, 24, 28, 36], 12),
+        "plain": ([0, 12, 24, 36], 12),
+    }[case]
+    assert (cu.tolist(), longest) == expected and cu.dtype == torch.int32
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_torch_varlen_on_cuda_is_the_reference() -> None:
+    """torch's own kernel against the reference above, bf16, a packed batch."""
+    from memtune.rank import attention
+
+    given = _varlen_cases()["packed"]
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, h, 12, 64, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2))
+    cu = given["kwargs"]["cu_seq_lens_q"].cuda()
+    out, _ = attention.torch_varlen_forward(None, q, k, v, None, cu_seq_lens_q=cu)
+    flat = [t.transpose(1, 2).reshape(36, t.shape[1], 64).float() for t in (q, k, v)]
+    ref = _reference_varlen(
+        *flat, cu, cu, 12, 12, scale=None, window_size=(-1, 0), enable_gqa=True
+    ).view(3, 12, 4, 64)
+    real = given["real"].cuda()
+    torch.testing.assert_close(out[real].float(), ref[real], atol=2e-2, rtol=2e-2)

@@ -57,7 +57,7 @@ selective (its input, its base matmuls', LoRA's A and attention's outputs; the c
 norms, activations, rotary, dropout, LoRA's r-deep B — recomputed in backward: torch's
 selective activation checkpointing, rank.layers) | full (only its input; its whole forward
 recomputed)."""
-AttentionKernel = Literal["sdpa_varlen", "sdpa", "eager", "flash_attention_2"]
+AttentionKernel = Literal["sdpa_varlen", "sdpa", "eager", "flash_attention_2", "torch_varlen"]
 """model.attn_implementation as run: ``auto`` decided (rank.attention: sdpa_varlen)."""
 LossKernel = Literal["chunked", "plain", "liger"]
 """trainer.loss as run: ``auto`` decided (rank.loss)."""

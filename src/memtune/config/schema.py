@@ -29,7 +29,9 @@ from memtune.paths import ASSETS_DIR, CONF_DIR, SOURCE_ROOT  # noqa: F401  (conf
 # type (str or int) to OmegaConf, which cannot hold a Literal (and would turn strings into Enums
 # by member name, which "lora-int8" cannot be).
 ArchitectureSource = Literal["auto", "checkpoint"]
-AttnImplementation = Literal["auto", "sdpa_varlen", "sdpa", "eager", "flash_attention_2"]
+AttnImplementation = Literal[
+    "auto", "sdpa_varlen", "sdpa", "eager", "flash_attention_2", "torch_varlen"
+]
 DataFormat = Literal["alpaca", "messages", "text", "preference"]
 Template = Literal["chatml", "plain", "qwen3", "qwen3_5"]
 Overlong = Literal["truncate", "drop", "split"]
@@ -105,7 +107,9 @@ class ModelConfig:
     synthesize: bool = False
     """Build a random-init model and tokenizer at ``name_or_path`` if absent (tiny demos)."""
     attn_implementation: Choice[AttnImplementation] = "auto"
-    """auto (flash_attention_2 if usable on CUDA, else sdpa) | sdpa | eager | flash_attention_2"""
+    """auto (flash_attention_2 if usable on CUDA, else sdpa_varlen: SDPA per sample, no dense
+    mask) | sdpa_varlen | sdpa | eager | flash_attention_2 | torch_varlen (torch's own
+    variable-length flash kernel, one call a layer for packed rows; CUDA only)"""
     trust_remote_code: bool = False
     """Run the modelling / tokenizer code a hub repo ships (Python, on every rank). Pin
     model.revision to a commit with it: the code is then the one you reviewed."""

@@ -258,10 +258,20 @@ def _check_kernels_here(cfg: RunConfig) -> None:
 
 
 def _check_attention_here(model: ModelConfig) -> None:
-    """FlashAttention-2 asked for by name on a machine that cannot run it: refused here, on
-    the machine the ranks start from, rather than by every rank once it has loaded the model
-    (rank.model.use_attention). Not for a memory plan (``inputs=False``): planning a GPU
-    run on a laptop is fine."""
+    """FlashAttention-2 or torch_varlen asked for by name on a machine that cannot run it:
+    refused here, on the machine the ranks start from, rather than by every rank once it has
+    loaded the model (rank.model.use_attention). Not for a memory plan (``inputs=False``):
+    planning a GPU run on a laptop is fine."""
+    if model.attn_implementation == "torch_varlen":
+        from memtune.machine import cuda_available
+
+        if not cuda_available():
+            raise ConfigError(
+                "model.attn_implementation=torch_varlen cannot run here: this machine has no "
+                "CUDA GPU (torch's variable-length attention is FlashAttention's CUDA kernel); "
+                "use model.attn_implementation=auto (sdpa_varlen here)"
+            )
+        return
     if model.attn_implementation != "flash_attention_2":
         return
     from memtune.machine import cuda_available

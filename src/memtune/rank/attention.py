@@ -11,6 +11,11 @@ one causal SDPA call, as with ``sdpa``.
 
 Registered under that name in transformers' attention and mask interfaces by
 :func:`register`, so ``from_pretrained(attn_implementation="sdpa_varlen")`` picks it.
+
+``torch_varlen``: the same boundaries given to torch's own variable-length attention
+(``torch.nn.attention.varlen.varlen_attn``, FlashAttention's kernel inside torch, CUDA only) in
+one call over the flattened ``batch × n`` tokens — no Python loop over samples, no flash-attn
+package. Right padding is a segment of its own, as in a packed row; its outputs feed no label.
 """
 
 from __future__ import annotations
@@ -25,12 +30,12 @@ NAME = "sdpa_varlen"
 _bounds_cache: dict[str, Any] = {"key": None, "value": None}
 
 
-def _once(t: torch.Tensor, read: Any) -> Any:
+def _once(t: torch.Tensor, read: Any, cache: dict[str, Any] = _bounds_cache) -> Any:
     """``read(t)`` once per batch: every layer (and every recompute) gets the same tensor
     object, so one device→host copy serves them all."""
-    if _bounds_cache["key"] is not t:
-        _bounds_cache["key"], _bounds_cache["value"] = t, read(t)
-    return _bounds_cache["value"]
+    if cache["key"] is not t:
+        cache["key"], cache["value"] = t, read(t)
+    return cache["value"]
 
 
 def _padded_lengths(mask: torch.Tensor) -> list[int] | None:
@@ -112,6 +117,91 @@ def sdpa_varlen_forward(
     return torch.cat(rows, dim=0), None
 
 
+VARLEN_NAME = "torch_varlen"
+
+
+def varlen_kernel() -> Any:
+    """torch's variable-length attention (CUDA only; tests give a reference in its place)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn
+
+
+def cumulative_bounds(
+    batch: int,
+    width: int,
+    cu_seq_lens: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    device: torch.device,
+) -> tuple[torch.Tensor, int]:
+    """(each segment's start in the flattened ``batch × width`` tokens, then the total, int32
+    on ``device``; the longest segment): a packed batch's own ``cu_seq_lens``, else each row
+    one segment and its right padding another (:func:`row_segments`)."""
+
+    def bounds(_: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+        segments = row_segments(batch, width, cu_seq_lens, mask)
+        if segments is None:
+            starts = [r * width for r in range(batch)]
+        else:
+            starts = []
+            for r, segs in enumerate(segments):
+                covered = segs[-1][1] if segs else 0
+                starts += [r * width + a for a, _ in segs]
+                if covered < width:
+                    starts.append(r * width + covered)
+        edges = [*starts, batch * width]
+        longest = max(b - a for a, b in itertools.pairwise(edges))
+        return torch.tensor(edges, dtype=torch.int32, device=device), longest
+
+    key = cu_seq_lens if cu_seq_lens is not None else mask
+    return bounds(None) if key is None else _once(key, bounds, _cumulative_cache)
+
+
+_cumulative_cache: dict[str, Any] = {"key": None, "value": None}
+
+
+@torch.compiler.disable
+def torch_varlen_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``query`` (b, heads, n, d), ``key``/``value`` (b, kv heads, n, d) → (b, n, heads, d):
+    causal attention within each segment, one varlen call for the batch."""
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError("torch_varlen does not implement sliding-window attention")
+    if dropout:
+        raise ValueError(f"torch_varlen runs no attention dropout (asked {dropout})")
+    batch, heads, width, _ = query.shape
+    if key.shape[2] != width:
+        raise ValueError("torch_varlen is for training: queries and keys must have one length")
+    cu, longest = cumulative_bounds(
+        batch, width, kwargs.get("cu_seq_lens_q"), attention_mask, query.device
+    )
+
+    def flat(t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(1, 2).reshape(batch * width, t.shape[1], t.shape[-1])
+
+    out = varlen_kernel()(
+        flat(query),
+        flat(key),
+        flat(value),
+        cu,
+        cu,
+        longest,
+        longest,
+        scale=scaling,
+        window_size=(-1, 0),  # causal
+        enable_gqa=key.shape[1] != heads,
+    )
+    return out.view(batch, width, heads, value.shape[-1]), None
+
+
 def _mask(
     batch_size: int,
     q_length: int,
@@ -129,5 +219,6 @@ def register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(NAME, sdpa_varlen_forward)
-    AttentionMaskInterface.register(NAME, _mask)
+    for name, forward in ((NAME, sdpa_varlen_forward), (VARLEN_NAME, torch_varlen_forward)):
+        AttentionInterface.register(name, forward)
+        AttentionMaskInterface.register(name, _mask)

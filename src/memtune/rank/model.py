@@ -26,8 +26,9 @@ def torch_dtype(cfg: RunConfig) -> torch.dtype:
 
 def use_attention(kernel: AttentionKernel, device_type: str) -> AttentionKernel:
     """The decided attention kernel (decisions.json ``attention``), made ready on this rank:
-    sdpa_varlen (SDPA per sample, no dense mask: rank/attention.py) registered with
-    transformers; FlashAttention-2 refused where this rank cannot run it (the job decided from
+    sdpa_varlen (SDPA per sample, no dense mask: rank/attention.py) and torch_varlen
+    registered with transformers; FlashAttention-2 and torch_varlen refused where this rank
+    cannot run them (the job decided from
     its view of the machine, which this one may not match)."""
     has_flash = importlib.util.find_spec("flash_attn") is not None
     if kernel == "flash_attention_2" and not (device_type == "cuda" and has_flash):
@@ -37,7 +38,13 @@ def use_attention(kernel: AttentionKernel, device_type: str) -> AttentionKernel:
             f"{'no CUDA' if device_type != 'cuda' else 'no flash-attn'}: install it, or run "
             "with model.attn_implementation=sdpa_varlen"
         )
-    if kernel == "sdpa_varlen":
+    if kernel == "torch_varlen" and device_type != "cuda":
+        raise ConfigError(
+            "attention=torch_varlen (decisions.json) needs a CUDA GPU on every rank (torch's "
+            "variable-length attention is FlashAttention's CUDA kernel); run with "
+            "model.attn_implementation=sdpa_varlen"
+        )
+    if kernel in ("sdpa_varlen", "torch_varlen"):
         from memtune.rank import attention
 
         attention.register()
