@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
+from .attention import run_attention
 from .baseline_runner import run_baseline
 from .hybrid import run_hybrid
 from .kernels import run_kernels
@@ -57,6 +58,8 @@ def run_phase(args: argparse.Namespace) -> int:
             run_profile_memtune(phase, deadline)
         elif side == "profile-baseline":
             run_profile_baseline(phase, deadline)
+        elif side == "attention":
+            run_attention(phase, deadline)
         elif side == "kernels":
             run_kernels(phase, deadline)
         elif side == "unsloth-model":
@@ -191,6 +194,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         or result["hybrid"]
         or any(r.get("step_ms") for r in moe_rows)
         or any(v.get("tokens_per_s") for v in kernel_rows)
+        or any(r.get("ms") for r in (result["attention"] or {}).get("rows", []))
         or searched  # a long phase run for its census alone (GPU_CHECK_LONG_TIMED=)
         or any(r.get("tokens_per_s") for r in mixture_rows)
         or "load" in (mixture.get("load") or {})

@@ -20,9 +20,9 @@ class PhaseSpec:
     """One phase: what it runs, the least time worth starting it with, the most it is given."""
 
     name: str
-    method: str  # conf experiment (configs.METHODS), or "moe" (no experiment)
-    side: str  # profile, profile-baseline, memtune, baseline, kernels, long, block, torch, fla,
-    # unsloth-model, unsloth, at-unsloth, whole, whole-offload, load
+    method: str  # conf experiment (configs.METHODS), or "moe" / "attention" (no experiment)
+    side: str  # profile, profile-baseline, memtune, baseline, kernels, attention, long, block,
+    # torch, fla, unsloth-model, unsloth, at-unsloth, whole, whole-offload, load
     need_s: float
     """On the GPU: the least time it needs for its first result (what it took on the H200,
     2026-12-04, rounded up); with less left it is skipped, not started to be cut short."""
@@ -53,6 +53,9 @@ PHASES = (
     # measured yet: an estimate (the build ~15 s, 7 variants of 5 steps ~25 s, Triton's first
     # compiles ~15 s).
     PhaseSpec("kernels", "lora", "kernels", need_s=35, cap_s=100),
+    # Attention over a packed row at Qwen2.5-7B's shape: sdpa_varlen's call a sample against
+    # torch_varlen's call a row and FlashAttention-2's (attention.py; no model: seconds).
+    PhaseSpec("attention-packed", "attention", "attention", need_s=15, cap_s=40),
     PhaseSpec("long-qlora", "qlora", "long", need_s=60, cap_s=150),  # 32k timed, then longer
     PhaseSpec("long-lora", "lora", "long", need_s=60, cap_s=120),
     # A DPO step on a row holding one pair (reference precomputed: the pass is timed too).

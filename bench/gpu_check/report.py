@@ -89,6 +89,7 @@ def collect(mode: Mode, work: Path) -> dict[str, Any]:
         "moe": next((f["moe"] for f in frags if f.get("moe")), None),
         "profile": [f["profile"] for f in frags if f.get("profile")],
         "kernels": next((f["kernels"] for f in frags if f.get("kernels")), None),
+        "attention": next((f["attention"] for f in frags if f.get("attention")), None),
         "unsloth": collect_unsloth(frags, records),
         "mixture": collect_mixture(frags),
         "errors": [{"phase": f["phase"], **e} for f in frags for e in f["errors"]],
@@ -179,6 +180,13 @@ def format_check(mode: Mode, work: Path) -> Path:
     assert "; CUDA allocator expandable segments: lora-memtune;" in text, "no allocator"
     assert not result["moe"] or "| memtune | " in text, "the MoE table did not render"
     assert not result["kernels"] or "| all three |" in text, "the kernels table did not render"
+    if result["attention"]:  # made up: the kernels a CUDA device runs
+        for r in result["attention"]["rows"]:
+            if r["kernel"] != "sdpa_varlen":
+                r.pop("error", None)
+                r.update(ms=1.0, speedup=2.0, max_abs_diff=1e-3)
+        text = markdown(result)
+        assert "| torch_varlen | 1.00 | 2.00 | 1.00e-03 |" in text, "no attention table"
     runs = (result.get("mixture") or {}).get("runs") or []
     assert not runs or "#### A whole mixture on one card" in text, "the mixture did not render"
     assert not any(r["rows"] for r in runs) or "as the plan said" in text, "no planned OOM row"
@@ -377,9 +385,11 @@ def markdown(result: dict[str, Any]) -> str:
         ]
         lines += census_markdown(lc)
     lines += profile_markdown(result.get("profile") or [])
+    from .attention import attention_markdown
     from .kernels import kernels_markdown
 
     lines += kernels_markdown(result.get("kernels"))
+    lines += attention_markdown(result.get("attention"))
     lines += unsloth_markdown(result.get("unsloth") or {})
     lines += moe_markdown(result.get("moe"))
     lines += hybrid_markdown(result["hybrid"], mode)
