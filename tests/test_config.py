@@ -172,7 +172,9 @@ def test_one_rank_runs_zero2_instead_of_zero3(capsys) -> None:
 
 CHOICE_FIELDS = {
     "model.architecture_source": "auto | checkpoint",
-    "model.attn_implementation": "auto | sdpa_varlen | sdpa | eager | flash_attention_2 | torch_varlen",
+    "model.attn_implementation": (
+        "auto | sdpa_varlen | sdpa | eager | flash_attention_2 | torch_varlen"
+    ),
     "data.format": "alpaca | messages | text | preference",
     "data.template": "chatml | plain | qwen3 | qwen3_5",
     "data.overlong": "truncate | drop | split",

@@ -120,8 +120,12 @@ def test_flash_attention_where_it_cannot_run_is_refused(tmp_path: Path) -> None:
 def test_torch_varlen_attention_without_cuda_is_refused() -> None:
     from memtune.machine import cuda_available
 
-    cfg = to_run_config(compose(["model.attn_implementation=torch_varlen"]))
+    given = ["model.attn_implementation=torch_varlen"]
+    cfg = to_run_config(compose([*given, "trainer.precision=bf16"]))
     validate(cfg, inputs=False)  # a memory plan may be made anywhere
+    fp32 = to_run_config(compose([*given, "trainer.precision=fp32"]))  # the CPU demo's
+    with pytest.raises(ConfigError, match="runs bf16 and fp16 only"):
+        validate(fp32, inputs=False)
     if cuda_available():
         validate(cfg)
         return

@@ -167,6 +167,12 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
             "use trainer.loss=auto to fall back to memtune's chunked loss"
         )
     _check_kernels(cfg)
+    if cfg.model.attn_implementation == "torch_varlen" and t.precision == "fp32":
+        raise ConfigError(
+            "model.attn_implementation=torch_varlen with trainer.precision=fp32: torch's "
+            "variable-length flash kernel runs bf16 and fp16 only; use trainer.precision=bf16, "
+            "or model.attn_implementation=auto"
+        )
     for key in ("zero.reduce_bucket_size", "zero.prefetch_bucket_size"):
         value = get_field(cfg, key)
         if value is not None and value <= 0:

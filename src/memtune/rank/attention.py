@@ -199,7 +199,7 @@ def torch_varlen_forward(
         window_size=(-1, 0),  # causal
         enable_gqa=key.shape[1] != heads,
     )
-    return out.view(batch, width, heads, value.shape[-1]), None
+    return out.reshape(batch, width, heads, value.shape[-1]), None
 
 
 def _mask(
