@@ -299,7 +299,7 @@ def selective_pass_bytes(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> f
     LoRA dropout's passes in a recompute are :func:`dropout_pass_bytes`'. Not counted: an
     8-bit base's input quantization, which runs again too (lora-int8). Priced at
     ``plan.device_gb_s``; ``tests/test_step_time.py`` checks the count against every op a
-    traced full-size selective layer runs again (tools.step_trace) within 1%."""
+    traced full-width selective layer runs again (tools.step_trace) within 1%."""
     s = d.checkpointing.selective
     if not s:
         return 0.0
