@@ -78,6 +78,19 @@ def row_segments(
     return [[(0, n)] if n else [] for n in lengths]
 
 
+def _training_shape(
+    name: str, query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]
+) -> tuple[int, int]:
+    """(batch, row width) of a training step's attention; what neither function runs refused:
+    sliding windows, and keys longer than the queries (a KV cache)."""
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError(f"{name} does not implement sliding-window attention")
+    batch, _, width, _ = query.shape
+    if key.shape[2] != width:
+        raise ValueError(f"{name} is for training: queries and keys must have one length")
+    return batch, width
+
+
 @torch.compiler.disable
 def sdpa_varlen_forward(
     module: torch.nn.Module,
@@ -92,11 +105,7 @@ def sdpa_varlen_forward(
     """``query`` (b, heads, n, d), ``key``/``value`` (b, kv heads, n, d) → (b, n, heads, d)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError("sdpa_varlen does not implement sliding-window attention")
-    batch, _, width, _ = query.shape
-    if key.shape[2] != width:
-        raise ValueError("sdpa_varlen is for training: queries and keys must have one length")
+    batch, width = _training_shape(NAME, query, key, kwargs)
     segments = row_segments(batch, width, kwargs.get("cu_seq_lens_q"), attention_mask)
 
     def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -173,13 +182,10 @@ def torch_varlen_forward(
 ) -> tuple[torch.Tensor, None]:
     """``query`` (b, heads, n, d), ``key``/``value`` (b, kv heads, n, d) → (b, n, heads, d):
     causal attention within each segment, one varlen call for the batch."""
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError("torch_varlen does not implement sliding-window attention")
     if dropout:
         raise ValueError(f"torch_varlen runs no attention dropout (asked {dropout})")
-    batch, heads, width, _ = query.shape
-    if key.shape[2] != width:
-        raise ValueError("torch_varlen is for training: queries and keys must have one length")
+    batch, width = _training_shape(VARLEN_NAME, query, key, kwargs)
+    heads = query.shape[1]
     cu, longest = cumulative_bounds(
         batch, width, kwargs.get("cu_seq_lens_q"), attention_mask, query.device
     )
