@@ -46,16 +46,14 @@ def unavailable(kernel: str, device: Any) -> str | None:
 
 
 def forward_of(kernel: str) -> Any:
-    """The attention function transformers would call for ``kernel``."""
+    """The attention function transformers calls for ``kernel`` (its registry, memtune's two
+    registered as a rank registers them)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     from memtune.rank import attention
 
-    if kernel == "sdpa_varlen":
-        return attention.sdpa_varlen_forward
-    if kernel == "torch_varlen":
-        return attention.torch_varlen_forward
-    from transformers.integrations.flash_attention import flash_attention_forward
-
-    return flash_attention_forward
+    attention.register()
+    return ALL_ATTENTION_FUNCTIONS[kernel]
 
 
 def run_attention(phase: Phase, deadline: float) -> None:

@@ -268,23 +268,19 @@ def _check_attention_here(model: ModelConfig) -> None:
     refused here, on the machine the ranks start from, rather than by every rank once it has
     loaded the model (rank.model.use_attention). Not for a memory plan (``inputs=False``):
     planning a GPU run on a laptop is fine."""
-    if model.attn_implementation == "torch_varlen":
-        from memtune.machine import cuda_available
-
-        if not cuda_available():
-            raise ConfigError(
-                "model.attn_implementation=torch_varlen cannot run here: this machine has no "
-                "CUDA GPU (torch's variable-length attention is FlashAttention's CUDA kernel); "
-                "use model.attn_implementation=auto (sdpa_varlen here)"
-            )
-        return
-    if model.attn_implementation != "flash_attention_2":
+    attn = model.attn_implementation
+    if attn not in ("flash_attention_2", "torch_varlen"):
         return
     from memtune.machine import cuda_available
 
     if not cuda_available():
-        why = "this machine has no CUDA GPU (FlashAttention-2 has no CPU kernel)"
-    elif importlib.util.find_spec("flash_attn") is None:
+        kernel = (
+            "torch's variable-length attention is FlashAttention's CUDA kernel"
+            if attn == "torch_varlen"
+            else "FlashAttention-2 has no CPU kernel"
+        )
+        why = f"this machine has no CUDA GPU ({kernel})"
+    elif attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         why = (
             "the flash-attn package is not installed (pip install -c constraints.txt -e "
             "'.[flash]', needs nvcc)"
@@ -292,7 +288,7 @@ def _check_attention_here(model: ModelConfig) -> None:
     else:
         return
     raise ConfigError(
-        f"model.attn_implementation=flash_attention_2 cannot run here: {why}; use "
+        f"model.attn_implementation={attn} cannot run here: {why}; use "
         "model.attn_implementation=auto (FlashAttention-2 where it runs, else sdpa_varlen) "
         "or sdpa"
     )
