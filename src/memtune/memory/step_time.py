@@ -72,8 +72,8 @@ class StepTime:
     host_bytes: float = 0.0  # offloaded activations, to the host and back, per rank
     host_link_gb_s: float = 20.0
     dropout_bytes: float = 0.0  # memory-bound passes priced apart: LoRA dropout's,
-    device_gb_s: float | None = None
     selective_bytes: float = 0.0  # and the selective layers' recomputes
+    device_gb_s: float | None = None  # what they are priced at
 
     def _at_device_bandwidth(self, nbytes: float) -> float:
         return nbytes / (self.device_gb_s * 1e9) if self.device_gb_s else 0.0
@@ -414,13 +414,13 @@ def step_time(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -
     return StepTime(
         flops,
         compute,
-        moved,
-        p.link_gb_s,
-        host,
-        p.host_link_gb_s,
-        dropout,
-        p.device_gb_s,
-        selective,
+        traffic=moved,
+        link_gb_s=p.link_gb_s,
+        host_bytes=host,
+        host_link_gb_s=p.host_link_gb_s,
+        dropout_bytes=dropout,
+        selective_bytes=selective,
+        device_gb_s=p.device_gb_s,
     )
 
 
