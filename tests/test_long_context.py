@@ -95,6 +95,30 @@ def test_offloaded_checkpoints_give_the_same_lora_gradients(dropout: str) -> Non
     _assert_same(want, _grads(cfg, model))
 
 
+def test_a_recomputed_layers_output_values_are_freed_before_its_backward(monkeypatch) -> None:
+    """The offloaded checkpoint backpropagates through its recomputed layer without holding
+    the layer's output (tokens × hidden): every layer's output is a residual sum, its
+    storage is emptied, and the gradients are still those of plain checkpointing."""
+    from memtune.rank import long_context
+
+    overrides = ("trainer.checkpoint_layers=all", "peft.dropout=0")
+    cfg, model = _model(*overrides)
+    want = _grads(cfg, model)
+    cfg, model = _model(*overrides)
+    offload_checkpoints(model.get_base_model(), torch.device("cpu"))
+    outputs: list[torch.Tensor] = []
+    release = long_context._release_values
+
+    def recorded(out: torch.Tensor) -> None:
+        outputs.append(out)
+        release(out)
+
+    monkeypatch.setattr(long_context, "_release_values", recorded)
+    _assert_same(want, _grads(cfg, model))
+    assert len(outputs) == 2 and all(o.shape == (2, 96, 256) for o in outputs)
+    assert [o.untyped_storage().size() for o in outputs] == [0, 0]
+
+
 def test_both_together_on_the_checkpointed_layers_only() -> None:
     cfg, model = _model("trainer.activation_checkpointing=false", "peft.dropout=0")
     want = _grads(cfg, model)
