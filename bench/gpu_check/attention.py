@@ -12,7 +12,12 @@ attention functions run it inside a layer:
 Each row gives the median milliseconds of a forward and backward, and the largest difference
 of its output from sdpa_varlen's: what ``model.attn_implementation=auto`` should pick for packed
 data. The dry run runs a reduced shape on CPU, where only sdpa_varlen runs (the others need
-CUDA: recorded as such)."""
+CUDA: recorded as such).
+
+Then each kernel's backward over one sequence of 65,536 tokens at that shape, its memory: what
+the backward allocates at its peak beyond the inputs, the output and its gradient, against what
+the planner counts for it (memory.attention.flash_backward_bytes: at long context it is a
+recomputed layer's peak). Measured on CUDA only (the dry run records it as not measured)."""
 
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from .recorder import Phase, device_and_env, time_left
 
 SHAPE = {"heads": 28, "kv_heads": 4, "head_dim": 128}
 """Qwen2.5-7B's attention."""
+BACKWARD_TOKENS, DRY_BACKWARD_TOKENS = 65_536, 512
 ROW_TOKENS = 4096
 SAMPLE_TOKENS = (256, 1024, 4096)
 DRY_SHAPE, DRY_ROW, DRY_SAMPLES = {"heads": 4, "kv_heads": 2, "head_dim": 16}, 256, (32, 256)
@@ -129,7 +135,59 @@ def run_attention(phase: Phase, deadline: float) -> None:
         for r in out["rows"]:
             if first is not None and r["sample_tokens"] == sample and "ms" in r:
                 r["speedup"] = first["ms"] / r["ms"]
+    out["backward"] = []
+    for kernel in KERNELS:
+        out["backward"].append(backward_memory(phase, deadline, kernel, module, shape, dtype))
+        phase.save()
     phase.save()
+
+
+def backward_memory(
+    phase: Phase, deadline: float, kernel: str, module: Any, shape: dict[str, int], dtype: Any
+) -> dict[str, Any]:
+    """One attention backward over a whole sequence: the allocator's peak during it above what
+    was allocated before it (inputs, output, its gradient), and the planner's count."""
+    import torch
+
+    from memtune.memory.attention import flash_backward_bytes
+
+    device = torch.device(phase.data["attention"]["device"])
+    tokens = DRY_BACKWARD_TOKENS if phase.mode.dry_run else BACKWARD_TOKENS
+    heads, kv, dim = shape["heads"], shape["kv_heads"], shape["head_dim"]
+    planned = flash_backward_bytes(tokens, heads, kv, dim, torch.finfo(dtype).bits // 8)
+    rec: dict[str, Any] = {"kernel": kernel, "tokens": tokens, "planned_mib": planned / 2**20}
+    why = unavailable(kernel, device)
+    if why is None and device.type != "cuda":
+        why = "the allocator's peak is measured on CUDA"
+    if why is None and not time_left(deadline, 5):
+        why = "out of time"
+    if why is not None:
+        rec["error"] = f"not measured: {why}"
+        return rec
+    try:
+        g = torch.Generator().manual_seed(1)
+        q, k, v = (
+            torch.randn(1, h, tokens, dim, generator=g).to(device, dtype).requires_grad_()
+            for h in (heads, kv, kv)
+        )
+        forward = forward_of(kernel)
+        for _ in range(2):  # the first call's workspaces (cuBLAS, the kernel's) are not its own
+            o, _ = forward(module, q, k, v, None)
+            grad = torch.ones_like(o)
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            o.backward(grad)
+            torch.cuda.synchronize(device)
+            rec["measured_mib"] = (torch.cuda.max_memory_allocated(device) - before) / 2**20
+            q.grad = k.grad = v.grad = None
+            del o, grad
+        rec["error_pct"] = 100 * (rec["planned_mib"] / rec["measured_mib"] - 1)
+    except Exception as err:
+        rec["error"] = repr(err)[-1000:]
+        phase.error(f"attention backward memory {kernel}", err)
+    print(f"gpu_check: {phase.name} backward memory {kernel}: {rec}", flush=True)
+    return rec
 
 
 def attention_markdown(att: dict[str, Any] | None) -> list[str]:
@@ -156,4 +214,21 @@ def attention_markdown(att: dict[str, Any] | None) -> list[str]:
         else:
             cells = f"{r.get('error', '?')} | | "
         lines.append(f"| {r['sample_tokens']:,} | {r['kernel']} | {cells} |")
+    back = att.get("backward") or []
+    if back:
+        lines += [
+            "",
+            f"One backward over a sequence of {back[0]['tokens']:,} tokens: the allocator's peak "
+            "above the inputs, the output and its gradient, against the planner's count "
+            "(memory.attention.flash_backward_bytes):",
+            "",
+            "| kernel | measured MiB | planned MiB | plan err |",
+            "|---|---:|---:|---:|",
+        ]
+    for r in back:
+        if "measured_mib" in r and "error_pct" in r:
+            cells = f"{r['measured_mib']:,.0f} | {r['planned_mib']:,.0f} | {r['error_pct']:+.1f}%"
+        else:
+            cells = f"{r.get('error', '?')} | {r['planned_mib']:,.1f} | "
+        lines.append(f"| {r['kernel']} | {cells} |")
     return lines

@@ -51,11 +51,11 @@ GPU = Mode(
     timed=3,
     long_lengths=(32768,),
     # from 96k (issue #47's target): 65,536 was measured with transformers' RMSNorm
-    # (2026-12-04); the lean one plans twice as far, and a step there takes about a minute
-    long_search=(98304, 131072, 163840),
+    # (2026-12-04); the lean one plans 113,664, and a step there takes about a minute
+    long_search=(98304, 114688, 131072),
     # a bf16 base: 32,768 fitted and 49,152 did not with transformers' RMSNorm (2026-12-04);
-    # the lean kernels plan 56,320
-    long_search_lora=(49152, 57344, 65536),
+    # the lean kernels plan 45,056
+    long_search_lora=(40960, 49152, 57344),
     hybrid_model="qwen3.5-2b",
     hybrid_len=4096,
     moe_tokens=4096,

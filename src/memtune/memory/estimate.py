@@ -48,6 +48,12 @@ from memtune.config.architecture import (
 )
 from memtune.config.decisions import Decisions, keeps_dropout_copies
 from memtune.expert_stacks import EXPERT_NF4_BYTES, expert_stack_bytes, experts_per_chunk
+from memtune.memory.attention import (
+    GATED_ATTENTION,
+    attention_backward_bytes,
+    attention_bytes,
+    attention_mask_bytes,
+)
 from memtune.memory.counts import ParamCounts, count_params, linear_mixer_bytes
 from memtune.memory.expert_parallel import (
     assumption,
@@ -72,7 +78,10 @@ CUDA_CONTEXT_GIB = 0.8
 FRAGMENTATION = 0.05
 # ... and with the MLP tiled and the layer inputs offloaded, at 32-64k tokens, 2.1-4.6 GiB: 33-46%
 # of what the step allocates above the weights (tiles, fp32 norm temporaries and the copy
-# stream's blocks of many sizes; the same run): this share of the per-token rows, 5% of the rest
+# stream's blocks of many sizes; the same run): this share of the per-token rows, 5% of the rest.
+# Measured before expandable segments were the default and before the fetched layer inputs moved
+# to the compute stream's pool (rank.long_context): both should shrink it; the GPU check's long
+# phases measure it again.
 LONG_CONTEXT_FRAGMENTATION = 0.45
 
 NF4_BYTES = {True: 0.5 + 1 / 64 + 4 / (64 * 256), False: 0.5 + 4 / 64}  # by double_quant
@@ -198,6 +207,19 @@ def layer_bytes(
     return norms + mixer + mlp + lora
 
 
+def attention_half_bytes(
+    cfg: RunConfig, d: Decisions, tokens: int, counts: ParamCounts, cuda: bool = True
+) -> int:
+    """What an attention layer still holds when its attention's backward runs: its MLP half
+    and o_proj have run theirs, so the first norm's, attention's and q/k/v's adapters' saved
+    tensors are left (:func:`layer_bytes`' parts)."""
+    h, b = int(cfg.model.architecture["hidden_size"]), compute_bytes(cfg)
+    mixer, extra = attention_bytes(cfg, d, tokens)
+    qkv = [i for i in counts.lora_inputs if i[0] in QKV]
+    lora = lora_activation_bytes(qkv, tokens, b, keeps_dropout_copies(cfg, d), cuda)
+    return norm_saved_bytes(d, tokens, h, b) + mixer + extra + lora
+
+
 def moe_block_bytes(cfg: RunConfig, d: Decisions, n: int) -> int:
     """What a mixture-of-experts block keeps for backward over ``n`` tokens, without its
     shared expert's adapters (lora_inputs has them). rank.experts runs each expert on the
@@ -221,35 +243,6 @@ def moe_block_bytes(cfg: RunConfig, d: Decisions, n: int) -> int:
     shared = int(a.get("shared_expert_intermediate_size") or 0)
     shared_bytes = n * (3 * shared + h + 1) * b if shared else 0
     return n * top * row + router + shared_bytes
-
-
-GATED_ATTENTION = ("qwen3_5_text", "qwen3_5_moe_text")
-"""Model types whose attention output is gated, ``out * sigmoid(gate)`` (gate: a second half of
-q_proj's output), before o_proj: Qwen3.5's full-attention layers."""
-
-
-QK_NORMED = ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text", *GATED_ATTENTION)
-"""Model types whose attention normalizes q and k per head (RMSNorm, fp32 inputs kept): Qwen3,
-its mixture, Qwen3-VL's language models (Qwen3's layers; a full-size trace showed the plan
-10.7% under without them) and Qwen3.5's full-attention layers."""
-
-
-def attention_bytes(cfg: RunConfig, d: Decisions, n: int) -> tuple[int, int]:
-    """(attention's saved bytes, what its per-head q / k norms keep) for ``n`` tokens."""
-    a = cfg.model.architecture
-    hd = head_dim(a)
-    heads, kv = int(a["num_attention_heads"]), int(a["num_key_value_heads"])
-    b, sp = compute_bytes(cfg), d.sequence_parallel
-    norms = 0
-    if a.get("model_type") in QK_NORMED:
-        norms = norm_saved_bytes(d, n * (heads + kv), hd, b)  # Qwen3's q_norm, k_norm per head
-    # q, output, and k, v at their KV heads (sdpa and FA2 read grouped heads; eager repeats;
-    # Ulysses repeats KV heads up to sp when there are fewer).
-    kv_heads = heads if d.attention == "eager" else max(kv, sp)
-    attention = n * hd * (2 * heads + 2 * kv_heads) * b + n * heads * 4  # + logsumexp
-    if a.get("model_type") in GATED_ATTENTION:
-        attention += n * heads * hd * b  # sigmoid(gate), kept by the product and the sigmoid
-    return attention, norms
 
 
 def kept_inputs(d: Decisions) -> int:
@@ -406,6 +399,10 @@ def backward_bytes(
     return max(2 * n * h * b, swiglu_backward_bytes(d, n, inter, b) + n * h * b - freed)
 
 
+FLASH_WHAT = "FlashAttention-2's backward (dQ, its fp32 accumulator, dK and dV) + hidden gradients"
+NORM_WHAT = "an RMSNorm's backward"
+
+
 @dataclass
 class StepPeak:
     """The moment of a training step that holds the most above the weights, and its parts."""
@@ -415,6 +412,7 @@ class StepPeak:
     loss: int = 0
     backward: int = 0
     dora: int = 0  # DoRA's weight-norm temporaries in a layer's forward (or recompute)
+    what: str = "MLP gradients + hidden gradient"  # what ``backward`` is, for the plan's row
 
     @property
     def total(self) -> int:
@@ -474,11 +472,23 @@ def step_peak(
     saved = saved_bytes(cfg, d, tokens, counts, cuda)
     back = backward_bytes(cfg, d, tokens, counts, cuda)
     moments = [StepPeak("the loss", saved, loss=round(loss_bytes(cfg, d, tokens)))]
+    attention_back = attention_backward_bytes(cfg, d, tokens, cuda)
+    hidden = tokens * h * compute_bytes(cfg)
+    last_kind = layer_kinds(cfg)[-1]
     # The final norm's backward, next to everything saved (tools.step_trace).
     norm_backward = norm_backward_bytes(d, tokens, h, compute_bytes(cfg))
-    moments.append(StepPeak("backward of the final norm", saved, backward=norm_backward))
+    moments.append(
+        StepPeak("backward of the final norm", saved, backward=norm_backward, what=NORM_WHAT)
+    )
     if k + s < layers:
         moments.append(StepPeak(f"backward of layer {layers - 1}", saved, backward=back))
+        if attention_back and last_kind == "attention":
+            # Its attention's backward, the MLP half freed: the residual stream's gradient and
+            # the attention output's beside the kernel's own (memory.attention)
+            half = attention_half_bytes(cfg, d, tokens, counts, cuda)
+            held = saved - layer_bytes(cfg, d, tokens, counts, cuda, last_kind) + half
+            where = f"backward of layer {layers - 1}'s attention"
+            moments.append(StepPeak(where, held, 0, 2 * hidden + attention_back, what=FLASH_WHAT))
     # a lean (or Liger's) first norm keeps the layer's input: the checkpoint's, counted
     shared_input = 0 if d.kernels.rms_norm == "torch" else tokens * h * compute_bytes(cfg)
     if s > 0:
@@ -503,7 +513,16 @@ def step_peak(
                 # norm's fp32 backward, the attention half still saved: what the allocator held
                 # at a 49k-token step's peak on an H200 (bench/results/2026-12-04-h200-long.md)
                 where = f"backward of layer {k - 1}'s second norm (recomputed, MLP tiled)"
-                moments.append(StepPeak(where, inputs + layer, 0, norm_backward))
+                moments.append(StepPeak(where, inputs + layer, 0, norm_backward, what=NORM_WHAT))
+            if attention_back and kind == "attention":
+                # Its attention's backward: the residual stream's gradient and the attention
+                # output's, and the layer's incoming one where a checkpoint function holds it
+                # through the layer's backward (memtune's own, rank.long_context, or reentrant)
+                half = attention_half_bytes(cfg, d, tokens, counts, cuda) - shared_input
+                where = f"backward of layer {k - 1}'s attention (recomputed)"
+                own = d.offload_activations or cfg.trainer.compile or d.checkpointing.reentrant
+                back_attention = (3 if own else 2) * hidden + attention_back
+                moments.append(StepPeak(where, inputs + half, 0, back_attention, what=FLASH_WHAT))
             if dora := dora_transient_bytes(cfg, counts, tokens, kind):
                 # At the end of the recompute, the moment the plain step peaks at too (the
                 # backward allowance stands for what it holds there beyond the saved bytes).
@@ -547,18 +566,6 @@ def lora_activation_bytes(
     read = {SHARED_INPUT.get(name, name): i for name, i, _ in inputs}
     read.pop("attention output", None)  # already counted with attention
     return total + sum(n * i * b for i in read.values())
-
-
-def attention_mask_bytes(cfg: RunConfig, d: Decisions) -> int:
-    """The dense mask transformers' own ``sdpa`` / ``eager`` build for packed or padded rows:
-    (micro, 1, n, n), bool for sdpa, the compute dtype for eager, alive from the forward to
-    the last recompute. ``auto`` (sdpa_varlen, FlashAttention-2) builds none, nor does a lone
-    unpadded row (is_causal)."""
-    impl, micro = d.attention, d.batch.micro_batch
-    if impl not in ("sdpa", "eager") or (not cfg.data.packing and micro == 1):
-        return 0
-    n = d.batch.row_tokens
-    return micro * n * n * (1 if impl == "sdpa" else compute_bytes(cfg))
 
 
 def loss_bytes(cfg: RunConfig, d: Decisions, tokens: int) -> float:
@@ -759,7 +766,7 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
         out.add(
             "backward temporaries",
             peak.backward,
-            f"MLP gradients + hidden gradient (the step's peak: {peak.where})",
+            f"{peak.what} (the step's peak: {peak.where})",
             per_token=True,
         )
     if live_reference(cfg):

@@ -52,8 +52,9 @@ from memtune.config import RunConfig, compute_bytes, live_reference
 from memtune.config.architecture import head_dim
 from memtune.config.decisions import Decisions
 from memtune.expert_stacks import expert_stack_bytes
+from memtune.memory.attention import QK_NORMED
 from memtune.memory.counts import ParamCounts, count_params
-from memtune.memory.estimate import MLP_PROJECTIONS, NF4_BYTES, QK_NORMED
+from memtune.memory.estimate import MLP_PROJECTIONS, NF4_BYTES
 from memtune.memory.expert_parallel import expert_parallel, step_exchange_bytes
 from memtune.memory.mlp import swiglu_forward_bytes
 from memtune.memory.norms import norm_forward_bytes
