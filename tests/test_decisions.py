@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from memtune.config import ConfigError, to_run_config
+from memtune.config import ConfigError, to_run_config, validate
 from memtune.config.decisions import (
     CPU_RANKS,
     BatchShape,
@@ -22,6 +22,7 @@ from memtune.config.decisions import (
     Choices,
     DecisionError,
     Decisions,
+    RankMachine,
     decisions_for,
 )
 from memtune.launcher.prepare import checkpoint_run, lay_out
@@ -205,6 +206,36 @@ def test_the_typed_values_refuse_what_cannot_run() -> None:
     }
 
 
+def test_attention_runs_by_kv_head_with_the_mlp_tiled_where_the_kernel_splits() -> None:
+    def decide(*overrides: str, machine: RankMachine = CPU_RANKS) -> Decisions:
+        return decided(to_run_config(compose_cfg(list(overrides))), machine=machine)
+
+    assert decide("trainer.tiled_mlp=on").attention_by_kv_head
+    assert not decide("trainer.tiled_mlp=off").attention_by_kv_head
+    assert decide("trainer.attention_by_kv_head=on").attention_by_kv_head
+    assert not decide(
+        "trainer.tiled_mlp=on", "trainer.attention_by_kv_head=off"
+    ).attention_by_kv_head
+    flash = RankMachine(cuda=True, flash_attn=True)  # auto's attention there: FlashAttention-2
+    assert not decide("trainer.tiled_mlp=on", machine=flash).attention_by_kv_head
+    with pytest.raises(
+        ConfigError, match=r"attention_by_kv_head=on with attention flash_attention_2"
+    ):
+        decide("trainer.attention_by_kv_head=on", machine=flash)
+    asked = compose_cfg(["model.attn_implementation=eager", "trainer.attention_by_kv_head=on"])
+    with pytest.raises(
+        ConfigError, match=r"attention_by_kv_head=on with model.attn_implementation=eager"
+    ):
+        validate(to_run_config(asked), inputs=False)
+    d = decide("trainer.tiled_mlp=on")
+    with pytest.raises(DecisionError, match=r"attention_by_kv_head with attention sdpa: built"):
+        dataclasses.replace(d, attention="sdpa")
+    raw = d.as_dict()
+    assert Decisions.from_dict(raw) == d
+    raw.pop("attention_by_kv_head")  # a decisions.json written before the field
+    assert Decisions.from_dict(raw) == dataclasses.replace(d, attention_by_kv_head=False)
+
+
 # What the decider alone may read from the user's settings: every other module reads these
 # values from a Decisions (memory.fit decides them; config.validate checks what was asked).
 DECIDED_SETTINGS = {
@@ -224,6 +255,7 @@ DECIDED_SETTINGS = {
     ("trainer", "sequence_parallel"),
     ("trainer", "tiled_mlp"),
     ("trainer", "offload_activations"),
+    ("trainer", "attention_by_kv_head"),
     ("model", "attn_implementation"),
 }
 DECIDERS = {

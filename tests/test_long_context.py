@@ -119,6 +119,26 @@ def test_a_recomputed_layers_output_values_are_freed_before_its_backward(monkeyp
     assert [o.untyped_storage().size() for o in outputs] == [0, 0]
 
 
+def test_attention_by_kv_head_gives_the_same_lora_gradients() -> None:
+    """Every layer's attention as one call per KV head (2 on the tiny model, 2 query heads
+    each) with the MLP tiled and the inputs offloaded, as auto runs it: the same LoRA gradients
+    (dropout's masks included) as one call."""
+
+    def tiled_and_offloaded(by_kv_head: bool):
+        cfg, model = _model("trainer.checkpoint_layers=all", "peft.dropout=0.2")
+        base = model.get_base_model()
+        assert attention.split_by_kv_head(base, by_kv_head) == (2 if by_kv_head else 0)
+        offload_checkpoints(base, torch.device("cpu"))
+        tile_mlps(base, tokens=2 * 256)
+        return cfg, model
+
+    want = _grads(*tiled_and_offloaded(False))
+    cfg, model = tiled_and_offloaded(True)
+    layers = decoder_layers(model.get_base_model())
+    assert all(getattr(layer.self_attn, attention.BY_KV_HEAD) for layer in layers)
+    _assert_same(want, _grads(cfg, model))
+
+
 def test_both_together_on_the_checkpointed_layers_only() -> None:
     cfg, model = _model("trainer.activation_checkpointing=false", "peft.dropout=0")
     want = _grads(cfg, model)

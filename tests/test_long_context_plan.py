@@ -14,9 +14,9 @@ from memtune.config import ConfigError, to_run_config, validate
 from memtune.config.decisions import CPU_RANKS, Choices
 from memtune.data.encode import DataStats, Sample, apply_length_policy
 from memtune.launcher.spawn import free_port
-from memtune.memory.attention import attention_backward_bytes
+from memtune.memory.attention import attention_backward_bytes, flash_backward_bytes
 from memtune.memory.counts import count_params
-from memtune.memory.estimate import DROPOUT_ROW, GIB, activation_bytes, plan
+from memtune.memory.estimate import DROPOUT_ROW, GIB, activation_bytes, layer_bytes, plan
 from memtune.memory.fit import (
     fit_to_device,
     format_step_estimates,
@@ -54,8 +54,8 @@ def test_the_box_plans_192k_tokens_and_one_card_what_a_gpu_measured() -> None:
     plans 60,416 (2 GiB spare) and the box (ZeRO-3, LoRA, sp=4) 246,784. That run had
     transformers' RMSNorm (its fp32 copies and fp32 backward: 4.9 of the 9.2 GiB at the peak
     of a 49k step). With the lean one (auto since) that norm's backward is no longer the
-    layer's peak: FlashAttention-2's backward is (memory.attention), and one card plans 113,664
-    tokens (not yet measured), past the issue's 96k."""
+    layer's peak: FlashAttention-2's backward is (memory.attention); run one call per KV head
+    it is not, and one card plans 140,288 tokens (not yet measured), past the issue's 96k."""
     box = _cfg(LONG, "data.path=books.jsonl")
     n, how = longest_sequence(box, decided(box), count_params(box), CPU_RANKS)
     assert n >= 192 * 1024 and "sequence_parallel=4" in how, how
@@ -77,8 +77,10 @@ def test_flash_attentions_backward_is_counted_from_its_kernel() -> None:
     """FlashAttention-2's backward allocates dQ, its fp32 accumulator, dK / dV, and under
     grouped-query attention dK / dV at every query head before summing them (28 query heads
     over 4 KV heads on Qwen2.5-7B), plus an fp32 value per head and token; nothing of it on
-    CPU ranks, with eager attention or in fp32. With the MLP tiled and the norms lean it is
-    the step's peak on one card."""
+    CPU ranks, with eager attention or in fp32. As one call, with the MLP tiled and the norms
+    lean, it is the step's peak on one card; as one call per KV head (auto with the MLP tiled)
+    a quarter of it at a time, and the peak is the MLP's backward again, with the calls'
+    concatenated output kept for o_proj."""
     card = [
         "experiment=qwen2.5-7b-4x4090-qlora",
         "launcher.num_ranks=1",
@@ -89,20 +91,30 @@ def test_flash_attentions_backward_is_counted_from_its_kernel() -> None:
         "+model.rope_scaling={type: yarn, factor: 4.0, original_max_position_embeddings: 32768}",
     ]
     cfg = _cfg(*card, "data.max_seq_len=65536")
-    d = decided(cfg)
+    split = decided(cfg)
+    one = dataclasses.replace(split, attention_by_kv_head=False)
     n, unit = 65_536, 65_536 * 28 * 128
     expected = unit * 2 + unit * 4 + 2 * (unit // 7) * 2 + 2 * unit * 2 + 65_536 * 28 * 4
-    assert attention_backward_bytes(cfg, d, n) == expected == 2_490_368_000
-    assert attention_backward_bytes(cfg, d, n, cuda=False) == 0
-    eager = dataclasses.replace(d, attention="eager")
-    assert attention_backward_bytes(cfg, eager, n) == 0
+    assert attention_backward_bytes(cfg, one, n) == expected == 2_490_368_000
+    assert attention_backward_bytes(cfg, one, n, cuda=False) == 0
+    assert attention_backward_bytes(cfg, dataclasses.replace(one, attention="eager"), n) == 0
     fp32 = _cfg(*card, "data.max_seq_len=65536", "trainer.precision=fp32")
     assert attention_backward_bytes(fp32, decided(fp32), n) == 0
-    planned = plan(cfg, d, count_params(cfg))
-    row = next(r for r in planned.rows if r.what == "backward temporaries")
+    # the last of four calls (7 query heads, 1 KV head) beside the dQ, dK, dV of the three before
+    assert split.attention_by_kv_head
+    last = 3 * n * (7 + 2) * 128 * 2 + flash_backward_bytes(n, 7, 1, 128, 2)
+    assert attention_backward_bytes(cfg, split, n) == last == 1_075_576_832
+    counts, hidden = count_params(cfg), n * 3584 * 2
+
+    def peak(d: Any) -> Any:
+        return next(r for r in plan(cfg, d, counts).rows if r.what == "backward temporaries")
+
+    row = peak(one)
     assert "backward of layer 27's attention (recomputed)" in row.how, row.how
     # + the checkpoint's incoming gradient, the residual stream's and the attention output's
-    assert row.gib * GIB == pytest.approx(expected + 3 * n * 3584 * 2, abs=0.006 * GIB)
+    assert row.gib * GIB == pytest.approx(expected + 3 * hidden, abs=0.006 * GIB)
+    assert "backward of layer 27 (recomputed)" in peak(split).how
+    assert layer_bytes(cfg, split, n, counts) - layer_bytes(cfg, one, n, counts) == hidden
 
 
 def test_a_run_that_fits_as_it_is_uses_none_of_them() -> None:

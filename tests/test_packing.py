@@ -248,10 +248,18 @@ def _varlen_cases() -> dict[str, dict]:
 def test_torch_varlen_attends_as_sdpa_varlen(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """torch_varlen's layout (the flattened tokens, the segments' bounds from a packed batch's
     cu_seq_lens or a padding mask, grouped KV heads) gives sdpa_varlen's outputs and
-    gradients at every real token, with a reference in place of torch's CUDA kernel."""
+    gradients at every real token, with a reference in place of torch's CUDA kernel; and both
+    give them as one call per KV head (attention_by_kv_head: the reference called once per KV
+    head with its query heads)."""
     from memtune.rank import attention
 
-    monkeypatch.setattr(attention, "varlen_kernel", lambda: _reference_varlen)
+    heads_per_call: list[int] = []
+
+    def counted(q, *args, **kwargs):
+        heads_per_call.append(q.shape[1])
+        return _reference_varlen(q, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "varlen_kernel", lambda: counted)
     monkeypatch.setattr(attention, "_cumulative_cache", {"key": None, "value": None})
     given = _varlen_cases()[case]
     torch.manual_seed(0)
@@ -260,15 +268,19 @@ def test_torch_varlen_attends_as_sdpa_varlen(monkeypatch: pytest.MonkeyPatch, ca
     results = []
     module = torch.nn.Module()
     module.num_key_value_groups = 2  # what transformers' attention modules carry (GQA)
-    for forward in (attention.sdpa_varlen_forward, attention.torch_varlen_forward):
-        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
-        out, _ = forward(module, q, k, v, given["mask"], scaling=0.3, **given["kwargs"])
-        assert out.shape == (3, 12, 4, 8)
-        weights = torch.linspace(-1, 1, out.numel()).view(out.shape)
-        (out[real] * weights[real]).sum().backward()
-        results.append((out[real].detach(), q.grad, k.grad, v.grad))
-    for varlen, per_sample in zip(results[1], results[0], strict=True):
-        torch.testing.assert_close(varlen, per_sample)
+    for split in (False, True):
+        setattr(module, attention.BY_KV_HEAD, split)
+        for forward in (attention.sdpa_varlen_forward, attention.torch_varlen_forward):
+            q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+            out, _ = forward(module, q, k, v, given["mask"], scaling=0.3, **given["kwargs"])
+            assert out.shape == (3, 12, 4, 8)
+            weights = torch.linspace(-1, 1, out.numel()).view(out.shape)
+            (out[real] * weights[real]).sum().backward()
+            results.append((out[real].detach(), q.grad, k.grad, v.grad))
+    assert heads_per_call == [4, 2, 2]
+    for other in results[1:]:
+        for got, per_sample in zip(other, results[0], strict=True):
+            torch.testing.assert_close(got, per_sample)
     cu, longest = attention.cumulative_bounds(
         3, 12, given["kwargs"].get("cu_seq_lens_q"), given["mask"], torch.device("cpu")
     )

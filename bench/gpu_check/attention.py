@@ -36,6 +36,7 @@ ROW_TOKENS = 4096
 SAMPLE_TOKENS = (256, 1024, 4096)
 DRY_SHAPE, DRY_ROW, DRY_SAMPLES = {"heads": 4, "kv_heads": 2, "head_dim": 16}, 256, (32, 256)
 KERNELS = ("sdpa_varlen", "torch_varlen", "flash_attention_2")
+BY_KV_HEAD = ("sdpa_varlen", "torch_varlen")  # the kernels that run one call per KV head
 WARMUP, TIMED = 2, 5
 
 
@@ -62,6 +63,20 @@ def forward_of(kernel: str) -> Any:
     return ALL_ATTENTION_FUNCTIONS[kernel]
 
 
+def attention_module(heads: int, kv_heads: int, by_kv_head: bool = False) -> Any:
+    """A stand-in for the attention module transformers passes: what the functions read of it
+    (its query heads per KV head, causal, and whether it runs one call per KV head)."""
+    import torch
+
+    from memtune.rank.attention import BY_KV_HEAD as ATTRIBUTE
+
+    module = torch.nn.Module()
+    module.num_key_value_groups = heads // kv_heads
+    module.is_causal = True
+    setattr(module, ATTRIBUTE, by_kv_head)
+    return module
+
+
 def run_attention(phase: Phase, deadline: float) -> None:
     import torch
 
@@ -80,9 +95,7 @@ def run_attention(phase: Phase, deadline: float) -> None:
         "rows": [],
     }
     phase.data["attention"] = out
-    module = torch.nn.Module()
-    module.num_key_value_groups = heads // kv  # what transformers' attention modules carry
-    module.is_causal = True
+    module = attention_module(heads, kv)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, row, dim, generator=g).to(device, dtype) for h in (heads, kv, kv))
     grad = torch.randn(1, row, heads, dim, generator=g).to(device, dtype)
@@ -136,17 +149,19 @@ def run_attention(phase: Phase, deadline: float) -> None:
             if first is not None and r["sample_tokens"] == sample and "ms" in r:
                 r["speedup"] = first["ms"] / r["ms"]
     out["backward"] = []
-    for kernel in KERNELS:
-        out["backward"].append(backward_memory(phase, deadline, kernel, module, shape, dtype))
+    for kernel, split in [(k, False) for k in KERNELS] + [(k, True) for k in BY_KV_HEAD]:
+        rec = backward_memory(phase, deadline, kernel, split, shape, dtype)
+        out["backward"].append(rec)
         phase.save()
     phase.save()
 
 
 def backward_memory(
-    phase: Phase, deadline: float, kernel: str, module: Any, shape: dict[str, int], dtype: Any
+    phase: Phase, deadline: float, kernel: str, split: bool, shape: dict[str, int], dtype: Any
 ) -> dict[str, Any]:
-    """One attention backward over a whole sequence: the allocator's peak during it above what
-    was allocated before it (inputs, output, its gradient), and the planner's count."""
+    """One attention backward over a whole sequence, as one call or one per KV head
+    (``split``): the allocator's peak during it above what was allocated before it (inputs,
+    output, its gradient), and the planner's count."""
     import torch
 
     from memtune.memory.attention import flash_backward_bytes
@@ -154,8 +169,15 @@ def backward_memory(
     device = torch.device(phase.data["attention"]["device"])
     tokens = DRY_BACKWARD_TOKENS if phase.mode.dry_run else BACKWARD_TOKENS
     heads, kv, dim = shape["heads"], shape["kv_heads"], shape["head_dim"]
-    planned = flash_backward_bytes(tokens, heads, kv, dim, torch.finfo(dtype).bits // 8)
-    rec: dict[str, Any] = {"kernel": kernel, "tokens": tokens, "planned_mib": planned / 2**20}
+    b, groups = torch.finfo(dtype).bits // 8, kv if split else 1
+    planned = flash_backward_bytes(tokens, heads, kv, dim, b, groups)
+    rec: dict[str, Any] = {
+        "kernel": kernel,
+        "by_kv_head": split,
+        "tokens": tokens,
+        "planned_mib": planned / 2**20,
+    }
+    module = attention_module(heads, kv, split)
     why = unavailable(kernel, device)
     if why is None and device.type != "cuda":
         why = "the allocator's peak is measured on CUDA"
@@ -222,13 +244,14 @@ def attention_markdown(att: dict[str, Any] | None) -> list[str]:
             "above the inputs, the output and its gradient, against the planner's count "
             "(memory.attention.flash_backward_bytes):",
             "",
-            "| kernel | measured MiB | planned MiB | plan err |",
-            "|---|---:|---:|---:|",
+            "| kernel | calls | measured MiB | planned MiB | plan err |",
+            "|---|---|---:|---:|---:|",
         ]
     for r in back:
         if "measured_mib" in r and "error_pct" in r:
             cells = f"{r['measured_mib']:,.0f} | {r['planned_mib']:,.0f} | {r['error_pct']:+.1f}%"
         else:
             cells = f"{r.get('error', '?')} | {r['planned_mib']:,.1f} | "
-        lines.append(f"| {r['kernel']} | {cells} |")
+        calls = "one per KV head" if r.get("by_kv_head") else "one"
+        lines.append(f"| {r['kernel']} | {calls} | {cells} |")
     return lines

@@ -36,6 +36,7 @@ from typing import Any, Literal
 from memtune.config.architecture import linear_attention_layers, routed_experts
 from memtune.config.schema import (
     AttnImplementation,
+    ConfigError,
     DropoutKernel,
     FusedKernel,
     LeanKernel,
@@ -43,6 +44,7 @@ from memtune.config.schema import (
     Optimizer,
     PeftMethod,
     RunConfig,
+    Switch,
     ZeroStage,
     choices_of,
 )
@@ -59,6 +61,8 @@ selective activation checkpointing, rank.layers) | full (only its input; its who
 recomputed)."""
 AttentionKernel = Literal["sdpa_varlen", "sdpa", "eager", "flash_attention_2", "torch_varlen"]
 """model.attn_implementation as run: ``auto`` decided (rank.attention: sdpa_varlen)."""
+BY_KV_HEAD: tuple[AttentionKernel, ...] = ("sdpa_varlen", "torch_varlen")
+"""The attention kernels that can run one call per KV head (rank.attention's own)."""
 LossKernel = Literal["chunked", "plain", "liger"]
 """trainer.loss as run: ``auto`` decided (rank.loss)."""
 LayerKernel = Literal["torch", "liger"]
@@ -372,6 +376,9 @@ class Decisions:
     cuda_alloc_conf: str = ""
     """The CUDA caching allocator's settings the ranks start with (PYTORCH_CUDA_ALLOC_CONF's
     form; "": torch's defaults, as a decisions.json written before the field reads)."""
+    attention_by_kv_head: bool = False
+    """Attention runs one kernel call per KV head on the rank (rank.attention; memtune's
+    attention functions only; false, as a decisions.json written before the field reads)."""
     version: int = DECISIONS_VERSION
 
     def __post_init__(self) -> None:
@@ -389,7 +396,7 @@ class Decisions:
                     f"{name} is {value!r}, not one of "
                     f"{' | '.join(str(c) for c in choices_of(literal))}"
                 )
-        for name in ("tiled_mlp", "offload_activations"):
+        for name in ("tiled_mlp", "offload_activations", "attention_by_kv_head"):
             if not isinstance(getattr(self, name), bool):
                 raise DecisionError(f"{name} must be true or false (got {getattr(self, name)!r})")
         if not isinstance(self.cuda_alloc_conf, str):
@@ -415,6 +422,11 @@ class Decisions:
                     f"experts.parallel={ep} with sequence_parallel > 1: not built together "
                     "(expert parallelism runs with sequences whole)"
                 )
+        if self.attention_by_kv_head and self.attention not in BY_KV_HEAD:
+            raise DecisionError(
+                f"attention_by_kv_head with attention {self.attention}: built into memtune's "
+                f"attention functions only ({' | '.join(BY_KV_HEAD)})"
+            )
         if self.offload_activations and not self.checkpointing.enabled:
             raise DecisionError("offload_activations needs checkpointing (enabled: true)")
         if self.checkpointing.selective:
@@ -787,12 +799,13 @@ def decisions_for(
         sequence_parallel=sp,
         row_tokens=cfg.data.max_seq_len,
     )
+    attention = attention_kernel(cfg.model.attn_implementation, machine)
     return Decisions(
         zero_stage=cfg.zero.stage,
         zero_template=cfg.zero.template,
         peft_method=cfg.peft.method,
         optimizer=t.optimizer,
-        attention=attention_kernel(cfg.model.attn_implementation, machine),
+        attention=attention,
         loss=loss_kernel(t.loss, machine),
         checkpointing=checkpointing,
         tiled_mlp=tiled,
@@ -802,7 +815,26 @@ def decisions_for(
         vision=vision_of(cfg, checkpointing),
         kernels=kernels_of(cfg, choices.lora_dropout),
         cuda_alloc_conf=cuda_alloc_conf(cfg),
+        attention_by_kv_head=by_kv_head(t.attention_by_kv_head, attention, tiled),
     )
+
+
+def by_kv_head(requested: Switch, attention: AttentionKernel, tiled_mlp: bool) -> bool:
+    """trainer.attention_by_kv_head as run: ``auto`` is on with the MLP tiled (there the flash
+    backward's temporaries are a recomputed layer's peak: memory.attention) where the decided
+    kernel can split (:data:`BY_KV_HEAD`). ``on`` with a kernel that cannot is refused,
+    naming both settings (config.validate refuses it earlier where the kernel was asked for
+    by name)."""
+    if requested == "auto":
+        return tiled_mlp and attention in BY_KV_HEAD
+    if requested == "on" and attention not in BY_KV_HEAD:
+        raise ConfigError(
+            f"trainer.attention_by_kv_head=on with attention {attention} (model."
+            f"attn_implementation decided on this machine): one call per KV head is built into "
+            f"{' and '.join(BY_KV_HEAD)} only; set model.attn_implementation=sdpa_varlen, or "
+            "trainer.attention_by_kv_head=auto"
+        )
+    return requested == "on"
 
 
 def cuda_alloc_conf(cfg: RunConfig, env: Mapping[str, str] | None = None) -> str:

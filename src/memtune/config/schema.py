@@ -335,6 +335,14 @@ class TrainerConfig:
     offload_activations: Choice[Switch] = "auto"
     """auto | on | off: checkpointed layers keep their input in (pinned) host memory until
     backward, instead of on the device. Needs activation_checkpointing."""
+    attention_by_kv_head: Choice[Switch] = "auto"
+    """auto | on | off: attention as one kernel call per KV head (with its group of query
+    heads) instead of one call for all heads: the same outputs and gradients, and
+    FlashAttention-2's backward holds one group's temporaries at a time (its fp32 dQ
+    accumulator, and dK / dV expanded to every query head: 5.3 × tokens × hidden at once on
+    Qwen2.5-7B, a quarter of that per call), for one more copy of the attention output kept
+    until o_proj's backward. model.attn_implementation sdpa_varlen or torch_varlen. auto: on
+    with the MLP tiled, where attention's backward is a recomputed layer's peak; else off."""
     expandable_segments: bool = True
     """CUDA ranks run PyTorch's caching allocator with expandable segments
     (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): a segment grows in place instead of

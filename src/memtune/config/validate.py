@@ -173,6 +173,17 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
             "variable-length flash kernel runs bf16 and fp16 only; use trainer.precision=bf16, "
             "or model.attn_implementation=auto"
         )
+    if t.attention_by_kv_head == "on" and cfg.model.attn_implementation in (
+        "sdpa",
+        "eager",
+        "flash_attention_2",
+    ):
+        raise ConfigError(
+            f"trainer.attention_by_kv_head=on with model.attn_implementation="
+            f"{cfg.model.attn_implementation}: one call per KV head is built into memtune's "
+            "sdpa_varlen and torch_varlen only; choose one of them (or auto), or "
+            "trainer.attention_by_kv_head=auto"
+        )
     for key in ("zero.reduce_bucket_size", "zero.prefetch_bucket_size"):
         value = get_field(cfg, key)
         if value is not None and value <= 0:

@@ -78,20 +78,40 @@ def attention_backward_bytes(cfg: RunConfig, d: Decisions, n: int, cuda: bool = 
     alive together until the kernel returns. On Qwen2.5-7B that is 5.3 × tokens × hidden in
     bf16, more than anything else a recomputed layer's backward holds once its MLP is tiled.
     Neither a CPU step nor a fake-tensor trace (tools.step_trace) allocates these: they are
-    the kernel's own, read from its source."""
+    the kernel's own, read from its source.
+
+    One call per KV head (``attention_by_kv_head``, rank.attention) holds one call's at a
+    time, beside the dQ, dK and dV the calls before it returned; at the end the split's
+    backward concatenates the dQs into one, next to them."""
     b = compute_bytes(cfg)
     flash = d.attention in FLASH_BACKWARD or (
         d.attention == "sdpa" and not attention_mask_bytes(cfg, d)
     )
     if not cuda or b == 4 or not flash:
         return 0
-    return flash_backward_bytes(n, *_heads(cfg, d), b)
+    return flash_backward_bytes(n, *_heads(cfg, d), b, kv_head_groups(cfg, d))
 
 
-def flash_backward_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int, b: int) -> int:
+def kv_head_groups(cfg: RunConfig, d: Decisions) -> int:
+    """The calls attention runs as on a rank: one per KV head there with
+    ``attention_by_kv_head`` (Ulysses leaves max(kv, sp) / sp of them on each rank), else 1."""
+    if not d.attention_by_kv_head:
+        return 1
+    return _heads(cfg, d)[1] // d.sequence_parallel
+
+
+def flash_backward_bytes(
+    tokens: int, heads: int, kv_heads: int, head_dim: int, b: int, groups: int = 1
+) -> int:
     """FlashAttention-2's backward allocations over ``tokens`` (:func:`attention_backward_bytes`
     says which): dQ, its fp32 accumulator, dK and dV, the expanded dK and dV under grouped-query
-    attention, and ``softmax_d``. The GPU check's attention phase measures them."""
+    attention, and ``softmax_d``; over ``groups`` calls (one per KV head), the largest moment
+    of them. The GPU check's attention phase measures them."""
+    if groups > 1:
+        q, kv = heads // groups, kv_heads // groups
+        returned = tokens * (q + 2 * kv) * head_dim * b  # one call's dQ, dK, dV
+        last = (groups - 1) * returned + flash_backward_bytes(tokens, q, kv, head_dim, b)
+        return max(last, groups * returned + tokens * heads * head_dim * b)
     dq = tokens * heads * head_dim * b
     accumulator = tokens * heads * head_dim * 4
     dk_dv = 2 * tokens * kv_heads * head_dim * b

@@ -53,6 +53,7 @@ from memtune.memory.attention import (
     attention_backward_bytes,
     attention_bytes,
     attention_mask_bytes,
+    kv_head_groups,
 )
 from memtune.memory.counts import ParamCounts, count_params, linear_mixer_bytes
 from memtune.memory.expert_parallel import (
@@ -200,8 +201,13 @@ def layer_bytes(
     lora = lora_activation_bytes(inputs, n, b, copies, cuda)
     if cfg.peft.dora:
         lora += sum(dora_saved_bytes(out, n, b) for _, out, _ in dora_modules(inputs, counts))
-    # o_proj reads the all-to-all's output, or the gated one, not attention's own
-    reads_a_copy = d.sequence_parallel > 1 or a.get("model_type") in GATED_ATTENTION
+    # o_proj reads the all-to-all's output, the gated one, or the calls' concatenated outputs
+    # (one per KV head), not attention's own
+    reads_a_copy = (
+        d.sequence_parallel > 1
+        or a.get("model_type") in GATED_ATTENTION
+        or kv_head_groups(cfg, d) > 1
+    )
     if kind != "linear_attention" and not copies and reads_a_copy:
         lora += sum(n * i * b for name, i, _ in inputs if name == "o_proj")
     return norms + mixer + mlp + lora

@@ -16,6 +16,12 @@ Registered under that name in transformers' attention and mask interfaces by
 (``torch.nn.attention.varlen.varlen_attn``, FlashAttention's kernel inside torch, CUDA only) in
 one call over the flattened ``batch × n`` tokens — no Python loop over samples, no flash-attn
 package. Right padding is a segment of its own, as in a packed row; its outputs feed no label.
+
+Both run as one call per KV head where the decisions say so (``attention_by_kv_head``,
+:func:`split_by_kv_head`): each KV head with its group of query heads, the outputs concatenated
+over the heads. The outputs and gradients are the same; FlashAttention-2's backward then holds
+one group's fp32 dQ accumulator and expanded dK / dV at a time instead of every head's
+(memory.attention counts both).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from typing import Any
 import torch
 
 NAME = "sdpa_varlen"
+BY_KV_HEAD = "memtune_by_kv_head"
+"""The attention module's attribute (set by :func:`split_by_kv_head`) the functions read."""
 
 _bounds_cache: dict[str, Any] = {"key": None, "value": None}
 
@@ -114,16 +122,51 @@ def sdpa_varlen_forward(
         )
         return out
 
-    if segments is None:
-        return causal(query, key, value), None
-    rows = []
-    for r, segs in enumerate(segments):
-        parts = [causal(*(t[r : r + 1, :, a:b] for t in (query, key, value))) for a, b in segs]
-        covered = segs[-1][1] if segs else 0
-        if covered < width:  # right padding: no output needed, nothing learns from it
-            parts.append(query.new_zeros((1, width - covered, query.shape[1], value.shape[-1])))
-        rows.append(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
-    return torch.cat(rows, dim=0), None
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if segments is None:
+            return causal(q, k, v)
+        rows = []
+        for r, segs in enumerate(segments):
+            parts = [causal(*(t[r : r + 1, :, a:b] for t in (q, k, v))) for a, b in segs]
+            covered = segs[-1][1] if segs else 0
+            if covered < width:  # right padding: no output needed, nothing learns from it
+                parts.append(q.new_zeros((1, width - covered, q.shape[1], v.shape[-1])))
+            rows.append(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
+        return torch.cat(rows, dim=0)
+
+    return by_kv_head(attend, module, query, key, value), None
+
+
+def by_kv_head(
+    attend: Any,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+) -> torch.Tensor:
+    """``attend(q, k, v)`` (b, heads, n, d) → (b, n, heads, d): once, or once per KV head with
+    its query heads when ``module`` says so (:data:`BY_KV_HEAD`)."""
+    kv = key.shape[1]
+    if kv == 1 or not getattr(module, BY_KV_HEAD, False):
+        return attend(query, key, value)
+    groups = zip(
+        query.split(query.shape[1] // kv, dim=1),
+        key.split(1, dim=1),
+        value.split(1, dim=1),
+        strict=True,
+    )
+    return torch.cat([attend(q, k, v) for q, k, v in groups], dim=2)
+
+
+def split_by_kv_head(model: Any, on: bool) -> int:
+    """Every decoder layer's attention module runs :func:`by_kv_head` (``on``) or as one call;
+    returns how many split."""
+    from memtune.rank.layers import decoder_layers
+
+    modules = [layer.self_attn for layer in decoder_layers(model) if hasattr(layer, "self_attn")]
+    for m in modules:
+        setattr(m, BY_KV_HEAD, on)
+    return len(modules) if on else 0
 
 
 VARLEN_NAME = "torch_varlen"
@@ -185,7 +228,6 @@ def torch_varlen_forward(
     if dropout:
         raise ValueError(f"torch_varlen runs no attention dropout (asked {dropout})")
     batch, width = _training_shape(VARLEN_NAME, query, key, kwargs)
-    heads = query.shape[1]
     cu, longest = cumulative_bounds(
         batch, width, kwargs.get("cu_seq_lens_q"), attention_mask, query.device
     )
@@ -193,19 +235,23 @@ def torch_varlen_forward(
     def flat(t: torch.Tensor) -> torch.Tensor:
         return t.transpose(1, 2).reshape(batch * width, t.shape[1], t.shape[-1])
 
-    out = varlen_kernel()(
-        flat(query),
-        flat(key),
-        flat(value),
-        cu,
-        cu,
-        longest,
-        longest,
-        scale=scaling,
-        window_size=(-1, 0),  # causal
-        enable_gqa=key.shape[1] != heads,
-    )
-    return out.reshape(batch, width, heads, value.shape[-1]), None
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        heads = q.shape[1]
+        out = varlen_kernel()(
+            flat(q),
+            flat(k),
+            flat(v),
+            cu,
+            cu,
+            longest,
+            longest,
+            scale=scaling,
+            window_size=(-1, 0),  # causal
+            enable_gqa=k.shape[1] != heads,
+        )
+        return out.reshape(batch, width, heads, v.shape[-1])
+
+    return by_kv_head(attend, module, query, key, value), None
 
 
 def _mask(

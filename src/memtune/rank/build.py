@@ -18,6 +18,7 @@ import torch
 from memtune.config import ConfigError, RunConfig, preference_loss_kind
 from memtune.config.architecture import loaded_mismatches
 from memtune.config.decisions import Decisions
+from memtune.rank.attention import split_by_kv_head
 from memtune.rank.expert_parallel import (
     deepspeed_sees_experts,
     expert_param_groups,
@@ -158,12 +159,14 @@ def build_rank(
 def apply_layer_decisions(model: Any, d: Decisions, device: torch.device) -> tuple[int, int]:
     """Every per-layer decision of ``d`` on ``model`` (the peft model), whatever was applied
     before: which layers recompute (rank.layers), the MLP tiled for the rank's tokens per micro
-    batch, the checkpointed layers' inputs offloaded (rank.long_context). build_rank applies a
+    batch, the checkpointed layers' inputs offloaded (rank.long_context), attention as one
+    call per KV head or one in all (rank.attention). build_rank applies a
     run's decisions through it; bench/gpu_check applies a new length's decided value through
     it to the engine it has. (With trainer.compile the layers are compiled for the decisions
     made at build: compile_layers.) Returns (tiles per MLP call, layers offloading)."""
     base = model.get_base_model()
     set_checkpointed_layers(model, d.checkpointing)
+    split_by_kv_head(base, d.attention_by_kv_head)
     tiles = tile_mlps(base, d.batch.rank_tokens) if d.tiled_mlp else untile_mlps(base)
     if d.offload_activations:
         return tiles, offload_checkpoints(base, device)

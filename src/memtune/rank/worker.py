@@ -605,6 +605,8 @@ def start_up_lines(
         extras += f" · MLP in {parts.mlp_tiles} tiles"
     if parts.offloaded_layers:
         extras += f" · {parts.offloaded_layers} layers' inputs offloaded to the host"
+    if d.attention_by_kv_head:
+        extras += " · attention one call per KV head"
     if parts.linear_attention:
         extras += f" · linear attention {parts.linear_attention}"
     if d.vision is not None:
