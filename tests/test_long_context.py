@@ -135,7 +135,7 @@ def test_attention_by_kv_head_gives_the_same_lora_gradients() -> None:
     want = _grads(*tiled_and_offloaded(False))
     cfg, model = tiled_and_offloaded(True)
     layers = decoder_layers(model.get_base_model())
-    assert all(getattr(layer.self_attn, attention.BY_KV_HEAD) for layer in layers)
+    assert all(getattr(layer.self_attn, attention.SPLIT_FLAG) for layer in layers)
     _assert_same(want, _grads(cfg, model))
 
 

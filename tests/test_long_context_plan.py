@@ -89,6 +89,7 @@ def test_flash_attentions_backward_is_counted_from_its_kernel() -> None:
         "trainer.offload_activations=on",
         "trainer.checkpoint_layers=all",
         "+model.rope_scaling={type: yarn, factor: 4.0, original_max_position_embeddings: 32768}",
+        "data.packing=false",  # one document a row: attention's output is one call's, unsplit
     ]
     cfg = _cfg(*card, "data.max_seq_len=65536")
     split = decided(cfg)
@@ -100,10 +101,12 @@ def test_flash_attentions_backward_is_counted_from_its_kernel() -> None:
     assert attention_backward_bytes(cfg, dataclasses.replace(one, attention="eager"), n) == 0
     fp32 = _cfg(*card, "data.max_seq_len=65536", "trainer.precision=fp32")
     assert attention_backward_bytes(fp32, decided(fp32), n) == 0
-    # the last of four calls (7 query heads, 1 KV head) beside the dQ, dK, dV of the three before
+    # the last of four calls (7 query heads, 1 KV head) and its slice of the output's gradient
+    # made contiguous, beside the dQ, dK, dV of the three before, less their freed outputs
     assert split.attention_by_kv_head
-    last = 3 * n * (7 + 2) * 128 * 2 + flash_backward_bytes(n, 7, 1, 128, 2)
-    assert attention_backward_bytes(cfg, split, n) == last == 1_075_576_832
+    left = n * (7 + 2) * 128 * 2 - n * 7 * (128 * 2 + 4)
+    last = 3 * left + flash_backward_bytes(n, 7, 1, 128, 2) + n * 7 * 128 * 2
+    assert attention_backward_bytes(cfg, split, n) == last == 835_190_784
     counts, hidden = count_params(cfg), n * 3584 * 2
 
     def peak(d: Any) -> Any:

@@ -269,7 +269,7 @@ def test_torch_varlen_attends_as_sdpa_varlen(monkeypatch: pytest.MonkeyPatch, ca
     module = torch.nn.Module()
     module.num_key_value_groups = 2  # what transformers' attention modules carry (GQA)
     for split in (False, True):
-        setattr(module, attention.BY_KV_HEAD, split)
+        setattr(module, attention.SPLIT_FLAG, split)
         for forward in (attention.sdpa_varlen_forward, attention.torch_varlen_forward):
             q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
             out, _ = forward(module, q, k, v, given["mask"], scaling=0.3, **given["kwargs"])

@@ -3,7 +3,6 @@ and a run that cannot fit refused before anything starts."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -17,7 +16,9 @@ from memtune.config import to_run_config
 from memtune.config.decisions import CPU_RANKS, Choices, RankMachine
 from memtune.memory.counts import count_params
 from memtune.memory.estimate import activation_bytes, plan
+from memtune.rank import attention
 from memtune.rank.kernels import use_fused_kernels
+from memtune.rank.linear_attention import keep_samples_apart
 from memtune.rank.long_context import offload_checkpoints, tile_mlps
 from memtune.rank.loss import CausalLMLoss
 from memtune.rank.model import add_lora, count_parameters, load_base_model, torch_dtype
@@ -59,14 +60,26 @@ def test_qwen25_7b_counts_from_the_architecture() -> None:
 
 
 def _saved_bytes(cfg, d) -> int:
-    """What autograd really keeps for one forward of 4 × 128 tokens (parameters excluded)."""
-    d = dataclasses.replace(d, attention="sdpa")
+    """What autograd really keeps for one forward of 4 × 128 tokens (parameters excluded), as
+    the ranks run it: the decided attention (sdpa_varlen) over packed rows (two samples a row:
+    one call a sample, their outputs concatenated) where the data is packed, one call per KV
+    head where decided."""
+    attention.register()
     model = add_lora(load_base_model(cfg, d), cfg, d).train()
     use_fused_kernels(model, d.kernels, torch.device("cpu"))  # the lean RMSNorm, as decided
+    attention.split_by_kv_head(model.get_base_model(), d.attention_by_kv_head)
+    keep_samples_apart(model.get_base_model())  # a hybrid's linear attention, a sample at a time
     if d.tiled_mlp:
         tile_mlps(model.get_base_model(), 4 * 128)
     if d.offload_activations:
         offload_checkpoints(model.get_base_model(), torch.device("cpu"))
+    packed: dict[str, torch.Tensor] = {}
+    if cfg.data.packing:
+        packed = {
+            "position_ids": torch.arange(64).repeat(4, 2),
+            "cu_seq_lens": torch.arange(0, 4 * 128 + 1, 64, dtype=torch.int32),
+            "max_length": torch.tensor(64),
+        }
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -75,7 +88,7 @@ def _saved_bytes(cfg, d) -> int:
 
     ids = torch.randint(0, cfg.model.architecture["vocab_size"], (4, 128))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        CausalLMLoss(model, "chunked", 512)(input_ids=ids, labels=ids)
+        CausalLMLoss(model, "chunked", 512)(input_ids=ids, labels=ids, **packed)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     return sum(n for ptr, n in storages.items() if ptr not in params)
 

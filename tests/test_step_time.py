@@ -220,8 +220,8 @@ def test_lora_dropouts_passes_are_priced_at_the_memory_bandwidth() -> None:
     auto = fit_to_device(to_run_config(compose_cfg(lora)))
     regenerated = auto.decisions
     assert regenerated.kernels.lora_dropout == "regenerate"
-    assert (regenerated.checkpointing.recomputed, regenerated.checkpointing.selective) == (17, 0)
-    assert dropout_pass_bytes(cfg, regenerated, counts) == per_pass * (4 * 17 + 3 * 11)
+    assert (regenerated.checkpointing.recomputed, regenerated.checkpointing.selective) == (17, 7)
+    assert dropout_pass_bytes(cfg, regenerated, counts) == per_pass * (4 * (17 + 7) + 3 * 4)
     without = to_run_config(compose_cfg(["experiment=qwen2.5-7b-4x4090-lora", "peft.dropout=0"]))
     assert dropout_pass_bytes(without, decided(without), counts) == 0
 
@@ -354,5 +354,5 @@ def test_the_layer_search_takes_the_fastest_mix_that_fits(overrides: list) -> No
                 assert estimate is not None
                 steps[(full, selective)] = estimate.step_s
     c = chosen.checkpointing
-    assert len(steps) > layers  # many mixes fit: the choice is among them
+    assert len(steps) >= layers  # many mixes fit: the choice is among them
     assert min(steps, key=steps.__getitem__) == (c.recomputed, c.selective), steps

@@ -36,7 +36,6 @@ ROW_TOKENS = 4096
 SAMPLE_TOKENS = (256, 1024, 4096)
 DRY_SHAPE, DRY_ROW, DRY_SAMPLES = {"heads": 4, "kv_heads": 2, "head_dim": 16}, 256, (32, 256)
 KERNELS = ("sdpa_varlen", "torch_varlen", "flash_attention_2")
-BY_KV_HEAD = ("sdpa_varlen", "torch_varlen")  # the kernels that run one call per KV head
 WARMUP, TIMED = 2, 5
 
 
@@ -68,12 +67,12 @@ def attention_module(heads: int, kv_heads: int, by_kv_head: bool = False) -> Any
     (its query heads per KV head, causal, and whether it runs one call per KV head)."""
     import torch
 
-    from memtune.rank.attention import BY_KV_HEAD as ATTRIBUTE
+    from memtune.rank.attention import SPLIT_FLAG
 
     module = torch.nn.Module()
     module.num_key_value_groups = heads // kv_heads
     module.is_causal = True
-    setattr(module, ATTRIBUTE, by_kv_head)
+    setattr(module, SPLIT_FLAG, by_kv_head)
     return module
 
 
@@ -149,7 +148,9 @@ def run_attention(phase: Phase, deadline: float) -> None:
             if first is not None and r["sample_tokens"] == sample and "ms" in r:
                 r["speedup"] = first["ms"] / r["ms"]
     out["backward"] = []
-    for kernel, split in [(k, False) for k in KERNELS] + [(k, True) for k in BY_KV_HEAD]:
+    from memtune.config.decisions import SPLITTING_KERNELS
+
+    for kernel, split in [(k, False) for k in KERNELS] + [(k, True) for k in SPLITTING_KERNELS]:
         rec = backward_memory(phase, deadline, kernel, split, shape, dtype)
         out["backward"].append(rec)
         phase.save()

@@ -61,7 +61,7 @@ selective activation checkpointing, rank.layers) | full (only its input; its who
 recomputed)."""
 AttentionKernel = Literal["sdpa_varlen", "sdpa", "eager", "flash_attention_2", "torch_varlen"]
 """model.attn_implementation as run: ``auto`` decided (rank.attention: sdpa_varlen)."""
-BY_KV_HEAD: tuple[AttentionKernel, ...] = ("sdpa_varlen", "torch_varlen")
+SPLITTING_KERNELS: tuple[AttentionKernel, ...] = ("sdpa_varlen", "torch_varlen")
 """The attention kernels that can run one call per KV head (rank.attention's own)."""
 LossKernel = Literal["chunked", "plain", "liger"]
 """trainer.loss as run: ``auto`` decided (rank.loss)."""
@@ -422,10 +422,10 @@ class Decisions:
                     f"experts.parallel={ep} with sequence_parallel > 1: not built together "
                     "(expert parallelism runs with sequences whole)"
                 )
-        if self.attention_by_kv_head and self.attention not in BY_KV_HEAD:
+        if self.attention_by_kv_head and self.attention not in SPLITTING_KERNELS:
             raise DecisionError(
                 f"attention_by_kv_head with attention {self.attention}: built into memtune's "
-                f"attention functions only ({' | '.join(BY_KV_HEAD)})"
+                f"attention functions only ({' | '.join(SPLITTING_KERNELS)})"
             )
         if self.offload_activations and not self.checkpointing.enabled:
             raise DecisionError("offload_activations needs checkpointing (enabled: true)")
@@ -815,24 +815,27 @@ def decisions_for(
         vision=vision_of(cfg, checkpointing),
         kernels=kernels_of(cfg, choices.lora_dropout),
         cuda_alloc_conf=cuda_alloc_conf(cfg),
-        attention_by_kv_head=by_kv_head(t.attention_by_kv_head, attention, tiled),
+        attention_by_kv_head=by_kv_head(cfg, attention, tiled, sp),
     )
 
 
-def by_kv_head(requested: Switch, attention: AttentionKernel, tiled_mlp: bool) -> bool:
+def by_kv_head(cfg: RunConfig, attention: AttentionKernel, tiled_mlp: bool, sp: int) -> bool:
     """trainer.attention_by_kv_head as run: ``auto`` is on with the MLP tiled (there the flash
     backward's temporaries are a recomputed layer's peak: memory.attention) where the decided
-    kernel can split (:data:`BY_KV_HEAD`). ``on`` with a kernel that cannot is refused,
+    kernel can split (:data:`SPLITTING_KERNELS`) and a rank holds more than one KV head (a
+    Ulysses split leaves max(kv, sp) / sp). ``on`` with a kernel that cannot is refused,
     naming both settings (config.validate refuses it earlier where the kernel was asked for
     by name)."""
+    requested: Switch = cfg.trainer.attention_by_kv_head
     if requested == "auto":
-        return tiled_mlp and attention in BY_KV_HEAD
-    if requested == "on" and attention not in BY_KV_HEAD:
+        kv = int(cfg.model.architecture.get("num_key_value_heads") or 1)
+        return tiled_mlp and attention in SPLITTING_KERNELS and max(kv, sp) // sp > 1
+    if requested == "on" and attention not in SPLITTING_KERNELS:
         raise ConfigError(
             f"trainer.attention_by_kv_head=on with attention {attention} (model."
-            f"attn_implementation decided on this machine): one call per KV head is built into "
-            f"{' and '.join(BY_KV_HEAD)} only; set model.attn_implementation=sdpa_varlen, or "
-            "trainer.attention_by_kv_head=auto"
+            "attn_implementation decided on this machine): one call per KV head is built into "
+            f"{' and '.join(SPLITTING_KERNELS)} only; set model.attn_implementation="
+            "sdpa_varlen, or trainer.attention_by_kv_head=auto"
         )
     return requested == "on"
 

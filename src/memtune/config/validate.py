@@ -15,6 +15,7 @@ from memtune.config import schema as schema_module
 from memtune.config.architecture import linear_attention_layers, moe_layers, routed_experts
 from memtune.config.decisions import (
     LEAN_KERNELS,
+    SPLITTING_KERNELS,
     dropout_regeneration_unbuilt,
     kernels_unwired,
     lean_unbuilt,
@@ -173,11 +174,8 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
             "variable-length flash kernel runs bf16 and fp16 only; use trainer.precision=bf16, "
             "or model.attn_implementation=auto"
         )
-    if t.attention_by_kv_head == "on" and cfg.model.attn_implementation in (
-        "sdpa",
-        "eager",
-        "flash_attention_2",
-    ):
+    splitting = (*SPLITTING_KERNELS, "auto")
+    if t.attention_by_kv_head == "on" and cfg.model.attn_implementation not in splitting:
         raise ConfigError(
             f"trainer.attention_by_kv_head=on with model.attn_implementation="
             f"{cfg.model.attn_implementation}: one call per KV head is built into memtune's "

@@ -50,6 +50,8 @@ def attention_bytes(cfg: RunConfig, d: Decisions, n: int) -> tuple[int, int]:
     attention = n * hd * (2 * heads + 2 * kv_heads) * b + n * heads * 4
     if a.get("model_type") in GATED_ATTENTION:
         attention += n * heads * hd * b  # sigmoid(gate), kept by the product and the sigmoid
+        if d.sequence_parallel == 1 and output_concatenated(cfg, d):
+            attention += n * heads * hd * b  # the product keeps the concatenated output too
     return attention, norms
 
 
@@ -81,8 +83,9 @@ def attention_backward_bytes(cfg: RunConfig, d: Decisions, n: int, cuda: bool = 
     the kernel's own, read from its source.
 
     One call per KV head (``attention_by_kv_head``, rank.attention) holds one call's at a
-    time, beside the dQ, dK and dV the calls before it returned; at the end the split's
-    backward concatenates the dQs into one, next to them."""
+    time (and a contiguous copy of its slice of the output's gradient), beside the dQ, dK and
+    dV the calls before it returned, whose saved outputs their backward has freed; at the end
+    the split's backward concatenates the dQs into one, next to them."""
     b = compute_bytes(cfg)
     flash = d.attention in FLASH_BACKWARD or (
         d.attention == "sdpa" and not attention_mask_bytes(cfg, d)
@@ -90,6 +93,26 @@ def attention_backward_bytes(cfg: RunConfig, d: Decisions, n: int, cuda: bool = 
     if not cuda or b == 4 or not flash:
         return 0
     return flash_backward_bytes(n, *_heads(cfg, d), b, kv_head_groups(cfg, d))
+
+
+def output_copied(cfg: RunConfig, d: Decisions) -> bool:
+    """Whether the attention output o_proj reads (and its adapter keeps) is a tensor of its
+    own rather than the storage the kernel keeps for its backward (flash and SDPA kernels
+    write their output token-major, so a lone call's reshape for o_proj is a view of it): the
+    all-to-all's output under Ulysses, Qwen3.5's gated product, or a concatenation of calls
+    (:func:`output_concatenated`)."""
+    a = cfg.model.architecture
+    gated = a.get("model_type") in GATED_ATTENTION
+    return d.sequence_parallel > 1 or gated or output_concatenated(cfg, d)
+
+
+def output_concatenated(cfg: RunConfig, d: Decisions) -> bool:
+    """Whether attention's output is the concatenation of several kernel calls' outputs: one
+    call per KV head, or sdpa_varlen's per-sample calls over packed rows (counted whenever the
+    data is packed: a row holding one sample is one call) and its rows over a micro batch of
+    several (padded, each row its own call)."""
+    per_sample = d.attention == "sdpa_varlen" and (cfg.data.packing or d.batch.micro_batch > 1)
+    return kv_head_groups(cfg, d) > 1 or per_sample
 
 
 def kv_head_groups(cfg: RunConfig, d: Decisions) -> int:
@@ -109,9 +132,11 @@ def flash_backward_bytes(
     of them. The GPU check's attention phase measures them."""
     if groups > 1:
         q, kv = heads // groups, kv_heads // groups
-        returned = tokens * (q + 2 * kv) * head_dim * b  # one call's dQ, dK, dV
-        last = (groups - 1) * returned + flash_backward_bytes(tokens, q, kv, head_dim, b)
-        return max(last, groups * returned + tokens * heads * head_dim * b)
+        # one call's dQ, dK, dV, less its output and logsumexp, freed once it has run
+        left = tokens * (q + 2 * kv) * head_dim * b - tokens * q * (head_dim * b + 4)
+        grad_copy = tokens * q * head_dim * b  # its slice of the output's gradient, contiguous
+        last = (groups - 1) * left + flash_backward_bytes(tokens, q, kv, head_dim, b) + grad_copy
+        return max(last, groups * left + tokens * heads * head_dim * b)
     dq = tokens * heads * head_dim * b
     accumulator = tokens * heads * head_dim * 4
     dk_dv = 2 * tokens * kv_heads * head_dim * b

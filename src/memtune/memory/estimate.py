@@ -49,11 +49,10 @@ from memtune.config.architecture import (
 from memtune.config.decisions import Decisions, keeps_dropout_copies
 from memtune.expert_stacks import EXPERT_NF4_BYTES, expert_stack_bytes, experts_per_chunk
 from memtune.memory.attention import (
-    GATED_ATTENTION,
     attention_backward_bytes,
     attention_bytes,
     attention_mask_bytes,
-    kv_head_groups,
+    output_copied,
 )
 from memtune.memory.counts import ParamCounts, count_params, linear_mixer_bytes
 from memtune.memory.expert_parallel import (
@@ -201,14 +200,7 @@ def layer_bytes(
     lora = lora_activation_bytes(inputs, n, b, copies, cuda)
     if cfg.peft.dora:
         lora += sum(dora_saved_bytes(out, n, b) for _, out, _ in dora_modules(inputs, counts))
-    # o_proj reads the all-to-all's output, the gated one, or the calls' concatenated outputs
-    # (one per KV head), not attention's own
-    reads_a_copy = (
-        d.sequence_parallel > 1
-        or a.get("model_type") in GATED_ATTENTION
-        or kv_head_groups(cfg, d) > 1
-    )
-    if kind != "linear_attention" and not copies and reads_a_copy:
+    if kind != "linear_attention" and not copies and output_copied(cfg, d):
         lora += sum(n * i * b for name, i, _ in inputs if name == "o_proj")
     return norms + mixer + mlp + lora
 
@@ -223,6 +215,8 @@ def attention_half_bytes(
     mixer, extra = attention_bytes(cfg, d, tokens)
     qkv = [i for i in counts.lora_inputs if i[0] in QKV]
     lora = lora_activation_bytes(qkv, tokens, b, keeps_dropout_copies(cfg, d), cuda)
+    if cfg.peft.dora:
+        lora += sum(dora_saved_bytes(out, tokens, b) for _, out, _ in dora_modules(qkv, counts))
     return norm_saved_bytes(d, tokens, h, b) + mixer + extra + lora
 
 
@@ -522,12 +516,14 @@ def step_peak(
                 moments.append(StepPeak(where, inputs + layer, 0, norm_backward, what=NORM_WHAT))
             if attention_back and kind == "attention":
                 # Its attention's backward: the residual stream's gradient and the attention
-                # output's, and the layer's incoming one where a checkpoint function holds it
-                # through the layer's backward (memtune's own, rank.long_context, or reentrant)
+                # output's, and where a checkpoint function runs the layer's backward itself
+                # (rank.long_context's, or reentrant), the layer's incoming gradient and, but
+                # for the offloaded one, which frees it, the recomputed output
                 half = attention_half_bytes(cfg, d, tokens, counts, cuda) - shared_input
                 where = f"backward of layer {k - 1}'s attention (recomputed)"
                 own = d.offload_activations or cfg.trainer.compile or d.checkpointing.reentrant
-                back_attention = (3 if own else 2) * hidden + attention_back
+                output = own and not d.offload_activations
+                back_attention = (2 + own + output) * hidden + attention_back
                 moments.append(StepPeak(where, inputs + half, 0, back_attention, what=FLASH_WHAT))
             if dora := dora_transient_bytes(cfg, counts, tokens, kind):
                 # At the end of the recompute, the moment the plain step peaks at too (the

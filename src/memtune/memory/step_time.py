@@ -52,7 +52,7 @@ from memtune.config import RunConfig, compute_bytes, live_reference
 from memtune.config.architecture import head_dim
 from memtune.config.decisions import Decisions
 from memtune.expert_stacks import expert_stack_bytes
-from memtune.memory.attention import QK_NORMED
+from memtune.memory.attention import QK_NORMED, output_concatenated
 from memtune.memory.counts import ParamCounts, count_params
 from memtune.memory.estimate import MLP_PROJECTIONS, NF4_BYTES
 from memtune.memory.expert_parallel import expert_parallel, step_exchange_bytes
@@ -295,7 +295,9 @@ def selective_pass_bytes(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> f
       sum: two reads and a write) and, where the layer does not keep it, B's output made
       again; under QLoRA peft's 4-bit layer first copies the base output (``result.clone()``);
       the residual add after attention;
-    * SiLU and its product with up's output (memory.mlp.swiglu_forward_bytes).
+    * SiLU and its product with up's output (memory.mlp.swiglu_forward_bytes);
+    * attention's calls' outputs concatenated, where they are (packed rows under sdpa_varlen,
+      one call per KV head: memory.attention.output_concatenated).
 
     LoRA dropout's passes in a recompute are :func:`dropout_pass_bytes`'. Not counted: an
     8-bit base's input quantization, which runs again too (lora-int8). Priced at
@@ -317,6 +319,8 @@ def selective_pass_bytes(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> f
     for r, out, kept in remade_adapters(counts):
         total += n * ((5 * b + copy) * out + (0 if kept else b * (out + r)))
     total += swiglu_forward_bytes(d, n, inter, b)
+    if output_concatenated(cfg, d):
+        total += 2 * b * n * heads * hd  # read, and written whole
     return float(s * total)
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 NAME = "sdpa_varlen"
-BY_KV_HEAD = "memtune_by_kv_head"
+SPLIT_FLAG = "memtune_by_kv_head"
 """The attention module's attribute (set by :func:`split_by_kv_head`) the functions read."""
 
 _bounds_cache: dict[str, Any] = {"key": None, "value": None}
@@ -132,7 +132,7 @@ def sdpa_varlen_forward(
             if covered < width:  # right padding: no output needed, nothing learns from it
                 parts.append(q.new_zeros((1, width - covered, q.shape[1], v.shape[-1])))
             rows.append(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
-        return torch.cat(rows, dim=0)
+        return torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]  # a lone call: no copy
 
     return by_kv_head(attend, module, query, key, value), None
 
@@ -145,9 +145,9 @@ def by_kv_head(
     value: torch.Tensor,
 ) -> torch.Tensor:
     """``attend(q, k, v)`` (b, heads, n, d) → (b, n, heads, d): once, or once per KV head with
-    its query heads when ``module`` says so (:data:`BY_KV_HEAD`)."""
+    its query heads when ``module`` says so (:data:`SPLIT_FLAG`)."""
     kv = key.shape[1]
-    if kv == 1 or not getattr(module, BY_KV_HEAD, False):
+    if kv == 1 or not getattr(module, SPLIT_FLAG, False):
         return attend(query, key, value)
     groups = zip(
         query.split(query.shape[1] // kv, dim=1),
@@ -165,7 +165,7 @@ def split_by_kv_head(model: Any, on: bool) -> int:
 
     modules = [layer.self_attn for layer in decoder_layers(model) if hasattr(layer, "self_attn")]
     for m in modules:
-        setattr(m, BY_KV_HEAD, on)
+        setattr(m, SPLIT_FLAG, on)
     return len(modules) if on else 0
 
 

@@ -43,6 +43,7 @@ from memtune.exit_codes import (
     EXIT_PEER_LOST,
     EXIT_REQUEUE,
 )
+from memtune.memory.attention import kv_head_groups
 from memtune.memory.estimate import DROPOUT_ROW
 from memtune.rank.build import build_rank
 from memtune.rank.checkpoint import (
@@ -606,7 +607,12 @@ def start_up_lines(
     if parts.offloaded_layers:
         extras += f" · {parts.offloaded_layers} layers' inputs offloaded to the host"
     if d.attention_by_kv_head:
-        extras += " · attention one call per KV head"
+        calls = kv_head_groups(cfg, d)
+        extras += (
+            f" · attention in {calls} calls, one per KV head"
+            if calls > 1
+            else " · attention one call (a KV head a rank: nothing to split)"
+        )
     if parts.linear_attention:
         extras += f" · linear attention {parts.linear_attention}"
     if d.vision is not None:

@@ -48,8 +48,10 @@ from memtune.config.decisions import Decisions
 from memtune.expert_stacks import expert_modules, experts_state
 from memtune.memory.counts import arch_config
 from memtune.memory.vision import as_on_cuda
+from memtune.rank import attention
 from memtune.rank.kernels import use_fused_kernels
 from memtune.rank.layers import decoder_layers
+from memtune.rank.linear_attention import keep_samples_apart
 from memtune.rank.loss import CausalLMLoss
 from memtune.rank.model import add_lora, torch_dtype
 
@@ -144,9 +146,10 @@ class Trace:
 
 def traced_decisions(cfg: RunConfig, d: Decisions) -> tuple[Decisions, list[str]]:
     """The decisions the trace builds with: a quantized base in the compute dtype (fake
-    tensors have no 4-bit storage; the activations do not change), SDPA for the attention
-    (FlashAttention-2 needs CUDA; both keep the output and a logsumexp), the chunked loss
-    unless plain."""
+    tensors have no 4-bit storage; the activations do not change), SDPA for the CUDA-only
+    attention kernels (FlashAttention-2, torch_varlen: one call a row keeping the output and a
+    logsumexp, as SDPA over an unpacked row does; sdpa_varlen is traced as itself), the
+    chunked loss unless plain."""
     from memtune.config import ConfigError
 
     if d.sequence_parallel > 1 or d.tiled_mlp or d.offload_activations:
@@ -160,8 +163,8 @@ def traced_decisions(cfg: RunConfig, d: Decisions) -> tuple[Decisions, list[str]
         notes.append(f"{d.peft_method} base traced in {cfg.trainer.precision} (analytical)")
         experts = d.experts and dataclasses.replace(d.experts, storage="compute")
         d = dataclasses.replace(d, peft_method="lora", experts=experts)
-    if d.attention not in ("sdpa", "eager"):
-        d = dataclasses.replace(d, attention="sdpa")
+    if d.attention not in ("sdpa", "eager", "sdpa_varlen"):
+        d = dataclasses.replace(d, attention="sdpa", attention_by_kv_head=False)
     if d.loss != "plain":
         d = dataclasses.replace(d, loss="chunked")
     if d.kernels.fused():
@@ -187,6 +190,20 @@ def every_position(
     which fake tensors do not have)."""
     h = hidden_BTH.shape[-1]
     return hidden_BTH[:, :-1].reshape(-1, h).clone(), targets_BT[:, :-1].reshape(-1)
+
+
+def packed_rows(micro: int, seq: int) -> dict[str, torch.Tensor]:
+    """What a packed batch marks its samples with (data.batching.collate_packed), for rows of
+    two samples each: sdpa_varlen attends over each sample in its own call and concatenates
+    their outputs, which a row of one sample would not. The boundaries are constants (their
+    values are read); the positions' values are not."""
+    half = seq // 2
+    starts = [r * seq + a for r in range(micro) for a in (0, half)]
+    return {
+        "position_ids": torch.zeros((micro, seq), dtype=torch.long),
+        "cu_seq_lens": torch.tensor([*starts, micro * seq], dtype=torch.int32),
+        "max_length": torch.tensor(seq - half),
+    }
 
 
 @contextlib.contextmanager
@@ -236,6 +253,7 @@ def trace_step(
 
     started = time.perf_counter()
     d, notes = traced_decisions(cfg, d)
+    attention.register()  # sdpa_varlen, as a rank registers it
     dtype = torch_dtype(cfg)
     with torch.device("meta"):
         if d.vision is not None:
@@ -248,6 +266,8 @@ def trace_step(
     model.config.use_cache = False
     model = add_lora(model, cfg, d)
     use_fused_kernels(model, d.kernels, torch.device("cpu"))  # the lean kernels, if decided
+    attention.split_by_kv_head(model.get_base_model(), d.attention_by_kv_head)
+    keep_samples_apart(model.get_base_model())  # a hybrid's linear attention, as a rank runs it
     for _, experts in expert_modules(model):
         experts_state(experts).even_routing = True  # see rank.experts._routed_rows
     as_on_cuda(model)  # the trace stands for a GPU rank
@@ -279,7 +299,7 @@ def trace_step(
     base.get_decoder().register_forward_hook(to_loss)
     micro, seq = d.batch.micro_batch, d.batch.row_tokens
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
-    known = _known_values(micro * seq) if d.vision is not None else contextlib.nullcontext()
+    known = _known_values(micro * seq) if d.vision is not None else _known_values(2 * micro + 1)
     with mode, _unpacked_mask(), known, contextlib.ExitStack() as stack:
         if fake:
             _fakeify(model)
@@ -303,6 +323,8 @@ def trace_step(
                     tracker.track(t)
             else:
                 ids, images = torch.zeros((micro, seq), dtype=torch.long), {}
+                if cfg.data.packing and d.attention == "sdpa_varlen":
+                    images = packed_rows(micro, seq)
             tracker.phase = "forward"
             loss = loss_module(input_ids=ids, labels=ids, **images)
             saved = sum(
@@ -489,7 +511,7 @@ def format_trace(cfg: RunConfig, d: Decisions, t: Trace) -> str:
     )
     lines = [
         f"memtune trace: {cfg.experiment} · {cfg.model.name_or_path} · {t.tokens:,} tokens · "
-        f"{t.checkpointed} of {cfg.model.architecture['num_hidden_layers']} layers checkpointed · "
+        f"checkpointing {d.checkpointing.label()} · "
         f"{cfg.trainer.precision} ({t.seconds:.1f} s on fake tensors)",
         f"  peak {t.peak / MIB:,.0f} MiB in {t.peak_phase} ({t.peak_where}): {parts}",
         f"  saved for backward after the forward: {t.saved_after_forward / MIB:,.0f} MiB",
