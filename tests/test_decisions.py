@@ -212,6 +212,8 @@ def test_attention_runs_by_kv_head_with_the_mlp_tiled_where_the_kernel_splits() 
 
     assert decide("trainer.tiled_mlp=on").attention_by_kv_head
     assert not decide("trainer.tiled_mlp=off").attention_by_kv_head
+    # split over 2 ranks, each holds one of the tiny model's 2 KV heads: nothing to split
+    assert not decide("trainer.tiled_mlp=on", "trainer.sequence_parallel=2").attention_by_kv_head
     assert decide("trainer.attention_by_kv_head=on").attention_by_kv_head
     assert not decide(
         "trainer.tiled_mlp=on", "trainer.attention_by_kv_head=off"

@@ -87,6 +87,13 @@ def head_dim(arch: dict[str, Any]) -> int:
     return int(arch["hidden_size"]) // int(arch["num_attention_heads"])
 
 
+def rank_kv_heads(arch: dict[str, Any], sequence_parallel: int) -> int:
+    """The KV heads one rank's attention holds: all of them, or under Ulysses a 1/sp share of
+    max(kv, sp) (DeepSpeed repeats KV heads up to sp when there are fewer)."""
+    kv = int(arch.get("num_key_value_heads") or arch["num_attention_heads"])
+    return max(kv, sequence_parallel) // sequence_parallel
+
+
 HYBRID_FULL_ATTENTION_INTERVAL = {"qwen3_5_text": 4, "qwen3_5_moe_text": 4, "qwen3_next": 4}
 """Hybrids whose config.json may leave ``layer_types`` out: transformers' config class then
 makes every ``full_attention_interval``-th layer (default 4) full attention and the others

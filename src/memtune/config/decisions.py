@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from memtune.config.architecture import linear_attention_layers, routed_experts
+from memtune.config.architecture import linear_attention_layers, rank_kv_heads, routed_experts
 from memtune.config.schema import (
     AttnImplementation,
     ConfigError,
@@ -828,8 +828,8 @@ def by_kv_head(cfg: RunConfig, attention: AttentionKernel, tiled_mlp: bool, sp: 
     by name)."""
     requested: Switch = cfg.trainer.attention_by_kv_head
     if requested == "auto":
-        kv = int(cfg.model.architecture.get("num_key_value_heads") or 1)
-        return tiled_mlp and attention in SPLITTING_KERNELS and max(kv, sp) // sp > 1
+        groups = rank_kv_heads(dict(cfg.model.architecture), sp)
+        return tiled_mlp and attention in SPLITTING_KERNELS and groups > 1
     if requested == "on" and attention not in SPLITTING_KERNELS:
         raise ConfigError(
             f"trainer.attention_by_kv_head=on with attention {attention} (model."

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from memtune.config import RunConfig, compute_bytes
-from memtune.config.architecture import head_dim
+from memtune.config.architecture import head_dim, rank_kv_heads
 from memtune.config.decisions import Decisions
 from memtune.memory.norms import norm_saved_bytes
 
@@ -116,11 +116,11 @@ def output_concatenated(cfg: RunConfig, d: Decisions) -> bool:
 
 
 def kv_head_groups(cfg: RunConfig, d: Decisions) -> int:
-    """The calls attention runs as on a rank: one per KV head there with
-    ``attention_by_kv_head`` (Ulysses leaves max(kv, sp) / sp of them on each rank), else 1."""
+    """The calls attention runs as on a rank: one per KV head it holds (config.architecture.
+    rank_kv_heads) with ``attention_by_kv_head``, else 1."""
     if not d.attention_by_kv_head:
         return 1
-    return _heads(cfg, d)[1] // d.sequence_parallel
+    return rank_kv_heads(dict(cfg.model.architecture), d.sequence_parallel)
 
 
 def flash_backward_bytes(

@@ -124,7 +124,6 @@ class Trace:
     """One traced step (bytes)."""
 
     tokens: int
-    checkpointed: int
     peak: int
     at_peak: dict[str, int]
     peak_phase: str
@@ -299,7 +298,12 @@ def trace_step(
     base.get_decoder().register_forward_hook(to_loss)
     micro, seq = d.batch.micro_batch, d.batch.row_tokens
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
-    known = _known_values(micro * seq) if d.vision is not None else _known_values(2 * micro + 1)
+    packed = cfg.data.packing and d.attention == "sdpa_varlen" and d.vision is None
+    known: Any = contextlib.nullcontext()
+    if d.vision is not None:
+        known = _known_values(micro * seq)
+    elif packed:
+        known = _known_values(2 * micro + 1)  # the packed rows' boundaries
     with mode, _unpacked_mask(), known, contextlib.ExitStack() as stack:
         if fake:
             _fakeify(model)
@@ -323,7 +327,7 @@ def trace_step(
                     tracker.track(t)
             else:
                 ids, images = torch.zeros((micro, seq), dtype=torch.long), {}
-                if cfg.data.packing and d.attention == "sdpa_varlen":
+                if packed:
                     images = packed_rows(micro, seq)
             tracker.phase = "forward"
             loss = loss_module(input_ids=ids, labels=ids, **images)
@@ -335,7 +339,6 @@ def trace_step(
             del loss
     return Trace(
         tokens=micro * seq,
-        checkpointed=d.checkpointing.recomputed,
         peak=tracker.peak,
         at_peak=tracker.at_peak,
         peak_phase=tracker.peak_phase,
