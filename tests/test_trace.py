@@ -82,7 +82,9 @@ FULL_SIZE = [
 def test_the_plan_matches_a_full_size_step(experiment: str, tokens: int, norm: str) -> None:
     """The shipped 4×4090D experiments at 2k, 4k and 32k tokens, with the checkpointed
     layers a launch would choose: the planner's activations + loss (or backward temporaries)
-    rows within 3% of the peak the traced step holds above its weights."""
+    rows within 1% of the peak the traced step holds above its weights (docs/memory.md's table:
+    -0.6% to -0.1%; QLoRA at 32k was +1.5% while the plan held the final norm's input through
+    the kept last layer's backward)."""
     given = to_run_config(
         compose_cfg(
             [
@@ -97,7 +99,7 @@ def test_the_plan_matches_a_full_size_step(experiment: str, tokens: int, norm: s
     cfg, d = fitted.cfg, fitted.decisions
     traced = trace_step(cfg, d)
     assert traced.at_peak["base weights"] > 14e9  # the full-size model, bf16
-    assert planned_step(cfg, d) == pytest.approx(traced.step, rel=0.03), traced
+    assert planned_step(cfg, d) == pytest.approx(traced.step, rel=0.01), traced
 
 
 @pytest.mark.parametrize("mix", [(0, 28), (10, 18), (0, 10)])

@@ -462,10 +462,13 @@ def dora_transient_bytes(cfg: RunConfig, counts: ParamCounts, tokens: int, kind:
 def step_peak(
     cfg: RunConfig, d: Decisions, tokens: int, counts: ParamCounts, cuda: bool = True
 ) -> StepPeak:
-    """The largest of three moments: the loss (all saved activations + its buffers); the
-    backward of the last layer, when it is not checkpointed (all saved activations + one
-    layer's backward temporaries); the backward of the last checkpointed layer (the
-    checkpointed inputs + its recomputed activations + its backward temporaries)."""
+    """The largest of the step's moments (tools.step_trace measures each on the full-size
+    model): the loss (all saved activations + its buffers); the final norm's backward; the
+    backward of the last layer where it keeps its activations (what is saved, less what the
+    final norm's backward has freed, + one layer's backward temporaries), and of its attention;
+    the backward of the last selective and of the last fully recomputed layer (the checkpointed
+    inputs + its recomputed activations + its backward temporaries), with their attention's,
+    their second norm's under a tiled MLP and DoRA's recompute."""
     layers = int(cfg.model.architecture["num_hidden_layers"])
     k, s = d.checkpointing.recomputed, d.checkpointing.selective
     h = int(cfg.model.architecture["hidden_size"])
@@ -481,12 +484,15 @@ def step_peak(
         StepPeak("backward of the final norm", saved, backward=norm_backward, what=NORM_WHAT)
     )
     if k + s < layers:
-        moments.append(StepPeak(f"backward of layer {layers - 1}", saved, backward=back))
+        # By then the final norm's backward has run and freed what it kept (the last layer's
+        # output: tools.step_trace's census at 32k tokens)
+        ran = saved - norm_saved_bytes(d, tokens, h, compute_bytes(cfg))
+        moments.append(StepPeak(f"backward of layer {layers - 1}", ran, backward=back))
         if attention_back and last_kind == "attention":
             # Its attention's backward, the MLP half freed: the residual stream's gradient and
             # the attention output's beside the kernel's own (memory.attention)
             half = attention_half_bytes(cfg, d, tokens, counts, cuda)
-            held = saved - layer_bytes(cfg, d, tokens, counts, cuda, last_kind) + half
+            held = ran - layer_bytes(cfg, d, tokens, counts, cuda, last_kind) + half
             where = f"backward of layer {layers - 1}'s attention"
             moments.append(StepPeak(where, held, 0, 2 * hidden + attention_back, what=FLASH_WHAT))
     # a lean (or Liger's) first norm keeps the layer's input: the checkpoint's, counted
