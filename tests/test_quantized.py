@@ -228,3 +228,63 @@ def test_a_layer_bitsandbytes_cannot_quantize_is_refused_before_launch(tmp_path:
     assert "model.layers.*.self_attn.k_proj (in 258, out 129): 16,641 packed bytes" in err
     assert "model.layers.*.self_attn.v_proj (in 258, out 129)" in err
     assert "q_proj" not in err and "Traceback" not in err
+
+
+def _held_after_forward(model: Any, ids: torch.Tensor) -> tuple[int, Any, set[str]]:
+    """The bytes a training forward of ``model`` leaves behind (what it made and still holds,
+    its weights and quantization state not counted), its output, and the autograd nodes its
+    8-bit projections made."""
+    from memtune.rank.model import is_quantized_layer
+    from memtune.tools.step_trace import Tracker
+
+    eight_bit = [m for m in model.modules() if is_quantized_layer(m)]
+    nodes: set[str] = set()
+    hooks = [
+        m.register_forward_hook(lambda _m, _a, o: nodes.add(type(o.grad_fn).__name__))
+        for m in eight_bit
+    ]
+    tracker = Tracker()
+    stored = [*model.parameters(), *model.buffers()]
+    stored += [t for m in eight_bit for t in (m.weight.SCB, m.state.SCB) if t is not None]
+    for t in stored:  # what the forward reads, not what it makes
+        tracker.track(t, "weights")
+    with tracker:
+        out = model(input_ids=ids, labels=ids)
+    for hook in hooks:
+        hook.remove()
+    # MatMul8bitLt keeps its outlier columns' indices on the layer (int64, a few a layer)
+    idx = sum(m.state.idx.nbytes for m in eight_bit if m.state.idx is not None)
+    return tracker.total - tracker.by_category["weights"] - idx, out, nodes
+
+
+def test_a_recomputed_int8_layer_holds_what_a_bf16_one_holds() -> None:
+    """lora-int8 with every layer recomputed: after the forward the step holds what the same
+    LoRA over a bf16 base holds (the layers' inputs, the logits), not every 8-bit projection's
+    input, which bitsandbytes' matmul functions keep outside autograd's saved tensors where
+    checkpointing cannot drop them (model.release_8bit_input; without it 2 and 2.5 times as
+    much). Both of its functions: the CPU's training one, and MatMul8bitLt, which CUDA runs
+    (here: the 8-bit layers in eval)."""
+    from memtune.config import to_run_config
+    from memtune.rank.model import add_lora, is_quantized_layer, load_base_model
+    from memtune.tools.tiny import synthesize
+    from tests.conftest import compose_cfg
+
+    ids = torch.arange(3, 3 + 96).view(1, 96)
+    models = {}
+    for method in ("lora", "lora-int8"):
+        args = [f"peft={method}", "peft.target=all-linear", "peft.dropout=0"]
+        cfg = to_run_config(compose_cfg([*args, "trainer.precision=bf16"]))
+        synthesize(cfg.model.name_or_path, cfg.model.architecture)
+        d = decided(cfg, attention="sdpa")
+        models[method] = add_lora(load_base_model(cfg, d), cfg, d).train()
+    bf16, _, none = _held_after_forward(models["lora"], ids)
+    assert none == set()
+    eight_bit = [m for m in models["lora-int8"].modules() if is_quantized_layer(m)]
+    assert len(eight_bit) == QUANTIZED_LAYERS
+    for function in ("MatMul8bitFp", "MatMul8bitLt"):
+        for m in eight_bit:
+            m.train(function == "MatMul8bitFp")  # bitsandbytes picks the function by it
+        held, out, nodes = _held_after_forward(models["lora-int8"], ids)
+        assert nodes == {f"{function}Backward"}
+        assert held == bf16, (function, held, bf16)
+        out.loss.backward()  # the backward runs without the inputs

@@ -364,6 +364,7 @@ def prepare_quantized(model: Any, dtype: torch.dtype) -> Any:
     for module in model.modules():
         if is_quantized_layer(module):
             keep_training_layout(module)
+            release_8bit_input(module)
             continue
         for param in module.parameters(recurse=False):
             if quantized_stack(param) is not None:
@@ -410,6 +411,39 @@ def keep_training_layout(layer: Any) -> None:
     """
     if hasattr(layer, "support_avx512bf16_for_cpu"):
         layer.support_avx512bf16_for_cpu = False
+
+
+EIGHT_BIT_NODES = ("MatMul8bitLtBackward", "MatMul8bitFpBackward")
+"""bitsandbytes' autograd nodes of an 8-bit base projection: MatMul8bitLt's (CUDA, and any
+device in eval), MatMul8bitFp's (training on CPU and XPU)."""
+
+
+def release_8bit_input(layer: Any) -> None:
+    """Let a checkpointed layer's 8-bit projections (lora-int8) free their inputs after the
+    forward.
+
+    bitsandbytes' 8-bit matmul functions keep their input as an attribute of the autograd node
+    (``ctx.tensors`` / ``ctx.A``), not through ``save_for_backward``, so activation
+    checkpointing, whose saved-tensor hooks are how it drops what a layer saved, never sees it:
+    a recomputed layer held every projection's input (q/k/v's, o_proj's, gate/up's and
+    down_proj's, tokens × intermediate) until its backward, about 8 times the layer input its
+    checkpoint keeps on Qwen2.5-7B, and the plan counted the checkpoint's. The backward reads
+    the input only for the weight's gradient, and a frozen base has none: a forward hook
+    drops the node's reference once the projection has run."""
+    if type(layer).__name__ == "Linear8bitLt":
+        layer.register_forward_hook(_drop_8bit_input)
+
+
+def _drop_8bit_input(layer: Any, args: Any, out: torch.Tensor) -> None:
+    node: Any = out.grad_fn  # the function's ctx, whose attributes bitsandbytes set
+    if node is None or type(node).__name__ not in EIGHT_BIT_NODES or layer.weight.requires_grad:
+        return
+    if getattr(node, "is_empty", False):
+        return  # an empty input's backward builds its zero gradient from it
+    if type(node).__name__ == "MatMul8bitFpBackward":
+        node.A = None
+    else:
+        node.tensors = (None, None, None)  # the quantized input transposed, outliers, the input
 
 
 def method_label(cfg: RunConfig, d: Decisions) -> str:
