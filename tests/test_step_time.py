@@ -226,6 +226,21 @@ def test_lora_dropouts_passes_are_priced_at_the_memory_bandwidth() -> None:
     assert dropout_pass_bytes(without, decided(without), counts) == 0
 
 
+def test_an_int8_base_quantizes_again_in_a_selective_recompute() -> None:
+    """lora-int8 on Qwen2.5-7B, 4 selective layers at 4,096 tokens: beside the same LoRA over
+    a bf16 base, each selective layer casts to fp16 and quantizes the input of q, k, v, o, gate
+    and up (hidden-wide each) and of down_proj (intermediate-wide, adapted here): 4 + 12 bytes
+    a value (step_time.INT8_QUANTIZE_BYTES, read from bitsandbytes' CUDA op)."""
+    priced = {}
+    for peft in ("lora-all-linear", "lora-int8"):
+        args = ["experiment=qwen2.5-7b-4x4090-lora", f"peft={peft}", "peft.dropout=0"]
+        cfg = to_run_config(compose_cfg(args))
+        d = decided(cfg, recompute=0, selective=4)
+        priced[peft] = selective_pass_bytes(cfg, d, count_params(cfg))
+    per_token = 16 * (6 * 3584 + 18944)
+    assert priced["lora-int8"] - priced["lora-all-linear"] == 4 * 4096 * per_token
+
+
 def _moved(func, args, kwargs, out) -> int:
     """The bytes an op's tensors hold: what it reads and writes. An op that writes what it
     aliases (``out=``, in place, ``copy_``) moves its arguments; a view (every tensor output on

@@ -21,9 +21,10 @@ experiments' ZeRO stage) and to say how much of a step is spent moving bytes:
 * **memory-bound passes** — LoRA dropout reads each adapted module's input and writes its copy
   and mask in the forward (and a recompute), the backward reads the gradient and the mask and
   writes the gradient; a selective layer's recompute runs its norms, rotary, SiLU and LoRA
-  adds again without the matmuls that would carry them inside ``plan.mfu``
-  (:func:`selective_pass_bytes`): those bytes at ``plan.device_gb_s`` (the device's memory
-  bandwidth), when it is given. The other elementwise work is inside ``plan.mfu``.
+  adds (and an 8-bit base's input quantization) again without the matmuls that would carry
+  them inside ``plan.mfu`` (:func:`selective_pass_bytes`): those bytes at
+  ``plan.device_gb_s`` (the device's memory bandwidth), when it is given. The other
+  elementwise work is inside ``plan.mfu``.
 * **images** — the vision tower's matmuls on the micro batch's planned images
   (:func:`tower_flops`), and under ZeRO-3 its all-gathers: forward only for a frozen tower.
 * **expert parallelism** — per mixture layer and micro batch, the dispatch's and the
@@ -54,7 +55,7 @@ from memtune.config.decisions import Decisions
 from memtune.expert_stacks import expert_stack_bytes
 from memtune.memory.attention import QK_NORMED, output_concatenated
 from memtune.memory.counts import ParamCounts, count_params
-from memtune.memory.estimate import MLP_PROJECTIONS, NF4_BYTES
+from memtune.memory.estimate import MLP_PROJECTIONS, NF4_BYTES, QKV
 from memtune.memory.expert_parallel import expert_parallel, step_exchange_bytes
 from memtune.memory.mlp import swiglu_forward_bytes
 from memtune.memory.norms import norm_forward_bytes
@@ -299,8 +300,10 @@ def selective_pass_bytes(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> f
     * attention's calls' outputs concatenated, where they are (packed rows under sdpa_varlen,
       one call per KV head: memory.attention.output_concatenated).
 
-    LoRA dropout's passes in a recompute are :func:`dropout_pass_bytes`'. Not counted: an
-    8-bit base's input quantization, which runs again too (lora-int8). Priced at
+    * under lora-int8, each 8-bit projection's input quantized again
+      (:func:`int8_requantize_bytes`).
+
+    LoRA dropout's passes in a recompute are :func:`dropout_pass_bytes`'. Priced at
     ``plan.device_gb_s``; ``tests/test_step_time.py`` checks the count against every op a
     traced full-width selective layer runs again (tools.step_trace) within 1%."""
     s = d.checkpointing.selective
@@ -321,7 +324,34 @@ def selective_pass_bytes(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> f
     total += swiglu_forward_bytes(d, n, inter, b)
     if output_concatenated(cfg, d):
         total += 2 * b * n * heads * hd  # read, and written whole
+    if d.peft_method == "lora-int8":
+        total += int8_requantize_bytes(cfg, counts, n)
     return float(s * total)
+
+
+INT8_QUANTIZE_BYTES = 12
+"""What bitsandbytes' CUDA ``int8_vectorwise_quant`` moves per input value under LLM.int8's
+outlier threshold (transformers' default, 6.0), read from its source: ``|x|`` (2 bytes read, 2
+written), its comparison to the threshold (2 + 1), two reductions over that mask (1 + 1),
+then the quantizing kernel (2 + 1)."""
+
+
+def int8_requantize_bytes(cfg: RunConfig, counts: ParamCounts, n: int) -> int:
+    """What a selective layer's recompute moves to quantize its 8-bit projections' inputs
+    again, for ``n`` tokens: bitsandbytes' MatMul8bitLt casts each input to fp16 (the compute
+    dtype read, 2 bytes written) and quantizes it (:data:`INT8_QUANTIZE_BYTES`)
+    before the matmul whose output the layer keeps. q, k and v each quantize the same input,
+    gate and up another. down_proj's runs only where its adapter saves after it: the recompute
+    stops at the last tensor the backward needs (torch's early stop)."""
+    cast = compute_bytes(cfg) + 2
+    adapted = {name for name, _, _ in counts.lora_inputs}
+    widths = [
+        i
+        for name, i, _ in counts.linear_shapes
+        if (short := name.split(".")[-1]) in (*QKV, "o_proj", *MLP_PROJECTIONS)
+        and (short != "down_proj" or "down_proj" in adapted)
+    ]
+    return n * (cast + INT8_QUANTIZE_BYTES) * sum(widths)
 
 
 def traffic(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> list[tuple[str, float]]:
