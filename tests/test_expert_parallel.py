@@ -441,6 +441,10 @@ def test_the_plan_of_an_expert_parallel_run_names_what_it_compares(
     ]
     assert layouts[5].endswith("← auto") and layouts[3].endswith("← this run")
     assert f"{step:6.2f} s a step" in layouts[3] and "does not fit" in layouts[1]
+    # why auto passed over the faster ones: too little spare, too little host while loading
+    spare = 23.99 - total
+    assert f"fits, {spare:.2f} GiB spare (auto wants 2), checkpointing" in layouts[3]
+    assert "does not fit the host while loading" in layouts[4]
     auto_step = float(re.search(r"([\d.]+) s a step", layouts[5])[1])
     assert step < auto_step <= 30  # ZeRO-3 gathers the non-experts; the experts stay put
     assert print_plan(compose_cfg([*args, "plan.device_gib=22"])) == 0

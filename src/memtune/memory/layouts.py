@@ -29,7 +29,13 @@ from memtune.config import ConfigError, RunConfig, validate
 from memtune.config.decisions import Decisions, RankMachine, with_sections
 from memtune.memory.counts import ParamCounts
 from memtune.memory.estimate import Plan, plan
-from memtune.memory.recompute import fits_with_spare, pinned, resolve_checkpoint_layers, settings_of
+from memtune.memory.recompute import (
+    AUTO_CHECKPOINT_SPARE_GIB,
+    fits_with_spare,
+    pinned,
+    resolve_checkpoint_layers,
+    settings_of,
+)
 from memtune.memory.step_time import StepTime, step_time
 
 
@@ -106,7 +112,7 @@ def format_layouts(layouts: list[Layout], current: Decisions) -> list[str]:
     chosen = choose_layout(layouts)
     lines = [
         "  where the routed experts live (trainer.expert_parallel=auto takes the fastest "
-        "that fits):"
+        f"that fits with {AUTO_CHECKPOINT_SPARE_GIB:g} GiB to spare):"
     ]
     for lay in layouts:
         d = lay.decisions
@@ -116,16 +122,30 @@ def format_layouts(layouts: list[Layout], current: Decisions) -> list[str]:
             current.experts.parallel,
         )
         marks = [m for m, on in (("this run", mine), ("auto", lay is chosen)) if on]
-        fits = "fits" if lay.plan.fits else "does not fit"
-        if lay.step is None:
-            time = "no step estimate (plan.device_tflops)"
-        elif not lay.step.priced:
-            time = f"{lay.step.seconds()} a step"
-        else:
-            time = f"{lay.step.step_s:6.2f} s a step ({lay.step.overlapped_s:.2f} s overlapped)"
         lines.append(
-            f"    {lay.label:<34}{lay.plan.total_gib:6.2f} GiB  {time}  {fits}, checkpointing "
-            f"{d.checkpointing.label()}  [{layout_setting(lay)}]"
+            f"    {lay.label:<34}{lay.plan.total_gib:6.2f} GiB  {_step(lay)}  {_fits(lay.plan)}, "
+            f"checkpointing {d.checkpointing.label()}  [{layout_setting(lay)}]"
             + (f"  ← {', '.join(marks)}" if marks else "")
         )
     return lines
+
+
+def _fits(planned: Plan) -> str:
+    """Whether a layout fits, and where not why: the device, or the host while loading; where
+    it fits without checkpoint_layers=auto's spare, that (auto passes it over)."""
+    if not planned.device_fits:
+        return "does not fit"
+    if not planned.fits:
+        return "does not fit the host" + ("" if planned.loading_fits_host else " while loading")
+    if not fits_with_spare(planned) and planned.device_gib is not None:
+        spare = planned.device_gib - planned.total_gib
+        return f"fits, {spare:.2f} GiB spare (auto wants {AUTO_CHECKPOINT_SPARE_GIB:g})"
+    return "fits"
+
+
+def _step(lay: Layout) -> str:
+    if lay.step is None:
+        return "no step estimate (plan.device_tflops)"
+    if not lay.step.priced:
+        return f"{lay.step.seconds()} a step"
+    return f"{lay.step.step_s:6.2f} s a step ({lay.step.overlapped_s:.2f} s overlapped)"
