@@ -261,9 +261,9 @@ def test_a_recomputed_int8_layer_holds_what_a_bf16_one_holds() -> None:
     """lora-int8 with every layer recomputed: after the forward the step holds what the same
     LoRA over a bf16 base holds (the layers' inputs, the logits), not every 8-bit projection's
     input, which bitsandbytes' matmul functions keep outside autograd's saved tensors where
-    checkpointing cannot drop them (model.release_8bit_input; without it 2 and 2.5 times as
-    much). Both of its functions: the CPU's training one, and MatMul8bitLt, which CUDA runs
-    (here: the 8-bit layers in eval)."""
+    checkpointing cannot drop them (model.release_8bit_input; docs/quantized.md says how much
+    more they held). Both of its functions: the CPU's training one, and MatMul8bitLt, which
+    CUDA runs (here: the 8-bit layers in eval)."""
     from memtune.config import to_run_config
     from memtune.rank.model import add_lora, is_quantized_layer, load_base_model
     from memtune.tools.tiny import synthesize
@@ -276,6 +276,8 @@ def test_a_recomputed_int8_layer_holds_what_a_bf16_one_holds() -> None:
         cfg = to_run_config(compose_cfg([*args, "trainer.precision=bf16"]))
         synthesize(cfg.model.name_or_path, cfg.model.architecture)
         d = decided(cfg, attention="sdpa")
+        # every layer recomputed: a kept one's LoRA saves the same inputs itself
+        assert d.checkpointing.recomputed == cfg.model.architecture["num_hidden_layers"]
         models[method] = add_lora(load_base_model(cfg, d), cfg, d).train()
     bf16, _, none = _held_after_forward(models["lora"], ids)
     assert none == set()

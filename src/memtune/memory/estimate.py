@@ -483,10 +483,10 @@ def step_peak(
     moments.append(
         StepPeak("backward of the final norm", saved, backward=norm_backward, what=NORM_WHAT)
     )
+    # What is saved but the final norm's: before it runs (the last layer's forward), and once
+    # its backward has freed it (the last layer's output: tools.step_trace's census at 32k)
+    ran = saved - norm_saved_bytes(d, tokens, h, compute_bytes(cfg))
     if k + s < layers:
-        # By then the final norm's backward has run and freed what it kept (the last layer's
-        # output: tools.step_trace's census at 32k tokens)
-        ran = saved - norm_saved_bytes(d, tokens, h, compute_bytes(cfg))
         moments.append(StepPeak(f"backward of layer {layers - 1}", ran, backward=back))
         if attention_back and last_kind == "attention":
             # Its attention's backward, the MLP half freed: the residual stream's gradient and
@@ -538,7 +538,7 @@ def step_peak(
                 moments.append(StepPeak(where, inputs + layer, 0, back, dora))
     last_keeps = k + s < layers
     if last_keeps and (dora := dora_transient_bytes(cfg, counts, tokens, layer_kinds(cfg)[-1])):
-        moments.append(StepPeak(f"forward of layer {layers - 1} (DoRA)", saved, dora=dora))
+        moments.append(StepPeak(f"forward of layer {layers - 1} (DoRA)", ran, dora=dora))
     return max(moments, key=lambda m: m.total)
 
 

@@ -110,9 +110,11 @@ def format_layouts(layouts: list[Layout], current: Decisions) -> list[str]:
     """The layouts, one line each (GiB per rank, step s without and with overlap, fits), the
     run's own and auto's choice marked."""
     chosen = choose_layout(layouts)
+    spare = any(fits_with_spare(lay.plan) for lay in layouts)  # else auto takes what fits
+    rule = f" with {AUTO_CHECKPOINT_SPARE_GIB:g} GiB to spare" if spare else ""
     lines = [
         "  where the routed experts live (trainer.expert_parallel=auto takes the fastest "
-        f"that fits with {AUTO_CHECKPOINT_SPARE_GIB:g} GiB to spare):"
+        f"that fits{rule}):"
     ]
     for lay in layouts:
         d = lay.decisions
@@ -123,23 +125,25 @@ def format_layouts(layouts: list[Layout], current: Decisions) -> list[str]:
         )
         marks = [m for m, on in (("this run", mine), ("auto", lay is chosen)) if on]
         lines.append(
-            f"    {lay.label:<34}{lay.plan.total_gib:6.2f} GiB  {_step(lay)}  {_fits(lay.plan)}, "
+            f"    {lay.label:<34}{lay.plan.total_gib:6.2f} GiB  {_step(lay)}  "
+            f"{_fits(lay.plan, spare)}, "
             f"checkpointing {d.checkpointing.label()}  [{layout_setting(lay)}]"
             + (f"  ← {', '.join(marks)}" if marks else "")
         )
     return lines
 
 
-def _fits(planned: Plan) -> str:
+def _fits(planned: Plan, spare: bool) -> str:
     """Whether a layout fits, and where not why: the device, or the host while loading; where
-    it fits without checkpoint_layers=auto's spare, that (auto passes it over)."""
+    it fits without checkpoint_layers=auto's spare, that, if ``spare`` (another layout has it,
+    so auto passes this one over)."""
     if not planned.device_fits:
         return "does not fit"
     if not planned.fits:
         return "does not fit the host" + ("" if planned.loading_fits_host else " while loading")
-    if not fits_with_spare(planned) and planned.device_gib is not None:
-        spare = planned.device_gib - planned.total_gib
-        return f"fits, {spare:.2f} GiB spare (auto wants {AUTO_CHECKPOINT_SPARE_GIB:g})"
+    if spare and not fits_with_spare(planned) and planned.device_gib is not None:
+        room = planned.device_gib - planned.total_gib
+        return f"fits, {room:.2f} GiB spare (auto wants {AUTO_CHECKPOINT_SPARE_GIB:g})"
     return "fits"
 
 

@@ -489,9 +489,10 @@ def format_step_time(cfg: RunConfig, t: StepTime) -> str:
             f"measures it), no overlap with compute assumed; with full overlap "
             f"{t.overlapped_s:.2f} s"
         )
+    again = "norms, rotary, SiLU, LoRA adds" + (", int8" if cfg.peft.method == "lora-int8" else "")
     passes = [
         ("LoRA dropout's passes over the adapted inputs", t.dropout_bytes, t.dropout_s),
-        ("selective layers' norms, rotary, SiLU, LoRA adds", t.selective_bytes, t.selective_s),
+        (f"selective layers' {again}", t.selective_bytes, t.selective_s),
     ]
     for what, nbytes, seconds in passes:
         if seconds:

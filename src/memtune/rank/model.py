@@ -426,12 +426,13 @@ def release_8bit_input(layer: Any) -> None:
     (``ctx.tensors`` / ``ctx.A``), not through ``save_for_backward``, so activation
     checkpointing, whose saved-tensor hooks are how it drops what a layer saved, never sees it:
     a recomputed layer held every projection's input (q/k/v's, o_proj's, gate/up's and
-    down_proj's, tokens × intermediate) until its backward, about 8 times the layer input its
-    checkpoint keeps on Qwen2.5-7B, and the plan counted the checkpoint's. The backward reads
-    the input only for the weight's gradient, and a frozen base has none: a forward hook
-    drops the node's reference once the projection has run."""
+    down_proj's, tokens × intermediate) for as long as the graph lived, where the plan counts
+    the checkpoint's input (docs/quantized.md). The backward reads the input only for the
+    weight's gradient, and a frozen base has none: a forward hook drops the node's reference
+    once the projection has run."""
     if type(layer).__name__ == "Linear8bitLt":
-        layer.register_forward_hook(_drop_8bit_input)
+        # first, before any hook that wraps the output (ZeRO-3's) hides bitsandbytes' node
+        layer.register_forward_hook(_drop_8bit_input, prepend=True)
 
 
 def _drop_8bit_input(layer: Any, args: Any, out: torch.Tensor) -> None:
