@@ -74,7 +74,8 @@ class StepTime:
     host_bytes: float = 0.0  # offloaded activations, to the host and back, per rank
     host_link_gb_s: float = 20.0
     dropout_bytes: float = 0.0  # memory-bound passes priced apart: LoRA dropout's,
-    selective_bytes: float = 0.0  # and the selective layers' recomputes
+    selective_bytes: float = 0.0  # and the selective layers' recomputes (of these ops)
+    selective_ops: str = "norms, rotary, SiLU, LoRA adds"
     device_gb_s: float | None = None  # what they are priced at
 
     def _at_device_bandwidth(self, nbytes: float) -> float:
@@ -455,6 +456,7 @@ def step_time(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -
         host_link_gb_s=p.host_link_gb_s,
         dropout_bytes=dropout,
         selective_bytes=selective,
+        selective_ops=StepTime.selective_ops + (", int8" if d.peft_method == "lora-int8" else ""),
         device_gb_s=p.device_gb_s,
     )
 
@@ -489,10 +491,9 @@ def format_step_time(cfg: RunConfig, t: StepTime) -> str:
             f"measures it), no overlap with compute assumed; with full overlap "
             f"{t.overlapped_s:.2f} s"
         )
-    again = "norms, rotary, SiLU, LoRA adds" + (", int8" if cfg.peft.method == "lora-int8" else "")
     passes = [
         ("LoRA dropout's passes over the adapted inputs", t.dropout_bytes, t.dropout_s),
-        (f"selective layers' {again}", t.selective_bytes, t.selective_s),
+        (f"selective layers' {t.selective_ops}", t.selective_bytes, t.selective_s),
     ]
     for what, nbytes, seconds in passes:
         if seconds:
