@@ -61,6 +61,10 @@ from memtune.memory.mlp import swiglu_forward_bytes
 from memtune.memory.norms import norm_forward_bytes
 from memtune.memory.selective import adapter_outputs
 
+SELECTIVE_OPS = "norms, rotary, SiLU, LoRA adds"
+"""What a selective layer's recompute runs again outside the matmuls
+(:func:`selective_pass_bytes`), for the step estimate's row; lora-int8 adds its re-quantization."""
+
 QLORA_COMPUTE = 1.30
 """A 4-bit base dequantizes every weight before each matmul: ~30% more compute time."""
 
@@ -75,7 +79,7 @@ class StepTime:
     host_link_gb_s: float = 20.0
     dropout_bytes: float = 0.0  # memory-bound passes priced apart: LoRA dropout's,
     selective_bytes: float = 0.0  # and the selective layers' recomputes (of these ops)
-    selective_ops: str = "norms, rotary, SiLU, LoRA adds"
+    selective_ops: str = SELECTIVE_OPS
     device_gb_s: float | None = None  # what they are priced at
 
     def _at_device_bandwidth(self, nbytes: float) -> float:
@@ -456,7 +460,7 @@ def step_time(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -
         host_link_gb_s=p.host_link_gb_s,
         dropout_bytes=dropout,
         selective_bytes=selective,
-        selective_ops=StepTime.selective_ops + (", int8" if d.peft_method == "lora-int8" else ""),
+        selective_ops=SELECTIVE_OPS + (", int8" if d.peft_method == "lora-int8" else ""),
         device_gb_s=p.device_gb_s,
     )
 
