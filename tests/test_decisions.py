@@ -218,19 +218,21 @@ def test_attention_runs_by_kv_head_with_the_mlp_tiled_where_the_kernel_splits() 
     assert not decide(
         "trainer.tiled_mlp=on", "trainer.attention_by_kv_head=off"
     ).attention_by_kv_head
-    flash = RankMachine(cuda=True, flash_attn=True)  # auto's attention there: FlashAttention-2
-    assert not decide("trainer.tiled_mlp=on", machine=flash).attention_by_kv_head
-    with pytest.raises(
-        ConfigError, match=r"attention_by_kv_head=on with attention flash_attention_2"
-    ):
-        decide("trainer.attention_by_kv_head=on", machine=flash)
-    asked = compose_cfg(["model.attn_implementation=eager", "trainer.attention_by_kv_head=on"])
-    with pytest.raises(
-        ConfigError, match=r"attention_by_kv_head=on with model.attn_implementation=eager"
-    ):
-        validate(to_run_config(asked), inputs=False)
+    # auto's attention where flash-attn runs: FlashAttention-2, which splits as memtune's own do
+    flash = RankMachine(cuda=True, flash_attn=True)
+    on_flash = decide("trainer.tiled_mlp=on", machine=flash)
+    assert on_flash.attention == "flash_attention_2" and on_flash.attention_by_kv_head
+    assert decide("trainer.attention_by_kv_head=on", machine=flash).attention_by_kv_head
+    for kernel in ("eager", "sdpa"):  # transformers' own: one call, refused before any rank
+        asked = [f"model.attn_implementation={kernel}", "trainer.attention_by_kv_head=on"]
+        with pytest.raises(
+            ConfigError,
+            match=rf"attention_by_kv_head=on with model.attn_implementation={kernel}: one call "
+            r"per KV head is built into sdpa_varlen, torch_varlen, flash_attention_2 only",
+        ):
+            validate(to_run_config(compose_cfg(asked)), inputs=False)
     d = decide("trainer.tiled_mlp=on")
-    with pytest.raises(DecisionError, match=r"attention_by_kv_head with attention sdpa: built"):
+    with pytest.raises(DecisionError, match=r"by_kv_head with attention sdpa: built into sdpa_"):
         dataclasses.replace(d, attention="sdpa")
     raw = d.as_dict()
     assert Decisions.from_dict(raw) == d

@@ -308,3 +308,78 @@ def test_torch_varlen_on_cuda_is_the_reference() -> None:
     ).view(3, 12, 4, 64)
     real = given["real"].cuda()
     torch.testing.assert_close(out[real].float(), ref[real], atol=2e-2, rtol=2e-2)
+
+
+def test_an_attention_function_wrapped_to_split_attends_as_one_call() -> None:
+    """rank.attention.splitting over an attention function of transformers' interface (its own
+    SDPA function here; FlashAttention-2's under register, which CPU ranks cannot run): one
+    call per KV head where the module is split, each with its query heads and the caller's mask
+    and kwargs, giving one call's outputs and gradients; one call where it is not."""
+    from transformers.integrations.flash_attention import flash_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from bench.gpu_check.attention import attention_module
+    from memtune.rank import attention
+
+    calls: list[tuple[int, int, float]] = []
+
+    def counted(module, q, k, v, mask, **kwargs):
+        calls.append((q.shape[1], k.shape[1], kwargs["scaling"]))
+        return sdpa_attention_forward(module, q, k, v, mask, **kwargs)
+
+    split_sdpa = attention.splitting(counted)
+    torch.manual_seed(0)
+    q0, k0, v0 = torch.randn(2, 6, 10, 8), torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
+    # a padded second row: transformers' 4D boolean mask, causal, its last 3 keys masked
+    mask = torch.ones(10, 10).tril().bool().expand(2, 1, 10, 10).clone()
+    mask[1, :, :, 7:] = False
+    module = attention_module(6, 2)  # what the functions read of transformers' module
+    results = []
+    for split in (False, True):
+        setattr(module, attention.SPLIT_FLAG, split)
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        out, weights = split_sdpa(module, q, k, v, mask, scaling=0.3, dropout=0.0)
+        assert out.shape == (2, 10, 6, 8) and weights is None
+        (out[:, :7] * torch.linspace(-1, 1, out[:, :7].numel()).view(2, 7, 6, 8)).sum().backward()
+        results.append((out[:, :7].detach(), q.grad, k.grad, v.grad))
+    assert calls == [(6, 2, 0.3), (3, 1, 0.3), (3, 1, 0.3)]
+    for got, one_call in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, one_call)
+    sinks = {"s_aux": torch.zeros(6)}
+    with pytest.raises(ValueError, match=r"does not split attention sinks"):
+        split_sdpa(module, q0, k0, v0, mask, **sinks)
+    attention.register()  # what a rank whose decided attention is FlashAttention-2 runs
+    flash = ALL_ATTENTION_FUNCTIONS["flash_attention_2"]
+    assert flash.__wrapped__ is flash_attention_forward
+    attention.register()  # again (every rank build calls it): wrapped once, not twice
+    assert ALL_ATTENTION_FUNCTIONS["flash_attention_2"].__wrapped__ is flash_attention_forward
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+def test_flash_attention_2_split_by_kv_head_is_one_call() -> None:
+    """transformers' FlashAttention-2 as registered (flash-attn installed): one call per KV head
+    gives one call's outputs and gradients, bf16, a packed batch."""
+    pytest.importorskip("flash_attn")
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from bench.gpu_check.attention import attention_module
+    from memtune.rank import attention
+
+    attention.register()
+    flash = ALL_ATTENTION_FUNCTIONS["flash_attention_2"]
+    module = attention_module(4, 2)  # the GPU check's stand-in for transformers' module
+    cu = _varlen_cases()["packed"]["kwargs"]["cu_seq_lens_q"].cuda()
+    packed = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 12, "max_length_k": 12}
+    torch.manual_seed(0)
+    q0, k0, v0 = (torch.randn(1, h, 36, 64, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2))
+    results = []
+    for split in (False, True):
+        setattr(module, attention.SPLIT_FLAG, split)
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        out, _ = flash(module, q, k, v, None, **packed)
+        out.float().square().sum().backward()
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    for got, one_call in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, one_call, atol=2e-2, rtol=2e-2)

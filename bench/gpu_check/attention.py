@@ -64,14 +64,19 @@ def forward_of(kernel: str) -> Any:
 
 def attention_module(heads: int, kv_heads: int, by_kv_head: bool = False) -> Any:
     """A stand-in for the attention module transformers passes: what the functions read of it
-    (its query heads per KV head, causal, and whether it runs one call per KV head)."""
+    (its query heads per KV head, causal, whether it runs one call per KV head, and the
+    config's attention, which transformers' FlashAttention-2 function hands on to pick the
+    flash-attn package's kernels)."""
+    import types
+
     import torch
 
-    from memtune.rank.attention import SPLIT_FLAG
+    from memtune.rank.attention import FLASH_NAME, SPLIT_FLAG
 
     module = torch.nn.Module()
     module.num_key_value_groups = heads // kv_heads
     module.is_causal = True
+    module.config = types.SimpleNamespace(_attn_implementation=FLASH_NAME)
     setattr(module, SPLIT_FLAG, by_kv_head)
     return module
 

@@ -36,7 +36,6 @@ from typing import Any, Literal
 from memtune.config.architecture import linear_attention_layers, rank_kv_heads, routed_experts
 from memtune.config.schema import (
     AttnImplementation,
-    ConfigError,
     DropoutKernel,
     FusedKernel,
     LeanKernel,
@@ -61,8 +60,14 @@ selective activation checkpointing, rank.layers) | full (only its input; its who
 recomputed)."""
 AttentionKernel = Literal["sdpa_varlen", "sdpa", "eager", "flash_attention_2", "torch_varlen"]
 """model.attn_implementation as run: ``auto`` decided (rank.attention: sdpa_varlen)."""
-SPLITTING_KERNELS: tuple[AttentionKernel, ...] = ("sdpa_varlen", "torch_varlen")
-"""The attention kernels that can run one call per KV head (rank.attention's own)."""
+SPLITTING_KERNELS: tuple[AttentionKernel, ...] = (
+    "sdpa_varlen",
+    "torch_varlen",
+    "flash_attention_2",
+)
+"""The attention kernels that can run one call per KV head (rank.attention's own two, and
+transformers' FlashAttention-2 function, which rank.attention wraps): every kernel ``auto``
+decides; not transformers' ``sdpa`` or ``eager``."""
 LossKernel = Literal["chunked", "plain", "liger"]
 """trainer.loss as run: ``auto`` decided (rank.loss)."""
 LayerKernel = Literal["torch", "liger"]
@@ -424,8 +429,8 @@ class Decisions:
                 )
         if self.attention_by_kv_head and self.attention not in SPLITTING_KERNELS:
             raise DecisionError(
-                f"attention_by_kv_head with attention {self.attention}: built into memtune's "
-                f"attention functions only ({' | '.join(SPLITTING_KERNELS)})"
+                f"attention_by_kv_head with attention {self.attention}: built into "
+                f"{' | '.join(SPLITTING_KERNELS)} only"
             )
         if self.offload_activations and not self.checkpointing.enabled:
             raise DecisionError("offload_activations needs checkpointing (enabled: true)")
@@ -823,20 +828,12 @@ def by_kv_head(cfg: RunConfig, attention: AttentionKernel, tiled_mlp: bool, sp: 
     """trainer.attention_by_kv_head as run: ``auto`` is on with the MLP tiled (there the flash
     backward's temporaries are a recomputed layer's peak: memory.attention) where the decided
     kernel can split (:data:`SPLITTING_KERNELS`) and a rank holds more than one KV head (a
-    Ulysses split leaves max(kv, sp) / sp). ``on`` with a kernel that cannot is refused,
-    naming both settings (config.validate refuses it earlier where the kernel was asked for
-    by name)."""
+    Ulysses split leaves max(kv, sp) / sp). ``on`` with a kernel that cannot is refused by
+    config.validate: ``auto`` attention decides only kernels that can."""
     requested: Switch = cfg.trainer.attention_by_kv_head
     if requested == "auto":
         groups = rank_kv_heads(dict(cfg.model.architecture), sp)
         return tiled_mlp and attention in SPLITTING_KERNELS and groups > 1
-    if requested == "on" and attention not in SPLITTING_KERNELS:
-        raise ConfigError(
-            f"trainer.attention_by_kv_head=on with attention {attention} (model."
-            "attn_implementation decided on this machine): one call per KV head is built into "
-            f"{' and '.join(SPLITTING_KERNELS)} only; set model.attn_implementation="
-            "sdpa_varlen, or trainer.attention_by_kv_head=auto"
-        )
     return requested == "on"
 
 

@@ -341,9 +341,9 @@ class TrainerConfig:
     FlashAttention-2's backward holds one group's temporaries at a time (its fp32 dQ
     accumulator, and dK / dV expanded to every query head: 5.3 × tokens × hidden at once on
     Qwen2.5-7B, 1.8 split four ways), for one more copy of the attention output kept until
-    o_proj's backward where it was not a copy already. model.attn_implementation sdpa_varlen
-    or torch_varlen. auto: on with the MLP tiled, where attention's backward is a recomputed
-    layer's peak; else off."""
+    o_proj's backward where it was not a copy already. model.attn_implementation sdpa_varlen,
+    torch_varlen or flash_attention_2 (not sdpa or eager). auto: on with the MLP tiled, where
+    attention's backward is a recomputed layer's peak; else off."""
     expandable_segments: bool = True
     """CUDA ranks run PyTorch's caching allocator with expandable segments
     (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): a segment grows in place instead of

@@ -178,8 +178,8 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
     if t.attention_by_kv_head == "on" and cfg.model.attn_implementation not in splitting:
         raise ConfigError(
             f"trainer.attention_by_kv_head=on with model.attn_implementation="
-            f"{cfg.model.attn_implementation}: one call per KV head is built into memtune's "
-            "sdpa_varlen and torch_varlen only; choose one of them (or auto), or "
+            f"{cfg.model.attn_implementation}: one call per KV head is built into "
+            f"{', '.join(SPLITTING_KERNELS)} only; choose one of them (or auto), or "
             "trainer.attention_by_kv_head=auto"
         )
     for key in ("zero.reduce_bucket_size", "zero.prefetch_bucket_size"):

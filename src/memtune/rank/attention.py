@@ -21,11 +21,14 @@ Both run as one call per KV head where the decisions say so (``attention_by_kv_h
 :func:`split_by_kv_head`): each KV head with its group of query heads, the outputs concatenated
 over the heads. The outputs and gradients are the same; FlashAttention-2's backward then holds
 one group's fp32 dQ accumulator and expanded dK / dV at a time instead of every head's
-(memory.attention counts both).
+(memory.attention counts both). So does transformers' own ``flash_attention_2`` (the flash-attn
+package), which :func:`register` replaces with itself wrapped by :func:`splitting`: the
+attention ``auto`` decides where flash-attn is installed splits as memtune's own do.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
@@ -158,6 +161,32 @@ def by_kv_head(
     return torch.cat([attend(q, k, v) for q, k, v in groups], dim=2)
 
 
+def splitting(forward: Any) -> Any:
+    """``forward``, an attention function of transformers' interface (module, query, key, value,
+    mask, **kwargs) → (b, n, heads, d), run through :func:`by_kv_head`: once, or once per KV
+    head where the module says so."""
+
+    @functools.wraps(forward)
+    def split_forward(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        if kwargs.get("s_aux") is not None and getattr(module, SPLIT_FLAG, False):
+            raise ValueError("attention by KV head does not split attention sinks (s_aux)")
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = forward(module, q, k, v, attention_mask, **kwargs)[0]
+            return out
+
+        return by_kv_head(attend, module, query, key, value), None
+
+    return split_forward
+
+
 def split_by_kv_head(model: Any, on: bool) -> int:
     """Every decoder layer's attention module runs :func:`by_kv_head` (``on``) or as one call;
     returns how many split."""
@@ -267,10 +296,18 @@ def _mask(
     return attention_mask[:, -kv_length:].bool()
 
 
+FLASH_NAME = "flash_attention_2"
+
+
 def register() -> None:
+    """memtune's two attention functions, under their names, and transformers' FlashAttention-2
+    function wrapped by :func:`splitting` under its own (its masks and kwargs are transformers'
+    as before; the wrapper is one call unless the module is split)."""
     from transformers import AttentionInterface
+    from transformers.integrations.flash_attention import flash_attention_forward
     from transformers.masking_utils import AttentionMaskInterface
 
     for name, forward in ((NAME, sdpa_varlen_forward), (VARLEN_NAME, torch_varlen_forward)):
         AttentionInterface.register(name, forward)
         AttentionMaskInterface.register(name, _mask)
+    AttentionInterface.register(FLASH_NAME, splitting(flash_attention_forward))

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from memtune.config import ConfigError, RunConfig
-from memtune.config.decisions import AttentionKernel, Decisions
+from memtune.config.decisions import SPLITTING_KERNELS, AttentionKernel, Decisions
 from memtune.config.derive import REWRITING_INIT, lora_config, lora_scaling, variant_words
 from memtune.config.schema import PeftMethod
 from memtune.rank.layers import decoder_layers, set_checkpointed_layers
@@ -27,7 +27,9 @@ def torch_dtype(cfg: RunConfig) -> torch.dtype:
 def use_attention(kernel: AttentionKernel, device_type: str) -> AttentionKernel:
     """The decided attention kernel (decisions.json ``attention``), made ready on this rank:
     sdpa_varlen (SDPA per sample, no dense mask: rank/attention.py) and torch_varlen
-    registered with transformers; FlashAttention-2 and torch_varlen refused where this rank
+    registered with transformers, and its FlashAttention-2 function wrapped to split by KV
+    head (the three :data:`SPLITTING_KERNELS`); FlashAttention-2 and torch_varlen refused
+    where this rank
     cannot run them (the job decided from
     its view of the machine, which this one may not match)."""
     has_flash = importlib.util.find_spec("flash_attn") is not None
@@ -44,7 +46,7 @@ def use_attention(kernel: AttentionKernel, device_type: str) -> AttentionKernel:
             "variable-length attention is FlashAttention's CUDA kernel); run with "
             "model.attn_implementation=sdpa_varlen"
         )
-    if kernel in ("sdpa_varlen", "torch_varlen"):
+    if kernel in SPLITTING_KERNELS:
         from memtune.rank import attention
 
         attention.register()
