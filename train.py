@@ -17,6 +17,7 @@ import hydra
 from omegaconf import DictConfig
 
 from memtune.config import register_configs
+from memtune.config.command_line import composition_problem
 from memtune.config.schema import open_mappings, unknown_override
 from memtune.exit_codes import EXIT_CONFIG
 from memtune.launcher.job import missing_slurm, run_job
@@ -40,8 +41,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    if problem := unknown_override(sys.argv[1:]) or missing_slurm(sys.argv[1:]):
+    argv = sys.argv[1:]
+    if problem := unknown_override(argv) or missing_slurm(argv) or composition_problem(argv):
         print(f"memtune: config error: {problem}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
-    sys.argv[1:] = open_mappings(sys.argv[1:])
+    sys.argv[1:] = open_mappings(argv)
     sys.exit(main())

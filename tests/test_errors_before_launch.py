@@ -163,6 +163,27 @@ def test_appended_unknown_key_is_refused_with_the_close_name(tmp_path: Path) -> 
     assert "did you mean trainer.max_steps" in refused(proc)
 
 
+def test_a_group_value_or_type_hydra_refuses_is_one_line(tmp_path: Path) -> None:
+    """What Hydra refuses while composing (a group value that does not exist, a value of the
+    wrong type, in a single run or a sweep's points) is one line and exit 2 before anything is
+    laid out, not Hydra's twenty lines and exit 1 (a failed sweep point's code)."""
+    cases = [
+        (["experiment=qwen2.5-7b-lora"], "Could not find 'experiment/qwen2.5-7b-lora'"),
+        (["trainer.lr=abc"], "Error merging override trainer.lr=abc (Value 'abc' of type"),
+        (["-m", "peft.r=4,8", "data=alpacca"], "Could not find 'data/alpacca' Available"),
+    ]
+    for args, said in cases:
+        line = refused(run_train_py(args, cwd=tmp_path))
+        assert said in line, line
+    assert list(tmp_path.iterdir()) == []  # no run dir, no outputs/
+    from memtune.config.command_line import composition_problem
+
+    # a sweep is composed at its first point; --cfg (printing the config) is Hydra's to answer
+    assert composition_problem(["-m", "trainer.lr=1e-4,oops"]) is None
+    assert "oops" in str(composition_problem(["-m", "trainer.lr=oops,1e-4"]))
+    assert composition_problem(["--cfg", "job", "experiment=nope"]) is None
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [

@@ -135,13 +135,6 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
-def _one_line(err: BaseException) -> str:
-    """The error on one line, with the first line of its cause (Hydra's says which key)."""
-    text = " ".join(str(err).split()).split(" Config search path:")[0]  # Hydra's search path
-    cause = str(err.__cause__ or "").strip()
-    return f"{text} ({cause.splitlines()[0]})" if cause else text
-
-
 def run(verb: str, argv: list[str]) -> int:
     """One verb; bad input (a config error, a missing or existing path) ends in one line."""
     # Inside run: `memtune --help` needs neither Hydra nor OmegaConf.
@@ -149,11 +142,12 @@ def run(verb: str, argv: list[str]) -> int:
     from omegaconf.errors import OmegaConfBaseException
 
     from memtune.config import ConfigError
+    from memtune.config.command_line import one_line
 
     try:
         return VERBS[verb][0](argv) or 0
     except (ConfigError, HydraException, OmegaConfBaseException) as err:
-        print(f"memtune {verb}: {_one_line(err)}", file=sys.stderr)
+        print(f"memtune {verb}: {one_line(err)}", file=sys.stderr)
         return EXIT_CONFIG
 
 
