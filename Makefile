@@ -23,7 +23,7 @@ TEST_WORKERS ?= 2
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  make %-14s %s\n", $$1, $$2}'
-	@echo "  Variables: EXP=<experiment> (train, train-4x4090, plan), ARGS='<hydra overrides>', PYTEST_ARGS='...', TEST_WORKERS=2 (test)"
+	@echo "  Variables: EXP=<experiment> (train, preprocess, train-4x4090, plan), ARGS='<hydra overrides>', PYTEST_ARGS='...', TEST_WORKERS=2 (test)"
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -69,8 +69,8 @@ test-faults: $(STAMP) ## Whole jobs stopped, killed, out of memory, resumed on o
 test-slurm: $(STAMP) ## Slurm tier: a real 2-node cluster on 127.0.0.1 (root; apt-installs Slurm + MariaDB if missing; ~5-8 min)
 	$(PY) -m pytest tests/slurm -m slurm $(PYTEST_ARGS)
 
-preprocess: $(STAMP) ## Tokenize the data into its cache and print the counts (ARGS= for data.*)
-	$(PY) train.py preprocess_only=true $(ARGS)
+preprocess: $(STAMP) ## Tokenize the data into its cache and print the counts (EXP= as for train; ARGS= for data.*)
+	$(PY) train.py $(TRAIN_EXP) preprocess_only=true $(ARGS)
 
 plan: $(STAMP) ## Per-rank memory plan of EXP (default qwen2.5-7b-4x4090-lora); launches nothing
 	@$(VENV)/bin/memtune plan experiment=$(EXP) $(ARGS)

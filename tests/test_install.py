@@ -70,3 +70,23 @@ def test_the_lock_was_resolved_from_this_pyproject() -> None:
     recorded = re.search(r"^# pyproject.toml requirements: (\w+)$", REPO_LOCK.read_text(), re.M)
     assert recorded, "constraints.txt has no requirements line: run make relock"
     assert recorded.group(1) == write_lock.requirements_hash(ROOT / "pyproject.toml")
+
+
+def test_every_target_the_help_gives_exp_runs_that_experiment() -> None:
+    """make help says which targets take EXP=: each passes it to train.py or memtune (make
+    preprocess once tokenized the CPU demo's way whatever EXP said)."""
+    import subprocess
+
+    help_text = subprocess.run(["make", "help"], cwd=ROOT, capture_output=True, text=True).stdout
+    named = re.search(r"EXP=<experiment> \(([^)]*)\)", help_text)
+    assert named is not None, help_text
+    targets = [t.strip() for t in named.group(1).split(",")]
+    assert {"train", "preprocess", "plan"} <= set(targets)
+    for target in targets:
+        dry = subprocess.run(
+            ["make", "-n", target, "EXP=qwen3-8b-4x4090-lora"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+        assert "experiment=qwen3-8b-4x4090-lora" in dry.stdout.splitlines()[-1], (target, dry)
