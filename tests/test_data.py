@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -196,7 +197,7 @@ def test_text_format_labels_every_token(tokenizer, tmp_path: Path) -> None:
         (
             ['{"instruction": "a", "output": "b"}', '{"instruction": "a", "output"'],
             "alpaca",
-            r"d\.jsonl:2: invalid JSON",
+            r"d\.jsonl:2: invalid JSON \(Expecting .:. delimiter, column 30\)",  # where it was cut
         ),
         (['{"instruction": "a"}'], "alpaca", r"d\.jsonl:1: field 'output' is missing"),
         (
@@ -267,6 +268,9 @@ def test_skip_counts_and_reports_bad_records(tokenizer, tmp_path: Path) -> None:
     assert prepared.train.skipped_bad == 2 and prepared.train.samples == 2
     assert prepared.train.bad_examples[0].startswith(f"{path}:2: invalid JSON")
     assert prepared.train.bad_examples[1].startswith(f"{path}:3: field 'output'")
+    assert f"; skipped 2 bad records (first: {path}:2: invalid JSON" in prepared.train.line()
+    one = dataclasses.replace(prepared.train, skipped_bad=1)
+    assert "; skipped 1 bad record (first: " in one.line()
 
 
 def test_empty_after_filtering_is_an_error(tokenizer, tmp_path: Path) -> None:

@@ -104,8 +104,9 @@ class DataStats:
             identical = (
                 f"{self.identical_pairs} with identical replies; " if self.identical_pairs else ""
             )
+            records = "record" if self.skipped_bad == 1 else "records"
             out += (
-                f"; skipped {self.skipped_bad} bad records ({identical}first: "
+                f"; skipped {self.skipped_bad} bad {records} ({identical}first: "
                 f"{self.bad_examples[0]})"
             )
         return out

@@ -136,7 +136,7 @@ def _iter_jsonl(p: Path) -> Iterator[tuple[str, Any]]:
             if not line.strip():
                 continue
             try:
-                yield where, json.loads(line)
+                yield where, json.loads(line.rstrip("\r\n"))  # a cut line: its own column
             except json.JSONDecodeError as err:
                 yield where, RecordError(where, f"invalid JSON ({err.msg}, column {err.colno})")
 
