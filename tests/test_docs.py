@@ -381,3 +381,51 @@ def test_the_readmes_plans_are_what_make_plan_says(experiment: str, gib: str, se
     estimate = step_time(fitted.cfg, fitted.decisions, fitted.plan.counts)
     assert estimate is not None
     assert (f"{fitted.plan.total_gib:.2f}", f"{estimate.step_s:.1f}") == (gib, seconds)
+
+
+def plan_blocks() -> list[tuple[str, list[str]]]:
+    """Each ```text block of the docs that shows ``make plan``'s output: (where, its lines),
+    from the ``memtune plan: EXPERIMENT · ...`` line up to the block's end or the next plan."""
+    blocks: list[tuple[str, list[str]]] = []
+    for page in documents():
+        name = page.relative_to(ROOT)
+        for block in re.finditer(r"^```text\n(.*?)^```", page.read_text(), re.M | re.S):
+            line = page.read_text()[: block.start()].count("\n") + 2
+            for part in re.split(r"\n\s*\n", block.group(1)):
+                lines = part.strip("\n").splitlines()
+                if lines and lines[0].startswith("memtune plan: "):
+                    blocks.append((f"{name}:{line}", lines))
+    return blocks
+
+
+PLAN_BLOCKS = plan_blocks()
+
+
+def test_the_docs_show_plans() -> None:
+    """The next test has blocks to read (an empty parse would leave it nothing to check)."""
+    assert len(PLAN_BLOCKS) >= 4, PLAN_BLOCKS
+
+
+@pytest.mark.parametrize(("where", "shown"), PLAN_BLOCKS, ids=[w for w, _ in PLAN_BLOCKS])
+def test_each_plan_the_docs_show_is_what_make_plan_prints(
+    where: str, shown: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every line of a plan a page shows is a line ``make plan`` prints now, in the same
+    order; where the page cut a line with "…", the rest of it matches around the cut
+    (docs/models.md showed a plan two planner changes old: 59,392 tokens where it now prints
+    110,592)."""
+    from memtune.cli import main
+
+    experiment = shown[0].removeprefix("memtune plan: ").split(" · ")[0]
+    assert main(["plan", f"experiment={experiment}"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    at = 0
+    for line in shown:
+        if line.strip() == "…":
+            continue  # lines left out
+        pattern = re.compile(".*".join(re.escape(part) for part in line.split("…")))
+        found = next((i for i in range(at, len(printed)) if pattern.fullmatch(printed[i])), None)
+        assert found is not None, (
+            f"{where}: {line!r} is not what make plan prints now:\n" + "\n".join(printed)
+        )
+        at = found + 1
