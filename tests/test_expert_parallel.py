@@ -447,6 +447,9 @@ def test_the_plan_of_an_expert_parallel_run_names_what_it_compares(
     assert "does not fit the host while loading" in layouts[4]
     auto_step = float(re.search(r"([\d.]+) s a step", layouts[5])[1])
     assert step < auto_step <= 30  # ZeRO-3 gathers the non-experts; the experts stay put
+    # the long-context lines say why their answers fall short of this run: the 2 GiB spare
+    assert "(none fits with 2 GiB to spare: the smallest plan)" in out
+    assert out.rstrip().splitlines()[-2].endswith("this run's 4,096 leaves less than 2 GiB spare")
     assert print_plan(compose_cfg([*args, "plan.device_gib=22"])) == 0
     out = capsys.readouterr().out
     assert "Try (each alone, per rank):" in out and "  - zero=zero3 (" in out

@@ -461,7 +461,7 @@ def resolve_long_context(
         why += f" of {len(scored)} combinations"
     else:
         best = min(scored, key=lambda s: s[3].total_gib)
-        why = "none fits: the smallest plan"
+        why = f"none fits with {AUTO_CHECKPOINT_SPARE_GIB:g} GiB to spare: the smallest plan"
     return best[0], f"long context (auto): {long_context_label(best[1])} ({why})"
 
 
@@ -518,6 +518,11 @@ def format_longest_sequence(
         note = f"; beyond the {limit:,} positions of its rope scaling: a larger factor"
     elif n > limit:
         note = f"; beyond the model's {limit:,} positions it needs model.rope_scaling (YaRN)"
+    elif n < cfg.data.max_seq_len:
+        note = (
+            f"; this run's {cfg.data.max_seq_len:,} leaves less than "
+            f"{AUTO_CHECKPOINT_SPARE_GIB:g} GiB spare"
+        )
     # A preference pair's two sequences share the row (either may be nearly all of it).
     unit = "sample" if cfg.trainer.objective == "sft" else "pair (chosen + rejected)"
     if row_image_tokens(cfg):
@@ -529,8 +534,8 @@ def format_longest_sequence(
             else f" with {p.images} image(s) of {size} in it"
         )
     return (
-        f"longest sequence that fits (plan.max_seq_len_search, 2 GiB spare, long-context "
-        f"choices on auto): {n:,} tokens per {unit} with {how}{note}"
+        f"longest sequence that fits (plan.max_seq_len_search, {AUTO_CHECKPOINT_SPARE_GIB:g} "
+        f"GiB spare, long-context choices on auto): {n:,} tokens per {unit} with {how}{note}"
     )
 
 
