@@ -195,7 +195,7 @@ def test_merge_writes_into_a_new_dir_by_renaming_its_temporary(tmp_path: Path) -
     out.mkdir()  # an empty dir is taken: nothing in it to overwrite
     proc = memtune("merge", str(work / "adapter"), str(out), "--dtype", "fp32")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"merged model written to {out}" in proc.stdout
+    assert f"merged model (fp32) written to {out}" in proc.stdout
     names = {p.name for p in out.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= names, names
     assert sorted(p.name for p in work.iterdir()) == ["adapter", "merged"]  # no temporary left
@@ -229,3 +229,24 @@ def test_machine_prints_the_machine_and_refuses_arguments() -> None:
     assert proc.stdout.startswith("memtune: CPU ")
     proc = memtune("machine", "extra")
     assert proc.returncode == EXIT_CONFIG and "unrecognized arguments" in proc.stderr
+
+
+def test_a_merge_is_in_the_precision_the_adapter_was_trained_in(tmp_path: Path) -> None:
+    """memtune merge without --dtype: the run's trainer.precision (the fp32 CPU demo merged
+    in bf16 answered a prompt differently from its adapter); bf16 for an adapter from
+    elsewhere; --dtype wins."""
+    from omegaconf import OmegaConf
+
+    from memtune.config import to_run_config
+    from memtune.tools.merge import merged_dtype
+    from tests.conftest import compose_cfg
+
+    run = tmp_path / "run"
+    (run / "adapter").mkdir(parents=True)
+    for precision in ("fp32", "bf16"):
+        cfg = to_run_config(compose_cfg([f"trainer.precision={precision}"]))
+        (run / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        assert merged_dtype(run / "adapter", None) == precision
+    assert merged_dtype(run / "adapter", "fp16") == "fp16"
+    (tmp_path / "elsewhere").mkdir()
+    assert merged_dtype(tmp_path / "elsewhere", None) == "bf16"

@@ -29,9 +29,8 @@ def use_attention(kernel: AttentionKernel, device_type: str) -> AttentionKernel:
     sdpa_varlen (SDPA per sample, no dense mask: rank/attention.py) and torch_varlen
     registered with transformers, and its FlashAttention-2 function wrapped to split by KV
     head (the three :data:`SPLITTING_KERNELS`); FlashAttention-2 and torch_varlen refused
-    where this rank
-    cannot run them (the job decided from
-    its view of the machine, which this one may not match)."""
+    where this rank cannot run them (the job decided from its view of the machine, which
+    this one may not match)."""
     has_flash = importlib.util.find_spec("flash_attn") is not None
     if kernel == "flash_attention_2" and not (device_type == "cuda" and has_flash):
         raise ConfigError(

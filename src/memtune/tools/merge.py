@@ -92,17 +92,29 @@ def check_paths(adapter_dir: Path, out_dir: Path) -> None:
         )
 
 
+def merged_dtype(adapter_dir: Path, asked: str | None) -> str:
+    """The merged weights' dtype: ``asked``, else the precision the adapter was trained in
+    (bf16 unless a run's config.yaml says otherwise): a merge in another dtype answers a
+    prompt differently from the adapter it merges (the fp32 CPU demo, merged in bf16)."""
+    if asked is not None:
+        return asked
+    trained = trained_as(adapter_dir)
+    return trained.cfg.trainer.precision if trained is not None else "bf16"
+
+
 def merge(
     adapter_dir: Path,
     out_dir: Path,
     base: str | None = None,
-    dtype: str = "bf16",
+    dtype: str | None = None,
     into: str = "dequantized",
 ) -> Path:
     """Write the merged model and tokenizer to ``out_dir`` (absent or empty: ConfigError
-    otherwise), through a temporary sibling renamed into place at the end."""
+    otherwise), through a temporary sibling renamed into place at the end; in ``dtype``, by
+    default the training's (:func:`merged_dtype`)."""
     out_dir = Path(os.path.abspath(out_dir))
     check_paths(adapter_dir, out_dir)
+    dtype = merged_dtype(adapter_dir, dtype)
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
@@ -219,7 +231,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("adapter", type=Path, help="an adapter/ folder (run dir or checkpoint)")
     parser.add_argument("out", type=Path, help="a new directory for the merged model")
     parser.add_argument("--base", help="base model (default: the one the adapter names)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        help="the merged weights' dtype (default: the precision the adapter was trained in)",
+    )
     parser.add_argument(
         "--into",
         choices=["dequantized", "original"],
@@ -228,8 +244,9 @@ def main(argv: list[str] | None = None) -> None:
         "(default, behaves like the trained model) or into the original weights",
     )
     args = parser.parse_args(argv)
-    out = merge(args.adapter, args.out, args.base, args.dtype, args.into)
-    print(f"memtune: merged model written to {out}")
+    dtype = merged_dtype(args.adapter, args.dtype)
+    out = merge(args.adapter, args.out, args.base, dtype, args.into)
+    print(f"memtune: merged model ({dtype}) written to {out}")
 
 
 if __name__ == "__main__":
