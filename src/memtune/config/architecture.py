@@ -359,7 +359,8 @@ def _resolve_text(cfg: RunConfig) -> tuple[RunConfig, list[str]]:
             return cfg, []  # validate() names the missing architecture
         return cfg, [
             f"planned from the config group's architecture: {m.name_or_path} is not on disk "
-            "(the ranks will download it; its config.json is checked when they load it)"
+            "(a run downloads it where the hub is reachable; its config.json is checked when "
+            "the ranks load it)"
         ]
     on_disk = read_architecture(found)
     if not m.architecture:
