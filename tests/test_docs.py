@@ -383,18 +383,32 @@ def test_the_readmes_plans_are_what_make_plan_says(experiment: str, gib: str, se
     assert (f"{fitted.plan.total_gib:.2f}", f"{estimate.step_s:.1f}") == (gib, seconds)
 
 
-def plan_blocks() -> list[tuple[str, list[str]]]:
-    """Each ```text block of the docs that shows ``make plan``'s output: (where, its lines),
-    from the ``memtune plan: EXPERIMENT · ...`` line up to the block's end or the next plan."""
-    blocks: list[tuple[str, list[str]]] = []
+PLAN_COMMAND = re.compile(r'make plan\s+EXP=([\w.-]+)(?:\s+ARGS="([^"]*)")?')
+"""``make plan EXP=... [ARGS="..."]`` in the paragraph that introduces a block of its output."""
+GAP = ("…", "...")
+"""A line of its own saying lines were left out; within a line, "…" stands for a cut."""
+
+
+def plan_blocks() -> list[tuple[str, list[str], list[str]]]:
+    """Each part of a ```text block that shows ``make plan``'s output: (where, the plan's
+    arguments, the lines shown). A part is a plan when it starts with ``memtune plan:
+    EXPERIMENT · ...``, or when the paragraph before the block names the command (a block of a
+    few of its lines)."""
+    blocks: list[tuple[str, list[str], list[str]]] = []
     for page in documents():
-        name = page.relative_to(ROOT)
-        for block in re.finditer(r"^```text\n(.*?)^```", page.read_text(), re.M | re.S):
-            line = page.read_text()[: block.start()].count("\n") + 2
+        text, name = page.read_text(), page.relative_to(ROOT)
+        for block in re.finditer(r"^```text\n(.*?)^```", text, re.M | re.S):
+            where = f"{name}:{text[: block.start()].count(chr(10)) + 2}"
+            paragraph = text[: block.start()].rstrip().rsplit("\n\n", 1)[-1]
+            named = PLAN_COMMAND.findall(paragraph)
             for part in re.split(r"\n\s*\n", block.group(1)):
                 lines = part.strip("\n").splitlines()
                 if lines and lines[0].startswith("memtune plan: "):
-                    blocks.append((f"{name}:{line}", lines))
+                    experiment = lines[0].removeprefix("memtune plan: ").split(" · ")[0]
+                    blocks.append((where, [f"experiment={experiment}"], lines))
+                elif lines and named:
+                    experiment, extra = named[-1]
+                    blocks.append((where, [f"experiment={experiment}", *shlex.split(extra)], lines))
     return blocks
 
 
@@ -403,29 +417,33 @@ PLAN_BLOCKS = plan_blocks()
 
 def test_the_docs_show_plans() -> None:
     """The next test has blocks to read (an empty parse would leave it nothing to check)."""
-    assert len(PLAN_BLOCKS) >= 4, PLAN_BLOCKS
+    assert len(PLAN_BLOCKS) >= 7, PLAN_BLOCKS
 
 
-@pytest.mark.parametrize(("where", "shown"), PLAN_BLOCKS, ids=[w for w, _ in PLAN_BLOCKS])
+@pytest.mark.parametrize(("where", "args", "shown"), PLAN_BLOCKS, ids=[w for w, *_ in PLAN_BLOCKS])
 def test_each_plan_the_docs_show_is_what_make_plan_prints(
-    where: str, shown: list[str], capsys: pytest.CaptureFixture[str]
+    where: str, args: list[str], shown: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Every line of a plan a page shows is a line ``make plan`` prints now, in the same
-    order; where the page cut a line with "…", the rest of it matches around the cut
-    (docs/models.md showed a plan two planner changes old: 59,392 tokens where it now prints
-    110,592)."""
+    """The lines of a plan a page shows are lines ``make plan`` prints now, one after another
+    as printed, except where a line of its own ("…") says some were left out; within a line,
+    "…" is a cut (docs/models.md showed a plan two planner changes old: 59,392 tokens where it
+    now prints 110,592)."""
     from memtune.cli import main
 
-    experiment = shown[0].removeprefix("memtune plan: ").split(" · ")[0]
-    assert main(["plan", f"experiment={experiment}"]) == 0
+    assert main(["plan", *args]) == 0
     printed = capsys.readouterr().out.splitlines()
-    at = 0
+    at, gap = 0, True  # the first line shown may come after lines left out
     for line in shown:
-        if line.strip() == "…":
-            continue  # lines left out
+        if line.strip() in GAP:
+            gap = True
+            continue
         pattern = re.compile(".*".join(re.escape(part) for part in line.split("…")))
-        found = next((i for i in range(at, len(printed)) if pattern.fullmatch(printed[i])), None)
+        tried = range(at, len(printed)) if gap else range(at, min(at + 1, len(printed)))
+        found = next((i for i in tried if pattern.fullmatch(printed[i])), None)
         assert found is not None, (
-            f"{where}: {line!r} is not what make plan prints now:\n" + "\n".join(printed)
+            f"{where}: {line!r} is not the line make plan {' '.join(args)} prints "
+            + ("there" if not gap else "now")
+            + ":\n"
+            + "\n".join(printed)
         )
-        at = found + 1
+        at, gap = found + 1, False

@@ -165,23 +165,39 @@ def test_appended_unknown_key_is_refused_with_the_close_name(tmp_path: Path) -> 
 
 def test_a_group_value_or_type_hydra_refuses_is_one_line(tmp_path: Path) -> None:
     """What Hydra refuses while composing (a group value that does not exist, a value of the
-    wrong type, in a single run or a sweep's points) is one line and exit 2 before anything is
-    laid out, not Hydra's twenty lines and exit 1 (a failed sweep point's code)."""
+    wrong type, in a single run or any of a sweep's points) is one line and exit 2 before
+    anything is laid out, not Hydra's twenty lines and exit 1 (a failed sweep point's code)."""
     cases = [
         (["experiment=qwen2.5-7b-lora"], "Could not find 'experiment/qwen2.5-7b-lora'"),
         (["trainer.lr=abc"], "Error merging override trainer.lr=abc (Value 'abc' of type"),
         (["-m", "peft.r=4,8", "data=alpacca"], "Could not find 'data/alpacca' Available"),
+        (["-m", "peft.r=4,oops"], "Error merging override peft.r=oops"),  # its second point
     ]
     for args, said in cases:
         line = refused(run_train_py(args, cwd=tmp_path))
         assert said in line, line
-    assert list(tmp_path.iterdir()) == []  # no run dir, no outputs/
+    assert list(tmp_path.iterdir()) == []  # no run dir, no outputs/, no multirun/
     from memtune.config.command_line import composition_problem
 
-    # a sweep is composed at its first point; --cfg (printing the config) is Hydra's to answer
-    assert composition_problem(["-m", "trainer.lr=1e-4,oops"]) is None
-    assert "oops" in str(composition_problem(["-m", "trainer.lr=oops,1e-4"]))
+    # every value of a sweep is composed (the other keys at their first), as Hydra's sweeper
+    # does before it launches any point; without -m a sweep is refused as Hydra would
+    assert "Value 'oops' of type 'str'" in str(
+        composition_problem(["-m", "data=alpaca,messages", "trainer.lr=1e-4,oops"])
+    )
+    assert composition_problem(["-m", "trainer.lr=1e-4,2e-4", "peft.r=range(4,12,4)"]) is None
+    assert str(composition_problem(["peft.r=4,8"])).startswith("peft.r=4,8 gives several values")
+    # Hydra's to answer: --cfg (printing the config), a sweeper plugin's interval, a glob,
+    # and everything under HYDRA_FULL_ERROR=1
     assert composition_problem(["--cfg", "job", "experiment=nope"]) is None
+    assert composition_problem(["-m", "trainer.lr=interval(1e-5,1e-4)"]) is None
+    assert composition_problem(["experiment=nope"], env={"HYDRA_FULL_ERROR": "1"}) is None
+    # hydra.searchpath is composed with the rest: an experiment of the user's own config dir
+    mine = tmp_path / "conf" / "experiment"
+    mine.mkdir(parents=True)
+    (mine / "mine.yaml").write_text((ROOT / "conf/experiment/demo-cpu.yaml").read_text())
+    searched = [f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "experiment=mine"]
+    assert composition_problem(searched) is None
+    assert "Could not find 'experiment/mine'" in str(composition_problem(searched[1:]))
 
 
 @pytest.mark.parametrize(

@@ -52,8 +52,8 @@ def unavailable(kernel: str, device: Any) -> str | None:
 
 
 def forward_of(kernel: str) -> Any:
-    """The attention function transformers calls for ``kernel`` (its registry, memtune's two
-    registered as a rank registers them)."""
+    """The attention function transformers calls for ``kernel`` (its registry, as a rank
+    registers memtune's: its two functions, and FlashAttention-2's wrapped to split)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from memtune.rank import attention

@@ -6,7 +6,14 @@ exits 1, the code a failed sweep point or a rank's Python error has."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 from memtune.config.schema import ConfigError, compose
+
+ENUMERABLE = ("CHOICE_SWEEP", "SIMPLE_CHOICE_SWEEP", "RANGE_SWEEP")
+"""The sweeps Hydra's basic sweeper expands into values (hydra's ValueType names): choices
+(``a,b`` and ``choice(a,b)``) and ``range(...)``; an interval is a plugin's, a glob Hydra's."""
 
 
 def one_line(err: BaseException) -> str:
@@ -17,17 +24,23 @@ def one_line(err: BaseException) -> str:
     return f"{text} ({cause.splitlines()[0]})" if cause else text
 
 
-def composition_problem(argv: list[str]) -> str | None:
-    """What composing train.py's arguments refuses, on one line; None when they compose (or are
-    not ours to check: ``--help``, ``--cfg``, ``--info``, another config, Hydra's own keys). A
-    sweep (``-m peft.r=4,8``) is composed at its first point; a glob over a group is left to
-    Hydra."""
+def composition_problem(argv: list[str], env: Mapping[str, str] | None = None) -> str | None:
+    """What composing train.py's arguments refuses, on one line; None when they compose, or
+    when they are not ours to check: ``--help``, ``--cfg``, ``--info``, another config, a
+    sweeper plugin (``hydra/sweeper=``), or ``HYDRA_FULL_ERROR=1`` in ``env`` (default this
+    process's), where Hydra's whole error is wanted. A sweep (``-m peft.r=4,8``) is composed at
+    every value of each swept key, the other keys at their first: Hydra's sweeper composes
+    every point before launching any. A sweep without ``-m`` is refused, as Hydra would (in
+    six lines). Hydra's launcher and sweeper groups, an interval and a glob are Hydra's to
+    expand; ``hydra.`` settings (``hydra.searchpath`` among them) are composed with the rest."""
     from hydra._internal.utils import get_args_parser
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import ValueType
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    env = os.environ if env is None else env
+    if env.get("HYDRA_FULL_ERROR") == "1":
+        return None
     try:
         args = get_args_parser().parse_args(argv)
     except SystemExit:  # argparse's own usage error: Hydra's main prints it
@@ -37,16 +50,28 @@ def composition_problem(argv: list[str]) -> str | None:
     if any(asks) or any(other):
         return None
     try:
-        point = []
+        fixed: list[str] = []
+        swept: list[list[str]] = []  # each swept key's overrides, one a value
         for o in OverridesParser.create().parse_overrides(args.overrides):
-            if o.key_or_group.startswith("hydra"):
-                continue  # Hydra's own settings and launcher: Hydra checks them
+            if o.key_or_group == "hydra/sweeper":
+                return None  # a plugin's sweep syntax
+            if o.key_or_group.startswith("hydra/"):
+                continue  # Hydra's launcher and its other groups
             if not o.is_sweep_override():
-                point.append(str(o.input_line))
-            elif o.value_type != ValueType.GLOB_CHOICE_SWEEP:
-                first = next(iter(o.sweep_string_iterator()))
-                point.append(f"{o.get_key_element()}={first}")
-        compose(point)
+                fixed.append(str(o.input_line))
+            elif not args.multirun:
+                return (
+                    f"{o.input_line} gives several values, a sweep: add -m (--multirun) to "
+                    "run one job for each, or give one value"
+                )
+            elif o.value_type is not None and o.value_type.name in ENUMERABLE:
+                key = o.get_key_element()
+                swept.append([f"{key}={value}" for value in o.sweep_string_iterator()])
+        firsts = [values[0] for values in swept]
+        compose([*fixed, *firsts])
+        for i, values in enumerate(swept):
+            for value in values[1:]:
+                compose([*fixed, *firsts[:i], value, *firsts[i + 1 :]])
     except (ConfigError, HydraException, OmegaConfBaseException) as err:
         return one_line(err)
     return None

@@ -326,9 +326,10 @@ class TrainerConfig:
     parallelism; docs/moe.md). 1 | 2 | 4 ... | auto. Each group of N ranks holds E/N of each
     layer's experts (and their LoRA), and sends each token to the ranks holding its experts and
     back (all-to-all). It must divide launcher.num_ranks and the model's routed experts; ZeRO-2
-    only so far. auto: the planner chooses where the experts live, the ZeRO stage with it (ZeRO-3
-    with every expert sharded, ZeRO-2 with every expert on every rank, or ZeRO-2 split over N),
-    the fastest by its step-time estimate that fits (memory.layouts; make plan shows them)."""
+    or ZeRO-3 (not zero3-offload). auto: the planner chooses where the experts live, the ZeRO
+    stage with it (ZeRO-3 with every expert sharded, ZeRO-2 with every expert on every rank, or
+    ZeRO-2 / ZeRO-3 split over N), the fastest by its step-time estimate that fits with 2 GiB
+    to spare (memory.layouts; make plan shows them)."""
     tiled_mlp: Choice[Switch] = "auto"
     """auto | on | off: run each MLP over tiles of hidden_size tokens and recompute them in
     backward, so the 3 × tokens × intermediate temporaries exist for one tile only."""

@@ -461,7 +461,8 @@ def resolve_long_context(
         why += f" of {len(scored)} combinations"
     else:
         best = min(scored, key=lambda s: s[3].total_gib)
-        why = f"none fits with {AUTO_CHECKPOINT_SPARE_GIB:g} GiB to spare: the smallest plan"
+        short = f" with {AUTO_CHECKPOINT_SPARE_GIB:g} GiB to spare" if best[3].fits else ""
+        why = f"none fits{short}: the smallest plan"
     return best[0], f"long context (auto): {long_context_label(best[1])} ({why})"
 
 
@@ -504,6 +505,11 @@ def longest_sequence(
     return lo * step, fits(lo * step)[1]
 
 
+def _short_of_spare(planned: Plan) -> bool:
+    """The plan fits (host and device), but not with the spare the searches keep."""
+    return planned.fits and not fits_with_spare(planned)
+
+
 def format_longest_sequence(
     cfg: RunConfig, d: Decisions, counts: ParamCounts, machine: RankMachine
 ) -> str:
@@ -518,7 +524,7 @@ def format_longest_sequence(
         note = f"; beyond the {limit:,} positions of its rope scaling: a larger factor"
     elif n > limit:
         note = f"; beyond the model's {limit:,} positions it needs model.rope_scaling (YaRN)"
-    elif n < cfg.data.max_seq_len:
+    elif n < cfg.data.max_seq_len and _short_of_spare(plan(cfg, d, counts)):
         note = (
             f"; this run's {cfg.data.max_seq_len:,} leaves less than "
             f"{AUTO_CHECKPOINT_SPARE_GIB:g} GiB spare"

@@ -164,8 +164,11 @@ def by_kv_head(
 def splitting(forward: Any) -> Any:
     """``forward``, an attention function of transformers' interface (module, query, key, value,
     mask, **kwargs) → (b, n, heads, d), run through :func:`by_kv_head`: once, or once per KV
-    head where the module says so."""
+    head where the module says so. Left eager under compiled layers (trainer.compile), as
+    memtune's own attention functions are: transformers' FlashAttention-2 path reads a packed
+    batch's boundaries on the host."""
 
+    @torch.compiler.disable
     @functools.wraps(forward)
     def split_forward(
         module: torch.nn.Module,

@@ -1,6 +1,7 @@
 """Merge a LoRA adapter into its base model: ``memtune merge ADAPTER OUT``.
 
-Loads the base (bf16 by default), applies the adapter, folds it into the weights with
+Loads the base (in the precision the adapter was trained in, unless ``--dtype`` says
+otherwise), applies the adapter, folds it into the weights with
 ``merge_and_unload`` and saves a plain model + tokenizer that
 ``AutoModelForCausalLM.from_pretrained(OUT)`` loads with no peft installed. A vision-language
 base (Qwen3-VL, Qwen2.5-VL, Qwen3.5) merges into its own class, vision tower and merger kept
