@@ -141,7 +141,8 @@ class Checkpointing:
     reentrant: bool = False
 
     def __post_init__(self) -> None:
-        bad = [i for i, kind in enumerate(self.layers) if kind not in choices_of(Recompute)]
+        allowed = choices_of(Recompute)
+        bad = [i for i, kind in enumerate(self.layers) if kind not in allowed]
         if bad:
             raise DecisionError(
                 f"checkpointing.layers[{bad[0]}] is {self.layers[bad[0]]!r}, not one of "
@@ -184,12 +185,12 @@ class Checkpointing:
     @property
     def recomputed(self) -> int:
         """How many decoder layers recompute their whole forward."""
-        return sum(1 for kind in self.layers if kind == "full")
+        return self.layers.count("full")
 
     @property
     def selective(self) -> int:
         """How many decoder layers recompute their elementwise ops only."""
-        return sum(1 for kind in self.layers if kind == "selective")
+        return self.layers.count("selective")
 
     def label(self) -> str:
         """For humans: "off", "all 28 layers", "9 of 28 layers", "9 of 28 layers, 12 more

@@ -424,6 +424,16 @@ def long_context_label(d: Decisions) -> str:
     )
 
 
+def _long_context_trial(
+    cfg: RunConfig, choices: Choices, counts: ParamCounts, machine: RankMachine
+) -> tuple[Decisions, Plan, bool]:
+    """One combination of the long-context choices with its checkpointed layers chosen as the
+    launch would: (its decisions, their plan, whether it fits with the spare)."""
+    resolved, _ = resolve_checkpoint_layers(cfg, choices, counts, machine)
+    planned = plan(cfg, resolved, counts)
+    return resolved, planned, fits_with_spare(planned)
+
+
 def resolve_long_context(
     cfg: RunConfig, counts: ParamCounts, machine: RankMachine
 ) -> tuple[Choices, str | None]:
@@ -440,18 +450,22 @@ def resolve_long_context(
     t = cfg.trainer
     if "auto" not in (str(t.sequence_parallel), t.tiled_mlp, t.offload_activations):
         return Choices(), None
+    variants = long_context_variants(cfg)
+    cheapest = _long_context_trial(cfg, variants[0][0], counts, machine)
+    if cheapest[2]:
+        # The cheapest (none of them beyond what was set) fits: take it, and say nothing at
+        # every launch — they stay unmeasured on GPUs.
+        return variants[0][0], None
     scored = []
-    for choices, cost in long_context_variants(cfg):
-        resolved, _ = resolve_checkpoint_layers(cfg, choices, counts, machine)
-        planned = plan(cfg, resolved, counts)
-        fits = fits_with_spare(planned)
+    for (choices, cost), trial in zip(
+        variants,
+        [cheapest, *(_long_context_trial(cfg, c, counts, machine) for c, _ in variants[1:])],
+        strict=True,
+    ):
+        resolved, planned, fits = trial
         speed = step_time(cfg, resolved, counts) if fits and cfg.plan.device_tflops else None
         scored.append((choices, resolved, cost, planned, fits, speed))
     fitting = [s for s in scored if s[4]]
-    if scored[0][4]:
-        # The cheapest (none of them beyond what was set) fits: take it, and say nothing at
-        # every launch — they stay unmeasured on GPUs.
-        return scored[0][0], None
     if fitting:
         if cfg.plan.device_tflops:
             best = min(fitting, key=lambda s: s[5].step_s if s[5] else math.inf)
@@ -479,30 +493,39 @@ def longest_sequence(
     architecture = {**cfg.model.architecture, "max_position_embeddings": 1 << 40}
     base = with_sections(base, model={"architecture": architecture})
 
-    def fits(n: int) -> tuple[bool, str]:
-        trial = with_sections(base, data={"max_seq_len": n})
+    def at(n: int) -> RunConfig:
+        return with_sections(base, data={"max_seq_len": n})
+
+    def fits(n: int) -> bool:
+        """Some combination fits: what resolve_long_context would find, without ranking
+        them. The costliest first (it saves the most, so at the lengths this search probes it
+        is the one most likely to fit), stopping at the first that fits."""
+        trial = at(n)
+        variants = long_context_variants(trial)[::-1]
+        return any(_long_context_trial(trial, c, counts, machine)[2] for c, _ in variants)
+
+    def how(n: int) -> str:
+        """What the launch would choose at n: the combination and its checkpointed layers."""
+        trial = at(n)
         choices, _ = resolve_long_context(trial, counts, machine)
         chosen, _ = resolve_checkpoint_layers(trial, choices, counts, machine)
-        ok = fits_with_spare(plan(trial, chosen, counts))
         layers = trial.model.architecture["num_hidden_layers"]
         k = chosen.checkpointing.recomputed
-        what = f"{long_context_label(chosen)}, {k} of {layers} layers checkpointed"
-        return ok, what
+        return f"{long_context_label(chosen)}, {k} of {layers} layers checkpointed"
 
     first = max(1, -(-row_image_tokens(cfg) // step))  # a row that holds plan.images
-    ok, what = fits(first * step)
-    if not ok:
-        return 0, what
+    if not fits(first * step):
+        return 0, how(first * step)
     lo, hi = first, 2 * first
-    while fits(hi * step)[0] and hi < (1 << 14):
+    while fits(hi * step) and hi < (1 << 14):
         lo, hi = hi, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if fits(mid * step)[0]:
+        if fits(mid * step):
             lo = mid
         else:
             hi = mid
-    return lo * step, fits(lo * step)[1]
+    return lo * step, how(lo * step)
 
 
 def _short_of_spare(planned: Plan) -> bool:
