@@ -198,6 +198,11 @@ def test_a_group_value_or_type_hydra_refuses_is_one_line(tmp_path: Path) -> None
     searched = [f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "experiment=mine"]
     assert composition_problem(searched) is None
     assert "Could not find 'experiment/mine'" in str(composition_problem(searched[1:]))
+    # as are Hydra's groups: the Slurm launcher's settings exist once it is chosen (the Slurm
+    # tier caught a pre-check that left the group out and refused them)
+    slurm = ["-m", "hydra/launcher=slurm", "hydra.launcher.timeout_min=20", "peft.r=4,8"]
+    assert composition_problem(slurm) is None
+    assert "timeout_min" in str(composition_problem([slurm[0], *slurm[2:]]))
 
 
 @pytest.mark.parametrize(

@@ -31,8 +31,9 @@ def composition_problem(argv: list[str], env: Mapping[str, str] | None = None) -
     process's), where Hydra's whole error is wanted. A sweep (``-m peft.r=4,8``) is composed at
     every value of each swept key, the other keys at their first: Hydra's sweeper composes
     every point before launching any. A sweep without ``-m`` is refused, as Hydra would (in
-    six lines). Hydra's launcher and sweeper groups, an interval and a glob are Hydra's to
-    expand; ``hydra.`` settings (``hydra.searchpath`` among them) are composed with the rest."""
+    six lines). An interval and a glob are Hydra's to expand; Hydra's own settings and groups
+    are composed with the rest, as Hydra composes them (``hydra.searchpath`` finds a user's
+    experiments, ``hydra/launcher=slurm`` makes ``hydra.launcher.timeout_min`` a setting)."""
     from hydra._internal.utils import get_args_parser
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
@@ -55,8 +56,6 @@ def composition_problem(argv: list[str], env: Mapping[str, str] | None = None) -
         for o in OverridesParser.create().parse_overrides(args.overrides):
             if o.key_or_group == "hydra/sweeper":
                 return None  # a plugin's sweep syntax
-            if o.key_or_group.startswith("hydra/"):
-                continue  # Hydra's launcher and its other groups
             if not o.is_sweep_override():
                 fixed.append(str(o.input_line))
             elif not args.multirun:
