@@ -9,7 +9,9 @@ messages are the source's own):
   multirun's sweep ``a,b`` is composed value by value); make targets and variables exist in
   the Makefile; memtune verbs and their ``--options`` exist (the verb's ``--help``);
 - each inline span that is one override (``trainer.sequence_parallel=4``, ``peft=qlora-nf4``):
-  its key is a setting, or its group ships that option.
+  its key is a setting, or its group ships that option;
+- each ```text block of ``make plan``'s output (and README's table of the shipped plans): what
+  the command prints now.
 """
 
 from __future__ import annotations
