@@ -238,7 +238,7 @@ def test_a_merge_is_in_the_precision_the_adapter_was_trained_in(tmp_path: Path) 
     from omegaconf import OmegaConf
 
     from memtune.config import to_run_config
-    from memtune.tools.merge import merged_dtype
+    from memtune.tools.merge import merged_dtype, trained_as
     from tests.conftest import compose_cfg
 
     run = tmp_path / "run"
@@ -246,7 +246,7 @@ def test_a_merge_is_in_the_precision_the_adapter_was_trained_in(tmp_path: Path) 
     for precision in ("fp32", "bf16"):
         cfg = to_run_config(compose_cfg([f"trainer.precision={precision}"]))
         (run / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-        assert merged_dtype(run / "adapter", None) == precision
-    assert merged_dtype(run / "adapter", "fp16") == "fp16"
+        assert merged_dtype(trained_as(run / "adapter"), None) == precision
+    assert merged_dtype(trained_as(run / "adapter"), "fp16") == "fp16"
     (tmp_path / "elsewhere").mkdir()
-    assert merged_dtype(tmp_path / "elsewhere", None) == "bf16"
+    assert merged_dtype(trained_as(tmp_path / "elsewhere"), None) == "bf16"

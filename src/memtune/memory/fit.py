@@ -456,13 +456,9 @@ def resolve_long_context(
         # The cheapest (none of them beyond what was set) fits: take it, and say nothing at
         # every launch — they stay unmeasured on GPUs.
         return variants[0][0], None
+    trials = [cheapest, *(_long_context_trial(cfg, c, counts, machine) for c, _ in variants[1:])]
     scored = []
-    for (choices, cost), trial in zip(
-        variants,
-        [cheapest, *(_long_context_trial(cfg, c, counts, machine) for c, _ in variants[1:])],
-        strict=True,
-    ):
-        resolved, planned, fits = trial
+    for (choices, cost), (resolved, planned, fits) in zip(variants, trials, strict=True):
         speed = step_time(cfg, resolved, counts) if fits and cfg.plan.device_tflops else None
         scored.append((choices, resolved, cost, planned, fits, speed))
     fitting = [s for s in scored if s[4]]

@@ -93,13 +93,13 @@ def check_paths(adapter_dir: Path, out_dir: Path) -> None:
         )
 
 
-def merged_dtype(adapter_dir: Path, asked: str | None) -> str:
+def merged_dtype(trained: TrainedAs | None, asked: str | None) -> str:
     """The merged weights' dtype: ``asked``, else the precision the adapter was trained in
-    (bf16 unless a run's config.yaml says otherwise): a merge in another dtype answers a
-    prompt differently from the adapter it merges (the fp32 CPU demo, merged in bf16)."""
+    (``trained``: :func:`trained_as`; bf16 for an adapter of no memtune run): a merge in
+    another dtype answers a prompt differently from the adapter it merges (the fp32 CPU demo,
+    merged in bf16)."""
     if asked is not None:
         return asked
-    trained = trained_as(adapter_dir)
     return trained.cfg.trainer.precision if trained is not None else "bf16"
 
 
@@ -115,14 +115,14 @@ def merge(
     default the training's (:func:`merged_dtype`)."""
     out_dir = Path(os.path.abspath(out_dir))
     check_paths(adapter_dir, out_dir)
-    dtype = merged_dtype(adapter_dir, dtype)
+    trained = trained_as(adapter_dir)
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     except OSError as err:
         raise ConfigError(f"{out_dir.parent}: cannot write there ({err})") from None
     try:
-        _merge_into(staging, adapter_dir, base, dtype, into)
+        _merge_into(staging, adapter_dir, trained, base, merged_dtype(trained, dtype), into)
         follow_umask(staging)  # mkdtemp's 0700 dir, safetensors' 0600 files: the user's modes
         try:
             # Onto an absent or empty OUT only: one filled in the meantime is not replaced.
@@ -135,7 +135,14 @@ def merge(
     return out_dir
 
 
-def _merge_into(out_dir: Path, adapter_dir: Path, base: str | None, dtype: str, into: str) -> None:
+def _merge_into(
+    out_dir: Path,
+    adapter_dir: Path,
+    trained: TrainedAs | None,
+    base: str | None,
+    dtype: str,
+    into: str,
+) -> None:
     # Inside the function: torch, transformers and peft take seconds to import.
     import torch
     from peft import PeftModel
@@ -145,7 +152,6 @@ def _merge_into(out_dir: Path, adapter_dir: Path, base: str | None, dtype: str, 
     from memtune.rank.vision import NOT_QUANTIZED
     from memtune.tools.generate import base_class
 
-    trained = trained_as(adapter_dir)
     cfg = trained.cfg if trained is not None else None
     # The revision the run trained on, unless another base is given (its own main).
     revision = cfg.model.revision if cfg is not None and base is None else None
@@ -245,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
         "(default, behaves like the trained model) or into the original weights",
     )
     args = parser.parse_args(argv)
-    dtype = merged_dtype(args.adapter, args.dtype)
+    dtype = merged_dtype(trained_as(args.adapter), args.dtype)  # for the line below
     out = merge(args.adapter, args.out, args.base, dtype, args.into)
     print(f"memtune: merged model ({dtype}) written to {out}")
 
