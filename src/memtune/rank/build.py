@@ -1,8 +1,9 @@
 """A rank's parts, built in one place: the base model with LoRA, and the DeepSpeed engine around
 memtune's loss with the configured optimizer and schedule.
 
-:func:`build_rank` is what ``memtune.worker`` runs on every rank; the GPU check
-(``bench/gpu_check/``: ``memtune_runner.py``, ``hybrid.py``) calls it too, with its own base
+:func:`build_rank` is what ``memtune.worker`` runs on every rank: :func:`build_model`, then
+the engine around it (:func:`build_engine`). The GPU check (``bench/gpu_check/``:
+``memtune_runner.py``, ``hybrid.py``, ``zero_cost.py``) calls them too, with its own base
 builder (real Qwen2.5-7B shapes, random weights, in memory), so the GPU check measures the
 same parts a training run builds.
 """
@@ -76,7 +77,28 @@ def built_under_zero_init(d: Decisions) -> bool:
     return d.zero_stage == 3 and not split
 
 
-def build_rank(
+@dataclass
+class RankModel:
+    """A rank's model before DeepSpeed wraps it (:func:`build_model`): the peft model with
+    every decision applied, and what :func:`build_engine` and :class:`RankParts` need of it."""
+
+    model: Any  # the peft model (LoRA on the base)
+    attention: str
+    mpu: Any  # the sequence-parallel groups (rank/sequence_parallel.py), or None
+    trainable: int
+    total: int
+    compiled_layers: int
+    mlp_tiles: int
+    offloaded_layers: int
+    linear_attention: str | None
+    kernels: Wired
+    regenerated_dropouts: int
+    # DeepSpeed's HfDeepSpeedConfig while the base is built under zero.Init: held until the
+    # engine is built (transformers and peft ask it whether ZeRO-3 partitions what they make)
+    zero_init_config: Any = None
+
+
+def build_model(
     cfg: RunConfig,
     d: Decisions,
     ds_config: dict[str, Any],
@@ -84,11 +106,13 @@ def build_rank(
     local_rank: int = 0,
     load_base: LoadBase | None = None,
     zero_init: bool | None = None,
-) -> RankParts:
+) -> RankModel:
     """Base (``load_base``, default: from_pretrained of model.name_or_path on this rank's
-    device), LoRA, engine, each as decided (``d``: decisions.json). ``zero_init`` (default:
-    ZeRO-3) keeps DeepSpeed's HfDeepSpeedConfig alive while the base is built, so
-    transformers creates it under zero.Init, partitioned as it is built."""
+    device) and LoRA, each as decided (``d``: decisions.json), before DeepSpeed: what
+    :func:`build_rank` wraps in its engine, and what the GPU check's ``zero-cost`` phase also
+    steps without one. ``zero_init`` (default: ZeRO-3) keeps DeepSpeed's HfDeepSpeedConfig
+    alive while the base is built, so transformers creates it under zero.Init, partitioned as
+    it is built."""
     from transformers.integrations import HfDeepSpeedConfig
 
     attn = use_attention(d.attention, device.type)
@@ -133,26 +157,55 @@ def build_rank(
         if linear:
             group, sp_rank = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank()
             split_over_ranks(base, group, sp, sp_rank)
-    engine, optimizer_note = build_engine(cfg, d, model, device, ds_config, mpu)
-    if mpu is not None and cfg.trainer.objective != "sft":
-        # A pair's sequence log-probabilities are summed over the group's shards.
-        group, sp_rank = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank()
-        engine.module.split_over(group, sp_rank)
-    del hf_ds
-    return RankParts(
+    return RankModel(
         model=model,
-        engine=engine,
         attention=attn,
-        loss_kind=engine.module.kind,
-        optimizer_note=optimizer_note,
+        mpu=mpu,
         trainable=trainable,
         total=total,
         compiled_layers=compiled,
         mlp_tiles=tiles,
         offloaded_layers=offloaded,
         linear_attention=linear,
-        kernels=kernels_label(kernels, d.kernels),
+        kernels=kernels,
         regenerated_dropouts=regenerated,
+        zero_init_config=hf_ds,
+    )
+
+
+def build_rank(
+    cfg: RunConfig,
+    d: Decisions,
+    ds_config: dict[str, Any],
+    device: torch.device,
+    local_rank: int = 0,
+    load_base: LoadBase | None = None,
+    zero_init: bool | None = None,
+) -> RankParts:
+    """The model as :func:`build_model` builds it (its arguments), in the DeepSpeed engine
+    around memtune's loss with the configured optimizer and schedule."""
+    built = build_model(cfg, d, ds_config, device, local_rank, load_base, zero_init)
+    mpu = built.mpu
+    engine, optimizer_note = build_engine(cfg, d, built.model, device, ds_config, mpu)
+    if mpu is not None and cfg.trainer.objective != "sft":
+        # A pair's sequence log-probabilities are summed over the group's shards.
+        group, sp_rank = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank()
+        engine.module.split_over(group, sp_rank)
+    built.zero_init_config = None
+    return RankParts(
+        model=built.model,
+        engine=engine,
+        attention=built.attention,
+        loss_kind=engine.module.kind,
+        optimizer_note=optimizer_note,
+        trainable=built.trainable,
+        total=built.total,
+        compiled_layers=built.compiled_layers,
+        mlp_tiles=built.mlp_tiles,
+        offloaded_layers=built.offloaded_layers,
+        linear_attention=built.linear_attention,
+        kernels=kernels_label(built.kernels, d.kernels),
+        regenerated_dropouts=built.regenerated_dropouts,
     )
 
 
