@@ -35,3 +35,62 @@ def test_each_operator_has_one_kind_by_shape_and_scope(profile) -> None:
     optimizer = {profile.SCOPE_OPTIMIZER}
     assert kind("aten::_foreach_mul_", [], optimizer, r, vocab) == "optimizer and ZeRO"
     assert kind("dequantize_4bit", [], set(), r, vocab) == "4-bit dequantization"
+
+
+def test_bench_readme_lists_every_phase_in_order_with_its_budget(profile) -> None:
+    """bench/README.md's phase table and its list of the plain run's phases are PHASES, in
+    priority order, with each phase's need and cap (bench/gpu_check/phases.py)."""
+    import re
+
+    from bench.gpu_check import phases
+
+    text = (ROOT / "bench" / "README.md").read_text()
+    table = re.findall(r"^\| `([\w-]+)`[^|]*\| (\d+) \| (\d+) \|$", text, re.M)
+    assert table == [(p.name, str(p.need_s), str(p.cap_s)) for p in phases.PHASES]
+    listed = re.search(r"Each of the (\w+) phases \(([^;]*);", text, re.S)
+    assert listed is not None
+    plain = [p.name for p in phases.select(None)]
+    assert re.findall(r"`([\w-]+)`", listed.group(2)) == plain
+    assert listed.group(1) == "fifteen" and len(plain) == 15
+
+
+def test_zero_costs_table_gives_both_steps_and_the_difference(profile) -> None:
+    from bench.gpu_check.zero_cost import zero_cost_markdown
+
+    z = {
+        "method": "lora",
+        "seq_len": 2048,
+        "zero_stage": 2,
+        "checkpointed_layers": 20,
+        "layers": 28,
+        "plain": {
+            "step_s_median": 0.30,
+            "tokens_per_s": 6826.7,
+            "peak_allocated_gib": 18.9,
+            "losses": [12.6, 12.5],
+        },
+        "engine": {
+            "step_s_median": 0.34,
+            "tokens_per_s": 6023.5,
+            "peak_allocated_gib": 19.9,
+            "losses": [12.5, 12.4],
+        },
+        "zero_ms_per_step": 40.0,
+        "zero_share": 0.04 / 0.34,
+        "zero_gib": 1.0,
+    }
+    text = "\n".join(zero_cost_markdown(z))
+    assert "(LoRA, 2,048 tokens, 20 of 28 layers recomputed)" in text
+    assert (
+        "| plain: backward, clipping, torch's AdamW | 300.0 | 6,827 | 18.90 | 12.6000 → 12.5000 |"
+        in text
+    )
+    assert "| DeepSpeed ZeRO-2 engine, memtune's loop | 340.0 | 6,024 | 19.90 |" in text
+    assert "DeepSpeed adds +40.0 ms a step (11.8% of the engine's step) and +1.00 GiB" in text
+    z["engine"] = {"error": "RuntimeError('out of memory')"}
+    del z["zero_ms_per_step"]
+    text = "\n".join(zero_cost_markdown(z))
+    assert (
+        "| DeepSpeed ZeRO-2 engine, memtune's loop | failed: RuntimeError('out of memory')" in text
+    )
+    assert "DeepSpeed adds" not in text

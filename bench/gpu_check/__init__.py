@@ -59,17 +59,19 @@ idle), so every change is measured the same way.
 After the main rows, the fused kernels one by one (issue #47 item 4; phase ``kernels``):
 memtune's LoRA step at 2,048 tokens with every layer kernel torch, each of Liger's RMSNorm,
 SwiGLU and rotary alone, all three, Liger's loss against the chunked head, and all of it, each
-from the same restored trainable state: tokens/s, peak memory and equal loss.
+from the same restored trainable state: tokens/s, peak memory and equal loss. After the long
+phases, ZeRO's own cost on one card (issue #47 item 7; phase ``zero-cost``): the same LoRA step
+without DeepSpeed, then in its ZeRO-2 engine, on one model built once.
 
 One module per concern: ``modes`` (GPU or dry run), ``configs`` (composition, plan records),
 ``bases`` (the random-weight base, quantized), ``measure`` (clocks, memory, census, timing,
 MFU), ``batches``, ``phases`` (the priority order, the budget), ``recorder`` (a phase's
 process and what it records), ``baseline_runner`` (Trainer + peft), ``memtune_runner``
 (memtune, the cap search), ``profile`` (where a step's time goes), ``kernels`` (the fused
-kernels one by one), ``hybrid`` (Qwen3.5), ``moe`` (the MoE block), ``unsloth`` and
-``unsloth_report`` (Unsloth beside memtune), ``mixture``, ``mixture_load`` and
-``mixture_report`` (a whole mixture on one card), ``report`` (collect, markdown, the format
-check), ``orchestrate`` (the entry).
+kernels one by one), ``zero_cost`` (DeepSpeed's own cost), ``hybrid`` (Qwen3.5), ``moe``
+(the MoE block), ``unsloth`` and ``unsloth_report`` (Unsloth beside memtune), ``mixture``,
+``mixture_load`` and ``mixture_report`` (a whole mixture on one card), ``report`` (collect,
+markdown, the format check), ``orchestrate`` (the entry).
 
 In their own device call (``--phases unsloth``, with ``.whl-unsloth/`` carried), Unsloth beside
 memtune (issue #47 item 5): the same random-weight model saved with Qwen's tokenizer, Unsloth's

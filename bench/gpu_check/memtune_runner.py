@@ -35,27 +35,42 @@ from .modes import CAP_GIB, LONG_OVERRIDES, long_search_of
 from .recorder import Phase, device_and_env, init_one_rank, time_left
 
 
-def build_memtune(cfg: Any, d: Any, ds_config: Any, device: Any) -> tuple[Any, bool]:
-    """The rank's parts exactly as memtune.worker builds them (``build_rank`` from the
-    decisions); only the base differs, and whether it was built under ``zero.Init``."""
-    from memtune.rank.build import build_rank, built_under_zero_init
+def _in_memory(cfg: Any, d: Any, device: Any) -> tuple[Any, dict[str, bool], bool]:
+    """The base builder the bench hands ``rank.build`` (the real architecture with random
+    weights, in memory: nothing to download), where it records whether the base was built
+    under ``zero.Init``, and whether to build it so (as a rank would, but a 4-bit base is
+    quantized here in memory, outside zero.Init: from_pretrained does that itself)."""
+    from memtune.rank.build import built_under_zero_init
     from memtune.rank.model import quantization_config
 
     quant = quantization_config(cfg, d.peft_method)
-
     built: dict[str, bool] = {}
 
     def load_base(c: Any, decided: Any) -> Any:
-        """The real architecture with random weights, in memory (nothing to download)."""
         base = build_base(c, device, decided.attention)
         built["zero_init"] = any(hasattr(q, "ds_id") for q in base.parameters())
         return base if quant is None else quantize_decoder(base, quant, device)
 
-    # The rank's parts exactly as memtune.worker builds them; only the base differs. A 4-bit
-    # base is quantized here in memory, outside zero.Init (from_pretrained does that itself).
-    zero_init = quant is None and built_under_zero_init(d)
+    return load_base, built, quant is None and built_under_zero_init(d)
+
+
+def build_memtune(cfg: Any, d: Any, ds_config: Any, device: Any) -> tuple[Any, bool]:
+    """The rank's parts exactly as memtune.worker builds them (``build_rank`` from the
+    decisions); only the base differs, and whether it was built under ``zero.Init``."""
+    from memtune.rank.build import build_rank
+
+    load_base, built, zero_init = _in_memory(cfg, d, device)
     parts = build_rank(cfg, d, ds_config, device, load_base=load_base, zero_init=zero_init)
     return parts, built["zero_init"]
+
+
+def memtune_model(cfg: Any, d: Any, ds_config: Any, device: Any) -> Any:
+    """The rank's model before DeepSpeed wraps it (``build_model``, what ``build_rank``
+    wraps), on the same base as :func:`build_memtune`."""
+    from memtune.rank.build import build_model
+
+    load_base, _, zero_init = _in_memory(cfg, d, device)
+    return build_model(cfg, d, ds_config, device, load_base=load_base, zero_init=zero_init)
 
 
 def planned_for(cfg: Any, device_gib: float | None) -> Any:

@@ -31,6 +31,7 @@ from .profile import run_profile_baseline, run_profile_memtune
 from .recorder import Phase
 from .report import format_check, write_outputs
 from .unsloth import SITE_ENV, run_at_unsloth, run_unsloth, run_unsloth_model
+from .zero_cost import run_zero_cost
 
 
 def run_phase(args: argparse.Namespace) -> int:
@@ -62,6 +63,8 @@ def run_phase(args: argparse.Namespace) -> int:
             run_attention(phase, deadline)
         elif side == "kernels":
             run_kernels(phase, deadline)
+        elif side == "zero-cost":
+            run_zero_cost(phase, deadline)
         elif side == "unsloth-model":
             run_unsloth_model(phase, deadline)
         elif side == "unsloth":

@@ -58,6 +58,10 @@ PHASES = (
     PhaseSpec("attention-packed", "attention", "attention", need_s=15, cap_s=40),
     PhaseSpec("long-qlora", "qlora", "long", need_s=60, cap_s=150),  # 32k timed, then longer
     PhaseSpec("long-lora", "lora", "long", need_s=60, cap_s=120),
+    # ZeRO's own cost on one card (issue #47 item 7; zero_cost.py): memtune's LoRA step at
+    # 2,048 tokens without DeepSpeed, then the same model in its ZeRO engine. Not measured yet:
+    # an estimate (the build ~20 s as lora-memtune's, 2 × 5 steps and DeepSpeed's set-up ~15 s).
+    PhaseSpec("zero-cost", "lora", "zero-cost", need_s=35, cap_s=90),
     # A DPO step on a row holding one pair (reference precomputed: the pass is timed too).
     PhaseSpec("dpo-memtune", "dpo", "memtune", need_s=30, cap_s=90),
     # One Qwen3-MoE sparse block at Qwen3-30B-A3B's width: memtune's routed experts (torch's
