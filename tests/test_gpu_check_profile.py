@@ -51,7 +51,7 @@ def test_bench_readme_lists_every_phase_in_order_with_its_budget(profile) -> Non
     assert listed is not None
     plain = [p.name for p in phases.select(None)]
     assert re.findall(r"`([\w-]+)`", listed.group(2)) == plain
-    assert listed.group(1) == "fifteen" and len(plain) == 15
+    assert listed.group(1) == "sixteen" and len(plain) == 16
 
 
 def test_zero_costs_table_gives_both_steps_and_the_difference(profile) -> None:
@@ -94,3 +94,31 @@ def test_zero_costs_table_gives_both_steps_and_the_difference(profile) -> None:
         "| DeepSpeed ZeRO-2 engine, memtune's loop | failed: RuntimeError('out of memory')" in text
     )
     assert "DeepSpeed adds" not in text
+
+
+def test_the_compiled_row_is_read_beside_the_eager_one(profile) -> None:
+    from bench.gpu_check.report import compiled_lines
+
+    eager = {
+        "method": "lora",
+        "seq_len": 2048,
+        "side": "memtune",
+        "tokens_per_s": 6000.0,
+        "losses": [12.61, 12.60],
+    }
+    compiled = {
+        **eager,
+        "side": "memtune-compiled",
+        "tokens_per_s": 6900.0,
+        "step_s": [48.2, 0.31, 0.30],
+        "compiled_layers": 28,
+        "checkpointed_layers": 20,
+        "dynamo": {"graphs": 3, "graph_breaks": 4},
+        "losses": [12.6102, 12.6],
+    }
+    (line,) = [x for x in compiled_lines([eager, compiled]) if x]
+    assert "6,900 tokens/s, 1.15× eager's 6,000; the first step (the compile) 48.2 s" in line
+    assert "28 layers compiled, 20 of them inside the checkpoint" in line
+    assert "3 graphs, 4 breaks; first loss 12.6102 (eager 12.6100)" in line
+    failed = {**compiled, "tokens_per_s": None, "error": "BackendCompilerFailed(...)"}
+    assert compiled_lines([eager, failed])[-1].endswith("BackendCompilerFailed(...)")

@@ -73,6 +73,18 @@ def memtune_model(cfg: Any, d: Any, ds_config: Any, device: Any) -> Any:
     return build_model(cfg, d, ds_config, device, load_base=load_base, zero_init=zero_init)
 
 
+def dynamo_counts() -> dict[str, int]:
+    """What torch.compile did in this process: graphs compiled, breaks, recompiles."""
+    from torch._dynamo.utils import counters
+
+    stats = counters["stats"]
+    return {
+        "graphs": int(stats["unique_graphs"]),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+        "calls_captured": int(stats["calls_captured"]),
+    }
+
+
 def planned_for(cfg: Any, device_gib: float | None) -> Any:
     """``cfg`` planned for a card of ``device_gib`` (None: as composed, the 24 GB card)."""
     from memtune.config.decisions import with_sections
@@ -109,12 +121,15 @@ def run_memtune(
     deadline: float,
     long: bool = False,
     device_gib_at: dict[int, float] | None = None,
+    compiled: bool = False,
 ) -> None:
     """memtune's model, loss, optimizer, DeepSpeed engine and training loop, as
     ``memtune.rank.build.build_rank`` assembles them, on a base built in memory. ``long``:
     the long-context phase (LONG_OVERRIDES; the MLP re-tiled and the checkpointed layers'
     offload set again for every length). ``device_gib_at``: the lengths to run, each planned
-    for a card of that many GiB and capped at it (memtune at Unsloth's peak, unsloth.py)."""
+    for a card of that many GiB and capped at it (memtune at Unsloth's peak, unsloth.py).
+    ``compiled``: ``trainer.compile=true`` at the profile's length (phase ``lora-compiled``:
+    the first step holds the compile; the row beside ``lora-memtune``'s eager one)."""
     from memtune.config.deepspeed import build_ds_config
     from memtune.memory.counts import count_params
     from memtune.rank.loop import TrainResult, train
@@ -130,6 +145,8 @@ def run_memtune(
     extra = LONG_OVERRIDES if long else ()
     if method == "dpo":  # a preference objective trains without LoRA dropout
         extra = ("peft.dropout=0.0",)
+    if compiled:
+        extra, lengths = ("trainer.compile=true",), (min(mode.lengths),)
     first = (lengths or long_search_of(mode, method))[0]  # built for the first length it runs
     cfg0 = compose_cfg(mode, method, first, extra)
     counts = count_params(cfg0)
@@ -184,6 +201,7 @@ def run_memtune(
             phase.save()
             continue
         side = "memtune-at-unsloth" if device_gib_at else "memtune"
+        side = "memtune-compiled" if compiled else side
         rec: dict[str, Any] = {"side": side, "method": method, "seq_len": seq_len}
         rec.update(leftover_gib=leftover, loss_kind=loss_kind, zero_stage=d0.zero_stage)
         try:
@@ -192,6 +210,9 @@ def run_memtune(
                 cap_allocator(device, gib_at[seq_len], rec)
             clock = steps_at(seq_len, mode.warmup + mode.timed, rec)
             rec.update(timing(clock.marks, mode.warmup, seq_len))
+            if compiled:
+                rec["compiled_layers"] = parts.compiled_layers
+                rec["dynamo"] = dynamo_counts()
             add_mfu(rec, flops_per_step(counts, cfg.model.architecture, seq_len), device)
             add_plan_error(rec)
         except Exception as err:
@@ -206,7 +227,7 @@ def run_memtune(
 
     if long:
         search_cap(phase, deadline, device, steps_at, cfg0, counts, long=True)
-    elif method == "qlora" and not device_gib_at:  # at Unsloth's peak: its lengths, no more
+    elif method == "qlora" and not device_gib_at and not compiled:  # at Unsloth's: its lengths
         search_cap(phase, deadline, device, steps_at, cfg0, counts)
     with contextlib.suppress(Exception):
         import torch.distributed as dist

@@ -65,6 +65,8 @@ def run_phase(args: argparse.Namespace) -> int:
             run_kernels(phase, deadline)
         elif side == "zero-cost":
             run_zero_cost(phase, deadline)
+        elif side == "compiled":
+            run_memtune(phase, deadline, compiled=True)
         elif side == "unsloth-model":
             run_unsloth_model(phase, deadline)
         elif side == "unsloth":

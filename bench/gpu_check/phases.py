@@ -58,6 +58,11 @@ PHASES = (
     PhaseSpec("attention-packed", "attention", "attention", need_s=15, cap_s=40),
     PhaseSpec("long-qlora", "qlora", "long", need_s=60, cap_s=150),  # 32k timed, then longer
     PhaseSpec("long-lora", "lora", "long", need_s=60, cap_s=120),
+    # trainer.compile on the GPU (issue #47 item 4; tested on CPU only): memtune's LoRA step at
+    # 2,048 tokens with every decoder layer compiled, beside lora-memtune's eager row. Not
+    # measured yet: an estimate (the build ~20 s, inductor's compile of a layer's forward and
+    # backward, and of the checkpointed layers' recompute, ~40-60 s in the first step).
+    PhaseSpec("lora-compiled", "lora", "compiled", need_s=70, cap_s=150),
     # ZeRO's own cost on one card (issue #47 item 7; zero_cost.py): memtune's LoRA step at
     # 2,048 tokens without DeepSpeed, then the same model in its ZeRO engine. Not measured yet:
     # an estimate (the build ~20 s as lora-memtune's, 2 × 5 steps and DeepSpeed's set-up ~15 s).

@@ -186,6 +186,8 @@ def format_check(mode: Mode, work: Path) -> Path:
     assert not result["moe"] or "| memtune | " in text, "the MoE table did not render"
     assert not result["kernels"] or "| all three |" in text, "the kernels table did not render"
     assert not z or "#### ZeRO's own cost on one card" in text, "the ZeRO cost did not render"
+    compiled = any(r["side"] == "memtune-compiled" for r in result["records"])
+    assert not compiled or "Compiled layers (`trainer.compile=true`" in text, "no compiled row"
     assert not z or z.get("zero_ms_per_step") is None or "+0.50 GiB at the peak" in text, z
     if result["attention"]:  # made up: the kernels a CUDA device runs
         for r in result["attention"]["rows"]:
@@ -258,6 +260,41 @@ def compare(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row["memory_ratio"] = m["measured_gib"] / b["measured_gib"]
         rows.append(row)
     return rows
+
+
+def compiled_lines(records: list[dict[str, Any]]) -> list[str]:
+    """``trainer.compile`` (phase ``lora-compiled``) beside the eager row at its length: the
+    steady tokens/s, the first step (the compile in it), the graphs and breaks, the loss."""
+    by = {(r["method"], r["seq_len"], r["side"]): r for r in records}
+    lines = []
+    for (method, seq_len, side), c in by.items():
+        if side != "memtune-compiled":
+            continue
+        eager = by.get((method, seq_len, "memtune"), {})
+        if not c.get("tokens_per_s"):
+            lines += ["", f"Compiled layers ({method}, {seq_len} tokens): {c.get('error', '—')}"]
+            continue
+        ratio = c["tokens_per_s"] / eager["tokens_per_s"] if eager.get("tokens_per_s") else None
+        dynamo = c.get("dynamo") or {}
+        first = (c.get("step_s") or [None])[0]
+        losses, eager_losses = c.get("losses") or [], eager.get("losses") or []
+        lines += [
+            "",
+            f"Compiled layers (`trainer.compile=true`; {method}, {seq_len} tokens, "
+            f"{c.get('compiled_layers', '?')} layers compiled, "
+            f"{c.get('checkpointed_layers', '?')} of them inside the checkpoint): "
+            f"{c['tokens_per_s']:,.0f} tokens/s"
+            + (f", {ratio:.2f}× eager's {eager['tokens_per_s']:,.0f}" if ratio else "")
+            + (f"; the first step (the compile) {first:.1f} s" if first is not None else "")
+            + f"; {dynamo.get('graphs', '?')} graphs, {dynamo.get('graph_breaks', '?')} breaks"
+            + (
+                f"; first loss {losses[0]:.4f} (eager {eager_losses[0]:.4f})"
+                if losses and eager_losses
+                else ""
+            )
+            + ".",
+        ]
+    return lines
 
 
 def _f(x: Any, fmt: str) -> str:
@@ -334,6 +371,7 @@ def markdown(result: dict[str, Any]) -> str:
                 + (f"; first loss {r['losses'][0]:.4f}" if r.get("losses") else "")
                 + ".",
             ]
+    lines += compiled_lines(result["records"])
     if result["comparison"]:
         lines += ["", "| method | tokens | memtune / baseline tokens/s | memtune / baseline peak |"]
         lines.append("|---|---:|---:|---:|")
