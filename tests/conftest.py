@@ -328,13 +328,16 @@ def adamw8bit_run(runs_root: Path) -> Run:
     )
 
 
-def run_train_py(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_train_py(
+    args: list[str], cwd: Path, timeout: int = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=env,
     )
 
 

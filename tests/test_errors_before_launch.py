@@ -150,6 +150,36 @@ def test_local_model_without_a_path(tmp_path: Path, mode: str) -> None:
 # ------------------------------------------------------------------ 7d: +key not in the schema
 
 
+def test_a_folder_memtune_cannot_make_or_write_is_named(tmp_path: Path) -> None:
+    """run_dir, data.cache_dir or MEMTUNE_CACHE_DIR where a file stands (or on a read-only
+    filesystem: the same check, os.access and statvfs) is one line naming the setting, before
+    Hydra makes the run dir or memtune writes the cache, not an OSError's traceback."""
+    import os
+
+    from memtune.config.command_line import composition_problem
+    from memtune.filesystem import cannot_write
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine\n")
+    assert cannot_write(a_file) == f"{a_file} is a file, not a folder"
+    assert cannot_write(a_file / "run" / "x") == f"{a_file} is a file, not a folder"
+    assert cannot_write(tmp_path / "new" / "run") is None
+    assert composition_problem([f"run_dir={a_file / 'run'}"]) == (
+        f"run_dir={a_file / 'run'}: {a_file} is a file, not a folder; give the run a folder "
+        "memtune can write"
+    )
+    args = [f"run_dir={tmp_path / 'run'}", "preprocess_only=true"]
+    line = refused(run_train_py([*args, f"data.cache_dir={a_file}"], cwd=tmp_path))
+    assert line == (
+        f"memtune: config error: data.cache_dir: {a_file} is a file, not a folder; point it "
+        "at a folder memtune can write"
+    )
+    env = {**os.environ, "MEMTUNE_CACHE_DIR": str(a_file)}
+    line = refused(run_train_py(args, cwd=tmp_path, env=env))
+    assert line.startswith(f"memtune: config error: the demo model cannot be built in {a_file}:")
+    assert a_file.read_text() == "mine\n"
+
+
 def test_appended_unknown_key_is_refused_with_the_close_name(tmp_path: Path) -> None:
     """Before: +trainer.max_step=2 composed, became a stray attribute, and the run trained
     trainer.max_steps (24) steps."""

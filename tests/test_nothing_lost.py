@@ -5,6 +5,7 @@ processes, real files; no mocks."""
 from __future__ import annotations
 
 import hashlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -172,9 +173,31 @@ def test_a_run_dir_holding_files_named_as_memtunes_own_is_refused(tmp_path: Path
     proc = run_train_py([f"run_dir={run_dir}", "preprocess_only=true"], cwd=tmp_path, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"run_dir {run_dir} holds adapter, which no memtune run left there" in proc.stderr
-    after = _tree(run_dir)
-    assert {k: v for k, v in after.items() if k in before} == before  # not one of them touched
-    assert not (run_dir / "config.yaml").exists()
-    # The refusal's own exit.json does not make the dir memtune's: the next start is refused too.
-    again = run_train_py([f"run_dir={run_dir}", "preprocess_only=true"], cwd=tmp_path, timeout=120)
-    assert again.returncode == 2 and "holds adapter" in again.stderr
+    assert _tree(run_dir) == before  # not one of them touched, nothing added: no exit.json
+    # The same with a user's exit.json, another Hydra application's .hydra/ and a job.lock
+    # that is not memtune's: named, refused, left as they were.
+    mine = tmp_path / "other-app-output"
+    (mine / ".hydra").mkdir(parents=True)
+    (mine / ".hydra" / "config.yaml").write_text("lr: 0.1\nepochs: 3\n")
+    (mine / "exit.json").write_text('{"mine": true}\n')
+    (mine / "job.lock").write_text("locked by my scheduler\n")
+    before = _tree(mine)
+    proc = run_train_py([f"run_dir={mine}", "preprocess_only=true"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"run_dir {mine} holds .hydra, exit.json, job.lock, which no memtune" in proc.stderr
+    assert _tree(mine) == before and "Traceback" not in proc.stderr
+
+
+def test_a_refused_start_leaves_a_dir_the_fixed_start_uses(tmp_path: Path) -> None:
+    """A start refused before it laid a run out records why in exit.json (and its lock and
+    .hydra/): memtune's own, so the same command, fixed, runs in that dir."""
+    run_dir = tmp_path / "my-run"
+    missing = tmp_path / "nope.jsonl"
+    args = [f"run_dir={run_dir}", "preprocess_only=true"]
+    proc = run_train_py([*args, f"data.path={missing}"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and str(missing) in proc.stderr, proc.stderr[-2000:]
+    assert json.loads((run_dir / "exit.json").read_text())["code"] == 2
+    fixed = run_train_py(args, cwd=tmp_path, timeout=300)  # the demo's own data
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "base.json").is_file()
+    assert not (run_dir / "exit.json").exists()  # the refusal's record, replaced by the run

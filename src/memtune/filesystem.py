@@ -105,3 +105,25 @@ def human_bytes(n: int) -> str:
     if n >= 1 << 30:
         return f"{n / (1 << 30):.1f} GiB"
     return f"{n / (1 << 20):.1f} MiB"
+
+
+def cannot_write(path: Path) -> str | None:
+    """Why memtune could not make or write into folder ``path``, in words, before it tries
+    (the path is a file, or its nearest existing folder is read-only or not the user's to
+    write); None when it can. The run dir, the data cache and the demo model's cache are
+    checked with it, so the refusal names the setting instead of an OSError from deep inside."""
+    probe = Path(path).expanduser().absolute()
+    if probe.exists() and not probe.is_dir():
+        return f"{probe} is a file, not a folder"
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is a file, not a folder"
+    if os.access(probe, os.W_OK | os.X_OK):
+        return None
+    try:
+        read_only = bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    why = "read-only filesystem" if read_only else "permission denied"
+    return f"cannot write in {probe} ({why})"

@@ -55,6 +55,33 @@ def _read(cls: type[R], path: Path) -> R:
     return cls(**{k: v for k, v in raw.items() if k in names})
 
 
+def _lock_is_memtunes(path: Path) -> bool:
+    """A job lock as memtune.run_lock writes it: empty (being written) or who holds it."""
+    try:
+        text = path.read_text()
+        raw = json.loads(text) if text.strip() else {}
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and (not raw or {"host", "pid", "started"} <= raw.keys())
+
+
+def _composition_is_memtunes(folder: Path) -> bool:
+    """``.hydra/`` as launcher.job records it: none of its three files, or a config.yaml of
+    memtune's settings (another Hydra application's output dir has its own)."""
+    import yaml
+
+    names = ("config.yaml", "hydra.yaml", "overrides.yaml")
+    if not folder.is_dir():
+        return False
+    if not any((folder / n).exists() for n in names):
+        return True
+    try:
+        config = yaml.safe_load((folder / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(config, dict) and {"model", "trainer", "launcher"} <= config.keys()
+
+
 def _write(record: Any, path: Path) -> None:
     write_atomic(path, json.dumps(asdict(record), indent=2) + "\n")
 
@@ -395,12 +422,43 @@ class RunDir:
         last (an exit.json alone is a start refused before either: it laid nothing out)."""
         return self.base.is_file() or self.resume.is_file()
 
+    def refused_here(self) -> bool:
+        """Whether exit.json is memtune's record of a start refused before it laid a run out
+        (``{"code": N, "error": ...}`` and no run beside it): memtune's, so a start after the
+        fix uses the dir; a user's exit.json of any other shape is not."""
+        if self.held_a_run():
+            return False
+        try:
+            raw = json.loads(self.exit.read_text())
+        except (OSError, ValueError):
+            return False
+        fields = {f.name for f in dataclasses.fields(ExitRecord)}
+        return isinstance(raw, dict) and type(raw.get("code")) is int and raw.keys() <= fields
+
     def run_names_taken(self) -> list[Path]:
         """Entries named as memtune's own, in a dir that never held a memtune run: the user's
-        (memtune would write into or replace them: its adapter/, checkpoints/, ...)."""
+        (memtune would write into or replace them: its adapter/, checkpoints/, ...); memtune's
+        record of a refused start (:meth:`refused_here`) is not among them."""
         if self.held_a_run():
             return []
-        return sorted({p for pattern in self.RUN_FILES for p in self.path.glob(pattern)})
+        found = {p for pattern in self.RUN_FILES for p in self.path.glob(pattern)}
+        if self.refused_here():
+            found.discard(self.exit)
+        return sorted(found)
+
+    def not_ours(self, node_rank: int = 0) -> list[Path]:
+        """What a start on node ``node_rank`` would write over although memtune did not write
+        it: on node 0, which lays the run out, :meth:`run_names_taken`; on every node, its job
+        lock and ``.hydra/`` (the composition each start records) unless they read as
+        memtune's. Checked before the start writes anything (launcher.job)."""
+        found = set(self.run_names_taken()) if node_rank == 0 else set()
+        lock = self.lock(node_rank)
+        if lock.exists() and not _lock_is_memtunes(lock):
+            found.add(lock)
+        composition = self.path / ".hydra"
+        if composition.exists() and not _composition_is_memtunes(composition):
+            found.add(composition)
+        return sorted(found)
 
     def earlier_run(self) -> list[Path]:
         """The entries an earlier run left here (none of a user's other files); none unless

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 from memtune.config.schema import ConfigError, compose
+from memtune.filesystem import cannot_write
 
 ENUMERABLE = ("CHOICE_SWEEP", "SIMPLE_CHOICE_SWEEP", "RANGE_SWEEP")
 """The sweeps Hydra's basic sweeper expands into values (hydra's ValueType names): choices
@@ -67,10 +69,14 @@ def composition_problem(argv: list[str], env: Mapping[str, str] | None = None) -
                 key = o.get_key_element()
                 swept.append([f"{key}={value}" for value in o.sweep_string_iterator()])
         firsts = [values[0] for values in swept]
-        compose([*fixed, *firsts])
+        cfg = compose([*fixed, *firsts])
         for i, values in enumerate(swept):
             for value in values[1:]:
                 compose([*fixed, *firsts[:i], value, *firsts[i + 1 :]])
     except (ConfigError, HydraException, OmegaConfBaseException) as err:
         return one_line(err)
+    run_dir = cfg.get("run_dir")  # Hydra makes it before memtune's code runs
+    problem = cannot_write(Path(str(run_dir))) if run_dir else None
+    if problem:
+        return f"run_dir={run_dir}: {problem}; give the run a folder memtune can write"
     return None

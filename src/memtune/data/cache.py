@@ -42,7 +42,7 @@ from memtune.data.encode import (
 )
 from memtune.data.readers import IdenticalReplies, Record, RecordError, read_source
 from memtune.data.vision import ImageSettings, Resized
-from memtune.filesystem import follow_umask, free_bytes, human_bytes
+from memtune.filesystem import cannot_write, follow_umask, free_bytes, human_bytes
 from memtune.integrity import Store
 from memtune.paths import is_local_source
 
@@ -420,6 +420,9 @@ def preprocess(
             ) from None
         aside_line = DATA_CACHE.damaged_line(out, problem, aside, "tokenizing again")
 
+    unwritable = cannot_write(root)
+    if unwritable:
+        raise ConfigError(f"{where}: {unwritable}; point it at a folder memtune can write")
     if isinstance(tokenizer, TokenizerFiles):
         tokenizer = tokenizer.load()
     train, stats, val, val_stats = build(cfg, tokenizer, seed, images)

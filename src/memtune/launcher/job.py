@@ -32,6 +32,7 @@ from memtune.launcher.prepare import (
     decide,
     given_config,
     prepare_run_dir,
+    refuse_files_not_ours,
 )
 from memtune.launcher.spawn import launch
 from memtune.launcher.topology import (
@@ -161,7 +162,11 @@ def run_job(cfg: DictConfig) -> int:
     if cfg.plan_only:  # reads no run dir and writes none: nothing to hold
         return _run(cfg, run_dir, sweeping)
     try:
-        with hold(run_dir, this_node_rank(cfg.launcher)):
+        node_rank = this_node_rank(cfg.launcher)
+        taken = RunDir(run_dir).not_ours(node_rank)
+        if taken:  # the user's files under memtune's names: nothing written, not the refusal
+            refuse_files_not_ours(RunDir(run_dir), taken)
+        with hold(run_dir, node_rank):
             _record_composition(cfg, run_dir)
             return _run(cfg, run_dir, sweeping)
     except KeyboardInterrupt:
@@ -194,8 +199,11 @@ def _record_composition(cfg: DictConfig, run_dir: Path) -> None:
 def _record_exit(run_dir: Path, code: int, error: str) -> None:
     """exit.json for a job that stopped before launch; when even that cannot be written (the
     disk that stopped it is full), the one line already said is the report."""
+    rd = RunDir(run_dir)
+    if rd.exit.exists() and not (rd.held_a_run() or rd.refused_here()):
+        return  # a user's exit.json (not_ours refuses a start over it; a race got here)
     with contextlib.suppress(OSError):
-        RunDir(run_dir).write_exit(code, error)
+        rd.write_exit(code, error)
 
 
 def _failed(code: int, sweeping: bool) -> int:

@@ -6,7 +6,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -33,7 +33,7 @@ from memtune.data.cache import (
     tokenizer_files_digest,
 )
 from memtune.data.packing import StepShape, step_shape
-from memtune.filesystem import write_atomic
+from memtune.filesystem import cannot_write, write_atomic
 from memtune.integrity import check_files, verify_manifest
 from memtune.launcher.room import check_run_dir_room
 from memtune.machine import versions_line
@@ -92,6 +92,18 @@ def lay_out(cfg_node: DictConfig, run_dir: Path) -> tuple[RunConfig, Decisions]:
     return prepare_run_dir(decide(given_config(cfg_node)), run_dir)
 
 
+def refuse_files_not_ours(rd: RunDir, taken: list[Path]) -> NoReturn:
+    """The refusal of a start over the user's files under memtune's names (``taken``:
+    :meth:`RunDir.not_ours`), naming them."""
+    names = ", ".join(p.name for p in taken[:4]) + (", ..." if len(taken) > 4 else "")
+    raise ConfigError(
+        f"run_dir {rd.path} holds {names}, which no memtune run left there (it has no "
+        "base.json or resume.json): a run writes and replaces those names, so it is not "
+        "started over them, and nothing was written there; give the run a dir of its own "
+        "(run_dir=...)"
+    )
+
+
 def prepare_run_dir(fitted: Fitted, run_dir: Path) -> tuple[RunConfig, Decisions]:
     """Lay out ``run_dir`` for the decided run (``fitted``: what :func:`decide` made of the
     settings; config.yaml records the settings, decisions.json what was decided) and return
@@ -107,19 +119,25 @@ def prepare_run_dir(fitted: Fitted, run_dir: Path) -> tuple[RunConfig, Decisions
     rd = RunDir(run_dir)
     taken = rd.run_names_taken()
     if taken:
-        names = ", ".join(p.name for p in taken[:4]) + (", ..." if len(taken) > 4 else "")
-        raise ConfigError(
-            f"run_dir {run_dir} holds {names}, which no memtune run left there (it has no "
-            "base.json or resume.json): a run writes and replaces those names, "
-            "so it is not started over them; give the run a dir of its own (run_dir=...)"
-        )
+        refuse_files_not_ours(rd, taken)
+    if rd.refused_here():  # memtune's record of a refused start: this start replaces it
+        rd.exit.unlink()
     ds_config = build_ds_config(cfg, d)
     check_run_dir_room(cfg, d.optimizer, memory_plan.counts, rd)
     if cfg.model.synthesize:
         from memtune.tools.tiny import synthesize  # imports torch: only for the demo model
 
         with no_space_is_an_error(cache_dir(), "MEMTUNE_CACHE_DIR"):
-            synthesize(cfg.model.name_or_path, cfg.model.architecture, vision=cfg.model.vision)
+            try:
+                synthesize(cfg.model.name_or_path, cfg.model.architecture, vision=cfg.model.vision)
+            except OSError:
+                unwritable = cannot_write(Path(cfg.model.name_or_path))
+                if unwritable is None:
+                    raise  # a full disk: said by no_space_is_an_error
+                raise ConfigError(
+                    f"the demo model cannot be built in {cache_dir()}: {unwritable}; set "
+                    "MEMTUNE_CACHE_DIR to a folder memtune can write"
+                ) from None
     prepared = prepare_data(cfg)
     fitted = planned_for_data(fitted, prepared)
     memory_plan, d = fitted.plan, fitted.decisions
