@@ -138,6 +138,10 @@ def prepare_run_dir(fitted: Fitted, run_dir: Path) -> tuple[RunConfig, Decisions
                     f"the demo model cannot be built in {cache_dir()}: {unwritable}; set "
                     "MEMTUNE_CACHE_DIR to a folder memtune can write"
                 ) from None
+    elif Path(cfg.model.name_or_path).expanduser().is_dir():
+        from memtune.model_files import check_checkpoint  # imports torch and transformers
+
+        check_checkpoint(Path(cfg.model.name_or_path).expanduser(), cfg.model.trust_remote_code)
     prepared = prepare_data(cfg)
     fitted = planned_for_data(fitted, prepared)
     memory_plan, d = fitted.plan, fitted.decisions

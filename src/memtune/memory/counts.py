@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from memtune.config import ConfigError, RunConfig, cache_dir, compute_bytes, lora_targets
-from memtune.config.architecture import layer_types, routed_experts
+from memtune.config.architecture import checkpoint_config_file, layer_types, routed_experts
 from memtune.config.derive import adapts_experts, adapts_vision
 from memtune.expert_stacks import QUANT_BLOCK
 from memtune.integrity import Store
@@ -88,7 +88,23 @@ def arch_config(cfg: RunConfig) -> Any:
         kind = TEXT_STAND_INS[kind]
         for rope in ("rope_parameters", "rope_scaling"):  # mRoPE sections: no weights
             arch.pop(rope, None)
-    return AutoConfig.for_model(kind, **arch)
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        return AutoConfig.for_model(kind, **arch)
+    except (TypeError, ValueError, StrictDataclassError) as err:  # its checks of the fields
+        cause = " ".join(str(err.__cause__ or err).split())
+        raise ConfigError(
+            f"model.architecture ({_source(cfg)}): transformers refuses it as a {kind} config: "
+            f"{cause}"
+        ) from None
+
+
+def _source(cfg: RunConfig) -> str:
+    """Where model.architecture came from, for a refusal: the checkpoint's config.json when
+    it is on disk, else the config group."""
+    found = checkpoint_config_file(cfg.model.name_or_path, cfg.model.revision)
+    return str(found) if found is not None and not cfg.model.synthesize else "the model group"
 
 
 COUNTS_CACHE_FORMAT = 8

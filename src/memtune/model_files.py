@@ -1,0 +1,217 @@
+"""A base checkpoint's files, checked before any rank starts (launcher.prepare).
+
+A download cut short, a weights file deleted, a config.json edited to another size or another
+architecture, a folder saved without its tokenizer: each would otherwise end inside the ranks
+(safetensors' "invalid header length", a state-dict size mismatch on every rank and a broken
+pipe between them) or, worse, train: transformers loads what matches, drops the tensors the
+class has no place for and draws the ones the weights lack at random, with a warning the ranks'
+logs bury. Here each is one line naming the file and what is wrong.
+
+What is read: every safetensors file's header (the 8-byte length and the JSON after it: every
+tensor's name, shape and byte range; never a tensor), its size against the bytes the header
+needs, and the model transformers would build from config.json, on the meta device (no memory,
+~2 s for a 7B), whose parameter names and shapes the headers are held to. Names are compared
+only where the checkpoint uses the class's own names for most of its tensors: a multimodal
+checkpoint read as its language model, a mixture's experts stored one by one (transformers
+fuses them while loading) or pre-quantized weights are left to the loader.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from memtune.config.schema import ConfigError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+"""A folder with none of these has no tokenizer: transformers then builds an empty one, and
+every record tokenizes to nothing (the data step reports 0 samples, not why)."""
+
+MAX_HEADER = 100 << 20
+"""safetensors' own limit on a header's length (its loader refuses a longer one)."""
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """What is wrong with a safetensors file, read from its header alone: too short to hold
+    one, a header length past the end, a header that is not JSON, or fewer bytes than the
+    tensors' byte ranges need (a download cut short). None when it is whole."""
+    try:
+        _, size, need = _read_header(path)
+    except ValueError as err:
+        return f"{path}: {err}"
+    if size < need:
+        return (
+            f"{path}: {size:,} bytes where its header needs {need:,}: truncated (a download or "
+            "copy cut short?); fetch the file again"
+        )
+    return None
+
+
+def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's name and shape in a whole safetensors file (its header)."""
+    header, _, _ = _read_header(path)
+    return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def _read_header(path: Path) -> tuple[dict[str, Any], int, int]:
+    """(header, file size, bytes the header says the file holds); ValueError in words."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{size} bytes: not a safetensors file (truncated?)")
+        n = int.from_bytes(head, "little")
+        if n > min(size - 8, MAX_HEADER):
+            raise ValueError(
+                f"its header claims {n:,} bytes of a {size:,}-byte file: truncated, or not a "
+                "safetensors file"
+            )
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            raise ValueError("its header is not JSON: damaged, or not a safetensors file") from None
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a table of tensors: not a safetensors file")
+    try:
+        end = max(
+            (int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
+            default=0,
+        )
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise ValueError("its header lacks tensors' byte ranges: not a safetensors file") from None
+    return header, size, 8 + n + end
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The checkpoint's safetensors files (its index's shards, else ``*.safetensors``); a
+    ConfigError when the folder has no weights or its index lists a shard that is not there.
+    A PyTorch ``.bin`` checkpoint has none to check: []."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as err:
+            raise ConfigError(f"{index}: cannot read its weight_map ({err})") from None
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise ConfigError(
+                f"{folder}: {index.name} lists {len(missing)} of its {len(shards)} weight files "
+                f"that are not there ({_some(missing)}): a download cut short? fetch them again"
+            )
+        return [folder / s for s in shards]
+    found = sorted(folder.glob("*.safetensors"))
+    if found:
+        return found
+    if any(folder.glob("pytorch_model*.bin")):
+        return []
+    raise ConfigError(
+        f"{folder} has a config.json and no weights (model.safetensors, its index, or "
+        "pytorch_model.bin): a download cut short, or the wrong folder?"
+    )
+
+
+def check_checkpoint(folder: Path, trust_remote_code: bool = False) -> None:
+    """A local checkpoint's files, before any rank loads them (module docstring): its
+    weights whole and matching the model its config.json describes, and a tokenizer. A
+    ConfigError naming the file and what is wrong."""
+    files = weight_files(folder)
+    for f in files:
+        problem = safetensors_problem(f)
+        if problem:
+            raise ConfigError(problem)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(
+            f"{folder} has no tokenizer ({', '.join(TOKENIZER_FILES)}): copy the tokenizer files "
+            "of the model this checkpoint came from into it"
+        )
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        shapes.update(tensor_shapes(f))
+    if shapes:
+        problem = names_and_shapes_problem(folder, shapes, trust_remote_code)
+        if problem:
+            raise ConfigError(problem)
+
+
+def names_and_shapes_problem(
+    folder: Path, shapes: dict[str, tuple[int, ...]], trust_remote_code: bool = False
+) -> str | None:
+    """How the weights' tensors differ from the parameters of the model config.json describes
+    (built on the meta device, as ``AutoModelForCausalLM`` builds it): shapes, tensors the
+    model has no place for, parameters the weights lack. None when they agree, or when the
+    checkpoint does not use the class's names for most of its tensors (module docstring)."""
+    model = _meta_model(folder, trust_remote_code)
+    if model is None:
+        return None
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    shared = shapes.keys() & expected.keys()
+    if len(shared) < len(shapes) / 2:
+        return None
+    config = folder / "config.json"
+    wrong = sorted(k for k in shared if shapes[k] != expected[k])
+    if wrong:
+        listed = [f"{k} {list(shapes[k])} (the model: {list(expected[k])})" for k in wrong]
+        return (
+            f"{folder}: {len(wrong)} tensors in the weights do not have the shapes {config} "
+            f"gives ({_some(listed, '; ')}): config.json and the weights come from different "
+            "models; put the checkpoint's own config.json back"
+        )
+    ignored = _patterns(model, "_keys_to_ignore_on_load_unexpected")
+    extra = sorted(
+        k for k in shapes.keys() - expected.keys() if not any(p.search(k) for p in ignored)
+    )
+    if extra:
+        kind = model.config.model_type
+        return (
+            f"{folder}: {len(extra)} tensors in the weights have no place in the {kind} model "
+            f"its config.json describes ({_some(extra)}): they would be dropped. config.json "
+            "names another architecture than the weights'; put the checkpoint's own "
+            "config.json back"
+        )
+    tied = set(getattr(model, "_tied_weights_keys", None) or ())
+    ignored = _patterns(model, "_keys_to_ignore_on_load_missing")
+    lacking = sorted(
+        k
+        for k in expected.keys() - shapes.keys()
+        if k not in tied and not any(p.search(k) for p in ignored)
+    )
+    if lacking:
+        return (
+            f"{folder}: the weights lack {len(lacking)} of the model's tensors "
+            f"({_some(lacking)}): they would start "
+            "random. A weights file missing from the folder, or config.json from another model?"
+        )
+    return None
+
+
+def _some(names: list[str], sep: str = ", ") -> str:
+    """The first three of ``names``, and "..." when there are more."""
+    return sep.join(names[:3]) + (f"{sep}..." if len(names) > 3 else "")
+
+
+def _patterns(model: Any, attribute: str) -> list[re.Pattern[str]]:
+    """A transformers class's name patterns its loader ignores (``attribute``)."""
+    return [re.compile(p) for p in getattr(model, attribute, None) or ()]
+
+
+def _meta_model(folder: Path, trust_remote_code: bool) -> Any:
+    """The model config.json describes, on the meta device; None for a pre-quantized
+    checkpoint (its packed tensors have other shapes) or one transformers builds no causal
+    language model from. A config.json transformers refuses is a ConfigError."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except Exception as err:  # transformers' own checks of the fields, in its words
+        text = " ".join(str(err).split())
+        raise ConfigError(f"{folder}/config.json: transformers cannot read it: {text}") from None
+    if getattr(config, "quantization_config", None):
+        return None
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception:  # no causal-LM class for it: the loader says what it says
+        return None
