@@ -256,6 +256,94 @@ def test_unreadable_file(tokenizer, tmp_path: Path) -> None:
         preprocess(cfg, tokenizer, seed=0)
 
 
+def _refusal(tokenizer, tmp_path: Path, path: Path, fmt: str = "alpaca") -> str:
+    """The ConfigError's line for data.path=``path`` (train.py prints it after "memtune: config
+    error: ")."""
+    cfg = DataConfig(path=str(path), format=fmt, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ConfigError) as err:
+        preprocess(cfg, tokenizer, seed=0)
+    return str(err.value)
+
+
+def test_a_damaged_parquet_file_is_one_line(tokenizer, tmp_path: Path) -> None:
+    """Before: pyarrow's ArrowInvalid traceback ("Parquet magic bytes not found in footer")."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"instruction": f"q{i}", "input": "", "output": f"a{i}"} for i in range(20)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "whole.parquet")
+    cut = tmp_path / "cut.parquet"
+    cut.write_bytes((tmp_path / "whole.parquet").read_bytes()[:-100])
+    assert _refusal(tokenizer, tmp_path, cut) == (
+        f"{cut}: cannot be read as parquet (Parquet magic bytes not found in footer. Either the "
+        "file is corrupted or this is not a parquet file): it is cut short or not a parquet "
+        "file; write it again (or copy it whole), or give a .jsonl or .json file"
+    )
+    text = _write(tmp_path / "text.parquet", rows[:1])  # JSON Lines under a parquet name
+    assert _refusal(tokenizer, tmp_path, text).startswith(
+        f"{text}: cannot be read as parquet (Parquet magic bytes not found in footer"
+    )
+
+
+def test_a_folder_that_is_not_a_whole_dataset_is_one_line(tokenizer, tmp_path: Path) -> None:
+    """Before: FileNotFoundError tracebacks from datasets' load_from_disk."""
+    from datasets import Dataset
+
+    rows = [{"instruction": f"q{i}", "input": "", "output": f"a{i}"} for i in range(3)]
+    ds = tmp_path / "ds"
+    Dataset.from_list(rows).save_to_disk(str(ds))
+    (arrow,) = ds.glob("*.arrow")
+    arrow.unlink()
+    assert _refusal(tokenizer, tmp_path, ds) == (
+        f"{ds}: the datasets folder is incomplete: {arrow} is missing; save it again with "
+        "save_to_disk, or copy the folder whole"
+    )
+    named_like_a_file = tmp_path / "x.jsonl"
+    named_like_a_file.mkdir()
+    assert _refusal(tokenizer, tmp_path, named_like_a_file) == (
+        f"{named_like_a_file}: a folder, and not one written by datasets' save_to_disk (it is "
+        "empty; no state.json or dataset_dict.json): give a .jsonl, .json or .parquet file, or "
+        "such a folder (several files: data.sources)"
+    )
+    files = tmp_path / "files"
+    files.mkdir()
+    _write(files / "a.jsonl", rows)
+    _write(files / "b.jsonl", rows)
+    assert (
+        f"{files}: a folder, and not one written by datasets' save_to_disk (it holds "
+        "a.jsonl, b.jsonl; no state.json" in _refusal(tokenizer, tmp_path, files)
+    )
+
+
+def test_a_compressed_file_is_named_as_compressed(tokenizer, tmp_path: Path) -> None:
+    """Before: a .jsonl.gz was "d.jsonl.gz:1: not UTF-8 (byte 1)"."""
+    import gzip
+
+    rows = [{"instruction": "q", "input": "", "output": "a"}]
+    gz = tmp_path / "d.jsonl.gz"
+    gz.write_bytes(gzip.compress(_write(tmp_path / "d.jsonl", rows).read_bytes()))
+    assert _refusal(tokenizer, tmp_path, gz) == (
+        f"{gz}: the file is gzip-compressed, and memtune reads .jsonl and .json files "
+        "uncompressed: decompress it (gzip -dc d.jsonl.gz > d.jsonl) and give that file"
+    )
+    array = tmp_path / "d.json"  # a .json array, compressed under its plain name
+    array.write_bytes(gzip.compress(json.dumps(rows).encode()))
+    assert _refusal(tokenizer, tmp_path, array).startswith(
+        f"{array}: the file is gzip-compressed, and memtune reads .jsonl and .json files "
+        "uncompressed: decompress it (gzip -dc d.json > d.uncompressed.json)"
+    )
+
+
+def test_a_bad_source_of_records_with_images_is_one_line(tokenizer, tmp_path: Path) -> None:
+    """The cache key parses a source that mentions images for their files: a source that cannot
+    be read as a whole is left to the build's line, not raised from the key (a traceback)."""
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps({"messages": [], "images": ["image.png"]}))
+    assert _refusal(tokenizer, tmp_path, path, "messages") == (
+        f"{path}: expected a JSON array of records (or use .jsonl)"
+    )
+
+
 def test_skip_counts_and_reports_bad_records(tokenizer, tmp_path: Path) -> None:
     good = {"instruction": "q", "input": "", "output": "a"}
     path = tmp_path / "d.jsonl"

@@ -154,14 +154,17 @@ def _digest_images(h: Any, path: str, fmt: str) -> bool:
     if not _mentions_images(path):
         return False
     found = False
-    for item in read_source(path, fmt):
-        if isinstance(item, RecordError):
-            continue
-        for ref in item.images:
-            found = True
-            if ref.path is not None:
-                h.update(str(ref.path).encode())
-                _digest_path(h, str(ref.path))
+    try:
+        for item in read_source(path, fmt):
+            if isinstance(item, RecordError):
+                continue
+            for ref in item.images:
+                found = True
+                if ref.path is not None:
+                    h.update(str(ref.path).encode())
+                    _digest_path(h, str(ref.path))
+    except RecordError:  # the source as a whole (not a JSON array, a damaged file): the build
+        pass  # reads it again and stops with its line; no cache entry is made for it
     return found
 
 

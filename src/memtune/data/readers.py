@@ -36,8 +36,11 @@ Formats
   (:class:`IdenticalReplies`): it has nothing to prefer.
 
 Sources: ``.jsonl``, ``.json`` (an array), ``.parquet``, a folder written by
-``datasets.Dataset.save_to_disk``, or a hub dataset name (where the hub is reachable).
-Every bad record raises :class:`RecordError` with file, line (or row) and field.
+``datasets.Dataset.save_to_disk``, or a hub dataset name (where the hub is reachable), all
+uncompressed (a compressed file is refused by its format, with the command that undoes it).
+Every bad record raises :class:`RecordError` with file, line (or row) and field; a source that
+cannot be read as a whole (a cut parquet file, a folder that is not a whole ``datasets``
+folder) raises it with the file's name alone.
 """
 
 from __future__ import annotations
@@ -120,12 +123,43 @@ def iter_raw(path: str) -> Iterator[tuple[str, Any]]:
         yield from _iter_jsonl(p)
 
 
+COMPRESSED = {
+    b"\x1f\x8b": ("gzip", ".gz", "gzip -dc"),
+    b"BZh": ("bzip2", ".bz2", "bzip2 -dc"),
+    b"\xfd7zXZ\x00": ("xz", ".xz", "xz -dc"),
+    b"\x28\xb5\x2f\xfd": ("zstd", ".zst", "zstd -dc"),
+    b"PK\x03\x04": ("zip", ".zip", "unzip -p"),
+}
+"""What a compressed file starts with: (its format, its usual suffix, the command that writes
+it out decompressed)."""
+
+
+def _refuse_compressed(p: Path, head: bytes) -> None:
+    """A compressed .jsonl / .json (``head``: the file's first bytes) is refused by name, with
+    the command that decompresses it.
+
+    memtune reads them uncompressed; read as text, a gzip file's first line is "not UTF-8
+    (byte 1)", which says nothing of the cause. Decompressing is one command; reading them
+    compressed would also have to reach the cache key's scan for image paths, which reads a
+    source's raw bytes."""
+    for magic, (kind, suffix, command) in COMPRESSED.items():
+        if head.startswith(magic):
+            out = p.stem if p.suffix == suffix else f"{p.stem}.uncompressed{p.suffix}"
+            raise RecordError(
+                str(p),
+                f"the file is {kind}-compressed, and memtune reads .jsonl and .json files "
+                f"uncompressed: decompress it ({command} {p.name} > {out}) and give that file",
+            )
+
+
 def _iter_jsonl(p: Path) -> Iterator[tuple[str, Any]]:
     try:
         f = p.open("rb")
     except OSError as err:
         raise RecordError(str(p), f"cannot read ({err.strerror})") from err
     with f:
+        _refuse_compressed(p, f.read(8))
+        f.seek(0)
         for lineno, raw in enumerate(f, 1):
             where = f"{p}:{lineno}"
             try:
@@ -143,9 +177,14 @@ def _iter_jsonl(p: Path) -> Iterator[tuple[str, Any]]:
 
 def _iter_json_array(p: Path) -> Iterator[tuple[str, Any]]:
     try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise RecordError(str(p), f"cannot read ({err})") from err
+        raw = p.read_bytes()
+    except OSError as err:
+        raise RecordError(str(p), f"cannot read ({err.strerror})") from err
+    _refuse_compressed(p, raw[:8])
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise RecordError(str(p), f"not UTF-8 (byte {err.start})") from err
     try:
         records = json.loads(text)
     except json.JSONDecodeError as err:
@@ -157,17 +196,59 @@ def _iter_json_array(p: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _iter_parquet(p: Path) -> Iterator[tuple[str, Any]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pq.read_table(p)
-    for i, rec in enumerate(table.to_pylist()):
+    try:
+        rows = pq.read_table(p).to_pylist()
+    except (pa.ArrowException, OSError) as err:
+        why = str(err).removeprefix(f"Could not open Parquet input source '{p}': ").rstrip(".")
+        raise RecordError(
+            str(p),
+            f"cannot be read as parquet ({why}): it is cut short or not a parquet file; write "
+            "it again (or copy it whole), or give a .jsonl or .json file",
+        ) from None
+    for i, rec in enumerate(rows):
         yield f"{p} row {i}", rec
 
 
+DATASET_DIR_FILES = ("state.json", "dataset_dict.json")
+"""What ``datasets.Dataset.save_to_disk`` (a Dataset / a DatasetDict) writes in its folder."""
+
+
 def _iter_dataset_dir(p: Path) -> Iterator[tuple[str, Any]]:
+    """A ``save_to_disk`` folder's rows. Anything else given as a folder (an empty one, a
+    folder of .jsonl files, a folder named like a file), or such a folder with a file missing
+    or cut, is a RecordError naming the folder: ``datasets`` says it with a traceback."""
+    import pyarrow as pa
     from datasets import load_from_disk
 
-    ds = load_from_disk(str(p))
+    if not any((p / name).is_file() for name in DATASET_DIR_FILES):
+        held = sorted(f.name for f in p.iterdir())
+        what = (
+            "it is empty"
+            if not held
+            else f"it holds {', '.join(held[:4])}{', ...' if len(held) > 4 else ''}"
+        )
+        raise RecordError(
+            str(p),
+            f"a folder, and not one written by datasets' save_to_disk ({what}; no "
+            f"{' or '.join(DATASET_DIR_FILES)}): give a .jsonl, .json or .parquet file, or "
+            "such a folder (several files: data.sources)",
+        )
+    try:
+        ds = load_from_disk(str(p))
+    except FileNotFoundError as err:
+        missing = err.filename or err
+        raise RecordError(
+            str(p),
+            f"the datasets folder is incomplete: {missing} is missing; save it again with "
+            "save_to_disk, or copy the folder whole",
+        ) from None
+    except (pa.ArrowException, OSError, ValueError) as err:
+        raise RecordError(
+            str(p), f"the datasets folder cannot be read ({err}); save it again with save_to_disk"
+        ) from None
     if hasattr(ds, "keys"):  # a DatasetDict: take its train split
         if "train" not in ds:
             raise RecordError(str(p), f"a DatasetDict without a 'train' split ({list(ds)})")
