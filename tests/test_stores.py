@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from memtune.config import ConfigError, DataConfig, to_run_config
-from memtune.data.cache import load_split, preprocess
+from memtune.data.cache import DATA_CACHE, load_split, preprocess
 from memtune.data.encode import load_tokenizer
 from memtune.integrity import MANIFEST, Store
 from memtune.memory.counts import COUNTS_CACHE, count_params
@@ -50,12 +50,18 @@ def _other_version(entry: Path) -> None:
     (entry / MANIFEST).write_text(json.dumps({**record, "format": record["format"] - 1}))
 
 
+def _lists_nothing(entry: Path) -> None:
+    record = json.loads((entry / MANIFEST).read_text())
+    (entry / MANIFEST).write_text(json.dumps({**record, "files": {}}))
+
+
 DAMAGE: dict[str, Callable[[Path, str], None]] = {
     "cut": lambda entry, name: _cut(entry / name),
     "flipped byte": lambda entry, name: _flip(entry / name),
     "missing file": lambda entry, name: (entry / name).unlink(),
     "manifest of another version": lambda entry, name: _other_version(entry),
     "no manifest": lambda entry, name: (entry / MANIFEST).unlink(),
+    "manifest listing no files": lambda entry, name: _lists_nothing(entry),
 }
 SAID = {
     "cut": "were written",
@@ -63,6 +69,7 @@ SAID = {
     "missing file": "is missing",
     "manifest of another version": "format",
     "no manifest": "writing was cut short",
+    "manifest listing no files": "does not list",
 }
 
 
@@ -70,7 +77,7 @@ SAID = {
 
 
 def test_a_store_names_what_is_wrong(tmp_path: Path) -> None:
-    store = Store("test store", 3)
+    store = Store("test store", 3, required=("a.bin",))
     entry = tmp_path / "entry"
     (entry / "sub").mkdir(parents=True)
     (entry / "a.bin").write_bytes(bytes(range(256)) * 40)
@@ -88,6 +95,9 @@ def test_a_store_names_what_is_wrong(tmp_path: Path) -> None:
         damage(copy, "a.bin")
         problem = store.problem(copy)
         assert problem is not None and SAID[kind] in problem, (kind, problem)
+    assert store.problem(entry, required=("c.bin",)) == (
+        f"its {MANIFEST} does not list c.bin, which the entry must hold"
+    )
     (entry / MANIFEST).write_text("{not json")
     assert store.problem(entry) == f"{entry / MANIFEST} cannot be read"
 
@@ -176,6 +186,30 @@ def test_a_damaged_data_cache_is_set_aside_and_tokenized_again(
     assert again.train == first.train and again.val == first.val
     assert len(load_split(again.dir)) == first.train.samples
     assert preprocess(cfg, tokenizer, seed=0).reused
+
+
+def test_a_data_cache_manifest_must_list_the_files_an_entry_holds(
+    tokenizer, tmp_path: Path
+) -> None:
+    """Before: a manifest listing no files (or not val.safetensors) verified, and the launch
+    failed on the file it then read (KeyError: 'val')."""
+    cfg = _data(tmp_path)
+    first = preprocess(cfg, tokenizer, seed=0)
+    record = json.loads((first.dir / MANIFEST).read_text())
+    del record["files"]["val.safetensors"]
+    (first.dir / MANIFEST).write_text(json.dumps(record))
+    again = preprocess(cfg, tokenizer, seed=0)
+    assert again.set_aside is not None and not again.reused
+    assert f"(its {MANIFEST} does not list val.safetensors, which the entry must hold)" in (
+        again.set_aside
+    )
+    stats = json.loads((again.dir / "stats.json").read_text())
+    (again.dir / "stats.json").write_text(json.dumps({"train": stats["train"]}))
+    DATA_CACHE.seal(again.dir)  # listed and verified, but not the counts a build writes
+    third = preprocess(cfg, tokenizer, seed=0)
+    assert third.set_aside is not None and not third.reused
+    assert f"({again.dir / 'stats.json'} does not hold the counts of a split)" in third.set_aside
+    assert third.train == first.train and third.val == first.val
 
 
 def test_a_damaged_data_cache_that_cannot_be_set_aside(tokenizer, public_dir: Path) -> None:  # noqa: F811

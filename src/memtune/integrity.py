@@ -127,7 +127,11 @@ def _read_manifest(path: Path) -> dict[str, Any] | str:
         digest = record.get("digest", "sha256")  # checkpoints before 2026-12: SHA-256
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return f"{path} cannot be read"
-    if digest not in DIGEST_NAMES or not isinstance(files, dict):
+    if (
+        digest not in DIGEST_NAMES
+        or not isinstance(files, dict)
+        or not all(isinstance(v, list) and len(v) == 2 for v in files.values())
+    ):
         return f"{path} is not a manifest this memtune reads"
     return record
 
@@ -153,6 +157,10 @@ class Store:
     """How a message names an entry: "data cache", "demo model", ..."""
     format: int
     digest: Digest = "xxh3_128"
+    required: tuple[str, ...] = ()
+    """The files every entry holds: a manifest that does not list one is damage, not an entry
+    (a manifest listing no files at all verifies every file it lists, and the reader then
+    fails on the file it needs)."""
 
     def _header(self) -> dict[str, Any]:
         return {"store": self.name, "format": self.format}
@@ -172,9 +180,11 @@ class Store:
         """The entry's last write, once every file is in it: its manifest."""
         write_manifest(entry, skip=skip, digest=self.digest, header=self._header())
 
-    def problem(self, entry: Path) -> str | None:
-        """What is wrong with the entry ``entry``; None when every file verifies. An entry
-        without a manifest is incomplete (its writing was cut short)."""
+    def problem(self, entry: Path, required: tuple[str, ...] = ()) -> str | None:
+        """What is wrong with the entry ``entry``; None when every file verifies and the
+        manifest lists every file the store requires (:attr:`required`, and ``required``: what
+        this entry holds besides, by its settings). An entry without a manifest is incomplete
+        (its writing was cut short)."""
         path = entry / MANIFEST
         if not path.is_file():
             return f"it has no {MANIFEST}: its writing was cut short"
@@ -184,6 +194,9 @@ class Store:
         other = self._other_format(record)
         if other is not None:
             return other
+        for name in (*self.required, *required):
+            if name not in record["files"]:
+                return f"its {MANIFEST} does not list {name}, which the entry must hold"
         return check_files(entry, record["files"], record["digest"])
 
     def is_ours(self, entry: Path) -> bool:

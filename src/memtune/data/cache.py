@@ -48,7 +48,9 @@ from memtune.paths import is_local_source
 
 CACHE_VERSION = 2
 """2: every entry sealed with a manifest (entries of 1 are not looked at: their key differs)."""
-DATA_CACHE = Store("data cache", CACHE_VERSION)
+DATA_CACHE = Store("data cache", CACHE_VERSION, required=("train.safetensors", "stats.json"))
+"""An entry: train.safetensors, stats.json (the counts), val.safetensors where the settings make
+a validation split (data.val_fraction, data.val_path), vision.json for data with images."""
 MAX_BAD_EXAMPLES = 5
 CHUNK = 2000
 VISION_FILE = "vision.json"
@@ -409,11 +411,12 @@ def preprocess(
     where = "data.cache_dir" if cfg.cache_dir else "data.cache_dir (or MEMTUNE_CACHE_DIR)"
     aside_line = None
     if out.exists():
-        problem = DATA_CACHE.problem(out)
+        has_val = bool(cfg.val_fraction or cfg.val_path)
+        problem = DATA_CACHE.problem(out, required=("val.safetensors",) if has_val else ())
         if problem is None:
-            saved = json.loads((out / "stats.json").read_text())
-            saved_val = DataStats(**saved["val"]) if saved["val"] else None
-            return Prepared(out, DataStats(**saved["train"]), saved_val, reused=True)
+            saved, problem = _saved_stats(out, has_val)
+            if saved is not None:
+                return saved
         try:
             aside = DATA_CACHE.set_aside(out)
         except OSError as err:
@@ -451,6 +454,22 @@ def preprocess(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # ours: a build cut short leaves nothing
     return Prepared(out, stats, val_stats, reused=False, set_aside=aside_line)
+
+
+def _saved_stats(out: Path, has_val: bool) -> tuple[Prepared | None, str | None]:
+    """A verified entry's counts as :class:`Prepared` (reused), or what is wrong with its
+    stats.json: listed and verified, it holds what a build wrote, unless an older or a foreign
+    writer made it (then it is damage like any other, set aside and tokenized again)."""
+    path = out / "stats.json"
+    try:
+        saved = json.loads(path.read_text())
+        train = DataStats(**saved["train"])
+        val = DataStats(**saved["val"]) if saved["val"] else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, f"{path} does not hold the counts of a split"
+    if has_val != (val is not None):
+        return None, f"{path} does not hold the counts of a split"
+    return Prepared(out, train, val, reused=True), None
 
 
 @contextlib.contextmanager

@@ -255,7 +255,7 @@ def prepare(
 
 TABLES = "logps.safetensors"
 
-REFERENCE_TABLES = Store("reference folder", FORMAT)
+REFERENCE_TABLES = Store("reference folder", FORMAT, required=(TABLES,))
 """``RUN_DIR/reference/``: the tables and their manifest (memtune.integrity). A damaged one is
 set aside as ``RUN_DIR/.damaged-reference.XXXX`` and computed again."""
 
