@@ -433,8 +433,8 @@ def measure(which: str, records: int, reps: int) -> dict[str, Any]:
     profile = length_profile(lengths_at[longest]) | {
         "max_seq_len": longest,
         # kept at 2048 with a cut, plus those whose cut left no labels (also over-long)
-        "over_2048": by_len[2048]["truncated"] + by_len[2048]["dropped_no_labels"],
-        "over_4096": by_len[4096]["truncated"] + by_len[4096]["dropped_no_labels"],
+        "over_2048": by_len[2048]["truncated"] + by_len[2048]["truncated_no_labels"],
+        "over_4096": by_len[4096]["truncated"] + by_len[4096]["truncated_no_labels"],
     }
     return {
         "tokenizer": tokenizer_record(which, tokenizer_path, rates),

@@ -362,10 +362,52 @@ def test_skip_counts_and_reports_bad_records(tokenizer, tmp_path: Path) -> None:
 
 
 def test_empty_after_filtering_is_an_error(tokenizer, tmp_path: Path) -> None:
-    path = _write(tmp_path / "d.jsonl", [{"instruction": "long " * 50, "output": "a"}])
+    """Before: "... truncated 0, dropped 0 over-long + 3 without labels)": the records cut to
+    max_seq_len were counted as if they had no labels to begin with, and the line never named
+    data.max_seq_len."""
+    path = _write(tmp_path / "d.jsonl", [{"instruction": "long " * 50, "output": "a"}] * 3)
     cfg = DataConfig(path=str(path), max_seq_len=16, cache_dir=str(tmp_path / "cache"))
-    with pytest.raises(ConfigError, match=r"no usable training samples left .*without labels"):
+    with pytest.raises(ConfigError) as err:
         preprocess(cfg, tokenizer, seed=0)
+    assert str(err.value) == (
+        "data: no usable training samples left (0 samples from 3 records, 0 tokens (0 labels); "
+        "truncated 0, dropped 0 over-long + 0 without labels + 3 truncated to "
+        "data.max_seq_len=16 with no label left): 3 samples are longer than "
+        "data.max_seq_len=16 (3 with the prompt alone filling it); raise data.max_seq_len"
+    )
+    cfg = dataclasses.replace(cfg, overlong="drop")
+    with pytest.raises(ConfigError) as err:
+        preprocess(cfg, tokenizer, seed=0)
+    assert str(err.value).endswith(
+        "truncated 0, dropped 3 over-long + 0 without labels): 3 samples are longer than "
+        "data.max_seq_len=16 (3 dropped by data.overlong=drop); raise data.max_seq_len"
+    )
+
+
+def test_a_split_cut_to_no_labels_is_counted_as_cut(tokenizer, tmp_path: Path) -> None:
+    """Some records cut to no labels, some kept: the line and data.json's counts (as_dict) put
+    the cut ones in their own bucket, named with data.max_seq_len."""
+    rows = [{"instruction": "long " * 50, "output": "a"}] * 2 + [
+        {"instruction": "q", "output": "a"}
+    ]
+    cfg = DataConfig(
+        path=str(_write(tmp_path / "d.jsonl", rows)),
+        max_seq_len=16,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    stats = preprocess(cfg, tokenizer, seed=0).train
+    assert stats.line().endswith(
+        "truncated 0, dropped 0 over-long + 0 without labels + 2 truncated to "
+        "data.max_seq_len=16 with no label left"
+    )
+    counts = stats.as_dict()
+    assert (counts["truncated_no_labels"], counts["dropped_no_labels"], counts["samples"]) == (
+        2,
+        0,
+        1,
+    )
+    assert counts["max_seq_len"] == 16
+    assert preprocess(cfg, tokenizer, seed=0).train == stats  # reused: the same counts
 
 
 def test_bad_data_stops_train_py_before_launch(tmp_path: Path) -> None:
@@ -400,13 +442,19 @@ def test_truncate_and_drop_are_counted(tokenizer) -> None:
             {"role": "assistant", "content": "ok"},
         ],
     )
-    for overlong, expected in (("truncate", (1, 0, 1, 2)), ("drop", (0, 2, 0, 1))):
+    for overlong, expected in (("truncate", (1, 0, 1, 0, 2)), ("drop", (0, 2, 0, 0, 1))):
         cfg = DataConfig(path="x", max_seq_len=24, overlong=overlong)
         stats = DataStats()
         kept = apply_length_policy(
             encode_records([short, long_reply, long_prompt], tokenizer, cfg), cfg, stats
         )
-        got = (stats.truncated, stats.dropped_overlong, stats.dropped_no_labels, len(kept))
+        got = (
+            stats.truncated,
+            stats.dropped_overlong,
+            stats.truncated_no_labels,
+            stats.dropped_no_labels,
+            len(kept),
+        )
         assert got == expected, overlong
         assert all(len(s.input_ids) <= 24 for s in kept)
 

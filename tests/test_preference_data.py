@@ -222,7 +222,17 @@ def test_a_prompt_that_leaves_no_room_drops_the_pair(tokenizer) -> None:
     (kept,), _ = _policy([s], max_seq_len=2 * (prompt_len + 1))
     assert [_label_spans(tokenizer, h) for h in pair_halves(kept)] == [["4"], ["2"]]
     kept, stats = _policy([s], max_seq_len=2 * prompt_len + 1)
-    assert kept == [] and (stats.dropped_no_labels, stats.truncated, stats.samples) == (1, 0, 0)
+    counts = (stats.truncated_no_labels, stats.dropped_no_labels, stats.truncated, stats.samples)
+    assert kept == [] and counts == (1, 0, 0, 0)
+    n = 2 * prompt_len + 1
+    assert stats.line().endswith(
+        f"truncated 0, dropped 0 over-long + 0 without labels + 1 truncated to "
+        f"data.max_seq_len={n} with no label left"
+    )
+    assert stats.length_hint() == (
+        f": 1 pairs are longer than data.max_seq_len={n} (1 with the prompt, held in both "
+        "sequences, alone filling it); raise data.max_seq_len"
+    )
 
 
 def test_drop_counts_over_long_pairs(tokenizer) -> None:

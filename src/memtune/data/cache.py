@@ -322,13 +322,17 @@ def build(
     stats.records = len(records)
     train = _encode(records, tokenizer, cfg, stats, "tokenize train", images)
     if not train:
-        raise ConfigError(f"data: no usable training samples left ({stats.line()})")
+        raise ConfigError(
+            f"data: no usable training samples left ({stats.line()}){stats.length_hint()}"
+        )
     val = None
     if val_stats is not None:
         val_stats.records = len(val_records)
         val_samples = _encode(val_records, tokenizer, cfg, val_stats, "tokenize val", images)
         if not val_samples:
-            raise ConfigError(f"data: the validation split is empty ({val_stats.line()})")
+            raise ConfigError(
+                f"data: the validation split is empty ({val_stats.line()}){val_stats.length_hint()}"
+            )
         val = _arrays(val_samples)
     return _arrays(train), stats, val, val_stats
 

@@ -68,6 +68,14 @@ class DataStats:
     split_pieces: int = 0
     dropped_overlong: int = 0
     dropped_no_labels: int = 0
+    """Samples without a label at their full length (not over-long)."""
+    truncated_no_labels: int = 0
+    """Over-long samples (pairs) dropped because the cut to data.max_seq_len left them no label:
+    the prompt alone fills it. Counted apart from ``dropped_no_labels`` so that the line points
+    at data.max_seq_len, the setting that lost them."""
+    max_seq_len: int = 0
+    """data.max_seq_len the counts were made with (0: not known, a cache built before it was
+    recorded), named in the line."""
     samples: int = 0
     tokens: int = 0
     label_tokens: int = 0
@@ -94,6 +102,11 @@ class DataStats:
             f"({self.label_tokens:,} labels); truncated {self.truncated}, dropped "
             f"{self.dropped_overlong} over-long + {self.dropped_no_labels} without labels"
         )
+        if self.truncated_no_labels:
+            out += (
+                f" + {self.truncated_no_labels} truncated to {self._max_seq_len()} with no label "
+                "left"
+            )
         if self.split:
             out += f"; split {self.split} over-long documents into {self.split_pieces} pieces"
         if self.images or self.dropped_image_cut:
@@ -110,6 +123,27 @@ class DataStats:
                 f"{self.bad_examples[0]})"
             )
         return out
+
+    def _max_seq_len(self) -> str:
+        return f"data.max_seq_len={self.max_seq_len}" if self.max_seq_len else "data.max_seq_len"
+
+    def length_hint(self) -> str:
+        """When samples were lost to data.max_seq_len, what that was and what to change (for
+        the refusal of a split left empty); "" when none were."""
+        noun = "pairs" if self.preference else "samples"
+        held = ", held in both sequences," if self.preference else ""
+        parts = [
+            (self.truncated_no_labels, f"with the prompt{held} alone filling it"),
+            (self.dropped_overlong, "dropped by data.overlong=drop"),
+            (self.dropped_image_cut, "with the cut inside an image"),
+        ]
+        lost = sum(n for n, _ in parts)
+        if not lost:
+            return ""
+        why = "; ".join(f"{n} {what}" for n, what in parts if n)
+        return (
+            f": {lost} {noun} are longer than {self._max_seq_len()} ({why}); raise data.max_seq_len"
+        )
 
 
 def load_tokenizer(cfg: RunConfig) -> Any:
@@ -389,9 +423,9 @@ def n_labels(labels: Sequence[int]) -> int:
 def apply_length_policy(samples: list[Sample], cfg: DataConfig, stats: DataStats) -> list[Sample]:
     """Truncate, split (long documents) or drop over-long samples, drop samples left without
     labels; count each (``truncated`` counts kept samples only: one cut down to no labels is
-    a drop). Preference pairs follow :func:`fit_pair`."""
+    ``truncated_no_labels``, a drop). Preference pairs follow :func:`fit_pair`."""
     kept = []
-    n = cfg.max_seq_len
+    n = stats.max_seq_len = cfg.max_seq_len
     pieces: list[tuple[Sample, bool]] = []
     for s in samples:
         if s.split:
@@ -423,7 +457,10 @@ def apply_length_policy(samples: list[Sample], cfg: DataConfig, stats: DataStats
             s = short
         count = n_labels(s.labels)
         if count == 0:
-            stats.dropped_no_labels += 1
+            if over:
+                stats.truncated_no_labels += 1
+            else:
+                stats.dropped_no_labels += 1
             continue
         stats.truncated += over
         stats.samples += 1
@@ -455,10 +492,12 @@ def fit_pair(pair: Sample, cfg: DataConfig, stats: DataStats) -> Sample | None:
     """The length policy of a preference pair: its chosen and rejected sequences share one
     packed row, so data.max_seq_len bounds the two together, and a pair is never cut apart.
     overlong=truncate cuts the replies' ends (:func:`pair_lengths`); drop drops the pair. A
-    pair left without a label in either sequence is dropped (``dropped_no_labels``): the
-    objectives need a log-probability of each reply. Counts the pair in ``stats``."""
+    pair left without a label in either sequence is dropped (``truncated_no_labels`` when the
+    cut took it, else ``dropped_no_labels``): the objectives need a log-probability of each
+    reply. Counts the pair in ``stats``."""
     if cfg.overlong == "split":  # validate refuses it; a caller that skipped validate too
         raise ConfigError("data.overlong=split does not apply to preference pairs")
+    stats.max_seq_len = cfg.max_seq_len
     chosen, rejected = pair_halves(pair)
     total = len(pair.input_ids)
     cut = total > cfg.max_seq_len
@@ -471,7 +510,10 @@ def fit_pair(pair: Sample, cfg: DataConfig, stats: DataStats) -> Sample | None:
         rejected = Sample(rejected.input_ids[:r], rejected.labels[:r], index=pair.index)
     counts = n_labels(chosen.labels), n_labels(rejected.labels)
     if 0 in counts:
-        stats.dropped_no_labels += 1
+        if cut:
+            stats.truncated_no_labels += 1
+        else:
+            stats.dropped_no_labels += 1
         return None
     kept = join_pair(chosen, rejected) if cut else pair
     stats.truncated += cut
