@@ -311,3 +311,53 @@ def test_unreachable_hub_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert f"https://127.0.0.1:{port} cannot be reached from this machine" in str(err.value)
     assert "model=local" in str(err.value) and "HF_HUB_OFFLINE=1" in str(err.value)
     check_downloadable(str(tmp_path))  # a local directory is never probed
+
+
+# ------------------------------------------------------------------ the data and the model
+
+
+def test_a_token_id_beyond_the_models_vocabulary_is_refused(tmp_path: Path) -> None:
+    """A tokenizer with an added special token the model has no embedding row for (its id ≥
+    config.json's vocab_size), and data that holds it. Before: every rank failed in its first
+    forward with "IndexError: index out of range in self"."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from memtune.launcher.prepare import check_token_ids, given_config, prepare_data
+    from memtune.tools.tiny import synthesize
+
+    demo = to_run_config(compose([]))
+    model = tmp_path / "model"
+    built = synthesize(demo.model.name_or_path, demo.model.architecture)
+    shutil.copytree(built, model, ignore=shutil.ignore_patterns("manifest.json", "memtune_*"))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
+    tokenizer.save_pretrained(model)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    token = tokenizer.convert_tokens_to_ids("<|tool|>")
+    assert token >= vocab
+    rows = [{"instruction": "call it", "input": "", "output": f"ok {t}"} for t in ("", "<|tool|>")]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    overrides = [
+        "model=local",
+        f"model.name_or_path={model}",
+        "data=alpaca",
+        f"data.path={data}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "preprocess_only=true",
+    ]
+    cfg = given_config(compose(overrides))
+    prepared = prepare_data(cfg)
+    with pytest.raises(ConfigError) as err:
+        check_token_ids(cfg, prepared)
+    assert str(err.value) == (
+        f"data: the tokenized train split holds token id {token} ('<|tool|>'), and the model "
+        f"{model} has vocab_size {vocab} ({model / 'config.json'}): it has no embedding for ids "
+        f"from {vocab} on, and every rank would fail on it; the tokenizer has tokens the model "
+        "has no embedding for (added special tokens?): train with the model's own tokenizer, "
+        "or with a checkpoint whose embeddings were resized to this tokenizer"
+    )
+    data.write_text(json.dumps(rows[0]) + "\n")  # the token not in the data: nothing to refuse
+    check_token_ids(cfg, prepare_data(given_config(compose(overrides))))

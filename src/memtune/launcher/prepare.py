@@ -143,6 +143,7 @@ def prepare_run_dir(fitted: Fitted, run_dir: Path) -> tuple[RunConfig, Decisions
 
         check_checkpoint(Path(cfg.model.name_or_path).expanduser(), cfg.model.trust_remote_code)
     prepared = prepare_data(cfg)
+    check_token_ids(cfg, prepared)
     fitted = planned_for_data(fitted, prepared)
     memory_plan, d = fitted.plan, fitted.decisions
     cfg = replace(fitted.cfg, run_dir=str(run_dir))
@@ -240,6 +241,65 @@ def prepare_data(cfg: RunConfig) -> Prepared:
     for example in prepared.train.bad_examples[1:]:
         print(f"memtune:   also skipped: {example}", flush=True)
     return prepared
+
+
+TOKEN_CHUNK = 1 << 24
+"""Token ids read at a time when the cache's are checked against the vocabulary (64 MiB of
+int32): the check's memory does not grow with the data."""
+
+
+def check_token_ids(cfg: RunConfig, prepared: Prepared) -> None:
+    """Every token id of the prepared data has a row in the model's embedding (vocab_size,
+    from the architecture the ranks will load). A tokenizer with a token the model has none
+    for (a special token added to the tokenizer, the embeddings never resized) otherwise
+    fails in every rank's first forward with "IndexError: index out of range in self"; here it
+    is one line naming the id, the vocabulary and the model. The ids are read from the cache
+    in chunks: a fraction of what one rank loads."""
+    from safetensors import safe_open
+
+    vocab = int((cfg.model.architecture or {}).get("vocab_size") or 0)
+    if not vocab:
+        return  # no architecture to check against: validate() names what is missing
+    for split in ("train", "val"):
+        path = Path(prepared.dir) / f"{split}.safetensors"
+        if not path.is_file():
+            continue
+        top = -1
+        with safe_open(str(path), framework="np") as f:
+            ids = f.get_slice("input_ids")
+            n = ids.get_shape()[0]
+            for start in range(0, n, TOKEN_CHUNK):
+                chunk = ids[start : min(n, start + TOKEN_CHUNK)]
+                top = max(top, int(chunk.max()))
+        if top >= vocab:
+            raise ConfigError(_beyond_vocab(cfg, split, top, vocab))
+
+
+def _beyond_vocab(cfg: RunConfig, split: str, token: int, vocab: int) -> str:
+    """The refusal of a token id past the model's vocabulary: the id, the token's text where
+    the tokenizer's tokenizer.json names it (an added token), the vocabulary and where it was
+    read."""
+    from memtune.config.architecture import checkpoint_config_file
+
+    m = cfg.model
+    found = None if m.synthesize else checkpoint_config_file(m.name_or_path, m.revision)
+    source = str(found) if found is not None else "model.architecture"
+    text = ""
+    tokenizer_json = (found.parent if found is not None else Path(m.name_or_path)) / (
+        "tokenizer.json"
+    )
+    try:
+        added = json.loads(tokenizer_json.read_text()).get("added_tokens") or []
+        text = next(f" ({t['content']!r})" for t in added if t.get("id") == token)
+    except (OSError, ValueError, AttributeError, TypeError, KeyError, StopIteration):
+        pass
+    return (
+        f"data: the tokenized {split} split holds token id {token}{text}, and the model "
+        f"{m.name_or_path} has vocab_size {vocab} ({source}): it has no embedding for ids from "
+        f"{vocab} on, and every rank would fail on it; the tokenizer has tokens the model has "
+        "no embedding for (added special tokens?): train with the model's own tokenizer, or "
+        "with a checkpoint whose embeddings were resized to this tokenizer"
+    )
 
 
 def vision_for_images(cfg: RunConfig, d: Decisions, prepared: Prepared) -> Decisions:
