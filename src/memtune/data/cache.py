@@ -418,9 +418,10 @@ def preprocess(
         has_val = bool(cfg.val_fraction or cfg.val_path)
         problem = DATA_CACHE.problem(out, required=("val.safetensors",) if has_val else ())
         if problem is None:
-            saved, problem = _saved_stats(out, has_val)
-            if saved is not None:
+            saved = _saved_stats(out, has_val)
+            if isinstance(saved, Prepared):
                 return saved
+            problem = saved
         try:
             aside = DATA_CACHE.set_aside(out)
         except OSError as err:
@@ -460,7 +461,7 @@ def preprocess(
     return Prepared(out, stats, val_stats, reused=False, set_aside=aside_line)
 
 
-def _saved_stats(out: Path, has_val: bool) -> tuple[Prepared | None, str | None]:
+def _saved_stats(out: Path, has_val: bool) -> Prepared | str:
     """A verified entry's counts as :class:`Prepared` (reused), or what is wrong with its
     stats.json: listed and verified, it holds what a build wrote, unless an older or a foreign
     writer made it (then it is damage like any other, set aside and tokenized again)."""
@@ -470,10 +471,10 @@ def _saved_stats(out: Path, has_val: bool) -> tuple[Prepared | None, str | None]
         train = DataStats(**saved["train"])
         val = DataStats(**saved["val"]) if saved["val"] else None
     except (OSError, ValueError, KeyError, TypeError):
-        return None, f"{path} does not hold the counts of a split"
+        return f"{path} does not hold the counts of a split"
     if has_val != (val is not None):
-        return None, f"{path} does not hold the counts of a split"
-    return Prepared(out, train, val, reused=True), None
+        return f"{path} does not hold the counts of a split"
+    return Prepared(out, train, val, reused=True)
 
 
 @contextlib.contextmanager
