@@ -272,34 +272,33 @@ def check_token_ids(cfg: RunConfig, prepared: Prepared) -> None:
                 chunk = ids[start : min(n, start + TOKEN_CHUNK)]
                 top = max(top, int(chunk.max()))
         if top >= vocab:
-            raise ConfigError(_beyond_vocab(cfg, split, top, vocab))
+            m = cfg.model
+            source, text = _vocab_source(cfg, top)
+            raise ConfigError(
+                f"data: the tokenized {split} split holds token id {top}{text}, and the model "
+                f"{m.name_or_path} has vocab_size {vocab} ({source}): it has no embedding for "
+                f"ids from {vocab} on, and every rank would fail on it; the tokenizer has tokens "
+                "the model has no embedding for (added special tokens?): train with the model's "
+                "own tokenizer, or with a checkpoint whose embeddings were resized to this "
+                "tokenizer"
+            )
 
 
-def _beyond_vocab(cfg: RunConfig, split: str, token: int, vocab: int) -> str:
-    """The refusal of a token id past the model's vocabulary: the id, the token's text where
-    the tokenizer's tokenizer.json names it (an added token), the vocabulary and where it was
-    read."""
+def _vocab_source(cfg: RunConfig, token: int) -> tuple[str, str]:
+    """For the refusal of a token id past the vocabulary: where vocab_size was read (the
+    checkpoint's config.json, else model.architecture) and the token's text, `` ('<|x|>')``,
+    where the tokenizer's tokenizer.json names it among its added tokens ("" where not)."""
     from memtune.config.architecture import checkpoint_config_file
 
     m = cfg.model
     found = None if m.synthesize else checkpoint_config_file(m.name_or_path, m.revision)
-    source = str(found) if found is not None else "model.architecture"
-    text = ""
-    tokenizer_json = (found.parent if found is not None else Path(m.name_or_path)) / (
-        "tokenizer.json"
-    )
+    folder = found.parent if found is not None else Path(m.name_or_path)
     try:
-        added = json.loads(tokenizer_json.read_text()).get("added_tokens") or []
+        added = json.loads((folder / "tokenizer.json").read_text()).get("added_tokens") or []
         text = next(f" ({t['content']!r})" for t in added if t.get("id") == token)
     except (OSError, ValueError, AttributeError, TypeError, KeyError, StopIteration):
-        pass
-    return (
-        f"data: the tokenized {split} split holds token id {token}{text}, and the model "
-        f"{m.name_or_path} has vocab_size {vocab} ({source}): it has no embedding for ids from "
-        f"{vocab} on, and every rank would fail on it; the tokenizer has tokens the model has "
-        "no embedding for (added special tokens?): train with the model's own tokenizer, or "
-        "with a checkpoint whose embeddings were resized to this tokenizer"
-    )
+        text = ""
+    return (str(found) if found is not None else "model.architecture"), text
 
 
 def vision_for_images(cfg: RunConfig, d: Decisions, prepared: Prepared) -> Decisions:
