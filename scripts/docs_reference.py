@@ -199,6 +199,13 @@ def _message(node: ast.expr) -> str:
 
 
 def _placeholder(node: ast.expr) -> str:
+    if (
+        isinstance(node, ast.Call)
+        and ast.unparse(node.func) == "str"
+        and len(node.args) == 1
+        and not node.keywords
+    ):
+        return _placeholder(node.args[0])  # str(p): the path p
     if isinstance(node, ast.Name):
         return "{" + node.id + "}"
     if isinstance(node, ast.Attribute):
@@ -222,7 +229,10 @@ def refusals() -> dict[str, list[tuple[str, str]]]:
                 name = ast.unparse(call.func).split(".")[-1]
                 if name not in REFUSALS or not call.args:
                     continue
-                entry = (func.name, " ".join(_message(call.args[0]).split()))
+                message = _message(call.args[0])
+                if name == "RecordError" and len(call.args) == 2:  # RecordError(where, message)
+                    message += ": " + _message(call.args[1])
+                entry = (func.name, " ".join(message.split()))
                 if not re.sub(r"\{[^}]*\}", "", entry[1]).strip(" :.,;()"):
                     continue  # a message made elsewhere, passed on ({problem})
                 if entry not in found.setdefault(module, []):
