@@ -134,10 +134,124 @@ def test_merge_refuses_a_missing_adapter_and_creates_nothing(tmp_path: Path) -> 
     assert list(tmp_path.iterdir()) == []
 
 
-def _adapter_dir(path: Path, base: str) -> Path:
-    path.mkdir(parents=True)
-    (path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": base}))
+LORA_CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
+
+
+def _safetensors(path: Path) -> Path:
+    """A whole safetensors file of one 4 × 4 fp32 tensor (written by safetensors itself)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.zeros((4, 4), dtype=np.float32)}, str(path))
     return path
+
+
+def _adapter_dir(path: Path, base: str) -> Path:
+    """An adapter memtune's checks take for whole (a LoRA config, its weights' file), naming
+    ``base``: what peft would load, short of the tensors' names."""
+    path.mkdir(parents=True)
+    config = {**LORA_CONFIG, "base_model_name_or_path": base}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    _safetensors(path / "adapter_model.safetensors")
+    return path
+
+
+def refused_in_process(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """``memtune ARGV`` run in this process (memtune.cli.main): exit code 2 and one line on
+    stderr; returns it."""
+    from memtune.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as stop:  # argparse's refusals (memtune.arguments.VerbParser)
+        code = stop.code  # type: ignore[assignment]
+    err = capsys.readouterr().err
+    assert code == EXIT_CONFIG, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def _truncate(path: Path, by: int) -> int:
+    """Cut ``by`` bytes off the end of ``path`` (a copy stopped short); returns its new size."""
+    size = path.stat().st_size - by
+    with path.open("r+b") as f:
+        f.truncate(size)
+    return size
+
+
+def test_a_damaged_adapter_is_one_line_naming_its_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """memtune merge and memtune generate share memtune.adapter_check: before, a config that
+    is not JSON was a JSONDecodeError, truncated weights a SafetensorError from peft, missing
+    weights huggingface_hub's "Repo id must be in the form ..." (tracebacks, exit 1)."""
+    whole = "give an adapter saved whole (a run's RUN_DIR/adapter, or a checkpoint's adapter/)"
+    bad_json = _adapter_dir(tmp_path / "bad-json", "/nonexistent-base")
+    (bad_json / "adapter_config.json").write_text("{not json")
+    truncated = _adapter_dir(tmp_path / "truncated", "/nonexistent-base")
+    weights = truncated / "adapter_model.safetensors"
+    full = weights.stat().st_size
+    size = _truncate(weights, 10)
+    no_weights = _adapter_dir(tmp_path / "no-weights", "/nonexistent-base")
+    (no_weights / "adapter_model.safetensors").unlink()
+    cases = {
+        bad_json: f"{bad_json}/adapter_config.json is not valid JSON (Expecting property name "
+        "enclosed in double quotes at line 1 column 2): damaged",
+        truncated: f"{weights} is truncated: {size:,} bytes, its header says {full:,}",
+        no_weights: f"{no_weights} has no adapter_model.safetensors (the adapter's weights): "
+        "saved only in part",
+    }
+    for adapter, said in cases.items():
+        line = refused_in_process(["merge", str(adapter), str(tmp_path / "out")], capsys)
+        assert line == f"memtune merge: {said}; {whole}"
+    assert not (tmp_path / "out").exists()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("{}\n")
+    truncated.rename(run / "adapter")
+    line = refused_in_process(["generate", str(run), "hi"], capsys)
+    assert line == (
+        f"memtune generate: {run}/adapter/adapter_model.safetensors is truncated: {size:,} "
+        f"bytes, its header says {full:,}; copy the run dir again, or merge one of its "
+        "checkpoints' adapter/ (memtune merge) and give the merged model with --model"
+    )
+
+
+def test_generate_refuses_a_model_whose_weights_are_cut_short(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """generate --model M where M/model.safetensors is truncated: before, SafetensorError."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("{}\n")
+    model = tmp_path / "merged"
+    model.mkdir()
+    (model / "config.json").write_text("{}\n")
+    weights = _safetensors(model / "model.safetensors")
+    full = weights.stat().st_size
+    size = _truncate(weights, 1)
+    line = refused_in_process(["generate", str(run), "hi", "--model", str(model)], capsys)
+    assert line == (
+        f"memtune generate: {weights} is truncated: {size:,} bytes, its header says {full:,}; "
+        "copy the model again, or merge it again (memtune merge)"
+    )
+
+
+def test_merge_names_a_base_path_that_does_not_exist(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: "base model /nope: cannot load it (Repo id must be in the form 'repo_name' ...",
+    transformers taking the missing path for a hub name."""
+    adapter = _adapter_dir(tmp_path / "adapter", "/nonexistent-base")
+    line = refused_in_process(
+        ["merge", str(adapter), str(tmp_path / "out"), "--base", "/nope"], capsys
+    )
+    assert line == (
+        "memtune merge: base model /nope: no such directory; give --base a model directory "
+        "saved with save_pretrained, or a hub name (Qwen/Qwen2.5-7B-Instruct)"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]  # no temporary left
 
 
 def test_merge_refuses_an_existing_non_empty_out_and_leaves_it_untouched(tmp_path: Path) -> None:

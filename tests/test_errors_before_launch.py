@@ -361,3 +361,47 @@ def test_a_token_id_beyond_the_models_vocabulary_is_refused(tmp_path: Path) -> N
     )
     data.write_text(json.dumps(rows[0]) + "\n")  # the token not in the data: nothing to refuse
     check_token_ids(cfg, prepare_data(given_config(compose(overrides))))
+
+
+# ------------------------------------------------------------------ a damaged peft.init_from
+
+
+def test_a_damaged_init_from_adapter_is_refused_before_launch(tmp_path: Path) -> None:
+    """peft.init_from=DIR whose adapter_config.json is not JSON was a JSONDecodeError traceback
+    before launch (exit 1); whose adapter_model.safetensors is cut short it passed the checks
+    and every rank stopped with SafetensorError. memtune.adapter_check (shared with memtune
+    merge and generate) reads the config and the weights' header, never the tensors."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    lora = {"peft_type": "LORA", "r": 16, "lora_alpha": 32, "target_modules": ["q_proj"]}
+    (adapter / "adapter_config.json").write_text(json.dumps(lora))
+    weights = adapter / "adapter_model.safetensors"
+    save_file({"w": np.zeros((8, 8), dtype=np.float32)}, str(weights))
+    whole = "give an adapter saved whole (a run's RUN_DIR/adapter, or a checkpoint's adapter/)"
+
+    def refusal() -> str:
+        cfg = to_run_config(compose([f"peft.init_from={adapter}"]))
+        with pytest.raises(ConfigError) as err:
+            validate(cfg)
+        return str(err.value)
+
+    full = weights.stat().st_size
+    with weights.open("r+b") as f:
+        f.truncate(full - 4)
+    assert refusal() == (
+        f"peft.init_from={adapter}: {weights} is truncated: {full - 4:,} bytes, its header "
+        f"says {full:,}; {whole}"
+    )
+    (adapter / "adapter_config.json").write_text('{"r": 16,')
+    assert refusal() == (
+        f"peft.init_from={adapter}: {adapter}/adapter_config.json is not valid JSON (Expecting "
+        f"property name enclosed in double quotes at line 1 column 10): damaged; {whole}"
+    )
+    (adapter / "adapter_config.json").write_text(json.dumps({**lora, "peft_type": "IA3"}))
+    assert refusal() == (
+        f"peft.init_from={adapter}: {adapter}/adapter_config.json: peft_type 'IA3', not a LoRA "
+        f"adapter's settings (peft_type LORA); {whole}"
+    )

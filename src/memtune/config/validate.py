@@ -11,6 +11,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from memtune.adapter_check import WHOLE, adapter_problem
 from memtune.config import schema as schema_module
 from memtune.config.architecture import linear_attention_layers, moe_layers, routed_experts
 from memtune.config.decisions import (
@@ -848,6 +849,9 @@ def _check_init_from(cfg: RunConfig) -> None:
             f"peft.init_from={path}: no adapter there (adapter_config.json and "
             "adapter_model.safetensors; a run's adapter is RUN_DIR/adapter)"
         )
+    problem = adapter_problem(folder, weights_required=True)
+    if problem:  # damaged: not JSON, not a LoRA config, the weights cut short
+        raise ConfigError(f"peft.init_from={path}: {problem}; {WHOLE}")
     saved = json.loads(config_file.read_text())
     p = cfg.peft
     wanted = {"r": p.r, "lora_alpha": p.alpha, "target_modules": sorted(lora_targets(cfg))}

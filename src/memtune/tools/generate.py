@@ -23,11 +23,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from memtune.adapter_check import adapter_problem
 from memtune.config import ConfigError, load_run_config
 from memtune.config.architecture import is_multimodal
 from memtune.data.templates import IM_END, render_prompt, with_system
 from memtune.data.vision import IMAGE_PLACEHOLDER, ImageSettings
 from memtune.rundir import RunDir
+from memtune.safetensors_check import model_weights_problem
 
 
 def stop_token_ids(tokenizer: Any) -> list[int]:
@@ -188,8 +190,9 @@ def answer(
 
 
 def check_paths(run_dir: Path, model_dir: Path | None = None) -> None:
-    """ConfigError unless ``run_dir`` is a run dir with its config (and its adapter, without
-    ``model_dir``) and ``model_dir``, when given, holds a model."""
+    """ConfigError unless ``run_dir`` is a run dir with its config (and its adapter, whole,
+    without ``model_dir``) and ``model_dir``, when given, holds a model whose safetensors files
+    are whole (read from their headers: memtune.safetensors_check)."""
     rd = RunDir(run_dir)
     if not run_dir.is_dir():
         raise ConfigError(f"{run_dir}: no such directory (give a run dir: config.yaml, adapter/)")
@@ -198,9 +201,17 @@ def check_paths(run_dir: Path, model_dir: Path | None = None) -> None:
     if model_dir is not None:
         if not (model_dir / "config.json").is_file():
             raise ConfigError(f"{model_dir} has no config.json: not a model dir (memtune merge)")
+        problem = model_weights_problem(model_dir)
+        if problem:
+            raise ConfigError(f"{problem}; copy the model again, or merge it again (memtune merge)")
     elif not (rd.adapter / "adapter_config.json").is_file():
         raise ConfigError(
             f"{rd.adapter} has no adapter_config.json: the run saved no adapter (not finished?)"
+        )
+    elif problem := adapter_problem(rd.adapter):
+        raise ConfigError(
+            f"{problem}; copy the run dir again, or merge one of its checkpoints' adapter/ "
+            "(memtune merge) and give the merged model with --model"
         )
 
 

@@ -30,19 +30,44 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from memtune.adapter_check import WHOLE, adapter_problem
 from memtune.config import ConfigError, RunConfig, load_run_config
 from memtune.config.decisions import experts_of
 from memtune.config.schema import PeftMethod
 from memtune.filesystem import follow_umask
+from memtune.paths import is_local_source
 from memtune.rundir import DECISIONS, RecordError, read_decisions
+from memtune.safetensors_check import model_weights_problem
 
 # torch's names: torch is imported by merge() only, so a refused merge answers at once.
 DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 
 
 def base_of(adapter_dir: Path) -> str:
-    config = json.loads((adapter_dir / "adapter_config.json").read_text())
-    return str(config["base_model_name_or_path"])
+    """The base model the adapter names (its adapter_config.json's base_model_name_or_path)."""
+    config_file = adapter_dir / "adapter_config.json"
+    base = json.loads(config_file.read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ConfigError(
+            f"{config_file} names no base model (base_model_name_or_path): give --base"
+        )
+    return str(base)
+
+
+def base_problem(base: str) -> str | None:
+    """What keeps a base model on this machine from loading, in words naming it: a path that
+    does not exist, or a damaged safetensors file in it; None for one that looks whole, and
+    for a hub name (transformers' to find)."""
+    if not is_local_source(base):
+        return None
+    path = Path(base).expanduser()
+    if not path.exists():
+        return f"{base}: no such directory"
+    if not path.is_dir():
+        return f"{base} is a file, not a model directory"
+    if not (path / "config.json").is_file():
+        return f"{base} has no config.json: not a model saved with save_pretrained"
+    return model_weights_problem(path)
 
 
 @dataclass(frozen=True)
@@ -75,8 +100,8 @@ def trained_as(adapter_dir: Path) -> TrainedAs | None:
 
 
 def check_paths(adapter_dir: Path, out_dir: Path) -> None:
-    """ConfigError unless ``adapter_dir`` holds an adapter and ``out_dir`` is free: absent, or
-    an empty directory."""
+    """ConfigError unless ``adapter_dir`` holds a whole adapter (memtune.adapter_check) and
+    ``out_dir`` is free: absent, or an empty directory."""
     if not adapter_dir.is_dir():
         raise ConfigError(f"{adapter_dir}: no such directory (give RUN_DIR/adapter)")
     if not (adapter_dir / "adapter_config.json").is_file():
@@ -91,6 +116,9 @@ def check_paths(adapter_dir: Path, out_dir: Path) -> None:
             f"{out_dir} already exists and is not an empty directory; merge writes only a new "
             "one: give another OUT, or move that one away yourself"
         )
+    problem = adapter_problem(adapter_dir)
+    if problem:
+        raise ConfigError(f"{problem}; {WHOLE}")
 
 
 def merged_dtype(trained: TrainedAs | None, asked: str | None) -> str:
@@ -143,6 +171,18 @@ def _merge_into(
     dtype: str,
     into: str,
 ) -> None:
+    cfg = trained.cfg if trained is not None else None
+    # The revision the run trained on, unless another base is given (its own main).
+    revision = cfg.model.revision if cfg is not None and base is None else None
+    given = base is not None
+    base = base or base_of(adapter_dir)
+    problem = base_problem(base)
+    if problem:
+        where = "give --base" if given else "the adapter names it; give --base"
+        raise ConfigError(
+            f"base model {problem}; {where} a model directory saved with save_pretrained, or a "
+            "hub name (Qwen/Qwen2.5-7B-Instruct)"
+        )
     # Inside the function: torch, transformers and peft take seconds to import.
     import torch
     from peft import PeftModel
@@ -152,10 +192,6 @@ def _merge_into(
     from memtune.rank.vision import NOT_QUANTIZED
     from memtune.tools.generate import base_class
 
-    cfg = trained.cfg if trained is not None else None
-    # The revision the run trained on, unless another base is given (its own main).
-    revision = cfg.model.revision if cfg is not None and base is None else None
-    base = base or base_of(adapter_dir)
     # The base's own class: a multimodal checkpoint merges into one of its kind, vision tower
     # and all (its adapter is named for that class).
     model_class = base_class(base, revision, adapter_dir)
