@@ -254,6 +254,40 @@ def test_merge_names_a_base_path_that_does_not_exist(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]  # no temporary left
 
 
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (
+            ["generate", "/nonexistent", "hi", "--max-new-tokens", "-5"],
+            "memtune generate: argument --max-new-tokens: must be a whole number > 0 (got -5)",
+        ),
+        (
+            ["generate", "/nonexistent", "hi", "--max-new-tokens", "0"],
+            "memtune generate: argument --max-new-tokens: must be a whole number > 0 (got 0)",
+        ),
+        (
+            ["preflight", "--gpus", "-1"],
+            "memtune preflight: argument --gpus: must be a whole number > 0 (got -1)",
+        ),
+        (
+            ["preflight", "--gpus", "two"],
+            "memtune preflight: argument --gpus: 'two' is not a whole number",
+        ),
+        (
+            ["preflight", "--gpus", "1", "--timeout", "0"],
+            "memtune preflight: argument --timeout: must be a number > 0 (got 0)",
+        ),
+    ],
+)
+def test_a_number_a_verb_cannot_use_is_one_line(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: --max-new-tokens -5 was transformers' ValueError traceback; preflight --gpus -1
+    checked for "-1" GPUs and exited 0."""
+    verb = argv[0]
+    assert refused_in_process(argv, capsys) == f"{said}; see memtune {verb} --help"
+
+
 def test_merge_refuses_an_existing_non_empty_out_and_leaves_it_untouched(tmp_path: Path) -> None:
     adapter = _adapter_dir(tmp_path / "run" / "adapter", "/nonexistent-base")
     out = tmp_path / "mine"

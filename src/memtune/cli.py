@@ -24,6 +24,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from memtune.arguments import VerbParser
 from memtune.exit_codes import EXIT_CONFIG
 
 Verb = Callable[[list[str]], int | None]
@@ -31,7 +32,7 @@ Verb = Callable[[list[str]], int | None]
 
 def _plan(argv: list[str]) -> int:
     """What ``train.py ... plan_only=true`` prints, without Hydra's main (no run dir made)."""
-    parser = argparse.ArgumentParser(
+    parser = VerbParser(
         prog="memtune plan",
         description="The per-rank memory plan of a config, with what a launch would decide "
         "(checkpoint_layers=auto, plan.auto_fit); writes nothing, launches nothing.",

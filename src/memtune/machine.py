@@ -168,7 +168,9 @@ def lock_line(path: Path = REPO_LOCK) -> str | None:
 def main(argv: list[str] | None = None) -> None:
     import argparse  # in main: the library functions above need no command line
 
-    parser = argparse.ArgumentParser(
+    from memtune.arguments import VerbParser
+
+    parser = VerbParser(
         prog="memtune machine",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from memtune.arguments import VerbParser, positive_float, positive_int
 from memtune.config import LauncherConfig
 from memtune.exit_codes import EXIT_CONFIG
 
@@ -315,15 +316,15 @@ def for_launch(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = VerbParser(
         prog="memtune preflight",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--gpus", type=int, required=True, help="GPUs this node must have")
-    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--gpus", type=positive_int, required=True, help="GPUs this node must have")
+    parser.add_argument("--nnodes", type=positive_int, default=1)
     parser.add_argument("--json", type=Path, help="write the record here")
-    parser.add_argument("--timeout", type=float, default=CHECK_TIMEOUT_S)
+    parser.add_argument("--timeout", type=positive_float, default=CHECK_TIMEOUT_S)
     args = parser.parse_args(argv)
     try:
         record = run_checks(args.gpus, args.nnodes, args.timeout)

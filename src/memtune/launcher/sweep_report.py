@@ -6,7 +6,6 @@ Written at the end of every ``python train.py -m ...`` (a Hydra callback), and o
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from memtune.arguments import VerbParser
 from memtune.rundir import RunDir
 
 COLUMNS = [
@@ -212,7 +212,7 @@ class SweepReport:
 def main(argv: list[str] | None = None) -> None:
     from memtune.config import ConfigError  # in main: only the command line's bad input uses it
 
-    parser = argparse.ArgumentParser(prog="memtune report", description=__doc__)
+    parser = VerbParser(prog="memtune report", description=__doc__)
     parser.add_argument("sweep_dir", type=Path, help="a multirun dir: multirun/DATE/TIME-EXP")
     args = parser.parse_args(argv)
     if not args.sweep_dir.is_dir():

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from memtune.adapter_check import adapter_problem
+from memtune.arguments import VerbParser, positive_int
 from memtune.config import ConfigError, load_run_config
 from memtune.config.architecture import is_multimodal
 from memtune.data.templates import IM_END, render_prompt, with_system
@@ -216,7 +217,7 @@ def check_paths(run_dir: Path, model_dir: Path | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = VerbParser(
         prog="memtune generate",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("run_dir", type=Path, help="a finished run dir (config.yaml, adapter/)")
     parser.add_argument("prompt")
     parser.add_argument("--model", type=Path, help="a merged model dir instead of base+adapter")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument(
         "--thinking",
         action="store_true",

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memtune.adapter_check import WHOLE, adapter_problem
+from memtune.arguments import VerbParser
 from memtune.config import ConfigError, RunConfig, load_run_config
 from memtune.config.decisions import experts_of
 from memtune.config.schema import PeftMethod
@@ -266,7 +267,7 @@ def copy_processor_files(base: str, revision: str | None, out_dir: Path) -> list
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = VerbParser(
         prog="memtune merge",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

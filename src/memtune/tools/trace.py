@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from memtune.arguments import VerbParser
 from memtune.config import compose, to_run_config
 from memtune.config.architecture import resolve_architecture
 from memtune.memory.fit import fit_to_device
@@ -19,7 +20,7 @@ from memtune.tools.step_trace import format_trace, trace_step
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = VerbParser(
         prog="memtune trace",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
