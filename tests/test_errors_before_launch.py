@@ -405,3 +405,83 @@ def test_a_damaged_init_from_adapter_is_refused_before_launch(tmp_path: Path) ->
         f"peft.init_from={adapter}: {adapter}/adapter_config.json: peft_type 'IA3', not a LoRA "
         f"adapter's settings (peft_type LORA); {whole}"
     )
+
+
+# ------------------------------------------------------------------ numbers that mean nothing
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("plan.device_gib=-1", "plan.device_gib must be > 0 or null (got -1.0)"),
+        ("plan.device_gib=0", "plan.device_gib must be > 0 or null (got 0.0)"),
+        ("plan.host_gib=-2", "plan.host_gib must be > 0 or null (got -2.0)"),
+        ("plan.host_link_gb_s=0", "plan.host_link_gb_s must be > 0 (got 0.0)"),
+        ("launcher.omp_threads=0", "launcher.omp_threads must be > 0 or null (got 0)"),
+        ("trainer.weight_decay=-0.1", "trainer.weight_decay must be >= 0 (got -0.1)"),
+        ("trainer.optim_8bit_min_size=-1", "trainer.optim_8bit_min_size must be >= 0 (got -1)"),
+        ("data.num_workers=-1", "data.num_workers must be >= 0 (got -1)"),
+        ("trainer.seed=-1", "trainer.seed must be in [0, 2**32) (got -1; numpy's seeds)"),
+        (
+            "launcher.master_port=99999",
+            "launcher.master_port=99999 is not a port: choose one in 1-65535, or leave it unset "
+            "(null) for memtune's default",
+        ),
+        (
+            "launcher.master_port=0",
+            "launcher.master_port=0 is not a port: choose one in 1-65535, or leave it unset "
+            "(null) for memtune's default",
+        ),
+        (
+            "trainer.checkpoint_layers=99",
+            "trainer.checkpoint_layers=99: {model} has 2 layers (num_hidden_layers); choose "
+            "0-2, all, or auto",
+        ),
+        (
+            "trainer.selective_layers=3",
+            "trainer.selective_layers=3: {model} has 2 layers (num_hidden_layers); choose 0-2, "
+            "all, or auto",
+        ),
+    ],
+)
+def test_a_number_that_cannot_mean_anything_is_refused(override: str, message: str) -> None:
+    """Each passed validation before: plan.device_gib=-1 printed a whole plan ending "the
+    device has -1.00 GiB", launcher.master_port=99999 stopped every rank with "port must be
+    0-65535", trainer.seed=-1 with numpy's ValueError, and trainer.checkpoint_layers=99 on the
+    2-layer demo model ran as all, silently."""
+    cfg = to_run_config(compose([override]))
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, inputs=False)
+    assert str(err.value) == message.format(model=cfg.model.name_or_path)
+
+
+def test_memtune_plan_refuses_a_negative_device(capsys: pytest.CaptureFixture[str]) -> None:
+    from memtune.launcher.job import print_plan
+
+    assert print_plan(compose(["plan.device_gib=-1"])) == 2
+    out, err = capsys.readouterr()
+    assert err == "memtune: config error: plan.device_gib must be > 0 or null (got -1.0)\n"
+    assert "GiB" not in out
+
+
+def test_a_master_port_in_use_is_refused_before_the_ranks_start() -> None:
+    """Before: the ranks started and stopped with DistNetworkError EADDRINUSE."""
+    from memtune.launcher.spawn import check_master_port, free_port
+    from memtune.launcher.topology import resolve
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = to_run_config(compose([f"launcher.master_port={port}"]))
+        with pytest.raises(ConfigError) as err:
+            check_master_port(cfg, resolve(cfg))
+    assert str(err.value) == (
+        f"launcher.master_port={port}: the port is in use on this machine (127.0.0.1: another "
+        "job's ranks, or another program); choose a free port, or leave it unset: memtune "
+        "picks a free one"
+    )
+    free = to_run_config(compose([f"launcher.master_port={free_port()}"]))
+    check_master_port(free, resolve(free))
+    unset = to_run_config(compose([]))
+    check_master_port(unset, resolve(unset))  # memtune's own free port, picked at launch

@@ -86,11 +86,15 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
         "data.max_seq_len": cfg.data.max_seq_len,
         "plan.image_width": cfg.plan.image_width,
         "plan.image_height": cfg.plan.image_height,
+        "plan.host_link_gb_s": cfg.plan.host_link_gb_s,
     }
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} must be > 0 (got {value})")
     for key, rate in {
+        "plan.device_gib": cfg.plan.device_gib,
+        "plan.host_gib": cfg.plan.host_gib,
+        "launcher.omp_threads": cfg.launcher.omp_threads,
         "plan.device_tflops": cfg.plan.device_tflops,
         "plan.link_gb_s": cfg.plan.link_gb_s,
         "plan.device_gb_s": cfg.plan.device_gb_s,
@@ -99,8 +103,16 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
             raise ConfigError(f"{key} must be > 0 or null (got {rate})")
     if not 0.0 < cfg.plan.mfu <= 1.0:
         raise ConfigError(f"plan.mfu must be in (0, 1] (got {cfg.plan.mfu})")
-    if cfg.plan.images < 0:
-        raise ConfigError(f"plan.images must be >= 0 (got {cfg.plan.images})")
+    for key, count in {
+        "plan.images": cfg.plan.images,
+        "trainer.weight_decay": t.weight_decay,
+        "trainer.optim_8bit_min_size": t.optim_8bit_min_size,
+        "data.num_workers": cfg.data.num_workers,
+    }.items():
+        if count < 0:
+            raise ConfigError(f"{key} must be >= 0 (got {count})")
+    if not 0 <= t.seed < 2**32:
+        raise ConfigError(f"trainer.seed must be in [0, 2**32) (got {t.seed}; numpy's seeds)")
     if cfg.trainer.compile and cfg.peft.method != "lora":
         raise ConfigError(
             f"trainer.compile=true is only built and tested for peft.method=lora (a "
@@ -149,6 +161,12 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
         )
     if t.max_grad_norm < 0:
         raise ConfigError(f"trainer.max_grad_norm must be >= 0, 0 disables (got {t.max_grad_norm})")
+    port = cfg.launcher.master_port
+    if port is not None and not 1 <= port <= 65535:
+        raise ConfigError(
+            f"launcher.master_port={port} is not a port: choose one in 1-65535, or leave it "
+            "unset (null) for memtune's default"
+        )
     if cfg.launcher.num_ranks % cfg.launcher.nnodes:
         raise ConfigError(
             f"launcher.num_ranks={cfg.launcher.num_ranks} (all ranks) is not a multiple of "
@@ -202,6 +220,7 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
     if cfg.model.name_or_path in ("", "???"):
         raise ConfigError("model.name_or_path is not set: give a hub name or a local directory")
     _check_synthesized_path(cfg.model)
+    _check_layer_counts(cfg)
     _check_experts(cfg)
     _check_ulysses(cfg, requested_sp)
     _check_positions(cfg)
@@ -362,6 +381,21 @@ def _check_selective(cfg: RunConfig) -> None:
             f"trainer.selective_layers={value} with {why}: selective recompute is not built for "
             "that; leave trainer.selective_layers=auto (it keeps none there)"
         )
+
+
+def _check_layer_counts(cfg: RunConfig) -> None:
+    """trainer.checkpoint_layers / selective_layers as a number of layers the model has (they
+    were cut to the model's count without a word: 99 on a 2-layer model ran as all)."""
+    layers = int(cfg.model.architecture.get("num_hidden_layers") or 0)
+    if not layers:
+        return
+    for key in ("checkpoint_layers", "selective_layers"):
+        value = str(getattr(cfg.trainer, key))
+        if value.isdigit() and int(value) > layers:
+            raise ConfigError(
+                f"trainer.{key}={value}: {cfg.model.name_or_path} has {layers} layers "
+                f"(num_hidden_layers); choose 0-{layers}, all, or auto"
+            )
 
 
 def check_sequence_parallel(cfg: RunConfig, sp: int) -> None:

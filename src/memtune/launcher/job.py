@@ -34,7 +34,7 @@ from memtune.launcher.prepare import (
     prepare_run_dir,
     refuse_files_not_ours,
 )
-from memtune.launcher.spawn import launch
+from memtune.launcher.spawn import check_master_port, launch
 from memtune.launcher.topology import (
     NodeSpec,
     announce_ready,
@@ -257,6 +257,7 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
     try:
         given = given_config(cfg)
         spec = resolve(given)
+        check_master_port(given, spec)
         run_cfg, decisions, env = _decide_and_lay_out(cfg, given, spec, run_dir)
     except (ConfigError, PreflightError) as err:
         kind = "config error" if isinstance(err, ConfigError) else "preflight"

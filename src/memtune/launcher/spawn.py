@@ -17,6 +17,7 @@ starts DeepSpeed's per-node launcher on every node.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import itertools
 import os
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import psutil
 
-from memtune.config import RunConfig
+from memtune.config import ConfigError, RunConfig
 from memtune.exit_codes import EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_REQUEUE
 from memtune.filesystem import write_atomic
 from memtune.launcher.extensions import extensions_root
@@ -53,6 +54,39 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def port_in_use(port: int, addr: str = "127.0.0.1") -> bool:
+    """Whether something on this machine holds ``port`` at ``addr`` (a listening socket: the
+    rank-0 rendezvous store could not bind it). Bound with SO_REUSEADDR, as torch's store
+    binds, so the TIME_WAIT connections a finished job leaves on its port do not count; an
+    address that is not this machine's (a hostfile's node 0 elsewhere) is not checked."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((addr, port))
+    except OSError as err:  # socket.gaierror too: a name that does not resolve here
+        return err.errno == errno.EADDRINUSE
+    return False
+
+
+def check_master_port(cfg: RunConfig, spec: NodeSpec) -> None:
+    """An explicitly set launcher.master_port that is in use on this machine, refused before
+    the ranks start (they stopped with DistNetworkError EADDRINUSE after launch): on one node
+    at 127.0.0.1, the address the ranks meet at; in the per-node form on node 0, at
+    launcher.master_addr, where the store listens. A hostfile job's node 0 may be another
+    machine: not checked."""
+    port = cfg.launcher.master_port
+    if port is None or spec.node_rank != 0 or spec.form == "hostfile":
+        return
+    addr = "127.0.0.1" if spec.form == "local" else spec.master_addr
+    if addr is None or not port_in_use(port, addr):
+        return
+    unset = ", or leave it unset: memtune picks a free one" if spec.form == "local" else ""
+    raise ConfigError(
+        f"launcher.master_port={port}: the port is in use on this machine ({addr}: another "
+        f"job's ranks, or another program); choose a free port{unset}"
+    )
 
 
 def rank_env(cfg: RunConfig, base: dict[str, str] | None = None) -> dict[str, str]:
