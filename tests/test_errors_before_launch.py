@@ -485,3 +485,29 @@ def test_a_master_port_in_use_is_refused_before_the_ranks_start() -> None:
     check_master_port(free, resolve(free))
     unset = to_run_config(compose([]))
     check_master_port(unset, resolve(unset))  # memtune's own free port, picked at launch
+
+
+# ------------------------------------------------------------------ notes, not refusals
+
+
+def test_settings_that_do_less_than_they_seem_are_noted_at_start_up(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """trainer.eval_every without a validation split never evaluated, and a warmup longer
+    than the run never reached trainer.lr, both without a word."""
+    from memtune.launcher.prepare import given_config
+
+    given_config(
+        compose(["trainer.eval_every=1", "trainer.warmup_steps=50", "trainer.max_steps=2"])
+    )
+    notes = [line for line in capsys.readouterr().out.splitlines() if "note:" in line]
+    assert notes == [
+        "memtune: note: trainer.eval_every=1 without a validation split (data.val_fraction is 0 "
+        "and data.val_path is not set): nothing will be evaluated; hold some data out with "
+        "data.val_fraction=0.05 or give data.val_path",
+        "memtune: note: trainer.warmup_steps=50 with trainer.max_steps=2: the run ends inside "
+        "its warmup, so the learning rate peaks at 4% of trainer.lr=0.005; set "
+        "trainer.warmup_steps below 2 to reach it",
+    ]
+    given_config(compose(["trainer.eval_every=1", "data.val_fraction=0.1"]))
+    assert "note:" not in capsys.readouterr().out  # the demo: 24 steps, 3 of warmup

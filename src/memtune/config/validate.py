@@ -343,6 +343,28 @@ def config_warnings(cfg: RunConfig) -> list[str]:
     return out
 
 
+def config_notes(cfg: RunConfig) -> list[str]:
+    """Settings that do less than they seem to, one sentence each, printed at start-up as
+    ``memtune: note: ...``: allowed (a short test run may mean them), but silent otherwise."""
+    out = []
+    t, data = cfg.trainer, cfg.data
+    if t.eval_every and not data.val_fraction and not data.val_path:
+        out.append(
+            f"trainer.eval_every={t.eval_every} without a validation split (data.val_fraction "
+            "is 0 and data.val_path is not set): nothing will be evaluated; hold some data "
+            "out with data.val_fraction=0.05 or give data.val_path"
+        )
+    if t.warmup_steps >= t.max_steps:
+        # rank.loop.lr_factor: the last step (max_steps - 1 done) is still warming up
+        peak = t.max_steps / (t.warmup_steps + 1)
+        out.append(
+            f"trainer.warmup_steps={t.warmup_steps} with trainer.max_steps={t.max_steps}: the "
+            f"run ends inside its warmup, so the learning rate peaks at {peak:.0%} of "
+            f"trainer.lr={t.lr:g}; set trainer.warmup_steps below {t.max_steps} to reach it"
+        )
+    return out
+
+
 def selective_unbuilt(cfg: RunConfig) -> str | None:
     """What keeps selective recompute (trainer.selective_layers) from this run's settings, in
     words; None when it is built for them. The long-context switches are the decider's to

@@ -23,7 +23,7 @@ from memtune.config import (
 from memtune.config.architecture import base_fingerprint, resolve_architecture
 from memtune.config.decisions import Decisions, with_sections
 from memtune.config.deepspeed import build_ds_config
-from memtune.config.validate import config_warnings
+from memtune.config.validate import config_notes, config_warnings
 from memtune.data.cache import (
     Prepared,
     TokenizerFiles,
@@ -60,6 +60,8 @@ def given_config(cfg_node: DictConfig, inputs: bool = True) -> RunConfig:
     validate(cfg, inputs=inputs)
     for warning in config_warnings(cfg):
         print(f"memtune: warning: {warning}", flush=True)
+    for note in config_notes(cfg):
+        print(f"memtune: note: {note}", flush=True)
     return cfg
 
 
