@@ -511,3 +511,22 @@ def test_settings_that_do_less_than_they_seem_are_noted_at_start_up(
     ]
     given_config(compose(["trainer.eval_every=1", "data.val_fraction=0.1"]))
     assert "note:" not in capsys.readouterr().out  # the demo: 24 steps, 3 of warmup
+
+
+# ------------------------------------------------------------------ ~ the shell left alone
+
+
+def test_a_tilde_the_shell_did_not_expand_is_named() -> None:
+    """data.path=~/x.jsonl reaches Hydra with its ~ (the shell expands one at the start of a
+    word): before, "LexerNoViableAltException: data.path=~/x.jsonl ^"."""
+    from memtune.config.command_line import composition_problem
+
+    said = "the shell left this ~ unexpanded, and Hydra cannot read one"
+    assert composition_problem(["data.path=~/x.jsonl"]) == (
+        f"data.path=~/x.jsonl: {said}; write data.path=$HOME/x.jsonl instead (the shell "
+        "expands $HOME there)"
+    )
+    assert composition_problem(["-m", "peft.r=4,8", "run_dir=~bob/runs"]) == (
+        f"run_dir=~bob/runs: {said}; write the whole path instead"
+    )
+    assert composition_problem(["data.path='~/x.jsonl'"]) is None  # quoted for Hydra: a string

@@ -26,6 +26,21 @@ def one_line(err: BaseException) -> str:
     return f"{text} ({cause.splitlines()[0]})" if cause else text
 
 
+def unexpanded_home(arg: str) -> str | None:
+    """An override whose value starts with ``~`` (``data.path=~/x.jsonl``): the shell expands
+    ``~`` at the start of a word (and after ``NAME=``, NAME a shell variable's name, which
+    ``data.path`` is not), so it reaches Hydra as is, and Hydra's override grammar cannot read
+    it (``LexerNoViableAltException: data.path=~/x.jsonl ^``)."""
+    key, eq, value = arg.partition("=")
+    if not eq or not value.startswith("~"):
+        return None
+    if value == "~" or value.startswith("~/"):
+        fix = f"write {key}=$HOME{value[1:]} instead (the shell expands $HOME there)"
+    else:  # ~user/...
+        fix = "write the whole path instead"
+    return f"{arg}: the shell left this ~ unexpanded, and Hydra cannot read one; {fix}"
+
+
 def composition_problem(argv: list[str], env: Mapping[str, str] | None = None) -> str | None:
     """What composing train.py's arguments refuses, on one line; None when they compose, or
     when they are not ours to check: ``--help``, ``--cfg``, ``--info``, another config, a
@@ -52,6 +67,9 @@ def composition_problem(argv: list[str], env: Mapping[str, str] | None = None) -
     other = (args.config_path, args.config_name, args.config_dir, args.experimental_rerun)
     if any(asks) or any(other):
         return None
+    for arg in args.overrides:
+        if problem := unexpanded_home(arg):
+            return problem
     try:
         fixed: list[str] = []
         swept: list[list[str]] = []  # each swept key's overrides, one a value
