@@ -19,8 +19,6 @@ WEIGHTS = "adapter_model.safetensors"
 OLD_WEIGHTS = "adapter_model.bin"
 """peft's pickled weights (older peft, or safe_serialization=False): peft still reads them; their
 contents are not checked."""
-WHOLE = "give an adapter saved whole (a run's RUN_DIR/adapter, or a checkpoint's adapter/)"
-"""What to do about a damaged adapter, said after :func:`adapter_problem`'s words."""
 
 
 def adapter_problem(folder: Path, weights_required: bool = False) -> str | None:

@@ -11,7 +11,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from memtune.adapter_check import WHOLE, adapter_problem
+from memtune.adapter_check import adapter_problem
 from memtune.config import schema as schema_module
 from memtune.config.architecture import linear_attention_layers, moe_layers, routed_experts
 from memtune.config.decisions import (
@@ -907,7 +907,10 @@ def _check_init_from(cfg: RunConfig) -> None:
         )
     problem = adapter_problem(folder, weights_required=True)
     if problem:  # damaged: not JSON, not a LoRA config, the weights cut short
-        raise ConfigError(f"peft.init_from={path}: {problem}; {WHOLE}")
+        raise ConfigError(
+            f"peft.init_from={path}: {problem}; give an adapter saved whole (a run's "
+            "RUN_DIR/adapter, or a checkpoint's adapter/)"
+        )
     saved = json.loads(config_file.read_text())
     p = cfg.peft
     wanted = {"r": p.r, "lora_alpha": p.alpha, "target_modules": sorted(lora_targets(cfg))}

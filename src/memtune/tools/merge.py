@@ -30,7 +30,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from memtune.adapter_check import WHOLE, adapter_problem
+from memtune.adapter_check import adapter_problem
 from memtune.arguments import VerbParser
 from memtune.config import ConfigError, RunConfig, load_run_config
 from memtune.config.decisions import experts_of
@@ -119,7 +119,10 @@ def check_paths(adapter_dir: Path, out_dir: Path) -> None:
         )
     problem = adapter_problem(adapter_dir)
     if problem:
-        raise ConfigError(f"{problem}; {WHOLE}")
+        raise ConfigError(
+            f"{problem}; give an adapter saved whole (a run's RUN_DIR/adapter, or a "
+            "checkpoint's adapter/)"
+        )
 
 
 def merged_dtype(trained: TrainedAs | None, asked: str | None) -> str:
