@@ -7,11 +7,11 @@ pipe between them) or, worse, train: transformers loads what matches, drops the 
 class has no place for and draws the ones the weights lack at random, with a warning the ranks'
 logs bury. Here each is one line naming the file and what is wrong.
 
-What is read: every safetensors file's header (the 8-byte length and the JSON after it: every
-tensor's name, shape and byte range; never a tensor), its size against the bytes the header
-needs, and the model transformers would build from config.json, on the meta device (no memory,
-~2 s for a 7B), whose parameter names and shapes the headers are held to. Names are compared
-only where the checkpoint uses the class's own names for most of its tensors: a multimodal
+What is read: every safetensors file's header (memtune.safetensors_check: every tensor's
+name, shape and byte range; never a tensor), its size against the bytes the header needs,
+and the model transformers would build from config.json, on the meta device (no memory, ~2 s
+for a 7B), whose parameter names and shapes the headers are held to. Names are compared only
+where the checkpoint uses the class's own names for most of its tensors: a multimodal
 checkpoint read as its language model, a mixture's experts stored one by one (transformers
 fuses them while loading) or pre-quantized weights are left to the loader.
 """
@@ -24,88 +24,24 @@ from pathlib import Path
 from typing import Any
 
 from memtune.config.schema import ConfigError
+from memtune.safetensors_check import INDEX, model_weights_problem, tensor_shapes
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 """A folder with none of these has no tokenizer: transformers then builds an empty one, and
 every record tokenizes to nothing (the data step reports 0 samples, not why)."""
 
-MAX_HEADER = 100 << 20
-"""safetensors' own limit on a header's length (its loader refuses a longer one)."""
-
-
-def safetensors_problem(path: Path) -> str | None:
-    """What is wrong with a safetensors file, read from its header alone: too short to hold
-    one, a header length past the end, a header that is not JSON, or fewer bytes than the
-    tensors' byte ranges need (a download cut short). None when it is whole."""
-    try:
-        _, size, need = _read_header(path)
-    except ValueError as err:
-        return f"{path}: {err}"
-    if size < need:
-        return (
-            f"{path}: {size:,} bytes where its header needs {need:,}: truncated (a download or "
-            "copy cut short?); fetch the file again"
-        )
-    return None
-
-
-def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Every tensor's name and shape in a whole safetensors file (its header)."""
-    header, _, _ = _read_header(path)
-    return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
-
-
-def _read_header(path: Path) -> tuple[dict[str, Any], int, int]:
-    """(header, file size, bytes the header says the file holds); ValueError in words."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{size} bytes: not a safetensors file (truncated?)")
-        n = int.from_bytes(head, "little")
-        if n > min(size - 8, MAX_HEADER):
-            raise ValueError(
-                f"its header claims {n:,} bytes of a {size:,}-byte file: truncated, or not a "
-                "safetensors file"
-            )
-        try:
-            header = json.loads(f.read(n))
-        except ValueError:
-            raise ValueError("its header is not JSON: damaged, or not a safetensors file") from None
-    if not isinstance(header, dict):
-        raise ValueError("its header is not a table of tensors: not a safetensors file")
-    try:
-        end = max(
-            (int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
-            default=0,
-        )
-    except (KeyError, TypeError, ValueError, IndexError):
-        raise ValueError("its header lacks tensors' byte ranges: not a safetensors file") from None
-    return header, size, 8 + n + end
-
 
 def weight_files(folder: Path) -> list[Path]:
     """The checkpoint's safetensors files (its index's shards, else ``*.safetensors``); a
-    ConfigError when the folder has no weights or its index lists a shard that is not there.
-    A PyTorch ``.bin`` checkpoint has none to check: []."""
-    index = folder / "model.safetensors.index.json"
+    ConfigError when the folder has no weights. A PyTorch ``.bin`` checkpoint has none to
+    check: []."""
+    index = folder / INDEX
     if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, AttributeError) as err:
-            raise ConfigError(f"{index}: cannot read its weight_map ({err})") from None
-        missing = [s for s in shards if not (folder / s).is_file()]
-        if missing:
-            raise ConfigError(
-                f"{folder}: {index.name} lists {len(missing)} of its {len(shards)} weight files "
-                f"that are not there ({_some(missing)}): a download cut short? fetch them again"
-            )
-        return [folder / s for s in shards]
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+        return [folder / s for s in sorted(shards)]
     found = sorted(folder.glob("*.safetensors"))
-    if found:
+    if found or any(folder.glob("pytorch_model*.bin")):
         return found
-    if any(folder.glob("pytorch_model*.bin")):
-        return []
     raise ConfigError(
         f"{folder} has a config.json and no weights (model.safetensors, its index, or "
         "pytorch_model.bin): a download cut short, or the wrong folder?"
@@ -116,11 +52,10 @@ def check_checkpoint(folder: Path, trust_remote_code: bool = False) -> None:
     """A local checkpoint's files, before any rank loads them (module docstring): its
     weights whole and matching the model its config.json describes, and a tokenizer. A
     ConfigError naming the file and what is wrong."""
+    problem = model_weights_problem(folder)  # every file whole, every shard there
+    if problem:
+        raise ConfigError(problem)
     files = weight_files(folder)
-    for f in files:
-        problem = safetensors_problem(f)
-        if problem:
-            raise ConfigError(problem)
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ConfigError(
             f"{folder} has no tokenizer ({', '.join(TOKENIZER_FILES)}): copy the tokenizer files "

@@ -99,3 +99,12 @@ def model_weights_problem(folder: Path) -> str | None:
         if problem:
             return problem
     return None
+
+
+def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's name and shape in the safetensors file at ``path``, from its header (a
+    file :func:`safetensors_problem` passed)."""
+    with path.open("rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
