@@ -354,3 +354,22 @@ def test_selective_layers_where_they_are_not_built_are_refused_by_name() -> None
     d = decided(to_run_config(compose_cfg([])), recompute=0, selective=2)
     with pytest.raises(DecisionError, match="selective layers with tiled_mlp"):
         dataclasses.replace(d, tiled_mlp=True)
+
+
+def test_a_resume_compares_the_beta_a_run_trained_with() -> None:
+    """preference.beta unset trains with the objective's published default: a resume that
+    now names that value is the same run (a walk-through was refused with 'checkpoint None,
+    now 0.1'), and another value is a difference."""
+    from memtune.launcher.prepare import RunValues
+
+    def beta(*overrides: str) -> object:
+        cfg = to_run_config(compose_cfg(["experiment=demo-dpo-cpu", *overrides]))
+        return RunValues(cfg, None).value("preference.beta")
+
+    assert beta() == beta("preference.beta=0.1") == 0.1
+    assert (
+        beta("trainer.objective=simpo")
+        == 2.0
+        != beta("trainer.objective=simpo", "preference.beta=2.5")
+    )
+    assert RunValues(to_run_config(compose_cfg([])), None).value("preference.beta") is None  # SFT

@@ -293,6 +293,24 @@ def test_the_data_cache_follows_the_umask(tmp_path: Path) -> None:
     }
 
 
+def test_the_reference_tables_follow_the_umask(tmp_path: Path) -> None:
+    """DPO's reference tables (RUN_DIR/reference/) under umask 002: 0664, not safetensors'
+    0600 (a fresh-clone walk-through found them private)."""
+    import stat
+
+    import torch
+
+    from memtune.rank.reference import _write
+
+    old = os.umask(0o002)
+    try:
+        _write(tmp_path / "reference", "key", {"train": torch.zeros(4)})
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "reference").iterdir()}
+    assert set(modes.values()) == {0o664}, modes
+
+
 # ------------------------------------------------------------------ 10e: remote code, pinned
 
 

@@ -108,6 +108,20 @@ def needs_reference(cfg: RunConfig) -> bool:
     return cfg.trainer.objective in REFERENCE_OBJECTIVES
 
 
+DEFAULT_BETA = {"dpo": 0.1, "ipo": 0.1, "simpo": 2.0, "orpo": 0.1}
+"""The published defaults: DPO's and IPO's β 0.1 (TRL's DPOConfig), SimPO's β 2.0 with
+γ 0.5 (the SimPO paper's recommended range, torchtune's SimPOLoss), ORPO's λ 0.1 (the paper,
+TRL's ORPOConfig)."""
+
+
+def beta_of(cfg: RunConfig) -> float | None:
+    """preference.beta, or the objective's published default; None for SFT (no beta)."""
+    b = cfg.preference.beta
+    if b is not None:
+        return float(b)
+    return DEFAULT_BETA.get(cfg.trainer.objective)
+
+
 def preference_loss_kind(loss: str) -> str:
     """The head a preference objective reads per-token log-probabilities through: full logits
     (trainer.loss=plain) or the chunked frozen head (every other kind: Liger's fused

@@ -263,7 +263,7 @@ class PreferenceConfig:
     beta: float | None = None
     """How far the policy may move from the reference (dpo, ipo), or the reward scale (simpo),
     or the odds-ratio term's weight (orpo). null: the objective's published default (dpo 0.1,
-    ipo 0.1, simpo 2.0, orpo 0.1; rank.preference.DEFAULT_BETA)."""
+    ipo 0.1, simpo 2.0, orpo 0.1; config.derive.DEFAULT_BETA)."""
     label_smoothing: float = 0.0
     """dpo only: the assumed fraction of pairs whose labels are flipped (conservative DPO)."""
     simpo_gamma: float = 0.5

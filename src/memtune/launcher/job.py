@@ -357,7 +357,12 @@ def _report(code: int, spec: NodeSpec, run_dir: Path, sweeping: bool) -> int:
         # the same signal now requeues the job (hydra/launcher=slurm, max_num_timeout).
         signal.raise_signal(signal.SIGUSR2)
     RunDir(run_dir).write_exit(code)
-    if code == EXIT_REQUEUE:
+    if code == EXIT_REQUEUE and find_latest(RunDir(run_dir).checkpoints)[0] is None:
+        print(
+            f"memtune: stopped before the first step (exit code {code}): nothing was saved, the "
+            f"same command starts over; run dir {run_dir}"
+        )
+    elif code == EXIT_REQUEUE:
         print(f"memtune: stopped with a checkpoint (exit code {code}); run dir {run_dir}")
     elif code == EXIT_INTERRUPTED:
         print(

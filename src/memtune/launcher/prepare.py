@@ -23,6 +23,7 @@ from memtune.config import (
 from memtune.config.architecture import base_fingerprint, resolve_architecture
 from memtune.config.decisions import Decisions, with_sections
 from memtune.config.deepspeed import build_ds_config
+from memtune.config.derive import beta_of
 from memtune.config.validate import config_notes, config_warnings
 from memtune.data.cache import (
     Prepared,
@@ -618,6 +619,8 @@ class RunValues:
     def value(self, key: str) -> Any:
         if self.d is not None and key in DECIDED_KEYS:
             return DECIDED_KEYS[key](self.d)
+        if key == "preference.beta":  # the beta it trained with: unset is the objective's own
+            return beta_of(self.cfg)
         return get_field(self.cfg, key)
 
 

@@ -247,16 +247,19 @@ def loss_module(cfg: RunConfig, d: Decisions, model: Any, device: torch.device) 
     chunk = cfg.trainer.loss_chunk_tokens
     if cfg.trainer.objective == "sft":
         return CausalLMLoss(model, loss_kind, chunk)
-    from memtune.rank.preference import PreferenceLoss, beta_of
+    from memtune.config.derive import beta_of
+    from memtune.rank.preference import PreferenceLoss
 
     p = cfg.preference
     kind = preference_loss_kind(loss_kind)
+    beta = beta_of(cfg)
+    assert beta is not None  # every preference objective has one
     return PreferenceLoss(
         model,
         kind,
         chunk,
         cfg.trainer.objective,
-        beta_of(cfg),
+        beta,
         p.label_smoothing,
         p.simpo_gamma,
         reference_adapter=cfg.peft.init_from is not None,

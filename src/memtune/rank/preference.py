@@ -44,7 +44,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from memtune.config import RunConfig
 from memtune.config.derive import REFERENCE_OBJECTIVES
 from memtune.data.encode import IGNORE_INDEX
 from memtune.rank.experts import experts_off
@@ -55,10 +54,6 @@ from memtune.rank.loss import (
     next_token_targets,
 )
 
-DEFAULT_BETA = {"dpo": 0.1, "ipo": 0.1, "simpo": 2.0, "orpo": 0.1}
-"""The published defaults: DPO's and IPO's β 0.1 (TRL's DPOConfig), SimPO's β 2.0 with
-γ 0.5 (the SimPO paper's recommended range, torchtune's SimPOLoss), ORPO's λ 0.1 (the paper,
-TRL's ORPOConfig)."""
 STATS = (
     "rewards/chosen",
     "rewards/rejected",
@@ -85,12 +80,6 @@ class SumOverGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
-
-
-def beta_of(cfg: RunConfig) -> float:
-    """preference.beta, or the objective's published default."""
-    b = cfg.preference.beta
-    return DEFAULT_BETA[cfg.trainer.objective] if b is None else float(b)
 
 
 def sequence_logps(

@@ -38,6 +38,7 @@ from memtune.data.batching import collate_packed as _collate
 from memtune.data.cache import load_split
 from memtune.data.loaders import blank_sample
 from memtune.data.packing import pack_bins
+from memtune.filesystem import follow_umask
 from memtune.integrity import MANIFEST, Store
 from memtune.rank.loop import MODEL_INPUTS
 from memtune.rank.sequence_parallel import SequenceGroups, shard_batch
@@ -304,5 +305,6 @@ def _write(folder: Path, key: str, tables: dict[str, torch.Tensor]) -> None:
     meta = {"key": key}  # one entry (FORMAT is in the key): safetensors orders several at random
     save_file({k: v.contiguous() for k, v in tables.items()}, str(tmp), metadata=meta)
     (folder / MANIFEST).unlink(missing_ok=True)  # the old tables' list goes first
+    follow_umask(tmp)  # safetensors writes 0600: the user's umask decides, as for any file
     tmp.replace(folder / TABLES)
     REFERENCE_TABLES.seal(folder)

@@ -492,11 +492,13 @@ class RankRun:
         hooks = self.hooks
         if hooks.saved_step != stop.last_step and stop.last_step > 0:
             hooks.save(stop.last_step, hooks.result_at_stop or result)
-        self.print0(
-            f"memtune: stopped by a signal after step {stop.last_step}; checkpoint saved. "
-            f"Run the same command again to continue (exit code {EXIT_REQUEUE}).",
-            flush=True,
-        )
+        if stop.last_step == 0:  # stopped while starting: no step ran, nothing to keep
+            said = "stopped by a signal before the first step; nothing to save. Run the same "
+            said += f"command again to start (exit code {EXIT_REQUEUE})."
+        else:
+            said = f"stopped by a signal after step {stop.last_step}; checkpoint saved. Run the "
+            said += f"same command again to continue (exit code {EXIT_REQUEUE})."
+        self.print0(f"memtune: {said}", flush=True)
         raise SystemExit(EXIT_REQUEUE) from None
 
     def finish(self, result: TrainResult, after_train: AfterTrain | None) -> None:
