@@ -93,3 +93,38 @@ def test_a_checkpoint_left_at_its_set_aside_name_is_still_found(tmp_path: Path) 
         (ckpt / "complete.json").write_text("{}")
     latest, _ = find_latest(root)
     assert latest == root / ".old-step-0000008.k3j2x_q"
+
+
+def test_the_adapter_a_stage_started_from_is_compared_by_content(tmp_path: Path, capsys) -> None:
+    """peft.init_from on resume: the same adapter moved resumes (said), another adapter at the
+    same path is a difference (a walk-through resumed DPO against a replaced SFT adapter)."""
+    import shutil
+
+    from memtune.config.architecture import adapter_fingerprint
+    from memtune.launcher.prepare import _start_differences
+    from memtune.rundir import BaseRecord, RunDir
+
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    (sft / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
+    (sft / "adapter_model.safetensors").write_bytes(b"weights one")
+    moved = tmp_path / "moved"
+    shutil.copytree(sft, moved)
+    assert adapter_fingerprint(sft) == adapter_fingerprint(moved) is not None
+    ckpt = tmp_path / "step-8"
+    ckpt.mkdir()
+    RunDir(ckpt).write_base(BaseRecord("base", "f", str(sft), adapter_fingerprint(sft)))
+
+    def now(path: Path) -> BaseRecord:
+        return BaseRecord("base", "f", str(path), adapter_fingerprint(path))
+
+    assert _start_differences(ckpt, now(sft)) == []
+    assert _start_differences(ckpt, now(moved)) == []
+    assert f"the adapter of peft.init_from moved ({sft} → {moved})" in capsys.readouterr().out
+    (sft / "adapter_model.safetensors").write_bytes(b"weights two")  # replaced in place
+    (said,) = _start_differences(ckpt, now(sft)) or [""]
+    assert said.startswith(f"  peft.init_from: the adapter at {sft} is not the one the checkpoint")
+    assert "(the same path)" in said
+    # a checkpoint from before the fingerprint: the path is compared instead
+    RunDir(ckpt).write_base(BaseRecord("base", "f"))
+    assert _start_differences(ckpt, now(sft)) is None

@@ -191,6 +191,11 @@ class BaseRecord:
     name_or_path: str
     fingerprint: str | None
     """None when the checkpoint is not on disk (a hub name not yet downloaded)."""
+    init_from: str | None = None
+    """peft.init_from: the adapter the stage starts from (and, for DPO / IPO, its reference)."""
+    init_from_fingerprint: str | None = None
+    """That adapter by content (config.architecture.adapter_fingerprint), compared as the base
+    is: the same adapter moved resumes, another one at the same path is refused."""
 
 
 @dataclass

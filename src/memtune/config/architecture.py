@@ -238,6 +238,22 @@ def base_fingerprint(name_or_path: str, revision: str | None = None) -> str | No
     return h.hexdigest()[:32]
 
 
+def adapter_fingerprint(folder: str | Path) -> str | None:
+    """An adapter folder's identity by content: its adapter_config.json and weights, whole
+    (an adapter is MBs, not GBs); None when the folder holds no adapter_config.json."""
+    path = Path(folder).expanduser()
+    config = path / "adapter_config.json"
+    if not config.is_file():
+        return None
+    h = hashlib.sha256(config.read_bytes())
+    for f in sorted(path.glob("adapter_model.*")):
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()[:32]
+
+
 def read_architecture(config_file: Path) -> dict[str, Any]:
     """The architecture fields of a config.json (KEPT_FIELDS that are present)."""
     try:

@@ -20,7 +20,11 @@ from memtune.config import (
     to_run_config,
     validate,
 )
-from memtune.config.architecture import base_fingerprint, resolve_architecture
+from memtune.config.architecture import (
+    adapter_fingerprint,
+    base_fingerprint,
+    resolve_architecture,
+)
 from memtune.config.decisions import Decisions, with_sections
 from memtune.config.deepspeed import build_ds_config
 from memtune.config.derive import beta_of
@@ -154,7 +158,9 @@ def prepare_run_dir(fitted: Fitted, run_dir: Path) -> tuple[RunConfig, Decisions
     shape = train_step_shape(cfg, d, prepared)
     print(f"memtune: {shape.line()}", flush=True)
     name, revision = cfg.model.name_or_path, cfg.model.revision
-    base = BaseRecord(name, base_fingerprint(name, revision))
+    start = cfg.peft.init_from
+    started = None if start is None else adapter_fingerprint(start)
+    base = BaseRecord(name, base_fingerprint(name, revision), start, started)
     resume = resolve_resume(cfg, d, rd, prepared.dir, base)
     if cfg.resume == "never":
         start_over(rd)
@@ -494,6 +500,10 @@ def resolve_resume(
     if diffs is None:
         diffs = []
         must_match |= BASE_BY_NAME
+    started = _start_differences(ckpt, base)
+    if started is not None:  # by content, not by path
+        diffs += started
+        del must_match["peft.init_from"]
     now = RunValues(cfg, d)
     for key, what in must_match.items():
         old, new = saved.value(key), now.value(key)
@@ -563,6 +573,33 @@ def _base_differences(cfg: RunConfig, ckpt: Path, base: BaseRecord | None) -> li
         print(
             f"memtune: the base model moved ({then.name_or_path} → {base.name_or_path}); "
             "the same config and weights, by content",
+            flush=True,
+        )
+    return []
+
+
+def _start_differences(ckpt: Path, base: BaseRecord | None) -> list[str] | None:
+    """The adapter the stage started from (peft.init_from) compared by content: [] when it is
+    the checkpoint's (wherever it now is), a difference line when it is not, None when either
+    side has no fingerprint (a checkpoint from before base.json held one, or no init_from on
+    either side: the path is compared instead)."""
+    saved = RunDir(ckpt)
+    if base is None or base.init_from_fingerprint is None or not saved.base.is_file():
+        return None
+    then = saved.read_base()
+    if then.init_from_fingerprint is None:
+        return None
+    if then.init_from_fingerprint != base.init_from_fingerprint:
+        same = "the same path" if then.init_from == base.init_from else f"then {then.init_from}"
+        return [
+            f"  peft.init_from: the adapter at {base.init_from} is not the one the checkpoint "
+            f"started from ({same}): its adapter_config.json or weights differ (the adapter "
+            "the stage started from; dpo and ipo: the reference)"
+        ]
+    if then.init_from != base.init_from:
+        print(
+            f"memtune: the adapter of peft.init_from moved ({then.init_from} → "
+            f"{base.init_from}); the same adapter, by content",
             flush=True,
         )
     return []
