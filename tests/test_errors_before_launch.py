@@ -56,7 +56,10 @@ def test_dataset_smaller_than_one_global_batch_is_refused(tmp_path: Path) -> Non
     assert "3 samples, packed into 1 row(s) of ≤ 128 tokens" in line
     # One micro step over the 2 demo ranks already takes 4 × 2 rows.
     assert "one micro step over the ranks already takes 8 rows" in line
-    assert "trainer.global_batch_size to at most 1" in line
+    # a setting that runs as it stands (a walk-through followed "at most 1" into a refusal)
+    assert "e.g. launcher.num_ranks=1 trainer.micro_batch_size=1 trainer.global_batch_size=1" in (
+        line
+    )
     assert "inf epochs" not in proc.stdout
     assert not (run_dir / "config.yaml").exists()  # the run dir holds no run
 
@@ -74,9 +77,9 @@ def test_step_shape_names_a_global_batch_that_fits() -> None:
     with pytest.raises(ConfigError) as err:
         step_shape(lengths, True, batch(32, micro_step=32), max_steps=5)
     assert "one micro step over the ranks already takes 32 rows" in str(err.value)
-    assert "lower trainer.micro_batch_size" in str(err.value)
-    # packed rows are the limit, the samples would do: packing=false is named
-    with pytest.raises(ConfigError, match=r"or set data\.packing=false"):
+    assert "trainer.micro_batch_size=1 trainer.global_batch_size=20" in str(err.value)
+    # packed rows are the limit, the samples would do: packing=false is named first
+    with pytest.raises(ConfigError, match=r"Fix: set data\.packing=false \(the global batch"):
         step_shape([30] * 20, True, batch(16), max_steps=5)
     with pytest.raises(ConfigError, match=r"has 20 samples: not one step"):
         step_shape(lengths, False, batch(32), max_steps=5)

@@ -134,14 +134,15 @@ def check_one_step(shape: StepShape, micro_step: int = 1) -> None:
             f"set trainer.global_batch_size={fits} (the most that fits: a multiple of "
             f"micro batch × data-parallel ranks = {micro_step})"
         )
-    else:
+    else:  # micro batch × data-parallel ranks must shrink too: a setting that runs, whole
         fix = (
-            f"one micro step over the ranks already takes {micro_step} {unit}: lower "
-            "trainer.micro_batch_size (or launcher.num_ranks) and trainer.global_batch_size to "
-            f"at most {shape.items}"
+            f"one micro step over the ranks already takes {micro_step} {unit}, so the micro "
+            "batch or the ranks must shrink with the global batch (it is a multiple of micro "
+            f"batch × data-parallel ranks), e.g. launcher.num_ranks=1 "
+            f"trainer.micro_batch_size=1 trainer.global_batch_size={shape.items}"
         )
-    if shape.packed and shape.samples >= shape.global_batch:
-        fix += " or set data.packing=false (the global batch then counts samples)"
+    if shape.packed and shape.samples >= shape.global_batch:  # the one change that does
+        fix = f"set data.packing=false (the global batch then counts samples), or {fix}"
     raise ConfigError(
         f"trainer.global_batch_size={shape.global_batch} takes {shape.global_batch:,} {unit} "
         f"per step, but the training data has {have}: not one step. Fix: {fix}, or give more "
