@@ -121,6 +121,11 @@ def test_a_pissa_start_trains_from_the_base_and_exports_for_the_released_base(
     config = json.loads((run.dir / "adapter" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"]) == (2 * run.cfg.peft.r, 2 * run.cfg.peft.alpha)
     assert config["init_lora_weights"] is True
+    trained = run.summary()["trainable_params"]  # the closing line says what was exported
+    assert (
+        f"parameters) in {run.dir / 'adapter'}; exported for the original base (the start "
+        f"rewrote it): r={2 * run.cfg.peft.r}, {2 * trained:,} parameters"
+    ) in out
     got, want = _plain_peft_logits(run)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     # And merged into the released base: the trained model, without peft.

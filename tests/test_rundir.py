@@ -128,3 +128,24 @@ def test_the_adapter_a_stage_started_from_is_compared_by_content(tmp_path: Path,
     # a checkpoint from before the fingerprint: the path is compared instead
     RunDir(ckpt).write_base(BaseRecord("base", "f"))
     assert _start_differences(ckpt, now(sft)) is None
+
+
+def test_resume_given_a_run_dir_names_its_checkpoint(tmp_path: Path) -> None:
+    """resume=RUN_DIR (not one of its checkpoints): the refusal says which checkpoint to give,
+    or run_dir= to continue in place (a walk-through got 'not a complete memtune checkpoint')."""
+    import pytest
+
+    from memtune.config import ConfigError, to_run_config
+    from memtune.launcher.prepare import resolve_resume
+    from memtune.rundir import RunDir
+    from tests.conftest import compose_cfg, decided
+
+    run = tmp_path / "full"
+    (run / "checkpoints").mkdir(parents=True)
+    cfg = to_run_config(compose_cfg([f"resume={run}"]))
+    with pytest.raises(ConfigError) as err:
+        resolve_resume(cfg, decided(cfg), RunDir(tmp_path / "new"), tmp_path)
+    assert str(err.value) == (
+        f"resume={run}: a run dir, not a checkpoint: give one of its checkpoints (it has none), "
+        f"or continue that run in place with run_dir={run} (resume=auto)"
+    )

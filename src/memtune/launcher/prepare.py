@@ -487,8 +487,18 @@ def resolve_resume(
             return None
     else:
         ckpt = Path(cfg.resume).expanduser().resolve()
+        if not is_complete(ckpt) and RunDir(ckpt).checkpoints.is_dir():
+            newest, _ = find_latest(RunDir(ckpt).checkpoints)
+            raise ConfigError(
+                f"resume={cfg.resume}: a run dir, not a checkpoint: give one of its checkpoints"
+                + (f" (its newest: resume={newest})" if newest is not None else " (it has none)")
+                + f", or continue that run in place with run_dir={cfg.resume} (resume=auto)"
+            )
         if not is_complete(ckpt):
-            raise ConfigError(f"resume={cfg.resume}: not a complete memtune checkpoint")
+            raise ConfigError(
+                f"resume={cfg.resume}: not a complete memtune checkpoint (a "
+                "RUN_DIR/checkpoints/step-N folder whose save finished)"
+            )
         problem = verify_manifest(ckpt)
         if problem is not None:
             raise ConfigError(f"resume={cfg.resume}: the checkpoint is damaged: {problem}")

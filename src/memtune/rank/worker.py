@@ -716,7 +716,25 @@ def closing_lines(ctx: RankContext, result: TrainResult, summary: Summary, vs_pl
         + "".join(f"memtune: vs plan: {line}\n" for line in vs_plan.lines)
         + f"memtune: data: {ctx.data_stats.line()}\n"
         f"memtune: adapter ({summary.adapter_tensors} tensors, {summary.trainable_params:,} "
-        f"parameters) in {ctx.rd.adapter}"
+        f"parameters) in {ctx.rd.adapter}" + exported_note(ctx.rd.adapter, summary.trainable_params)
+    )
+
+
+def exported_note(adapter: Path, trained: int) -> str:
+    """Where the exported adapter is not the trained one, what it is: a PiSSA or OLoRA start
+    exports for the original base at twice the rank (rank.checkpoint.for_original_base), read
+    from the files written; "" otherwise."""
+    from memtune.safetensors_check import tensor_shapes
+
+    weights = adapter / "adapter_model.safetensors"
+    if not weights.is_file():
+        return ""
+    exported = sum(math.prod(shape) for shape in tensor_shapes(weights).values())
+    if exported == trained:
+        return ""
+    r = json.loads((adapter / "adapter_config.json").read_text()).get("r")
+    return (
+        f"; exported for the original base (the start rewrote it): r={r}, {exported:,} parameters"
     )
 
 
