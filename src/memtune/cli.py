@@ -144,7 +144,9 @@ def run(verb: str, argv: list[str]) -> int:
 
     from memtune.config import ConfigError
     from memtune.config.command_line import one_line
+    from memtune.machine import name_cpu_accelerator
 
+    name_cpu_accelerator()  # a verb that loads peft loads DeepSpeed: no accelerator warning
     try:
         return VERBS[verb][0](argv) or 0
     except (ConfigError, HydraException, OmegaConfBaseException) as err:
