@@ -184,23 +184,32 @@ def profile_length(phase: Phase) -> int:
     return min(phase.mode.lengths)
 
 
+def at_profile_length(phase: Phase) -> tuple[Any, int, Any, Any, Any]:
+    """A phase's one rank on its device, at the profile's length: (device, length, settings,
+    decisions as a launch makes them, parameter counts); shared by the phases that measure
+    that step (profile-memtune, zero-cost)."""
+    from memtune.memory.counts import count_params
+
+    device = device_and_env(phase)
+    init_one_rank(device)
+    seq_len = profile_length(phase)
+    cfg0 = compose_cfg(phase.mode, phase.method, seq_len)
+    counts = count_params(cfg0)
+    cfg, d = decided_at(cfg0, seq_len, counts)
+    return device, seq_len, cfg, d, counts
+
+
 def run_profile_memtune(phase: Phase, deadline: float) -> None:
     """memtune's LoRA step, built as a rank builds it (memtune_runner), profiled."""
     from memtune.config.decisions import with_sections
     from memtune.config.deepspeed import build_ds_config
-    from memtune.memory.counts import count_params
     from memtune.rank.loop import TrainResult, train
     from memtune.rank.telemetry import NullLogger
 
     from .memtune_runner import build_memtune
 
     mode, method = phase.mode, phase.method
-    device = device_and_env(phase)
-    init_one_rank(device)
-    seq_len = profile_length(phase)
-    cfg0 = compose_cfg(mode, method, seq_len)
-    counts = count_params(cfg0)
-    cfg, d = decided_at(cfg0, seq_len, counts)
+    device, seq_len, cfg, d, counts = at_profile_length(phase)
     parts, _ = build_memtune(cfg, d, build_ds_config(cfg, d), device)
     engine = parts.engine
     labelled_layers = label_recompute(engine.module.model)

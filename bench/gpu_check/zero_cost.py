@@ -25,10 +25,9 @@ import itertools
 from typing import Any
 
 from .batches import synthetic_batch
-from .configs import compose_cfg, decided_at
 from .measure import empty_cache, peak_window, step_clock, timing
-from .profile import profile_length
-from .recorder import Phase, device_and_env, init_one_rank, time_left
+from .profile import at_profile_length
+from .recorder import Phase, time_left
 
 
 def run_zero_cost(phase: Phase, deadline: float) -> None:
@@ -36,7 +35,6 @@ def run_zero_cost(phase: Phase, deadline: float) -> None:
 
     from memtune.config.decisions import with_sections
     from memtune.config.deepspeed import build_ds_config
-    from memtune.memory.counts import count_params
     from memtune.rank.build import build_engine, loss_module
     from memtune.rank.loop import TrainResult, loss_units, train
     from memtune.rank.optim import build_optimizer, param_groups
@@ -45,12 +43,7 @@ def run_zero_cost(phase: Phase, deadline: float) -> None:
     from .memtune_runner import memtune_model
 
     mode, method = phase.mode, phase.method
-    device = device_and_env(phase)
-    init_one_rank(device)
-    seq_len = profile_length(phase)
-    cfg0 = compose_cfg(mode, method, seq_len)
-    counts = count_params(cfg0)
-    cfg, d = decided_at(cfg0, seq_len, counts)
+    device, seq_len, cfg, d, _ = at_profile_length(phase)
     ds_config = build_ds_config(cfg, d)
     built = memtune_model(cfg, d, ds_config, device)
     model = built.model
