@@ -8,7 +8,12 @@ a refusal is told from a pass by the exit code and the line) and the real config
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -157,7 +162,6 @@ def test_a_folder_memtune_cannot_make_or_write_is_named(tmp_path: Path) -> None:
     """run_dir, data.cache_dir or MEMTUNE_CACHE_DIR where a file stands (or on a read-only
     filesystem: the same check, os.access and statvfs) is one line naming the setting, before
     Hydra makes the run dir or memtune writes the cache, not an OSError's traceback."""
-    import os
 
     from memtune.config.command_line import composition_problem
     from memtune.filesystem import cannot_write
@@ -171,6 +175,51 @@ def test_a_folder_memtune_cannot_make_or_write_is_named(tmp_path: Path) -> None:
         f"run_dir={a_file / 'run'}: {a_file} is a file, not a folder; give the run a folder "
         "memtune can write"
     )
+    # an interpolation Hydra resolves only in its main is left to it (a review found these
+    # common sweep-style run dirs refused with a traceback)
+    assert composition_problem(["run_dir=runs/${hydra:job.name}"]) is None
+    # a folder on the way that cannot be entered (a review found a traceback): as root, which
+    # passes every permission check, the probe runs as another user (nobody) with a system
+    # Python that user may run, on a copy of memtune.filesystem (stdlib only) it may read
+    world = Path(tempfile.mkdtemp(prefix="memtune-perm-"))
+    try:
+        world.chmod(0o755)
+        shutil.copy(ROOT / "src" / "memtune" / "filesystem.py", world / "filesystem.py")
+        locked = world / "locked"
+        locked.mkdir(mode=0o700)
+        as_root = os.getuid() == 0
+        python = sys.executable
+        if as_root:
+            python = next(
+                (
+                    p
+                    for p in ("/usr/bin/python3", "/usr/local/bin/python3")
+                    if Path(p).is_file() and os.stat(p).st_mode & 0o001
+                ),
+                "",
+            )
+            if not python:
+                pytest.skip("as root, and no Python another user may run")
+        else:
+            locked.chmod(0o000)
+        probe = (
+            "import sys; from pathlib import Path; from filesystem import cannot_write; "
+            "print(cannot_write(Path(sys.argv[1])))"
+        )
+        said = subprocess.run(
+            [python, "-S", "-c", probe, str(locked / "inner" / "run")],
+            capture_output=True,
+            text=True,
+            env={"PYTHONPATH": str(world)},
+            user=65534 if as_root else None,
+            timeout=60,
+        )
+        assert said.stdout.strip() == (
+            f"cannot reach {locked / 'inner' / 'run'} (permission denied on a folder on the way)"
+        ), said.stderr
+    finally:
+        (world / "locked").chmod(0o700)
+        shutil.rmtree(world)
     args = [f"run_dir={tmp_path / 'run'}", "preprocess_only=true"]
     line = refused(run_train_py([*args, f"data.cache_dir={a_file}"], cwd=tmp_path))
     assert line == (

@@ -123,3 +123,32 @@ def test_a_field_of_the_wrong_type_is_one_line_before_launch(tiny: Path, tmp_pat
         f"refuses it as a qwen2 config: Field 'hidden_size' expected int, got str (value: "
         f"'{hidden}')"
     )
+
+
+def test_a_mixture_stored_expert_by_expert_is_not_a_mismatch(tmp_path: Path) -> None:
+    """transformers fuses a mixture's experts while loading; its saved checkpoints hold them
+    one by one: with few experts those names are most of the file, and were refused."""
+    from memtune.config import to_run_config
+
+    arch = dict(to_run_config(compose_cfg(["model=tiny-qwen3-moe"])).model.architecture)
+    folder = synthesize(tmp_path / "moe", arch)
+    check_checkpoint(folder)
+    edit_config(folder, num_local_experts=3)  # shapes still checked: the router's rows differ
+    assert "model.layers.0.mlp.gate.weight" in refusal(folder)
+
+
+def test_an_untied_head_missing_or_no_weights_at_all(tiny: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = copy(tiny, tmp_path)
+    weights = load_file(folder / "model.safetensors")
+    if "lm_head.weight" not in weights:  # tied in the demo: untie it, the head then saved
+        pytest.skip("the demo model ties its head")
+    del weights["lm_head.weight"]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    assert "the weights lack 1 of the model's tensors (lm_head.weight)" in refusal(folder)
+    edit_config(folder, tie_word_embeddings=True)  # tied: the head is the embedding
+    check_checkpoint(folder)
+    (folder / "model.safetensors").unlink()
+    check_checkpoint(folder, weights=False)  # preprocess_only: the tokenizer is what it needs
+    assert "has a config.json and no weights" in refusal(folder)

@@ -295,6 +295,7 @@ def test_auto_fit_is_applied_before_launch_and_recorded(tmp_path: Path, capsys) 
         "plan.auto_fit=true",
         "data=demo",
         "data.packing=false",  # packed at 4,096 tokens the 320 demo samples are 2 rows: no step
+        "preprocess_only=true",  # the stand-in has no weights: laid out, not launched
         f"model.name_or_path={stand_in}",
     ]
     cfg, d = lay_out(compose_cfg(overrides), tmp_path / "run")

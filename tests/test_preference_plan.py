@@ -80,8 +80,16 @@ def test_an_adapter_to_start_from_must_fit_the_run(tmp_path) -> None:
     with pytest.raises(ConfigError, match="no adapter there"):
         validate(cfg)
     folder.mkdir()
-    (folder / "adapter_model.safetensors").write_bytes(b"")
-    saved = {"r": 8, "lora_alpha": 32, "target_modules": sorted(lora_targets(cfg))}
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(1)}, str(folder / "adapter_model.safetensors"))  # whole
+    saved = {
+        "peft_type": "LORA",
+        "r": 8,
+        "lora_alpha": 32,
+        "target_modules": sorted(lora_targets(cfg)),
+    }
     (folder / "adapter_config.json").write_text(json.dumps(saved))
     with pytest.raises(ConfigError, match=r"the adapter has r=8, this run peft.r gives 16"):
         validate(cfg)

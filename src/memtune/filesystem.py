@@ -92,11 +92,8 @@ def follow_umask(path: Path) -> None:
 def free_bytes(path: Path) -> int | None:
     """Free bytes on the filesystem that holds ``path`` (or its nearest existing parent: the
     path may not be made yet); None when it cannot be asked."""
-    probe = Path(path).expanduser().absolute()
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
     try:
-        return shutil.disk_usage(probe).free
+        return shutil.disk_usage(_nearest_existing(Path(path).expanduser().absolute())).free
     except OSError:
         return None
 
@@ -109,14 +106,17 @@ def human_bytes(n: int) -> str:
 
 def cannot_write(path: Path) -> str | None:
     """Why memtune could not make or write into folder ``path``, in words, before it tries
-    (the path is a file, or its nearest existing folder is read-only or not the user's to
-    write); None when it can. The run dir, the data cache and the demo model's cache are
-    checked with it, so the refusal names the setting instead of an OSError from deep inside."""
+    (the path is a file, a folder on the way cannot be entered, or its nearest existing folder
+    is read-only or not the user's to write); None when it can. The run dir, the data cache
+    and the demo model's cache are checked with it, so the refusal names the setting instead of
+    an OSError from deep inside."""
     probe = Path(path).expanduser().absolute()
-    if probe.exists() and not probe.is_dir():
-        return f"{probe} is a file, not a folder"
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
+    try:
+        if probe.exists() and not probe.is_dir():
+            return f"{probe} is a file, not a folder"
+        probe = _nearest_existing(probe)
+    except PermissionError:
+        return f"cannot reach {path} (permission denied on a folder on the way)"
     if not probe.is_dir():
         return f"{probe} is a file, not a folder"
     if os.access(probe, os.W_OK | os.X_OK):
@@ -127,3 +127,10 @@ def cannot_write(path: Path) -> str | None:
         read_only = False
     why = "read-only filesystem" if read_only else "permission denied"
     return f"cannot write in {probe} ({why})"
+
+
+def _nearest_existing(path: Path) -> Path:
+    """``path`` or its nearest existing parent (PermissionError where one cannot be entered)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path

@@ -18,44 +18,36 @@ fuses them while loading) or pre-quantized weights are left to the loader.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 from memtune.config.schema import ConfigError
-from memtune.safetensors_check import INDEX, model_weights_problem, tensor_shapes
+from memtune.safetensors_check import model_weight_files, model_weights_problem, tensor_shapes
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 """A folder with none of these has no tokenizer: transformers then builds an empty one, and
 every record tokenizes to nothing (the data step reports 0 samples, not why)."""
 
 
-def weight_files(folder: Path) -> list[Path]:
-    """The checkpoint's safetensors files (its index's shards, else ``*.safetensors``); a
-    ConfigError when the folder has no weights. A PyTorch ``.bin`` checkpoint has none to
-    check: []."""
-    index = folder / INDEX
-    if index.is_file():
-        shards = set(json.loads(index.read_text())["weight_map"].values())
-        return [folder / s for s in sorted(shards)]
-    found = sorted(folder.glob("*.safetensors"))
-    if found or any(folder.glob("pytorch_model*.bin")):
-        return found
-    raise ConfigError(
-        f"{folder} has a config.json and no weights (model.safetensors, its index, or "
-        "pytorch_model.bin): a download cut short, or the wrong folder?"
-    )
+MIXTURE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""A config field that makes a mixture of experts (transformers' names across families)."""
 
 
-def check_checkpoint(folder: Path, trust_remote_code: bool = False) -> None:
+def check_checkpoint(folder: Path, trust_remote_code: bool = False, weights: bool = True) -> None:
     """A local checkpoint's files, before any rank loads them (module docstring): its
     weights whole and matching the model its config.json describes, and a tokenizer. A
-    ConfigError naming the file and what is wrong."""
+    ConfigError naming the file and what is wrong. ``weights`` False (preprocess_only: only
+    the tokenizer is needed yet): a folder without weights passes; damaged ones do not."""
     problem = model_weights_problem(folder)  # every file whole, every shard there
     if problem:
         raise ConfigError(problem)
-    files = weight_files(folder)
+    files = model_weight_files(folder)
+    if weights and not files and not any(folder.glob("pytorch_model*.bin")):
+        raise ConfigError(
+            f"{folder} has a config.json and no weights (model.safetensors, its index, or "
+            "pytorch_model.bin): a download cut short, or the wrong folder?"
+        )
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ConfigError(
             f"{folder} has no tokenizer ({', '.join(TOKENIZER_FILES)}): copy the tokenizer files "
@@ -82,7 +74,11 @@ def names_and_shapes_problem(
         return None
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     shared = shapes.keys() & expected.keys()
-    if len(shared) < len(shapes) / 2:
+    text = model.config.get_text_config()
+    # a mixture: checkpoints store the experts one by one, transformers fuses them while
+    # loading (its conversion mapping), so its names differ by design: shapes compared only
+    mixture = any(getattr(text, k, None) for k in MIXTURE_FIELDS)
+    if len(shared) < len(shapes) / 2 and not mixture:
         return None
     config = folder / "config.json"
     wrong = sorted(k for k in shared if shapes[k] != expected[k])
@@ -93,6 +89,8 @@ def names_and_shapes_problem(
             f"gives ({_some(listed, '; ')}): config.json and the weights come from different "
             "models; put the checkpoint's own config.json back"
         )
+    if mixture:
+        return None
     ignored = _patterns(model, "_keys_to_ignore_on_load_unexpected")
     extra = sorted(
         k for k in shapes.keys() - expected.keys() if not any(p.search(k) for p in ignored)
@@ -105,7 +103,11 @@ def names_and_shapes_problem(
             "names another architecture than the weights'; put the checkpoint's own "
             "config.json back"
         )
-    tied = set(getattr(model, "_tied_weights_keys", None) or ())
+    # the class names its tied pairs whether or not this config ties them: only a tied head
+    # may be absent from the weights (an untied one would start random)
+    tied = (
+        set(getattr(model, "_tied_weights_keys", None) or ()) if text.tie_word_embeddings else set()
+    )
     ignored = _patterns(model, "_keys_to_ignore_on_load_missing")
     lacking = sorted(
         k

@@ -77,10 +77,10 @@ def safetensors_problem(path: Path) -> str | None:
     return None
 
 
-def model_weights_problem(folder: Path) -> str | None:
-    """The first damaged safetensors file of a model saved in ``folder`` (every
-    ``*.safetensors`` there, and each shard its index names, which must exist); None when all
-    are whole, or the model keeps its weights in another format (not checked)."""
+def model_weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a model saved in ``folder``: every ``*.safetensors`` there and
+    each shard its index names (which may be missing: :func:`model_weights_problem` says so).
+    ValueError, in words naming the index, when the index cannot be read."""
     index = folder / INDEX
     names = {p.name for p in folder.glob("*.safetensors")}
     if index.is_file():
@@ -89,13 +89,24 @@ def model_weights_problem(folder: Path) -> str | None:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
             weight_map = None
         if not isinstance(weight_map, dict):
-            return f"{index} is not a safetensors index (no weight_map): damaged"
-        for shard in sorted({str(s) for s in weight_map.values()}):
-            if not (folder / shard).is_file():
-                return f"{folder} has no {shard}, which {INDEX} names: a shard is missing"
+            raise ValueError(f"{index} is not a safetensors index (no weight_map): damaged")
         names |= {str(s) for s in weight_map.values()}
-    for name in sorted(names):
-        problem = safetensors_problem(folder / name)
+    return [folder / name for name in sorted(names)]
+
+
+def model_weights_problem(folder: Path) -> str | None:
+    """The first damaged safetensors file of a model saved in ``folder`` (every
+    ``*.safetensors`` there, and each shard its index names, which must exist); None when all
+    are whole, or the model keeps its weights in another format (not checked)."""
+    try:
+        files = model_weight_files(folder)
+    except ValueError as err:
+        return str(err)
+    for f in files:
+        if not f.is_file():
+            return f"{folder} has no {f.name}, which {INDEX} names: a shard is missing"
+    for f in files:
+        problem = safetensors_problem(f)
         if problem:
             return problem
     return None

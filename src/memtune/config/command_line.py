@@ -54,6 +54,7 @@ def composition_problem(argv: list[str], env: Mapping[str, str] | None = None) -
     from hydra._internal.utils import get_args_parser
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
+    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     env = os.environ if env is None else env
@@ -93,7 +94,9 @@ def composition_problem(argv: list[str], env: Mapping[str, str] | None = None) -
                 compose([*fixed, *firsts[:i], value, *firsts[i + 1 :]])
     except (ConfigError, HydraException, OmegaConfBaseException) as err:
         return one_line(err)
-    run_dir = cfg.get("run_dir")  # Hydra makes it before memtune's code runs
+    # Hydra makes it before memtune's code runs; an interpolation Hydra resolves only then
+    # (${hydra:job.name}, ${oc.env:...}) is left to it
+    run_dir = OmegaConf.select(cfg, "run_dir", throw_on_resolution_failure=False)
     problem = cannot_write(Path(str(run_dir))) if run_dir else None
     if problem:
         return f"run_dir={run_dir}: {problem}; give the run a folder memtune can write"

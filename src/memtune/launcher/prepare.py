@@ -148,7 +148,8 @@ def prepare_run_dir(fitted: Fitted, run_dir: Path) -> tuple[RunConfig, Decisions
     elif Path(cfg.model.name_or_path).expanduser().is_dir():
         from memtune.model_files import check_checkpoint  # imports torch and transformers
 
-        check_checkpoint(Path(cfg.model.name_or_path).expanduser(), cfg.model.trust_remote_code)
+        folder = Path(cfg.model.name_or_path).expanduser()
+        check_checkpoint(folder, cfg.model.trust_remote_code, weights=not cfg.preprocess_only)
     prepared = prepare_data(cfg)
     check_token_ids(cfg, prepared)
     fitted = planned_for_data(fitted, prepared)
