@@ -149,3 +149,20 @@ def test_resume_given_a_run_dir_names_its_checkpoint(tmp_path: Path) -> None:
         f"resume={run}: a run dir, not a checkpoint: give one of its checkpoints (it has none), "
         f"or continue that run in place with run_dir={run} (resume=auto)"
     )
+
+
+def test_a_per_node_refusal_leaves_records_the_fixed_start_replaces(tmp_path: Path) -> None:
+    """Node 0 of a per-node job refused before layout writes exit.json and launch.json (the
+    other nodes' word of it): both memtune's, so the fixed start is not refused over them (a
+    review found 'holds launch.json'); a user's launch.json still is."""
+    from memtune.rundir import RunDir
+
+    rd = RunDir(tmp_path)
+    rd.write_exit(2, "config error: data.path ...")
+    rd.nodes_ready.write_text(json.dumps({"launch_id": "7", "nnodes": 2, "error": "data.path"}))
+    assert rd.refused_here() and rd.run_names_taken() == []
+    assert rd.refusal_records() == [rd.exit, rd.nodes_ready]
+    rd.nodes_ready.write_text(json.dumps({"nodes": ["a", "b"]}))  # not memtune's record
+    assert rd.run_names_taken() == [rd.nodes_ready]
+    rd.exit.write_text('{"mine": true}')
+    assert not rd.refused_here() and rd.run_names_taken() == [rd.exit, rd.nodes_ready]

@@ -448,8 +448,22 @@ class RunDir:
             return []
         found = {p for pattern in self.RUN_FILES for p in self.path.glob(pattern)}
         if self.refused_here():
-            found.discard(self.exit)
+            found -= set(self.refusal_records())
         return sorted(found)
+
+    def refusal_records(self) -> list[Path]:
+        """What a start refused before it laid a run out left under memtune's names (given
+        :meth:`refused_here`): its exit.json, and in the per-node form node 0's launch.json
+        telling the other nodes why (``{"launch_id", "nnodes", "error"}``, an error given)."""
+        records = [self.exit]
+        try:
+            mark = json.loads(self.nodes_ready.read_text())
+        except (OSError, ValueError):
+            return records
+        fields = {"launch_id", "nnodes", "error"}
+        if isinstance(mark, dict) and mark.keys() <= fields and mark.get("error"):
+            records.append(self.nodes_ready)
+        return records
 
     def not_ours(self, node_rank: int = 0) -> list[Path]:
         """What a start on node ``node_rank`` would write over although memtune did not write

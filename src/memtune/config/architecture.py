@@ -238,20 +238,21 @@ def base_fingerprint(name_or_path: str, revision: str | None = None) -> str | No
     return h.hexdigest()[:32]
 
 
-def adapter_fingerprint(folder: str | Path) -> str | None:
-    """An adapter folder's identity by content: its adapter_config.json and weights, whole
-    (an adapter is MBs, not GBs); None when the folder holds no adapter_config.json."""
-    path = Path(folder).expanduser()
-    config = path / "adapter_config.json"
-    if not config.is_file():
+def adapter_fingerprint(folder: str | Path | None) -> str | None:
+    """An adapter's identity by content: its weights (adapter_model.safetensors), whole (an
+    adapter is MBs, not GBs); the reference tables' key (rank.reference) and a resume's
+    comparison (launcher.prepare) read this one digest. r, alpha and targets are checked
+    apart (config.validate). None without a folder or weights there."""
+    if folder is None:
         return None
-    h = hashlib.sha256(config.read_bytes())
-    for f in sorted(path.glob("adapter_model.*")):
-        h.update(f.name.encode())
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()[:32]
+    weights = Path(folder).expanduser() / "adapter_model.safetensors"
+    if not weights.is_file():
+        return None
+    h = hashlib.sha256()
+    with open(weights, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def read_architecture(config_file: Path) -> dict[str, Any]:

@@ -165,7 +165,11 @@ def run_job(cfg: DictConfig) -> int:
         node_rank = this_node_rank(cfg.launcher)
         taken = RunDir(run_dir).not_ours(node_rank)
         if taken:  # the user's files under memtune's names: nothing written, not the refusal
-            refuse_files_not_ours(RunDir(run_dir), taken)
+            try:
+                refuse_files_not_ours(RunDir(run_dir), taken)
+            except ConfigError as err:
+                _tell_other_nodes(cfg, run_dir, str(err), taken)
+                raise
         with hold(run_dir, node_rank):
             _record_composition(cfg, run_dir)
             return _run(cfg, run_dir, sweeping)
@@ -179,6 +183,18 @@ def run_job(cfg: DictConfig) -> int:
         kind = "config error: " if isinstance(err, ConfigError) else ""
         print(f"memtune: {kind}{err}", file=sys.stderr)
         return _failed(EXIT_CONFIG, sweeping)
+
+
+def _tell_other_nodes(cfg: DictConfig, run_dir: Path, error: str, taken: list[Path]) -> None:
+    """Node 0 of a per-node job refused before it holds the run dir: the other nodes wait for
+    its launch.json (topology.wait_ready), so it says why there, unless a launch.json there is
+    among what is not memtune's. The one record written into such a dir, so that no node
+    waits an hour for a job that will not start."""
+    with contextlib.suppress(ConfigError, OSError):
+        spec = resolve(given_config(cfg))
+        per_node_0 = spec.form == "per-node" and spec.node_rank == 0
+        if per_node_0 and RunDir(run_dir).nodes_ready not in taken:
+            announce_ready(run_dir, spec, error=error)
 
 
 def _record_composition(cfg: DictConfig, run_dir: Path) -> None:

@@ -27,7 +27,7 @@ from memtune.config.architecture import (
 )
 from memtune.config.decisions import Decisions, with_sections
 from memtune.config.deepspeed import build_ds_config
-from memtune.config.derive import beta_of
+from memtune.config.derive import beta_of, needs_reference
 from memtune.config.validate import config_notes, config_warnings
 from memtune.data.cache import (
     Prepared,
@@ -127,8 +127,9 @@ def prepare_run_dir(fitted: Fitted, run_dir: Path) -> tuple[RunConfig, Decisions
     taken = rd.run_names_taken()
     if taken:
         refuse_files_not_ours(rd, taken)
-    if rd.refused_here():  # memtune's record of a refused start: this start replaces it
-        rd.exit.unlink()
+    if rd.refused_here():  # memtune's records of a refused start: this start replaces them
+        for record in rd.refusal_records():
+            record.unlink()
     ds_config = build_ds_config(cfg, d)
     check_run_dir_room(cfg, d.optimizer, memory_plan.counts, rd)
     if cfg.model.synthesize:
@@ -511,10 +512,15 @@ def resolve_resume(
     if diffs is None:
         diffs = []
         must_match |= BASE_BY_NAME
-    started = _start_differences(ckpt, base)
-    if started is not None:  # by content, not by path
-        diffs += started
+    if not needs_reference(cfg):
+        # the adapter a stage started from shapes only its first step: a resume restores the
+        # checkpoint's weights (a replaced stage-1 adapter does not matter to stage 2)
         del must_match["peft.init_from"]
+    else:
+        started = _start_differences(ckpt, base)  # the reference: by content, not by path
+        if started is not None:
+            diffs += started
+            del must_match["peft.init_from"]
     now = RunValues(cfg, d)
     for key, what in must_match.items():
         old, new = saved.value(key), now.value(key)
@@ -604,8 +610,8 @@ def _start_differences(ckpt: Path, base: BaseRecord | None) -> list[str] | None:
         same = "the same path" if then.init_from == base.init_from else f"then {then.init_from}"
         return [
             f"  peft.init_from: the adapter at {base.init_from} is not the one the checkpoint "
-            f"started from ({same}): its adapter_config.json or weights differ (the adapter "
-            "the stage started from; dpo and ipo: the reference)"
+            f"started from ({same}): its weights differ (the reference the pairs are scored "
+            "against)"
         ]
     if then.init_from != base.init_from:
         print(

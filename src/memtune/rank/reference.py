@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from memtune.config import RunConfig, preference_loss_kind
+from memtune.config.architecture import adapter_fingerprint
 from memtune.config.decisions import BatchShape, Decisions
 from memtune.data.batching import GlobalOrderSampler, PackedDataset, TokenizedDataset
 from memtune.data.batching import collate_packed as _collate
@@ -70,19 +71,11 @@ def reference_key(cfg: RunConfig, d: Decisions, rd: RunDir, data_dir: str) -> st
         "order": [t.seed, d.batch.global_batch, t.max_steps, cfg.data.packing],
         "grouped": cfg.data.group_by_length,
         "max_seq_len": cfg.data.max_seq_len,
-        "init_from": _adapter_digest(cfg.peft.init_from),
+        "init_from": adapter_fingerprint(cfg.peft.init_from),
     }
     if d.kernels.fused():  # (absent when all torch: the tables of earlier runs keep their key)
         parts["kernels"] = d.kernels.fused()
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
-
-
-def _adapter_digest(folder: str | None) -> str | None:
-    """peft.init_from's weights by content (the reference is that adapter as loaded)."""
-    if folder is None:
-        return None
-    weights = Path(folder).expanduser() / "adapter_model.safetensors"
-    return hashlib.sha256(weights.read_bytes()).hexdigest()
 
 
 Items = TokenizedDataset | PackedDataset
