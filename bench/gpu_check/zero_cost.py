@@ -65,6 +65,7 @@ def run_zero_cost(phase: Phase, deadline: float) -> None:
     trainable = [q for q in model.parameters() if q.requires_grad]
     for q in trainable:  # deepspeed.initialize trains them in the run's precision
         q.data = q.data.to(torch.bfloat16 if bf16 else q.dtype)
+    start = [q.detach().clone() for q in trainable]  # both sides step from this state
     module = loss_module(cfg, d, model, device)
     optimizer, note = build_optimizer(cfg, d.optimizer, param_groups(cfg, model), device)
     clip = float(cfg.trainer.max_grad_norm or 0.0)
@@ -95,8 +96,11 @@ def run_zero_cost(phase: Phase, deadline: float) -> None:
         phase.error("plain step", err)
     finally:
         del optimizer
-        for q in trainable:
-            q.grad = None
+        with torch.no_grad():
+            for q, was in zip(trainable, start, strict=True):
+                q.grad = None
+                q.copy_(was)  # the engine starts where the plain side did: equal first losses
+        del start
         gc.collect()
         empty_cache(device)
     phase.save()

@@ -310,7 +310,7 @@ def build(
     for src in cfg.all_sources():
         records += _weighted(_read(src, cfg, stats), src.weight, rng)
     val_records: list[Record] = []
-    val_stats = DataStats(preference=pairs) if (cfg.val_fraction or cfg.val_path) else None
+    val_stats = DataStats(preference=pairs) if has_validation(cfg) else None
     if cfg.val_path:
         fmt = cfg.all_sources()[0].format
         assert val_stats is not None
@@ -402,6 +402,11 @@ def load_image_settings(prepared_dir: str | Path) -> ImageSettings | None:
     return ImageSettings(**fields)
 
 
+def has_validation(cfg: DataConfig) -> bool:
+    """Whether the settings make a validation split (data.val_path, or data.val_fraction)."""
+    return bool(cfg.val_fraction or cfg.val_path)
+
+
 def preprocess(
     cfg: DataConfig, tokenizer: Any, seed: int, images: ImageSettings | None = None
 ) -> Prepared:
@@ -414,9 +419,10 @@ def preprocess(
     out = root / fingerprint(cfg, tokenizer, seed, images)
     where = "data.cache_dir" if cfg.cache_dir else "data.cache_dir (or MEMTUNE_CACHE_DIR)"
     aside_line = None
+    has_val = has_validation(cfg)
+    required = ("val.safetensors",) if has_val else ()
     if out.exists():
-        has_val = bool(cfg.val_fraction or cfg.val_path)
-        problem = DATA_CACHE.problem(out, required=("val.safetensors",) if has_val else ())
+        problem = DATA_CACHE.problem(out, required=required)
         if problem is None:
             saved = _saved_stats(out, has_val)
             if isinstance(saved, Prepared):
@@ -454,7 +460,7 @@ def preprocess(
         try:
             os.replace(tmp, out)
         except OSError:
-            if DATA_CACHE.problem(out) is not None:  # not a concurrent identical build
+            if DATA_CACHE.problem(out, required=required) is not None:  # not a concurrent build
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # ours: a build cut short leaves nothing

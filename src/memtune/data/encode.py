@@ -446,6 +446,7 @@ def apply_length_policy(samples: list[Sample], cfg: DataConfig, stats: DataStats
         else:
             pieces.append((s, len(s.input_ids) > n))
     for s, over in pieces:
+        had_labels = n_labels(s.labels) > 0  # before the cut: the cut may be why none are left
         if over:
             if cfg.overlong == "drop":
                 stats.dropped_overlong += 1
@@ -457,7 +458,7 @@ def apply_length_policy(samples: list[Sample], cfg: DataConfig, stats: DataStats
             s = short
         count = n_labels(s.labels)
         if count == 0:
-            if over:
+            if over and had_labels:
                 stats.truncated_no_labels += 1
             else:
                 stats.dropped_no_labels += 1
@@ -499,6 +500,7 @@ def fit_pair(pair: Sample, cfg: DataConfig, stats: DataStats) -> Sample | None:
         raise ConfigError("data.overlong=split does not apply to preference pairs")
     stats.max_seq_len = cfg.max_seq_len
     chosen, rejected = pair_halves(pair)
+    uncut = 0 not in (n_labels(chosen.labels), n_labels(rejected.labels))
     total = len(pair.input_ids)
     cut = total > cfg.max_seq_len
     if cut and cfg.overlong == "drop":
@@ -510,7 +512,7 @@ def fit_pair(pair: Sample, cfg: DataConfig, stats: DataStats) -> Sample | None:
         rejected = Sample(rejected.input_ids[:r], rejected.labels[:r], index=pair.index)
     counts = n_labels(chosen.labels), n_labels(rejected.labels)
     if 0 in counts:
-        if cut:
+        if cut and uncut:  # the cut took the last labels (else it had none to lose)
             stats.truncated_no_labels += 1
         else:
             stats.dropped_no_labels += 1

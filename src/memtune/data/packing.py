@@ -138,8 +138,9 @@ def check_one_step(shape: StepShape, micro_step: int = 1) -> None:
         fix = (
             f"one micro step over the ranks already takes {micro_step} {unit}, so the micro "
             "batch or the ranks must shrink with the global batch (it is a multiple of micro "
-            f"batch × data-parallel ranks), e.g. launcher.num_ranks=1 "
-            f"trainer.micro_batch_size=1 trainer.global_batch_size={shape.items}"
+            f"batch × data-parallel ranks), e.g. on one node without a sequence split: "
+            f"launcher.num_ranks=1 trainer.micro_batch_size=1 "
+            f"trainer.global_batch_size={shape.items}"
         )
     if shape.packed and shape.samples >= shape.global_batch:  # the one change that does
         fix = f"set data.packing=false (the global batch then counts samples), or {fix}"

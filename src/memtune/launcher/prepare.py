@@ -103,11 +103,15 @@ def refuse_files_not_ours(rd: RunDir, taken: list[Path]) -> NoReturn:
     """The refusal of a start over the user's files under memtune's names (``taken``:
     :meth:`RunDir.not_ours`), naming them."""
     names = ", ".join(p.name for p in taken[:4]) + (", ..." if len(taken) > 4 else "")
+    whose = (
+        "which memtune did not write (not its lock or its record of the composition)"
+        if rd.held_a_run()
+        else "which no memtune run left there (it has no base.json or resume.json)"
+    )
     raise ConfigError(
-        f"run_dir {rd.path} holds {names}, which no memtune run left there (it has no "
-        "base.json or resume.json): a run writes and replaces those names, so it is not "
-        "started over them, and nothing was written there; give the run a dir of its own "
-        "(run_dir=...)"
+        f"run_dir {rd.path} holds {names}, {whose}: a run writes and replaces those names, so "
+        "it is not started over them, and nothing was written there; give the run a dir of "
+        "its own (run_dir=...)"
     )
 
 
