@@ -589,3 +589,9 @@ def test_a_tilde_the_shell_did_not_expand_is_named() -> None:
         f"run_dir=~bob/runs: {said}; write the whole path instead"
     )
     assert composition_problem(["data.path='~/x.jsonl'"]) is None  # quoted for Hydra: a string
+    # the verbs compose through memtune.config.compose: `memtune plan data.path=~/x.jsonl`
+    from memtune.cli import main
+
+    with pytest.raises(ConfigError, match=r"data\.path=~/x\.jsonl: the shell left this ~"):
+        compose(["data.path=~/x.jsonl"])
+    assert main(["plan", "data.path=~/x.jsonl"]) == 2

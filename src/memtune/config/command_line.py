@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from memtune.config.schema import ConfigError, compose
+from memtune.config.schema import ConfigError, compose, unexpanded_home
 from memtune.filesystem import cannot_write
 
 ENUMERABLE = ("CHOICE_SWEEP", "SIMPLE_CHOICE_SWEEP", "RANGE_SWEEP")
@@ -24,21 +24,6 @@ def one_line(err: BaseException) -> str:
     text = " ".join(str(err).split()).split(" Config search path:")[0]
     cause = str(err.__cause__ or "").strip()
     return f"{text} ({cause.splitlines()[0]})" if cause else text
-
-
-def unexpanded_home(arg: str) -> str | None:
-    """An override whose value starts with ``~`` (``data.path=~/x.jsonl``): the shell expands
-    ``~`` at the start of a word (and after ``NAME=``, NAME a shell variable's name, which
-    ``data.path`` is not), so it reaches Hydra as is, and Hydra's override grammar cannot read
-    it (``LexerNoViableAltException: data.path=~/x.jsonl ^``)."""
-    key, eq, value = arg.partition("=")
-    if not eq or not value.startswith("~"):
-        return None
-    if value == "~" or value.startswith("~/"):
-        fix = f"write {key}=$HOME{value[1:]} instead (the shell expands $HOME there)"
-    else:  # ~user/...
-        fix = "write the whole path instead"
-    return f"{arg}: the shell left this ~ unexpanded, and Hydra cannot read one; {fix}"
 
 
 def composition_problem(argv: list[str], env: Mapping[str, str] | None = None) -> str | None:

@@ -551,6 +551,21 @@ def register_configs() -> None:
         OmegaConf.register_new_resolver("memtune_cache", lambda name: str(cache_dir() / name))
 
 
+def unexpanded_home(arg: str) -> str | None:
+    """An override whose value starts with ``~`` (``data.path=~/x.jsonl``): the shell expands
+    ``~`` at the start of a word (and after ``NAME=``, NAME a shell variable's name, which
+    ``data.path`` is not), so it reaches Hydra as is, and Hydra's override grammar cannot read
+    it (``LexerNoViableAltException: data.path=~/x.jsonl ^``)."""
+    key, eq, value = arg.partition("=")
+    if not eq or not value.startswith("~"):
+        return None
+    if value == "~" or value.startswith("~/"):
+        fix = f"write {key}=$HOME{value[1:]} instead (the shell expands $HOME there)"
+    else:  # ~user/...
+        fix = "write the whole path instead"
+    return f"{arg}: the shell left this ~ unexpanded, and Hydra cannot read one; {fix}"
+
+
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     """The config train.py would compose with these command-line overrides, outside Hydra's
     main (for the tests, the benchmarks and the GPU check)."""
@@ -558,7 +573,9 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     from hydra import initialize_config_dir
 
     register_configs()
-    problem = unknown_override(overrides)
+    problem = unknown_override(overrides) or next(
+        (said for o in overrides if (said := unexpanded_home(o))), None
+    )
     if problem:
         raise ConfigError(problem)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
