@@ -316,7 +316,7 @@ def test_the_reference_tables_follow_the_umask(tmp_path: Path) -> None:
 
 def test_remote_code_without_a_pinned_revision_warns() -> None:
     from memtune.config import compose, to_run_config
-    from memtune.config.validate import config_warnings
+    from memtune.config.startup_words import config_warnings
 
     def warnings_for(*overrides: str) -> list[str]:
         return config_warnings(to_run_config(compose(["model=qwen2.5-7b", *overrides])))

@@ -13,7 +13,7 @@ from typing import Any
 
 from memtune.adapter_check import adapter_problem
 from memtune.config import schema as schema_module
-from memtune.config.architecture import linear_attention_layers, moe_layers, routed_experts
+from memtune.config.architecture import linear_attention_layers, routed_experts
 from memtune.config.decisions import (
     LEAN_KERNELS,
     SPLITTING_KERNELS,
@@ -21,6 +21,7 @@ from memtune.config.decisions import (
     kernels_unwired,
     lean_unbuilt,
 )
+from memtune.config.mixture_checks import check_experts, check_experts_split
 from memtune.config.schema import (
     FORMATS,
     ConfigError,
@@ -221,7 +222,7 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
         raise ConfigError("model.name_or_path is not set: give a hub name or a local directory")
     _check_synthesized_path(cfg.model)
     _check_layer_counts(cfg)
-    _check_experts(cfg)
+    check_experts(cfg)
     _check_ulysses(cfg, requested_sp)
     _check_positions(cfg)
     if inputs:
@@ -323,48 +324,6 @@ def _check_attention_here(model: ModelConfig) -> None:
     )
 
 
-COMMIT = re.compile(r"[0-9a-f]{40}")
-
-
-def config_warnings(cfg: RunConfig) -> list[str]:
-    """What is allowed but risky, one sentence each, for the launcher to print before launch
-    (validate() raises; these only warn)."""
-    out = []
-    m = cfg.model
-    on_disk = Path(m.name_or_path).expanduser().is_dir() or m.synthesize
-    if m.trust_remote_code and not on_disk and not COMMIT.fullmatch(m.revision or ""):
-        pinned = "is not set" if m.revision is None else f"is {m.revision!r}, which can move"
-        out.append(
-            f"model.trust_remote_code=true runs the Python code of the hub repo "
-            f"{m.name_or_path} on every rank, and model.revision {pinned}: whatever the repo "
-            "holds when it is downloaded runs. Pin the commit you reviewed: "
-            "model.revision=<40-hex commit hash>"
-        )
-    return out
-
-
-def config_notes(cfg: RunConfig) -> list[str]:
-    """Settings that do less than they seem to, one sentence each, printed at start-up as
-    ``memtune: note: ...``: allowed (a short test run may mean them), but silent otherwise."""
-    out = []
-    t, data = cfg.trainer, cfg.data
-    if t.eval_every and not data.val_fraction and not data.val_path:
-        out.append(
-            f"trainer.eval_every={t.eval_every} without a validation split (data.val_fraction "
-            "is 0 and data.val_path is not set): nothing will be evaluated; hold some data "
-            "out with data.val_fraction=0.05 or give data.val_path"
-        )
-    if t.warmup_steps >= t.max_steps:
-        # rank.loop.lr_factor: the last step (max_steps - 1 done) is still warming up
-        peak = t.max_steps / (t.warmup_steps + 1)
-        out.append(
-            f"trainer.warmup_steps={t.warmup_steps} with trainer.max_steps={t.max_steps}: the "
-            f"run ends inside its warmup, so the learning rate peaks at {peak:.0%} of "
-            f"trainer.lr={t.lr:g}; set trainer.warmup_steps below {t.max_steps} to reach it"
-        )
-    return out
-
-
 def selective_unbuilt(cfg: RunConfig) -> str | None:
     """What keeps selective recompute (trainer.selective_layers) from this run's settings, in
     words; None when it is built for them. The long-context switches are the decider's to
@@ -459,7 +418,7 @@ def _check_ulysses(cfg: RunConfig, sp: int) -> None:
     if sp == 1:
         return
     arch = cfg.model.architecture
-    _check_experts_split(cfg, sp)
+    check_experts_split(cfg, sp)
     if linear_attention_layers(arch):
         for field in ("linear_num_key_heads", "linear_num_value_heads"):
             count = int(arch.get(field) or 0)
@@ -493,149 +452,6 @@ def _check_ulysses(cfg: RunConfig, sp: int) -> None:
             f"{where} with model.attn_implementation={attn}: sequence parallelism marks samples "
             "by positions and sample boundaries, not a dense mask, which "
             f"transformers' {attn} needs; use auto (sdpa_varlen, or FlashAttention-2 on a GPU)"
-        )
-
-
-def _check_experts_split(cfg: RunConfig, sp: int) -> None:
-    experts = routed_experts(dict(cfg.model.architecture))
-    if experts and sp > 1:
-        raise ConfigError(
-            f"trainer.sequence_parallel={sp} on {cfg.model.name_or_path} ({experts} routed "
-            "experts a layer): not built for routed experts yet; use 1 (or auto, which keeps 1 "
-            "for these models)"
-        )
-
-
-def _check_experts(cfg: RunConfig) -> None:
-    """A mixture of experts: what memtune does not build for its routed experts yet, and what
-    cannot work with LoRA on them, refused by name before any rank loads 30B parameters."""
-    from memtune.config.derive import REWRITING_INIT, adapts_experts
-
-    arch = dict(cfg.model.architecture)
-    experts = routed_experts(arch)
-    coef = cfg.trainer.router_aux_loss_coef
-    if coef < 0:
-        raise ConfigError(f"trainer.router_aux_loss_coef must be >= 0 (got {coef})")
-    if coef > 0 and not experts:
-        raise ConfigError(
-            f"trainer.router_aux_loss_coef={coef}: {cfg.model.name_or_path} is not a mixture "
-            "of experts (no router to balance); leave it at 0"
-        )
-    if coef > 0 and cfg.trainer.activation_checkpointing and cfg.trainer.checkpointing_reentrant:
-        raise ConfigError(
-            f"trainer.router_aux_loss_coef={coef} with trainer.checkpointing_reentrant=true: "
-            "reentrant checkpointing runs the forward without grad, so the routers' logits "
-            "would carry no gradient for the balance loss; use checkpointing_reentrant=false"
-        )
-    if not experts:
-        ep = str(cfg.trainer.expert_parallel)
-        if ep not in ("1", "auto"):
-            raise ConfigError(
-                f"trainer.expert_parallel={ep}: {cfg.model.name_or_path} is not a mixture of "
-                "experts (no routed experts to split over ranks); leave it at 1"
-            )
-        if cfg.peft.train_router:
-            raise ConfigError(
-                f"peft.train_router=true: {cfg.model.name_or_path} is not a mixture of experts "
-                "(no router to train)"
-            )
-        return
-    p, t = cfg.peft, cfg.trainer
-    model = f"{cfg.model.name_or_path} ({experts} routed experts a layer)"
-    if not all(moe_layers(arch)):
-        dense = [i for i, sparse in enumerate(moe_layers(arch)) if not sparse]
-        raise ConfigError(
-            f"{model}: layers {dense} have a dense MLP (model.architecture mlp_only_layers / "
-            "decoder_sparse_step): memtune plans and adapts mixtures whose every layer routes, "
-            "as the released Qwen3-MoE and Qwen3.5-MoE models do"
-        )
-    if "on" in (str(t.tiled_mlp), str(t.offload_activations)) or t.compile:
-        raise ConfigError(
-            f"trainer.tiled_mlp / offload_activations=on or trainer.compile=true on {model}: "
-            "not built for routed experts yet; leave them at their defaults"
-        )
-    sp = str(t.sequence_parallel)
-    _check_experts_split(cfg, int(sp) if sp.isdigit() else 1)
-    _check_expert_parallel(cfg, experts)
-    if (
-        p.train_router
-        and cfg.trainer.objective in ("dpo", "ipo")
-        and cfg.preference.reference == "live"
-    ):
-        raise ConfigError(
-            f"peft.train_router=true with preference.reference=live on {model}: the live "
-            "reference would route with the trained routers, not the base's; use "
-            "preference.reference=precomputed (computed before the first step)"
-        )
-    if not adapts_experts(cfg):
-        return
-    why = (
-        f"with peft.target=all-linear on {model}, whose routed experts LoRA adapts as fused "
-        "stacks (peft's target_parameters layout)"
-    )
-    if p.dropout > 0:
-        raise ConfigError(
-            f"peft.dropout={p.dropout} {why}: an expert adapter has no dropout (peft refuses to "
-            "load one trained with it); set peft.dropout=0, or "
-            "peft.target=all-linear-but-experts to leave the routed experts frozen"
-        )
-    if p.dora or p.init in REWRITING_INIT:
-        what = "peft.dora=true" if p.dora else f"peft.init={p.init}"
-        raise ConfigError(
-            f"{what} {why}: peft builds DoRA, PiSSA and OLoRA for linear layers only; use "
-            "plain LoRA (rsLoRA, LoRA+, gaussian init work), or "
-            "peft.target=all-linear-but-experts"
-        )
-
-
-def _check_expert_parallel(cfg: RunConfig, experts: int) -> None:
-    """Expert parallelism (rank.expert_parallel): the groups of ranks and what it is built
-    with so far; the rest refused by name."""
-    value = str(cfg.trainer.expert_parallel)
-    if value != "auto" and not (value.isdigit() and int(value) >= 1):
-        raise ConfigError(
-            f"trainer.expert_parallel={value!r} is not supported; choose 1 | 2 | 4 ... | auto "
-            "(ranks a mixture's routed experts are split over)"
-        )
-    ep = int(value) if value.isdigit() else 1  # auto: memory.layouts plans only what passes
-    if ep == 1:
-        return
-    ranks = cfg.launcher.num_ranks
-    if ranks % ep:
-        raise ConfigError(
-            f"trainer.expert_parallel={ep} does not divide launcher.num_ranks={ranks}: the "
-            f"ranks form groups of {ep} that split the routed experts between them"
-        )
-    if experts % ep:
-        ok = [n for n in range(1, experts + 1) if experts % n == 0 and ranks % n == 0]
-        raise ConfigError(
-            f"trainer.expert_parallel={ep} does not divide {cfg.model.name_or_path}'s "
-            f"{experts} routed experts a layer (each rank holds an equal share); choose one "
-            f"of {ok}"
-        )
-    if cfg.zero.stage == 3 and cfg.zero.template is not None:
-        raise ConfigError(
-            f"trainer.expert_parallel={ep} with zero={cfg.zero.template.replace('_', '-')}: "
-            "not built (ZeRO-3 partitions the experts over the ranks holding them, tested "
-            "with the weights on the device; DeepSpeed's parameter offload is untested with "
-            "that placement); use zero=zero3 or zero=zero2"
-        )
-    if cfg.trainer.optimizer != "adamw":
-        raise ConfigError(
-            f"trainer.expert_parallel={ep} with trainer.optimizer={cfg.trainer.optimizer}: not "
-            "built yet (tested with torch's AdamW, whose state the checkpoints keep whole for "
-            "a resume at another split); use adamw"
-        )
-    if cfg.trainer.objective != "sft":
-        raise ConfigError(
-            f"trainer.expert_parallel={ep} with trainer.objective={cfg.trainer.objective}: not "
-            "built yet (preference objectives are untested with it); use sft"
-        )
-    if cfg.peft.init_from:
-        raise ConfigError(
-            f"trainer.expert_parallel={ep} with peft.init_from: not built yet (a rank would "
-            "load every expert's adapter into its share); start from it at "
-            "trainer.expert_parallel=1, or resume a checkpoint, which may change the split"
         )
 
 

@@ -28,7 +28,7 @@ from memtune.config.architecture import (
 from memtune.config.decisions import Decisions, with_sections
 from memtune.config.deepspeed import build_ds_config
 from memtune.config.derive import beta_of, needs_reference
-from memtune.config.validate import config_notes, config_warnings
+from memtune.config.startup_words import config_notes, config_warnings
 from memtune.data.cache import (
     Prepared,
     TokenizerFiles,
