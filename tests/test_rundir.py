@@ -166,3 +166,6 @@ def test_a_per_node_refusal_leaves_records_the_fixed_start_replaces(tmp_path: Pa
     assert rd.run_names_taken() == [rd.nodes_ready]
     rd.exit.write_text('{"mine": true}')
     assert not rd.refused_here() and rd.run_names_taken() == [rd.exit, rd.nodes_ready]
+    for mine in ('{"code": 0}', '{"code": 2}', '{"code": 0, "error": "x"}'):
+        rd.exit.write_text(mine)  # only memtune's refusal (a code and why) is replaced
+        assert not rd.refused_here(), mine

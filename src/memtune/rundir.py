@@ -429,8 +429,9 @@ class RunDir:
 
     def refused_here(self) -> bool:
         """Whether exit.json is memtune's record of a start refused before it laid a run out
-        (``{"code": N, "error": ...}`` and no run beside it): memtune's, so a start after the
-        fix uses the dir; a user's exit.json of any other shape is not."""
+        (exactly ``{"code": N, "error": "..."}``, N not 0, and no run beside it): memtune's, so
+        a start after the fix uses the dir (and replaces it); a user's exit.json of any other
+        shape is not, and is never touched."""
         if self.held_a_run():
             return False
         try:
@@ -438,7 +439,9 @@ class RunDir:
         except (OSError, ValueError):
             return False
         fields = {f.name for f in dataclasses.fields(ExitRecord)}
-        return isinstance(raw, dict) and type(raw.get("code")) is int and raw.keys() <= fields
+        if not (isinstance(raw, dict) and raw.keys() == fields):  # a refusal says why
+            return False
+        return type(raw["code"]) is int and raw["code"] != 0 and isinstance(raw["error"], str)
 
     def run_names_taken(self) -> list[Path]:
         """Entries named as memtune's own, in a dir that never held a memtune run: the user's

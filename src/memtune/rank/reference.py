@@ -71,7 +71,8 @@ def reference_key(cfg: RunConfig, d: Decisions, rd: RunDir, data_dir: str) -> st
         "order": [t.seed, d.batch.global_batch, t.max_steps, cfg.data.packing],
         "grouped": cfg.data.group_by_length,
         "max_seq_len": cfg.data.max_seq_len,
-        "init_from": adapter_fingerprint(cfg.peft.init_from),
+        # the launcher's digest in base.json (read once there); computed where absent
+        "init_from": base.get("init_from_fingerprint") or adapter_fingerprint(cfg.peft.init_from),
     }
     if d.kernels.fused():  # (absent when all torch: the tables of earlier runs keep their key)
         parts["kernels"] = d.kernels.fused()
