@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +94,8 @@ def draw(data: dict[str, Any], source: str, path: Path) -> None:
     description."""
     import matplotlib
 
+    from memtune.filesystem import follow_umask
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -149,11 +153,18 @@ def draw(data: dict[str, Any], source: str, path: Path) -> None:
     )
     fig.tight_layout(rect=(0, 0, 1, 0.92))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    # a name of its own beside the chart (two runs never share one), renamed into place
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
     description = json.dumps({"source": source, **data}, sort_keys=True)
-    fig.savefig(tmp, format="svg", metadata={"Date": None, "Description": description})
-    plt.close(fig)
-    tmp.replace(path)
+    try:
+        fig.savefig(tmp, format="svg", metadata={"Date": None, "Description": description})
+        follow_umask(tmp)  # mkstemp's 0600 is not a chart's mode
+        tmp.replace(path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
 
 
 def described(svg: str) -> dict[str, Any]:
