@@ -265,11 +265,13 @@ DECIDED_SETTINGS = {
 DECIDERS = {
     "config/decisions.py",
     "config/validate.py",
+    "config/mixture_checks.py",
     "config/derive.py",
     "memory/fit.py",
     "memory/recompute.py",
 }
 """derive: one_rank_stage, the one intent-level rule the decider and the validator share;
+mixture_checks: the validator's checks of a mixture (config.validate calls them);
 memory.recompute: checkpoint_layers=auto's part of memory.fit."""
 OLDER_RUNS = {"tools/merge.py"}
 """Reads an adapter's run written before decisions.json, whose config.yaml held the decided
