@@ -188,6 +188,53 @@ def test_a_run_dir_holding_files_named_as_memtunes_own_is_refused(tmp_path: Path
     assert _tree(mine) == before and "Traceback" not in proc.stderr
 
 
+_HOLD_DATED = """
+import contextlib, datetime, sys, time
+from pathlib import Path
+from memtune.run_lock import hold
+now = datetime.datetime.now()
+with contextlib.ExitStack() as stack:
+    for s in range(-2, 180):
+        t = now + datetime.timedelta(seconds=s)
+        name = Path("outputs") / t.strftime("%Y-%m-%d") / (t.strftime("%H-%M-%S") + "-demo-cpu")
+        stack.enter_context(hold(name))
+        ended = name.with_name(name.name + "-2")  # another start's, already ended
+        ended.mkdir()
+        (ended / "config.yaml").write_text("theirs\\n")
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_two_starts_in_one_second_get_a_dated_dir_each(tmp_path: Path) -> None:
+    """No run_dir given: Hydra names the dir by the second, so two starts of one experiment in
+    the same second got the same dir and the second was refused as if the user had named it.
+    Here every dated name of the next three minutes is held by another start, and each NAME-2
+    holds an ended start's files: the job takes NAME-3, says so, and touches neither."""
+    import os
+    import signal
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_DATED], cwd=tmp_path, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        proc = run_train_py(["preprocess_only=true", "logger=none"], cwd=tmp_path, timeout=300)
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ours = [p for p in (tmp_path / "outputs").glob("*/*") if (p / "plan.json").is_file()]
+    assert len(ours) == 1 and ours[0].name.endswith("-demo-cpu-3"), ours
+    taken = ours[0].with_name(ours[0].name.removesuffix("-3"))
+    said = f"run dir {taken} was taken by another start of demo-cpu in the same second: "
+    assert said + f"this job writes to {ours[0].name}" in proc.stdout
+    assert sorted(p.name for p in taken.iterdir()) == ["job.lock"]
+    ended = ours[0].with_name(taken.name + "-2")
+    assert [p.name for p in ended.iterdir()] == ["config.yaml"]
+    assert (ended / "config.yaml").read_text() == "theirs\n"
+
+
 def test_a_refused_start_leaves_a_dir_the_fixed_start_uses(tmp_path: Path) -> None:
     """A start refused before it laid a run out records why in exit.json (and its lock and
     .hydra/): memtune's own, so the same command, fixed, runs in that dir."""

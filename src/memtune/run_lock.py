@@ -11,6 +11,7 @@ import contextlib
 import datetime
 import errno
 import fcntl
+import itertools
 import json
 import os
 import socket
@@ -36,7 +37,7 @@ def held_lock_fds() -> tuple[int, ...]:
 
 
 @contextlib.contextmanager
-def hold(run_dir: Path, node_rank: int = 0) -> Iterator[None]:
+def hold(run_dir: Path, node_rank: int = 0) -> Iterator[Path]:
     """One job per run dir: an exclusive kernel lock (flock) on ``job.lock`` for the whole job.
 
     The kernel drops it when the holder exits, however it exits, so a stale lock cannot exist
@@ -73,7 +74,7 @@ def hold(run_dir: Path, node_rank: int = 0) -> Iterator[None]:
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps({**who, "command": sys.argv}) + "\n").encode(), 0)
         _HELD.add(fd)
-        yield
+        yield run_dir
     finally:
         _HELD.discard(fd)
         os.close(fd)  # releases the lock, unless ranks started with it still run
@@ -85,3 +86,32 @@ def _holder(path: Path) -> str:
         return f"host {who['host']}, pid {who['pid']}, started {who['started']}"
     except (OSError, ValueError, KeyError):
         return "its holder is still starting"
+
+
+def _fresh(run_dir: Path) -> bool:
+    """Nothing in ``run_dir`` but, at most, its lock file: no other start wrote there."""
+    if not run_dir.exists():
+        return True
+    return {p.name for p in run_dir.iterdir()} <= {RunDir(run_dir).lock().name}
+
+
+@contextlib.contextmanager
+def hold_dated(first: Path) -> Iterator[Path]:
+    """Hold Hydra's dated default run dir (``outputs/DATE/TIME-EXPERIMENT``), or, when another
+    start of the same experiment in the same second has it (held, or already written to), the
+    first free ``NAME-2``, ``NAME-3``, ...; yields the dir held. The user named no dir, so two
+    starts must not collide on the one Hydra named for both. Each candidate is checked for
+    another start's files before its lock is taken and again once held (that start may have
+    ended in between)."""
+    for n in itertools.count(1):
+        candidate = first if n == 1 else first.with_name(f"{first.name}-{n}")
+        if not _fresh(candidate):
+            continue
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(hold(candidate))
+            except RunDirBusy:
+                continue
+            if _fresh(candidate):
+                yield candidate
+                return

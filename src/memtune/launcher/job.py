@@ -55,7 +55,7 @@ from memtune.memory.fit import (
     format_suggestions,
 )
 from memtune.memory.plan_text import format_plan
-from memtune.run_lock import RunDirBusy, hold
+from memtune.run_lock import RunDirBusy, hold, hold_dated
 from memtune.rundir import RecordError, RunDir
 
 WAIT_FOR_NODE0_S = 3600.0
@@ -163,14 +163,22 @@ def run_job(cfg: DictConfig) -> int:
         return _run(cfg, run_dir, sweeping)
     try:
         node_rank = this_node_rank(cfg.launcher)
-        taken = RunDir(run_dir).not_ours(node_rank)
+        dated = _dated_by_hydra(cfg, hydra_cfg, sweeping)
+        taken = [] if dated else RunDir(run_dir).not_ours(node_rank)
         if taken:  # the user's files under memtune's names: nothing written, not the refusal
             try:
                 refuse_files_not_ours(RunDir(run_dir), taken)
             except ConfigError as err:
                 _tell_other_nodes(cfg, run_dir, str(err), taken)
                 raise
-        with hold(run_dir, node_rank):
+        with hold_dated(run_dir) if dated else hold(run_dir, node_rank) as held:
+            if held != run_dir:
+                print(
+                    f"memtune: run dir {run_dir} was taken by another start of "
+                    f"{cfg.experiment} in the same second: this job writes to {held.name}",
+                    flush=True,
+                )
+                run_dir = held
             _record_composition(cfg, run_dir)
             return _run(cfg, run_dir, sweeping)
     except KeyboardInterrupt:
@@ -183,6 +191,14 @@ def run_job(cfg: DictConfig) -> int:
         kind = "config error: " if isinstance(err, ConfigError) else ""
         print(f"memtune: {kind}{err}", file=sys.stderr)
         return _failed(EXIT_CONFIG, sweeping)
+
+
+def _dated_by_hydra(cfg: DictConfig, hydra_cfg: Any, sweeping: bool) -> bool:
+    """The run dir is the one Hydra dates for a single run (outputs/DATE/TIME-EXPERIMENT): the
+    user named none (neither run_dir nor hydra.run.dir), so another start in the same second
+    may have been given the same name (run_lock.hold_dated takes the next free one)."""
+    named = any(o.startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra)
+    return cfg.run_dir is None and not sweeping and not named
 
 
 def _tell_other_nodes(cfg: DictConfig, run_dir: Path, error: str, taken: list[Path]) -> None:
