@@ -24,7 +24,14 @@ from tests.conftest import FAST, ROOT, run_train_py
 
 pytestmark = pytest.mark.slow
 
-BASE = [*FAST, "launcher.num_ranks=2", "trainer.max_steps=12", "trainer.save_every=4"]
+# LoRA dropout on (the shipped experiments use 0.05): the resume must continue its masks too.
+BASE = [
+    *FAST,
+    "launcher.num_ranks=2",
+    "trainer.max_steps=12",
+    "trainer.save_every=4",
+    "peft.dropout=0.1",
+]
 
 
 def _losses(run_dir: Path) -> list[float]:

@@ -111,6 +111,11 @@ def make_loader(
         collate_fn=collate_fn,
         num_workers=cfg.data.num_workers,
         drop_last=True,
+        # Its own generator: without one, every iter(loader) (each epoch, and a resumed run's
+        # first) draws the workers' base seed from torch's global generator, the one LoRA
+        # dropout draws its masks from, so a resume mid-epoch drew once more than the run it
+        # continues and every mask after it differed.
+        generator=torch.Generator().manual_seed(cfg.trainer.seed),
     )
     return loader, sampler
 
