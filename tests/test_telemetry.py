@@ -74,3 +74,36 @@ def test_no_secret_is_written_into_the_run_dir(wandb_run) -> None:
         data = path.read_bytes()
         for name, value in SECRETS.items():
             assert value.encode() not in data, f"{name} found in {path}"
+
+
+_PEAK_ACROSS_A_WINDOW = """
+import json, torch
+from memtune.rank.telemetry import memory_snapshot, reset_window_peak, window_peak_gib
+cpu = torch.device("cpu")
+big = torch.ones(150 * 2**20)  # 600 MiB, every page touched
+del big
+before = memory_snapshot(cpu)["peak_rss_gib"]
+windowed = reset_window_peak(cpu)
+small = torch.ones(12 * 2**20)  # 48 MiB: the evaluation's window
+del small
+print(json.dumps({"before": before, "after": memory_snapshot(cpu)["peak_rss_gib"],
+                  "windowed": windowed, "window": window_peak_gib(cpu)}))
+"""
+
+
+def test_an_evaluation_window_does_not_lower_the_runs_peak() -> None:
+    """An evaluation resets the peak counters for its own window (eval/memory); the run's peak
+    (summary.json, memory.json, the plan comparison) read after it was the evaluation's alone
+    whenever the last step was followed by an evaluation."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _PEAK_ACROSS_A_WINDOW], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    seen = json.loads(proc.stdout.splitlines()[-1])
+    assert seen["before"] > 0.55  # the 600 MiB tensor was resident
+    assert seen["after"] >= seen["before"]
+    if seen["windowed"]:  # the kernel let the window reset: it holds the small tensor's peak
+        assert seen["window"] < seen["before"] - 0.4

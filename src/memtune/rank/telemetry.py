@@ -23,18 +23,30 @@ from memtune.rundir import RunDir
 GIB = 1024**3
 
 
+_PEAKS_BEFORE_RESET: dict[str, float] = {}
+"""The peaks :func:`memory_snapshot` read just before the last :func:`reset_window_peak`. The
+reset (an evaluation's own window) also clears the counters the run's peak is read from
+(CUDA's max_memory_*, and on CPU ru_maxrss with VmHWM): without these, a run whose last step
+was followed by an evaluation reported the evaluation's peak as the run's."""
+
+
 def memory_snapshot(device: torch.device) -> dict[str, float]:
-    """This rank's memory in GiB: CUDA allocator stats on GPU, process RSS on CPU."""
+    """This rank's memory in GiB: CUDA allocator stats on GPU, process RSS on CPU. The peaks
+    are the whole process's so far, across :func:`reset_window_peak`."""
     if device.type == "cuda":
-        return {
+        snapshot = {
             "allocated_gib": torch.cuda.memory_allocated(device) / GIB,
             "reserved_gib": torch.cuda.memory_reserved(device) / GIB,
             "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
             "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB,
         }
-    rss = psutil.Process().memory_info().rss
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return {"rss_gib": rss / GIB, "peak_rss_gib": peak_kib * 1024 / GIB}
+    else:
+        rss = psutil.Process().memory_info().rss
+        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+        snapshot = {"rss_gib": rss / GIB, "peak_rss_gib": peak_kib * 1024 / GIB}
+    for key, before in _PEAKS_BEFORE_RESET.items():
+        snapshot[key] = max(snapshot[key], before)
+    return snapshot
 
 
 def window_peak_gib(device: torch.device) -> float:
@@ -49,7 +61,10 @@ def window_peak_gib(device: torch.device) -> float:
 
 
 def reset_window_peak(device: torch.device) -> bool:
-    """Start a new peak window; False where the platform does not allow it."""
+    """Start a new peak window; False where the platform does not allow it. The process's
+    peak so far is kept for :func:`memory_snapshot`."""
+    peaks = memory_snapshot(device)
+    _PEAKS_BEFORE_RESET.update({k: v for k, v in peaks.items() if k.startswith("peak_")})
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return True
