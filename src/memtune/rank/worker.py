@@ -43,6 +43,7 @@ from memtune.exit_codes import (
     EXIT_PEER_LOST,
     EXIT_REQUEUE,
 )
+from memtune.filesystem import write_atomic
 from memtune.memory.attention import kv_head_groups
 from memtune.memory.estimate import DROPOUT_ROW
 from memtune.rank.build import build_rank
@@ -243,7 +244,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
     if not path.is_file():
         return
     rows = [r for r in path.read_text().splitlines() if r and json.loads(r)["step"] <= step]
-    path.write_text("".join(r + "\n" for r in rows))
+    write_atomic(path, "".join(r + "\n" for r in rows))  # a crash here keeps the history
 
 
 def checkpoint_note(d: Decisions) -> str:
