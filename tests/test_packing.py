@@ -213,6 +213,55 @@ def test_length_grouped_sampler() -> None:
     assert list(samplers[0]) != per_rank[0]
 
 
+class _Recorded(torch.utils.data.Dataset):
+    """Items that remember being read: what a resumed run's loader reads, and collates."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.read: list[int] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        self.read.append(i)
+        return i
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_resumed_epoch_starts_at_its_micro_batch_and_reads_nothing_before(grouped) -> None:
+    """A run resumed K micro batches into an epoch continues with the (K+1)-th, as the run it
+    continues did, and its loader reads (collates, patchifies) none of the first K: they were
+    read and dropped before, one by one."""
+    from memtune.data.batching import GlobalOrderSampler
+    from memtune.rank.worker import _batches
+
+    n, micro, skip = 96, 4, 5
+    rng = random.Random(2)
+    lengths = [rng.randint(5, 500) for _ in range(n)]
+
+    def run(skip: int) -> tuple[list[list[int]], list[int]]:
+        data = _Recorded(n)
+        sampler = (
+            LengthGroupedSampler(lengths, micro, world=2, rank=1, seed=3)
+            if grouped
+            else GlobalOrderSampler(n, world=2, rank=1, seed=3, global_batch=16)
+        )
+        loader = torch.utils.data.DataLoader(data, batch_size=micro, sampler=sampler)
+        per_epoch = len(loader)
+        batches = itertools.islice(_batches(loader, sampler, skip), 2 * per_epoch - skip)
+        got = [b.tolist() for b in batches]  # to the end of the second epoch
+        return got, data.read
+
+    whole, _ = run(0)
+    resumed, read = run(skip)
+    per_epoch = len(whole) // 2
+    assert resumed == whole[skip:]  # the same batches, from the 6th on
+    # Read in order from the 6th batch on: none of the first five was read.
+    rest_of_epoch = [i for b in whole[skip:per_epoch] for i in b]
+    assert read[: len(rest_of_epoch)] == rest_of_epoch
+
+
 def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa):
     """torch.nn.attention.varlen.varlen_attn's contract in plain SDPA (its kernel is CUDA
     only): (tokens, heads, d) in and out, causal within each cu_seq segment."""

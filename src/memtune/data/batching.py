@@ -10,6 +10,7 @@ with their sample.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
@@ -228,10 +229,12 @@ class GlobalOrderSampler(torch.utils.data.Sampler[int]):
     def __init__(self, n: int, world: int, rank: int, seed: int, global_batch: int):
         self.n, self.world, self.rank, self.seed = n, world, rank, seed
         self.usable = n // global_batch * global_batch
-        self.epoch = 0
+        self.epoch, self.start = 0, 0
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """The next iteration is of ``epoch``, from this rank's item ``start`` on (a resumed
+        run's first epoch: the items before it are not read at all)."""
+        self.epoch, self.start = epoch, start
 
     def epoch_order(self, epoch: int) -> list[int]:
         """The items of ``epoch`` in the order every step takes them, over all ranks."""
@@ -240,7 +243,7 @@ class GlobalOrderSampler(torch.utils.data.Sampler[int]):
         return torch.randperm(self.n, generator=g).tolist()[: self.usable]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.epoch_order(self.epoch)[self.rank :: self.world])
+        return iter(self.epoch_order(self.epoch)[self.rank :: self.world][self.start :])
 
     def visited(self, steps: int, global_batch: int) -> set[int]:
         """The items ``steps`` optimizer steps take, over every epoch they reach."""
@@ -269,10 +272,11 @@ class LengthGroupedSampler(torch.utils.data.Sampler[int]):
         self, lengths: Sequence[int], micro: int, world: int, rank: int, seed: int, chunk: int = 64
     ):
         self.lengths, self.micro, self.world, self.rank = list(lengths), micro, world, rank
-        self.seed, self.chunk, self.epoch = seed, chunk, 0
+        self.seed, self.chunk, self.epoch, self.start = seed, chunk, 0, 0
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """As :meth:`GlobalOrderSampler.set_epoch`."""
+        self.epoch, self.start = epoch, start
 
     def _batches(self) -> list[list[int]]:
         rng = random.Random(self.seed + self.epoch)
@@ -289,8 +293,8 @@ class LengthGroupedSampler(torch.utils.data.Sampler[int]):
         return batches[self.rank : usable : self.world]
 
     def __iter__(self) -> Iterator[int]:
-        for batch in self._batches():
-            yield from batch
+        items = (i for batch in self._batches() for i in batch)
+        return itertools.islice(items, self.start, None)
 
     def __len__(self) -> int:
         return len(self._batches()) * self.micro

@@ -8,7 +8,6 @@ RANK / LOCAL_RANK / WORLD_SIZE from the environment and the resolved ``config.ya
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import logging
 import math
@@ -153,11 +152,12 @@ def init_distributed() -> tuple[int, int, int, torch.device]:
 
 def _batches(loader: Any, sampler: Any, skip: int = 0) -> Iterator[dict[str, torch.Tensor]]:
     """Micro batches forever, epoch after epoch; ``skip`` fast-forwards a resumed run to the
-    exact micro batch it stopped before."""
+    exact micro batch it stopped before, in the sampler: the batches before it are neither
+    read nor collated (images patchified), as they were when they were drawn and dropped."""
     epoch, skip = divmod(skip, len(loader))
     while True:
-        sampler.set_epoch(epoch)
-        yield from itertools.islice(iter(loader), skip, None)
+        sampler.set_epoch(epoch, start=skip * loader.batch_size)
+        yield from loader
         skip = 0
         epoch += 1
 
