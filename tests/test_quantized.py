@@ -99,6 +99,40 @@ def test_qlora_adapter_merges_into_the_dequantized_base(runs_root: Path, tmp_pat
     assert deq > 0.9999 and deq > orig
 
 
+def test_generate_answers_with_the_base_quantized_as_trained(tmp_path: Path) -> None:
+    """``memtune generate RUN_DIR`` of a QLoRA run holds the base as training held it (NF4,
+    dequantized: memtune merge's default), not the checkpoint's original weights, which put
+    the quantization error back under the adapter (on the demo it answered otherwise)."""
+    import bitsandbytes.functional as bnb
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from memtune.rank.model import add_lora, is_quantized_layer, load_base_model
+    from memtune.rundir import RunDir
+    from memtune.tools.generate import load
+
+    cfg, _ = _tiny_qlora()
+    d = decided(cfg, attention="sdpa")
+    trained = add_lora(load_base_model(cfg, d), cfg, d)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    RunDir(run_dir).config.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    trained.save_pretrained(run_dir / "adapter")
+    AutoTokenizer.from_pretrained(cfg.model.name_or_path).save_pretrained(run_dir / "adapter")
+
+    model, _ = load(run_dir)
+    original = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, dtype=torch.bfloat16)
+    layers = {n: m for n, m in trained.named_modules() if is_quantized_layer(m)}
+    assert len(layers) == QUANTIZED_LAYERS
+    for name, layer in layers.items():
+        as_trained = bnb.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+        served = model.get_submodule(name).weight
+        assert served.dtype == torch.bfloat16, name
+        assert torch.equal(served, as_trained.to(served.dtype)), name
+        plain = name.removeprefix("base_model.model.").removesuffix(".base_layer")
+        assert not torch.equal(served, original.get_submodule(plain).weight), name
+
+
 def test_quantized_base_keeps_activations_in_the_compute_dtype(tmp_path: Path) -> None:
     """No fp32 upcast from prepare_model_for_kbit_training: it would make the residual stream
     (and so every activation kept for backward) fp32, twice the memory."""

@@ -7,7 +7,9 @@
 
 The run's config gives the template and system prompt, so the prompt is the same text the
 model was trained on (qwen3, qwen3_5: with the empty think block, unless ``--thinking``). Generation
-stops at the turn's end marker (``<|im_end|>`` in ChatML) or the tokenizer's eos.
+stops at the turn's end marker (``<|im_end|>`` in ChatML) or the tokenizer's eos. The base is held
+as ``memtune merge``'s default holds it (memtune.tools.merge.load_base): in the training
+precision, and a QLoRA / LLM.int8 run's quantized as in training, then dequantized.
 
 ``--image PATH`` (once per image) puts images in the user turn, before its text, encoded as the
 run's data encodes them: resized by the model's image processor with the run's
@@ -74,11 +76,14 @@ def load(run_dir: Path, model_dir: Path | None = None) -> tuple[Any, Any]:
         model = base_class(model_dir).from_pretrained(model_dir)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     else:
-        cfg = load_run_config(rd.config)
-        m = cfg.model
-        base = base_class(m.name_or_path, m.revision, adapter).from_pretrained(
-            m.name_or_path, revision=m.revision
-        )
+        from memtune.tools.merge import load_base, merged_dtype, trained_as
+
+        # The base as memtune merge's default holds it: a QLoRA / LLM.int8 run's quantized
+        # as in training (then dequantized), in the training precision, so the answer is the
+        # trained model's (the original weights would put the quantization error back).
+        trained = trained_as(adapter)
+        m = trained.cfg.model if trained is not None else load_run_config(rd.config).model
+        base = load_base(m.name_or_path, m.revision, adapter, trained, merged_dtype(trained, None))
         model = PeftModel.from_pretrained(base, str(adapter))
         tokenizer = AutoTokenizer.from_pretrained(adapter)
     return model.eval(), tokenizer

@@ -29,6 +29,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from memtune.adapter_check import adapter_problem
 from memtune.arguments import VerbParser
@@ -188,41 +189,11 @@ def _merge_into(
             "hub name (Qwen/Qwen2.5-7B-Instruct)"
         )
     # Inside the function: torch, transformers and peft take seconds to import.
-    import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from memtune.rank.model import quantization_config, torch_dtype
-    from memtune.rank.vision import NOT_QUANTIZED
-    from memtune.tools.generate import base_class
-
-    # The base's own class: a multimodal checkpoint merges into one of its kind, vision tower
-    # and all (its adapter is named for that class).
-    model_class = base_class(base, revision, adapter_dir)
-    quant = None
-    if trained is not None and into == "dequantized":
-        # A run on images kept the tower out of bitsandbytes (and a text run never loaded it):
-        # quantizing it here would put a rounding into it that training never saw.
-        keep = NOT_QUANTIZED if model_class is not AutoModelForCausalLM else None
-        quant = quantization_config(trained.cfg, trained.method, keep)
     try:
-        if quant is not None and trained is not None and cfg is not None:
-            # Quantized exactly as in training (from the training dtype), then dequantized: the
-            # weights the adapter learned to correct.
-            quantized = model_class.from_pretrained(
-                base, dtype=torch_dtype(cfg), quantization_config=quant, revision=revision
-            )
-            model = quantized.dequantize()
-            # a mixture's expert stacks, which memtune quantized itself (none in a dense model)
-            from memtune.rank.experts import round_trip_experts
-
-            if trained.expert_storage not in (None, "compute"):
-                round_trip_experts(model, trained.expert_storage, torch_dtype(cfg))
-            model = model.to(getattr(torch, DTYPES[dtype]))
-        else:
-            model = model_class.from_pretrained(
-                base, dtype=getattr(torch, DTYPES[dtype]), revision=revision
-            )
+        model = load_base(base, revision, adapter_dir, trained, dtype, into)
     except OSError as err:  # transformers: neither a local model dir nor one on the Hub
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"base model {base}: cannot load it ({first}); give --base") from None
@@ -234,6 +205,52 @@ def _merge_into(
         tokenizer = AutoTokenizer.from_pretrained(base, revision=revision)
     tokenizer.save_pretrained(str(out_dir))
     copy_processor_files(base, revision, out_dir)
+
+
+def load_base(
+    base: str,
+    revision: str | None,
+    adapter_dir: Path,
+    trained: TrainedAs | None,
+    dtype: str,
+    into: str = "dequantized",
+) -> Any:
+    """The base model the adapter applies to, in ``dtype``, in its own class (a multimodal
+    checkpoint's, vision tower and all: its adapter is named for that class). A base trained
+    quantized (``trained``'s decided method: QLoRA, LLM.int8) is quantized exactly as in
+    training, from the training dtype, and dequantized (``into="dequantized"``): the weights
+    the adapter learned to correct; ``into="original"``: the checkpoint's weights as stored.
+    ``memtune merge`` and ``memtune generate`` load the base here, so a generated answer is
+    the merged model's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from memtune.rank.model import quantization_config, torch_dtype
+    from memtune.rank.vision import NOT_QUANTIZED
+    from memtune.tools.generate import base_class
+
+    model_class = base_class(base, revision, adapter_dir)
+    quant = None
+    if trained is not None and into == "dequantized":
+        # A run on images kept the tower out of bitsandbytes (and a text run never loaded it):
+        # quantizing it here would put a rounding into it that training never saw.
+        keep = NOT_QUANTIZED if model_class is not AutoModelForCausalLM else None
+        quant = quantization_config(trained.cfg, trained.method, keep)
+    if quant is None or trained is None:
+        return model_class.from_pretrained(
+            base, dtype=getattr(torch, DTYPES[dtype]), revision=revision
+        )
+    trained_dtype = torch_dtype(trained.cfg)
+    quantized = model_class.from_pretrained(
+        base, dtype=trained_dtype, quantization_config=quant, revision=revision
+    )
+    model = quantized.dequantize()
+    # a mixture's expert stacks, which memtune quantized itself (none in a dense model)
+    from memtune.rank.experts import round_trip_experts
+
+    if trained.expert_storage not in (None, "compute"):
+        round_trip_experts(model, trained.expert_storage, trained_dtype)
+    return model.to(getattr(torch, DTYPES[dtype]))
 
 
 PROCESSOR_FILES = (
