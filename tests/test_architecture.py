@@ -134,6 +134,20 @@ def test_a_name_not_on_disk_is_planned_from_the_group(tmp_path: Path) -> None:
     assert "not on disk" in notes[0]
 
 
+def test_a_local_path_without_a_checkpoint_is_not_said_to_download(tmp_path: Path) -> None:
+    """A path is never downloaded to: the note says the checkpoint must be put there (it said
+    "a run downloads it where the hub is reachable" for /models/..., just before the launch
+    refused that path for its missing config.json)."""
+    missing = tmp_path / "Qwen2.5-7B-Instruct"
+    _, notes = resolve_architecture(
+        to_run_config(compose_cfg([QWEN7B, f"model.name_or_path={missing}"]))
+    )
+    assert notes == [
+        f"planned from the config group's architecture: {missing} holds no config.json (a path "
+        "on this machine: a run needs the checkpoint there)"
+    ]
+
+
 def test_each_rank_checks_the_model_it_loaded() -> None:
     """rank.build compares the loaded model's config with the planned architecture."""
     cfg = to_run_config(compose_cfg(["trainer.precision=fp32"]))

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from memtune.config.schema import ConfigError, RunConfig
+from memtune.paths import is_local_source
 
 LINEAR_ATTENTION_FIELDS = (
     "layer_types",
@@ -374,6 +375,11 @@ def _resolve_text(cfg: RunConfig) -> tuple[RunConfig, list[str]]:
             )
         if not m.architecture:
             return cfg, []  # validate() names the missing architecture
+        if is_local_source(m.name_or_path):  # a path: nothing is downloaded to it
+            return cfg, [
+                f"planned from the config group's architecture: {m.name_or_path} holds no "
+                "config.json (a path on this machine: a run needs the checkpoint there)"
+            ]
         return cfg, [
             f"planned from the config group's architecture: {m.name_or_path} is not on disk "
             "(a run downloads it where the hub is reachable; its config.json is checked when "
