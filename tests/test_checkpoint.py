@@ -147,26 +147,31 @@ def test_resume_after_a_crash_is_exact(finished: Path, tmp_path: Path) -> None:
 def test_starting_a_finished_run_again_launches_nothing(finished: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     shutil.copytree(finished, run_dir)
-    metrics = (run_dir / "metrics.jsonl").read_text()
-    proc = run_train_py([*BASE, f"run_dir={run_dir}"], cwd=ROOT)
+    records = ["metrics.jsonl", "config.yaml", "decisions.json", "resume.json", "plan.txt"]
+    before = {name: (run_dir / name).read_bytes() for name in records}
+    # Another learning rate (a resume may change it): no step follows, so nothing is recorded
+    # (config.yaml took lr 0.5 and resume.json "lr changed from step 13 on" before).
+    proc = run_train_py([*BASE, f"run_dir={run_dir}", "trainer.lr=0.5"], cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "already finished: step-0000012 is step 12 of trainer.max_steps=12" in proc.stdout
     assert "memtune: done in" not in proc.stdout  # no ranks, no repeated summary
-    assert (run_dir / "metrics.jsonl").read_text() == metrics
+    assert "resuming from" not in proc.stdout and "schedule" not in proc.stdout
+    assert {name: (run_dir / name).read_bytes() for name in records} == before
     # More steps asked for (or no adapter exported yet): the ranks start and train on.
     cfg = load_run_config(run_dir / "config.yaml")
-    assert already_finished(cfg, run_dir) is not None
+    last = run_dir / "checkpoints" / "step-0000012"  # what resume=auto continues from
+    assert already_finished(cfg, run_dir, last) is not None
     cfg.trainer.max_steps = 13
-    assert already_finished(cfg, run_dir) is None
+    assert already_finished(cfg, run_dir, last) is None
     cfg.trainer.max_steps = 12
     # A summary of an earlier end (its files still verify) is not this step's end.
     summary = json.loads((run_dir / "summary.json").read_text())
     (run_dir / "summary.json").write_text(json.dumps({**summary, "steps": 8}))
-    assert already_finished(cfg, run_dir) is None
+    assert already_finished(cfg, run_dir, last) is None
     (run_dir / "summary.json").write_text(json.dumps(summary))
-    assert already_finished(cfg, run_dir) is not None
+    assert already_finished(cfg, run_dir, last) is not None
     (run_dir / "adapter" / "adapter_model.safetensors").unlink()
-    assert already_finished(cfg, run_dir) is None
+    assert already_finished(cfg, run_dir, last) is None
 
 
 def test_resume_with_a_contradicting_config_is_refused(finished: Path, tmp_path: Path) -> None:

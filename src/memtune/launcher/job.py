@@ -27,7 +27,7 @@ from memtune.filesystem import write_atomic
 from memtune.launcher import oom
 from memtune.launcher.preflight import PreflightError, for_launch
 from memtune.launcher.prepare import (
-    already_finished,
+    RunFinished,
     announce,
     decide,
     given_config,
@@ -291,6 +291,10 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
         spec = resolve(given)
         check_master_port(given, spec)
         run_cfg, decisions, env = _decide_and_lay_out(cfg, given, spec, run_dir)
+    except RunFinished as finished:
+        # Nothing to train: say so instead of starting the ranks to repeat the old summary.
+        print(f"memtune: {finished}; run dir {run_dir}", flush=True)
+        return 0
     except (ConfigError, PreflightError) as err:
         kind = "config error" if isinstance(err, ConfigError) else "preflight"
         if spec is not None and spec.form == "per-node" and spec.node_rank == 0:
@@ -301,11 +305,6 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
         return _stopped_before_launch(run_dir, kind, str(err), sweeping)
     if run_cfg.preprocess_only:
         print(f"memtune: preprocess_only: run dir {run_dir} laid out, no ranks started", flush=True)
-        return 0
-    finished = already_finished(run_cfg, run_dir)
-    if finished and spec.form != "per-node":
-        # Nothing to train: say so instead of starting the ranks to repeat the old summary.
-        print(f"memtune: {finished}; run dir {run_dir}", flush=True)
         return 0
     if spec.form == "per-node" and spec.node_rank == 0:
         write_nodes_hostfile(run_dir, spec)
@@ -342,7 +341,9 @@ def _decide_and_lay_out(
         # Decided again: auto_fit and the long-context choice order variants by step time.
         fitted = decide(given, link_gb_s=measured, say=False)
     announce(fitted)
-    return (*prepare_run_dir(fitted, run_dir), env)
+    # A finished run: nothing to train, and its records stay the ones it trained with (a
+    # per-node job's ranks are started, on every node, as node 0's records say).
+    return (*prepare_run_dir(fitted, run_dir, finished_stops=spec.form != "per-node"), env)
 
 
 def _stopped_before_launch(run_dir: Path, kind: str, error: str, sweeping: bool) -> int:

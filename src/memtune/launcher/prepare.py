@@ -115,10 +115,19 @@ def refuse_files_not_ours(rd: RunDir, taken: list[Path]) -> NoReturn:
     )
 
 
-def prepare_run_dir(fitted: Fitted, run_dir: Path) -> tuple[RunConfig, Decisions]:
+class RunFinished(Exception):
+    """The checkpoint a start would continue from already ends the run (:func:`already_finished`
+    says why): nothing to train, and nothing of the run dir was written."""
+
+
+def prepare_run_dir(
+    fitted: Fitted, run_dir: Path, finished_stops: bool = False
+) -> tuple[RunConfig, Decisions]:
     """Lay out ``run_dir`` for the decided run (``fitted``: what :func:`decide` made of the
     settings; config.yaml records the settings, decisions.json what was decided) and return
-    both, as the ranks will read them.
+    both, as the ranks will read them. ``finished_stops``: a finished run raises RunFinished
+    before its records are touched (config.yaml, resume.json, ... stay the ones it trained
+    with, not this start's settings).
 
     Everything that can still fail before a rank starts fails here: the DeepSpeed template, the
     disk's room, the data, the checkpoint to resume. A synthesized demo model is built here
@@ -167,7 +176,7 @@ def prepare_run_dir(fitted: Fitted, run_dir: Path) -> tuple[RunConfig, Decisions
     start = cfg.peft.init_from
     started = None if start is None else adapter_fingerprint(start)
     base = BaseRecord(name, base_fingerprint(name, revision), start, started)
-    resume = resolve_resume(cfg, d, rd, prepared.dir, base)
+    resume = resolve_resume(cfg, d, rd, prepared.dir, base, finished_stops)
     if cfg.resume == "never":
         start_over(rd)
     with no_space_is_an_error(run_dir, "run_dir"):
@@ -478,10 +487,17 @@ base.json, or a hub name not on disk)."""
 
 
 def resolve_resume(
-    cfg: RunConfig, d: Decisions, rd: RunDir, data_dir: Path, base: BaseRecord | None = None
+    cfg: RunConfig,
+    d: Decisions,
+    rd: RunDir,
+    data_dir: Path,
+    base: BaseRecord | None = None,
+    finished_stops: bool = False,
 ) -> Path | None:
     """The checkpoint to continue from, verified (its manifest) and checked against the config
-    and the base model (``base``: this run's, by content) before any rank starts."""
+    and the base model (``base``: this run's, by content) before any rank starts.
+    ``finished_stops``: RunFinished when that checkpoint already ends the run, before the
+    resume is announced (there is no step after it)."""
     if cfg.resume == "never":
         return None
     if cfg.resume == "auto":
@@ -559,6 +575,8 @@ def resolve_resume(
             + "\nRestore those values, or start fresh: resume=never (or a new run_dir). "
             "The adapter of that checkpoint is in its adapter/ folder."
         )
+    if finished_stops and (finished := already_finished(cfg, rd.path, ckpt)) is not None:
+        raise RunFinished(finished)
     print(f"memtune: resuming from {ckpt} (step {state.step})", flush=True)
     schedule = [
         f"{k} {saved.value(k)} → {now.value(k)}"
@@ -719,17 +737,18 @@ def _train_state(ckpt: Path) -> TrainState:
         raise ConfigError(f"cannot resume: {err}") from None
 
 
-def already_finished(cfg: RunConfig, run_dir: Path) -> str | None:
-    """Why there is nothing to run: the checkpoint being resumed reached trainer.max_steps, the
-    job's final record says exit 0, and the final files summary.json lists verify (sizes and
-    hashes). A run whose end was cut short (a full disk while writing the tokenizer, the
-    summary or exit.json) is not finished: its ranks start again from the last checkpoint and
-    export anew."""
+def already_finished(cfg: RunConfig, run_dir: Path, ckpt: Path | None = None) -> str | None:
+    """Why there is nothing to run: the checkpoint being resumed (``ckpt``, else the one
+    resume.json records) reached trainer.max_steps, the job's final record says exit 0, and
+    the final files summary.json lists verify (sizes and hashes). A run whose end was cut short
+    (a full disk while writing the tokenizer, the summary or exit.json) is not finished: its
+    ranks start again from the last checkpoint and export anew."""
     rd = RunDir(run_dir)
-    recorded = rd.read_resume().checkpoint
-    if not recorded:
-        return None
-    ckpt = Path(recorded)
+    if ckpt is None:
+        recorded = rd.read_resume().checkpoint
+        if not recorded:
+            return None
+        ckpt = Path(recorded)
     step = _train_state(ckpt).step
     if step < cfg.trainer.max_steps:
         return None
