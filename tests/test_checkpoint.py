@@ -148,6 +148,7 @@ def test_starting_a_finished_run_again_launches_nothing(finished: Path, tmp_path
     run_dir = tmp_path / "run"
     shutil.copytree(finished, run_dir)
     records = ["metrics.jsonl", "config.yaml", "decisions.json", "resume.json", "plan.txt"]
+    records += [".hydra/config.yaml", ".hydra/overrides.yaml", "exit.json"]
     before = {name: (run_dir / name).read_bytes() for name in records}
     # Another learning rate (a resume may change it): no step follows, so nothing is recorded
     # (config.yaml took lr 0.5 and resume.json "lr changed from step 13 on" before).

@@ -179,7 +179,6 @@ def run_job(cfg: DictConfig) -> int:
                     flush=True,
                 )
                 run_dir = held
-            _record_composition(cfg, run_dir)
             return _run(cfg, run_dir, sweeping)
     except KeyboardInterrupt:
         # Ctrl-C before the ranks started (planning, tokenizing): nothing to save.
@@ -215,7 +214,9 @@ def _tell_other_nodes(cfg: DictConfig, run_dir: Path, error: str, taken: list[Pa
 
 def _record_composition(cfg: DictConfig, run_dir: Path) -> None:
     """``.hydra/``: the composed config, Hydra's own and the command-line overrides, as Hydra
-    writes them (conf/config.yaml turns Hydra's writing off: it came before the lock)."""
+    writes them (conf/config.yaml turns Hydra's writing off: it came before the lock), once
+    the start has laid the run out or was refused: a start of a finished run (nothing to
+    train) leaves the record of the start that trained it."""
     hydra_cfg: Any = HydraConfig.instance().cfg  # the whole config under its hydra key
     if hydra_cfg.hydra.output_subdir is not None:
         return  # set on the command line: Hydra wrote it
@@ -267,7 +268,7 @@ def _run(cfg: DictConfig, run_dir: Path, sweeping: bool) -> int:
             check_sweep_point_nodes()
         sized = size_from_allocation(cfg.launcher, list(hydra_cfg.overrides.task))
     except ConfigError as err:
-        return _stopped_before_launch(run_dir, "config error", str(err), sweeping)
+        return _stopped_before_launch(cfg, run_dir, "config error", str(err), sweeping)
     if sized:
         print(
             f"memtune: Slurm job {os.environ.get('SLURM_JOB_ID')}: {' '.join(sized)}, sized "
@@ -291,6 +292,7 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
         spec = resolve(given)
         check_master_port(given, spec)
         run_cfg, decisions, env = _decide_and_lay_out(cfg, given, spec, run_dir)
+        _record_composition(cfg, run_dir)
     except RunFinished as finished:
         # Nothing to train: say so instead of starting the ranks to repeat the old summary.
         print(f"memtune: {finished}; run dir {run_dir}", flush=True)
@@ -302,7 +304,7 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
                 str(err) if kind == "config error" else f"the GPU preflight failed on node 0: {err}"
             )
             announce_ready(run_dir, spec, error=why)
-        return _stopped_before_launch(run_dir, kind, str(err), sweeping)
+        return _stopped_before_launch(cfg, run_dir, kind, str(err), sweeping)
     if run_cfg.preprocess_only:
         print(f"memtune: preprocess_only: run dir {run_dir} laid out, no ranks started", flush=True)
         return 0
@@ -346,11 +348,14 @@ def _decide_and_lay_out(
     return (*prepare_run_dir(fitted, run_dir, finished_stops=spec.form != "per-node"), env)
 
 
-def _stopped_before_launch(run_dir: Path, kind: str, error: str, sweeping: bool) -> int:
+def _stopped_before_launch(
+    cfg: DictConfig, run_dir: Path, kind: str, error: str, sweeping: bool
+) -> int:
     """The one place that decides what a failure before launch ends: this job, or in a sweep
     this point only (the other points still run). The run dir Hydra made says why it holds no
-    run."""
+    run, and what was asked (.hydra/)."""
     print(f"memtune: {kind}: {error}", file=sys.stderr)
+    _record_composition(cfg, run_dir)
     _record_exit(run_dir, EXIT_CONFIG, f"{kind}: {error}")
     return _failed(EXIT_CONFIG, sweeping)
 
