@@ -595,3 +595,50 @@ def test_a_tilde_the_shell_did_not_expand_is_named() -> None:
     with pytest.raises(ConfigError, match=r"data\.path=~/x\.jsonl: the shell left this ~"):
         compose(["data.path=~/x.jsonl"])
     assert main(["plan", "data.path=~/x.jsonl"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env", "message"),
+    [
+        (
+            ["logger.project=team/sweeps"],
+            {},
+            "logger.project='team/sweeps' is not a wandb project name: it has /; wandb takes at "
+            "most 128 characters and none of / \\ # ? % :",
+        ),
+        ([], {"WANDB_MODE": "bogus"}, r"$WANDB_MODE='bogus': wandb refuses it: Input should be"),
+        ([], {"WANDB_PROJECT": "a:b"}, r"$WANDB_PROJECT='a:b': wandb refuses it: Invalid project"),
+        ([], {"WANDB_RUN_ID": "a/b"}, r"$WANDB_RUN_ID='a/b': wandb refuses it: Run ID cannot"),
+        (
+            ["logger.mode=online"],
+            {},
+            "logger.mode=online: no wandb credentials for",
+        ),
+        (
+            ["logger.mode=auto"],
+            {"WANDB_API_KEY": "abc"},
+            "logger.mode=auto: wandb's credentials: WANDB_API_KEY invalid",
+        ),
+    ],
+    ids=["project", "mode-env", "project-env", "run-id-env", "online-no-key", "auto-bad-key"],
+)
+def test_wandb_settings_rank_0_would_die_on_are_refused_before_launch(
+    overrides: list[str],
+    env: dict[str, str],
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each was a traceback from wandb.init in rank 0, after the ranks had loaded the model
+    (logger.project=team/sweeps: 'Invalid project name'; logger.mode=online on a machine not
+    logged in: 'No API key configured')."""
+    for name in [n for n in os.environ if n.startswith("WANDB_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # not logged in
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    cfg = to_run_config(compose(overrides))
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert str(err.value).startswith(message)
+    validate(to_run_config(compose(["logger.backend=none", *overrides])))  # wandb not used

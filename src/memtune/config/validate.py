@@ -21,6 +21,7 @@ from memtune.config.decisions import (
     kernels_unwired,
     lean_unbuilt,
 )
+from memtune.config.logger_check import check_logger
 from memtune.config.mixture_checks import check_experts, check_experts_split
 from memtune.config.schema import (
     FORMATS,
@@ -232,6 +233,7 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
         _check_init_from(cfg)
         _check_attention_here(cfg.model)
         _check_kernels_here(cfg)
+        check_logger(cfg.logger)
 
 
 KERNELS = ("rms_norm", "swiglu", "rope")

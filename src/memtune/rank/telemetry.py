@@ -7,7 +7,6 @@ asks which rank it is on.
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 import tempfile
@@ -189,9 +188,9 @@ def _start_wandb(run_dir: Path, cfg: Any, config: dict[str, Any]) -> Any:
         return None
     import wandb
 
-    mode = cfg.mode
-    if mode == "auto":
-        mode = "online" if os.environ.get("WANDB_API_KEY") or _netrc_has_wandb() else "offline"
+    from memtune.config.logger_check import wandb_mode
+
+    mode = wandb_mode(cfg)  # what train.py checked (config.logger_check)
     return wandb.init(
         project=cfg.project,
         group=cfg.group,
@@ -201,8 +200,3 @@ def _start_wandb(run_dir: Path, cfg: Any, config: dict[str, Any]) -> Any:
         config=config,
         settings=wandb.Settings(silent=True, console="off"),
     )
-
-
-def _netrc_has_wandb() -> bool:
-    netrc = Path.home() / ".netrc"
-    return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
