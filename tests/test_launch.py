@@ -251,6 +251,21 @@ def test_multirun_gives_one_run_dir_per_point_and_a_report(tmp_path: Path) -> No
     assert "1 sweep point(s) failed" in proc.stdout
 
 
+def test_a_plan_only_sweep_plans_every_point(tmp_path: Path) -> None:
+    """plan_only=true in a sweep planned its first point and exited 0: the others were never
+    planned, without a word. A point refused still lets the rest plan; no report (no point
+    made a run dir)."""
+    sweep = tmp_path / "sweep"
+    args = ["-m", "peft.r=4,0,8", "plan_only=true", f"hydra.sweep.dir={sweep}"]
+    proc = run_train_py(args, cwd=ROOT)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    planned = [line for line in proc.stdout.splitlines() if line.startswith("memtune plan:")]
+    assert [" lora r=4 " in planned[0], " lora r=8 " in planned[1], len(planned)] == [1, 1, 2]
+    assert "memtune: config error: peft.r must be > 0 (got 0)" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (sweep / "sweep_report.md").exists()
+
+
 def test_a_slurm_sweep_without_slurm_is_one_line(tmp_path: Path) -> None:
     """submitit raised 'Could not detect "srun"' from inside Hydra's sweep: a traceback."""
     import subprocess

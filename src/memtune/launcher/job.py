@@ -276,7 +276,9 @@ def _run(cfg: DictConfig, run_dir: Path, sweeping: bool) -> int:
             flush=True,
         )
     if cfg.plan_only:
-        sys.exit(print_plan(cfg))
+        # Each point of a sweep plans (it ended the sweep after its first point, exit 0).
+        code = print_plan(cfg)
+        return _failed(code, sweeping) if code else 0
     job = _prepare(cfg, run_dir, sweeping)
     if isinstance(job, int):
         return job

@@ -198,8 +198,8 @@ class SweepReport:
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        if not sweep_dir.is_dir():
-            return
+        if not sweep_dir.is_dir() or not _run_dirs(sweep_dir):
+            return  # no point made a run dir (plan_only=true): nothing to compare
         out = write_report(sweep_dir)
         rows = collect(sweep_dir)
         failed = [r["point"] for r in rows if r["status"] != "ok"]
