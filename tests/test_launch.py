@@ -266,6 +266,36 @@ def test_a_plan_only_sweep_plans_every_point(tmp_path: Path) -> None:
     assert not (sweep / "sweep_report.md").exists()
 
 
+def test_sweep_points_that_would_share_a_run_dir_are_refused(tmp_path: Path) -> None:
+    """hydra.sweep.subdir=same: point 1 ran in point 0's finished run dir, was refused as a
+    resume of it ('peft.r: checkpoint 4, now 8') and rewrote its .hydra/ and exit.json, so the
+    report showed point 0's results under point 1's overrides. A literal subdir is refused
+    before the sweep; one that only resolves alike refuses the later point, writing nothing."""
+    from omegaconf import OmegaConf
+
+    from memtune.config.command_line import composition_problem
+    from memtune.launcher.job import _another_points_dir
+
+    assert composition_problem(["-m", "peft.r=4,8", "hydra.sweep.subdir=same"]) == (
+        "hydra.sweep.subdir=same gives every point of the sweep the same run dir; keep "
+        "${hydra.job.num} in it (the default: 0, 1, ...), e.g. "
+        "hydra.sweep.subdir=r-${hydra.job.num}"
+    )
+    assert composition_problem(["-m", "peft.r=4,8", "hydra.sweep.subdir=r${hydra.job.num}"]) is None
+    assert composition_problem(["-m", "peft.r=4", "hydra.sweep.subdir=same"]) is None  # 1 point
+
+    run = tmp_path / "same"
+    assert _another_points_dir(run, 1) is None  # nothing there yet
+    (run / ".hydra").mkdir(parents=True)
+    record = {"hydra": {"mode": "MULTIRUN", "job": {"num": 0}}}
+    (run / ".hydra" / "hydra.yaml").write_text(OmegaConf.to_yaml(record))
+    assert _another_points_dir(run, 1) == 0
+    assert _another_points_dir(run, 0) is None  # the same point again: a requeue, a rerun
+    record["hydra"]["mode"] = "RUN"
+    (run / ".hydra" / "hydra.yaml").write_text(OmegaConf.to_yaml(record))
+    assert _another_points_dir(run, 1) is None  # a single run's dir: the run dir checks'
+
+
 def test_a_slurm_sweep_without_slurm_is_one_line(tmp_path: Path) -> None:
     """submitit raised 'Could not detect "srun"' from inside Hydra's sweep: a traceback."""
     import subprocess

@@ -6,6 +6,7 @@ exits 1, the code a failed sweep point or a rank's Python error has."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,6 +25,20 @@ def one_line(err: BaseException) -> str:
     text = " ".join(str(err).split()).split(" Config search path:")[0]
     cause = str(err.__cause__ or "").strip()
     return f"{text} ({cause.splitlines()[0]})" if cause else text
+
+
+def _one_dir_for_all(fixed: list[str]) -> str | None:
+    """A sweep's hydra.sweep.subdir given without an interpolation: every point would train
+    in the one dir (the second refused as a resume of the first, after the first trained)."""
+    for override in fixed:
+        key, _, value = override.partition("=")
+        if key.lstrip("+") == "hydra.sweep.subdir" and "${" not in value:
+            return (
+                f"{override} gives every point of the sweep the same run dir; keep "
+                "${hydra.job.num} in it (the default: 0, 1, ...), e.g. "
+                "hydra.sweep.subdir=r-${hydra.job.num}"
+            )
+    return None
 
 
 def composition_problem(argv: list[str], env: Mapping[str, str] | None = None) -> str | None:
@@ -72,6 +87,9 @@ def composition_problem(argv: list[str], env: Mapping[str, str] | None = None) -
             elif o.value_type is not None and o.value_type.name in ENUMERABLE:
                 key = o.get_key_element()
                 swept.append([f"{key}={value}" for value in o.sweep_string_iterator()])
+        points = math.prod(len(values) for values in swept)
+        if args.multirun and points > 1 and (problem := _one_dir_for_all(fixed)):
+            return problem
         firsts = [values[0] for values in swept]
         cfg = compose([*fixed, *firsts])
         for i, values in enumerate(swept):

@@ -161,6 +161,15 @@ def run_job(cfg: DictConfig) -> int:
     run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
     if cfg.plan_only:  # reads no run dir and writes none: nothing to hold
         return _run(cfg, run_dir, sweeping)
+    if sweeping and (other := _another_points_dir(run_dir, hydra_cfg.job.num)) is not None:
+        print(
+            f"memtune: config error: run dir {run_dir} holds point {other}'s run of this sweep "
+            f"and this is point {hydra_cfg.job.num}: hydra.sweep.subdir="
+            f"{hydra_cfg.sweep.subdir} gives several points one dir; keep ${{hydra.job.num}} "
+            "in it (the default), so that every point has its own",
+            file=sys.stderr,
+        )
+        return _failed(EXIT_CONFIG, sweeping)  # nothing written into the other point's dir
     try:
         node_rank = this_node_rank(cfg.launcher)
         dated = _dated_by_hydra(cfg, hydra_cfg, sweeping)
@@ -198,6 +207,23 @@ def _dated_by_hydra(cfg: DictConfig, hydra_cfg: Any, sweeping: bool) -> bool:
     may have been given the same name (run_lock.hold_dated takes the next free one)."""
     named = any(o.startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra)
     return cfg.run_dir is None and not sweeping and not named
+
+
+def _another_points_dir(run_dir: Path, num: int) -> int | None:
+    """The sweep point (hydra.job.num) whose run a sweep point's run dir already holds, when it
+    is another point's: a hydra.sweep.subdir without ${hydra.job.num} gives every point one
+    dir, where the second point was refused as a resume of the first and rewrote its record
+    (.hydra/, exit.json), or resumed it. The same point again (a requeue, the sweep run
+    again) is None."""
+    import yaml
+
+    try:
+        record = yaml.safe_load((run_dir / ".hydra" / "hydra.yaml").read_text())
+        other = record["hydra"]["job"]["num"]
+        sweep = record["hydra"]["mode"] == "MULTIRUN"
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return None  # no record, or not memtune's: the checks of the run dir say so
+    return other if sweep and isinstance(other, int) and other != num else None
 
 
 def _tell_other_nodes(cfg: DictConfig, run_dir: Path, error: str, taken: list[Path]) -> None:
