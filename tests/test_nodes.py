@@ -79,6 +79,10 @@ def test_bad_hostfiles_are_named_with_their_line(tmp_path: Path) -> None:
         check_hostfile(bad, 2, 4)
     with pytest.raises(ConfigError, match="no such file"):
         check_hostfile(tmp_path / "missing", 1, 1)
+    # DeepSpeed's runner raised ValueError on it from its own process, after the plan.
+    bad.write_text("box-a slots=4\n# b\nbox-a slots=4  # again\n")
+    with pytest.raises(ConfigError, match=r"hosts:3: box-a is listed again \(line 1\): one line"):
+        check_hostfile(bad, 2, 4)
 
 
 SLURM_NODE1 = {
@@ -122,7 +126,7 @@ STEP = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "2"}
         (STEP, [], (2, 6)),
         # Given on the command line: kept; the rest still follows the allocation.
         ({**STEP, "SLURM_GPUS_ON_NODE": "4"}, ["launcher.num_ranks=2"], (2, 2)),
-        ({**STEP, "SLURM_GPUS_ON_NODE": "4"}, ["launcher.nnodes=1"], (1, 4)),
+        ({**STEP, "SLURM_GPUS_ON_NODE": "4"}, ["launcher.nnodes=2"], (2, 8)),
         # Not a job step (salloc's shell, a login node): the config as it is.
         ({"SLURM_JOB_ID": "77", "SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "4"}, [], (1, 3)),
         ({}, [], (1, 3)),
@@ -153,6 +157,41 @@ def test_allocation_sizing_can_be_off_and_names_a_bad_count() -> None:
     assert (launcher.nnodes, launcher.num_ranks) == (1, 3)
     with pytest.raises(ConfigError, match=r"\$MEMTUNE_RANKS_PER_NODE='two'"):
         size_from_allocation(compose_cfg([]).launcher, [], {**env, "MEMTUNE_RANKS_PER_NODE": "two"})
+
+
+def test_a_node_count_the_slurm_step_does_not_have_is_refused() -> None:
+    """launcher.nnodes=3 on a 2-node train.sbatch job was kept ("given on the command line"):
+    the ranks waited for a third node until torch's 30-minute timeout."""
+    env = {**STEP, "SLURM_GPUS_ON_NODE": "4"}
+    for nnodes in (3, 1):
+        launcher = compose_cfg([f"launcher.nnodes={nnodes}", "launcher.num_ranks=4"]).launcher
+        with pytest.raises(ConfigError) as err:
+            size_from_allocation(launcher, [f"launcher.nnodes={nnodes}"], env)
+        assert str(err.value) == (
+            f"launcher.nnodes={nnodes}, but this Slurm job step runs on 2 node(s), one train.py "
+            "each: leave launcher.nnodes out (it follows the allocation) or submit with "
+            f"--nodes={nnodes}"
+        )
+
+
+def test_what_the_environment_gives_the_nodes_is_checked() -> None:
+    """$MASTER_PORT=0 gave each node a free port of its own (nodes that never meet), 70000
+    reached DeepSpeed; $SLURM_JOB_ID=abc was int()'s ValueError; a node rank out of range from
+    $SLURM_NODEID was called launcher.node_rank; launcher.node_rank with one node or a hostfile
+    was dropped without a word."""
+    cfg = _cfg("launcher.num_ranks=8", "launcher.nnodes=2", "run_dir=/shared/run")
+    for port in ("0", "70000"):
+        with pytest.raises(ConfigError, match=rf"^\$MASTER_PORT='{port}' is not a port: choose"):
+            resolve(cfg, env={**SLURM_NODE1, "MASTER_PORT": port})
+    with pytest.raises(ConfigError, match=r"^\$SLURM_JOB_ID='abc' is not an integer$"):
+        resolve(cfg, env={**SLURM_NODE1, "SLURM_JOB_ID": "abc"})
+    with pytest.raises(
+        ConfigError, match=r"^\$SLURM_NODEID=2 is not in 0..1 \(launcher.nnodes=2\)"
+    ):
+        resolve(cfg, env={**SLURM_NODE1, "SLURM_NODEID": "2"})
+    for extra in ("launcher.num_ranks=2", "launcher.hostfile=hosts"):
+        with pytest.raises(ConfigError, match=r"^launcher.node_rank=1 with launcher.(nnodes=1|h)"):
+            resolve(_cfg("launcher.node_rank=1", extra), env={})
 
 
 def test_a_sweep_point_on_several_nodes_is_refused_by_name() -> None:

@@ -93,21 +93,40 @@ def resolve(cfg: RunConfig, env: Mapping[str, str] | None = None) -> NodeSpec:
     lc = cfg.launcher
     per_node = lc.num_ranks // lc.nnodes
     slurm_job = env.get("SLURM_JOB_ID")
+    if lc.node_rank not in (None, 0) and (lc.nnodes == 1 or lc.hostfile is not None):
+        # It was dropped without a word: this node ran as node 0 (or started every node)
+        form = f"launcher.hostfile={lc.hostfile}" if lc.hostfile else "launcher.nnodes=1"
+        raise ConfigError(
+            f"launcher.node_rank={lc.node_rank} with {form}: a node rank is for the per-node "
+            "form (launcher.nnodes > 1, no hostfile, the same command on every node); "
+            "drop launcher.node_rank or the hostfile"
+        )
     if lc.nnodes == 1 and lc.hostfile is None:
         return NodeSpec("local", 1, lc.num_ranks, 0, lc.master_addr, lc.master_port)
-    master_addr = lc.master_addr or env.get("MASTER_ADDR") or None
+    master_addr = lc.master_addr or env.get("MASTER_ADDR", "").strip() or None
     if master_addr is None and env.get("SLURM_JOB_NODELIST"):
         master_addr = first_host(env["SLURM_JOB_NODELIST"])
     port = lc.master_port or _int_env(env, "MASTER_PORT")
+    if port is not None and not 1 <= port <= 65535:
+        # 0 gave each node a free port of its own: nodes that never meet
+        raise ConfigError(
+            f"$MASTER_PORT={env['MASTER_PORT']!r} is not a port: choose one in 1-65535, or "
+            "unset it (launcher.master_port, else memtune's default)"
+        )
     if port is None:
-        port = 20000 + int(slurm_job) % 20000 if slurm_job else DEFAULT_PORT
+        job = _int_env(env, "SLURM_JOB_ID")
+        port = 20000 + job % 20000 if job is not None else DEFAULT_PORT
     if lc.hostfile is not None:
         hostfile = Path(lc.hostfile).expanduser().resolve()
         check_hostfile(hostfile, lc.nnodes, per_node)
         return NodeSpec("hostfile", lc.nnodes, per_node, 0, master_addr, port, hostfile=hostfile)
     node_rank = this_node_rank(lc, env)
     if not 0 <= node_rank < lc.nnodes:
-        raise ConfigError(f"launcher.node_rank={node_rank} is not in 0..{lc.nnodes - 1}")
+        given = [f"${n}" for n in ("SLURM_NODEID", "NODE_RANK") if env.get(n, "").strip()]
+        source = "launcher.node_rank" if lc.node_rank is not None or not given else given[0]
+        raise ConfigError(
+            f"{source}={node_rank} is not in 0..{lc.nnodes - 1} (launcher.nnodes={lc.nnodes})"
+        )
     if master_addr is None:
         raise ConfigError(
             f"launcher.nnodes={lc.nnodes} without a hostfile runs this command on every node; "
@@ -116,7 +135,7 @@ def resolve(cfg: RunConfig, env: Mapping[str, str] | None = None) -> NodeSpec:
     launch_id = lc.launch_id
     if launch_id is None and slurm_job:
         launch_id = f"{slurm_job}.{env.get('SLURM_RESTART_COUNT') or 0}"
-    launch_id = launch_id or env.get("MEMTUNE_LAUNCH_ID") or None
+    launch_id = launch_id or env.get("MEMTUNE_LAUNCH_ID", "").strip() or None
     if launch_id is None:
         raise ConfigError(
             "the per-node form needs a launch id that is the same on every node and new for "
@@ -196,7 +215,15 @@ def size_from_allocation(
     if alloc is None:
         return []
     given = {o.split("=", 1)[0].lstrip("+~") for o in given_on_command_line}
-    nnodes = launcher.nnodes if "launcher.nnodes" in given else alloc.nnodes
+    if "launcher.nnodes" in given and launcher.nnodes != alloc.nnodes:
+        # More: the ranks wait for nodes that never start (torch's 30-minute rendezvous
+        # timeout); fewer: the nodes beyond it are refused, or run the same run dir twice.
+        raise ConfigError(
+            f"launcher.nnodes={launcher.nnodes}, but this Slurm job step runs on "
+            f"{alloc.nnodes} node(s), one train.py each: leave launcher.nnodes out (it follows "
+            f"the allocation) or submit with --nodes={launcher.nnodes}"
+        )
+    nnodes = alloc.nnodes
     # Unknown from the environment: as many per node as the config runs.
     per_node = alloc.ranks_per_node or max(1, launcher.num_ranks // launcher.nnodes)
     wanted = {"launcher.nnodes": nnodes, "launcher.num_ranks": nnodes * per_node}
@@ -213,6 +240,7 @@ def check_hostfile(path: Path, nnodes: int, per_node: int) -> list[tuple[str, in
     if not path.is_file():
         raise ConfigError(f"launcher.hostfile={path}: no such file")
     hosts = []
+    seen: dict[str, int] = {}
     for number, raw in enumerate(path.read_text().splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -220,6 +248,12 @@ def check_hostfile(path: Path, nnodes: int, per_node: int) -> list[tuple[str, in
         m = re.fullmatch(r"(\S+)\s+slots=(\d+)", line)
         if m is None:
             raise ConfigError(f"{path}:{number}: expected 'HOST slots=N', got {raw.strip()!r}")
+        if m.group(1) in seen:  # DeepSpeed's runner raised ValueError on it, after the plan
+            raise ConfigError(
+                f"{path}:{number}: {m.group(1)} is listed again (line {seen[m.group(1)]}): "
+                "one line per host, its slots the GPUs it has"
+            )
+        seen[m.group(1)] = number
         hosts.append((m.group(1), int(m.group(2))))
     short = [f"{h} ({s})" for h, s in hosts[:nnodes] if s < per_node]
     if len(hosts) < nnodes or short:
