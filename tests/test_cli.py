@@ -371,6 +371,25 @@ def test_a_bad_override_is_one_line(verb: str, tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("launcher.num_ranks=0", "launcher.num_ranks must be > 0 (got 0)"),
+        ("trainer.lr=-1", "trainer.lr must be > 0 (got -1.0)"),
+    ],
+)
+def test_trace_validates_the_config_as_plan_does(
+    override: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """memtune trace skipped validation: launcher.num_ranks=0 was a DecisionError traceback
+    and trainer.lr=-1 was traced (exit 0) as if it could run."""
+    from memtune.cli import main
+
+    assert main(["trace", override]) == EXIT_CONFIG
+    out, err = capsys.readouterr()
+    assert err == f"memtune trace: {message}\n" and out == ""
+
+
 def test_machine_prints_the_machine_and_refuses_arguments() -> None:
     proc = memtune("machine")
     assert proc.returncode == 0, proc.stderr

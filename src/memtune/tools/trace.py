@@ -13,8 +13,8 @@ import argparse
 import sys
 
 from memtune.arguments import VerbParser
-from memtune.config import compose, to_run_config
-from memtune.config.architecture import resolve_architecture
+from memtune.config import compose
+from memtune.launcher.prepare import given_config
 from memtune.memory.fit import fit_to_device
 from memtune.tools.step_trace import format_trace, trace_step
 
@@ -29,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
         "overrides", nargs="*", metavar="OVERRIDE", help="train.py's overrides: experiment=..."
     )
     overrides = parser.parse_args(argv).overrides
-    given, _ = resolve_architecture(to_run_config(compose(overrides)))
+    # Validated as memtune plan validates: launcher.num_ranks=0 was a DecisionError traceback,
+    # trainer.lr=-1 was traced as if it could run.
+    given = given_config(compose(overrides), inputs=False)
     fitted = fit_to_device(given, refuse=False)
     cfg, d = fitted.cfg, fitted.decisions
     print(format_trace(cfg, d, trace_step(cfg, d)), flush=True)
