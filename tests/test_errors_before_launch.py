@@ -269,10 +269,11 @@ def test_a_group_value_or_type_hydra_refuses_is_one_line(tmp_path: Path) -> None
     )
     assert composition_problem(["-m", "trainer.lr=1e-4,2e-4", "peft.r=range(4,12,4)"]) is None
     assert str(composition_problem(["peft.r=4,8"])).startswith("peft.r=4,8 gives several values")
-    # Hydra's to answer: --cfg (printing the config), a sweeper plugin's interval, a glob,
-    # and everything under HYDRA_FULL_ERROR=1
+    # Hydra's to answer: --cfg (printing the config), a sweeper plugin's interval, and
+    # everything under HYDRA_FULL_ERROR=1
     assert composition_problem(["--cfg", "job", "experiment=nope"]) is None
-    assert composition_problem(["-m", "trainer.lr=interval(1e-5,1e-4)"]) is None
+    plugin = ["-m", "hydra/sweeper=optuna", "trainer.lr=interval(1e-5,1e-4)"]
+    assert composition_problem(plugin) is None
     assert composition_problem(["experiment=nope"], env={"HYDRA_FULL_ERROR": "1"}) is None
     # hydra.searchpath is composed with the rest: an experiment of the user's own config dir
     mine = tmp_path / "conf" / "experiment"
@@ -286,6 +287,28 @@ def test_a_group_value_or_type_hydra_refuses_is_one_line(tmp_path: Path) -> None
     slurm = ["-m", "hydra/launcher=slurm", "hydra.launcher.timeout_min=20", "peft.r=4,8"]
     assert composition_problem(slurm) is None
     assert "timeout_min" in str(composition_problem([slurm[0], *slurm[2:]]))
+
+
+def test_a_sweep_the_basic_sweeper_cannot_run_is_one_line(tmp_path: Path) -> None:
+    """-m peft.r=interval(1,4) was the basic sweeper's HydraException traceback; a glob that
+    matches nothing (peft.r=glob(*), experiment=glob(nomatch*)) ran a sweep of no point and
+    exited 0 with an empty report; hydra.sweep.dir under a file was Hydra's mkdir traceback."""
+    from memtune.config.command_line import composition_problem
+
+    assert composition_problem(["-m", "peft.r=interval(1,4)"]) == (
+        "peft.r=interval(1,4): an interval is for a sweeper plugin (hydra/sweeper=...); Hydra's "
+        "basic sweeper takes values: a,b or choice(a,b) or range(start,stop)"
+    )
+    for glob, group in (("peft.r=glob(*)", "peft.r"), ("experiment=glob(nope*)", "experiment")):
+        said = str(composition_problem(["-m", glob]))
+        assert said.startswith(f"{glob} matches no config of the group {group}: the sweep would")
+    assert composition_problem(["-m", "experiment=glob(demo-c*)", "peft.r=4,8"]) is None
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    assert composition_problem(["-m", f"hydra.sweep.dir={a_file}/s", "peft.r=4,8"]) == (
+        f"hydra.sweep.dir={a_file}/s: {a_file} is a file, not a folder; give the sweep a "
+        "folder it can write"
+    )
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,9 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-from memtune.config.schema import ConfigError, compose, unexpanded_home
+from memtune.config.schema import CONF_DIR, ConfigError, compose, unexpanded_home
 from memtune.filesystem import cannot_write
 
 ENUMERABLE = ("CHOICE_SWEEP", "SIMPLE_CHOICE_SWEEP", "RANGE_SWEEP")
@@ -41,6 +42,30 @@ def _one_dir_for_all(fixed: list[str]) -> str | None:
     return None
 
 
+def _glob_values(override: Any, overrides: list[str]) -> list[str] | None:
+    """What a glob() sweep expands to, as Hydra's sweeper expands it (the group's configs
+    that match); None when another search path may hold more (``hydra.searchpath``)."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if any("hydra.searchpath" in o for o in overrides):
+        return None
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        override.config_loader = GlobalHydra.instance().config_loader()
+        return list(override.sweep_string_iterator())
+
+
+def _sweep_dir_problem(fixed: list[str]) -> str | None:
+    """hydra.sweep.dir where no folder can be made (its part before any interpolation): Hydra
+    raised from its mkdir, a traceback."""
+    value = next((o.partition("=")[2] for o in fixed if o.startswith("hydra.sweep.dir=")), None)
+    literal = (value or "multirun").split("${", 1)[0]
+    problem = cannot_write(Path(literal or "."))
+    if problem is None:
+        return None
+    return f"hydra.sweep.dir={value or literal}: {problem}; give the sweep a folder it can write"
+
+
 def composition_problem(argv: list[str], env: Mapping[str, str] | None = None) -> str | None:
     """What composing train.py's arguments refuses, on one line; None when they compose, or
     when they are not ours to check: ``--help``, ``--cfg``, ``--info``, another config, a
@@ -48,7 +73,8 @@ def composition_problem(argv: list[str], env: Mapping[str, str] | None = None) -
     process's), where Hydra's whole error is wanted. A sweep (``-m peft.r=4,8``) is composed at
     every value of each swept key, the other keys at their first: Hydra's sweeper composes
     every point before launching any. A sweep without ``-m`` is refused, as Hydra would (in
-    six lines). An interval and a glob are Hydra's to expand; Hydra's own settings and groups
+    six lines). A glob is expanded as Hydra expands it (one that matches nothing is refused),
+    an interval is a sweeper plugin's (refused without one); Hydra's own settings and groups
     are composed with the rest, as Hydra composes them (``hydra.searchpath`` finds a user's
     experiments, ``hydra/launcher=slurm`` makes ``hydra.launcher.timeout_min`` a setting)."""
     from hydra._internal.utils import get_args_parser
@@ -87,8 +113,23 @@ def composition_problem(argv: list[str], env: Mapping[str, str] | None = None) -
             elif o.value_type is not None and o.value_type.name in ENUMERABLE:
                 key = o.get_key_element()
                 swept.append([f"{key}={value}" for value in o.sweep_string_iterator()])
+            elif o.is_interval_sweep():  # Hydra's basic sweeper raised it from the sweep
+                return (
+                    f"{o.input_line}: an interval is for a sweeper plugin (hydra/sweeper=...); "
+                    "Hydra's basic sweeper takes values: a,b or choice(a,b) or range(start,stop)"
+                )
+            elif o.value_type is not None and o.value_type.name == "GLOB_CHOICE_SWEEP":
+                if not (values := _glob_values(o, args.overrides)):
+                    return (
+                        f"{o.input_line} matches no config of the group {o.key_or_group}: the "
+                        "sweep would run no point (a glob selects a group's configs, "
+                        "experiment=glob(qwen3*); a setting's values are listed: a,b)"
+                    )
+                swept.append([f"{o.get_key_element()}={value}" for value in values])
         points = math.prod(len(values) for values in swept)
         if args.multirun and points > 1 and (problem := _one_dir_for_all(fixed)):
+            return problem
+        if args.multirun and (problem := _sweep_dir_problem(fixed)):
             return problem
         firsts = [values[0] for values in swept]
         cfg = compose([*fixed, *firsts])
