@@ -665,3 +665,28 @@ def test_wandb_settings_rank_0_would_die_on_are_refused_before_launch(
         validate(cfg)
     assert str(err.value).startswith(message)
     validate(to_run_config(compose(["logger.backend=none", *overrides])))  # wandb not used
+
+
+@pytest.mark.parametrize(
+    ("override", "asked"),
+    [
+        ("trainer.checkpoint_layers=all", "trainer.checkpoint_layers=all"),
+        ("trainer.checkpoint_layers=1", "trainer.checkpoint_layers=1"),
+        ("trainer.checkpointing_reentrant=true", "trainer.checkpointing_reentrant=true"),
+    ],
+)
+def test_checkpointing_asked_for_with_checkpointing_off_is_refused(
+    override: str, asked: str
+) -> None:
+    """Each was dropped without a word: the run checkpointed nothing (memtune plan's
+    activations row said 'no checkpointing')."""
+    cfg = to_run_config(compose(["trainer.activation_checkpointing=false", override]))
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, inputs=False)
+    assert str(err.value) == (
+        f"{asked} with trainer.activation_checkpointing=false: nothing is checkpointed then; "
+        "set trainer.activation_checkpointing=true to checkpoint, or leave "
+        "trainer.checkpoint_layers=auto and trainer.checkpointing_reentrant=false"
+    )
+    validate(to_run_config(compose(["trainer.activation_checkpointing=false"])), inputs=False)
+    validate(to_run_config(compose(["trainer.activation_checkpointing=true", override])), False)

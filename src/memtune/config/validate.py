@@ -154,6 +154,18 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
             f"trainer.checkpoint_layers={ckpt!r} is not supported; choose all | auto | a number "
             "of layers >= 0"
         )
+    if not t.activation_checkpointing and (ckpt not in ("auto", "0") or t.checkpointing_reentrant):
+        # Both were dropped without a word: the run checkpointed nothing.
+        asked = (
+            f"trainer.checkpoint_layers={ckpt}"
+            if ckpt not in ("auto", "0")
+            else "trainer.checkpointing_reentrant=true"
+        )
+        raise ConfigError(
+            f"{asked} with trainer.activation_checkpointing=false: nothing is checkpointed "
+            "then; set trainer.activation_checkpointing=true to checkpoint, or leave "
+            "trainer.checkpoint_layers=auto and trainer.checkpointing_reentrant=false"
+        )
     _check_selective(cfg)
     if t.eval_every < 0:
         raise ConfigError(f"trainer.eval_every must be >= 0 (got {t.eval_every})")
