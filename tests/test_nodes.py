@@ -194,6 +194,35 @@ def test_what_the_environment_gives_the_nodes_is_checked() -> None:
             resolve(_cfg("launcher.node_rank=1", extra), env={})
 
 
+@pytest.mark.parametrize(
+    ("env", "cwd", "args", "said"),
+    [
+        ({}, "root", ["x=1"], "train.sbatch is a Slurm batch script: submit it with sbatch"),
+        ({"SLURM_JOB_ID": "7"}, "tmp", ["x=1"], "has no train.py or no .venv/bin/python"),
+        ({"SLURM_JOB_ID": "7"}, "root", ["-m", "peft.r=4,8"], "a sweep is one Slurm job per"),
+    ],
+)
+def test_train_sbatch_refuses_what_would_fail_later(env, cwd, args, said, tmp_path) -> None:
+    """Run by bash outside Slurm, submitted from another folder, or given a sweep:
+    train.sbatch said "SLURM_JOB_ID: unbound variable", srun's execve error on
+    .venv/bin/python, or train.py's refusal of the run_dir the script itself set."""
+    import os
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    where = ROOT if cwd == "root" else tmp_path
+    proc = subprocess.run(
+        ["bash", str(ROOT / "launch" / "slurm" / "train.sbatch"), *args],
+        cwd=where,
+        env={**base, **env, "SLURM_SUBMIT_DIR": str(where)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert said in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stdout == ""  # nothing started
+
+
 def test_a_sweep_point_on_several_nodes_is_refused_by_name() -> None:
     check_sweep_point_nodes({**STEP, "SLURM_STEP_NUM_NODES": "1"})
     check_sweep_point_nodes({})
