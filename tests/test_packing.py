@@ -196,6 +196,14 @@ def test_step_shape_counts_samples_and_epochs() -> None:
     assert "packed rows of ≤ 128 tokens" in packed.line()
     plain = step_shape(lengths, False, batch, max_steps=10)
     assert plain.samples_per_step == 4 and plain.epochs == pytest.approx(0.5)
+    assert plain.line() == "a step = 4 samples; max_steps 10 ≈ 0.50 epochs of 80 samples"
+    # An epoch is whole steps: the line says how many an epoch holds, and that it is not all.
+    odd = step_shape([*lengths, 5, 5, 5], False, batch, max_steps=40)
+    assert odd.epochs == pytest.approx(2.0)
+    assert odd.line().endswith(
+        "max_steps 40 ≈ 2.00 epochs of 80 of the 83 samples (an epoch is whole steps: each "
+        "leaves out another 3)"
+    )
 
 
 def test_length_grouped_sampler() -> None:

@@ -67,16 +67,26 @@ class StepShape:
         }
 
     def line(self) -> str:
-        epochs = f"max_steps {self.max_steps:,} ≈ {self.epochs:.2f} epochs"
         u = self.unit
+        what = "rows" if self.packed else u
+        usable = self.items // self.global_batch * self.global_batch
+        epochs = f"max_steps {self.max_steps:,} ≈ {self.epochs:.2f} epochs of "
+        if usable == self.items:
+            epochs += f"{self.items:,} {what}"
+        else:  # the sampler's epoch is whole steps (data.batching.GlobalOrderSampler)
+            left = self.items - usable
+            epochs += (
+                f"{usable:,} of the {self.items:,} {what} (an epoch is whole steps: each "
+                f"leaves out another {left:,})"
+            )
         if not self.packed:
-            return f"a step = {self.global_batch} {u}; {epochs} of {self.samples:,} {u}"
+            return f"a step = {self.global_batch} {u}; {epochs}"
         per_row = self.samples / self.items
         return (
             f"a step = {self.global_batch} packed rows of ≤ {self.item_tokens:,} tokens ≈ "
             f"{self.samples_per_step:,.1f} {u} ({per_row:.2f} per row, rows "
-            f"{self.fill:.1%} full); {epochs} of {self.items:,} rows "
-            f"(data.packing=false would put one {u[:-1]} in each batch item)"
+            f"{self.fill:.1%} full); {epochs}; data.packing=false would put one {u[:-1]} in "
+            "each batch item"
         )
 
 
