@@ -551,3 +551,25 @@ def test_eos_stays_a_label_when_pad_equals_eos(tokenizer) -> None:
     n = len(short.input_ids)
     assert batch["labels"][0, n - 1] == tok.eos_token_id  # the reply's eos: a target
     assert (batch["labels"][0, n:] == IGNORE_INDEX).all()  # the padding after it: not
+
+
+def test_skipped_records_examples_show_every_kind_as_room_allows() -> None:
+    """data.on_bad_record=skip prints five examples: they were the first five, so when the
+    parser's complaints came first (seven records without messages), the images that could
+    not be decoded later were counted and never shown."""
+    from memtune.data.cache import MAX_BAD_EXAMPLES, _bad_record
+    from memtune.data.encode import DataStats
+    from memtune.data.readers import RecordError
+
+    cfg, stats = DataConfig(on_bad_record="skip"), DataStats()
+    for line in range(1, 8):
+        _bad_record(RecordError(f"d.jsonl:{line}", "no 'messages' list"), cfg, stats)
+    for line in (8, 9):
+        _bad_record(RecordError(f"d.jsonl:{line}", f"image 'im{line}.png': truncated"), cfg, stats)
+    _bad_record(RecordError("d.jsonl:10", "role 'bot' is not one of user, assistant"), cfg, stats)
+    assert stats.skipped_bad == 10 and len(stats.bad_examples) == MAX_BAD_EXAMPLES
+    assert stats.bad_examples[:3] == [f"d.jsonl:{n}: no 'messages' list" for n in (1, 2, 3)]
+    assert stats.bad_examples[3:] == [
+        "d.jsonl:8: image 'im8.png': truncated",  # the second image is the same kind: not shown
+        "d.jsonl:10: role 'bot' is not one of user, assistant",
+    ]

@@ -224,8 +224,28 @@ def _bad_record(err: RecordError, cfg: DataConfig, stats: DataStats) -> None:
         raise ConfigError(f"{err} (data.on_bad_record=skip would skip and count such records)")
     stats.skipped_bad += 1
     stats.identical_pairs += isinstance(err, IdenticalReplies)
-    if len(stats.bad_examples) < MAX_BAD_EXAMPLES:
-        stats.bad_examples.append(str(err))
+    examples = stats.bad_examples
+    if len(examples) < MAX_BAD_EXAMPLES:
+        examples.append(str(err))
+        return
+    # Full: a kind not shown yet takes the place of the newest example of a kind shown twice,
+    # so that the examples show every kind (as far as there is room): records read later (an
+    # image decoded after every record was parsed) are not hidden behind the first kind.
+    kinds = [_problem_kind(e) for e in examples]
+    if _problem_kind(str(err)) in kinds:
+        return
+    for i in reversed(range(len(examples))):
+        if kinds.count(kinds[i]) > 1:
+            del examples[i]
+            examples.append(str(err))  # in the order they were read
+            return
+
+
+def _problem_kind(example: str) -> str:
+    """What a bad record's message says, without where (``file:line: ``) and without the
+    values in it (numbers, quoted text): two records with one problem are one kind."""
+    problem = example.split(": ", 1)[-1]
+    return re.sub(r"'[^']*'|\"[^\"]*\"|\d+", "", problem)
 
 
 def _weighted(records: list[Record], weight: float, rng: random.Random) -> list[Record]:
