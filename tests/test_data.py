@@ -536,6 +536,46 @@ def test_validation_split_by_fraction_and_by_file(tokenizer, tmp_path: Path) -> 
     assert prepared.val is not None and (prepared.train.samples, prepared.val.samples) == (20, 3)
 
 
+def test_validation_split_is_taken_before_the_weights(tokenizer, tmp_path: Path) -> None:
+    """A weight of 2.0 repeats each record; the split came after the repeating, so copies of
+    one record landed on both sides (6 of 8 validation records were also trained on)."""
+    a = _write(tmp_path / "a.jsonl", [{"instruction": f"a{i}", "output": "x"} for i in range(20)])
+    b = _write(tmp_path / "b.jsonl", [{"instruction": f"b{i}", "output": "y"} for i in range(8)])
+    for weights in ((2.0, 1.0), (1.5, 0.5)):
+        sources = [DataSource(str(a), weight=weights[0]), DataSource(str(b), weight=weights[1])]
+        cfg = DataConfig(sources=sources, val_fraction=0.25, cache_dir=str(tmp_path / "cache"))
+        prepared = preprocess(cfg, tokenizer, seed=0)
+        assert prepared.val is not None and prepared.val.samples == 7  # 25% of the 28 read
+        train = [tokenizer.decode(s.input_ids) for s in load_split(prepared.dir, "train")]
+        val = [tokenizer.decode(s.input_ids) for s in load_split(prepared.dir, "val")]
+        assert len(set(val)) == 7 and not set(train) & set(val), weights
+        # The weights apply to what is left: each remaining record of a, twice (or 1.5×).
+        left_a = 20 - sum("user\na" in t for t in val)
+        repeated = left_a * int(weights[0]) + round((weights[0] % 1) * left_a)
+        assert sum("user\na" in t for t in train) == repeated, weights
+
+
+def test_the_seed_is_in_the_cache_key_only_where_it_draws(tokenizer, tmp_path: Path) -> None:
+    """trainer.seed changes the stored data only through the validation split and fractional
+    weights: another seed rebuilt an identical entry; and memtune's own rendering code is in
+    the key, so an upgrade that renders differently does not reuse what it would not write."""
+    from memtune.data.cache import CODE_FILES, code_digest, fingerprint
+
+    path = _write(tmp_path / "d.jsonl", [{"instruction": "q", "output": "a"}] * 4)
+    plain = DataConfig(path=str(path))
+    assert fingerprint(plain, tokenizer, 0) == fingerprint(plain, tokenizer, 1)
+    split = DataConfig(path=str(path), val_fraction=0.25)
+    assert fingerprint(split, tokenizer, 0) != fingerprint(split, tokenizer, 1)
+    thinned = DataConfig(sources=[DataSource(str(path), weight=0.5)])
+    assert fingerprint(thinned, tokenizer, 0) != fingerprint(thinned, tokenizer, 1)
+    doubled = DataConfig(sources=[DataSource(str(path), weight=2.0)])
+    assert fingerprint(doubled, tokenizer, 0) == fingerprint(doubled, tokenizer, 1)
+    import memtune.data.cache as cache_module
+
+    here = Path(cache_module.__file__).parent
+    assert all((here / name).is_file() for name in CODE_FILES) and len(code_digest()) == 16
+
+
 def test_eos_stays_a_label_when_pad_equals_eos(tokenizer) -> None:
     """The classic bug: masking every pad-id token also masks eos when they share an id."""
     import copy

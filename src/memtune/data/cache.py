@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -190,6 +191,7 @@ def fingerprint(
     h.update(_tokenizer_digest(tokenizer).encode())
     settings = [
         CACHE_VERSION,
+        code_digest(),
         cfg.template,
         cfg.system_prompt,
         cfg.train_on_prompt,
@@ -198,10 +200,33 @@ def fingerprint(
         cfg.on_bad_record,
         cfg.val_fraction,
         cfg.val_path,
-        seed,
+        seed if _seed_draws(cfg) else None,
     ]
     h.update(json.dumps(settings).encode())
     return h.hexdigest()[:20]
+
+
+def _seed_draws(cfg: DataConfig) -> bool:
+    """Whether the seed changes what a build stores: it draws the validation split
+    (data.val_fraction without data.val_path) and a fractional weight's records; otherwise
+    another trainer.seed reuses the same entry."""
+    fractional = any(src.weight != int(src.weight) for src in cfg.all_sources())
+    return bool(cfg.val_fraction and not cfg.val_path) or fractional
+
+
+CODE_FILES = ("readers.py", "templates.py", "encode.py", "vision.py", "cache.py")
+"""memtune's own code that turns records into the stored tokens (memtune.data): in the key, so
+that an upgrade that renders, labels or splits differently builds anew instead of reusing
+entries it would not write."""
+
+
+@functools.cache
+def code_digest() -> str:
+    h = hashlib.sha256()
+    for name in CODE_FILES:
+        h.update(name.encode())
+        h.update((Path(__file__).parent / name).read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _read(src: DataSource, cfg: DataConfig, stats: DataStats) -> list[Record]:
@@ -326,9 +351,10 @@ def build(
     rng = random.Random(seed)
     pairs = any(src.format == "preference" for src in cfg.all_sources())
     stats = DataStats(preference=pairs)
-    records: list[Record] = []
-    for src in cfg.all_sources():
-        records += _weighted(_read(src, cfg, stats), src.weight, rng)
+    # (source, record) in reading order: the validation split is taken from the records as
+    # read, before the weights repeat or thin the training part, so that no record (no copy
+    # of one) is on both sides and val_fraction is a fraction of the data's own records.
+    tagged = [(i, r) for i, src in enumerate(cfg.all_sources()) for r in _read(src, cfg, stats)]
     val_records: list[Record] = []
     val_stats = DataStats(preference=pairs) if has_validation(cfg) else None
     if cfg.val_path:
@@ -336,9 +362,15 @@ def build(
         assert val_stats is not None
         val_records = _read(DataSource(path=cfg.val_path, format=fmt), cfg, val_stats)
     elif cfg.val_fraction:
-        rng.shuffle(records)
-        n_val = max(1, round(cfg.val_fraction * len(records)))
-        val_records, records = records[:n_val], records[n_val:]
+        rng.shuffle(tagged)
+        n_val = max(1, round(cfg.val_fraction * len(tagged)))
+        val_records, tagged = [r for _, r in tagged[:n_val]], tagged[n_val:]
+    records: list[Record] = []
+    if all(src.weight == 1 for src in cfg.all_sources()):
+        records = [r for _, r in tagged]
+    else:
+        for i, src in enumerate(cfg.all_sources()):
+            records += _weighted([r for j, r in tagged if j == i], src.weight, rng)
     stats.records = len(records)
     train = _encode(records, tokenizer, cfg, stats, "tokenize train", images)
     if not train:
