@@ -397,3 +397,29 @@ def test_a_cut_never_splits_an_image(tok: Any, pics: Path) -> None:
         kept = apply_length_policy([whole], DataConfig(path="x", max_seq_len=n), stats)
         assert stats.dropped_image_cut == dropped
         assert [len(s.images) for s in kept] == ([images] if not dropped else [])
+
+
+def test_train_on_prompt_labels_the_text_of_a_prompt_with_images_not_its_patches(
+    tok: Any, pics: Path, tmp_path: Path
+) -> None:
+    """data.train_on_prompt=true on data with images stopped the build with an
+    AssertionError traceback ("an image token is a label"): the prompt's text is labelled,
+    the image tokens never are."""
+    from memtune.data.cache import load_split
+
+    data = write_jsonl(pics / "prompt.jsonl", [HF_RECORD])
+    small = ImageSettings.from_config(preprocessor("qwen3_vl"), min_pixels=32 * 32)
+    base = {"path": str(data), "format": "messages", "cache_dir": str(tmp_path)}
+    replies = preprocess(DataConfig(**base, max_seq_len=4096), tok, 0, small)
+    prompt = preprocess(DataConfig(**base, max_seq_len=4096, train_on_prompt=True), tok, 0, small)
+    assert prompt.train.images == replies.train.images == 3
+    (sample,) = load_split(prompt.dir, "train")
+    types = sample.mm_token_type_ids
+    assert types is not None and sum(types) > 3  # each image's patches
+    labels = [lab for lab, t in zip(sample.labels, types, strict=True) if t == 1]
+    assert labels and all(lab == -100 for lab in labels)
+    assert prompt.train.label_tokens > replies.train.label_tokens  # the prompt's text too
+    text = tok.decode(
+        [i for i, lab in zip(sample.input_ids, sample.labels, strict=True) if lab != -100]
+    )
+    assert "Which is taller?" in text and "Read receipts." in text

@@ -345,7 +345,8 @@ def expand_images(s: Sample, images: Sequence[Resized], image_pad: int, where: s
             labels.append(label)
             types.append(MM_TEXT)
             continue
-        assert label == IGNORE_INDEX, f"{where}: an image token is a label"
+        # Never a label, though data.train_on_prompt labels the rest of the prompt: the
+        # patches are the input, not text the model could learn to write.
         n = images[k].tokens
         k += 1
         input_ids += [token] * n
