@@ -127,6 +127,26 @@ REASONING = {
         {"role": "assistant", "content": "4.", "reasoning_content": "2 plus 2."},
         *TURNS[2:],
     ],
+    # A user turn wrapped whole in <tool_response> is no query to Qwen3's template: the reply
+    # before it (a tool call) is after the last query and keeps its reasoning.
+    "tool result as a user turn": [
+        TURNS[0],
+        {"role": "assistant", "content": "Let me check.", "reasoning_content": "Use the tool."},
+        {"role": "user", "content": "<tool_response>\n4\n</tool_response>"},
+        {"role": "assistant", "content": "4."},
+    ],
+    "tool call without reasoning": [  # no block on it: only the final reply gets an empty one
+        TURNS[0],
+        {"role": "assistant", "content": "Let me check."},
+        {"role": "user", "content": "<tool_response>\n4\n</tool_response>"},
+        {"role": "assistant", "content": "4."},
+    ],
+    "spaced tool result is a query": [  # Qwen3 (unlike Qwen3.5) does not strip the content
+        TURNS[0],
+        {"role": "assistant", "content": "Let me check.", "reasoning_content": "Use the tool."},
+        {"role": "user", "content": " <tool_response>4</tool_response>"},
+        {"role": "assistant", "content": "4.", "reasoning_content": "It said 4."},
+    ],
 }
 
 
@@ -168,6 +188,28 @@ def test_qwen3_generation_prompt_is_the_templates(qwen) -> None:
     assert sample.input_ids[: len(prompt_ids)] == prompt_ids
     assert sample.labels[len(prompt_ids) - 1] == IGNORE_INDEX
     assert sample.labels[len(prompt_ids)] != IGNORE_INDEX
+
+
+def test_qwen3_tool_result_is_no_query(qwen) -> None:
+    """The reply before a tool result keeps its reasoning (learned: Qwen3 renders it), and the
+    generation prompt after the tool result is Qwen3's, thinking off and on."""
+    _, tok = qwen
+    messages = REASONING["tool result as a user turn"]
+    sample = _encode(tok, messages, "qwen3")
+    assert _label_spans(tok, sample.labels) == [
+        "<think>\nUse the tool.\n</think>\n\nLet me check.<|im_end|>",
+        "4.<|im_end|>",
+    ]
+    history = messages[:-1]
+    off = render_prompt(history, "qwen3", tok.eos_token)
+    assert off == tok.apply_chat_template(
+        history, add_generation_prompt=True, tokenize=False, enable_thinking=False
+    )
+    on = render_prompt(history, "qwen3", tok.eos_token, thinking=True)
+    assert on == tok.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tok(off, add_special_tokens=False)["input_ids"]
+    assert sample.input_ids[: len(prompt_ids)] == prompt_ids
+    assert sample.labels[len(prompt_ids) - 1] == IGNORE_INDEX != sample.labels[len(prompt_ids)]
 
 
 def _write_messages(path: Path, conversations: list[list[dict]]) -> str:

@@ -20,9 +20,11 @@ tokenizer's eos in the plain template. A model never trained on that marker neve
   turns separated by a blank line.
 
 - ``qwen3`` (Qwen3's chat template, as its tokenizer renders a conversation): ChatML, and the
-  reply after the last user turn opens with a think block. Without reasoning (thinking off)
-  the block is empty and belongs to the prompt — it is what Qwen3's template appends to the
-  generation prompt with ``enable_thinking=False``::
+  final reply opens with a think block. (Its template finds the last query — the last user turn
+  that is not a tool result wrapped whole in ``<tool_response>…</tool_response>`` — and an
+  earlier reply after that query, a tool call, gets a block too when it has reasoning.)
+  Without reasoning (thinking off) the block is empty and belongs to the prompt — it is what
+  Qwen3's template appends to the generation prompt with ``enable_thinking=False``::
 
       <|im_start|>assistant\n<think>\n\n</think>\n\n{reply}<|im_end|>\n
                                                           (label: "{reply}<|im_end|>")
@@ -33,7 +35,8 @@ tokenizer's eos in the plain template. A model never trained on that marker neve
       <|im_start|>assistant\n<think>\n{reasoning}\n</think>\n\n{reply}<|im_end|>\n
                                                (label: "<think>\n{reasoning}…{reply}<|im_end|>")
 
-  Earlier replies are rendered as Qwen3 renders history: the reply alone, reasoning dropped.
+  Earlier replies (other than a tool call's with reasoning after the last query) are rendered
+  as Qwen3 renders history: the reply alone, reasoning dropped.
 
 - ``qwen3_5`` (Qwen3.5's chat template, text only): ChatML with every message's content
   stripped of surrounding whitespace, as that template strips it, and a think block on every
@@ -83,7 +86,7 @@ def segments(messages: list[dict[str, str]], template: str, eos: str) -> list[Se
             out.append((text, label))
 
     last = len(messages) - 1
-    last_query = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+    qwen3_last_query = max((i for i, m in enumerate(messages) if is_query(m, False)), default=-1)
     qwen35_last_query = max((i for i, m in enumerate(messages) if is_query(m)), default=-1)
     for i, m in enumerate(messages):
         role, content = m["role"], m["content"]
@@ -98,7 +101,9 @@ def segments(messages: list[dict[str, str]], template: str, eos: str) -> list[Se
             if role == "assistant":
                 reasoning, reply = split_reasoning(m)
                 add(f"{IM_START}assistant\n", False)
-                if i > last_query:  # the reply to the last user turn: a think block
+                # After the last query Qwen3 writes a think block on the final reply, and on an
+                # earlier one (a tool call's) only when it has reasoning.
+                if i > qwen3_last_query and (i == last or reasoning):
                     reply = reply.lstrip("\n")
                     block = f"{THINK}\n{reasoning.strip(chr(10))}\n{END_THINK}\n\n"
                     if reasoning:
@@ -139,10 +144,11 @@ def segments(messages: list[dict[str, str]], template: str, eos: str) -> list[Se
     return out
 
 
-def is_query(message: dict[str, str]) -> bool:
-    """A user turn that Qwen3.5's template counts as a query: not a tool result, i.e. not
-    wrapped whole in ``<tool_response>…</tool_response>``."""
-    content = message["content"].strip()
+def is_query(message: dict[str, str], strip: bool = True) -> bool:
+    """A user turn that Qwen's templates count as a query: not a tool result, i.e. not
+    wrapped whole in ``<tool_response>…</tool_response>``. Qwen3.5's template looks at the
+    content stripped of surrounding whitespace; Qwen3's (``strip=False``) at it as it is."""
+    content = message["content"].strip() if strip else message["content"]
     tool_result = content.startswith("<tool_response>") and content.endswith("</tool_response>")
     return message["role"] == "user" and not tool_result
 
