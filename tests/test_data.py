@@ -165,6 +165,22 @@ def test_messages_and_sharegpt_read_the_same(tmp_path: Path) -> None:
     assert _records(openai, "messages")[0].messages == _records(sharegpt, "messages")[0].messages
 
 
+def test_sharegpt_system_field_is_the_system_prompt(tokenizer, tmp_path: Path) -> None:
+    """ShareGPT's (LLaMA-Factory's) top-level ``system`` is the record's system prompt, as the
+    alpaca reader's is: it was dropped without a word. The record's wins over data.system_prompt."""
+    turns = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]
+    path = _write(tmp_path / "s.jsonl", [{"system": "You are a pirate.", "conversations": turns}])
+    (rec,) = _records(path, "messages")
+    assert rec.messages == [
+        {"role": "system", "content": "You are a pirate."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+    ]
+    text = tokenizer.decode(_encode(tokenizer, rec.messages, system_prompt="Be kind.").input_ids)
+    assert text.startswith("<|im_start|>system\nYou are a pirate.<|im_end|>\n<|im_start|>user")
+    assert "Be kind." not in text
+
+
 def test_parquet_json_array_and_dataset_dir(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -225,6 +241,14 @@ def test_text_format_labels_every_token(tokenizer, tmp_path: Path) -> None:
             ['{"conversations": [{"from": "gpt", "value": "x"}]}'],
             "messages",
             r"d\.jsonl:1: turn 0 is 'assistant', expected 'user'",
+        ),
+        (
+            [
+                '{"system": "s", "conversations": [{"from": "system", "value": "t"}, '
+                '{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}'
+            ],
+            "messages",
+            r"d\.jsonl:1: field 'system' is set and field 'conversations' has a system turn too",
         ),
         (['{"text": ""}'], "text", r"d\.jsonl:1: field 'text' is empty"),
     ],

@@ -4,7 +4,9 @@ Formats
 - ``alpaca``: instruction / input / output, optional ``system`` and ``history``
   (``[[user, assistant], ...]`` turns before this one).
 - ``messages``: ``{"messages": [{"role": ..., "content": ...}, ...]}`` (OpenAI style) or
-  ShareGPT's ``{"conversations": [{"from": "human"|"gpt"|"system", "value": ...}]}``. An
+  ShareGPT's ``{"conversations": [{"from": "human"|"gpt"|"system", "value": ...}]}``, with an
+  optional ``system`` beside the turns (ShareGPT's system prompt, as LLaMA-Factory has it;
+  a record with it and a system turn too is bad). An
   assistant turn may carry ``reasoning_content`` (its thinking, rendered by the qwen3 and
   qwen3_5 templates). Images, in user turns, in either of the two shapes people have:
 
@@ -357,6 +359,15 @@ def _chat_messages(
     images = _Images(rec.get("images"), where, base)
     messages = _turns(rec[key], key, role_key, text_key, where, images)
     images.check_all_placed()
+    system = _string(rec, "system", where, required=False)
+    if system:  # ShareGPT's (LLaMA-Factory's) system prompt beside the turns
+        if any(m["role"] == "system" for m in messages):
+            raise RecordError(
+                where,
+                f"field 'system' is set and field {key!r} has a system turn too: give the "
+                "system prompt once",
+            )
+        messages = [{"role": "system", "content": system}, *messages]
     return messages, images.refs
 
 
