@@ -165,6 +165,17 @@ def test_messages_and_sharegpt_read_the_same(tmp_path: Path) -> None:
     assert _records(openai, "messages")[0].messages == _records(sharegpt, "messages")[0].messages
 
 
+def test_either_key_style_under_either_field_name(tmp_path: Path) -> None:
+    """The key style is each message list's own (its first turn's keys), as the preference
+    reader reads it: "conversations" with role / content keys was refused with "field
+    'conversations[0].from' is None; expected one of ...", and "messages" with from / value."""
+    openai = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    sharegpt = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]
+    rows = [{"conversations": openai}, {"messages": sharegpt}, {"messages": openai}]
+    got = [r.messages for r in _records(_write(tmp_path / "m.jsonl", rows), "messages")]
+    assert got == [openai, openai, openai]
+
+
 def test_sharegpt_system_field_is_the_system_prompt(tokenizer, tmp_path: Path) -> None:
     """ShareGPT's (LLaMA-Factory's) top-level ``system`` is the record's system prompt, as the
     alpaca reader's is: it was dropped without a word. The record's wins over data.system_prompt."""
@@ -249,6 +260,37 @@ def test_text_format_labels_every_token(tokenizer, tmp_path: Path) -> None:
             ],
             "messages",
             r"d\.jsonl:1: field 'system' is set and field 'conversations' has a system turn too",
+        ),
+        (
+            ['{"messages": [{"role": "user", "content": "hi"}, {"from": "gpt", "value": "yo"}]}'],
+            "messages",
+            r"d\.jsonl:1: field 'messages\[1\]' has ShareGPT's from / value keys and field "
+            r"'messages\[0\]' OpenAI's role / content: a message list keeps one key style",
+        ),
+        (
+            ['{"messages": [{"speaker": "user", "content": "hi"}]}'],
+            "messages",
+            r"d\.jsonl:1: field 'messages\[0\]\.role' is missing: a turn has OpenAI's role / "
+            "content keys or ShareGPT's from / value",
+        ),
+        (
+            [
+                '{"conversations": [{"from": "human", "value": "2+2?"}, {"from": "function_call", '
+                '"value": "{}"}, {"from": "observation", "value": "4"}, {"from": "gpt", '
+                '"value": "4"}]}'
+            ],
+            "messages",
+            r"d\.jsonl:1: field 'conversations\[1\]\.from' is 'function_call', a tool call: "
+            r"memtune has no tool-call role; write it as an assistant turn",
+        ),
+        (
+            [
+                '{"messages": [{"role": "user", "content": "2+2?"}, {"role": "tool", "content": '
+                '"4"}, {"role": "assistant", "content": "4"}]}'
+            ],
+            "messages",
+            r"d\.jsonl:1: field 'messages\[1\]\.role' is 'tool', a tool result: memtune has no "
+            r"tool role; write it as a user turn wrapped whole in <tool_response>",
         ),
         (['{"text": ""}'], "text", r"d\.jsonl:1: field 'text' is empty"),
     ],

@@ -212,6 +212,22 @@ def test_qwen3_tool_result_is_no_query(qwen) -> None:
     assert sample.labels[len(prompt_ids) - 1] == IGNORE_INDEX != sample.labels[len(prompt_ids)]
 
 
+def test_a_tool_turn_written_as_the_readers_refusal_says_is_qwen3s_tool_turn(qwen) -> None:
+    """The reader refuses role 'tool' and says to write a user turn wrapped whole in
+    <tool_response>\\n…\\n</tool_response>: that is the text Qwen3's template makes of a tool
+    turn, think blocks included (it is a tool result to both, not a query)."""
+    _, tok = qwen
+    call = {"role": "assistant", "content": "Let me check.", "reasoning_content": "Use it."}
+    tool = [
+        TURNS[0],
+        call,
+        {"role": "tool", "content": "4"},
+        {"role": "assistant", "content": "4."},
+    ]
+    ours = [*tool[:2], {"role": "user", "content": "<tool_response>\n4\n</tool_response>"}, tool[3]]
+    assert _text(ours, "qwen3", tok) == tok.apply_chat_template(tool, tokenize=False)
+
+
 def _write_messages(path: Path, conversations: list[list[dict]]) -> str:
     path.write_text(
         "".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in conversations)

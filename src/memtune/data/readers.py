@@ -6,7 +6,9 @@ Formats
 - ``messages``: ``{"messages": [{"role": ..., "content": ...}, ...]}`` (OpenAI style) or
   ShareGPT's ``{"conversations": [{"from": "human"|"gpt"|"system", "value": ...}]}``, with an
   optional ``system`` beside the turns (ShareGPT's system prompt, as LLaMA-Factory has it;
-  a record with it and a system turn too is bad). An
+  a record with it and a system turn too is bad). Either key style may be under either name:
+  a list's first turn says which. Tool turns have no role (a tool result is a user turn
+  wrapped whole in ``<tool_response>…</tool_response>``, a tool call the assistant's text). An
   assistant turn may carry ``reasoning_content`` (its thinking, rendered by the qwen3 and
   qwen3_5 templates). Images, in user turns, in either of the two shapes people have:
 
@@ -51,7 +53,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from memtune.data.vision import (
     IMAGE_PLACEHOLDER,
@@ -351,11 +353,12 @@ def _chat_messages(
     rec: dict[str, Any], where: str, base: Path | None
 ) -> tuple[list[dict[str, str]], list[ImageRef]]:
     if "messages" in rec:
-        key, role_key, text_key = "messages", "role", "content"
+        key = "messages"
     elif "conversations" in rec:
-        key, role_key, text_key = "conversations", "from", "value"
+        key = "conversations"
     else:
         raise RecordError(where, "field 'messages' (or ShareGPT 'conversations') is missing")
+    role_key, text_key = _key_style(rec[key], sharegpt=key == "conversations")
     images = _Images(rec.get("images"), where, base)
     messages = _turns(rec[key], key, role_key, text_key, where, images)
     images.check_all_placed()
@@ -515,10 +518,7 @@ def _turns(
             raise RecordError(where, f"field {at!r} is not an object")
         role = turn.get(role_key)
         if role not in ROLE_ALIASES:
-            roles = ", ".join(sorted(ROLE_ALIASES))
-            raise RecordError(
-                where, f"field '{at}.{role_key}' is {role!r}; expected one of {roles}"
-            )
+            _bad_role(turn, at, role_key, key, where)
         content = turn.get(text_key)
         role = ROLE_ALIASES[role]
         if images is not None and isinstance(content, list):
@@ -539,14 +539,68 @@ def _turns(
     return messages
 
 
+TOOL_RESULT_ROLES = ("tool", "observation", "function")
+"""Roles of a tool's result (OpenAI's tool / function, ShareGPT's observation)."""
+TOOL_CALL_ROLES = ("function_call", "tool_call")
+"""Roles of a tool call (ShareGPT's function_call)."""
+
+
+def _key_style(turns: Any, sharegpt: bool) -> tuple[str, str]:
+    """(role key, text key) of a message list: ShareGPT's from / value or OpenAI's role /
+    content, told apart by the first turn's keys, whatever the field is named (people put
+    either style under either name); ``sharegpt`` when the first turn has neither."""
+    first = turns[0] if isinstance(turns, list) and turns and isinstance(turns[0], dict) else {}
+    if "from" in first:
+        sharegpt = True
+    elif "role" in first:
+        sharegpt = False
+    return ("from", "value") if sharegpt else ("role", "content")
+
+
+def _bad_role(turn: dict[str, Any], at: str, role_key: str, key: str, where: str) -> NoReturn:
+    """Refuse a turn whose role memtune does not read, saying why: the list mixes key styles,
+    the role key is missing, the role is a tool's (how to write it instead), or unknown."""
+    role = turn.get(role_key)
+    other_key = "role" if role_key == "from" else "from"
+    styles = {"from": "ShareGPT's from / value", "role": "OpenAI's role / content"}
+    if role is None and other_key in turn:
+        this_style, first_style = styles[other_key], styles[role_key]
+        raise RecordError(
+            where,
+            f"field {at!r} has {this_style} keys and field '{key}[0]' {first_style}: a message "
+            "list keeps one key style",
+        )
+    if role is None:
+        raise RecordError(
+            where,
+            f"field '{at}.{role_key}' is missing: a turn has OpenAI's role / content keys or "
+            "ShareGPT's from / value",
+        )
+    if role in TOOL_RESULT_ROLES:
+        raise RecordError(
+            where,
+            f"field '{at}.{role_key}' is {role!r}, a tool result: memtune has no tool role; "
+            "write it as a user turn wrapped whole in <tool_response>\\n…\\n</tool_response> "
+            "(as Qwen3's and Qwen3.5's templates render a tool turn; data.template=qwen3 and "
+            "qwen3_5 take such a turn for a tool result, not a query)",
+        )
+    if role in TOOL_CALL_ROLES:
+        raise RecordError(
+            where,
+            f"field '{at}.{role_key}' is {role!r}, a tool call: memtune has no tool-call role; "
+            "write it as an assistant turn holding the call as the model writes it "
+            "(<tool_call>…</tool_call> for Qwen3 and Qwen3.5)",
+        )
+    roles = ", ".join(sorted(ROLE_ALIASES))
+    raise RecordError(where, f"field '{at}.{role_key}' is {role!r}; expected one of {roles}")
+
+
 def _message_list(rec: dict[str, Any], key: str, where: str) -> list[dict[str, str]]:
     """A preference field holding messages, OpenAI (role / content) or ShareGPT (from /
     value) keys, told apart by the first turn's keys (a record may mix the two styles across
     its fields: each is read on its own)."""
-    turns = rec[key]
-    sharegpt = bool(turns) and isinstance(turns[0], dict) and "from" in turns[0]
-    role_key, text_key = ("from", "value") if sharegpt else ("role", "content")
-    return _turns(turns, key, role_key, text_key, where)
+    role_key, text_key = _key_style(rec[key], sharegpt=False)
+    return _turns(rec[key], key, role_key, text_key, where)
 
 
 def _preference_side(rec: dict[str, Any], key: str, where: str) -> list[dict[str, str]] | str:
