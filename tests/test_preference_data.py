@@ -150,10 +150,14 @@ def test_conversational_pair_labels_its_last_reply_only(tokenizer) -> None:
 
 @pytest.mark.parametrize("template", ["chatml", "plain", "qwen3", "qwen3_5"])
 def test_the_chosen_sequence_is_the_sft_sample_of_its_conversation(tokenizer, template) -> None:
-    """Token for token, label for label, but for the earlier reply (no label in a pair)."""
+    """Token for token, label for label, but for the earlier reply (no label in a pair). (Both
+    replies think, or neither: a pair of one of each shares a shorter prompt, and learns the
+    think-block tokens in which they differ; tests/test_qwen_tokenizer.py and
+    tests/test_qwen35_template.py check that against Qwen's templates.)"""
     thought = {**CHOSEN, "reasoning_content": "two and two"}
-    for chosen in (CHOSEN, thought):
-        pair = _encode_pair(tokenizer, HISTORY, chosen, REJECTED, template=template)
+    rethought = {**REJECTED, "reasoning_content": "two and three"}
+    for chosen, rejected in ((CHOSEN, REJECTED), (thought, rethought)):
+        pair = _encode_pair(tokenizer, HISTORY, chosen, rejected, template=template)
         cfg = DataConfig(path="unused", template=template)
         (sft,) = encode_records([Record("t", messages=[*HISTORY, chosen])], tokenizer, cfg)
         half, _ = pair_halves(pair)

@@ -239,6 +239,33 @@ def test_generation_prompt_is_the_templates(tok: Qwen35BPE, name: str) -> None:
         assert sample.labels[len(ids) - 1] == IGNORE_INDEX != sample.labels[len(ids)]
 
 
+def test_a_pair_thinking_on_and_off_shares_its_prompt(tok: Qwen35BPE) -> None:
+    """A pair whose chosen reply has reasoning and whose rejected one has none: both sequences
+    are Qwen3.5's own renderings, and their prompts end where the two part, after <think>
+    (Qwen3.5's BPE writes "<think>\\n" and "<think>\\n\\n" as <think> and other newline tokens):
+    each side learns the rest of its block with its reply. Before, the rejected side's prompt
+    held its empty block and the chosen side's ended after "<think>\\n": two prompts."""
+    prompt = [SYSTEM, TURNS[0]]
+    chosen = {"role": "assistant", "content": "4.", "reasoning_content": "2 plus 2 is 4."}
+    rejected = {"role": "assistant", "content": "5."}
+    cfg = DataConfig(path="unused", template="qwen3_5", format="preference")
+    (pair,) = encode_records([Record("t", pair=(prompt, chosen, rejected))], tok, cfg)
+    halves = pair.input_ids[: pair.split], pair.input_ids[pair.split :]
+    labels = pair.labels[: pair.split], pair.labels[pair.split :]
+    for ids, reply in zip(halves, (chosen, rejected), strict=True):
+        assert ids == tok.encode(official([*prompt, reply]))
+    shared = tok.encode(official(prompt, add_generation_prompt=True))  # ends "<think>\n"
+    assert shared[-2:] == [THINK, tok.encode("\n")[0]]
+    n = len(shared) - 1
+    for ids, lab in zip(halves, labels, strict=True):
+        assert ids[:n] == shared[:n]
+        assert all(t == IGNORE_INDEX for t in lab[:n]) and lab[n] != IGNORE_INDEX
+    assert [[tok.decode(span) for span in _label_spans(lab)] for lab in labels] == [
+        ["\n2 plus 2 is 4.\n</think>\n\n4.<|im_end|>"],
+        ["\n\n</think>\n\n5.<|im_end|>"],
+    ]
+
+
 def test_the_config_takes_qwen3_5() -> None:
     cfg = to_run_config(compose_cfg(["data.template=qwen3_5"]))
     assert cfg.data.template == "qwen3_5"

@@ -228,6 +228,32 @@ def test_a_tool_turn_written_as_the_readers_refusal_says_is_qwen3s_tool_turn(qwe
     assert _text(ours, "qwen3", tok) == tok.apply_chat_template(tool, tokenize=False)
 
 
+def test_qwen3_pair_thinking_on_and_off_shares_its_prompt(qwen) -> None:
+    """A pair whose chosen reply has reasoning and whose rejected one has none: both sequences
+    are Qwen3's own renderings, and both prompts end at Qwen3's generation prompt with thinking
+    on (before the block); the rejected side learns its empty block with its reply (before, the
+    block was its prompt, so the two prompts differed)."""
+    _, tok = qwen
+    prompt = [SYSTEM, TURNS[0]]
+    chosen = {"role": "assistant", "content": "4.", "reasoning_content": "2 plus 2 is 4."}
+    rejected = {"role": "assistant", "content": "5."}
+    cfg = DataConfig(path="unused", template="qwen3", format="preference")
+    (pair,) = encode_records([Record("t", pair=(prompt, chosen, rejected))], tok, cfg)
+    halves = pair.input_ids[: pair.split], pair.input_ids[pair.split :]
+    labels = pair.labels[: pair.split], pair.labels[pair.split :]
+    for ids, reply in zip(halves, (chosen, rejected), strict=True):
+        assert ids == tok.apply_chat_template([*prompt, reply], tokenize=True)["input_ids"]
+    shared = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    n = len(shared["input_ids"])
+    for ids, lab in zip(halves, labels, strict=True):
+        assert ids[:n] == shared["input_ids"]
+        assert all(t == IGNORE_INDEX for t in lab[:n]) and lab[n] != IGNORE_INDEX
+    assert [_label_spans(tok, lab) for lab in labels] == [
+        ["<think>\n2 plus 2 is 4.\n</think>\n\n4.<|im_end|>"],
+        ["<think>\n\n</think>\n\n5.<|im_end|>"],
+    ]
+
+
 def _write_messages(path: Path, conversations: list[list[dict]]) -> str:
     path.write_text(
         "".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in conversations)

@@ -5,8 +5,10 @@ one's, ``split`` marking where the second starts. Each is tokenized exactly as S
 that conversation (so a pair's chosen sequence is the SFT sample of the same conversation,
 token for token), but only the final reply is labelled: the objectives compare the two
 replies' log-probabilities, and an earlier reply, the same in both, would add the same amount
-to each side. The two halves stay together in one packed row, so data.max_seq_len bounds the
-pair (:func:`apply_length_policy`).
+to each side. The two share their prompt: where one reply has reasoning and the other none
+(qwen3, qwen3_5), the think-block tokens in which they differ are labels of each side
+(:func:`share_prompt`). The two halves stay together in one packed row, so data.max_seq_len
+bounds the pair (:func:`apply_length_policy`).
 
 A conversation with images (:attr:`Record.images`) is tokenized with one
 ``<|vision_start|><|image_pad|><|vision_end|>`` per image, as the Qwen VL chat templates write
@@ -315,7 +317,7 @@ def encode_records(
         elif rec.pair is None:
             samples.append(next(next_sequence))
         else:
-            chosen, rejected = next(next_sequence), next(next_sequence)
+            chosen, rejected = share_prompt(next(next_sequence), next(next_sequence))
             samples.append(join_pair(chosen, rejected))
     return samples
 
@@ -405,6 +407,32 @@ def join_pair(chosen: Sample, rejected: Sample) -> Sample:
         split=len(chosen.input_ids),
         index=chosen.index,
     )
+
+
+def share_prompt(chosen: Sample, rejected: Sample) -> tuple[Sample, Sample]:
+    """A pair's two sequences with one prompt: each one's prompt (the tokens before its first
+    label) is cut back to the longest prefix the two share, and what it held past that becomes
+    labels of its side. Only a pair whose one reply has reasoning and the other none, under
+    data.template=qwen3 or qwen3_5, has two prompts: the thinking-off side's holds the empty
+    think block, the thinking-on side's stops before the block (qwen3) or after ``<think>\\n``
+    (qwen3_5, whose ``<think>\\n\\n`` is other tokens). Cut back, both prompts end where the two
+    part (qwen3: after ``<|im_start|>assistant\\n``; qwen3_5: after ``<think>``), and each side
+    learns its own rest of the block with its reply: the objectives compare the two replies'
+    log-probabilities after the same tokens. The tokens do not change, only labels."""
+    starts = [
+        next((i for i, t in enumerate(s.labels) if t != IGNORE_INDEX), len(s.labels))
+        for s in (chosen, rejected)
+    ]
+    if starts[0] == starts[1] and chosen.input_ids[: starts[0]] == rejected.input_ids[: starts[0]]:
+        return chosen, rejected  # one prompt already: every pair but those above
+    shared = 0
+    while shared < min(starts) and chosen.input_ids[shared] == rejected.input_ids[shared]:
+        shared += 1
+    out = []
+    for s, start in zip((chosen, rejected), starts, strict=True):
+        labels = s.labels[:shared] + s.input_ids[shared:start] + s.labels[start:]
+        out.append(s if start == shared else Sample(s.input_ids, labels, index=s.index))
+    return out[0], out[1]
 
 
 def pair_halves(pair: Sample) -> tuple[Sample, Sample]:
