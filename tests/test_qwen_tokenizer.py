@@ -254,6 +254,30 @@ def test_qwen3_pair_thinking_on_and_off_shares_its_prompt(qwen) -> None:
     ]
 
 
+@pytest.mark.parametrize("template", ["chatml", "qwen3", "plain"])
+def test_a_reply_starting_with_a_newline_keeps_its_own_tokens(qwen, template: str) -> None:
+    """As docs/data.md says: a reply that starts with a newline right after its prompt's newline
+    is tokenized on its own ("\\n", then "\\n\\n"), where the whole text would join them
+    ("\\n\\n\\n"). The final reply's prompt is still render_prompt's tokens, and its labels what
+    a model writes after them; an earlier reply's ids differ from the whole text's."""
+    _, tok = qwen
+    final = [TURNS[0], {"role": "assistant", "content": "\n\n4."}]
+    sample = _encode(tok, final, template)
+    prompt = tok(render_prompt(final[:1], template, tok.eos_token), add_special_tokens=False)
+    n = len(prompt["input_ids"])
+    assert sample.input_ids[:n] == prompt["input_ids"] and sample.labels[n - 1] == IGNORE_INDEX
+    whole = tok(_text(final, template, tok), add_special_tokens=False)["input_ids"]
+    if template == "qwen3":  # after the think block: Qwen3's template strips the newlines
+        assert sample.input_ids == whole
+    else:
+        reply = tok(final[1]["content"], add_special_tokens=False)["input_ids"]
+        assert sample.input_ids[n : n + len(reply)] == reply == sample.labels[n : n + len(reply)]
+        assert len(whole) == len(sample.input_ids) - 1
+    history = [TURNS[0], {"role": "assistant", "content": "\n4."}, *TURNS[2:]]
+    whole = tok(_text(history, template, tok), add_special_tokens=False)["input_ids"]
+    assert len(_encode(tok, history, template).input_ids) == len(whole) + 1
+
+
 def _write_messages(path: Path, conversations: list[list[dict]]) -> str:
     path.write_text(
         "".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in conversations)

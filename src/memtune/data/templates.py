@@ -1,10 +1,18 @@
 """Prompt templates: how a conversation becomes text, and which parts of it are labels.
 
-A rendered conversation is a list of segments ``(text, is_label)``. Consecutive prompt text
-is one segment, so the tokens of a prompt in training are exactly the tokens generation
-gets from :func:`render_prompt`. Only assistant replies are labels (unless
-``train_on_prompt``), each followed by its end marker: ``<|im_end|>`` in ChatML, the
-tokenizer's eos in the plain template. A model never trained on that marker never stops.
+A rendered conversation is a list of segments ``(text, is_label)``, each tokenized on its own.
+Consecutive prompt text is one segment, so a reply's first label follows exactly the tokens
+generation gets from :func:`render_prompt` (unless an earlier reply starts with a newline,
+below), and its ids are those a model writes after that prompt, never one merged with the
+prompt's last token. That is the whole text tokenized at once except where a reply starts with
+a newline right after its prompt's (ChatML, plain, qwen3 replies without a think block): Qwen's
+BPE would join the two into one token. An earlier reply of a multi-turn conversation that
+starts so then has other ids than the conversation tokenized whole (docs/data.md, "Tokenized
+segment by segment").
+
+Only assistant replies are labels (unless ``train_on_prompt``), each followed by its end
+marker: ``<|im_end|>`` in ChatML, the tokenizer's eos in the plain template. A model never
+trained on that marker never stops.
 
 - ``chatml`` (Qwen2.5's format, no implicit default system prompt)::
 
