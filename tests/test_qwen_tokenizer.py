@@ -166,6 +166,9 @@ def test_qwen3_labels_thinking_off_and_on(qwen) -> None:
     # The empty think block is the prompt's (Qwen3 puts it there with enable_thinking=False);
     # earlier replies are learned as Qwen3 renders history: no block.
     assert _label_spans(tok, off.labels) == ["4.<|im_end|>", TURNS[3]["content"] + "<|im_end|>"]
+    # docs/data.md: a history reply is learned right after "<|im_start|>assistant\n", no block.
+    first = next(i for i, t in enumerate(off.labels) if t != IGNORE_INDEX)
+    assert off.input_ids[first - 3 : first] == [IM_START, *tok.encode("assistant\n")]
     block = off.input_ids.index(THINK)
     assert off.input_ids[block : block + 4] == [THINK, 271, END_THINK, 271]  # 271: "\n\n"
     assert all(t == IGNORE_INDEX for t in off.labels[block : block + 4])
