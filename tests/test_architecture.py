@@ -15,7 +15,7 @@ from transformers import Qwen2Config
 
 from memtune.config import ConfigError, cache_dir, to_run_config
 from memtune.config.architecture import loaded_mismatches, resolve_architecture
-from memtune.launcher.prepare import given_config
+from memtune.config.given import given_config
 from memtune.memory.counts import _count_on_meta, count_params
 from memtune.memory.estimate import plan
 from memtune.memory.plan_text import format_plan

@@ -371,7 +371,8 @@ def test_the_readmes_plans_are_what_make_plan_says(experiment: str, gib: str, se
     """Each shipped experiment's memory per rank and step, as README states them, are what
     ``make plan`` decides and prints now (the planner moved under five of these rows between
     12-03 and 12-05 without anyone re-planning them)."""
-    from memtune.launcher.prepare import decide, given_config
+    from memtune.config.given import given_config
+    from memtune.launcher.prepare import decide
     from memtune.memory.step_time import step_time
     from tests.conftest import compose_cfg
 

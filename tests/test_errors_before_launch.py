@@ -400,7 +400,8 @@ def test_a_token_id_beyond_the_models_vocabulary_is_refused(tmp_path: Path) -> N
 
     from transformers import AutoTokenizer
 
-    from memtune.launcher.prepare import check_token_ids, given_config, prepare_data
+    from memtune.config.given import given_config
+    from memtune.launcher.prepare import check_token_ids, prepare_data
     from memtune.tools.tiny import synthesize
 
     demo = to_run_config(compose([]))
@@ -577,7 +578,7 @@ def test_settings_that_do_less_than_they_seem_are_noted_at_start_up(
 ) -> None:
     """trainer.eval_every without a validation split never evaluated, and a warmup longer
     than the run never reached trainer.lr, both without a word."""
-    from memtune.launcher.prepare import given_config
+    from memtune.config.given import given_config
 
     given_config(
         compose(["trainer.eval_every=1", "trainer.warmup_steps=50", "trainer.max_steps=2"])

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from memtune.checkpoints import find_latest
 from memtune.config import ConfigError, RunConfig, load_run_config
 from memtune.config.decisions import Decisions, rank_machine
+from memtune.config.given import given_config
 from memtune.exit_codes import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OOM, EXIT_REQUEUE
 from memtune.filesystem import write_atomic
 from memtune.launcher import oom
@@ -30,7 +31,6 @@ from memtune.launcher.prepare import (
     RunFinished,
     announce,
     decide,
-    given_config,
     prepare_run_dir,
     refuse_files_not_ours,
 )

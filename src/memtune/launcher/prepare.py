@@ -17,18 +17,15 @@ from memtune.config import (
     cache_dir,
     get_field,
     load_run_config,
-    to_run_config,
-    validate,
 )
 from memtune.config.architecture import (
     adapter_fingerprint,
     base_fingerprint,
-    resolve_architecture,
 )
 from memtune.config.decisions import Decisions, with_sections
 from memtune.config.deepspeed import build_ds_config
 from memtune.config.derive import beta_of, needs_reference
-from memtune.config.startup_words import config_notes, config_warnings
+from memtune.config.given import given_config
 from memtune.data.cache import (
     Prepared,
     TokenizerFiles,
@@ -53,21 +50,6 @@ from memtune.rundir import (
     TrainState,
     read_decisions,
 )
-
-
-def given_config(cfg_node: DictConfig, inputs: bool = True) -> RunConfig:
-    """The composed config as the run will see it: typed, planned with the architecture the
-    ranks will really load (config.architecture), validated (``inputs=False``: no data or model
-    path checks, for plan_only)."""
-    cfg, notes = resolve_architecture(to_run_config(cfg_node))
-    for note in notes:
-        print(f"memtune: {note}", flush=True)
-    validate(cfg, inputs=inputs)
-    for warning in config_warnings(cfg):
-        print(f"memtune: warning: {warning}", flush=True)
-    for note in config_notes(cfg):
-        print(f"memtune: note: {note}", flush=True)
-    return cfg
 
 
 def decide(

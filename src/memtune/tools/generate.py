@@ -28,7 +28,6 @@ from typing import Any
 from memtune.adapter_check import adapter_problem
 from memtune.arguments import VerbParser, positive_int
 from memtune.config import ConfigError, load_run_config
-from memtune.config.architecture import is_multimodal
 from memtune.data.templates import IM_END, render_prompt, with_system
 from memtune.data.vision import IMAGE_PLACEHOLDER, ImageSettings
 from memtune.rundir import RunDir
@@ -44,27 +43,6 @@ def stop_token_ids(tokenizer: Any) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def base_class(
-    name_or_path: str | Path, revision: str | None = None, adapter_dir: Path | None = None
-) -> Any:
-    """The checkpoint's own model class (its config.json's ``architectures``) when it is a
-    multimodal one — on disk, or as the adapter's names say (a hub name not downloaded yet):
-    for a released Qwen3.5 ``Qwen3_5ForConditionalGeneration``, whose module names memtune's
-    adapters carry (rank.checkpoint.name_for_multimodal_class); ``AutoModelForCausalLM``
-    otherwise. (peft matches an adapter by name: on the text class it would load nothing.)"""
-    import transformers
-
-    from memtune.rank.checkpoint import names_multimodal_class
-
-    named = adapter_dir is not None and names_multimodal_class(adapter_dir)
-    if named or is_multimodal(str(name_or_path), revision):
-        config = transformers.AutoConfig.from_pretrained(name_or_path, revision=revision)
-        for name in config.architectures or []:
-            if hasattr(transformers, name):
-                return getattr(transformers, name)
-    return transformers.AutoModelForCausalLM
-
-
 def load(run_dir: Path, model_dir: Path | None = None) -> tuple[Any, Any]:
     from peft import PeftModel
     from transformers import AutoTokenizer
@@ -73,6 +51,8 @@ def load(run_dir: Path, model_dir: Path | None = None) -> tuple[Any, Any]:
     adapter = rd.adapter
     model: Any
     if model_dir is not None:
+        from memtune.tools.merge import base_class
+
         model = base_class(model_dir).from_pretrained(model_dir)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     else:

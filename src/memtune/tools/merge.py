@@ -34,6 +34,7 @@ from typing import Any
 from memtune.adapter_check import adapter_problem
 from memtune.arguments import VerbParser
 from memtune.config import ConfigError, RunConfig, load_run_config
+from memtune.config.architecture import is_multimodal
 from memtune.config.decisions import experts_of
 from memtune.config.schema import PeftMethod
 from memtune.filesystem import follow_umask
@@ -207,6 +208,27 @@ def _merge_into(
     copy_processor_files(base, revision, out_dir)
 
 
+def base_class(
+    name_or_path: str | Path, revision: str | None = None, adapter_dir: Path | None = None
+) -> Any:
+    """The checkpoint's own model class (its config.json's ``architectures``) when it is a
+    multimodal one — on disk, or as the adapter's names say (a hub name not downloaded yet):
+    for a released Qwen3.5 ``Qwen3_5ForConditionalGeneration``, whose module names memtune's
+    adapters carry (rank.checkpoint.name_for_multimodal_class); ``AutoModelForCausalLM``
+    otherwise. (peft matches an adapter by name: on the text class it would load nothing.)"""
+    import transformers
+
+    from memtune.rank.checkpoint import names_multimodal_class
+
+    named = adapter_dir is not None and names_multimodal_class(adapter_dir)
+    if named or is_multimodal(str(name_or_path), revision):
+        config = transformers.AutoConfig.from_pretrained(name_or_path, revision=revision)
+        for name in config.architectures or []:
+            if hasattr(transformers, name):
+                return getattr(transformers, name)
+    return transformers.AutoModelForCausalLM
+
+
 def load_base(
     base: str,
     revision: str | None,
@@ -227,7 +249,6 @@ def load_base(
 
     from memtune.rank.model import quantization_config, torch_dtype
     from memtune.rank.vision import NOT_QUANTIZED
-    from memtune.tools.generate import base_class
 
     model_class = base_class(base, revision, adapter_dir)
     quant = None

@@ -14,7 +14,7 @@ import sys
 
 from memtune.arguments import VerbParser
 from memtune.config import compose
-from memtune.launcher.prepare import given_config
+from memtune.config.given import given_config
 from memtune.memory.fit import fit_to_device
 from memtune.tools.step_trace import format_trace, trace_step
 
