@@ -80,6 +80,28 @@ def test_the_box_plans_192k_tokens_and_one_card_what_a_gpu_measured() -> None:
     assert longest_sequence(lean, on_flash, count_params(lean), flash)[0] == longer
 
 
+def test_the_split_buffers_grow_with_tokens_in_the_fragmentation_they_are_charged() -> None:
+    """With the MLP tiled or inputs offloaded, the rows that grow with tokens are charged the
+    long-context fragmentation share; the sequence-parallel buffers grow with tokens too
+    (1.9 GiB per rank at the box's longest) and were charged the 5% of the fixed rows, so the
+    published limits were ~0.7 GiB optimistic by the planner's own rule."""
+    from memtune.memory.estimate import FRAGMENTATION, LONG_CONTEXT_FRAGMENTATION
+
+    cfg = _cfg(LONG, "data.path=books.jsonl", "data.max_seq_len=393216")
+    d = fit_to_device(cfg).decisions
+    assert d.sequence_parallel == 4 and (d.tiled_mlp or d.offload_activations)
+    p = plan(cfg, d, count_params(cfg))
+    buffers = next(r for r in p.rows if r.what == "sequence-parallel buffers")
+    assert buffers.per_token and buffers.gib > 1.0
+    at = [r.what for r in p.rows].index("allocator fragmentation")
+    rows = p.rows[:at]  # what it is charged on: the rows above it
+    grows = sum(r.gib for r in rows if r.per_token)
+    fixed = sum(r.gib for r in rows) - grows
+    charged = p.gib()["allocator fragmentation"]
+    expected = grows * LONG_CONTEXT_FRAGMENTATION + fixed * FRAGMENTATION
+    assert charged == pytest.approx(expected, rel=1e-6)
+
+
 def test_flash_attentions_backward_is_counted_from_its_kernel() -> None:
     """FlashAttention-2's backward allocates dQ, its fp32 accumulator, dK / dV, and under
     grouped-query attention dK / dV at every query head before summing them (28 query heads

@@ -794,6 +794,7 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
             "sequence-parallel buffers",
             buffers,
             f"all-to-all in/out of {what} over {sp} ranks (Ulysses; one layer at a time)",
+            per_token=True,
         )
     if ep > 1:
         out.add(EXPERT_BUFFERS_ROW, buffer_bytes(cfg, d), assumption(cfg, d), per_token=True)
@@ -815,6 +816,7 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
             mask,
             f"dense {d.batch.micro_batch}×{n:,}×{n:,} mask of {d.attention} "
             "(model.attn_implementation=auto needs none)",
+            per_token=True,
         )
     live = out.total_gib * GIB
     fragmentation, how = live * FRAGMENTATION, f"{FRAGMENTATION:.0%} of the above"
