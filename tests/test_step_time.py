@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from memtune.config import ConfigError, to_run_config, validate
+from memtune.config.architecture import layer_types
 from memtune.config.decisions import CPU_RANKS
 from memtune.memory.counts import count_params
 from memtune.memory.fit import auto_fit, fit_to_device, format_step_estimates, other_zero_stage
@@ -104,6 +105,64 @@ def test_a_selective_layer_multiplies_loras_b_again_but_down_projs() -> None:
     remade = 2 * 256 * 2 * 16 * (256 + 128 + 128 + 256 + 1408 + 1408)  # 2 FLOPs, tokens, layers
     assert counted["all"] - counted["0"] == remade
     assert modeled["all"] - modeled["0"] == remade
+
+
+ULYSSES = "Ulysses all-to-alls (q, k, v, output; sp=4)"
+
+
+def _split_four_ways(experiment: str):
+    """``experiment`` at 8,192 tokens over sequence-parallel groups of 4: the first 5 layers
+    recomputed in full, the next 2 selectively, the rest kept."""
+    cfg = to_run_config(compose_cfg([f"experiment={experiment}", "data.max_seq_len=8192"]))
+    d = decided(cfg, recompute=5, selective=2, sequence_parallel=4)
+    assert d.checkpointing.layers[:8] == ("full",) * 5 + ("selective",) * 2 + ("keep",)
+    return cfg, d
+
+
+def _one_attention_forward(d, heads: int, head_dim: int) -> float:
+    """One layer's causal QKᵀ and PV in forward, for this rank's heads / 4 of the heads."""
+    return d.batch.micro_batch * 2 * d.batch.row_tokens**2 * heads * head_dim / 4
+
+
+def test_a_hybrids_attention_and_exchanges_are_priced_per_layer_kind() -> None:
+    """Qwen3.5-9B: 8 of 32 layers are full attention (layers 3, 7, …: layer 3 among the 5
+    recomputed); the 24 Gated DeltaNet layers have no n × n scores, and their all-to-alls carry
+    q, k (16 key heads × 128), v, the gate z (32 value heads × 128), a and b (one a value head)
+    out and the output (32 × 128) back — wider than an attention layer's q, k, v, o."""
+    cfg, d = _split_four_ways("qwen3.5-9b-4x4090-lora")
+    a = cfg.model.architecture
+    assert (a["num_attention_heads"], a["num_key_value_heads"], a["head_dim"]) == (16, 4, 256)
+    one = _one_attention_forward(d, 16, 256)
+    kinds = layer_types(dict(a))
+    assert [i for i, kind in enumerate(kinds) if kind == "full_attention"] == list(range(3, 32, 4))
+    counts = count_params(cfg)
+    # forward, backward (2 forwards' FLOPs), layer 3's recompute; none in a linear layer
+    assert micro_step_flops(cfg, d, counts).attention == pytest.approx(one * (3 * 8 + 1))
+    keys = a["linear_num_key_heads"] * a["linear_key_head_dim"]
+    values = a["linear_num_value_heads"] * a["linear_value_head_dim"]
+    linear = 2 * keys + values + values + 2 * a["linear_num_value_heads"] + values
+    attention = 256 * (16 + 4 + 4) + 256 * 16  # q, k, v (4 KV heads) out, the output back
+    assert (linear, attention) == (16_448, 10_240)
+    # forward and backward, and again in the 5 recomputed and 2 selective layers (0–6)
+    passes = [2 + (i < 7) for i in range(32)]
+    values_sent = sum(
+        p * (linear if kind == "linear_attention" else attention)
+        for p, kind in zip(passes, kinds, strict=True)
+    )
+    sent = d.batch.rank_tokens * values_sent * 2 * 3 / 4  # bf16, 3/4 to the other ranks
+    assert dict(traffic(cfg, d, counts))[ULYSSES] == pytest.approx(d.batch.accumulation * sent)
+
+
+def test_a_dense_models_attention_and_exchanges_are_every_layers() -> None:
+    """Qwen2.5-7B (28 attention layers, head 128, 28 heads, 4 KV heads) priced as before the
+    per-kind count: attention in every layer, q, k, v, o in every layer's all-to-alls."""
+    cfg, d = _split_four_ways("qwen2.5-7b-4x4090-lora")
+    counts = count_params(cfg)
+    one = _one_attention_forward(d, 28, 128)
+    assert micro_step_flops(cfg, d, counts).attention == pytest.approx(one * (3 * 28 + 5))
+    per_layer = d.batch.rank_tokens * 128 * (2 * 28 + 2 * 4) * 2 * 3 / 4
+    sent = d.batch.accumulation * (2 * 28 + 5 + 2) * per_layer
+    assert dict(traffic(cfg, d, counts))[ULYSSES] == pytest.approx(sent)
 
 
 def test_zero3_moves_the_whole_base_twice_per_micro_step_and_zero2_only_lora() -> None:

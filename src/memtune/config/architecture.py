@@ -122,6 +122,28 @@ def linear_attention_layers(arch: dict[str, Any]) -> int:
     return sum(kind == "linear_attention" for kind in layer_types(arch))
 
 
+def attention_exchange_widths(arch: dict[str, Any], sequence_parallel: int) -> tuple[int, int]:
+    """(out, back): the values per token an attention layer sends through Ulysses'
+    all-to-alls — q, k and v out to the ranks' heads (KV heads repeated up to sp:
+    :func:`rank_kv_heads`), the output back to the tokens (rank.sequence_parallel)."""
+    heads = int(arch["num_attention_heads"])
+    kv = int(arch.get("num_key_value_heads") or heads)
+    hd = head_dim(arch)
+    return hd * (heads + 2 * max(kv, sequence_parallel)), hd * heads
+
+
+def linear_exchange_widths(arch: dict[str, Any]) -> tuple[int, int]:
+    """(out, back): the values per token a linear-attention layer (Gated DeltaNet) sends
+    through its all-to-alls (rank.linear_attention.Split) — q and k (key heads × key width
+    each), v and the gate z (value heads × value width each), a and b (one number per value
+    head) out to the ranks' heads; the recurrence's output (v's width) back to the tokens.
+    Neither depends on sp: the layer's heads divide evenly (config.validate)."""
+    keys = int(arch["linear_num_key_heads"]) * int(arch["linear_key_head_dim"])
+    value_heads = int(arch["linear_num_value_heads"])
+    values = value_heads * int(arch["linear_value_head_dim"])
+    return 2 * keys + 2 * values + 2 * value_heads, values
+
+
 FIELD_ALIASES = {"num_local_experts": "num_experts"}
 """Other spellings of planned fields: transformers 5 saves Qwen3-MoE's ``num_experts`` as
 ``num_local_experts`` (its config's attribute_map); the released config.json files say

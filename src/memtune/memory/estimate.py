@@ -41,9 +41,11 @@ from memtune.config import (
     reduce_bucket_elements,
 )
 from memtune.config.architecture import (
+    attention_exchange_widths,
     head_dim,
     layer_types,
     linear_attention_layers,
+    linear_exchange_widths,
     moe_layers,
     routed_experts,
 )
@@ -890,22 +892,18 @@ def dropout_copies_bytes(
 def ulysses_buffer_bytes(cfg: RunConfig, d: Decisions, tokens: int) -> int:
     """The all-to-all's contiguous input and output copies of q, k and v for one layer (the
     backward's exchange of their gradients is the same size)."""
-    a = cfg.model.architecture
-    heads, kv = int(a["num_attention_heads"]), int(a["num_key_value_heads"])
-    kv_heads = max(kv, d.sequence_parallel)
-    return 2 * tokens * head_dim(a) * (heads + 2 * kv_heads) * compute_bytes(cfg)
+    out, _ = attention_exchange_widths(dict(cfg.model.architecture), d.sequence_parallel)
+    return 2 * tokens * out * compute_bytes(cfg)
 
 
 def linear_exchange_bytes(cfg: RunConfig, tokens: int) -> int:
     """A linear-attention layer's all-to-all copies under sequence parallelism
     (rank.linear_attention.Split): q, k, v, the gate z and the per-head a, b go out to the
     ranks' heads, each as a contiguous input copy and the exchanged output, in the compute
-    dtype. (The output's exchange back is smaller: v's width only.)"""
-    a = cfg.model.architecture
-    keys = int(a["linear_num_key_heads"]) * int(a["linear_key_head_dim"])
-    values = int(a["linear_num_value_heads"]) * int(a["linear_value_head_dim"])
-    per_head = 2 * int(a["linear_num_value_heads"])  # a and b: one number per value head
-    return 2 * tokens * (2 * keys + 2 * values + per_head) * compute_bytes(cfg)
+    dtype (:func:`linear_exchange_widths`; the output's exchange back is smaller: v's width
+    only)."""
+    out, _ = linear_exchange_widths(dict(cfg.model.architecture))
+    return 2 * tokens * out * compute_bytes(cfg)
 
 
 def host_budget_gib(cfg: RunConfig) -> float | None:

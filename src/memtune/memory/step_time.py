@@ -7,10 +7,12 @@ experiments' ZeRO stage) and to say how much of a step is spent moving bytes:
   weight per token forward, 2 more for the activation gradient in backward — a frozen base
   computes no weight gradient — and 2 more in each recomputed layer), LoRA's (6 per weight per
   token, 8 when recomputed, and a selective layer's B again where it does not keep B's
-  output), and causal attention over whole rows (an upper bound when rows
-  are packed with short samples). Time = FLOPs / (``plan.device_tflops`` × ``plan.mfu``);
-  a 4-bit base adds its dequantization (``QLORA_COMPUTE``). ``tests/test_step_time.py``
-  checks the FLOPs against torch's own count of a real step.
+  output), and causal attention over whole rows (an upper bound when rows are packed with
+  short samples) in the attention layers only (:func:`attention_passes`: a hybrid's
+  linear-attention layers, Qwen3.5's Gated DeltaNet, have no n × n scores, and their
+  recurrence is not counted). Time = FLOPs / (``plan.device_tflops`` × ``plan.mfu``); a 4-bit
+  base adds its dequantization (``QLORA_COMPUTE``). ``tests/test_step_time.py`` checks the
+  FLOPs against torch's own count of a real step.
 * **communication** — bytes each rank sends per optimizer step in ring collectives (an
   all-gather or reduce-scatter of S bytes moves (R−1)/R·S per rank, an all-reduce twice that):
   under ZeRO-3 the sharded weights are all-gathered in every micro step's forward and again in
@@ -38,8 +40,10 @@ experiments' ZeRO stage) and to say how much of a step is spent moving bytes:
   transfer hidden behind the compute (:attr:`StepTime.overlapped_s`), is printed beside it.
 * **long context** — a sequence split over sp ranks (Ulysses) leaves each rank 1/sp of the
   tokens of every linear layer and 1/sp of the heads of full-sequence attention, and adds
-  four all-to-alls per layer (q, k, v in, the output back), each sending (sp−1)/sp of its
-  tensor, in forward, backward and every recompute, over ``plan.link_gb_s``. A tiled MLP
+  all-to-alls per layer (an attention layer's q, k, v in and its output back; a
+  linear-attention layer's q, k, v, z, a, b in and its output back: :func:`ulysses_bytes`),
+  each sending (sp−1)/sp of its tensor, in forward, backward and every recompute, over
+  ``plan.link_gb_s``. A tiled MLP
   runs its forward once more (the backward's tile-by-tile recompute). Offloaded activations
   copy each checkpointed layer's input to the host and back over ``plan.host_link_gb_s`` on
   a side stream: only what the copies take beyond the step's compute is added.
@@ -50,7 +54,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memtune.config import RunConfig, compute_bytes, live_reference
-from memtune.config.architecture import head_dim
+from memtune.config.architecture import (
+    attention_exchange_widths,
+    head_dim,
+    linear_exchange_widths,
+)
 from memtune.config.decisions import Decisions
 from memtune.expert_stacks import expert_stack_bytes
 from memtune.memory.attention import QK_NORMED, output_concatenated
@@ -149,7 +157,7 @@ class Flops:
 
     base: float  # the frozen decoder and head linear layers
     lora: float
-    attention: float  # causal: half of the n × n scores
+    attention: float  # causal: half of the n × n scores, in the attention layers
     tiles: float = 0.0  # a tiled MLP's second forward (its backward's recompute)
     reference: float = 0.0  # preference.reference=live: the reference's forward in every step
     dora: float = 0.0  # peft.dora: the weight built through an identity, the dropout's base pass
@@ -182,8 +190,8 @@ def micro_step_flops(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> Flops
     remade = sum(r * out for r, out, kept in remade_adapters(counts) if not kept)
     lora += 2 * tokens * d.checkpointing.selective * remade
     heads = int(a["num_attention_heads"])
-    # QKᵀ and PV: 2 matmuls × 2 FLOPs × n²/2 (causal) per row and head; backward twice that;
-    # a rank of a sequence-parallel group attends for heads / sp of the heads.
+    # QKᵀ and PV: 2 matmuls × 2 FLOPs × n²/2 (causal) per row and head, in one attention
+    # layer's forward; a rank of a sequence-parallel group attends for heads / sp of the heads.
     attn_fwd = micro * 2 * n * n * heads * head_dim(a) / sp
     tiles = 0.0
     if d.tiled_mlp:
@@ -194,10 +202,36 @@ def micro_step_flops(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> Flops
     reference = 0.0
     if live_reference(cfg):
         # One more forward of the base, adapter off, without grad (rank.preference).
-        reference = 2 * tokens * (per_layer * layers + head) + attn_fwd * layers
+        reference = 2 * tokens * (per_layer * layers + head) + attn_fwd * attention_layers(cfg)
     dora = dora_flops(cfg, d, counts)
     vision = tower_flops(cfg, d, counts)
-    return Flops(base, lora, attn_fwd * (3 * layers + k), tiles, reference, dora, vision)
+    attention = attn_fwd * attention_passes(cfg, d)
+    return Flops(base, lora, attention, tiles, reference, dora, vision)
+
+
+def attention_layers(cfg: RunConfig) -> int:
+    """The decoder layers with n × n attention scores: every layer but a hybrid's
+    linear-attention ones (Qwen3.5: one in four is full attention)."""
+    from memtune.memory.estimate import layer_kinds
+
+    return sum(kind != "linear_attention" for kind in layer_kinds(cfg))
+
+
+def attention_passes(cfg: RunConfig, d: Decisions) -> int:
+    """One micro batch's causal attention in forwards of one layer: in each attention layer
+    its forward, its backward (twice the forward's FLOPs) and, where the layer recomputes in
+    full, its forward again (a selective layer keeps attention's output: rank.layers). A
+    linear-attention layer (Gated DeltaNet) has no n × n scores: its projections are among
+    the linear layers; its conv and chunked delta-rule recurrence, linear in tokens, are not
+    counted — their matmuls depend on the kernel's chunking (transformers' torch code solves a
+    triangular system per chunk, flash-linear-attention's kernels do otherwise), so there is
+    no one count to check against torch's."""
+    from memtune.memory.estimate import layer_kinds
+
+    k = d.checkpointing.recomputed  # the first k layers (Checkpointing's order)
+    return sum(
+        3 + (index < k) for index, kind in enumerate(layer_kinds(cfg)) if kind != "linear_attention"
+    )
 
 
 def tower_flops(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> float:
@@ -383,19 +417,7 @@ def traffic(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> list[tuple[str
         out.append(("expert all-to-alls (row indices)", meta))
     sp = d.sequence_parallel
     if sp > 1:
-        a = cfg.model.architecture
-        heads, kv = int(a["num_attention_heads"]), int(a["num_key_value_heads"])
-        layers, k = int(a["num_hidden_layers"]), d.checkpointing.recomputed
-        per_layer = d.batch.rank_tokens * head_dim(a) * (2 * heads + 2 * max(kv, sp)) * b
-        # forward, backward, and every recompute: a selective layer's too (the all-to-alls
-        # are not operators its policy keeps)
-        exchanges = 2 * layers + k + d.checkpointing.selective
-        out.append(
-            (
-                f"Ulysses all-to-alls (q, k, v, output; sp={sp})",
-                gas * exchanges * per_layer * (sp - 1) / sp,
-            )
-        )
+        out.append((f"Ulysses all-to-alls (q, k, v, output; sp={sp})", gas * ulysses_bytes(cfg, d)))
     if d.zero_stage == 3:
         other = (counts.embedding + counts.head) * b
         if d.peft_method == "qlora":
@@ -429,6 +451,26 @@ def traffic(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> list[tuple[str
     else:
         out.append(("LoRA weight all-gather after the step", shared))
     return out
+
+
+def ulysses_bytes(cfg: RunConfig, d: Decisions) -> float:
+    """What one micro batch's sequence-parallel all-to-alls send per rank: each layer's
+    exchange (attention's q, k, v and output, or a linear-attention layer's q, k, v, z, a, b
+    and output, each at its own widths: config.architecture) in forward, backward and every
+    recompute — a selective layer's too (the all-to-alls are not operators its policy keeps) —
+    of which (sp−1)/sp leaves the rank."""
+    from memtune.memory.estimate import layer_kinds
+
+    a, sp = dict(cfg.model.architecture), d.sequence_parallel
+    again = d.checkpointing.recomputed + d.checkpointing.selective  # the first layers
+    values = 0
+    for index, kind in enumerate(layer_kinds(cfg)):
+        if kind == "linear_attention":
+            widths = linear_exchange_widths(a)
+        else:
+            widths = attention_exchange_widths(a, sp)
+        values += (2 + (index < again)) * sum(widths)
+    return d.batch.rank_tokens * values * compute_bytes(cfg) * (sp - 1) / sp
 
 
 def step_time(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> StepTime | None:
