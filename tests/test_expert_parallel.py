@@ -462,7 +462,7 @@ def test_the_plan_of_an_expert_parallel_run_names_what_it_compares(
 
 def test_auto_chooses_the_experts_layout_by_step_time_within_the_memory() -> None:
     """trainer.expert_parallel=auto on the shipped Qwen3.5-35B-A3B QLoRA (4 × 24 GB, 4,096
-    tokens × 32 rows): the layouts planned (ZeRO-3 44.0 s; replicated stacks do not fit;
+    tokens × 32 rows): the layouts planned (ZeRO-3 41.2 s; replicated stacks do not fit;
     split over 2 and 4 ranks both fit), the fastest that fits with 2 GiB spare taken — 2-way,
     ≤ 25 s (issue #48's target), as the experiment ships."""
     from memtune.config.decisions import rank_machine
