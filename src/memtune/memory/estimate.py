@@ -677,7 +677,8 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
     lora = counts.lora - counts.expert_lora * (1 - 1 / ep)  # this rank's experts' adapters
     # (ZeRO-3: the experts' share over the ranks / ep holding them, 1/ranks as the rest)
     held = counts.lora / ranks if zero3 else lora
-    out.add("LoRA weights", held * b, f"{_count(round(lora))} {t.precision}")
+    shared = f", sharded over {ranks} (ZeRO-3)" if zero3 else ""
+    out.add("LoRA weights", held * b, f"{_count(round(lora))} {t.precision}{shared}")
     # under expert parallelism, the experts' 1/ep sharded over the ranks/ep holding them (the
     # expert-data-parallel group): 1/ranks of them as well (memory.expert_parallel)
     group = ranks // ep
