@@ -309,6 +309,17 @@ def test_a_sweep_the_basic_sweeper_cannot_run_is_one_line(tmp_path: Path) -> Non
         f"hydra.sweep.dir={a_file}/s: {a_file} is a file, not a folder; give the sweep a "
         "folder it can write"
     )
+    # What is not the basic sweeper's, or not ours to expand, is left to Hydra (the review
+    # found these refused): a plugin named after the interval, a glob over a user's search
+    # path (it may match there), a sweep dir that is all an interpolation
+    assert composition_problem(["-m", "trainer.lr=interval(0.1,1)", "hydra/sweeper=optuna"]) is None
+    mine = tmp_path / "conf" / "experiment"
+    mine.mkdir(parents=True)
+    (mine / "mine.yaml").write_text((ROOT / "conf/experiment/demo-cpu.yaml").read_text())
+    searched = f"hydra.searchpath=[file://{tmp_path / 'conf'}]"
+    assert composition_problem(["-m", "experiment=glob(mine*)", searched]) is None
+    sweep_dir = "hydra.sweep.dir=${oc.env:HOME}/sweeps"
+    assert composition_problem(["-m", sweep_dir, "peft.r=4,8"]) is None
 
 
 @pytest.mark.parametrize(

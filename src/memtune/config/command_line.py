@@ -60,7 +60,9 @@ def _sweep_dir_problem(fixed: list[str]) -> str | None:
     raised from its mkdir, a traceback."""
     value = next((o.partition("=")[2] for o in fixed if o.startswith("hydra.sweep.dir=")), None)
     literal = (value or "multirun").split("${", 1)[0]
-    problem = cannot_write(Path(literal or "."))
+    if not literal:
+        return None  # all of it an interpolation Hydra resolves (${oc.env:SCRATCH}/...)
+    problem = cannot_write(Path(literal))
     if problem is None:
         return None
     return f"hydra.sweep.dir={value or literal}: {problem}; give the sweep a folder it can write"
@@ -100,9 +102,10 @@ def composition_problem(argv: list[str], env: Mapping[str, str] | None = None) -
     try:
         fixed: list[str] = []
         swept: list[list[str]] = []  # each swept key's overrides, one a value
-        for o in OverridesParser.create().parse_overrides(args.overrides):
-            if o.key_or_group == "hydra/sweeper":
-                return None  # a plugin's sweep syntax
+        parsed = OverridesParser.create().parse_overrides(args.overrides)
+        if any(o.key_or_group == "hydra/sweeper" for o in parsed):
+            return None  # a plugin's sweep syntax, wherever it is named
+        for o in parsed:
             if not o.is_sweep_override():
                 fixed.append(str(o.input_line))
             elif not args.multirun:
@@ -119,7 +122,10 @@ def composition_problem(argv: list[str], env: Mapping[str, str] | None = None) -
                     "Hydra's basic sweeper takes values: a,b or choice(a,b) or range(start,stop)"
                 )
             elif o.value_type is not None and o.value_type.name == "GLOB_CHOICE_SWEEP":
-                if not (values := _glob_values(o, args.overrides)):
+                values = _glob_values(o, args.overrides)
+                if values is None:
+                    continue  # another search path may hold its matches: Hydra expands it
+                if not values:
                     return (
                         f"{o.input_line} matches no config of the group {o.key_or_group}: the "
                         "sweep would run no point (a glob selects a group's configs, "
