@@ -178,9 +178,14 @@ def test_starting_a_finished_run_again_launches_nothing(finished: Path, tmp_path
 def test_resume_with_a_contradicting_config_is_refused(finished: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     shutil.copytree(finished, run_dir)
+    records = [run_dir / "exit.json", run_dir / ".hydra" / "config.yaml"]
+    before = [p.read_bytes() for p in records]
     proc = run_train_py([*BASE, f"run_dir={run_dir}", "peft.r=4", "launcher.num_ranks=1"], cwd=ROOT)
     assert proc.returncode == 2
     assert "cannot resume from" in proc.stderr
+    # The finished run keeps its records: exit.json code 2 would make it unfinished, and the
+    # next right start would train and export it again (found by the day's review)
+    assert [p.read_bytes() for p in records] == before
     assert "peft.r: checkpoint 16, now 4 (the LoRA rank)" in proc.stderr
     # Another number of ranks alone would be allowed (tests/test_resume_world.py).
     assert "launcher.num_ranks" not in proc.stderr

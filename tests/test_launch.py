@@ -284,16 +284,23 @@ def test_sweep_points_that_would_share_a_run_dir_are_refused(tmp_path: Path) -> 
     assert composition_problem(["-m", "peft.r=4,8", "hydra.sweep.subdir=r${hydra.job.num}"]) is None
     assert composition_problem(["-m", "peft.r=4", "hydra.sweep.subdir=same"]) is None  # 1 point
 
+    def point(num: int, task: list[str]) -> object:  # a sweep point's hydra config, as read
+        return OmegaConf.create({"job": {"num": num}, "overrides": {"task": task}})
+
     run = tmp_path / "same"
-    assert _another_points_dir(run, 1) is None  # nothing there yet
+    assert _another_points_dir(run, point(1, ["peft.r=8"])) is None  # nothing there yet
     (run / ".hydra").mkdir(parents=True)
     record = {"hydra": {"mode": "MULTIRUN", "job": {"num": 0}}}
     (run / ".hydra" / "hydra.yaml").write_text(OmegaConf.to_yaml(record))
-    assert _another_points_dir(run, 1) == 0
-    assert _another_points_dir(run, 0) is None  # the same point again: a requeue, a rerun
+    (run / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(["peft.r=4"]))
+    assert _another_points_dir(run, point(1, ["peft.r=8"])) == 0
+    assert _another_points_dir(run, point(0, ["peft.r=4"])) is None  # a requeue, a rerun
+    # the same point under another number (a later sweep with a subdir of
+    # ${hydra.job.override_dirname}, where peft.r=4 came second) is that point again
+    assert _another_points_dir(run, point(1, ["peft.r=4"])) is None
     record["hydra"]["mode"] = "RUN"
     (run / ".hydra" / "hydra.yaml").write_text(OmegaConf.to_yaml(record))
-    assert _another_points_dir(run, 1) is None  # a single run's dir: the run dir checks'
+    assert _another_points_dir(run, point(1, ["peft.r=8"])) is None  # a single run's dir
 
 
 def test_a_slurm_sweep_without_slurm_is_one_line(tmp_path: Path) -> None:

@@ -161,7 +161,7 @@ def run_job(cfg: DictConfig) -> int:
     run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
     if cfg.plan_only:  # reads no run dir and writes none: nothing to hold
         return _run(cfg, run_dir, sweeping)
-    if sweeping and (other := _another_points_dir(run_dir, hydra_cfg.job.num)) is not None:
+    if sweeping and (other := _another_points_dir(run_dir, hydra_cfg)) is not None:
         print(
             f"memtune: config error: run dir {run_dir} holds point {other}'s run of this sweep "
             f"and this is point {hydra_cfg.job.num}: hydra.sweep.subdir="
@@ -205,25 +205,29 @@ def _dated_by_hydra(cfg: DictConfig, hydra_cfg: Any, sweeping: bool) -> bool:
     """The run dir is the one Hydra dates for a single run (outputs/DATE/TIME-EXPERIMENT): the
     user named none (neither run_dir nor hydra.run.dir), so another start in the same second
     may have been given the same name (run_lock.hold_dated takes the next free one)."""
-    named = any(o.startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra)
+    named = any(o.lstrip("+~").startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra)
     return cfg.run_dir is None and not sweeping and not named
 
 
-def _another_points_dir(run_dir: Path, num: int) -> int | None:
+def _another_points_dir(run_dir: Path, hydra_cfg: Any) -> int | None:
     """The sweep point (hydra.job.num) whose run a sweep point's run dir already holds, when it
-    is another point's: a hydra.sweep.subdir without ${hydra.job.num} gives every point one
-    dir, where the second point was refused as a resume of the first and rewrote its record
-    (.hydra/, exit.json), or resumed it. The same point again (a requeue, the sweep run
-    again) is None."""
+    is another point's: a hydra.sweep.subdir that does not tell the points apart gives several
+    one dir, where the second point was refused as a resume of the first and rewrote its
+    record (.hydra/, exit.json), or resumed it. A point is told by its overrides, not its
+    number: the same point again (a requeue, the sweep run again, or another sweep whose
+    subdir is ${hydra.job.override_dirname}, where a point's number may differ) is None."""
     import yaml
 
+    record_dir = run_dir / ".hydra"
     try:
-        record = yaml.safe_load((run_dir / ".hydra" / "hydra.yaml").read_text())
+        record = yaml.safe_load((record_dir / "hydra.yaml").read_text())
         other = record["hydra"]["job"]["num"]
         sweep = record["hydra"]["mode"] == "MULTIRUN"
+        overrides = yaml.safe_load((record_dir / "overrides.yaml").read_text())
     except (OSError, yaml.YAMLError, KeyError, TypeError):
         return None  # no record, or not memtune's: the checks of the run dir say so
-    return other if sweep and isinstance(other, int) and other != num else None
+    same = list(overrides or []) == list(hydra_cfg.overrides.task)
+    return other if sweep and isinstance(other, int) and not same else None
 
 
 def _tell_other_nodes(cfg: DictConfig, run_dir: Path, error: str, taken: list[Path]) -> None:
@@ -292,7 +296,8 @@ def _run(cfg: DictConfig, run_dir: Path, sweeping: bool) -> int:
     try:
         if sweeping and os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
             check_sweep_point_nodes()
-        sized = size_from_allocation(cfg.launcher, list(hydra_cfg.overrides.task))
+        overrides = list(hydra_cfg.overrides.task)
+        sized = size_from_allocation(cfg.launcher, overrides, launching=not cfg.plan_only)
     except ConfigError as err:
         return _stopped_before_launch(cfg, run_dir, "config error", str(err), sweeping)
     if sized:
@@ -383,9 +388,23 @@ def _stopped_before_launch(
     this point only (the other points still run). The run dir Hydra made says why it holds no
     run, and what was asked (.hydra/)."""
     print(f"memtune: {kind}: {error}", file=sys.stderr)
-    _record_composition(cfg, run_dir)
-    _record_exit(run_dir, EXIT_CONFIG, f"{kind}: {error}")
+    if not (cfg.plan_only or _finished_run(run_dir)):
+        _record_composition(cfg, run_dir)
+        _record_exit(run_dir, EXIT_CONFIG, f"{kind}: {error}")
     return _failed(EXIT_CONFIG, sweeping)
+
+
+def _finished_run(run_dir: Path) -> bool:
+    """A run dir whose run ended well (exit.json code 0): a start refused there (a setting
+    the checkpoint contradicts) keeps its records, or the run would no longer count as
+    finished and the next right start would train and export it again."""
+    rd = RunDir(run_dir)
+    if not (rd.held_a_run() and rd.exit.is_file()):
+        return False
+    try:
+        return rd.read_exit().code == 0
+    except (OSError, ValueError):  # RecordError is a ValueError
+        return False
 
 
 def _launch(job: Job, run_dir: Path) -> int:
