@@ -172,6 +172,14 @@ def test_a_node_count_the_slurm_step_does_not_have_is_refused() -> None:
             "each: leave launcher.nnodes out (it follows the allocation) or submit with "
             f"--nodes={nnodes}"
         )
+    # A plan (from an interactive step, of the job to submit) and the hostfile form (one
+    # train.py reaching the other hosts over ssh) keep the value given
+    launcher = compose_cfg(["launcher.nnodes=3", "launcher.num_ranks=6"]).launcher
+    size_from_allocation(launcher, ["launcher.nnodes=3"], env, launching=False)
+    assert launcher.nnodes == 3
+    launcher = compose_cfg(["launcher.nnodes=3", "launcher.hostfile=/h"]).launcher
+    size_from_allocation(launcher, ["launcher.nnodes=3"], env)
+    assert launcher.nnodes == 3
 
 
 def test_what_the_environment_gives_the_nodes_is_checked() -> None:
@@ -198,7 +206,7 @@ def test_what_the_environment_gives_the_nodes_is_checked() -> None:
     ("env", "cwd", "args", "said"),
     [
         ({}, "root", ["x=1"], "train.sbatch is a Slurm batch script: submit it with sbatch"),
-        ({"SLURM_JOB_ID": "7"}, "tmp", ["x=1"], "has no train.py or no .venv/bin/python"),
+        ({"SLURM_JOB_ID": "7"}, "tmp", ["x=1"], "which has no train.py or no "),
         ({"SLURM_JOB_ID": "7"}, "root", ["-m", "peft.r=4,8"], "a sweep is one Slurm job per"),
     ],
 )
@@ -213,7 +221,7 @@ def test_train_sbatch_refuses_what_would_fail_later(env, cwd, args, said, tmp_pa
     proc = subprocess.run(
         ["bash", str(ROOT / "launch" / "slurm" / "train.sbatch"), *args],
         cwd=where,
-        env={**base, **env, "SLURM_SUBMIT_DIR": str(where)},
+        env={**base, **env, "SLURM_SUBMIT_DIR": str(where), "MEMTUNE_PYTHON": sys.executable},
         capture_output=True,
         text=True,
         timeout=30,

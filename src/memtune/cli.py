@@ -47,7 +47,7 @@ def _plan(argv: list[str]) -> int:
     from memtune.launcher.topology import size_from_allocation
 
     cfg = compose(args.overrides)
-    sized = size_from_allocation(cfg.launcher, args.overrides)
+    sized = size_from_allocation(cfg.launcher, args.overrides, launching=False)
     if sized:
         print(
             f"memtune: Slurm job {os.environ.get('SLURM_JOB_ID')}: {' '.join(sized)}, sized "

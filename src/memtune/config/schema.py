@@ -466,8 +466,9 @@ class LauncherConfig:
     from_allocation: bool = True
     """In a Slurm job step (train.sbatch, hydra/launcher=slurm, any ``srun train.py``):
     launcher.nnodes and launcher.num_ranks follow the allocation — the step's nodes × the GPUs
-    on each ($MEMTUNE_RANKS_PER_NODE first, for CPU nodes) — unless given on the command line.
-    A requeue that lands on fewer nodes or GPUs then resumes on what it got."""
+    on each ($MEMTUNE_RANKS_PER_NODE first, for CPU nodes) — unless given on the command line
+    (a launch with one train.py on each node refuses a launcher.nnodes the step does not
+    have). A requeue that lands on fewer nodes or GPUs then resumes on what it got."""
 
 
 @dataclass

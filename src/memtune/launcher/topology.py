@@ -199,7 +199,10 @@ def check_sweep_point_nodes(env: Mapping[str, str] | None = None) -> None:
 
 
 def size_from_allocation(
-    launcher: Any, given_on_command_line: list[str], env: Mapping[str, str] | None = None
+    launcher: Any,
+    given_on_command_line: list[str],
+    env: Mapping[str, str] | None = None,
+    launching: bool = True,
 ) -> list[str]:
     """launcher.from_allocation: set launcher.nnodes and launcher.num_ranks (a DictConfig
     node, before the typed config exists) from the Slurm allocation, except those given on
@@ -208,14 +211,16 @@ def size_from_allocation(
 
     One place decides a Slurm job's size, for train.sbatch and hydra/launcher=slurm alike, so a
     requeued job that comes back on fewer nodes or GPUs resumes on what it got (resume=auto
-    accepts another number of ranks, prepare.resume_changes records it)."""
+    accepts another number of ranks, prepare.resume_changes records it). ``launching``: this
+    step starts the job's ranks (a plan, from an interactive step, may be of another size)."""
     if not launcher.from_allocation:
         return []
     alloc = slurm_allocation(env)
     if alloc is None:
         return []
     given = {o.split("=", 1)[0].lstrip("+~") for o in given_on_command_line}
-    if "launcher.nnodes" in given and launcher.nnodes != alloc.nnodes:
+    per_node_form = launching and not launcher.hostfile  # one train.py on each node
+    if per_node_form and "launcher.nnodes" in given and launcher.nnodes != alloc.nnodes:
         # More: the ranks wait for nodes that never start (torch's 30-minute rendezvous
         # timeout); fewer: the nodes beyond it are refused, or run the same run dir twice.
         raise ConfigError(
