@@ -702,3 +702,26 @@ def test_checkpointing_asked_for_with_checkpointing_off_is_refused(
     )
     validate(to_run_config(compose(["trainer.activation_checkpointing=false"])), inputs=False)
     validate(to_run_config(compose(["trainer.activation_checkpointing=true", override])), False)
+
+
+def test_logger_mode_auto_goes_online_where_wandb_login_logged_in(tmp_path: Path) -> None:
+    """auto looked for api.wandb.ai in ~/.netrc, where the pinned wandb (0.31) logs in to
+    api.forge.coreweave.com by default, or $WANDB_BASE_URL's host: logged in, it stayed
+    offline without a word."""
+    from memtune.config.logger_check import wandb_mode
+    from memtune.config.schema import LoggerConfig
+
+    auto = LoggerConfig(mode="auto")
+    netrc = tmp_path / "netrc"
+    env = {"NETRC": str(netrc)}
+    assert wandb_mode(auto, env) == "offline"  # no file
+    for host in ("api.wandb.ai", "api.forge.coreweave.com"):
+        netrc.write_text(f"machine {host}\n  login user\n  password {'x' * 40}\n")
+        assert wandb_mode(auto, env) == "online", host
+    netrc.write_text("machine api.wandb.ai.example.org\n  login user\n  password p\n")
+    assert wandb_mode(auto, env) == "offline"  # another machine
+    netrc.write_text("machine wandb.mycorp.internal login user password p\n")
+    assert wandb_mode(auto, env) == "offline"
+    assert wandb_mode(auto, {**env, "WANDB_BASE_URL": "https://wandb.mycorp.internal"}) == "online"
+    assert wandb_mode(auto, {"NETRC": str(tmp_path / "none"), "WANDB_API_KEY": "k"}) == "online"
+    assert wandb_mode(LoggerConfig(mode="offline"), {"WANDB_API_KEY": "k"}) == "offline"

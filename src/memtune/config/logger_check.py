@@ -8,10 +8,12 @@ prepares the run, and said as a config error naming the setting or variable.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlparse
 
 from memtune.config.schema import ConfigError, LoggerConfig
 
@@ -24,13 +26,23 @@ def wandb_mode(
     logger: LoggerConfig | Any, env: Mapping[str, str] | None = None
 ) -> Literal["online", "offline"]:
     """The mode rank 0 starts wandb in: logger.mode, with ``auto`` online when logged in
-    ($WANDB_API_KEY, or a ``~/.netrc`` entry for api.wandb.ai)."""
+    ($WANDB_API_KEY, or a ``~/.netrc`` entry for the server ``wandb login`` logs in to: the
+    host of $WANDB_BASE_URL when set, else wandb's default, :data:`WANDB_HOSTS`)."""
     env = os.environ if env is None else env
     if logger.mode in ("online", "offline"):
         return "online" if logger.mode == "online" else "offline"
     netrc = Path(env.get("NETRC") or Path.home() / ".netrc")
-    logged_in = netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+    base = env.get("WANDB_BASE_URL")
+    hosts = (urlparse(base).hostname or base,) if base else WANDB_HOSTS
+    words = (netrc.read_text(errors="ignore") if netrc.is_file() else "").split()
+    machines = {host for word, host in itertools.pairwise(words) if word == "machine"}
+    logged_in = any(host in machines for host in hosts)
     return "online" if env.get("WANDB_API_KEY") or logged_in else "offline"
+
+
+WANDB_HOSTS = ("api.wandb.ai", "api.forge.coreweave.com")
+"""Where ``wandb login`` writes its ~/.netrc entry without $WANDB_BASE_URL: wandb's default
+server (api.forge.coreweave.com since the pinned 0.31; api.wandb.ai before it)."""
 
 
 def check_logger(logger: LoggerConfig, env: Mapping[str, str] | None = None) -> None:
