@@ -230,6 +230,8 @@ def test_two_starts_in_one_second_get_a_dated_dir_each(tmp_path: Path) -> None:
     said = f"run dir {taken} was taken by another start of demo-cpu in the same second: "
     assert said + f"this job writes to {ours[0].name}" in proc.stdout
     assert sorted(p.name for p in taken.iterdir()) == ["job.lock"]
+    hydra = (ours[0] / ".hydra" / "hydra.yaml").read_text()
+    assert f"output_dir: {ours[0]}\n" in hydra  # the dir this job wrote, not the one it lost
     ended = ours[0].with_name(taken.name + "-2")
     assert [p.name for p in ended.iterdir()] == ["config.yaml"]
     assert (ended / "config.yaml").read_text() == "theirs\n"

@@ -222,10 +222,17 @@ entries it would not write."""
 
 @functools.cache
 def code_digest() -> str:
+    """A digest of :data:`CODE_FILES`' sources; memtune's version where they are not on disk
+    (an install of compiled files only)."""
     h = hashlib.sha256()
-    for name in CODE_FILES:
-        h.update(name.encode())
-        h.update((Path(__file__).parent / name).read_bytes())
+    try:
+        for name in CODE_FILES:
+            h.update(name.encode())
+            h.update((Path(__file__).parent / name).read_bytes())
+    except OSError:
+        from importlib.metadata import version
+
+        return f"memtune {version('memtune')}"
     return h.hexdigest()[:16]
 
 

@@ -56,8 +56,14 @@ class StepShape:
         return self.global_batch * self.samples / self.items
 
     @property
+    def usable(self) -> int:
+        """The items an epoch holds: whole global batches (data.batching.GlobalOrderSampler
+        cuts each epoch so; the rest wait for a later epoch's shuffle)."""
+        return self.items // self.global_batch * self.global_batch
+
+    @property
     def epochs(self) -> float:
-        usable = self.items // self.global_batch * self.global_batch
+        usable = self.usable
         return self.max_steps * self.global_batch / usable if usable else float("inf")
 
     def as_dict(self) -> dict[str, Any]:
@@ -69,7 +75,7 @@ class StepShape:
     def line(self) -> str:
         u = self.unit
         what = "rows" if self.packed else u
-        usable = self.items // self.global_batch * self.global_batch
+        usable = self.usable
         epochs = f"max_steps {self.max_steps:,} ≈ {self.epochs:.2f} epochs of "
         if usable == self.items:
             epochs += f"{self.items:,} {what}"

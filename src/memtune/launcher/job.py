@@ -7,6 +7,7 @@ run that cannot fit, or a machine that cannot run it, stop before anything is to
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import shutil
 import signal
@@ -17,7 +18,7 @@ from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, read_write
 
 from memtune.checkpoints import find_latest
 from memtune.config import ConfigError, RunConfig, load_run_config
@@ -250,6 +251,11 @@ def _record_composition(cfg: DictConfig, run_dir: Path) -> None:
     hydra_cfg: Any = HydraConfig.instance().cfg  # the whole config under its hydra key
     if hydra_cfg.hydra.output_subdir is not None:
         return  # set on the command line: Hydra wrote it
+    if Path(hydra_cfg.hydra.runtime.output_dir).resolve() != run_dir:
+        # the dated dir another start took first (run_lock.hold_dated): this job's is named
+        hydra_cfg = copy.deepcopy(hydra_cfg)
+        with read_write(hydra_cfg.hydra.runtime):
+            hydra_cfg.hydra.runtime.output_dir = str(run_dir)
     record = run_dir / ".hydra"
     with contextlib.suppress(OSError):  # a full disk is said by the step that needs the space
         record.mkdir(parents=True, exist_ok=True)
