@@ -175,8 +175,8 @@ def test_a_node_count_the_slurm_step_does_not_have_is_refused() -> None:
     # A plan (from an interactive step, of the job to submit) and the hostfile form (one
     # train.py reaching the other hosts over ssh) keep the value given
     launcher = compose_cfg(["launcher.nnodes=3", "launcher.num_ranks=6"]).launcher
-    size_from_allocation(launcher, ["launcher.nnodes=3"], env, launching=False)
-    assert launcher.nnodes == 3
+    made = size_from_allocation(launcher, ["launcher.nnodes=3"], env, launching=False)
+    assert (launcher.nnodes, launcher.num_ranks) == (3, 12) and made == ["launcher.num_ranks=12"]
     launcher = compose_cfg(["launcher.nnodes=3", "launcher.hostfile=/h"]).launcher
     size_from_allocation(launcher, ["launcher.nnodes=3"], env)
     assert launcher.nnodes == 3

@@ -228,7 +228,8 @@ def size_from_allocation(
             f"{alloc.nnodes} node(s), one train.py each: leave launcher.nnodes out (it follows "
             f"the allocation) or submit with --nodes={launcher.nnodes}"
         )
-    nnodes = alloc.nnodes
+    # (given: the refusal above made it the step's own, unless a plan or the hostfile form)
+    nnodes = launcher.nnodes if "launcher.nnodes" in given else alloc.nnodes
     # Unknown from the environment: as many per node as the config runs.
     per_node = alloc.ranks_per_node or max(1, launcher.num_ranks // launcher.nnodes)
     wanted = {"launcher.nnodes": nnodes, "launcher.num_ranks": nnodes * per_node}
