@@ -460,13 +460,13 @@ def test_the_routing_metrics_are_the_models_own_balance_loss(tmp_path: Path) -> 
     capturing = RouterStats(model, capture=True)
     embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
     out = model(inputs_embeds=embeds, output_router_logits=True)
-    # what the plan counts for it (memory.estimate.balance_loss_bytes): the captured logits,
+    # what the plan counts for it (memory.router.balance_loss_bytes): the captured logits,
     # every routed layer's tokens × experts, in the compute dtype, and two fp32 copies
     import dataclasses
 
     from memtune.config import compute_bytes
     from memtune.config.architecture import canonical_fields
-    from memtune.memory.estimate import balance_loss_bytes
+    from memtune.memory.router import balance_loss_bytes
 
     held = sum(x.numel() for x, _ in capturing.captured)
     cfg = to_run_config(compose_cfg(["model=tiny-qwen3-moe", "trainer.router_aux_loss_coef=0.01"]))

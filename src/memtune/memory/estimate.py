@@ -46,7 +46,6 @@ from memtune.config.architecture import (
     layer_types,
     linear_attention_layers,
     linear_exchange_widths,
-    moe_layers,
     routed_experts,
 )
 from memtune.config.decisions import Decisions, keeps_dropout_copies
@@ -68,6 +67,7 @@ from memtune.memory.expert_parallel import (
 from memtune.memory.loading import GIB, LoadingPeak, loading_peak
 from memtune.memory.mlp import swiglu_backward_bytes, swiglu_saved_bytes
 from memtune.memory.norms import norm_backward_bytes, norm_saved_bytes
+from memtune.memory.router import add_balance_row
 from memtune.memory.selective import adapter_outputs, keeps_matmul_output
 from memtune.memory.vision import add_image_rows
 from memtune.rundir import PlanRecord, PlanRow
@@ -759,16 +759,7 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
             "where the input itself would be shared; peft.dropout=0 keeps none",
             per_token=True,
         )
-    balance = balance_loss_bytes(cfg, tokens)
-    if balance:
-        out.add(
-            BALANCE_ROW,
-            balance,
-            f"trainer.router_aux_loss_coef={t.router_aux_loss_coef:g}: every mixture layer's "
-            "router logits kept from its forward to the balance loss (recomputed layers' too), "
-            "and their fp32 copies while the loss is computed",
-            per_token=True,
-        )
+    add_balance_row(out.add, cfg, tokens)
     add_image_rows(out.add, cfg, d, cuda)
     if peak.dora:
         out.add(
@@ -855,22 +846,6 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
 
 
 VISION_WEIGHTS_ROW = "vision tower weights"
-BALANCE_ROW = "balance-loss router logits"
-
-
-def balance_loss_bytes(cfg: RunConfig, tokens: int) -> int:
-    """What a mixture's load-balancing loss holds (rank.experts.RouterStats with capture, when
-    trainer.router_aux_loss_coef > 0): each routed layer's logits (tokens × experts, compute
-    dtype) from that layer's forward to the loss, and at the loss their fp32 copies and the
-    fp32 concatenation of them (take_aux_loss), at once; 0 without the loss."""
-    a = cfg.model.architecture
-    experts = routed_experts(dict(a))
-    if not experts or cfg.trainer.router_aux_loss_coef <= 0:
-        return 0
-    layers = sum(moe_layers(dict(a)))
-    return layers * tokens * experts * (compute_bytes(cfg) + 4 + 4)
-
-
 EXPERT_BUFFERS_ROW = "expert-parallel buffers"
 DROPOUT_ROW = "LoRA dropout copies"
 """The plan row of what LoRA dropout keeps beyond the same step without it (rank.worker names
