@@ -96,6 +96,23 @@ def test_stage_mismatch_with_template_is_refused() -> None:
         _ds(_cfg("zero.stage=2", "zero.template=zero3"))
 
 
+@pytest.mark.parametrize("key", ["reduce_scatter", "contiguous_gradients"])
+def test_a_template_that_cannot_reduce_split_experts_is_refused(key: str) -> None:
+    """Expert parallelism with the experts adapted: DeepSpeed's ZeRO-2 optimizer asserts
+    reduce_scatter and contiguous_gradients for the split experts, once every rank has loaded
+    the base (AssertionError from stage_1_and_2.py). A template that turns one off is refused
+    by name before launch; frozen experts, or no split, take it."""
+    template = json.loads((DS_CONFIG_DIR / "zero2.json").read_text())
+    template["zero_optimization"][key] = False
+    moe = ["model=tiny-qwen3-moe", "zero=zero2", "launcher.num_ranks=2", "peft.dropout=0"]
+    split = _cfg(*moe, "peft.target=all-linear", "trainer.expert_parallel=2")
+    assert decided(split).experts.parallel == 2
+    with pytest.raises(ConfigError, match=rf"my\.json: zero_optimization\.{key} is false with "):
+        _fill(template, split, source="my.json")
+    _fill(template, _cfg(*moe, "peft.target=all-linear-but-experts", "trainer.expert_parallel=2"))
+    _fill(template, _cfg(*moe, "peft.target=all-linear", "trainer.expert_parallel=1"))
+
+
 def test_train_py_writes_filled_json(tmp_path) -> None:
     from memtune.launcher.prepare import lay_out
 

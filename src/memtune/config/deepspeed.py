@@ -99,6 +99,19 @@ def fill_ds_config(
     stage = filled["zero_optimization"]["stage"]
     if stage == 2 and any(k.startswith("stage3_") for k in filled["zero_optimization"]):
         raise ConfigError(f"{source}: stage3_* settings in a ZeRO-2 config (zero.stage=2)")
+    experts = d.experts
+    if stage in (1, 2) and experts is not None and experts.parallel > 1 and experts.adapted:
+        # rank.expert_parallel marks the split experts as DeepSpeed's MoE parameters, whose
+        # ZeRO-1/2 optimizer asserts both (stage_1_and_2.py, _configure_moe_settings) once
+        # every rank has loaded the base; its other reduction path would sum different
+        # experts' gradients over all the ranks
+        for key in ("reduce_scatter", "contiguous_gradients"):
+            if filled["zero_optimization"].get(key, True) is False:
+                raise ConfigError(
+                    f"{source}: zero_optimization.{key} is false with "
+                    f"trainer.expert_parallel={experts.parallel}: DeepSpeed reduces the split "
+                    f"experts' gradients only with {key} true; set it to true (or remove it)"
+                )
     return filled
 
 
