@@ -182,7 +182,12 @@ def test_a_rank_reads_only_its_experts(
     """Under expert parallelism each stack the loader reads (a checkpoint storing each expert
     apart, merged by transformers) keeps only this rank's experts — in bf16, or quantized as
     read — the bytes of the whole load's experts 4-7 (rank 1 of 2); the experts' adapters are
-    drawn whole and cut, the whole model's."""
+    drawn whole and cut, the whole model's. transformers' loading threads, which copy tensors
+    ahead of the ones set (a bf16 load's default), never run beside the hook: with them every
+    rank's experts could be read at once."""
+    import threading
+
+    from torch import nn
     from transformers import AutoModelForCausalLM
 
     import memtune.rank.expert_parallel as ep
@@ -202,7 +207,17 @@ def test_a_rank_reads_only_its_experts(
     d = decided(cfg, attention="sdpa")
     # the process group of rank 1 of 2 (no collective runs while loading)
     monkeypatch.setattr(ep, "shard_for", lambda size, total: ExpertShard(size, 1, total, None, "g"))
-    mine = load_base_model(cfg, d)
+    readers: set[str] = set()
+
+    def note_readers(module: Any, name: str, param: Any) -> None:
+        readers.update(t.name for t in threading.enumerate() if t is not threading.current_thread())
+
+    watch = nn.modules.module.register_module_parameter_registration_hook(note_readers)
+    try:
+        mine = load_base_model(cfg, d)
+    finally:
+        watch.remove()
+    assert not {r for r in readers if r.startswith("ThreadPoolExecutor")}, readers
     whole = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     if peft != "lora":
         quantize_experts(whole, "nf4", torch.bfloat16)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import os
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -170,9 +171,33 @@ def experts_as_loaded(
 
     handle = nn.modules.module.register_module_parameter_registration_hook(quantize)
     try:
-        yield loaded
+        with _loaded_in_order():
+            yield loaded
     finally:
         handle.remove()
+
+
+ASYNC_LOAD_OFF = "HF_DEACTIVATE_ASYNC_LOAD"
+
+
+@contextlib.contextmanager
+def _loaded_in_order() -> Iterator[None]:
+    """transformers 5 reads a checkpoint through a pool of threads that copy every tensor to
+    its device as fast as they can, ahead of the thread that sets them on their modules; it
+    turns the pool off itself only when it quantizes on the fly, for the spike this would
+    cause (core_model_loading). :func:`experts_as_loaded` frees what a rank does not keep only
+    when a stack is set, so with the pool on (a bf16 mixture split by expert: no quantizer) the
+    readers could hold every rank's experts in bf16 at once — the whole base this hook exists
+    to avoid. The pool is off while the hook is in place (transformers' own switch)."""
+    before = os.environ.get(ASYNC_LOAD_OFF)
+    os.environ[ASYNC_LOAD_OFF] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ASYNC_LOAD_OFF, None)
+        else:
+            os.environ[ASYNC_LOAD_OFF] = before
 
 
 def _quantized(
