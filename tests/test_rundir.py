@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from memtune.checkpoints import find_latest
+from memtune.checkpoints import find_latest, older_to_remove
 from memtune.rundir import (
     TRAIN_STATE_VERSION,
     DataRecord,
@@ -93,6 +93,27 @@ def test_a_checkpoint_left_at_its_set_aside_name_is_still_found(tmp_path: Path) 
         (ckpt / "complete.json").write_text("{}")
     latest, _ = find_latest(root)
     assert latest == root / ".old-step-0000008.k3j2x_q"
+
+
+def test_pruning_keeps_the_checkpoint_just_saved_whatever_later_steps_are_there(
+    tmp_path: Path,
+) -> None:
+    """Resumed from step 4 past a newer step 12 (damaged, so skipped; or left behind by
+    resume=<step 4>): saving step 8 with keep_last 1 removes step 4 only. Counting step 12,
+    it removed step 8 itself, which ``latest`` names: the next resume found nothing whole."""
+    root = RunDir(tmp_path).checkpoints
+    for step in (4, 12, 8):
+        ckpt = root / f"step-{step:07d}"
+        ckpt.mkdir(parents=True)
+        TrainState(**{**STATE, "step": step}).write(ckpt)
+        (ckpt / "complete.json").write_text("{}")
+    (root / "step-0000012" / "manifest.json").write_text("not json")  # damaged
+    (root / "latest").write_text("step-0000008\n")
+    saved = root / "step-0000008"
+    assert older_to_remove(root, saved, keep_last=1) == [root / "step-0000004"]
+    assert older_to_remove(root, saved, keep_last=2) == []
+    (root / "step-0000004" / "complete.json").unlink()  # as if removed
+    assert find_latest(root)[0] == saved
 
 
 def test_the_adapter_a_stage_started_from_is_compared_by_content(tmp_path: Path, capsys) -> None:

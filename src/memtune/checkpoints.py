@@ -68,6 +68,17 @@ def seal(checkpoint: Path, step: int) -> None:
     write_atomic(checkpoint / COMPLETE, json.dumps({"step": step}) + "\n")
 
 
+def older_to_remove(root: Path, saved: Path, keep_last: int) -> list[Path]:
+    """The complete checkpoints of the checkpoints folder ``root`` to remove once ``saved`` (the
+    one just written) is in place: all but the newest ``keep_last``, counting ``saved`` and the
+    ones before it. A checkpoint of a later step (left by the run before a resume: a damaged one
+    skipped, or the steps after the checkpoint a resume named) is neither counted nor removed:
+    counted, it took the place of the one just saved, which was removed with keep_last 1 while
+    ``latest`` still named it."""
+    done = sorted(p for p in root.glob("step-*") if is_complete(p) and p.name <= saved.name)
+    return done[: max(0, len(done) - keep_last)]
+
+
 def find_latest(root: Path) -> tuple[Path | None, list[str]]:
     """Newest complete checkpoint in the checkpoints folder ``root`` (RunDir.checkpoints), and
     warnings about any skipped on the way."""

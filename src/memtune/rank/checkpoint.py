@@ -16,7 +16,7 @@ from memtune.checkpoints import (
     GATHERED,
     GATHERED_META,
     LATEST,
-    is_complete,
+    older_to_remove,
     seal,
     step_dir_name,
 )
@@ -249,8 +249,7 @@ def save_checkpoint(engine: Any, rd: RunDir, state: TrainState, keep_last: int) 
         replace_dir(
             tmp, final, before_removal=lambda: write_atomic(root / LATEST, final.name + "\n")
         )
-        done = sorted(p for p in root.glob("step-*") if is_complete(p))
-        for old in done[: max(0, len(done) - keep_last)]:
+        for old in older_to_remove(root, final, keep_last):
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
