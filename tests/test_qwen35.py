@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from memtune.adapter_check import WEIGHTS
 from memtune.config import load_run_config
 from memtune.memory.counts import count_params
 from memtune.tools.generate import answer, load, stop_token_ids
@@ -128,6 +129,10 @@ def test_an_adapter_of_a_multimodal_checkpoint_loads_onto_its_own_class(
     assert adapter and all(
         k.startswith("base_model.model.model.language_model.layers.") for k in adapter
     )
+    # and so is a checkpoint's adapter/ (merge and peft take it as they take RUN_DIR/adapter;
+    # under the text class's names they loaded nothing: a merge wrote the base unchanged)
+    step = load_file(run_dir / "checkpoints" / "step-0000006" / "adapter" / WEIGHTS)
+    assert step.keys() == adapter.keys() and all(torch.equal(step[k], adapter[k]) for k in step)
 
     served = PeftModel.from_pretrained(
         Qwen3_5ForConditionalGeneration.from_pretrained(base), run_dir / "adapter"

@@ -218,8 +218,13 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(engine: Any, rd: RunDir, state: TrainState, keep_last: int) -> Path:
-    """Collective: every rank calls it. Returns the checkpoint directory."""
+def save_checkpoint(
+    engine: Any, rd: RunDir, state: TrainState, keep_last: int, multimodal: bool = False
+) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint directory. ``multimodal``: the
+    base checkpoint is a multimodal one; the checkpoint's adapter is named for its class, as
+    the final export is (:func:`name_for_multimodal_class`), so merge, generate and plain peft
+    load a checkpoint's adapter/ onto the released class as they load RUN_DIR/adapter."""
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -234,6 +239,8 @@ def save_checkpoint(engine: Any, rd: RunDir, state: TrainState, keep_last: int) 
         str(tmp), tag="engine", exclude_frozen_parameters=True, save_latest=False
     )
     export_adapter(engine.module.model, tmp / "adapter", is_writer=rank == 0)
+    if multimodal and rank == 0:
+        name_for_multimodal_class(tmp / "adapter")
     save_gathered_state(engine, tmp, is_writer=rank == 0)
     torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
     _barrier()

@@ -189,8 +189,10 @@ class RunHooks(Hooks):
         val_batches: list[dict[str, torch.Tensor]] | None,
         logger: NullLogger,
         device: torch.device,
+        multimodal: bool = False,
     ):
         self.engine, self.rd, self.cfg, self.data_dir = engine, rd, cfg, data_dir
+        self.multimodal = multimodal  # checkpoints' adapters named for the base's class
         self.val_batches, self.logger, self.device = val_batches, logger, device
         self.eval_losses: dict[int, float] = {}
         self.eval_preference: dict[int, dict[str, float]] = {}
@@ -235,7 +237,8 @@ class RunHooks(Hooks):
     def save(self, step: int, result: TrainResult) -> None:
         world = dist.get_world_size() if dist.is_initialized() else 1
         state = result.state_at(step, world, self.data_dir)
-        save_checkpoint(self.engine, self.rd, state, self.cfg.trainer.keep_last)
+        keep = self.cfg.trainer.keep_last
+        save_checkpoint(self.engine, self.rd, state, keep, self.multimodal)
         self.saved_step = step
 
 
@@ -437,7 +440,7 @@ class RankRun:
         )
         self.hooks = RunHooks(
             self.engine, self.rd, cfg, self.data.dir, self._val_batches(), self.logger,
-            self.device,
+            self.device, renames_for_multimodal_class(cfg, self.decisions),
         )  # fmt: skip
         d = self.decisions
         batches = _batches(self.loader, self.sampler, result.steps * d.batch.accumulation)
