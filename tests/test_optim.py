@@ -42,3 +42,29 @@ def test_cpu_adam_offload_matches_adamw(zero2_run: Run, runs_root) -> None:
     assert {p["optimizer"] for p in run.probes()} == {"DeepSpeedCPUAdam"}
     # Same maths as torch AdamW (fp32): the same loss curve as the zero2 fixture.
     assert run.losses() == pytest.approx(zero2_run.losses(), rel=1e-4)
+
+
+def test_a_resume_takes_this_runs_weight_decay_not_the_saved_one() -> None:
+    """The engine files restore each parameter group as saved (torch's load_state_dict, which
+    DeepSpeed's ZeRO optimizers call on a resume on the same ranks), weight decay included:
+    trainer.weight_decay changed on a resume was dropped there, and taken on another number of
+    ranks. follow_schedule, which every resume calls, sets this run's rate and weight decay."""
+    from types import SimpleNamespace
+
+    from memtune.config import to_run_config
+    from memtune.rank.checkpoint import follow_schedule
+    from memtune.rank.optim import build_optimizer, scheduler_factory
+    from tests.conftest import compose_cfg
+
+    def engine(weight_decay: float) -> SimpleNamespace:
+        cfg = to_run_config(compose_cfg([f"trainer.weight_decay={weight_decay}"]))
+        groups = [{"params": [torch.nn.Parameter(torch.ones(4))], "lr_ratio": 1.0}]
+        opt, _ = build_optimizer(cfg, "adamw", groups, torch.device("cpu"))
+        return SimpleNamespace(optimizer=opt, lr_scheduler=scheduler_factory(cfg)(opt))
+
+    saved, resumed = engine(0.0), engine(0.1)
+    resumed.optimizer.load_state_dict(saved.optimizer.state_dict())
+    resumed.lr_scheduler.load_state_dict(saved.lr_scheduler.state_dict())
+    assert resumed.optimizer.param_groups[0]["weight_decay"] == 0.0  # as saved
+    follow_schedule(resumed, 2e-4, 0.1)
+    assert resumed.optimizer.param_groups[0]["weight_decay"] == 0.1

@@ -330,12 +330,15 @@ def load_checkpoint(engine: Any, path: Path, rank: int) -> TrainState:
     return TrainState.read(path)
 
 
-def follow_schedule(engine: Any, lr: float) -> None:
+def follow_schedule(engine: Any, lr: float, weight_decay: float | None = None) -> None:
     """After a resume: the learning rate of the next step is this run's schedule at the
     restored position (``lr`` × the schedule's factor, the factor built from this run's
     config). The restored optimizer holds the rate the saving run set for that step, which is
     another one when trainer.max_steps (or trainer.lr) changed: the first step after such a
-    resume ran at the old schedule's rate and the next jumped to the new one."""
+    resume ran at the old schedule's rate and the next jumped to the new one. ``weight_decay``
+    (trainer.weight_decay) likewise: DeepSpeed's engine files restore each group's settings as
+    saved, so a changed weight decay was dropped on a resume on the same ranks (and taken on
+    another number of ranks, whose gathered state holds no settings)."""
     scheduler = engine.lr_scheduler
     basic = getattr(engine.optimizer, "optimizer", engine.optimizer)
     # Each group's own base rate: LoRA+ runs the B matrices at lr × their group's ratio, as
@@ -349,6 +352,8 @@ def follow_schedule(engine: Any, lr: float) -> None:
     scheduler._last_lr = rates
     for group, rate in zip(basic.param_groups, rates, strict=True):
         group["lr"] = rate
+        if weight_decay is not None:
+            group["weight_decay"] = weight_decay
 
 
 # ---------------------------------------------------------------- any world size

@@ -422,7 +422,7 @@ class RankRun:
             state = load_checkpoint_any_world(self.engine, checkpoint, self.rank)
             what = ", ".join(f"{k} {old} → {new}" for k, (old, new) in moved.items())
             self.print0(f"memtune: resuming from its gathered optimizer state ({what})", flush=True)
-        follow_schedule(self.engine, self.cfg.trainer.lr)
+        follow_schedule(self.engine, self.cfg.trainer.lr, self.cfg.trainer.weight_decay)
         if self.rank == 0:
             _truncate_metrics(self.rd.metrics, state.step)
         self.print0(f"memtune: resumed at step {state.step} from {checkpoint}", flush=True)
