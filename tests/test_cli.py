@@ -218,6 +218,21 @@ def test_a_damaged_adapter_is_one_line_naming_its_file(
     )
 
 
+def test_a_damaged_config_yaml_beside_the_adapter_is_one_line_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """merge and generate read the run's config.yaml (how it trained): one cut short was
+    yaml's ParserError traceback, exit 1."""
+    run = tmp_path / "run"
+    adapter = _adapter_dir(run / "adapter", "/nonexistent-base")
+    (run / "config.yaml").write_text("trainer: [\n")
+    for argv in (["merge", str(adapter), str(tmp_path / "out")], ["generate", str(run), "hi"]):
+        line = refused_in_process(argv, capsys)
+        assert line.startswith(f"memtune {argv[0]}: {run}/config.yaml is not valid YAML (while ")
+        assert line.endswith("line 2, column 1): damaged")
+    assert not (tmp_path / "out").exists()
+
+
 def test_generate_refuses_a_model_whose_weights_are_cut_short(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -773,7 +773,14 @@ def read_run_config(path: str | Path) -> tuple[RunConfig, dict[str, Any]]:
 
 
 def _load_mapping(path: str | Path) -> DictConfig:
-    loaded = OmegaConf.load(path)
+    import yaml
+
+    try:
+        loaded = OmegaConf.load(path)
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        # a saved config.yaml cut short or overwritten: one line naming it, not yaml's traceback
+        reason = " ".join(str(err).split())
+        raise ConfigError(f"{path} is not valid YAML ({reason}): damaged") from None
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     return loaded
