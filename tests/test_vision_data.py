@@ -201,6 +201,7 @@ def test_bad_records_name_the_record_and_the_image(pics: Path) -> None:
         },
         {"messages": [{"role": "user", "content": [{"type": "video", "video": "v.mp4"}]}]},
         {"conversations": [user, gpt], "images": ["https://example.com/a.png"]},
+        {"conversations": [user, gpt], "images": ["img/wide.png"], "system": "See <|image_pad|>"},
     ]
     path = write_jsonl(pics / "bad.jsonl", bad)
     errors = [str(e) for e in read_source(str(path), "messages")]
@@ -219,6 +220,8 @@ def test_bad_records_name_the_record_and_the_image(pics: Path) -> None:
         "image or text (video is not supported)",
         f"{where}7: field 'images'[0]: image 1 is a URL (https://example.com/a.png); memtune "
         "reads local files: download the images and give their paths",
+        f"{where}8: field 'system' holds '<|image_pad|>', which only an image may place (give "
+        "the image as a part, or as <image> with an 'images' list)",
     ]
     for name, why in (
         ("truncated.png", "image file is truncated"),
@@ -379,6 +382,25 @@ def test_cache_keeps_uint8_images_and_keys_their_bytes(
     tight = DataConfig(**{**cfg.__dict__, **budget})
     with pytest.raises(ConfigError, match=r"data\.image_cache_gb=1e-06 after 3 images.*max_pixels"):
         preprocess(tight, tok, 0, small)
+
+
+def test_a_vision_token_in_the_system_prompt_is_refused_by_name(
+    tok: Any, pics: Path, tmp_path: Path
+) -> None:
+    """data.system_prompt holding <|image_pad|> (or a ShareGPT record's 'system' field, in
+    the test above) stopped the build of data with images with an IndexError traceback from
+    the encoder, which took its token for one more image."""
+    record = {
+        "conversations": [{"from": "human", "value": "<image>Hi"}, {"from": "gpt", "value": "Hi."}],
+        "images": ["img/wide.png"],
+    }
+    data = write_jsonl(pics / "system.jsonl", [record])
+    small = ImageSettings.from_config(preprocessor("qwen3_vl"), min_pixels=32 * 32)
+    base = {"path": str(data), "format": "messages", "cache_dir": str(tmp_path)}
+    cfg = DataConfig(**base, system_prompt="Answer about <|image_pad|>.")
+    with pytest.raises(ConfigError, match=r"^data\.system_prompt holds '<\|image_pad\|>', which"):
+        preprocess(cfg, tok, 0, small)
+    assert preprocess(DataConfig(**base, system_prompt="Answer."), tok, 0, small).train.images == 1
 
 
 def test_a_cut_never_splits_an_image(tok: Any, pics: Path) -> None:

@@ -38,6 +38,7 @@ from memtune.data.encode import (
     DataStats,
     Sample,
     apply_length_policy,
+    check_system_prompt,
     encode_records,
     resize_record_images,
 )
@@ -298,6 +299,8 @@ def _encode(
 ) -> list[Sample]:
     from tqdm import tqdm
 
+    if images is not None:
+        check_system_prompt(cfg)
     samples = []
     with tqdm(total=len(records), desc=desc, unit="rec", disable=len(records) < CHUNK) as bar:
         for start in range(0, len(records), CHUNK):

@@ -35,7 +35,15 @@ from urllib.parse import urlsplit
 from memtune.config import ConfigError, DataConfig, RunConfig
 from memtune.data.readers import Record, RecordError
 from memtune.data.templates import Segment, segments, with_system
-from memtune.data.vision import IMAGE_PAD, MM_IMAGE, MM_TEXT, ImageSettings, Resized, open_image
+from memtune.data.vision import (
+    IMAGE_PAD,
+    MM_IMAGE,
+    MM_TEXT,
+    VISION_TOKENS,
+    ImageSettings,
+    Resized,
+    open_image,
+)
 from memtune.data.vision import resize as resize_image
 
 if TYPE_CHECKING:
@@ -320,6 +328,19 @@ def encode_records(
             chosen, rejected = share_prompt(next(next_sequence), next(next_sequence))
             samples.append(join_pair(chosen, rejected))
     return samples
+
+
+def check_system_prompt(cfg: DataConfig) -> None:
+    """data.system_prompt holds no vision token, for a model that reads images: each record's
+    text is checked so when it is read (memtune.data.readers), and the system prompt goes into
+    every record. A ``<|image_pad|>`` there would be taken for an image's token (a record's
+    image count off by one; the model's image tokens and features no longer matching)."""
+    token = next((t for t in VISION_TOKENS if t in (cfg.system_prompt or "")), None)
+    if token is not None:
+        raise ConfigError(
+            f"data.system_prompt holds {token!r}, which only an image may place (images go "
+            "in the records' user turns)"
+        )
 
 
 def image_pad_id(ids: list[int], tokenizer: Any) -> int:

@@ -363,6 +363,7 @@ def _chat_messages(
     messages = _turns(rec[key], key, role_key, text_key, where, images)
     images.check_all_placed()
     system = _string(rec, "system", where, required=False)
+    _no_vision_tokens(system, "system", where)
     if system:  # ShareGPT's (LLaMA-Factory's) system prompt beside the turns
         if any(m["role"] == "system" for m in messages):
             raise RecordError(
