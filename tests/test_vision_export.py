@@ -10,12 +10,14 @@ through the real loading code); the adapter's LoRA B is drawn at random instead 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from omegaconf import OmegaConf
+from safetensors.torch import load_file, save_file
 
 from memtune.config import ConfigError, RunConfig
 from memtune.data.batching import collate_padded
@@ -220,11 +222,28 @@ def test_generate_with_an_image_answers_as_plain_peft_decodes_greedily(
 
     argv = [str(run_dir), "--image", str(image), question]
     main([*argv, "--max-new-tokens", str(steps)])  # memtune generate
-    printed = capsys.readouterr().out.strip().splitlines()[-1]  # after any import warning
-    text = tokenizer.decode(new, skip_special_tokens=True).strip()
-    assert printed == (
-        text or f"(empty answer: the model ended its turn after {len(new)} token(s))"
-    )
+    printed = capsys.readouterr().out  # the answer as decoded, after any import warning
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    empty = f"(empty answer: the model ended its turn after {len(new)} token(s))"
+    assert printed.endswith((text if text.strip() else empty) + "\n")
+
+    # An adapter of another base (its tensors as a text class names them, or of another
+    # width) is refused naming it, by generate and merge: peft only warned and answered with
+    # the bare base where no name matched, and stopped with a state-dict traceback where a
+    # shape differed.
+    other = tmp_path / "other"
+    shutil.copytree(run_dir, other)
+    weights = other / "adapter" / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    save_file({k.replace("language_model.", ""): v for k, v in tensors.items()}, weights)
+    names = r"no tensor in the adapter for base_model\.model\.model\.language_model\.layers\.0\."
+    with pytest.raises(ConfigError, match=rf"^{other}/adapter: the adapter does not fit .*{names}"):
+        main([str(other), question])
+    key = next(k for k in tensors if k.endswith("q_proj.lora_A.weight"))
+    save_file(tensors | {key: torch.zeros(tensors[key].shape[0], 3)}, weights)
+    with pytest.raises(ConfigError, match=r"\(size mismatch for .*q_proj.*\): it was trained on"):
+        merge(other / "adapter", tmp_path / "merged-other")
+    assert not (tmp_path / "merged-other").exists()
 
 
 def test_a_qlora_adapter_merges_into_the_quantized_base_with_its_tower_as_trained(

@@ -44,7 +44,6 @@ def stop_token_ids(tokenizer: Any) -> list[int]:
 
 
 def load(run_dir: Path, model_dir: Path | None = None) -> tuple[Any, Any]:
-    from peft import PeftModel
     from transformers import AutoTokenizer
 
     rd = RunDir(run_dir)
@@ -56,7 +55,7 @@ def load(run_dir: Path, model_dir: Path | None = None) -> tuple[Any, Any]:
         model = base_class(model_dir).from_pretrained(model_dir)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     else:
-        from memtune.tools.merge import load_base, merged_dtype, trained_as
+        from memtune.tools.merge import load_base, merged_dtype, trained_as, with_adapter
 
         # The base as memtune merge's default holds it: a QLoRA / LLM.int8 run's quantized
         # as in training (then dequantized), in the training precision, so the answer is the
@@ -64,7 +63,11 @@ def load(run_dir: Path, model_dir: Path | None = None) -> tuple[Any, Any]:
         trained = trained_as(adapter)
         m = trained.cfg.model if trained is not None else load_run_config(rd.config).model
         base = load_base(m.name_or_path, m.revision, adapter, trained, merged_dtype(trained, None))
-        model = PeftModel.from_pretrained(base, str(adapter))
+        hint = (
+            "the run's config.yaml names that base (model.name_or_path): put the model the "
+            "run trained on there, or give its merged model with --model"
+        )
+        model = with_adapter(base, adapter, m.name_or_path, hint)
         tokenizer = AutoTokenizer.from_pretrained(adapter)
     return model.eval(), tokenizer
 

@@ -190,7 +190,6 @@ def _merge_into(
             "hub name (Qwen/Qwen2.5-7B-Instruct)"
         )
     # Inside the function: torch, transformers and peft take seconds to import.
-    from peft import PeftModel
     from transformers import AutoTokenizer
 
     try:
@@ -198,7 +197,8 @@ def _merge_into(
     except OSError as err:  # transformers: neither a local model dir nor one on the Hub
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"base model {base}: cannot load it ({first}); give --base") from None
-    merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    merged = with_adapter(model, adapter_dir, base, "give --base the model it was trained on")
+    merged = merged.merge_and_unload()
     merged.save_pretrained(str(out_dir))
     if (adapter_dir / "tokenizer_config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(str(adapter_dir))
@@ -227,6 +227,42 @@ def base_class(
             if hasattr(transformers, name):
                 return getattr(transformers, name)
     return transformers.AutoModelForCausalLM
+
+
+def with_adapter(model: Any, adapter_dir: Path, base: str, hint: str) -> Any:
+    """``model`` (the base, :func:`load_base`) with the adapter at ``adapter_dir`` loaded by
+    peft. An adapter trained on another base model is refused, naming the adapter, the base
+    and one tensor that does not fit (``hint``: what to give instead): peft stops with a
+    state-dict traceback where shapes differ, and where no name matches (a text model's
+    adapter on a vision-language class) it only warns and leaves the base's weights, whose
+    answers would pass for the adapter's."""
+    import warnings
+
+    from peft import PeftModel
+
+    def refused(detail: str) -> ConfigError:
+        return ConfigError(
+            f"{adapter_dir}: the adapter does not fit the base model {base} ({detail}): it was "
+            f"trained on another base; {hint}"
+        )
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            loaded = PeftModel.from_pretrained(model, str(adapter_dir))
+        except RuntimeError as err:
+            lines = [line.strip() for line in str(err).splitlines()]
+            mismatch = next((line for line in lines if line.startswith("size mismatch")), None)
+            if mismatch is None:
+                raise
+            raise refused(mismatch.replace("torch.Size(", "(").rstrip(".")) from None
+    for w in caught:
+        text = str(w.message)
+        if "missing adapter keys" in text and "lora_" in text:
+            missing = text.split("[", 1)[-1].split(",")[0].strip(" '\"]")
+            raise refused(f"no tensor in the adapter for {missing}")
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return loaded
 
 
 def load_base(
