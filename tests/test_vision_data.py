@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from memtune.config import ConfigError, DataConfig
+from memtune.config import ConfigError, DataConfig, DataSource
 from memtune.data.cache import fingerprint, load_image_settings, load_images, preprocess
 from memtune.data.encode import (
     IGNORE_INDEX,
@@ -401,6 +401,24 @@ def test_a_vision_token_in_the_system_prompt_is_refused_by_name(
     with pytest.raises(ConfigError, match=r"^data\.system_prompt holds '<\|image_pad\|>', which"):
         preprocess(cfg, tok, 0, small)
     assert preprocess(DataConfig(**base, system_prompt="Answer."), tok, 0, small).train.images == 1
+
+
+def test_an_image_token_in_a_source_without_images_is_a_bad_record(
+    tok: Any, pics: Path, tmp_path: Path
+) -> None:
+    """An alpaca record holding <|image_pad|> beside messages with images reached the rank as
+    an image's token without an image, and the step stopped there in transformers ("Image
+    features and image tokens do not match"); now it is a bad record, named."""
+    images = write_jsonl(pics / "with-images.jsonl", [HF_RECORD])
+    stray = {"instruction": "What is <|image_pad|>?", "output": "A token."}
+    alpaca = write_jsonl(pics / "stray.jsonl", [stray, {"instruction": "Hi", "output": "Hi."}])
+    small = ImageSettings.from_config(preprocessor("qwen3_vl"), min_pixels=32 * 32)
+    sources = [DataSource(str(images), "messages"), DataSource(str(alpaca), "alpaca")]
+    base = {"sources": sources, "cache_dir": str(tmp_path), "max_seq_len": 4096}
+    with pytest.raises(ConfigError, match=r"stray\.jsonl:1: the text holds '<\|image_pad\|>'"):
+        preprocess(DataConfig(**base), tok, 0, small)
+    kept = preprocess(DataConfig(**base, on_bad_record="skip"), tok, 0, small)
+    assert (kept.train.samples, kept.train.skipped_bad, kept.train.images) == (2, 1, 3)
 
 
 def test_a_cut_never_splits_an_image(tok: Any, pics: Path) -> None:

@@ -43,7 +43,7 @@ from memtune.data.encode import (
     resize_record_images,
 )
 from memtune.data.readers import IdenticalReplies, Record, RecordError, read_source
-from memtune.data.vision import ImageSettings, Resized
+from memtune.data.vision import IMAGE_PAD, ImageSettings, Resized
 from memtune.filesystem import cannot_write, follow_umask, free_bytes, human_bytes
 from memtune.integrity import Store
 from memtune.paths import is_local_source
@@ -299,8 +299,12 @@ def _encode(
 ) -> list[Sample]:
     from tqdm import tqdm
 
+    stray = None  # a vision-language model's <|image_pad|> id: only an image may place it
     if images is not None:
         check_system_prompt(cfg)
+        stray = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+        if not isinstance(stray, int) or stray == tokenizer.unk_token_id:
+            stray = None
     samples = []
     with tqdm(total=len(records), desc=desc, unit="rec", disable=len(records) < CHUNK) as bar:
         for start in range(0, len(records), CHUNK):
@@ -309,10 +313,35 @@ def _encode(
             if images is not None and any(rec.images for rec in chunk):
                 chunk, resized = _resize_images(chunk, images, cfg, stats)
             encoded = encode_records(chunk, tokenizer, cfg, resized)
+            if stray is not None:
+                encoded = _without_stray_image_tokens(chunk, encoded, stray, cfg, stats)
             samples += apply_length_policy(encoded, cfg, stats)
             _check_image_budget(stats, cfg)
             bar.update(len(chunk))
     return samples
+
+
+def _without_stray_image_tokens(
+    chunk: list[Record], encoded: list[Sample], image_pad: int, cfg: DataConfig, stats: DataStats
+) -> list[Sample]:
+    """The samples (one a record) but those of records whose text holds ``<|image_pad|>``
+    without an image to place it (formats text, alpaca, preference: only messages records are
+    checked as they are read), which are bad records (data.on_bad_record): a vision-language
+    model takes the token for an image's, and a step with images then stops on the rank
+    (transformers: "Image features and image tokens do not match")."""
+    kept = []
+    for rec, s in zip(chunk, encoded, strict=True):
+        if s.mm_token_type_ids is None and image_pad in s.input_ids:
+            err = RecordError(
+                rec.where,
+                f"the text holds {IMAGE_PAD!r}, which only an image may place (images are read "
+                "in data.format=messages records)",
+            )
+            _bad_record(err, cfg, stats)
+            stats.records -= 1
+            continue
+        kept.append(s)
+    return kept
 
 
 def _resize_images(
