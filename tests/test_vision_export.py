@@ -220,6 +220,10 @@ def test_generate_with_an_image_answers_as_plain_peft_decodes_greedily(
     stops = stop_token_ids(tokenizer)
     assert new and new == greedy(served, inputs, steps, stops)
 
+    # The checkpoint's serving settings (a released one's generation_config.json: sampling,
+    # a repetition penalty, here one that forbids the greedy first token) are not applied.
+    serving = {"do_sample": True, "repetition_penalty": 1.05, "suppress_tokens": [new[0]]}
+    (base_dir / "generation_config.json").write_text(json.dumps(serving))
     argv = [str(run_dir), "--image", str(image), question]
     main([*argv, "--max-new-tokens", str(steps)])  # memtune generate
     printed = capsys.readouterr().out  # the answer as decoded, after any import warning

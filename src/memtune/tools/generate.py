@@ -163,17 +163,22 @@ def answer(
     ``images``: in the turn, before its text (:func:`prompt_inputs`)."""
     # Inside the function: torch takes seconds to import, and a refused command needs none of it.
     import torch
+    from transformers import GenerationConfig
 
     inputs = prompt_inputs(run_dir, prompt, tokenizer, thinking, images, settings)
     stops = stop_token_ids(tokenizer)
+    # Greedy, whatever the checkpoint's generation_config.json asks for serving (Qwen's
+    # instruct models: sampling, repetition_penalty 1.05): generate fills every setting not
+    # given here from the model's own config, so that is replaced, not only overridden.
+    greedy = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=stops,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.generation_config = greedy
     with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=stops,
-            pad_token_id=tokenizer.pad_token_id,
-        )
+        out = model.generate(**inputs, generation_config=greedy)
     new = out[0, inputs["input_ids"].shape[1] :].tolist()
     return tokenizer.decode(new, skip_special_tokens=True), new
 
