@@ -509,6 +509,9 @@ def test_a_damaged_init_from_adapter_is_refused_before_launch(tmp_path: Path) ->
         ("trainer.weight_decay=-0.1", "trainer.weight_decay must be >= 0 (got -0.1)"),
         ("trainer.optim_8bit_min_size=-1", "trainer.optim_8bit_min_size must be >= 0 (got -1)"),
         ("data.num_workers=-1", "data.num_workers must be >= 0 (got -1)"),
+        ("trainer.lr=nan", "trainer.lr must be a finite number (got nan)"),
+        ("trainer.max_grad_norm=nan", "trainer.max_grad_norm must be a finite number (got nan)"),
+        ("plan.device_gib=inf", "plan.device_gib must be a finite number (got inf)"),
         ("trainer.seed=-1", "trainer.seed must be in [0, 2**32) (got -1; numpy's seeds)"),
         (
             "launcher.master_port=99999",
@@ -536,7 +539,8 @@ def test_a_number_that_cannot_mean_anything_is_refused(override: str, message: s
     """Each passed validation before: plan.device_gib=-1 printed a whole plan ending "the
     device has -1.00 GiB", launcher.master_port=99999 stopped every rank with "port must be
     0-65535", trainer.seed=-1 with numpy's ValueError, and trainer.checkpoint_layers=99 on the
-    2-layer demo model ran as all, silently."""
+    2-layer demo model ran as all, silently; trainer.lr=nan passed every range check (a run
+    trained on NaN) and plan.device_gib=inf planned every run as fitting."""
     cfg = to_run_config(compose([override]))
     with pytest.raises(ConfigError) as err:
         validate(cfg, inputs=False)

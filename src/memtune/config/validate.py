@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import re
 import typing
 from pathlib import Path
@@ -61,9 +62,24 @@ def get_field(cfg: RunConfig, dotted: str) -> Any:
     return obj
 
 
+def _check_finite(value: Any, key: str = "") -> None:
+    """Every number of the settings is finite: nan passes every range check (each comparison
+    is False), so trainer.lr=nan trained on NaN and plan.device_gib=nan planned "nan GiB";
+    inf (null is the setting for "none") made lr=inf or plan.device_gib=inf run unchecked."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            _check_finite(getattr(value, f.name), f"{key}.{f.name}" if key else f.name)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_finite(item, f"{key}[{i}]")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number (got {value})")
+
+
 def validate(cfg: RunConfig, inputs: bool = True) -> None:
     """Check what types cannot; raise :class:`ConfigError` naming the first bad field.
     ``inputs=False`` leaves out the model and data paths (a memory plan needs neither)."""
+    _check_finite(cfg)
     for key, choices in _CHOICES.items():
         if get_field(cfg, key) not in choices:
             allowed = " | ".join(str(c) for c in choices)
