@@ -274,6 +274,49 @@ def test_auto_fit_picks_the_cheapest_variant_that_fits() -> None:
     assert same is not None and same.changes == [] and same.cost == 1.0
 
 
+def test_auto_fit_takes_only_a_variant_whose_whole_plan_fits() -> None:
+    """auto_fit judged its variants by the device's total alone: a run whose offloaded inputs
+    did not fit plan.host_gib was taken as it was ("auto_fit:  (planned 17.91 of 23.99 GiB")
+    and launched, where without auto_fit it is refused; without plan.device_gib its note
+    crashed formatting None (TypeError). The refusal's "Try" list named device savings
+    (peft=qlora-nf4) for host memory."""
+    from memtune.config import ConfigError
+    from memtune.memory.fit import fit_to_device
+
+    host_bound = [
+        "experiment=qwen2.5-7b-4x4090-long",
+        "trainer.offload_activations=on",
+        "plan.host_gib=4",  # 1 GiB a rank; 27 layers × 32,768 tokens pin 5.91
+        "plan.auto_fit=true",
+    ]
+    with pytest.raises(ConfigError) as err:
+        fit_to_device(to_run_config(compose_cfg(host_bound)), machine=CPU_RANKS)
+    said = str(err.value)
+    assert "this run's host memory per rank does not fit plan.host_gib" in said
+    tips = said.split("Try (each alone, per rank):\n")[1].split("\n(")[0].splitlines()
+    assert tips == [
+        "  - trainer.offload_activations=off (checkpointed layers' inputs kept on the device): "
+        "-5.91 GiB",
+        "  - data.max_seq_len=65536 (shorter samples): -2.95 GiB",
+    ]
+    # No plan.device_gib (the CPU demo), the host too small for micro batches of 4: half fits.
+    demo = to_run_config(
+        compose_cfg(
+            [
+                "trainer.activation_checkpointing=true",
+                "trainer.checkpoint_layers=all",
+                "trainer.offload_activations=on",
+                "plan.host_gib=0.0006",  # 0.31 MiB a rank: 0.50 pinned at 4, 0.25 at 2
+                "plan.auto_fit=true",
+            ]
+        )
+    )
+    fitted = fit_to_device(demo, machine=CPU_RANKS)
+    assert not fitted.given_plan.fits and fitted.plan.fits
+    assert fitted.changes == ["trainer.micro_batch_size=2"]
+    assert fitted.notes[-1].startswith("auto_fit: trainer.micro_batch_size=2 (host memory")
+
+
 def test_auto_fit_is_applied_before_launch_and_recorded(tmp_path: Path, capsys) -> None:
     from memtune.launcher.prepare import lay_out
 

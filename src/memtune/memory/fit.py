@@ -184,9 +184,21 @@ def suggestions(
     """Changes that lower the per-rank peak of ``cfg`` run as ``d``, each alone with what it
     saves by the plan, largest first; changes that would save less than 0.05 GiB are left out.
     Besides memory_changes: half the micro batch, and half the sequence length (which does
-    change the data)."""
+    change the data). A run whose device fits and whose pinned host rows do not (offloaded
+    layer inputs over plan.host_gib) is scored by what a change saves there, among the changes
+    that keep the device fitting, and offloading nothing is one of them."""
     settings, choices = settings_of(cfg, d), pinned(d)
     tips = [(override, why, apply) for override, why, _, apply in memory_changes(settings)]
+    given = plan(cfg, d, counts)
+    host_bound = given.device_fits and given.loading_fits_host and not given.fits
+    if host_bound and d.offload_activations:
+        tips.append(
+            (
+                "trainer.offload_activations=off",
+                "checkpointed layers' inputs kept on the device",
+                lambda v: with_sections(v, trainer={"offload_activations": "off"}),
+            )
+        )
     half = d.batch.micro_batch // 2
     if half >= 1:
         tips.append(
@@ -204,7 +216,6 @@ def suggestions(
             lambda v: with_sections(v, data={"max_seq_len": half_len}),
         )
     )
-    total = plan(cfg, d, counts).total_gib
     scored = []
     for override, why, apply in tips:
         trial = apply(settings)
@@ -214,7 +225,16 @@ def suggestions(
             validate(trial, inputs=False)  # e.g. ZeRO-3 with trainer.expert_parallel > 1
         except ConfigError:
             continue
-        saved = total - plan(trial, admitted(trial, choices, machine), counts).total_gib
+        kept = choices
+        if trial.trainer.offload_activations == "off":
+            kept = dataclasses.replace(choices, offload_activations=None)
+        planned = plan(trial, admitted(trial, kept, machine), counts)
+        if host_bound and not planned.device_fits:
+            continue  # it moves the problem to the device
+        if host_bound:
+            saved = given.host_total_gib - planned.host_total_gib
+        else:
+            saved = given.total_gib - planned.total_gib
         if saved >= 0.05:
             scored.append((saved, f"{override} ({why}): -{saved:.2f} GiB"))
     return [tip for _, tip in sorted(scored, key=lambda item: -item[0])]
@@ -272,7 +292,13 @@ def auto_fit(
         )
     device = cfg.plan.device_gib
     for spare in (AUTO_CHECKPOINT_SPARE_GIB, 0.0):
-        fitting = [f for f in planned if device is None or f.plan.total_gib <= device - spare]
+        # The whole plan fits (the host's pinned rows and the loading peak too, not only the
+        # step's device total), with the spare on the device.
+        fitting = [
+            f
+            for f in planned
+            if f.plan.fits and (device is None or f.plan.total_gib <= device - spare)
+        ]
         # The base's precision is kept whenever a variant that keeps it fits: QLoRA is taken
         # for memory, never for speed alone (with few layers recomputed, the estimate can
         # price a 4-bit base faster than a bf16 one that recomputes more).
@@ -623,18 +649,16 @@ def fit_to_device(
         d, note = _expert_layout(staged, d, counts, machine)
         notes += [note] if note else []
     result = plan(cfg, d, counts)
-    if not result.fits and cfg.plan.auto_fit:
-        fit = auto_fit(cfg, d, machine, result.counts)
-        if fit is not None:
-            # Variants never change what LoRA adapts: the counts stay valid (see auto_fit).
-            chosen, note = resolve_checkpoint_layers(fit.cfg, fit.choices, counts, machine)
-            chosen_plan = plan(cfg, chosen, counts)
+    fit = (
+        auto_fit(cfg, d, machine, result.counts) if not result.fits and cfg.plan.auto_fit else None
+    )
+    if fit is not None:
+        # Variants never change what LoRA adapts: the counts stay valid (see auto_fit).
+        chosen, note = resolve_checkpoint_layers(fit.cfg, fit.choices, counts, machine)
+        chosen_plan = plan(cfg, chosen, counts)
+        if chosen_plan.fits:
             notes += [note] if note else []
-            notes.append(
-                f"auto_fit: {' '.join(fit.changes)} (planned {chosen_plan.total_gib:.2f} "
-                f"of {result.device_gib:.2f} GiB per rank; as given it needed "
-                f"{result.total_gib:.2f})"
-            )
+            notes.append(f"auto_fit: {' '.join(fit.changes)} ({_fit_note(result, chosen_plan)})")
             return Fitted(cfg, chosen, chosen_plan, d, result, fit.changes, notes, machine)
     if not result.fits and cfg.plan.enforce and refuse:
         decided = "".join(f"{note}\n" for note in notes)
@@ -653,6 +677,20 @@ def fit_to_device(
             f"{result.device_gib:.2f} GiB (plan.device_gib):\n{text}\n{tail}"
         )
     return Fitted(cfg, d, result, d, result, [], notes, machine)
+
+
+def _fit_note(given: Plan, chosen: Plan) -> str:
+    """What auto_fit's change did: the device's GiB per rank, or the host's where the run as
+    given did not fit there (plan.device_gib may be unset)."""
+    if given.device_fits:
+        return (
+            f"host memory per rank: {chosen.host_total_gib:.2f} GiB pinned, as given "
+            f"{given.host_total_gib:.2f}; plan.host_gib over the ranks of a node"
+        )
+    return (
+        f"planned {chosen.total_gib:.2f} of {given.device_gib:.2f} GiB per rank; as given it "
+        f"needed {given.total_gib:.2f}"
+    )
 
 
 def _expert_layout(
