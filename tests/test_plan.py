@@ -240,10 +240,18 @@ def test_auto_fit_picks_the_cheapest_variant_that_fits() -> None:
     from memtune.memory.fit import auto_fit
     from memtune.memory.recompute import AUTO_CHECKPOINT_SPARE_GIB
 
-    # The usual recipe on 4 × 24 GB: does not fit as it is.
+    # The usual recipe on 4 × 24 GB, its sequence whole: does not fit as it is (with the
+    # long-context choices on auto, auto_fit splits the sequence instead, as the launch does).
+    whole = ["trainer.sequence_parallel=1", "trainer.tiled_mlp=off"]
     cfg = to_run_config(
         compose_cfg(
-            [QWEN7B, "zero=zero2", "trainer.activation_checkpointing=false", "plan.auto_fit=true"]
+            [
+                QWEN7B,
+                "zero=zero2",
+                "trainer.activation_checkpointing=false",
+                "plan.auto_fit=true",
+                *whole,
+            ]
         )
     )
     assert not plan(cfg, decided(cfg)).fits
@@ -262,6 +270,7 @@ def test_auto_fit_picks_the_cheapest_variant_that_fits() -> None:
                 "trainer.activation_checkpointing=false",
                 "trainer.loss=plain",
                 "plan.auto_fit=true",
+                *whole,
             ]
         )
     )
@@ -315,6 +324,30 @@ def test_auto_fit_takes_only_a_variant_whose_whole_plan_fits() -> None:
     assert not fitted.given_plan.fits and fitted.plan.fits
     assert fitted.changes == ["trainer.micro_batch_size=2"]
     assert fitted.notes[-1].startswith("auto_fit: trainer.micro_batch_size=2 (host memory")
+
+
+def test_auto_fit_decides_again_what_the_run_left_to_auto() -> None:
+    """The 7B recipe on 16.5 GiB does not fit, so its own long-context choice was the
+    smallest plan's (the sequence split over 4 ranks) with all 28 layers recomputed; auto_fit
+    kept both for its variants and ran ZeRO-3 so (6.41 GiB used of 16.5, 101.7 s a step by
+    the estimate) where zero=zero3 as given fits unsplit with 11 + 11 layers (39.0 s)."""
+    from memtune.memory.fit import fit_to_device
+    from memtune.memory.step_time import step_time
+
+    at = [QWEN7B, "plan.device_gib=16.5"]
+    fitted = fit_to_device(
+        to_run_config(compose_cfg([*at, "plan.auto_fit=true"])), machine=CPU_RANKS
+    )
+    assert fitted.given.sequence_parallel == 4 and not fitted.given_plan.fits
+    zero3 = to_run_config(compose_cfg([*at, "zero=zero3"]))
+    asked = fit_to_device(zero3, machine=CPU_RANKS)
+    assert fitted.changes == ["zero=zero3"]
+    assert fitted.decisions == asked.decisions and fitted.decisions.sequence_parallel == 1
+    c = fitted.decisions.checkpointing
+    assert (c.recomputed, c.selective) == (11, 11)
+    assert "long context: sequence_parallel=1 tiled_mlp=off" in fitted.notes[-1]
+    ours = step_time(zero3, fitted.decisions, fitted.plan.counts)
+    assert ours is not None and ours.step_s < 40
 
 
 def test_auto_fit_is_applied_before_launch_and_recorded(tmp_path: Path, capsys) -> None:

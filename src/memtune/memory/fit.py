@@ -39,6 +39,7 @@ from memtune.config.decisions import (
     decisions_for,
     loss_kernel,
     rank_machine,
+    requested_recompute,
     vision_of,
     with_sections,
 )
@@ -269,7 +270,22 @@ def auto_fit(
     meta-device build of a 7B model takes seconds; the variants never change what LoRA adapts,
     so they share it).
     """
-    settings, choices = settings_of(cfg, d), pinned(d)
+    settings, kept = settings_of(cfg, d), pinned(d)
+    # What the user left to auto is decided again for each variant: ``d`` does not fit, so
+    # its layers are all of them and its long-context choice the smallest plan's (a split
+    # sequence, offloaded inputs), which a variant that fits would only keep for nothing
+    # (ZeRO-3 at sp=4 with every layer recomputed, where sp=1 with 11 of them fits). The
+    # variants keep the user's layer settings, so that the long-context search below plans
+    # the layers the variant will recompute.
+    t = cfg.trainer
+    if d.checkpointing.enabled:
+        layers = {"checkpoint_layers": t.checkpoint_layers, "selective_layers": t.selective_layers}
+        settings = with_sections(settings, trainer=layers)
+    if requested_recompute(cfg) is None:
+        kept = dataclasses.replace(kept, recompute=None)
+    if str(t.selective_layers) == "auto":
+        kept = dataclasses.replace(kept, selective=None)
+    long_auto = "auto" in (str(t.sequence_parallel), t.tiled_mlp, t.offload_activations)
     p = settings.peft
     counts: dict[tuple[str, int], ParamCounts] = {}
     if known is not None:
@@ -278,7 +294,8 @@ def auto_fit(
     for variant, changes, cost in _variants(settings):
         try:
             validate(variant, inputs=False)  # only trainer, zero and peft vary
-            check_sequence_parallel(variant, d.sequence_parallel)
+            if not long_auto:
+                check_sequence_parallel(variant, d.sequence_parallel)
         except ConfigError:
             continue  # e.g. a micro batch the global batch no longer divides evenly
         key = (variant.peft.target, variant.peft.r)  # what the counts depend on
@@ -286,6 +303,15 @@ def auto_fit(
             counts[key] = count_params(variant)
         if quantized_shape_problems(variant, variant.peft.method, counts[key]):
             continue  # QLoRA cannot quantize this architecture's layers
+        choices = kept
+        if long_auto:
+            lc, _ = resolve_long_context(variant, counts[key], machine)
+            choices = dataclasses.replace(
+                kept,
+                sequence_parallel=lc.sequence_parallel,
+                tiled_mlp=lc.tiled_mlp,
+                offload_activations=lc.offload_activations,
+            )
         decided = admitted(variant, choices, machine)
         planned.append(
             Fit(variant, choices, decided, plan(variant, decided, counts[key]), changes, cost)
@@ -658,7 +684,10 @@ def fit_to_device(
         chosen_plan = plan(cfg, chosen, counts)
         if chosen_plan.fits:
             notes += [note] if note else []
-            notes.append(f"auto_fit: {' '.join(fit.changes)} ({_fit_note(result, chosen_plan)})")
+            how = _fit_note(result, chosen_plan)
+            if long_context_label(chosen) != long_context_label(d):
+                how += f"; long context: {long_context_label(chosen)}"
+            notes.append(f"auto_fit: {' '.join(fit.changes)} ({how})")
             return Fitted(cfg, chosen, chosen_plan, d, result, fit.changes, notes, machine)
     if not result.fits and cfg.plan.enforce and refuse:
         decided = "".join(f"{note}\n" for note in notes)
