@@ -4,11 +4,13 @@ report; with plan.auto_fit the job restarts once from the last checkpoint and fi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -98,3 +100,38 @@ def test_auto_fit_restarts_once_from_the_checkpoint_and_loses_nothing(tmp_path: 
     got, want = _losses(run_dir), _losses(clean)
     assert sorted(got) == list(range(1, 9))
     assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_a_later_start_keeps_the_restarts_change(tmp_path: Path, capsys) -> None:
+    """A run plan.auto_fit restarted after an out-of-memory stop (oom_restart.json), started
+    again in its run dir (a Slurm requeue, the same command): decided as the settings say it
+    would run out of memory at the same step, its one restart spent; it keeps the change.
+    A fresh start (resume=never) decides as the settings say; a damaged record is named."""
+    from memtune.config import ConfigError, to_run_config
+    from memtune.config.decisions import CPU_RANKS
+    from memtune.launcher.oom import still_restarted
+    from memtune.memory.fit import fit_to_device
+    from memtune.rundir import OomRestart, RunDir
+    from tests.conftest import compose_cfg
+
+    changes = ["trainer.activation_checkpointing=true", "trainer.checkpoint_layers=all"]
+    rd = RunDir(tmp_path)
+    rd.write_oom_restart(OomRestart([], changes, None))
+
+    def start(*extra: str) -> Any:
+        cfg = to_run_config(compose_cfg(["trainer.activation_checkpointing=false", *extra]))
+        return fit_to_device(cfg, machine=CPU_RANKS)
+
+    asked = start()
+    assert not asked.decisions.checkpointing.enabled
+    again = still_restarted(asked, tmp_path)
+    c = again.decisions.checkpointing
+    assert c.enabled and c.recomputed == len(c.layers) > 0
+    assert again.decisions == dataclasses.replace(asked.decisions, checkpointing=c)
+    assert again.plan.rows != asked.plan.rows  # planned as it will run
+    assert "so does this start" in capsys.readouterr().out
+    fresh = start("resume=never")
+    assert still_restarted(fresh, tmp_path) is fresh
+    rd.oom_restart.write_text('{"after": [], "changes": "all", "resumed_from": null}')
+    with pytest.raises(ConfigError, match=r"oom_restart\.json: changes is not a list"):
+        still_restarted(asked, tmp_path)

@@ -548,6 +548,15 @@ class RunDir:
     def write_oom_restart(self, record: OomRestart) -> None:
         _write(record, self.oom_restart)
 
+    def read_oom_restart(self) -> OomRestart:
+        """Its changes checked (a list of overrides); ``after`` as read (the reports' dicts)."""
+        record = _read(OomRestart, self.oom_restart)
+        if not (
+            isinstance(record.changes, list) and all(isinstance(c, str) for c in record.changes)
+        ):
+            raise RecordError(f"{self.oom_restart}: changes is not a list of overrides")
+        return record
+
     def write_base(self, record: BaseRecord) -> None:
         _write(record, self.base)
 

@@ -142,7 +142,13 @@ def after_out_of_memory(
     oom.say(
         f"plan.auto_fit: restarting {where} with {' '.join(changes)} (recorded in {rd.oom_restart})"
     )
-    return launch(fresh, run_dir, spec=spec, extra_env=env)
+    code = launch(fresh, run_dir, spec=spec, extra_env=env)
+    if code != 0 and oom.reports(run_dir):  # the restart ran out of memory too
+        oom.say(
+            f"out of memory again after the restart (exit code {code}); run dir {run_dir}\n"
+            f"{oom.explain(fresh, variant, run_dir, machine)}"
+        )
+    return code
 
 
 def run_job(cfg: DictConfig) -> int:
@@ -381,6 +387,7 @@ def _decide_and_lay_out(
         )
         # Decided again: auto_fit and the long-context choice order variants by step time.
         fitted = decide(given, link_gb_s=measured, say=False)
+    fitted = oom.still_restarted(fitted, run_dir)
     announce(fitted)
     # A finished run: nothing to train, and its records stay the ones it trained with (a
     # per-node job's ranks are started, on every node, as node 0's records say).

@@ -11,11 +11,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from memtune.config import RunConfig
+from memtune.config import ConfigError, RunConfig
 from memtune.config.decisions import Decisions, RankMachine
 from memtune.memory.counts import count_params
-from memtune.memory.fit import format_suggestions, out_of_memory_variant
-from memtune.rundir import OomReport, OomRestart, RunDir
+from memtune.memory.fit import Fitted, as_restarted, format_suggestions, out_of_memory_variant
+from memtune.rundir import OomReport, OomRestart, RecordError, RunDir
 
 
 def reports(run_dir: Path) -> list[OomReport]:
@@ -56,6 +56,31 @@ def restart_plan(
     if not cfg.plan.auto_fit or RunDir(run_dir).oom_restart.exists():
         return None
     return out_of_memory_variant(cfg, d, machine)
+
+
+def still_restarted(fitted: Fitted, run_dir: Path) -> Fitted:
+    """A later start of a run dir whose run plan.auto_fit restarted (oom_restart.json) keeps
+    that restart's change (memory.fit.as_restarted), and says so; a fresh start (resume=never)
+    or a run dir without a restart decides as the settings say."""
+    rd = RunDir(run_dir)
+    if fitted.cfg.resume == "never" or not rd.oom_restart.is_file():
+        return fitted
+    try:
+        changes = rd.read_oom_restart().changes
+    except RecordError as err:
+        raise ConfigError(
+            f"{err}: it says what plan.auto_fit changed after an out-of-memory stop; restore "
+            "it, or start this run afresh (resume=never)"
+        ) from None
+    d = as_restarted(fitted.cfg, fitted.decisions, fitted.machine, changes)
+    if d == fitted.decisions:
+        return fitted
+    print(
+        f"memtune: plan.auto_fit restarted this run after an out-of-memory stop with "
+        f"{' '.join(changes)} ({rd.oom_restart}): so does this start",
+        flush=True,
+    )
+    return Fitted.as_decided(fitted.cfg, d, fitted.machine)
 
 
 def record_restart(run_dir: Path, changes: list[str], resumed: str | None) -> None:

@@ -757,3 +757,23 @@ def out_of_memory_variant(
     if d.checkpointing.recomputed < layers:
         return d.with_recompute(layers), ["trainer.checkpoint_layers=all"]
     return None
+
+
+def as_restarted(
+    cfg: RunConfig, d: Decisions, machine: RankMachine, changes: list[str]
+) -> Decisions:
+    """The decisions of a later start of a run that plan.auto_fit restarted after an
+    out-of-memory stop (oom_restart.json's ``changes``, one of :func:`out_of_memory_variant`'s):
+    that change again, so a requeue or a rerun of the same command does not decide the step
+    that ran out of memory once more (and stop there, its one restart spent)."""
+    asked = set(changes)
+    if "trainer.loss=auto" in asked and d.loss == "plain":
+        d = dataclasses.replace(d, loss=loss_kernel("auto", machine))
+    if "trainer.checkpoint_layers=all" in asked:
+        layers = len(d.checkpointing.layers)
+        if not d.checkpointing.enabled:
+            every = Checkpointing.first(layers, layers, cfg.trainer.checkpointing_reentrant)
+            d = d.with_checkpointing(every)
+        elif d.checkpointing.recomputed < layers:
+            d = d.with_recompute(layers)
+    return d
