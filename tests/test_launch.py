@@ -52,6 +52,27 @@ def test_ranks_get_the_visible_cards() -> None:
     assert local_devices(2, {"CUDA_VISIBLE_DEVICES": ""}) == [0, 1]
 
 
+def test_fewer_visible_cards_than_ranks_is_refused_without_the_preflight(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """launcher.preflight=false on a GPU machine (the check that counts the cards skipped):
+    `CUDA_VISIBLE_DEVICES=2,3` for 4 ranks would have started them on cards 0-3, the two the
+    user hid among them. (The machine's CUDA is the one thing stood in for: CPU here.)"""
+    import memtune.machine
+    from memtune.launcher.preflight import PreflightError, for_launch
+
+    monkeypatch.setattr(memtune.machine, "cuda_available", lambda: True)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    launcher = to_run_config(compose_cfg(["launcher.preflight=false"])).launcher
+    with pytest.raises(
+        PreflightError, match=r"4 GPUs needed .* CUDA_VISIBLE_DEVICES lists 2 \(2,3\)"
+    ):
+        for_launch(launcher, 4, 1, tmp_path / "preflight.json")
+    assert for_launch(launcher, 2, 1, tmp_path / "preflight.json") == ({}, None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert for_launch(launcher, 4, 1, tmp_path / "preflight.json") == ({}, None)
+
+
 def test_the_job_code_names_the_first_rank_to_fail() -> None:
     """One code whatever the order the ranks were seen to end in: a rank that only lost its
     peer (5) gives way to the cause; ranks killed after the failure do not count."""

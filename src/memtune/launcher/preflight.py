@@ -302,6 +302,14 @@ def for_launch(
             )
         return {}, None
     if not launcher.preflight:
+        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        if 0 < len(visible) < ranks_per_node:
+            # launcher.spawn would start the ranks on cards 0..n-1, the hidden ones among them
+            raise PreflightError(
+                f"{ranks_per_node} GPUs needed on this node, CUDA_VISIBLE_DEVICES lists "
+                f"{len(visible)} ({','.join(d.strip() for d in visible)}): list as many as "
+                "the node's ranks, or ask for fewer (launcher.num_ranks)"
+            )
         return {}, None
     cmd = [sys.executable, "-m", "memtune.launcher.preflight", "--gpus", str(ranks_per_node)]
     cmd += ["--nnodes", str(nnodes), "--json", str(out)]
