@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from memtune.checkpoints import find_latest, older_to_remove
+from memtune.checkpoints import find_latest, older_to_remove, seal
 from memtune.rundir import (
     TRAIN_STATE_VERSION,
     DataRecord,
@@ -114,6 +114,28 @@ def test_pruning_keeps_the_checkpoint_just_saved_whatever_later_steps_are_there(
     assert older_to_remove(root, saved, keep_last=2) == []
     (root / "step-0000004" / "complete.json").unlink()  # as if removed
     assert find_latest(root)[0] == saved
+
+
+def test_a_sealed_checkpoint_without_its_manifest_is_damaged(tmp_path: Path) -> None:
+    """complete.json names the manifest a checkpoint was sealed with: one missing it now (a
+    partial copy) is skipped as damaged, not trusted unverified; one written before manifests
+    existed (complete.json without the name) is still trusted."""
+    root = RunDir(tmp_path).checkpoints
+    for step in (2, 4):
+        ckpt = root / f"step-{step:07d}"
+        ckpt.mkdir(parents=True)
+        TrainState(**{**STATE, "step": step}).write(ckpt)
+        seal(ckpt, step)
+    assert find_latest(root) == (root / "step-0000004", [])
+    (root / "step-0000004" / "manifest.json").unlink()
+    latest, warnings = find_latest(root)
+    assert latest == root / "step-0000002"
+    assert warnings == [
+        f"skipping {root / 'step-0000004'}: damaged (its manifest.json is missing (complete.json "
+        "says it was sealed with one)); the one before it is used"
+    ]
+    (root / "step-0000004" / "complete.json").write_text('{"step": 4}')  # an older memtune's
+    assert find_latest(root) == (root / "step-0000004", [])
 
 
 def test_the_adapter_a_stage_started_from_is_compared_by_content(tmp_path: Path, capsys) -> None:

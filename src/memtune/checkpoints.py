@@ -28,7 +28,7 @@ import json
 from pathlib import Path
 
 from memtune.filesystem import write_atomic
-from memtune.integrity import Store, verify_manifest
+from memtune.integrity import MANIFEST, Store, verify_manifest
 
 TRAINER_STATE = "trainer_state.json"
 
@@ -65,7 +65,22 @@ def seal(checkpoint: Path, step: int) -> None:
     """A checkpoint's last writes, once every other file is in it: the manifest (every file
     fsynced, then listed with its size and hash), then complete.json."""
     CHECKPOINT.seal(checkpoint, skip=(COMPLETE,))
-    write_atomic(checkpoint / COMPLETE, json.dumps({"step": step}) + "\n")
+    sealed = {"step": step, "manifest": MANIFEST}
+    write_atomic(checkpoint / COMPLETE, json.dumps(sealed) + "\n")
+
+
+def checkpoint_problem(checkpoint: Path) -> str | None:
+    """What is wrong with a complete checkpoint, by its manifest (integrity.verify_manifest).
+    One sealed with a manifest (complete.json names it) and now without it is damaged: only a
+    checkpoint written before manifests existed is trusted without one."""
+    try:
+        sealed = json.loads((checkpoint / COMPLETE).read_text())
+    except (OSError, ValueError):
+        return f"its {COMPLETE} cannot be read"
+    named = sealed.get("manifest") if isinstance(sealed, dict) else None
+    if named and not (checkpoint / named).is_file():
+        return f"its {named} is missing ({COMPLETE} says it was sealed with one)"
+    return verify_manifest(checkpoint)
 
 
 def older_to_remove(root: Path, saved: Path, keep_last: int) -> list[Path]:
@@ -101,7 +116,7 @@ def find_latest(root: Path) -> tuple[Path | None, list[str]]:
         if not is_complete(path):
             warnings.append(f"skipping {path}: incomplete (a save was interrupted)")
             continue
-        problem = verify_manifest(path)
+        problem = checkpoint_problem(path)
         if problem is None:
             return path, warnings
         warnings.append(f"skipping {path}: damaged ({problem}); the one before it is used")

@@ -10,7 +10,7 @@ from typing import Any, NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
-from memtune.checkpoints import find_latest, has_gathered_state, is_complete
+from memtune.checkpoints import checkpoint_problem, find_latest, has_gathered_state, is_complete
 from memtune.config import (
     ConfigError,
     RunConfig,
@@ -36,7 +36,7 @@ from memtune.data.cache import (
 )
 from memtune.data.packing import StepShape, step_shape
 from memtune.filesystem import cannot_write, write_atomic
-from memtune.integrity import check_files, verify_manifest
+from memtune.integrity import check_files
 from memtune.launcher.room import check_run_dir_room
 from memtune.machine import versions_line
 from memtune.memory.fit import Fitted, fit_to_device, format_step_estimates
@@ -503,7 +503,7 @@ def resolve_resume(
                 f"resume={cfg.resume}: not a complete memtune checkpoint (a "
                 "RUN_DIR/checkpoints/step-N folder whose save finished)"
             )
-        problem = verify_manifest(ckpt)
+        problem = checkpoint_problem(ckpt)
         if problem is not None:
             raise ConfigError(f"resume={cfg.resume}: the checkpoint is damaged: {problem}")
     saved = checkpoint_run(ckpt)
