@@ -416,7 +416,7 @@ def test_machine_prints_the_machine_and_refuses_arguments() -> None:
 def test_a_merge_is_in_the_precision_the_adapter_was_trained_in(tmp_path: Path) -> None:
     """memtune merge without --dtype: the run's trainer.precision (the fp32 CPU demo merged
     in bf16 answered a prompt differently from its adapter); bf16 for an adapter from
-    elsewhere; --dtype wins."""
+    elsewhere, even with a run's config.yaml folders above it; --dtype wins."""
     from omegaconf import OmegaConf
 
     from memtune.config import to_run_config
@@ -432,3 +432,13 @@ def test_a_merge_is_in_the_precision_the_adapter_was_trained_in(tmp_path: Path) 
     assert merged_dtype(trained_as(run / "adapter"), "fp16") == "fp16"
     (tmp_path / "elsewhere").mkdir()
     assert merged_dtype(trained_as(tmp_path / "elsewhere"), None) == "bf16"
+    # a copy under some other folder is not merged as the config.yaml above it says
+    (run / "copies" / "adapter").mkdir(parents=True)
+    assert trained_as(run / "copies" / "adapter") is None
+    # a checkpoint's adapter: its own config.yaml, else its run's
+    step = run / "checkpoints" / "step-0000002"
+    (step / "adapter").mkdir(parents=True)
+    assert merged_dtype(trained_as(step / "adapter"), None) == "bf16"  # the run's, as written
+    cfg = to_run_config(compose_cfg(["trainer.precision=fp32"]))
+    (step / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    assert merged_dtype(trained_as(step / "adapter"), None) == "fp32"

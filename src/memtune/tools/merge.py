@@ -86,8 +86,13 @@ class TrainedAs:
 def trained_as(adapter_dir: Path) -> TrainedAs | None:
     """Of the run that wrote the adapter (RUN_DIR/adapter or a checkpoint's): its
     config.yaml, read with the decisions.json beside it; a run from before decisions.json
-    held the decided values in its config.yaml itself."""
-    for parent in [adapter_dir.parent, *adapter_dir.parent.parents][:3]:
+    held the decided values in its config.yaml itself. Only where a run puts them: beside the
+    adapter (RUN_DIR/, a checkpoint's step-N/), or RUN_DIR/ for a checkpoint that holds none;
+    an adapter copied elsewhere is not merged with whatever config.yaml lies above it."""
+    places = [adapter_dir.parent]
+    if adapter_dir.parent.parent.name == "checkpoints":
+        places.append(adapter_dir.parent.parent.parent)
+    for parent in places:
         if (parent / "config.yaml").is_file():
             cfg = load_run_config(parent / "config.yaml")
             if (parent / DECISIONS).is_file():
