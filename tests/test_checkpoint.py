@@ -537,7 +537,8 @@ def test_a_longer_max_steps_on_resume_follows_the_new_schedule_from_the_next_ste
     finished: Path, tmp_path: Path
 ) -> None:
     """Resumed with trainer.max_steps 12 → 16, every step after the resume runs at the new
-    schedule's rate (step 13 ran at the old schedule's floor, step 14 jumped to the new one)."""
+    schedule's rate (step 13 ran at the old schedule's floor, step 14 jumped to the new one);
+    a weight decay changed with it is said and recorded (rank.checkpoint.follow_schedule)."""
     from memtune.config import to_run_config
     from memtune.rank.loop import lr_factor
     from tests.conftest import compose_cfg
@@ -546,14 +547,18 @@ def test_a_longer_max_steps_on_resume_follows_the_new_schedule_from_the_next_ste
     _copy_run(finished, run_dir)
     config = (run_dir / "config.yaml").read_text().replace(str(finished), str(run_dir))
     (run_dir / "config.yaml").write_text(config)
-    longer = [*BASE, f"run_dir={run_dir}", "trainer.max_steps=16"]
+    longer = [*BASE, f"run_dir={run_dir}", "trainer.max_steps=16", "trainer.weight_decay=0.05"]
     proc = run_train_py(longer, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "trainer.max_steps 12 → 16: the learning-rate schedule is this run's from step 13" in (
         proc.stdout
     )
+    assert "trainer.weight_decay 0.0 → 0.05: the optimizer steps with this run's from step 13" in (
+        proc.stdout
+    )
     assert json.loads((run_dir / "resume.json").read_text())["changed"] == {
-        "trainer.max_steps": [12, 16]
+        "trainer.max_steps": [12, 16],
+        "trainer.weight_decay": [0.0, 0.05],
     }
     rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
     lrs = {r["step"]: r["train/lr"] for r in rows if "train/lr" in r}

@@ -571,6 +571,13 @@ def resolve_resume(
             f"step {state.step + 1} on (recorded in resume.json)",
             flush=True,
         )
+    for k in OPTIMIZER_KEYS:
+        if saved.value(k) != now.value(k):
+            print(
+                f"memtune: {k} {saved.value(k)} → {now.value(k)}: the optimizer steps with this "
+                f"run's from step {state.step + 1} on (recorded in resume.json)",
+                flush=True,
+            )
     return ckpt
 
 
@@ -635,6 +642,10 @@ SCHEDULE_KEYS = (
 """Settings of the learning-rate schedule a resume may change: the schedule is then this run's
 from the next step on (rank.checkpoint.follow_schedule), never the saving run's."""
 
+OPTIMIZER_KEYS = ("trainer.weight_decay",)
+"""Settings of the optimizer's steps a resume may change: this run's from the next step on
+(rank.checkpoint.follow_schedule sets them on the restored parameter groups)."""
+
 
 def resume_changes(cfg: RunConfig, d: Decisions, ckpt: Path | None) -> dict[str, list[Any]]:
     """What a resume changes that it may: the number of ranks, nodes, the ZeRO stage, the
@@ -649,6 +660,7 @@ def resume_changes(cfg: RunConfig, d: Decisions, ckpt: Path | None) -> dict[str,
         "zero.stage",
         "trainer.expert_parallel",
         *SCHEDULE_KEYS,
+        *OPTIMIZER_KEYS,
     )
     return {k: [saved.value(k), now.value(k)] for k in keys if saved.value(k) != now.value(k)}
 
