@@ -3,6 +3,8 @@ runs (bench/gpu_check/profile.py); the phases themselves run in .ci/run's dry ru
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from tests.conftest import ROOT
@@ -122,3 +124,67 @@ def test_the_compiled_row_is_read_beside_the_eager_one(profile) -> None:
     assert "3 graphs, 4 breaks; first loss 12.6102 (eager 12.6100)" in line
     failed = {**compiled, "tokens_per_s": None, "error": "BackendCompilerFailed(...)"}
     assert compiled_lines([eager, failed])[-1].endswith("BackendCompilerFailed(...)")
+
+
+def test_a_kernel_is_counted_once_under_the_operator_that_launched_it(profile) -> None:
+    """On CUDA torch.profiler lists each kernel twice: attached to the operator that launched
+    it and as an event of its own on the device. Built here as torch's _parse_kineto_results
+    builds them (the real FunctionEvent and EventList): a base GEMM of 0.8 ms, a LoRA GEMM of
+    0.1 ms recomputed in backward, a Triton kernel of 0.05 ms launched inside the optimizer's
+    label, and the label's own span on the device's timeline, in a 1.2 ms step."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import EventList, FunctionEvent
+
+    def op(i: int, name: str, start: float, end: float, shapes: list | None = None):
+        return FunctionEvent(i, name, 1, start, end, input_shapes=shapes, use_device="cuda")
+
+    def kernel(i: int, name: str, launcher: Any, us: float):
+        launcher.append_kernel(name, 0, us)
+        return FunctionEvent(
+            100 + i,
+            name,
+            7,
+            10.0,
+            10.0 + us,
+            use_device="cuda",
+            device_type=DeviceType.CUDA,
+            linked_correlation_id=launcher.id,
+        )
+
+    base = op(1, "aten::mm", 0, 50, [[2048, 3584], [3584, 18944]])
+    recompute = op(2, profile.SCOPE_RECOMPUTE, 100, 300)
+    lora = op(3, "aten::mm", 110, 150, [[2048, 3584], [3584, 16]])
+    optimizer = op(4, profile.SCOPE_OPTIMIZER, 400, 500)
+    events = [base, recompute, lora, optimizer]
+    events += [
+        kernel(1, "sm90_xmma_gemm_bf16", base, 800.0),
+        kernel(3, "sm90_xmma_gemm_bf16", lora, 100.0),
+        kernel(4, "_fused_adam_triton", optimizer, 50.0),
+    ]
+    events.append(  # the label's span on the device: no work of its own
+        FunctionEvent(
+            200,
+            profile.SCOPE_OPTIMIZER,
+            7,
+            0.0,
+            60.0,
+            use_device="cuda",
+            device_type=DeviceType.CUDA,
+            is_user_annotation=True,
+        )
+    )
+    listed = EventList(events, use_device="cuda")
+    listed._build_tree()
+    assert lora.cpu_parent is recompute  # as the profiler nests them
+    prof = SimpleNamespace(events=lambda: listed)
+    s = profile.summarize(prof, 1, 1.2e-3, True, 16, 152064)
+    ms = s["kinds_ms"]
+    assert ms["base GEMMs"] == pytest.approx(0.8)
+    assert ms["recompute (forward again in backward)"] == pytest.approx(0.1)
+    assert ms["optimizer and ZeRO"] == pytest.approx(0.05)
+    assert ms["norms and elementwise"] == 0.0
+    assert ms["device idle (host syncs, launch gaps)"] == pytest.approx(0.25)
+    assert s["kernels_outside_ops_ms"] == pytest.approx(0.0)
+    assert sum(ms.values()) == pytest.approx(s["step_ms"])

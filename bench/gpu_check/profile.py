@@ -94,24 +94,53 @@ def _scopes(event: Any) -> set[str]:
     return out
 
 
-def _own_time_us(event: Any, on_device: bool) -> float:
-    """An operator's own time (children excluded): its kernels' on a device, else the CPU's."""
-    if on_device:
-        return float(getattr(event, "self_device_time_total", 0.0) or 0.0)
-    return float(event.self_cpu_time_total)
+def _timed_events(prof: Any, on_device: bool) -> Iterator[tuple[float, Any, set[str]]]:
+    """(µs, the operator, the scopes it ran in) for each operator's own time: off a device its
+    own CPU time (children excluded); on a device the time of the kernels it launched itself.
+
+    On a device torch.profiler's event list holds both the operators, each with the kernels
+    (and copies, memsets) it launched attached (``.kernels``), and those kernels again as
+    events of their own, on the device: counting the kernels' events as well would count
+    every kernel twice, the second time nameless to :func:`kind_of` (in "norms and
+    elementwise"). So only the operators are read, a scope label included (the kernels a
+    Triton function launches inside one are its own), the label's own name among its scopes.
+    Off a device the labels themselves are left out: their operators are counted."""
+    from torch.autograd import DeviceType
+
+    for event in prof.events():
+        if event.device_type != DeviceType.CPU or event.is_async:
+            continue  # a device's kernel (counted in its operator), or async work
+        if event.name.startswith("ProfilerStep"):
+            continue
+        if on_device:
+            own = float(sum(k.duration for k in event.kernels))
+            yield own, event, _scopes(event) | {event.name}
+        elif not event.name.startswith("gpu_check."):
+            yield float(event.self_cpu_time_total), event, _scopes(event)
+
+
+def kernels_us(prof: Any) -> float:
+    """The device's kernels, copies and memsets in all (the spans of ``record_function`` labels
+    on the device's timeline are not work: left out, as torch's own table leaves them out)."""
+    from torch.autograd import DeviceType
+
+    return sum(
+        float(e.time_range.elapsed_us())
+        for e in prof.events()
+        if e.device_type != DeviceType.CPU
+        and not e.is_async
+        and not getattr(e, "is_user_annotation", False)
+    )
 
 
 def summarize(prof: Any, steps: int, wall_s: float, on_device: bool, r: int, vocab: int) -> dict:
     """Per kind, ms per step (and its share of the step's wall time); the costliest ops."""
     per_kind: dict[str, float] = defaultdict(float)
     per_op: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.name.startswith("gpu_check.") or event.name.startswith("ProfilerStep"):
-            continue  # the labels themselves (their ops are counted)
-        us = _own_time_us(event, on_device)
+    for us, event, scopes in _timed_events(prof, on_device):
         if us <= 0:
             continue
-        kind = kind_of(event.name, list(event.input_shapes or []), _scopes(event), r, vocab)
+        kind = kind_of(event.name, list(event.input_shapes or []), scopes, r, vocab)
         per_kind[kind] += us
         per_op[f"{event.name} [{kind}]"] += us
     step_ms = 1e3 * wall_s / steps
@@ -119,7 +148,11 @@ def summarize(prof: Any, steps: int, wall_s: float, on_device: bool, r: int, voc
     kinds = {k: per_kind.get(k, 0.0) / 1e3 / steps for k in KINDS[:-1]}
     kinds[KINDS[-1]] = max(0.0, step_ms - busy)
     top = sorted(per_op.items(), key=lambda kv: -kv[1])[:20]
+    extra: dict[str, float] = {}
+    if on_device:  # kernels no operator launched (none expected): the idle above holds them
+        extra["kernels_outside_ops_ms"] = max(0.0, kernels_us(prof) / 1e3 / steps - busy)
     return {
+        **extra,
         "steps": steps,
         "step_ms": step_ms,
         "measured_on": "device kernels" if on_device else "CPU (dry run: no device)",

@@ -499,6 +499,12 @@ def profile_markdown(profiles: list[dict[str, Any]]) -> list[str]:
             f"- {p['side']}: {_layers(p)} layers checkpointed "
             f"({p['recompute_labelled_layers']} labelled for the recompute), attention "
             f"{p['attention']}, loss {p['loss_kind']}; costliest ms a step: {top}"
+            + (
+                f"; {p['kernels_outside_ops_ms']:,.1f} ms of kernels no operator launched "
+                "(in the idle row)"
+                if p.get("kernels_outside_ops_ms", 0.0) >= 0.05
+                else ""
+            )
         )
         planned = p.get("planned")
         if planned:
