@@ -188,3 +188,21 @@ def test_a_kernel_is_counted_once_under_the_operator_that_launched_it(profile) -
     assert ms["device idle (host syncs, launch gaps)"] == pytest.approx(0.25)
     assert s["kernels_outside_ops_ms"] == pytest.approx(0.0)
     assert sum(ms.values()) == pytest.approx(s["step_ms"])
+
+
+def test_a_dpo_rows_attention_flops_are_its_two_sequences(profile) -> None:
+    """A DPO row holds one pair: two sequences of half the row, each attending only to
+    itself, so the MFU's attention term is 6·L·h·(2·(T/2)²), half a single T-token row's."""
+    from bench.gpu_check.configs import compose_cfg
+    from bench.gpu_check.measure import flops_per_step
+    from bench.gpu_check.modes import GPU
+    from memtune.memory.counts import count_params
+
+    cfg = compose_cfg(GPU, "dpo", 4096)
+    counts, arch = count_params(cfg), cfg.model.architecture
+    one = flops_per_step(counts, arch, 4096)
+    pair = flops_per_step(counts, arch, 4096, (2048, 2048))
+    linear = (4 * one["n_matmul"] + 6 * one["n_lora"]) * 4096
+    assert one["lora"] - linear == 6 * 28 * 4096**2 * 3584  # Qwen2.5-7B: L 28, h 28 × 128
+    assert pair["lora"] - linear == 3 * 28 * 4096**2 * 3584
+    assert pair["six_n"] - 6 * one["n_matmul"] * 4096 == 3 * 28 * 4096**2 * 3584

@@ -17,7 +17,9 @@ from typing import Any
 from .modes import GIB, MEASURED_TFLOPS, PEAK_TFLOPS
 
 
-def flops_per_step(counts: Any, arch: dict[str, Any], tokens: int) -> dict[str, float]:
+def flops_per_step(
+    counts: Any, arch: dict[str, Any], tokens: int, sequences: tuple[int, ...] | None = None
+) -> dict[str, float]:
     """Model FLOPs of one training step (recompute not counted, as MFU never counts it).
 
     N = weights that multiply activations: the decoder's linear layers and the LM head (the
@@ -25,8 +27,9 @@ def flops_per_step(counts: Any, arch: dict[str, Any], tokens: int) -> dict[str, 
     input gradient (2N per token) is needed, not the weight gradient: 4N per token in all,
     where full training takes 6N. LoRA adds 6 per adapter weight per token. Attention (no
     weights, causal; h the query width): forward 2·T²·h per layer (QKᵀ and AV, half of T²
-    each), backward twice that: 6·L·T²·h. ``six_n`` is the usual 6N convention on the same
-    N, for comparison.
+    each), backward twice that: 6·L·T²·h, T a sequence's tokens: a row of several sequences
+    (``sequences``, their lengths; a DPO row holds a pair) attends within each, 6·L·h·Σ Tᵢ².
+    ``six_n`` is the usual 6N convention on the same N, for comparison.
 
     A mixture's routed experts count as a token uses them: num_experts_per_tok of
     num_experts, their stacks and their adapters (``counts.routed_share``; 1 for a dense
@@ -37,7 +40,7 @@ def flops_per_step(counts: Any, arch: dict[str, Any], tokens: int) -> dict[str, 
     heads, layers = int(arch["num_attention_heads"]), int(arch["num_hidden_layers"])
     # h: the query width, heads × head_dim (Qwen3-30B-A3B's 4,096 over a 2,048 hidden state)
     h = heads * int(arch.get("head_dim") or int(arch["hidden_size"]) // heads)
-    attention = 6 * layers * tokens**2 * h
+    attention = 6 * layers * h * sum(t**2 for t in (sequences or (tokens,)))
     return {
         "n_matmul": n,
         "n_lora": lora,

@@ -213,7 +213,10 @@ def run_memtune(
             if compiled:
                 rec["compiled_layers"] = parts.compiled_layers
                 rec["dynamo"] = dynamo_counts()
-            add_mfu(rec, flops_per_step(counts, cfg.model.architecture, seq_len), device)
+            # a DPO row holds one pair: two sequences of half the row, each attending alone
+            pair = (seq_len // 2, seq_len - seq_len // 2) if method == "dpo" else None
+            arch = cfg.model.architecture
+            add_mfu(rec, flops_per_step(counts, arch, seq_len, pair), device)
             add_plan_error(rec)
         except Exception as err:
             rec["error"] = repr(err)[-2000:]
