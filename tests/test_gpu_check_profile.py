@@ -206,3 +206,25 @@ def test_a_dpo_rows_attention_flops_are_its_two_sequences(profile) -> None:
     assert one["lora"] - linear == 6 * 28 * 4096**2 * 3584  # Qwen2.5-7B: L 28, h 28 × 128
     assert pair["lora"] - linear == 3 * 28 * 4096**2 * 3584
     assert pair["six_n"] - 6 * one["n_matmul"] * 4096 == 3 * 28 * 4096**2 * 3584
+
+
+def test_a_run_of_the_profile_phases_alone_has_measured_something(profile, tmp_path) -> None:
+    """`--phases profile-memtune,profile-baseline` (the profile first, issue #47) that profiled
+    both steps exits 0: the exit status counts the profile (and ZeRO's cost) as measurements."""
+    import json
+
+    from bench.gpu_check.modes import DRY
+    from bench.gpu_check.orchestrate import measured_anything
+    from bench.gpu_check.report import collect
+
+    def fragment(name: str, side: str, **more: Any) -> None:
+        data = {"phase": name, "method": "lora", "side": side, "records": [], "search": []}
+        (tmp_path / f"{name}.json").write_text(json.dumps({**data, "errors": [], **more}))
+
+    fragment("profile-memtune", "profile", notes=[])
+    assert not measured_anything(collect(DRY, tmp_path))
+    fragment("profile-memtune", "profile", notes=[], profile={"side": "memtune", "step_ms": 512.0})
+    assert measured_anything(collect(DRY, tmp_path))
+    (tmp_path / "profile-memtune.json").unlink()
+    fragment("zero-cost", "zero-cost", notes=[], zero_cost={"plain": {"tokens_per_s": 6826.7}})
+    assert measured_anything(collect(DRY, tmp_path))

@@ -16,6 +16,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from .attention import run_attention
 from .baseline_runner import run_baseline
@@ -189,6 +190,14 @@ def orchestrate(args: argparse.Namespace) -> int:
     if mode.dry_run:
         checked = format_check(mode, work)
         print(f"gpu_check: GPU-only branches rendered with made-up readings: {checked}")
+    measured = measured_anything(result)
+    return 0 if measured and not result["errors"] else 1
+
+
+def measured_anything(result: dict[str, Any]) -> bool:
+    """Whether the outputs hold any measurement (the exit status is 0 only then, and without
+    errors): a phase's timed rows, the long search's fits, the MoE rows, the kernels, the
+    attention, the mixture, the profile or ZeRO's cost (a run of only those phases too)."""
     moe_rows = (result["moe"] or {}).get("rows", [])
     kernel_rows = (result["kernels"] or {}).get("variants", [])
     searched = [s for lc in result["long"] for s in lc["search"] if s.get("ok")]
@@ -204,7 +213,12 @@ def orchestrate(args: argparse.Namespace) -> int:
         or any(r.get("tokens_per_s") for r in mixture_rows)
         or "load" in (mixture.get("load") or {})
     )
-    return 0 if measured and not result["errors"] else 1
+    zero = result["zero_cost"] or {}
+    return bool(
+        measured
+        or any(p.get("step_ms") for p in result["profile"])
+        or any((zero.get(side) or {}).get("tokens_per_s") for side in ("plain", "engine"))
+    )
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
