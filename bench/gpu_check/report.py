@@ -455,7 +455,8 @@ def markdown(result: dict[str, Any]) -> str:
         "bf16 by the datasheet; this card's bf16 matmul, measured at the start, is in the "
         "header): (4·N + 6·N_lora)·T + 6·L·T²·h, N the "
         "decoder's linear weights and the LM head (frozen: forward 2N, input gradient 2N, no "
-        "weight gradient), attention causal; recompute not counted. *MFU 6N*: the usual "
+        "weight gradient), attention causal within each sequence (a DPO row: its pair, "
+        "2·(T/2)² for T²); recompute not counted. *MFU 6N*: the usual "
         "6·N·T + attention, for comparison.",
     ]
     status = result.get("status") or {}
