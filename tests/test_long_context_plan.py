@@ -292,6 +292,15 @@ def test_long_documents_are_split_and_counted() -> None:
     assert [s.input_ids for s in kept] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [1, 2]]
     assert (stats.split, stats.split_pieces, stats.truncated) == (1, 3, 0)
     assert "split 1 over-long documents into 3 pieces" in stats.line()
+    # a document one token over a whole number of pieces: its last token is no piece of its own
+    # (it was counted as a sample without labels)
+    stats = DataStats()
+    kept = apply_length_policy([Sample(doc[:9], doc[:9])], cfg.data, stats)
+    assert [s.input_ids for s in kept] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert (stats.split_pieces, stats.split_remnants, stats.dropped_no_labels) == (2, 1, 0)
+    assert stats.line().endswith(
+        "into 2 pieces (1 last pieces of one token, a target of nothing, dropped)"
+    )
     with pytest.raises(ConfigError, match=r"data\.overlong=split cuts long documents"):
         validate(_cfg("data=demo", "data.overlong=split"))
 

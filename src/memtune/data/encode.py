@@ -76,6 +76,9 @@ class DataStats:
     truncated: int = 0
     split: int = 0  # over-long documents cut into max_seq_len pieces (data.overlong=split)
     split_pieces: int = 0
+    split_remnants: int = 0
+    """Last pieces of a split document left without a label (one token: a target of nothing),
+    dropped: not counted in ``split_pieces`` nor as samples without labels."""
     dropped_overlong: int = 0
     dropped_no_labels: int = 0
     """Samples without a label at their full length (not over-long)."""
@@ -119,6 +122,11 @@ class DataStats:
             )
         if self.split:
             out += f"; split {self.split} over-long documents into {self.split_pieces} pieces"
+            if self.split_remnants:
+                out += (
+                    f" ({self.split_remnants} last pieces of one token, a target of nothing, "
+                    "dropped)"
+                )
         if self.images or self.dropped_image_cut:
             out += f"; {self.images:,} images ({self.image_bytes / 2**30:.2f} GiB resized)"
             if self.dropped_image_cut:
@@ -490,6 +498,9 @@ def apply_length_policy(samples: list[Sample], cfg: DataConfig, stats: DataStats
                 Sample(s.input_ids[a : a + n], s.labels[a : a + n])
                 for a in range(0, len(s.input_ids), n)
             ]
+            if len(parts[-1].input_ids) == 1:
+                parts.pop()
+                stats.split_remnants += 1
             stats.split += 1
             stats.split_pieces += len(parts)
             pieces += [(part, False) for part in parts]
