@@ -349,6 +349,20 @@ def test_torch_varlen_attends_as_sdpa_varlen(monkeypatch: pytest.MonkeyPatch, ca
     assert (cu.tolist(), longest) == expected and cu.dtype == torch.int32
 
 
+def test_a_selective_layer_keeps_torch_varlens_attention_output() -> None:
+    """Selective recompute keeps attention's output (the planner's selective_kept counts it):
+    torch_varlen's too, which reaches torch's selective checkpoint as one custom operator of
+    its own namespace (torch_attn), not as SDPA's; it was made again in every selective
+    layer's backward, a whole attention forward the plan and the step time did not count."""
+    import torch.nn.attention.varlen  # registers torch_attn::_varlen_attn
+
+    from memtune.rank.layers import keeps_output
+
+    assert keeps_output(torch.ops.torch_attn._varlen_attn.default)
+    assert keeps_output(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+    assert not keeps_output(torch.ops.aten.silu.default)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_torch_varlen_on_cuda_is_the_reference() -> None:
     """torch's own kernel against the reference above, bf16, a packed batch."""

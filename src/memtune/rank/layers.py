@@ -52,9 +52,10 @@ MATMULS = (
 matmuls and bitsandbytes' 4-bit and 8-bit ones (a QLoRA or lora-int8 base projection: one op
 that dequantizes and multiplies) — unless :func:`matmul_dims` says the output is cheap to make
 again..."""
-ATTENTION = ("attention", "flash_attn")
-"""... and those of attention: SDPA's kernels (``_scaled_dot_product_*``) and
-flash-attn's custom operators."""
+ATTENTION = ("attention", "flash_attn", "torch_attn.")
+"""... and those of attention: SDPA's kernels (``_scaled_dot_product_*``),
+flash-attn's custom operators and torch's variable-length attention (``torch_attn._varlen_attn``:
+model.attn_implementation=torch_varlen, one operator to a dispatch mode)."""
 
 
 def keeps_output(op: Any, args: tuple[Any, ...] = ()) -> bool:
