@@ -442,3 +442,26 @@ def test_a_merge_is_in_the_precision_the_adapter_was_trained_in(tmp_path: Path) 
     cfg = to_run_config(compose_cfg(["trainer.precision=fp32"]))
     (step / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     assert merged_dtype(trained_as(step / "adapter"), None) == "fp32"
+
+
+def test_a_run_on_plain_documents_generates_from_the_prompt_itself(tmp_path: Path) -> None:
+    """memtune generate on a data.format=text run (continued pre-training: no template in
+    training) continues the prompt as given; a chat run's prompt is its template's turn."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from memtune.config import to_run_config
+    from memtune.tools.generate import prompt_text
+    from tests.conftest import compose_cfg
+
+    tokenizer = SimpleNamespace(eos_token="<|endoftext|>")  # all the template reads of it
+    for overrides, want in [
+        (["data=text", "data.path=x.jsonl"], "Once upon a time"),
+        ([], "<|im_start|>user\nOnce upon a time<|im_end|>\n<|im_start|>assistant\n"),
+    ]:
+        cfg = to_run_config(compose_cfg(overrides))
+        (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        got = prompt_text(tmp_path, "Once upon a time", tokenizer)
+        assert got.endswith(want) and (got == want or overrides == [])
+

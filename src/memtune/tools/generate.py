@@ -73,8 +73,12 @@ def load(run_dir: Path, model_dir: Path | None = None) -> tuple[Any, Any]:
 
 
 def prompt_text(run_dir: Path, prompt: str, tokenizer: Any, thinking: bool = False) -> str:
-    """The text the model is given for one user turn: the run's template and system prompt."""
+    """The text the model is given for one user turn: the run's template and system prompt;
+    for a run on plain documents (data.format=text, trained with no template), the prompt
+    itself, which the model continues."""
     cfg = load_run_config(RunDir(run_dir).config)
+    if cfg.data.format == "text":
+        return prompt
     messages = with_system([{"role": "user", "content": prompt}], cfg.data.system_prompt)
     return render_prompt(messages, cfg.data.template, tokenizer.eos_token, thinking)
 
