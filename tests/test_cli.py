@@ -464,4 +464,3 @@ def test_a_run_on_plain_documents_generates_from_the_prompt_itself(tmp_path: Pat
         (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         got = prompt_text(tmp_path, "Once upon a time", tokenizer)
         assert got.endswith(want) and (got == want or overrides == [])
-
