@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import bitsandbytes as bnb
 import pytest
@@ -30,6 +31,26 @@ def test_adamw_8bit_trains_with_8bit_state_on_two_ranks(adamw8bit_run: Run) -> N
         assert probe["base_changed"] == [] and probe["lora_b_all_zero"] == []
     losses = run.losses()
     assert sum(losses[-3:]) / 3 < losses[0] - 0.5, losses
+
+
+def test_a_resume_with_another_8bit_minimum_size_is_refused(adamw8bit_run: Run) -> None:
+    """The saved moments are 8-bit or fp32 by trainer.optim_8bit_min_size: a resume with
+    another is refused by name before launch (an adamw run's checkpoint ignores it)."""
+    import dataclasses
+
+    from memtune.checkpoints import find_latest
+    from memtune.config import ConfigError
+    from memtune.launcher.prepare import resolve_resume
+    from memtune.rundir import RunDir
+
+    run = adamw8bit_run
+    ckpt, _ = find_latest(RunDir(run.dir).checkpoints)
+    assert ckpt is not None and run.decisions is not None
+    trainer = dataclasses.replace(run.cfg.trainer, optim_8bit_min_size=4096)
+    cfg = dataclasses.replace(run.cfg, trainer=trainer, resume=str(ckpt))
+    data_dir = Path(json.loads((ckpt / "trainer_state.json").read_text())["data_dir"])
+    with pytest.raises(ConfigError, match=r"trainer\.optim_8bit_min_size: checkpoint 0, now 4096"):
+        resolve_resume(cfg, run.decisions, RunDir(run.dir), data_dir)
 
 
 def test_cpu_adam_offload_matches_adamw(zero2_run: Run, runs_root) -> None:

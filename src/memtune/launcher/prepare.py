@@ -459,6 +459,11 @@ QLORA_MUST_MATCH = {
 }
 """A QLoRA adapter is trained against the base as quantized: another quantization is another
 base (compared only when the checkpoint's run is QLoRA)."""
+ADAMW_8BIT_MUST_MATCH = {
+    "trainer.optim_8bit_min_size": "which tensors' saved moments are 8-bit (adamw_8bit)",
+}
+"""adamw_8bit keeps 8-bit moments for tensors of at least this many elements, fp32 for the
+rest: the saved state is laid out by it (compared only when the checkpoint's run is adamw_8bit)."""
 BASE_BY_NAME = {
     "model.name_or_path": "the base model",
     "model.revision": "the base model's revision",
@@ -510,6 +515,8 @@ def resolve_resume(
     must_match = dict(RESUME_MUST_MATCH)
     if saved.value("peft.method") == "qlora":
         must_match |= QLORA_MUST_MATCH
+    if saved.value("trainer.optimizer") == "adamw_8bit":
+        must_match |= ADAMW_8BIT_MUST_MATCH
     diffs = _base_differences(cfg, ckpt, base)
     if diffs is None:
         diffs = []
