@@ -107,3 +107,26 @@ def test_an_evaluation_window_does_not_lower_the_runs_peak() -> None:
     assert seen["after"] >= seen["before"]
     if seen["windowed"]:  # the kernel let the window reset: it holds the small tensor's peak
         assert seen["window"] < seen["before"] - 0.4
+
+
+def test_a_start_logs_after_the_rows_of_the_steps_it_continues(tmp_path: Path) -> None:
+    """metrics.jsonl holds each step once: a start keeps the rows up to the step it continues
+    from and logs the rest again. A start killed before its first checkpoint left steps 1-6,
+    and the next start (from step 1, no checkpoint to resume) appended 1, 2, ... after them."""
+    from memtune.config import LoggerConfig
+    from memtune.rank.telemetry import RunLogger
+    from memtune.rundir import RunDir
+
+    rd = RunDir(tmp_path)
+    killed = "".join(json.dumps({"step": s, "train/loss": 9.0}) + "\n" for s in range(1, 7))
+
+    def steps_after_a_start_at(done: int) -> list[tuple[int, float]]:
+        rd.metrics.write_text(killed)
+        logger = RunLogger(rd, 12, LoggerConfig(backend="none"), {}, done)
+        logger.log(done + 1, {"train/loss": 1.0})
+        logger.close()
+        rows = [json.loads(r) for r in rd.metrics.read_text().splitlines()]
+        return [(r["step"], r["train/loss"]) for r in rows]
+
+    assert steps_after_a_start_at(0) == [(1, 1.0)]  # no checkpoint: the start from step 1
+    assert steps_after_a_start_at(4) == [(1, 9.0), (2, 9.0), (3, 9.0), (4, 9.0), (5, 1.0)]

@@ -17,6 +17,7 @@ from typing import Any
 import psutil
 import torch
 
+from memtune.filesystem import write_atomic
 from memtune.rundir import RunDir
 
 GIB = 1024**3
@@ -78,6 +79,17 @@ def peak_key(device: torch.device) -> str:
     return "peak_allocated_gib" if device.type == "cuda" else "peak_rss_gib"
 
 
+def keep_steps_through(path: Path, step: int) -> None:
+    """Drop metrics.jsonl's rows of steps after ``step``, where this start of the run begins:
+    it logs them again. ``step`` is the checkpoint a resume continues from, or 0 where there is
+    none (a start killed before its first checkpoint left rows that the next start, from step
+    1, appended to: steps 1-6, then 1, 2, ... again)."""
+    if not path.is_file():
+        return
+    rows = [r for r in path.read_text().splitlines() if r and json.loads(r)["step"] <= step]
+    write_atomic(path, "".join(r + "\n" for r in rows))  # a crash here keeps the history
+
+
 class NullLogger:
     """What ranks other than 0 log with: nothing."""
 
@@ -110,6 +122,7 @@ class RunLogger(NullLogger):
     ):
         from tqdm import tqdm
 
+        keep_steps_through(rd.metrics, done)
         self.metrics_file = rd.metrics.open("a", encoding="utf-8")
         self.bar = tqdm(
             total=total_steps, initial=done, desc="train", unit="step", dynamic_ncols=True

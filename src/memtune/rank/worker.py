@@ -42,7 +42,6 @@ from memtune.exit_codes import (
     EXIT_PEER_LOST,
     EXIT_REQUEUE,
 )
-from memtune.filesystem import write_atomic
 from memtune.memory.attention import kv_head_groups
 from memtune.memory.estimate import DROPOUT_ROW
 from memtune.rank.build import build_rank
@@ -242,14 +241,6 @@ class RunHooks(Hooks):
         self.saved_step = step
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop rows of steps after the checkpoint: the resumed run logs them again."""
-    if not path.is_file():
-        return
-    rows = [r for r in path.read_text().splitlines() if r and json.loads(r)["step"] <= step]
-    write_atomic(path, "".join(r + "\n" for r in rows))  # a crash here keeps the history
-
-
 def checkpoint_note(d: Decisions) -> str:
     label = d.checkpointing.label()
     return label if label == "off" else f"on for {label}"
@@ -423,8 +414,6 @@ class RankRun:
             what = ", ".join(f"{k} {old} → {new}" for k, (old, new) in moved.items())
             self.print0(f"memtune: resuming from its gathered optimizer state ({what})", flush=True)
         follow_schedule(self.engine, self.cfg.trainer.lr, self.cfg.trainer.weight_decay)
-        if self.rank == 0:
-            _truncate_metrics(self.rd.metrics, state.step)
         self.print0(f"memtune: resumed at step {state.step} from {checkpoint}", flush=True)
         return TrainResult.resumed_from(state)
 
