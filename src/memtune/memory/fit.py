@@ -411,6 +411,10 @@ def format_step_estimates(
         other_estimate = step_time(variant, other, counts)
         assert other_estimate is not None
         fits = "fits" if other_plan.fits else "does not fit"
+        if other_plan.fits and not fits_with_spare(other_plan) and other_plan.device_gib:
+            # as the layouts of a mixture say it: auto would not take it (the shipped VL's ZeRO-2)
+            room = other_plan.device_gib - other_plan.total_gib
+            fits = f"fits, {room:.2f} GiB spare (auto wants {AUTO_CHECKPOINT_SPARE_GIB:g})"
         lines.append(
             f"  {label} instead: {other_estimate.seconds()} per step"
             + (f" (communication {other_estimate.comm_share:.0%})" if other_estimate.priced else "")
