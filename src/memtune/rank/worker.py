@@ -363,6 +363,11 @@ class RankRun:
                 f"{self.world} ranks were started: lay the run dir out again (train.py)"
             )
         self.print0: Callable[..., None] = print if self.rank == 0 else (lambda *a, **k: None)
+        if self.rank != 0:
+            # transformers' "Loading weights" bar, one a rank on one terminal: rank 0's says it
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
 
     def setup(self) -> None:
         cfg, d = self.cfg, self.decisions
