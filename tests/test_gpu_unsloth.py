@@ -199,3 +199,91 @@ def test_the_unsloth_phases_run_in_their_own_call(bench) -> None:
         "lora-memtune",
         "unsloth-lora",
     ]
+
+
+def test_memtunes_row_runs_capped_and_out_of_memory_there_is_its_result(bench, tmp_path) -> None:
+    """Like for like with Unsloth's rows: memtune's row runs inside ``capped_row`` (the cap
+    helper Unsloth's phase uses too) and records the card it was capped at; out of memory
+    under the cap is the row's result, the phase goes on; the report shows the row's cap."""
+    import torch
+
+    from bench.gpu_check import memtune_runner, unsloth
+    from bench.gpu_check.modes import CAP_GIB, GPU
+    from bench.gpu_check.recorder import Phase
+
+    assert memtune_runner.cap_allocator is unsloth.cap_allocator  # one place for the cap
+    out = tmp_path / "out"
+    phase = Phase(GPU, "lora-memtune", "lora", "memtune", tmp_path / "lora-memtune.json", out)
+    cpu = torch.device("cpu")
+    rows = []
+    for seq_len, fits in ((4096, True), (8192, False)):
+        rec = {"side": "memtune", "method": "lora", "seq_len": seq_len, "plan": {"fits": fits}}
+        with memtune_runner.capped_row(phase, cpu, CAP_GIB, rec):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB")
+        phase.add(rec)
+        rows.append(rec)
+    rec = {"side": "memtune", "method": "lora", "seq_len": 2048, "plan": {"fits": True}}
+    with memtune_runner.capped_row(phase, cpu, CAP_GIB, rec):
+        rec.update(tokens_per_s=6059.0, losses=[12.0, 11.9])
+    phase.add(rec)
+    first, planned_out = rows
+    assert first["cap_gib"] == 23.99 and first["oom"] and "CUDA out of memory" in first["error"]
+    assert planned_out["as_planned"] and planned_out["cap_gib"] == 23.99  # the plan said so
+    assert [e["where"] for e in phase.data["errors"]] == ["memtune 4096"]  # only the unforeseen
+    assert rec["cap_gib"] == 23.99 and "error" not in rec
+    text = (out / "gpu_check.md").read_text()
+    assert "| lora | 2048 | memtune | 6,059 | — | — | — | 23.99 | — |" in text
+    assert "| lora | 4096 | memtune | — | — | — | — | 23.99 | — |" in text
+    assert "OutOfMemoryError('CUDA out of memory." in text
+
+
+def test_the_recipes_rows_run_uncapped_and_say_whether_they_fit_the_card(bench, tmp_path) -> None:
+    """The recipe's rows of the H200 run (2026-12-04) through the accounting its runner does
+    (``add_plan_error``): its LoRA 4,096 row had 25.53 GiB of the card in use at its peak,
+    over a 24 GB card, and says so in the record, the table and the comparison; its other
+    rows fit. Unsloth's table marks it too."""
+    import json
+
+    from bench.gpu_check.measure import add_plan_error
+    from bench.gpu_check.modes import GPU
+    from bench.gpu_check.report import collect, markdown
+
+    results = json.loads((ROOT / "bench" / "results" / "2026-12-04-h200.json").read_text())
+    derived = ("measured_gib", "device_used_gib", "plan_error_pct", "plan_total_error_pct")
+    frags = {}
+    for r in results["records"]:
+        if r["method"] != "lora" or r["seq_len"] not in (4096, 2048):
+            continue
+        rec = {k: v for k, v in r.items() if k not in derived}
+        if r["side"] == "baseline":
+            rec["cap_gib"] = None  # as baseline_runner writes it now
+        add_plan_error(rec)
+        frags.setdefault(r["side"], []).append(rec)
+    for side, recs in frags.items():
+        frag = {"phase": f"lora-{side}", "method": "lora", "side": side, "records": recs}
+        frag.update(search=[], errors=[], notes=[])
+        (tmp_path / f"lora-{side}.json").write_text(json.dumps(frag))
+    result = collect(GPU, tmp_path)
+    fits = {(r["side"], r["seq_len"]): r["fits_cap"] for r in result["records"]}
+    assert fits == {
+        ("baseline", 4096): False,
+        ("baseline", 2048): True,
+        ("memtune", 4096): True,
+        ("memtune", 2048): True,
+    }
+    text = markdown(result)
+    over = "none — **over 24 GB: would not fit a 4090**"
+    assert f"| lora | 4096 | baseline | 7,325 | 0.559 | 22.52 | 25.53 | {over} | 22.69 |" in text
+    assert "| lora | 2048 | baseline | 6,793 | 0.301 | 18.63 | 20.46 | none | 18.80 |" in text
+    assert "| lora | 4096 | 1.10× | 0.86× | **no** (25.53 GiB: over 24 GB: would not fit" in text
+    assert "| lora | 2048 | 0.89× | 1.07× | yes |" in text
+    # memtune's rows of that run recorded no cap (they ran uncapped then): "—", not a cap
+    assert "| lora | 4096 | memtune | 8,085 | 0.507 | 19.31 | 21.36 | — |" in text
+    _, _, _, report = bench
+    by = {r["side"]: r for r in result["records"] if r["seq_len"] == 4096}
+    made_up = {**by["baseline"], "side": "unsloth", "tokens_per_s": 8000.0, "cap_gib": 23.99}
+    (row,) = report.compare_unsloth([by["baseline"], by["memtune"], made_up])
+    table = "\n".join(report.unsloth_markdown({"comparison": [row], "methods": {}}))
+    assert (
+        "| lora | 4096 | 7,325 (**over 24 GB: would not fit a 4090**: 25.53 GiB) | 8,085 " in table
+    )

@@ -1,5 +1,6 @@
 """The baseline side: ``transformers.Trainer`` + peft LoRA as ``bench/baseline.py`` sets them
-up (phases ``lora-baseline``, ``qlora-baseline``)."""
+up (phases ``lora-baseline``, ``qlora-baseline``), with the allocator uncapped: each record
+says whether its peak fits the 24 GB card (``fits_cap``)."""
 
 from __future__ import annotations
 
@@ -88,6 +89,10 @@ def run_baseline(phase: Phase, deadline: float) -> None:
             continue
         rec: dict[str, Any] = {"side": "baseline", "method": method, "seq_len": seq_len}
         rec["leftover_gib"] = leftover
+        # uncapped, so that its speed is measured at all (its LoRA 4,096 row had 25.53 GiB of
+        # the H200 in use at its peak, 2026-12-04): ``fits_cap`` (add_plan_error) says whether
+        # its peak fits the 24 GB card memtune's and Unsloth's rows are capped at
+        rec["cap_gib"] = None
         try:
             steps = mode.warmup + mode.timed
             at, d = decided_at(cfg, seq_len, counts)

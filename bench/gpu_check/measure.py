@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import gc
 import itertools
 import os
 import platform
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .modes import GIB, MEASURED_TFLOPS, PEAK_TFLOPS
+from .modes import CAP_GIB, GIB, MEASURED_TFLOPS, PEAK_TFLOPS
 
 
 def flops_per_step(
@@ -99,6 +100,38 @@ def memory_now(device: Any) -> dict[str, float]:
         # The CUDA context and loaded kernels: used on the device, never seen by the allocator.
         "outside_allocator_gib": (total - free - reserved) / GIB,
     }
+
+
+def cap_allocator(device: Any, device_gib: float | None, rec: dict[str, Any]) -> None:
+    """Cap the allocator so the whole device use stays under ``device_gib`` (a 24 GB card:
+    ``CAP_GIB``): ``set_per_process_memory_fraction`` at ``device_gib`` less what lies outside
+    the allocator now (the CUDA context, kernels, DeepSpeed's libraries), recorded in ``rec``
+    as ``allocator_cap_gib``; ``rec["cap_gib"]`` is the card. None lifts the cap. The one
+    place every capped side (memtune's rows, Unsloth's, the searches, the mixture) caps
+    through. Off CUDA (the dry run) the card is recorded and nothing is capped."""
+    if device_gib is not None:
+        rec["cap_gib"] = device_gib
+    if device.type != "cuda":
+        return
+    import torch
+
+    if device_gib is None:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        return
+    gc.collect()
+    empty_cache(device)
+    now = memory_now(device)
+    rec["allocator_cap_gib"] = device_gib - now["outside_allocator_gib"]
+    torch.cuda.set_per_process_memory_fraction(rec["allocator_cap_gib"] / now["total_gib"], device)
+
+
+def add_fits_card(rec: dict[str, Any]) -> None:
+    """``rec["fits_cap"]``: whether what the card had in use at the row's peak
+    (``device_used_gib``: peak reserved + what lies outside the allocator) fits a 24 GB card
+    (``CAP_GIB``). The usual recipe runs uncapped, so that its speed is measured at all: this
+    says whether it would have fitted the card memtune and Unsloth are capped at."""
+    if rec.get("device_used_gib") is not None:
+        rec["fits_cap"] = rec["device_used_gib"] <= CAP_GIB
 
 
 @contextlib.contextmanager
@@ -296,6 +329,7 @@ def add_plan_error(rec: dict[str, Any]) -> None:
     rec["plan_error_pct"] = 100 * (rec["plan"]["live_gib"] / rec["measured_gib"] - 1)
     used = rec["peak_reserved_gib"] - base + rec["outside_allocator_gib"]
     rec["device_used_gib"] = used
+    add_fits_card(rec)
     rec["plan_total_error_pct"] = 100 * (rec["plan"]["total_gib"] / used - 1)
 
 

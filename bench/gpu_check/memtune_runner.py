@@ -7,13 +7,18 @@ memtune's side is built and rewired as a rank builds itself, in two functions at
 makes for the first length) and :func:`memtune_at_length` (a length's own decisions, applied to
 the engine it already has through ``rank.build.apply_layer_decisions``, the function
 ``build_rank`` applies per-layer decisions with: which layers recompute, the MLP's tiles, the
-offloaded inputs). No config is mutated and nothing is wired by hand."""
+offloaded inputs). No config is mutated and nothing is wired by hand.
+
+Every row runs under the allocator capped at the card its plan is for (``plan.device_gib``:
+the 24 GB card, or Unsloth's peak for ``*-at-unsloth``), as Unsloth's rows run under the same
+cap (``measure.cap_allocator``); a row that runs out of memory there is that row's result."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
 import itertools
+from collections.abc import Iterator
 from typing import Any
 
 from .bases import build_base, quantize_decoder
@@ -22,6 +27,7 @@ from .configs import compose_cfg, decided_at, plan_record
 from .measure import (
     add_mfu,
     add_plan_error,
+    cap_allocator,
     empty_cache,
     flops_per_step,
     is_oom,
@@ -129,7 +135,8 @@ def run_memtune(
     offload set again for every length). ``device_gib_at``: the lengths to run, each planned
     for a card of that many GiB and capped at it (memtune at Unsloth's peak, unsloth.py).
     ``compiled``: ``trainer.compile=true`` at the profile's length (phase ``lora-compiled``:
-    the first step holds the compile; the row beside ``lora-memtune``'s eager one)."""
+    the first step holds the compile; the row beside ``lora-memtune``'s eager one). Each row
+    is capped at the card it is planned for (``capped_row``: a failure is the row's result)."""
     from memtune.config.deepspeed import build_ds_config
     from memtune.memory.counts import count_params
     from memtune.rank.loop import TrainResult, train
@@ -204,10 +211,12 @@ def run_memtune(
         side = "memtune-compiled" if compiled else side
         rec: dict[str, Any] = {"side": side, "method": method, "seq_len": seq_len}
         rec.update(leftover_gib=leftover, loss_kind=loss_kind, zero_stage=d0.zero_stage)
-        try:
-            if seq_len in gib_at:
-                rec["device_gib"] = gib_at[seq_len]
-                cap_allocator(device, gib_at[seq_len], rec)
+        # every row under the allocator capped at the card it is planned for (the 24 GB card,
+        # or Unsloth's): Unsloth's rows run under the same cap (unsloth.py), the recipe's none
+        card = gib_at.get(seq_len, float(cfg0.plan.device_gib))
+        if seq_len in gib_at:
+            rec["device_gib"] = card
+        with capped_row(phase, device, card, rec):  # after the engine: its libraries outside
             clock = steps_at(seq_len, mode.warmup + mode.timed, rec)
             rec.update(timing(clock.marks, mode.warmup, seq_len))
             if compiled:
@@ -218,14 +227,6 @@ def run_memtune(
             arch = cfg.model.architecture
             add_mfu(rec, flops_per_step(counts, arch, seq_len, pair), device)
             add_plan_error(rec)
-        except Exception as err:
-            rec["error"] = repr(err)[-2000:]
-            phase.error(f"memtune {seq_len}", err)
-        finally:
-            gc.collect()
-            empty_cache(device)
-            if seq_len in gib_at:
-                cap_allocator(device, None, rec)
         phase.add(rec)
 
     if long:
@@ -238,21 +239,27 @@ def run_memtune(
         dist.destroy_process_group()
 
 
-def cap_allocator(device: Any, device_gib: float | None, rec: dict[str, Any]) -> None:
-    """Cap the allocator so the whole device use stays under ``device_gib`` (less what lies
-    outside the allocator: the CUDA context); None lifts the cap."""
-    if device.type != "cuda":
-        return
-    import torch
-
-    if device_gib is None:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
-        return
-    gc.collect()
-    empty_cache(device)
-    now = memory_now(device)
-    rec["allocator_cap_gib"] = device_gib - now["outside_allocator_gib"]
-    torch.cuda.set_per_process_memory_fraction(rec["allocator_cap_gib"] / now["total_gib"], device)
+@contextlib.contextmanager
+def capped_row(phase: Phase, device: Any, card_gib: float, rec: dict[str, Any]) -> Iterator[None]:
+    """One row of memtune's with the allocator capped at ``card_gib`` (``cap_allocator``, as
+    Unsloth's rows are) and the cap lifted after. A failure inside is the row's result, not
+    the phase's end: ``rec["error"]`` and ``rec["oom"]``; out of memory where the row's plan
+    said it does not fit is what was planned (``as_planned``), any other failure (an OOM the
+    plan did not foresee included) is also the phase's error. The phase goes on."""
+    try:
+        cap_allocator(device, card_gib, rec)
+        yield
+    except Exception as err:
+        rec["error"] = repr(err)[-2000:]
+        rec["oom"] = is_oom(err)
+        if rec["oom"] and not (rec.get("plan") or {}).get("fits", True):
+            rec["as_planned"] = True
+        else:
+            phase.error(f"memtune {rec['seq_len']}", err)
+    finally:
+        gc.collect()
+        empty_cache(device)
+        cap_allocator(device, None, rec)
 
 
 def search_cap(
@@ -272,17 +279,11 @@ def search_cap(
     less what lies outside the allocator (CUDA context, kernels), so the whole device use
     stays under a 24 GB card's memory.
     """
-    import torch
-
     mode = phase.mode
     info: dict[str, Any] = {"cap_gib": CAP_GIB}
+    cap_allocator(device, CAP_GIB, info)
     if device.type == "cuda":
-        gc.collect()
-        empty_cache(device)
-        now = memory_now(device)
-        allocator_cap = CAP_GIB - now["outside_allocator_gib"]
-        info.update(allocator_cap_gib=allocator_cap, before=now)
-        torch.cuda.set_per_process_memory_fraction(allocator_cap / now["total_gib"], device)
+        info["before"] = memory_now(device)
     # What the planner says fits, for every length tried and beyond.
     planned = []
     lengths = long_search_of(mode, phase.method) if long else mode.search
@@ -323,5 +324,4 @@ def search_cap(
         phase.save()
         if not rec["ok"]:
             break
-    if device.type == "cuda":
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    cap_allocator(device, None, info)

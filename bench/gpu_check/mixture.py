@@ -38,6 +38,7 @@ from .configs import compose_cfg, decided_at, plan_record
 from .measure import (
     add_mfu,
     add_plan_error,
+    cap_allocator,
     empty_cache,
     flops_per_step,
     host_peak,
@@ -47,7 +48,7 @@ from .measure import (
     step_clock,
     timing,
 )
-from .memtune_runner import cap_allocator, memtune_at_length
+from .memtune_runner import memtune_at_length
 from .modes import CAP_GIB
 from .recorder import Phase, device_and_env, init_one_rank, time_left
 

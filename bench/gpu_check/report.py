@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .measure import add_mfu, add_plan_error, census
+from .measure import add_fits_card, add_mfu, add_plan_error, census
 from .mixture_report import collect_mixture, fake_readings, mixture_markdown
 from .modes import CAP_GIB, GIB, MEASURED_TFLOPS, MOE_SHAPE, PEAK_TFLOPS, Mode
 from .phases import PHASE_NAMES
@@ -119,6 +119,17 @@ def format_check(mode: Mode, work: Path) -> Path:
         else:
             r["measured_gib"] = r["peak_allocated_gib"] - r["leftover_gib"]
             r["device_used_gib"] = r["peak_reserved_gib"] - r["leftover_gib"] + 0.6
+    # memtune's rows ran under the cap, the recipe's not: each says whether it fitted the card
+    capped = ("memtune", "memtune-at-unsloth", "memtune-compiled")
+    for r in result["records"]:
+        where = f"{r['side']} {r['method']} {r['seq_len']}"
+        assert r["side"] not in capped or r.get("cap_gib"), f"{where}: not run under the cap"
+        assert r["side"] != "baseline" or r.get("cap_gib", 0) is None, f"{where}: capped"
+        assert r["side"] != "baseline" or "fits_cap" in r, f"{where}: no fits_cap"
+    over = next((r for r in result["records"] if r["side"] == "baseline"), None)
+    if over is not None:  # as the recipe's LoRA 4,096 row on the H200 (2026-12-04)
+        over["device_used_gib"] = 25.53
+        add_fits_card(over)
     for i, r in enumerate(result["hybrid"]):
         if "plan" in r:
             r.update(peak_allocated_gib=15.0 + i, peak_reserved_gib=16.0 + i)
@@ -182,6 +193,12 @@ def format_check(mode: Mode, work: Path) -> Path:
     }
     assert all("speedup" in c and "memory_ratio" in c for c in result["comparison"])
     text = markdown(result)
+    assert over is None or f"| none — **{OVER_CAP}** |" in text, "no over-the-card mark"
+    if over is not None and any(
+        (c["method"], c["seq_len"]) == (over["method"], over["seq_len"])
+        for c in result["comparison"]
+    ):
+        assert "**no** (25.53 GiB" in text, "the comparison does not say the recipe was over"
     assert "; CUDA allocator expandable segments: lora-memtune;" in text, "no allocator"
     assert not result["moe"] or "| memtune | " in text, "the MoE table did not render"
     assert not result["kernels"] or "| all three |" in text, "the kernels table did not render"
@@ -254,6 +271,9 @@ def compare(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if side != "memtune" or b is None:
             continue
         row: dict[str, Any] = {"method": method, "seq_len": seq_len}
+        # memtune's row under the cap, the recipe's not: whether the recipe's peak fitted
+        row["baseline_fits_cap"] = b.get("fits_cap")
+        row["baseline_device_used_gib"] = b.get("device_used_gib")
         if m.get("tokens_per_s") and b.get("tokens_per_s"):
             row["speedup"] = m["tokens_per_s"] / b["tokens_per_s"]
         if m.get("measured_gib") and b.get("measured_gib"):
@@ -311,6 +331,27 @@ def _pct(x: Any) -> str:
     return "—" if x is None else f"{x:+.1f}%"
 
 
+OVER_CAP = "over 24 GB: would not fit a 4090"
+"""The mark of a row whose card use at its peak was over the 24 GB card (``fits_cap``)."""
+
+
+def _cap(r: dict[str, Any]) -> str:
+    """A row's cap in a table cell: the card its allocator was capped at, "none" (the recipe,
+    uncapped), "—" (not recorded: results before the cap), and the mark when its card use at
+    the peak was over the 24 GB card."""
+    cap = r.get("cap_gib")
+    cell = "—" if "cap_gib" not in r else ("none" if cap is None else f"{cap:.2f}")
+    return cell + (f" — **{OVER_CAP}**" if r.get("fits_cap") is False else "")
+
+
+def _fits(c: dict[str, Any]) -> str:
+    """Whether the recipe's row fitted the 24 GB card, in the comparison's cell."""
+    fits, used = c.get("baseline_fits_cap"), c.get("baseline_device_used_gib")
+    if fits is None:
+        return "—"
+    return "yes" if fits else f"**no** ({used:.2f} GiB: {OVER_CAP})"
+
+
 def markdown(result: dict[str, Any]) -> str:
     env, mode = result["env"], result["mode"]
     gpu = env.get("gpu", "no GPU (dry run on CPU)")
@@ -343,9 +384,9 @@ def markdown(result: dict[str, Any]) -> str:
         )
         + ".",
         "",
-        "| method | tokens | side | tokens/s | step s | peak GiB | plan GiB | plan err | "
-        "MFU | MFU 6N | ckpt layers | loss |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| method | tokens | side | tokens/s | step s | peak GiB | card GiB | cap GiB "
+        "| plan GiB | plan err | MFU | MFU 6N | ckpt layers | loss |",
+        "|---|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in sorted(result["records"], key=lambda r: (r["method"], -r["seq_len"], r["side"])):
         plan = r.get("plan", {})
@@ -354,6 +395,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {r['method']} | {r['seq_len']} | {r['side']} | {_f(r.get('tokens_per_s'), ',.0f')} "
             f"| {_f(r.get('step_s_median'), '.3f')} | {_f(r.get('measured_gib'), '.2f')} "
+            f"| {_f(r.get('device_used_gib'), '.2f')} | {_cap(r)} "
             f"| {_f(plan.get('live_gib'), '.2f')} | {_pct(r.get('plan_error_pct'))} "
             f"| {_f(r.get('mfu'), '.1%')} | {_f(r.get('mfu_6n'), '.1%')} "
             f"| {_layers(r)} | {loss} |"
@@ -373,12 +415,16 @@ def markdown(result: dict[str, Any]) -> str:
             ]
     lines += compiled_lines(result["records"])
     if result["comparison"]:
-        lines += ["", "| method | tokens | memtune / baseline tokens/s | memtune / baseline peak |"]
-        lines.append("|---|---:|---:|---:|")
+        lines += [
+            "",
+            "| method | tokens | memtune / baseline tokens/s | memtune / baseline peak "
+            "| baseline fits 24 GB |",
+        ]
+        lines.append("|---|---:|---:|---:|---|")
         for c in result["comparison"]:
             lines.append(
                 f"| {c['method']} | {c['seq_len']} | {_f(c.get('speedup'), '.2f')}× "
-                f"| {_f(c.get('memory_ratio'), '.2f')}× |"
+                f"| {_f(c.get('memory_ratio'), '.2f')}× | {_fits(c)} |"
             )
     info = result.get("search_info")
     if info:
@@ -457,7 +503,14 @@ def markdown(result: dict[str, Any]) -> str:
         "decoder's linear weights and the LM head (frozen: forward 2N, input gradient 2N, no "
         "weight gradient), attention causal within each sequence (a DPO row: its pair, "
         "2·(T/2)² for T²); recompute not counted. *MFU 6N*: the usual "
-        "6·N·T + attention, for comparison.",
+        "6·N·T + attention, for comparison. *card GiB*: what the card had in use at the peak "
+        "(peak reserved + what lies outside the allocator, less what was allocated before). "
+        "*cap GiB*: memtune's rows (and Unsloth's) run with the allocator capped "
+        "(`set_per_process_memory_fraction`) at the card they are planned for, less what lies "
+        "outside the allocator; the recipe's run uncapped (*none*), so that its speed is "
+        f"measured at all, and a row whose card GiB is over {CAP_GIB} is marked *{OVER_CAP}* "
+        "(as run: uncapped, its allocator keeps cache a cap would make it free, so over is "
+        "not proof that it cannot fit, only that it did not).",
     ]
     status = result.get("status") or {}
     if status:

@@ -26,8 +26,9 @@ in place of the main check's wheels. They run in their own device call (bench/RE
   (``unsloth_fused_ce_loss``), the offloaded checkpointing; the trainer adds data handling and
   the gradient-accumulation fix, which one row per step without accumulation does not use. The
   record names the forward that ran, the attention backend and the kernels patched, so a
-  silent fall back to transformers' code shows. Under the same 24 GB cap as the others
-  (``set_per_process_memory_fraction``: 23.99 GiB less the CUDA context), 2 warm-up + 3 timed
+  silent fall back to transformers' code shows. Under the same 24 GB cap as memtune's rows
+  (``measure.cap_allocator``: 23.99 GiB less the CUDA context; the recipe's rows run
+  uncapped and say whether they would have fitted), 2 warm-up + 3 timed
   steps a length. If Unsloth cannot import, load or step, the record holds the exact error:
   type, message, last frames.
 * ``lora-at-unsloth`` / ``qlora-at-unsloth`` (the main environment): memtune's phase with
@@ -48,7 +49,16 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from .measure import add_mfu, empty_cache, memory_now, peak_window, sync, timing
+from .measure import (
+    add_fits_card,
+    add_mfu,
+    cap_allocator,
+    empty_cache,
+    memory_now,
+    peak_window,
+    sync,
+    timing,
+)
 from .modes import CAP_GIB, GIB
 from .recorder import Phase, device_and_env, time_left
 
@@ -291,11 +301,8 @@ def run_unsloth(phase: Phase, deadline: float) -> None:
     s = spec["methods"][method]
     phase.data["unsloth"]["settings"] = {k: v for k, v in s.items() if k != "flops"}
     leftover = memory_now(device).get("allocated_gib", 0.0)
-    if device.type == "cuda":  # the 24 GB card, as the other phases' search under the cap
-        now = memory_now(device)
-        allocator_cap = CAP_GIB - now["outside_allocator_gib"]
-        phase.data["unsloth"]["allocator_cap_gib"] = allocator_cap
-        torch.cuda.set_per_process_memory_fraction(allocator_cap / now["total_gib"], device)
+    # the 24 GB card, through the helper memtune's rows are capped with (memtune_runner)
+    cap_allocator(device, CAP_GIB, phase.data["unsloth"])
     dtype = torch.bfloat16 if s["precision"] == "bf16" else torch.float32
     try:
         t1 = time.perf_counter()
@@ -340,6 +347,9 @@ def run_unsloth(phase: Phase, deadline: float) -> None:
             continue
         rec: dict[str, Any] = {"side": "unsloth", "method": method, "seq_len": seq_len}
         rec.update(leftover_gib=leftover, loss_kind="Unsloth's (fused, in the forward)")
+        rec["cap_gib"] = CAP_GIB  # the whole phase runs capped (above)
+        if "allocator_cap_gib" in phase.data["unsloth"]:
+            rec["allocator_cap_gib"] = phase.data["unsloth"]["allocator_cap_gib"]
         try:
             batch = synthetic_batch(spec["vocab"], seq_len, seq_len)  # the other phases' row
             ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
@@ -373,8 +383,7 @@ def run_unsloth(phase: Phase, deadline: float) -> None:
             gc.collect()
             empty_cache(device)
         phase.add(rec)
-    if device.type == "cuda":
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    cap_allocator(device, None, phase.data["unsloth"])
 
 
 def add_device_use(rec: dict[str, Any]) -> None:
@@ -385,6 +394,7 @@ def add_device_use(rec: dict[str, Any]) -> None:
     base = rec.get("leftover_gib", 0.0)
     rec["measured_gib"] = rec["peak_allocated_gib"] - base
     rec["device_used_gib"] = rec["peak_reserved_gib"] - base + rec["outside_allocator_gib"]
+    add_fits_card(rec)
 
 
 # ------------------------------------------------------------------ memtune at Unsloth's peak
