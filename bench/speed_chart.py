@@ -1,5 +1,9 @@
 """The chart of the GPU check's four speed rows (issue #47): LoRA and QLoRA at 4,096 and 2,048
 tokens, memtune beside the usual recipe (and Unsloth where it ran), tokens/s and peak memory.
+The GPU check runs memtune's and Unsloth's rows with the allocator capped at a 24 GB card and
+the recipe's uncapped (results before that, 2026-12-04's, ran no side capped): the title and
+the legend say which ran capped, as the records do, and a bar whose card use at its peak was
+over the card is marked.
 
     .venv/bin/python bench/speed_chart.py                       # the newest complete results
     .venv/bin/python bench/speed_chart.py bench/results/2026-12-04-h200.json
@@ -37,20 +41,29 @@ GPU_RESULTS = re.compile(r"^\d{4}-\d{2}-\d{2}-(h100|h200)[\w-]*\.json$")
 
 def figures(results: dict[str, Any]) -> dict[str, Any]:
     """What the chart draws: per row and side, tokens/s, measured peak (GiB) and MFU, None where
-    that side did not run or failed; the cap every side ran under."""
+    that side did not run or failed; what the card had in use at the peak (``card_gib``) and
+    whether that fits the 24 GB card (``fits``); whether the row ran with the allocator
+    capped (``capped``: memtune's and Unsloth's rows since the cap was made like for like; the
+    recipe's never, and no side's in results before that, 2026-12-04's included); and the 24 GB
+    card's GiB (``cap_gib``), the cap of the sides that ran capped."""
     by = {(r.get("side"), r.get("method"), r.get("seq_len")): r for r in results["records"]}
+    cap = results.get("constants", {}).get("cap_gib")
     rows = []
     for method, seq_len in ROWS:
         row: dict[str, Any] = {"method": method, "seq_len": seq_len}
         for side, _, _ in SIDES:
             rec = by.get((side, method, seq_len)) or {}
+            used = rec.get("device_used_gib")
             row[side] = {
                 "tokens_per_s": rec.get("tokens_per_s"),
                 "peak_gib": rec.get("measured_gib"),
                 "mfu": rec.get("mfu"),
+                "card_gib": used,
+                # the gpu check's rule (measure.add_fits_card), for results written before it
+                "fits": None if used is None or cap is None else used <= cap,
+                "capped": rec.get("cap_gib") is not None,
             }
         rows.append(row)
-    cap = results.get("constants", {}).get("cap_gib")
     return {"gpu": _gpu(results), "cap_gib": cap, "rows": rows}
 
 
@@ -88,10 +101,33 @@ def _label(method: str, seq_len: int) -> str:
     return f"{'LoRA' if method == 'lora' else 'QLoRA'}\n{seq_len:,} tokens"
 
 
+NAMES = {"memtune": "memtune", "baseline": "the usual recipe", "unsloth": "Unsloth"}
+
+
+def _capped(data: dict[str, Any], side: str) -> bool:
+    """Whether every row of ``side`` that ran, ran with the allocator capped."""
+    ran = [row[side] for row in data["rows"] if row[side]["tokens_per_s"]]
+    return bool(ran) and all(r["capped"] for r in ran)
+
+
+def title(data: dict[str, Any], sides: list[str], source: str) -> str:
+    """What ran capped and what did not, as the figures say."""
+    capped = [NAMES[s] for s in sides if _capped(data, s)]
+    uncapped = [NAMES[s] for s in sides if not _capped(data, s)]
+    if not capped:
+        how = "memtune planned for a 24 GB card, no side's memory capped"
+    else:
+        how = f"{' and '.join(capped)} capped at a 24 GB card" + (
+            f", {' and '.join(uncapped)} uncapped" if uncapped else ""
+        )
+    return f"Qwen2.5-7B on one {data['gpu']} ({source})\n{how}"
+
+
 def draw(data: dict[str, Any], source: str, path: Path) -> None:
-    """Two panels: tokens/s (memtune's bar says × the recipe and its MFU) and peak memory
-    against the cap. Deterministic SVG (no date, fixed hash salt), its figures in the
-    description."""
+    """Two panels: tokens/s (memtune's bar says × the recipe and its MFU) and peak allocated
+    memory beside the 24 GB card's line, a bar whose card use at its peak was over the card
+    marked so; the title and the legend say which sides ran with the allocator capped.
+    Deterministic SVG (no date, fixed hash salt), its figures in the description."""
     import matplotlib
 
     from memtune.filesystem import follow_umask
@@ -108,8 +144,19 @@ def draw(data: dict[str, Any], source: str, path: Path) -> None:
         xs = [k + (i - (len(sides) - 1) / 2) * width for k in range(len(data["rows"]))]
         rate = [row[side]["tokens_per_s"] or 0 for row in data["rows"]]
         peak = [row[side]["peak_gib"] or 0 for row in data["rows"]]
+        label += ", capped" if _capped(data, side) else ", uncapped"
         speed.bar(xs, rate, width, label=label, color=colour)
         memory.bar(xs, peak, width, label=label, color=colour)
+        for x, row in zip(xs, data["rows"], strict=True):
+            if row[side]["fits"] is False:  # its card use at the peak was over the card
+                memory.annotate(  # above the card's line, which the bar (allocated) may be under
+                    f"over 24 GB:\ncard {row[side]['card_gib']:.1f} GiB",
+                    (x, max(row[side]["peak_gib"] or 0, data["cap_gib"])),
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                    color="#c62828",
+                )
         if side != "memtune":
             continue
         for x, row in zip(xs, data["rows"], strict=True):
@@ -128,19 +175,19 @@ def draw(data: dict[str, Any], source: str, path: Path) -> None:
     speed.set_ylim(
         0, 1.25 * max(row[s[0]]["tokens_per_s"] or 0 for row in data["rows"] for s in sides)
     )
-    memory.set_ylabel("peak memory (GiB)")
+    memory.set_ylabel("peak allocated (GiB)")
     if data["cap_gib"]:
         memory.axhline(data["cap_gib"], color="#c62828", linewidth=1, linestyle="--")
         memory.annotate(
-            f"cap {data['cap_gib']:g} GiB",
+            f"24 GB card: {data['cap_gib']:g} GiB",
             (len(data["rows"]) - 0.5, data["cap_gib"]),
             ha="right",
             va="bottom",
             fontsize=8,
             color="#c62828",
         )
-        memory.set_ylim(0, 1.15 * data["cap_gib"])
-    fig.suptitle(f"Qwen2.5-7B on one {data['gpu']} capped at a 24 GB card ({source})", fontsize=10)
+        memory.set_ylim(0, 1.25 * data["cap_gib"])
+    fig.suptitle(title(data, [s[0] for s in sides], source), fontsize=10)
     handles, labels = speed.get_legend_handles_labels()
     fig.legend(
         handles,
@@ -149,9 +196,9 @@ def draw(data: dict[str, Any], source: str, path: Path) -> None:
         ncol=len(sides),
         fontsize=8,
         frameon=False,
-        bbox_to_anchor=(0.5, 0.94),
+        bbox_to_anchor=(0.5, 0.89),
     )
-    fig.tight_layout(rect=(0, 0, 1, 0.92))
+    fig.tight_layout(rect=(0, 0, 1, 0.86))
     path.parent.mkdir(parents=True, exist_ok=True)
     # a name of its own beside the chart (two runs never share one), renamed into place
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
