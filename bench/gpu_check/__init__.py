@@ -16,8 +16,11 @@ For LoRA r=16 on all linear layers over a bf16 base, and for QLoRA (NF4 base), a
   ZeRO-3 at world size 1 through ``deepspeed.initialize``, and ``memtune.rank.loop.train``.
 
 Each measurement records peak allocated memory, tokens/s over timed steps after warm-up, MFU
-and the planner's prediction (``memtune.memory``) with its error. Then, for QLoRA with memtune,
-the longest sequence whose step fits under a 24 GB cap (``set_per_process_memory_fraction``).
+and the planner's prediction (``memtune.memory``) with its error. memtune's rows run with the
+allocator capped at the 24 GB card they are planned for (``measure.cap_allocator``, as
+Unsloth's rows); the baseline's run uncapped and record whether they fit that card
+(``fits_cap``). Then, for QLoRA with memtune, the longest sequence whose step fits under a
+24 GB cap (``set_per_process_memory_fraction``).
 
 No checkpoint is read: the base is built from ``model.architecture`` (conf/model/*.yaml) with
 random weights directly on the device. memtune's ``load_base_model`` (``from_pretrained``)
