@@ -74,3 +74,24 @@ def test_the_plan_record_says_what_each_row_is(tmp_path) -> None:
     assert kinds["CUDA context + workspaces"] == (False, True, False)
     assert kinds["base weights"] == (True, True, False)
     assert record.total_gib == sum(r.gib for r in record.rows)
+
+
+def test_what_the_device_held_outside_the_allocator_is_judged_against_its_row() -> None:
+    """A GPU rank's snapshot says what the card held beyond torch's allocator (rank.telemetry);
+    it is compared with the rows the allocator never sees, and more than planned is said."""
+    measured = [
+        {"peak_allocated_gib": 18.0, "peak_reserved_gib": 19.0, "peak_outside_allocator_gib": 0.7},
+        {"peak_allocated_gib": 18.0, "peak_reserved_gib": 19.0, "peak_outside_allocator_gib": 1.4},
+    ]
+    checks = check(RECORD, measured, "cuda")
+    outside = [c for c in checks if c.measure == "outside the allocator"]
+    assert [(c.rank, c.planned_gib, c.measured_gib) for c in outside] == [
+        (0, 0.8, 0.7),
+        (1, 0.8, 1.4),
+    ]
+    lines = verdict(RECORD, checks, "cuda")
+    assert lines[0].endswith("outside the allocator 0.70 of 0.80 GiB planned (0.87×)")
+    assert lines[-1].startswith(
+        "WARNING: rank1 held 1.40 GiB outside torch's allocator against 0.80 planned"
+    )
+    assert not any("peak reserved is" in line for line in lines)  # the steps were as planned

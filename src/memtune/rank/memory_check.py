@@ -5,7 +5,8 @@ the job wrote it (rundir.PlanRecord, each row saying what a measurement can see 
 The plan's total includes what a CUDA allocator's statistics never see (the CUDA context and
 library workspaces) and what only its reserved pool holds (fragmentation), so each measure is
 compared with the part of the plan it can see: ``max_memory_allocated`` with the live tensors'
-rows, ``max_memory_reserved`` with those plus fragmentation. On CPU a rank's RSS is mostly the
+rows, ``max_memory_reserved`` with those plus fragmentation, and what the device held beyond
+the allocator (the most seen at the run's memory snapshots) with the rows only it holds. On CPU a rank's RSS is mostly the
 Python/torch runtime, so the CPU figure is the RSS growth from just before the model was built
 to the run's peak, and it is reported but never judged (it says nothing about the plan).
 """
@@ -20,6 +21,9 @@ from memtune.rundir import PlanRecord, PlanRow
 
 OVER = 0.05
 """A rank whose measured peak exceeds its plan by more than this says so at the end."""
+
+OUTSIDE = "outside the allocator"
+"""The measure of what the device held beyond torch's allocator (rank.telemetry)."""
 
 
 @dataclass
@@ -62,6 +66,10 @@ def check(
             out.append(RankCheck(rank, "peak allocated", allocated, m["peak_allocated_gib"]))
             if "peak_reserved_gib" in m:
                 out.append(RankCheck(rank, "peak reserved", reserved, m["peak_reserved_gib"]))
+            if "peak_outside_allocator_gib" in m:
+                outside = _planned(record, lambda r: not r.allocated)
+                measured_outside = m["peak_outside_allocator_gib"]
+                out.append(RankCheck(rank, OUTSIDE, outside, measured_outside))
         else:
             start = (cpu_start_rss_gib or [0.0] * len(measured))[rank]
             growth = max(m["peak_rss_gib"] - start, 0.0)
@@ -91,7 +99,16 @@ def verdict(record: PlanRecord, checks: list[RankCheck], device_type: str) -> li
                 if c.rank == rank
             )
         )
-    over = [c for c in checks if c.ratio > 1 + OVER]
+    over = [c for c in checks if c.ratio > 1 + OVER and c.measure != OUTSIDE]
+    outside_over = [c for c in checks if c.ratio > 1 + OVER and c.measure == OUTSIDE]
+    if outside_over:
+        worst = max(outside_over, key=lambda c: c.ratio)
+        lines.append(
+            f"WARNING: rank{worst.rank} held {worst.measured_gib:.2f} GiB outside torch's "
+            f"allocator against {worst.planned_gib:.2f} planned (the CUDA context, kernels, "
+            "library workspaces, NCCL's buffers, or another process on the same GPU): that much "
+            "less was left for the steps; please report it with memory.json and the GPU's name."
+        )
     if over:
         rows = sorted(
             (r for r in record.rows if r.allocated and r.live),

@@ -29,16 +29,28 @@ reset (an evaluation's own window) also clears the counters the run's peak is re
 (CUDA's max_memory_*, and on CPU ru_maxrss with VmHWM): without these, a run whose last step
 was followed by an evaluation reported the evaluation's peak as the run's."""
 
+_OUTSIDE_PEAK: dict[str, float] = {}
+"""The most this process has seen its GPU hold outside torch's allocator (see memory_snapshot)."""
+
 
 def memory_snapshot(device: torch.device) -> dict[str, float]:
     """This rank's memory in GiB: CUDA allocator stats on GPU, process RSS on CPU. The peaks
     are the whole process's so far, across :func:`reset_window_peak`."""
     if device.type == "cuda":
+        reserved = torch.cuda.memory_reserved(device)
+        # What the device holds beyond this process's allocator: the CUDA context, loaded
+        # kernels, library workspaces, NCCL's buffers (and any other process on the card). The
+        # plan allows for it in a row the allocator's statistics never see.
+        free, total = torch.cuda.mem_get_info(device)
+        outside = (total - free - reserved) / GIB
+        _OUTSIDE_PEAK["gib"] = max(_OUTSIDE_PEAK.get("gib", 0.0), outside)
         snapshot = {
             "allocated_gib": torch.cuda.memory_allocated(device) / GIB,
-            "reserved_gib": torch.cuda.memory_reserved(device) / GIB,
+            "reserved_gib": reserved / GIB,
             "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
             "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB,
+            "outside_allocator_gib": outside,
+            "peak_outside_allocator_gib": _OUTSIDE_PEAK["gib"],
         }
     else:
         rss = psutil.Process().memory_info().rss
