@@ -267,7 +267,7 @@ def test_lora_dropouts_passes_are_priced_at_the_memory_bandwidth() -> None:
     fitted = fit_to_device(to_run_config(compose_cfg(peft)))
     cfg, d, counts = fitted.cfg, fitted.decisions, fitted.plan.counts
     assert counts is not None
-    assert (d.checkpointing.recomputed, d.checkpointing.selective) == (18, 7)
+    assert (d.checkpointing.recomputed, d.checkpointing.selective) == (19, 6)
     per_pass = 4096 * 4 * 3584 * 5
     # a selectively recomputed layer runs its dropout again like a fully recomputed one
     assert dropout_pass_bytes(cfg, d, counts) == per_pass * (3 * 25 + 2 * 3)
@@ -279,8 +279,8 @@ def test_lora_dropouts_passes_are_priced_at_the_memory_bandwidth() -> None:
     auto = fit_to_device(to_run_config(compose_cfg(lora)))
     regenerated = auto.decisions
     assert regenerated.kernels.lora_dropout == "regenerate"
-    assert (regenerated.checkpointing.recomputed, regenerated.checkpointing.selective) == (17, 7)
-    assert dropout_pass_bytes(cfg, regenerated, counts) == per_pass * (4 * (17 + 7) + 3 * 4)
+    assert (regenerated.checkpointing.recomputed, regenerated.checkpointing.selective) == (18, 8)
+    assert dropout_pass_bytes(cfg, regenerated, counts) == per_pass * (4 * (18 + 8) + 3 * 2)
     without = to_run_config(compose_cfg(["experiment=qwen2.5-7b-4x4090-lora", "peft.dropout=0"]))
     assert dropout_pass_bytes(without, decided(without), counts) == 0
 
@@ -396,9 +396,9 @@ ONE_CARD = [
     "overrides",
     [
         *([f"experiment={e}"] for e in SHIPPED),
-        # one 24 GB card, LoRA on every linear layer at 2,048 tokens: 7 full and 21 selective
+        # one 24 GB card, LoRA on every linear layer at 2,048 tokens: 20 full and 7 selective
         ["experiment=qwen2.5-7b-4x4090-lora", "peft=lora-all-linear", *ONE_CARD],
-        # QLoRA at 8,192 tokens: 14 full and 13 selective
+        # QLoRA at 8,192 tokens: 15 full and 12 selective
         ["experiment=qwen2.5-7b-4x4090-qlora", "data.max_seq_len=8192", *ONE_CARD],
     ],
 )
@@ -428,7 +428,9 @@ def test_the_layer_search_takes_the_fastest_mix_that_fits(overrides: list) -> No
                 assert estimate is not None
                 steps[(full, selective)] = estimate.step_s
     c = chosen.checkpointing
-    assert len(steps) >= layers  # many mixes fit: the choice is among them
+    # many mixes fit: the choice is among them (33 to 355 of them here; Qwen3-8B's 34 fell
+    # below its 36 layers when the CUDA-context row grew by 0.5 GiB to the measured 1.30)
+    assert len(steps) >= 30
     assert min(steps, key=steps.__getitem__) == (c.recomputed, c.selective), steps
 
 
