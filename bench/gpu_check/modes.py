@@ -51,10 +51,10 @@ GPU = Mode(
     timed=3,
     long_lengths=(32768,),
     # from 96k (issue #47's target): 65,536 was measured with transformers' RMSNorm
-    # (2026-12-04); the lean one plans 140,288, and a step there takes about a minute
+    # (2026-12-04); the lean one plans 135,168, and a step there takes about a minute
     long_search=(98304, 114688, 131072),
     # a bf16 base: 32,768 fitted and 49,152 did not with transformers' RMSNorm (2026-12-04);
-    # the lean kernels plan 50,176
+    # the lean kernels plan 45,056
     long_search_lora=(40960, 49152, 57344),
     hybrid_model="qwen3.5-2b",
     hybrid_len=4096,
