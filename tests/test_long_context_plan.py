@@ -55,7 +55,7 @@ def test_the_box_plans_192k_tokens_and_one_card_what_a_gpu_measured() -> None:
     transformers' RMSNorm (its fp32 copies and fp32 backward: 4.9 of the 9.2 GiB at the peak
     of a 49k step). With the lean one (auto since) that norm's backward is no longer the
     layer's peak: FlashAttention-2's backward is (memory.attention); run one call per KV head
-    it is not, and one card plans 140,288 tokens (not yet measured), past the issue's 96k,
+    it is not, and one card plans 135,168 tokens (not yet measured), past the issue's 96k,
     with sdpa_varlen and with FlashAttention-2 alike."""
     box = _cfg(LONG, "data.path=books.jsonl")
     n, how = longest_sequence(box, decided(box), count_params(box), CPU_RANKS)
@@ -73,7 +73,7 @@ def test_the_box_plans_192k_tokens_and_one_card_what_a_gpu_measured() -> None:
     longer, how = longest_sequence(lean, decided(lean), count_params(lean), CPU_RANKS)
     assert decided(lean).kernels.rms_norm == "lean" and longer >= 96 * 1024 > n, (longer, n)
     # where flash-attn is installed auto's attention is FlashAttention-2, split as sdpa_varlen
-    # (113,664 tokens while it ran as one call)
+    # (109,568 tokens while it ran as one call)
     flash = RankMachine(cuda=True, flash_attn=True)
     on_flash = decided(lean, machine=flash)
     assert on_flash.attention == "flash_attention_2"
