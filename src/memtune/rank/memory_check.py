@@ -6,9 +6,10 @@ The plan's total includes what a CUDA allocator's statistics never see (the CUDA
 library workspaces) and what only its reserved pool holds (fragmentation), so each measure is
 compared with the part of the plan it can see: ``max_memory_allocated`` with the live tensors'
 rows, ``max_memory_reserved`` with those plus fragmentation, and what the device held beyond
-the allocator (the most seen at the run's memory snapshots) with the rows only it holds. On CPU a rank's RSS is mostly the
-Python/torch runtime, so the CPU figure is the RSS growth from just before the model was built
-to the run's peak, and it is reported but never judged (it says nothing about the plan).
+the allocator (the most seen at the run's memory snapshots) with the rows only it holds. On
+CPU a rank's RSS is mostly the Python/torch runtime, so the CPU figure is the RSS growth from
+just before the model was built to the run's peak, and it is reported but never judged (it says
+nothing about the plan).
 """
 
 from __future__ import annotations
