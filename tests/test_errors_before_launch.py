@@ -354,25 +354,24 @@ def test_saved_config_with_a_key_too_many(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ 7e: a hub name, no hub
 
 
-def test_hub_model_offline_answers_in_seconds(
+def test_hub_model_offline_answers_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Before: ~50 s of huggingface_hub retries, printed twice, then a traceback."""
+    """Before: ~50 s of huggingface_hub retries, printed twice, then a traceback. Now one
+    line and no retry (judged by what it printed, not by a clock: a loaded CI machine once took
+    31 s to start Python and refuse)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
     run_dir = tmp_path / "run"
-    start = time.monotonic()
     proc = run_train_py(
         ["preprocess_only=true", "logger=none", "model=qwen2.5-0.5b", f"run_dir={run_dir}"],
         cwd=tmp_path,
     )
-    took = time.monotonic() - start
     line = refused(proc, run_dir)
     assert "model.name_or_path='Qwen/Qwen2.5-0.5B' is not on disk" in line
     assert "HF_HUB_OFFLINE is set" in line
     assert "model=local model.name_or_path=/path/to/checkpoint" in line
     assert "Retrying" not in proc.stdout + proc.stderr
-    assert took < 30, f"{took:.0f} s"
 
 
 def test_unreachable_hub_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
