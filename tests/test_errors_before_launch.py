@@ -354,9 +354,7 @@ def test_saved_config_with_a_key_too_many(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ 7e: a hub name, no hub
 
 
-def test_hub_model_offline_answers_at_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_hub_model_offline_answers_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Before: ~50 s of huggingface_hub retries, printed twice, then a traceback. Now one
     line and no retry (judged by what it printed, not by a clock: a loaded CI machine once took
     31 s to start Python and refuse)."""
