@@ -228,3 +228,47 @@ def test_a_run_of_the_profile_phases_alone_has_measured_something(profile, tmp_p
     (tmp_path / "profile-memtune.json").unlink()
     fragment("zero-cost", "zero-cost", notes=[], zero_cost={"plain": {"tokens_per_s": 6826.7}})
     assert measured_anything(collect(DRY, tmp_path))
+
+
+def test_a_length_runs_its_own_lora_dropout_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decider chooses LoRA's dropout with the layers, so per length (on the 24 GB card the
+    lora phase is built at 4,096 tokens with peft's and searches 8,192 and up regenerated):
+    memtune_at_length applies a length's choice to the engine as build_rank would, not only
+    its layers, or the search measures peft's copies against a plan without them."""
+    import dataclasses
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from bench.gpu_check.configs import compose_cfg, decided_at
+    from bench.gpu_check.memtune_runner import memtune_at_length, memtune_model
+    from bench.gpu_check.modes import DRY
+    from memtune.config.deepspeed import build_ds_config
+    from memtune.memory.counts import count_params
+    from memtune.memory.estimate import plan
+    from memtune.memory.recompute import AUTO_CHECKPOINT_SPARE_GIB
+    from memtune.rank.build import loss_module
+    from memtune.rank.lora_dropout import regenerated_dropouts
+
+    cpu = torch.device("cpu")
+    cfg0 = compose_cfg(DRY, "lora", 64)
+    counts = count_params(cfg0)
+    cfg, d0 = decided_at(cfg0, 64, counts)
+    assert cfg.peft.dropout > 0 and d0.kernels.lora_dropout == "peft"
+    # a card on which 512 tokens fit with the spare regenerated, and not with peft's copies
+    at, d = decided_at(cfg0, 512, counts)
+    totals = [
+        plan(at, dataclasses.replace(d, kernels=dataclasses.replace(d.kernels, lora_dropout=k)))
+        for k in ("regenerate", "peft")
+    ]
+    assert totals[0].total_gib < totals[1].total_gib
+    card = AUTO_CHECKPOINT_SPARE_GIB + sum(p.total_gib for p in totals) / 2
+    built = memtune_model(cfg, d0, build_ds_config(cfg, d0), cpu)
+    assert regenerated_dropouts(built.model) == 0
+    engine = type("Engine", (), {"module": loss_module(cfg, d0, built.model, cpu)})
+    rec: dict[str, Any] = {}
+    _, at512 = memtune_at_length(engine, cfg0, counts, 512, cpu, rec, card)
+    assert at512.kernels.lora_dropout == "regenerate"
+    assert regenerated_dropouts(built.model) == len(counts.lora_inputs) * 2  # 2 layers
+    assert rec["lora_dropout"] == "regenerate"  # the row says which ran

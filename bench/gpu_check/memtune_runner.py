@@ -5,9 +5,10 @@ memory, and the search for the longest sequence under a 24 GB cap.
 memtune's side is built and rewired as a rank builds itself, in two functions at the top:
 :func:`build_memtune` (``build_rank`` on the base built here, from the decisions a launch
 makes for the first length) and :func:`memtune_at_length` (a length's own decisions, applied to
-the engine it already has through ``rank.build.apply_layer_decisions``, the function
-``build_rank`` applies per-layer decisions with: which layers recompute, the MLP's tiles, the
-offloaded inputs). No config is mutated and nothing is wired by hand.
+the engine it already has through ``rank.build.apply_layer_decisions`` and
+``apply_kernel_decisions``, the functions ``build_rank`` applies them with: which layers
+recompute, the MLP's tiles, the offloaded inputs, LoRA's dropout). No config is mutated and
+nothing is wired by hand.
 
 Every row runs under the allocator capped at the card its plan is for (``plan.device_gib``:
 the 24 GB card, or Unsloth's peak for ``*-at-unsloth``), as Unsloth's rows run under the same
@@ -110,11 +111,15 @@ def memtune_at_length(
     """The settings at ``seq_len`` (planned for ``device_gib``) and their decisions
     (configs.decided_at), applied to the engine's model as build_rank applies them
     (``apply_layer_decisions``: recomputed layers, and for a long phase the MLP's tiles and
-    the offloaded inputs). Records what it set in ``rec``."""
-    from memtune.rank.build import apply_layer_decisions
+    the offloaded inputs; ``apply_kernel_decisions``: LoRA's dropout, which the decider
+    chooses with the layers and so per length, and the rest of the kernels). Records what it
+    set in ``rec``."""
+    from memtune.rank.build import apply_kernel_decisions, apply_layer_decisions
 
     cfg, d = decided_at(planned_for(cfg0, device_gib), seq_len, counts)
     tiles, offloaded = apply_layer_decisions(engine.module.model, d, device)
+    apply_kernel_decisions(engine.module, d, device)
+    rec["lora_dropout"] = d.kernels.lora_dropout
     if d.tiled_mlp or d.offload_activations:
         rec["mlp_tiles"], rec["offloaded_layers"] = tiles, offloaded
     rec["checkpointed_layers"] = d.checkpointing.recomputed
