@@ -204,6 +204,15 @@ def test_the_typed_values_refuse_what_cannot_run() -> None:
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 4,
     }
+    # a decisions.json edited by hand: named, not a TypeError from deep in a rank
+    raw = decided(to_run_config(compose_cfg([]))).as_dict()
+    mixture = {"routed": "128", "adapted": False, "storage": "compute"}
+    with pytest.raises(DecisionError, match=r"experts\.routed must be an integer >= 1 \(got '128'"):
+        Decisions.from_dict({**raw, "experts": mixture})
+    with pytest.raises(DecisionError, match=r"experts\.routed must be an integer >= 1 \(got 0\)"):
+        Decisions.from_dict({**raw, "experts": {**mixture, "routed": 0}})
+    with pytest.raises(DecisionError, match=r"zero_template must be a string or null \(got 3\)"):
+        Decisions.from_dict({**raw, "zero_template": 3})
 
 
 def test_attention_runs_by_kv_head_with_the_mlp_tiled_where_the_kernel_splits() -> None:

@@ -280,6 +280,8 @@ class Experts:
     them with the other weights. Built under ZeRO-2 only."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.routed, int) or isinstance(self.routed, bool) or self.routed < 1:
+            raise DecisionError(f"experts.routed must be an integer >= 1 (got {self.routed!r})")
         if self.storage not in choices_of(ExpertStorage):
             raise DecisionError(
                 f"experts.storage is {self.storage!r}, not one of "
@@ -405,6 +407,10 @@ class Decisions:
         for name in ("tiled_mlp", "offload_activations", "attention_by_kv_head"):
             if not isinstance(getattr(self, name), bool):
                 raise DecisionError(f"{name} must be true or false (got {getattr(self, name)!r})")
+        if self.zero_template is not None and not isinstance(self.zero_template, str):
+            raise DecisionError(
+                f"zero_template must be a string or null (got {self.zero_template!r})"
+            )
         if not isinstance(self.cuda_alloc_conf, str):
             raise DecisionError(f"cuda_alloc_conf must be a string (got {self.cuda_alloc_conf!r})")
         if self.experts is not None and self.kernels.fused():
