@@ -89,22 +89,24 @@ def test_flops_equal_torchs_count_of_a_real_step(checkpoint_layers: str, variant
 
 
 def test_a_selective_layer_multiplies_loras_b_again_but_down_projs() -> None:
-    """The tiny model's two layers selective against kept (torch's FLOP count of a real step):
-    each selective layer multiplies again the B of q, k, v, o, gate and up (r = 16 deep, their
-    outputs 256, 128, 128, 256, 1,408 and 1,408 wide, not kept), and not down_proj's (the
-    recompute stops at down_proj's input)."""
+    """The tiny model's second layer selective against kept, the first selective in both
+    (torch's FLOP count of a real step; with no layer recomputed the first layer would not
+    compute its input's gradient either: rank.layers.embedding_grad_as_decided): a selective
+    layer multiplies again the B of q, k, v, o, gate and up (r = 16 deep, their outputs 256,
+    128, 128, 256, 1,408 and 1,408 wide, not kept), and not down_proj's (the recompute stops
+    at down_proj's input)."""
     counted, modeled = {}, {}
-    for selective in ("0", "all"):
+    for selective in ("1", "all"):
         cfg = _tiny_fp32_lora(
             "trainer.checkpoint_layers=0", f"trainer.selective_layers={selective}"
         )
         d = decided(cfg)
-        assert d.checkpointing.selective == (2 if selective == "all" else 0)
+        assert d.checkpointing.selective == (2 if selective == "all" else 1)
         counted[selective] = sum(_counted(cfg, "sdpa_varlen").values())
         modeled[selective] = micro_step_flops(cfg, d, count_params(cfg)).lora
-    remade = 2 * 256 * 2 * 16 * (256 + 128 + 128 + 256 + 1408 + 1408)  # 2 FLOPs, tokens, layers
-    assert counted["all"] - counted["0"] == remade
-    assert modeled["all"] - modeled["0"] == remade
+    remade = 2 * 256 * 16 * (256 + 128 + 128 + 256 + 1408 + 1408)  # 2 FLOPs, tokens, a layer
+    assert counted["all"] - counted["1"] == remade
+    assert modeled["all"] - modeled["1"] == remade
 
 
 ULYSSES = "Ulysses all-to-alls (q, k, v, output; sp=4)"

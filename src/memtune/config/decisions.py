@@ -132,9 +132,10 @@ class Checkpointing:
     layers that keep the least come first, since backward reaches them last, once the later
     layers' activations are freed, so one recomputed layer at a time adds to what is left
     (memory.estimate.activation_bytes). ``enabled``: transformers' checkpointing is installed
-    on the model (trainer.activation_checkpointing), which also makes the embedding's output
-    require a gradient, even with no layer recomputed. Selective layers need the
-    non-reentrant checkpoint (torch's selective checkpointing runs only there)."""
+    on the model (trainer.activation_checkpointing); with no layer recomputed and the
+    non-reentrant checkpoint the step keeps what it keeps with it off (transformers' hook that
+    makes the embedding's output require a gradient dropped: rank.layers). Selective layers
+    need the non-reentrant checkpoint (torch's selective checkpointing runs only there)."""
 
     layers: tuple[Recompute, ...]
     enabled: bool = True

@@ -133,3 +133,36 @@ def set_checkpointed_layers(model: Any, checkpointing: Checkpointing) -> None:
         layer._gradient_checkpointing_func = (
             SelectiveCheckpoint(plain) if kind == "selective" else plain
         )
+    embedding_grad_as_decided(model, checkpointing)
+
+
+def embedding_grad_as_decided(model: Any, checkpointing: Checkpointing) -> None:
+    """With nothing recomputed (the first layer keeps: the layers that recompute come first)
+    and the non-reentrant checkpoint, the input embedding's output needs no gradient
+    (:func:`embedding_output_needs_no_grad`), as with checkpointing off. Called wherever the
+    layers are decided and after peft wraps the model (peft hooks it again when checkpointing
+    is installed). A layer that recomputes keeps the hook, as the planner and the step-time
+    estimate count that step (layer 0's input gradient computed)."""
+    if checkpointing.layers[:1] == ("keep",) and not checkpointing.reentrant:
+        embedding_output_needs_no_grad(model)
+
+
+REQUIRE_GRAD_HOOKS = ("make_inputs_require_grads", "make_inputs_require_grad")
+"""transformers' ``enable_input_require_grads`` hook, and peft's own fallback's name."""
+
+
+def embedding_output_needs_no_grad(model: Any) -> int:
+    """Drop the hooks that make the input embedding's output require a gradient; the number
+    dropped. transformers 5 adds one whenever it installs activation checkpointing, even when
+    no layer recomputes (and peft another); the first layer's norm and its q, k and v dropouts
+    then keep their inputs for a gradient nothing reads (the frozen embedding takes none).
+    Without them a step with nothing recomputed keeps what it keeps with checkpointing off, as
+    the planner counts it (memory.estimate.saved_bytes)."""
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    if embeddings is None:
+        return 0
+    hooks = embeddings._forward_hooks
+    found = [k for k, h in hooks.items() if getattr(h, "__name__", "") in REQUIRE_GRAD_HOOKS]
+    for key in found:
+        del hooks[key]
+    return len(found)

@@ -14,7 +14,7 @@ from memtune.config import ConfigError, RunConfig
 from memtune.config.decisions import SPLITTING_KERNELS, AttentionKernel, Decisions
 from memtune.config.derive import REWRITING_INIT, lora_config, lora_scaling, variant_words
 from memtune.config.schema import PeftMethod
-from memtune.rank.layers import decoder_layers, set_checkpointed_layers
+from memtune.rank.layers import decoder_layers, embedding_grad_as_decided, set_checkpointed_layers
 from memtune.rank.long_context import compiled_checkpoints
 
 log = logging.getLogger("memtune")
@@ -223,6 +223,8 @@ def add_lora(model: Any, cfg: RunConfig, d: Decisions) -> Any:
     if c.reentrant:
         # Reentrant checkpointing drops gradients unless the layer inputs require grad.
         model.enable_input_require_grads()
+    else:
+        embedding_grad_as_decided(model, c)  # peft hooked it again
     if d.vision is not None:
         tower_inputs_need_no_grad(model)
     return model
