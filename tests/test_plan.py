@@ -330,7 +330,7 @@ def test_auto_fit_decides_again_what_the_run_left_to_auto() -> None:
     """The 7B recipe on 16.5 GiB does not fit, so its own long-context choice was the
     smallest plan's (the sequence split over 4 ranks) with all 28 layers recomputed; auto_fit
     kept both for its variants and ran ZeRO-3 so (6.41 GiB used of 16.5, 101.7 s a step by
-    the estimate) where zero=zero3 as given fits unsplit with 11 + 11 layers (39.0 s)."""
+    the estimate) where zero=zero3 as given fits unsplit with 12 + 13 layers (39.3 s)."""
     from memtune.memory.fit import fit_to_device
     from memtune.memory.step_time import step_time
 
@@ -344,10 +344,15 @@ def test_auto_fit_decides_again_what_the_run_left_to_auto() -> None:
     assert fitted.changes == ["zero=zero3"]
     assert fitted.decisions == asked.decisions and fitted.decisions.sequence_parallel == 1
     c = fitted.decisions.checkpointing
-    assert (c.recomputed, c.selective) == (11, 11)
+    assert (c.recomputed, c.selective) == (12, 13)
     assert "long context: sequence_parallel=1 tiled_mlp=off" in fitted.notes[-1]
     ours = step_time(zero3, fitted.decisions, fitted.plan.counts)
     assert ours is not None and ours.step_s < 40
+    # trainer.selective_layers set with checkpoint_layers=auto: each variant asks for it anew
+    # (it was pinned at the failing plan's 0 beside all 28 in full, and decisions_for raised)
+    mixed = [*at, "plan.auto_fit=true", "trainer.selective_layers=4"]
+    fitted = fit_to_device(to_run_config(compose_cfg(mixed)), machine=CPU_RANKS)
+    assert fitted.changes == ["zero=zero3"] and fitted.decisions.checkpointing.selective == 4
 
 
 def test_auto_fit_is_applied_before_launch_and_recorded(tmp_path: Path, capsys) -> None:

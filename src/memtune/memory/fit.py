@@ -281,10 +281,11 @@ def auto_fit(
     if d.checkpointing.enabled:
         layers = {"checkpoint_layers": t.checkpoint_layers, "selective_layers": t.selective_layers}
         settings = with_sections(settings, trainer=layers)
-    if requested_recompute(cfg) is None:
-        kept = dataclasses.replace(kept, recompute=None)
-    if str(t.selective_layers) == "auto":
-        kept = dataclasses.replace(kept, selective=None)
+    if requested_recompute(cfg) is None or str(t.selective_layers) == "auto":
+        # the layer counts follow the variant's settings: a selective_layers the user set
+        # with checkpoint_layers=auto is asked again of each variant, not ``d``'s count (0
+        # beside all layers recomputed in full, which the variant's own request contradicts)
+        kept = dataclasses.replace(kept, recompute=None, selective=None)
     long_auto = "auto" in (str(t.sequence_parallel), t.tiled_mlp, t.offload_activations)
     p = settings.peft
     counts: dict[tuple[str, int], ParamCounts] = {}
