@@ -95,3 +95,9 @@ def test_what_the_device_held_outside_the_allocator_is_judged_against_its_row() 
         "WARNING: rank1 held 1.40 GiB outside torch's allocator against 0.80 planned"
     )
     assert not any("peak reserved is" in line for line in lines)  # the steps were as planned
+    # a plan made without plan.device_gib has no row for it: measured, not judged
+    rows = [r for r in RECORD.rows if r.allocated]
+    bare = PlanRecord(rows=rows, total_gib=sum(r.gib for r in rows), device_gib=None)
+    checks = check(bare, measured, "cuda")
+    assert [c.measure for c in checks] == ["peak allocated", "peak reserved"] * 2
+    assert not any("WARNING" in line for line in verdict(bare, checks, "cuda"))

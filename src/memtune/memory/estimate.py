@@ -18,8 +18,8 @@ follow from dtypes, the ZeRO stage and the optimizer:
   layer's activations while it is recomputed;
 * the loss — plain cross-entropy holds tokens × vocab logits in bf16 and fp32 plus the fp32
   log-softmax; the chunked loss one chunk;
-* DeepSpeed's reduce/prefetch buckets, and on a GPU a fixed allowance for the CUDA context and
-  library workspaces;
+* DeepSpeed's reduce/prefetch buckets, and on a GPU what lies outside torch's allocator (the
+  CUDA context, library workspaces: measured, CUDA_CONTEXT_GIB);
 * under expert parallelism, a rank's share of the routed experts and the exchange's buffers
   (:mod:`memtune.memory.expert_parallel`).
 
