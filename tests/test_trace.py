@@ -72,6 +72,26 @@ def test_checkpointing_on_with_no_layer_recomputed_keeps_what_off_keeps() -> Non
     assert trace_step(on, d_on).saved_after_forward == trace_step(off, d_off).saved_after_forward
 
 
+def test_a_decision_again_on_the_same_model_puts_the_embedding_hook_back() -> None:
+    """The GPU check decides each length again on the model it has built: a length whose
+    first layer keeps drops the hook that makes the embedding's output need a gradient, and a
+    later length whose first layer recomputes has it again, as a rank built for it would."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from memtune.config.decisions import Checkpointing
+    from memtune.rank.layers import set_checkpointed_layers
+
+    arch = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, **arch))
+    model.requires_grad_(False)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, 64, (1, 4))
+    for recompute, needs_grad in [(0, False), (2, True), (0, False), (1, True)]:
+        set_checkpointed_layers(model, Checkpointing.first(recompute, 2, False))
+        assert model.get_input_embeddings()(ids).requires_grad is needs_grad, recompute
+
+
 # What the trace can build (one process, no long-context autograd functions); at 32k auto
 # would split the sequence.
 ONE_PROCESS = [

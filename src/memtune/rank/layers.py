@@ -142,9 +142,13 @@ def embedding_grad_as_decided(model: Any, checkpointing: Checkpointing) -> None:
     (:func:`embedding_output_needs_no_grad`), as with checkpointing off. Called wherever the
     layers are decided and after peft wraps the model (peft hooks it again when checkpointing
     is installed). A layer that recomputes keeps the hook, as the planner and the step-time
-    estimate count that step (layer 0's input gradient computed)."""
+    estimate count that step (layer 0's input gradient computed): one that was dropped for
+    an earlier decision on the same model (the GPU check decides again at each length) is put
+    back."""
     if checkpointing.layers[:1] == ("keep",) and not checkpointing.reentrant:
         embedding_output_needs_no_grad(model)
+    elif checkpointing.enabled and not _require_grad_hooks(model):
+        model.enable_input_require_grads()
 
 
 REQUIRE_GRAD_HOOKS = ("make_inputs_require_grads", "make_inputs_require_grad")
@@ -161,8 +165,16 @@ def embedding_output_needs_no_grad(model: Any) -> int:
     embeddings = getattr(model, "get_input_embeddings", lambda: None)()
     if embeddings is None:
         return 0
-    hooks = embeddings._forward_hooks
-    found = [k for k, h in hooks.items() if getattr(h, "__name__", "") in REQUIRE_GRAD_HOOKS]
+    found = _require_grad_hooks(model)
     for key in found:
-        del hooks[key]
+        del embeddings._forward_hooks[key]
     return len(found)
+
+
+def _require_grad_hooks(model: Any) -> list[int]:
+    """The keys of the input embedding's hooks that make its output require a gradient."""
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    if embeddings is None:
+        return []
+    hooks = embeddings._forward_hooks
+    return [k for k, h in hooks.items() if getattr(h, "__name__", "") in REQUIRE_GRAD_HOOKS]
