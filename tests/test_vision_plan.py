@@ -163,6 +163,9 @@ def test_a_launch_is_planned_for_the_images_its_data_holds(tmp_path: Path) -> No
                     "trainer.precision=fp32",
                     "plan.image_width=64",  # smaller than the data's largest
                     "plan.image_height=64",
+                    "launcher.num_ranks=1",  # one record: one step of one row
+                    "trainer.micro_batch_size=1",
+                    "trainer.global_batch_size=1",
                 ]
             )
         )
@@ -177,6 +180,21 @@ def test_a_launch_is_planned_for_the_images_its_data_holds(tmp_path: Path) -> No
     rows = again.plan.gib()
     assert rows["vision tower weights"] > 0 and rows["image inputs"] > 0
     assert again.decisions.batch == fitted.decisions.batch
+    # A run dir whose run plan.auto_fit restarted after an out-of-memory stop: planned anew
+    # from the settings for these images, the run keeps the restart's change (a requeue lost
+    # it, and ran out of memory where it had, its one restart spent)
+    from memtune.launcher.prepare import prepare_run_dir
+    from memtune.rundir import OomRestart, RunDir
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    changes = ["trainer.activation_checkpointing=true", "trainer.checkpoint_layers=all"]
+    RunDir(run_dir).write_resume(None)  # a run was laid out there
+    RunDir(run_dir).write_oom_restart(OomRestart([], changes, None))
+    _, d = prepare_run_dir(fitted, run_dir)
+    assert d.vision == Vision(False, False)
+    c = d.checkpointing
+    assert c.enabled and c.recomputed == len(c.layers) and again.decisions.checkpointing != c
 
 
 def test_the_towers_flops_are_torchs_count() -> None:

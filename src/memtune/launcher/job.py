@@ -135,7 +135,7 @@ def after_out_of_memory(
         # with nothing saved since still starts from PATH; resume=never must not set this run
         # aside as an earlier one).
         cfg = replace(cfg, resume="auto")
-    fresh, _ = prepare_run_dir(Fitted.as_decided(cfg, variant, machine), run_dir)
+    fresh, _ = prepare_run_dir(Fitted.as_decided(cfg, variant, machine), run_dir, restart=changes)
     resumed = rd.read_resume().checkpoint
     oom.record_restart(run_dir, changes, resumed)
     where = f"from {resumed}" if resumed else "from the start (no checkpoint yet)"

@@ -8,12 +8,14 @@ rank never joins).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 from memtune.config import ConfigError, RunConfig
 from memtune.config.decisions import Decisions, RankMachine
 from memtune.memory.counts import count_params
+from memtune.memory.estimate import plan
 from memtune.memory.fit import Fitted, as_restarted, format_suggestions, out_of_memory_variant
 from memtune.rundir import OomReport, OomRestart, RecordError, RunDir
 
@@ -58,29 +60,47 @@ def restart_plan(
     return out_of_memory_variant(cfg, d, machine)
 
 
-def still_restarted(fitted: Fitted, run_dir: Path) -> Fitted:
-    """A later start of a run dir whose run plan.auto_fit restarted (oom_restart.json) keeps
-    that restart's change (memory.fit.as_restarted), and says so; a fresh start (resume=never)
-    or a run dir without a restart decides as the settings say."""
+def restart_changes(run_dir: Path, resume: str) -> list[str] | None:
+    """What plan.auto_fit changed to restart this run dir's run after an out-of-memory stop
+    (oom_restart.json), for a start that continues it; None without a restart, or for a
+    fresh start (resume=never). A damaged record: ConfigError naming it."""
     rd = RunDir(run_dir)
-    if fitted.cfg.resume == "never" or not rd.oom_restart.is_file():
-        return fitted
+    if resume == "never" or not rd.oom_restart.is_file():
+        return None
     try:
-        changes = rd.read_oom_restart().changes
+        return rd.read_oom_restart().changes
     except RecordError as err:
         raise ConfigError(
             f"{err}: it says what plan.auto_fit changed after an out-of-memory stop; restore "
             "it, or start this run afresh (resume=never)"
         ) from None
+
+
+def with_restart(fitted: Fitted, changes: list[str]) -> Fitted:
+    """``fitted`` with a restart's change (memory.fit.as_restarted) and its plan; the same
+    object when it already has it."""
     d = as_restarted(fitted.cfg, fitted.decisions, fitted.machine, changes)
     if d == fitted.decisions:
         return fitted
-    print(
-        f"memtune: plan.auto_fit restarted this run after an out-of-memory stop with "
-        f"{' '.join(changes)} ({rd.oom_restart}): so does this start",
-        flush=True,
-    )
-    return Fitted.as_decided(fitted.cfg, d, fitted.machine)
+    return dataclasses.replace(fitted, decisions=d, plan=plan(fitted.cfg, d, fitted.plan.counts))
+
+
+def still_restarted(fitted: Fitted, run_dir: Path) -> Fitted:
+    """A later start of a run dir whose run plan.auto_fit restarted (oom_restart.json) keeps
+    that restart's change, and says so; a fresh start (resume=never) or a run dir without a
+    restart decides as the settings say. (launcher.prepare keeps it again where the data
+    makes the run planned anew.)"""
+    changes = restart_changes(run_dir, fitted.cfg.resume)
+    if changes is None:
+        return fitted
+    restarted = with_restart(fitted, changes)
+    if restarted is not fitted:
+        print(
+            f"memtune: plan.auto_fit restarted this run after an out-of-memory stop with "
+            f"{' '.join(changes)} ({RunDir(run_dir).oom_restart}): so does this start",
+            flush=True,
+        )
+    return restarted
 
 
 def record_restart(run_dir: Path, changes: list[str], resumed: str | None) -> None:

@@ -37,6 +37,7 @@ from memtune.data.cache import (
 from memtune.data.packing import StepShape, step_shape
 from memtune.filesystem import cannot_write, write_atomic
 from memtune.integrity import check_files
+from memtune.launcher.oom import restart_changes, with_restart
 from memtune.launcher.room import check_run_dir_room
 from memtune.machine import versions_line
 from memtune.memory.fit import Fitted, fit_to_device, format_step_estimates
@@ -103,13 +104,15 @@ class RunFinished(Exception):
 
 
 def prepare_run_dir(
-    fitted: Fitted, run_dir: Path, finished_stops: bool = False
+    fitted: Fitted, run_dir: Path, finished_stops: bool = False, restart: list[str] | None = None
 ) -> tuple[RunConfig, Decisions]:
     """Lay out ``run_dir`` for the decided run (``fitted``: what :func:`decide` made of the
     settings; config.yaml records the settings, decisions.json what was decided) and return
     both, as the ranks will read them. ``finished_stops``: a finished run raises RunFinished
     before its records are touched (config.yaml, resume.json, ... stay the ones it trained
     with, not this start's settings).
+
+    ``restart``: the changes of the out-of-memory restart this lays the run out for.
 
     Everything that can still fail before a rank starts fails here: the DeepSpeed template, the
     disk's room, the data, the checkpoint to resume. A synthesized demo model is built here
@@ -149,6 +152,11 @@ def prepare_run_dir(
     prepared = prepare_data(cfg)
     check_token_ids(cfg, prepared)
     fitted = planned_for_data(fitted, prepared)
+    # An out-of-memory restart's change (``restart``: the one being made; else this run dir's
+    # oom_restart.json) is kept where the data made the run planned anew from its settings.
+    carried = restart if restart is not None else restart_changes(run_dir, cfg.resume)
+    if carried:
+        fitted = with_restart(fitted, carried)
     memory_plan, d = fitted.plan, fitted.decisions
     cfg = replace(fitted.cfg, run_dir=str(run_dir))
     ds_config = build_ds_config(cfg, d)  # as decided for the data (the same unless planned again)
