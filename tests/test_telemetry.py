@@ -130,3 +130,6 @@ def test_a_start_logs_after_the_rows_of_the_steps_it_continues(tmp_path: Path) -
 
     assert steps_after_a_start_at(0) == [(1, 1.0)]  # no checkpoint: the start from step 1
     assert steps_after_a_start_at(4) == [(1, 9.0), (2, 9.0), (3, 9.0), (4, 9.0), (5, 1.0)]
+    # the last row cut short by a kill mid-write: no step's, dropped (it stopped every start)
+    killed += '{"step": 7, "train/lo'
+    assert steps_after_a_start_at(4) == [(1, 9.0), (2, 9.0), (3, 9.0), (4, 9.0), (5, 1.0)]

@@ -95,11 +95,21 @@ def keep_steps_through(path: Path, step: int) -> None:
     """Drop metrics.jsonl's rows of steps after ``step``, where this start of the run begins:
     it logs them again. ``step`` is the checkpoint a resume continues from, or 0 where there is
     none (a start killed before its first checkpoint left rows that the next start, from step
-    1, appended to: steps 1-6, then 1, 2, ... again)."""
+    1, appended to: steps 1-6, then 1, 2, ... again). A row that cannot be read (the last one
+    cut short by a kill or a full disk) is dropped too: it is no step's."""
     if not path.is_file():
         return
-    rows = [r for r in path.read_text().splitlines() if r and json.loads(r)["step"] <= step]
+    rows = [r for r in path.read_text(errors="replace").splitlines() if _step_of(r) <= step]
     write_atomic(path, "".join(r + "\n" for r in rows))  # a crash here keeps the history
+
+
+def _step_of(row: str) -> float:
+    """A metrics.jsonl row's step; infinity for a row that is not one (never kept)."""
+    try:
+        value = json.loads(row)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
+    return value if isinstance(value, int) else float("inf")
 
 
 class NullLogger:
