@@ -413,7 +413,9 @@ def test_machine_prints_the_machine_and_refuses_arguments() -> None:
     assert proc.returncode == EXIT_CONFIG and "unrecognized arguments" in proc.stderr
 
 
-def test_a_merge_is_in_the_precision_the_adapter_was_trained_in(tmp_path: Path) -> None:
+def test_a_merge_is_in_the_precision_the_adapter_was_trained_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """memtune merge without --dtype: the run's trainer.precision (the fp32 CPU demo merged
     in bf16 answered a prompt differently from its adapter); bf16 for an adapter from
     elsewhere, even with a run's config.yaml folders above it; --dtype wins."""
@@ -439,8 +441,14 @@ def test_a_merge_is_in_the_precision_the_adapter_was_trained_in(tmp_path: Path) 
     step = run / "checkpoints" / "step-0000002"
     (step / "adapter").mkdir(parents=True)
     assert merged_dtype(trained_as(step / "adapter"), None) == "bf16"  # the run's, as written
-    cfg = to_run_config(compose_cfg(["trainer.precision=fp32"]))
-    (step / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    fp32 = OmegaConf.to_yaml(
+        OmegaConf.structured(to_run_config(compose_cfg(["trainer.precision=fp32"])))
+    )
+    (run / "config.yaml").write_text(fp32)
+    monkeypatch.chdir(step.parent)  # given as step-0000002/adapter from checkpoints/
+    assert merged_dtype(trained_as(Path(step.name) / "adapter"), None) == "fp32"
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # bf16
+    (step / "config.yaml").write_text(fp32)
     assert merged_dtype(trained_as(step / "adapter"), None) == "fp32"
 
 

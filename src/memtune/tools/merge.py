@@ -89,6 +89,7 @@ def trained_as(adapter_dir: Path) -> TrainedAs | None:
     held the decided values in its config.yaml itself. Only where a run puts them: beside the
     adapter (RUN_DIR/, a checkpoint's step-N/), or RUN_DIR/ for a checkpoint that holds none;
     an adapter copied elsewhere is not merged with whatever config.yaml lies above it."""
+    adapter_dir = adapter_dir.resolve()  # checkpoints/step-N/adapter given from checkpoints/
     places = [adapter_dir.parent]
     if adapter_dir.parent.parent.name == "checkpoints":
         places.append(adapter_dir.parent.parent.parent)
