@@ -184,6 +184,22 @@ def test_sdpa_varlen_refuses_left_padding(tiny) -> None:
         row_segments(2, 4, torch.tensor([0, 3, 6, 8], dtype=torch.int32), None)
 
 
+def test_the_varlen_attentions_refuse_bidirectional_attention() -> None:
+    """Both attend causally within each sample whatever they are asked: a vision tower's
+    attention (its module's is_causal False, or is_causal=False given) is refused, not run
+    causal (memtune gives the towers sdpa; the guard keeps it so)."""
+    from memtune.rank import attention
+
+    q = torch.randn(1, 2, 4, 8)
+    tower = torch.nn.Module()
+    tower.is_causal = False
+    for forward in (attention.sdpa_varlen_forward, attention.torch_varlen_forward):
+        with pytest.raises(ValueError, match="attends causally only"):
+            forward(tower, q, q, q, None)
+        with pytest.raises(ValueError, match="attends causally only"):
+            forward(torch.nn.Module(), q, q, q, None, is_causal=False)
+
+
 def test_step_shape_counts_samples_and_epochs() -> None:
     lengths = [60, 60, 40, 40, 30, 20, 10, 10] * 10  # 2,700 tokens
     batch = BatchShape(global_batch=4, micro_batch=1, ranks=1, sequence_parallel=1, row_tokens=128)

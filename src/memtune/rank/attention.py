@@ -90,12 +90,19 @@ def row_segments(
 
 
 def _training_shape(
-    name: str, query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]
+    name: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    kwargs: dict[str, Any],
+    module: torch.nn.Module | None = None,
 ) -> tuple[int, int]:
     """(batch, row width) of a training step's attention; what neither function runs refused:
-    sliding windows, and keys longer than the queries (a KV cache)."""
+    sliding windows, keys longer than the queries (a KV cache), and attention that is not
+    causal (a vision tower's: both attend causally, whatever they are asked)."""
     if kwargs.get("sliding_window") is not None:
         raise ValueError(f"{name} does not implement sliding-window attention")
+    if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
+        raise ValueError(f"{name} attends causally only (asked for bidirectional attention)")
     batch, _, width, _ = query.shape
     if key.shape[2] != width:
         raise ValueError(f"{name} is for training: queries and keys must have one length")
@@ -116,7 +123,7 @@ def sdpa_varlen_forward(
     """``query`` (b, heads, n, d), ``key``/``value`` (b, kv heads, n, d) → (b, n, heads, d)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    batch, width = _training_shape(NAME, query, key, kwargs)
+    batch, width = _training_shape(NAME, query, key, kwargs, module)
     segments = row_segments(batch, width, kwargs.get("cu_seq_lens_q"), attention_mask)
 
     def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -259,7 +266,7 @@ def torch_varlen_forward(
     causal attention within each segment, one varlen call for the batch."""
     if dropout:
         raise ValueError(f"torch_varlen runs no attention dropout (asked {dropout})")
-    batch, width = _training_shape(VARLEN_NAME, query, key, kwargs)
+    batch, width = _training_shape(VARLEN_NAME, query, key, kwargs, module)
     cu, longest = cumulative_bounds(
         batch, width, kwargs.get("cu_seq_lens_q"), attention_mask, query.device
     )
