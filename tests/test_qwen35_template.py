@@ -266,6 +266,32 @@ def test_a_pair_thinking_on_and_off_shares_its_prompt(tok: Qwen35BPE) -> None:
     ]
 
 
+def test_a_conversation_without_a_query_is_a_bad_record() -> None:
+    """Every user turn a tool result: Qwen3.5's template raises ("No user query found in
+    messages"), so the data build counts the record as a bad one (data.on_bad_record), in a
+    preference pair too; a conversation with a query beside it is kept."""
+    from memtune.data.cache import _with_a_query
+    from memtune.data.encode import DataStats
+
+    tool_only = [
+        {"role": "user", "content": "<tool_response>\n4\n</tool_response>"},
+        {"role": "assistant", "content": "4."},
+    ]
+    with pytest.raises(jinja2.exceptions.TemplateError, match="No user query found"):
+        official(tool_only)
+    chosen, rejected = tool_only[1], {"role": "assistant", "content": "5."}
+    records = [
+        Record("a.jsonl:1", messages=tool_only),
+        Record("a.jsonl:2", messages=TURNS[:2]),
+        Record("a.jsonl:3", pair=(tool_only[:1], chosen, rejected)),
+    ]
+    stats = DataStats(records=3)
+    cfg = DataConfig(path="a.jsonl", template="qwen3_5", on_bad_record="skip")
+    assert _with_a_query(records, cfg, stats) == records[1:2]
+    assert (stats.records, stats.skipped_bad) == (1, 2)
+    assert stats.bad_examples[0].startswith("a.jsonl:1: no user turn is a query")
+
+
 def test_the_config_takes_qwen3_5() -> None:
     cfg = to_run_config(compose_cfg(["data.template=qwen3_5"]))
     assert cfg.data.template == "qwen3_5"

@@ -141,6 +141,10 @@ REASONING = {
         {"role": "user", "content": "<tool_response>\n4\n</tool_response>"},
         {"role": "assistant", "content": "4."},
     ],
+    "no query, only a tool result": [  # Qwen3 takes the last message for the query: no block
+        {"role": "user", "content": "<tool_response>\n4\n</tool_response>"},
+        {"role": "assistant", "content": "4.", "reasoning_content": "It said 4."},
+    ],
     "spaced tool result is a query": [  # Qwen3 (unlike Qwen3.5) does not strip the content
         TURNS[0],
         {"role": "assistant", "content": "Let me check.", "reasoning_content": "Use the tool."},

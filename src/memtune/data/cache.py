@@ -43,6 +43,7 @@ from memtune.data.encode import (
     resize_record_images,
 )
 from memtune.data.readers import IdenticalReplies, Record, RecordError, read_source
+from memtune.data.templates import is_query
 from memtune.data.vision import IMAGE_PAD, ImageSettings, Resized
 from memtune.filesystem import cannot_write, follow_umask, free_bytes, human_bytes
 from memtune.integrity import Store
@@ -312,6 +313,8 @@ def _encode(
             resized = None
             if images is not None and any(rec.images for rec in chunk):
                 chunk, resized = _resize_images(chunk, images, cfg, stats)
+            if cfg.template == "qwen3_5":
+                chunk = _with_a_query(chunk, cfg, stats)
             encoded = encode_records(chunk, tokenizer, cfg, resized)
             if stray is not None:
                 encoded = _without_stray_image_tokens(chunk, encoded, stray, cfg, stats)
@@ -319,6 +322,29 @@ def _encode(
             _check_image_budget(stats, cfg)
             bar.update(len(chunk))
     return samples
+
+
+def _with_a_query(chunk: list[Record], cfg: DataConfig, stats: DataStats) -> list[Record]:
+    """The records but those with a conversation whose every user turn is a tool result
+    (wrapped whole in <tool_response>): Qwen3.5's template refuses one ("No user query found
+    in messages"), so data.template=qwen3_5 takes it for a bad record (data.on_bad_record)."""
+    kept = []
+    for rec in chunk:
+        if rec.pair is not None:
+            conversations = list(rec.conversations())
+        else:
+            conversations = [] if rec.messages is None else [rec.messages]
+        if any(not any(is_query(m) for m in c) for c in conversations):
+            err = RecordError(
+                rec.where,
+                "no user turn is a query (each is a tool result wrapped in <tool_response>): "
+                "Qwen3.5's chat template refuses such a conversation (data.template=qwen3_5)",
+            )
+            _bad_record(err, cfg, stats)
+            stats.records -= 1
+            continue
+        kept.append(rec)
+    return kept
 
 
 def _without_stray_image_tokens(

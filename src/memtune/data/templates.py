@@ -94,8 +94,11 @@ def segments(messages: list[dict[str, str]], template: str, eos: str) -> list[Se
             out.append((text, label))
 
     last = len(messages) - 1
-    qwen3_last_query = max((i for i, m in enumerate(messages) if is_query(m, False)), default=-1)
-    qwen35_last_query = max((i for i, m in enumerate(messages) if is_query(m)), default=-1)
+    # Without a query (every user turn a tool result) Qwen3's template takes the last message
+    # for it, so no reply gets a think block; Qwen3.5's refuses such a conversation (memtune:
+    # a bad record, data.cache).
+    qwen3_last_query = max((i for i, m in enumerate(messages) if is_query(m, False)), default=last)
+    qwen35_last_query = max((i for i, m in enumerate(messages) if is_query(m)), default=last)
     for i, m in enumerate(messages):
         role, content = m["role"], m["content"]
         if template == "chatml":
