@@ -593,7 +593,16 @@ def format_longest_sequence(
     n, how = longest_sequence(cfg, d, counts, machine)
     if not n:
         least = max(1, -(-row_image_tokens(cfg) // 1024)) * 1024  # longest_sequence's first
-        return f"longest sequence that fits: none of {least:,} tokens ({how})"
+        short = ""
+        if _short_of_spare(plan(cfg, d, counts)):  # the run fits, just not with the spare
+            short = (
+                f"; this run's {cfg.data.max_seq_len:,} leaves less than "
+                f"{AUTO_CHECKPOINT_SPARE_GIB:g} GiB spare"
+            )
+        return (
+            f"longest sequence that fits ({AUTO_CHECKPOINT_SPARE_GIB:g} GiB spare): none of "
+            f"{least:,} tokens ({how}){short}"
+        )
     limit = rope_positions(cfg)
     note = ""
     if n > limit and cfg.model.rope_scaling:
