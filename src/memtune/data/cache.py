@@ -324,6 +324,13 @@ def _encode(
     return samples
 
 
+def _bad_once_read(err: RecordError, cfg: DataConfig, stats: DataStats) -> None:
+    """A record counted as read and found bad when encoded: a bad record instead
+    (data.on_bad_record), so the counts add up."""
+    _bad_record(err, cfg, stats)
+    stats.records -= 1
+
+
 def _with_a_query(chunk: list[Record], cfg: DataConfig, stats: DataStats) -> list[Record]:
     """The records but those with a conversation whose every user turn is a tool result
     (wrapped whole in <tool_response>): Qwen3.5's template refuses one ("No user query found
@@ -335,13 +342,11 @@ def _with_a_query(chunk: list[Record], cfg: DataConfig, stats: DataStats) -> lis
         else:
             conversations = [] if rec.messages is None else [rec.messages]
         if any(not any(is_query(m) for m in c) for c in conversations):
-            err = RecordError(
-                rec.where,
+            why = (
                 "no user turn is a query (each is a tool result wrapped in <tool_response>): "
-                "Qwen3.5's chat template refuses such a conversation (data.template=qwen3_5)",
+                "Qwen3.5's chat template refuses such a conversation (data.template=qwen3_5)"
             )
-            _bad_record(err, cfg, stats)
-            stats.records -= 1
+            _bad_once_read(RecordError(rec.where, why), cfg, stats)
             continue
         kept.append(rec)
     return kept
@@ -358,13 +363,11 @@ def _without_stray_image_tokens(
     kept = []
     for rec, s in zip(chunk, encoded, strict=True):
         if s.mm_token_type_ids is None and image_pad in s.input_ids:
-            err = RecordError(
-                rec.where,
+            why = (
                 f"the text holds {IMAGE_PAD!r}, which only an image may place (images are read "
-                "in data.format=messages records)",
+                "in data.format=messages records)"
             )
-            _bad_record(err, cfg, stats)
-            stats.records -= 1
+            _bad_once_read(RecordError(rec.where, why), cfg, stats)
             continue
         kept.append(s)
     return kept
