@@ -31,7 +31,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from memtune.config import ConfigError, DataConfig, DataSource, cache_dir
 from memtune.data.encode import (
@@ -324,32 +324,48 @@ def _encode(
     return samples
 
 
-def _bad_once_read(err: RecordError, cfg: DataConfig, stats: DataStats) -> None:
-    """A record counted as read and found bad when encoded: a bad record instead
-    (data.on_bad_record), so the counts add up."""
-    _bad_record(err, cfg, stats)
-    stats.records -= 1
+T = TypeVar("T")
+
+
+def _kept(
+    chunk: list[Record],
+    items: list[T],
+    bad: Callable[[T], str | None],
+    cfg: DataConfig,
+    stats: DataStats,
+) -> list[T]:
+    """``items`` (one a record of ``chunk``) but those ``bad`` has a reason for: each a bad
+    record (data.on_bad_record), no longer counted among the records read."""
+    kept = []
+    for rec, item in zip(chunk, items, strict=True):
+        why = bad(item)
+        if why is None:
+            kept.append(item)
+            continue
+        _bad_record(RecordError(rec.where, why), cfg, stats)
+        stats.records -= 1
+    return kept
+
+
+NO_QUERY = (
+    "no user turn is a query (each is a tool result wrapped in <tool_response>): Qwen3.5's chat "
+    "template refuses such a conversation (data.template=qwen3_5)"
+)
 
 
 def _with_a_query(chunk: list[Record], cfg: DataConfig, stats: DataStats) -> list[Record]:
     """The records but those with a conversation whose every user turn is a tool result
     (wrapped whole in <tool_response>): Qwen3.5's template refuses one ("No user query found
     in messages"), so data.template=qwen3_5 takes it for a bad record (data.on_bad_record)."""
-    kept = []
-    for rec in chunk:
+
+    def no_query(rec: Record) -> str | None:
         if rec.pair is not None:
             conversations = list(rec.conversations())
         else:
             conversations = [] if rec.messages is None else [rec.messages]
-        if any(not any(is_query(m) for m in c) for c in conversations):
-            why = (
-                "no user turn is a query (each is a tool result wrapped in <tool_response>): "
-                "Qwen3.5's chat template refuses such a conversation (data.template=qwen3_5)"
-            )
-            _bad_once_read(RecordError(rec.where, why), cfg, stats)
-            continue
-        kept.append(rec)
-    return kept
+        return NO_QUERY if any(not any(map(is_query, c)) for c in conversations) else None
+
+    return _kept(chunk, chunk, no_query, cfg, stats)
 
 
 def _without_stray_image_tokens(
@@ -360,17 +376,15 @@ def _without_stray_image_tokens(
     checked as they are read), which are bad records (data.on_bad_record): a vision-language
     model takes the token for an image's, and a step with images then stops on the rank
     (transformers: "Image features and image tokens do not match")."""
-    kept = []
-    for rec, s in zip(chunk, encoded, strict=True):
-        if s.mm_token_type_ids is None and image_pad in s.input_ids:
-            why = (
-                f"the text holds {IMAGE_PAD!r}, which only an image may place (images are read "
-                "in data.format=messages records)"
-            )
-            _bad_once_read(RecordError(rec.where, why), cfg, stats)
-            continue
-        kept.append(s)
-    return kept
+    stray = (
+        f"the text holds {IMAGE_PAD!r}, which only an image may place (images are read in "
+        "data.format=messages records)"
+    )
+
+    def placed_by_nothing(s: Sample) -> str | None:
+        return stray if s.mm_token_type_ids is None and image_pad in s.input_ids else None
+
+    return _kept(chunk, encoded, placed_by_nothing, cfg, stats)
 
 
 def _resize_images(
