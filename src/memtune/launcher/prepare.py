@@ -151,12 +151,12 @@ def prepare_run_dir(
         check_checkpoint(folder, cfg.model.trust_remote_code, weights=not cfg.preprocess_only)
     prepared = prepare_data(cfg)
     check_token_ids(cfg, prepared)
-    fitted = planned_for_data(fitted, prepared)
-    # An out-of-memory restart's change (``restart``: the one being made; else this run dir's
-    # oom_restart.json) is kept where the data made the run planned anew from its settings.
-    carried = restart if restart is not None else restart_changes(run_dir, cfg.resume)
-    if carried:
-        fitted = with_restart(fitted, carried)
+    again = planned_for_data(fitted, prepared)
+    if again is not fitted:
+        # Planned anew from the settings for the data: an out-of-memory restart's change
+        # (``restart``: the one being made; else this run dir's oom_restart.json) is kept.
+        carried = restart if restart is not None else restart_changes(run_dir, cfg.resume)
+        fitted = with_restart(again, carried) if carried else again
     memory_plan, d = fitted.plan, fitted.decisions
     cfg = replace(fitted.cfg, run_dir=str(run_dir))
     ds_config = build_ds_config(cfg, d)  # as decided for the data (the same unless planned again)

@@ -761,16 +761,23 @@ def out_of_memory_variant(
     batches and the ZeRO partitions stay as they are, so only what the step recomputes may
     change: the chunked loss, then activation checkpointing of every layer). None when there
     is nothing left of that kind."""
-    layers = len(d.checkpointing.layers)
     if d.loss == "plain":
         return dataclasses.replace(d, loss=loss_kernel("auto", machine)), ["trainer.loss=auto"]
     if not d.checkpointing.enabled:
-        every = Checkpointing.first(layers, layers, cfg.trainer.checkpointing_reentrant)
-        out = d.with_checkpointing(every)
-        return out, ["trainer.activation_checkpointing=true", "trainer.checkpoint_layers=all"]
-    if d.checkpointing.recomputed < layers:
-        return d.with_recompute(layers), ["trainer.checkpoint_layers=all"]
+        every = ["trainer.activation_checkpointing=true", "trainer.checkpoint_layers=all"]
+        return _every_layer_recomputed(cfg, d), every
+    if d.checkpointing.recomputed < len(d.checkpointing.layers):
+        return _every_layer_recomputed(cfg, d), ["trainer.checkpoint_layers=all"]
     return None
+
+
+def _every_layer_recomputed(cfg: RunConfig, d: Decisions) -> Decisions:
+    layers = len(d.checkpointing.layers)
+    if not d.checkpointing.enabled:
+        return d.with_checkpointing(
+            Checkpointing.first(layers, layers, cfg.trainer.checkpointing_reentrant)
+        )
+    return d.with_recompute(layers)
 
 
 def as_restarted(
@@ -780,14 +787,8 @@ def as_restarted(
     out-of-memory stop (oom_restart.json's ``changes``, one of :func:`out_of_memory_variant`'s):
     that change again, so a requeue or a rerun of the same command does not decide the step
     that ran out of memory once more (and stop there, its one restart spent)."""
-    asked = set(changes)
-    if "trainer.loss=auto" in asked and d.loss == "plain":
+    if "trainer.loss=auto" in changes and d.loss == "plain":
         d = dataclasses.replace(d, loss=loss_kernel("auto", machine))
-    if "trainer.checkpoint_layers=all" in asked:
-        layers = len(d.checkpointing.layers)
-        if not d.checkpointing.enabled:
-            every = Checkpointing.first(layers, layers, cfg.trainer.checkpointing_reentrant)
-            d = d.with_checkpointing(every)
-        elif d.checkpointing.recomputed < layers:
-            d = d.with_recompute(layers)
+    if "trainer.checkpoint_layers=all" in changes:
+        d = _every_layer_recomputed(cfg, d)
     return d
