@@ -72,11 +72,8 @@ from memtune.memory.selective import adapter_outputs, keeps_matmul_output
 from memtune.memory.vision import add_image_rows
 from memtune.rundir import PlanRecord, PlanRow
 
-# What a rank's device holds outside torch's allocator (the CUDA context, loaded kernels,
-# cuBLAS/cuDNN workspaces, NCCL's buffers): 1.21-1.34 GiB measured in memtune's rank on one H200
-# (2026-12-04, bench/results/2026-12-04-h200*.json: 1.30 at the steps' peaks; a plain
-# Trainer process without DeepSpeed held 0.75). Every GPU run measures its own against this row
-# at the end (rank.memory_check), and the GPU check records it in each phase.
+# Outside torch's allocator (CUDA context, kernels, cuBLAS workspaces, NCCL): 1.30 GiB in memtune's
+# rank at its peaks, one H200 (bench/results/2026-12-04-h200*.json); each GPU run checks its own.
 CUDA_CONTEXT_GIB = 1.3
 
 
@@ -844,13 +841,8 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
     )
     if cfg.plan.device_gib is not None:
         # outside the allocator: max_memory_allocated / reserved never see it
-        context = CUDA_CONTEXT_GIB * GIB
-        out.add(
-            "CUDA context + workspaces",
-            context,
-            "measured outside the allocator (H200, 2026-12-04)",
-            allocated=False,
-        )
+        how = "measured outside the allocator (H200, 2026-12-04)"
+        out.add("CUDA context + workspaces", CUDA_CONTEXT_GIB * GIB, how, allocated=False)
     return out
 
 
