@@ -22,6 +22,7 @@ import re
 import sys
 import typing
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "memtune"
@@ -78,6 +79,33 @@ def _type(annotation: str, schema: object) -> str:
     return f"`{annotation}`".replace("|", "\\|")
 
 
+DEMO_GROUPS = ("model", "data", "experiment")
+"""Groups whose default option is the CPU demo's: its values are no run's defaults but the
+demo's, so the options page shows the schema's."""
+
+
+def _default_group_values() -> dict[str, tuple[str, dict[str, Any]]]:
+    """{group: (its default option in conf/config.yaml, the scalar values that file sets)},
+    for the groups every run takes unless it picks another option (not the demo's)."""
+    import yaml
+
+    out: dict[str, tuple[str, dict[str, Any]]] = {}
+    for entry in yaml.safe_load((ROOT / "conf" / "config.yaml").read_text())["defaults"]:
+        if not isinstance(entry, dict):
+            continue
+        [(group, option)] = entry.items()
+        path = ROOT / "conf" / str(group) / f"{option}.yaml"
+        if group in DEMO_GROUPS or not path.is_file():
+            continue
+        values = yaml.safe_load(path.read_text()) or {}
+        out[str(group)] = (str(option), {k: v for k, v in values.items() if _scalar(v)})
+    return out
+
+
+def _scalar(value: object) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
 def _default(f: dataclasses.Field) -> str:
     if f.default is not dataclasses.MISSING:
         value = f.default
@@ -87,6 +115,10 @@ def _default(f: dataclasses.Field) -> str:
             return ""
     else:
         return ""
+    return _default_text(value)
+
+
+def _default_text(value: object) -> str:
     if value == "???":
         return "required"
     if value is None or isinstance(value, bool):
@@ -120,15 +152,24 @@ def options_page() -> str:
         "",
     ]
 
+    group_values = _default_group_values()
+
     def table(cls: type, prefix: str) -> None:
         lines.extend(["| option | type | default | what it does |", "|---|---|---|---|"])
+        group, _, _ = prefix.partition(".")
         for f in dataclasses.fields(cls):
             if dataclasses.is_dataclass(f.type) or f.name not in annotations[cls.__name__]:
                 continue
             ann = annotations[cls.__name__][f.name]
             doc = docs[cls.__name__].get(f.name, "")
+            default = _default(f)
+            if group in group_values and f.name in group_values[group][1]:
+                option, values = group_values[group]
+                given = _default_text(values[f.name])
+                if given != default:  # what every run gets unless it picks another option
+                    default = f"{given} (`{group}={option}`; the schema's: {default})"
             lines.append(
-                f"| `{prefix}{f.name}` | {_type(ann, schema)} | {_default(f)} | {_cell(doc)} |"
+                f"| `{prefix}{f.name}` | {_type(ann, schema)} | {default} | {_cell(doc)} |"
             )
         lines.append("")
 
@@ -162,8 +203,11 @@ def options_page() -> str:
     lines.append("")
     for group in sorted(p for p in (ROOT / "conf").iterdir() if p.is_dir()):
         lines.extend([f"### {group.name}", "", "| name | what it is |", "|---|---|"])
-        for path in sorted(group.glob("*.yaml")):
-            lines.append(f"| `{group.name}={path.stem}` | {_cell(_first_comment(path))} |")
+        for path in sorted(group.rglob("*.yaml")):
+            name = path.relative_to(group).with_suffix("").as_posix()  # hydra/launcher/slurm
+            key = f"{group.name}/{name.rpartition('/')[0]}" if "/" in name else group.name
+            option = name.rpartition("/")[2]
+            lines.append(f"| `{key}={option}` | {_cell(_first_comment(path))} |")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 
