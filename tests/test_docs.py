@@ -320,6 +320,22 @@ def test_the_generated_reference_pages_are_current() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def test_the_options_page_gives_the_defaults_a_run_gets() -> None:
+    """Every run takes trainer=default (the only trainer option), whose file sets values the
+    schema's defaults do not: the page shows what a run gets, not the bare schema's. And every
+    group's options are listed, one folder down too (hydra/launcher/slurm.yaml)."""
+    import yaml
+
+    trainer = yaml.safe_load((ROOT / "conf" / "trainer" / "default.yaml").read_text())
+    row = _table_row("reference/options.md", "`trainer.max_steps`")
+    assert row.split("|")[3].strip().startswith(f"`{trainer['max_steps']}` (`trainer=default`")
+    row = _table_row("reference/options.md", "`trainer.warmup_steps`")
+    assert row.split("|")[3].strip().startswith(f"`{trainer['warmup_steps']}` (`trainer=default`")
+    row = _table_row("reference/options.md", "`trainer.lr`")  # the file agrees: as it is
+    assert row.split("|")[3].strip() == "`0.0002`"
+    assert _table_row("reference/options.md", "`hydra/launcher=slurm`")
+
+
 def test_every_option_has_a_docstring() -> None:
     """The options page is the schema's docstrings: a field without one is a blank row."""
     text = (ROOT / "docs" / "reference" / "options.md").read_text()
