@@ -436,6 +436,22 @@ def test_the_layer_search_takes_the_fastest_mix_that_fits(overrides: list) -> No
     assert min(steps, key=steps.__getitem__) == (c.recomputed, c.selective), steps
 
 
+def test_the_layer_line_names_the_setting_left_on_auto() -> None:
+    """checkpoint_layers given, selective_layers on auto: the start-up line is selective_layers'
+    (it said checkpoint_layers=auto for a number the user had chosen)."""
+    from memtune.config.decisions import RankMachine
+
+    for given, setting in (("auto", "checkpoint_layers"), ("12", "selective_layers")):
+        overrides = ["experiment=qwen2.5-7b-4x4090-lora", f"trainer.checkpoint_layers={given}"]
+        fitted = fit_to_device(
+            to_run_config(compose_cfg(overrides)), machine=RankMachine(cuda=True)
+        )
+        lines = [n for n in fitted.notes if "_layers=auto: " in n]
+        assert len(lines) == 1 and lines[0].startswith(f"{setting}=auto: "), fitted.notes
+        if given == "12":
+            assert fitted.decisions.checkpointing.recomputed == 12
+
+
 def test_the_other_stage_short_of_autos_spare_is_not_just_said_to_fit() -> None:
     """A plan's other ZeRO stage that fits the device but not with auto's 2 GiB to spare said
     only 'fits', as if memtune had passed over a faster stage that fits (a walk-through read

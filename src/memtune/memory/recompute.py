@@ -279,7 +279,10 @@ def _resolve_layers(
     else:
         why = f"even all of them leave less than {spare:.0f} GiB of {budget[1]} spare"
     mix = f", {s} more selectively" if s else ""
-    return d, f"checkpoint_layers=auto: {k} of {layers} layers{mix} ({why})"
+    # Named for the setting that was left open: with checkpoint_layers given, only
+    # selective_layers was decided here (the line said checkpoint_layers=auto).
+    setting = "checkpoint_layers" if _full_asked(cfg, choices) is None else "selective_layers"
+    return d, f"{setting}=auto: {k} of {layers} layers{mix} ({why})"
 
 
 def fits_with_spare(planned: Plan) -> bool:
