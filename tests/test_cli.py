@@ -405,6 +405,22 @@ def test_trace_validates_the_config_as_plan_does(
     assert err == f"memtune trace: {message}\n" and out == ""
 
 
+def test_trace_says_what_it_does_not_trace_as_given(capsys: pytest.CaptureFixture[str]) -> None:
+    """memtune trace traced a dpo run as sft, and decided for the machine it ran on (as plan
+    does), without a word of either: the comparison read as the run's own."""
+    from memtune.cli import main
+
+    assert main(["trace", "trainer.objective=dpo", "data.max_seq_len=64"]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if "note: " in line]
+    assert notes == [
+        "  note: trainer.objective=dpo traced as sft (the row's cross-entropy, not dpo's pair "
+        "log-probabilities: the plan's loss row is dpo's)",
+        "  note: decided for this machine (no CUDA GPU: no FlashAttention-2, no Liger kernels), "
+        "as memtune plan decides: a launch on another machine may decide other kernels and "
+        "recomputed layers",
+    ]
+
+
 def test_machine_prints_the_machine_and_refuses_arguments() -> None:
     proc = memtune("machine")
     assert proc.returncode == 0, proc.stderr

@@ -158,6 +158,14 @@ def traced_decisions(cfg: RunConfig, d: Decisions) -> tuple[Decisions, list[str]
             "(tests/test_plan.py checks those plans against what autograd saves instead)"
         )
     notes = []
+    if cfg.trainer.objective != "sft":
+        # rank.preference's pair losses are not traced: the row, the model and its backward
+        # are the same, the loss at the end is SFT's cross-entropy
+        notes.append(
+            f"trainer.objective={cfg.trainer.objective} traced as sft (the row's cross-entropy, "
+            f"not {cfg.trainer.objective}'s pair log-probabilities: the plan's loss row is "
+            f"{cfg.trainer.objective}'s)"
+        )
     if d.peft_method != "lora":
         notes.append(f"{d.peft_method} base traced in {cfg.trainer.precision} (analytical)")
         experts = d.experts and dataclasses.replace(d.experts, storage="compute")
