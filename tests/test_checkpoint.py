@@ -157,6 +157,9 @@ def test_starting_a_finished_run_again_launches_nothing(finished: Path, tmp_path
     assert "already finished: step-0000012 is step 12 of trainer.max_steps=12" in proc.stdout
     assert "memtune: done in" not in proc.stdout  # no ranks, no repeated summary
     assert "resuming from" not in proc.stdout and "schedule" not in proc.stdout
+    # Said before the data (it was read or tokenized again for nothing) and, on a GPU, before
+    # the preflight that rewrote preflight.json.
+    assert "memtune: data " not in proc.stdout and "memtune: train: " not in proc.stdout
     assert {name: (run_dir / name).read_bytes() for name in records} == before
     # More steps asked for (or no adapter exported yet): the ranks start and train on.
     cfg = load_run_config(run_dir / "config.yaml")

@@ -34,6 +34,7 @@ from memtune.launcher.prepare import (
     decide,
     prepare_run_dir,
     refuse_files_not_ours,
+    stop_if_finished,
 )
 from memtune.launcher.spawn import check_master_port, launch
 from memtune.launcher.topology import (
@@ -367,6 +368,8 @@ def _decide_and_lay_out(
     the run dir; the other nodes of a per-node job wait for it and read it."""
     fitted = decide(given, say=False) if spec.node_rank == 0 else None
     run_dir.mkdir(parents=True, exist_ok=True)
+    if fitted is not None and spec.form != "per-node":
+        stop_if_finished(fitted, run_dir)  # before the preflight's record and the data
     rd = RunDir(run_dir)
     preflight = rd.preflight(spec.node_rank)
     env, measured = for_launch(given.launcher, spec.ranks_per_node, spec.nnodes, preflight)

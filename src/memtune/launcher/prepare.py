@@ -162,16 +162,39 @@ def prepare_run_dir(
     ds_config = build_ds_config(cfg, d)  # as decided for the data (the same unless planned again)
     shape = train_step_shape(cfg, d, prepared)
     print(f"memtune: {shape.line()}", flush=True)
-    name, revision = cfg.model.name_or_path, cfg.model.revision
-    start = cfg.peft.init_from
-    started = None if start is None else adapter_fingerprint(start)
-    base = BaseRecord(name, base_fingerprint(name, revision), start, started)
+    base = _base_record(cfg)
     resume = resolve_resume(cfg, d, rd, prepared.dir, base, finished_stops)
     if cfg.resume == "never":
         start_over(rd)
     with no_space_is_an_error(run_dir, "run_dir"):
         _write_run_dir(cfg, rd, fitted, ds_config, prepared, shape, base, resume)
     return cfg, d
+
+
+def _base_record(cfg: RunConfig) -> BaseRecord:
+    """This run's base model (and the adapter it starts from), by content."""
+    name, revision = cfg.model.name_or_path, cfg.model.revision
+    start = cfg.peft.init_from
+    started = None if start is None else adapter_fingerprint(start)
+    return BaseRecord(name, base_fingerprint(name, revision), start, started)
+
+
+def stop_if_finished(fitted: Fitted, run_dir: Path) -> None:
+    """RunFinished when a start of a run dir whose run ended well (exit.json says 0) would
+    continue from a checkpoint that ends the run: said before the GPU preflight and the data,
+    which a finished run's start ran for nothing (tokenizing again, preflight.json rewritten).
+    Decided on the settings alone: a contradiction with the checkpoint (or one the data's plan
+    may make) is left to :func:`prepare_run_dir`, which says it with the data in hand."""
+    rd = RunDir(run_dir)
+    if fitted.cfg.resume == "never" or not rd.exit.is_file():
+        return
+    try:
+        if rd.read_exit().code != 0:
+            return
+    except RecordError:
+        return
+    cfg = replace(fitted.cfg, run_dir=str(run_dir))
+    resolve_resume(cfg, fitted.decisions, rd, None, _base_record(cfg), finished_stops=True)
 
 
 def start_over(rd: RunDir) -> None:
@@ -485,20 +508,22 @@ def resolve_resume(
     cfg: RunConfig,
     d: Decisions,
     rd: RunDir,
-    data_dir: Path,
+    data_dir: Path | None,
     base: BaseRecord | None = None,
     finished_stops: bool = False,
 ) -> Path | None:
     """The checkpoint to continue from, verified (its manifest) and checked against the config
     and the base model (``base``: this run's, by content) before any rank starts.
     ``finished_stops``: RunFinished when that checkpoint already ends the run, before the
-    resume is announced (there is no step after it)."""
+    resume is announced (there is no step after it). ``data_dir`` None: before the data
+    (:func:`stop_if_finished`): only RunFinished, saying nothing else; None otherwise."""
+    before_data = data_dir is None
     if cfg.resume == "never":
         return None
     if cfg.resume == "auto":
         # skips damaged ones, with a warning each
         ckpt, warnings = find_latest(rd.checkpoints)
-        for w in warnings:
+        for w in [] if before_data else warnings:
             print(f"memtune: warning: {w}", flush=True)
         if ckpt is None:
             return None
@@ -556,15 +581,17 @@ def resolve_resume(
             changed += f"; {saved.cfg.launcher.nnodes} → {cfg.launcher.nnodes} node(s)"
         if why:
             diffs.append(f"  launcher.num_ranks / zero.stage: checkpoint {changed} ({why})")
-        else:
+        elif not before_data:
             print(
                 f"memtune: resuming across a change of ranks or ZeRO stage ({changed}): same "
                 f"global batch {d.batch.global_batch}, accumulation now "
                 f"{d.batch.accumulation}",
                 flush=True,
             )
-    if state.data_dir and Path(state.data_dir).name != data_dir.name:
+    if data_dir is not None and state.data_dir and Path(state.data_dir).name != data_dir.name:
         diffs.append("  data: the tokenized data differs from the checkpoint's (files or settings)")
+    if diffs and before_data:
+        return None  # said by the start that goes on, on the decisions made for the data
     if diffs:
         raise ConfigError(
             f"cannot resume from {ckpt}: the config contradicts it\n"
@@ -572,8 +599,13 @@ def resolve_resume(
             + "\nRestore those values, or start fresh: resume=never (or a new run_dir). "
             "The adapter of that checkpoint is in its adapter/ folder."
         )
-    if finished_stops and (finished := already_finished(cfg, rd.path, ckpt)) is not None:
+    if (
+        finished_stops
+        and (finished := already_finished(cfg, rd.path, ckpt, say=not before_data)) is not None
+    ):
         raise RunFinished(finished)
+    if before_data:
+        return None
     print(f"memtune: resuming from {ckpt} (step {state.step})", flush=True)
     schedule = [
         f"{k} {saved.value(k)} → {now.value(k)}"
@@ -746,7 +778,9 @@ def _train_state(ckpt: Path) -> TrainState:
         raise ConfigError(f"cannot resume: {err}") from None
 
 
-def already_finished(cfg: RunConfig, run_dir: Path, ckpt: Path | None = None) -> str | None:
+def already_finished(
+    cfg: RunConfig, run_dir: Path, ckpt: Path | None = None, say: bool = True
+) -> str | None:
     """Why there is nothing to run: the checkpoint being resumed (``ckpt``, else the one
     resume.json records) reached trainer.max_steps, the job's final record says exit 0, and
     the final files summary.json lists verify (sizes and hashes). A run whose end was cut short
@@ -762,12 +796,13 @@ def already_finished(cfg: RunConfig, run_dir: Path, ckpt: Path | None = None) ->
     if step < cfg.trainer.max_steps:
         return None
     problem = _final_outputs_problem(rd, step)
-    if problem is not None:
+    if problem is not None and say:
         print(
             f"memtune: {ckpt.name} is the last step, but the run's end did not complete "
             f"({problem}): exporting again from it",
             flush=True,
         )
+    if problem is not None:
         return None
     return (
         f"already finished: {ckpt.name} is step {step} of trainer.max_steps="
