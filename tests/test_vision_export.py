@@ -9,8 +9,10 @@ through the real loading code); the adapter's LoRA B is drawn at random instead 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from memtune.rank.loss import model_inputs
 from memtune.rank.vision import multimodal_hidden
 from memtune.rundir import RunDir
 from memtune.tools.generate import answer, image_settings, load, main, prompt_inputs
+from memtune.tools.merge import main as merge_main
 from memtune.tools.merge import merge
 from memtune.tools.tiny import build_vision_language
 from tests.test_vision_train import adapted_model, encoded, picture, reply, user, vl_cfg, with_tower
@@ -96,13 +99,19 @@ def memtune_logits(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     ],
 )
 def test_an_image_runs_adapter_gives_memtunes_logits_on_the_released_class_and_merges(
-    conversation: Path, tmp_path: Path, kind: str, target: str
+    conversation: Path,
+    tmp_path: Path,
+    kind: str,
+    target: str,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Plain peft on the checkpoint's released class (AutoModelForImageTextToText), given the
     processor's inputs for a conversation with two images and run through the class's own
     forward, computes the rank's logits; the adapter changes them; its tower tensors (when
     adapted) load as trained. ``memtune merge`` writes a checkpoint of that class with its
-    tower (merged where adapted), its image settings beside it, and the same logits."""
+    tower (merged where adapted), its image settings beside it, and the same logits. The
+    commands (merge, and generate on the run) print memtune's lines only: transformers'
+    loading bars and (Qwen3.5) its decoding kernels' fall-back lines were printed too."""
     from peft import PeftModel, get_peft_model_state_dict
     from safetensors import safe_open
 
@@ -134,7 +143,15 @@ def test_an_image_runs_adapter_gives_memtunes_logits_on_the_released_class_and_m
         with served.disable_adapter():
             assert (got - served(**inputs).logits).abs().max() > 1e-3
 
-    merged_dir = merge(adapter, tmp_path / "merged", dtype="fp32")
+    capsys.readouterr()
+    merged_dir = tmp_path / "merged"
+    with _transformers_log() as said:
+        merge_main([str(adapter), str(merged_dir), "--dtype", "fp32"])  # memtune merge
+        if kind == "qwen3_5":  # its decoding kernels' fall-backs (one kind: 1 s a generate)
+            main([str(adapter.parent), "hi", "--max-new-tokens", "2"])  # memtune generate
+    out, err = capsys.readouterr()
+    assert out.startswith(f"memtune: merged model (fp32) written to {merged_dir}\n")
+    assert err == "" and said == [], (err, said)  # the bars and the fall-backs: stderr
     merged = released(merged_dir)
     assert type(merged).__name__ == type(served.get_base_model()).__name__
     original = released(base_dir).state_dict()
@@ -146,6 +163,28 @@ def test_an_image_runs_adapter_gives_memtunes_logits_on_the_released_class_and_m
     assert image_settings(adapter.parent, merged_dir) == image_settings(adapter.parent)
     with torch.no_grad():
         torch.testing.assert_close(merged(**inputs).logits, got, rtol=1e-4, atol=1e-4)
+
+
+@contextlib.contextmanager
+def _transformers_log() -> Iterator[list[str]]:
+    """What transformers logs in the block (its warnings once more, as in a new process)."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.warning_once.cache_clear()
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    keep = Keep(logging.WARNING)
+    logging.getLogger("transformers").addHandler(keep)
+    try:
+        yield said
+    finally:
+        logging.getLogger("transformers").removeHandler(keep)
 
 
 def greedy(model: Any, inputs: dict[str, torch.Tensor], steps: int, stops: list[int]) -> list[int]:

@@ -28,6 +28,10 @@ LOG_NOISE = (
     # and the README says what installing them changes.
     ("transformers.integrations.hub_kernels", "`causal_conv1d_fn` is falling back"),
     ("transformers.integrations.hub_kernels", "`chunk_gated_delta_rule` is falling back"),
+    # ... and, in memtune generate, its one-token decoding steps' kernels (the answer is the
+    # same; memtune's own lines are what a user of generate reads)
+    ("transformers.integrations.hub_kernels", "`causal_conv1d_update` is falling back"),
+    ("transformers.integrations.hub_kernels", "`fused_recurrent_gated_delta_rule` is falling back"),
 )
 # Bare prints (stdout lines) dropped where :func:`drop_stdout_lines` wraps the call.
 STDOUT_NOISE = (
@@ -65,6 +69,21 @@ def install() -> None:
         logging.getLogger(name).addFilter(_DropPrefix(prefix))
     for category, message, module in WARNING_NOISE:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
+
+
+@contextlib.contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars (its "Loading weights", save_pretrained's "Writing model
+    shards") off for the block: the tools print memtune's own lines instead."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 @contextlib.contextmanager

@@ -30,6 +30,7 @@ from memtune.arguments import VerbParser, positive_int
 from memtune.config import ConfigError, load_run_config
 from memtune.data.templates import IM_END, render_prompt, with_system
 from memtune.data.vision import IMAGE_PLACEHOLDER, ImageSettings
+from memtune.quiet import no_progress_bars
 from memtune.rundir import RunDir
 from memtune.safetensors_check import model_weights_problem
 
@@ -241,7 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     check_paths(args.run_dir, args.model)
     settings = image_settings(args.run_dir, args.model) if args.image else None
     try:
-        model, tokenizer = load(args.run_dir, args.model)
+        with no_progress_bars():  # transformers' "Loading weights": the answer is the output
+            model, tokenizer = load(args.run_dir, args.model)
     except OSError as err:  # transformers: neither a local model dir nor one on the Hub
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"cannot load the model: {first}") from None

@@ -39,6 +39,7 @@ from memtune.config.decisions import experts_of
 from memtune.config.schema import PeftMethod
 from memtune.filesystem import follow_umask
 from memtune.paths import is_local_source
+from memtune.quiet import no_progress_bars
 from memtune.rundir import DECISIONS, RecordError, read_decisions
 from memtune.safetensors_check import model_weights_problem
 
@@ -372,7 +373,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     dtype = merged_dtype(trained_as(args.adapter), args.dtype)  # for the line below
-    out = merge(args.adapter, args.out, args.base, dtype, args.into)
+    with no_progress_bars():  # transformers' loading and writing bars: the line below says it
+        out = merge(args.adapter, args.out, args.base, dtype, args.into)
     print(f"memtune: merged model ({dtype}) written to {out}")
 
 

@@ -29,6 +29,7 @@ from memtune.config import ASSETS_DIR, ConfigError
 from memtune.data.vision import CLIP_MEAN, CLIP_STD, PREPROCESSOR_CONFIG
 from memtune.filesystem import follow_umask
 from memtune.integrity import MANIFEST, Store
+from memtune.quiet import no_progress_bars
 
 # Qwen2.5-Instruct's specials: pad is <|endoftext|>, an assistant turn ends with <|im_end|>.
 PAD_TOKEN = "<|endoftext|>"
@@ -108,19 +109,6 @@ def build_tokenizer(
     )
     fast.chat_template = CHATML_TEMPLATE
     return fast
-
-
-@contextlib.contextmanager
-def _no_progress_bars() -> Iterator[None]:
-    from transformers.utils import logging as hf_logging
-
-    was = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was:
-            hf_logging.enable_progress_bar()
 
 
 class NotOurs(ConfigError):
@@ -258,7 +246,7 @@ def _write_text(path: Path, architecture: dict[str, Any], seed: int, tok_dir: Pa
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    with _no_progress_bars():  # one tiny shard: a bar would only be noise
+    with no_progress_bars():  # one tiny shard: a bar would only be noise
         model.save_pretrained(path)
     tokenizer.save_pretrained(path)
 
@@ -369,7 +357,7 @@ def _write_vision_language(
     model = AutoModelForImageTextToText.from_config(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    with _no_progress_bars():
+    with no_progress_bars():
         model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     low, high = TINY_VISION_PIXELS
