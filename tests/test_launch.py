@@ -295,7 +295,8 @@ def test_sweep_points_that_would_share_a_run_dir_are_refused(tmp_path: Path) -> 
     from omegaconf import OmegaConf
 
     from memtune.config.command_line import composition_problem
-    from memtune.launcher.job import _another_points_dir
+    from memtune.launcher.job import _another_points_dir, _refused_point
+    from memtune.launcher.sweep_report import collect, write_report
 
     assert composition_problem(["-m", "peft.r=4,8", "hydra.sweep.subdir=same"]) == (
         "hydra.sweep.subdir=same gives every point of the sweep the same run dir; keep "
@@ -319,6 +320,21 @@ def test_sweep_points_that_would_share_a_run_dir_are_refused(tmp_path: Path) -> 
     # the same point under another number (a later sweep with a subdir of
     # ${hydra.job.override_dirname}, where peft.r=4 came second) is that point again
     assert _another_points_dir(run, point(1, ["peft.r=4"])) is None
+    # The refused point is a row of the report, with why (it had none: the sweep's report
+    # listed point 0 alone); once it runs in a dir of its own, that dir's row is its row.
+    sweep = OmegaConf.merge(point(1, ["peft.r=8"]), {"sweep": {"dir": str(tmp_path)}})
+    _refused_point(sweep, "its run dir same holds point 0's run")
+    rows = [(r["point"], r["overrides"], r["status"]) for r in collect(tmp_path)]
+    assert rows == [
+        ("same", "peft.r=4", "failed"),
+        ("1", "peft.r=8", "refused: its run dir same holds point 0's run"),
+    ]
+    assert "| 1 | peft.r=8 |  |  | refused: its run dir same holds point 0's run |" in (
+        write_report(tmp_path)["md"].read_text()
+    )
+    (tmp_path / "1" / ".hydra").mkdir(parents=True)
+    (tmp_path / "1" / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(["peft.r=8"]))
+    assert [r["point"] for r in collect(tmp_path)] == ["1", "same"]
     record["hydra"]["mode"] = "RUN"
     (run / ".hydra" / "hydra.yaml").write_text(OmegaConf.to_yaml(record))
     assert _another_points_dir(run, point(1, ["peft.r=8"])) is None  # a single run's dir

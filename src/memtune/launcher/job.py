@@ -37,6 +37,7 @@ from memtune.launcher.prepare import (
     stop_if_finished,
 )
 from memtune.launcher.spawn import check_master_port, launch
+from memtune.launcher.sweep_report import record_refused
 from memtune.launcher.topology import (
     NodeSpec,
     announce_ready,
@@ -177,6 +178,7 @@ def run_job(cfg: DictConfig) -> int:
             "in it (the default), so that every point has its own",
             file=sys.stderr,
         )
+        _refused_point(hydra_cfg, f"its run dir {run_dir.name} holds point {other}'s run")
         return _failed(EXIT_CONFIG, sweeping)  # nothing written into the other point's dir
     try:
         node_rank = this_node_rank(cfg.launcher)
@@ -206,7 +208,17 @@ def run_job(cfg: DictConfig) -> int:
         # of this job's to write there (no exit.json), only the refusal.
         kind = "config error: " if isinstance(err, ConfigError) else ""
         print(f"memtune: {kind}{err}", file=sys.stderr)
+        if sweeping:
+            _refused_point(hydra_cfg, f"{kind}{err}")
         return _failed(EXIT_CONFIG, sweeping)
+
+
+def _refused_point(hydra_cfg: Any, error: str) -> None:
+    """A sweep point refused before it wrote into its run dir: its row of the sweep report,
+    kept in the sweep dir (it had none: the report listed the sweep without it)."""
+    with contextlib.suppress(OSError):  # the refusal, said above, is the report then
+        overrides = list(hydra_cfg.overrides.task)
+        record_refused(Path(hydra_cfg.sweep.dir), hydra_cfg.job.num, overrides, error)
 
 
 def _dated_by_hydra(cfg: DictConfig, hydra_cfg: Any, sweeping: bool) -> bool:

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from memtune.arguments import VerbParser
+from memtune.filesystem import write_atomic
 from memtune.rundir import RunDir
 
 COLUMNS = [
@@ -51,6 +52,34 @@ def _run_dirs(sweep_dir: Path) -> list[Path]:
     return sorted(dirs, key=lambda p: (len(p.name), p.name))
 
 
+REFUSED = ".refused-points"
+"""The sweep dir's folder of the points refused before they had a run dir of their own (their
+dir another point's, or taken): one JSON record each, their rows (:func:`record_refused`)."""
+
+
+def record_refused(sweep_dir: Path, num: int, overrides: list[str], error: str) -> None:
+    """A sweep point refused without writing into its dir (another point's run, another job's,
+    a user's files): its report row, so that it is a row marked refused, never a missing row."""
+    folder = sweep_dir / REFUSED
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"point": num, "overrides": overrides, "error": " ".join(error.split())}
+    write_atomic(folder / f"{num}.json", json.dumps(record) + "\n")
+
+
+def _refused(sweep_dir: Path, ran: list[list[str]]) -> list[dict[str, Any]]:
+    """The refused points' records, by number; one whose overrides a run dir holds is left out
+    (the point ran since, or its own earlier run is there: that dir's row is the point's)."""
+    found = []
+    for path in (sweep_dir / REFUSED).glob("*.json"):
+        try:
+            record = json.loads(path.read_text())
+            record["overrides"] = [str(o).removeprefix("++") for o in record["overrides"]]
+            found.append((int(record["point"]), record))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not memtune's record
+    return [r for _, r in sorted(found, key=lambda nr: nr[0]) if r["overrides"] not in ran]
+
+
 def _overrides(run: Path) -> list[str]:
     """The point's command-line overrides as the user wrote them (train.py gives a whole
     mapping to Hydra as ``++key={...}``: config.schema.open_mappings)."""
@@ -62,7 +91,9 @@ def _overrides(run: Path) -> list[str]:
 def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     runs = _run_dirs(sweep_dir)
     per_run = [_overrides(run) for run in runs]
-    shared = set.intersection(*(set(o) for o in per_run)) if per_run else set()
+    refused = _refused(sweep_dir, per_run)
+    every = per_run + [r["overrides"] for r in refused]
+    shared = set.intersection(*(set(o) for o in every)) if every else set()
     rows = []
     for run, overrides in zip(runs, per_run, strict=True):
         varying = [o for o in overrides if o not in shared] if len(runs) > 1 else overrides
@@ -89,6 +120,15 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
             code = rd.read_exit().code if rd.exit.is_file() else None
             row["status"] = f"failed (exit {code})" if code is not None else "failed"
         rows.append(row)
+    for record in refused:
+        varying = [o for o in record["overrides"] if o not in shared] if len(every) > 1 else []
+        rows.append(
+            {
+                "point": str(record["point"]),
+                "overrides": " ".join(varying or record["overrides"]),
+                "status": f"refused: {record['error']}",
+            }
+        )
     return rows
 
 
@@ -163,6 +203,8 @@ def _plot(sweep_dir: Path, rows: list[dict[str, Any]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     for row in rows:
+        if row["status"].startswith("refused"):
+            continue  # no run dir of its own
         curve = _losses(sweep_dir / row["point"])
         if curve:
             steps, losses = zip(*curve, strict=True)
@@ -198,7 +240,7 @@ class SweepReport:
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        if not sweep_dir.is_dir() or not _run_dirs(sweep_dir):
+        if not sweep_dir.is_dir() or not (_run_dirs(sweep_dir) or (sweep_dir / REFUSED).is_dir()):
             return  # no point made a run dir (plan_only=true): nothing to compare
         out = write_report(sweep_dir)
         rows = collect(sweep_dir)
