@@ -388,3 +388,27 @@ def test_two_nodes_started_separately_train_together(tmp_path: Path) -> None:
     assert (run_dir / "nodes.hostfile").read_text() == "node0 slots=1\nnode1 slots=1\n"
     adapter = load_file(run_dir / "adapter" / "adapter_model.safetensors")
     assert any(bool((t != 0).any()) for k, t in adapter.items() if "lora_B" in k)
+
+    # The finished run started again (another launch id): node 0 says so to node 1 and no
+    # node starts a rank or writes a record (node 0 laid the run out again, config.yaml with
+    # this start's settings, and every node wrote .hydra/, the record of the start that
+    # trained it). Planning only: no rank runs.
+    records = ["config.yaml", "decisions.json", "resume.json", "plan.txt", "data.json"]
+    records += [".hydra/config.yaml", ".hydra/overrides.yaml", "exit.json", "summary.json"]
+    before = {name: (run_dir / name).read_bytes() for name in records}
+    again = [o.replace("launch_id=t1", "launch_id=t2") for o in common]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "train.py"), *again, f"launcher.node_rank={k}"],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for k in (1, 0)
+    ]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert all("already finished: step-0000004 is step 4" in out for out in outs), outs
+    assert all("memtune: data " not in out for out in outs), outs
+    assert {name: (run_dir / name).read_bytes() for name in records} == before

@@ -353,6 +353,10 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
         _record_composition(cfg, run_dir)
     except RunFinished as finished:
         # Nothing to train: say so instead of starting the ranks to repeat the old summary.
+        # A per-node job's node 0 tells the other nodes (they wait for its word), and no node
+        # writes a record of the run: they stay those of the start that trained it.
+        if spec is not None and spec.form == "per-node" and spec.node_rank == 0:
+            announce_ready(run_dir, spec, finished=str(finished))
         print(f"memtune: {finished}; run dir {run_dir}", flush=True)
         return 0
     except (ConfigError, PreflightError) as err:
@@ -380,14 +384,16 @@ def _decide_and_lay_out(
     the run dir; the other nodes of a per-node job wait for it and read it."""
     fitted = decide(given, say=False) if spec.node_rank == 0 else None
     run_dir.mkdir(parents=True, exist_ok=True)
-    if fitted is not None and spec.form != "per-node":
+    if fitted is not None:
         stop_if_finished(fitted, run_dir)  # before the preflight's record and the data
     rd = RunDir(run_dir)
     preflight = rd.preflight(spec.node_rank)
     env, measured = for_launch(given.launcher, spec.ranks_per_node, spec.nnodes, preflight)
     if fitted is None:
         print(f"memtune: node {spec.node_rank}: waiting for node 0 to prepare {run_dir}")
-        wait_ready(run_dir, spec, timeout_s=WAIT_FOR_NODE0_S)
+        finished = wait_ready(run_dir, spec, timeout_s=WAIT_FOR_NODE0_S)
+        if finished is not None:
+            raise RunFinished(finished)
         try:
             decisions = rd.read_decisions()
         except RecordError as err:
@@ -405,8 +411,8 @@ def _decide_and_lay_out(
     fitted = oom.still_restarted(fitted, run_dir)
     announce(fitted)
     # A finished run: nothing to train, and its records stay the ones it trained with (a
-    # per-node job's ranks are started, on every node, as node 0's records say).
-    return (*prepare_run_dir(fitted, run_dir, finished_stops=spec.form != "per-node"), env)
+    # per-node job's node 0 says so to the other nodes: _prepare).
+    return (*prepare_run_dir(fitted, run_dir, finished_stops=True), env)
 
 
 def _stopped_before_launch(

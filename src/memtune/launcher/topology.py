@@ -294,9 +294,14 @@ def _mark_of(path: Path, spec: NodeSpec) -> dict[str, Any] | None:
     return record if record.get("launch_id") == spec.launch_id else None
 
 
-def announce_ready(run_dir: Path, spec: NodeSpec, error: str | None = None) -> None:
-    """Node 0: the run dir of this launch id is complete (or could not be made: ``error``)."""
+def announce_ready(
+    run_dir: Path, spec: NodeSpec, error: str | None = None, finished: str | None = None
+) -> None:
+    """Node 0: the run dir of this launch id is complete (or could not be made: ``error``; or
+    its run is finished: ``finished`` says why, and no node starts a rank)."""
     record = {"launch_id": spec.launch_id, "nnodes": spec.nnodes, "error": error}
+    if finished is not None:
+        record["finished"] = finished
     _write_mark(RunDir(run_dir).nodes_ready, record)
 
 
@@ -322,8 +327,9 @@ def wait_stopped(run_dir: Path, spec: NodeSpec, timeout_s: float, poll_s: float 
         time.sleep(poll_s)
 
 
-def wait_ready(run_dir: Path, spec: NodeSpec, timeout_s: float, poll_s: float = 1.0) -> None:
-    """Nodes 1..: wait until node 0 has prepared the run dir for this launch id."""
+def wait_ready(run_dir: Path, spec: NodeSpec, timeout_s: float, poll_s: float = 1.0) -> str | None:
+    """Nodes 1..: wait until node 0 has prepared the run dir for this launch id; what node 0
+    said when the run is finished already (nothing to start), else None."""
     path = RunDir(run_dir).nodes_ready
     start = last_note = time.monotonic()
     while True:
@@ -331,7 +337,7 @@ def wait_ready(run_dir: Path, spec: NodeSpec, timeout_s: float, poll_s: float = 
         if record is not None:
             if record.get("error"):
                 raise ConfigError(f"node 0 could not prepare {run_dir}: {record['error']}")
-            return
+            return str(record["finished"]) if record.get("finished") else None
         now = time.monotonic()
         if now - start > timeout_s:
             raise ConfigError(
