@@ -349,6 +349,14 @@ def test_a_gpu_experiment_stops_before_tokenizing_on_a_machine_without_gpus(tmp_
     assert not (run_dir / "config.yaml").exists() and not (run_dir / "data.json").exists()
     # The demo (require_gpus false) on the same machine starts CPU ranks instead.
     assert to_run_config(compose_cfg([])).launcher.require_gpus is False
+    # Tokenizing alone needs no GPU (a login node prepares the cache): preprocess_only skips
+    # the preflight, even where the run will require GPUs.
+    prep = tmp_path / "prep"
+    gpus = ["launcher.require_gpus=true", "preprocess_only=true", f"run_dir={prep}"]
+    out = run_train_py(gpus, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "memtune: data tokenized into" in out.stdout or "memtune: data reused" in out.stdout
+    assert "preprocess_only: run dir" in out.stdout and (prep / "data.json").is_file()
 
 
 @pytest.mark.slow

@@ -388,7 +388,10 @@ def _decide_and_lay_out(
         stop_if_finished(fitted, run_dir)  # before the preflight's record and the data
     rd = RunDir(run_dir)
     preflight = rd.preflight(spec.node_rank)
-    env, measured = for_launch(given.launcher, spec.ranks_per_node, spec.nnodes, preflight)
+    if given.preprocess_only:  # tokenizing needs no GPU: a login node prepares the cache
+        env, measured = {}, None
+    else:
+        env, measured = for_launch(given.launcher, spec.ranks_per_node, spec.nnodes, preflight)
     if fitted is None:
         print(f"memtune: node {spec.node_rank}: waiting for node 0 to prepare {run_dir}")
         finished = wait_ready(run_dir, spec, timeout_s=WAIT_FOR_NODE0_S)
