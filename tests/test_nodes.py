@@ -394,6 +394,8 @@ def test_two_nodes_started_separately_train_together(tmp_path: Path) -> None:
     assert "--no_ssh --node_rank 1" in (run_dir / "launch-node1.txt").read_text()
     assert "--no_ssh --node_rank 0" in (run_dir / "launch.txt").read_text()
     assert (run_dir / "nodes.hostfile").read_text() == "node0 slots=1\nnode1 slots=1\n"
+    # .hydra/ is node 0's start (node 1, which records after node 0 is ready, overwrote it)
+    assert "launcher.node_rank=0" in (run_dir / ".hydra" / "overrides.yaml").read_text()
     adapter = load_file(run_dir / "adapter" / "adapter_model.safetensors")
     assert any(bool((t != 0).any()) for k, t in adapter.items() if "lora_B" in k)
 

@@ -350,7 +350,8 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
         spec = resolve(given)
         check_master_port(given, spec)
         run_cfg, decisions, env = _decide_and_lay_out(cfg, given, spec, run_dir)
-        _record_composition(cfg, run_dir)
+        if spec.node_rank == 0:  # node 0's record: another node's has its own node_rank
+            _record_composition(cfg, run_dir)
     except RunFinished as finished:
         # Nothing to train: say so instead of starting the ranks to repeat the old summary.
         # A per-node job's node 0 tells the other nodes (they wait for its word), and no node
@@ -366,7 +367,10 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
                 str(err) if kind == "config error" else f"the GPU preflight failed on node 0: {err}"
             )
             announce_ready(run_dir, spec, error=why)
-        return _stopped_before_launch(cfg, run_dir, kind, str(err), sweeping)
+        # Another node of a per-node job says why on its own output (and preflight-nodeK.json):
+        # exit.json and .hydra/ are node 0's.
+        node0 = spec is None or spec.node_rank == 0
+        return _stopped_before_launch(cfg, run_dir, kind, str(err), sweeping, record=node0)
     if run_cfg.preprocess_only:
         print(f"memtune: preprocess_only: run dir {run_dir} laid out, no ranks started", flush=True)
         return 0
@@ -419,13 +423,13 @@ def _decide_and_lay_out(
 
 
 def _stopped_before_launch(
-    cfg: DictConfig, run_dir: Path, kind: str, error: str, sweeping: bool
+    cfg: DictConfig, run_dir: Path, kind: str, error: str, sweeping: bool, record: bool = True
 ) -> int:
     """The one place that decides what a failure before launch ends: this job, or in a sweep
     this point only (the other points still run). The run dir Hydra made says why it holds no
     run, and what was asked (.hydra/)."""
     print(f"memtune: {kind}: {error}", file=sys.stderr)
-    if not (cfg.plan_only or _finished_run(run_dir)):
+    if record and not (cfg.plan_only or _finished_run(run_dir)):
         _record_composition(cfg, run_dir)
         _record_exit(run_dir, EXIT_CONFIG, f"{kind}: {error}")
     return _failed(EXIT_CONFIG, sweeping)
