@@ -392,6 +392,8 @@ def _decide_and_lay_out(
         stop_if_finished(fitted, run_dir)  # before the preflight's record and the data
     rd = RunDir(run_dir)
     preflight = rd.preflight(spec.node_rank)
+    env: dict[str, str]
+    measured: float | None
     if given.preprocess_only:  # tokenizing needs no GPU: a login node prepares the cache
         env, measured = {}, None
     else:
