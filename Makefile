@@ -15,7 +15,8 @@ ARGS ?=
 PYTEST_ARGS ?=
 # make test's workers (pytest-xdist, a file's tests on one worker): most tests launch 2-rank
 # jobs whose start-up and launcher waits leave a core idle; 2 is ~15% faster on 2 cores.
-# TEST_WORKERS=0 runs in this process, one test after another.
+# TEST_WORKERS=0 runs in this process, one test after another. The files go to the workers
+# longest first (tests/conftest.py's LONGEST_FILES), not by their number of tests.
 TEST_WORKERS ?= 2
 
 .DEFAULT_GOAL := help
@@ -44,7 +45,7 @@ train: $(STAMP) ## Run the embedded CPU demo (tiny Qwen2, 2 ranks, ZeRO-3); EXP=
 
 test: $(STAMP) ## Run the test suite (CPU; real DeepSpeed ranks)
 	@$(VENV)/bin/memtune machine
-	@$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	@$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 relock: ## Move constraints.txt to the newest versions pyproject.toml allows, reinstall, run the suite
 	rm -rf $(VENV)-relock

@@ -87,6 +87,41 @@ _DEEPSPEED_GROUPS = {
 }
 
 
+# The files that take longest, longest first (a whole run's junit times, 2026-12-06). make test
+# hands whole files to its 2 workers (--dist loadfile) in the order of the collection
+# (--no-loadscope-reorder; xdist's own order is by number of tests, which left test_qwen35's
+# 4 tests of ~2.5 min, test_golden's 1 of ~0.5 and test_preference's 6 of ~1 to the end, one
+# worker still on them while the other had nothing left): these first, the rest as collected.
+LONGEST_FILES = [
+    "test_plan.py",
+    "test_qwen35.py",
+    "test_trace.py",
+    "test_errors_before_launch.py",
+    "test_moe.py",
+    "test_preference.py",
+    "test_launch.py",
+    "test_vision_runs.py",
+    "test_sequence_parallel.py",
+    "test_checkpoint.py",
+    "test_cli.py",
+    "test_config.py",
+    "test_export.py",
+    "test_expert_parallel_matrix.py",
+    "test_nodes.py",
+    "test_long_context.py",
+    "test_golden.py",
+]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under make test's workers, the longest files first (see LONGEST_FILES); a file's own
+    tests keep their order. One process (no workers) runs them as collected."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 @pytest.fixture(autouse=True)
 def _deepspeed_groups_of_a_destroyed_world() -> Iterator[None]:
     """After a test that ran torch.distributed in this process and destroyed it, DeepSpeed's
