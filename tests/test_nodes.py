@@ -231,6 +231,94 @@ def test_train_sbatch_refuses_what_would_fail_later(env, cwd, args, said, tmp_pa
     assert proc.stdout == ""  # nothing started
 
 
+# Stand-ins for Slurm's two commands, for train.sbatch's own logic (the Slurm tier runs the real
+# ones): srun records its arguments and, as the job's step would, ends with $SRUN_CODE, after
+# sending $SRUN_SIGNAL to the batch script (what Slurm does on scancel: TERM to every process).
+_SRUN = """#!/bin/bash
+trap '' USR2
+printf '%s\\n' "$@" >"$STANDIN/srun.args"
+[[ -n ${SRUN_SIGNAL:-} ]] && kill -"$SRUN_SIGNAL" "$PPID" && sleep 0.3
+exit "${SRUN_CODE:-0}"
+"""
+_SCONTROL = """#!/bin/bash
+echo "$*" >>"$STANDIN/scontrol.calls"
+[[ $1 == show ]] && echo node-a && exit 0
+[[ $1 == requeue && -n ${REQUEUE_REFUSED:-} ]] && echo "scontrol: error: disabled" >&2 && exit 1
+exit 0
+"""
+
+
+def _train_sbatch(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    import os
+
+    standin = tmp_path / "standin"
+    standin.mkdir(exist_ok=True)
+    for name, text in (("srun", _SRUN), ("scontrol", _SCONTROL)):
+        (standin / name).write_text(text)
+        (standin / name).chmod(0o755)
+    (standin / "scontrol.calls").unlink(missing_ok=True)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    proc = subprocess.run(
+        ["bash", str(ROOT / "launch" / "slurm" / "train.sbatch"), "logger=none"],
+        cwd=ROOT,
+        env={
+            **base,
+            "PATH": f"{standin}:{base['PATH']}",
+            "STANDIN": str(standin),
+            "SLURM_JOB_ID": "7",
+            "SLURM_JOB_NODELIST": "node-a",
+            "SLURM_SUBMIT_DIR": str(ROOT),
+            "MEMTUNE_PYTHON": sys.executable,
+            **env,
+        },
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return proc, standin
+
+
+def test_train_sbatch_requeues_only_a_stop_it_can_requeue(tmp_path: Path) -> None:
+    """After a checkpoint (exit 75): a job submitted with --no-requeue (scontrol requeue
+    refused) ended COMPLETED, exit 0, though it had stopped half way; `scancel JOBID` (TERM
+    to the script and every task) was requeued, and ran again: a job could not be cancelled."""
+    proc, standin = _train_sbatch(tmp_path, SRUN_CODE="75", REQUEUE_REFUSED="1")
+    assert proc.returncode == 75, proc.stderr
+    assert (standin / "scontrol.calls").read_text().splitlines()[-1] == "requeue 7"
+    assert "memtune: scontrol requeue 7 failed (a job submitted with --no-requeue?)" in proc.stderr
+    assert "run_dir=outputs/slurm/memtune-7 continue it" in proc.stderr
+
+    proc, standin = _train_sbatch(tmp_path, SRUN_CODE="75", SRUN_SIGNAL="TERM")
+    assert proc.returncode == 75, proc.stderr
+    assert "requeue 7" not in (standin / "scontrol.calls").read_text()
+    assert "Slurm ended job 7 (scancel, or its time limit): not requeued" in proc.stderr
+
+    proc, standin = _train_sbatch(tmp_path, SRUN_CODE="75", SRUN_SIGNAL="USR2")
+    assert proc.returncode == 0, proc.stderr  # the preemption's USR2: requeued
+    assert (standin / "scontrol.calls").read_text().splitlines()[-1] == "requeue 7"
+    assert "memtune: checkpoint saved; requeueing job 7" in proc.stdout
+
+
+def test_train_sbatch_run_dir_from_any_job_name(tmp_path: Path) -> None:
+    """--job-name=r=8,lr=1e-4 made train.py refuse the run_dir the script had set ("gives
+    several values, a sweep"); a quote or [ ] stopped it with Hydra's grammar error."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from memtune.config.command_line import composition_problem
+
+    for name, run_dir in (
+        ("r=8,lr=1e-4", "outputs/slurm/r=8,lr=1e-4-7"),
+        ("it's [a] ${x} \\", "outputs/slurm/it's [a] _{x} _-7"),
+        ("memtune", "outputs/slurm/memtune-7"),
+    ):
+        proc, standin = _train_sbatch(tmp_path, SLURM_JOB_NAME=name)
+        assert proc.returncode == 0, proc.stderr
+        argv = (standin / "srun.args").read_text().splitlines()
+        given = [a for a in argv if a.startswith("run_dir=")]
+        assert len(given) == 1 and composition_problem(argv[4:]) is None, argv
+        assert OverridesParser.create().parse_override(given[0]).value() == run_dir
+
+
 def test_a_sweep_point_on_several_nodes_is_refused_by_name() -> None:
     check_sweep_point_nodes({**STEP, "SLURM_STEP_NUM_NODES": "1"})
     check_sweep_point_nodes({})

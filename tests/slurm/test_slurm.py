@@ -12,6 +12,7 @@ import csv
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -197,12 +198,17 @@ def test_sbatch_cpu_demo(slurm_cluster: Cluster, tmp_path: Path) -> None:
 
 
 def preempt_after_3_steps(
-    job_id: str, log: Path, run_dir: Path, drain: str | None = None
+    job_id: str,
+    log: Path,
+    run_dir: Path,
+    drain: str | None = None,
+    stop: tuple[str, ...] = ("scancel", "--signal=USR2", "--batch"),
 ) -> list[Record]:
     """Wait for 3 training steps, then do what Slurm does before a time limit
     (--signal=B:USR2@120): USR2 to the batch script, whose trap passes it to the ranks through
-    srun and train.py. With ``drain``, that node is drained first (it takes no new job once
-    this one leaves it). Returns the job's records once it has ended."""
+    srun and train.py (``stop``: another scancel). With ``drain``, that node is drained first
+    (it takes no new job once this one leaves it). Returns the job's records once it has
+    ended."""
     deadline = time.monotonic() + 300
     while len(steps_logged(run_dir)) < 3:
         assert in_queue(job_id), f"job {job_id} ended before training\n{tail(log)}"
@@ -212,7 +218,7 @@ def preempt_after_3_steps(
         time.sleep(0.5)
     if drain:
         slurm(["scontrol", "update", f"NodeName={drain}", "State=DRAIN", "Reason=memtune-test"])
-    slurm(["scancel", "--signal=USR2", "--batch", job_id])
+    slurm([*stop, job_id])
     return wait_done(job_id, timeout=480, log=log)
 
 
@@ -243,6 +249,42 @@ def test_preempted_job_is_requeued_and_resumes(slurm_cluster: Cluster, tmp_path:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps
     assert_adapter(run_dir, r=16)
+
+
+def test_a_cancelled_job_is_not_requeued(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    """`scancel JOBID`: TERM to the script and every task; the ranks save a checkpoint, and the
+    script requeued the job, which trained on (a job could not be cancelled)."""
+    run_dir = tmp_path / "run"
+    job_id, log = submit(
+        tmp_path,
+        [f"run_dir={run_dir}", *TINY, "trainer.max_steps=40", "trainer.save_every=1000"],
+    )
+    records = preempt_after_3_steps(job_id, log, run_dir, stop=("scancel",))
+    assert [r.state for r in records] == ["CANCELLED"], f"{records}\n{tail(log)}"
+    assert restarts(job_id) == 0
+    assert f"Slurm ended job {job_id} (scancel, or its time limit): not requeued" in log.read_text()
+    assert json.loads((run_dir / "exit.json").read_text())["code"] == 75
+    assert [p.name for p in (run_dir / "checkpoints").glob("step-*")], tail(log)
+
+
+def test_a_stop_that_cannot_be_requeued_fails(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    """--no-requeue, then USR2: `scontrol requeue` is refused, and the job ended COMPLETED, exit
+    0, having trained 3 steps of 40. Its name, with = and a comma, is in the default run dir
+    (train.py refused the run_dir=outputs/slurm/NAME-ID the script had set: "a sweep")."""
+    name = "r=8,lr=1e-4"
+    job_id, log = submit(
+        tmp_path,
+        [*TINY, "trainer.max_steps=40", "trainer.save_every=1000"],
+        sbatch_args=["--no-requeue", f"--job-name={name}"],
+    )
+    run_dir = ROOT / "outputs" / "slurm" / f"{name}-{job_id}"
+    try:
+        records = preempt_after_3_steps(job_id, log, run_dir)
+        assert [(r.state, r.exit_code) for r in records] == [("FAILED", "75:0")], tail(log)
+        assert f"scontrol requeue {job_id} failed" in log.read_text()
+        assert json.loads((run_dir / "exit.json").read_text())["code"] == 75
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)  # this test's, in the checkout's outputs/
 
 
 def test_a_requeued_job_that_comes_back_on_fewer_nodes_resumes(
