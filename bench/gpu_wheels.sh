@@ -81,7 +81,10 @@ unzip -Z1 "$DEST"/bitsandbytes-*.whl | grep '\.so$' | sed 's/^/   kept /'
 echo "== $DEST"
 ls -l "$DEST" "$DEST/opt" | awk '/\.whl$/ {printf "%10.2f MiB  %s\n", $5 / 1048576, $9}'
 total=$(du -cb "$DEST"/*.whl "$DEST"/opt/*.whl | tail -1 | cut -f1)
-tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+# One du (xargs may split the list, and tail then read one part's total); a tracked file deleted
+# here is not carried, and its error, under set -e, ended the script without a word.
+tree=$(git ls-files -z --cached --others --exclude-standard |
+    { du -cb --files0-from=- 2>/dev/null || true; } | tail -1 | cut -f1)
 awk -v w="$total" -v t="$tree" -v lim="$LIMIT_MIB" 'BEGIN {
     printf "total wheels %.2f MiB; working tree without them %.2f MiB; together %.2f of 64 MiB\n",
         w / 1048576, t / 1048576, (w + t) / 1048576

@@ -72,7 +72,10 @@ echo "== repacking unsloth: without studio/ (its web UI) and unsloth_cli/ (its c
 echo "== $DEST"
 ls -l "$DEST" | awk '/\.whl$/ {printf "%10.2f MiB  %s\n", $5 / 1048576, $9}'
 total=$(du -cb "$DEST"/*.whl | tail -1 | cut -f1)
-tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+# One du (xargs may split the list, and tail then read one part's total); a tracked file deleted
+# here is not carried, and its error, under set -e, ended the script without a word.
+tree=$(git ls-files -z --cached --others --exclude-standard |
+    { du -cb --files0-from=- 2>/dev/null || true; } | tail -1 | cut -f1)
 awk -v w="$total" -v t="$tree" -v lim="$LIMIT_MIB" 'BEGIN {
     printf "total wheels %.2f MiB; working tree without them %.2f MiB; together %.2f of 64 MiB\n",
         w / 1048576, t / 1048576, (w + t) / 1048576
@@ -86,7 +89,9 @@ SITE=$(mktemp -d)
 trap 'rm -rf "$SITE"' EXIT
 "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" --python-version 3.12 \
     --implementation cp --only-binary=:all: --platform manylinux_2_24_x86_64 "$DEST"/*.whl
-"$PY" "$ROOT/bench/unsloth_imports.py" "$SITE" $([ -f "$KINDS" ] && echo --kinds "$KINDS")
+kinds=()
+[ -f "$KINDS" ] && kinds=(--kinds "$KINDS")
+"$PY" "$ROOT/bench/unsloth_imports.py" "$SITE" "${kinds[@]}"
 
 # UNSLOTH_IMPORT_CHECK=1: import Unsloth for real here (~2 min, downloads ~200 MB: Triton), with
 # the image's transformers, huggingface_hub and Triton (versions from KINDS.md) built for this
@@ -104,8 +109,10 @@ print(' '.join(f'{n}=={v[n]}' for n in ('transformers', 'huggingface-hub', 'trit
     trap 'rm -rf "$SITE" "$CPU_SITE"' EXIT
     # This Python's builds of the image's packages and of multiprocess (a wheel per Python)
     "$PY" -m pip download -q --no-deps -d "$CPU_SITE.dl" $IMAGE "multiprocess==$(version multiprocess)"
+    carried=()
+    for wheel in "$DEST"/*.whl; do [[ $wheel == */multiprocess-* ]] || carried+=("$wheel"); done
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$CPU_SITE" \
-        "$CPU_SITE".dl/*.whl $(ls "$DEST"/*.whl | grep -v /multiprocess-)
+        "$CPU_SITE".dl/*.whl "${carried[@]}"
     rm -rf "$CPU_SITE.dl"
     # Only the image's packages beside the carried set: python -S (no site-packages) with links
     # to this Python's installs of what KINDS.md lists (torch, numpy, safetensors ...).
