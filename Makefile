@@ -78,7 +78,7 @@ plan: $(STAMP) ## Per-rank memory plan of EXP (default qwen2.5-7b-4x4090-lora); 
 
 merge: $(STAMP) ## Merge an adapter into its base: ADAPTER=RUN_DIR/adapter OUT=new-dir/ [ARGS=--dtype fp32]
 	@test -n "$(ADAPTER)" -a -n "$(OUT)" || { echo "usage: make merge ADAPTER=RUN_DIR/adapter OUT=DIR"; exit 2; }
-	$(VENV)/bin/memtune merge $(ADAPTER) $(OUT) $(ARGS)
+	$(VENV)/bin/memtune merge "$(ADAPTER)" "$(OUT)" $(ARGS)
 
 lint: $(STAMP) ## ruff (lint + format check) and mypy over src/
 	$(VENV)/bin/ruff check .
