@@ -422,10 +422,14 @@ def test_a_stop_while_the_ranks_load_exits_cleanly(tmp_path: Path) -> None:
     args = [*FAST, "launcher.num_ranks=2", f"run_dir={run_dir}"]
     proc = _start(args, ROOT)
     deadline = time.monotonic() + 120
-    while len(rank_processes(proc.pid)) < 2:  # both ranks started, still importing / loading
+    while len(ranks := rank_processes(proc.pid)) < 2:  # both started, still importing / loading
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
+    # As Slurm does (scancel, the time limit, a preemption): TERM to the ranks too. A rank
+    # still importing died of it: exit 143, "rank 0 was killed by SIGTERM".
+    for rank in ranks:
+        rank.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 75, out[-3000:]  # stopped at the first step boundary, not killed
     assert not (run_dir / "metrics.jsonl").exists() or _losses(run_dir) == []

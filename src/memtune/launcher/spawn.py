@@ -224,11 +224,17 @@ def _shell_line(env: dict[str, str], cmd: list[str]) -> str:
 STOP_RESEND_S = 3.0
 
 
-def _start_in_group(group: int) -> None:
+def _start_in_group(group: int, own: bool) -> None:
     """In a started rank, before exec: join process group ``group`` (0: a new one of its own)
-    and ignore SIGUSR2 until the rank's own handler is in place."""
+    and ignore SIGUSR2 until the rank's own handler is in place. A rank this process starts
+    itself (``own``) ignores SIGTERM too until then: Slurm sends it to every process of the step
+    (scancel, the time limit, a preemption), and a rank still importing died of it (exit 143,
+    "the ranks failed") instead of stopping at the first step with the others (this process,
+    which got it too, sends SIGUSR2 until the ranks end). DeepSpeed's launcher sets its own."""
     os.setpgid(0, group)
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    if own:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class _Ranks:
@@ -258,7 +264,7 @@ class _Ranks:
         # (run_lock.held_lock_fds): killed, this process alone would free it while they train.
         try:
             for env in envs:
-                start = functools.partial(_start_in_group, self.group)
+                start = functools.partial(_start_in_group, self.group, own)
                 proc = subprocess.Popen(
                     cmd,
                     env=env,
