@@ -105,6 +105,22 @@ def probe(engine: Any, ctx: RankContext) -> None:
         for v in s.values()
         if torch.is_tensor(v) and v.dim() > 0  # not the step counter
     )
+    # DeepSpeed's gradient reduce buffers: ZeRO-3 keeps its own from __init__ on; ZeRO-2 makes
+    # them as a backward starts (setup_buckets) and frees them after it, so they are made here
+    # once more by DeepSpeed's own code, measured and freed as its backward would.
+    zero = engine.optimizer
+    if not zero3:
+        micro_step = zero.micro_step_id
+        zero.setup_buckets()
+    bucket_bytes = sum(
+        t.numel() * t.element_size()
+        for bucket in zero.ipg_buckets.values()
+        for t in (bucket.buffer if isinstance(bucket.buffer, list) else [bucket.buffer])
+        if t is not None
+    )
+    if not zero3:
+        zero._release_ipg_buffers()
+        zero.micro_step_id = micro_step
     ids = torch.tensor([ctx.tokenizer.encode(PROBE_TEXT, add_special_tokens=False)])
     engine.eval()
     with torch.no_grad():
@@ -128,6 +144,7 @@ def probe(engine: Any, ctx: RankContext) -> None:
         "held_bytes": held_bytes,
         "lora_dtypes": sorted(lora_dtypes),
         "optimizer_bytes": optimizer_bytes,
+        "bucket_bytes": bucket_bytes,
         "dynamo": dynamo,
         "optimizer_state_dtypes": sorted(
             {str(v.dtype) for s in basic.state.values() for v in s.values() if torch.is_tensor(v)}

@@ -403,8 +403,9 @@ def test_auto_fit_is_applied_before_launch_and_recorded(tmp_path: Path, capsys) 
     ],
 )
 def test_planned_weights_and_optimizer_state_match_what_each_rank_holds(fixture, request) -> None:
-    """Per rank, after real 2-rank runs: the bytes of parameters (ZeRO-3: the rank's shards)
-    and of optimizer state (fp32 master partition + moments) against the plan's rows."""
+    """Per rank, after real 2-rank runs: the bytes of parameters (ZeRO-3: the rank's shards),
+    of optimizer state (fp32 master partition + moments) and of DeepSpeed's gradient reduce
+    buffers against the plan's rows."""
     run = request.getfixturevalue(fixture)
     rows = {what: gib * 1024**3 for what, gib in plan(run.cfg, run.decisions).gib().items()}
     for probe in run.probes():
@@ -417,6 +418,8 @@ def test_planned_weights_and_optimizer_state_match_what_each_rank_holds(fixture,
         # ZeRO-3 pads each rank's shard of every small LoRA tensor to an even split.
         assert held["lora"] == pytest.approx(rows["LoRA weights"], rel=0.05), held
         assert probe["optimizer_bytes"] == pytest.approx(rows["optimizer state"], rel=0.05)
+        # DeepSpeed's gradient reduce buffers: ZeRO-2 two in the adapters' dtype, ZeRO-3 one
+        assert probe["bucket_bytes"] == pytest.approx(rows["DeepSpeed buckets"], rel=1e-9)
 
 
 @pytest.mark.parametrize(

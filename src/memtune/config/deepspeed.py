@@ -130,3 +130,27 @@ def build_ds_config(cfg: RunConfig, d: Decisions) -> dict[str, Any]:
     except json.JSONDecodeError as err:
         raise ConfigError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from err
     return fill_ds_config(template, cfg, d, source=str(path))
+
+
+def gradient_bucket_bytes(cfg: RunConfig, d: Decisions) -> tuple[int, str]:
+    """What DeepSpeed 0.19 allocates for its gradient reduce buckets, read from the resolved
+    config (build_ds_config): (bytes, how). With contiguous_gradients ZeRO-2 holds one buffer
+    of reduce_bucket_size in the adapters' dtype, two with overlap_comm (stage_1_and_2.py,
+    setup_buckets and _gradient_reduction_buffer_dtype: the fp32 grad_accum_dtype goes to the
+    partition, not the bucket, at stage 2); ZeRO-3 one in the communication dtype (stage3.py,
+    the IPG buffer allocated once in __init__). Without contiguous_gradients a reduce
+    flattens the bucket's gradients into one copy of that size."""
+    ds = build_ds_config(cfg, d)
+    z = ds["zero_optimization"]
+    stage = z["stage"]
+    dtype = "bf16" if ds.get("bf16", {}).get("enabled") else "fp32"
+    if stage == 3:
+        dtype = (ds.get("communication_data_type") or dtype).lower()  # fp16, bf16, fp32
+    size = 2 if dtype in ("bf16", "fp16") else 4
+    contiguous = z.get("contiguous_gradients", True)
+    # DeepSpeed's default: overlap_comm on at stage 3 only (zero/config.py, overlap_comm_valid)
+    overlap = z.get("overlap_comm", stage == 3)
+    buffers = 2 if stage != 3 and contiguous and overlap else 1
+    elements = int(z["reduce_bucket_size"])
+    what = f"{buffers} gradient reduce buffer{'s' if buffers > 1 else ''} ({dtype})"
+    return buffers * elements * size, what

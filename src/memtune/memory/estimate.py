@@ -38,7 +38,6 @@ from memtune.config import (
     live_reference,
     preference_loss_kind,
     prefetch_bucket_elements,
-    reduce_bucket_elements,
 )
 from memtune.config.architecture import (
     attention_exchange_widths,
@@ -49,6 +48,7 @@ from memtune.config.architecture import (
     routed_experts,
 )
 from memtune.config.decisions import Decisions, keeps_dropout_copies
+from memtune.config.deepspeed import gradient_bucket_bytes
 from memtune.expert_stacks import EXPERT_NF4_BYTES, expert_stack_bytes, experts_per_chunk
 from memtune.memory.attention import (
     attention_backward_bytes,
@@ -700,7 +700,7 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
         }[d.optimizer],
     )
 
-    out.add("DeepSpeed buckets", reduce_bucket_elements(cfg) * 4, "gradient reduce (fp32)")
+    out.add("DeepSpeed buckets", *gradient_bucket_bytes(cfg, d))
     if zero3:
         # Whole tensors gathered while in use: the largest of one decoder layer, the embedding
         # and the head (gathered once for the loss), plus what is prefetched meanwhile.
