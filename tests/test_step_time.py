@@ -66,6 +66,10 @@ def _tiny_fp32_lora(*overrides: str):
     [
         ("all", []),
         ("1", []),
+        # nothing recomputed: the first layer's input needs no gradient (rank.layers), so its
+        # q, k, v and their adapters' A compute none (nor DoRA's base pass on the dropped input)
+        ("0", []),
+        ("0", ["peft.dora=true", "peft.dropout=0.05"]),
         # DoRA: B·A built through an identity in each forward and recompute; with dropout the
         # base weight once more on the dropped input (forward, recompute, input gradient).
         ("1", ["peft.dora=true"]),

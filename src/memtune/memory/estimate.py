@@ -296,6 +296,16 @@ def selective_kept(cfg: RunConfig, tokens: int, counts: ParamCounts) -> tuple[in
 
 FIRST_NORM_READERS = (*QKV, "in_proj_qkv", "in_proj_z")
 """Adapters that read a layer's first norm: q, k, v, or a linear-attention layer's inputs."""
+FIRST_NORM_LINEARS = (*FIRST_NORM_READERS, "in_proj_a", "in_proj_b")
+"""The linear layers that read it (a linear-attention layer's a and b are never adapted)."""
+
+
+def first_input_needs_no_grad(d: Decisions) -> bool:
+    """The frozen embedding's output needs no gradient (rank.layers.embedding_grad_as_decided):
+    the first layer keeps and the checkpoint is non-reentrant (reentrant checkpointing makes it
+    require one), and no adapted tower's features are scattered into it."""
+    tower_grads = d.vision is not None and d.vision.adapted
+    return d.checkpointing.layers[0] == "keep" and not d.checkpointing.reentrant and not tower_grads
 
 
 def saved_bytes(
@@ -312,11 +322,9 @@ def saved_bytes(
     kept = kept_inputs(d) * n * h * b + sum(each[kind] for kind in kinds[k + s :])
     if s:
         kept += s * selective_kept(cfg, tokens, counts)[0]
-    # an adapted tower's features need a gradient: the first norm's input then does too
-    tower_grads = d.vision is not None and d.vision.adapted
-    if d.checkpointing.layers[0] == "keep" and not d.checkpointing.reentrant and not tower_grads:
-        # The frozen embedding's output needs no gradient, so the first norm keeps nothing
-        # (reentrant checkpointing makes it require one), nor do the dropouts of the first
+    if first_input_needs_no_grad(d):
+        # The frozen embedding's output needs no gradient, so the first norm keeps nothing,
+        # nor do the dropouts of the first
         # layer's adapters that read it keep their masks (only their dropped copies).
         kept -= norm_saved_bytes(d, n, h, b)
         if keeps_dropout_copies(cfg, d):

@@ -5,10 +5,12 @@ experiments' ZeRO stage) and to say how much of a step is spent moving bytes:
 
 * **compute** — matmul FLOPs per rank: the decoder's and the head's linear layers (2 FLOPs per
   weight per token forward, 2 more for the activation gradient in backward — a frozen base
-  computes no weight gradient — and 2 more in each recomputed layer), LoRA's (6 per weight per
-  token, 8 when recomputed, and a selective layer's B again where it does not keep B's
-  output), and causal attention over whole rows (an upper bound when rows are packed with
-  short samples) in the attention layers only (:func:`attention_passes`: a hybrid's
+  computes no weight gradient, and the first layer's q, k, v none where its input needs no
+  gradient (no layer recomputed) — and 2 more in each recomputed layer), LoRA's (6 per weight
+  per token, 8 when recomputed, 4 for the first layer's q, k, v's A where its input needs
+  none, and a selective layer's B again where it does not keep B's output), and causal
+  attention over whole rows (an upper bound when rows are packed with short samples) in the
+  attention layers only (:func:`attention_passes`: a hybrid's
   linear-attention layers, Qwen3.5's Gated DeltaNet, have no n × n scores, and their
   recurrence is not counted). Time = FLOPs / (``plan.device_tflops`` × ``plan.mfu``); a 4-bit
   base adds its dequantization (``QLORA_COMPUTE``). ``tests/test_step_time.py`` checks the
@@ -172,6 +174,13 @@ class Flops:
 def micro_step_flops(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> Flops:
     """See the module docstring. The head multiplies every token twice (logits, and the
     gradient of the hidden state): the chunked loss computes both in its forward."""
+    from memtune.memory.estimate import (
+        FIRST_NORM_LINEARS,
+        FIRST_NORM_READERS,
+        first_input_needs_no_grad,
+        layer_kinds,
+    )
+
     a = cfg.model.architecture
     layers = int(a["num_hidden_layers"])
     n, micro = d.batch.row_tokens, d.batch.micro_batch
@@ -189,6 +198,19 @@ def micro_step_flops(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> Flops
     # a selective layer multiplies again the B whose outputs it does not keep: r × out each
     remade = sum(r * out for r, out, kept in remade_adapters(counts) if not kept)
     lora += 2 * tokens * d.checkpointing.selective * remade
+    if first_input_needs_no_grad(d):
+        # nor does the first layer's input: the projections reading its first norm and their
+        # adapters' A compute no input gradient (autograd's, checked in tests/test_step_time)
+        first = layer_kinds(cfg)[0] == "linear_attention"
+        prefix = "linear_attn." if first else "self_attn."
+        readers = sum(
+            i * o
+            for name, i, o in counts.linear_shapes
+            if name.startswith(prefix) and name.split(".")[-1] in FIRST_NORM_LINEARS
+        )
+        base -= 2 * tokens * readers
+        adapters = counts.linear_attention_lora_inputs if first else counts.lora_inputs
+        lora -= 2 * tokens * sum(i * r for name, i, r in adapters if name in FIRST_NORM_READERS)
     heads = int(a["num_attention_heads"])
     # QKᵀ and PV: 2 matmuls × 2 FLOPs × n²/2 (causal) per row and head, in one attention
     # layer's forward; a rank of a sequence-parallel group attends for heads / sp of the heads.
@@ -266,12 +288,18 @@ def dora_flops(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> float:
     """DoRA's extra matmuls in one micro batch (peft's DoraLinearLayer), per adapted module of
     every layer: A and B over an identity matrix to build B·A as a weight (2·in²·r + 2·in·r·out,
     in each forward and recompute; no backward: the norms are detached); with dropout, the base
-    weight applied once more to the dropped input (forward, recompute, input gradient). Not
+    weight applied once more to the dropped input (forward, recompute, input gradient: none in
+    the first layer's q, k, v where its input needs no gradient). Not
     counted: its elementwise work on n × out tensors (memory-bound), which peft's benchmark
     (Llama-3.2-3B, r=32) puts the whole cost at +26% of the step."""
     if not cfg.peft.dora:
         return 0.0
-    from memtune.memory.estimate import dora_modules, layer_kinds
+    from memtune.memory.estimate import (
+        FIRST_NORM_READERS,
+        dora_modules,
+        first_input_needs_no_grad,
+        layer_kinds,
+    )
 
     k = d.checkpointing.recomputed
     flops = 0
@@ -287,6 +315,11 @@ def dora_flops(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> float:
         if cfg.peft.dropout > 0:
             dropped = d.batch.rank_tokens * sum(2 * i * out for i, out, _ in modules)
             flops += (passes + 1) * dropped
+            if index == 0 and first_input_needs_no_grad(d):  # no input gradient there
+                readers = [x for x in inputs if x[0] in FIRST_NORM_READERS]
+                flops -= d.batch.rank_tokens * sum(
+                    2 * i * out for i, out, _ in dora_modules(readers, counts)
+                )
     return float(flops)
 
 
