@@ -304,15 +304,7 @@ def auto_fit(
             counts[key] = count_params(variant)
         if quantized_shape_problems(variant, variant.peft.method, counts[key]):
             continue  # QLoRA cannot quantize this architecture's layers
-        choices = kept
-        if long_auto:
-            lc, _ = resolve_long_context(variant, counts[key], machine)
-            choices = dataclasses.replace(
-                kept,
-                sequence_parallel=lc.sequence_parallel,
-                tiled_mlp=lc.tiled_mlp,
-                offload_activations=lc.offload_activations,
-            )
+        choices = as_launched(variant, kept, counts[key], machine) if long_auto else kept
         decided = admitted(variant, choices, machine)
         planned.append(
             Fit(variant, choices, decided, plan(variant, decided, counts[key]), changes, cost)
@@ -352,6 +344,23 @@ def _estimated_step_s(
     resolved, _ = resolve_checkpoint_layers(fit.cfg, fit.choices, c, machine)
     estimate = step_time(fit.cfg, resolved, c)
     return estimate.step_s if estimate else math.inf
+
+
+def as_launched(
+    settings: RunConfig, choices: Choices, counts: ParamCounts, machine: RankMachine
+) -> Choices:
+    """``choices`` with the long-context choices ``settings`` leaves to auto decided again,
+    as a launch of ``settings`` would (resolve_long_context)."""
+    t = settings.trainer
+    if "auto" not in (str(t.sequence_parallel), t.tiled_mlp, t.offload_activations):
+        return choices
+    lc, _ = resolve_long_context(settings, counts, machine)
+    return dataclasses.replace(
+        choices,
+        sequence_parallel=lc.sequence_parallel,
+        tiled_mlp=lc.tiled_mlp,
+        offload_activations=lc.offload_activations,
+    )
 
 
 def other_zero_stage(cfg: RunConfig, d: Decisions) -> tuple[RunConfig, Choices]:
@@ -401,7 +410,11 @@ def format_step_estimates(
         lines += format_layouts(layouts, d)
     elif d.batch.ranks > 1:
         stage = 2 if d.zero_stage == 3 else 3
-        alternatives.append((other_zero_stage(cfg, d), f"zero=zero{stage}"))
+        # its long-context choices decided again, as its launch would (the split the
+        # decided stage needed may not be the other's)
+        settings, choices = other_zero_stage(cfg, d)
+        choices = as_launched(settings, choices, counts, machine)
+        alternatives.append(((settings, choices), f"zero=zero{stage}"))
     larger = larger_micro_batch_under_split(cfg, d)
     if larger is not None:
         m = larger[0].trainer.micro_batch_size
