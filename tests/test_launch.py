@@ -340,6 +340,24 @@ def test_sweep_points_that_would_share_a_run_dir_are_refused(tmp_path: Path) -> 
     assert _another_points_dir(run, point(1, ["peft.r=8"])) is None  # a single run's dir
 
 
+def test_a_refused_points_row_and_a_runs_row_leave_out_the_same_shared_overrides(
+    tmp_path: Path,
+) -> None:
+    """One run dir and one refused point: the run's row listed every override
+    (experiment=demo-cpu peft.r=4) beside the refused row's peft.r=8, the shared one left out
+    of one row only."""
+    import yaml
+
+    from memtune.launcher.sweep_report import collect, record_refused
+
+    (tmp_path / "0" / ".hydra").mkdir(parents=True)
+    overrides = yaml.safe_dump(["experiment=demo-cpu", "peft.r=4"])
+    (tmp_path / "0" / ".hydra" / "overrides.yaml").write_text(overrides)
+    record_refused(tmp_path, 1, ["experiment=demo-cpu", "peft.r=8"], "busy")
+    rows = [(r["point"], r["overrides"], r["status"]) for r in collect(tmp_path)]
+    assert rows == [("0", "peft.r=4", "failed"), ("1", "peft.r=8", "refused: busy")]
+
+
 def test_a_slurm_sweep_without_slurm_is_one_line(tmp_path: Path) -> None:
     """submitit raised 'Could not detect "srun"' from inside Hydra's sweep: a traceback."""
     import subprocess

@@ -96,7 +96,7 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     shared = set.intersection(*(set(o) for o in every)) if every else set()
     rows = []
     for run, overrides in zip(runs, per_run, strict=True):
-        varying = [o for o in overrides if o not in shared] if len(runs) > 1 else overrides
+        varying = [o for o in overrides if o not in shared] if len(every) > 1 else overrides
         row: dict[str, Any] = {"point": run.name, "overrides": " ".join(varying)}
         rd = RunDir(run)
         row |= _adapter(rd)
