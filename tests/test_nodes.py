@@ -286,7 +286,8 @@ def test_train_sbatch_requeues_only_a_stop_it_can_requeue(tmp_path: Path) -> Non
     assert proc.returncode == 75, proc.stderr
     assert (standin / "scontrol.calls").read_text().splitlines()[-1] == "requeue 7"
     assert "memtune: scontrol requeue 7 failed (a job submitted with --no-requeue?)" in proc.stderr
-    assert "run_dir=outputs/slurm/memtune-7 continue it" in proc.stderr
+    # pasted back as printed, quoted for the shell and Hydra (a job name may hold = or ,)
+    assert "and \"run_dir='outputs/slurm/memtune-7'\" continue it" in proc.stderr
 
     proc, standin = _train_sbatch(tmp_path, SRUN_CODE="75", SRUN_SIGNAL="TERM")
     assert proc.returncode == 75, proc.stderr
@@ -410,6 +411,17 @@ def test_the_preflight_all_reduce_measures_bus_bandwidth_on_gloo() -> None:
     assert measured_bus_gb_s({"checks": checks, "env": {"NCCL_P2P_DISABLE": "1"}}) == 9.5
     assert measured_bus_gb_s({"checks": checks, "env": {}}) == 20.0
     assert measured_bus_gb_s({"checks": {}, "env": {}}) is None
+
+
+def test_a_per_node_preprocess_only_leaves_nodes_1_nothing_to_wait_for(tmp_path: Path) -> None:
+    """Node 0 tokenizes and marks no launch ready: node 1 waited an hour for that mark."""
+    args = ["launcher.nnodes=2", "launcher.node_rank=1", "launcher.master_addr=127.0.0.1"]
+    args += ["launcher.num_ranks=2", "launcher.launch_id=p1", "preprocess_only=true"]
+    args += [f"run_dir={tmp_path / 'run'}"]
+    out = run_train_py(args, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "memtune: preprocess_only: node 1 has nothing to do" in out.stdout
+    assert "waiting for node 0" not in out.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
