@@ -349,6 +349,11 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
         given = given_config(cfg)
         spec = resolve(given)
         check_master_port(given, spec)
+        if given.preprocess_only and spec.node_rank != 0:
+            # Node 0 tokenizes into the shared cache and starts no rank: nothing to wait for
+            # (this node waited an hour for a ready mark node 0 never writes).
+            print(f"memtune: preprocess_only: node {spec.node_rank} has nothing to do", flush=True)
+            return 0
         run_cfg, decisions, env = _decide_and_lay_out(cfg, given, spec, run_dir)
         if spec.node_rank == 0:  # node 0's record: another node's has its own node_rank
             _record_composition(cfg, run_dir)
