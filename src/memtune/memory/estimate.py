@@ -324,8 +324,8 @@ def saved_bytes(
         kept += s * selective_kept(cfg, tokens, counts)[0]
     if first_input_needs_no_grad(d):
         # The frozen embedding's output needs no gradient, so the first norm keeps nothing,
-        # nor do the dropouts of the first
-        # layer's adapters that read it keep their masks (only their dropped copies).
+        # nor do the dropouts of the first layer's adapters that read it keep their masks
+        # (only their dropped copies).
         kept -= norm_saved_bytes(d, n, h, b)
         if keeps_dropout_copies(cfg, d):
             mask = 1 if cuda else b
