@@ -396,8 +396,9 @@ def format_step_estimates(
     cfg: RunConfig, d: Decisions, counts: ParamCounts, machine: RankMachine
 ) -> str | None:
     """The step-time estimate of ``cfg`` run as ``d`` and, for comparison, of the other ZeRO
-    stage and, under ZeRO-3 with a split sequence, of a larger micro batch (their checkpointed
-    layers chosen again); None without plan.device_tflops."""
+    stage (its long-context choices and checkpointed layers decided again, as its launch
+    would) and, under ZeRO-3 with a split sequence, of a larger micro batch (the decided split
+    kept, its checkpointed layers chosen again); None without plan.device_tflops."""
     estimate = step_time(cfg, d, counts)
     if estimate is None:
         return None

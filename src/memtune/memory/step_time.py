@@ -5,9 +5,10 @@ experiments' ZeRO stage) and to say how much of a step is spent moving bytes:
 
 * **compute** — matmul FLOPs per rank: the decoder's and the head's linear layers (2 FLOPs per
   weight per token forward, 2 more for the activation gradient in backward — a frozen base
-  computes no weight gradient, and the first layer's q, k, v none where its input needs no
-  gradient (no layer recomputed) — and 2 more in each recomputed layer), LoRA's (6 per weight
-  per token, 8 when recomputed, 4 for the first layer's q, k, v's A where its input needs
+  computes no weight gradient, and the projections reading the first layer's input (q, k, v;
+  a linear-attention layer's in_proj_*) none where that input needs no gradient (no layer
+  recomputed) — and 2 more in each recomputed layer), LoRA's (6 per weight
+  per token, 8 when recomputed, 4 for those first projections' A where their input needs
   none, and a selective layer's B again where it does not keep B's output), and causal
   attention over whole rows (an upper bound when rows are packed with short samples) in the
   attention layers only (:func:`attention_passes`: a hybrid's
@@ -289,7 +290,7 @@ def dora_flops(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> float:
     every layer: A and B over an identity matrix to build B·A as a weight (2·in²·r + 2·in·r·out,
     in each forward and recompute; no backward: the norms are detached); with dropout, the base
     weight applied once more to the dropped input (forward, recompute, input gradient: none in
-    the first layer's q, k, v where its input needs no gradient). Not
+    the projections reading the first layer's input where it needs no gradient). Not
     counted: its elementwise work on n × out tensors (memory-bound), which peft's benchmark
     (Llama-3.2-3B, r=32) puts the whole cost at +26% of the step."""
     if not cfg.peft.dora:
