@@ -474,18 +474,23 @@ def test_two_nodes_started_separately_train_together(tmp_path: Path) -> None:
         "launcher.launch_id=t1",
         f"run_dir={run_dir}",
     ]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(ROOT / "train.py"), *common, f"launcher.node_rank={k}"],
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for k in (1, 0)  # node 1 first: it must wait
-    ]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+
+    def both_nodes(args: list[str]) -> list[str]:
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(ROOT / "train.py"), *args, f"launcher.node_rank={k}"],
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for k in (1, 0)  # node 1 first: it must wait
+        ]
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs
+        return outs
+
+    outs = both_nodes(common)
     assert "waiting for node 0" in outs[0]
     import json
 
@@ -507,18 +512,7 @@ def test_two_nodes_started_separately_train_together(tmp_path: Path) -> None:
     records += [".hydra/config.yaml", ".hydra/overrides.yaml", "exit.json", "summary.json"]
     before = {name: (run_dir / name).read_bytes() for name in records}
     again = [o.replace("launch_id=t1", "launch_id=t2") for o in common]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(ROOT / "train.py"), *again, f"launcher.node_rank={k}"],
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for k in (1, 0)
-    ]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    outs = both_nodes(again)
     assert all("already finished: step-0000004 is step 4" in out for out in outs), outs
     assert all("memtune: data " not in out for out in outs), outs
     assert {name: (run_dir / name).read_bytes() for name in records} == before
