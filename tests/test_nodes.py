@@ -237,7 +237,10 @@ def test_train_sbatch_refuses_what_would_fail_later(env, cwd, args, said, tmp_pa
 _SRUN = """#!/bin/bash
 trap '' USR2
 printf '%s\\n' "$@" >"$STANDIN/srun.args"
-[[ -n ${SRUN_SIGNAL:-} ]] && kill -"$SRUN_SIGNAL" "$PPID" && sleep 0.3
+if [[ -n ${SRUN_SIGNAL:-} ]]; then
+  kill -"$SRUN_SIGNAL" "$PPID"
+  [[ ${SRUN_SLEEP:-0.3} == 0 ]] || sleep "${SRUN_SLEEP:-0.3}"
+fi
 exit "${SRUN_CODE:-0}"
 """
 _SCONTROL = """#!/bin/bash
@@ -288,6 +291,13 @@ def test_train_sbatch_requeues_only_a_stop_it_can_requeue(tmp_path: Path) -> Non
     assert "memtune: scontrol requeue 7 failed (a job submitted with --no-requeue?)" in proc.stderr
     # pasted back as printed, quoted for the shell and Hydra (a job name may hold = or ,)
     assert "and \"run_dir='outputs/slurm/memtune-7'\" continue it" in proc.stderr
+
+    # USR2 arriving as srun exits: bash lost srun's status in the interrupted `wait` and the
+    # script exited 140 (FAILED) in most tries instead of requeueing
+    for _ in range(4):
+        proc, standin = _train_sbatch(tmp_path, SRUN_CODE="75", SRUN_SIGNAL="USR2", SRUN_SLEEP="0")
+        assert proc.returncode == 0, proc.stderr
+        assert (standin / "scontrol.calls").read_text().splitlines()[-1] == "requeue 7"
 
     proc, standin = _train_sbatch(tmp_path, SRUN_CODE="75", SRUN_SIGNAL="TERM")
     assert proc.returncode == 75, proc.stderr
