@@ -286,7 +286,7 @@ def auto_fit(
         # with checkpoint_layers=auto is asked again of each variant, not ``d``'s count (0
         # beside all layers recomputed in full, which the variant's own request contradicts)
         kept = dataclasses.replace(kept, recompute=None, selective=None)
-    long_auto = "auto" in (str(t.sequence_parallel), t.tiled_mlp, t.offload_activations)
+    long_auto = long_context_on_auto(cfg)
     p = settings.peft
     counts: dict[tuple[str, int], ParamCounts] = {}
     if known is not None:
@@ -346,13 +346,18 @@ def _estimated_step_s(
     return estimate.step_s if estimate else math.inf
 
 
+def long_context_on_auto(cfg: RunConfig) -> bool:
+    """Any of trainer.sequence_parallel, tiled_mlp and offload_activations left to the planner."""
+    t = cfg.trainer
+    return "auto" in (str(t.sequence_parallel), t.tiled_mlp, t.offload_activations)
+
+
 def as_launched(
     settings: RunConfig, choices: Choices, counts: ParamCounts, machine: RankMachine
 ) -> Choices:
     """``choices`` with the long-context choices ``settings`` leaves to auto decided again,
     as a launch of ``settings`` would (resolve_long_context)."""
-    t = settings.trainer
-    if "auto" not in (str(t.sequence_parallel), t.tiled_mlp, t.offload_activations):
+    if not long_context_on_auto(settings):
         return choices
     lc, _ = resolve_long_context(settings, counts, machine)
     return dataclasses.replace(
@@ -518,8 +523,7 @@ def resolve_long_context(
     cheapest by the fixed costs above. When none fits, the one with the smallest plan (the
     refusal then shows its breakdown). The checkpointed layers are not chosen here (that
     comes next, for the chosen combination)."""
-    t = cfg.trainer
-    if "auto" not in (str(t.sequence_parallel), t.tiled_mlp, t.offload_activations):
+    if not long_context_on_auto(cfg):
         return Choices(), None
     variants = long_context_variants(cfg)
     cheapest = _long_context_trial(cfg, variants[0][0], counts, machine)
