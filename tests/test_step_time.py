@@ -205,8 +205,13 @@ def test_shipped_4x4090_experiments_run_the_faster_stage_within_the_comm_target(
         text = format_step_estimates(cfg, d, counts, fitted.machine)
         assert text is not None
         assert f"zero=zero{other_d.zero_stage} instead: {other.seconds()} per step" in text
+        line = next(x for x in text.splitlines() if f"zero=zero{other_d.zero_stage} instead" in x)
         if exp.startswith("qwen3.5"):
             assert (d.sequence_parallel, other_d.sequence_parallel) == (2, 1)
+            # named where it is not the run's, and only there
+            assert line.endswith(", sequence_parallel=1 tiled_mlp=off offload_activations=off)")
+        else:
+            assert "sequence_parallel=" not in line
 
 
 def test_auto_fit_picks_the_fastest_fitting_variant_by_the_estimate() -> None:

@@ -435,11 +435,14 @@ def format_step_estimates(
             # as the layouts of a mixture say it: auto would not take it (the shipped VL's ZeRO-2)
             room = other_plan.device_gib - other_plan.total_gib
             fits = f"fits, {room:.2f} GiB spare (auto wants {AUTO_CHECKPOINT_SPARE_GIB:g})"
+        # its long-context choices named where they are not the run's (decided again above)
+        long = long_context_label(other)
+        long = f", {long}" if long != long_context_label(d) else ""
         lines.append(
             f"  {label} instead: {other_estimate.seconds()} per step"
             + (f" (communication {other_estimate.comm_share:.0%})" if other_estimate.priced else "")
             + f", {other_plan.total_gib:.2f} GiB "
-            f"per rank ({fits}, checkpointing {other.checkpointing.label()})"
+            f"per rank ({fits}, checkpointing {other.checkpointing.label()}{long})"
         )
     return "\n".join(lines)
 
