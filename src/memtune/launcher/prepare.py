@@ -516,7 +516,9 @@ def resolve_resume(
     and the base model (``base``: this run's, by content) before any rank starts.
     ``finished_stops``: RunFinished when that checkpoint already ends the run, before the
     resume is announced (there is no step after it). ``data_dir`` None: before the data
-    (:func:`stop_if_finished`): only RunFinished, saying nothing else; None otherwise."""
+    (:func:`stop_if_finished`): RunFinished, saying nothing else (a resume=PATH that is no
+    checkpoint, or a damaged one, is the same ConfigError as after the data, only earlier);
+    None otherwise."""
     before_data = data_dir is None
     if cfg.resume == "never":
         return None
