@@ -193,6 +193,13 @@ class Checkpointing:
         """How many decoder layers recompute their elementwise ops only."""
         return self.layers.count("selective")
 
+    @property
+    def embedding_output_grad_free(self) -> bool:
+        """The first layer keeps everything and the checkpoint is non-reentrant (reentrant
+        makes its input require a gradient): the frozen embedding's output needs none, as
+        with checkpointing off (rank.layers drops transformers' hook that gives it one)."""
+        return self.layers[:1] == ("keep",) and not self.reentrant
+
     def label(self) -> str:
         """For humans: "off", "all 28 layers", "9 of 28 layers", "9 of 28 layers, 12 more
         selectively", "12 of 28 layers selectively"."""
@@ -694,6 +701,15 @@ def dropout_kernel(
     if cfg.peft.dropout > 0 and dropout_regeneration_unbuilt(cfg) is None:
         return "regenerate"
     return "peft"
+
+
+def first_input_needs_no_grad(d: Decisions) -> bool:
+    """The first layer's input needs no gradient: the embedding's output is grad-free
+    (Checkpointing.embedding_output_grad_free) and no adapted tower's features are scattered
+    into it. Its first norm and the projections reading it then keep nothing for one, and
+    compute no input gradient (memory.estimate, memory.step_time)."""
+    tower_grads = d.vision is not None and d.vision.adapted
+    return d.checkpointing.embedding_output_grad_free and not tower_grads
 
 
 def keeps_dropout_copies(cfg: RunConfig, d: Decisions) -> bool:

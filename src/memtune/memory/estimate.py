@@ -47,7 +47,7 @@ from memtune.config.architecture import (
     linear_exchange_widths,
     routed_experts,
 )
-from memtune.config.decisions import Decisions, keeps_dropout_copies
+from memtune.config.decisions import Decisions, first_input_needs_no_grad, keeps_dropout_copies
 from memtune.config.deepspeed import gradient_bucket_bytes
 from memtune.expert_stacks import EXPERT_NF4_BYTES, expert_stack_bytes, experts_per_chunk
 from memtune.memory.attention import (
@@ -298,14 +298,6 @@ FIRST_NORM_READERS = (*QKV, "in_proj_qkv", "in_proj_z")
 """Adapters that read a layer's first norm: q, k, v, or a linear-attention layer's inputs."""
 FIRST_NORM_LINEARS = (*FIRST_NORM_READERS, "in_proj_a", "in_proj_b")
 """The linear layers that read it (a linear-attention layer's a and b are never adapted)."""
-
-
-def first_input_needs_no_grad(d: Decisions) -> bool:
-    """The frozen embedding's output needs no gradient (rank.layers.embedding_grad_as_decided):
-    the first layer keeps and the checkpoint is non-reentrant (reentrant checkpointing makes it
-    require one), and no adapted tower's features are scattered into it."""
-    tower_grads = d.vision is not None and d.vision.adapted
-    return d.checkpointing.layers[0] == "keep" and not d.checkpointing.reentrant and not tower_grads
 
 
 def saved_bytes(

@@ -62,7 +62,7 @@ from memtune.config.architecture import (
     head_dim,
     linear_exchange_widths,
 )
-from memtune.config.decisions import Decisions
+from memtune.config.decisions import Decisions, first_input_needs_no_grad
 from memtune.expert_stacks import expert_stack_bytes
 from memtune.memory.attention import QK_NORMED, output_concatenated
 from memtune.memory.counts import ParamCounts, count_params
@@ -175,12 +175,7 @@ class Flops:
 def micro_step_flops(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> Flops:
     """See the module docstring. The head multiplies every token twice (logits, and the
     gradient of the hidden state): the chunked loss computes both in its forward."""
-    from memtune.memory.estimate import (
-        FIRST_NORM_LINEARS,
-        FIRST_NORM_READERS,
-        first_input_needs_no_grad,
-        layer_kinds,
-    )
+    from memtune.memory.estimate import FIRST_NORM_LINEARS, FIRST_NORM_READERS, layer_kinds
 
     a = cfg.model.architecture
     layers = int(a["num_hidden_layers"])
@@ -295,12 +290,7 @@ def dora_flops(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> float:
     (Llama-3.2-3B, r=32) puts the whole cost at +26% of the step."""
     if not cfg.peft.dora:
         return 0.0
-    from memtune.memory.estimate import (
-        FIRST_NORM_READERS,
-        dora_modules,
-        first_input_needs_no_grad,
-        layer_kinds,
-    )
+    from memtune.memory.estimate import FIRST_NORM_READERS, dora_modules, layer_kinds
 
     k = d.checkpointing.recomputed
     flops = 0

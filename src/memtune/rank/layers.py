@@ -145,7 +145,7 @@ def embedding_grad_as_decided(model: Any, checkpointing: Checkpointing) -> None:
     estimate count that step (layer 0's input gradient computed): one that was dropped for
     an earlier decision on the same model (the GPU check decides again at each length) is put
     back."""
-    if checkpointing.layers[:1] == ("keep",) and not checkpointing.reentrant:
+    if checkpointing.embedding_output_grad_free:
         embedding_output_needs_no_grad(model)
     elif checkpointing.enabled and not _require_grad_hooks(model):
         model.enable_input_require_grads()
