@@ -10,7 +10,13 @@ from typing import Any, NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
-from memtune.checkpoints import checkpoint_problem, find_latest, has_gathered_state, is_complete
+from memtune.checkpoints import (
+    checkpoint_problem,
+    find_latest,
+    has_gathered_state,
+    is_complete,
+    step_dir_name,
+)
 from memtune.config import (
     ConfigError,
     RunConfig,
@@ -192,6 +198,15 @@ def stop_if_finished(fitted: Fitted, run_dir: Path) -> None:
         if rd.read_exit().code != 0:
             return
     except RecordError:
+        return
+    # Only a checkpoint of trainer.max_steps or later can end the run: by its name first, so
+    # a finished run continued with more steps hashes its checkpoint once (prepare_run_dir).
+    last = step_dir_name(fitted.cfg.trainer.max_steps)
+    if fitted.cfg.resume == "auto":
+        names = [p.name.removeprefix(".old-") for p in rd.checkpoints.glob("*step-*")]
+    else:
+        names = [Path(fitted.cfg.resume).expanduser().name]
+    if not any(name.startswith("step-") and name >= last for name in names):
         return
     cfg = replace(fitted.cfg, run_dir=str(run_dir))
     resolve_resume(cfg, fitted.decisions, rd, None, _base_record(cfg), finished_stops=True)
