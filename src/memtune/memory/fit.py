@@ -304,7 +304,7 @@ def auto_fit(
             counts[key] = count_params(variant)
         if quantized_shape_problems(variant, variant.peft.method, counts[key]):
             continue  # QLoRA cannot quantize this architecture's layers
-        choices = as_launched(variant, kept, counts[key], machine) if long_auto else kept
+        choices = as_launched(variant, kept, counts[key], machine)  # kept where nothing is auto
         decided = admitted(variant, choices, machine)
         planned.append(
             Fit(variant, choices, decided, plan(variant, decided, counts[key]), changes, cost)
