@@ -434,6 +434,17 @@ def test_a_per_node_preprocess_only_leaves_nodes_1_nothing_to_wait_for(tmp_path:
     assert "waiting for node 0" not in out.stdout
 
 
+def test_a_node_whose_settings_fail_writes_no_record_of_the_run(tmp_path: Path) -> None:
+    """exit.json and .hydra/ are node 0's: node 1, stopped by its settings before its place in
+    the job was resolved, wrote both (its error over node 0's record of the run)."""
+    args = ["launcher.nnodes=2", "launcher.node_rank=1", "launcher.master_addr=127.0.0.1"]
+    args += ["launcher.num_ranks=2", "launcher.launch_id=c1", "trainer.lr=-1"]
+    out = run_train_py([*args, f"run_dir={tmp_path / 'run'}", "logger=none"], cwd=ROOT)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr == "memtune: config error: trainer.lr must be > 0 (got -1.0)\n"
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["job-node1.lock"]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_preflight_stops_clearly_without_gpus() -> None:
     out = subprocess.run(

@@ -374,8 +374,8 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
             announce_ready(run_dir, spec, error=why)
         # Another node of a per-node job says why on its own output (and preflight-nodeK.json):
         # exit.json and .hydra/ are node 0's.
-        node0 = spec is None or spec.node_rank == 0
-        return _stopped_before_launch(cfg, run_dir, kind, str(err), sweeping, record=node0)
+        node_rank = None if spec is None else spec.node_rank
+        return _stopped_before_launch(cfg, run_dir, kind, str(err), sweeping, node_rank)
     if run_cfg.preprocess_only:
         print(f"memtune: preprocess_only: run dir {run_dir} laid out, no ranks started", flush=True)
         return 0
@@ -430,13 +430,26 @@ def _decide_and_lay_out(
 
 
 def _stopped_before_launch(
-    cfg: DictConfig, run_dir: Path, kind: str, error: str, sweeping: bool, record: bool = True
+    cfg: DictConfig,
+    run_dir: Path,
+    kind: str,
+    error: str,
+    sweeping: bool,
+    node_rank: int | None = None,
 ) -> int:
     """The one place that decides what a failure before launch ends: this job, or in a sweep
     this point only (the other points still run). The run dir Hydra made says why it holds no
-    run, and what was asked (.hydra/)."""
+    run, and what was asked (.hydra/): node 0's to write. ``node_rank`` None: stopped before
+    this node's place was resolved (its settings failed), so the node the run-dir lock was
+    taken for (topology.this_node_rank); node 1 of a per-node job wrote exit.json and .hydra/
+    when its own settings failed."""
     print(f"memtune: {kind}: {error}", file=sys.stderr)
-    if record and not (cfg.plan_only or _finished_run(run_dir)):
+    if node_rank is None:
+        try:
+            node_rank = this_node_rank(cfg.launcher)
+        except ConfigError:  # no node rank to tell (run_job refused it first): not node 0's
+            node_rank = -1
+    if node_rank == 0 and not (cfg.plan_only or _finished_run(run_dir)):
         _record_composition(cfg, run_dir)
         _record_exit(run_dir, EXIT_CONFIG, f"{kind}: {error}")
     return _failed(EXIT_CONFIG, sweeping)
