@@ -528,12 +528,14 @@ def test_two_nodes_started_separately_train_together(tmp_path: Path) -> None:
     # The finished run started again (another launch id): node 0 says so to node 1 and no
     # node starts a rank or writes a record (node 0 laid the run out again, config.yaml with
     # this start's settings, and every node wrote .hydra/, the record of the start that
-    # trained it). Planning only: no rank runs.
+    # trained it). Planning only: no rank runs. Node 1 hears it before its GPU preflight
+    # (require_gpus=true: on this machine without GPUs the preflight refuses): it ran the
+    # preflight first, rewriting preflight-node1.json on GPUs.
     records = ["config.yaml", "decisions.json", "resume.json", "plan.txt", "data.json"]
     records += [".hydra/config.yaml", ".hydra/overrides.yaml", "exit.json", "summary.json"]
     before = {name: (run_dir / name).read_bytes() for name in records}
     again = [o.replace("launch_id=t1", "launch_id=t2") for o in common]
-    outs = both_nodes(again)
+    outs = both_nodes([*again, "launcher.require_gpus=true"])
     assert all("already finished: step-0000004 is step 4" in out for out in outs), outs
     assert all("memtune: data " not in out for out in outs), outs
     assert {name: (run_dir / name).read_bytes() for name in records} == before

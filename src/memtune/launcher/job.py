@@ -393,8 +393,14 @@ def _decide_and_lay_out(
     the run dir; the other nodes of a per-node job wait for it and read it."""
     fitted = decide(given, say=False) if spec.node_rank == 0 else None
     run_dir.mkdir(parents=True, exist_ok=True)
+    heard = False
     if fitted is not None:
         stop_if_finished(fitted, run_dir)  # before the preflight's record and the data
+    elif _finished_run(run_dir):
+        # Nodes 1.. of a run that ended well: node 0's word first, which may be that it is
+        # finished (they ran their GPU preflight and rewrote preflight-nodeK.json for nothing).
+        _wait_for_node0(run_dir, spec)
+        heard = True
     rd = RunDir(run_dir)
     preflight = rd.preflight(spec.node_rank)
     env: dict[str, str]
@@ -404,10 +410,8 @@ def _decide_and_lay_out(
     else:
         env, measured = for_launch(given.launcher, spec.ranks_per_node, spec.nnodes, preflight)
     if fitted is None:
-        print(f"memtune: node {spec.node_rank}: waiting for node 0 to prepare {run_dir}")
-        finished = wait_ready(run_dir, spec, timeout_s=WAIT_FOR_NODE0_S)
-        if finished is not None:
-            raise RunFinished(finished)
+        if not heard:
+            _wait_for_node0(run_dir, spec)
         try:
             decisions = rd.read_decisions()
         except RecordError as err:
@@ -427,6 +431,15 @@ def _decide_and_lay_out(
     # A finished run: nothing to train, and its records stay the ones it trained with (a
     # per-node job's node 0 says so to the other nodes: _prepare).
     return (*prepare_run_dir(fitted, run_dir, finished_stops=True), env)
+
+
+def _wait_for_node0(run_dir: Path, spec: NodeSpec) -> None:
+    """Nodes 1.. of a per-node job: until node 0 has prepared the run dir for this launch;
+    RunFinished when it says the run is finished (nothing to start)."""
+    print(f"memtune: node {spec.node_rank}: waiting for node 0 to prepare {run_dir}")
+    finished = wait_ready(run_dir, spec, timeout_s=WAIT_FOR_NODE0_S)
+    if finished is not None:
+        raise RunFinished(finished)
 
 
 def _stopped_before_launch(
