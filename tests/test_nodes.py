@@ -3,6 +3,7 @@ and a real two-node job on this machine (two train.py processes, the per-node fo
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -23,6 +24,7 @@ from memtune.launcher.topology import (
     first_host,
     resolve,
     size_from_allocation,
+    wait_ready,
     wait_stopped,
 )
 from tests.conftest import FAST, ROOT, compose_cfg, run_train_py
@@ -539,3 +541,18 @@ def test_two_nodes_started_separately_train_together(tmp_path: Path) -> None:
     assert all("already finished: step-0000004 is step 4" in out for out in outs), outs
     assert all("memtune: data " not in out for out in outs), outs
     assert {name: (run_dir / name).read_bytes() for name in records} == before
+
+    # Node 0 cannot write what the nodes need (a full disk; here a folder where nodes.hostfile
+    # goes) for a start with more steps: it was a traceback, and node 1 waited an hour for
+    # launch.json. Now one line, exit code 2, and the mark node 1 waits for says why.
+    (run_dir / "nodes.hostfile").unlink()
+    (run_dir / "nodes.hostfile").mkdir()
+    more = [o.replace("launch_id=t1", "launch_id=t3") for o in common]
+    more = [o.replace("max_steps=4", "max_steps=5") for o in more]
+    out = run_train_py([*more, "launcher.node_rank=0"], cwd=tmp_path, timeout=300)
+    why = f"cannot write {run_dir / 'nodes.hostfile'} (IsADirectoryError: Is a directory)"
+    assert out.returncode == 2 and f"memtune: error: {why}\n" in out.stderr, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    node1 = resolve(_cfg(*more, "launcher.node_rank=1"), env={})
+    with pytest.raises(ConfigError, match=re.escape(f"node 0 could not prepare {run_dir}: {why}")):
+        wait_ready(run_dir, node1, timeout_s=0)

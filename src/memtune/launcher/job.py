@@ -362,7 +362,9 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
         # A per-node job's node 0 tells the other nodes (they wait for its word), and no node
         # writes a record of the run: they stay those of the start that trained it.
         if spec is not None and spec.form == "per-node" and spec.node_rank == 0:
-            announce_ready(run_dir, spec, finished=str(finished))
+            unsaid = _mark_ready(run_dir, spec, finished=str(finished))
+            if unsaid:
+                print(f"memtune: {unsaid}: the other nodes were not told", file=sys.stderr)
         print(f"memtune: {finished}; run dir {run_dir}", flush=True)
         return 0
     except (ConfigError, PreflightError) as err:
@@ -371,7 +373,9 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
             why = (
                 str(err) if kind == "config error" else f"the GPU preflight failed on node 0: {err}"
             )
-            announce_ready(run_dir, spec, error=why)
+            unsaid = _mark_ready(run_dir, spec, error=why)
+            if unsaid:
+                print(f"memtune: {unsaid}: the other nodes were not told", file=sys.stderr)
         # Another node of a per-node job says why on its own output (and preflight-nodeK.json):
         # exit.json and .hydra/ are node 0's.
         node_rank = None if spec is None else spec.node_rank
@@ -380,9 +384,34 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
         print(f"memtune: preprocess_only: run dir {run_dir} laid out, no ranks started", flush=True)
         return 0
     if spec.form == "per-node" and spec.node_rank == 0:
-        write_nodes_hostfile(run_dir, spec)
-        announce_ready(run_dir, spec)
+        # A full disk, say, was a traceback here, and nodes 1.. waited an hour for the mark:
+        # one line, and they are told why where the mark can still be written.
+        try:
+            write_nodes_hostfile(run_dir, spec)
+        except OSError as err:
+            why = _cannot_write(RunDir(run_dir).nodes_hostfile, err)
+            _mark_ready(run_dir, spec, error=why)
+            return _stopped_before_launch(cfg, run_dir, "error", why, sweeping, 0)
+        unsaid = _mark_ready(run_dir, spec)
+        if unsaid:  # not written: nor can the reason be (nodes 1.. wait for WAIT_FOR_NODE0_S)
+            return _stopped_before_launch(cfg, run_dir, "error", unsaid, sweeping, 0)
     return Job(run_cfg, decisions, spec, env)
+
+
+def _cannot_write(path: Path, err: OSError) -> str:
+    return f"cannot write {path} ({type(err).__name__}: {err.strerror or err})"
+
+
+def _mark_ready(
+    run_dir: Path, spec: NodeSpec, error: str | None = None, finished: str | None = None
+) -> str | None:
+    """Node 0's word to the other nodes (topology.announce_ready); when it cannot be written
+    (a full disk), why, in one line: nodes 1.. then wait for it until WAIT_FOR_NODE0_S."""
+    try:
+        announce_ready(run_dir, spec, error=error, finished=finished)
+    except OSError as err:
+        return _cannot_write(RunDir(run_dir).nodes_ready, err)
+    return None
 
 
 def _decide_and_lay_out(

@@ -274,7 +274,9 @@ def check_hostfile(path: Path, nnodes: int, per_node: int) -> list[tuple[str, in
 def write_nodes_hostfile(run_dir: Path, spec: NodeSpec) -> Path:
     """The hostfile DeepSpeed's runner needs for --no_ssh (names only order the nodes)."""
     path = RunDir(run_dir).nodes_hostfile
-    path.write_text("".join(f"node{i} slots={spec.ranks_per_node}\n" for i in range(spec.nnodes)))
+    write_atomic(
+        path, "".join(f"node{i} slots={spec.ranks_per_node}\n" for i in range(spec.nnodes))
+    )
     return path
 
 
