@@ -447,6 +447,35 @@ def test_a_node_whose_settings_fail_writes_no_record_of_the_run(tmp_path: Path) 
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["job-node1.lock"]
 
 
+def _ignored_signals(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(ln for ln in status.splitlines() if ln.startswith("SigIgn:")).split()[1], 16)
+
+
+def test_a_rank_ignores_sigterm_from_its_first_moment(tmp_path: Path) -> None:
+    """A rank that DeepSpeed's launcher starts (the multi-node forms) got SIGTERM's default
+    until its stop handler was in place, seconds of imports later: one still loading died of
+    Slurm's TERM (exit 143) instead of stopping with a checkpoint (75). The rank's entry point
+    ignores it first thing, before torch loads, whoever starts it."""
+    import signal
+    import time
+
+    cmd = [sys.executable, "-m", "memtune.worker", str(tmp_path / "run")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not _ignored_signals(proc.pid) & (1 << (signal.SIGTERM - 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, "TERM never ignored"
+            time.sleep(0.005)
+        assert "torch" not in Path(f"/proc/{proc.pid}/maps").read_text()  # before the imports
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert proc.poll() is None  # still loading: not killed by it
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_preflight_stops_clearly_without_gpus() -> None:
     out = subprocess.run(
