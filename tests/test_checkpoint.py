@@ -492,17 +492,50 @@ def test_a_damaged_newest_checkpoint_is_skipped_before_launch(
     data[len(data) // 2] ^= 0xFF  # one flipped byte: same size, other bytes
     victim.write_bytes(bytes(data))
     more = [*BASE, f"run_dir={run_dir}", "trainer.max_steps=16", "preprocess_only=true"]
-    proc = run_train_py(more, cwd=ROOT)
+    kept = run_dir / "checkpoints" / "step-0000008" / victim.relative_to(newest)
+    proc, reads = _train_py_counting_reads(more, [victim, kept])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"warning: skipping {newest}: damaged ({victim} does not hold the bytes" in proc.stdout
     assert json.loads((run_dir / "resume.json").read_text())["checkpoint"] == str(
         run_dir / "checkpoints" / "step-0000008"
     )
+    # A finished run continued with more steps hashes each checkpoint once (its manifest was
+    # verified twice: by the finished-run check before the data, and again after it).
+    assert reads == [1, 1]
+
     # Named explicitly, the damaged one is refused before launch, naming the file.
     explicit = run_train_py([*more, f"resume={newest}"], cwd=ROOT)
     assert explicit.returncode == 2
     assert f"resume={newest}: the checkpoint is damaged: {victim}" in explicit.stderr
     assert "Traceback" not in explicit.stderr and "weights_only" not in explicit.stderr
+
+
+def _train_py_counting_reads(
+    args: list[str], paths: list[Path]
+) -> tuple[subprocess.CompletedProcess, list[int]]:
+    """train.py, and how often its job process opened each of ``paths`` (an audit hook; the
+    ranks are processes of their own)."""
+    script = (
+        "import atexit, runpy, sys\n"
+        f"paths = {[str(p) for p in paths]!r}\n"
+        "reads = [0] * len(paths)\n"
+        "def count(event, args):\n"
+        "    if event == 'open' and str(args[0]) in paths:\n"
+        "        reads[paths.index(str(args[0]))] += 1\n"
+        "sys.addaudithook(count)\n"
+        "atexit.register(lambda: print('memtune-test reads:', *reads, file=sys.stderr))\n"
+        f"sys.argv = [{str(ROOT / 'train.py')!r}, *sys.argv[1:]]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    said = [ln for ln in proc.stderr.splitlines() if ln.startswith("memtune-test reads:")]
+    return proc, [int(n) for n in said[-1].split()[2:]] if said else []
 
 
 def test_resume_knows_the_base_by_content_not_by_path(finished: Path, tmp_path: Path) -> None:
