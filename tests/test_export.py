@@ -50,9 +50,19 @@ def test_generation_uses_the_training_prompt_and_stops(zero3_run) -> None:
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") in stops
     assert tokenizer.eos_token_id in stops
     text, ids = answer(model, tokenizer, zero3_run.dir, "What is 2 + 3?", max_new_tokens=40)
-    # Either it ended on a stop token (which is not part of the text), or it ran out of room.
-    assert (ids and ids[-1] in stops) or len(ids) == 40
-    assert "<|im_end|>" not in text
+    # The training prompt (the demo's ChatML, no system prompt), then the model's own greedy
+    # tokens up to and including the first stop token. "Ended on a stop token or ran out of
+    # room" alone passed with the stop tokens not given to generate (40 ids: the answer, then
+    # eos over and over) and with the prompt not rendered at all.
+    prompt = prompt_text(zero3_run.dir, "What is 2 + 3?", tokenizer)
+    assert prompt == "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
+    seq, want = tokenizer.encode(prompt, add_special_tokens=False), []
+    with torch.no_grad():
+        while len(want) < 40 and not (want and want[-1] in stops):
+            want.append(int(model(input_ids=torch.tensor([seq + want])).logits[0, -1].argmax()))
+    assert want[-1] in stops, want  # the demo's adapter answers in a few tokens and stops
+    assert ids == want
+    assert text == tokenizer.decode(want[:-1]) and "<|im_end|>" not in text
 
 
 def test_eval_loss_is_the_validation_loss_of_the_saved_adapter(tmp_path: Path) -> None:
