@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -217,6 +218,12 @@ def test_micro_batch_times_accumulation_gives_the_same_update(tmp_path: Path) ->
     b = start_run(tmp_path / "m1a4", [*common, "trainer.micro_batch_size=1"], probe=False)
     assert a.code == b.code == 0
     assert a.summary()["steps"] == 4
+    # The two runs are the two shapes of the step DeepSpeed ran (the same losses alone also
+    # held with trainer.micro_batch_size ignored: both runs micro 4, no accumulation).
+    shapes = [json.loads((r.dir / "ds_config.json").read_text()) for r in (a, b)]
+    assert [
+        (s["train_micro_batch_size_per_gpu"], s["gradient_accumulation_steps"]) for s in shapes
+    ] == [(4, 1), (1, 4)]
     torch.testing.assert_close(
         torch.tensor(a.losses()), torch.tensor(b.losses()), rtol=1e-5, atol=1e-5
     )
