@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -574,15 +575,20 @@ def test_a_cached_launch_knows_the_tokenizer_by_its_files(tokenizer, tmp_path: P
 
 def test_sources_mix_by_weight(tokenizer, tmp_path: Path) -> None:
     a = _write(tmp_path / "a.jsonl", [{"instruction": f"a{i}", "output": "x"} for i in range(10)])
-    b = _write(tmp_path / "b.jsonl", [{"instruction": f"b{i}", "output": "y"} for i in range(10)])
+    b = _write(tmp_path / "b.jsonl", [{"instruction": f"b{i}", "output": "y"} for i in range(40)])
     cfg = DataConfig(
         sources=[DataSource(str(a), weight=2.0), DataSource(str(b), weight=0.5)],
         cache_dir=str(tmp_path / "cache"),
     )
     prepared = preprocess(cfg, tokenizer, seed=0)
-    assert prepared.train.samples == 20 + 5
+    assert prepared.train.samples == 20 + 20
     texts = [tokenizer.decode(s.input_ids) for s in load_split(prepared.dir)]
-    assert sum("user\na" in t for t in texts) == 20 and sum("user\nb" in t for t in texts) == 5
+    assert sum("user\na" in t for t in texts) == 20 and sum("user\nb" in t for t in texts) == 20
+    # 2.0 repeats every record of a twice; 0.5 keeps 20 distinct records of b. (The counts alone
+    # held with a's 20 and b's 20 drawn with replacement: some records 3 times, some never.)
+    seen = Counter(t.split("user\n", 1)[1].split("<|im_end|>", 1)[0] for t in texts)
+    assert {k: n for k, n in seen.items() if k[0] == "a"} == {f"a{i}": 2 for i in range(10)}
+    assert [n for k, n in seen.items() if k[0] == "b"] == [1] * 20
 
 
 def test_validation_split_by_fraction_and_by_file(tokenizer, tmp_path: Path) -> None:
