@@ -38,6 +38,14 @@ def test_value_and_hidden_gradient_equal_plain_cross_entropy(chunk: int) -> None
     chunked = chunked_loss_sum(hidden, weight, labels, chunk)
     (g_chunked,) = torch.autograd.grad(chunked * 0.37, hidden)
     assert plain.item() > 0
+    # Plain cross-entropy as written down: position t predicts label t + 1. (token_loss_sum and
+    # the chunked loss share next_token_targets: with it shifting by 2, position t predicting
+    # label t + 2, both agreed and this test passed.)
+    logits = (hidden @ weight.T)[:, :-1].reshape(-1, V)
+    textbook = torch.nn.functional.cross_entropy(
+        logits, labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    torch.testing.assert_close(plain, textbook, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(chunked, plain, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(g_chunked, g_plain, rtol=1e-5, atol=1e-5)
     # Masked positions get exactly no gradient.
