@@ -105,6 +105,12 @@ def test_lr_schedule() -> None:
     assert f(4) == pytest.approx(1.0)
     assert f(10) == pytest.approx(cfg.trainer.min_lr_ratio)
     assert all(f(i) > f(i + 1) for i in range(4, 10))
+    # Cosine, not any decreasing curve (a linear decay passed the lines above): 0.1 + 0.45 ×
+    # (1 + cos(πk/6)) at k steps after the warmup, then the floor.
+    assert cfg.trainer.min_lr_ratio == 0.1
+    assert [f(i) for i in range(4, 12)] == pytest.approx(
+        [1.0, 0.939711, 0.775, 0.55, 0.325, 0.160289, 0.1, 0.1], abs=1e-6
+    )
 
 
 def test_config_error_stops_before_launch(tmp_path: Path) -> None:
