@@ -229,6 +229,9 @@ def test_length_grouped_sampler() -> None:
     per_rank = [list(s) for s in samplers]
     assert len(per_rank[0]) == len(per_rank[1]) == len(samplers[0])
     assert not set(per_rank[0]) & set(per_rank[1])
+    # An epoch is every sample once (1,000 = 250 micro batches of 4 over 2 ranks): equal,
+    # disjoint shares alone held with the last of the two shuffled chunks (488 samples) left out.
+    assert sorted(per_rank[0] + per_rank[1]) == list(range(1000))
     batches = [per_rank[0][i : i + 4] for i in range(0, len(per_rank[0]), 4)]
     padded = sum(4 * max(lengths[i] for i in b) for b in batches)
     real = sum(lengths[i] for b in batches for i in b)
