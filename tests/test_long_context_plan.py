@@ -290,6 +290,9 @@ def test_long_documents_are_split_and_counted() -> None:
     stats = DataStats()
     kept = apply_length_policy([Sample(doc, doc), Sample([1, 2], [1, 2])], cfg.data, stats)
     assert [s.input_ids for s in kept] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [1, 2]]
+    # each piece's labels are its own tokens' (the ids alone held with every piece given the
+    # first piece's labels)
+    assert [s.labels for s in kept] == [s.input_ids for s in kept]
     assert (stats.split, stats.split_pieces, stats.truncated) == (1, 3, 0)
     assert "split 1 over-long documents into 3 pieces" in stats.line()
     # a document one token over a whole number of pieces: its last token is no piece of its own
