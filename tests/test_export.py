@@ -56,13 +56,21 @@ def test_generation_uses_the_training_prompt_and_stops(zero3_run) -> None:
     # eos over and over) and with the prompt not rendered at all.
     prompt = prompt_text(zero3_run.dir, "What is 2 + 3?", tokenizer)
     assert prompt == "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
-    seq, want = tokenizer.encode(prompt, add_special_tokens=False), []
-    with torch.no_grad():
-        while len(want) < 40 and not (want and want[-1] in stops):
-            want.append(int(model(input_ids=torch.tensor([seq + want])).logits[0, -1].argmax()))
+    want = greedy(model, tokenizer, prompt, 40)
     assert want[-1] in stops, want  # the demo's adapter answers in a few tokens and stops
     assert ids == want
     assert text == tokenizer.decode(want[:-1]) and "<|im_end|>" not in text
+
+
+def greedy(model, tokenizer, prompt: str, limit: int) -> list[int]:
+    """The model's greedy tokens after ``prompt``, each from a whole forward of everything so
+    far (no cache), up to and including the first stop token, or ``limit`` of them."""
+    stops = stop_token_ids(tokenizer)
+    seq, out = tokenizer.encode(prompt, add_special_tokens=False), []
+    with torch.no_grad():
+        while len(out) < limit and not (out and out[-1] in stops):
+            out.append(int(model(input_ids=torch.tensor([seq + out])).logits[0, -1].argmax()))
+    return out
 
 
 def test_eval_loss_is_the_validation_loss_of_the_saved_adapter(tmp_path: Path) -> None:
@@ -139,5 +147,5 @@ def test_tiny_qwen3_trains_merges_and_generates(qwen3_run: Run, tmp_path: Path) 
     assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert len(tokenizer.encode("<think></think>", add_special_tokens=False)) == 2
     text, ids = answer(model, tokenizer, qwen3_run.dir, "What is 2 + 3?", max_new_tokens=40)
-    assert (ids and ids[-1] in stop_token_ids(tokenizer)) or len(ids) == 40
+    assert ids == greedy(model, tokenizer, prompt, 40)  # that prompt, then its greedy tokens
     assert "<think>" not in text
