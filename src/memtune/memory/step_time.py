@@ -319,15 +319,19 @@ def dropout_pass_bytes(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> flo
     module's input (n × in; every adapter drops its own copy), the forward reads it and writes
     the copy and a 1-byte mask, a recompute does it again, the backward reads the gradient and
     the mask and writes the gradient. With the masks regenerated (kernels.lora_dropout) the
-    backward drops the input once more first. Memory-bound: priced at plan.device_gb_s."""
+    backward drops the input once more first. The adapters reading the first layer's first
+    norm run no dropout backward where that input needs no gradient (first_input_needs_no_grad:
+    autograd computes none; a regenerated one still drops the input again for A's gradient).
+    Memory-bound: priced at plan.device_gb_s."""
     if cfg.peft.dropout <= 0:
         return 0.0
     again = 1 if d.kernels.lora_dropout == "regenerate" else 0
-    from memtune.memory.estimate import layer_kinds
+    from memtune.memory.estimate import FIRST_NORM_READERS, layer_kinds
 
     n, b = d.batch.rank_tokens, compute_bytes(cfg)
     total = 0
-    for kind, recompute in zip(layer_kinds(cfg), d.checkpointing.layers, strict=False):
+    layers = zip(layer_kinds(cfg), d.checkpointing.layers, strict=False)
+    for index, (kind, recompute) in enumerate(layers):
         inputs = (
             counts.linear_attention_lora_inputs
             if kind == "linear_attention"
@@ -335,6 +339,8 @@ def dropout_pass_bytes(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> flo
         )
         passes = (2 if recompute == "keep" else 3) + again  # forward (+ a recompute) + backward
         total += passes * sum(n * i * (2 * b + 1) for _, i, _ in inputs)
+        if index == 0 and first_input_needs_no_grad(d):  # no input gradient there
+            total -= sum(n * i * (2 * b + 1) for name, i, _ in inputs if name in FIRST_NORM_READERS)
     return float(total)
 
 
