@@ -13,9 +13,12 @@ import hashlib
 import json
 import os
 import sys
+import weakref
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memtune.rank.model import (
     check_all_quantized,
@@ -30,6 +33,83 @@ from memtune.rundir import RunDir
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
+
+
+class _NewStorages(TorchDispatchMode):
+    """The storages the ops under it create (not their inputs' storages: views and in-place
+    ops, collectives included, make none), each released when it dies: ``temporaries()`` is
+    the peak bytes of those that died by the end (not what the ops made to keep)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.events: list[tuple[int, int]] = []  # (storage, +bytes made / -bytes released)
+
+    def _release(self, key: int) -> None:
+        self.events.append((key, -self.live.pop(key)))
+
+    def temporaries(self) -> int:
+        total = peak = 0
+        for key, change in self.events:
+            if key not in self.live:
+                total += change
+                peak = max(peak, total)
+        return peak
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage()._cdata
+            for t in pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        for t in pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key in inputs or key in self.live:
+                continue
+            self.live[key] = storage.nbytes()
+            self.events.append((key, storage.nbytes()))
+            weakref.finalize(storage, self._release, key)
+        return out
+
+
+REDUCES: list[tuple[int, int]] = []
+"""(elements in the gradient bucket, peak bytes DeepSpeed's reduce of it allocated) of each
+reduce this rank ran while training and freed by its end: its temporaries beside the bucket
+buffers (not what it keeps: ZeRO-2's first reduce makes the gradient partition it adds to)."""
+
+
+def _measure_reduces() -> None:
+    """Wrap DeepSpeed 0.19's bucket reduce (ZeRO-1/2: average_tensor of the filled bucket;
+    ZeRO-3: the private reduce-and-partition of the IPG bucket) so that each call records what
+    its own code allocates (config.deepspeed.reduce_temporaries_bytes plans it)."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    average = DeepSpeedZeroOptimizer.average_tensor
+
+    def average_tensor(self: Any, tensor: torch.Tensor, dtype: torch.dtype) -> Any:
+        with _NewStorages() as mode:
+            out = average(self, tensor, dtype)
+        REDUCES.append((tensor.numel(), mode.temporaries()))
+        return out
+
+    DeepSpeedZeroOptimizer.average_tensor = average_tensor  # type: ignore[method-assign]
+    name = "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"
+    reduce = getattr(DeepSpeedZeroOptimizer_Stage3, name)
+
+    def reduce_ipg(self: Any, dtype: torch.dtype) -> Any:
+        elements = self.ipg_buckets[dtype].elements
+        with _NewStorages() as mode:
+            out = reduce(self, dtype)
+        if elements:
+            REDUCES.append((elements, mode.temporaries()))
+        return out
+
+    setattr(DeepSpeedZeroOptimizer_Stage3, name, reduce_ipg)
 
 
 PROBE_TEXT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
@@ -145,6 +225,8 @@ def probe(engine: Any, ctx: RankContext) -> None:
         "lora_dtypes": sorted(lora_dtypes),
         "optimizer_bytes": optimizer_bytes,
         "bucket_bytes": bucket_bytes,
+        # the reduce that allocated the most: (its bucket's elements, those bytes)
+        "reduce_temporaries": max(REDUCES, key=lambda r: r[1], default=None),
         "dynamo": dynamo,
         "optimizer_state_dtypes": sorted(
             {str(v.dtype) for s in basic.state.values() for v in s.values() if torch.is_tensor(v)}
@@ -156,6 +238,7 @@ def probe(engine: Any, ctx: RankContext) -> None:
 
 
 if __name__ == "__main__":
+    _measure_reduces()
     run(RunDir(sys.argv[1]), after_train=probe)
     # as memtune.worker ends a rank: without the interpreter's teardown of the native libraries,
     # where a rank now and then aborted after a complete run (SIGABRT, "terminate called

@@ -7,7 +7,13 @@ import json
 import pytest
 
 from memtune.config import ConfigError, to_run_config
-from memtune.config.deepspeed import DS_CONFIG_DIR, build_ds_config, fill_ds_config
+from memtune.config.deepspeed import (
+    DS_CONFIG_DIR,
+    build_ds_config,
+    fill_ds_config,
+    gradient_bucket_bytes,
+)
+from memtune.memory.counts import count_params
 from tests.conftest import compose_cfg, decided
 
 
@@ -57,6 +63,23 @@ def test_zero2_values_and_overrides() -> None:
     assert ds["bf16"]["enabled"] is False
     assert ds["train_batch_size"] == 16 and ds["gradient_accumulation_steps"] == 2
     assert not _has_auto(ds)
+
+
+def test_a_split_sequence_reduces_zero2_gradients_in_fp32() -> None:
+    """Qwen2.5-7B's LoRA on ZeRO-2, bf16: beside its two hidden² buckets, a reduce flattens the
+    bucket into a bf16 copy; DeepSpeed 0.19 (stage_1_and_2.py, allreduce_bucket) communicates
+    that copy in fp32 whenever the sequence is split, one more fp32 copy of the bucket, where
+    unsplit only one adapter tensor's slice (at most 16 × 3584) is upcast at a time."""
+    lora = ["experiment=qwen2.5-7b-4x4090-lora", "zero=zero2"]
+    h, largest = 3584, 16 * 3584
+    buckets = 2 * h * h * 2
+    for sp, upcast in ((1, largest * 4), (2, h * h * 4)):
+        cfg = _cfg(*lora, f"trainer.sequence_parallel={sp}")
+        d = decided(cfg)
+        assert d.sequence_parallel == sp and count_params(cfg).largest_lora_tensor == largest
+        held, how = gradient_bucket_bytes(cfg, d, largest)
+        assert held == buckets + h * h * 2 + upcast
+        assert how.startswith("2 gradient reduce buffers (bf16) + ")
 
 
 def test_persistence_threshold_zero_is_kept() -> None:

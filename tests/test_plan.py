@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from memtune.config import to_run_config
 from memtune.config.decisions import CPU_RANKS, Choices, RankMachine
+from memtune.config.deepspeed import build_ds_config, reduce_temporaries_bytes
 from memtune.memory.counts import count_params
 from memtune.memory.estimate import activation_bytes, plan
 from memtune.rank import attention
@@ -408,6 +409,9 @@ def test_planned_weights_and_optimizer_state_match_what_each_rank_holds(fixture,
     buffers against the plan's rows."""
     run = request.getfixturevalue(fixture)
     rows = {what: gib * 1024**3 for what, gib in plan(run.cfg, run.decisions).gib().items()}
+    ds = build_ds_config(run.cfg, run.decisions)
+    bucket, ranks = ds["zero_optimization"]["reduce_bucket_size"], run.decisions.batch.ranks
+    largest = count_params(run.cfg).largest_lora_tensor
     for probe in run.probes():
         # Adapters in the compute dtype whatever the stage and base (model.cast_adapters).
         assert probe["lora_dtypes"] == [str(torch_dtype(run.cfg))]
@@ -418,8 +422,13 @@ def test_planned_weights_and_optimizer_state_match_what_each_rank_holds(fixture,
         # ZeRO-3 pads each rank's shard of every small LoRA tensor to an even split.
         assert held["lora"] == pytest.approx(rows["LoRA weights"], rel=0.05), held
         assert probe["optimizer_bytes"] == pytest.approx(rows["optimizer state"], rel=0.05)
-        # DeepSpeed's gradient reduce buffers: ZeRO-2 two in the adapters' dtype, ZeRO-3 one
-        assert probe["bucket_bytes"] == pytest.approx(rows["DeepSpeed buckets"], rel=1e-9)
+        # DeepSpeed's gradient reduce buffers: ZeRO-2 two in the adapters' dtype, ZeRO-3 one;
+        # and what its reduces made and freed again, as planned for as many gradients (the
+        # row counts a full bucket's)
+        elements, made = probe["reduce_temporaries"]
+        assert made == reduce_temporaries_bytes(ds, elements, ranks, 1, largest), (elements, made)
+        full = reduce_temporaries_bytes(ds, bucket, ranks, 1, largest)
+        assert probe["bucket_bytes"] + full == pytest.approx(rows["DeepSpeed buckets"], rel=1e-9)
 
 
 @pytest.mark.parametrize(

@@ -132,25 +132,86 @@ def build_ds_config(cfg: RunConfig, d: Decisions) -> dict[str, Any]:
     return fill_ds_config(template, cfg, d, source=str(path))
 
 
-def gradient_bucket_bytes(cfg: RunConfig, d: Decisions) -> tuple[int, str]:
+def gradient_bucket_bytes(cfg: RunConfig, d: Decisions, largest: int = 0) -> tuple[int, str]:
     """What DeepSpeed 0.19 allocates for its gradient reduce buckets, read from the resolved
     config (build_ds_config): (bytes, how). With contiguous_gradients ZeRO-2 holds one buffer
     of reduce_bucket_size in the adapters' dtype, two with overlap_comm (stage_1_and_2.py,
     setup_buckets and _gradient_reduction_buffer_dtype: the fp32 grad_accum_dtype goes to the
     partition, not the bucket, at stage 2); ZeRO-3 one in the communication dtype (stage3.py,
-    the IPG buffer allocated once in __init__). Without contiguous_gradients a reduce
-    flattens the bucket's gradients into one copy of that size."""
+    the IPG buffer allocated once in __init__); without contiguous_gradients none (a reduce
+    flattens the bucket's gradients into one copy of that size, among its temporaries).
+    Beside them, what the reduce
+    of a full bucket makes and frees (reduce_temporaries_bytes; ``largest``: the elements of
+    the largest adapter tensor).
+
+    The temporaries are counted with the buffers, at the step's peak: a bucket reduces from a
+    backward hook as soon as the next gradient would overflow it, so while a layer's backward
+    runs. Where a layer's adapters hold more than a bucket (a mixture's expert adapters:
+    Qwen3-30B-A3B's 17M elements a layer against hidden² = 4.2M), the reduces run inside the
+    first layers' backward, at the peak. (A dense model's adapters fill a hidden² bucket only
+    every few layers, a few layers' held inputs below the peak; counted the same, a few tens
+    of MB on 7B.)"""
     ds = build_ds_config(cfg, d)
     z = ds["zero_optimization"]
     stage = z["stage"]
-    dtype = "bf16" if ds.get("bf16", {}).get("enabled") else "fp32"
-    if stage == 3:
-        dtype = (ds.get("communication_data_type") or dtype).lower()  # fp16, bf16, fp32
+    dtype = bucket_dtype(ds)
     size = 2 if dtype in ("bf16", "fp16") else 4
     contiguous = z.get("contiguous_gradients", True)
     # DeepSpeed's default: overlap_comm on at stage 3 only (zero/config.py, overlap_comm_valid)
     overlap = z.get("overlap_comm", stage == 3)
-    buffers = 2 if stage != 3 and contiguous and overlap else 1
+    buffers = (2 if stage != 3 and overlap else 1) if contiguous else 0
     elements = int(z["reduce_bucket_size"])
-    what = f"{buffers} gradient reduce buffer{'s' if buffers > 1 else ''} ({dtype})"
-    return buffers * elements * size, what
+    what = f"{buffers} gradient reduce buffer{'s' if buffers != 1 else ''} ({dtype})"
+    reduce = reduce_temporaries_bytes(ds, elements, d.batch.ranks, d.sequence_parallel, largest)
+    if reduce:
+        what += f" + {reduce / 2**20:.0f} MiB while one reduces"
+    return buffers * elements * size + reduce, what
+
+
+def bucket_dtype(ds: dict[str, Any]) -> str:
+    """The dtype of DeepSpeed's gradient reduce buckets: the adapters' (bf16 or fp32); at
+    stage 3 the communication dtype where one is set."""
+    dtype = "bf16" if ds.get("bf16", {}).get("enabled") else "fp32"
+    if ds["zero_optimization"]["stage"] == 3:
+        dtype = (ds.get("communication_data_type") or dtype).lower()  # fp16, bf16, fp32
+    return str(dtype)
+
+
+def reduce_temporaries_bytes(
+    ds: dict[str, Any], elements: int, ranks: int, sequence_parallel: int, largest: int = 0
+) -> int:
+    """The most that DeepSpeed 0.19's reduce of a bucket of ``elements`` gradients allocates
+    and frees again, from the resolved config ``ds`` (gradients accumulate in fp32:
+    data_types.grad_accum_dtype):
+
+    * ZeRO-1/2 with reduce_scatter (average_tensor, allreduce_bucket in stage_1_and_2.py):
+      the bucket's slices flattened into one copy in the bucket's dtype; with the sequence
+      split (sequence_parallel_size > 1) that copy is communicated in fp32 whatever the
+      dtype, so a bf16 bucket is copied once more to fp32; unsplit, a bf16 copy's slices are
+      added to the fp32 gradient partition one at a time, each upcast first
+      (_add_to_grad_partition_buffer): at most the ``largest`` adapter tensor's. Without
+      reduce_scatter (gradient_reduction_w_predivide) a copy only where
+      communication_data_type differs.
+    * ZeRO-3 with reduce_scatter (DeepSpeed's default; __avg_scatter_grads and
+      reduce_scatter_coalesced in stage3.py): the bucket concatenated in the communication
+      dtype, and this rank's 1/ranks of it reduced, upcast to fp32. Without it, contiguous
+      (__avg_scatter_contiguous_grads): the whole reduced bucket upcast to fp32 (stage3.py,
+      "buffer_to_reduce.to(self.gradient_accumulation_dtype)")."""
+    z = ds["zero_optimization"]
+    dtype = bucket_dtype(ds)
+    size = 2 if dtype in ("bf16", "fp16") else 4
+    scatter = z.get("reduce_scatter", True)
+    if z["stage"] == 3:
+        if scatter or not z.get("contiguous_gradients", True):
+            return elements * size + (elements * 4 // ranks if size != 4 else 0)
+        return elements * 4 if size != 4 else 0
+    if not scatter:
+        communicated = (ds.get("communication_data_type") or dtype).lower()
+        return (
+            elements * (2 if communicated in ("bf16", "fp16") else 4)
+            if communicated != dtype
+            else 0
+        )
+    if size == 4:
+        return elements * size
+    return elements * size + (elements if sequence_parallel > 1 else largest) * 4

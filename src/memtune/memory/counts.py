@@ -69,6 +69,13 @@ class ParamCounts:
     routed_share: float = 1.0
     """num_experts_per_tok / num_experts (1.0 for a dense model)."""
 
+    @property
+    def largest_lora_tensor(self) -> int:
+        """Elements of a decoder layer's largest adapter tensor: A (r × in) or B (out × r)."""
+        widths = {name.split(".")[-1]: out for name, _, out in self.linear_shapes}
+        adapters = [*self.lora_inputs, *self.linear_attention_lora_inputs]
+        return max((r * max(i, widths.get(name, 0)) for name, i, r in adapters), default=0)
+
 
 TEXT_STAND_INS = {"qwen3_vl_text": "qwen3", "qwen2_5_vl_text": "qwen2"}
 """Language models that transformers builds only inside their vision-language class (no
