@@ -164,7 +164,9 @@ def gradient_bucket_bytes(cfg: RunConfig, d: Decisions, largest: int = 0) -> tup
     what = f"{buffers} gradient reduce buffer{'s' if buffers != 1 else ''} ({dtype})"
     reduce = reduce_temporaries_bytes(ds, elements, d.batch.ranks, d.sequence_parallel, largest)
     if reduce:
-        what += f" + {reduce / 2**20:.0f} MiB while one reduces"
+        mib = reduce / 2**20  # a CPU demo's are a fraction of one
+        what += f" + {mib:.0f} MiB" if mib >= 10 else f" + {mib:.2f} MiB"
+        what += " while one reduces"
     return buffers * elements * size + reduce, what
 
 
