@@ -13,8 +13,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from memtune.config import ConfigError, to_run_config, validate
 from memtune.config.architecture import layer_types
-from memtune.config.decisions import CPU_RANKS
+from memtune.config.decisions import CPU_RANKS, first_input_needs_no_grad
 from memtune.memory.counts import count_params
+from memtune.memory.estimate import FIRST_NORM_READERS
 from memtune.memory.fit import auto_fit, fit_to_device, format_step_estimates, other_zero_stage
 from memtune.memory.step_time import (
     dropout_pass_bytes,
@@ -295,8 +296,8 @@ def test_lora_dropouts_passes_are_priced_at_the_memory_bandwidth() -> None:
     auto = fit_to_device(to_run_config(compose_cfg(lora)))
     regenerated = auto.decisions
     assert regenerated.kernels.lora_dropout == "regenerate"
-    assert (regenerated.checkpointing.recomputed, regenerated.checkpointing.selective) == (18, 8)
-    assert dropout_pass_bytes(cfg, regenerated, counts) == per_pass * (4 * (18 + 8) + 3 * 2)
+    assert (regenerated.checkpointing.recomputed, regenerated.checkpointing.selective) == (18, 9)
+    assert dropout_pass_bytes(cfg, regenerated, counts) == per_pass * (4 * (18 + 9) + 3 * 1)
     without = to_run_config(compose_cfg(["experiment=qwen2.5-7b-4x4090-lora", "peft.dropout=0"]))
     assert dropout_pass_bytes(without, decided(without), counts) == 0
 
@@ -393,6 +394,11 @@ def test_a_selective_layers_recompute_moves_the_bytes_the_estimate_prices(
         priced[selective] = dropout_pass_bytes(given, d, counts) + selective_pass_bytes(
             given, d, counts
         )
+        if first_input_needs_no_grad(d):
+            # the layers kept, layer 0's q / k / v dropouts run no backward (priced apart:
+            # the census is layer 3's)
+            first = [i for name, i, _ in counts.lora_inputs if name in FIRST_NORM_READERS]
+            priced[selective] += d.batch.rank_tokens * (2 * 2 + 1) * sum(first)
     recompute = moved[4] - moved[0]
     assert recompute > 0.5e6 * tokens  # Qwen-7B/8B's layer: ~0.7 / 1.3 MB a token
     assert (priced[4] - priced[0]) / 4 == pytest.approx(recompute, rel=0.01)
@@ -444,9 +450,10 @@ def test_the_layer_search_takes_the_fastest_mix_that_fits(overrides: list) -> No
                 assert estimate is not None
                 steps[(full, selective)] = estimate.step_s
     c = chosen.checkpointing
-    # many mixes fit: the choice is among them (33 to 355 of them here; Qwen3-8B's 34 fell
-    # below its 36 layers when the CUDA-context row grew by 0.5 GiB to the measured 1.30)
-    assert len(steps) >= 30
+    # many mixes fit: the choice is among them (26 to 352 of them here; Qwen3-8B's 34 fell
+    # below its 36 layers when the CUDA-context row grew by 0.5 GiB to the measured 1.30, and
+    # to 26 when DeepSpeed's reduce temporaries were counted)
+    assert len(steps) >= 25
     assert min(steps, key=steps.__getitem__) == (c.recomputed, c.selective), steps
 
 
@@ -471,10 +478,10 @@ def test_the_other_stage_short_of_autos_spare_is_not_just_said_to_fit() -> None:
     only 'fits', as if memtune had passed over a faster stage that fits (a walk-through read
     the shipped VL's plan so: ZeRO-2 34.7 s a step against ZeRO-3's 55.5, 0.29 GiB spare). It
     says the spare, as a mixture's layouts do. Here ZeRO-3 on an 18.5 GiB card, against ZeRO-2
-    at 17.00 GiB (each sequence split over 4, as a zero=zero2 launch decides there)."""
+    at 17.08 GiB (each sequence split over 4, as a zero=zero2 launch decides there)."""
     args = ["experiment=qwen2.5-7b-4x4090-lora", "zero=zero3", "plan.device_gib=18.5"]
     fitted = fit_to_device(to_run_config(compose_cfg(args)))
     text = format_step_estimates(fitted.cfg, fitted.decisions, fitted.plan.counts, fitted.machine)
     assert text is not None
     line = next(x for x in text.splitlines() if "zero=zero2 instead" in x)
-    assert "17.00 GiB per rank (fits, 1.50 GiB spare (auto wants 2), checkpointing all" in line
+    assert "17.08 GiB per rank (fits, 1.42 GiB spare (auto wants 2), checkpointing all" in line
