@@ -330,8 +330,9 @@ def test_auto_fit_takes_only_a_variant_whose_whole_plan_fits() -> None:
 def test_auto_fit_decides_again_what_the_run_left_to_auto() -> None:
     """The 7B recipe on 16.5 GiB does not fit, so its own long-context choice was the
     smallest plan's (the sequence split over 4 ranks) with all 28 layers recomputed; auto_fit
-    kept both for its variants and ran ZeRO-3 so (6.41 GiB used of 16.5, 101.7 s a step by
-    the estimate) where zero=zero3 as given fits unsplit with 12 + 13 layers (39.3 s)."""
+    kept both for its variants and ran ZeRO-3 so (under half of the 16.5 GiB used, over 100 s
+    a step by the estimate) where zero=zero3 as given fits unsplit with 12 + 13 layers (under
+    40 s)."""
     from memtune.memory.fit import fit_to_device
     from memtune.memory.step_time import step_time
 
