@@ -140,9 +140,8 @@ def gradient_bucket_bytes(cfg: RunConfig, d: Decisions, largest: int = 0) -> tup
     partition, not the bucket, at stage 2); ZeRO-3 one in the communication dtype (stage3.py,
     the IPG buffer allocated once in __init__); without contiguous_gradients none (a reduce
     flattens the bucket's gradients into one copy of that size, among its temporaries).
-    Beside them, what the reduce
-    of a full bucket makes and frees (reduce_temporaries_bytes; ``largest``: the elements of
-    the largest adapter tensor).
+    Beside them, what the reduce of a full bucket makes and frees (reduce_temporaries_bytes;
+    ``largest``: the elements of the largest adapter tensor).
 
     The temporaries are counted with the buffers, at the step's peak: a bucket reduces from a
     backward hook as soon as the next gradient would overflow it, so while a layer's backward
