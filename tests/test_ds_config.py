@@ -82,6 +82,23 @@ def test_a_split_sequence_reduces_zero2_gradients_in_fp32() -> None:
         assert how.startswith("2 gradient reduce buffers (bf16) + ")
 
 
+def test_zero2_without_contiguous_gradients_counts_the_flattened_bucket(tmp_path) -> None:
+    """A ZeRO-2 template with contiguous_gradients (and reduce_scatter) false holds no bucket
+    buffer, but every reduce takes DeepSpeed 0.19's fallback (stage_1_and_2.py,
+    reduce_ipg_grads: allreduce_bucket), which flattens the bucket into one bf16 copy and
+    upcasts one adapter tensor's slice at a time: the row counts them, not 0 bytes."""
+    template = json.loads((DS_CONFIG_DIR / "zero2.json").read_text())
+    h, largest = 3584, 16 * 3584
+    for scatter in (True, False):
+        template["zero_optimization"].update(contiguous_gradients=False, reduce_scatter=scatter)
+        path = tmp_path / f"scatter-{scatter}.json"
+        path.write_text(json.dumps(template))
+        cfg = _cfg("experiment=qwen2.5-7b-4x4090-lora", f"zero.template={path}")
+        held, how = gradient_bucket_bytes(cfg, decided(cfg), largest)
+        assert held == h * h * 2 + largest * 4, (scatter, how)
+        assert how == "0 gradient reduce buffers (bf16) + 25 MiB while one reduces"
+
+
 def test_persistence_threshold_zero_is_kept() -> None:
     ds = _ds(_cfg("zero.param_persistence_threshold=0"))
     assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 0

@@ -192,7 +192,9 @@ def reduce_temporaries_bytes(
       added to the fp32 gradient partition one at a time, each upcast first
       (_add_to_grad_partition_buffer): at most the ``largest`` adapter tensor's. Without
       reduce_scatter (gradient_reduction_w_predivide) a copy only where
-      communication_data_type differs.
+      communication_data_type differs. Without contiguous_gradients, whatever reduce_scatter
+      says, the same as with it: reduce_ipg_grads takes the fallback (allreduce_bucket), which
+      flattens the bucket and upcasts as above.
     * ZeRO-3 with reduce_scatter (DeepSpeed's default; __avg_scatter_grads and
       reduce_scatter_coalesced in stage3.py): the bucket concatenated in the communication
       dtype, and this rank's 1/ranks of it reduced, upcast to fp32. Without it, contiguous
@@ -206,7 +208,7 @@ def reduce_temporaries_bytes(
         if scatter or not z.get("contiguous_gradients", True):
             return elements * size + (elements * 4 // ranks if size != 4 else 0)
         return elements * 4 if size != 4 else 0
-    if not scatter:
+    if not scatter and z.get("contiguous_gradients", True):
         communicated = (ds.get("communication_data_type") or dtype).lower()
         return (
             elements * (2 if communicated in ("bf16", "fp16") else 4)
