@@ -585,3 +585,24 @@ def test_two_nodes_started_separately_train_together(tmp_path: Path) -> None:
     node1 = resolve(_cfg(*more, "launcher.node_rank=1"), env={})
     with pytest.raises(ConfigError, match=re.escape(f"node 0 could not prepare {run_dir}: {why}")):
         wait_ready(run_dir, node1, timeout_s=0)
+
+
+def test_node_0_says_when_a_stopping_word_cannot_reach_the_other_nodes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """launch.json unwritable (a folder there, as a full disk would fail it): a word that stops
+    nodes 1.. (an error, a finished run) is said on node 0's output, since they will wait for it
+    until WAIT_FOR_NODE0_S; the plain "ready" returns the line for node 0 to end the job with.
+    (When nodes.hostfile could not be written either, node 0 said nothing of the other nodes.)"""
+    from memtune.launcher.job import _mark_ready
+    from memtune.rundir import RunDir
+
+    spec = NodeSpec("per-node", 2, 1, 0, "n0", 29500, launch_id="9.1")
+    RunDir(tmp_path).nodes_ready.mkdir()
+    line = f"cannot write {RunDir(tmp_path).nodes_ready} (IsADirectoryError: Is a directory)"
+    assert _mark_ready(tmp_path, spec, error="cannot write nodes.hostfile") == line
+    assert capsys.readouterr().err == f"memtune: {line}: the other nodes were not told\n"
+    assert _mark_ready(tmp_path, spec, finished="already finished") == line
+    assert capsys.readouterr().err.endswith("the other nodes were not told\n")
+    assert _mark_ready(tmp_path, spec) == line
+    assert capsys.readouterr().err == ""

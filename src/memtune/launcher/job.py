@@ -362,9 +362,7 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
         # A per-node job's node 0 tells the other nodes (they wait for its word), and no node
         # writes a record of the run: they stay those of the start that trained it.
         if spec is not None and spec.form == "per-node" and spec.node_rank == 0:
-            unsaid = _mark_ready(run_dir, spec, finished=str(finished))
-            if unsaid:
-                print(f"memtune: {unsaid}: the other nodes were not told", file=sys.stderr)
+            _mark_ready(run_dir, spec, finished=str(finished))
         print(f"memtune: {finished}; run dir {run_dir}", flush=True)
         return 0
     except (ConfigError, PreflightError) as err:
@@ -373,9 +371,7 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
             why = (
                 str(err) if kind == "config error" else f"the GPU preflight failed on node 0: {err}"
             )
-            unsaid = _mark_ready(run_dir, spec, error=why)
-            if unsaid:
-                print(f"memtune: {unsaid}: the other nodes were not told", file=sys.stderr)
+            _mark_ready(run_dir, spec, error=why)
         # Another node of a per-node job says why on its own output (and preflight-nodeK.json):
         # exit.json and .hydra/ are node 0's.
         node_rank = None if spec is None else spec.node_rank
@@ -406,11 +402,16 @@ def _mark_ready(
     run_dir: Path, spec: NodeSpec, error: str | None = None, finished: str | None = None
 ) -> str | None:
     """Node 0's word to the other nodes (topology.announce_ready); when it cannot be written
-    (a full disk), why, in one line: nodes 1.. then wait for it until WAIT_FOR_NODE0_S."""
+    (a full disk), why, in one line: nodes 1.. then wait for it until WAIT_FOR_NODE0_S. A
+    word that stops them (``error``, ``finished``) not written is said here; the caller of
+    the plain "ready" ends the job with the returned line."""
     try:
         announce_ready(run_dir, spec, error=error, finished=finished)
     except OSError as err:
-        return _cannot_write(RunDir(run_dir).nodes_ready, err)
+        unsaid = _cannot_write(RunDir(run_dir).nodes_ready, err)
+        if error is not None or finished is not None:
+            print(f"memtune: {unsaid}: the other nodes were not told", file=sys.stderr)
+        return unsaid
     return None
 
 

@@ -170,8 +170,9 @@ def _on_stop_signal(signum: int, frame: Any) -> None:
 
 
 def catch_stop_signals() -> None:
-    """From the first moment of a rank: SIGTERM / SIGUSR2 only raise a flag (their default
-    would kill the rank mid-load); the loop reads it at the next step boundary."""
+    """SIGTERM / SIGUSR2 only raise a flag, which the loop reads at the next step boundary.
+    Installed by run() once the imports are done; until then memtune/worker.py, the command
+    every launcher starts, has both ignored (their default would kill the rank mid-load)."""
     for sig in (signal.SIGTERM, signal.SIGUSR2):
         signal.signal(sig, _on_stop_signal)
 
