@@ -76,10 +76,35 @@ def test_a_split_sequence_reduces_zero2_gradients_in_fp32() -> None:
     for sp, upcast in ((1, largest * 4), (2, h * h * 4)):
         cfg = _cfg(*lora, f"trainer.sequence_parallel={sp}")
         d = decided(cfg)
-        assert d.sequence_parallel == sp and count_params(cfg).largest_lora_tensor == largest
+        assert d.sequence_parallel == sp and count_params(cfg).largest_lora_tensor() == largest
         held, how = gradient_bucket_bytes(cfg, d, largest)
         assert held == buckets + h * h * 2 + upcast
         assert how.startswith("2 gradient reduce buffers (bf16) + ")
+
+
+def test_a_mixtures_expert_adapter_stack_is_the_largest_upcast() -> None:
+    """A mixture's routed-expert adapters are one parameter a stack (experts × r × in, experts ×
+    out × r: rank.experts), so unsplit bf16 ZeRO-2 upcasts the whole stack's slice to fp32
+    when it reaches the partition (stage_1_and_2.py, _add_to_grad_partition_buffer), not an
+    attention adapter's r × 512: the tiny Qwen3-MoE's gate_up A, 16 experts × r × 256, or its
+    8 local experts' under trainer.expert_parallel=2. The plan's bucket row counts it."""
+    from memtune.memory.estimate import plan
+
+    moe = ["model=tiny-qwen3-moe", "zero=zero2", "launcher.num_ranks=2", "peft.dropout=0"]
+    moe.append("trainer.precision=bf16")
+    h = 256
+    for ep, target in ((1, "all-linear"), (2, "all-linear"), (2, "all-linear-but-experts")):
+        cfg = _cfg(*moe, f"peft.target={target}", f"trainer.expert_parallel={ep}")
+        d = decided(cfg)
+        r = cfg.peft.r
+        assert d.experts.parallel == ep and d.sequence_parallel == 1
+        ds = _ds(cfg)
+        assert ds["bf16"]["enabled"] and ds["zero_optimization"]["reduce_bucket_size"] == h * h
+        largest = 16 // ep * r * h if target == "all-linear" else r * 4 * 128  # q_proj's B
+        assert count_params(cfg).largest_lora_tensor(ep) == largest, (ep, target)
+        held = 2 * h * h * 2 + h * h * 2 + largest * 4  # two bf16 buffers, a copy, the upcast
+        row = plan(cfg, d).gib()["DeepSpeed buckets"]
+        assert row * 1024**3 == pytest.approx(held, rel=1e-12), (ep, target)
 
 
 def test_zero2_without_contiguous_gradients_counts_the_flattened_bucket(tmp_path) -> None:

@@ -17,6 +17,7 @@ from memtune.config.decisions import CPU_RANKS, Choices, RankMachine
 from memtune.config.deepspeed import build_ds_config, reduce_temporaries_bytes
 from memtune.memory.counts import count_params
 from memtune.memory.estimate import activation_bytes, plan
+from memtune.memory.expert_parallel import expert_parallel
 from memtune.rank import attention
 from memtune.rank.kernels import use_fused_kernels
 from memtune.rank.linear_attention import keep_samples_apart
@@ -412,7 +413,7 @@ def test_planned_weights_and_optimizer_state_match_what_each_rank_holds(fixture,
     rows = {what: gib * 1024**3 for what, gib in plan(run.cfg, run.decisions).gib().items()}
     ds = build_ds_config(run.cfg, run.decisions)
     bucket, ranks = ds["zero_optimization"]["reduce_bucket_size"], run.decisions.batch.ranks
-    largest = count_params(run.cfg).largest_lora_tensor
+    largest = count_params(run.cfg).largest_lora_tensor(expert_parallel(run.decisions))
     for probe in run.probes():
         # Adapters in the compute dtype whatever the stage and base (model.cast_adapters).
         assert probe["lora_dtypes"] == [str(torch_dtype(run.cfg))]

@@ -141,7 +141,8 @@ def gradient_bucket_bytes(cfg: RunConfig, d: Decisions, largest: int = 0) -> tup
     the IPG buffer allocated once in __init__); without contiguous_gradients none (a reduce
     flattens the bucket's gradients into one copy of that size, among its temporaries).
     Beside them, what the reduce of a full bucket makes and frees (reduce_temporaries_bytes;
-    ``largest``: the elements of the largest adapter tensor).
+    ``largest``: the elements of the largest adapter tensor as a rank holds it, a mixture's
+    routed-expert stacks' included: ParamCounts.largest_lora_tensor).
 
     The temporaries are counted with the buffers, at the step's peak: a bucket reduces from a
     backward hook as soon as the next gradient would overflow it, so while a layer's backward

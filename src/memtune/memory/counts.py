@@ -69,12 +69,19 @@ class ParamCounts:
     routed_share: float = 1.0
     """num_experts_per_tok / num_experts (1.0 for a dense model)."""
 
-    @property
-    def largest_lora_tensor(self) -> int:
-        """Elements of a decoder layer's largest adapter tensor: A (r × in) or B (out × r)."""
+    expert_lora_tensor: int = 0
+    """Elements of the largest routed-expert adapter tensor, every expert of its stack: A
+    (experts × r × in) or B (experts × out × r), one parameter each (rank.experts); 0 unless
+    the experts are adapted."""
+
+    def largest_lora_tensor(self, expert_parallel: int = 1) -> int:
+        """Elements of a decoder layer's largest adapter tensor as a rank holds it: a linear
+        layer's A (r × in) or B (out × r), or a routed-expert stack's A or B, of this rank's
+        1/``expert_parallel`` of the experts (rank.expert_parallel splits the stacks)."""
         widths = {name.split(".")[-1]: out for name, _, out in self.linear_shapes}
         adapters = [*self.lora_inputs, *self.linear_attention_lora_inputs]
-        return max((r * max(i, widths.get(name, 0)) for name, i, r in adapters), default=0)
+        dense = max((r * max(i, widths.get(name, 0)) for name, i, r in adapters), default=0)
+        return max(dense, self.expert_lora_tensor // expert_parallel)
 
 
 TEXT_STAND_INS = {"qwen3_vl_text": "qwen3", "qwen2_5_vl_text": "qwen2"}
@@ -114,9 +121,10 @@ def _source(cfg: RunConfig) -> str:
     return str(found) if found is not None and not cfg.model.synthesize else "the model group"
 
 
-COUNTS_CACHE_FORMAT = 8
+COUNTS_CACHE_FORMAT = 9
 """7: each entry carries its digest (memtune.integrity.Store.write_value); 8: the vision
-tower's counts (model.vision)."""
+tower's counts (model.vision); 9: the largest routed-expert adapter tensor
+(ParamCounts.expert_lora_tensor)."""
 
 COUNTS_CACHE = Store("counts cache", COUNTS_CACHE_FORMAT)
 """The parameter counts and the linear-mixer lines, one JSON file a key in
@@ -242,9 +250,15 @@ def _count_on_meta(cfg: RunConfig) -> ParamCounts:
         config = lora_config(cfg)
         config.init_lora_weights = True
         peft_model = get_peft_model(model, config)  # adapts the layers in place
-        expert_lora = 0
+        expert_lora = expert_lora_tensor = 0
         if adapts_experts(cfg):
             expert_lora = add_expert_adapters(peft_model, cfg.peft.r, 1.0)
+            expert_lora_tensor = max(
+                getattr(m, f"{name}_lora_{ab}").numel()
+                for _, m in expert_modules(peft_model)
+                for name in EXPERT_PARAMETERS
+                for ab in "AB"
+            )
         if cfg.peft.train_router:  # trained in full, counted with the adapters
             train_routers(peft_model)
         lora = sum(q.numel() for q in peft_model.parameters() if q.requires_grad)
@@ -281,6 +295,7 @@ def _count_on_meta(cfg: RunConfig) -> ParamCounts:
         vision=vision,
         vision_lora=vision_lora,
         vision_merger=vision_merger,
+        expert_lora_tensor=expert_lora_tensor,
     )
 
 

@@ -700,7 +700,7 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
         }[d.optimizer],
     )
 
-    out.add("DeepSpeed buckets", *gradient_bucket_bytes(cfg, d, counts.largest_lora_tensor))
+    out.add("DeepSpeed buckets", *gradient_bucket_bytes(cfg, d, counts.largest_lora_tensor(ep)))
     if zero3:
         # Whole tensors gathered while in use: the largest of one decoder layer, the embedding
         # and the head (gathered once for the loss), plus what is prefetched meanwhile.
