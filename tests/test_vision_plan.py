@@ -236,3 +236,29 @@ def test_the_towers_measured_line_predicts_another_tower(cuda: bool) -> None:
     block, rest, image, deepstack = tower_line(cfg, cuda)
     assert block > 0 and rest > 0 and deepstack == 0  # Qwen3.5's tower has no deepstack
     assert _tower_saved(cfg, 3, 5, cuda) == 3 * block * 100 + rest * 100 + image
+
+
+def test_a_tower_line_of_another_counts_cache_format_is_not_called_damaged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two memtunes sharing one cache (an upgrade, two checkouts) whose counts caches differ in
+    format: each keeps its own tower line. Its key named the line's format only, so the other
+    one's entry sat at the same file and was set aside as damaged ("format 8, not 9") and
+    measured again, back and forth."""
+    import dataclasses
+
+    from memtune.memory import counts, vision
+
+    monkeypatch.setenv("MEMTUNE_CACHE_DIR", str(tmp_path))
+    cfg = tiny_vl("peft.target=all-linear-and-vision")
+    older = counts.COUNTS_CACHE_FORMAT - 1
+    with monkeypatch.context() as m:  # the older memtune
+        m.setattr(counts, "COUNTS_CACHE", dataclasses.replace(counts.COUNTS_CACHE, format=older))
+        m.setattr(vision, "COUNTS_CACHE", counts.COUNTS_CACHE)
+        m.setattr(vision, "COUNTS_CACHE_FORMAT", older)
+        m.setattr(vision, "_TOWER_LINES", {})
+        theirs = vision.tower_line(cfg, False)
+    monkeypatch.setattr(vision, "_TOWER_LINES", {})
+    assert vision.tower_line(cfg, False) == theirs
+    assert "damaged" not in capsys.readouterr().out
+    assert len(list((tmp_path / "counts").glob("*.json"))) == 2

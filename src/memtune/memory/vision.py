@@ -37,6 +37,7 @@ from memtune.config import ConfigError, RunConfig, cache_dir, compute_bytes
 from memtune.config.decisions import Decisions, keeps_dropout_copies
 from memtune.memory.counts import (
     COUNTS_CACHE,
+    COUNTS_CACHE_FORMAT,
     built_with,
     cached,
     tower_config,
@@ -215,6 +216,9 @@ def tower_line(cfg: RunConfig, cuda: bool) -> tuple[float, float, float, float]:
         {
             "what": "vision tower saved bytes",
             "format": TOWER_LINE_FORMAT,
+            # the store's own format too: an entry of another memtune's counts cache (8 beside
+            # 9) has another file, not this one's, which its manifest called damaged
+            "store": COUNTS_CACHE_FORMAT,
             "vision": dict(cfg.model.vision),
             "text": str(cfg.model.architecture.get("model_type")),
             "hidden": int(cfg.model.architecture["hidden_size"]),
