@@ -155,7 +155,7 @@ def gradient_bucket_bytes(cfg: RunConfig, d: Decisions, largest: int = 0) -> tup
     z = ds["zero_optimization"]
     stage = z["stage"]
     dtype = bucket_dtype(ds)
-    size = 2 if dtype in ("bf16", "fp16") else 4
+    size = _element_bytes(dtype)
     contiguous = z.get("contiguous_gradients", True)
     # DeepSpeed's default: overlap_comm on at stage 3 only (zero/config.py, overlap_comm_valid)
     overlap = z.get("overlap_comm", stage == 3)
@@ -177,6 +177,11 @@ def bucket_dtype(ds: dict[str, Any]) -> str:
     if ds["zero_optimization"]["stage"] == 3:
         dtype = (ds.get("communication_data_type") or dtype).lower()  # fp16, bf16, fp32
     return str(dtype)
+
+
+def _element_bytes(dtype: str) -> int:
+    """Bytes of one element of a DeepSpeed dtype name (fp16, bf16, fp32)."""
+    return 2 if dtype in ("bf16", "fp16") else 4
 
 
 def reduce_temporaries_bytes(
@@ -203,7 +208,7 @@ def reduce_temporaries_bytes(
       "buffer_to_reduce.to(self.gradient_accumulation_dtype)")."""
     z = ds["zero_optimization"]
     dtype = bucket_dtype(ds)
-    size = 2 if dtype in ("bf16", "fp16") else 4
+    size = _element_bytes(dtype)
     scatter = z.get("reduce_scatter", True)
     if z["stage"] == 3:
         if scatter or not z.get("contiguous_gradients", True):
@@ -211,11 +216,7 @@ def reduce_temporaries_bytes(
         return elements * 4 if size != 4 else 0
     if not scatter and z.get("contiguous_gradients", True):
         communicated = (ds.get("communication_data_type") or dtype).lower()
-        return (
-            elements * (2 if communicated in ("bf16", "fp16") else 4)
-            if communicated != dtype
-            else 0
-        )
+        return elements * _element_bytes(communicated) if communicated != dtype else 0
     if size == 4:
         return elements * size
     return elements * size + (elements if sequence_parallel > 1 else largest) * 4
