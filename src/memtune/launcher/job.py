@@ -423,14 +423,13 @@ def _decide_and_lay_out(
     the run dir; the other nodes of a per-node job wait for it and read it."""
     fitted = decide(given, say=False) if spec.node_rank == 0 else None
     run_dir.mkdir(parents=True, exist_ok=True)
-    heard = False
+    # Nodes 1.. of a run that ended well: node 0's word first, which may be that it is
+    # finished (they ran their GPU preflight and rewrote preflight-nodeK.json for nothing).
+    hear_first = fitted is None and _finished_run(run_dir)
     if fitted is not None:
         stop_if_finished(fitted, run_dir)  # before the preflight's record and the data
-    elif _finished_run(run_dir):
-        # Nodes 1.. of a run that ended well: node 0's word first, which may be that it is
-        # finished (they ran their GPU preflight and rewrote preflight-nodeK.json for nothing).
+    elif hear_first:
         _wait_for_node0(run_dir, spec)
-        heard = True
     rd = RunDir(run_dir)
     preflight = rd.preflight(spec.node_rank)
     env: dict[str, str]
@@ -440,7 +439,7 @@ def _decide_and_lay_out(
     else:
         env, measured = for_launch(given.launcher, spec.ranks_per_node, spec.nnodes, preflight)
     if fitted is None:
-        if not heard:
+        if not hear_first:
             _wait_for_node0(run_dir, spec)
         try:
             decisions = rd.read_decisions()
