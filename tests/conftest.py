@@ -146,10 +146,11 @@ def _private_model_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     # memtune's launcher starts are given that dir, and so are the tests' own processes (gloo
     # ranks spawned by a test, the one-rank engines in this one), which would otherwise build
     # the shared-memory op once more in torch's default dir (45 s inside the first such test
-    # on a fresh machine).
-    from memtune.launcher.extensions import extensions_root
+    # on a fresh machine). A lock a killed test process left there is removed first: the next
+    # load would wait on it for good.
+    from memtune.launcher.extensions import use_own_ops_dir
 
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_root()))
+    use_own_ops_dir()
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]
     )

@@ -155,3 +155,52 @@ def test_the_extensions_root_is_this_environments_dir_beneath_torchs_own(
     assert extensions_root() == tmp_path / "mine"
     assert rank_env(cfg)["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "mine")
     assert rank_env(cfg, base={"TORCH_EXTENSIONS_DIR": "/x"})["TORCH_EXTENSIONS_DIR"] == "/x"
+
+
+def test_a_process_of_its_own_loads_ops_from_memtunes_dir_without_stale_locks(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """What runs DeepSpeed in its own process (the GPU check's phases, the tests) is pointed
+    at memtune's dir, where make install built the ops, and the locks killed processes left
+    there are gone before anything loads; a dir the user chose is kept."""
+    from memtune.launcher.extensions import use_own_ops_dir
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    ours = extensions_root()
+    (ours / "cpu_adam").mkdir(parents=True)
+    (ours / "cpu_adam/lock").touch()
+    said: list[str] = []
+    assert use_own_ops_dir(log=said.append) == ours
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(ours)
+    assert not (ours / "cpu_adam/lock").exists()
+    assert len(said) == 1 and str(ours / "cpu_adam/lock") in said[0]
+    mine = tmp_path / "mine"
+    (mine / "py311_cpu/cpu_adam").mkdir(parents=True)
+    (mine / "py311_cpu/cpu_adam/lock").touch()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(mine))
+    assert use_own_ops_dir(log=said.append) == mine
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(mine)
+    assert not (mine / "py311_cpu/cpu_adam/lock").exists()
+
+
+def test_the_gpu_check_clears_a_stale_lock_before_a_phase(tmp_path: Path) -> None:
+    """A CPU Adam lock left by a killed process made CI's dry run of the GPU check wait out
+    mixture-qlora-offload's whole 600 s. The orchestrator clears the phases' ops dir before
+    each one (here a phase that ends at once: Unsloth is not in memtune's environment)."""
+    root = tmp_path / "ext"
+    (root / "cpu_adam").mkdir(parents=True)
+    (root / "cpu_adam/lock").touch()
+    where = ["--out", str(tmp_path / "out"), "--work", str(tmp_path / "parts")]
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check", "--dry-run", "--phases", "unsloth-lora", *where],
+        env={**os.environ, "TORCH_EXTENSIONS_DIR": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[1],
+    )
+    assert not (root / "cpu_adam/lock").exists(), out.stdout[-2000:] + out.stderr[-2000:]
+    said = out.stdout.splitlines()
+    removed = next(i for i, line in enumerate(said) if "removed a stale build lock" in line)
+    assert said[removed + 1].startswith("gpu_check: unsloth-lora: starting")

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from memtune.launcher.extensions import use_own_ops_dir
+
 from .attention import run_attention
 from .baseline_runner import run_baseline
 from .hybrid import run_hybrid
@@ -154,6 +156,10 @@ def orchestrate(args: argparse.Namespace) -> int:
             str(phase_deadline),
             *(["--dry-run"] if mode.dry_run else []),
         ]
+        # DeepSpeed's ops from memtune's dir (make install built them there), free of the
+        # locks a phase killed at its deadline (or a killed earlier check) left: the next
+        # phase loading that op would otherwise wait out its whole time on it, silently.
+        use_own_ops_dir()
         print(
             f"gpu_check: {name}: starting ({phase_deadline - now:.0f} s at most, "
             f"{budget.left(now):.0f} s left of the budget)",

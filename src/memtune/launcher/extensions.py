@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from memtune.launcher.hygiene import clear_stale_locks
@@ -45,6 +46,20 @@ def extensions_root() -> Path:
     return torch_build_root() / f"env-{key}"
 
 
+def use_own_ops_dir(log: Callable[[str], None] = print) -> Path:
+    """Make this process and its children build and load DeepSpeed's ops in
+    :func:`extensions_root` ($TORCH_EXTENSIONS_DIR, unless the user set it), with the build
+    locks killed processes left there removed first: torch waits on a lock for as long as the
+    file exists, printing nothing, so one left by a kill -9 would stop the next load for good
+    (one did: the GPU check's dry run in CI, 600 s on CPU Adam's lock). For what runs DeepSpeed
+    in its own process (the GPU check's phases, the tests); the launcher does the same for
+    the ranks it starts (memtune.launcher.spawn)."""
+    root = extensions_root()
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(root))
+    clear_stale_locks(root, log=log)
+    return root
+
+
 def build_cpu_ops() -> list[str]:
     """Build (or load, if up to date) the DeepSpeed ops a CPU run loads in every rank."""
     from deepspeed.accelerator import get_accelerator
@@ -63,9 +78,7 @@ def build_cpu_ops() -> list[str]:
 
 def main() -> None:
     name_cpu_accelerator()
-    # torch's builder reads it: this environment's dir, unless the user chose one
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_root()))
-    clear_stale_locks(extensions_root())
+    use_own_ops_dir()
     print("memtune: checking DeepSpeed's native CPU ops (the first build takes ~2 min on 2 cores)")
     for name in build_cpu_ops():
         print(f"memtune: {name} ready in {extensions_root()}")
