@@ -219,6 +219,17 @@ def test_resume_with_a_contradicting_config_is_refused(finished: Path, tmp_path:
     again = run_train_py([*BASE, f"run_dir={run_dir}", "peft.r=4", "preprocess_only=true"], ROOT)
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads((run_dir / "resume.json").read_text())["checkpoint"] is None
+    # A record that cannot be written (a folder where plan.txt goes; a read-only or full disk
+    # alike) is one line naming it, exit 2, not a traceback; the folder is left as it was.
+    (run_dir / "plan.txt").unlink()
+    (run_dir / "plan.txt").mkdir()
+    (run_dir / "plan.txt" / "mine.txt").write_text("the user's\n")
+    stuck = run_train_py([*BASE, f"run_dir={run_dir}", "peft.r=4", "preprocess_only=true"], ROOT)
+    said = f"error: cannot use {run_dir / 'plan.txt'} (IsADirectoryError: Is a directory)"
+    assert stuck.returncode == 2 and "Traceback" not in stuck.stderr, stuck.stderr[-3000:]
+    assert [line for line in stuck.stderr.splitlines() if line.strip()] == [f"memtune: {said}"]
+    assert json.loads((run_dir / "exit.json").read_text()) == {"code": 2, "error": said}
+    assert [p.name for p in (run_dir / "plan.txt").iterdir()] == ["mine.txt"]
 
 
 @pytest.mark.faults

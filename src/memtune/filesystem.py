@@ -55,6 +55,10 @@ def write_atomic(path: Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as err:
+        # Named for the file asked for, not its temporary sibling: the one a user can act on
+        # (a folder where the file goes, a read-only or full disk).
+        raise type(err)(err.errno, err.strerror, str(path)) from err
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()  # ours: left only when the write or the rename failed

@@ -376,6 +376,17 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
         # exit.json and .hydra/ are node 0's.
         node_rank = None if spec is None else spec.node_rank
         return _stopped_before_launch(cfg, run_dir, kind, str(err), sweeping, node_rank)
+    except OSError as err:
+        # A file the run dir's records go to that cannot be written (a folder in its place, a
+        # read-only or full disk), or one read that cannot be: one line naming it, not a
+        # traceback. One that names no file is left to say where it came from.
+        if not err.filename:
+            raise
+        why = f"cannot use {err.filename} ({type(err).__name__}: {err.strerror or err})"
+        if spec is not None and spec.form == "per-node" and spec.node_rank == 0:
+            _mark_ready(run_dir, spec, error=why)
+        node_rank = None if spec is None else spec.node_rank
+        return _stopped_before_launch(cfg, run_dir, "error", why, sweeping, node_rank)
     if run_cfg.preprocess_only:
         print(f"memtune: preprocess_only: run dir {run_dir} laid out, no ranks started", flush=True)
         return 0
