@@ -218,7 +218,7 @@ def test_step_shape_counts_samples_and_epochs() -> None:
     assert odd.epochs == pytest.approx(2.0)
     assert odd.line().endswith(
         "max_steps 40 ≈ 2.00 epochs of 80 of the 83 samples (an epoch is whole steps: each "
-        "leaves out another 3)"
+        "epoch leaves out 3 samples, drawn at random)"
     )
 
 

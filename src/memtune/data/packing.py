@@ -83,7 +83,7 @@ class StepShape:
             left = self.items - usable
             epochs += (
                 f"{usable:,} of the {self.items:,} {what} (an epoch is whole steps: each "
-                f"leaves out another {left:,})"
+                f"epoch leaves out {left:,} {what}, drawn at random)"
             )
         if not self.packed:
             return f"a step = {self.global_batch} {u}; {epochs}"
