@@ -255,9 +255,13 @@ def test_multirun_gives_one_run_dir_per_point_and_a_report(tmp_path: Path) -> No
     sweep = tmp_path / "sweep"
     args = ["-m", "peft.r=4,0,8", "peft.rslora=true", "launcher.num_ranks=1", "logger=none"]
     args += ["trainer.max_steps=3"]
-    proc = run_train_py([*args, f"hydra.sweep.dir={sweep}"], cwd=ROOT)
+    # An empty matplotlib cache, as on a fresh machine: the report's plot builds its font list.
+    env = os.environ | {"MPLCONFIGDIR": str(tmp_path / "matplotlib")}
+    proc = run_train_py([*args, f"hydra.sweep.dir={sweep}"], cwd=ROOT, env=env)
     # peft.r=0 fails validation; the other points still run, and the sweep exits non-zero.
     assert proc.returncode == 1, proc.stderr[-3000:]
+    # matplotlib's "generated new fontManager" came out as a "[HYDRA] ..." line at the end.
+    assert "fontManager" not in proc.stdout + proc.stderr
     dirs = sorted(p for p in sweep.iterdir() if p.is_dir())
     assert [d.name for d in dirs] == ["0", "1", "2"]
     adapters = [load_file(d / "adapter" / "adapter_model.safetensors") for d in (dirs[0], dirs[2])]

@@ -32,6 +32,10 @@ LOG_NOISE = (
     # same; memtune's own lines are what a user of generate reads)
     ("transformers.integrations.hub_kernels", "`causal_conv1d_update` is falling back"),
     ("transformers.integrations.hub_kernels", "`fused_recurrent_gated_delta_rule` is falling back"),
+    # matplotlib, the first time a machine draws a sweep's loss plot (an empty font cache): an
+    # INFO record that Hydra's log format printed as "[HYDRA] generated new fontManager" at the
+    # end of a sweep, a line that looks like Hydra's and means nothing to the sweep
+    ("matplotlib.font_manager", "generated new fontManager"),
 )
 # Bare prints (stdout lines) dropped where :func:`drop_stdout_lines` wraps the call.
 STDOUT_NOISE = (
