@@ -90,6 +90,13 @@ def test_a_run_prints_memtunes_own_lines_first_and_no_known_noise(finished: Path
     lines = [line for line in out.splitlines() if line.strip()]
     assert lines[0].startswith("memtune: "), lines[:3]
     assert "memtune: done in" in out
+    # Output that is no terminal (a Slurm .out file, a pipe) gets progress as whole lines, not
+    # tqdm's bar redrawn with carriage returns into one line (75 KB for 1,000 steps): here the
+    # first step and the last (12 steps take less than the minute between lines).
+    assert "\r" not in out
+    progress = [line for line in lines if line.startswith("train: step ")]
+    assert [line.split(" (")[0] for line in progress] == ["train: step 1/12", "train: step 12/12"]
+    assert "left · loss=" in progress[0] and progress[1].split(" · ")[-1].startswith("loss=")
 
 
 def test_checkpoints_are_complete_and_pruned(finished: Path) -> None:

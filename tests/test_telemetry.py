@@ -133,3 +133,21 @@ def test_a_start_logs_after_the_rows_of_the_steps_it_continues(tmp_path: Path) -
     # the last row cut short by a kill mid-write: no step's, dropped (it stopped every start)
     killed += '{"step": 7, "train/lo'
     assert steps_after_a_start_at(4) == [(1, 9.0), (2, 9.0), (3, 9.0), (4, 9.0), (5, 1.0)]
+
+
+def test_progress_in_a_log_file_is_whole_lines_at_most_one_a_minute(capsys, monkeypatch) -> None:
+    """Where the output is no terminal, the bar's content comes as lines: the first step of
+    this start (a resumed one counts from where it resumed), one a minute at most, the last."""
+    import memtune.rank.telemetry as telemetry
+
+    clock = iter([0.0, 5.0, 30.0, 66.0, 70.0, 80.0])
+    monkeypatch.setattr(telemetry.time, "monotonic", lambda: next(clock))
+    bar = telemetry.LineProgress(total=10, done=5)  # started at 0 s, resumed after step 5
+    for step in range(6, 11):
+        bar.set_postfix({"loss": f"{1 / step:.4f}"})
+        bar.update(1)  # at 5, 30, 66 (61 s after the last line), 70 and 80 s
+    assert capsys.readouterr().err.splitlines() == [
+        "train: step 6/10 (60%) · 00:05 elapsed, ~00:20 left · loss=0.1667",
+        "train: step 8/10 (80%) · 01:06 elapsed, ~00:44 left · loss=0.1250",
+        "train: step 10/10 (100%) · 01:20 elapsed · loss=0.1000",
+    ]
