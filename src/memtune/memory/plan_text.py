@@ -24,7 +24,7 @@ def format_plan(cfg: RunConfig, d: Decisions, result: Plan) -> str:
     unit, scale = ("GiB", 1.0) if result.total_gib >= 1 else ("MiB", 1024.0)  # tiny demos
     lines = [
         f"memtune plan: {cfg.experiment} · {cfg.model.name_or_path} · {ranks} rank(s) · "
-        f"ZeRO-{d.zero_stage} · {d.peft_method} r={cfg.peft.r} · micro batch "
+        f"ZeRO-{d.zero_stage} · {d.peft_method} r={cfg.peft.r} on {cfg.peft.target} · micro batch "
         f"{batch.micro_batch} × {batch.row_tokens:,} tokens · accum {batch.accumulation}"
         + (
             f" · sequence split over {batch.sequence_parallel} ranks"
