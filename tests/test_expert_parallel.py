@@ -468,7 +468,9 @@ def test_the_plan_of_an_expert_parallel_run_names_what_it_compares(
     assert step < auto_step <= 30  # ZeRO-3 gathers the non-experts; the experts stay put
     # the long-context lines say why their answers fall short of this run: the 2 GiB spare
     assert "(none fits with 2 GiB to spare: the smallest plan)" in out
-    assert out.rstrip().splitlines()[-2].endswith("this run's 4,096 leaves less than 2 GiB spare")
+    longest = out.rstrip().splitlines()[-2]
+    assert longest.startswith("longest sequence that fits (2 GiB spare): none, not even 1,024 ")
+    assert longest.endswith("this run's 4,096 leaves less than 2 GiB spare")
     # on a 24.5 GiB card 2,100 tokens keep the spare, and the search's 1,024-token steps do
     # not reach them
     assert print_plan(compose_cfg([*args, "data.max_seq_len=2100", "plan.device_gib=24.5"])) == 0

@@ -621,8 +621,8 @@ def format_longest_sequence(
                 f"{AUTO_CHECKPOINT_SPARE_GIB:g} GiB spare"
             )
         return (
-            f"longest sequence that fits ({AUTO_CHECKPOINT_SPARE_GIB:g} GiB spare): none of "
-            f"{least:,} tokens ({how}){short}"
+            f"longest sequence that fits ({AUTO_CHECKPOINT_SPARE_GIB:g} GiB spare): none, "
+            f"not even {least:,} tokens ({how}){short}"
         )
     limit = rope_positions(cfg)
     note = ""
