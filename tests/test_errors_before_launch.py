@@ -176,6 +176,20 @@ def test_a_folder_memtune_cannot_make_or_write_is_named(tmp_path: Path) -> None:
         f"run_dir={a_file / 'run'}: {a_file} is a file, not a folder; give the run a folder "
         "memtune can write"
     )
+    # a symlink that leads nowhere, or round a loop, where the folder goes or on the way:
+    # Hydra's mkdir raised FileExistsError, a traceback (a start, a sweep's dir)
+    dangling, loop = tmp_path / "scratch", tmp_path / "loop"
+    dangling.symlink_to(tmp_path / "gone")
+    loop.symlink_to(loop)
+    said = f"{dangling} is a symlink to {tmp_path / 'gone'}, which does not exist"
+    assert cannot_write(dangling) == said and cannot_write(dangling / "run" / "x") == said
+    assert composition_problem([f"run_dir={loop / 'run'}"]) == (
+        f"run_dir={loop / 'run'}: {loop} is a symlink loop; give the run a folder memtune can write"
+    )
+    assert composition_problem(["-m", f"hydra.sweep.dir={dangling}", "peft.r=4,8"]) == (
+        f"hydra.sweep.dir={dangling}: {said}; give the sweep a folder it can write"
+    )
+    assert not (tmp_path / "gone").exists()
     # an interpolation Hydra resolves only in its main is left to it (a review found these
     # common sweep-style run dirs refused with a traceback)
     assert composition_problem(["run_dir=runs/${hydra:job.name}"]) is None

@@ -9,6 +9,7 @@ ranks' exports all write through it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import socket
@@ -118,6 +119,9 @@ def cannot_write(path: Path) -> str | None:
     try:
         if probe.exists() and not probe.is_dir():
             return f"{probe} is a file, not a folder"
+        broken = _broken_link(probe)
+        if broken is not None:
+            return broken
         probe = _nearest_existing(probe)
     except PermissionError:
         return f"cannot reach {path} (permission denied on a folder on the way)"
@@ -131,6 +135,21 @@ def cannot_write(path: Path) -> str | None:
         read_only = False
     why = "read-only filesystem" if read_only else "permission denied"
     return f"cannot write in {probe} ({why})"
+
+
+def _broken_link(path: Path) -> str | None:
+    """A symlink at ``path``, or on the way to it, that leads nowhere or round a loop, in
+    words: the folder would be made through it and cannot be (mkdir's FileExistsError)."""
+    while not path.exists() and path != path.parent:
+        if path.is_symlink():
+            try:
+                os.stat(path)
+            except OSError as err:
+                if err.errno == errno.ELOOP:
+                    return f"{path} is a symlink loop"
+            return f"{path} is a symlink to {os.readlink(path)}, which does not exist"
+        path = path.parent
+    return None
 
 
 def _nearest_existing(path: Path) -> Path:
