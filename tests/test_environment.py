@@ -151,6 +151,35 @@ def test_a_full_disk_while_tokenizing_is_one_line(tmp_path: Path) -> None:
     assert [p.name for p in cache.iterdir()] == []  # the partial build was ours: removed
 
 
+def test_a_full_disk_while_building_the_demo_model_is_one_line(tmp_path: Path) -> None:
+    """The demo model's weights (12 MB) cannot be written: a ConfigError naming the model's
+    folder and MEMTUNE_CACHE_DIR, as launcher.prepare wraps the build; nothing half-built
+    left. Before: safetensors' SafetensorError passed the full-disk handler, a traceback."""
+    import resource
+
+    from memtune.config import ConfigError, compose, to_run_config
+    from memtune.data.cache import no_space_is_an_error
+    from memtune.tools.tiny import synthesize
+
+    architecture = to_run_config(compose([])).model.architecture
+    model = tmp_path / "tiny-qwen2"
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))  # Python ignores SIGXFSZ
+    try:
+        with (
+            pytest.raises(ConfigError) as err,
+            no_space_is_an_error(tmp_path, "MEMTUNE_CACHE_DIR"),
+        ):
+            synthesize(model, architecture)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert str(err.value).startswith(
+        f"cannot write {model}: the file is larger than this process may write (ulimit -f) ("
+    )
+    assert "free space, or point MEMTUNE_CACHE_DIR at a filesystem with room" in str(err.value)
+    assert [p.name for p in tmp_path.iterdir()] == [".tiny-qwen2.lock"]
+
+
 def test_no_space_left_names_the_path(tmp_path: Path) -> None:
     """ENOSPC itself, from the kernel's /dev/full (every write to it fails so)."""
     from memtune.config import ConfigError

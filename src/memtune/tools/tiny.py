@@ -19,6 +19,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -207,12 +208,13 @@ def _build(
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     old = path.parent / f".{path.name}.old-{os.getpid()}"
     try:
-        if vision:
-            _write_vision_language(tmp, architecture, vision, seed)
-        else:
-            _write_text(tmp, architecture, seed, tok_dir)
-        (tmp / _MARKER).write_text(json.dumps({"fingerprint": fingerprint, "seed": seed}))
-        DEMO_MODEL.seal(tmp)  # last: a build without its manifest is never used
+        with _write_errors_named(path):
+            if vision:
+                _write_vision_language(tmp, architecture, vision, seed)
+            else:
+                _write_text(tmp, architecture, seed, tok_dir)
+            (tmp / _MARKER).write_text(json.dumps({"fingerprint": fingerprint, "seed": seed}))
+            DEMO_MODEL.seal(tmp)  # last: a build without its manifest is never used
         follow_umask(tmp)  # mkdtemp's 0700, safetensors' 0600: a shared cache needs the umask's
         if path.exists():  # an older build of ours (synthesize checked the marker): set aside
             os.replace(path, old)
@@ -221,6 +223,26 @@ def _build(
         for ours in (tmp, old):
             if ours.exists():
                 shutil.rmtree(ours, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _write_errors_named(path: Path) -> Iterator[None]:
+    """A write of the build that fails (a full disk) as an OSError named for the model's
+    ``path``, not its temporary sibling (removed by then): the caller's full-disk line names
+    what the user can act on. safetensors (save_pretrained's weights) reports its failed write
+    as SafetensorError("... I/O error: No space left on device (os error 28)"), not an OSError:
+    the start it stopped was a traceback."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except OSError as err:
+        raise type(err)(err.errno, err.strerror, str(path)) from err
+    except SafetensorError as err:
+        code = re.search(r"\(os error (\d+)\)", str(err))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from err
 
 
 def _write_text(path: Path, architecture: dict[str, Any], seed: int, tok_dir: Path | None) -> None:
