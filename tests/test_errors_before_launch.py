@@ -159,6 +159,30 @@ def test_local_model_without_a_path(tmp_path: Path, mode: str) -> None:
 # ------------------------------------------------------------------ 7d: +key not in the schema
 
 
+def test_a_symlink_loop_given_as_a_path_is_named_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """resume=, launcher.hostfile= or MEMTUNE_CACHE_DIR given as (or through) a symlink loop:
+    Path.resolve's RuntimeError "Symlink loop from ..." on Python < 3.13, a traceback from
+    train.py (and from `memtune plan`, for the cache) instead of the refusal a missing path
+    gets. The cache itself is refused where the demo model is built (cannot_write)."""
+    from memtune.launcher.prepare import resolve_resume
+    from memtune.launcher.topology import resolve
+    from memtune.rundir import RunDir
+    from tests.conftest import decided
+
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    cfg = to_run_config(compose([f"resume={loop}"]))
+    with pytest.raises(ConfigError, match=rf"^resume={loop}: not a complete memtune checkpoint"):
+        resolve_resume(cfg, decided(cfg), RunDir(tmp_path / "run"), tmp_path)
+    cfg = to_run_config(compose([f"launcher.hostfile={loop}", "launcher.nnodes=2"]))
+    with pytest.raises(ConfigError, match=rf"^launcher.hostfile={loop}: no such file$"):
+        resolve(cfg, env={})
+    monkeypatch.setenv("MEMTUNE_CACHE_DIR", str(loop / "cache"))
+    validate(to_run_config(compose([])))  # the demo model is in the cache, as it should be
+
+
 def test_a_folder_memtune_cannot_make_or_write_is_named(tmp_path: Path) -> None:
     """run_dir, data.cache_dir or MEMTUNE_CACHE_DIR where a file stands (or on a read-only
     filesystem: the same check, os.access and statvfs) is one line naming the setting, before

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import os
 import re
 import typing
 from pathlib import Path
@@ -589,8 +590,10 @@ def _check_synthesized_path(model: ModelConfig) -> None:
     group is the user's own model or directory, which the build would write over."""
     if not model.synthesize:
         return
-    where = Path(model.name_or_path).expanduser().resolve()
-    if where.parent != cache_dir().expanduser().resolve():
+    # realpath, not Path.resolve: a symlink loop on the way was resolve's RuntimeError
+    # (Python < 3.13), a traceback; building there says what is wrong with it (cannot_write)
+    where = Path(os.path.realpath(Path(model.name_or_path).expanduser()))
+    if where.parent != Path(os.path.realpath(cache_dir().expanduser())):
         raise ConfigError(
             f"model.name_or_path={model.name_or_path!r}: this model group builds a random "
             f"demo model in memtune's cache ({cache_dir()}), not at a path of yours; to train "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -545,7 +546,8 @@ def resolve_resume(
         if ckpt is None:
             return None
     else:
-        ckpt = Path(cfg.resume).expanduser().resolve()
+        # realpath: a symlink loop was Path.resolve's RuntimeError (Python < 3.13)
+        ckpt = Path(os.path.realpath(Path(cfg.resume).expanduser()))
         if not is_complete(ckpt) and RunDir(ckpt).checkpoints.is_dir():
             newest, _ = find_latest(RunDir(ckpt).checkpoints)
             raise ConfigError(

@@ -117,7 +117,8 @@ def resolve(cfg: RunConfig, env: Mapping[str, str] | None = None) -> NodeSpec:
         job = _int_env(env, "SLURM_JOB_ID")
         port = 20000 + job % 20000 if job is not None else DEFAULT_PORT
     if lc.hostfile is not None:
-        hostfile = Path(lc.hostfile).expanduser().resolve()
+        # realpath: a symlink loop was Path.resolve's RuntimeError (Python < 3.13)
+        hostfile = Path(os.path.realpath(Path(lc.hostfile).expanduser()))
         check_hostfile(hostfile, lc.nnodes, per_node)
         return NodeSpec("hostfile", lc.nnodes, per_node, 0, master_addr, port, hostfile=hostfile)
     node_rank = this_node_rank(lc, env)
