@@ -134,6 +134,18 @@ def test_merge_refuses_a_missing_adapter_and_creates_nothing(tmp_path: Path) -> 
     assert list(tmp_path.iterdir()) == []
 
 
+def test_merge_refuses_an_adapter_path_that_is_a_symlink_loop(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: Path.resolve's RuntimeError "Symlink loop from ..." (Python < 3.13), a traceback
+    from reading the adapter's run before its path was checked."""
+    loop = tmp_path / "adapter"
+    loop.symlink_to(loop)
+    line = refused_in_process(["merge", str(loop), str(tmp_path / "out")], capsys)
+    assert line == f"memtune merge: {loop}: no such directory (give RUN_DIR/adapter)"
+    assert [p.name for p in tmp_path.iterdir()] == ["adapter"]
+
+
 LORA_CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
 
 

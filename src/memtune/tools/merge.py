@@ -90,7 +90,9 @@ def trained_as(adapter_dir: Path) -> TrainedAs | None:
     held the decided values in its config.yaml itself. Only where a run puts them: beside the
     adapter (RUN_DIR/, a checkpoint's step-N/), or RUN_DIR/ for a checkpoint that holds none;
     an adapter copied elsewhere is not merged with whatever config.yaml lies above it."""
-    adapter_dir = adapter_dir.resolve()  # checkpoints/step-N/adapter given from checkpoints/
+    # checkpoints/step-N/adapter given from checkpoints/; realpath, not Path.resolve: a
+    # symlink loop was resolve's RuntimeError (Python < 3.13), before check_paths named it
+    adapter_dir = Path(os.path.realpath(adapter_dir))
     places = [adapter_dir.parent]
     if adapter_dir.parent.parent.name == "checkpoints":
         places.append(adapter_dir.parent.parent.parent)
