@@ -368,6 +368,27 @@ def test_merge_writes_into_a_new_dir_by_renaming_its_temporary(tmp_path: Path) -
     model.save_pretrained(work / "adapter")
     out = work / "merged"
     out.mkdir()  # an empty dir is taken: nothing in it to overwrite
+    # A full disk (ulimit -f here: EFBIG, as ENOSPC): one line naming OUT, nothing kept.
+    # Before: safetensors' SafetensorError from save_pretrained, a traceback.
+    import resource
+
+    from memtune.config import ConfigError
+    from memtune.tools.merge import merge
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, hard))  # Python ignores SIGXFSZ
+    try:
+        with pytest.raises(ConfigError) as err:
+            merge(work / "adapter", out, dtype="fp32")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert str(err.value) == (
+        f"{out}: cannot write the merged model there (File too large); nothing was kept: free "
+        "space, or give an OUT on a filesystem with room"
+    )
+    assert sorted(p.name for p in work.iterdir()) == ["adapter", "merged"] and not any(
+        out.iterdir()
+    )
     proc = memtune("merge", str(work / "adapter"), str(out), "--dtype", "fp32")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"merged model (fp32) written to {out}" in proc.stdout

@@ -11,10 +11,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 import socket
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -63,6 +64,27 @@ def write_atomic(path: Path, text: str) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()  # ours: left only when the write or the rename failed
+
+
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+"""The errors a write gets when the disk (or the user's share of it, or ulimit -f) is full."""
+
+
+@contextlib.contextmanager
+def safetensors_write_errors(path: Path) -> Iterator[None]:
+    """safetensors' failed write as the OSError it is, named ``path``: safetensors (and so
+    save_pretrained's weights) reports it as SafetensorError("... I/O error: No space left on
+    device (os error 28)"), its errno only in the text, which a caller's full-disk handling
+    (an ``except OSError``) let through as a traceback."""
+    from safetensors import SafetensorError  # here: only the writers of weights need it
+
+    try:
+        yield
+    except SafetensorError as err:
+        code = re.search(r"\(os error (\d+)\)", str(err))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from err
 
 
 def umask() -> int:

@@ -37,7 +37,7 @@ from memtune.config import ConfigError, RunConfig, load_run_config
 from memtune.config.architecture import is_multimodal
 from memtune.config.decisions import experts_of
 from memtune.config.schema import PeftMethod
-from memtune.filesystem import follow_umask
+from memtune.filesystem import FULL_DISK, follow_umask, safetensors_write_errors
 from memtune.paths import is_local_source
 from memtune.quiet import no_progress_bars
 from memtune.rundir import DECISIONS, RecordError, read_decisions
@@ -165,7 +165,17 @@ def merge(
     except OSError as err:
         raise ConfigError(f"{out_dir.parent}: cannot write there ({err})") from None
     try:
-        _merge_into(staging, adapter_dir, trained, base, merged_dtype(trained, dtype), into)
+        try:
+            with safetensors_write_errors(out_dir):
+                _merge_into(staging, adapter_dir, trained, base, merged_dtype(trained, dtype), into)
+        except OSError as err:
+            if err.errno not in FULL_DISK:
+                raise
+            # the weights' SafetensorError (or the tokenizer's OSError) was a traceback
+            raise ConfigError(
+                f"{out_dir}: cannot write the merged model there ({err.strerror}); nothing was "
+                "kept: free space, or give an OUT on a filesystem with room"
+            ) from None
         follow_umask(staging)  # mkdtemp's 0700 dir, safetensors' 0600 files: the user's modes
         try:
             # Onto an absent or empty OUT only: one filled in the meantime is not replaced.

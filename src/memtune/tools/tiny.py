@@ -19,7 +19,6 @@ import fcntl
 import hashlib
 import json
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -28,7 +27,7 @@ from typing import Any
 
 from memtune.config import ASSETS_DIR, ConfigError
 from memtune.data.vision import CLIP_MEAN, CLIP_STD, PREPROCESSOR_CONFIG
-from memtune.filesystem import follow_umask
+from memtune.filesystem import follow_umask, safetensors_write_errors
 from memtune.integrity import MANIFEST, Store
 from memtune.quiet import no_progress_bars
 
@@ -208,7 +207,7 @@ def _build(
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     old = path.parent / f".{path.name}.old-{os.getpid()}"
     try:
-        with _write_errors_named(path):
+        with _write_errors_named(tmp, path):
             if vision:
                 _write_vision_language(tmp, architecture, vision, seed)
             else:
@@ -226,23 +225,19 @@ def _build(
 
 
 @contextlib.contextmanager
-def _write_errors_named(path: Path) -> Iterator[None]:
-    """A write of the build that fails (a full disk) as an OSError named for the model's
-    ``path``, not its temporary sibling (removed by then): the caller's full-disk line names
-    what the user can act on. safetensors (save_pretrained's weights) reports its failed write
-    as SafetensorError("... I/O error: No space left on device (os error 28)"), not an OSError:
-    the start it stopped was a traceback."""
-    from safetensors import SafetensorError
-
+def _write_errors_named(tmp: Path, path: Path) -> Iterator[None]:
+    """A write into the build's ``tmp`` that fails (a full disk) as an OSError named for the
+    model's ``path``, not its temporary sibling (removed by then): the caller's full-disk line
+    names what the user can act on. The weights' SafetensorError is such an OSError too (it
+    passed the caller's handling: the start it stopped was a traceback). An error of a file
+    read from elsewhere (tokenizer_dir) keeps its own name."""
     try:
-        yield
+        with safetensors_write_errors(tmp):
+            yield
     except OSError as err:
-        raise type(err)(err.errno, err.strerror, str(path)) from err
-    except SafetensorError as err:
-        code = re.search(r"\(os error (\d+)\)", str(err))
-        if code is None:
+        if err.filename is not None and not str(err.filename).startswith(str(tmp)):
             raise
-        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from err
+        raise type(err)(err.errno, err.strerror, str(path)) from err
 
 
 def _write_text(path: Path, architecture: dict[str, Any], seed: int, tok_dir: Path | None) -> None:
