@@ -188,6 +188,29 @@ def test_a_damaged_data_cache_is_set_aside_and_tokenized_again(
     assert preprocess(cfg, tokenizer, seed=0).reused
 
 
+def test_a_data_cache_entry_that_is_a_broken_symlink_is_set_aside(
+    tokenizer, tmp_path: Path
+) -> None:
+    """An entry's name a symlink that leads nowhere (its target purged) or round a loop.
+    Before: tokenized, then the rename onto the link failed: exit 2 naming the build's
+    temporary dir, gone by then ("cannot use CACHE/.building-XXXX (NotADirectoryError)")."""
+    cfg = _data(tmp_path)
+    first = preprocess(cfg, tokenizer, seed=0)
+    clean = _files(first.dir)
+    shutil.rmtree(first.dir)
+    for target in (tmp_path / "purged", first.dir):  # dangling; a loop
+        first.dir.symlink_to(target)
+        again = preprocess(cfg, tokenizer, seed=0)
+        aside = _aside(first.dir.parent, first.dir.name)
+        assert again.set_aside == DATA_CACHE.damaged_line(
+            first.dir, "a symlink that leads nowhere", aside, "tokenizing again"
+        )
+        assert aside.is_symlink() and os.readlink(aside) == str(target)  # moved, not removed
+        assert _files(again.dir) == clean and again.train == first.train
+        aside.unlink()
+        shutil.rmtree(first.dir)
+
+
 def test_a_data_cache_manifest_must_list_the_files_an_entry_holds(
     tokenizer, tmp_path: Path
 ) -> None:

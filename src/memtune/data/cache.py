@@ -555,8 +555,14 @@ def preprocess(
     aside_line = None
     has_val = has_validation(cfg)
     required = ("val.safetensors",) if has_val else ()
-    if out.exists():
-        problem = DATA_CACHE.problem(out, required=required)
+    if out.exists() or out.is_symlink():
+        # a symlink that leads nowhere (or round a loop) is damage too: the build's rename onto
+        # it failed, "cannot use CACHE/.building-XXXX (NotADirectoryError)", a name gone by then
+        problem = (
+            DATA_CACHE.problem(out, required=required)
+            if out.exists()
+            else "a symlink that leads nowhere"
+        )
         if problem is None:
             saved = _saved_stats(out, has_val)
             if isinstance(saved, Prepared):
