@@ -375,6 +375,45 @@ def test_a_refused_points_row_and_a_runs_row_leave_out_the_same_shared_overrides
     assert rows == [("0", "peft.r=4", "failed"), ("1", "peft.r=8", "refused: busy")]
 
 
+def test_the_sweep_report_replaces_its_files_and_names_one_it_cannot_write(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The report's files were written in place: a symlink at sweep_report.csv had the user's
+    file it led to overwritten, and a folder at sweep_report.md (a read-only or full sweep
+    dir alike) was an IsADirectoryError traceback, at the end of a sweep after every point
+    ran, and from `memtune report`."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from memtune.config import ConfigError
+    from memtune.launcher.sweep_report import SweepReport, main
+
+    (tmp_path / "0" / ".hydra").mkdir(parents=True)
+    (tmp_path / "0" / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["peft.r=4"]))
+    mine = tmp_path.parent / f"{tmp_path.name}-mine.csv"
+    mine.write_text("my results\n")
+    (tmp_path / "sweep_report.csv").symlink_to(mine)
+    main([str(tmp_path)])
+    assert mine.read_text() == "my results\n"  # the link was replaced, not written through
+    assert (tmp_path / "sweep_report.csv").read_text().startswith("point,overrides,")
+    (tmp_path / "sweep_report.md").unlink()
+    (tmp_path / "sweep_report.md").mkdir()
+    (tmp_path / "sweep_report.md" / "notes.txt").write_text("mine\n")
+    said = f"cannot use {tmp_path / 'sweep_report.md'} (IsADirectoryError: Is a directory)"
+    with pytest.raises(ConfigError) as refused:
+        main([str(tmp_path)])
+    assert str(refused.value) == said
+    capsys.readouterr()
+    SweepReport().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+    err = capsys.readouterr().err
+    assert err == (
+        f"memtune: sweep report not written: {said}; `memtune report {tmp_path}` writes it "
+        "once that is fixed\n"
+    )
+    assert [p.name for p in (tmp_path / "sweep_report.md").iterdir()] == ["notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
 def test_a_slurm_sweep_without_slurm_is_one_line(tmp_path: Path) -> None:
     """submitit raised 'Could not detect "srun"' from inside Hydra's sweep: a traceback."""
     import subprocess

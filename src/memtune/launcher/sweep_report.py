@@ -6,8 +6,12 @@ Written at the end of every ``python train.py -m ...`` (a Hydra callback), and o
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -157,7 +161,10 @@ def _losses(run: Path) -> list[tuple[int, float]]:
 
 
 def write_report(sweep_dir: Path) -> dict[str, Path]:
-    """Write sweep_report.md, sweep_report.csv and sweep_loss.png into ``sweep_dir``."""
+    """Write sweep_report.md, sweep_report.csv and sweep_loss.png into ``sweep_dir``, each
+    through a temporary sibling renamed into place (write_atomic): a symlink at one of those
+    names is replaced, not written through (a user's file it led to was overwritten), and a
+    file that cannot be written is an OSError naming it."""
     rows = collect(sweep_dir)
     out = {
         "md": sweep_dir / "sweep_report.md",
@@ -165,11 +172,12 @@ def write_report(sweep_dir: Path) -> dict[str, Path]:
         "png": sweep_dir / "sweep_loss.png",
     }
     names = columns(rows)
-    with out["csv"].open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=names)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({c: row.get(c) for c in names})
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=names)
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({c: row.get(c) for c in names})
+    write_atomic(out["csv"], table.getvalue())
     lines = [
         f"# Sweep {sweep_dir.name}",
         "",
@@ -177,7 +185,7 @@ def write_report(sweep_dir: Path) -> dict[str, Path]:
         "|" + "---|" * len(names),
     ]
     lines += ["| " + " | ".join(_cell(row.get(c), c) for c in names) + " |" for row in rows]
-    out["md"].write_text("\n".join(lines) + "\n")
+    write_atomic(out["md"], "\n".join(lines) + "\n")
     _plot(sweep_dir, rows, out["png"])
     return out
 
@@ -216,8 +224,22 @@ def _plot(sweep_dir: Path, rows: list[dict[str, Any]], path: Path) -> None:
     if ax.lines:
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # as write_atomic, for a figure
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, path)
+    except OSError as err:
+        raise type(err)(err.errno, err.strerror, str(path)) from err
+    finally:
+        plt.close(fig)
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()  # ours: left only when the write or the rename failed
+
+
+def cannot_use(err: OSError) -> str:
+    """A report file that cannot be written (a folder in its place, a read-only or full sweep
+    dir), or a point's record that cannot be read, in words."""
+    return f"cannot use {err.filename} ({type(err).__name__}: {err.strerror or err})"
 
 
 class SweepReport:
@@ -242,11 +264,24 @@ class SweepReport:
         sweep_dir = Path(config.hydra.sweep.dir)
         if not sweep_dir.is_dir() or not (_run_dirs(sweep_dir) or (sweep_dir / REFUSED).is_dir()):
             return  # no point made a run dir (plan_only=true): nothing to compare
-        out = write_report(sweep_dir)
+        try:
+            out = write_report(sweep_dir)
+        except OSError as err:
+            if not err.filename:
+                raise
+            # after every point ran: one line, not a traceback; their run dirs hold it all
+            print(
+                f"memtune: sweep report not written: {cannot_use(err)}; `memtune report "
+                f"{sweep_dir}` writes it once that is fixed",
+                file=sys.stderr,
+                flush=True,
+            )
+            out = None
         rows = collect(sweep_dir)
         failed = [r["point"] for r in rows if r["status"] != "ok"]
-        print(f"memtune: sweep report {out['md']} (+ .csv, {out['png'].name})", flush=True)
-        print(out["md"].read_text(), flush=True)
+        if out is not None:
+            print(f"memtune: sweep report {out['md']} (+ .csv, {out['png'].name})", flush=True)
+            print(out["md"].read_text(), flush=True)
         if failed:
             print(f"memtune: {len(failed)} sweep point(s) failed: {', '.join(failed)}", flush=True)
 
@@ -264,7 +299,12 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.sweep_dir} holds no sweep point (no subdirectory with .hydra/): not a "
             "sweep dir, nothing written"
         )
-    out = write_report(args.sweep_dir)
+    try:
+        out = write_report(args.sweep_dir)
+    except OSError as err:
+        if not err.filename:
+            raise
+        raise ConfigError(cannot_use(err)) from None
     print(out["md"].read_text())
     print(f"written: {out['md']}, {out['csv']}, {out['png']}")
 
