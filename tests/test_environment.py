@@ -7,6 +7,7 @@ bypasses permission checks), the test takes the unprivileged path itself (seteui
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -195,6 +196,32 @@ def test_no_space_left_names_the_path(tmp_path: Path) -> None:
         full.write("x")
     assert str(err.value).startswith(f"cannot write {tmp_path}: no space left on the device (")
     assert "free space, or point run_dir at a filesystem with room" in str(err.value)
+
+
+def test_a_write_on_a_read_only_filesystem_names_the_file(tmp_path: Path) -> None:
+    """write_atomic on a read-only mount (root only: a tmpfs mounted ro). Before: its cleanup's
+    unlink of the temporary name that was never made failed too (EROFS, not ENOENT), and that
+    error replaced the first: `memtune report` on a read-only sweep dir said "cannot use
+    DIR/.sweep_report.csv.tmp-HOST-PID"."""
+    import subprocess
+
+    from memtune.filesystem import write_atomic
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k,ro", "tmpfs", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        with pytest.raises(OSError) as err:
+            write_atomic(tmp_path / "plan.txt", "x")
+    finally:
+        subprocess.run(["umount", str(tmp_path)], check=True)
+    assert (err.value.errno, err.value.filename) == (errno.EROFS, str(tmp_path / "plan.txt"))
 
 
 def test_checkpoints_that_cannot_fit_are_refused_before_launch(tmp_path: Path) -> None:

@@ -62,8 +62,12 @@ def write_atomic(path: Path, text: str) -> None:
         # (a folder where the file goes, a read-only or full disk).
         raise type(err)(err.errno, err.strerror, str(path)) from err
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()  # ours: left only when the write or the rename failed
+        # ours: left only when the write or the rename failed. Asked only where it is: on a
+        # read-only filesystem unlink says EROFS even for a name that is not there, and that
+        # error replaced the one above (naming the temporary file, not ``path``).
+        if os.path.lexists(tmp):
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
 
 
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)

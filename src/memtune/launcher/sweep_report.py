@@ -232,8 +232,9 @@ def _plot(sweep_dir: Path, rows: list[dict[str, Any]], path: Path) -> None:
         raise type(err)(err.errno, err.strerror, str(path)) from err
     finally:
         plt.close(fig)
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()  # ours: left only when the write or the rename failed
+        if os.path.lexists(tmp):  # ours: left only when the write or the rename failed
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
 
 
 def cannot_use(err: OSError) -> str:
