@@ -186,3 +186,35 @@ def test_train_py_writes_filled_json(tmp_path) -> None:
     assert not _has_auto(ds)
     assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 10 * 256  # 10·hidden
     assert "max_steps: 3" in (tmp_path / "config.yaml").read_text()
+
+
+def test_a_run_dir_entry_of_the_wrong_kind_is_refused_before_launch(tmp_path) -> None:
+    """In a dir that held a run, a file where the ranks make a folder, or a folder where the
+    job writes a file. Before: a file at adapter/ was the rank's IsADirectoryError after the
+    last step (the exported adapter removed with its temporary dir, an empty .old-adapter.XXXX
+    left), one at checkpoints/ the first save's, a folder at exit.json the job's traceback
+    once the ranks had ended. Now the OSError naming it is raised as the run dir is laid out
+    (launcher.job says it in one line, exit 2)."""
+    from memtune.launcher.prepare import lay_out
+    from memtune.rundir import RunDir
+
+    run = tmp_path / "run"
+    overrides = ["logger=wandb", "logger.mode=offline"]
+    lay_out(compose_cfg(overrides), run)
+    (run / "adapter").write_text("mine\n")
+    with pytest.raises(NotADirectoryError) as err:
+        lay_out(compose_cfg(overrides), run)
+    assert (err.value.filename, err.value.strerror) == (str(run / "adapter"), "Not a directory")
+    assert (run / "adapter").read_text() == "mine\n"
+    (run / "adapter").unlink()
+    rd = RunDir(run)
+    assert rd.wrong_kind(("wandb",)) is None
+    (run / "wandb").symlink_to(tmp_path / "purged")
+    assert rd.wrong_kind() is None  # wandb/ only for a run that logs to wandb
+    said = rd.wrong_kind(("wandb",))
+    assert isinstance(said, NotADirectoryError)
+    assert (said.filename, said.strerror) == (str(run / "wandb"), "a symlink that leads nowhere")
+    (run / "wandb").unlink()
+    (run / "exit.json").mkdir()
+    said = rd.wrong_kind()
+    assert isinstance(said, IsADirectoryError) and said.filename == str(run / "exit.json")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -416,6 +417,23 @@ class RunDir:
     """What a run leaves in its dir (the README's table), as names and glob patterns. Not the
     GPU preflight's records (they describe the machine, and this launch's are written before
     the run dir is laid out) nor .hydra/ (the newest start's composition)."""
+
+    def wrong_kind(self, folders: tuple[str, ...] = ()) -> OSError | None:
+        """What the ranks or the job's end would meet long after the start, said before any
+        rank starts: a file (or a symlink that leads nowhere) where they make a folder
+        (checkpoints/ at the first save, adapter/ after the last step, and ``folders``: wandb/
+        for a run logging to wandb), or a folder where they write a file (exit.json after the
+        ranks end). The OSError opening that path would raise, named for it; None when every
+        such name is free or of its kind."""
+        for path in (self.checkpoints, self.adapter, *(self.path / name for name in folders)):
+            if path.is_symlink() and not path.exists():
+                return NotADirectoryError(errno.ENOTDIR, "a symlink that leads nowhere", str(path))
+            if path.exists() and not path.is_dir():
+                return NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path))
+        for path in (self.metrics, self.summary, self.memory, self.launch_cmd(), self.exit):
+            if path.is_dir():
+                return IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        return None
 
     @property
     def previous(self) -> Path:

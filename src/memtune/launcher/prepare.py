@@ -173,6 +173,12 @@ def prepare_run_dir(
     resume = resolve_resume(cfg, d, rd, prepared.dir, base, finished_stops)
     if cfg.resume == "never":
         start_over(rd)
+    # after start_over, which moves an earlier run's entries aside; the OSError is said in one
+    # line by launcher.job (before: a rank's traceback at the first save or after the last step,
+    # the trained adapter lost; a folder at exit.json, the job's traceback at the very end)
+    wrong = rd.wrong_kind(("wandb",) if cfg.logger.backend == "wandb" else ())
+    if wrong is not None:
+        raise wrong
     with no_space_is_an_error(run_dir, "run_dir"):
         _write_run_dir(cfg, rd, fitted, ds_config, prepared, shape, base, resume)
     return cfg, d
