@@ -124,6 +124,22 @@ def _limited_train_py(args: list[str], cwd: Path, max_file_bytes: int):
     )
 
 
+def test_a_job_lock_that_cannot_be_written_is_one_line(tmp_path: Path) -> None:
+    """The run dir's filesystem full as the job takes its lock (ulimit -f here, EFBIG as
+    ENOSPC): os.pwrite's error names no file, and it was a traceback; a write cut short left
+    cut-off JSON, which the next start refused as a job.lock memtune did not write."""
+    from memtune.rundir import RunDir
+
+    run_dir = tmp_path / "run"
+    for room in (0, 64):  # nothing written; the first 64 bytes of the record
+        proc = _limited_train_py(["preprocess_only=true", f"run_dir={run_dir}"], tmp_path, room)
+        assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-3000:]
+        assert proc.stderr == (
+            f"memtune: error: cannot use {run_dir / 'job.lock'} (OSError: File too large)\n"
+        )
+        assert (run_dir / "job.lock").read_text() == "" and RunDir(run_dir).not_ours() == []
+
+
 def test_a_full_disk_while_tokenizing_is_one_line(tmp_path: Path) -> None:
     """The tokenized cache (~200 kB here) cannot be written: exit 2, one line naming the
     file, the free space and data.cache_dir; nothing half-built left in the cache."""

@@ -26,6 +26,14 @@ class RunDirBusy(RuntimeError):
     """Another job holds the run dir (:func:`hold`)."""
 
 
+class LockNotWritten(RuntimeError):
+    """The run dir's job lock cannot be made or written (a full disk): nothing was started."""
+
+
+def _not_written(path: Path, err: OSError) -> LockNotWritten:
+    return LockNotWritten(f"cannot use {path} ({type(err).__name__}: {err.strerror or err})")
+
+
 _HELD: set[int] = set()
 """The descriptors of the run-dir locks this process holds (:func:`hold`)."""
 
@@ -48,9 +56,12 @@ def hold(run_dir: Path, node_rank: int = 0) -> Iterator[Path]:
     NFS byte-range locks), Lustre only when mounted with ``-o flock``; where the filesystem
     refuses locks the job warns and goes on unguarded.
     """
-    run_dir.mkdir(parents=True, exist_ok=True)
     path = RunDir(run_dir).lock(node_rank)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise _not_written(path, err) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -71,8 +82,16 @@ def hold(run_dir: Path, node_rank: int = 0) -> Iterator[Path]:
             )
         started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         who = {"host": socket.gethostname(), "pid": os.getpid(), "started": started}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps({**who, "command": sys.argv}) + "\n").encode(), 0)
+        record = (json.dumps({**who, "command": sys.argv}) + "\n").encode()
+        try:
+            os.ftruncate(fd, 0)
+            done = 0
+            while done < len(record):  # a short write (a disk filling up): the rest says why
+                done += os.pwrite(fd, record[done:], done)
+        except OSError as err:  # a full disk: os.pwrite's error names no file (a traceback)
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)  # empty, as memtune's lock being written: not cut-off JSON
+            raise _not_written(path, err) from None
         _HELD.add(fd)
         yield run_dir
     finally:

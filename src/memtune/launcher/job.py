@@ -58,7 +58,7 @@ from memtune.memory.fit import (
     format_suggestions,
 )
 from memtune.memory.plan_text import format_plan
-from memtune.run_lock import RunDirBusy, hold, hold_dated
+from memtune.run_lock import LockNotWritten, RunDirBusy, hold, hold_dated
 from memtune.rundir import RecordError, RunDir
 
 WAIT_FOR_NODE0_S = 3600.0
@@ -203,10 +203,11 @@ def run_job(cfg: DictConfig) -> int:
         # Ctrl-C before the ranks started (planning, tokenizing): nothing to save.
         print("\nmemtune: interrupted before any rank started", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
-    except (RunDirBusy, ConfigError) as err:
-        # Another job's run dir, or no node rank to tell which lock is this node's: nothing
-        # of this job's to write there (no exit.json), only the refusal.
-        kind = "config error: " if isinstance(err, ConfigError) else ""
+    except (RunDirBusy, LockNotWritten, ConfigError) as err:
+        # Another job's run dir, no node rank to tell which lock is this node's, or a lock
+        # that cannot be written (a full disk): nothing of this job's to write there (no
+        # exit.json), only the refusal.
+        kind = {ConfigError: "config error: ", LockNotWritten: "error: "}.get(type(err), "")
         print(f"memtune: {kind}{err}", file=sys.stderr)
         if sweeping:
             _refused_point(hydra_cfg, f"{kind}{err}")
