@@ -587,15 +587,19 @@ def preprocess(
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
     try:
-        with no_space_is_an_error(tmp, where):
-            _save(train, tmp / "train.safetensors")
-            if val is not None:
-                _save(val, tmp / "val.safetensors")
-            if images is not None and any("image_pixels" in a for a in (train, val or {})):
-                (tmp / VISION_FILE).write_text(images.as_json() + "\n")
-            payload = {"train": stats.as_dict(), "val": val_stats and val_stats.as_dict()}
-            (tmp / "stats.json").write_text(json.dumps(payload, indent=2) + "\n")
-            DATA_CACHE.seal(tmp)  # last: an entry without its manifest is never reused
+        with no_space_is_an_error(out, where):
+            try:
+                _save(train, tmp / "train.safetensors")
+                if val is not None:
+                    _save(val, tmp / "val.safetensors")
+                if images is not None and any("image_pixels" in a for a in (train, val or {})):
+                    (tmp / VISION_FILE).write_text(images.as_json() + "\n")
+                payload = {"train": stats.as_dict(), "val": val_stats and val_stats.as_dict()}
+                (tmp / "stats.json").write_text(json.dumps(payload, indent=2) + "\n")
+                DATA_CACHE.seal(tmp)  # last: an entry without its manifest is never reused
+            except OSError as err:
+                # named for the entry, not the build's temporary dir (removed below)
+                raise type(err)(err.errno, err.strerror, str(out)) from err
         follow_umask(tmp)
         try:
             os.replace(tmp, out)
