@@ -70,8 +70,14 @@ def write_atomic(path: Path, text: str) -> None:
                 tmp.unlink()
 
 
-FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-"""The errors a write gets when the disk (or the user's share of it, or ulimit -f) is full."""
+NO_SPACE = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EFBIG: "the file is larger than this process may write (ulimit -f)",
+}
+"""The errors a write gets when the disk (or the user's share of it, or ulimit -f) is full,
+in words."""
+FULL_DISK = tuple(NO_SPACE)
 
 
 @contextlib.contextmanager

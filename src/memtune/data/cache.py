@@ -45,7 +45,14 @@ from memtune.data.encode import (
 from memtune.data.readers import IdenticalReplies, Record, RecordError, read_source
 from memtune.data.templates import is_query
 from memtune.data.vision import IMAGE_PAD, ImageSettings, Resized
-from memtune.filesystem import cannot_write, follow_umask, free_bytes, human_bytes
+from memtune.filesystem import (
+    NO_SPACE,
+    cannot_write,
+    follow_umask,
+    free_bytes,
+    human_bytes,
+    safetensors_write_errors,
+)
 from memtune.integrity import Store
 from memtune.paths import is_local_source
 
@@ -642,28 +649,12 @@ def cannot_write_is_an_error(fix: str) -> Iterator[None]:
         ) from None
 
 
-NO_SPACE = {
-    errno.ENOSPC: "no space left on the device",
-    errno.EDQUOT: "the disk quota is used up",
-    errno.EFBIG: "the file is larger than this process may write (ulimit -f)",
-}
-"""The errors a write gets when the disk (or the user's share of it) is full."""
-
-
 def _save(arrays: Arrays, path: Path) -> None:
-    """safetensors' save_file, its I/O error an OSError again: safetensors reports a failed
-    write as SafetensorError("... I/O error: No space left on device (os error 28)"), whose
-    errno is only in the text."""
-    from safetensors import SafetensorError
+    """safetensors' save_file, its I/O error an OSError again (safetensors_write_errors)."""
     from safetensors.torch import save_file
 
-    try:
+    with safetensors_write_errors(path):
         save_file(arrays, str(path))
-    except SafetensorError as err:
-        code = re.search(r"\(os error (\d+)\)", str(err))
-        if code is None:
-            raise
-        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from err
 
 
 def free_space(path: Path) -> str:

@@ -366,28 +366,17 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
             _mark_ready(run_dir, spec, finished=str(finished))
         print(f"memtune: {finished}; run dir {run_dir}", flush=True)
         return 0
-    except (ConfigError, PreflightError) as err:
-        kind = "config error" if isinstance(err, ConfigError) else "preflight"
+    except (ConfigError, PreflightError, OSError) as err:
+        stopped = _why_stopped(err)
+        if stopped is None:
+            raise
+        kind, why, told = stopped
         if spec is not None and spec.form == "per-node" and spec.node_rank == 0:
-            why = (
-                str(err) if kind == "config error" else f"the GPU preflight failed on node 0: {err}"
-            )
-            _mark_ready(run_dir, spec, error=why)
+            _mark_ready(run_dir, spec, error=told)
         # Another node of a per-node job says why on its own output (and preflight-nodeK.json):
         # exit.json and .hydra/ are node 0's.
         node_rank = None if spec is None else spec.node_rank
-        return _stopped_before_launch(cfg, run_dir, kind, str(err), sweeping, node_rank)
-    except OSError as err:
-        # A file the run dir's records go to that cannot be written (a folder in its place, a
-        # read-only or full disk), or one read that cannot be: one line naming it, not a
-        # traceback. One that names no file is left to say where it came from.
-        if not err.filename:
-            raise
-        why = f"cannot use {err.filename} ({type(err).__name__}: {err.strerror or err})"
-        if spec is not None and spec.form == "per-node" and spec.node_rank == 0:
-            _mark_ready(run_dir, spec, error=why)
-        node_rank = None if spec is None else spec.node_rank
-        return _stopped_before_launch(cfg, run_dir, "error", why, sweeping, node_rank)
+        return _stopped_before_launch(cfg, run_dir, kind, why, sweeping, node_rank)
     if run_cfg.preprocess_only:
         print(f"memtune: preprocess_only: run dir {run_dir} laid out, no ranks started", flush=True)
         return 0
@@ -404,6 +393,22 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
         if unsaid:  # not written: nor can the reason be (nodes 1.. wait for WAIT_FOR_NODE0_S)
             return _stopped_before_launch(cfg, run_dir, "error", unsaid, sweeping, 0)
     return Job(run_cfg, decisions, spec, env)
+
+
+def _why_stopped(err: Exception) -> tuple[str, str, str] | None:
+    """A failure before launch as (its kind, its line, what node 0 tells the other nodes of a
+    per-node job). An OSError naming a file: a record of the run dir that cannot be written
+    (a folder in its place, a read-only or full disk) or a file that cannot be read, one line
+    naming it, not a traceback; one that names no file is None, left to say where it came
+    from."""
+    if isinstance(err, ConfigError):
+        return "config error", str(err), str(err)
+    if isinstance(err, PreflightError):
+        return "preflight", str(err), f"the GPU preflight failed on node 0: {err}"
+    if not isinstance(err, OSError) or not err.filename:
+        return None
+    why = f"cannot use {err.filename} ({type(err).__name__}: {err.strerror or err})"
+    return "error", why, why
 
 
 def _cannot_write(path: Path, err: OSError) -> str:
