@@ -432,3 +432,27 @@ def test_a_slurm_sweep_without_slurm_is_one_line(tmp_path: Path) -> None:
     assert proc.stderr.startswith("memtune: config error: hydra/launcher=slurm")
     assert "sbatch and srun are not on PATH" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "sweep").exists()
+
+
+def test_a_preprocess_only_sweeps_points_are_laid_out_not_failed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ``preprocess_only=true`` sweep's points tokenize and lay their run dirs out, and start
+    no rank: the report called each "failed" and counted them, for a sweep that did what it
+    was asked (exit 0). Its config.yaml as a run dir's layout writes it."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from memtune.config import to_run_config
+    from memtune.launcher.sweep_report import LAID_OUT, SweepReport, collect
+
+    for point, r in (("0", 4), ("1", 8)):
+        (tmp_path / point / ".hydra").mkdir(parents=True)
+        overrides = [f"peft.r={r}", "preprocess_only=true"]
+        (tmp_path / point / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+        cfg = to_run_config(compose_cfg(overrides))
+        (tmp_path / point / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    (tmp_path / "1" / "exit.json").write_text('{"code": 2, "error": "config error: x"}\n')
+    assert [row["status"] for row in collect(tmp_path)] == [LAID_OUT, "failed (exit 2)"]
+    SweepReport().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+    assert "memtune: 1 sweep point(s) failed: 1\n" in capsys.readouterr().out

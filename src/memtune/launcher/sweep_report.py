@@ -123,6 +123,8 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
         else:
             code = rd.read_exit().code if rd.exit.is_file() else None
             row["status"] = f"failed (exit {code})" if code is not None else "failed"
+            if code is None and _laid_out_only(rd):
+                row["status"] = LAID_OUT
         rows.append(row)
     for record in refused:
         varying = [o for o in record["overrides"] if o not in shared] if len(every) > 1 else []
@@ -134,6 +136,20 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+LAID_OUT = "laid out (preprocess_only)"
+"""A point of a ``preprocess_only=true`` sweep: its data tokenized and run dir laid out, no rank
+started (it was reported "failed", with a count of failed points, although every point did
+what it was asked)."""
+
+
+def _laid_out_only(rd: RunDir) -> bool:
+    """The point's config.yaml (written as its run dir is laid out) says preprocess_only."""
+    try:
+        return bool((yaml.safe_load(rd.config.read_text()) or {}).get("preprocess_only"))
+    except (OSError, yaml.YAMLError, AttributeError):
+        return False
 
 
 def _adapter(rd: RunDir) -> dict[str, Any]:
@@ -279,7 +295,7 @@ class SweepReport:
             )
             out = None
         rows = collect(sweep_dir)
-        failed = [r["point"] for r in rows if r["status"] != "ok"]
+        failed = [r["point"] for r in rows if r["status"] not in ("ok", LAID_OUT)]
         if out is not None:
             print(f"memtune: sweep report {out['md']} (+ .csv, {out['png'].name})", flush=True)
             print(out["md"].read_text(), flush=True)
