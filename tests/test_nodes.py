@@ -3,6 +3,7 @@ and a real two-node job on this machine (two train.py processes, the per-node fo
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -486,6 +487,25 @@ def test_preflight_stops_clearly_without_gpus() -> None:
     )
     assert out.returncode == 2
     assert "4 GPUs needed, 0 visible" in out.stderr
+
+
+def test_a_preflight_record_that_cannot_be_written_is_one_line(tmp_path, capsys) -> None:
+    """A folder at RUN/preflight.json: the checks' record was written in place, a traceback
+    after they passed (the job said only that the GPU checks failed); the user's folder stays."""
+    from memtune.launcher.preflight import write_record
+
+    (tmp_path / "preflight.json").mkdir()
+    (tmp_path / "preflight.json" / "mine.txt").write_text("mine\n")
+    with pytest.raises(SystemExit) as stopped:
+        write_record(tmp_path / "preflight.json", {"gpus": 4})
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == (
+        f"memtune preflight: cannot write {tmp_path / 'preflight.json'} "
+        "(IsADirectoryError: Is a directory)\n"
+    )
+    assert [p.name for p in tmp_path.rglob("*")] == ["preflight.json", "mine.txt"]
+    write_record(tmp_path / "preflight-node1.json", {"gpus": 4})
+    assert json.loads((tmp_path / "preflight-node1.json").read_text()) == {"gpus": 4}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")

@@ -32,6 +32,7 @@ from typing import Any
 from memtune.arguments import VerbParser, positive_float, positive_int
 from memtune.config import LauncherConfig
 from memtune.exit_codes import EXIT_CONFIG
+from memtune.filesystem import write_atomic
 
 GIB = 1024**3
 CONSUMER_NO_P2P = re.compile(r"RTX\s*40[5-9]0|\b40[5-9]0\b", re.IGNORECASE)
@@ -341,7 +342,19 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(EXIT_CONFIG) from None
     print("\n".join(describe(record, args.gpus)), flush=True)
     if args.json:
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
+        write_record(args.json, record)
+
+
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    """The checks' record, through a temporary name: a folder at RUN/preflight.json (or a full
+    disk) is one line naming it and exit 2, not a traceback after the checks passed (the job
+    said only that "the GPU checks failed")."""
+    try:
+        write_atomic(path, json.dumps(record, indent=2) + "\n")
+    except OSError as err:
+        why = f"{type(err).__name__}: {err.strerror or err}"
+        print(f"memtune preflight: cannot write {path} ({why})", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG) from None
 
 
 if __name__ == "__main__":
