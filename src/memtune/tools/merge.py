@@ -163,7 +163,7 @@ def merge(
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     except OSError as err:
-        raise ConfigError(f"{out_dir.parent}: cannot write there ({err})") from None
+        raise ConfigError(f"{out_dir.parent}: cannot write there ({err.strerror or err})") from None
     try:
         try:
             with safetensors_write_errors(out_dir):
