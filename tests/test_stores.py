@@ -211,6 +211,46 @@ def test_a_data_cache_entry_that_is_a_broken_symlink_is_set_aside(
         shutil.rmtree(first.dir)
 
 
+KILLED_WRITER = (
+    "import os, signal, sys; from pathlib import Path; "
+    "from memtune.filesystem import owned_temp_dir; "
+    "d = owned_temp_dir(Path(sys.argv[1]), sys.argv[2]); "
+    "(d / sys.argv[3]).write_bytes(bytes(3 << 20)); print(d, flush=True); "
+    "os.kill(os.getpid(), signal.SIGKILL)"
+)
+
+
+def left_by_killed_writer(parent: Path, prefix: str, name: str) -> Path:
+    """The temporary directory a real writer made in ``parent`` the way memtune's writers make
+    theirs, with a 3 MiB ``name`` in it, when it was killed (kill -9: no cleanup ran)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    args = [sys.executable, "-c", KILLED_WRITER, str(parent), prefix, name]
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -9, proc.stderr
+    left = Path(proc.stdout.strip())
+    assert left.parent == parent and (left / name).is_file()
+    return left
+
+
+def test_a_data_cache_build_a_killed_process_left_is_removed(
+    tokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Seen: every kill -9 of train.py while it wrote the cache left a .building-XXXX holding the
+    # data set, which no later start removed (one per kill, behind a dot).
+    cfg = _data(tmp_path)
+    root = Path(str(cfg.cache_dir))
+    root.mkdir()
+    left = left_by_killed_writer(root, ".building-", "train.safetensors")
+    capsys.readouterr()
+    built = preprocess(cfg, tokenizer, seed=0)
+    assert not left.exists()
+    assert capsys.readouterr().out == (
+        f"memtune: removed {left} (3.0 MiB): a data cache build that process "
+        f"{left.name.split('-')[-2]} left unfinished when it was killed\n"
+    )
+    assert sorted(p.name for p in root.iterdir()) == [built.dir.name]
+
+
 def test_a_data_cache_manifest_must_list_the_files_an_entry_holds(
     tokenizer, tmp_path: Path
 ) -> None:

@@ -46,6 +46,68 @@ def replace_dir(new: Path, final: Path, before_removal: Callable[[], None] | Non
         shutil.rmtree(aside, ignore_errors=True)
 
 
+def owned_temp_dir(parent: Path, prefix: str) -> Path:
+    """A fresh directory ``PREFIX<host>-<pid>-XXXXXXXX`` in ``parent`` (``tempfile.mkdtemp``)
+    for a write that is renamed into place when whole. The name says which process made it, so
+    a later start can tell one a killed process left (:func:`remove_left_by_dead`): a kill -9,
+    the OOM killer or a power cut runs no cleanup, and such a directory (a whole tokenized data
+    set, a merged model) would otherwise stay, unseen behind its dot, one per kill."""
+    return Path(
+        tempfile.mkdtemp(prefix=f"{prefix}{socket.gethostname()}-{os.getpid()}-", dir=parent)
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_left_by_dead(
+    parent: Path, prefix: str, what: str, log: Callable[[str], None] | None = None
+) -> list[Path]:
+    """Remove the directories :func:`owned_temp_dir` made in ``parent`` with ``prefix`` whose
+    process has ended: made on this host (another host's may be alive; its pids mean nothing
+    here) by a pid no process has now. Nothing else is touched (another name, another host's,
+    a live process's, this process's own). Each removal is one line naming it, its size and
+    ``what`` it was; one that cannot be removed (another user's) is left quietly. Returns the
+    paths removed."""
+    host = re.escape(socket.gethostname())
+    pattern = re.compile(rf"{re.escape(prefix)}{host}-(\d+)-[a-z0-9_]{{8}}")
+    removed = []
+    try:
+        names = sorted(p for p in parent.iterdir() if pattern.fullmatch(p.name))
+    except OSError:
+        return []
+    for path in names:
+        match = pattern.fullmatch(path.name)
+        assert match is not None
+        pid = int(match.group(1))
+        if pid == os.getpid() or _alive(pid) or path.is_symlink() or not path.is_dir():
+            continue
+        try:
+            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        except OSError:
+            continue  # not this user's to read: not to remove either
+        shutil.rmtree(path, ignore_errors=True)
+        if path.exists():
+            continue
+        removed.append(path)
+        (log or _print)(
+            f"memtune: removed {path} ({human_bytes(size)}): {what} that process {pid} left "
+            "unfinished when it was killed"
+        )
+    return removed
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary sibling that is fsynced and renamed into
     place: a reader (or a crash, or a full disk) sees the old file or the whole new one."""

@@ -27,7 +27,6 @@ import os
 import random
 import re
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +50,8 @@ from memtune.filesystem import (
     follow_umask,
     free_bytes,
     human_bytes,
+    owned_temp_dir,
+    remove_left_by_dead,
     safetensors_write_errors,
 )
 from memtune.integrity import Store
@@ -58,6 +59,10 @@ from memtune.paths import is_local_source
 
 CACHE_VERSION = 2
 """2: every entry sealed with a manifest (entries of 1 are not looked at: their key differs)."""
+BUILDING = ".building-"
+"""A build's temporary directory in the cache (``.building-<host>-<pid>-XXXXXXXX``), renamed
+to its fingerprint when whole."""
+
 DATA_CACHE = Store("data cache", CACHE_VERSION, required=("train.safetensors", "stats.json"))
 """An entry: train.safetensors, stats.json (the counts), val.safetensors where the settings make
 a validation split (data.val_fraction, data.val_path), vision.json for data with images."""
@@ -592,7 +597,10 @@ def preprocess(
     train, stats, val, val_stats = build(cfg, tokenizer, seed, images)
     with no_space_is_an_error(root, where), cannot_write_is_an_error(where):
         root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
+        # A build killed before its rename (kill -9, the OOM killer) left a whole data set
+        # there, one per kill, which nothing else would ever remove.
+        remove_left_by_dead(root, BUILDING, "a data cache build")
+        tmp = owned_temp_dir(root, BUILDING)
     try:
         with no_space_is_an_error(out, where):
             try:
