@@ -16,12 +16,23 @@ from memtune.rank.loss import token_loss_sum
 from memtune.tools.generate import answer, load, prompt_text, stop_token_ids
 from memtune.tools.merge import merge
 from tests.conftest import FAST, Run, _finished, start_run
+from tests.test_stores import left_by_killed_writer
 
 pytestmark = pytest.mark.slow
 
 
-def test_merged_model_matches_base_plus_adapter(zero3_run, tmp_path: Path) -> None:
+def test_merged_model_matches_base_plus_adapter(
+    zero3_run, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A merge into the same OUT that was killed (kill -9) while writing: its whole model stayed
+    # behind a dot, one per kill, until this merge removed it.
+    left = left_by_killed_writer(tmp_path, ".merged.tmp-", "model.safetensors")
     out, merged, a, b = _merged_vs_adapter(zero3_run, tmp_path)
+    assert not left.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["merged"]
+    assert (
+        f"memtune: removed {left} (3.0 MiB): a merge into merged that process "
+        f"{left.name.split('-')[-2]} left unfinished when it was killed\n"
+    ) in capsys.readouterr().out
     assert not any("lora_" in n for n, _ in merged.named_parameters())
     # fp32: merging folds B·A·scale into W, one extra rounding per weight.
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

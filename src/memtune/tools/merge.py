@@ -16,8 +16,9 @@ precision but adds the quantization error back under the adapter's correction. T
 ``config.yaml`` next to the adapter says how the base was quantized.
 
 OUT must not exist yet (or be an empty directory): memtune never writes into a directory it did
-not create. The model is saved into a temporary sibling (``.OUT.tmp-XXXX``) that is renamed to
-OUT once complete, and removed if the merge fails.
+not create. The model is saved into a temporary sibling (``.OUT.tmp-<host>-<pid>-XXXX``) that
+is renamed to OUT once complete, and removed if the merge fails (or, left by a merge that was
+killed, by the next merge into OUT).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import argparse
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,13 @@ from memtune.config import ConfigError, RunConfig, load_run_config
 from memtune.config.architecture import is_multimodal
 from memtune.config.decisions import experts_of
 from memtune.config.schema import PeftMethod
-from memtune.filesystem import FULL_DISK, follow_umask, safetensors_write_errors
+from memtune.filesystem import (
+    FULL_DISK,
+    follow_umask,
+    owned_temp_dir,
+    remove_left_by_dead,
+    safetensors_write_errors,
+)
 from memtune.paths import is_local_source
 from memtune.quiet import no_progress_bars
 from memtune.rundir import DECISIONS, RecordError, read_decisions
@@ -161,7 +167,10 @@ def merge(
     trained = trained_as(adapter_dir)
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+        # A merge into OUT killed before its rename left a whole model beside it: removed here.
+        prefix = f".{out_dir.name}.tmp-"
+        remove_left_by_dead(out_dir.parent, prefix, f"a merge into {out_dir.name}")
+        staging = owned_temp_dir(out_dir.parent, prefix)
     except OSError as err:
         raise ConfigError(f"{out_dir.parent}: cannot write there ({err.strerror or err})") from None
     try:
