@@ -20,14 +20,18 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from memtune.config import ASSETS_DIR, ConfigError
 from memtune.data.vision import CLIP_MEAN, CLIP_STD, PREPROCESSOR_CONFIG
-from memtune.filesystem import follow_umask, safetensors_write_errors
+from memtune.filesystem import (
+    follow_umask,
+    owned_temp_dir,
+    remove_left_by_dead,
+    safetensors_write_errors,
+)
 from memtune.integrity import MANIFEST, Store
 from memtune.quiet import no_progress_bars
 
@@ -204,7 +208,9 @@ def _build(
     tok_dir: Path | None,
     fingerprint: str,
 ) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    # Under the build lock: a build killed before its rename left its model beside it.
+    remove_left_by_dead(path.parent, f".{path.name}.", f"a build of {path.name}")
+    tmp = owned_temp_dir(path.parent, f".{path.name}.")
     old = path.parent / f".{path.name}.old-{os.getpid()}"
     try:
         with _write_errors_named(tmp, path):
