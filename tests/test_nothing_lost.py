@@ -133,6 +133,62 @@ with hold(Path(sys.argv[1])):
 """
 
 
+_HOLD_AND_START_A_RANK = """
+import os, signal, subprocess, sys
+from pathlib import Path
+from memtune.run_lock import hold, held_lock_fds
+with hold(Path(sys.argv[1])):  # as launcher.spawn starts a rank: the lock's descriptor passed on
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                            pass_fds=held_lock_fds(), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    print(rank.pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_run_dir_whose_job_was_killed_names_the_ranks_that_still_hold_it(
+    tmp_path: Path,
+) -> None:
+    # Seen: train.py killed (kill -9) while its ranks trained; the same command again was refused
+    # with "in use by another memtune job (host vm, pid 16826, ...)", a pid that no longer
+    # existed, while the ranks holding the lock (16829, 16830) were named nowhere.
+    import contextlib
+    import os
+    import signal
+    import socket
+    import time
+
+    from memtune.run_lock import RunDirBusy, hold
+
+    run_dir = tmp_path / "run"
+    job = subprocess.run(
+        [sys.executable, "-c", _HOLD_AND_START_A_RANK, str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert job.returncode == -9, job.stderr
+    rank = int(job.stdout)
+    try:
+        with pytest.raises(RunDirBusy) as refused, hold(run_dir):
+            pass
+        killed = json.loads((run_dir / "job.lock").read_text())["pid"]
+        assert f"(host {socket.gethostname()}, pid {killed}, started 20" in str(refused.value)
+        assert str(refused.value).endswith(
+            f"; pid {killed} has ended, but the ranks it started still run and hold the lock: "
+            f"pids {rank}; stop them with kill -TERM {rank}, or wait for them): wait for it to "
+            "end, or give this job another run_dir"
+        )
+    finally:
+        os.kill(rank, signal.SIGKILL)
+    for _ in range(100):  # the rank gone (not this process's child: no wait), the dir is free
+        with contextlib.suppress(RunDirBusy), hold(run_dir):
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the run dir stayed held after its last rank was killed")
+
+
 def test_a_run_dir_held_by_a_job_refuses_a_second_one_until_it_dies(tmp_path: Path) -> None:
     """The lock is the kernel's: a second job is refused at once, naming the holder, and writes
     nothing there; once the holder is killed (-9, no clean-up) the run dir is free again."""

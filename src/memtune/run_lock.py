@@ -102,9 +102,44 @@ def hold(run_dir: Path, node_rank: int = 0) -> Iterator[Path]:
 def _holder(path: Path) -> str:
     try:
         who = json.loads(path.read_text())
-        return f"host {who['host']}, pid {who['pid']}, started {who['started']}"
+        said = f"host {who['host']}, pid {who['pid']}, started {who['started']}"
     except (OSError, ValueError, KeyError):
         return "its holder is still starting"
+    if who["host"] != socket.gethostname() or _alive(int(who["pid"])):
+        return said
+    # The job was killed (kill -9, the OOM killer) but the ranks it started hold the lock
+    # (they inherit it): the pid in job.lock names no process, and the ones to wait for or
+    # stop are these.
+    ranks = " ".join(str(pid) for pid in _has_open(path))
+    still = f"pids {ranks}" if ranks else "not visible to this user"
+    return (
+        f"{said}; pid {who['pid']} has ended, but the ranks it started still run and hold the "
+        f"lock: {still}; stop them with kill -TERM {ranks or 'PID'}, or wait for them"
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _has_open(path: Path) -> list[int]:
+    """The pids of this host's other processes (those this user may look at) with ``path``
+    open."""
+    target = os.path.realpath(path)
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if any(os.readlink(fd) == target for fd in (proc / "fd").iterdir()):
+                found.append(int(proc.name))
+    return sorted(found)
 
 
 def _fresh(run_dir: Path) -> bool:
