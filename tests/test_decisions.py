@@ -8,12 +8,14 @@ import ast
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from memtune.checkpoints import TRAINER_STATE, seal
 from memtune.config import ConfigError, to_run_config, validate
 from memtune.config.decisions import (
     CPU_RANKS,
@@ -36,6 +38,33 @@ def laid_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("decided") / "run"
     lay_out(compose_cfg(["trainer.max_steps=2"]), run_dir)
     return run_dir
+
+
+def test_a_save_cut_short_by_a_kill_is_removed_at_the_next_start(
+    laid_out: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Seen: the demo killed (kill -9, job and ranks) while it saved step 6 left
+    # checkpoints/.tmp-step-0000006 (the engine's states, the adapter); resumed with
+    # save_every=5 it trained from step 0 and kept the leftover for good.
+    run_dir = laid_out.parent / "killed-mid-save"
+    shutil.copytree(laid_out, run_dir)
+    left = run_dir / "checkpoints" / ".tmp-step-0000006"
+    (left / "engine").mkdir(parents=True)
+    (left / "engine" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(bytes(2 << 20))
+    done = run_dir / "checkpoints" / "step-0000004"  # not a complete one: left as it is
+    done.mkdir()
+    sealed = run_dir / "checkpoints" / ".tmp-step-0000008"  # killed inside its rename: kept
+    sealed.mkdir()
+    (sealed / TRAINER_STATE).write_text('{"step": 8}\n')
+    seal(sealed, 8)
+    capsys.readouterr()
+    lay_out(compose_cfg(["trainer.max_steps=2"]), run_dir)
+    assert (
+        f"memtune: removed {left} (2.0 MiB): a checkpoint whose save was cut short (its job "
+        "was killed while writing it)\n"
+    ) in capsys.readouterr().out
+    kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert kept == [sealed.name, done.name]
 
 
 def test_the_run_dir_holds_every_decision_and_no_auto(laid_out: Path) -> None:

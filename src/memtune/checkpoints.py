@@ -25,9 +25,10 @@ both sides need, and imports nothing that needs either.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
-from memtune.filesystem import write_atomic
+from memtune.filesystem import human_bytes, write_atomic
 from memtune.integrity import MANIFEST, Store, verify_manifest
 
 TRAINER_STATE = "trainer_state.json"
@@ -55,6 +56,36 @@ def has_gathered_state(checkpoint: Path) -> bool:
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:07d}"
+
+
+SAVING = ".tmp-"
+"""A checkpoint being saved: ``checkpoints/.tmp-step-N``, renamed to ``step-N`` once every rank
+has written its part (rank.checkpoint.save_checkpoint)."""
+
+
+def remove_cut_short_saves(root: Path) -> list[Path]:
+    """Remove the saves in checkpoints dir ``root`` that a killed job left unfinished
+    (``.tmp-step-N``: never read as a checkpoint), each with one line; for the job to call
+    before its ranks start, the run dir held (no save of this run can be in progress). Such a
+    leftover was replaced only by a save of the very same step, so a resume with another
+    save_every, a lower max_steps, or none at all, kept it for good. A sealed one
+    (complete.json: killed inside replace_dir, between setting the older save of its step
+    aside and renaming this one into place) is the newest save of its step: kept."""
+    removed = []
+    for left in sorted(root.glob(f"{SAVING}step-*")):
+        if left.is_symlink() or not left.is_dir() or is_complete(left):
+            continue
+        size = sum(f.stat().st_size for f in left.rglob("*") if f.is_file())
+        shutil.rmtree(left, ignore_errors=True)
+        if left.exists():
+            continue
+        removed.append(left)
+        print(
+            f"memtune: removed {left} ({human_bytes(size)}): a checkpoint whose save was cut "
+            "short (its job was killed while writing it)",
+            flush=True,
+        )
+    return removed
 
 
 def is_complete(path: Path) -> bool:

@@ -16,6 +16,7 @@ from memtune.checkpoints import (
     find_latest,
     has_gathered_state,
     is_complete,
+    remove_cut_short_saves,
     step_dir_name,
 )
 from memtune.config import (
@@ -171,6 +172,7 @@ def prepare_run_dir(
     print(f"memtune: {shape.line()}", flush=True)
     base = _base_record(cfg)
     resume = resolve_resume(cfg, d, rd, prepared.dir, base, finished_stops)
+    remove_cut_short_saves(rd.checkpoints)
     if cfg.resume == "never":
         start_over(rd)
     # after start_over, which moves an earlier run's entries aside; the OSError is said in one

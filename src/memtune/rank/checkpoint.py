@@ -16,6 +16,7 @@ from memtune.checkpoints import (
     GATHERED,
     GATHERED_META,
     LATEST,
+    SAVING,
     older_to_remove,
     seal,
     step_dir_name,
@@ -230,7 +231,7 @@ def save_checkpoint(
     rank = dist.get_rank() if dist.is_initialized() else 0
     root = rd.checkpoints
     final = root / step_dir_name(state.step)
-    tmp = root / f".tmp-{final.name}"
+    tmp = root / f"{SAVING}{final.name}"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
