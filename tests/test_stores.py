@@ -232,6 +232,56 @@ def left_by_killed_writer(parent: Path, prefix: str, name: str) -> Path:
     return left
 
 
+_WRITER_WITH_A_CHILD = """
+import os, signal, sys, time
+from pathlib import Path
+from memtune.filesystem import owned_temp_dir
+d = owned_temp_dir(Path(sys.argv[1]), ".building-")
+child = os.fork()
+if child == 0:  # keeps the lock (the open directory) after its parent, the named pid, died
+    os.setsid()
+    for fd in (0, 1, 2):
+        os.close(fd)
+    time.sleep(600)
+print(d, child, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_build_whose_named_pid_ended_but_whose_lock_lives_is_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A pid from another PID namespace (a container beside this one, sharing the cache and
+    its host name) names no process here although its writer lives: the kernel's lock on the
+    directory says so. Played by a writer killed after forking a child that keeps the lock."""
+    import signal
+    import time
+
+    from memtune.filesystem import remove_left_by_dead
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    writer = subprocess.run(
+        [sys.executable, "-c", _WRITER_WITH_A_CHILD, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert writer.returncode == -9, writer.stderr
+    made, child = writer.stdout.split()
+    live, holder = Path(made), int(child)
+    try:
+        assert remove_left_by_dead(tmp_path, ".building-", "a build") == []
+        assert live.is_dir() and capsys.readouterr().out == ""
+    finally:
+        os.kill(holder, signal.SIGKILL)
+    for _ in range(100):  # the child gone (not this process's: no wait), nothing holds it
+        if remove_left_by_dead(tmp_path, ".building-", "a build", log=lambda _: None):
+            break
+        time.sleep(0.05)
+    assert not live.exists()
+
+
 def test_a_data_cache_build_a_killed_process_left_is_removed(
     tokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import re
 import shutil
@@ -46,15 +47,26 @@ def replace_dir(new: Path, final: Path, before_removal: Callable[[], None] | Non
         shutil.rmtree(aside, ignore_errors=True)
 
 
+_OWNED: list[int] = []
+"""The descriptors holding the lock on each :func:`owned_temp_dir` this process made: kept
+open for the process's life (the kernel drops the lock however the process ends)."""
+
+
 def owned_temp_dir(parent: Path, prefix: str) -> Path:
     """A fresh directory ``PREFIX<host>-<pid>-XXXXXXXX`` in ``parent`` (``tempfile.mkdtemp``)
-    for a write that is renamed into place when whole. The name says which process made it, so
-    a later start can tell one a killed process left (:func:`remove_left_by_dead`): a kill -9,
-    the OOM killer or a power cut runs no cleanup, and such a directory (a whole tokenized data
-    set, a merged model) would otherwise stay, unseen behind its dot, one per kill."""
-    return Path(
+    for a write that is renamed into place when whole, locked (flock) by this process until it
+    exits. Name and lock tell a later start one a killed process left
+    (:func:`remove_left_by_dead`): a kill -9, the OOM killer or a power cut runs no cleanup,
+    and such a directory (a whole tokenized data set, a merged model) would otherwise stay,
+    unseen behind its dot, one per kill."""
+    path = Path(
         tempfile.mkdtemp(prefix=f"{prefix}{socket.gethostname()}-{os.getpid()}-", dir=parent)
     )
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    with contextlib.suppress(OSError):  # no flock here: the pid alone says it is alive
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    _OWNED.append(fd)
+    return path
 
 
 def _alive(pid: int) -> bool:
@@ -67,15 +79,34 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _locked_by_another(path: Path) -> bool:
+    """Whether another live process holds ``path``'s lock (or it cannot be asked: then yes).
+    A process in another PID namespace (a container beside this one, sharing the cache and
+    the host name) has a pid that means nothing here; its lock is the kernel's all the same."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # no flock here: the pid check alone decides
+        return False
+    finally:
+        os.close(fd)  # releases the lock just taken
+    return False
+
+
 def remove_left_by_dead(
     parent: Path, prefix: str, what: str, log: Callable[[str], None] | None = None
 ) -> list[Path]:
     """Remove the directories :func:`owned_temp_dir` made in ``parent`` with ``prefix`` whose
     process has ended: made on this host (another host's may be alive; its pids mean nothing
-    here) by a pid no process has now. Nothing else is touched (another name, another host's,
-    a live process's, this process's own). Each removal is one line naming it, its size and
-    ``what`` it was; one that cannot be removed (another user's) is left quietly. Returns the
-    paths removed."""
+    here) by a pid no process has now, and locked by none. Nothing else is touched (another
+    name, another host's, a live process's, this process's own). Each removal is one line
+    naming it, its size and ``what`` it was; one that cannot be removed (another user's) is
+    left quietly. Returns the paths removed."""
     host = re.escape(socket.gethostname())
     pattern = re.compile(rf"{re.escape(prefix)}{host}-(\d+)-[a-z0-9_]{{8}}")
     removed = []
@@ -88,6 +119,8 @@ def remove_left_by_dead(
         assert match is not None
         pid = int(match.group(1))
         if pid == os.getpid() or _alive(pid) or path.is_symlink() or not path.is_dir():
+            continue
+        if _locked_by_another(path):
             continue
         try:
             size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
