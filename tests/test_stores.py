@@ -537,3 +537,20 @@ def test_a_job_after_its_caches_were_damaged(tmp_path: Path) -> None:
     assert counts[0].read_bytes() == clean["counts"]
     assert model_aside.is_dir() and data_aside.is_dir()
     assert _losses(tmp_path / "run2") == _losses(tmp_path / "run1")
+
+
+def test_a_finished_builds_lock_is_released_at_the_next(tmp_path: Path) -> None:
+    """owned_temp_dir keeps a descriptor (its lock) while the directory is there under its
+    temporary name; once renamed into place or removed, the next call closes it: a long
+    process (a test worker, a sweep) held one descriptor per build it ever made."""
+    from memtune import filesystem
+
+    first = filesystem.owned_temp_dir(tmp_path, ".building-")
+    assert first in filesystem._OWNED
+    first.rename(tmp_path / "entry")  # renamed into place, as a finished build is
+    second = filesystem.owned_temp_dir(tmp_path, ".building-")
+    assert first not in filesystem._OWNED and second in filesystem._OWNED
+    second.rmdir()  # a failed build removes its own
+    third = filesystem.owned_temp_dir(tmp_path, ".building-")
+    assert second not in filesystem._OWNED and third in filesystem._OWNED
+    assert os.path.samefile(f"/proc/self/fd/{filesystem._OWNED[third]}", third)

@@ -47,9 +47,20 @@ def replace_dir(new: Path, final: Path, before_removal: Callable[[], None] | Non
         shutil.rmtree(aside, ignore_errors=True)
 
 
-_OWNED: list[int] = []
-"""The descriptors holding the lock on each :func:`owned_temp_dir` this process made: kept
-open for the process's life (the kernel drops the lock however the process ends)."""
+_OWNED: dict[Path, int] = {}
+"""The descriptors holding the lock on each :func:`owned_temp_dir` this process made, kept
+open while the directory is there under its temporary name (the kernel drops the lock however
+the process ends); released at the next call once it was renamed into place or removed."""
+
+
+def _release_finished() -> None:
+    """Close the locks of this process's temporary dirs that are gone (renamed into place or
+    removed): a long process (a test worker, a sweep's job) would otherwise hold one
+    descriptor per build it ever made."""
+    for path, fd in list(_OWNED.items()):
+        if not os.path.lexists(path):
+            os.close(fd)
+            del _OWNED[path]
 
 
 def owned_temp_dir(parent: Path, prefix: str) -> Path:
@@ -59,17 +70,19 @@ def owned_temp_dir(parent: Path, prefix: str) -> Path:
     (:func:`remove_left_by_dead`): a kill -9, the OOM killer or a power cut runs no cleanup,
     and such a directory (a whole tokenized data set, a merged model) would otherwise stay,
     unseen behind its dot, one per kill."""
+    _release_finished()
     path = Path(
         tempfile.mkdtemp(prefix=f"{prefix}{socket.gethostname()}-{os.getpid()}-", dir=parent)
     )
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     with contextlib.suppress(OSError):  # no flock here: the pid alone says it is alive
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    _OWNED.append(fd)
+    _OWNED[path] = fd
     return path
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this pid exists on this host (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -118,7 +131,7 @@ def remove_left_by_dead(
         match = pattern.fullmatch(path.name)
         assert match is not None
         pid = int(match.group(1))
-        if pid == os.getpid() or _alive(pid) or path.is_symlink() or not path.is_dir():
+        if pid == os.getpid() or pid_alive(pid) or path.is_symlink() or not path.is_dir():
             continue
         if _locked_by_another(path):
             continue

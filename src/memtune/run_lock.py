@@ -19,6 +19,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from memtune.filesystem import pid_alive
 from memtune.rundir import RunDir
 
 
@@ -105,7 +106,7 @@ def _holder(path: Path) -> str:
         said = f"host {who['host']}, pid {who['pid']}, started {who['started']}"
     except (OSError, ValueError, KeyError):
         return "its holder is still starting"
-    if who["host"] != socket.gethostname() or _alive(int(who["pid"])):
+    if who["host"] != socket.gethostname() or pid_alive(int(who["pid"])):
         return said
     # The job was killed (kill -9, the OOM killer) but the ranks it started hold the lock
     # (they inherit it): the pid in job.lock names no process, and the ones to wait for or
@@ -116,16 +117,6 @@ def _holder(path: Path) -> str:
         f"{said}; pid {who['pid']} has ended, but the ranks it started still run and hold the "
         f"lock: {still}; stop them with kill -TERM {ranks or 'PID'}, or wait for them"
     )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
 
 
 def _has_open(path: Path) -> list[int]:
