@@ -25,10 +25,9 @@ both sides need, and imports nothing that needs either.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
-from memtune.filesystem import human_bytes, write_atomic
+from memtune.filesystem import remove_leftover, write_atomic
 from memtune.integrity import MANIFEST, Store, verify_manifest
 
 TRAINER_STATE = "trainer_state.json"
@@ -75,16 +74,9 @@ def remove_cut_short_saves(root: Path) -> list[Path]:
     for left in sorted(root.glob(f"{SAVING}step-*")):
         if left.is_symlink() or not left.is_dir() or is_complete(left):
             continue
-        size = sum(f.stat().st_size for f in left.rglob("*") if f.is_file())
-        shutil.rmtree(left, ignore_errors=True)
-        if left.exists():
-            continue
-        removed.append(left)
-        print(
-            f"memtune: removed {left} ({human_bytes(size)}): a checkpoint whose save was cut "
-            "short (its job was killed while writing it)",
-            flush=True,
-        )
+        why = "a checkpoint whose save was cut short (its job was killed while writing it)"
+        if remove_leftover(left, why):
+            removed.append(left)
     return removed
 
 

@@ -135,33 +135,41 @@ def remove_left_by_dead(
             continue
         if _locked_by_another(path):
             continue
-        try:
-            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        except OSError:
-            continue  # not this user's to read: not to remove either
-        shutil.rmtree(path, ignore_errors=True)
-        if path.exists():
-            continue
-        removed.append(path)
-        (log or _print)(
-            f"memtune: removed {path} ({human_bytes(size)}): {what} that process {pid} left "
-            "unfinished when it was killed"
-        )
+        why = f"{what} that process {pid} left unfinished when it was killed"
+        if remove_leftover(path, why, log):
+            removed.append(path)
     return removed
+
+
+def remove_leftover(path: Path, why: str, log: Callable[[str], None] | None = None) -> bool:
+    """Remove directory ``path``, one of memtune's own that a killed process left, with one
+    line naming it, its size and ``why`` it is there; False (and nothing said) when it cannot
+    be read or removed whole (another user's)."""
+    try:
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    except OSError:
+        return False  # not this user's to read: not to remove either
+    shutil.rmtree(path, ignore_errors=True)
+    if path.exists():
+        return False
+    (log or _print)(f"memtune: removed {path} ({human_bytes(size)}): {why}")
+    return True
 
 
 def _print(line: str) -> None:
     print(line, flush=True)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary sibling that is fsynced and renamed into
-    place: a reader (or a crash, or a full disk) sees the old file or the whole new one."""
+def write_atomic(path: Path, text: str | bytes) -> None:
+    """Write ``text`` (or bytes: a figure) to ``path`` through a temporary sibling that is
+    fsynced and renamed into place: a reader (or a crash, or a full disk) sees the old file or
+    the whole new one; a symlink at ``path`` is replaced, never written through."""
     # host and pid: two writers of one name on a shared filesystem (the nodes of a job) differ
     tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    data = text.encode() if isinstance(text, str) else text
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -6,11 +6,9 @@ Written at the end of every ``python train.py -m ...`` (a Hydra callback), and o
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -240,17 +238,12 @@ def _plot(sweep_dir: Path, rows: list[dict[str, Any]], path: Path) -> None:
     if ax.lines:
         ax.legend(fontsize=8)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # as write_atomic, for a figure
+    figure = io.BytesIO()
     try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
-    except OSError as err:
-        raise type(err)(err.errno, err.strerror, str(path)) from err
+        fig.savefig(figure, format="png")
     finally:
         plt.close(fig)
-        if os.path.lexists(tmp):  # ours: left only when the write or the rename failed
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
+    write_atomic(path, figure.getvalue())
 
 
 def cannot_use(err: OSError) -> str:
