@@ -92,6 +92,22 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def open_files() -> Iterator[tuple[int, str]]:
+    """``(pid, path)`` for each file a process on this host has open (the processes this user
+    may look at), read from /proc. A descriptor or process gone while it is read is passed over,
+    not the rest of that process's files."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fds = list((proc / "fd").iterdir())
+        except OSError:  # another user's process, or one that has just ended
+            continue
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                yield int(proc.name), os.readlink(fd)
+
+
 def _locked_by_another(path: Path) -> bool:
     """Whether another live process holds ``path``'s lock (or it cannot be asked: then yes).
     A process in another PID namespace (a container beside this one, sharing the cache and

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from memtune.filesystem import pid_alive
+from memtune.filesystem import open_files, pid_alive
 from memtune.rundir import RunDir
 
 
@@ -123,14 +123,7 @@ def _has_open(path: Path) -> list[int]:
     """The pids of this host's other processes (those this user may look at) with ``path``
     open."""
     target = os.path.realpath(path)
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        with contextlib.suppress(OSError):
-            if any(os.readlink(fd) == target for fd in (proc / "fd").iterdir()):
-                found.append(int(proc.name))
-    return sorted(found)
+    return sorted({pid for pid, f in open_files() if f == target and pid != os.getpid()})
 
 
 def _fresh(run_dir: Path) -> bool:

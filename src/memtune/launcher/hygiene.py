@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from memtune.filesystem import open_files
+
 LOCK_NAME = "lock"
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "deepspeed_allreduce_buffer"
@@ -36,13 +38,7 @@ def _pids() -> Iterable[Path]:
 
 def open_paths() -> set[str]:
     """Every file some process on this machine has open (that we may look at)."""
-    paths: set[str] = set()
-    for proc in _pids():
-        with contextlib.suppress(OSError):
-            for fd in (proc / "fd").iterdir():
-                with contextlib.suppress(OSError):
-                    paths.add(os.readlink(fd))
-    return paths
+    return {path for _, path in open_files()}
 
 
 def mapped_paths() -> set[str]:
