@@ -64,6 +64,18 @@ relock: ## Move constraints.txt to the newest versions pyproject.toml allows, re
 test-compile: $(STAMP) ## The compiled-layers tests (trainer.compile; ~2 min cold: inductor builds C++ kernels)
 	$(PY) -m pytest tests/test_compile.py -m compile $(PYTEST_ARGS)
 
+# Liger's kernels in Triton's interpreter: liger-kernel at the version the GPU check carries
+# (bench/gpu_wheels.sh's LIGER_VERSION) and triton at the lent image's, installed apart in
+# $(KERNELS_SITE)/ (~650 MB), never in the .venv; reinstalled only when the pins change.
+KERNELS_SITE := .kernels-site
+KERNELS_PINS := liger-kernel==$(shell sed -n 's/^LIGER_VERSION=//p' bench/gpu_wheels.sh) triton==3.6.0
+test-kernels: $(STAMP) ## Liger's rotary kernel run by Triton's interpreter on CPU (installs liger-kernel + triton apart, in .kernels-site/; ~1 min)
+	@grep -qxF "$(KERNELS_PINS)" $(KERNELS_SITE)/.pins 2>/dev/null || { \
+	  rm -rf $(KERNELS_SITE) && \
+	  $(PY) -m pip install -q --no-deps --target $(KERNELS_SITE) $(KERNELS_PINS) && \
+	  echo "$(KERNELS_PINS)" > $(KERNELS_SITE)/.pins; }
+	PYTHONPATH=$(CURDIR)/$(KERNELS_SITE) $(PY) -m pytest tests/test_kernels.py -m kernels $(PYTEST_ARGS)
+
 test-faults: $(STAMP) ## Whole jobs stopped, killed, out of memory, resumed on other world sizes (~8-11 min)
 	$(PY) -m pytest -m faults $(PYTEST_ARGS)
 

@@ -2,12 +2,15 @@
 decided, refused where they cannot run, and wired so that they compose with peft's LoRA
 layers, memtune's checkpointing (full and selective), ZeRO-3 and QLoRA.
 
-liger-kernel cannot be installed here (its kernels are Triton, and Triton has no CPU
-backend), so the CPU tests wire :data:`memtune.rank.kernels.REFERENCE` — the same math in
-torch — through the same function a rank wires Liger's with (``use_kernels``), and check
-that the patched model gives the unpatched one's logits and LoRA gradients and that every
-norm, MLP and attention was reached. The last test runs Liger's real kernels against torch
-on a GPU, and is skipped without one (the GPU check's ``kernels`` phase measures their speed).
+liger-kernel is not in the .venv (its kernels are Triton, which has no CPU backend, and with
+it installed trainer.loss=auto would pick Liger's loss), so the CPU tests wire
+:data:`memtune.rank.kernels.REFERENCE` — the same math in torch — through the same function a
+rank wires Liger's with (``use_kernels``), and check that the patched model gives the
+unpatched one's logits and LoRA gradients and that every norm, MLP and attention was reached.
+Liger's rotary kernel itself runs on CPU in Triton's interpreter (the ``kernels`` mark: `make
+test-kernels` installs liger-kernel and triton apart, in .kernels-site/). The GPU test runs
+Liger's real kernels against torch on a GPU, and is skipped without one (the GPU check's
+``kernels`` phase measures their speed).
 """
 
 from __future__ import annotations
@@ -376,19 +379,17 @@ def test_liger_kernels_match_torch_on_a_gpu(model: str) -> None:
     assert worst < 5e-2, worst
 
 
-@pytest.mark.skipif(
-    torch.cuda.is_available()
-    or "liger_kernel" in sys.modules
-    or not (importlib.util.find_spec("liger_kernel") and importlib.util.find_spec("triton")),
-    reason="needs liger-kernel and triton installed (not in the .venv) and no GPU",
-)
+@pytest.mark.kernels
 def test_liger_rotary_in_tritons_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     """Liger's rotary kernel itself, run on CPU by Triton's interpreter (TRITON_INTERPRET=1;
     Liger's RMSNorm and SwiGLU kernels do not run there): the same logits and LoRA gradients
     through the wiring, with layers recomputed in full and selectively; and the hazard the
     guard refuses shown: q_proj and k_proj without LoRA, every layer selective, gives wrong
-    LoRA gradients (the kept matmul output rotated twice). Run by hand in a venv with
-    liger-kernel 0.8.5 and triton (2026-12-05: both checks as stated)."""
+    LoRA gradients (the kept matmul output rotated twice). `make test-kernels` runs it, with
+    liger-kernel and triton installed apart (the .venv has neither): it fails, never skips,
+    where they are missing."""
+    assert not torch.cuda.is_available(), "Triton's interpreter runs on CPU tensors only"
+    assert "liger_kernel" not in sys.modules, "imported before TRITON_INTERPRET was set"
     from peft import LoraConfig, get_peft_model
 
     from memtune.rank.kernels import liger_functions
