@@ -301,6 +301,64 @@ def test_a_data_cache_build_a_killed_process_left_is_removed(
     assert sorted(p.name for p in root.iterdir()) == [built.dir.name]
 
 
+KILLED_AT_FSYNC = (
+    "import os, signal, sys; from pathlib import Path; from memtune import filesystem; "
+    "os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL); "
+    "filesystem.write_atomic(Path(sys.argv[1]), bytes(int(sys.argv[2])))"
+)
+
+
+def killed_while_writing(path: Path, size: int) -> Path:
+    """What a real process left when it was killed (kill -9) inside write_atomic(``path``),
+    its ``size`` bytes written, not yet renamed into place."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    args = [sys.executable, "-c", KILLED_AT_FSYNC, str(path), str(size)]
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -9, proc.stderr
+    (left,) = path.parent.glob(f".{path.name}.tmp-*")
+    assert left.stat().st_size == size and not path.exists()
+    return left
+
+
+def test_a_write_a_killed_process_left_is_removed_by_the_next_write(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Seen: every kill -9 inside write_atomic (a run dir's records, the counts cache, a
+    sweep's reports) left its .NAME.tmp-<host>-<pid>, one per kill, which nothing removed.
+    The next write of the same file removes the ones this host's dead writers left, and
+    nothing else: a live writer's (its pid, or its lock: a writer in another PID namespace),
+    another host's, another file's, a name memtune does not make."""
+    import fcntl
+    import socket
+
+    from memtune.filesystem import write_atomic
+
+    record = tmp_path / "record.json"
+    left = killed_while_writing(record, 3 << 10)
+    dead = int(left.name.rsplit("-", 1)[1])
+    host = socket.gethostname()
+    unused = next(n for n in range(dead + 1, dead + 10_000) if not os.path.exists(f"/proc/{n}"))
+    kept = [
+        f".record.json.tmp-{host}-{os.getppid()}",  # a live pid's
+        f".record.json.tmp-another-{host}-{dead}",  # another host's
+        f".record.json.tmp-{host}-{dead}.bak",  # not a name memtune makes
+        f".other.json.tmp-{host}-{dead}",  # another file's, removed at its own next write
+        f".record.json.tmp-{host}-{unused}",  # locked: a live writer in another namespace
+    ]
+    for name in kept:
+        (tmp_path / name).write_text("theirs")
+    with open(tmp_path / kept[-1]) as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        write_atomic(record, "{}\n")
+    assert capsys.readouterr().out == (
+        f"memtune: removed {left} (3.0 KiB): a write of record.json that process {dead} "
+        "left unfinished when it was killed\n"
+    )
+    assert record.read_text() == "{}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*kept, "record.json"])
+    assert all((tmp_path / name).read_text() == "theirs" for name in kept)
+
+
 def test_a_data_cache_manifest_must_list_the_files_an_entry_holds(
     tokenizer, tmp_path: Path
 ) -> None:

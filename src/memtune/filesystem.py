@@ -71,14 +71,19 @@ def owned_temp_dir(parent: Path, prefix: str) -> Path:
     and such a directory (a whole tokenized data set, a merged model) would otherwise stay,
     unseen behind its dot, one per kill."""
     _release_finished()
-    path = Path(
-        tempfile.mkdtemp(prefix=f"{prefix}{socket.gethostname()}-{os.getpid()}-", dir=parent)
-    )
+    path = Path(tempfile.mkdtemp(prefix=host_pid_prefix(prefix), dir=parent))
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     with contextlib.suppress(OSError):  # no flock here: the pid alone says it is alive
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     _OWNED[path] = fd
     return path
+
+
+def host_pid_prefix(prefix: str) -> str:
+    """``PREFIX<host>-<pid>-``: the start of every temporary name memtune makes for a write
+    (:func:`owned_temp_dir`, :func:`write_atomic`, a set-aside build), so that a later writer
+    can tell one a killed process left (:func:`remove_left_by_dead`)."""
+    return f"{prefix}{socket.gethostname()}-{os.getpid()}-"
 
 
 def pid_alive(pid: int) -> bool:
@@ -109,11 +114,12 @@ def open_files() -> Iterator[tuple[int, str]]:
 
 
 def _locked_by_another(path: Path) -> bool:
-    """Whether another live process holds ``path``'s lock (or it cannot be asked: then yes).
+    """Whether another live process holds the lock of ``path``, a directory or a file (or it
+    cannot be asked: then yes).
     A process in another PID namespace (a container beside this one, sharing the cache and
     the host name) has a pid that means nothing here; its lock is the kernel's all the same."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
     except OSError:
         return True
     try:
@@ -128,16 +134,26 @@ def _locked_by_another(path: Path) -> bool:
 
 
 def remove_left_by_dead(
-    parent: Path, prefix: str, what: str, log: Callable[[str], None] | None = None
+    parent: Path,
+    prefix: str,
+    what: str,
+    log: Callable[[str], None] | None = None,
+    files: bool = False,
 ) -> list[Path]:
-    """Remove the directories :func:`owned_temp_dir` made in ``parent`` with ``prefix`` whose
-    process has ended: made on this host (another host's may be alive; its pids mean nothing
-    here) by a pid no process has now, and locked by none. Nothing else is touched (another
-    name, another host's, a live process's, this process's own). Each removal is one line
-    naming it, its size and ``what`` it was; one that cannot be removed (another user's) is
-    left quietly. Returns the paths removed."""
+    """Remove what memtune's writers made in ``parent`` under a temporary name starting with
+    ``prefix`` and left behind when their process was killed (kill -9, the OOM killer, a power
+    cut: no cleanup runs): the directories ``PREFIX<host>-<pid>-XXXXXXXX`` of
+    :func:`owned_temp_dir` (and a set-aside build named alike), or with ``files`` the files
+    ``PREFIX<host>-<pid>`` of :func:`write_atomic`. Only those made on this host (another
+    host's may be alive; its pids mean nothing here) by a pid no process has now, and locked
+    by none (a writer in another PID namespace has a pid that means nothing here; its lock is
+    the kernel's all the same). Nothing else is touched (another name, another host's, a live
+    process's, this process's own). Each removal is one line naming it, its size and
+    ``what`` it was; one that cannot be removed (another user's) is left quietly. Returns the
+    paths removed."""
     host = re.escape(socket.gethostname())
-    pattern = re.compile(rf"{re.escape(prefix)}{host}-(\d+)-[a-z0-9_]{{8}}")
+    tail = "" if files else "-[a-z0-9_]{8}"
+    pattern = re.compile(rf"{re.escape(prefix)}{host}-(\d+){tail}")
     removed = []
     try:
         names = sorted(p for p in parent.iterdir() if pattern.fullmatch(p.name))
@@ -147,9 +163,9 @@ def remove_left_by_dead(
         match = pattern.fullmatch(path.name)
         assert match is not None
         pid = int(match.group(1))
-        if pid == os.getpid() or pid_alive(pid) or path.is_symlink() or not path.is_dir():
+        if pid == os.getpid() or pid_alive(pid) or path.is_symlink():
             continue
-        if _locked_by_another(path):
+        if not (path.is_file() if files else path.is_dir()) or _locked_by_another(path):
             continue
         why = f"{what} that process {pid} left unfinished when it was killed"
         if remove_leftover(path, why, log):
@@ -158,15 +174,23 @@ def remove_left_by_dead(
 
 
 def remove_leftover(path: Path, why: str, log: Callable[[str], None] | None = None) -> bool:
-    """Remove directory ``path``, one of memtune's own that a killed process left, with one
-    line naming it, its size and ``why`` it is there; False (and nothing said) when it cannot
-    be read or removed whole (another user's)."""
+    """Remove ``path`` (a directory, or a file), one of memtune's own that a killed process
+    left, with one line naming it, its size and ``why`` it is there; False (and nothing said)
+    when it cannot be read or removed whole (another user's)."""
+    folder = path.is_dir() and not path.is_symlink()
     try:
-        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        if folder:
+            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        else:
+            size = path.lstat().st_size
     except OSError:
         return False  # not this user's to read: not to remove either
-    shutil.rmtree(path, ignore_errors=True)
-    if path.exists():
+    if folder:
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
+    if os.path.lexists(path):
         return False
     (log or _print)(f"memtune: removed {path} ({human_bytes(size)}): {why}")
     return True
@@ -179,16 +203,30 @@ def _print(line: str) -> None:
 def write_atomic(path: Path, text: str | bytes) -> None:
     """Write ``text`` (or bytes: a figure) to ``path`` through a temporary sibling that is
     fsynced and renamed into place: a reader (or a crash, or a full disk) sees the old file or
-    the whole new one; a symlink at ``path`` is replaced, never written through."""
-    # host and pid: two writers of one name on a shared filesystem (the nodes of a job) differ
+    the whole new one; a symlink at ``path`` is replaced, never written through.
+
+    The sibling is ``.NAME.tmp-<host>-<pid>`` (two writers of one name on a shared filesystem,
+    the nodes of a job, differ), locked (flock) by its writer until it is renamed. A process
+    killed while it wrote (kill -9, the OOM killer: no cleanup runs) leaves it; the next write
+    of ``path`` removes the ones this host's dead writers left, with a line, as the killed
+    builds' dirs are (:func:`remove_left_by_dead`): else one stayed per kill, behind a dot, in
+    run dirs, the counts cache, a sweep's reports. The lock, not only the pid, tells a dead
+    writer: most writes last milliseconds, but metrics.jsonl's rewrite or a figure can last
+    longer, and a writer in another PID namespace (a container beside this one with the same
+    host name, sharing the folder) has a pid that names nothing here. The lock costs one call
+    on the descriptor the write has open anyway, so the rule is one, the builds' rule; an age
+    limit instead would guess at how slow a disk may be."""
+    remove_left_by_dead(path.parent, f".{path.name}.tmp-", f"a write of {path.name}", files=True)
     tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     data = text.encode() if isinstance(text, str) else text
     try:
         with open(tmp, "wb") as f:
+            with contextlib.suppress(OSError):  # no flock here: the pid alone says it is alive
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)  # before the lock goes with the descriptor
     except OSError as err:
         # Named for the file asked for, not its temporary sibling: the one a user can act on
         # (a folder where the file goes, a read-only or full disk).
@@ -270,6 +308,8 @@ def free_bytes(path: Path) -> int | None:
 def human_bytes(n: int) -> str:
     if n >= 1 << 30:
         return f"{n / (1 << 30):.1f} GiB"
+    if n < 1 << 20:  # a small file (a record a killed writer left): not "0.0 MiB"
+        return f"{n / (1 << 10):.1f} KiB"
     return f"{n / (1 << 20):.1f} MiB"
 
 
