@@ -517,6 +517,42 @@ def test_an_older_demo_build_without_a_manifest_is_replaced_quietly(
     assert os.access(model / MANIFEST, os.R_OK)
 
 
+def test_an_older_demo_build_a_killed_rebuild_set_aside_is_removed_at_the_next(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Seen: a rebuild killed after it set the older build aside and renamed the new one into
+    place, before it removed the older one, left .tiny.old-PID (12 MB), one per kill, which
+    nothing removed. Now .tiny.old-<host>-<pid>-XXXXXXXX: the next build removes a dead
+    writer's, nothing else (a live pid's, another host's, one without a host)."""
+    import socket
+
+    arch = dict(compose_cfg()["model"]["architecture"])
+    model = synthesize(tmp_path / "tiny", arch)
+    (model / MANIFEST).unlink()  # an older build (as in the test above)
+    marker = json.loads((model / _MARKER).read_text())
+    (model / _MARKER).write_text(json.dumps({**marker, "fingerprint": "an older builder"}))
+    ended = subprocess.Popen(["true"])  # a pid no process has now
+    ended.wait()
+    dead, host = ended.pid, socket.gethostname()
+    left = tmp_path / f".tiny.old-{host}-{dead}-abcd1234"
+    kept = [
+        f".tiny.old-{host}-{os.getppid()}-abcd1234",  # a live pid's
+        f".tiny.old-another-{host}-{dead}-abcd1234",  # another host's
+        f".tiny.old-{dead}",  # named before hosts were: whose, cannot be told
+    ]
+    for aside in (left.name, *kept):
+        (tmp_path / aside).mkdir()
+        (tmp_path / aside / "model.safetensors").write_bytes(bytes(2 << 20))
+    capsys.readouterr()
+    synthesize(model, arch)
+    assert capsys.readouterr().out == (
+        f"memtune: removed {left} (2.0 MiB): the replaced build of tiny that process {dead} "
+        "left unfinished when it was killed\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*kept, ".tiny.lock", "tiny"])
+    assert DEMO_MODEL.problem(model) is None
+
+
 def test_a_damaged_linear_mixer_entry_is_measured_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

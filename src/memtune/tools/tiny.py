@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from memtune.config import ASSETS_DIR, ConfigError
 from memtune.data.vision import CLIP_MEAN, CLIP_STD, PREPROCESSOR_CONFIG
 from memtune.filesystem import (
     follow_umask,
+    host_pid_prefix,
     owned_temp_dir,
     remove_left_by_dead,
     safetensors_write_errors,
@@ -200,6 +202,15 @@ def synthesize(
     return path
 
 
+ASIDE = ".{}.old-"
+"""An older build set aside while the new one is renamed into place, then removed:
+``.NAME.old-<host>-<pid>-XXXXXXXX``. A kill between the two leaves it (a whole model, one per
+kill); the next build removes it (:func:`remove_left_by_dead`). It is not locked as the build's
+own dir is (a rename onto it would leave the lock behind on the empty dir it replaced): the
+build lock, which the next build holds while it looks, rules out a live writer of it, in this
+PID namespace or another, so the dead pid is enough."""
+
+
 def _build(
     path: Path,
     architecture: dict[str, Any],
@@ -208,10 +219,12 @@ def _build(
     tok_dir: Path | None,
     fingerprint: str,
 ) -> None:
-    # Under the build lock: a build killed before its rename left its model beside it.
+    # Under the build lock: a build killed before its rename left its model beside it, one
+    # killed between setting the older build aside and removing it that older build.
     remove_left_by_dead(path.parent, f".{path.name}.", f"a build of {path.name}")
+    remove_left_by_dead(path.parent, ASIDE.format(path.name), f"the replaced build of {path.name}")
     tmp = owned_temp_dir(path.parent, f".{path.name}.")
-    old = path.parent / f".{path.name}.old-{os.getpid()}"
+    old = None
     try:
         with _write_errors_named(tmp, path):
             if vision:
@@ -222,11 +235,14 @@ def _build(
             DEMO_MODEL.seal(tmp)  # last: a build without its manifest is never used
         follow_umask(tmp)  # mkdtemp's 0700, safetensors' 0600: a shared cache needs the umask's
         if path.exists():  # an older build of ours (synthesize checked the marker): set aside
-            os.replace(path, old)
+            old = Path(
+                tempfile.mkdtemp(prefix=host_pid_prefix(ASIDE.format(path.name)), dir=path.parent)
+            )
+            os.replace(path, old)  # onto the empty dir just made
         os.replace(tmp, path)
     finally:
         for ours in (tmp, old):
-            if ours.exists():
+            if ours is not None and ours.exists():
                 shutil.rmtree(ours, ignore_errors=True)
 
 
