@@ -454,6 +454,39 @@ def test_damaged_reference_tables_are_set_aside_and_computed_again(tmp_path: Pat
     assert reference._read(folder, "key-1")["train"].equal(tables["train"])
 
 
+def test_reference_tables_a_killed_write_left_are_removed_at_the_next(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Seen: a kill -9 while the tables were written left safetensors' own temporary file
+    (.tmpXXXXXX, as large as the tables) in RUN_DIR/reference, which nothing removed and every
+    later manifest listed. Now the write happens in .reference.tmp-<host>-<pid>-XXXXXXXX
+    beside it: the next write removes a dead writer's (with safetensors' file in it), not a
+    live writer's or another host's, and the manifest lists the tables alone."""
+    import socket
+
+    folder = tmp_path / "reference"
+    ended = subprocess.Popen(["true"])  # a pid no process has now
+    ended.wait()
+    dead, host = ended.pid, socket.gethostname()
+    left = tmp_path / f".reference.tmp-{host}-{dead}-abcd1234"
+    kept = [
+        f".reference.tmp-{host}-{os.getppid()}-abcd1234",
+        f".reference.tmp-b{host}-{dead}-abcd1234",
+    ]
+    for name in (left.name, *kept):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / ".tmpQY238o").write_bytes(bytes(3 << 10))  # safetensors' name
+    capsys.readouterr()
+    reference._write(folder, "key-1", {"train": torch.zeros(6, 2)})
+    assert capsys.readouterr().out == (
+        f"memtune: removed {left} (3.0 KiB): a write of the reference tables that process "
+        f"{dead} left unfinished when it was killed\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*kept, "reference"])
+    assert sorted(p.name for p in folder.iterdir()) == [reference.TABLES, MANIFEST]
+    assert list(json.loads((folder / MANIFEST).read_text())["files"]) == [reference.TABLES]
+
+
 # ------------------------------------------------------------------ the demo models
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,7 +39,7 @@ from memtune.data.batching import collate_packed as _collate
 from memtune.data.cache import load_split
 from memtune.data.loaders import blank_sample
 from memtune.data.packing import pack_bins
-from memtune.filesystem import follow_umask
+from memtune.filesystem import follow_umask, owned_temp_dir, remove_left_by_dead
 from memtune.integrity import MANIFEST, Store
 from memtune.rank.loop import MODEL_INPUTS
 from memtune.rank.sequence_parallel import SequenceGroups, shard_batch
@@ -291,14 +291,29 @@ def _read(
 def _write(folder: Path, key: str, tables: dict[str, torch.Tensor]) -> None:
     """The tables and their key in one file, through a temporary name renamed into place, then
     the folder's manifest: a reader sees complete tables, or none (a folder whose manifest is
-    missing or does not list these bytes is never read)."""
+    missing or does not list these bytes is never read).
+
+    The file is written in a directory of its own beside the folder,
+    ``.reference.tmp-<host>-<pid>-XXXXXXXX`` (:func:`owned_temp_dir`), and renamed out of it:
+    safetensors writes through a temporary file of its own (``.tmpXXXXXX``), so a kill during
+    the write (kill -9, the OOM killer) left that file in the folder, as large as the tables,
+    under a name no writer can tell from a user's, and every later manifest listed it (hashed
+    at every read). Now a kill leaves only that directory, outside what the manifest lists,
+    which the next write removes with a line (:func:`remove_left_by_dead`)."""
     from safetensors.torch import save_file
 
     folder.mkdir(exist_ok=True)
-    tmp = folder / f".{TABLES}.tmp-{os.getpid()}"
-    meta = {"key": key}  # one entry (FORMAT is in the key): safetensors orders several at random
-    save_file({k: v.contiguous() for k, v in tables.items()}, str(tmp), metadata=meta)
-    (folder / MANIFEST).unlink(missing_ok=True)  # the old tables' list goes first
-    follow_umask(tmp)  # safetensors writes 0600: the user's umask decides, as for any file
-    tmp.replace(folder / TABLES)
+    prefix = f".{folder.name}.tmp-"
+    remove_left_by_dead(folder.parent, prefix, "a write of the reference tables")
+    staging = owned_temp_dir(folder.parent, prefix)
+    try:
+        tmp = staging / TABLES
+        # one entry (FORMAT is in the key): safetensors orders several at random
+        meta = {"key": key}
+        save_file({k: v.contiguous() for k, v in tables.items()}, str(tmp), metadata=meta)
+        (folder / MANIFEST).unlink(missing_ok=True)  # the old tables' list goes first
+        follow_umask(tmp)  # safetensors writes 0600: the user's umask decides, as for any file
+        tmp.replace(folder / TABLES)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     REFERENCE_TABLES.seal(folder)
