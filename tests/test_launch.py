@@ -414,6 +414,43 @@ def test_the_sweep_report_replaces_its_files_and_names_one_it_cannot_write(
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
+def test_a_sweep_dir_on_a_full_disk_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Hydra's sweeper writes SWEEP_DIR/multirun.yaml before any point runs, outside
+    memtune's code: on a full disk (ulimit -f here: EFBIG, as ENOSPC) its OSError, which names
+    no file, was a traceback and exit 1 (train.py -m ... with ulimit -f 1). memtune's callback,
+    as Hydra calls it just before (its exceptions Hydra turns into warnings), writes the file
+    first: one line and exit 2, nothing left in the sweep dir; with room, the text Hydra
+    writes after it."""
+    import resource
+
+    import yaml
+    from hydra._internal.callbacks import Callbacks
+    from omegaconf import OmegaConf
+
+    callbacks = yaml.safe_load((ROOT / "conf" / "config.yaml").read_text())["hydra"]["callbacks"]
+    sweep = tmp_path / "sweep"
+    cfg = OmegaConf.create(
+        {"hydra": {"sweep": {"dir": str(sweep)}, "callbacks": callbacks}, "pad": "x" * 4096}
+    )
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 10, hard))  # Python ignores SIGXFSZ
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            Callbacks(cfg).on_multirun_start(config=cfg, config_name="config")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == (
+        f"memtune: error: cannot use {sweep / 'multirun.yaml'} (OSError: File too large)\n"
+    )
+    assert list(sweep.iterdir()) == []
+    Callbacks(cfg).on_multirun_start(config=cfg, config_name="config")
+    OmegaConf.save(cfg, tmp_path / "hydra.yaml")  # what Hydra's sweeper writes next
+    assert (sweep / "multirun.yaml").read_text() == (tmp_path / "hydra.yaml").read_text()
+
+
 def test_a_slurm_sweep_without_slurm_is_one_line(tmp_path: Path) -> None:
     """submitit raised 'Could not detect "srun"' from inside Hydra's sweep: a traceback."""
     import subprocess

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from memtune.arguments import VerbParser
+from memtune.exit_codes import EXIT_CONFIG
 from memtune.filesystem import write_atomic
 from memtune.rundir import RunDir
 
@@ -256,7 +257,24 @@ class SweepReport:
     """Hydra callback (``hydra.callbacks``): the report at the end of every multirun."""
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        pass
+        """Hydra's sweeper writes ``SWEEP_DIR/multirun.yaml`` next, before any point and
+        outside memtune's code; on a full disk its OSError (raised as the file closes: it
+        names no file) was a traceback from Hydra, exit 1. The same file is written here
+        first (Hydra then writes the same text again): where it cannot be, one line and exit
+        2, as a point's run dir record that cannot be written (launcher.job). Only an OSError
+        of this write is caught; a callback's other errors are Hydra's to report."""
+        from omegaconf import OmegaConf
+
+        sweep_dir = Path(config.hydra.sweep.dir)
+        try:
+            sweep_dir.mkdir(parents=True, exist_ok=True)
+            write_atomic(sweep_dir / "multirun.yaml", OmegaConf.to_yaml(config))
+        except OSError as err:
+            if not err.filename:
+                raise
+            # SystemExit: Hydra turns an Exception of a callback into a warning and goes on
+            print(f"memtune: error: {cannot_use(err)}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_CONFIG) from None
 
     def on_job_start(self, config: Any, **kwargs: Any) -> None:
         pass
