@@ -95,6 +95,69 @@ def test_a_checkpoint_left_at_its_set_aside_name_is_still_found(tmp_path: Path) 
     assert latest == root / ".old-step-0000008.k3j2x_q"
 
 
+KILLED_AFTER_THE_RENAME = (
+    "import os, signal, sys; from pathlib import Path; from memtune.filesystem import "
+    "replace_dir; replace_dir(Path(sys.argv[1]), Path(sys.argv[2]), "
+    "before_removal=lambda: os.kill(os.getpid(), signal.SIGKILL))"
+)
+
+
+def test_a_copy_a_killed_replace_set_aside_is_removed_once_the_new_one_is_in_place(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Seen: a process killed inside replace_dir once the new adapter (or a step saved again)
+    was in place, before the older one set aside was removed (the checkpoint's ``latest``
+    is written there), left .old-NAME.XXXXXXXX, a whole older copy, for good. The next
+    replace of the same name removes it, and a job's start removes a checkpoint's beside a
+    complete step; one whose step is missing (the only copy: find_latest reads it), or
+    beside an incomplete one, is kept."""
+    import os
+    import subprocess
+    import sys
+
+    from memtune.checkpoints import TRAINER_STATE, remove_cut_short_saves
+    from memtune.filesystem import replace_dir
+    from tests.conftest import ROOT
+
+    adapter = tmp_path / "adapter"
+    for name, text in (("adapter", "older"), ("new", "newer"), ("newest", "newest")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_model.safetensors").write_text(text * 1024)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    args = [sys.executable, "-c", KILLED_AFTER_THE_RENAME, str(tmp_path / "new"), str(adapter)]
+    assert subprocess.run(args, env=env, timeout=60).returncode == -9
+    (left,) = tmp_path.glob(".old-adapter.*")
+    assert (adapter / "adapter_model.safetensors").read_text().startswith("newer")
+    capsys.readouterr()
+    replace_dir(tmp_path / "newest", adapter)
+    assert capsys.readouterr().out == (
+        f"memtune: removed {left} (5.0 KiB): an earlier adapter that a process killed after "
+        "replacing it left set aside\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
+
+    root = RunDir(tmp_path / "run").checkpoints
+    for name in ("step-0000010", ".old-step-0000010.abcd1234", ".old-step-0000012.abcd1234"):
+        (root / name).mkdir(parents=True)
+        (root / name / TRAINER_STATE).write_text('{"step": 10}\n')
+        seal(root / name, 10)
+    (root / "step-0000004").mkdir()  # incomplete: its set-aside copy is kept
+    (root / ".old-step-0000004.abcd1234").mkdir()
+    assert remove_cut_short_saves(root) == [root / ".old-step-0000010.abcd1234"]
+    said = capsys.readouterr().out
+    assert said.startswith(f"memtune: removed {root / '.old-step-0000010.abcd1234'} (")
+    assert said.endswith(
+        "): an earlier save of step-0000010 that a process killed after replacing it left "
+        "set aside\n"
+    )
+    assert sorted(p.name for p in root.iterdir()) == [
+        ".old-step-0000004.abcd1234",
+        ".old-step-0000012.abcd1234",
+        "step-0000004",
+        "step-0000010",
+    ]
+
+
 def test_pruning_keeps_the_checkpoint_just_saved_whatever_later_steps_are_there(
     tmp_path: Path,
 ) -> None:

@@ -27,7 +27,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from memtune.filesystem import remove_leftover, write_atomic
+from memtune.filesystem import (
+    REPLACED_LEFT,
+    remove_leftover,
+    set_aside_and_replaced,
+    write_atomic,
+)
 from memtune.integrity import MANIFEST, Store, verify_manifest
 
 TRAINER_STATE = "trainer_state.json"
@@ -69,7 +74,9 @@ def remove_cut_short_saves(root: Path) -> list[Path]:
     leftover was replaced only by a save of the very same step, so a resume with another
     save_every, a lower max_steps, or none at all, kept it for good. A sealed one
     (complete.json: killed inside replace_dir, between setting the older save of its step
-    aside and renaming this one into place) is the newest save of its step: kept."""
+    aside and renaming this one into place) is the newest save of its step: kept. An older
+    save of a step set aside (``.old-step-N.XXXXXXXX``) beside a complete ``step-N`` is
+    removed too: a kill after the new one was in place left it (filesystem.replace_dir)."""
     removed = []
     for left in sorted(root.glob(f"{SAVING}step-*")):
         if left.is_symlink() or not left.is_dir() or is_complete(left):
@@ -77,6 +84,12 @@ def remove_cut_short_saves(root: Path) -> list[Path]:
         why = "a checkpoint whose save was cut short (its job was killed while writing it)"
         if remove_leftover(left, why):
             removed.append(left)
+    # A step saved again (a resumed run's last step) and killed once the new save was in
+    # place, before the older one set aside was removed: kept beside a complete one for good.
+    for step in sorted(root.glob("step-*")):
+        for left in set_aside_and_replaced(step) if is_complete(step) else []:
+            if remove_leftover(left, REPLACED_LEFT.format(f"save of {step.name}")):
+                removed.append(left)
     return removed
 
 

@@ -34,7 +34,10 @@ def replace_dir(new: Path, final: Path, before_removal: Callable[[], None] | Non
     earlier ``final`` of ours moves aside to a fresh ``.old-NAME.XXXX`` (made here, so nothing
     but what this call moved there is ever removed) and goes only once the new one is in place
     (and ``before_removal`` has run), so a crash leaves one of them (find_latest looks at the
-    set-aside name too)."""
+    set-aside name too). What an earlier call killed after its new ``final`` was in place left
+    set aside goes first, with a line (:func:`set_aside_and_replaced`)."""
+    for left in set_aside_and_replaced(final):
+        remove_leftover(left, REPLACED_LEFT.format(final.name))
     aside = None
     if final.exists():
         aside = Path(tempfile.mkdtemp(prefix=f".old-{final.name}.", dir=final.parent))
@@ -45,6 +48,27 @@ def replace_dir(new: Path, final: Path, before_removal: Callable[[], None] | Non
         before_removal()
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+REPLACED_LEFT = "an earlier {} that a process killed after replacing it left set aside"
+"""Why :func:`set_aside_and_replaced`'s leftovers are removed, in words (NAME to fill in)."""
+
+
+def set_aside_and_replaced(final: Path) -> list[Path]:
+    """The earlier ``final``s that :func:`replace_dir` set aside, ``.old-NAME.XXXXXXXX``, and
+    a kill (kill -9, the OOM killer) stopped it from removing once the new ``final`` was in
+    place: each a whole older copy (an adapter, a checkpoint), one per kill, that nothing read
+    or removed. Only while ``final`` is there: killed between its two renames, the set-aside
+    copy may be the only one (find_latest reads a checkpoint's). Its callers hold what the
+    name belongs to (the run dir's job lock): no live writer's is among them."""
+    pattern = re.compile(rf"\.old-{re.escape(final.name)}\.[a-z0-9_]{{8}}")
+    if final.is_symlink() or not final.is_dir():
+        return []
+    try:
+        found = sorted(p for p in final.parent.iterdir() if pattern.fullmatch(p.name))
+    except OSError:
+        return []
+    return [p for p in found if p.is_dir() and not p.is_symlink()]
 
 
 _OWNED: dict[Path, int] = {}
