@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from memtune.config import register_configs
 from memtune.config.command_line import composition_problem
 from memtune.config.schema import open_mappings, unknown_override
+from memtune.detached import outlive_the_terminal
 from memtune.exit_codes import EXIT_CONFIG
 from memtune.launcher.job import missing_slurm, run_job
 
@@ -41,6 +42,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    # A closed terminal or pipe makes this job's lines go nowhere, not its end fail (EIO).
+    outlive_the_terminal()
     argv = sys.argv[1:]
     if problem := unknown_override(argv) or missing_slurm(argv) or composition_problem(argv):
         print(f"memtune: config error: {problem}", file=sys.stderr)

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -272,9 +273,30 @@ def test_sigterm_saves_and_the_same_command_continues(tmp_path: Path) -> None:
     assert 3 <= stopped_at < 16
     assert "stopped by a signal" in out
 
+    # train.py itself killed (kill -9, the OOM killer): its ranks trained on to the end unseen,
+    # holding the run dir, with no exit.json. Now they stop at the next step boundary with a
+    # checkpoint, and rank 0 writes exit.json saying why.
+    proc = _start(args, ROOT)
+    _wait_for_step(run_dir, stopped_at + 2, proc)
+    ranks = rank_processes(proc.pid)
+    assert len(ranks) == 2
+    proc.kill()
+    out, _ = proc.communicate(timeout=120)  # its stdout's end: the ranks' too
+    assert not [r for r in ranks if r.is_running() and r.status() != psutil.STATUS_ZOMBIE]
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    state = run_dir / "checkpoints" / latest / "trainer_state.json"
+    orphaned_at = json.loads(state.read_text())["step"]
+    assert stopped_at + 2 <= orphaned_at < 16
+    said = (
+        f"stopped by the end of its launcher (train.py, pid {proc.pid}) after step "
+        f"{orphaned_at}; checkpoint saved. Run the same command again to continue (exit code 75)."
+    )
+    assert f"memtune: {said}" in out
+    assert json.loads((run_dir / "exit.json").read_text()) == {"code": 75, "error": said}
+
     again = run_train_py(args, cwd=ROOT)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert f"(step {stopped_at})" in again.stdout
+    assert f"(step {orphaned_at})" in again.stdout
     assert len(_losses(run_dir)) == 16
 
 

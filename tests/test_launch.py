@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
 import os
+import pty
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -96,6 +102,129 @@ def test_omp_threads_split_between_ranks() -> None:
     env = rank_env(cfg, base={})
     assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
     assert rank_env(cfg, base={"OMP_NUM_THREADS": "7"})["OMP_NUM_THREADS"] == "7"
+
+
+# A stand-in rank: its stop handler in place, it says so, then waits for the stop (exit 75).
+_RANK = """
+import pathlib, signal, sys, time
+stop = []
+signal.signal(signal.SIGUSR2, lambda *a: stop.append(1))
+pathlib.Path(sys.argv[1]).write_text("listening")
+deadline = time.monotonic() + 30
+while not stop and time.monotonic() < deadline:
+    time.sleep(0.01)
+sys.exit(75 if stop else 1)
+"""
+# train.py's part that holds the ranks (launcher.spawn._Ranks), around the stand-in.
+_LAUNCHER = """
+import os, sys
+from memtune.launcher.spawn import _Ranks
+ranks = _Ranks([sys.executable, "-c", sys.argv[1], sys.argv[2]], [dict(os.environ)], "x", True)
+sys.exit(ranks.wait())
+"""
+
+
+@pytest.mark.parametrize("nohup", [False, True])
+def test_a_closed_terminals_sighup_stops_the_ranks_with_a_checkpoint(
+    tmp_path: Path, nohup: bool
+) -> None:
+    """SIGHUP (an ssh connection dropped, the terminal closed) ended train.py alone: its ranks,
+    in their own process group, trained on unseen and held the run dir. Now it is a stop like
+    SIGTERM's (the ranks' SIGUSR2, exit 75); under nohup (SIGHUP ignored) the job goes on."""
+    listening = tmp_path / "listening"
+    ignore = functools.partial(signal.signal, signal.SIGHUP, signal.SIG_IGN)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHER, _RANK, str(listening)],
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=ignore if nohup else None,
+    )
+    ranks: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 30
+        while not listening.exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        ranks = psutil.Process(proc.pid).children()
+        proc.send_signal(signal.SIGHUP)
+        if nohup:
+            with pytest.raises(subprocess.TimeoutExpired):
+                proc.wait(0.5)
+            proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        for rank in ranks:  # an orphan, had SIGHUP ended the launcher alone
+            with contextlib.suppress(psutil.Error):
+                rank.kill()
+    assert proc.returncode == 75, err
+    said = "memtune: SIGHUP (the terminal closed?): stopping at the next step boundary"
+    assert (said in err) != nohup
+
+
+def test_ranks_see_their_launcher_end_even_before_it_is_reaped() -> None:
+    """The check a rank makes at every step boundary (rank.worker.RunHooks): train.py killed
+    (kill -9, the OOM killer) is gone for its ranks at once, a zombie its parent has not reaped
+    yet included; a rank without a launcher to watch (started by hand) never stops for it."""
+    from memtune.detached import LAUNCHER_PID_ENV, LauncherWatch
+
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    watch = "from memtune.detached import LauncherWatch as W\nw = W()\nprint(w.gone())\ninput()\n"
+    rank = subprocess.Popen(
+        [sys.executable, "-c", watch + "print(w.gone(), w.pid)"],
+        env={**os.environ, LAUNCHER_PID_ENV: str(launcher.pid)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert rank.stdout is not None and rank.stdin is not None
+        assert rank.stdout.readline() == "False\n"
+        launcher.kill()
+        deadline = time.monotonic() + 10
+        while psutil.Process(launcher.pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        out, _ = rank.communicate("\n", timeout=30)
+        assert out == f"True {launcher.pid}\n"
+    finally:
+        launcher.kill()
+        launcher.wait()
+        rank.kill()
+    assert LauncherWatch({LAUNCHER_PID_ENV: str(launcher.pid)}).gone()  # reaped now
+    assert not LauncherWatch({}).gone()
+
+
+def test_a_process_outlives_its_closed_terminal(tmp_path: Path) -> None:
+    """A rank whose terminal closed (an ssh connection dropped) died at its next line (EIO),
+    its work since the last checkpoint lost; now its lines go nowhere and it goes on."""
+    done = tmp_path / "done"
+    code = (
+        "import sys\nfrom memtune.detached import outlive_the_terminal\noutlive_the_terminal()\n"
+        "print('before', flush=True)\nsys.stdin.readline()\n"
+        "for i in range(3):\n    print('after', i, flush=True)\n    print('x', file=sys.stderr)\n"
+        "open(sys.argv[1], 'w').write('done')\n"
+    )
+    terminal, tty = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(done)],
+        stdin=subprocess.PIPE,
+        stdout=tty,
+        stderr=tty,
+        start_new_session=True,
+    )
+    os.close(tty)
+    try:
+        seen = b""
+        while b"before" not in seen:
+            seen += os.read(terminal, 1024)
+    finally:
+        os.close(terminal)  # the terminal goes: the tty is hung up
+    assert proc.stdin is not None
+    proc.stdin.write(b"\n")
+    proc.stdin.close()
+    assert proc.wait(timeout=30) == 0
+    assert done.read_text() == "done"
 
 
 def test_lr_schedule() -> None:

@@ -33,6 +33,7 @@ from pathlib import Path
 import psutil
 
 from memtune.config import ConfigError, RunConfig
+from memtune.detached import LAUNCHER_PID_ENV
 from memtune.exit_codes import EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_REQUEUE
 from memtune.filesystem import write_atomic
 from memtune.launcher.extensions import extensions_root
@@ -198,6 +199,8 @@ def launch(
         starts = [{"RANK": str(r), "LOCAL_RANK": str(r)} for r in range(spec.ranks_per_node)]
         record = "".join(_shell_line({**start, **added}, cmd) for start in starts)
     write_atomic(RunDir(run_dir).launch_cmd(spec.node_rank), record)
+    # This process's pid, which the ranks watch (memtune.detached): not in launch.txt above.
+    env[LAUNCHER_PID_ENV] = str(os.getpid())
     clear_stale_locks(extensions_root())
     clear_shm_buffers()
     ranks = _Ranks(cmd, [{**env, **start} for start in starts], module, spec.form == "local")
@@ -256,6 +259,11 @@ class _Ranks:
             signal.SIGUSR2: signal.signal(signal.SIGUSR2, self.forward_stop),
             signal.SIGINT: signal.signal(signal.SIGINT, self.interrupt),
         }
+        # A closed terminal (an ssh connection dropped) sends SIGHUP: its default ended this
+        # process alone, and the ranks, in their own group, trained on unseen. Now a stop like
+        # SIGTERM's; under nohup (SIGHUP ignored) the job goes on, as nohup promises.
+        if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
+            self.previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, self.hang_up)
         # A stop that arrives while the ranks import or load is not fatal (SIGUSR2 ignored
         # until they listen); it is re-sent every few seconds until the job ends. The ranks
         # run in a process group of their own, so a Ctrl-C in the terminal reaches this
@@ -282,6 +290,15 @@ class _Ranks:
     def forward_stop(self, signum: int, frame: object) -> None:
         self.stopping = True
         self.signal_ranks()
+
+    def hang_up(self, signum: int, frame: object) -> None:
+        print(
+            "\nmemtune: SIGHUP (the terminal closed?): stopping at the next step boundary with a "
+            "checkpoint; nohup, setsid, tmux or screen keep a job running after a logout",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.forward_stop(signum, frame)
 
     def interrupt(self, signum: int, frame: object) -> None:
         # The first Ctrl-C is a stop like SIGTERM's: a checkpoint at the next step boundary,

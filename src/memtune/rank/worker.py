@@ -35,6 +35,7 @@ from memtune.config.decisions import (
 from memtune.config.schema import read_run_config
 from memtune.data.encode import DataStats, load_tokenizer
 from memtune.data.loaders import eval_batches, make_loader
+from memtune.detached import LauncherWatch, outlive_the_terminal
 from memtune.exit_codes import (
     EXIT_CONFIG,
     EXIT_NON_FINITE,
@@ -178,7 +179,8 @@ def catch_stop_signals() -> None:
 
 
 class RunHooks(Hooks):
-    """Periodic evaluation and checkpoints, and the stop flag SIGTERM / SIGUSR2 raise."""
+    """Periodic evaluation and checkpoints, and the stop flag SIGTERM / SIGUSR2 raise, or the
+    end of this rank's launcher (train.py killed: kill -9, the OOM killer)."""
 
     def __init__(
         self,
@@ -190,8 +192,10 @@ class RunHooks(Hooks):
         logger: NullLogger,
         device: torch.device,
         multimodal: bool = False,
+        launcher: LauncherWatch | None = None,
     ):
         self.engine, self.rd, self.cfg, self.data_dir = engine, rd, cfg, data_dir
+        self.launcher = launcher or LauncherWatch({})
         self.multimodal = multimodal  # checkpoints' adapters named for the base's class
         self.val_batches, self.logger, self.device = val_batches, logger, device
         self.eval_losses: dict[int, float] = {}
@@ -200,7 +204,9 @@ class RunHooks(Hooks):
         self.result_at_stop: TrainResult | None = None
 
     def stop_requested(self) -> bool:
-        return _STOP_SIGNALS_SEEN > 0
+        # The launcher's end, asked at every step boundary (a /proc read): its ranks no longer
+        # train on unseen, holding the GPUs and the run dir's lock, and save what they did.
+        return _STOP_SIGNALS_SEEN > 0 or self.launcher.gone()
 
     def evaluate(self, step: int) -> None:
         if self.val_batches is None or step in self.eval_losses:
@@ -364,6 +370,7 @@ class RankRun:
                 f"{self.world} ranks were started: lay the run dir out again (train.py)"
             )
         self.print0: Callable[..., None] = print if self.rank == 0 else (lambda *a, **k: None)
+        self.launcher = LauncherWatch()
         if self.rank != 0:
             # transformers' "Loading weights" bar, one a rank on one terminal: rank 0's says it
             from transformers.utils import logging as hf_logging
@@ -435,7 +442,7 @@ class RankRun:
         )
         self.hooks = RunHooks(
             self.engine, self.rd, cfg, self.data.dir, self._val_batches(), self.logger,
-            self.device, renames_for_multimodal_class(cfg, self.decisions),
+            self.device, renames_for_multimodal_class(cfg, self.decisions), self.launcher,
         )  # fmt: skip
         d = self.decisions
         batches = _batches(self.loader, self.sampler, result.steps * d.batch.accumulation)
@@ -491,14 +498,24 @@ class RankRun:
         hooks = self.hooks
         if hooks.saved_step != stop.last_step and stop.last_step > 0:
             hooks.save(stop.last_step, hooks.result_at_stop or result)
+        by = "a signal"
+        if self.launcher.gone():
+            by = f"the end of its launcher (train.py, pid {self.launcher.pid})"
         if stop.last_step == 0:  # stopped while starting: no step ran, nothing to keep
-            said = "stopped by a signal before the first step; nothing to save. Run the same "
+            said = f"stopped by {by} before the first step; nothing to save. Run the same "
             said += f"command again to start (exit code {EXIT_REQUEUE})."
         else:
-            said = f"stopped by a signal after step {stop.last_step}; checkpoint saved. Run the "
+            said = f"stopped by {by} after step {stop.last_step}; checkpoint saved. Run the "
             said += f"same command again to continue (exit code {EXIT_REQUEUE})."
         self.print0(f"memtune: {said}", flush=True)
+        self._record_without_launcher(EXIT_REQUEUE, said)
         raise SystemExit(EXIT_REQUEUE) from None
+
+    def _record_without_launcher(self, code: int, said: str | None = None) -> None:
+        """exit.json, the launcher's record of the job's end, written by rank 0 when its
+        launcher is gone (kill -9, the OOM killer): no one else will. A stop says why in it."""
+        if self.rank == 0 and self.launcher.gone():
+            self.rd.write_exit(code, said)
 
     def finish(self, result: TrainResult, after_train: AfterTrain | None) -> None:
         """The last step's checkpoint (unless just saved), then the adapter and the summary."""
@@ -517,6 +534,7 @@ class RankRun:
             measure = "CUDA allocator (GiB)" if self.device.type == "cuda" else "process RSS (GiB)"
             self.rd.write_memory(measure, result.peak_memory, self.vs_plan.checks)
             print(closing_lines(self.ctx, result, summary, self.vs_plan), flush=True)
+            self._record_without_launcher(0)
 
     def _summary(
         self, result: TrainResult, n_tensors: int, outputs: dict[str, list[Any]]
@@ -742,6 +760,9 @@ def main(argv: list[str] | None = None) -> None:
     if len(args) != 1:
         raise SystemExit("usage: python -m memtune.worker RUN_DIR")
     rd = RunDir(Path(args[0]))
+    # A closed terminal (an ssh connection dropped) failed the rank's next line with EIO, and
+    # the rank with it: its lines now go nowhere and its work goes on to the checkpoint.
+    outlive_the_terminal()
     try:
         run(rd)
         code = 0
