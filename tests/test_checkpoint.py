@@ -241,17 +241,15 @@ def test_resume_with_a_contradicting_config_is_refused(finished: Path, tmp_path:
 
 
 @pytest.mark.faults
-def test_sigterm_saves_and_the_same_command_continues(tmp_path: Path) -> None:
+def test_sigterm_saves_and_the_same_command_continues(finished: Path, tmp_path: Path) -> None:
+    """Stopped by SIGTERM at any step, then by the end of train.py (kill -9), the same command
+    continues the run exactly each time: the losses of every step and the exported adapter are
+    the uninterrupted run's (``finished``, the same config), bit for bit as after a crash (fp32
+    on CPU, LoRA dropout's masks too)."""
     run_dir = tmp_path / "run"
-    args = [
-        *FAST,
-        "launcher.num_ranks=2",
-        "trainer.max_steps=16",
-        "trainer.save_every=0",
-        f"run_dir={run_dir}",
-    ]
+    args = [*BASE, f"run_dir={run_dir}"]
     proc = _start(args, ROOT)
-    _wait_for_step(run_dir, 3, proc)
+    _wait_for_step(run_dir, 1, proc)
     # The same command again while the job trains: refused at once (one job per run dir),
     # naming the running job, and nothing of it in the run dir.
     before = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir() if p.is_file()}
@@ -270,7 +268,7 @@ def test_sigterm_saves_and_the_same_command_continues(tmp_path: Path) -> None:
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     state = run_dir / "checkpoints" / latest / "trainer_state.json"
     stopped_at = json.loads(state.read_text())["step"]
-    assert 3 <= stopped_at < 16
+    assert 1 <= stopped_at < 12, stopped_at
     assert "stopped by a signal" in out
 
     # train.py itself killed (kill -9, the OOM killer): its ranks trained on to the end unseen,
@@ -286,7 +284,7 @@ def test_sigterm_saves_and_the_same_command_continues(tmp_path: Path) -> None:
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     state = run_dir / "checkpoints" / latest / "trainer_state.json"
     orphaned_at = json.loads(state.read_text())["step"]
-    assert stopped_at + 2 <= orphaned_at < 16
+    assert stopped_at + 2 <= orphaned_at < 12, (stopped_at, orphaned_at)
     said = (
         f"stopped by the end of its launcher (train.py, pid {proc.pid}) after step "
         f"{orphaned_at}; checkpoint saved. Run the same command again to continue (exit code 75)."
@@ -297,7 +295,10 @@ def test_sigterm_saves_and_the_same_command_continues(tmp_path: Path) -> None:
     again = run_train_py(args, cwd=ROOT)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"(step {orphaned_at})" in again.stdout
-    assert len(_losses(run_dir)) == 16
+    assert _losses(run_dir) == _losses(finished)
+    a = load_file(finished / "adapter" / "adapter_model.safetensors")
+    b = load_file(run_dir / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.faults
