@@ -340,11 +340,13 @@ def test_expert_parallel_trains_as_one_rank_holding_every_expert(ep_runs: Any) -
     from safetensors.torch import load_file
 
     from memtune.config.decisions import Decisions
-    from tests.test_expert_parallel_matrix import APART_ATOL
+    from tests.test_expert_parallel_matrix import APART_ATOL, _stacks_held
 
     one, two = ep_runs
     assert two.decisions.experts.parallel == 2 and one.decisions.experts.parallel == 1
     assert two.decisions.zero_stage == one.decisions.zero_stage == 2
+    for run in ep_runs:  # 8 experts a rank at 2 (in the compute dtype), 16 at 1
+        _stacks_held(run, None)
     assert two.cfg.trainer.expert_parallel == "auto"
     written = Decisions.from_dict(json.loads((two.dir / "decisions.json").read_text()))
     assert written.experts == two.decisions.experts

@@ -116,6 +116,30 @@ def _same_training(
     return adapters[1]
 
 
+def _stacks_held(run: Run, kind: str | None, stacks: int = 4, experts: int = 16) -> None:
+    """Each rank of ``run`` holds its share of every routed-expert stack as ``kind`` says
+    (tests/ep_pair.py's record, after training): ``kind`` nf4 (memtune's 4-bit stack: the
+    packed values, 2 a byte, then an fp32 scale per QUANT_BLOCK of 64, in one parameter of
+    the training dtype) or None (the compute dtype), its experts alone at expert_parallel>1,
+    and under ZeRO-3 a partition of them over the ranks holding the same experts."""
+    import json
+    import math
+
+    assert run.decisions is not None and run.decisions.experts is not None
+    ep, ranks = run.decisions.experts.parallel, run.cfg.launcher.num_ranks
+    group = ranks // ep if run.decisions.zero_stage == 3 else 1
+    for rank in range(ranks):
+        held = json.loads((run.dir / f"stacks_rank{rank}.json").read_text())
+        assert len(held) == stacks, (rank, sorted(held))
+        for name, stack in held.items():
+            assert stack["kind"] == kind and stack["dtype"] == "float32", (rank, name, stack)
+            assert stack["shape"][0] == experts // ep, (rank, name, stack)
+            n = math.prod(stack["shape"])
+            whole = n * 4 if kind is None else -(-n // 2 // 4) * 4 + n // 64 * 4
+            # ZeRO-3 pads a partition to the group: less than one element a rank
+            assert 0 <= stack["held_bytes"] * group - whole < group * 4, (rank, name, stack)
+
+
 @pytest.mark.slow
 def test_qwen3_moe_nf4_stacks_under_zero3(tmp_path: Path) -> None:
     """Qwen3-MoE, NF4 stacks (QLoRA), ZeRO-3: each rank's 8 experts partitioned over the ranks
@@ -123,6 +147,8 @@ def test_qwen3_moe_nf4_stacks_under_zero3(tmp_path: Path) -> None:
     args = [*FAST, *STEPS, "model=tiny-qwen3-moe", "peft=qlora-nf4", "zero=zero3"]
     one, two = _pair(tmp_path, args)
     _same_training(one, two, experts=16)
+    for run in (one, two):
+        _stacks_held(run, "nf4")
 
 
 @pytest.mark.slow
@@ -136,6 +162,8 @@ def test_multimodal_qwen3_5_moe_compute_stacks_under_zero3(
     args += ["data.template=qwen3_5", "zero=zero3"]
     one, two = _pair(tmp_path, args)
     adapter = _same_training(one, two, experts=16)
+    for run in (one, two):
+        _stacks_held(run, None)
     assert all(".language_model." in k for k in adapter), sorted(adapter)[:3]
 
 
@@ -148,6 +176,8 @@ def test_multimodal_qwen3_5_moe_nf4_stacks_under_zero2(
     args += ["data.template=qwen3_5", "peft=qlora-nf4", "zero=zero2"]
     one, two = _pair(tmp_path, args)
     adapter = _same_training(one, two, experts=16)
+    for run in (one, two):
+        _stacks_held(run, "nf4")
     assert all(".language_model." in k for k in adapter), sorted(adapter)[:3]
 
 
