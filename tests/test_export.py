@@ -139,7 +139,9 @@ def qwen3_run(runs_root: Path) -> Run:
         "data.template=qwen3",
         "zero=zero3",
         "launcher.num_ranks=2",
-        "trainer.max_steps=30",
+        # the last loss 0.52 of the first (0.38 at 30 steps; 0.6 asked below), and a learning
+        # rate a fifth of the right one fails it (at 30 steps it passed)
+        "trainer.max_steps=20",
     )
 
 
