@@ -25,7 +25,10 @@ HYBRID = [
     "data.template=qwen3_5",
     "zero=zero3",
     "launcher.num_ranks=2",
-    "trainer.save_every=6",
+    # 8 steps (12 before: 4 s more of make test): the last loss 0.52 of the first (0.6 asked),
+    # 0.76 with the learning rate planted at a fifth
+    "trainer.max_steps=8",
+    "trainer.save_every=4",
 ]
 
 
@@ -47,7 +50,7 @@ def test_the_hybrid_trains_packed_on_two_zero3_ranks(hybrid_run) -> None:
     assert "linear attention per sample" in out
     assert "batches: packed into rows" in out
     losses = [loss for _, loss in _losses(run_dir)]
-    assert len(losses) == 12 and losses[-1] < 0.6 * losses[0], losses
+    assert len(losses) == 8 and losses[-1] < 0.6 * losses[0], losses
     cfg = load_run_config(run_dir / "config.yaml")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["trainable_params"] == count_params(cfg).lora
@@ -56,11 +59,11 @@ def test_the_hybrid_trains_packed_on_two_zero3_ranks(hybrid_run) -> None:
 @pytest.mark.faults
 def test_the_hybrid_resumes_exactly(hybrid_run, tmp_path: Path) -> None:
     run_dir, _ = hybrid_run
-    ckpt = run_dir / "checkpoints" / "step-0000006"
+    ckpt = run_dir / "checkpoints" / "step-0000004"
     branch = tmp_path / "branch"
     proc = run_train_py([*HYBRID, f"run_dir={branch}", f"resume={ckpt}"], cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _losses(branch) == _losses(run_dir)[6:]
+    assert _losses(branch) == _losses(run_dir)[4:]
 
 
 def test_the_hybrid_exports_merges_and_generates(hybrid_run, tmp_path: Path) -> None:
