@@ -87,29 +87,37 @@ _DEEPSPEED_GROUPS = {
 }
 
 
-# The files that take longest, longest first (a whole run's junit times, 2026-12-06). make test
-# hands whole files to its 2 workers (--dist loadfile) in the order of the collection
-# (--no-loadscope-reorder; xdist's own order is by number of tests, which left test_qwen35's
-# 4 tests of ~2.5 min, test_golden's 1 of ~0.5 and test_preference's 6 of ~1 to the end, one
-# worker still on them while the other had nothing left): these first, the rest as collected.
+# The files that take longest, longest first: those of 25 s or more in the last whole make test's
+# JUnit report (scripts/suite_times.py; 2026-12-06 evening, 984 tests; the slowest tests of
+# 2026-12-07's fresh-clone run agree). A shared run's setup counts in the file that first needs
+# it. make test hands whole files to its 2 workers (--dist loadfile) in the order of the
+# collection (--no-loadscope-reorder; xdist's own order is by number of tests, which left
+# test_qwen35's 4 tests of ~2.5 min, test_golden's 1 of ~0.5 and test_preference's 6 of ~1 to
+# the end, one worker still on them while the other had nothing left): these first, the rest
+# as collected.
 LONGEST_FILES = [
-    "test_plan.py",
-    "test_qwen35.py",
     "test_trace.py",
-    "test_errors_before_launch.py",
-    "test_moe.py",
+    "test_plan.py",
     "test_preference.py",
-    "test_launch.py",
-    "test_vision_runs.py",
+    "test_qwen35.py",
     "test_sequence_parallel.py",
-    "test_checkpoint.py",
-    "test_cli.py",
-    "test_config.py",
-    "test_export.py",
-    "test_expert_parallel_matrix.py",
-    "test_nodes.py",
     "test_long_context.py",
+    "test_checkpoint.py",
+    "test_vision_runs.py",
+    "test_launch.py",
+    "test_expert_parallel_matrix.py",
+    "test_export.py",
+    "test_nodes.py",
+    "test_loss.py",
+    "test_lora_variants.py",
     "test_golden.py",
+    "test_errors_before_launch.py",
+    "test_cli.py",
+    "test_moe.py",
+    "test_docs.py",
+    "test_expert_parallel.py",
+    "test_config.py",
+    "test_long_context_plan.py",
 ]
 
 
