@@ -622,3 +622,37 @@ def test_a_preprocess_only_sweeps_points_are_laid_out_not_failed(
     assert [row["status"] for row in collect(tmp_path)] == [LAID_OUT, "failed (exit 2)"]
     SweepReport().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
     assert "memtune: 1 sweep point(s) failed: 1\n" in capsys.readouterr().out
+
+
+def test_a_sweep_point_whose_job_still_runs_is_running_not_failed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`memtune report` during a sweep (or a second sweep into the same dir) called a point
+    still training "failed" and counted it among the failed points: its run dir has no
+    summary.json or exit.json yet. The job's lock on its run dir (memtune.run_lock, held
+    here by a real second process) says it has not ended."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from memtune.launcher.sweep_report import RUNNING, SweepReport, collect
+
+    for point, r in (("0", 4), ("1", 8)):
+        (tmp_path / point / ".hydra").mkdir(parents=True)
+        (tmp_path / point / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"peft.r={r}"]))
+    hold = "import sys, time\nfrom pathlib import Path\nfrom memtune.run_lock import hold\n"
+    hold += "with hold(Path(sys.argv[1])):\n    print('held', flush=True)\n    time.sleep(600)\n"
+    job = subprocess.Popen(
+        [sys.executable, "-c", hold, str(tmp_path / "0")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert job.stdout is not None and job.stdout.readline() == "held\n"
+        (tmp_path / "1" / "job.lock").write_text("{}\n")  # a point whose job was killed
+        assert [row["status"] for row in collect(tmp_path)] == [RUNNING, "failed"]
+        SweepReport().on_multirun_end(
+            OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+        )
+        assert "memtune: 1 sweep point(s) failed: 1\n" in capsys.readouterr().out
+    finally:
+        job.kill()
+        job.wait()
+    assert [row["status"] for row in collect(tmp_path)] == ["failed", "failed"]

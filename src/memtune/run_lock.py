@@ -16,6 +16,7 @@ import json
 import os
 import socket
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,7 +66,7 @@ def hold(run_dir: Path, node_rank: int = 0) -> Iterator[Path]:
         raise _not_written(path, err) from None
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _lock_now_or_soon(fd)
         except BlockingIOError:
             raise RunDirBusy(
                 f"run dir {run_dir} is in use by another memtune job ({_holder(path)}): wait "
@@ -98,6 +99,43 @@ def hold(run_dir: Path, node_rank: int = 0) -> Iterator[Path]:
     finally:
         _HELD.discard(fd)
         os.close(fd)  # releases the lock, unless ranks started with it still run
+
+
+LOOKS = 5
+"""Tries of a job's lock, 20 ms apart, before the run dir is taken for another job's: a
+``memtune report`` looking whether a sweep point still runs (:func:`held`) holds a shared lock
+on it for an instant, and a job starting in that instant was refused as if a job held it."""
+
+
+def _lock_now_or_soon(fd: int) -> None:
+    for attempt in range(LOOKS):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if attempt == LOOKS - 1:
+                raise
+            time.sleep(0.02)
+
+
+def held(run_dir: Path) -> bool:
+    """Whether a job holds ``run_dir`` now (:func:`hold`, on this host or another sharing the
+    filesystem): it, or a rank it started, has not ended. Asked by a shared lock taken and
+    dropped at once; False where there is no job lock or the filesystem has no flock."""
+    path = RunDir(run_dir).lock()
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # the shared lock goes with it
+    return False
 
 
 def _holder(path: Path) -> str:

@@ -18,6 +18,7 @@ import yaml
 from memtune.arguments import VerbParser
 from memtune.exit_codes import EXIT_CONFIG
 from memtune.filesystem import write_atomic
+from memtune.run_lock import held
 from memtune.rundir import RunDir
 
 COLUMNS = [
@@ -122,7 +123,9 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
         else:
             code = rd.read_exit().code if rd.exit.is_file() else None
             row["status"] = f"failed (exit {code})" if code is not None else "failed"
-            if code is None and _laid_out_only(rd):
+            if code is None and held(run):
+                row["status"] = RUNNING
+            elif code is None and _laid_out_only(rd):
                 row["status"] = LAID_OUT
         rows.append(row)
     for record in refused:
@@ -141,6 +144,12 @@ LAID_OUT = "laid out (preprocess_only)"
 """A point of a ``preprocess_only=true`` sweep: its data tokenized and run dir laid out, no rank
 started (it was reported "failed", with a count of failed points, although every point did
 what it was asked)."""
+
+
+RUNNING = "running"
+"""A point whose job still holds its run dir (memtune.run_lock): ``memtune report`` during a
+sweep, or a second sweep into the same dir, called it "failed" (and counted it) while it
+trained."""
 
 
 def _laid_out_only(rd: RunDir) -> bool:
@@ -306,7 +315,7 @@ class SweepReport:
             )
             out = None
         rows = collect(sweep_dir)
-        failed = [r["point"] for r in rows if r["status"] not in ("ok", LAID_OUT)]
+        failed = [r["point"] for r in rows if r["status"] not in ("ok", LAID_OUT, RUNNING)]
         if out is not None:
             print(f"memtune: sweep report {out['md']} (+ .csv, {out['png'].name})", flush=True)
             print(out["md"].read_text(), flush=True)
