@@ -656,3 +656,24 @@ def test_a_sweep_point_whose_job_still_runs_is_running_not_failed(
         job.kill()
         job.wait()
     assert [row["status"] for row in collect(tmp_path)] == ["failed", "failed"]
+
+
+def test_the_sweep_report_reads_a_loss_curve_whose_last_row_is_being_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A point's metrics.jsonl read while its rank appends a row (`memtune report` during a
+    sweep; on NFS a reader can see half of the row) or whose last row a kill or a full disk
+    cut short: the report was a JSONDecodeError traceback, and no report was written."""
+    import yaml
+
+    from memtune.launcher.sweep_report import _losses, main
+
+    (tmp_path / "0" / ".hydra").mkdir(parents=True)
+    (tmp_path / "0" / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["peft.r=4"]))
+    rows = [{"step": 1, "train/loss": 2.5}, {"step": 2, "train/loss": 2.25}]
+    cut = '{"step": 3, "train/lo'
+    (tmp_path / "0" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + cut)
+    main([str(tmp_path)])
+    assert _losses(tmp_path / "0") == [(1, 2.5), (2, 2.25)]
+    assert "| 0 | peft.r=4 |" in (tmp_path / "sweep_report.md").read_text()
+    assert (tmp_path / "sweep_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

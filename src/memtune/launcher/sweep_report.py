@@ -180,8 +180,17 @@ def _losses(run: Path) -> list[tuple[int, float]]:
     metrics = RunDir(run).metrics
     if not metrics.is_file():
         return []
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
-    return [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r]
+    curve = []
+    for line in metrics.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+            curve.append((row["step"], row["train/loss"]))
+        except (ValueError, KeyError, TypeError):
+            # not a step's row: the one a running point is appending, read half written (a
+            # report during a sweep, on NFS), or the last one a kill or a full disk cut short
+            # (it was a JSONDecodeError traceback, and no report)
+            continue
+    return curve
 
 
 def write_report(sweep_dir: Path) -> dict[str, Path]:
