@@ -145,8 +145,14 @@ def test_set_aside_deletes_and_replaces_nothing(tmp_path: Path) -> None:
     assert aside.name.startswith(".damaged-value.json.") and aside.read_text() == "{}"
     assert (tmp_path / ".damaged-key").read_text() == "the user's"
     assert len(list(tmp_path.iterdir())) == 4
-    gone = store.set_aside(tmp_path / "absent")  # moved by another job meanwhile
-    assert not gone.exists() and len(list(tmp_path.iterdir())) == 4
+    # Moved by another job that found the same damage: the line named the fresh name made for
+    # it, removed again (two plans at once on a damaged counts entry both said "set aside as").
+    gone = store.set_aside(tmp_path / "absent")
+    assert gone is None and len(list(tmp_path.iterdir())) == 4
+    assert store.damaged_line(tmp_path / "absent", "cut", gone, "counted again") == (
+        f"memtune: test store {tmp_path / 'absent'} was damaged (cut): another job set it "
+        "aside meanwhile; counted again"
+    )
 
 
 # ------------------------------------------------------------------ the tokenized data cache

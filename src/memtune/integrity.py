@@ -234,13 +234,15 @@ class Store:
 
     # ---------------------------------------------------------------- a damaged entry
 
-    def set_aside(self, entry: Path) -> Path:
+    def set_aside(self, entry: Path) -> Path | None:
         """Move the damaged ``entry`` (a directory or a file) to a fresh ``.damaged-NAME.XXXX``
         beside it, made here, so nothing is ever removed or replaced (an earlier aside, or a
         name the user chose, stays as it is) and two jobs never aim at one name; returns where
         it went. Raises OSError where the store cannot be changed (read-only, no permission).
         An entry already gone (another job that found the same damage moved it) is not an
-        error: the fresh name made for it is removed again."""
+        error: the fresh name made for it is removed again, and None returned (the line named
+        that removed name as where the entry went: two jobs that found one damage both said
+        "set aside as", one of them naming nothing)."""
         prefix = f"{ASIDE_PREFIX}{entry.name}."
         if entry.is_dir() and not entry.is_symlink():
             aside = Path(tempfile.mkdtemp(prefix=prefix, dir=entry.parent))
@@ -257,11 +259,14 @@ class Store:
                 aside.rmdir()
             else:
                 aside.unlink()
+            return None
         return aside
 
-    def damaged_line(self, entry: Path, problem: str, aside: Path, then: str) -> str:
-        """The one line a reader prints for a damaged entry it set aside."""
-        return f"memtune: {self.name} {entry} was damaged ({problem}): set aside as {aside}; {then}"
+    def damaged_line(self, entry: Path, problem: str, aside: Path | None, then: str) -> str:
+        """The one line a reader prints for a damaged entry it set aside (``aside`` None:
+        another job set it aside first, :meth:`set_aside`)."""
+        where = f"set aside as {aside}" if aside else "another job set it aside meanwhile"
+        return f"memtune: {self.name} {entry} was damaged ({problem}): {where}; {then}"
 
 
 def _text_digest(text: str, digest: str) -> str:
