@@ -486,6 +486,37 @@ def test_sweep_points_that_would_share_a_run_dir_are_refused(tmp_path: Path) -> 
     assert _another_points_dir(run, point(1, ["peft.r=8"])) is None  # a single run's dir
 
 
+def test_a_point_refused_another_sweeps_dir_is_told_so_not_to_change_the_subdir(
+    tmp_path: Path,
+) -> None:
+    """Two sweeps into one hydra.sweep.dir (peft.r=4,8 and peft.r=16,32 started together):
+    the second's point 0 found the first's point 0 in dir 0 and was told
+    'hydra.sweep.subdir=0 gives several points one dir; keep ${hydra.job.num} in it', a
+    setting neither sweep had changed. A point of its own number with other overrides is
+    another sweep's."""
+    from omegaconf import OmegaConf
+
+    from memtune.launcher.job import _another_points_dir, _shared_dir_refusal
+
+    run = tmp_path / "0"
+    (run / ".hydra").mkdir(parents=True)
+    record = {"hydra": {"mode": "MULTIRUN", "job": {"num": 0}}}
+    (run / ".hydra" / "hydra.yaml").write_text(OmegaConf.to_yaml(record))
+    (run / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(["peft.r=4"]))
+    sweep = {"dir": str(tmp_path), "subdir": "0"}  # ${hydra.job.num}, as Hydra resolves it
+    task = {"task": ["peft.r=16"]}
+    point = OmegaConf.create({"job": {"num": 0}, "overrides": task, "sweep": sweep})
+    other = _another_points_dir(run, point)
+    assert other == 0
+    assert _shared_dir_refusal(run, other, point) == (
+        f"run dir {run} holds point 0 of another sweep (other overrides than this point 0's): "
+        f"hydra.sweep.dir={tmp_path} is another sweep's; give this sweep a dir of its own",
+        "its run dir 0 holds point 0 of another sweep",
+    )
+    point.job.num = 1  # a subdir that gives points 0 and 1 one dir: as before
+    assert _shared_dir_refusal(run, other, point)[1] == "its run dir 0 holds point 0's run"
+
+
 def test_a_refused_points_row_and_a_runs_row_leave_out_the_same_shared_overrides(
     tmp_path: Path,
 ) -> None:

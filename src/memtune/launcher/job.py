@@ -171,14 +171,9 @@ def run_job(cfg: DictConfig) -> int:
     if cfg.plan_only:  # reads no run dir and writes none: nothing to hold
         return _run(cfg, run_dir, sweeping)
     if sweeping and (other := _another_points_dir(run_dir, hydra_cfg)) is not None:
-        print(
-            f"memtune: config error: run dir {run_dir} holds point {other}'s run of this sweep "
-            f"and this is point {hydra_cfg.job.num}: hydra.sweep.subdir="
-            f"{hydra_cfg.sweep.subdir} gives several points one dir; keep ${{hydra.job.num}} "
-            "in it (the default), so that every point has its own",
-            file=sys.stderr,
-        )
-        _refused_point(hydra_cfg, f"its run dir {run_dir.name} holds point {other}'s run")
+        line, row = _shared_dir_refusal(run_dir, other, hydra_cfg)
+        print(f"memtune: config error: {line}", file=sys.stderr)
+        _refused_point(hydra_cfg, row)
         return _failed(EXIT_CONFIG, sweeping)  # nothing written into the other point's dir
     try:
         node_rank = this_node_rank(cfg.launcher)
@@ -228,6 +223,27 @@ def _dated_by_hydra(cfg: DictConfig, hydra_cfg: Any, sweeping: bool) -> bool:
     may have been given the same name (run_lock.hold_dated takes the next free one)."""
     named = any(o.lstrip("+~").startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra)
     return cfg.run_dir is None and not sweeping and not named
+
+
+def _shared_dir_refusal(run_dir: Path, other: int, hydra_cfg: Any) -> tuple[str, str]:
+    """Why a sweep point is refused the run dir another point's run holds (the line, and its
+    report row's words). A point of this number with other overrides is another sweep's: two
+    sweeps into one hydra.sweep.dir (started together, or the dir reused for other values),
+    which the line blamed on hydra.sweep.subdir, a setting the user had not touched."""
+    num = hydra_cfg.job.num
+    if other == num:
+        return (
+            f"run dir {run_dir} holds point {other} of another sweep (other overrides than "
+            f"this point {num}'s): hydra.sweep.dir={hydra_cfg.sweep.dir} is another sweep's; "
+            "give this sweep a dir of its own",
+            f"its run dir {run_dir.name} holds point {other} of another sweep",
+        )
+    return (
+        f"run dir {run_dir} holds point {other}'s run of this sweep and this is point {num}: "
+        f"hydra.sweep.subdir={hydra_cfg.sweep.subdir} gives several points one dir; keep "
+        "${hydra.job.num} in it (the default), so that every point has its own",
+        f"its run dir {run_dir.name} holds point {other}'s run",
+    )
 
 
 def _another_points_dir(run_dir: Path, hydra_cfg: Any) -> int | None:
