@@ -167,7 +167,8 @@ def test_a_full_disk_while_tokenizing_is_one_line(tmp_path: Path) -> None:
     assert re.match(rf"memtune: config error: cannot write {cache}/[0-9a-f]{{20}}: ", line), line
     assert "larger than this process may write (ulimit -f)" in line
     assert " free there); free space, or point data.cache_dir at a filesystem" in line
-    assert [p.name for p in cache.iterdir()] == []  # the partial build was ours: removed
+    # the partial build was ours: removed; the entry's (empty) build lock stays
+    assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == []
 
 
 def test_a_full_disk_while_building_the_demo_model_is_one_line(tmp_path: Path) -> None:
@@ -357,7 +358,8 @@ def test_the_data_cache_follows_the_umask(tmp_path: Path) -> None:
         preexec_fn=lambda: os.umask(0o002),
     )
     assert proc.returncode == 0, proc.stderr
-    (built,) = cache.iterdir()
+    lock, built = sorted(cache.iterdir())  # the entry's build lock, and the entry
+    assert lock.name == f".{built.name}.lock" and stat.S_IMODE(lock.stat().st_mode) == 0o664
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [built, *built.iterdir()]}
     assert modes == {
         built.name: 0o775,

@@ -304,7 +304,7 @@ def test_a_data_cache_build_a_killed_process_left_is_removed(
         f"memtune: removed {left} (3.0 MiB): a data cache build that process "
         f"{left.name.split('-')[-2]} left unfinished when it was killed\n"
     ) in capsys.readouterr().out
-    assert sorted(p.name for p in root.iterdir()) == [built.dir.name]
+    assert sorted(p.name for p in root.iterdir()) == [f".{built.dir.name}.lock", built.dir.name]
 
 
 KILLED_AT_FSYNC = (
@@ -405,7 +405,58 @@ def test_a_damaged_data_cache_that_cannot_be_set_aside(tokenizer, public_dir: Pa
             f.chmod(0o755 if f.is_dir() else 0o644)
     assert str(err.value).startswith(f"data cache {first.dir} is damaged (")
     assert "cannot be set aside (Permission denied): point data.cache_dir" in str(err.value)
-    assert sorted(p.name for p in cache.iterdir()) == [first.dir.name]
+    assert sorted(p.name for p in cache.iterdir()) == [f".{first.dir.name}.lock", first.dir.name]
+
+
+_SECOND_JOB = """
+import sys
+from memtune.config import DataConfig
+from memtune.data.cache import TokenizerFiles, preprocess
+
+def load():
+    raise SystemExit("the tokenizer was loaded: this job tokenized the data again")
+
+cfg = DataConfig(path=sys.argv[1], cache_dir=sys.argv[2], val_fraction=0.25)
+got = preprocess(cfg, TokenizerFiles("files:two-jobs", load), seed=0)
+print(f"reused={got.reused} {got.dir}", flush=True)
+"""
+
+
+def test_two_jobs_tokenizing_the_same_data_at_once_build_it_once(tokenizer, tmp_path: Path) -> None:
+    """Two jobs on the same data started together (two experiments, a `make plan` beside a
+    job): both tokenized it, each with all of it in memory and a whole copy written beside
+    the cache (twice the disk one build needs), and the second's rename failed onto the
+    first's entry. Now the second, a real process started while this test builds under the
+    entry's lock, waits with one line and reuses the entry without loading a tokenizer."""
+    import fcntl
+
+    from memtune.data.cache import TokenizerFiles, _prepare, fingerprint, one_build
+
+    cfg = _data(tmp_path)
+    assert cfg.cache_dir is not None
+    files = TokenizerFiles("files:two-jobs", lambda: tokenizer)
+    root = Path(cfg.cache_dir)
+    out = root / fingerprint(cfg, files, 0)
+    with one_build(root, out):  # this test is the job that builds
+        job = subprocess.Popen(
+            [sys.executable, "-c", _SECOND_JOB, cfg.path, cfg.cache_dir],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert job.stdout is not None
+        assert job.stdout.readline() == (
+            f"memtune: another job is tokenizing the same data into {out}: waiting for it, to "
+            "reuse what it builds\n"
+        )
+        built = _prepare(cfg, files, 0, None, root, out)
+    said, err = job.communicate(timeout=60)
+    assert job.returncode == 0, err
+    assert said == f"reused=True {out}\n" and not built.reused
+    assert sorted(p.name for p in root.iterdir()) == [f".{out.name}.lock", out.name]
+    lock = os.open(root / f".{out.name}.lock", os.O_RDONLY)
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by both
+    os.close(lock)
 
 
 # ------------------------------------------------------------------ the counts caches

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import functools
 import hashlib
 import json
@@ -560,13 +561,73 @@ def preprocess(
     counts. ``tokenizer``: a loaded tokenizer, or :class:`TokenizerFiles` (loaded only to
     build). ``images``: the model's image processor settings, for records with images (None:
     the model reads no images, and such a record stops the build). A damaged entry is set
-    aside and built again (:attr:`Prepared.set_aside`)."""
+    aside and built again (:attr:`Prepared.set_aside`).
+
+    One job at a time builds (or sets aside) an entry (:func:`one_build`): two jobs on the
+    same data started together both tokenized it, each holding all of it in memory and
+    writing a whole copy beside the cache (twice the disk a build needs), and the second's
+    rename failed onto the first's entry; now the second waits, with one line, and reuses
+    the first's. Jobs reusing a verified entry take no lock."""
     root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else cache_dir() / "data"
     out = root / fingerprint(cfg, tokenizer, seed, images)
+    if out.is_dir() and DATA_CACHE.problem(out, required=_required(cfg)) is None:
+        saved = _saved_stats(out, has_validation(cfg))
+        if isinstance(saved, Prepared):
+            return saved
+    with one_build(root, out):
+        # what another job built while this one waited is found (and verified) here
+        return _prepare(cfg, tokenizer, seed, images, root, out)
+
+
+def _required(cfg: DataConfig) -> tuple[str, ...]:
+    """The files an entry holds besides :data:`DATA_CACHE`'s, by the settings."""
+    return ("val.safetensors",) if has_validation(cfg) else ()
+
+
+@contextlib.contextmanager
+def one_build(root: Path, out: Path) -> Iterator[None]:
+    """Hold the build of entry ``out``: a kernel lock (flock) on ``.KEY.lock`` beside it,
+    released when the holder exits however it exits (so a stale lock cannot exist); a second
+    job waits for it with one line. Where the lock cannot be had (a cache memtune may only
+    read, a filesystem without flock) the build goes on unguarded, as before: both build, and
+    the rename keeps one entry."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(root / f".{out.name}.lock", os.O_RDONLY | os.O_CREAT, 0o666)
+    except OSError:
+        fd = None
+    try:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print(
+                    f"memtune: another job is tokenizing the same data into {out}: waiting "
+                    "for it, to reuse what it builds",
+                    flush=True,
+                )
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:
+                pass  # no flock here (Lustre without -o flock): unguarded
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # the lock goes with it
+
+
+def _prepare(
+    cfg: DataConfig,
+    tokenizer: Any,
+    seed: int,
+    images: ImageSettings | None,
+    root: Path,
+    out: Path,
+) -> Prepared:
+    """:func:`preprocess` under the entry's build lock: reuse, or set aside, and build."""
     where = "data.cache_dir" if cfg.cache_dir else "data.cache_dir (or MEMTUNE_CACHE_DIR)"
     aside_line = None
     has_val = has_validation(cfg)
-    required = ("val.safetensors",) if has_val else ()
+    required = _required(cfg)
     if out.exists() or out.is_symlink():
         # a symlink that leads nowhere (or round a loop) is damage too: the build's rename onto
         # it failed, "cannot use CACHE/.building-XXXX (NotADirectoryError)", a name gone by then
