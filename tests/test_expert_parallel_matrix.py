@@ -193,6 +193,8 @@ def test_experts_partitioned_over_two_ranks_under_zero3(tmp_path: Path) -> None:
     args += ["trainer.micro_batch_size=2"]  # the same 8 rows a step over 4 ranks
     one, two = _pair(tmp_path, args)
     _same_training(one, two, experts=16)
+    for run in (one, two):  # EP=1: a quarter of all 16 a rank; EP=2: half of its 8
+        _stacks_held(run, None)
 
 
 def test_a_base_read_for_zero3_expert_parallelism_peaks_as_planned(

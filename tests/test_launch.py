@@ -132,12 +132,14 @@ def test_a_closed_terminals_sighup_stops_the_ranks_with_a_checkpoint(
     in their own process group, trained on unseen and held the run dir. Now it is a stop like
     SIGTERM's (the ranks' SIGUSR2, exit 75); under nohup (SIGHUP ignored) the job goes on."""
     listening = tmp_path / "listening"
-    ignore = functools.partial(signal.signal, signal.SIGHUP, signal.SIG_IGN)
+    # SIGHUP's disposition set either way: a test run itself under nohup (a CI harness, a
+    # background job) passes SIG_IGN on, and the launcher then rightly keeps going.
+    disposition = signal.SIG_IGN if nohup else signal.SIG_DFL
     proc = subprocess.Popen(
         [sys.executable, "-c", _LAUNCHER, _RANK, str(listening)],
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=ignore if nohup else None,
+        preexec_fn=functools.partial(signal.signal, signal.SIGHUP, disposition),
     )
     ranks: list[psutil.Process] = []
     try:
