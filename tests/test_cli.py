@@ -344,7 +344,9 @@ def test_a_failed_merge_removes_its_temporary_dir_and_leaves_no_out(tmp_path: Pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
 
 
-def test_merge_writes_into_a_new_dir_by_renaming_its_temporary(tmp_path: Path) -> None:
+def test_merge_writes_into_a_new_dir_by_renaming_its_temporary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -389,6 +391,29 @@ def test_merge_writes_into_a_new_dir_by_renaming_its_temporary(tmp_path: Path) -
     assert sorted(p.name for p in work.iterdir()) == ["adapter", "merged"] and not any(
         out.iterdir()
     )
+    # Another merge filled OUT while this one ran (the last moment: just before the rename).
+    # Before: "cannot put the merged model there ([Errno 39] Directory not empty:
+    # '.merged.tmp-HOST-PID-XXXXXXXX' -> ...)", naming a dir removed by then.
+    from memtune.tools import merge as merging
+
+    follow_umask = merging.follow_umask
+
+    def filled_meanwhile(path: Path) -> None:
+        follow_umask(path)
+        (out / "config.json").write_text("{}\n")
+
+    monkeypatch.setattr(merging, "follow_umask", filled_meanwhile)
+    with pytest.raises(ConfigError) as err:
+        merge(work / "adapter", out, dtype="fp32")
+    monkeypatch.undo()
+    assert str(err.value) == (
+        f"{out}: filled while this merge ran (another merge into it?): kept as it is, and this "
+        "merge's model not kept; give another OUT"
+    )
+    assert [p.name for p in out.iterdir()] == ["config.json"]
+    assert (out / "config.json").read_text() == "{}\n"
+    assert sorted(p.name for p in work.iterdir()) == ["adapter", "merged"]  # no temporary left
+    (out / "config.json").unlink()
     proc = memtune("merge", str(work / "adapter"), str(out), "--dtype", "fp32")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"merged model (fp32) written to {out}" in proc.stdout

@@ -24,6 +24,7 @@ killed, by the next merge into OUT).
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import shutil
@@ -190,7 +191,15 @@ def merge(
             # Onto an absent or empty OUT only: one filled in the meantime is not replaced.
             staging.rename(out_dir)
         except OSError as err:
-            raise ConfigError(f"{out_dir}: cannot put the merged model there ({err})") from None
+            if err.errno in (errno.ENOTEMPTY, errno.EEXIST) and out_dir.is_dir():
+                # (its error named the staging dir, removed by then)
+                raise ConfigError(
+                    f"{out_dir}: filled while this merge ran (another merge into it?): kept as it "
+                    "is, and this merge's model not kept; give another OUT"
+                ) from None
+            raise ConfigError(
+                f"{out_dir}: cannot put the merged model there ({err.strerror or err})"
+            ) from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
