@@ -67,6 +67,9 @@ FAULTS = [
     ("test_checkpoint", "test_a_damaged_newest_checkpoint",
      "one flipped byte in the newest checkpoint",
      "skipped with a warning, the previous one resumed; named explicitly: refused, file named"),
+    ("test_rundir", "test_a_sealed_checkpoint_without_its_manifest_is_damaged",
+     "the newest checkpoint's manifest deleted (a partial copy)",
+     "skipped as damaged, the previous one resumed"),
     ("test_checkpoint", "test_checkpoint_files_are_verified",
      "a checkpoint file holding a pickled object",
      "refused before anything in it runs"),
@@ -104,7 +107,7 @@ FAULTS = [
      "the same losses"),
     ("test_stores", "test_a_damaged_data_cache_is_set_aside",
      "a data cache entry cut short, a byte flipped, a file missing, no manifest, a manifest of "
-     "another version",
+     "another version or listing none of its files",
      "set aside as .damaged-KEY with one line; tokenized again, byte for byte a clean build"),
     ("test_stores", "test_a_damaged_data_cache_that_cannot_be_set_aside",
      "a damaged data cache entry in a read-only cache",
