@@ -230,6 +230,39 @@ def test_a_run_of_the_profile_phases_alone_has_measured_something(profile, tmp_p
     assert measured_anything(collect(DRY, tmp_path))
 
 
+def test_a_second_check_on_the_same_parts_dir_is_refused_naming_the_first(tmp_path) -> None:
+    """Two checks with one parts dir (bench/gpu_check.sh always names /tmp/gpu_check_parts;
+    two sessions' dry runs on one machine): the second cleared the first's fragments and wrote
+    its statuses over them, unsaid. Now it is refused while the first (a real process) holds
+    the dir, and runs once that process has ended."""
+    import subprocess
+    import sys
+
+    from bench.gpu_check.work_lock import holding
+
+    hold = (
+        "import sys, time; from pathlib import Path; "
+        "from bench.gpu_check.work_lock import holding\n"
+        "with holding(Path(sys.argv[1])) as busy:\n"
+        "    print(busy, flush=True); time.sleep(60)"
+    )
+    first = subprocess.Popen(
+        [sys.executable, "-c", hold, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert first.stdout is not None and first.stdout.readline() == "None\n"
+        with holding(tmp_path) as busy:
+            assert busy == (
+                f"another GPU check (pid {first.pid}) is running with its parts in {tmp_path}: "
+                "wait for it to end, or give this one --work and --out of its own"
+            )
+    finally:
+        first.kill()
+        first.wait()
+    with holding(tmp_path) as busy:  # the kernel's lock went with the killed process
+        assert busy is None
+
+
 def test_a_length_runs_its_own_lora_dropout_decision(monkeypatch: pytest.MonkeyPatch) -> None:
     """The decider chooses LoRA's dropout with the layers, so per length (on the 24 GB card the
     lora phase is built at 4,096 tokens with peft's and searches 8,192 and up regenerated):

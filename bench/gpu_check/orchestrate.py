@@ -34,6 +34,7 @@ from .profile import run_profile_baseline, run_profile_memtune
 from .recorder import Phase
 from .report import format_check, write_outputs
 from .unsloth import SITE_ENV, run_at_unsloth, run_unsloth, run_unsloth_model
+from .work_lock import holding
 from .zero_cost import run_zero_cost
 
 
@@ -112,12 +113,20 @@ def ran_out(fragment: Path, status: str) -> bool:
 
 
 def orchestrate(args: argparse.Namespace) -> int:
-    mode = lengths_from_env(DRY if args.dry_run else GPU)
-    budget = Budget(args.budget_s or mode.budget_s, mode.dry_run)
-    out = Path(args.out)
     # Outside OUT: the device returns at most 8 files from there.
     work = Path(args.work) if args.work else Path(tempfile.gettempdir()) / "gpu_check_parts"
     work.mkdir(parents=True, exist_ok=True)
+    with holding(work) as busy:
+        if busy:
+            print(f"gpu_check: {busy}", file=sys.stderr, flush=True)
+            return 2
+        return _orchestrate(args, work)
+
+
+def _orchestrate(args: argparse.Namespace, work: Path) -> int:
+    mode = lengths_from_env(DRY if args.dry_run else GPU)
+    budget = Budget(args.budget_s or mode.budget_s, mode.dry_run)
+    out = Path(args.out)
     # on the device: when named (--phases); the dry run runs them all
     groups = ("unsloth", "mixture") if mode.dry_run else ()
     chosen = select(args.phases, groups)
