@@ -662,8 +662,9 @@ def test_a_sweep_point_whose_job_still_runs_is_running_not_failed(
 ) -> None:
     """`memtune report` during a sweep (or a second sweep into the same dir) called a point
     still training "failed" and counted it among the failed points: its run dir has no
-    summary.json or exit.json yet. The job's lock on its run dir (memtune.run_lock, held
-    here by a real second process) says it has not ended."""
+    summary.json or exit.json yet; nor a point resumed after a stop, whose exit.json (exit 75)
+    stays until the job ends: it was "failed (exit 75)". The job's lock on its run dir
+    (memtune.run_lock, held here by a real second process) says it has not ended."""
     import yaml
     from omegaconf import OmegaConf
 
@@ -681,6 +682,9 @@ def test_a_sweep_point_whose_job_still_runs_is_running_not_failed(
         assert job.stdout is not None and job.stdout.readline() == "held\n"
         (tmp_path / "1" / "job.lock").write_text("{}\n")  # a point whose job was killed
         assert [row["status"] for row in collect(tmp_path)] == [RUNNING, "failed"]
+        stopped = '{"code": 75, "error": "stopped by a signal after step 4"}\n'
+        (tmp_path / "0" / "exit.json").write_text(stopped)  # its earlier stop, resumed now
+        assert [row["status"] for row in collect(tmp_path)] == [RUNNING, "failed"]
         SweepReport().on_multirun_end(
             OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
         )
@@ -688,7 +692,7 @@ def test_a_sweep_point_whose_job_still_runs_is_running_not_failed(
     finally:
         job.kill()
         job.wait()
-    assert [row["status"] for row in collect(tmp_path)] == ["failed", "failed"]
+    assert [row["status"] for row in collect(tmp_path)] == ["failed (exit 75)", "failed"]
 
 
 def test_the_sweep_report_reads_a_loss_curve_whose_last_row_is_being_written(

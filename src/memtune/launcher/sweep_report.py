@@ -123,7 +123,7 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
         else:
             code = rd.read_exit().code if rd.exit.is_file() else None
             row["status"] = f"failed (exit {code})" if code is not None else "failed"
-            if code is None and held(run):
+            if held(run):  # before exit.json: a resumed point's earlier stop (75) stays in it
                 row["status"] = RUNNING
             elif code is None and _laid_out_only(rd):
                 row["status"] = LAID_OUT
