@@ -112,6 +112,7 @@ def test_a_copy_a_killed_replace_set_aside_is_removed_once_the_new_one_is_in_pla
     complete step; one whose step is missing (the only copy: find_latest reads it), or
     beside an incomplete one, is kept."""
     import os
+    import socket
     import subprocess
     import sys
 
@@ -136,26 +137,34 @@ def test_a_copy_a_killed_replace_set_aside_is_removed_once_the_new_one_is_in_pla
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
 
+    # Only memtune's names, this host's, of a process that has ended: a user's backup of the
+    # shape mkdtemp's suffix alone gives (.old-NAME.20261207) is kept, as is a live pid's.
+    ended = subprocess.Popen(["true"])  # a pid no process has now
+    ended.wait()
+    mine = f"{socket.gethostname()}-{ended.pid}-abcd1234"
     root = RunDir(tmp_path / "run").checkpoints
-    for name in ("step-0000010", ".old-step-0000010.abcd1234", ".old-step-0000012.abcd1234"):
+    for name in ("step-0000010", f".old-step-0000010.{mine}", f".old-step-0000012.{mine}"):
         (root / name).mkdir(parents=True)
         (root / name / TRAINER_STATE).write_text('{"step": 10}\n')
         seal(root / name, 10)
+    kept = [
+        ".old-step-0000010.20261207",
+        f".old-step-0000010.{socket.gethostname()}-{os.getpid()}-abcd1234",
+        f".old-step-0000010.another-host-{ended.pid}-abcd1234",
+    ]
+    for name in kept:
+        (root / name).mkdir()
     (root / "step-0000004").mkdir()  # incomplete: its set-aside copy is kept
-    (root / ".old-step-0000004.abcd1234").mkdir()
-    assert remove_cut_short_saves(root) == [root / ".old-step-0000010.abcd1234"]
+    (root / f".old-step-0000004.{mine}").mkdir()
+    assert remove_cut_short_saves(root) == [root / f".old-step-0000010.{mine}"]
     said = capsys.readouterr().out
-    assert said.startswith(f"memtune: removed {root / '.old-step-0000010.abcd1234'} (")
+    assert said.startswith(f"memtune: removed {root / f'.old-step-0000010.{mine}'} (")
     assert said.endswith(
         "): an earlier save of step-0000010 that a process killed after replacing it left "
         "set aside\n"
     )
-    assert sorted(p.name for p in root.iterdir()) == [
-        ".old-step-0000004.abcd1234",
-        ".old-step-0000012.abcd1234",
-        "step-0000004",
-        "step-0000010",
-    ]
+    also = [f".old-step-0000004.{mine}", f".old-step-0000012.{mine}", "step-0000004"]
+    assert sorted(p.name for p in root.iterdir()) == sorted([*kept, *also, "step-0000010"])
 
 
 def test_pruning_keeps_the_checkpoint_just_saved_whatever_later_steps_are_there(

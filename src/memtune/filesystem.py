@@ -31,16 +31,19 @@ def fsync_dir(path: Path) -> None:
 
 def replace_dir(new: Path, final: Path, before_removal: Callable[[], None] | None = None) -> None:
     """Put the directory ``new`` (written whole under a temporary name) at ``final``: an
-    earlier ``final`` of ours moves aside to a fresh ``.old-NAME.XXXX`` (made here, so nothing
-    but what this call moved there is ever removed) and goes only once the new one is in place
-    (and ``before_removal`` has run), so a crash leaves one of them (find_latest looks at the
-    set-aside name too). What an earlier call killed after its new ``final`` was in place left
-    set aside goes first, with a line (:func:`set_aside_and_replaced`)."""
+    earlier ``final`` of ours moves aside to a fresh ``.old-NAME.<host>-<pid>-XXXXXXXX`` (made
+    here, so nothing but what this call moved there is ever removed) and goes only once the
+    new one is in place (and ``before_removal`` has run), so a crash leaves one of them
+    (find_latest looks at the set-aside name too). What an earlier call killed after its new
+    ``final`` was in place left set aside goes first, with a line
+    (:func:`set_aside_and_replaced`)."""
     for left in set_aside_and_replaced(final):
         remove_leftover(left, REPLACED_LEFT.format(final.name))
     aside = None
     if final.exists():
-        aside = Path(tempfile.mkdtemp(prefix=f".old-{final.name}.", dir=final.parent))
+        aside = Path(
+            tempfile.mkdtemp(prefix=host_pid_prefix(ASIDE.format(final.name)), dir=final.parent)
+        )
         os.replace(final, aside)  # onto the empty dir just made
     os.replace(new, final)
     fsync_dir(final.parent)
@@ -54,21 +57,35 @@ REPLACED_LEFT = "an earlier {} that a process killed after replacing it left set
 """Why :func:`set_aside_and_replaced`'s leftovers are removed, in words (NAME to fill in)."""
 
 
+ASIDE = ".old-{}."
+"""The start of the name :func:`replace_dir` sets an earlier ``final`` aside under (NAME to
+fill in), followed by :func:`host_pid_prefix`'s host and pid."""
+
+
 def set_aside_and_replaced(final: Path) -> list[Path]:
-    """The earlier ``final``s that :func:`replace_dir` set aside, ``.old-NAME.XXXXXXXX``, and
-    a kill (kill -9, the OOM killer) stopped it from removing once the new ``final`` was in
-    place: each a whole older copy (an adapter, a checkpoint), one per kill, that nothing read
-    or removed. Only while ``final`` is there: killed between its two renames, the set-aside
-    copy may be the only one (find_latest reads a checkpoint's). Its callers hold what the
-    name belongs to (the run dir's job lock): no live writer's is among them."""
-    pattern = re.compile(rf"\.old-{re.escape(final.name)}\.[a-z0-9_]{{8}}")
+    """The earlier ``final``s that :func:`replace_dir` set aside,
+    ``.old-NAME.<host>-<pid>-XXXXXXXX``, and a kill (kill -9, the OOM killer) stopped it from
+    removing once the new ``final`` was in place: each a whole older copy (an adapter, a
+    checkpoint), one per kill, that nothing read or removed. Only this host's, of a process
+    that has ended: a name without them may be a user's (``.old-adapter.20261207``, a backup,
+    has the shape mkdtemp's suffix alone would have). Only while ``final`` is there: killed
+    between its two renames, the set-aside copy may be the only one (find_latest reads a
+    checkpoint's). Its callers hold what the name belongs to (the run dir's job lock)."""
+    mine = ASIDE.format(final.name) + socket.gethostname()
+    pattern = re.compile(rf"{re.escape(mine)}-(\d+)-[a-z0-9_]{{8}}")
     if final.is_symlink() or not final.is_dir():
         return []
     try:
         found = sorted(p for p in final.parent.iterdir() if pattern.fullmatch(p.name))
     except OSError:
         return []
-    return [p for p in found if p.is_dir() and not p.is_symlink()]
+    left = []
+    for path in found:
+        match = pattern.fullmatch(path.name)
+        assert match is not None
+        if path.is_dir() and not path.is_symlink() and not pid_alive(int(match[1])):
+            left.append(path)
+    return left
 
 
 _OWNED: dict[Path, int] = {}
