@@ -164,7 +164,9 @@ def _locked_by_another(path: Path) -> bool:
     except OSError:
         return True
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # shared: asks whether an exclusive lock is held, and needs no write access (on NFS,
+        # where flock is a byte-range lock, an exclusive one on a read-only descriptor fails)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
     except OSError:  # no flock here: the pid check alone decides

@@ -591,11 +591,16 @@ def one_build(root: Path, out: Path) -> Iterator[None]:
     job waits for it with one line. Where the lock cannot be had (a cache memtune may only
     read, a filesystem without flock) the build goes on unguarded, as before: both build, and
     the rename keeps one entry."""
+    lock = root / f".{out.name}.lock"
     try:
         root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(root / f".{out.name}.lock", os.O_RDONLY | os.O_CREAT, 0o666)
+        # open for writing: on NFS flock is a byte-range lock, and an exclusive one needs it
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
     except OSError:
-        fd = None
+        try:  # a lock file another user made (its mode), or a read-only cache
+            fd = os.open(lock, os.O_RDONLY)
+        except OSError:
+            fd = None
     try:
         if fd is not None:
             try:
