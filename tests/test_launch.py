@@ -195,6 +195,15 @@ def test_ranks_see_their_launcher_end_even_before_it_is_reaped() -> None:
         rank.kill()
     assert LauncherWatch({LAUNCHER_PID_ENV: str(launcher.pid)}).gone()  # reaped now
     assert not LauncherWatch({}).gone()
+    # The stop's line names the cause: this node's launcher, another node's (the per-node
+    # form: node 0's train.py alive, its ranks stopped in the step's collective, said "a
+    # signal"), or a signal.
+    from memtune.rank.worker import stop_cause
+
+    gone = LauncherWatch({LAUNCHER_PID_ENV: str(launcher.pid)})
+    assert stop_cause(gone, 1) == f"the end of its launcher (train.py, pid {launcher.pid})"
+    assert stop_cause(LauncherWatch({}), 1) == "the end of another node's launcher (train.py)"
+    assert stop_cause(LauncherWatch({}), 0) == "a signal"
 
 
 def test_a_process_outlives_its_closed_terminal(tmp_path: Path) -> None:

@@ -39,17 +39,26 @@ class NonFiniteLoss(RuntimeError):
 
 
 class StopRequested(Exception):
-    """A rank got SIGTERM / SIGUSR2: every rank stops at this step boundary."""
+    """A rank got SIGTERM / SIGUSR2, or saw its launcher end: every rank stops at this step
+    boundary."""
 
-    def __init__(self, last_step: int):
+    def __init__(self, last_step: int, launchers_lost: int = 0):
         super().__init__(f"stop requested after step {last_step}")
         self.last_step = last_step
+        self.launchers_lost = launchers_lost
+        """The ranks that saw their launcher (train.py) end: the cause, where no signal came
+        (on a node whose train.py lives, the stop came from another node's)."""
 
 
 class Hooks:
     """What the loop asks of its surroundings; the defaults do nothing."""
 
     def stop_requested(self) -> bool:
+        """A stop signal reached this rank."""
+        return False
+
+    def launcher_lost(self) -> bool:
+        """This rank's launcher (train.py) has ended: a stop too."""
         return False
 
     def after_step(self, step: int, result: TrainResult) -> None:
@@ -248,15 +257,16 @@ def train(
                 sum(label_count(b) for b in micro),
                 sum(real_tokens(b) for b in micro),
                 float(hooks.stop_requested()),
+                float(hooks.launcher_lost()),
             ],
             dtype=torch.float64,
             device=device,
         )
-        units, label_tokens, input_tokens, stops = (
+        units, label_tokens, input_tokens, stops, lost = (
             int(x) for x in _all_reduce_sum(counts).tolist()
         )
-        if stops:  # agreed by all ranks in the same collective, so all stop here together
-            raise StopRequested(step - 1)
+        if stops or lost:  # agreed by all ranks in the same collective: all stop here together
+            raise StopRequested(step - 1, lost)
         scale = averaged_over * gas / units
 
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)

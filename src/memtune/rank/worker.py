@@ -178,6 +178,17 @@ def catch_stop_signals() -> None:
         signal.signal(sig, _on_stop_signal)
 
 
+def stop_cause(launcher: LauncherWatch, launchers_lost: int) -> str:
+    """What stopped the ranks, in the stop's line: this rank's launcher's end, another node's
+    (the per-node form: every rank stops in the step's collective, and node 0's train.py, alive,
+    was told nothing), or a signal."""
+    if launcher.gone():
+        return f"the end of its launcher (train.py, pid {launcher.pid})"
+    if launchers_lost:
+        return "the end of another node's launcher (train.py)"
+    return "a signal"
+
+
 class RunHooks(Hooks):
     """Periodic evaluation and checkpoints, and the stop flag SIGTERM / SIGUSR2 raise, or the
     end of this rank's launcher (train.py killed: kill -9, the OOM killer)."""
@@ -204,9 +215,12 @@ class RunHooks(Hooks):
         self.result_at_stop: TrainResult | None = None
 
     def stop_requested(self) -> bool:
+        return _STOP_SIGNALS_SEEN > 0
+
+    def launcher_lost(self) -> bool:
         # The launcher's end, asked at every step boundary (a /proc read): its ranks no longer
         # train on unseen, holding the GPUs and the run dir's lock, and save what they did.
-        return _STOP_SIGNALS_SEEN > 0 or self.launcher.gone()
+        return self.launcher.gone()
 
     def evaluate(self, step: int) -> None:
         if self.val_batches is None or step in self.eval_losses:
@@ -498,9 +512,7 @@ class RankRun:
         hooks = self.hooks
         if hooks.saved_step != stop.last_step and stop.last_step > 0:
             hooks.save(stop.last_step, hooks.result_at_stop or result)
-        by = "a signal"
-        if self.launcher.gone():
-            by = f"the end of its launcher (train.py, pid {self.launcher.pid})"
+        by = stop_cause(self.launcher, stop.launchers_lost)
         if stop.last_step == 0:  # stopped while starting: no step ran, nothing to keep
             said = f"stopped by {by} before the first step; nothing to save. Run the same "
             said += f"command again to start (exit code {EXIT_REQUEUE})."
