@@ -69,7 +69,7 @@ test-compile: $(STAMP) ## The compiled-layers tests (trainer.compile; ~2 min col
 # $(KERNELS_SITE)/ (~650 MB), never in the .venv; reinstalled only when the pins change.
 KERNELS_SITE := .kernels-site
 KERNELS_PINS := liger-kernel==$(shell sed -n 's/^LIGER_VERSION=//p' bench/gpu_wheels.sh) triton==3.6.0
-test-kernels: $(STAMP) ## Liger's rotary kernel run by Triton's interpreter on CPU (installs liger-kernel + triton apart, in .kernels-site/; ~1 min)
+test-kernels: $(STAMP) ## Liger's rotary kernel run by Triton's interpreter on CPU (installs liger-kernel + triton apart, in .kernels-site/: ~2 min the first time, ~20 s after)
 	@grep -qxF "$(KERNELS_PINS)" $(KERNELS_SITE)/.pins 2>/dev/null || { \
 	  rm -rf $(KERNELS_SITE) && \
 	  $(PY) -m pip install -q --no-deps --target $(KERNELS_SITE) $(KERNELS_PINS) && \
