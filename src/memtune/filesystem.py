@@ -154,15 +154,16 @@ def open_files() -> Iterator[tuple[int, str]]:
                 yield int(proc.name), os.readlink(fd)
 
 
-def _locked_by_another(path: Path) -> bool:
-    """Whether another live process holds the lock of ``path``, a directory or a file (or it
-    cannot be asked: then yes).
-    A process in another PID namespace (a container beside this one, sharing the cache and
-    the host name) has a pid that means nothing here; its lock is the kernel's all the same."""
+def locked_by_another(path: Path, unopenable: bool = True) -> bool:
+    """Whether another live process holds the lock (flock) of ``path``, a directory or a file;
+    ``unopenable``: the answer where ``path`` cannot be opened. A filesystem without flock
+    answers no. A process in another PID namespace (a container beside this one, sharing the
+    cache and the host name) has a pid that means nothing here; its lock is the kernel's all
+    the same."""
     try:
         fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
     except OSError:
-        return True
+        return unopenable
     try:
         # shared: asks whether an exclusive lock is held, and needs no write access (on NFS,
         # where flock is a byte-range lock, an exclusive one on a read-only descriptor fails)
@@ -208,7 +209,7 @@ def remove_left_by_dead(
         pid = int(match.group(1))
         if pid == os.getpid() or pid_alive(pid) or path.is_symlink():
             continue
-        if not (path.is_file() if files else path.is_dir()) or _locked_by_another(path):
+        if not (path.is_file() if files else path.is_dir()) or locked_by_another(path):
             continue
         why = f"{what} that process {pid} left unfinished when it was killed"
         if remove_leftover(path, why, log):

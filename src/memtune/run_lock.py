@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from memtune.filesystem import open_files, pid_alive
+from memtune.filesystem import locked_by_another, open_files, pid_alive
 from memtune.rundir import RunDir
 
 
@@ -122,20 +122,7 @@ def held(run_dir: Path) -> bool:
     """Whether a job holds ``run_dir`` now (:func:`hold`, on this host or another sharing the
     filesystem): it, or a rank it started, has not ended. Asked by a shared lock taken and
     dropped at once; False where there is no job lock or the filesystem has no flock."""
-    path = RunDir(run_dir).lock()
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)  # the shared lock goes with it
-    return False
+    return locked_by_another(RunDir(run_dir).lock(), unopenable=False)
 
 
 def _holder(path: Path) -> str:
