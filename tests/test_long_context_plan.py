@@ -5,6 +5,8 @@ saves on two real gloo ranks."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from typing import Any
 
 import pytest
@@ -376,6 +378,14 @@ def _saved_on_rank(rank: int, port: int, out) -> None:
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         saved[peft] = sum(n for ptr, n in storages.items() if ptr not in params)
     out.put((rank, saved))
+    # Ended without the interpreter's teardown of the native libraries, as a rank ends
+    # (memtune.rank.worker.leave): there a gloo thread still joinable is now and then destroyed
+    # and the process aborts (SIGABRT, exit code -6) after its work; the queue's data first.
+    out.close()
+    out.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def test_split_activation_model_matches_what_autograd_saves() -> None:
