@@ -120,6 +120,39 @@ def owned_temp_dir(parent: Path, prefix: str) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def sibling_lock(path: Path, waiting: str | None = None) -> Iterator[None]:
+    """One writer of ``path`` at a time, across processes (and hosts sharing the filesystem):
+    a kernel lock (flock) on ``.NAME.lock`` beside it, released when the holder exits however
+    it exits, so a stale lock cannot exist; the file stays. ``waiting``: the line printed when
+    another holds it. Opened for writing (on NFS flock is a byte-range lock, and an exclusive
+    one needs it), read-only where it cannot be (another user's lock file). Where it cannot be
+    opened or locked (a cache memtune may only read, Lustre without ``-o flock``) the work
+    goes on unguarded."""
+    lock = path.parent / f".{path.name}.lock"
+    try:
+        fd: int | None = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        try:
+            fd = os.open(lock, os.O_RDONLY)
+        except OSError:
+            fd = None
+    try:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if waiting:
+                    print(waiting, flush=True)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:
+                pass  # no flock here: unguarded
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # the lock goes with it
+
+
 def host_pid_prefix(prefix: str) -> str:
     """``PREFIX<host>-<pid>-``: the start of every temporary name memtune makes for a write
     (:func:`owned_temp_dir`, :func:`write_atomic`, a set-aside build), so that a later writer

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import functools
 import hashlib
 import json
@@ -54,6 +53,7 @@ from memtune.filesystem import (
     owned_temp_dir,
     remove_left_by_dead,
     safetensors_write_errors,
+    sibling_lock,
 )
 from memtune.integrity import Store
 from memtune.paths import is_local_source
@@ -586,38 +586,14 @@ def _required(cfg: DataConfig) -> tuple[str, ...]:
 
 @contextlib.contextmanager
 def one_build(root: Path, out: Path) -> Iterator[None]:
-    """Hold the build of entry ``out``: a kernel lock (flock) on ``.KEY.lock`` beside it,
-    released when the holder exits however it exits (so a stale lock cannot exist); a second
-    job waits for it with one line. Where the lock cannot be had (a cache memtune may only
-    read, a filesystem without flock) the build goes on unguarded, as before: both build, and
-    the rename keeps one entry."""
-    lock = root / f".{out.name}.lock"
-    try:
+    """Hold the build of entry ``out`` (:func:`memtune.filesystem.sibling_lock`: ``.KEY.lock``
+    beside it); a second job waits for it with one line. Where the lock cannot be had the
+    build goes on unguarded, as before: both build, and the rename keeps one entry."""
+    with contextlib.suppress(OSError):  # else unguarded; the build itself says why
         root.mkdir(parents=True, exist_ok=True)
-        # open for writing: on NFS flock is a byte-range lock, and an exclusive one needs it
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError:
-        try:  # a lock file another user made (its mode), or a read-only cache
-            fd = os.open(lock, os.O_RDONLY)
-        except OSError:
-            fd = None
-    try:
-        if fd is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                print(
-                    f"memtune: another job is tokenizing the same data into {out}: waiting "
-                    "for it, to reuse what it builds",
-                    flush=True,
-                )
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            except OSError:
-                pass  # no flock here (Lustre without -o flock): unguarded
+    line = f"memtune: another job is tokenizing the same data into {out}: waiting for it, to "
+    with sibling_lock(out, line + "reuse what it builds"):
         yield
-    finally:
-        if fd is not None:
-            os.close(fd)  # the lock goes with it
 
 
 def _prepare(

@@ -15,7 +15,6 @@ Qwen2.5-VL).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -33,6 +32,7 @@ from memtune.filesystem import (
     owned_temp_dir,
     remove_left_by_dead,
     safetensors_write_errors,
+    sibling_lock,
 )
 from memtune.integrity import MANIFEST, Store
 from memtune.quiet import no_progress_bars
@@ -145,18 +145,6 @@ def _current(path: Path, fingerprint: str) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def _build_lock(path: Path) -> Iterator[None]:
-    """One build of ``path`` at a time, across processes: a kernel lock on a sibling file,
-    released when the holder exits, however it exits."""
-    with open(path.parent / f".{path.name}.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def synthesize(
     path: str | Path,
     architecture: dict[str, Any],
@@ -179,7 +167,7 @@ def synthesize(
     if _current(path, fingerprint) and DEMO_MODEL.problem(path) is None:
         return path  # before importing transformers: ~2 s of every start of the demo
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _build_lock(path):
+    with sibling_lock(path):  # one build at a time, across processes
         if _current(path, fingerprint) and DEMO_MODEL.problem(path) is None:
             return path  # another process built it while this one waited
         if path.exists() and not is_synthesized(path):
