@@ -71,21 +71,9 @@ def set_aside_and_replaced(final: Path) -> list[Path]:
     has the shape mkdtemp's suffix alone would have). Only while ``final`` is there: killed
     between its two renames, the set-aside copy may be the only one (find_latest reads a
     checkpoint's). Its callers hold what the name belongs to (the run dir's job lock)."""
-    mine = ASIDE.format(final.name) + socket.gethostname()
-    pattern = re.compile(rf"{re.escape(mine)}-(\d+)-[a-z0-9_]{{8}}")
     if final.is_symlink() or not final.is_dir():
         return []
-    try:
-        found = sorted(p for p in final.parent.iterdir() if pattern.fullmatch(p.name))
-    except OSError:
-        return []
-    left = []
-    for path in found:
-        match = pattern.fullmatch(path.name)
-        assert match is not None
-        if path.is_dir() and not path.is_symlink() and not pid_alive(int(match[1])):
-            left.append(path)
-    return left
+    return [path for path, _ in left_by_dead(final.parent, ASIDE.format(final.name))]
 
 
 _OWNED: dict[Path, int] = {}
@@ -228,10 +216,21 @@ def remove_left_by_dead(
     process's, this process's own). Each removal is one line naming it, its size and
     ``what`` it was; one that cannot be removed (another user's) is left quietly. Returns the
     paths removed."""
+    removed = []
+    for path, pid in left_by_dead(parent, prefix, files):
+        why = f"{what} that process {pid} left unfinished when it was killed"
+        if remove_leftover(path, why, log):
+            removed.append(path)
+    return removed
+
+
+def left_by_dead(parent: Path, prefix: str, files: bool = False) -> list[tuple[Path, int]]:
+    """What :func:`remove_left_by_dead` removes (the rule is its docstring's), with the pid
+    each name carries."""
     host = re.escape(socket.gethostname())
     tail = "" if files else "-[a-z0-9_]{8}"
     pattern = re.compile(rf"{re.escape(prefix)}{host}-(\d+){tail}")
-    removed = []
+    left = []
     try:
         names = sorted(p for p in parent.iterdir() if pattern.fullmatch(p.name))
     except OSError:
@@ -244,10 +243,8 @@ def remove_left_by_dead(
             continue
         if not (path.is_file() if files else path.is_dir()) or locked_by_another(path):
             continue
-        why = f"{what} that process {pid} left unfinished when it was killed"
-        if remove_leftover(path, why, log):
-            removed.append(path)
-    return removed
+        left.append((path, pid))
+    return left
 
 
 def remove_leftover(path: Path, why: str, log: Callable[[str], None] | None = None) -> bool:
