@@ -206,6 +206,98 @@ def test_ranks_see_their_launcher_end_even_before_it_is_reaped() -> None:
     assert stop_cause(LauncherWatch({}), 0) == "a signal"
 
 
+def test_a_launcher_on_another_machine_is_not_watched() -> None:
+    """A hostfile job's ranks on the other nodes get train.py's pid too (over ssh): there it is
+    another machine's process, and an unrelated process with that pid, or none, must not
+    stop the run. The machine is the launcher's boot id."""
+    from memtune.detached import LAUNCHER_BOOT_ENV, LAUNCHER_PID_ENV, LauncherWatch, boot_id
+
+    here = boot_id()
+    assert len(here) == 36  # a UUID: Linux's /proc/sys/kernel/random/boot_id
+    gone_pid = str(2**22 + 12345)  # above pid_max's default: no such process here
+    elsewhere = LauncherWatch({LAUNCHER_PID_ENV: gone_pid, LAUNCHER_BOOT_ENV: "another-box"})
+    assert elsewhere.pid is None and not elsewhere.gone()
+    mine = LauncherWatch({LAUNCHER_PID_ENV: gone_pid, LAUNCHER_BOOT_ENV: here})
+    assert mine.pid == int(gone_pid) and mine.gone()
+
+
+def test_what_a_hostfile_job_sends_to_its_nodes() -> None:
+    """The names ds_runner adds to DeepSpeed's exports (spawn.node_exports): memtune's own
+    settings for the ranks, the launcher to watch, the user's memtune / wandb / Hugging Face /
+    allocator settings; never a credential (the ssh command line is readable by every user of
+    a node), nor a value DeepSpeed's double quotes would break, and both are said."""
+    from memtune.launcher.spawn import node_exports
+
+    env = {
+        "OMP_NUM_THREADS": "4",
+        "TORCH_EXTENSIONS_DIR": "/home/u/.cache/torch_extensions/env-1",
+        "NCCL_P2P_DISABLE": "1",
+        "MEMTUNE_LAUNCHER_PID": "123",
+        "MEMTUNE_LAUNCHER_BOOT_ID": "b",
+        "MEMTUNE_CACHE_DIR": "/shared/cache",
+        "WANDB_PROJECT": "p",
+        "WANDB_API_KEY": "secret",
+        "HF_TOKEN": "secret",
+        "WANDB_NOTES": "cost $5",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        "PATH": "/usr/bin",
+        "HOME": "/home/u",
+    }
+    added = {"OMP_NUM_THREADS": "4", "NCCL_P2P_DISABLE": "1", "TORCH_EXTENSIONS_DIR": "x"}
+    sent, withheld = node_exports(env, added)
+    assert sent == [
+        "MEMTUNE_CACHE_DIR",
+        "MEMTUNE_LAUNCHER_BOOT_ID",
+        "MEMTUNE_LAUNCHER_PID",
+        "NCCL_P2P_DISABLE",
+        "OMP_NUM_THREADS",
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "TORCH_EXTENSIONS_DIR",
+        "WANDB_PROJECT",
+    ]
+    assert withheld.startswith("HF_TOKEN, WANDB_API_KEY (credentials stay off the ssh command")
+    assert "; WANDB_NOTES (a \", $, ` or \\ DeepSpeed's runner cannot quote)" in withheld
+    assert node_exports({"OMP_NUM_THREADS": "2"}, {"OMP_NUM_THREADS": "2"}) == (
+        ["OMP_NUM_THREADS"],
+        "",
+    )
+
+
+def test_a_signal_for_one_runs_ranks_reaches_no_other_process(tmp_path: Path) -> None:
+    """What a hostfile job runs on every node over ssh to stop (USR2) or kill its ranks
+    (memtune.launcher.rank_signals): only processes that are ranks (``-m memtune.worker``) of
+    that run dir, compared resolved; another run's ranks on the same node are left alone."""
+    from memtune.launcher.rank_signals import is_rank, main
+
+    ours, other = tmp_path / "ours", tmp_path / "other"
+    ours.mkdir()
+    other.mkdir()
+    sleep = "import time; time.sleep(60)"
+    # `python -c CODE -m memtune.worker DIR`: the command line a rank has, minus the import
+    started = {
+        d: subprocess.Popen([sys.executable, "-c", sleep, "-m", "memtune.worker", str(d)])
+        for d in (ours, other)
+    }
+    try:
+        deadline = time.monotonic() + 10
+        while not all(
+            is_rank(psutil.Process(p.pid).cmdline(), run_dir=str(d)) for d, p in started.items()
+        ):  # until both have exec'd (a forked child shows its parent's command line first)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not is_rank(["python", "-m", "memtune.launcher.ds_runner", "--module", "x"])
+        link = tmp_path / "link"
+        link.symlink_to(ours)
+        assert main(["TERM", str(link)]) == 0  # the run dir named through a link
+        assert started[ours].wait(timeout=10) == -signal.SIGTERM
+        assert started[other].poll() is None
+        assert main(["NOSUCH", str(ours)]) == 2
+    finally:
+        for proc in started.values():
+            proc.kill()
+            proc.wait()
+
+
 def test_a_process_outlives_its_closed_terminal(tmp_path: Path) -> None:
     """A rank whose terminal closed (an ssh connection dropped) died at its next line (EIO),
     its work since the last checkpoint lost; now its lines go nowhere and it goes on."""

@@ -21,19 +21,44 @@ from typing import Any, TextIO
 import psutil
 
 LAUNCHER_PID_ENV = "MEMTUNE_LAUNCHER_PID"
-"""Set by train.py (launcher.spawn) for the ranks it starts, directly or through DeepSpeed's
-per-node launcher: its own pid, which the ranks of this node watch. Not in launch.txt (a rank
-started by hand has no launcher to lose), nor passed over ssh (the hostfile form's ranks)."""
+"""Set by train.py (launcher.spawn) for the ranks it starts, directly, through DeepSpeed's
+per-node launcher or, in the hostfile form, over ssh: its own pid, which the ranks on its
+machine watch (:data:`LAUNCHER_BOOT_ENV`). Not in launch.txt: a rank started by hand has no
+launcher to lose."""
+LAUNCHER_BOOT_ENV = "MEMTUNE_LAUNCHER_BOOT_ID"
+"""The launcher's machine (its kernel's boot id), set beside :data:`LAUNCHER_PID_ENV`: a
+hostfile job's ranks on other nodes get the pid too, and there it names another machine's
+process. Their stop comes from the ranks on the launcher's machine, through the step's
+collective."""
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def boot_id() -> str:
+    """This machine's boot id (Linux; "" where there is none to read)."""
+    try:
+        with open(BOOT_ID) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def launcher_env() -> dict[str, str]:
+    """What a job gives its ranks so that they can watch it (:class:`LauncherWatch`)."""
+    return {LAUNCHER_PID_ENV: str(os.getpid()), LAUNCHER_BOOT_ENV: boot_id()}
 
 
 class LauncherWatch:
     """This rank's launcher (``MEMTUNE_LAUNCHER_PID``), asked whether it still runs: a reused
     pid does not count (psutil compares the start time it saw first), nor a zombie (a launcher
-    killed and not yet reaped by its parent)."""
+    killed and not yet reaped by its parent). A launcher on another machine (a hostfile job's
+    other nodes: ``MEMTUNE_LAUNCHER_BOOT_ID`` is not this machine's) is not watched here."""
 
     def __init__(self, env: dict[str, str] | os._Environ[str] | None = None):
-        value = (os.environ if env is None else env).get(LAUNCHER_PID_ENV, "")
-        self.pid = int(value) if value.isdigit() else None
+        env = os.environ if env is None else env
+        value = env.get(LAUNCHER_PID_ENV, "")
+        machine = env.get(LAUNCHER_BOOT_ENV, "")
+        here = not machine or machine == boot_id()
+        self.pid = int(value) if value.isdigit() and here else None
         self._process: psutil.Process | None = None
         self._gone = False
         if self.pid is not None:

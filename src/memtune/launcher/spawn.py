@@ -19,8 +19,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import itertools
 import os
+import re
 import shlex
 import signal
 import socket
@@ -33,16 +33,16 @@ from pathlib import Path
 import psutil
 
 from memtune.config import ConfigError, RunConfig
-from memtune.detached import LAUNCHER_PID_ENV
+from memtune.detached import LAUNCHER_BOOT_ENV, LAUNCHER_PID_ENV, launcher_env
 from memtune.exit_codes import EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_REQUEUE
 from memtune.filesystem import write_atomic
 from memtune.launcher.extensions import extensions_root
 from memtune.launcher.hygiene import clear_shm_buffers, clear_stale_locks
-from memtune.launcher.topology import NodeSpec, resolve
+from memtune.launcher.rank_signals import WORKER_MODULE, NodesOverSsh, is_rank
+from memtune.launcher.topology import NodeSpec, check_hostfile, resolve
 from memtune.run_lock import held_lock_fds
 from memtune.rundir import RunDir
 
-WORKER_MODULE = "memtune.worker"
 DS_RUNNER = "memtune.launcher.ds_runner"
 """DeepSpeed's own launcher, run in a process with memtune's noise filters (ds_runner.py)."""
 RANK_FAILURE_GRACE_S = 5.0
@@ -193,6 +193,15 @@ def launch(
     env = {**rank_env(cfg), **(extra_env or {}), **extra}
     # What the ranks get beyond this process's environment (the world, threads, NCCL switches).
     added = {k: v for k, v in env.items() if os.environ.get(k) != v}
+    nodes = None
+    if spec.form == "hostfile":  # ranks over ssh: they get only what DeepSpeed's runner exports
+        assert spec.hostfile is not None
+        hosts = [h for h, _ in check_hostfile(spec.hostfile, spec.nnodes, spec.ranks_per_node)]
+        nodes = NodesOverSsh(hosts[: spec.nnodes], run_dir, module)
+        sent, withheld = node_exports({**env, **launcher_env()}, added)
+        added[EXPORT_ENV] = env[EXPORT_ENV] = ",".join(sent)
+        if withheld:
+            print(f"memtune: not sent to the other nodes: {withheld}", file=sys.stderr)
     starts: list[dict[str, str]] = [{}]  # multi-node: DeepSpeed's launcher starts the ranks
     record = _shell_line(added, cmd)
     if spec.form == "local":
@@ -200,10 +209,11 @@ def launch(
         record = "".join(_shell_line({**start, **added}, cmd) for start in starts)
     write_atomic(RunDir(run_dir).launch_cmd(spec.node_rank), record)
     # This process's pid, which the ranks watch (memtune.detached): not in launch.txt above.
-    env[LAUNCHER_PID_ENV] = str(os.getpid())
+    env.update(launcher_env())
     clear_stale_locks(extensions_root())
     clear_shm_buffers()
-    ranks = _Ranks(cmd, [{**env, **start} for start in starts], module, spec.form == "local")
+    envs = [{**env, **start} for start in starts]
+    ranks = _Ranks(cmd, envs, module, spec.form == "local", nodes)
     try:
         return ranks.wait()
     except BaseException:
@@ -217,6 +227,50 @@ def launch(
         ranks.restore_signals()
         if ranks.ended():  # the ranks are gone: their shared memory can go too
             clear_shm_buffers(port)
+
+
+EXPORT_ENV = "MEMTUNE_EXPORT"
+"""The variables a hostfile job's ranks get from train.py's environment, by name (ds_runner
+adds them to what DeepSpeed's runner exports over ssh, beside its own NCCL_*, PYTHON*, UCX*)."""
+NODE_ENV_PREFIXES = (
+    "MEMTUNE_",
+    "WANDB_",
+    "HF_",
+    "HUGGINGFACE_",
+    "TRANSFORMERS_",
+    "TOKENIZERS_",
+    "OMP_",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "PYTORCH_ALLOC_CONF",
+    "TORCH_EXTENSIONS_DIR",
+    "DS_ACCELERATOR",
+)
+"""Besides what memtune sets for the ranks itself (threads, the ops' build dir, NCCL switches):
+the user's settings the ranks read (memtune's, wandb's, Hugging Face's, the CUDA allocator's)."""
+CREDENTIAL = re.compile(r"KEY|TOKEN|SECRET|PASSWORD")
+"""Names kept off the ssh command line, where every user of a node could read them: wandb and
+the Hub log in from each node's own ``wandb login`` / ``hf auth login`` (a shared home)."""
+UNQUOTABLE = re.compile(r'["$`\\\n]')
+"""What DeepSpeed's runner cannot pass: it puts a value between double quotes in a shell line."""
+
+
+def node_exports(env: Mapping[str, str], added: Mapping[str, str]) -> tuple[list[str], str]:
+    """The names a hostfile job passes to its nodes (:data:`EXPORT_ENV`), and those it does not
+    with why, for the job's line (empty when none)."""
+    wanted = {*added, LAUNCHER_PID_ENV, LAUNCHER_BOOT_ENV}
+    wanted |= {k for k in env if k.startswith(NODE_ENV_PREFIXES)}
+    wanted = {k for k in wanted if k in env and k != EXPORT_ENV}
+    credentials = sorted(k for k in wanted if CREDENTIAL.search(k) and k not in added)
+    unquotable = sorted(k for k in wanted if UNQUOTABLE.search(env[k]))
+    why = []
+    if credentials:
+        why.append(
+            f"{', '.join(credentials)} (credentials stay off the ssh command line: log in on "
+            "each node, e.g. `wandb login` with a shared home)"
+        )
+    if unquotable:
+        why.append(f"{', '.join(unquotable)} (a \", $, ` or \\ DeepSpeed's runner cannot quote)")
+    return sorted(wanted - {*credentials, *unquotable}), "; ".join(why)
 
 
 def _shell_line(env: dict[str, str], cmd: list[str]) -> str:
@@ -244,8 +298,18 @@ class _Ranks:
     """This node's started processes (the ranks themselves, or DeepSpeed's launcher for a
     multi-node form) and the signals the job passes on to them while it waits."""
 
-    def __init__(self, cmd: list[str], envs: list[dict[str, str]], module: str, own: bool):
+    def __init__(
+        self,
+        cmd: list[str],
+        envs: list[dict[str, str]],
+        module: str,
+        own: bool,
+        nodes: NodesOverSsh | None = None,
+    ):
         self.module, self.own = module, own
+        self.nodes = nodes
+        """The hostfile form's nodes: its ranks run under each node's sshd, no descendants of
+        this process, and are reached over ssh (rank_signals)."""
         self.procs: list[subprocess.Popen] = []
         self.group = 0  # the ranks' process group: the first one's pid
         self.stopping = False
@@ -320,6 +384,9 @@ class _Ranks:
         """SIGUSR2 to the ranks themselves (never to DeepSpeed's launcher, which would kill
         them): each saves a checkpoint at the next step boundary and exits with the requeue
         code."""
+        if self.nodes is not None:
+            self.nodes.send(signal.SIGUSR2)
+            return
         for proc in self.procs:
             if self.own:  # Popen's own send_signal: nothing once the rank is reaped
                 with contextlib.suppress(ProcessLookupError):
@@ -332,6 +399,8 @@ class _Ranks:
 
     def kill(self) -> None:
         self.killed |= {i for i, p in enumerate(self.procs) if p.poll() is None}
+        if self.nodes is not None:  # the ranks are sshd's on every node: not in the group
+            self.nodes.send_and_wait(signal.SIGKILL)
         if self.group:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.group, signal.SIGKILL)
@@ -362,6 +431,15 @@ class _Ranks:
                 self.signal_ranks()
                 resent = now
             time.sleep(POLL_S)
+        if self.nodes is not None and self.nodes.failures:
+            said = self.nodes.failures[0] or "no reason given"
+            by_hand = shlex.join(self.nodes.command(signal.SIGUSR2))
+            print(
+                f"memtune: a signal for the ranks could not be sent over ssh ({said}); to stop "
+                f"them by hand: PDSH_RCMD_TYPE=ssh {by_hand}",
+                file=sys.stderr,
+                flush=True,
+            )
         if self.interrupts > 1:
             return EXIT_INTERRUPTED
         first = failed[0] if failed else None
@@ -412,8 +490,6 @@ def rank_processes(pid: int, module: str = WORKER_MODULE) -> list[psutil.Process
     found = []
     for p in [root, *root.children(recursive=True)]:
         with contextlib.suppress(psutil.Error):
-            cmdline = p.cmdline()
-            # Ranks run `python [-u] -m MODULE RUN_DIR`; launchers carry `--module MODULE`.
-            if any(a == "-m" and b == module for a, b in itertools.pairwise(cmdline)):
+            if is_rank(p.cmdline(), module):
                 found.append(p)
     return found

@@ -1,0 +1,202 @@
+"""The hostfile form (launcher.hostfile) for real: train.py on this machine, its ranks started
+over ssh by DeepSpeed's runner and pdsh on two nodes (127.0.0.1 and localhost through an sshd of
+the tier's own, nodes.py), each rank under sshd with a login's environment.
+
+    make test-ssh          # or: pytest -m ssh tests/ssh
+
+Before this tier the form was checked only as a rendered command line, and on a real run its
+ranks were out of the job's reach: SIGTERM, Ctrl-C and a closed terminal stopped nothing (the
+stop went to train.py's descendants, and the ranks are sshd's), a second Ctrl-C left them
+training, and they got none of the job's environment (threads, the ops' build dir, wandb's and
+memtune's settings, the launcher to watch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from memtune.config import to_run_config
+from memtune.detached import LAUNCHER_BOOT_ENV, LAUNCHER_PID_ENV, boot_id
+from memtune.launcher.extensions import extensions_root
+from memtune.launcher.rank_signals import is_rank
+from memtune.launcher.spawn import free_port, launch, rank_env
+from memtune.launcher.topology import resolve
+from memtune.rundir import RunDir
+from tests.conftest import FAST, ROOT, compose_cfg
+from tests.ssh.nodes import HOSTS, SshNodes
+
+pytestmark = pytest.mark.ssh
+
+
+def _job(nodes: SshNodes, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        *FAST,
+        "launcher.num_ranks=2",
+        "launcher.nnodes=2",
+        f"launcher.hostfile={nodes.hostfile}",
+        "launcher.master_addr=127.0.0.1",
+        f"launcher.master_port={free_port()}",
+        f"run_dir={run_dir}",
+        *extra,
+    ]
+
+
+def _start(nodes: SshNodes, args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=ROOT,
+        env=nodes.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # as from a terminal of its own: signals are the test's to send
+    )
+
+
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= step:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"step {step} not reached")
+
+
+def _ranks_of(run_dir: Path) -> list[psutil.Process]:
+    """This run's ranks on this machine (both nodes are this machine), by command line."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if is_rank(proc.info["cmdline"] or [], run_dir=str(run_dir)):
+            found.append(proc)
+    return found
+
+
+def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
+    alive = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.Error:
+            pass
+    return alive
+
+
+def _stopped_at(run_dir: Path) -> int:
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    return json.loads((run_dir / "checkpoints" / latest / "trainer_state.json").read_text())["step"]
+
+
+def test_the_ranks_on_every_node_get_the_jobs_environment(
+    ssh_nodes: SshNodes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the job sets for its ranks and the user's settings they read reach both nodes'
+    ranks, which run under sshd; credentials do not (they would be on the ssh command line)."""
+    monkeypatch.chdir(ROOT)  # DeepSpeed's runner puts its cwd on the nodes' PYTHONPATH
+    monkeypatch.setenv("PATH", ssh_nodes.env()["PATH"])  # bin/ssh: the tier's ssh_config
+    monkeypatch.setenv("WANDB_PROJECT", "memtune-ssh-tier")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("WANDB_API_KEY", "not-for-the-command-line")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = to_run_config(compose_cfg(_job(ssh_nodes, run_dir)))
+    code = launch(cfg, run_dir, module="tests.ssh.env_probe", spec=resolve(cfg))
+    assert code == 0
+    expected = {
+        "OMP_NUM_THREADS": rank_env(cfg)["OMP_NUM_THREADS"],
+        "TORCH_EXTENSIONS_DIR": str(extensions_root()),
+        "TOKENIZERS_PARALLELISM": "false",
+        "WANDB_PROJECT": "memtune-ssh-tier",
+        "HF_HUB_OFFLINE": "1",
+        LAUNCHER_PID_ENV: str(os.getpid()),
+        LAUNCHER_BOOT_ENV: boot_id(),
+    }
+    for rank, host in enumerate(HOSTS):
+        env = json.loads((run_dir / f"env-rank{rank}.json").read_text())
+        assert env["SSH_CONNECTION"].startswith("127.0.0.1 "), host  # started over ssh
+        assert {k: env.get(k) for k in expected} == expected, host
+        assert "WANDB_API_KEY" not in env
+    # launch.txt holds what a start by hand needs, the exported names among it
+    record = RunDir(run_dir).launch_cmd(0).read_text()
+    assert "MEMTUNE_EXPORT=" in record and "WANDB_PROJECT" in record
+    assert "not-for-the-command-line" not in record
+
+
+def test_sigterm_stops_every_nodes_ranks_and_the_same_command_continues(
+    ssh_nodes: SshNodes, tmp_path: Path
+) -> None:
+    """SIGTERM to train.py: the ranks on both nodes save a checkpoint at the next step boundary
+    and exit 75; the same command continues from it to the end. (Before, the stop reached no
+    rank: train.py re-sent it every 3 s while the ranks trained to max_steps.)"""
+    run_dir = tmp_path / "run"
+    args = _job(ssh_nodes, run_dir, "trainer.max_steps=16", "trainer.save_every=0")
+    proc = _start(ssh_nodes, args)
+    _wait_for_step(run_dir, 1, proc)
+    assert len(_ranks_of(run_dir)) == 2
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 75, out[-3000:]
+    stopped_at = _stopped_at(run_dir)
+    assert 1 <= stopped_at < 16, stopped_at
+    assert "stopped by a signal" in out
+    assert json.loads((run_dir / "exit.json").read_text()) == {"code": 75}
+    assert not _running(_ranks_of(run_dir))
+
+    again = _start(ssh_nodes, args)
+    out, _ = again.communicate(timeout=300)
+    assert again.returncode == 0, out[-3000:]
+    assert f"(step {stopped_at})" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 16
+
+
+def test_kill_9_of_train_py_stops_the_ranks_with_a_checkpoint(
+    ssh_nodes: SshNodes, tmp_path: Path
+) -> None:
+    """train.py killed (-9): the ranks on its machine see it gone and, through the step's
+    collective, every node's ranks stop together with a checkpoint; rank 0 writes exit.json.
+    Then a second Ctrl-C ends both nodes' ranks at once."""
+    run_dir = tmp_path / "run"
+    args = _job(ssh_nodes, run_dir, "trainer.max_steps=200", "trainer.save_every=0")
+    proc = _start(ssh_nodes, args)
+    _wait_for_step(run_dir, 1, proc)
+    ranks = _ranks_of(run_dir)
+    assert len(ranks) == 2
+    proc.kill()
+    proc.communicate(timeout=60)
+    deadline = time.monotonic() + 120
+    while _running(ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _running(ranks)
+    stopped_at = _stopped_at(run_dir)
+    said = (
+        f"stopped by the end of its launcher (train.py, pid {proc.pid}) after step "
+        f"{stopped_at}; checkpoint saved. Run the same command again to continue (exit code 75)."
+    )
+    assert json.loads((run_dir / "exit.json").read_text()) == {"code": 75, "error": said}
+
+    proc = _start(ssh_nodes, args)  # resumes; then two Ctrl-Cs
+    _wait_for_step(run_dir, stopped_at + 1, proc)
+    ranks = _ranks_of(run_dir)
+    assert len(ranks) == 2
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out[-3000:]
+    deadline = time.monotonic() + 30
+    while _running(ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _running(ranks), "a second Ctrl-C left ranks training on the nodes"
