@@ -143,10 +143,14 @@ def test_a_rank_refuses_decisions_it_cannot_use(laid_out: Path, tmp_path: Path, 
 
 def test_a_started_rank_exits_2_naming_the_field(laid_out: Path, tmp_path: Path) -> None:
     """A real rank process on a hand-edited decisions.json: one line, exit 2, before anything
-    loads (it never reaches the rendezvous)."""
+    loads (it never reaches the rendezvous). Its launcher is gone (a train.py killed with -9:
+    a pid that runs no process), so rank 0 writes exit.json with the line, as train.py would
+    have."""
     run_dir = _edited(_copy(laid_out, tmp_path), lambda raw: raw.update(tiled_mlp="auto"))
+    (run_dir / "exit.json").unlink(missing_ok=True)
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
     env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # never reached
+    env |= {"MEMTUNE_LAUNCHER_PID": str(2**22 + 12345)}  # above pid_max's default: no process
     proc = subprocess.run(
         [sys.executable, "-m", "memtune.worker", str(run_dir)],
         capture_output=True,
@@ -156,10 +160,11 @@ def test_a_started_rank_exits_2_naming_the_field(laid_out: Path, tmp_path: Path)
         timeout=300,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert f"config error: {run_dir / 'decisions.json'}: tiled_mlp must be true or false" in (
-        proc.stderr
-    )
+    said = f"config error: {run_dir / 'decisions.json'}: tiled_mlp must be true or false"
+    assert said in proc.stderr
     assert "Traceback" not in proc.stderr
+    record = json.loads((run_dir / "exit.json").read_text())
+    assert record["code"] == 2 and record["error"].startswith(said)
 
 
 def test_a_rank_refuses_a_run_dir_without_decisions(laid_out: Path, tmp_path: Path) -> None:

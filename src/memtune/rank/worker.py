@@ -775,37 +775,57 @@ def main(argv: list[str] | None = None) -> None:
     # A closed terminal (an ssh connection dropped) failed the rank's next line with EIO, and
     # the rank with it: its lines now go nowhere and its work goes on to the checkpoint.
     outlive_the_terminal()
+    said = ""
     try:
         run(rd)
         code = 0
     except NonFiniteLoss as err:
-        print(f"memtune: stopped: {err}", file=sys.stderr, flush=True)
+        said = f"stopped: {err}"
+        print(f"memtune: {said}", file=sys.stderr, flush=True)
         code = EXIT_NON_FINITE
     except RankOutOfMemory as oom:
         report_out_of_memory(rd, oom, "cuda" if torch.cuda.is_available() else "cpu")
+        said = f"out of memory: rank {oom.rank} at step {oom.step} ({rd.oom_report(oom.rank)})"
         code = EXIT_OOM
     except RuntimeError as err:
         if not lost_peer(err):
+            record_end_without_launcher(rd, 1, f"{type(err).__name__}: {err}")
             raise
         # Another rank stopped first (its own message says why); no traceback for this one.
-        print(
-            "memtune: a rank stopped, so this one lost its connection to it (see its message)",
-            file=sys.stderr,
-            flush=True,
-        )
+        said = "a rank stopped, so this one lost its connection to it (see its message)"
+        print(f"memtune: {said}", file=sys.stderr, flush=True)
         code = EXIT_PEER_LOST
     except ConfigError as err:  # e.g. the loaded model is not the planned one (rank.build)
-        print(f"memtune: config error: {err}", file=sys.stderr, flush=True)
+        said = f"config error: {err}"
+        print(f"memtune: {said}", file=sys.stderr, flush=True)
         code = EXIT_CONFIG
     except SystemExit as stop:
         if stop.code != EXIT_REQUEUE:
             raise
         code = EXIT_REQUEUE
+    except Exception as err:  # a crash: its traceback follows
+        record_end_without_launcher(rd, 1, f"{type(err).__name__}: {err}")
+        raise
     finally:
         # Python puts default handlers back while it shuts down; train.py may still re-send a
         # stop then, and SIGUSR2's default would turn a clean exit into a signal death.
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    if code not in (0, EXIT_REQUEUE):  # those two wrote their own (RankRun)
+        record_end_without_launcher(rd, code, said)
     leave(code)
+
+
+def record_end_without_launcher(rd: RunDir, code: int, said: str) -> None:
+    """exit.json for an end train.py would have recorded (a non-finite loss, out of memory, a
+    config error, a crash), written by rank 0 when its launcher is gone (kill -9, the OOM
+    killer): no one else will. Only in a run dir memtune laid out; rank 0's own code and words
+    (a peer's failure reads as a lost connection: its report is its own, e.g. oom-rankN.json)."""
+    if os.environ.get("RANK", "0") != "0" or not rd.held_a_run():
+        return
+    if not LauncherWatch().gone():
+        return
+    with contextlib.suppress(OSError):
+        rd.write_exit(code, said)
 
 
 def leave(code: int) -> None:
