@@ -167,6 +167,57 @@ def test_a_started_rank_exits_2_naming_the_field(laid_out: Path, tmp_path: Path)
     assert record["code"] == 2 and record["error"].startswith(said)
 
 
+def test_every_rank_stops_when_one_machine_lacks_what_train_py_wrote(
+    laid_out: Path, tmp_path: Path
+) -> None:
+    """A hostfile job's rank on a node without the shared cache: the tokenized data train.py
+    wrote is not there. One line naming the machine and the setting, exit 2, before the model
+    loads (a traceback from the data loader before); the base checkpoint and peft.init_from
+    are checked the same way (rank.worker.check_this_machine)."""
+    import socket
+
+    from memtune.config import load_run_config
+    from memtune.launcher.spawn import free_port
+    from memtune.rank.worker import check_this_machine
+
+    run_dir = _copy(laid_out, tmp_path)
+    data = json.loads((run_dir / "data.json").read_text())
+    gone = tmp_path / "not-shared" / Path(data["dir"]).name
+    (run_dir / "data.json").write_text(json.dumps({**data, "dir": str(gone)}))
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    env |= {"MASTER_PORT": str(free_port())}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-m", "memtune.worker", str(run_dir)],
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            cwd=ROOT,
+        )
+        for r in range(2)
+    ]
+    host = socket.gethostname()
+    said = f"the tokenized data train.py wrote ({gone}, data.json) is not on this machine ({host})"
+    for rank in ranks:  # both stop, neither waits in a collective for the other
+        _, err = rank.communicate(timeout=300)
+        assert rank.returncode == 2, err[-2000:]
+        assert f"memtune: config error: {said}: put data.cache_dir" in err
+        assert "Traceback" not in err
+
+    rd = RunDir(run_dir)
+    cfg = load_run_config(run_dir / "config.yaml")
+    record = rd.read_data()
+    here = dataclasses.replace(record, dir=data["dir"])
+    check_this_machine(cfg, rd, here)  # nothing missing: no error
+    moved = dataclasses.replace(cfg.model, name_or_path=str(tmp_path / "elsewhere"))
+    with pytest.raises(ConfigError) as err:
+        check_this_machine(dataclasses.replace(cfg, model=moved), rd, here)
+    assert str(err.value).startswith(
+        f"model.name_or_path={tmp_path / 'elsewhere'}: train.py read it from disk on its "
+        f"machine, and this machine ({host}) has no {tmp_path / 'elsewhere' / 'config.json'}"
+    )
+
+
 def test_a_rank_refuses_a_run_dir_without_decisions(laid_out: Path, tmp_path: Path) -> None:
     from memtune.config import load_run_config
     from memtune.rank.worker import read_decisions

@@ -14,6 +14,7 @@ import math
 import os
 import random
 import signal
+import socket
 import sys
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 from memtune import quiet
 from memtune.config import ConfigError, RunConfig, needs_reference
-from memtune.config.architecture import routed_experts
+from memtune.config.architecture import checkpoint_config_file, routed_experts
 from memtune.config.decisions import (
     ALLOC_CONF_VARIABLES,
     EXPANDABLE,
@@ -76,7 +77,7 @@ from memtune.rank.telemetry import (
     reset_window_peak,
     window_peak_gib,
 )
-from memtune.rundir import OomReport, PlanRecord, RecordError, RunDir, Summary
+from memtune.rundir import DataRecord, OomReport, PlanRecord, RecordError, RunDir, Summary
 
 
 @dataclass
@@ -319,6 +320,38 @@ def report_out_of_memory(rd: RunDir, oom: RankOutOfMemory, device_type: str) -> 
     )
 
 
+def check_this_machine(cfg: RunConfig, rd: RunDir, data: DataRecord) -> None:
+    """ConfigError for what train.py found on its machine and this rank's lacks, naming the
+    machine and the setting to move: the tokenized data it wrote (data.json) and the base
+    checkpoint it read from disk (base.json). A hostfile job's ranks on other nodes see them
+    only through a filesystem every node shares; without one, each failed deep in its data
+    loader or in from_pretrained, a traceback per rank."""
+    here = socket.gethostname()
+    if not Path(data.dir).is_dir():
+        raise ConfigError(
+            f"the tokenized data train.py wrote ({data.dir}, {rd.data.name}) is not on this "
+            f"machine ({here}): put data.cache_dir (or $MEMTUNE_CACHE_DIR) on a filesystem every "
+            "node shares, as the run dir is"
+        )
+    name = cfg.model.name_or_path
+    base = rd.read_base() if rd.base.is_file() else None
+    on_disk = base is not None and base.fingerprint is not None
+    if on_disk and checkpoint_config_file(name, cfg.model.revision) is None:
+        raise ConfigError(
+            f"model.name_or_path={name}: train.py read it from disk on its machine, and this "
+            f"machine ({here}) has no {Path(name).expanduser() / 'config.json'}: every node "
+            "needs the model at the same path (a shared filesystem, or a copy on each; a hub "
+            "name in each node's Hugging Face cache)"
+        )
+    adapter = cfg.peft.init_from
+    read_there = base is not None and base.init_from_fingerprint is not None and adapter
+    if read_there and not Path(str(adapter)).expanduser().is_dir():
+        raise ConfigError(
+            f"peft.init_from={adapter}: train.py read it on its machine, and this machine "
+            f"({here}) has no such directory: every node needs it at the same path"
+        )
+
+
 def read_decisions(rd: RunDir, cfg: RunConfig) -> Decisions:
     """decisions.json, read as is: a run dir without it, or with a value this rank cannot use,
     is refused (ConfigError: exit 2, naming the file and the field) before anything loads."""
@@ -393,9 +426,24 @@ class RankRun:
 
     def setup(self) -> None:
         cfg, d = self.cfg, self.decisions
+        self.data = self.rd.read_data()
+        # Every rank checks its machine, and all stop together when one cannot read: a rank
+        # stopping alone left the others waiting in their first collective.
+        missing: ConfigError | None = None
+        try:
+            check_this_machine(cfg, self.rd, self.data)
+        except ConfigError as err:
+            missing = err
+        rows = gather_values([float(missing is not None)], self.device)
+        if missing is not None:
+            raise missing
+        if lacking := [r for r, row in enumerate(rows) if row[0]]:
+            raise ConfigError(
+                f"rank(s) {', '.join(map(str, lacking))} cannot read what train.py wrote or "
+                "read on its machine (their line names it): every rank stopped before loading"
+            )
         seed_everything(cfg.trainer.seed)
         self.tokenizer = load_tokenizer(cfg)
-        self.data = self.rd.read_data()
         self.groups = SequenceGroups.of(self.rank, self.world, d.sequence_parallel)
         self.pad_id = self.tokenizer.pad_token_id
         dp_rank, dp = self.groups.dp_rank, self.groups.dp
