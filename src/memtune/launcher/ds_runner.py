@@ -14,11 +14,29 @@ launcher to watch) are added to them.
 from __future__ import annotations
 
 import os
+from typing import Any
 
-from deepspeed.launcher import runner
+from deepspeed.launcher import multinode_runner, runner
 
 import memtune  # noqa: F401  (installs memtune.quiet's filters)
 from memtune.launcher.spawn import EXPORT_ENV
+
+
+def pass_the_log_level() -> None:
+    """DeepSpeed's runner gives each node's launcher ``--log_level`` without ssh, but not over
+    pdsh: there every node's launcher logged its world, ranks and commands at INFO (seven lines
+    a node, every run). Its pdsh command gets the level too (the job runs ``--log_level
+    warning``), before the rank module's name; a command of another shape is left as it is."""
+    runner_cls = multinode_runner.PDSHRunner
+    original = runner_cls.get_cmd
+
+    def get_cmd(self: Any, environment: Any, active_resources: Any) -> Any:
+        cmd, kill_cmd, env = original(self, environment, active_resources)
+        if self.user_script in cmd:
+            cmd.insert(cmd.index(self.user_script), f"--log_level={self.args.log_level}")
+        return cmd, kill_cmd, env
+
+    runner_cls.get_cmd = get_cmd
 
 
 def export_also(names: str) -> None:
@@ -29,4 +47,5 @@ def export_also(names: str) -> None:
 
 if __name__ == "__main__":
     export_also(os.environ.get(EXPORT_ENV, ""))
+    pass_the_log_level()
     runner.main()
