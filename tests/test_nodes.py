@@ -72,6 +72,30 @@ def test_hostfile_form(tmp_path: Path) -> None:
     ]
 
 
+def test_a_hostfile_job_is_refused_what_it_cannot_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hostfile on one node (launcher.nnodes left at 1): DeepSpeed's runner started the ranks
+    here after an ssh check of this machine, a RuntimeError traceback without passwordless ssh
+    to itself. And a machine without pdsh, which starts the other nodes' ranks: said before
+    anything is prepared (topology.check_nodes_reachable; the ssh answers themselves are the
+    ssh tier's, tests/ssh)."""
+    from memtune.launcher.topology import check_nodes_reachable
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("box-a slots=2\nbox-b slots=2\n")
+    with pytest.raises(ConfigError, match=r"with launcher.nnodes=1: one machine needs no host"):
+        resolve(_cfg("launcher.num_ranks=2", f"launcher.hostfile={hostfile}"), env={})
+    cfg = _cfg("launcher.num_ranks=4", "launcher.nnodes=2", f"launcher.hostfile={hostfile}")
+    spec = resolve(cfg, env={})
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))  # a machine without pdsh (nor ssh)
+    with pytest.raises(ConfigError, match=r": pdsh is not installed on this machine; DeepSpeed"):
+        check_nodes_reachable(spec)
+    check_nodes_reachable(resolve(_cfg("launcher.num_ranks=2"), env={}))  # local: nothing
+
+
 def test_bad_hostfiles_are_named_with_their_line(tmp_path: Path) -> None:
     bad = tmp_path / "hosts"
     bad.write_text("box-a slots=4\nbox-b 4\n")

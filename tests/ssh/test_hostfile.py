@@ -29,7 +29,7 @@ from memtune.detached import LAUNCHER_BOOT_ENV, LAUNCHER_PID_ENV, boot_id
 from memtune.launcher.extensions import extensions_root
 from memtune.launcher.rank_signals import is_rank
 from memtune.launcher.spawn import free_port, launch, rank_env
-from memtune.launcher.topology import resolve
+from memtune.launcher.topology import check_nodes_reachable, resolve
 from memtune.rundir import RunDir
 from tests.conftest import FAST, ROOT, compose_cfg
 from tests.ssh.nodes import HOSTS, SshNodes
@@ -202,3 +202,38 @@ def test_kill_9_of_train_py_stops_the_ranks_with_a_checkpoint(
     while _running(ranks) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _running(ranks), "a second Ctrl-C left ranks training on the nodes"
+
+
+def test_a_node_ssh_cannot_reach_is_named_before_anything_is_prepared(
+    ssh_nodes: SshNodes, tmp_path: Path
+) -> None:
+    """A hostfile whose second host does not answer ssh: one line naming it and what ssh said,
+    exit 2, before the plan, the data and the run dir (DeepSpeed's runner checked only the first
+    host, after all that; pdsh then failed on the others). The tier's own nodes pass the same
+    check."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"{HOSTS[0]} slots=1\nmemtune-no-such-node.invalid slots=1\n")
+    run_dir = tmp_path / "run"
+    args = [a for a in _job(ssh_nodes, run_dir) if not a.startswith("launcher.hostfile=")]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args, f"launcher.hostfile={hostfile}"],
+        cwd=ROOT,
+        env=ssh_nodes.env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    said = f"launcher.hostfile={hostfile}: not reachable over ssh without a password or a prompt: "
+    assert f"memtune: config error: {said}memtune-no-such-node.invalid (" in proc.stderr
+    assert f"{HOSTS[0]} (" not in proc.stderr  # the one that answers is not named
+    assert "Traceback" not in proc.stderr and "tokenized" not in proc.stdout
+    assert not (run_dir / "plan.json").exists()
+
+    cfg = to_run_config(compose_cfg(_job(ssh_nodes, run_dir)))
+    path = os.environ["PATH"]
+    os.environ["PATH"] = ssh_nodes.env()["PATH"]
+    try:
+        check_nodes_reachable(resolve(cfg))  # both tier nodes answer: no error
+    finally:
+        os.environ["PATH"] = path

@@ -42,6 +42,7 @@ from memtune.launcher.topology import (
     NodeSpec,
     announce_ready,
     announce_stopped,
+    check_nodes_reachable,
     check_sweep_point_nodes,
     resolve,
     size_from_allocation,
@@ -366,6 +367,8 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
         given = given_config(cfg)
         spec = resolve(given)
         check_master_port(given, spec)
+        if not (given.preprocess_only or given.plan_only):
+            check_nodes_reachable(spec)
         if given.preprocess_only and spec.node_rank != 0:
             # Node 0 tokenizes into the shared cache and starts no rank: nothing to wait for
             # (this node waited an hour for a ready mark node 0 never writes).

@@ -39,7 +39,7 @@ from memtune.filesystem import write_atomic
 from memtune.launcher.extensions import extensions_root
 from memtune.launcher.hygiene import clear_shm_buffers, clear_stale_locks
 from memtune.launcher.rank_signals import WORKER_MODULE, NodesOverSsh, is_rank
-from memtune.launcher.topology import NodeSpec, check_hostfile, resolve
+from memtune.launcher.topology import NodeSpec, hostfile_hosts, resolve
 from memtune.run_lock import held_lock_fds
 from memtune.rundir import RunDir
 
@@ -195,9 +195,7 @@ def launch(
     added = {k: v for k, v in env.items() if os.environ.get(k) != v}
     nodes = None
     if spec.form == "hostfile":  # ranks over ssh: they get only what DeepSpeed's runner exports
-        assert spec.hostfile is not None
-        hosts = [h for h, _ in check_hostfile(spec.hostfile, spec.nnodes, spec.ranks_per_node)]
-        nodes = NodesOverSsh(hosts[: spec.nnodes], run_dir, module)
+        nodes = NodesOverSsh(hostfile_hosts(spec), run_dir, module)
         sent, withheld = node_exports({**env, **launcher_env()}, added)
         added[EXPORT_ENV] = env[EXPORT_ENV] = ",".join(sent)
         if withheld:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import subprocess
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -101,7 +103,15 @@ def resolve(cfg: RunConfig, env: Mapping[str, str] | None = None) -> NodeSpec:
             "form (launcher.nnodes > 1, no hostfile, the same command on every node); "
             "drop launcher.node_rank or the hostfile"
         )
-    if lc.nnodes == 1 and lc.hostfile is None:
+    if lc.nnodes == 1 and lc.hostfile is not None:
+        # DeepSpeed's runner then started the ranks here, after asking ssh for this machine:
+        # without passwordless ssh to itself, a RuntimeError traceback after the data was ready
+        raise ConfigError(
+            f"launcher.hostfile={lc.hostfile} with launcher.nnodes=1: one machine needs no "
+            "hostfile; drop it, or set launcher.nnodes to the hosts to use (and "
+            "launcher.num_ranks to all their ranks)"
+        )
+    if lc.nnodes == 1:
         return NodeSpec("local", 1, lc.num_ranks, 0, lc.master_addr, lc.master_port)
     master_addr = lc.master_addr or env.get("MASTER_ADDR", "").strip() or None
     if master_addr is None and env.get("SLURM_JOB_NODELIST"):
@@ -270,6 +280,64 @@ def check_hostfile(path: Path, nnodes: int, per_node: int) -> list[tuple[str, in
             + (f", too few slots on {', '.join(short)}" if short else "")
         )
     return hosts
+
+
+SSH_CHECK_S = 20.0
+
+
+def hostfile_hosts(spec: NodeSpec) -> list[str]:
+    """The hosts a hostfile job runs on: the first ``nnodes`` of its hostfile, as DeepSpeed's
+    runner takes them for ``--num_nodes``."""
+    assert spec.hostfile is not None
+    return [h for h, _ in check_hostfile(spec.hostfile, spec.nnodes, spec.ranks_per_node)][
+        : spec.nnodes
+    ]
+
+
+def check_nodes_reachable(spec: NodeSpec) -> None:
+    """A hostfile job's nodes, reached as DeepSpeed's runner will reach them, before anything is
+    prepared: pdsh installed here, and every host answering ssh without a password or a
+    prompt (the runner checked only the first host, after the plan and the data, and said it
+    in a RuntimeError traceback; pdsh then failed on the others, one line each, and the job
+    with it). A ConfigError names the host and what ssh said."""
+    if spec.form != "hostfile":
+        return
+    if shutil.which("pdsh") is None:
+        raise ConfigError(
+            f"launcher.hostfile={spec.hostfile}: pdsh is not installed on this machine; "
+            "DeepSpeed's runner starts every node's ranks with it (Debian / Ubuntu: apt "
+            "install pdsh), or run the per-node form (docs/multi-node.md)"
+        )
+    if shutil.which("ssh") is None:
+        raise ConfigError(f"launcher.hostfile={spec.hostfile}: ssh is not installed here")
+    checks = {
+        host: subprocess.Popen(
+            ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={SSH_CHECK_S:.0f}", host, "true"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for host in hostfile_hosts(spec)
+    }
+    unreachable = []
+    for host, proc in checks.items():
+        try:
+            _, err = proc.communicate(timeout=SSH_CHECK_S + 5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            err = f"no answer within {SSH_CHECK_S + 5:.0f} s"
+        if proc.returncode != 0:
+            said = (err or "").strip().splitlines()
+            unreachable.append(f"{host} ({said[-1] if said else f'ssh exit {proc.returncode}'})")
+    if unreachable:
+        raise ConfigError(
+            f"launcher.hostfile={spec.hostfile}: not reachable over ssh without a password or a "
+            f"prompt: {', '.join(unreachable)}; the hostfile form starts each node's ranks over "
+            "ssh (a key in the node's authorized_keys, its host key known: ssh HOST true must "
+            "answer by itself)"
+        )
 
 
 def write_nodes_hostfile(run_dir: Path, spec: NodeSpec) -> Path:
