@@ -277,6 +277,10 @@ def _shell_line(env: dict[str, str], cmd: list[str]) -> str:
 
 
 STOP_RESEND_S = 3.0
+STOP_RESEND_OVER_SSH_S = 15.0
+"""The same over ssh (the hostfile form): each resend is a pdsh to every node and a process
+scan there, and only a rank still importing when the first came needs it (a rank keeps a stop
+it got until its next step boundary, which on a 4090 can be minutes away)."""
 
 
 def _start_in_group(group: int, own: bool) -> None:
@@ -425,7 +429,8 @@ class _Ranks:
                     failed = (i, now)
             if failed and not self.killed and now - failed[1] >= RANK_FAILURE_GRACE_S:
                 self.kill()  # the others cannot go on without it
-            if self.stopping and now - resent >= STOP_RESEND_S:
+            every = STOP_RESEND_S if self.nodes is None else STOP_RESEND_OVER_SSH_S
+            if self.stopping and now - resent >= every:
                 self.signal_ranks()
                 resent = now
             time.sleep(POLL_S)
