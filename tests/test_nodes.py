@@ -128,14 +128,21 @@ def test_slurm_environment_maps_to_this_nodes_place() -> None:
     assert spec.master_addr == "gpu07"  # the sbatch exports MASTER_ADDR; this is the fallback
     assert spec.master_port == 20000 + 4242
     assert spec.launch_id == "4242.1"  # a requeued job is a new start of the same run dir
-    cmd, _ = rank_command(cfg, Path("/runs/x"), spec.master_port, spec=spec)
-    assert cmd == [
-        *DS,
-        *("--hostfile", "/runs/x/nodes.hostfile", "--no_ssh", "--node_rank", "1"),
-        *("--num_nodes", "2", "--master_addr", "gpu07", "--master_port", "24242"),
-        *("--num_gpus", "4"),
-        *TAIL,
-    ]
+    # node 1 starts its 4 ranks itself, in a world of 8 that meets at node 0 (RANK 4..7 and
+    # LOCAL_RANK 0..3 added per rank by launch), on the cards Slurm gave it
+    visible = {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    cmd, env = rank_command(cfg, Path("/runs/x"), spec.master_port, spec=spec, env=visible)
+    assert cmd == [sys.executable, "-u", "-m", "memtune.worker", "/runs/x"]
+    assert env == {
+        "MASTER_ADDR": "gpu07",
+        "MASTER_PORT": "24242",
+        "WORLD_SIZE": "8",
+        "LOCAL_WORLD_SIZE": "4",
+        "LOCAL_SIZE": "4",
+        "CROSS_RANK": "1",
+        "CROSS_SIZE": "2",
+        "CUDA_VISIBLE_DEVICES": "0,1,2,3",
+    }
     explicit = resolve(cfg, env={**SLURM_NODE1, "MASTER_ADDR": "10.1.1.7", "MASTER_PORT": "555"})
     assert (explicit.master_addr, explicit.master_port) == ("10.1.1.7", 555)
 
@@ -592,9 +599,11 @@ def test_two_nodes_started_separately_train_together(tmp_path: Path) -> None:
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 4
-    assert "--no_ssh --node_rank 1" in (run_dir / "launch-node1.txt").read_text()
-    assert "--no_ssh --node_rank 0" in (run_dir / "launch.txt").read_text()
-    assert (run_dir / "nodes.hostfile").read_text() == "node0 slots=1\nnode1 slots=1\n"
+    # each node started its rank itself: node 1's is rank 1 of 2, meeting at node 0
+    node1 = (run_dir / "launch-node1.txt").read_text()
+    assert "RANK=1 LOCAL_RANK=0 " in node1 and " CROSS_RANK=1 " in node1
+    assert "RANK=0 LOCAL_RANK=0 " in (run_dir / "launch.txt").read_text()
+    assert " WORLD_SIZE=2 " in node1 and " MASTER_ADDR=127.0.0.1 " in node1
     # .hydra/ is node 0's start (node 1, which records after node 0 is ready, overwrote it)
     assert "launcher.node_rank=0" in (run_dir / ".hydra" / "overrides.yaml").read_text()
     adapter = load_file(run_dir / "adapter" / "adapter_model.safetensors")
@@ -615,15 +624,15 @@ def test_two_nodes_started_separately_train_together(tmp_path: Path) -> None:
     assert all("memtune: data " not in out for out in outs), outs
     assert {name: (run_dir / name).read_bytes() for name in records} == before
 
-    # Node 0 cannot write what the nodes need (a full disk; here a folder where nodes.hostfile
-    # goes) for a start with more steps: it was a traceback, and node 1 waited an hour for
-    # launch.json. Now one line, exit code 2, and the mark node 1 waits for says why.
-    (run_dir / "nodes.hostfile").unlink()
-    (run_dir / "nodes.hostfile").mkdir()
+    # Node 0 cannot write what the nodes need (a full disk; here a folder where plan.txt goes)
+    # for a start with more steps: one line, exit code 2, and the mark node 1 waits for says
+    # why (it waited an hour for launch.json).
+    (run_dir / "plan.txt").unlink()
+    (run_dir / "plan.txt").mkdir()
     more = [o.replace("launch_id=t1", "launch_id=t3") for o in common]
     more = [o.replace("max_steps=4", "max_steps=5") for o in more]
     out = run_train_py([*more, "launcher.node_rank=0"], cwd=tmp_path, timeout=300)
-    why = f"cannot write {run_dir / 'nodes.hostfile'} (IsADirectoryError: Is a directory)"
+    why = f"cannot use {run_dir / 'plan.txt'} (IsADirectoryError: Is a directory)"
     assert out.returncode == 2 and f"memtune: error: {why}\n" in out.stderr, out.stderr[-3000:]
     assert "Traceback" not in out.stderr
     node1 = resolve(_cfg(*more, "launcher.node_rank=1"), env={})
@@ -637,16 +646,88 @@ def test_node_0_says_when_a_stopping_word_cannot_reach_the_other_nodes(
     """launch.json unwritable (a folder there, as a full disk would fail it): a word that stops
     nodes 1.. (an error, a finished run) is said on node 0's output, since they will wait for it
     until WAIT_FOR_NODE0_S; the plain "ready" returns the line for node 0 to end the job with.
-    (When nodes.hostfile could not be written either, node 0 said nothing of the other nodes.)"""
+    (When a record could not be written either, node 0 said nothing of the other nodes.)"""
     from memtune.launcher.job import _mark_ready
     from memtune.rundir import RunDir
 
     spec = NodeSpec("per-node", 2, 1, 0, "n0", 29500, launch_id="9.1")
     RunDir(tmp_path).nodes_ready.mkdir()
     line = f"cannot write {RunDir(tmp_path).nodes_ready} (IsADirectoryError: Is a directory)"
-    assert _mark_ready(tmp_path, spec, error="cannot write nodes.hostfile") == line
+    assert _mark_ready(tmp_path, spec, error="cannot use plan.txt") == line
     assert capsys.readouterr().err == f"memtune: {line}: the other nodes were not told\n"
     assert _mark_ready(tmp_path, spec, finished="already finished") == line
     assert capsys.readouterr().err.endswith("the other nodes were not told\n")
     assert _mark_ready(tmp_path, spec) == line
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.faults
+def test_sigterm_to_every_process_of_a_per_node_job_saves_and_continues(tmp_path: Path) -> None:
+    """What Slurm does on scancel or at the time limit: SIGTERM to every process of the step
+    on every node (train.py, and each rank). Both nodes' ranks save a checkpoint at the next
+    step boundary and every train.py exits 75; the same commands continue to the end. (The
+    nodes used to start their ranks through DeepSpeed's runner and launcher: the runner died of
+    the signal, the job said "DeepSpeed's launcher was killed by SIGTERM" and exited 143 while
+    its ranks still saved, and the launcher killed ranks that took over 30 s to get there.)"""
+    import json
+    import signal
+    import time
+
+    import psutil
+
+    run_dir = tmp_path / "run"
+    common = [
+        *FAST,
+        "trainer.max_steps=30",
+        "trainer.save_every=0",
+        "launcher.num_ranks=2",
+        "launcher.nnodes=2",
+        "launcher.master_addr=127.0.0.1",
+        f"run_dir={run_dir}",
+    ]
+
+    def start(launch_id: str) -> list[subprocess.Popen]:
+        these = [f"launcher.master_port={free_port()}", f"launcher.launch_id={launch_id}"]
+        return [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(ROOT / "train.py"),
+                    *common,
+                    *these,
+                    f"launcher.node_rank={k}",
+                ],
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,  # a step of its own: the signals are the test's
+            )
+            for k in (0, 1)
+        ]
+
+    nodes = start("s1")
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.is_file() and metrics.read_text().strip()):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in nodes)
+        time.sleep(0.2)
+    every = [
+        q for p in nodes for q in [psutil.Process(p.pid), *psutil.Process(p.pid).children(True)]
+    ]
+    assert sum("memtune.worker" in " ".join(q.cmdline()) for q in every) == 2
+    for q in every:
+        q.send_signal(signal.SIGTERM)
+    outs = [p.communicate(timeout=180)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [75, 75], outs
+    assert all("killed by SIGTERM" not in out for out in outs), outs
+    assert json.loads((run_dir / "exit.json").read_text()) == {"code": 75}
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    stopped_at = json.loads((run_dir / "checkpoints" / latest / "trainer_state.json").read_text())
+    assert 1 <= stopped_at["step"] < 30
+
+    nodes = start("s2")
+    outs = [p.communicate(timeout=300)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs
+    assert f"(step {stopped_at['step']})" in outs[0]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 30

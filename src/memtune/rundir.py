@@ -354,11 +354,6 @@ class RunDir:
         """Per-node form: node K's mark that its ranks stopped with a checkpoint (launch_id)."""
         return self.path / f"stopped-node{node_rank}.json"
 
-    @property
-    def nodes_hostfile(self) -> Path:
-        """Per-node form: the hostfile DeepSpeed's launcher reads on every node."""
-        return self.path / "nodes.hostfile"
-
     def lock(self, node_rank: int = 0) -> Path:
         """This node's job lock (run_lock.hold): held by the job for its whole life."""
         return self.path / ("job.lock" if node_rank == 0 else f"job-node{node_rank}.lock")
@@ -405,7 +400,8 @@ class RunDir:
     def memory(self) -> Path:
         return self.path / "memory.json"
 
-    # an earlier run in the same dir
+    # an earlier run in the same dir (nodes.hostfile: the per-node form's, before its nodes
+    # started their ranks themselves)
     RUN_FILES = (
         "config.yaml", "decisions.json", "ds_config.json", "plan.txt", "plan.json", "data.json",
         "resume.json", "base.json", "launch.txt", "launch-node[0-9]*.txt", "launch.json",

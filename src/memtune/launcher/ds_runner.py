@@ -1,9 +1,9 @@
 """DeepSpeed's launcher (``deepspeed ARGS``) as ``python -m memtune.launcher.ds_runner ARGS``.
 
 The same ``deepspeed.launcher.runner.main`` the ``deepspeed`` script calls, in a process that
-imported memtune first, so the filters of :mod:`memtune.quiet` apply to it. Jobs over several
-nodes start here (it reads the hostfile and, for the hostfile form, reaches the other nodes over
-ssh); a one-node job starts DeepSpeed's per-node launcher directly (launcher/spawn.py).
+imported memtune first, so the filters of :mod:`memtune.quiet` apply to it. The hostfile form
+starts here (it reads the hostfile and reaches the nodes over ssh); one node, and each node of
+the per-node form, start their ranks themselves (launcher/spawn.py).
 
 Over ssh the ranks get only the variables DeepSpeed's runner exports (names starting with
 NCCL, PYTHON, UCX, …, and a ``.deepspeed_env`` file's): the names the job lists in

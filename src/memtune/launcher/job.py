@@ -49,7 +49,6 @@ from memtune.launcher.topology import (
     this_node_rank,
     wait_ready,
     wait_stopped,
-    write_nodes_hostfile,
 )
 from memtune.machine import name_cpu_accelerator, versions_line
 from memtune.memory.fit import (
@@ -400,14 +399,6 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
         print(f"memtune: preprocess_only: run dir {run_dir} laid out, no ranks started", flush=True)
         return 0
     if spec.form == "per-node" and spec.node_rank == 0:
-        # A full disk, say, was a traceback here, and nodes 1.. waited an hour for the mark:
-        # one line, and they are told why where the mark can still be written.
-        try:
-            write_nodes_hostfile(run_dir, spec)
-        except OSError as err:
-            why = _cannot_write(RunDir(run_dir).nodes_hostfile, err)
-            _mark_ready(run_dir, spec, error=why)
-            return _stopped_before_launch(cfg, run_dir, "error", why, sweeping, 0)
         unsaid = _mark_ready(run_dir, spec)
         if unsaid:  # not written: nor can the reason be (nodes 1.. wait for WAIT_FOR_NODE0_S)
             return _stopped_before_launch(cfg, run_dir, "error", unsaid, sweeping, 0)

@@ -9,9 +9,10 @@ SIGTERM grace, exited with whichever failed rank it polled first (5 or 247 for o
 and could not tell which rank died of what. Here each rank's exit status is this process's to
 read: the first rank to fail (a code other than 0 and 75, or a signal) is named with its code
 or signal, the others get RANK_FAILURE_GRACE_S to end on their own and are then killed, and the
-job exits with one code that does not depend on polling order (:func:`job_code`). Jobs over
-several nodes go through the ``deepspeed`` command (ds_runner.py), which reads the hostfile and
-starts DeepSpeed's per-node launcher on every node.
+job exits with one code that does not depend on polling order (:func:`job_code`). Each node of
+the per-node form does the same for its own ranks. The hostfile form goes through the
+``deepspeed`` command (ds_runner.py), which reads the hostfile and starts DeepSpeed's per-node
+launcher on every node over ssh.
 """
 
 from __future__ import annotations
@@ -115,17 +116,21 @@ def local_devices(n: int, env: Mapping[str, str] | None = None) -> list[int | st
     return [int(d) if d.isdigit() else d for d in visible[:n]]
 
 
-def node_env(devices: list[int | str], port: int) -> dict[str, str]:
-    """What every rank of a one-node job gets besides RANK and LOCAL_RANK: the variables
-    DeepSpeed's per-node launcher sets (torch.distributed's env:// rendezvous reads them)."""
+def node_env(devices: list[int | str], port: int, spec: NodeSpec | None = None) -> dict[str, str]:
+    """What every rank of this node gets besides RANK and LOCAL_RANK: the variables DeepSpeed's
+    per-node launcher sets (torch.distributed's env:// rendezvous reads them). One node meets
+    at 127.0.0.1; a node of a per-node job (``spec``) at node 0's address, in a world of every
+    node's ranks."""
+    nnodes, node = (spec.nnodes, spec.node_rank) if spec and spec.form == "per-node" else (1, 0)
+    addr = (spec.master_addr if spec else None) if nnodes > 1 else "127.0.0.1"
     return {
-        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_ADDR": addr or "127.0.0.1",
         "MASTER_PORT": str(port),
-        "WORLD_SIZE": str(len(devices)),
+        "WORLD_SIZE": str(len(devices) * nnodes),
         "LOCAL_WORLD_SIZE": str(len(devices)),
         "LOCAL_SIZE": str(len(devices)),
-        "CROSS_RANK": "0",
-        "CROSS_SIZE": "1",
+        "CROSS_RANK": str(node),
+        "CROSS_SIZE": str(nnodes),
         "CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in devices),
     }
 
@@ -139,25 +144,21 @@ def rank_command(
     env: Mapping[str, str] | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The command line and extra environment that start this node's ranks (launcher.topology
-    decides the form; ``env``, default this process's, supplies ``CUDA_VISIBLE_DEVICES``)."""
+    decides the form; ``env``, default this process's, supplies ``CUDA_VISIBLE_DEVICES``).
+
+    One node, and each node of the per-node form: this process starts its ranks itself, one
+    command for every rank (RANK and LOCAL_RANK added per rank, :func:`launch`). The per-node
+    form went through DeepSpeed's runner and per-node launcher, which Slurm's SIGTERM to every
+    process of the step (scancel, the time limit) took apart: the runner died of it, so the job
+    exited 143 while its ranks still saved, and the launcher sent the ranks SIGTERM itself and
+    killed them after 30 s. The hostfile form needs DeepSpeed's runner (ssh, pdsh)."""
     spec = spec or resolve(cfg)
-    if spec.form == "local":  # one command for every rank; RANK / LOCAL_RANK added per rank
+    if spec.form in ("local", "per-node"):
         devices = local_devices(spec.ranks_per_node, env)
-        return [sys.executable, "-u", "-m", module, str(run_dir)], node_env(devices, port)
+        return [sys.executable, "-u", "-m", module, str(run_dir)], node_env(devices, port, spec)
+    assert spec.hostfile is not None
     cmd = [sys.executable, "-m", DS_RUNNER]
-    if spec.form == "hostfile":
-        assert spec.hostfile is not None
-        cmd += ["--hostfile", str(spec.hostfile), "--num_nodes", str(spec.nnodes)]
-    elif spec.form == "per-node":
-        cmd += [
-            "--hostfile",
-            str(RunDir(run_dir).nodes_hostfile),
-            "--no_ssh",
-            "--node_rank",
-            str(spec.node_rank),
-            "--num_nodes",
-            str(spec.nnodes),
-        ]
+    cmd += ["--hostfile", str(spec.hostfile), "--num_nodes", str(spec.nnodes)]
     if spec.master_addr:
         cmd += ["--master_addr", spec.master_addr]
     cmd += [
@@ -200,10 +201,14 @@ def launch(
         added[EXPORT_ENV] = env[EXPORT_ENV] = ",".join(sent)
         if withheld:
             print(f"memtune: not sent to the other nodes: {withheld}", file=sys.stderr)
-    starts: list[dict[str, str]] = [{}]  # multi-node: DeepSpeed's launcher starts the ranks
+    starts: list[dict[str, str]] = [{}]  # hostfile: DeepSpeed's runner starts the ranks
     record = _shell_line(added, cmd)
-    if spec.form == "local":
-        starts = [{"RANK": str(r), "LOCAL_RANK": str(r)} for r in range(spec.ranks_per_node)]
+    own = spec.form != "hostfile"
+    if own:
+        first = spec.node_rank * spec.ranks_per_node
+        starts = [
+            {"RANK": str(first + r), "LOCAL_RANK": str(r)} for r in range(spec.ranks_per_node)
+        ]
         record = "".join(_shell_line({**start, **added}, cmd) for start in starts)
     write_atomic(RunDir(run_dir).launch_cmd(spec.node_rank), record)
     # This process's pid, which the ranks watch (memtune.detached): not in launch.txt above.
@@ -211,7 +216,7 @@ def launch(
     clear_stale_locks(extensions_root())
     clear_shm_buffers()
     envs = [{**env, **start} for start in starts]
-    ranks = _Ranks(cmd, envs, module, spec.form == "local", nodes)
+    ranks = _Ranks(cmd, envs, module, own, nodes)
     try:
         return ranks.wait()
     except BaseException:

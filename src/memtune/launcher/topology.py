@@ -2,12 +2,12 @@
 
 Three forms start the ranks (see launch/README.md):
 
-- ``local``: one node; DeepSpeed's per-node launcher here, as ``deepspeed --num_gpus N`` would
-  start it (one rank: a plain subprocess).
+- ``local``: one node; this process starts the ranks, with the environment DeepSpeed's per-node
+  launcher would give them (launcher.spawn).
 - ``hostfile``: ``deepspeed --hostfile FILE`` from this node starts every node's ranks over ssh.
 - ``per-node``: the same ``train.py`` command runs on every node (Slurm: one task per node, or
   by hand with no ssh between nodes). Node 0 prepares the run dir; the others wait for it, then
-  each starts its own ranks with ``deepspeed --no_ssh --node_rank K``.
+  each starts its own ranks, as one node does (launcher.spawn), in a world of every node's.
 
 The per-node form needs every node to agree on the master address and port and on *which start*
 they belong to, so a node never joins a stale run dir left by an earlier start: the launch id.
@@ -338,15 +338,6 @@ def check_nodes_reachable(spec: NodeSpec) -> None:
             "ssh (a key in the node's authorized_keys, its host key known: ssh HOST true must "
             "answer by itself)"
         )
-
-
-def write_nodes_hostfile(run_dir: Path, spec: NodeSpec) -> Path:
-    """The hostfile DeepSpeed's runner needs for --no_ssh (names only order the nodes)."""
-    path = RunDir(run_dir).nodes_hostfile
-    write_atomic(
-        path, "".join(f"node{i} slots={spec.ranks_per_node}\n" for i in range(spec.nnodes))
-    )
-    return path
 
 
 def _write_mark(path: Path, record: dict[str, Any]) -> None:
