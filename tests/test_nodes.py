@@ -664,7 +664,7 @@ def test_node_0_says_when_a_stopping_word_cannot_reach_the_other_nodes(
 @pytest.mark.faults
 def test_sigterm_to_every_process_of_a_per_node_job_saves_and_continues(tmp_path: Path) -> None:
     """What Slurm does on scancel or at the time limit: SIGTERM to every process of the step
-    on every node (train.py, and each rank). Both nodes' ranks save a checkpoint at the next
+    on every node (train.py, and each rank), two ranks a node. Every rank saves at the next
     step boundary and every train.py exits 75; the same commands continue to the end. (The
     nodes used to start their ranks through DeepSpeed's runner and launcher: the runner died of
     the signal, the job said "DeepSpeed's launcher was killed by SIGTERM" and exited 143 while
@@ -676,11 +676,11 @@ def test_sigterm_to_every_process_of_a_per_node_job_saves_and_continues(tmp_path
     import psutil
 
     run_dir = tmp_path / "run"
-    common = [
+    common = [  # two ranks a node, as on a real box (every other multi-node test runs one)
         *FAST,
         "trainer.max_steps=30",
         "trainer.save_every=0",
-        "launcher.num_ranks=2",
+        "launcher.num_ranks=4",
         "launcher.nnodes=2",
         "launcher.master_addr=127.0.0.1",
         f"run_dir={run_dir}",
@@ -715,7 +715,12 @@ def test_sigterm_to_every_process_of_a_per_node_job_saves_and_continues(tmp_path
     every = [
         q for p in nodes for q in [psutil.Process(p.pid), *psutil.Process(p.pid).children(True)]
     ]
-    assert sum("memtune.worker" in " ".join(q.cmdline()) for q in every) == 2
+    assert sum("memtune.worker" in " ".join(q.cmdline()) for q in every) == 4
+    node1 = (run_dir / "launch-node1.txt").read_text().splitlines()
+    assert [line.split()[:2] for line in node1] == [
+        ["RANK=2", "LOCAL_RANK=0"],
+        ["RANK=3", "LOCAL_RANK=1"],
+    ]
     for q in every:
         q.send_signal(signal.SIGTERM)
     outs = [p.communicate(timeout=180)[0] for p in nodes]
