@@ -56,6 +56,10 @@ FAULTS = [
     ("test_launch", "test_a_closed_terminals_sighup",
      "SIGHUP to train.py (a closed terminal, an ssh connection dropped); the same under nohup",
      "a stop like SIGTERM's: the ranks save and exit 75; under nohup the job goes on"),
+    ("test_nodes", "test_sigterm_to_every_process_of_a_per_node_job",
+     "SIGTERM to every process of a two-node per-node job (Slurm's scancel or time limit)",
+     "every rank saves and every node exits 75 (the job exited 143 through DeepSpeed's "
+     "launcher); the same commands continue"),
     ("test_hostfile", "test_sigterm_stops_every_nodes_ranks",
      "SIGTERM to train.py in the hostfile form (the ranks started over ssh, sshd's, not its)",
      "every node's ranks save and exit 75 (the stop reached none of them); the same command "
