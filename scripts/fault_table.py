@@ -68,6 +68,9 @@ FAULTS = [
      "train.py killed with -9 in the hostfile form; then two Ctrl-Cs",
      "the ranks on its machine see it gone, every node's stop together with a checkpoint, "
      "exit.json says why; two Ctrl-Cs end every node's ranks at once (they trained on)"),
+    ("test_checkpoint", "test_a_closed_terminal_stops_the_demo",
+     "the demo's terminal (a real pty, train.py its session's leader) closed mid-run",
+     "the kernel's SIGHUP stops it: the ranks save, exit 75, none left running"),
     ("test_launch", "test_a_process_outlives_its_closed_terminal",
      "a rank's terminal closed while it writes to it",
      "its lines go nowhere and it goes on (it died of EIO at its next line)"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -665,3 +666,52 @@ def test_a_longer_max_steps_on_resume_follows_the_new_schedule_from_the_next_ste
         if "train/lr" in r
     }
     assert [lrs[s] for s in range(1, 13)] == [before[s] for s in range(1, 13)]
+
+
+@pytest.mark.faults
+def test_a_closed_terminal_stops_the_demo_with_a_checkpoint(tmp_path: Path) -> None:
+    """The real thing test_launch's SIGHUP tests stand in for: train.py in a terminal of its
+    own (a pty, train.py its session's leader, its ranks writing to it), the terminal closed
+    mid-run as an ssh connection drops. The kernel's SIGHUP stops the job with a checkpoint
+    (exit 75); the ranks' lines to the closed terminal (EIO) no longer end them first."""
+    import pty
+    import select
+
+    run_dir = tmp_path / "run"
+    args = [*FAST, "launcher.num_ranks=2", "trainer.max_steps=40", "trainer.save_every=0"]
+    argv = [sys.executable, str(ROOT / "train.py"), *args, f"run_dir={run_dir}"]
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the pty is its controlling terminal, it leads the session
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)  # not nohup's, whatever runs the tests
+        os.chdir(ROOT)
+        os.execv(sys.executable, argv)
+    seen = b""
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    try:
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+            assert time.monotonic() < deadline, seen.decode(errors="replace")[-3000:]
+            if select.select([fd], [], [], 0.2)[0]:  # as a terminal reads, never blocking here
+                with contextlib.suppress(OSError):
+                    seen += os.read(fd, 65536)
+        os.close(fd)  # the terminal is gone: SIGHUP to its session's leader
+        deadline = time.monotonic() + 180
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+            assert time.monotonic() < deadline, "train.py did not end after its terminal closed"
+            time.sleep(0.2)
+    finally:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(done[1]) == 75, seen.decode(errors="replace")[-3000:]
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    stopped_at = json.loads((run_dir / "checkpoints" / latest / "trainer_state.json").read_text())
+    assert 2 <= stopped_at["step"] < 40
+    assert json.loads((run_dir / "exit.json").read_text()) == {"code": 75}
+    assert not [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if p.info["cmdline"]
+        and str(run_dir) in p.info["cmdline"]
+        and "memtune.worker" in p.info["cmdline"]
+    ]
