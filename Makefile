@@ -29,6 +29,7 @@ help: ## List the targets
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q $(PIP_LOCK) --upgrade pip
+	$(PY) scripts/torch_floor.py
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(PIP_LOCK) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q $(PIP_LOCK) -e ".[dev]"
 	$(PY) -m memtune.launcher.extensions

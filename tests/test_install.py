@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 from memtune.machine import REPO_LOCK, lock_differences, lock_pins
 from tests.conftest import ROOT
@@ -92,3 +95,28 @@ def test_every_target_the_help_gives_exp_runs_that_experiment() -> None:
         lines = [line for line in dry.stdout.splitlines() if not line.startswith("#")]
         runs = [line for line in lines if "train.py" in line or " plan " in line]
         assert runs and all("experiment=qwen3-8b-4x4090-lora" in r for r in runs), (target, dry)
+
+
+def test_an_installed_torch_below_the_floor_is_refused_before_memtune_installs(
+    tmp_path: Path,
+) -> None:
+    """make install keeps a torch already in .venv (a GPU box's CUDA build); one older than
+    pyproject.toml's floor (2.6: transformers 5 disables torch below it) is refused in one line
+    (scripts/torch_floor.py, the first thing make install runs), naming the version found. Run
+    with this venv's real torch against pyproject's floor, then against a floor above it."""
+    import re
+
+    import torch
+
+    script = ROOT / "scripts" / "torch_floor.py"
+    ok = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert re.search(r'"torch>=2\.6"', (ROOT / "pyproject.toml").read_text())
+    higher = tmp_path / "pyproject.toml"
+    higher.write_text('dependencies = [\n    "torch>=99.1",\n]\n')
+    old = subprocess.run([sys.executable, str(script), str(higher)], capture_output=True, text=True)
+    assert old.returncode == 2
+    assert old.stderr.startswith(f"memtune: torch {torch.__version__} in {sys.prefix} is older ")
+    assert "than 99.1, which memtune needs" in old.stderr
+    makefile = (ROOT / "Makefile").read_text()
+    assert makefile.index("scripts/torch_floor.py") < makefile.index('"$(TORCH_SPEC)"')

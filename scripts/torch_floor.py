@@ -1,0 +1,55 @@
+"""Refuse an installed torch older than pyproject.toml's floor, before memtune is installed.
+
+    .venv/bin/python scripts/torch_floor.py [PYPROJECT]   # make install runs it: exit 2, one line
+
+``make install`` keeps a torch already in the venv (a GPU box's CUDA build). Below the floor
+pip would replace it with PyPI's default build (another CUDA version, gigabytes), and
+transformers 5 disables a torch older than 2.6 at import ("Disabling PyTorch"), so memtune
+failed later with errors about a missing PyTorch. The floor is read from pyproject.toml, the
+one place it is written.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torch_floor(pyproject: Path = ROOT / "pyproject.toml") -> tuple[int, int]:
+    """pyproject.toml's ``torch>=X.Y`` (no tomllib: Python 3.10 has none)."""
+    found = re.search(r'"torch>=(\d+)\.(\d+)', pyproject.read_text())
+    if found is None:
+        raise SystemExit(f"{pyproject}: no torch>=X.Y among the dependencies")
+    return int(found.group(1)), int(found.group(2))
+
+
+def release(version: str) -> tuple[int, int]:
+    """``2.5.1+cu124`` → (2, 5)."""
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()  # type: ignore[union-attr]
+    return int(major), int(minor)
+
+
+def main(argv: list[str]) -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0  # none yet: make install installs its own
+    floor = torch_floor(Path(argv[0])) if argv else torch_floor()
+    if release(torch.__version__) >= floor:
+        return 0
+    want = ".".join(map(str, floor))
+    print(
+        f"memtune: torch {torch.__version__} in {sys.prefix} is older than {want}, which "
+        f"memtune needs (transformers 5 disables torch below 2.6): install a torch >= {want} "
+        "built for your CUDA first (pytorch.org's selector gives the command), then run make "
+        "install again",
+        file=sys.stderr,
+    )
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
