@@ -26,10 +26,13 @@ def torch_floor(pyproject: Path = ROOT / "pyproject.toml") -> tuple[int, int]:
     return int(found.group(1)), int(found.group(2))
 
 
-def release(version: str) -> tuple[int, int]:
-    """``2.5.1+cu124`` → (2, 5)."""
-    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()  # type: ignore[union-attr]
-    return int(major), int(minor)
+def below(version: str, floor: tuple[int, int]) -> bool:
+    """Whether torch ``version`` is below ``floor`` as pip and transformers compare versions
+    (PEP 440): a pre-release of the floor (``2.6.0a0+ecf3bae``, a container's build) is below
+    it, and transformers disables it too."""
+    from pip._vendor.packaging.version import Version  # pip is in every venv make install makes
+
+    return Version(version) < Version(".".join(map(str, floor)))
 
 
 def main(argv: list[str]) -> int:
@@ -38,7 +41,7 @@ def main(argv: list[str]) -> int:
     except ImportError:
         return 0  # none yet: make install installs its own
     floor = torch_floor(Path(argv[0])) if argv else torch_floor()
-    if release(torch.__version__) >= floor:
+    if not below(torch.__version__, floor):
         return 0
     want = ".".join(map(str, floor))
     print(

@@ -118,5 +118,13 @@ def test_an_installed_torch_below_the_floor_is_refused_before_memtune_installs(
     assert old.returncode == 2
     assert old.stderr.startswith(f"memtune: torch {torch.__version__} in {sys.prefix} is older ")
     assert "than 99.1, which memtune needs" in old.stderr
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from torch_floor import below
+    finally:
+        sys.path.pop(0)
+    # as pip and transformers compare: a container's pre-release of 2.6 is below 2.6
+    assert below("2.6.0a0+ecf3bae40a", (2, 6)) and below("2.5.1+cu124", (2, 6))
+    assert not below("2.6.0", (2, 6)) and not below("2.13.0+cpu", (2, 6))
     makefile = (ROOT / "Makefile").read_text()
     assert makefile.index("scripts/torch_floor.py") < makefile.index('"$(TORCH_SPEC)"')

@@ -208,15 +208,19 @@ def test_ranks_see_their_launcher_end_even_before_it_is_reaped() -> None:
 
 def test_a_launcher_on_another_machine_is_not_watched() -> None:
     """A hostfile job's ranks on the other nodes get train.py's pid too (over ssh): there it is
-    another machine's process, and an unrelated process with that pid, or none, must not
-    stop the run. The machine is the launcher's boot id."""
-    from memtune.detached import LAUNCHER_BOOT_ENV, LAUNCHER_PID_ENV, LauncherWatch, boot_id
+    another machine's process, or another container's on the same host, and an unrelated
+    process with that pid, or none, must not stop the run (a rank that found no such pid
+    stopped at its first step, every start). Where a pid means something: the boot id and the
+    pid namespace (the ssh tier runs its second node in a pid namespace of its own)."""
+    from memtune.detached import LAUNCHER_BOOT_ENV, LAUNCHER_PID_ENV, LauncherWatch, pid_space
 
-    here = boot_id()
-    assert len(here) == 36  # a UUID: Linux's /proc/sys/kernel/random/boot_id
+    here = pid_space()
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    assert here == f"{boot}/pid:{os.stat('/proc/self/ns/pid').st_ino}"
     gone_pid = str(2**22 + 12345)  # above pid_max's default: no such process here
-    elsewhere = LauncherWatch({LAUNCHER_PID_ENV: gone_pid, LAUNCHER_BOOT_ENV: "another-box"})
-    assert elsewhere.pid is None and not elsewhere.gone()
+    for there in ("another-box/pid:4026531836", f"{boot}/pid:1"):  # another machine, container
+        elsewhere = LauncherWatch({LAUNCHER_PID_ENV: gone_pid, LAUNCHER_BOOT_ENV: there})
+        assert elsewhere.pid is None and not elsewhere.gone()
     mine = LauncherWatch({LAUNCHER_PID_ENV: gone_pid, LAUNCHER_BOOT_ENV: here})
     assert mine.pid == int(gone_pid) and mine.gone()
 
@@ -256,7 +260,9 @@ def test_what_a_hostfile_job_sends_to_its_nodes() -> None:
         "WANDB_PROJECT",
     ]
     assert withheld.startswith("HF_TOKEN, WANDB_API_KEY (credentials stay off the ssh command")
-    assert "; WANDB_NOTES (a \", $, ` or \\ DeepSpeed's runner cannot quote)" in withheld
+    assert "; WANDB_NOTES (a \", $, `, % or \\ DeepSpeed's runner cannot quote)" in withheld
+    # a name with KEY / TOKEN as a word is a credential; TOKENIZERS_* is not
+    assert node_exports({"TOKENIZERS_PARALLELISM": "false"}, {}) == (["TOKENIZERS_PARALLELISM"], "")
     assert node_exports({"OMP_NUM_THREADS": "2"}, {"OMP_NUM_THREADS": "2"}) == (
         ["OMP_NUM_THREADS"],
         "",
@@ -266,32 +272,47 @@ def test_what_a_hostfile_job_sends_to_its_nodes() -> None:
 def test_a_signal_for_one_runs_ranks_reaches_no_other_process(tmp_path: Path) -> None:
     """What a hostfile job runs on every node over ssh to stop (USR2) or kill its ranks
     (memtune.launcher.rank_signals): only processes that are ranks (``-m memtune.worker``) of
-    that run dir, compared resolved; another run's ranks on the same node are left alone."""
-    from memtune.launcher.rank_signals import is_rank, main
+    that run dir, compared resolved, in a run dir whose name has a space; another run's ranks
+    on the same node are left alone, and so is a rank not yet listening for the stop (it would
+    die of the signal's default: the job sends it again), which a kill still reaches."""
+    from memtune.launcher.rank_signals import NodesOverSsh, handles, is_rank, main
 
-    ours, other = tmp_path / "ours", tmp_path / "other"
+    ours, other = tmp_path / "our run", tmp_path / "other"
     ours.mkdir()
     other.mkdir()
-    sleep = "import time; time.sleep(60)"
+    listening = "import signal, sys, time\nsignal.signal(signal.SIGUSR2, lambda *a: sys.exit(7))"
+    listening += "\ntime.sleep(60)"
     # `python -c CODE -m memtune.worker DIR`: the command line a rank has, minus the import
     started = {
-        d: subprocess.Popen([sys.executable, "-c", sleep, "-m", "memtune.worker", str(d)])
-        for d in (ours, other)
+        name: subprocess.Popen([sys.executable, "-c", code, "-m", "memtune.worker", str(d)])
+        for name, code, d in (
+            ("ours", listening, ours),
+            ("deaf", "import time; time.sleep(60)", ours),  # still importing, say
+            ("other", listening, other),
+        )
     }
     try:
         deadline = time.monotonic() + 10
-        while not all(
-            is_rank(psutil.Process(p.pid).cmdline(), run_dir=str(d)) for d, p in started.items()
-        ):  # until both have exec'd (a forked child shows its parent's command line first)
+        while not (
+            all(is_rank(psutil.Process(p.pid).cmdline()) for p in started.values())
+            and handles(started["ours"].pid, signal.SIGUSR2)
+        ):  # until all have exec'd (a forked child shows its parent's command line first)
             assert time.monotonic() < deadline
             time.sleep(0.01)
+        assert not handles(started["deaf"].pid, signal.SIGUSR2)
         assert not is_rank(["python", "-m", "memtune.launcher.ds_runner", "--module", "x"])
         link = tmp_path / "link"
         link.symlink_to(ours)
-        assert main(["TERM", str(link)]) == 0  # the run dir named through a link
-        assert started[ours].wait(timeout=10) == -signal.SIGTERM
-        assert started[other].poll() is None
+        assert main(["USR2", str(link)]) == 0  # the run dir named through a link
+        assert started["ours"].wait(timeout=10) == 7
+        assert started["deaf"].poll() is None and started["other"].poll() is None
+        assert main(["KILL", str(ours)]) == 0
+        assert started["deaf"].wait(timeout=10) == -signal.SIGKILL
+        assert started["other"].poll() is None
         assert main(["NOSUCH", str(ours)]) == 2
+        # pdsh runs one shell line on each node: every word quoted, its % doubled
+        line = NodesOverSsh(["a", "b"], tmp_path / "50% run").command(signal.SIGUSR2)[-1]
+        assert line.endswith(f"USR2 '{tmp_path}/50%% run' memtune.worker")
     finally:
         for proc in started.values():
             proc.kill()

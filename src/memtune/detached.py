@@ -26,38 +26,47 @@ per-node launcher or, in the hostfile form, over ssh: its own pid, which the ran
 machine watch (:data:`LAUNCHER_BOOT_ENV`). Not in launch.txt: a rank started by hand has no
 launcher to lose."""
 LAUNCHER_BOOT_ENV = "MEMTUNE_LAUNCHER_BOOT_ID"
-"""The launcher's machine (its kernel's boot id), set beside :data:`LAUNCHER_PID_ENV`: a
-hostfile job's ranks on other nodes get the pid too, and there it names another machine's
-process. Their stop comes from the ranks on the launcher's machine, through the step's
-collective."""
+"""Where the launcher's pid means something (:func:`pid_space`), set beside
+:data:`LAUNCHER_PID_ENV`: a hostfile job's ranks on other nodes get the pid too, and there it
+names another machine's process, or another container's. Their stop comes from the ranks that
+can see the launcher, through the step's collective."""
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
-def boot_id() -> str:
-    """This machine's boot id (Linux; "" where there is none to read)."""
+def pid_space() -> str:
+    """Where a pid is this process's pid: the kernel's boot id (the machine) and this process's
+    pid namespace. Containers on one host share the boot id but not the pids (a Kubernetes pod,
+    a compose "node"): there another container's pid names nothing, or something else. ""
+    where neither can be read (not Linux)."""
     try:
         with open(BOOT_ID) as f:
-            return f.read().strip()
+            boot = f.read().strip()
     except OSError:
         return ""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0
+    return f"{boot}/pid:{namespace}"
 
 
 def launcher_env() -> dict[str, str]:
     """What a job gives its ranks so that they can watch it (:class:`LauncherWatch`)."""
-    return {LAUNCHER_PID_ENV: str(os.getpid()), LAUNCHER_BOOT_ENV: boot_id()}
+    return {LAUNCHER_PID_ENV: str(os.getpid()), LAUNCHER_BOOT_ENV: pid_space()}
 
 
 class LauncherWatch:
     """This rank's launcher (``MEMTUNE_LAUNCHER_PID``), asked whether it still runs: a reused
     pid does not count (psutil compares the start time it saw first), nor a zombie (a launcher
-    killed and not yet reaped by its parent). A launcher on another machine (a hostfile job's
-    other nodes: ``MEMTUNE_LAUNCHER_BOOT_ID`` is not this machine's) is not watched here."""
+    killed and not yet reaped by its parent). A launcher whose pid means nothing here (a hostfile
+    job's other nodes, another container: ``MEMTUNE_LAUNCHER_BOOT_ID`` is not this process's
+    :func:`pid_space`) is not watched."""
 
     def __init__(self, env: dict[str, str] | os._Environ[str] | None = None):
         env = os.environ if env is None else env
         value = env.get(LAUNCHER_PID_ENV, "")
         machine = env.get(LAUNCHER_BOOT_ENV, "")
-        here = not machine or machine == boot_id()
+        here = not machine or machine == pid_space()
         self.pid = int(value) if value.isdigit() and here else None
         self._process: psutil.Process | None = None
         self._gone = False

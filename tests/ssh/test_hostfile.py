@@ -25,10 +25,10 @@ import psutil
 import pytest
 
 from memtune.config import to_run_config
-from memtune.detached import LAUNCHER_BOOT_ENV, LAUNCHER_PID_ENV, boot_id
+from memtune.detached import LAUNCHER_BOOT_ENV, LAUNCHER_PID_ENV, pid_space
 from memtune.launcher.extensions import extensions_root
 from memtune.launcher.rank_signals import is_rank
-from memtune.launcher.spawn import free_port, launch, rank_env
+from memtune.launcher.spawn import free_port, launch
 from memtune.launcher.topology import check_nodes_reachable, resolve
 from memtune.rundir import RunDir
 from tests.conftest import FAST, ROOT, compose_cfg
@@ -115,13 +115,15 @@ def test_the_ranks_on_every_node_get_the_jobs_environment(
     code = launch(cfg, run_dir, module="tests.ssh.env_probe", spec=resolve(cfg))
     assert code == 0
     expected = {
-        "OMP_NUM_THREADS": rank_env(cfg)["OMP_NUM_THREADS"],
+        # not train.py's machine's figure: each rank divides its own machine's cores
+        # (rank.worker.threads_for_this_machine) unless launcher.omp_threads asks
+        "OMP_NUM_THREADS": None,
         "TORCH_EXTENSIONS_DIR": str(extensions_root()),
         "TOKENIZERS_PARALLELISM": "false",
         "WANDB_PROJECT": "memtune-ssh-tier",
         "HF_HUB_OFFLINE": "1",
         LAUNCHER_PID_ENV: str(os.getpid()),
-        LAUNCHER_BOOT_ENV: boot_id(),
+        LAUNCHER_BOOT_ENV: pid_space(),
     }
     for rank, host in enumerate(HOSTS):
         env = json.loads((run_dir / f"env-rank{rank}.json").read_text())

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -45,14 +46,31 @@ def is_rank(
     return False
 
 
+def handles(pid: int, sig: signal.Signals) -> bool:
+    """Whether process ``pid`` catches or ignores ``sig`` (/proc/PID/status): a rank that has
+    not yet reached its own first line (memtune.worker ignores the stop signals there) would
+    die of a stop signal's default, and DeepSpeed's launcher starts the hostfile form's ranks
+    with the defaults."""
+    bit = 1 << (int(sig) - 1)
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            masks = dict(line.split(":", 1) for line in f if line.startswith(("SigIgn", "SigCgt")))
+    except OSError:
+        return False
+    return any(int(value, 16) & bit for value in masks.values())
+
+
 def signal_here(sig: signal.Signals, run_dir: str, module: str = WORKER_MODULE) -> int:
-    """``sig`` to this user's ranks of ``run_dir`` on this machine; how many got it."""
+    """``sig`` to this user's ranks of ``run_dir`` on this machine; how many got it. A stop
+    (any signal but SIGKILL) skips a rank not yet listening for it: the job sends it again."""
     sent = 0
     me = os.getuid()
     for proc in psutil.process_iter(["cmdline", "uids"]):
         with contextlib.suppress(psutil.Error, TypeError):
             mine = proc.info["uids"].real == me
             if not mine or not is_rank(proc.info["cmdline"] or [], module, run_dir):
+                continue
+            if sig != signal.SIGKILL and not handles(proc.pid, sig):
                 continue
             proc.send_signal(sig)
             sent += 1
@@ -71,9 +89,12 @@ class NodesOverSsh:
         """What pdsh said when a signal could not be sent (printed once by the job)."""
 
     def command(self, sig: signal.Signals) -> list[str]:
+        """pdsh's command line: the remote command is one shell line on every node (each word
+        quoted, a run dir with a space included) in which pdsh itself expands ``%`` (``%%``)."""
         name = sig.name.removeprefix("SIG")
         here = [sys.executable, "-m", MODULE, name, str(self.run_dir), self.module]
-        return ["pdsh", "-S", "-w", ",".join(self.hosts), *here]
+        line = " ".join(shlex.quote(word).replace("%", "%%") for word in here)
+        return ["pdsh", "-S", "-w", ",".join(self.hosts), line]
 
     def _start(self, sig: signal.Signals) -> subprocess.Popen:
         env = {**os.environ, "PDSH_RCMD_TYPE": "ssh"}
@@ -91,9 +112,23 @@ class NodesOverSsh:
         """Start sending ``sig`` unless the last one is still on its way."""
         if self._sending is not None and self._sending.poll() is None:
             return
-        self._collect()
-        with contextlib.suppress(OSError):
+        self.collect()
+        try:
             self._sending = self._start(sig)
+        except OSError as err:
+            self.failures.append(f"pdsh: {err}")
+
+    def finish(self, timeout_s: float = 10.0) -> None:
+        """The last send waited for, and ended if it hangs: one still on its way when the job
+        ends could stop the ranks of the next start on the same run dir."""
+        if self._sending is None:
+            return
+        try:
+            self._sending.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(OSError):
+                os.killpg(self._sending.pid, signal.SIGKILL)
+        self.collect()
 
     def send_and_wait(self, sig: signal.Signals, timeout_s: float = 30.0) -> None:
         """``sig`` to every node, waited for (a kill: nothing may be left training)."""
@@ -112,13 +147,14 @@ class NodesOverSsh:
         if proc.returncode:
             self.failures.append(err_text.strip())
 
-    def _collect(self) -> None:
-        done, self._sending = self._sending, None
-        if done is None:
+    def collect(self) -> None:
+        """The last send's outcome, once it has ended: what pdsh said when it failed."""
+        if self._sending is None or self._sending.poll() is None:
             return
+        done, self._sending = self._sending, None
         _, err_text = done.communicate()
         if done.returncode:
-            self.failures.append(err_text.strip())
+            self.failures.append(err_text.strip() or f"pdsh exited with {done.returncode}")
 
 
 def main(argv: list[str] | None = None) -> int:

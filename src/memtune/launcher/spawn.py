@@ -197,15 +197,20 @@ def launch(
     nodes = None
     if spec.form == "hostfile":  # ranks over ssh: they get only what DeepSpeed's runner exports
         nodes = NodesOverSsh(hostfile_hosts(spec), run_dir, module)
-        sent, withheld = node_exports({**env, **launcher_env()}, added)
+        # the threads a rank: train.py's machine's figure only if asked for (a login node's
+        # cores are not a node's); else each rank divides its own machine's
+        # (rank.worker.threads_for_this_machine)
+        asked = cfg.launcher.omp_threads is not None
+        mine = {k: v for k, v in added.items() if k != "OMP_NUM_THREADS" or asked}
+        sent, withheld = node_exports({**os.environ, **mine, **launcher_env()}, mine)
         added[EXPORT_ENV] = env[EXPORT_ENV] = ",".join(sent)
         if withheld:
             print(f"memtune: not sent to the other nodes: {withheld}", file=sys.stderr)
     starts: list[dict[str, str]] = [{}]  # hostfile: DeepSpeed's runner starts the ranks
     record = _shell_line(added, cmd)
     own = spec.form != "hostfile"
+    first = spec.node_rank * spec.ranks_per_node
     if own:
-        first = spec.node_rank * spec.ranks_per_node
         starts = [
             {"RANK": str(first + r), "LOCAL_RANK": str(r)} for r in range(spec.ranks_per_node)
         ]
@@ -216,7 +221,7 @@ def launch(
     clear_stale_locks(extensions_root())
     clear_shm_buffers()
     envs = [{**env, **start} for start in starts]
-    ranks = _Ranks(cmd, envs, module, own, nodes)
+    ranks = _Ranks(cmd, envs, module, own, nodes, first if own else 0)
     try:
         return ranks.wait()
     except BaseException:
@@ -250,11 +255,12 @@ NODE_ENV_PREFIXES = (
 )
 """Besides what memtune sets for the ranks itself (threads, the ops' build dir, NCCL switches):
 the user's settings the ranks read (memtune's, wandb's, Hugging Face's, the CUDA allocator's)."""
-CREDENTIAL = re.compile(r"KEY|TOKEN|SECRET|PASSWORD")
+CREDENTIAL = re.compile(r"(^|_)(KEY|TOKEN|SECRET|PASSWORD)(_|$)")
 """Names kept off the ssh command line, where every user of a node could read them: wandb and
 the Hub log in from each node's own ``wandb login`` / ``hf auth login`` (a shared home)."""
-UNQUOTABLE = re.compile(r'["$`\\\n]')
-"""What DeepSpeed's runner cannot pass: it puts a value between double quotes in a shell line."""
+UNQUOTABLE = re.compile(r'["$`%\\\n]')
+"""What DeepSpeed's runner cannot pass: it puts a value between double quotes in a shell line,
+which pdsh reads for its own ``%`` expansions first."""
 
 
 def node_exports(env: Mapping[str, str], added: Mapping[str, str]) -> tuple[list[str], str]:
@@ -272,7 +278,7 @@ def node_exports(env: Mapping[str, str], added: Mapping[str, str]) -> tuple[list
             "each node, e.g. `wandb login` with a shared home)"
         )
     if unquotable:
-        why.append(f"{', '.join(unquotable)} (a \", $, ` or \\ DeepSpeed's runner cannot quote)")
+        why.append(f"{', '.join(unquotable)} (a \", $, `, % or \\ DeepSpeed's runner cannot quote)")
     return sorted(wanted - {*credentials, *unquotable}), "; ".join(why)
 
 
@@ -312,8 +318,13 @@ class _Ranks:
         module: str,
         own: bool,
         nodes: NodesOverSsh | None = None,
+        first_rank: int = 0,
     ):
         self.module, self.own = module, own
+        self.first_rank = first_rank
+        """The global rank of this node's first (the per-node form: the node's rank × its
+        ranks): a failed rank is named as its own line names it."""
+        self.said_failures = 0
         self.nodes = nodes
         """The hostfile form's nodes: its ranks run under each node's sshd, no descendants of
         this process, and are reached over ssh (rank_signals)."""
@@ -438,9 +449,31 @@ class _Ranks:
             if self.stopping and now - resent >= every:
                 self.signal_ranks()
                 resent = now
+            self._say_ssh_failures()
             time.sleep(POLL_S)
-        if self.nodes is not None and self.nodes.failures:
-            said = self.nodes.failures[0] or "no reason given"
+        if self.nodes is not None:
+            self.nodes.finish()
+            self._say_ssh_failures()
+        if self.interrupts > 1:
+            return EXIT_INTERRUPTED
+        first = failed[0] if failed else None
+        code, rank, line = job_code(codes, self.killed, first)
+        if line is not None:
+            who = f"rank {self.first_rank + rank}" if self.own else "DeepSpeed's launcher"
+            print(
+                f"memtune: {who} (pid {self.procs[rank].pid}) {line}", file=sys.stderr, flush=True
+            )
+        return code
+
+    def _say_ssh_failures(self) -> None:
+        """A signal pdsh could not deliver, said when it is known (the stop, re-sent, may still
+        get through), with the command that sends it by hand."""
+        if self.nodes is None:
+            return
+        self.nodes.collect()
+        while len(self.nodes.failures) > self.said_failures:
+            said = self.nodes.failures[self.said_failures] or "no reason given"
+            self.said_failures += 1
             by_hand = shlex.join(self.nodes.command(signal.SIGUSR2))
             print(
                 f"memtune: a signal for the ranks could not be sent over ssh ({said}); to stop "
@@ -448,16 +481,6 @@ class _Ranks:
                 file=sys.stderr,
                 flush=True,
             )
-        if self.interrupts > 1:
-            return EXIT_INTERRUPTED
-        first = failed[0] if failed else None
-        code, rank, line = job_code(codes, self.killed, first)
-        if line is not None:
-            who = f"rank {rank}" if self.own else "DeepSpeed's launcher"
-            print(
-                f"memtune: {who} (pid {self.procs[rank].pid}) {line}", file=sys.stderr, flush=True
-            )
-        return code
 
 
 CLEAN_CODES = (0, EXIT_REQUEUE)

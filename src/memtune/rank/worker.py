@@ -131,6 +131,17 @@ def allocator_label(conf: str) -> str:
     return f"PYTORCH_CUDA_ALLOC_CONF={conf}" if conf else "torch's defaults"
 
 
+def threads_for_this_machine() -> None:
+    """A rank started without OMP_NUM_THREADS (the hostfile form's on another node: DeepSpeed's
+    launcher there sets none, and train.py's figure is its own machine's cores) shares this
+    machine's cores with the ranks beside it (LOCAL_SIZE), as train.py's ranks do: else each
+    ran a thread per core, and the CPU optimizer's threads fought over them."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return
+    beside = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, beside)))
+
+
 def init_distributed() -> tuple[int, int, int, torch.device]:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -142,6 +153,7 @@ def init_distributed() -> tuple[int, int, int, torch.device]:
                 "(or deepspeed / torchrun / srun), not by hand."
             )
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    threads_for_this_machine()
     accel = get_accelerator()
     if accel.device_name() != "cpu":
         accel.set_device(local_rank)
@@ -336,7 +348,10 @@ def check_this_machine(cfg: RunConfig, rd: RunDir, data: DataRecord) -> None:
     name = cfg.model.name_or_path
     base = rd.read_base() if rd.base.is_file() else None
     on_disk = base is not None and base.fingerprint is not None
-    if on_disk and checkpoint_config_file(name, cfg.model.revision) is None:
+    # A hub name (org/model) may come from each node's own cache, or be downloaded there:
+    # only a path must be where train.py read it.
+    hub_name = name.count("/") == 1 and not name.startswith((".", "/", "~"))
+    if on_disk and not hub_name and checkpoint_config_file(name, cfg.model.revision) is None:
         raise ConfigError(
             f"model.name_or_path={name}: train.py read it from disk on its machine, and this "
             f"machine ({here}) has no {Path(name).expanduser() / 'config.json'}: every node "
@@ -429,10 +444,10 @@ class RankRun:
         self.data = self.rd.read_data()
         # Every rank checks its machine, and all stop together when one cannot read: a rank
         # stopping alone left the others waiting in their first collective.
-        missing: ConfigError | None = None
+        missing: Exception | None = None
         try:
             check_this_machine(cfg, self.rd, self.data)
-        except ConfigError as err:
+        except Exception as err:  # any: a rank raising alone left the others in all_gather
             missing = err
         rows = gather_values([float(missing is not None)], self.device)
         if missing is not None:
@@ -568,13 +583,19 @@ class RankRun:
             said = f"stopped by {by} after step {stop.last_step}; checkpoint saved. Run the "
             said += f"same command again to continue (exit code {EXIT_REQUEUE})."
         self.print0(f"memtune: {said}", flush=True)
-        self._record_without_launcher(EXIT_REQUEUE, said)
+        self._record_without_launcher(EXIT_REQUEUE, said, stop.launchers_lost > 0)
         raise SystemExit(EXIT_REQUEUE) from None
 
-    def _record_without_launcher(self, code: int, said: str | None = None) -> None:
+    def _record_without_launcher(
+        self, code: int, said: str | None = None, lost: bool = False
+    ) -> None:
         """exit.json, the launcher's record of the job's end, written by rank 0 when its
-        launcher is gone (kill -9, the OOM killer): no one else will. A stop says why in it."""
-        if self.rank == 0 and self.launcher.gone():
+        launcher is gone (kill -9, the OOM killer): no one else will. A stop says why in it;
+        ``lost``: the stop's collective counted a lost launcher, seen by another rank (rank 0
+        on a node where train.py's pid means nothing: a hostfile job's). Where train.py still
+        runs (the per-node form's node 0, another node's launcher lost) it writes its own
+        after this one."""
+        if self.rank == 0 and (lost or self.launcher.gone()):
             self.rd.write_exit(code, said)
 
     def finish(self, result: TrainResult, after_train: AfterTrain | None) -> None:
