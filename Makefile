@@ -83,7 +83,7 @@ test-faults: $(STAMP) ## Whole jobs stopped, killed, out of memory, resumed on o
 test-slurm: $(STAMP) ## Slurm tier: a real 2-node cluster on 127.0.0.1 (root; apt-installs Slurm + MariaDB if missing; ~5-8 min)
 	$(PY) -m pytest tests/slurm -m slurm $(PYTEST_ARGS)
 
-test-ssh: $(STAMP) ## The hostfile form over real ssh: two nodes on 127.0.0.1 through an sshd of its own and pdsh (apt-installs pdsh + openssh-server if missing, as root; ~2 min)
+test-ssh: $(STAMP) ## The hostfile form over real ssh: two nodes on 127.0.0.1 through an sshd of its own and pdsh (root: a pid namespace, and apt-installs pdsh + openssh-server if missing; ~1.5 min)
 	$(PY) -m pytest tests/ssh -m ssh $(PYTEST_ARGS)
 
 preprocess: $(STAMP) ## Tokenize the data into its cache and print the counts (EXP= as for train; ARGS= for data.*)
