@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -396,3 +397,15 @@ def as_gloo_rank(rank: int, port: int, world: int = 2) -> None:
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world),
     )
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Until a job's metrics.jsonl has ``step`` rows (the job still running, else its output)."""
+    deadline = time.monotonic() + timeout
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= step:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"step {step} not reached")

@@ -23,7 +23,7 @@ from memtune.checkpoints import step_dir_name
 from memtune.config import load_run_config
 from memtune.launcher.prepare import already_finished
 from memtune.launcher.spawn import rank_processes
-from tests.conftest import FAST, ROOT, run_train_py
+from tests.conftest import FAST, ROOT, run_train_py, wait_for_step
 
 pytestmark = pytest.mark.slow
 
@@ -52,17 +52,6 @@ def _start(args: list[str], cwd: Path) -> subprocess.Popen:
         stderr=subprocess.STDOUT,
         text=True,
     )
-
-
-def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    metrics = run_dir / "metrics.jsonl"
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= step:
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"step {step} not reached")
 
 
 @pytest.fixture(scope="module")
@@ -250,7 +239,7 @@ def test_sigterm_saves_and_the_same_command_continues(finished: Path, tmp_path: 
     run_dir = tmp_path / "run"
     args = [*BASE, f"run_dir={run_dir}"]
     proc = _start(args, ROOT)
-    _wait_for_step(run_dir, 1, proc)
+    wait_for_step(run_dir, 1, proc)
     # The same command again while the job trains: refused at once (one job per run dir),
     # naming the running job, and nothing of it in the run dir.
     before = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir() if p.is_file()}
@@ -278,7 +267,7 @@ def test_sigterm_saves_and_the_same_command_continues(finished: Path, tmp_path: 
     proc = _start(args, ROOT)
     # one step past the resume, not more: the run is 12 steps, and on a fast machine the first
     # stop (after the refused start's seconds) may come as late as step 7 or 8
-    _wait_for_step(run_dir, stopped_at + 1, proc)
+    wait_for_step(run_dir, stopped_at + 1, proc)
     ranks = rank_processes(proc.pid)
     assert len(ranks) == 2
     proc.kill()
@@ -318,7 +307,7 @@ def test_ctrl_c_stops_with_a_checkpoint_and_a_second_stops_at_once(tmp_path: Pat
         f"run_dir={run_dir}",
     ]
     proc = _start(args, ROOT)
-    _wait_for_step(run_dir, 3, proc)
+    wait_for_step(run_dir, 3, proc)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 75, out[-3000:]
@@ -329,7 +318,7 @@ def test_ctrl_c_stops_with_a_checkpoint_and_a_second_stops_at_once(tmp_path: Pat
     assert stopped_at["step"] >= 3
 
     proc = _start(args, ROOT)  # continues from that checkpoint
-    _wait_for_step(run_dir, stopped_at["step"] + 2, proc)
+    wait_for_step(run_dir, stopped_at["step"] + 2, proc)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
@@ -353,7 +342,7 @@ def test_kill_9_of_one_rank_ends_the_job_and_resume_works(tmp_path: Path) -> Non
         f"run_dir={run_dir}",
     ]
     proc = _start(args, ROOT)
-    _wait_for_step(run_dir, 6, proc)
+    wait_for_step(run_dir, 6, proc)
     ranks = rank_processes(proc.pid)
     assert len(ranks) == 2
     start = time.monotonic()

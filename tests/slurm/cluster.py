@@ -109,8 +109,14 @@ def ensure_installed(timeout: float = 1200) -> bool:
         return False
     if os.geteuid() != 0:
         raise ClusterError("Slurm is not installed and installing it needs root (apt-get)")
+    apt_install(PACKAGES, timeout)
+    return True
+
+
+def apt_install(packages: list[str], timeout: float) -> None:
+    """apt-get install ``packages`` (root), their services kept from starting (the Docker way:
+    a policy-rc.d that says no, removed after unless it was there before)."""
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    # Keep the packages' init scripts from starting system-wide daemons (the Docker way).
     policy = Path("/usr/sbin/policy-rc.d")
     made_policy = not policy.exists()
     if made_policy:
@@ -121,7 +127,7 @@ def ensure_installed(timeout: float = 1200) -> bool:
     try:
         run(["apt-get", "update", "-q"], timeout=timeout, env=env)
         run(
-            ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES],
+            ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages],
             timeout=timeout,
             env=env,
         )
@@ -129,8 +135,7 @@ def ensure_installed(timeout: float = 1200) -> bool:
         if made_policy:
             policy.unlink()
             log(f"removed {policy}")
-    log(f"installed {' '.join(PACKAGES)} in {time.monotonic() - start:.0f} s")
-    return True
+    log(f"installed {' '.join(packages)} in {time.monotonic() - start:.0f} s")
 
 
 def _mariadbd() -> str | None:

@@ -28,7 +28,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.slurm.cluster import ClusterError, free_port, log, run, wait_for
+from tests.slurm.cluster import ClusterError, apt_install, free_port, log, run, wait_for
 
 PACKAGES = ["pdsh", "openssh-server"]
 HOSTS = ("127.0.0.1", "localhost")
@@ -41,22 +41,7 @@ def ensure_installed(timeout: float = 600) -> None:
         return
     if os.geteuid() != 0:
         raise ClusterError("pdsh or sshd is missing and installing them needs root (apt-get)")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    policy = Path("/usr/sbin/policy-rc.d")  # keep the package's sshd service from starting
-    made_policy = not policy.exists()
-    if made_policy:
-        policy.write_text("#!/bin/sh\nexit 101\n")
-        policy.chmod(0o755)
-    try:
-        run(["apt-get", "update", "-q"], timeout=timeout, env=env)
-        run(
-            ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES],
-            timeout=timeout,
-            env=env,
-        )
-    finally:
-        if made_policy:
-            policy.unlink()
+    apt_install(PACKAGES, timeout)
 
 
 @dataclass

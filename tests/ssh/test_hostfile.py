@@ -31,7 +31,7 @@ from memtune.launcher.rank_signals import is_rank
 from memtune.launcher.spawn import free_port, launch
 from memtune.launcher.topology import check_nodes_reachable, resolve
 from memtune.rundir import RunDir
-from tests.conftest import FAST, ROOT, compose_cfg
+from tests.conftest import FAST, ROOT, compose_cfg, wait_for_step
 from tests.ssh.nodes import HOSTS, SshNodes
 
 pytestmark = pytest.mark.ssh
@@ -60,17 +60,6 @@ def _start(nodes: SshNodes, args: list[str]) -> subprocess.Popen:
         text=True,
         start_new_session=True,  # as from a terminal of its own: signals are the test's to send
     )
-
-
-def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= step:
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"step {step} not reached")
 
 
 def _ranks_of(run_dir: Path) -> list[psutil.Process]:
@@ -145,7 +134,7 @@ def test_sigterm_stops_every_nodes_ranks_and_the_same_command_continues(
     run_dir = tmp_path / "run"
     args = _job(ssh_nodes, run_dir, "trainer.max_steps=16", "trainer.save_every=0")
     proc = _start(ssh_nodes, args)
-    _wait_for_step(run_dir, 1, proc)
+    wait_for_step(run_dir, 1, proc)
     assert len(_ranks_of(run_dir)) == 2
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
@@ -175,7 +164,7 @@ def test_kill_9_of_train_py_stops_the_ranks_with_a_checkpoint(
     run_dir = tmp_path / "run"
     args = _job(ssh_nodes, run_dir, "trainer.max_steps=200", "trainer.save_every=0")
     proc = _start(ssh_nodes, args)
-    _wait_for_step(run_dir, 1, proc)
+    wait_for_step(run_dir, 1, proc)
     ranks = _ranks_of(run_dir)
     assert len(ranks) == 2
     proc.kill()
@@ -192,7 +181,7 @@ def test_kill_9_of_train_py_stops_the_ranks_with_a_checkpoint(
     assert json.loads((run_dir / "exit.json").read_text()) == {"code": 75, "error": said}
 
     proc = _start(ssh_nodes, args)  # resumes; then two Ctrl-Cs
-    _wait_for_step(run_dir, stopped_at + 1, proc)
+    wait_for_step(run_dir, stopped_at + 1, proc)
     ranks = _ranks_of(run_dir)
     assert len(ranks) == 2
     proc.send_signal(signal.SIGINT)
