@@ -86,7 +86,7 @@ class NodesOverSsh:
         self.hosts, self.run_dir, self.module = list(hosts), run_dir, module
         self._sending: subprocess.Popen | None = None
         self.failures: list[str] = []
-        """What pdsh said when a signal could not be sent (printed once by the job)."""
+        """What pdsh said when a signal could not be sent (the job says each once)."""
 
     def command(self, sig: signal.Signals) -> list[str]:
         """pdsh's command line: the remote command is one shell line on every node (each word
