@@ -37,12 +37,16 @@ from tests.ssh.nodes import HOSTS, SshNodes
 pytestmark = pytest.mark.ssh
 
 
-def _job(nodes: SshNodes, run_dir: Path, *extra: str) -> list[str]:
+def _job(nodes: SshNodes, run_dir: Path, *extra: str, per_node: int = 1) -> list[str]:
+    hostfile = nodes.hostfile
+    if per_node > 1:  # this job's own hostfile, beside its run dir
+        hostfile = run_dir.parent / f"hosts-{per_node}"
+        hostfile.write_text("".join(f"{h} slots={per_node}\n" for h in HOSTS))
     return [
         *FAST,
-        "launcher.num_ranks=2",
+        f"launcher.num_ranks={2 * per_node}",
         "launcher.nnodes=2",
-        f"launcher.hostfile={nodes.hostfile}",
+        f"launcher.hostfile={hostfile}",
         "launcher.master_addr=127.0.0.1",
         f"launcher.master_port={free_port()}",
         f"run_dir={run_dir}",
@@ -128,14 +132,14 @@ def test_the_ranks_on_every_node_get_the_jobs_environment(
 def test_sigterm_stops_every_nodes_ranks_and_the_same_command_continues(
     ssh_nodes: SshNodes, tmp_path: Path
 ) -> None:
-    """SIGTERM to train.py: the ranks on both nodes save a checkpoint at the next step boundary
-    and exit 75; the same command continues from it to the end. (Before, the stop reached no
-    rank: train.py re-sent it every 3 s while the ranks trained to max_steps.)"""
+    """SIGTERM to train.py: the ranks on both nodes, two a node, save a checkpoint at the next
+    step boundary and exit 75; the same command continues from it to the end. (Before, the stop
+    reached no rank: train.py re-sent it every 3 s while the ranks trained to max_steps.)"""
     run_dir = tmp_path / "run"
-    args = _job(ssh_nodes, run_dir, "trainer.max_steps=16", "trainer.save_every=0")
+    args = _job(ssh_nodes, run_dir, "trainer.max_steps=16", "trainer.save_every=0", per_node=2)
     proc = _start(ssh_nodes, args)
     wait_for_step(run_dir, 1, proc)
-    assert len(_ranks_of(run_dir)) == 2
+    assert len(_ranks_of(run_dir)) == 4  # two a node: DeepSpeed's launcher starts both
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 75, out[-3000:]
@@ -152,7 +156,7 @@ def test_sigterm_stops_every_nodes_ranks_and_the_same_command_continues(
     assert again.returncode == 0, out[-3000:]
     assert f"(step {stopped_at})" in out
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 16
+    assert summary["steps"] == 16 and summary["world_size"] == 4
 
 
 def test_kill_9_of_train_py_stops_the_ranks_with_a_checkpoint(
