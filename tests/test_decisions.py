@@ -173,12 +173,12 @@ def test_every_rank_stops_when_one_machine_lacks_what_train_py_wrote(
     """A hostfile job's rank on a node without the shared cache: the tokenized data train.py
     wrote is not there. One line naming the machine and the setting, exit 2, before the model
     loads (a traceback from the data loader before); the base checkpoint and peft.init_from
-    are checked the same way (rank.worker.check_this_machine)."""
+    are checked the same way (rank.this_machine.check_this_machine)."""
     import socket
 
     from memtune.config import load_run_config
     from memtune.launcher.spawn import free_port
-    from memtune.rank.worker import check_this_machine
+    from memtune.rank.this_machine import check_this_machine
 
     run_dir = _copy(laid_out, tmp_path)
     data = json.loads((run_dir / "data.json").read_text())

@@ -109,7 +109,7 @@ def test_the_ranks_on_every_node_get_the_jobs_environment(
     assert code == 0
     expected = {
         # not train.py's machine's figure: each rank divides its own machine's cores
-        # (rank.worker.threads_for_this_machine) unless launcher.omp_threads asks
+        # (rank.this_machine.threads_for_this_machine) unless launcher.omp_threads asks
         "OMP_NUM_THREADS": None,
         "TORCH_EXTENSIONS_DIR": str(extensions_root()),
         "TOKENIZERS_PARALLELISM": "false",

@@ -199,7 +199,7 @@ def launch(
         nodes = NodesOverSsh(hostfile_hosts(spec), run_dir, module)
         # the threads a rank: train.py's machine's figure only if asked for (a login node's
         # cores are not a node's); else each rank divides its own machine's
-        # (rank.worker.threads_for_this_machine)
+        # (rank.this_machine.threads_for_this_machine)
         asked = cfg.launcher.omp_threads is not None
         mine = {k: v for k, v in added.items() if k != "OMP_NUM_THREADS" or asked}
         sent, withheld = node_exports({**os.environ, **mine, **launcher_env()}, mine)

@@ -14,7 +14,6 @@ import math
 import os
 import random
 import signal
-import socket
 import sys
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ import torch.distributed as dist
 
 from memtune import quiet
 from memtune.config import ConfigError, RunConfig, needs_reference
-from memtune.config.architecture import checkpoint_config_file, routed_experts
+from memtune.config.architecture import routed_experts
 from memtune.config.decisions import (
     ALLOC_CONF_VARIABLES,
     EXPANDABLE,
@@ -77,7 +76,8 @@ from memtune.rank.telemetry import (
     reset_window_peak,
     window_peak_gib,
 )
-from memtune.rundir import DataRecord, OomReport, PlanRecord, RecordError, RunDir, Summary
+from memtune.rank.this_machine import check_this_machine, threads_for_this_machine
+from memtune.rundir import OomReport, PlanRecord, RecordError, RunDir, Summary
 
 
 @dataclass
@@ -129,17 +129,6 @@ def allocator_label(conf: str) -> str:
     if conf == EXPANDABLE:
         return "expandable segments"
     return f"PYTORCH_CUDA_ALLOC_CONF={conf}" if conf else "torch's defaults"
-
-
-def threads_for_this_machine() -> None:
-    """A rank started without OMP_NUM_THREADS (the hostfile form's on another node: DeepSpeed's
-    launcher there sets none, and train.py's figure is its own machine's cores) shares this
-    machine's cores with the ranks beside it (LOCAL_SIZE), as train.py's ranks do: else each
-    ran a thread per core, and the CPU optimizer's threads fought over them."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return
-    beside = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, beside)))
 
 
 def init_distributed() -> tuple[int, int, int, torch.device]:
@@ -330,41 +319,6 @@ def report_out_of_memory(rd: RunDir, oom: RankOutOfMemory, device_type: str) -> 
         file=sys.stderr,
         flush=True,
     )
-
-
-def check_this_machine(cfg: RunConfig, rd: RunDir, data: DataRecord) -> None:
-    """ConfigError for what train.py found on its machine and this rank's lacks, naming the
-    machine and the setting to move: the tokenized data it wrote (data.json) and the base
-    checkpoint it read from disk (base.json). A hostfile job's ranks on other nodes see them
-    only through a filesystem every node shares; without one, each failed deep in its data
-    loader or in from_pretrained, a traceback per rank."""
-    here = socket.gethostname()
-    if not Path(data.dir).is_dir():
-        raise ConfigError(
-            f"the tokenized data train.py wrote ({data.dir}, {rd.data.name}) is not on this "
-            f"machine ({here}): put data.cache_dir (or $MEMTUNE_CACHE_DIR) on a filesystem every "
-            "node shares, as the run dir is"
-        )
-    name = cfg.model.name_or_path
-    base = rd.read_base() if rd.base.is_file() else None
-    on_disk = base is not None and base.fingerprint is not None
-    # A hub name (org/model) may come from each node's own cache, or be downloaded there:
-    # only a path must be where train.py read it.
-    hub_name = name.count("/") == 1 and not name.startswith((".", "/", "~"))
-    if on_disk and not hub_name and checkpoint_config_file(name, cfg.model.revision) is None:
-        raise ConfigError(
-            f"model.name_or_path={name}: train.py read it from disk on its machine, and this "
-            f"machine ({here}) has no {Path(name).expanduser() / 'config.json'}: every node "
-            "needs the model at the same path (a shared filesystem, or a copy on each; a hub "
-            "name in each node's Hugging Face cache)"
-        )
-    adapter = cfg.peft.init_from
-    read_there = base is not None and base.init_from_fingerprint is not None and adapter
-    if read_there and not Path(str(adapter)).expanduser().is_dir():
-        raise ConfigError(
-            f"peft.init_from={adapter}: train.py read it on its machine, and this machine "
-            f"({here}) has no such directory: every node needs it at the same path"
-        )
 
 
 def read_decisions(rd: RunDir, cfg: RunConfig) -> Decisions:
