@@ -116,6 +116,13 @@ FAULTS = [
     ("test_environment", "test_the_data_cache_follows_the_umask",
      "files written under umask 002",
      "0664 / 0775, not safetensors' 0600"),
+    ("test_environment", "test_a_team_shares_one_data_cache",
+     "two members of a group, each under umask 022, tokenizing into the group's folder "
+     "(setgid, group-writable); one's entry damaged",
+     "the other reuses, builds beside and sets aside the first's entries; all group-writable"),
+    ("test_environment", "test_what_another_member_may_not_change",
+     "another member's cache folder not shared (0755); their damaged entry under a sticky bit",
+     "one line naming whose it is and its mode; nothing left behind"),
     ("test_stores", "test_a_job_after_its_caches_were_damaged",
      "a flipped byte in the tokenized data cache and in the demo model, a changed digit in a "
      "cached parameter count, then the same command",

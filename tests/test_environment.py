@@ -387,6 +387,171 @@ def test_the_reference_tables_follow_the_umask(tmp_path: Path) -> None:
     assert set(modes.values()) == {0o664}, modes
 
 
+# ------------------------------------------------------------------ 10d: a team's one cache
+
+TEAM, ALICE, BOB = 61000, 61001, 61002  # a group and two members (no passwd entry needed)
+
+
+@contextlib.contextmanager
+def member(uid: int, umask: int = 0o022) -> Iterator[None]:
+    """File operations as ``uid`` of the group TEAM, under ``umask`` (022: the usual one):
+    effective ids only, as :func:`unprivileged` (root's real uid stays, to come back)."""
+    groups = os.getgroups()
+    os.setgroups([TEAM])
+    os.setegid(TEAM)
+    os.seteuid(uid)
+    old = os.umask(umask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+        os.seteuid(0)
+        os.setegid(0)
+        os.setgroups(groups)
+
+
+def _owner(uid: int) -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer():
+    from memtune.config import to_run_config
+    from memtune.data.encode import load_tokenizer
+    from memtune.tools.tiny import synthesize
+    from tests.conftest import compose_cfg
+
+    cfg = to_run_config(compose_cfg())
+    synthesize(cfg.model.name_or_path, cfg.model.architecture)
+    return load_tokenizer(cfg)
+
+
+def _team_folder(public_dir: Path, mode: int) -> tuple[Path, Path]:
+    """The team's folder (root's, group TEAM, ``mode``) and a data file in it."""
+    import json
+
+    team = public_dir / "team"
+    team.mkdir()
+    os.chown(team, 0, TEAM)
+    team.chmod(mode)
+    data = team / "d.jsonl"
+    rows = [{"instruction": f"q{i}", "output": "a b c"} for i in range(20)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data.chmod(0o644)
+    return team, data
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="two users need root to be played (seteuid)")
+def test_a_team_shares_one_data_cache_under_umask_022(public_dir: Path, demo_tokenizer) -> None:
+    """Two members of a group, each under the usual umask 022, one data cache in the group's
+    folder (setgid, group-writable: ``chmod 2775``). Before: the first member to tokenize made
+    the cache's folders 0755 and its lock 0644, and the second could not tokenize anything
+    new there ("cannot write CACHE/.building-…: Permission denied") nor set a damaged entry
+    of the first's aside. Now what memtune makes in such a folder is group-writable."""
+    import dataclasses
+    import stat
+
+    from memtune.config import DataConfig
+    from memtune.data.cache import preprocess
+
+    team, data = _team_folder(public_dir, 0o2775)
+    cfg = DataConfig(path=str(data), cache_dir=str(team / "cache" / "data"))
+    with member(ALICE):
+        first = preprocess(cfg, demo_tokenizer, seed=0)
+    made = [team / "cache", team / "cache" / "data", first.dir]
+    lock = first.dir.parent / f".{first.dir.name}.lock"
+    modes = {p: stat.S_IMODE(p.stat().st_mode) for p in [*made, lock, *first.dir.iterdir()]}
+    assert modes == {
+        **dict.fromkeys(made, 0o2775),
+        lock: 0o664,
+        **{f: 0o664 for f in first.dir.iterdir()},
+    }
+    assert {p.stat().st_gid for p in modes} == {TEAM}
+    with member(BOB):
+        assert preprocess(cfg, demo_tokenizer, seed=0).reused  # alice's entry, read
+        other = preprocess(dataclasses.replace(cfg, max_seq_len=64), demo_tokenizer, seed=0)
+    assert not other.reused and other.dir.stat().st_uid == BOB
+    (first.dir / "train.safetensors").write_bytes(b"junk")  # alice's entry, damaged
+    with member(BOB):
+        again = preprocess(cfg, demo_tokenizer, seed=0)
+    assert not again.reused and again.set_aside is not None
+    assert again.dir.stat().st_uid == BOB
+    with member(ALICE):
+        assert preprocess(cfg, demo_tokenizer, seed=0).reused  # bob's rebuild, read
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="two users need root to be played (seteuid)")
+def test_what_another_member_may_not_change_is_named(public_dir: Path, demo_tokenizer) -> None:
+    """Where the group may not change what a member made, the refusal names whose it is:
+    alice's cache folder in a folder not shared (0755, the team folder without setgid), and
+    alice's damaged entry in a folder with the sticky bit (3775: only an entry's owner may
+    move it). Before, the sticky bit's refusal also left an empty ``.damaged-KEY.XXXX``."""
+    import dataclasses
+
+    from memtune.config import ConfigError, DataConfig
+    from memtune.data.cache import preprocess
+
+    team, data = _team_folder(public_dir, 0o1777)  # every user may write: no group rule
+    cfg = DataConfig(path=str(data), cache_dir=str(team / "cache"))
+    with member(ALICE):
+        preprocess(cfg, demo_tokenizer, seed=0)
+    with member(BOB), pytest.raises(ConfigError) as err:
+        preprocess(dataclasses.replace(cfg, max_seq_len=64), demo_tokenizer, seed=0)
+    assert str(err.value) == (
+        f"data.cache_dir: cannot write in {team / 'cache'} (permission denied: "
+        f"{_owner(ALICE)}'s, drwxr-xr-x); point it at a folder memtune can write"
+    )
+
+    shutil.rmtree(team)
+    team, data = _team_folder(public_dir, 0o3775)
+    cfg = DataConfig(path=str(data), cache_dir=str(team))
+    with member(ALICE):
+        first = preprocess(cfg, demo_tokenizer, seed=0)
+    written = (first.dir / "train.safetensors").stat().st_size
+    (first.dir / "train.safetensors").write_bytes(b"junk")
+    with member(BOB), pytest.raises(ConfigError) as err:
+        preprocess(cfg, demo_tokenizer, seed=0)
+    assert str(err.value) == (
+        f"data cache {first.dir} is damaged ({first.dir / 'train.safetensors'} has 4 bytes, "
+        f"{written:,} were written) and cannot be set aside (Operation not permitted; "
+        f"it is {_owner(ALICE)}'s, drwxrwsr-x): point data.cache_dir at a folder memtune can "
+        "write"
+    )
+    assert not [p for p in team.iterdir() if p.name.startswith(".damaged-")]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="two users need root to be played (seteuid)")
+def test_the_group_rule_reaches_every_store_writer(public_dir: Path) -> None:
+    """The writers of the counts cache and the demo model (make_dirs, write_atomic, the build
+    lock) under umask 022: group-writable in the group's folder, the umask's modes elsewhere."""
+    import stat
+
+    from memtune.filesystem import make_dirs, sibling_lock, write_atomic
+
+    team, _ = _team_folder(public_dir, 0o2775)
+    plain = public_dir / "plain"
+    plain.mkdir()
+    plain.chmod(0o1777)
+    with member(ALICE):
+        for top in (team, plain):
+            make_dirs(top / "a" / "b")
+            write_atomic(top / "a" / "b" / "value.json", "{}")
+            with sibling_lock(top / "a" / "b" / "model"):
+                pass
+
+    def modes(top: Path) -> list[int]:
+        paths = [top / "a", top / "a" / "b", top / "a" / "b" / "value.json"]
+        return [stat.S_IMODE(p.stat().st_mode) for p in [*paths, top / "a" / "b" / ".model.lock"]]
+
+    assert modes(team) == [0o2775, 0o2775, 0o664, 0o664]
+    assert modes(plain) == [0o755, 0o755, 0o644, 0o644]
+
+
 # ------------------------------------------------------------------ 10e: remote code, pinned
 
 

@@ -1,6 +1,7 @@
 """The filesystem habits every memtune process keeps: writes that land whole or not at all
 (:func:`write_atomic`, :func:`replace_dir`), modes that follow the user's umask
-(:func:`follow_umask`), and the free space a write can count on (:func:`free_bytes`).
+(:func:`follow_umask`) and a group's shared folder (:func:`creation_mask`), and the free space a
+write can count on (:func:`free_bytes`).
 
 Imports nothing from memtune: the run dir, the data cache, the demo model, a merge and the
 ranks' exports all write through it.
@@ -12,9 +13,11 @@ import contextlib
 import errno
 import fcntl
 import os
+import pwd
 import re
 import shutil
 import socket
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -118,13 +121,7 @@ def sibling_lock(path: Path, waiting: str | None = None) -> Iterator[None]:
     opened or locked (a cache memtune may only read, Lustre without ``-o flock``) the work
     goes on unguarded."""
     lock = path.parent / f".{path.name}.lock"
-    try:
-        fd: int | None = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError:
-        try:
-            fd = os.open(lock, os.O_RDONLY)
-        except OSError:
-            fd = None
+    fd = _open_lock(lock)
     try:
         if fd is not None:
             try:
@@ -139,6 +136,22 @@ def sibling_lock(path: Path, waiting: str | None = None) -> Iterator[None]:
     finally:
         if fd is not None:
             os.close(fd)  # the lock goes with it
+
+
+def _open_lock(lock: Path) -> int | None:
+    """The lock file, made here where it is not there yet (group-writable in a folder a group
+    shares, :func:`creation_mask`: every member may lock it), opened for writing, else
+    read-only (another user's lock file), else None."""
+    with contextlib.suppress(OSError):
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+        if shared_by_group(lock.parent):
+            with contextlib.suppress(OSError):
+                os.fchmod(fd, 0o666 & ~creation_mask(lock.parent))
+        return fd
+    for flags in (os.O_RDWR, os.O_RDONLY):
+        with contextlib.suppress(OSError):
+            return os.open(lock, flags)
+    return None
 
 
 def host_pid_prefix(prefix: str) -> str:
@@ -297,6 +310,8 @@ def write_atomic(path: Path, text: str | bytes) -> None:
         with open(tmp, "wb") as f:
             with contextlib.suppress(OSError):  # no flock here: the pid alone says it is alive
                 fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if shared_by_group(path.parent):
+                os.fchmod(f.fileno(), 0o666 & ~creation_mask(path.parent))
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -355,19 +370,91 @@ def umask() -> int:
     return mask
 
 
+def shared_by_group(folder: Path) -> bool:
+    """Whether ``folder`` is set up for a group to share: setgid and group-writable (``chmod
+    2775``, the usual way to give a team one folder: what is made in it takes its group)."""
+    try:
+        mode = os.stat(folder).st_mode
+    except OSError:
+        return False
+    return bool(mode & stat.S_ISGID and mode & stat.S_IWGRP)
+
+
+def creation_mask(folder: Path) -> int:
+    """The umask for what memtune makes in ``folder``: the process's, without its group bits
+    in a folder shared by a group (:func:`shared_by_group`). Under the usual umask 022 the
+    first member of a team to make the data cache's folder in the team's folder made it 0755:
+    no one else could tokenize into it, nor set a damaged entry of the first's aside."""
+    mask = umask()
+    return mask & ~0o070 if shared_by_group(folder) else mask
+
+
+def make_dirs(path: Path) -> None:
+    """``path.mkdir(parents=True, exist_ok=True)``, each folder made here given the mode
+    :func:`creation_mask` says in its parent (group-writable, and setgid as the kernel made
+    it, in a folder a group shares). A folder another process made meanwhile is left as it
+    is."""
+    path = Path(path)
+    missing = []
+    for folder in [path, *path.parents]:
+        if os.path.lexists(folder):
+            break
+        missing.append(folder)
+    for folder in reversed(missing):
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            continue  # another process's
+        except OSError:
+            break  # the call below says why, as mkdir(parents=True) always did
+        if shared_by_group(folder.parent):
+            made = folder.stat().st_mode & stat.S_ISGID
+            folder.chmod(0o777 & ~creation_mask(folder.parent) | made)
+    path.mkdir(parents=True, exist_ok=True)
+
+
 def follow_umask(path: Path) -> None:
     """Give ``path``, and for a directory everything under it, the mode a plain create gives
-    under the umask (dirs 0o777, files 0o666, less the umask). Two writers memtune uses are
-    private by design, not by the user's choice: ``tempfile.mkdtemp`` makes 0700 dirs, and
+    under the umask (dirs 0o777, files 0o666, less the umask; group-writable in a folder a
+    group shares, :func:`creation_mask`; a folder's setgid bit kept). Two writers memtune uses
+    are private by design, not by the user's choice: ``tempfile.mkdtemp`` makes 0700 dirs, and
     safetensors' ``save_file`` writes a 0600 temporary file and renames it into place (every
     ``.safetensors``: the data cache, an adapter, a model). A group sharing a cache or a run
     dir could then not read them. Only for what the caller has just written."""
-    mask = umask()
     root = Path(path)
+    mask = creation_mask(root.parent)
     for item in [root, *root.rglob("*")] if root.is_dir() else [root]:
         if item.is_symlink():
             continue
-        item.chmod((0o777 if item.is_dir() else 0o666) & ~mask)
+        if item.is_dir():
+            item.chmod(0o777 & ~mask | item.stat().st_mode & stat.S_ISGID)
+        else:
+            item.chmod(0o666 & ~mask)
+
+
+def whose(path: Path, before: str) -> str:
+    """``before`` and ``path``'s owner and mode (``alice's, drwxr-sr-x``), for a refusal that
+    says why another member of a team cannot write there; empty when they cannot be asked."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ""
+    try:
+        owner = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        owner = f"uid {st.st_uid}"
+    return f"{before}{owner}'s, {stat.filemode(st.st_mode)}"
+
+
+def refused_by(path: Path, err: OSError) -> str:
+    """Whose file or folder made the kernel refuse to move ``path`` (``err``), in words for a
+    refusal: under a folder's sticky bit (EPERM) only ``path``'s owner may; otherwise (EACCES)
+    the folder is not the user's to write."""
+    if err.errno == errno.EPERM:
+        return whose(path, "; it is ")
+    if err.errno == errno.EACCES:
+        return whose(path.parent, f"; {path.parent} is ")
+    return ""
 
 
 def free_bytes(path: Path) -> int | None:
@@ -405,13 +492,13 @@ def cannot_write(path: Path) -> str | None:
         return f"cannot reach {path} (permission denied on a folder on the way)"
     if not probe.is_dir():
         return f"{probe} is a file, not a folder"
-    if os.access(probe, os.W_OK | os.X_OK):
+    if os.access(probe, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
         return None
     try:
         read_only = bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
     except OSError:
         read_only = False
-    why = "read-only filesystem" if read_only else "permission denied"
+    why = "read-only filesystem" if read_only else "permission denied" + whose(probe, ": ")
     return f"cannot write in {probe} ({why})"
 
 

@@ -29,6 +29,7 @@ rebuilt (memtune.checkpoints skips a damaged one for the one before it).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from memtune.filesystem import write_atomic
+from memtune.filesystem import make_dirs, write_atomic
 
 MANIFEST = "manifest.json"
 """A directory's list of files with their sizes and digests, written after every file and read
@@ -207,7 +208,9 @@ class Store:
     # ---------------------------------------------------------------- single-file entries
 
     def write_value(self, path: Path, value: Any) -> None:
-        """A one-file entry: ``value`` (JSON) with its store, format and digest, atomically."""
+        """A one-file entry: ``value`` (JSON) with its store, format and digest, atomically;
+        its folder made where it is missing (:func:`memtune.filesystem.make_dirs`)."""
+        make_dirs(path.parent)
         body = json.dumps(value, sort_keys=True)
         record = {**self._header(), "digest": self.digest, "sum": _text_digest(body, self.digest)}
         write_atomic(path, json.dumps({**record, "value": value}, sort_keys=True) + "\n")
@@ -252,14 +255,15 @@ class Store:
             aside = Path(name)
         try:
             os.replace(entry, aside)  # onto the empty dir / file just made
-        except FileNotFoundError:
-            if entry.exists():
-                raise
-            if aside.is_dir():  # ours, made above, empty
-                aside.rmdir()
-            else:
-                aside.unlink()
-            return None
+        except OSError as err:
+            with contextlib.suppress(OSError):  # ours, made above, empty: not left behind
+                if aside.is_dir():
+                    aside.rmdir()
+                else:
+                    aside.unlink()
+            if isinstance(err, FileNotFoundError) and not entry.exists():
+                return None
+            raise  # not ours to move (another user's entry under the sticky bit), read-only
         return aside
 
     def damaged_line(self, entry: Path, problem: str, aside: Path | None, then: str) -> str:

@@ -50,7 +50,9 @@ from memtune.filesystem import (
     follow_umask,
     free_bytes,
     human_bytes,
+    make_dirs,
     owned_temp_dir,
+    refused_by,
     remove_left_by_dead,
     safetensors_write_errors,
     sibling_lock,
@@ -590,7 +592,7 @@ def one_build(root: Path, out: Path) -> Iterator[None]:
     beside it); a second job waits for it with one line. Where the lock cannot be had the
     build goes on unguarded, as before: both build, and the rename keeps one entry."""
     with contextlib.suppress(OSError):  # else unguarded; the build itself says why
-        root.mkdir(parents=True, exist_ok=True)
+        make_dirs(root)
     line = f"memtune: another job is tokenizing the same data into {out}: waiting for it, to "
     with sibling_lock(out, line + "reuse what it builds"):
         yield
@@ -627,7 +629,8 @@ def _prepare(
         except OSError as err:
             raise ConfigError(
                 f"data cache {out} is damaged ({problem}) and cannot be set aside "
-                f"({err.strerror}): point {where} at a folder memtune can write"
+                f"({err.strerror}{refused_by(out, err)}): point {where} at a folder memtune "
+                "can write"
             ) from None
         aside_line = DATA_CACHE.damaged_line(out, problem, aside, "tokenizing again")
 
@@ -638,7 +641,7 @@ def _prepare(
         tokenizer = tokenizer.load()
     train, stats, val, val_stats = build(cfg, tokenizer, seed, images)
     with no_space_is_an_error(root, where), cannot_write_is_an_error(where):
-        root.mkdir(parents=True, exist_ok=True)
+        make_dirs(root)
         # A build killed before its rename (kill -9, the OOM killer) left a whole data set
         # there, one per kill, which nothing else would ever remove.
         remove_left_by_dead(root, BUILDING, "a data cache build")

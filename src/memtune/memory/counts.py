@@ -191,7 +191,6 @@ def count_params(cfg: RunConfig) -> ParamCounts:
         )
     counts = _count_on_meta(cfg)
     with contextlib.suppress(OSError):  # a read-only or full cache only costs the time
-        path.parent.mkdir(parents=True, exist_ok=True)
         COUNTS_CACHE.write_value(path, asdict(counts))  # its temporary file never stays
     return counts
 
@@ -382,7 +381,6 @@ def _mixer_line(cfg: RunConfig) -> tuple[float, float]:
     line = ((four - two) / 2, two - (four - two))
     _MIXER_LINES[key] = line
     with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
         COUNTS_CACHE.write_value(path, list(line))
     return line
 

@@ -252,7 +252,6 @@ def tower_line(cfg: RunConfig, cuda: bool) -> tuple[float, float, float, float]:
     line = (block, rest, per_image, deepstack)
     _TOWER_LINES[key] = line
     with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
         COUNTS_CACHE.write_value(path, list(line))
     return line
 

@@ -29,7 +29,9 @@ from memtune.data.vision import CLIP_MEAN, CLIP_STD, PREPROCESSOR_CONFIG
 from memtune.filesystem import (
     follow_umask,
     host_pid_prefix,
+    make_dirs,
     owned_temp_dir,
+    refused_by,
     remove_left_by_dead,
     safetensors_write_errors,
     sibling_lock,
@@ -166,7 +168,7 @@ def synthesize(
     fingerprint = _fingerprint(architecture, tok_dir, vision)
     if _current(path, fingerprint) and DEMO_MODEL.problem(path) is None:
         return path  # before importing transformers: ~2 s of every start of the demo
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(path.parent)
     with sibling_lock(path):  # one build at a time, across processes
         if _current(path, fingerprint) and DEMO_MODEL.problem(path) is None:
             return path  # another process built it while this one waited
@@ -183,7 +185,8 @@ def synthesize(
             except OSError as err:
                 raise ConfigError(
                     f"demo model {path} is damaged ({problem}) and cannot be set aside "
-                    f"({err.strerror}): point MEMTUNE_CACHE_DIR at a folder memtune can write"
+                    f"({err.strerror}{refused_by(path, err)}): point MEMTUNE_CACHE_DIR at a "
+                    "folder memtune can write"
                 ) from None
             print(DEMO_MODEL.damaged_line(path, problem, aside, "building it again"), flush=True)
         _build(path, architecture, vision, seed, tok_dir, fingerprint)
