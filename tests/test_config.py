@@ -115,6 +115,10 @@ def test_wrong_type_fails_at_compose() -> None:
         (["trainer.precision=fp16"], r"trainer\.precision='fp16'"),
         (["peft.target=everything"], r"peft\.target"),
         (["data.path=/nonexistent/train.jsonl"], r"data\.path=.*no such file"),
+        # relative typos were asked of the hub: ~30 s of retries, then a traceback
+        (["data.path=data/trian.jsonl"], r"^data\.path='data/trian\.jsonl': no such file"),
+        (["data.path=trian.parquet"], r"^data\.path='trian\.parquet': no such file"),
+        (["data.path=data/sub/train"], r"^data\.path='data/sub/train': no such file"),
         (["launcher.num_ranks=0"], r"launcher\.num_ranks must be > 0"),
         (
             ["model=qwen2.5-7b", "model.name_or_path=/nonexistent/Qwen2.5-7B"],

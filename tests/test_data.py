@@ -332,6 +332,71 @@ def _refusal(tokenizer, tmp_path: Path, path: Path, fmt: str = "alpaca") -> str:
     return str(err.value)
 
 
+def test_names_of_hub_datasets() -> None:
+    """What reads as a Hugging Face dataset (OWNER/NAME[:SPLIT]) and what as a file not there."""
+    from memtune.paths import hub_dataset
+
+    assert hub_dataset("HuggingFaceH4/ultrafeedback_binarized:train_prefs") == (
+        "HuggingFaceH4/ultrafeedback_binarized",
+        "train_prefs",
+    )
+    assert hub_dataset("owner/data.v2") == ("owner/data.v2", "train")
+    assert hub_dataset("imdb") == ("imdb", "train")
+    for a_file in ["data/train.jsonl", "train.json", "a/b/c", "x.jsonl.gz", "./x", "/x", "~/x"]:
+        assert hub_dataset(a_file) is None, a_file
+
+
+@pytest.mark.parametrize("offline", [False, True])
+def test_a_hub_dataset_that_cannot_be_loaded_is_one_line(tmp_path: Path, offline: bool) -> None:
+    """A hub name where the hub cannot be reached (HF_ENDPOINT at a closed port: the same on
+    every machine), and with HF_HUB_OFFLINE set and nothing cached: exit 2 and one line, at
+    once. Before: datasets' retries (~30 s), then its ConnectionError as a traceback (exit 1)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")}
+    env.pop("HF_HUB_OFFLINE", None)
+    env.pop("HF_DATASETS_OFFLINE", None)
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "preprocess_only=true",
+            "data.path=someone/no-such-data:train_prefs",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            f"run_dir={tmp_path / 'run'}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    error = proc.stderr.strip().splitlines()[-1]
+    start = "memtune: config error: someone/no-such-data:train_prefs: no such file or folder "
+    if offline:
+        assert error.startswith(
+            start + "on this machine, and datasets could not load it as a Hugging Face "
+            "dataset, split 'train_prefs' (ConnectionError: "
+        ), error
+    else:
+        assert error == (
+            start + "on this machine, and it cannot be loaded as a Hugging Face dataset: "
+            "http://127.0.0.1:9 cannot be reached from this machine ([Errno 111] Connection "
+            "refused); give a file's path, or, where the dataset is in datasets' cache, set "
+            "HF_HUB_OFFLINE=1 to read it from there"
+        )
+    cache = tmp_path / "cache"
+    assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == []  # no entry
+
+
 def test_a_damaged_parquet_file_is_one_line(tokenizer, tmp_path: Path) -> None:
     """Before: pyarrow's ArrowInvalid traceback ("Parquet magic bytes not found in footer")."""
     import pyarrow as pa

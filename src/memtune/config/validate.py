@@ -34,7 +34,7 @@ from memtune.config.schema import (
     cache_dir,
     choices_of,
 )
-from memtune.paths import is_local_source
+from memtune.paths import hub_dataset, is_local_source
 
 
 def _choice_fields(schema: type = RunConfig, prefix: str = "") -> dict[str, tuple[Any, ...]]:
@@ -519,7 +519,7 @@ def _check_data(data: DataConfig) -> None:
             raise ConfigError(f"{key}: format {src.format!r}; choose {' | '.join(FORMATS)}")
         if src.weight <= 0:
             raise ConfigError(f"{key}: weight must be > 0 (got {src.weight})")
-        if is_local_source(src.path) and not Path(src.path).expanduser().exists():
+        if hub_dataset(src.path) is None and not Path(src.path).expanduser().exists():
             raise ConfigError(f"{key}={src.path!r}: no such file or folder")
     if not 0.0 <= data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction must be in [0, 1) (got {data.val_fraction})")

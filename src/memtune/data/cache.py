@@ -34,11 +34,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from memtune.config import ConfigError, DataConfig, DataSource, cache_dir
 from memtune.data.encode import (
+    TRUE,
     DataStats,
     Sample,
     apply_length_policy,
     check_system_prompt,
     encode_records,
+    hub_unreachable,
     resize_record_images,
 )
 from memtune.data.readers import IdenticalReplies, Record, RecordError, read_source
@@ -58,7 +60,7 @@ from memtune.filesystem import (
     sibling_lock,
 )
 from memtune.integrity import Store
-from memtune.paths import is_local_source
+from memtune.paths import hub_dataset
 
 CACHE_VERSION = 2
 """2: every entry sealed with a manifest (entries of 1 are not looked at: their key differs)."""
@@ -86,7 +88,7 @@ class Prepared:
 
 def _digest_path(h: Any, path: str) -> None:
     p = Path(path).expanduser()
-    if not is_local_source(path):
+    if hub_dataset(path) is not None:
         h.update(f"hub:{path}".encode())  # a hub dataset: its name (pin a local copy to be exact)
         return
     files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
@@ -169,7 +171,7 @@ def _digest_images(h: Any, path: str, fmt: str) -> bool:
     have some). A bad record is left to the build, which says what is wrong."""
     if fmt != "messages":
         return False
-    if not is_local_source(path):
+    if hub_dataset(path) is not None:
         return True  # may hold images: the image settings join the key, unparsed
     if not _mentions_images(path):
         return False
@@ -254,6 +256,8 @@ def code_digest() -> str:
 
 
 def _read(src: DataSource, cfg: DataConfig, stats: DataStats) -> list[Record]:
+    if hub_dataset(src.path) is not None:
+        _check_hub_reachable(src.path)
     records = []
     try:
         items = list(read_source(src.path, src.format))
@@ -265,6 +269,23 @@ def _read(src: DataSource, cfg: DataConfig, stats: DataStats) -> list[Record]:
             continue
         records.append(item)
     return records
+
+
+def _check_hub_reachable(source: str) -> None:
+    """A hub dataset's source where the hub cannot be reached: one line at once, not
+    ``datasets``' ~30 s of retries and its ConnectionError. With HF_HUB_OFFLINE or
+    HF_DATASETS_OFFLINE set nothing is probed: ``datasets`` reads its own cache (or says at
+    once that it cannot)."""
+    offline = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    if any(os.environ.get(v, "").upper() in TRUE for v in offline):
+        return
+    problem = hub_unreachable()
+    if problem is not None:
+        raise ConfigError(
+            f"{source}: no such file or folder on this machine, and it cannot be loaded as a "
+            f"Hugging Face dataset: {problem}; give a file's path, or, where the dataset is in "
+            "datasets' cache, set HF_HUB_OFFLINE=1 to read it from there"
+        )
 
 
 def _bad_record(err: RecordError, cfg: DataConfig, stats: DataStats) -> None:

@@ -182,7 +182,7 @@ def load_tokenizer(cfg: RunConfig) -> Any:
 
 HUB_CONNECT_TIMEOUT_S = 3.0
 """How long the check before a download waits for the hub to answer a TCP connect."""
-_TRUE = {"1", "ON", "YES", "TRUE"}  # huggingface_hub's reading of a boolean variable
+TRUE = {"1", "ON", "YES", "TRUE"}  # huggingface_hub's reading of a boolean variable
 
 
 def check_downloadable(name_or_path: str, revision: str | None = None) -> None:
@@ -198,11 +198,11 @@ def check_downloadable(name_or_path: str, revision: str | None = None) -> None:
     if Path(name_or_path).expanduser().exists() or _in_hub_cache(name_or_path, revision):
         return
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        if os.environ.get(var, "").upper() in _TRUE:
+        if os.environ.get(var, "").upper() in TRUE:
             reason = f"{var} is set, so nothing is downloaded"
             break
     else:
-        problem = _hub_unreachable()
+        problem = hub_unreachable()
         if problem is None:
             return
         reason = problem
@@ -232,7 +232,7 @@ def _in_hub_cache(name: str, revision: str | None = None) -> bool:
     return False
 
 
-def _hub_unreachable() -> str | None:
+def hub_unreachable() -> str | None:
     """Why the hub cannot be reached from this machine, or None when it answers (or a proxy
     stands between, which only the download itself can judge). The connect runs in a thread
     so a stalled name lookup (not covered by a socket timeout) cannot hold the launch."""

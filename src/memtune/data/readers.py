@@ -61,7 +61,7 @@ from memtune.data.vision import (
     VISION_TOKENS,
     ImageRef,
 )
-from memtune.paths import is_local_source
+from memtune.paths import hub_dataset
 
 ROLE_ALIASES = {
     "system": "system",
@@ -114,8 +114,9 @@ class Record:
 def iter_raw(path: str) -> Iterator[tuple[str, Any]]:
     """Yield (location, raw record) from any supported source, in file order."""
     p = Path(path).expanduser()
-    if not is_local_source(path):
-        yield from _iter_hub(path)
+    hub = hub_dataset(path)
+    if hub is not None:
+        yield from _iter_hub(path, *hub)
         return
     if p.is_dir():
         yield from _iter_dataset_dir(p)
@@ -284,13 +285,24 @@ def _undecoded_rows(ds: Any) -> Iterator[dict[str, Any]]:
         yield from batch.to_pylist()
 
 
-def _iter_hub(name: str) -> Iterator[tuple[str, Any]]:
+def _iter_hub(source: str, name: str, split: str) -> Iterator[tuple[str, Any]]:
+    """The rows of split ``split`` of hub dataset ``name`` (``source``: as the user wrote it).
+    Any failure of ``datasets`` to load it (no such dataset or split, the hub unreachable, a
+    gated one) is the source's one line, its own first line kept: it was a traceback."""
     from datasets import load_dataset
 
-    ds = load_dataset(name, split="train")
+    try:
+        ds = load_dataset(name, split=split)
+    except Exception as err:  # datasets raises many kinds: each one is this source's problem
+        reason = (str(err).strip().splitlines() or [""])[0]
+        raise RecordError(
+            source,
+            f"no such file or folder on this machine, and datasets could not load it as a "
+            f"Hugging Face dataset, split {split!r} ({type(err).__name__}: {reason})",
+        ) from None
     rows = _undecoded_rows(ds) if _has_images(ds.features) else iter(ds)
     for i, rec in enumerate(rows):
-        yield f"{name} row {i}", rec
+        yield f"{source} row {i}", rec
 
 
 def _string(rec: dict[str, Any], key: str, where: str, required: bool = True) -> str:
@@ -720,7 +732,7 @@ def read_source(path: str, fmt: str) -> Iterator[Record | RecordError]:
     """Parsed records of one source; a bad record is yielded as its error, in order. Image
     paths are relative to the data file's folder (a ``datasets`` folder: that folder)."""
     p = Path(path).expanduser()
-    base = (p if p.is_dir() else p.parent) if is_local_source(path) else None
+    base = None if hub_dataset(path) is not None else (p if p.is_dir() else p.parent)
     for where, raw in iter_raw(path):
         try:
             yield parse(raw, fmt, where, base)
