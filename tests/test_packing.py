@@ -320,22 +320,45 @@ def _varlen_cases() -> dict[str, dict]:
     }
 
 
+def _reference_varlen_before_gqa(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size):
+    """varlen_attn as torch 2.10 and 2.11 have it: no ``enable_gqa`` keyword (the GPU image's
+    torch 2.11 would have raised TypeError at the keyword), so as many KV heads as query
+    heads."""
+    assert k.shape[1] == v.shape[1] == q.shape[1]
+    return _reference_varlen(
+        q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size, enable_gqa=False
+    )
+
+
+@pytest.mark.parametrize("kernel", ["torch 2.12", "torch 2.11"])
 @pytest.mark.parametrize("case", ["packed", "padded", "plain"])
-def test_torch_varlen_attends_as_sdpa_varlen(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+def test_torch_varlen_attends_as_sdpa_varlen(
+    monkeypatch: pytest.MonkeyPatch, case: str, kernel: str
+) -> None:
     """torch_varlen's layout (the flattened tokens, the segments' bounds from a packed batch's
     cu_seq_lens or a padding mask, grouped KV heads) gives sdpa_varlen's outputs and
-    gradients at every real token, with a reference in place of torch's CUDA kernel; and both
-    give them as one call per KV head (attention_by_kv_head: the reference called once per KV
-    head with its query heads)."""
+    gradients at every real token, with a reference in place of torch's CUDA kernel, of
+    either signature (with enable_gqa, torch 2.12 on; without, 2.10-2.11: the KV heads
+    repeated); and both give them as one call per KV head (attention_by_kv_head: the reference
+    called once per KV head with its query heads)."""
     from memtune.rank import attention
 
     heads_per_call: list[int] = []
 
-    def counted(q, *args, **kwargs):
+    def with_gqa(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa=False):
         heads_per_call.append(q.shape[1])
-        return _reference_varlen(q, *args, **kwargs)
+        bounds = (cu_q, cu_k, max_q, max_k)
+        return _reference_varlen(
+            q, k, v, *bounds, scale=scale, window_size=window_size, enable_gqa=enable_gqa
+        )
 
-    monkeypatch.setattr(attention, "varlen_kernel", lambda: counted)
+    def without_gqa(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size):
+        heads_per_call.append(q.shape[1])
+        bounds = (cu_q, cu_k, max_q, max_k)
+        return _reference_varlen_before_gqa(q, k, v, *bounds, scale=scale, window_size=window_size)
+
+    kernel_fn = with_gqa if kernel == "torch 2.12" else without_gqa
+    monkeypatch.setattr(attention, "varlen_kernel", lambda: kernel_fn)
     monkeypatch.setattr(attention, "_cumulative_cache", {"key": None, "value": None})
     given = _varlen_cases()[case]
     torch.manual_seed(0)

@@ -29,6 +29,7 @@ attention ``auto`` decides where flash-attn is installed splits as memtune's own
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 from typing import Any
 
@@ -276,7 +277,13 @@ def torch_varlen_forward(
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         heads = q.shape[1]
-        out = varlen_kernel()(
+        kernel, grouped = varlen_kernel(), {}
+        if k.shape[1] != heads:
+            if "enable_gqa" in inspect.signature(kernel).parameters:
+                grouped["enable_gqa"] = True
+            else:  # torch 2.10-2.11: no enable_gqa (2.12 added it); each query head its KV copy
+                k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+        out = kernel(
             flat(q),
             flat(k),
             flat(v),
@@ -286,7 +293,7 @@ def torch_varlen_forward(
             longest,
             scale=scaling,
             window_size=(-1, 0),  # causal
-            enable_gqa=k.shape[1] != heads,
+            **grouped,
         )
         return out.reshape(batch, width, heads, v.shape[-1])
 
