@@ -37,7 +37,7 @@ else
     # call, after the main check) finds the same wheels installed and skips it.
     install_wheels() {
         local stamp="$2/.gpu_check_wheels" listing
-        listing=$(ls -l "$1"/*.whl)
+        listing=$(stat -c '%n %s' "$1"/*.whl) # names and sizes: a copy's new times are no change
         if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$listing" ]; then
             echo "== $1 already installed in $2"
             return 0

@@ -305,3 +305,30 @@ def test_a_length_runs_its_own_lora_dropout_decision(monkeypatch: pytest.MonkeyP
     assert at512.kernels.lora_dropout == "regenerate"
     assert regenerated_dropouts(built.model) == len(counts.lora_inputs) * 2  # 2 layers
     assert rec["lora_dropout"] == "regenerate"  # the row says which ran
+
+
+def test_tables_that_cannot_be_rendered_keep_the_readings(profile, tmp_path) -> None:
+    """A reading the tables cannot render (here a profile cut short: no length, no kinds):
+    gpu_check.json keeps it and lists the failure, gpu_check.md says so. Before, the raise
+    ended the phase that saved it, then the orchestrator, and every phase after it."""
+    import json
+
+    from bench.gpu_check.modes import DRY
+    from bench.gpu_check.report import write_outputs
+
+    work, out = tmp_path / "parts", tmp_path / "out"
+    work.mkdir()
+    data = {"phase": "profile-memtune", "method": "lora", "side": "profile", "records": []}
+    cut = {"side": "memtune", "step_ms": 512.0}
+    (work / "profile-memtune.json").write_text(
+        json.dumps({**data, "search": [], "errors": [], "notes": [], "profile": cut})
+    )
+    result = write_outputs(DRY, work, out)
+    saved = json.loads((out / "gpu_check.json").read_text())
+    assert saved["profile"] == [cut] and result["profile"] == [cut]
+    [error] = saved["errors"]
+    assert (error["phase"], error["where"]) == ("report", "markdown")
+    assert error["error"].startswith("KeyError: ")
+    assert (out / "gpu_check.md").read_text().startswith(
+        "# GPU check\n\nThe tables could not be rendered (KeyError: "
+    )

@@ -16,6 +16,8 @@ METHODS = {
     # the whole-mixture phases: Qwen3-30B-A3B's experiment, QLoRA, on one card (mixture.py)
     "mixture": ("qwen3-30b-a3b-4x4090-lora", "qlora-nf4"),
 }
+QWEN25 = ("lora", "qlora", "dpo")
+"""The methods of the Qwen2.5 experiments (dense, full attention: selective layers are built)."""
 
 
 def compose_cfg(
@@ -37,6 +39,7 @@ def compose_cfg(
         "logger=none",
         f"plan.device_gib={CAP_GIB}",
         "plan.enforce=false",
+        *(mode.qwen25_overrides if method in QWEN25 else ()),  # a phase's own win over them
         *extra,
         *mode.overrides,
     ]

@@ -233,11 +233,20 @@ def run_memtune(
             add_mfu(rec, flops_per_step(counts, arch, seq_len, pair), device)
             add_plan_error(rec)
         phase.add(rec)
-
-    if long:
-        search_cap(phase, deadline, device, steps_at, cfg0, counts, long=True)
-    elif method == "qlora" and not device_gib_at and not compiled:  # at Unsloth's: its lengths
-        search_cap(phase, deadline, device, steps_at, cfg0, counts)
+        if rec.get("oom") and not rec.get("as_planned"):
+            # out of memory where the plan said it fits can leave ZeRO's engine inconsistent
+            # (search_cap): what the rows after it measured would be that, not memtune
+            phase.data["notes"].append(
+                f"after the unplanned out of memory at {seq_len:,} tokens nothing more of this "
+                "phase ran (its engine may be inconsistent)"
+            )
+            phase.save()
+            break
+    else:  # every row as planned or measured: the searches past them
+        if long:
+            search_cap(phase, deadline, device, steps_at, cfg0, counts, long=True)
+        elif method == "qlora" and not device_gib_at and not compiled:  # at Unsloth's: its own
+            search_cap(phase, deadline, device, steps_at, cfg0, counts)
     with contextlib.suppress(Exception):
         import torch.distributed as dist
 

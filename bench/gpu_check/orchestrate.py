@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -125,7 +126,7 @@ def orchestrate(args: argparse.Namespace) -> int:
 
 def _orchestrate(args: argparse.Namespace, work: Path) -> int:
     mode = lengths_from_env(DRY if args.dry_run else GPU)
-    budget = Budget(args.budget_s or mode.budget_s, mode.dry_run)
+    budget = Budget(mode.budget_s if args.budget_s is None else args.budget_s, mode.dry_run)
     out = Path(args.out)
     # on the device: when named (--phases); the dry run runs them all
     groups = ("unsloth", "mixture") if mode.dry_run else ()
@@ -142,6 +143,18 @@ def _orchestrate(args: argparse.Namespace, work: Path) -> int:
             status = json.loads((work / "status.json").read_text())
             status = {k: v for k, v in status.items() if k not in ("total", "next session")}
     write_outputs(mode, work, out)
+    # gpu_check.sh's hard stop (timeout's SIGTERM) ends the phase running too: a phase runs in
+    # a session of its own (killed whole at its deadline), out of the stop's reach, and would
+    # have gone on holding the GPU and writing to OUT after the command had returned
+    running: list[int] = []
+
+    def hard_stop(signum: int, frame: Any) -> None:
+        for pid in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, hard_stop)
     for phase in chosen:
         name = phase.name
         now = time.time()
@@ -181,6 +194,7 @@ def _orchestrate(args: argparse.Namespace, work: Path) -> int:
             # (transformers 5.24 there; Unsloth 2026.10.9 takes <= 5.17, the image's).
             env = {**os.environ, "PYTHONPATH": os.environ[SITE_ENV]}
         with subprocess.Popen(cmd, start_new_session=True, env=env) as child:
+            running[:] = [child.pid]
             try:
                 code = child.wait(timeout=phase_deadline - now + 20)
                 status[name] = f"exit {code} in {time.time() - t0:.0f} s"

@@ -56,6 +56,8 @@ DEQUANT = ("dequantize", "bitsandbytes", "gemv_4bit", "bnb")
 COMMS = ("nccl", "c10d", "all_reduce", "allreduce", "reduce_scatter", "all_gather", "broadcast")
 COPIES = ("aten::copy_", "aten::_to_copy", "aten::to", "aten::contiguous", "aten::cat", "Memcpy")
 SCOPE_RECOMPUTE = "gpu_check.recompute"
+SCOPE_FORWARD = "gpu_check.forward"
+"""A checkpointed layer's first forward: a label of no kind (:func:`label_recompute`)."""
 SCOPE_OPTIMIZER = "gpu_check.optimizer"
 
 
@@ -173,7 +175,11 @@ def labelled(name: str) -> Iterator[None]:
 def label_recompute(model: Any) -> int:
     """The checkpointed decoder layers' forward, when it runs again in backward, inside a
     ``gpu_check.recompute`` scope (profiling only: the function transformers calls is wrapped
-    around the layer's own). Returns how many layers are labelled."""
+    around the layer's own). Returns how many layers are labelled. The first forward runs in a
+    label too, of no kind: a selective layer's recompute must replay the forward's operators
+    one for one, a label's among them, and a label in backward alone stopped the step
+    ("profiler._record_function_enter_new.default encountered during backward but not found in
+    storage": the CPU dry run, once it ran a selective layer as the 24 GB plans do)."""
     import torch
 
     from memtune.rank.layers import decoder_layers
@@ -187,7 +193,8 @@ def label_recompute(model: Any) -> int:
         def checkpoint(function: Any, *args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
             def again(*a: Any, **k: Any) -> Any:
                 if torch._C._current_graph_task_id() == -1:  # the forward pass
-                    return function(*a, **k)
+                    with labelled(SCOPE_FORWARD):
+                        return function(*a, **k)
                 with labelled(SCOPE_RECOMPUTE):
                     return function(*a, **k)
 
@@ -269,6 +276,7 @@ def run_profile_memtune(phase: Phase, deadline: float) -> None:
     with profiling(device) as prof:
         clock = steps(mode.timed)
     wall = clock.marks[-1] - clock.marks[0]
+    measured_before_summary(phase, wall, mode.timed)
     summary = summarize(prof, mode.timed, wall, device.type == "cuda", cfg.peft.r, vocab)
     summary.update(
         side="memtune",
@@ -285,6 +293,17 @@ def run_profile_memtune(phase: Phase, deadline: float) -> None:
     phase.data["profile"] = summary
     phase.save()
     print(f"gpu_check: {phase.name}: {summary['step_ms']:.0f} ms a step profiled", flush=True)
+
+
+def measured_before_summary(phase: Any, wall_s: float, steps: int) -> None:
+    """The profiled steps' time, saved before their events are read: reading them (record
+    shapes, every operator of every step) is the phase's slowest part on a 7B model, and a
+    phase stopped at its deadline in it kept nothing of a step already measured."""
+    phase.data["notes"].append(
+        f"{steps} profiled steps: {1e3 * wall_s / steps:.0f} ms a step (wall), before their "
+        "events were summarized"
+    )
+    phase.save()
 
 
 def planned_step(cfg: Any, d: Any, counts: Any) -> dict[str, float]:
@@ -373,6 +392,7 @@ def run_profile_baseline(phase: Phase, deadline: float) -> None:
     with profiling(device) as prof:
         marks = run(mode.timed)
     wall = marks.marks[-1] - marks.marks[0]
+    measured_before_summary(phase, wall, mode.timed)
     summary = summarize(prof, mode.timed, wall, device.type == "cuda", cfg.peft.r, vocab)
     summary.update(
         side="baseline",

@@ -33,11 +33,25 @@ def load_fragments(work: Path) -> list[dict[str, Any]]:
 
 
 def write_outputs(mode: Mode, work: Path, out: Path) -> dict[str, Any]:
+    """gpu_check.json and gpu_check.md from the phases' fragments so far. The tables are
+    rendered from readings no CPU run has seen: where rendering fails, the failure is among
+    the errors and gpu_check.md says so, and gpu_check.json keeps every reading (a raise here
+    ended the phase that saved, and the orchestrator with every phase after it)."""
     result = collect(mode, work)
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        tables = markdown(result)
+    except Exception as err:
+        why = f"{type(err).__name__}: {err}"
+        print(f"gpu_check: the tables could not be rendered ({why})", flush=True)
+        result["errors"].append({"phase": "report", "where": "markdown", "error": why[-2000:]})
+        tables = (
+            f"# GPU check\n\nThe tables could not be rendered ({why}); every reading is in "
+            "gpu_check.json.\n"
+        )
     for name, text in (
         ("gpu_check.json", json.dumps(result, indent=2, default=str) + "\n"),
-        ("gpu_check.md", markdown(result)),
+        ("gpu_check.md", tables),
     ):
         tmp = out / f".{name}.tmp"
         tmp.write_text(text)
