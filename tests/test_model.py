@@ -87,6 +87,38 @@ def test_tiny_model_loads_through_from_pretrained(tiny_cfg) -> None:
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_rope_scaling_is_laid_over_the_checkpoints_rope(tiny_cfg) -> None:
+    """model.rope_scaling (YaRN, as the long experiment sets it) is applied over the
+    checkpoint's RoPE parameters, its rope_theta kept. Before: transformers 5 took the
+    rope_scaling given to from_pretrained for all of rope_parameters, and the first forward
+    was a TypeError (rope_theta None): no run with model.rope_scaling could start."""
+    import copy
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = copy.deepcopy(tiny_cfg)
+    scaling = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}
+    cfg.model.rope_scaling = scaling
+    model = load_base_model(cfg, decided(cfg, attention="sdpa"))
+    yarn = {
+        "rope_theta": 1000000.0,  # tiny-qwen2's own
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 512,
+    }
+    assert model.config.rope_parameters == yarn
+    # The same model as transformers builds it from those parameters, given whole.
+    config = AutoConfig.from_pretrained(cfg.model.name_or_path)
+    config.rope_parameters = dict(yarn)
+    want = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, config=config)
+    plain = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path)
+    ids = torch.arange(3, 603).unsqueeze(0)  # past original_max_position_embeddings
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+        torch.testing.assert_close(got, want.eval()(input_ids=ids).logits)
+        assert (got - plain.eval()(input_ids=ids).logits)[0, 512:].abs().max() > 1e-2
+
+
 def test_tiny_tokenizer_has_qwen_specials_and_chatml(tiny_cfg) -> None:
     tok = load_tokenizer(tiny_cfg)
     assert tok.pad_token == PAD_TOKEN and tok.eos_token == IM_END

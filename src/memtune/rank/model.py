@@ -78,6 +78,44 @@ def quantization_config(cfg: RunConfig, method: PeftMethod, keep: list[str] | No
     return None
 
 
+def with_rope_scaling(
+    name_or_path: str,
+    revision: str | None,
+    rope_scaling: dict[str, Any] | None,
+    trust_remote_code: bool = False,
+) -> Any:
+    """The checkpoint's config (its text model's, in a vision-language one) with
+    ``rope_scaling`` (model.rope_scaling) laid over its RoPE parameters, for
+    ``from_pretrained(config=...)``; None for an empty ``rope_scaling``: the checkpoint's own.
+    Over, not instead: transformers 5 reads every RoPE setting from one dict
+    (``rope_parameters``), and a ``rope_scaling`` given to ``from_pretrained`` replaced it
+    whole, its ``rope_theta`` lost (YaRN's first forward was a TypeError). The older
+    ``type`` key is read as ``rope_type``. Training, ``memtune merge`` and ``memtune
+    generate`` load the base with it, so all three hold the same positions."""
+    if not rope_scaling:
+        return None
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(
+        name_or_path, revision=revision, trust_remote_code=trust_remote_code
+    )
+    text = config.get_text_config()
+    given = dict(rope_scaling)
+    kind = given.pop("type", None)
+    if kind is not None:
+        given.setdefault("rope_type", kind)
+    own = dict(getattr(text, "rope_parameters", None) or {})
+    nested = text.nested_rope_parameter_keys(own) if own else []
+    if nested:  # one dict per layer type: each scaled alike
+        text.rope_parameters = {
+            k: ({**v, **given} if k in nested and v is not None else v) for k, v in own.items()
+        }
+    else:
+        text.rope_parameters = {**own, **given}
+    text.standardize_rope_params()  # yarn's original_max_position_embeddings, where not given
+    return config
+
+
 def load_base_model(cfg: RunConfig, d: Decisions, device_index: int | None = None) -> Any:
     """``from_pretrained`` in the training dtype with the decided attention kernel, quantized
     for QLoRA / int8. Under ZeRO-3 the caller keeps a live ``HfDeepSpeedConfig`` so weights
@@ -97,8 +135,10 @@ def load_base_model(cfg: RunConfig, d: Decisions, device_index: int | None = Non
     extra: dict[str, Any] = {}
     if quant is not None:
         extra["quantization_config"] = quant
-    if cfg.model.rope_scaling:
-        extra["rope_scaling"] = dict(cfg.model.rope_scaling)
+    m = cfg.model
+    config = with_rope_scaling(m.name_or_path, m.revision, m.rope_scaling, m.trust_remote_code)
+    if config is not None:
+        extra["config"] = config
     if cfg.model.revision:
         extra["revision"] = cfg.model.revision
     if device_index is not None and d.zero_stage != 3:
