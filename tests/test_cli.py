@@ -427,6 +427,101 @@ def test_merge_writes_into_a_new_dir_by_renaming_its_temporary(
     assert not any("lora_" in n for n, _ in merged.named_parameters())
 
 
+TINY = {
+    "model_type": "qwen2",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 1024,
+    "max_position_embeddings": 128,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 1-layer Qwen2 and its tokenizer (memtune.tools.tiny), built once here."""
+    from memtune.tools.tiny import synthesize
+
+    return synthesize(tmp_path_factory.mktemp("models") / "base", TINY)
+
+
+def _tiny_run(run: Path, base: Path, *overrides: str) -> Path:
+    """A run dir as a finished run leaves it, on ``base``: config.yaml (fp32, ``overrides``)
+    and adapter/ (LoRA on q and v, initialized at random so that it changes the logits, and
+    the tokenizer); returns ``run``."""
+    import torch
+    from omegaconf import OmegaConf
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from memtune.config import to_run_config
+    from tests.conftest import compose_cfg
+
+    cfg = to_run_config(
+        compose_cfg(
+            [
+                f"model.name_or_path={base}",
+                "model.synthesize=false",
+                "trainer.precision=fp32",
+                *overrides,
+            ]
+        )
+    )
+    cfg.model.architecture = dict(TINY)
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    torch.manual_seed(0)
+    lora = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(AutoModelForCausalLM.from_pretrained(base), lora).save_pretrained(
+        run / "adapter"
+    )
+    AutoTokenizer.from_pretrained(base).save_pretrained(run / "adapter")
+    return run
+
+
+def test_merge_and_generate_hold_the_runs_rope_scaling(tiny_base: Path, tmp_path: Path) -> None:
+    """A run with model.rope_scaling (YaRN) trained under it: merge loads the base with it, so
+    the merged config.json carries it and the merged model's logits are base + adapter's under
+    it; generate holds the base the same way. Before: both loaded the base with plain RoPE,
+    and the merged config.json had none."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memtune.tools.generate import load
+    from memtune.tools.merge import merge
+
+    yarn = "{type: yarn, factor: 4.0, original_max_position_embeddings: 32}"
+    run = _tiny_run(tmp_path / "run", tiny_base, f"model.rope_scaling={yarn}")
+    out = merge(run / "adapter", tmp_path / "merged")
+    want = {
+        "rope_theta": 10000.0,  # the checkpoint's own, kept
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    assert json.loads((out / "config.json").read_text())["rope_parameters"] == want
+
+    def with_adapter(config: object = None) -> torch.nn.Module:
+        base = AutoModelForCausalLM.from_pretrained(tiny_base, config=config)
+        return PeftModel.from_pretrained(base, run / "adapter").eval()
+
+    config = AutoConfig.from_pretrained(tiny_base)
+    config.rope_parameters = dict(want)  # YaRN as transformers builds it, given whole
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()
+    generating, _ = load(run)
+    ids = torch.arange(3, 123).unsqueeze(0)  # past original_max_position_embeddings
+    with torch.no_grad():
+        expected = with_adapter(config)(input_ids=ids).logits
+        got = merged(input_ids=ids).logits
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(generating(input_ids=ids).logits, expected)
+        plain = with_adapter()(input_ids=ids).logits
+    assert (got - plain)[0, 32:].abs().max() > 1e-2  # plain RoPE answers otherwise
+
+
 def test_plan_prints_train_py_plan_and_writes_nothing(tmp_path: Path) -> None:
     proc = memtune("plan", QWEN7B, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -9,7 +9,8 @@ The run's config gives the template and system prompt, so the prompt is the same
 model was trained on (qwen3, qwen3_5: with the empty think block, unless ``--thinking``). Generation
 stops at the turn's end marker (``<|im_end|>`` in ChatML) or the tokenizer's eos. The base is held
 as ``memtune merge``'s default holds it (memtune.tools.merge.load_base): in the training
-precision, and a QLoRA / LLM.int8 run's quantized as in training, then dequantized.
+precision, its RoPE under the run's ``model.rope_scaling`` (YaRN), and a QLoRA / LLM.int8
+run's quantized as in training, then dequantized.
 
 ``--image PATH`` (once per image) puts images in the user turn, before its text, encoded as the
 run's data encodes them: resized by the model's image processor with the run's
@@ -63,7 +64,10 @@ def load(run_dir: Path, model_dir: Path | None = None) -> tuple[Any, Any]:
         # trained model's (the original weights would put the quantization error back).
         trained = trained_as(adapter)
         m = trained.cfg.model if trained is not None else load_run_config(rd.config).model
-        base = load_base(m.name_or_path, m.revision, adapter, trained, merged_dtype(trained, None))
+        dtype = merged_dtype(trained, None)
+        base = load_base(
+            m.name_or_path, m.revision, adapter, trained, dtype, rope_scaling=m.rope_scaling
+        )
         hint = (
             "the run's config.yaml names that base (model.name_or_path): put the model the "
             "run trained on there, or give its merged model with --model"

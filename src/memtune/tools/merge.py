@@ -15,6 +15,9 @@ and then dequantized (``--into dequantized``): that model behaves like the one y
 precision but adds the quantization error back under the adapter's correction. The run's
 ``config.yaml`` next to the adapter says how the base was quantized.
 
+The base is loaded with the run's ``model.rope_scaling`` (YaRN) as in training, so the merged
+model's ``config.json`` carries it and the merged model reads long prompts as the trained one.
+
 OUT must not exist yet (or be an empty directory): memtune never writes into a directory it did
 not create. The model is saved into a temporary sibling (``.OUT.tmp-<host>-<pid>-XXXX``) that
 is renamed to OUT once complete, and removed if the merge fails (or, left by a merge that was
@@ -230,7 +233,8 @@ def _merge_into(
     from transformers import AutoTokenizer
 
     try:
-        model = load_base(base, revision, adapter_dir, trained, dtype, into)
+        rope = cfg.model.rope_scaling if cfg is not None else None  # over --base's too
+        model = load_base(base, revision, adapter_dir, trained, dtype, into, rope)
     except OSError as err:  # transformers: neither a local model dir nor one on the Hub
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"base model {base}: cannot load it ({first}); give --base") from None
@@ -309,9 +313,12 @@ def load_base(
     trained: TrainedAs | None,
     dtype: str,
     into: str = "dequantized",
+    rope_scaling: dict[str, Any] | None = None,
 ) -> Any:
     """The base model the adapter applies to, in ``dtype``, in its own class (a multimodal
-    checkpoint's, vision tower and all: its adapter is named for that class). A base trained
+    checkpoint's, vision tower and all: its adapter is named for that class), its RoPE under
+    the run's ``rope_scaling`` (model.rope_scaling: YaRN) as in training, so the merged
+    model's config.json carries it. A base trained
     quantized (``trained``'s decided method: QLoRA, LLM.int8) is quantized exactly as in
     training, from the training dtype, and dequantized (``into="dequantized"``): the weights
     the adapter learned to correct; ``into="original"``: the checkpoint's weights as stored.
@@ -320,7 +327,7 @@ def load_base(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from memtune.rank.model import quantization_config, torch_dtype
+    from memtune.rank.model import quantization_config, torch_dtype, with_rope_scaling
     from memtune.rank.vision import NOT_QUANTIZED
 
     model_class = base_class(base, revision, adapter_dir)
@@ -330,13 +337,15 @@ def load_base(
         # quantizing it here would put a rounding into it that training never saw.
         keep = NOT_QUANTIZED if model_class is not AutoModelForCausalLM else None
         quant = quantization_config(trained.cfg, trained.method, keep)
+    config = with_rope_scaling(base, revision, rope_scaling)
+    extra = {"config": config} if config is not None else {}
     if quant is None or trained is None:
         return model_class.from_pretrained(
-            base, dtype=getattr(torch, DTYPES[dtype]), revision=revision
+            base, dtype=getattr(torch, DTYPES[dtype]), revision=revision, **extra
         )
     trained_dtype = torch_dtype(trained.cfg)
     quantized = model_class.from_pretrained(
-        base, dtype=trained_dtype, quantization_config=quant, revision=revision
+        base, dtype=trained_dtype, quantization_config=quant, revision=revision, **extra
     )
     model = quantized.dequantize()
     # a mixture's expert stacks, which memtune quantized itself (none in a dense model)
