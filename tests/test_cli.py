@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -520,6 +521,64 @@ def test_merge_and_generate_hold_the_runs_rope_scaling(tiny_base: Path, tmp_path
         torch.testing.assert_close(generating(input_ids=ids).logits, expected)
         plain = with_adapter()(input_ids=ids).logits
     assert (got - plain)[0, 32:].abs().max() > 1e-2  # plain RoPE answers otherwise
+
+
+def _ends_its_turn_at_once(run: Path, prompt: str) -> None:
+    """Replace the run's adapter with LoRA on lm_head that makes <|im_end|> the first token the
+    model answers ``prompt`` with: B·A adds to that token's logit the square of the base's last
+    hidden state (made large)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from memtune.tools.generate import prompt_inputs
+
+    adapter = run / "adapter"
+    tokenizer = AutoTokenizer.from_pretrained(adapter)
+    base = AutoModelForCausalLM.from_pretrained(
+        json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    )
+    ids = prompt_inputs(run, prompt, tokenizer)["input_ids"]
+    with torch.no_grad():
+        h = base(input_ids=ids, output_hidden_states=True).hidden_states[-1][0, -1]
+    lora = LoraConfig(r=1, lora_alpha=1, target_modules=["lm_head"])
+    model = get_peft_model(base, lora)
+    head = model.base_model.model.lm_head
+    with torch.no_grad():
+        head.lora_A["default"].weight.copy_(h.unsqueeze(0))
+        head.lora_B["default"].weight.zero_()
+        head.lora_B["default"].weight[tokenizer.convert_tokens_to_ids("<|im_end|>"), 0] = 1e3
+    shutil.rmtree(adapter)
+    model.save_pretrained(adapter)
+    tokenizer.save_pretrained(adapter)
+
+
+def test_generate_says_when_the_answer_was_cut_at_max_new_tokens(
+    tiny_base: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An answer stopped by --max-new-tokens before the model ended its turn is followed by one
+    line on stderr naming the flag (before: nothing, the cut answer passed for the whole one);
+    an answer that ended its turn on the limit's last token was not cut: no line."""
+    from memtune.cli import main
+    from memtune.tools.generate import answer, load, stop_token_ids
+
+    run = _tiny_run(tmp_path / "run", tiny_base)
+    model, tokenizer = load(run)
+    text, new = answer(model, tokenizer, run, "Hi", max_new_tokens=3)
+    assert len(new) == 3 and not set(new) & set(stop_token_ids(tokenizer))  # it goes on
+    capsys.readouterr()  # (transformers' loading bars)
+    assert main(["generate", str(run), "Hi", "--max-new-tokens", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"{text}\n"
+    assert err == (
+        "memtune generate: the answer stopped at --max-new-tokens 3, before the model ended "
+        "its turn; give a larger --max-new-tokens for the rest\n"
+    )
+    _ends_its_turn_at_once(run, "Hi")
+    capsys.readouterr()
+    assert main(["generate", str(run), "Hi", "--max-new-tokens", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert (out, err) == ("(empty answer: the model ended its turn after 1 token(s))\n", "")
 
 
 def test_plan_prints_train_py_plan_and_writes_nothing(tmp_path: Path) -> None:

@@ -17,11 +17,15 @@ run's data encodes them: resized by the model's image processor with the run's
 ``data.min_pixels`` / ``data.max_pixels``, one ``<|image_pad|>`` per merged patch. The model
 (a vision-language checkpoint's released class, or a merged one) generates with its own
 ``generate``.
+
+An answer cut at ``--max-new-tokens`` (default 128) before the model ended its turn is followed by
+one line on stderr that says so.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -43,6 +47,12 @@ def stop_token_ids(tokenizer: Any) -> list[int]:
     if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
         ids.add(im_end)
     return sorted(i for i in ids if i is not None)
+
+
+def cut_short(new: Sequence[int], max_new_tokens: int, stops: Sequence[int]) -> bool:
+    """Generation stopped at ``max_new_tokens`` without an end of turn: the answer goes on.
+    (An answer whose stop token is the limit's last token ended.)"""
+    return len(new) >= max_new_tokens and not (new and new[-1] in stops)
 
 
 def load(run_dir: Path, model_dir: Path | None = None) -> tuple[Any, Any]:
@@ -227,7 +237,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("run_dir", type=Path, help="a finished run dir (config.yaml, adapter/)")
     parser.add_argument("prompt")
     parser.add_argument("--model", type=Path, help="a merged model dir instead of base+adapter")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
+    parser.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=128,
+        help="the most tokens an answer may have (default 128); an answer cut there is said so",
+    )
     parser.add_argument(
         "--thinking",
         action="store_true",
@@ -265,6 +280,13 @@ def main(argv: list[str] | None = None) -> None:
         print(text)
     else:
         print(f"(empty answer: the model ended its turn after {len(new)} token(s))")
+    if cut_short(new, args.max_new_tokens, stop_token_ids(tokenizer)):
+        # on stderr: stdout is the answer alone
+        print(
+            f"memtune generate: the answer stopped at --max-new-tokens {args.max_new_tokens}, "
+            "before the model ended its turn; give a larger --max-new-tokens for the rest",
+            file=sys.stderr,
+        )
 
 
 if __name__ == "__main__":
