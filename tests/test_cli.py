@@ -581,6 +581,55 @@ def test_generate_says_when_the_answer_was_cut_at_max_new_tokens(
     assert (out, err) == ("(empty answer: the model ended its turn after 1 token(s))\n", "")
 
 
+@pytest.mark.parametrize("template", ["chatml", "plain"])
+def test_generate_system_is_a_records_own_system_prompt_as_training_lays_it_out(
+    template: str, tiny_base: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--system TEXT: the prompt's tokens are those before the reply of a training record
+    with its own system prompt TEXT (data.readers, data.encode), in place of the run's
+    data.system_prompt; without it, those of a record without one (the run's). Before:
+    generate rendered data.system_prompt only, and a run trained on per-record system prompts
+    was asked under one it never saw."""
+    from transformers import AutoTokenizer
+
+    from memtune.cli import main
+    from memtune.config import load_run_config
+    from memtune.data.encode import IGNORE_INDEX, encode_records
+    from memtune.data.readers import parse
+    from memtune.tools.generate import answer, load, prompt_inputs
+
+    run = _tiny_run(
+        tmp_path / "run", tiny_base, f"data.template={template}", "data.system_prompt=Be brief."
+    )
+    data = load_run_config(run / "config.yaml").data
+    tokenizer = AutoTokenizer.from_pretrained(run / "adapter")
+
+    def trained_prompt(**system: str) -> list[int]:
+        record = parse({"instruction": "Hi", "output": "Hello", **system}, "alpaca", "a:1")
+        sample = encode_records([record], tokenizer, data)[0]
+        reply = next(i for i, label in enumerate(sample.labels) if label != IGNORE_INDEX)
+        return sample.input_ids[:reply]
+
+    def prompt(system: str | None = None) -> list[int]:
+        return prompt_inputs(run, "Hi", tokenizer, system=system)["input_ids"][0].tolist()
+
+    own = trained_prompt(system="Answer in French.")
+    assert prompt("Answer in French.") == own
+    assert prompt() == trained_prompt() != own  # the run's data.system_prompt
+    assert tokenizer.decode(own).startswith(
+        "<|im_start|>system\nAnswer in French.<|im_end|>\n"
+        if template == "chatml"
+        else "Answer in French.\n\n"
+    )
+    model, _ = load(run)
+    text, _ = answer(model, tokenizer, run, "Hi", max_new_tokens=3, system="Answer in French.")
+    assert text != answer(model, tokenizer, run, "Hi", max_new_tokens=3)[0]
+    capsys.readouterr()  # (transformers' loading bars)
+    argv = ["generate", str(run), "Hi", "--system", "Answer in French.", "--max-new-tokens", "3"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out == f"{text}\n"
+
+
 def test_plan_prints_train_py_plan_and_writes_nothing(tmp_path: Path) -> None:
     proc = memtune("plan", QWEN7B, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]

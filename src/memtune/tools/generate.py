@@ -6,11 +6,13 @@
     memtune generate RUN_DIR --image receipt.png "What is the total?"
 
 The run's config gives the template and system prompt, so the prompt is the same text the
-model was trained on (qwen3, qwen3_5: with the empty think block, unless ``--thinking``). Generation
-stops at the turn's end marker (``<|im_end|>`` in ChatML) or the tokenizer's eos. The base is held
-as ``memtune merge``'s default holds it (memtune.tools.merge.load_base): in the training
-precision, its RoPE under the run's ``model.rope_scaling`` (YaRN), and a QLoRA / LLM.int8
-run's quantized as in training, then dequantized.
+model was trained on (qwen3, qwen3_5: with the empty think block, unless ``--thinking``).
+``--system TEXT`` puts TEXT in place of the run's data.system_prompt: a run trained on records
+with their own system prompts learned its answers under those. Generation stops at the turn's
+end marker (``<|im_end|>`` in ChatML) or the tokenizer's eos. The base is held as ``memtune
+merge``'s default holds it (memtune.tools.merge.load_base): in the training precision, its RoPE
+under the run's ``model.rope_scaling`` (YaRN), and a QLoRA / LLM.int8 run's quantized as in
+training, then dequantized.
 
 ``--image PATH`` (once per image) puts images in the user turn, before its text, encoded as the
 run's data encodes them: resized by the model's image processor with the run's
@@ -87,14 +89,18 @@ def load(run_dir: Path, model_dir: Path | None = None) -> tuple[Any, Any]:
     return model.eval(), tokenizer
 
 
-def prompt_text(run_dir: Path, prompt: str, tokenizer: Any, thinking: bool = False) -> str:
-    """The text the model is given for one user turn: the run's template and system prompt;
-    for a run on plain documents (data.format=text, trained with no template), the prompt
-    itself, which the model continues."""
+def prompt_text(
+    run_dir: Path, prompt: str, tokenizer: Any, thinking: bool = False, system: str | None = None
+) -> str:
+    """The text the model is given for one user turn: the run's template and system prompt
+    (``system``, when given, in place of data.system_prompt: a record's own, as training put
+    it; "" for none); for a run on plain documents (data.format=text, trained with no
+    template), the prompt itself, which the model continues."""
     cfg = load_run_config(RunDir(run_dir).config)
     if cfg.data.format == "text":
         return prompt
-    messages = with_system([{"role": "user", "content": prompt}], cfg.data.system_prompt)
+    given = cfg.data.system_prompt if system is None else system
+    messages = with_system([{"role": "user", "content": prompt}], given)
     return render_prompt(messages, cfg.data.template, tokenizer.eos_token, thinking)
 
 
@@ -125,11 +131,13 @@ def prompt_inputs(
     thinking: bool = False,
     images: Sequence[Path] = (),
     settings: ImageSettings | None = None,
+    system: str | None = None,
 ) -> dict[str, Any]:
     """The model's inputs for one user turn, as the run's data encodes a turn: the text of
-    :func:`prompt_text`, and with ``images`` (each before the text, in order; ``settings``:
-    :func:`image_settings`) each image's tokens, ``mm_token_type_ids``, ``pixel_values`` and
-    ``image_grid_thw``. An unreadable image: ConfigError naming it."""
+    :func:`prompt_text` (``system``: its system prompt), and with ``images`` (each before the
+    text, in order; ``settings``: :func:`image_settings`) each image's tokens,
+    ``mm_token_type_ids``, ``pixel_values`` and ``image_grid_thw``. An unreadable image:
+    ConfigError naming it."""
     import torch
 
     from memtune.data.encode import (
@@ -142,7 +150,9 @@ def prompt_inputs(
     from memtune.data.readers import Record, RecordError
     from memtune.data.vision import IMAGE_PAD, ImageRef, pixel_values
 
-    text = prompt_text(run_dir, IMAGE_PLACEHOLDER * len(images) + prompt, tokenizer, thinking)
+    text = prompt_text(
+        run_dir, IMAGE_PLACEHOLDER * len(images) + prompt, tokenizer, thinking, system
+    )
     ids = tokenizer.encode(text, add_special_tokens=False)
     if not images:
         input_ids = torch.tensor([ids])
@@ -176,15 +186,17 @@ def answer(
     thinking: bool = False,
     images: Sequence[Path] = (),
     settings: ImageSettings | None = None,
+    system: str | None = None,
 ) -> tuple[str, list[int]]:
     """Greedy answer to one user turn; returns (text, generated ids). ``thinking`` (the qwen3
     and qwen3_5 templates): the model writes its own think block instead of the empty one.
-    ``images``: in the turn, before its text (:func:`prompt_inputs`)."""
+    ``images``: in the turn, before its text (:func:`prompt_inputs`). ``system``: the system
+    prompt in place of the run's data.system_prompt."""
     # Inside the function: torch takes seconds to import, and a refused command needs none of it.
     import torch
     from transformers import GenerationConfig
 
-    inputs = prompt_inputs(run_dir, prompt, tokenizer, thinking, images, settings)
+    inputs = prompt_inputs(run_dir, prompt, tokenizer, thinking, images, settings, system)
     stops = stop_token_ids(tokenizer)
     # Greedy, whatever the checkpoint's generation_config.json asks for serving (Qwen's
     # instruct models: sampling, repetition_penalty 1.05): generate fills every setting not
@@ -257,6 +269,12 @@ def main(argv: list[str] | None = None) -> None:
         help="an image in the user turn, before the prompt (once per image; a vision-language "
         "model)",
     )
+    parser.add_argument(
+        "--system",
+        metavar="TEXT",
+        help='the system prompt, in place of the run\'s data.system_prompt ("": none); a run '
+        "trained on records with their own system prompts answers best under one of those",
+    )
     args = parser.parse_args(argv)
     check_paths(args.run_dir, args.model)
     settings = image_settings(args.run_dir, args.model) if args.image else None
@@ -275,6 +293,7 @@ def main(argv: list[str] | None = None) -> None:
         args.thinking,
         args.image,
         settings,
+        args.system,
     )
     if text.strip():
         print(text)
