@@ -729,9 +729,14 @@ def test_a_merge_is_in_the_precision_the_adapter_was_trained_in(
     assert merged_dtype(trained_as(step / "adapter"), None) == "fp32"
 
 
-def test_a_run_on_plain_documents_generates_from_the_prompt_itself(tmp_path: Path) -> None:
-    """memtune generate on a data.format=text run (continued pre-training: no template in
-    training) continues the prompt as given; a chat run's prompt is its template's turn."""
+def test_a_run_on_plain_documents_generates_from_the_prompt_itself(
+    tiny_base: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """memtune generate on a run on plain documents only (continued pre-training: no template
+    in training) continues the prompt as given: data.format=text, or data.sources all of
+    format text (before: their template was put on, data.format's default alpaca being read);
+    a run with any source of conversations answers a template's turn (it learned to answer
+    one), documents mixed in or not. --system on a documents run is refused: no system turn."""
     from types import SimpleNamespace
 
     from omegaconf import OmegaConf
@@ -741,11 +746,25 @@ def test_a_run_on_plain_documents_generates_from_the_prompt_itself(tmp_path: Pat
     from tests.conftest import compose_cfg
 
     tokenizer = SimpleNamespace(eos_token="<|endoftext|>")  # all the template reads of it
+    turn = "<|im_start|>user\nOnce upon a time<|im_end|>\n<|im_start|>assistant\n"
+    text, chat = "{path: a.jsonl, format: text}", "{path: b.jsonl, format: alpaca}"
     for overrides, want in [
         (["data=text", "data.path=x.jsonl"], "Once upon a time"),
-        ([], "<|im_start|>user\nOnce upon a time<|im_end|>\n<|im_start|>assistant\n"),
+        (["data.path=null", f"data.sources=[{text}]"], "Once upon a time"),
+        (["data.path=null", f"data.sources=[{text}, {text}]"], "Once upon a time"),
+        ([], turn),
+        (["data.path=null", f"data.sources=[{text}, {chat}]"], turn),
+        (["data.path=null", f"data.sources=[{chat}, {text}]"], turn),
     ]:
-        cfg = to_run_config(compose_cfg(overrides))
+        cfg = to_run_config(compose_cfg([*overrides, f"model.name_or_path={tiny_base}"]))
         (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-        got = prompt_text(tmp_path, "Once upon a time", tokenizer)
-        assert got.endswith(want) and (got == want or overrides == [])
+        assert prompt_text(tmp_path, "Once upon a time", tokenizer) == want, overrides
+    cfg = to_run_config(compose_cfg(["data=text", "data.path=x.jsonl"]))
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    _adapter_dir(tmp_path / "adapter", str(tiny_base))
+    line = refused_in_process(["generate", str(tmp_path), "Once", "--system", "Be brief."], capsys)
+    assert line == (
+        f"memtune generate: --system: {tmp_path} trained on plain documents only (every data "
+        "source of format text), with no template and so no system turn: give the prompt "
+        "alone, which the model continues"
+    )

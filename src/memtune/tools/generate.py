@@ -34,7 +34,7 @@ from typing import Any
 
 from memtune.adapter_check import adapter_problem
 from memtune.arguments import VerbParser, positive_int
-from memtune.config import ConfigError, load_run_config
+from memtune.config import ConfigError, DataConfig, load_run_config
 from memtune.data.templates import IM_END, render_prompt, with_system
 from memtune.data.vision import IMAGE_PLACEHOLDER, ImageSettings
 from memtune.quiet import no_progress_bars
@@ -89,15 +89,23 @@ def load(run_dir: Path, model_dir: Path | None = None) -> tuple[Any, Any]:
     return model.eval(), tokenizer
 
 
+def on_documents(data: DataConfig) -> bool:
+    """The run trained on plain documents only: every source of format text (data.format, or
+    each of data.sources), none rendered with a template. A run that mixed documents with
+    conversations (any source of another format) learned to answer a user turn through its
+    template: its prompt is rendered as one."""
+    return all(source.format == "text" for source in data.all_sources())
+
+
 def prompt_text(
     run_dir: Path, prompt: str, tokenizer: Any, thinking: bool = False, system: str | None = None
 ) -> str:
     """The text the model is given for one user turn: the run's template and system prompt
     (``system``, when given, in place of data.system_prompt: a record's own, as training put
-    it; "" for none); for a run on plain documents (data.format=text, trained with no
+    it; "" for none); for a run on plain documents only (:func:`on_documents`, trained with no
     template), the prompt itself, which the model continues."""
     cfg = load_run_config(RunDir(run_dir).config)
-    if cfg.data.format == "text":
+    if on_documents(cfg.data):
         return prompt
     given = cfg.data.system_prompt if system is None else system
     messages = with_system([{"role": "user", "content": prompt}], given)
@@ -277,6 +285,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     check_paths(args.run_dir, args.model)
+    if args.system is not None and on_documents(load_run_config(RunDir(args.run_dir).config).data):
+        raise ConfigError(
+            f"--system: {args.run_dir} trained on plain documents only (every data source of "
+            "format text), with no template and so no system turn: give the prompt alone, "
+            "which the model continues"
+        )
     settings = image_settings(args.run_dir, args.model) if args.image else None
     try:
         with no_progress_bars():  # transformers' "Loading weights": the answer is the output
