@@ -273,7 +273,8 @@ def test_merge_names_a_base_path_that_does_not_exist(
     transformers taking the missing path for a hub name."""
     adapter = _adapter_dir(tmp_path / "adapter", "/nonexistent-base")
     line = refused_in_process(
-        ["merge", str(adapter), str(tmp_path / "out"), "--base", "/nope"], capsys
+        ["merge", str(adapter), str(tmp_path / "out"), "--base", "/nope", "--into", "original"],
+        capsys,
     )
     assert line == (
         "memtune merge: base model /nope: no such directory; give --base a model directory "
@@ -341,31 +342,19 @@ def test_a_failed_merge_removes_its_temporary_dir_and_leaves_no_out(tmp_path: Pa
     # Past the path checks: the base model cannot be loaded (loads transformers, peft).
     adapter = _adapter_dir(tmp_path / "adapter", str(tmp_path / "no-such-base"))
     out = tmp_path / "merged"
-    assert_refused(memtune("merge", str(adapter), str(out)), "merge", "no-such-base")
+    proc = memtune("merge", str(adapter), str(out), "--into", "original")
+    assert_refused(proc, "merge", "no-such-base")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
 
 
 def test_merge_writes_into_a_new_dir_by_renaming_its_temporary(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from memtune.tools.tiny import synthesize
-
-    arch = {
-        "model_type": "qwen2",
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "vocab_size": 1024,
-        "max_position_embeddings": 128,
-    }
-    base = synthesize(tmp_path / "models" / "base", arch)
     model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=2, target_modules=["q_proj"])
+        AutoModelForCausalLM.from_pretrained(tiny_base), LoraConfig(r=2, target_modules=["q_proj"])
     )
     work = tmp_path / "work"
     model.save_pretrained(work / "adapter")
@@ -382,7 +371,8 @@ def test_merge_writes_into_a_new_dir_by_renaming_its_temporary(
     resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, hard))  # Python ignores SIGXFSZ
     try:
         with pytest.raises(ConfigError) as err:
-            merge(work / "adapter", out, dtype="fp32")
+            # (no run's config.yaml beside this adapter: merged into the weights as stored)
+            merge(work / "adapter", out, dtype="fp32", into="original")
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert str(err.value) == (
@@ -405,7 +395,7 @@ def test_merge_writes_into_a_new_dir_by_renaming_its_temporary(
 
     monkeypatch.setattr(merging, "follow_umask", filled_meanwhile)
     with pytest.raises(ConfigError) as err:
-        merge(work / "adapter", out, dtype="fp32")
+        merge(work / "adapter", out, dtype="fp32", into="original")
     monkeypatch.undo()
     assert str(err.value) == (
         f"{out}: filled while this merge ran (another merge into it?): kept as it is, and this "
@@ -415,7 +405,9 @@ def test_merge_writes_into_a_new_dir_by_renaming_its_temporary(
     assert (out / "config.json").read_text() == "{}\n"
     assert sorted(p.name for p in work.iterdir()) == ["adapter", "merged"]  # no temporary left
     (out / "config.json").unlink()
-    proc = memtune("merge", str(work / "adapter"), str(out), "--dtype", "fp32")
+    proc = memtune(
+        "merge", str(work / "adapter"), str(out), "--dtype", "fp32", "--into", "original"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"merged model (fp32) written to {out}" in proc.stdout
     names = {p.name for p in out.iterdir()}
@@ -628,6 +620,29 @@ def test_generate_system_is_a_records_own_system_prompt_as_training_lays_it_out(
     argv = ["generate", str(run), "Hi", "--system", "Answer in French.", "--max-new-tokens", "3"]
     assert main(argv) == 0
     assert capsys.readouterr().out == f"{text}\n"
+
+
+@pytest.mark.parametrize("into", [[], ["--into", "dequantized"]])
+def test_merge_refuses_an_adapter_whose_run_is_unknown_unless_into_original(
+    into: list[str], tiny_base: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An adapter copied out of its run dir (no config.yaml beside it): how its run held the
+    base is unknown, so it is not merged as if trained without quantization unless --into
+    original says so. Before: trained_as found no run, load_base quantized nothing, and a
+    QLoRA adapter's merge went into the original weights without a word (exit 0)."""
+    run = _tiny_run(tmp_path / "run", tiny_base, "peft=qlora-nf4")
+    copied = tmp_path / "copied" / "adapter"
+    shutil.copytree(run / "adapter", copied)
+    capsys.readouterr()  # (transformers' loading bars)
+    out = tmp_path / "out"
+    line = refused_in_process(["merge", str(copied), str(out), *into], capsys)
+    assert line == (
+        f"memtune merge: {copied}: no run's config.yaml beside it, so how its training held the "
+        "base (unquantized, QLoRA or LLM.int8) is unknown: put the run's config.yaml in "
+        f"{copied.parent} to merge as trained, or give --into original to merge into the base's "
+        "weights as stored (right for an adapter trained without quantization)"
+    )
+    assert not out.exists()
 
 
 def test_plan_prints_train_py_plan_and_writes_nothing(tmp_path: Path) -> None:

@@ -13,7 +13,10 @@ An adapter trained over a quantized base (QLoRA NF4, LLM.int8) learned to correc
 and then dequantized (``--into dequantized``): that model behaves like the one you trained.
 ``--into original`` merges into the original full-precision weights instead, which keeps their
 precision but adds the quantization error back under the adapter's correction. The run's
-``config.yaml`` next to the adapter says how the base was quantized.
+``config.yaml`` next to the adapter says how the base was quantized; an adapter without one
+(copied out of its run dir, or trained elsewhere) is merged only with ``--into original``: how
+its base was held in training is unknown, and merged into the original weights a QLoRA adapter
+would answer otherwise than the model it trained.
 
 The base is loaded with the run's ``model.rope_scaling`` (YaRN) as in training, so the merged
 model's ``config.json`` carries it and the merged model reads long prompts as the trained one.
@@ -161,14 +164,24 @@ def merge(
     out_dir: Path,
     base: str | None = None,
     dtype: str | None = None,
-    into: str = "dequantized",
+    into: str | None = None,
 ) -> Path:
     """Write the merged model and tokenizer to ``out_dir`` (absent or empty: ConfigError
     otherwise), through a temporary sibling renamed into place at the end; in ``dtype``, by
-    default the training's (:func:`merged_dtype`)."""
+    default the training's (:func:`merged_dtype`). ``into``: dequantized (None: the default)
+    or original; an adapter of no known run (:func:`trained_as`) is refused unless original."""
     out_dir = Path(os.path.abspath(out_dir))
     check_paths(adapter_dir, out_dir)
     trained = trained_as(adapter_dir)
+    if trained is None and into != "original":
+        beside = Path(os.path.realpath(adapter_dir)).parent  # where trained_as looked first
+        raise ConfigError(
+            f"{adapter_dir}: no run's config.yaml beside it, so how its training held the base "
+            f"(unquantized, QLoRA or LLM.int8) is unknown: put the run's config.yaml in {beside} "
+            "to merge as trained, or give --into original to merge into the base's weights as "
+            "stored (right for an adapter trained without quantization)"
+        )
+    into = into or "dequantized"
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         # A merge into OUT killed before its rename left a whole model beside it: removed here.
@@ -406,9 +419,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--into",
         choices=["dequantized", "original"],
-        default="dequantized",
         help="for an adapter trained over a quantized base: merge into that base dequantized "
-        "(default, behaves like the trained model) or into the original weights",
+        "(default, behaves like the trained model) or into the original weights; an adapter "
+        "without its run's config.yaml beside it needs original",
     )
     args = parser.parse_args(argv)
     dtype = merged_dtype(trained_as(args.adapter), args.dtype)  # for the line below
