@@ -645,6 +645,33 @@ def test_merge_refuses_an_adapter_whose_run_is_unknown_unless_into_original(
     assert not out.exists()
 
 
+def test_generate_names_a_base_whose_weights_are_cut_short(
+    tiny_base: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """generate RUN_DIR (no --model) checks the base the run's config.yaml names, as merge
+    does: a truncated shard is one line naming it, exit 2 (before: safetensors'
+    SafetensorError, a traceback), and a base that is not there one line naming it."""
+    base = tmp_path / "base"
+    shutil.copytree(tiny_base, base)
+    run = _tiny_run(tmp_path / "run", base)
+    weights = base / "model.safetensors"
+    full = weights.stat().st_size
+    size = _truncate(weights, 100)
+    capsys.readouterr()  # (transformers' loading bars)
+    hint = (
+        "the run's config.yaml names that base (model.name_or_path): put the model the run "
+        "trained on there, or give its merged model with --model"
+    )
+    line = refused_in_process(["generate", str(run), "hi"], capsys)
+    assert line == (
+        f"memtune generate: base model {weights} is truncated: {size:,} bytes, its header says "
+        f"{full:,}; {hint}"
+    )
+    shutil.rmtree(base)
+    line = refused_in_process(["generate", str(run), "hi"], capsys)
+    assert line == f"memtune generate: base model {base}: no such directory; {hint}"
+
+
 def test_plan_prints_train_py_plan_and_writes_nothing(tmp_path: Path) -> None:
     proc = memtune("plan", QWEN7B, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -774,7 +801,8 @@ def test_a_run_on_plain_documents_generates_from_the_prompt_itself(
         cfg = to_run_config(compose_cfg([*overrides, f"model.name_or_path={tiny_base}"]))
         (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         assert prompt_text(tmp_path, "Once upon a time", tokenizer) == want, overrides
-    cfg = to_run_config(compose_cfg(["data=text", "data.path=x.jsonl"]))
+    documents = ["data=text", "data.path=x.jsonl", f"model.name_or_path={tiny_base}"]
+    cfg = to_run_config(compose_cfg(documents))
     (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     _adapter_dir(tmp_path / "adapter", str(tiny_base))
     line = refused_in_process(["generate", str(tmp_path), "Once", "--system", "Be brief."], capsys)

@@ -30,16 +30,19 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memtune.adapter_check import adapter_problem
 from memtune.arguments import VerbParser, positive_int
-from memtune.config import ConfigError, DataConfig, load_run_config
+from memtune.config import ConfigError, DataConfig, ModelConfig, load_run_config
 from memtune.data.templates import IM_END, render_prompt, with_system
 from memtune.data.vision import IMAGE_PLACEHOLDER, ImageSettings
 from memtune.quiet import no_progress_bars
 from memtune.rundir import RunDir
 from memtune.safetensors_check import model_weights_problem
+
+if TYPE_CHECKING:
+    from memtune.tools.merge import TrainedAs
 
 
 def stop_token_ids(tokenizer: Any) -> list[int]:
@@ -57,6 +60,23 @@ def cut_short(new: Sequence[int], max_new_tokens: int, stops: Sequence[int]) -> 
     return len(new) >= max_new_tokens and not (new and new[-1] in stops)
 
 
+BASE_HINT = (
+    "the run's config.yaml names that base (model.name_or_path): put the model the run trained "
+    "on there, or give its merged model with --model"
+)
+
+
+def base_of_run(run_dir: Path) -> tuple[TrainedAs | None, ModelConfig]:
+    """How the run that wrote RUN_DIR/adapter held its base (memtune merge's
+    :func:`~memtune.tools.merge.trained_as`), and the base: its run's model settings."""
+    from memtune.tools.merge import trained_as
+
+    trained = trained_as(RunDir(run_dir).adapter)
+    if trained is not None:
+        return trained, trained.cfg.model
+    return None, load_run_config(RunDir(run_dir).config).model
+
+
 def load(run_dir: Path, model_dir: Path | None = None) -> tuple[Any, Any]:
     from transformers import AutoTokenizer
 
@@ -69,22 +89,17 @@ def load(run_dir: Path, model_dir: Path | None = None) -> tuple[Any, Any]:
         model = base_class(model_dir).from_pretrained(model_dir)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     else:
-        from memtune.tools.merge import load_base, merged_dtype, trained_as, with_adapter
+        from memtune.tools.merge import load_base, merged_dtype, with_adapter
 
         # The base as memtune merge's default holds it: a QLoRA / LLM.int8 run's quantized
         # as in training (then dequantized), in the training precision, so the answer is the
         # trained model's (the original weights would put the quantization error back).
-        trained = trained_as(adapter)
-        m = trained.cfg.model if trained is not None else load_run_config(rd.config).model
+        trained, m = base_of_run(run_dir)
         dtype = merged_dtype(trained, None)
         base = load_base(
             m.name_or_path, m.revision, adapter, trained, dtype, rope_scaling=m.rope_scaling
         )
-        hint = (
-            "the run's config.yaml names that base (model.name_or_path): put the model the "
-            "run trained on there, or give its merged model with --model"
-        )
-        model = with_adapter(base, adapter, m.name_or_path, hint)
+        model = with_adapter(base, adapter, m.name_or_path, BASE_HINT)
         tokenizer = AutoTokenizer.from_pretrained(adapter)
     return model.eval(), tokenizer
 
@@ -223,9 +238,10 @@ def answer(
 
 
 def check_paths(run_dir: Path, model_dir: Path | None = None) -> None:
-    """ConfigError unless ``run_dir`` is a run dir with its config (and its adapter, whole,
-    without ``model_dir``) and ``model_dir``, when given, holds a model whose safetensors files
-    are whole (read from their headers: memtune.safetensors_check)."""
+    """ConfigError unless ``run_dir`` is a run dir with its config (and without ``model_dir``
+    its adapter, whole, and the base its config names, there and whole: memtune merge's
+    check) and ``model_dir``, when given, holds a model whose safetensors files are whole (read
+    from their headers: memtune.safetensors_check)."""
     rd = RunDir(run_dir)
     if not run_dir.is_dir():
         raise ConfigError(f"{run_dir}: no such directory (give a run dir: config.yaml, adapter/)")
@@ -246,6 +262,15 @@ def check_paths(run_dir: Path, model_dir: Path | None = None) -> None:
             f"{problem}; copy the run dir again, or merge one of its checkpoints' adapter/ "
             "(memtune merge) and give the merged model with --model"
         )
+    else:
+        from memtune.tools.merge import base_problem
+
+        if problem := base_problem(base_of_run(run_dir)[1].name_or_path):
+            raise ConfigError(
+                f"base model {problem}; the run's config.yaml names that base "
+                "(model.name_or_path): put the model the run trained on there, or give its "
+                "merged model with --model"
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
