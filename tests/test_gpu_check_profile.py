@@ -329,6 +329,8 @@ def test_tables_that_cannot_be_rendered_keep_the_readings(profile, tmp_path) -> 
     [error] = saved["errors"]
     assert (error["phase"], error["where"]) == ("report", "markdown")
     assert error["error"].startswith("KeyError: ")
-    assert (out / "gpu_check.md").read_text().startswith(
-        "# GPU check\n\nThe tables could not be rendered (KeyError: "
+    assert (
+        (out / "gpu_check.md")
+        .read_text()
+        .startswith("# GPU check\n\nThe tables could not be rendered (KeyError: ")
     )
