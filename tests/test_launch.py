@@ -526,7 +526,7 @@ def test_multirun_gives_one_run_dir_per_point_and_a_report(tmp_path: Path) -> No
     rows = list(csv.DictReader((sweep / "sweep_report.csv").open()))
     assert [(r["overrides"], r["status"]) for r in rows] == [
         ("peft.r=4", "ok"),
-        ("peft.r=0", "failed (exit 2)"),
+        ("peft.r=0", "failed (exit 2): config error: peft.r must be > 0 (got 0)"),
         ("peft.r=8", "ok"),
     ]
     assert int(rows[2]["trainable_params"]) == 2 * int(rows[0]["trainable_params"])
@@ -540,6 +540,48 @@ def test_multirun_gives_one_run_dir_per_point_and_a_report(tmp_path: Path) -> No
         in (sweep / "sweep_report.md").read_text()
     )
     assert "1 sweep point(s) failed" in proc.stdout
+
+
+def broken_datasets_folder(folder: Path) -> Path:
+    """A folder that looks written by datasets' save_to_disk (a state.json) but whose
+    state.json lacks ``_data_files``: reading it raises a KeyError inside ``datasets``, which
+    memtune's data readers do not turn into a refusal. The stand-in here for any exception
+    memtune does not catch in a sweep point's preparation (if the readers learn to refuse
+    it, take another such input)."""
+    folder.mkdir()
+    (folder / "state.json").write_text("{}\n")
+    (folder / "dataset_info.json").write_text("{}\n")
+    return folder
+
+
+def test_a_sweep_point_that_raises_is_a_failed_row_and_the_report_is_written(
+    tmp_path: Path,
+) -> None:
+    """An exception memtune does not catch in one point (here the data's, while its run dir
+    was laid out) was kept by Hydra's sweeper and raised after the last point: every point
+    ran, then a traceback, exit 1, no sweep report, and the point's dir without .hydra/, so
+    that a later `memtune report` left it out. Now it ends that point only: a failed row
+    with its one-line reason, the report written, exit 1. preprocess_only: no rank starts."""
+    import csv
+
+    from memtune.launcher.sweep_report import LAID_OUT
+
+    broken = broken_datasets_folder(tmp_path / "broken")
+    good = tmp_path / "good.jsonl"
+    good.write_text((ROOT / "src" / "memtune" / "assets" / "demo_alpaca.jsonl").read_text())
+    sweep = tmp_path / "sweep"
+    args = ["-m", f"data.path={broken},{good}", "preprocess_only=true", "logger=none"]
+    proc = run_train_py([*args, f"hydra.sweep.dir={sweep}"], cwd=ROOT)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    why = "error: KeyError: '_data_files'"
+    assert f"memtune: {why}\n" in proc.stderr
+    assert json.loads((sweep / "0" / "exit.json").read_text()) == {"code": 1, "error": why}
+    rows = list(csv.DictReader((sweep / "sweep_report.csv").open()))
+    assert [(r["point"], r["overrides"], r["status"]) for r in rows] == [
+        ("0", f"data.path={broken}", f"failed (exit 1): {why}"),
+        ("1", f"data.path={good}", LAID_OUT),
+    ]
+    assert "memtune: 1 sweep point(s) failed: 0\n" in proc.stdout
 
 
 def test_a_plan_only_sweep_plans_every_point(tmp_path: Path) -> None:
@@ -774,7 +816,10 @@ def test_a_preprocess_only_sweeps_points_are_laid_out_not_failed(
         cfg = to_run_config(compose_cfg(overrides))
         (tmp_path / point / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     (tmp_path / "1" / "exit.json").write_text('{"code": 2, "error": "config error: x"}\n')
-    assert [row["status"] for row in collect(tmp_path)] == [LAID_OUT, "failed (exit 2)"]
+    assert [row["status"] for row in collect(tmp_path)] == [
+        LAID_OUT,
+        "failed (exit 2): config error: x",
+    ]
     SweepReport().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
     assert "memtune: 1 sweep point(s) failed: 1\n" in capsys.readouterr().out
 
@@ -814,7 +859,10 @@ def test_a_sweep_point_whose_job_still_runs_is_running_not_failed(
     finally:
         job.kill()
         job.wait()
-    assert [row["status"] for row in collect(tmp_path)] == ["failed (exit 75)", "failed"]
+    assert [row["status"] for row in collect(tmp_path)] == [
+        "failed (exit 75): stopped by a signal after step 4",
+        "failed",
+    ]
 
 
 def test_the_sweep_report_reads_a_loss_curve_whose_last_row_is_being_written(

@@ -3,6 +3,9 @@
 A module of its own so the job side reads them without importing the rank side.
 """
 
+EXIT_ERROR = 1
+"""An exception memtune does not catch (Python's own code for one): a single run ends with its
+traceback; a sweep point with its traceback and a failed row, and the sweep goes on."""
 EXIT_CONFIG = 2
 """A config, plan or preflight error: nothing was started."""
 EXIT_NON_FINITE = 3

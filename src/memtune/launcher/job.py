@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import sys
+import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,13 @@ from memtune.checkpoints import find_latest
 from memtune.config import ConfigError, RunConfig, load_run_config
 from memtune.config.decisions import Decisions, rank_machine
 from memtune.config.given import given_config
-from memtune.exit_codes import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OOM, EXIT_REQUEUE
+from memtune.exit_codes import (
+    EXIT_CONFIG,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OOM,
+    EXIT_REQUEUE,
+)
 from memtune.filesystem import write_atomic
 from memtune.launcher import oom
 from memtune.launcher.preflight import PreflightError, for_launch
@@ -156,7 +163,8 @@ def after_out_of_memory(
 def run_job(cfg: DictConfig) -> int:
     """One job: a plan (plan_only), or validate, plan, preflight, prepare the run dir and start
     this node's ranks, holding the run dir's lock throughout (one job per run dir). Exits with
-    the job's code unless it is a point of a sweep that goes on: then returns it (0: done)."""
+    the job's code unless it is a point of a sweep that goes on: then returns it (0: done). In
+    a sweep an exception memtune does not catch ends its point only (:func:`_crashed`)."""
     name_cpu_accelerator()
     hydra_cfg = HydraConfig.get()
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
@@ -169,7 +177,7 @@ def run_job(cfg: DictConfig) -> int:
         sys.exit(EXIT_CONFIG)
     run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
     if cfg.plan_only:  # reads no run dir and writes none: nothing to hold
-        return _run(cfg, run_dir, sweeping)
+        return _point(cfg, run_dir, sweeping)
     if sweeping and (other := _another_points_dir(run_dir, hydra_cfg)) is not None:
         line, row = _shared_dir_refusal(run_dir, other, hydra_cfg)
         print(f"memtune: config error: {line}", file=sys.stderr)
@@ -193,7 +201,7 @@ def run_job(cfg: DictConfig) -> int:
                     flush=True,
                 )
                 run_dir = held
-            return _run(cfg, run_dir, sweeping)
+            return _point(cfg, run_dir, sweeping)
     except KeyboardInterrupt:
         # Ctrl-C before the ranks started (planning, tokenizing): nothing to save.
         print("\nmemtune: interrupted before any rank started", file=sys.stderr)
@@ -207,14 +215,46 @@ def run_job(cfg: DictConfig) -> int:
         if sweeping:
             _refused_point(hydra_cfg, f"{kind}{err}")
         return _failed(EXIT_CONFIG, sweeping)
+    except Exception as err:
+        if not sweeping:
+            raise  # a single run: Hydra prints the traceback, exit 1
+        return _crashed(cfg, None, err)  # before the run dir was held: nothing written there
 
 
-def _refused_point(hydra_cfg: Any, error: str) -> None:
-    """A sweep point refused before it wrote into its run dir: its row of the sweep report,
-    kept in the sweep dir (it had none: the report listed the sweep without it)."""
+def _point(cfg: DictConfig, run_dir: Path, sweeping: bool) -> int:
+    """The job (:func:`_run`); in a sweep, an exception memtune does not catch ends this point
+    only (:func:`_crashed`)."""
+    try:
+        return _run(cfg, run_dir, sweeping)
+    except Exception as err:
+        if not sweeping:
+            raise  # a single run: Hydra prints the traceback, exit 1
+        return _crashed(cfg, run_dir, err)
+
+
+def _crashed(cfg: DictConfig, run_dir: Path | None, err: Exception) -> int:
+    """A sweep point stopped by an exception memtune does not catch (a library's error on an
+    input no check foresaw, a bug): Hydra's sweeper kept it and raised it after the last
+    point, which ended the sweep in a traceback without its report, the point's dir without
+    .hydra/ (so that a later report left it out). Its traceback, its line, and its row: in
+    its run dir (.hydra/ and exit.json, code EXIT_ERROR) as for a refusal, or, ``run_dir``
+    None (raised before the job held it), among the sweep dir's refused points."""
+    traceback.print_exception(err, file=sys.stderr)
+    why = " ".join(f"{type(err).__name__}: {err}".split()).removesuffix(":")
+    if run_dir is not None:
+        return _stopped_before_launch(cfg, run_dir, "error", why, True, code=EXIT_ERROR)
+    print(f"memtune: error: {why}", file=sys.stderr)
+    _refused_point(HydraConfig.get(), f"error: {why}", code=EXIT_ERROR)
+    return EXIT_ERROR
+
+
+def _refused_point(hydra_cfg: Any, error: str, code: int | None = None) -> None:
+    """A sweep point refused (or, ``code`` given, failed) before it wrote into its run dir: its
+    row of the sweep report, kept in the sweep dir (it had none: the report listed the sweep
+    without it)."""
     with contextlib.suppress(OSError):  # the refusal, said above, is the report then
         overrides = list(hydra_cfg.overrides.task)
-        record_refused(Path(hydra_cfg.sweep.dir), hydra_cfg.job.num, overrides, error)
+        record_refused(Path(hydra_cfg.sweep.dir), hydra_cfg.job.num, overrides, error, code)
 
 
 def _dated_by_hydra(cfg: DictConfig, hydra_cfg: Any, sweeping: bool) -> bool:
@@ -505,10 +545,12 @@ def _stopped_before_launch(
     error: str,
     sweeping: bool,
     node_rank: int | None = None,
+    code: int = EXIT_CONFIG,
 ) -> int:
     """The one place that decides what a failure before launch ends: this job, or in a sweep
     this point only (the other points still run). The run dir Hydra made says why it holds no
-    run, and what was asked (.hydra/): node 0's to write. ``node_rank`` None: stopped before
+    run, and what was asked (.hydra/): node 0's to write; ``code`` is the job's (EXIT_ERROR:
+    an exception memtune does not catch, in a sweep). ``node_rank`` None: stopped before
     this node's place was resolved (its settings failed), so the node the run-dir lock was
     taken for (topology.this_node_rank); node 1 of a per-node job wrote exit.json and .hydra/
     when its own settings failed."""
@@ -520,8 +562,8 @@ def _stopped_before_launch(
             node_rank = -1
     if node_rank == 0 and not (cfg.plan_only or _finished_run(run_dir)):
         _record_composition(cfg, run_dir)
-        _record_exit(run_dir, EXIT_CONFIG, f"{kind}: {error}")
-    return _failed(EXIT_CONFIG, sweeping)
+        _record_exit(run_dir, code, f"{kind}: {error}")
+    return _failed(code, sweeping)
 
 
 def _finished_run(run_dir: Path) -> bool:

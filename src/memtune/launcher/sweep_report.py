@@ -19,7 +19,7 @@ from memtune.arguments import VerbParser
 from memtune.exit_codes import EXIT_CONFIG
 from memtune.filesystem import write_atomic
 from memtune.run_lock import held
-from memtune.rundir import RunDir
+from memtune.rundir import ExitRecord, RunDir
 
 COLUMNS = [
     "point",
@@ -56,17 +56,28 @@ def _run_dirs(sweep_dir: Path) -> list[Path]:
     return sorted(dirs, key=lambda p: (len(p.name), p.name))
 
 
+RUN = "_run_dir"
+"""A row's run dir (none: a point refused, or failed, before it had one), for the plot: not a
+column."""
+
 REFUSED = ".refused-points"
 """The sweep dir's folder of the points refused before they had a run dir of their own (their
 dir another point's, or taken): one JSON record each, their rows (:func:`record_refused`)."""
 
 
-def record_refused(sweep_dir: Path, num: int, overrides: list[str], error: str) -> None:
+def record_refused(
+    sweep_dir: Path, num: int, overrides: list[str], error: str, code: int | None = None
+) -> None:
     """A sweep point refused without writing into its dir (another point's run, another job's,
-    a user's files): its report row, so that it is a row marked refused, never a missing row."""
+    a user's files): its report row, so that it is a row marked refused, never a missing row.
+    ``code``: the point failed there instead (an exception memtune does not catch, raised
+    before its job held its dir): a row marked failed with that code."""
     folder = sweep_dir / REFUSED
     folder.mkdir(parents=True, exist_ok=True)
-    record = {"point": num, "overrides": overrides, "error": " ".join(error.split())}
+    why = " ".join(error.split())
+    record: dict[str, Any] = {"point": num, "overrides": overrides, "error": why}
+    if code is not None:
+        record["code"] = code
     write_atomic(folder / f"{num}.json", json.dumps(record) + "\n")
 
 
@@ -101,7 +112,7 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     rows = []
     for run, overrides in zip(runs, per_run, strict=True):
         varying = [o for o in overrides if o not in shared] if len(every) > 1 else overrides
-        row: dict[str, Any] = {"point": run.name, "overrides": " ".join(varying)}
+        row: dict[str, Any] = {"point": run.name, "overrides": " ".join(varying), RUN: run}
         rd = RunDir(run)
         row |= _adapter(rd)
         if rd.summary.is_file():
@@ -121,11 +132,11 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
                  if k.replace("/", "_") in PREFERENCE_COLUMNS}
             )  # fmt: skip
         else:
-            code = rd.read_exit().code if rd.exit.is_file() else None
-            row["status"] = f"failed (exit {code})" if code is not None else "failed"
+            ended = rd.read_exit() if rd.exit.is_file() else None
+            row["status"] = _failed(ended)
             if held(run):  # before exit.json: a resumed point's earlier stop (75) stays in it
                 row["status"] = RUNNING
-            elif code is None and _laid_out_only(rd):
+            elif ended is None and _laid_out_only(rd):
                 row["status"] = LAID_OUT
         rows.append(row)
     for record in refused:
@@ -134,10 +145,23 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
             {
                 "point": str(record["point"]),
                 "overrides": " ".join(varying or record["overrides"]),
-                "status": f"refused: {record['error']}",
+                "status": (
+                    f"refused: {record['error']}"
+                    if record.get("code") is None
+                    else _failed(ExitRecord(record["code"], record["error"]))
+                ),
             }
         )
     return rows
+
+
+def _failed(ended: ExitRecord | None) -> str:
+    """A failed point's status: its exit code and, where its exit.json says why (a refusal, an
+    exception memtune does not catch), the reason, on one line."""
+    if ended is None:
+        return "failed"
+    why = f": {' '.join(ended.error.split())}" if ended.error else ""
+    return f"failed (exit {ended.code}){why}"
 
 
 LAID_OUT = "laid out (preprocess_only)"
@@ -244,9 +268,9 @@ def _plot(sweep_dir: Path, rows: list[dict[str, Any]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     for row in rows:
-        if row["status"].startswith("refused"):
-            continue  # no run dir of its own
-        curve = _losses(sweep_dir / row["point"])
+        if RUN not in row:
+            continue  # no run dir of its own (refused, or failed before it had one)
+        curve = _losses(row[RUN])
         if curve:
             steps, losses = zip(*curve, strict=True)
             ax.plot(steps, losses, label=row["overrides"] or row["point"], linewidth=1.2)
