@@ -22,23 +22,26 @@ from memtune.config.schema import open_mappings, unknown_override
 from memtune.detached import outlive_the_terminal
 from memtune.exit_codes import EXIT_CONFIG
 from memtune.launcher.job import missing_slurm, run_job
+from memtune.launcher.sweep_report import points_failed
 
 register_configs()
 
 
 def main() -> int:
     """Hydra runs the job, or every point of a sweep; a single run exits with its own code, a
-    local sweep with 1 when a point failed (their lines above say why; a Slurm sweep's points
-    run in their own jobs, whose states Slurm keeps)."""
+    sweep with 1 when a point failed (their lines above say why). A Slurm sweep's points run in
+    their own jobs, each ending with its point's code: the sweep's report, written here at
+    the end, counts the failed ones."""
     failed: list[int] = []
 
     @hydra.main(version_base="1.3", config_path="conf", config_name="config")
-    def job(cfg: DictConfig) -> None:
+    def job(cfg: DictConfig) -> int:
         if code := run_job(cfg):
             failed.append(code)
+        return code  # a submitit job's result: the point's code (SweepReport.on_job_end)
 
     job()
-    return 1 if failed else 0
+    return 1 if failed or points_failed() else 0
 
 
 if __name__ == "__main__":

@@ -584,6 +584,33 @@ def test_a_sweep_point_that_raises_is_a_failed_row_and_the_report_is_written(
     assert "memtune: 1 sweep point(s) failed: 0\n" in proc.stdout
 
 
+def test_a_sweep_whose_points_ran_in_submitit_jobs_exits_1_when_one_failed(
+    tmp_path: Path,
+) -> None:
+    """Points run by submitit (hydra/launcher=slurm; submitit_local here, the same path on this
+    machine) return their codes in their own processes: the submitting command exited 0 with
+    a failed point in its report, and each point's job ended 0 (Slurm: COMPLETED; the Slurm
+    tier checks the job states). The failed point's job now hands its result over and ends
+    with its code; the report counts the point, and the sweep exits 1."""
+    import csv
+
+    from memtune.launcher.sweep_report import LAID_OUT
+
+    sweep = tmp_path / "sweep"
+    args = ["-m", "hydra/launcher=submitit_local", "peft.r=0,4", "preprocess_only=true"]
+    args += ["logger=none", "hydra.launcher.timeout_min=5", f"hydra.sweep.dir={sweep}"]
+    proc = run_train_py(args, cwd=ROOT)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = list(csv.DictReader((sweep / "sweep_report.csv").open()))
+    assert [(r["point"], r["status"]) for r in rows] == [
+        ("0", "failed (exit 2): config error: peft.r must be > 0 (got 0)"),
+        ("1", LAID_OUT),
+    ]
+    logs = {p.name: p.read_text() for p in (sweep / ".submitit").glob("*/*_log.err")}
+    ended = [name for name, text in logs.items() if "job ends with its code, 2" in text]
+    assert len(logs) == 2 and len(ended) == 1, logs
+
+
 def test_a_plan_only_sweep_plans_every_point(tmp_path: Path) -> None:
     """plan_only=true in a sweep planned its first point and exited 0: the others were never
     planned, without a word. A point refused still lets the rest plan; no report (no point

@@ -448,3 +448,31 @@ def test_a_sweep_point_on_two_nodes_is_refused_by_name(
     assert status.startswith(
         "failed (exit 2): config error: hydra.launcher.nodes=2: a sweep point runs on one node"
     ), status
+
+
+def test_a_failed_sweep_points_job_fails_and_the_report_is_written(
+    slurm_cluster: Cluster, tmp_path: Path
+) -> None:
+    """A point that failed returned its code to Hydra inside its Slurm job, whose function then
+    returned normally: Slurm recorded every job COMPLETED and the submitting command exited 0.
+    Now the failed point's job ends with the point's code (FAILED, 2:0) after handing submitit
+    its result, the other point's job is COMPLETED, the report has both rows and the sweep
+    exits 1. preprocess_only: nothing trains, the jobs take seconds."""
+    sweep = tmp_path / "sweep"
+    proc = run_sweep(
+        sweep, "peft.r=0,4", "preprocess_only=true", "hydra.launcher.timeout_min=5", timeout=300
+    )
+    output = proc.stdout[-4000:] + proc.stderr[-4000:]
+    submitit = sweep / ".submitit"
+    job_ids = sorted(p.name for p in submitit.iterdir() if re.fullmatch(r"\d+_\d+", p.name))
+    assert len(job_ids) == 2, (sorted(p.name for p in submitit.iterdir()), output)
+    states = [[(r.state, r.exit_code) for r in wait_done(j, timeout=120)] for j in job_ids]
+    assert states == [[("FAILED", "2:0")], [("COMPLETED", "0:0")]], output
+    assert proc.returncode == 1, output
+    with (sweep / "sweep_report.csv").open() as f:
+        rows = [(row["point"], row["status"]) for row in csv.DictReader(f)]
+    assert rows == [
+        ("0", "failed (exit 2): config error: peft.r must be > 0 (got 0)"),
+        ("1", "laid out (preprocess_only)"),
+    ], output
+    assert "memtune: 1 sweep point(s) failed: 0" in proc.stdout

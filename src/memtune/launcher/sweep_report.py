@@ -9,11 +9,13 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
+from hydra.types import RunMode
 
 from memtune.arguments import VerbParser
 from memtune.exit_codes import EXIT_CONFIG
@@ -295,6 +297,46 @@ def cannot_use(err: OSError) -> str:
     return f"cannot use {err.filename} ({type(err).__name__}: {err.strerror or err})"
 
 
+_FAILED: list[str] = []
+"""The points the report at the end of this process's sweep counted failed (points_failed)."""
+
+
+def points_failed() -> list[str]:
+    """The points the report at the end of this process's sweep counted failed: train.py's exit
+    code for a sweep whose points ran in other processes (hydra/launcher=slurm), where the
+    codes they returned stay."""
+    return list(_FAILED)
+
+
+def end_failed_submitit_job(config: Any, job_return: Any) -> None:
+    """In a sweep point's submitit job (hydra/launcher=slurm), a point that failed returned its
+    code to Hydra and the job's function returned normally: Slurm recorded the job COMPLETED,
+    exit 0, whatever the point's code. Here, after Hydra has the point's result: that result
+    handed to submitit as submitit itself does once the function returns (its result file,
+    which the submitting side reads: the report is written as before), then the job ends
+    with the point's code (SystemExit: submitit passes it through, and Hydra does not turn it
+    into a warning as it does a callback's other exceptions), so that Slurm records it
+    FAILED. A submitit job's exception would not do: submitit hands it to the submitting
+    side, whose launcher raises it there, and the sweep ended without its report."""
+    from hydra.core.utils import JobStatus
+
+    if not os.environ.get("SUBMITIT_EXECUTOR") or config.hydra.mode != RunMode.MULTIRUN:
+        return
+    if job_return.status != JobStatus.COMPLETED:
+        return  # an exception: submitit's path, as before
+    code = job_return.return_value
+    if type(code) is not int or code == 0:
+        return
+    import submitit
+    from submitit.core import utils
+
+    result = submitit.JobEnvironment().paths.result_pickle
+    with utils.temporary_save_path(result) as written:
+        utils.cloudpickle_dump(("success", job_return), written)
+    print(f"memtune: this sweep point's job ends with its code, {code}", file=sys.stderr)
+    raise SystemExit(code)
+
+
 class SweepReport:
     """Hydra callback (``hydra.callbacks``): the report at the end of every multirun."""
 
@@ -322,7 +364,9 @@ class SweepReport:
         pass
 
     def on_job_end(self, config: Any, job_return: Any, **kwargs: Any) -> None:
-        pass
+        """A sweep point that failed inside a submitit job (hydra/launcher=slurm) ends that
+        job with its code (:func:`end_failed_submitit_job`)."""
+        end_failed_submitit_job(config, job_return)
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
         pass
@@ -349,6 +393,7 @@ class SweepReport:
             out = None
         rows = collect(sweep_dir)
         failed = [r["point"] for r in rows if r["status"] not in ("ok", LAID_OUT, RUNNING)]
+        _FAILED[:] = failed
         if out is not None:
             print(f"memtune: sweep report {out['md']} (+ .csv, {out['png'].name})", flush=True)
             print(out["md"].read_text(), flush=True)
