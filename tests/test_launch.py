@@ -536,7 +536,7 @@ def test_multirun_gives_one_run_dir_per_point_and_a_report(tmp_path: Path) -> No
     assert float(rows[0]["peak_memory_gib_max"]) > 0
     assert (sweep / "sweep_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (
-        "| peft.r=8 | LoRA r=8 rsLoRA | 11.3137 | ok | 3 |"
+        "| peft.r=8 | LoRA r=8 rsLoRA | 11.3137 | LoRA, ZeRO-2 | ok | 3 |"
         in (sweep / "sweep_report.md").read_text()
     )
     assert "1 sweep point(s) failed" in proc.stdout
@@ -611,6 +611,30 @@ def test_a_sweep_whose_points_ran_in_submitit_jobs_exits_1_when_one_failed(
     assert len(logs) == 2 and len(ended) == 1, logs
 
 
+def test_the_sweep_report_says_what_each_point_ran_as(tmp_path: Path) -> None:
+    """The adapter column reads config.yaml, the settings as asked: a point that plan.auto_fit
+    switched to QLoRA read "LoRA r=16" like the point beside it, and neither row said that one
+    rank runs ZeRO-2 where ZeRO-3 was asked. The decided column reads the run dir's
+    decisions.json and DeepSpeed config. On one rank the demo's plan fits plan.device_gib=1.318
+    only as QLoRA (the plan counts a CUDA context on any device; 1.315-1.32 GiB do, 1.325
+    halves the micro batch instead); preprocess_only lays each point out with what it decided
+    and starts no rank."""
+    import csv
+
+    sweep = tmp_path / "sweep"
+    args = ["-m", "plan.device_gib=null,1.318", "plan.auto_fit=true", "launcher.num_ranks=1"]
+    args += ["preprocess_only=true", "logger=none", f"hydra.sweep.dir={sweep}"]
+    proc = run_train_py(args, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader((sweep / "sweep_report.csv").open()))
+    assert [(r["overrides"], r["adapter"], r["decided"]) for r in rows] == [
+        ("plan.device_gib=null", "LoRA r=16", "LoRA, ZeRO-2"),
+        ("plan.device_gib=1.318", "LoRA r=16", "QLoRA, ZeRO-2"),
+    ]
+    asked = (sweep / "1" / "config.yaml").read_text()  # the settings as given
+    assert "method: lora\n" in asked and "stage: 3\n" in asked
+
+
 def test_a_plan_only_sweep_plans_every_point(tmp_path: Path) -> None:
     """plan_only=true in a sweep planned its first point and exited 0: the others were never
     planned, without a word. A point refused still lets the rest plan; no report (no point
@@ -668,7 +692,7 @@ def test_sweep_points_that_would_share_a_run_dir_are_refused(tmp_path: Path) -> 
         ("same", "peft.r=4", "failed"),
         ("1", "peft.r=8", "refused: its run dir same holds point 0's run"),
     ]
-    assert "| 1 | peft.r=8 |  |  | refused: its run dir same holds point 0's run |" in (
+    assert "| 1 | peft.r=8 |  |  |  | refused: its run dir same holds point 0's run |" in (
         write_report(tmp_path)["md"].read_text()
     )
     (tmp_path / "1" / ".hydra").mkdir(parents=True)

@@ -21,13 +21,14 @@ from memtune.arguments import VerbParser
 from memtune.exit_codes import EXIT_CONFIG
 from memtune.filesystem import write_atomic
 from memtune.run_lock import held
-from memtune.rundir import ExitRecord, RunDir
+from memtune.rundir import ExitRecord, RecordError, RunDir
 
 COLUMNS = [
     "point",
     "overrides",
     "adapter",
     "scaling",
+    "decided",
     "status",
     "steps",
     "train_loss_last",
@@ -117,6 +118,7 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"point": run.name, "overrides": " ".join(varying), RUN: run}
         rd = RunDir(run)
         row |= _adapter(rd)
+        row |= _decided(rd)
         if rd.summary.is_file():
             s = rd.read_summary()
             row.update(
@@ -200,6 +202,49 @@ def _adapter(rd: RunDir) -> dict[str, Any]:
     except ConfigError:
         return {}
     return {"adapter": lora_variant(cfg), "scaling": round(lora_scaling(cfg), 4)}
+
+
+METHODS = {"lora": "LoRA", "qlora": "QLoRA", "lora-int8": "LoRA int8"}
+
+
+def _decided(rd: RunDir) -> dict[str, Any]:
+    """What the point ran as, from its run dir's records of the launch (decisions.json, and the
+    DeepSpeed config it was given): the adapter's method on its base, the ZeRO stage, an 8-bit
+    optimizer, and what was offloaded to the host. The adapter column is the config as asked;
+    plan.auto_fit (or an out-of-memory restart) may have run a point as QLoRA, on another
+    ZeRO stage or with offload, and one rank runs ZeRO-2: rows that ran differently read
+    differently."""
+    if not rd.decisions.is_file():
+        return {}  # stopped before its run dir was laid out
+    try:
+        d = rd.read_decisions()
+    except RecordError:
+        return {"decided": f"({rd.decisions.name} cannot be read)"}
+    parts = [METHODS.get(d.peft_method, d.peft_method), f"ZeRO-{d.zero_stage}"]
+    if d.optimizer == "adamw_8bit":
+        parts.append("8-bit AdamW")
+    offloaded = [what for what, on in _offloaded(rd).items() if on]
+    if d.offload_activations:
+        offloaded.append("activations")
+    if offloaded:
+        parts.append(f"offload: {'+'.join(offloaded)}")
+    return {"decided": ", ".join(parts)}
+
+
+def _offloaded(rd: RunDir) -> dict[str, bool]:
+    """The ZeRO offload of the point's DeepSpeed config (ds_config.json): parameters (a
+    zero.template such as zero3_offload) and optimizer state (trainer.optimizer=cpu_adam)."""
+    try:
+        zero = json.loads(rd.ds_config.read_text()).get("zero_optimization")
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+    def on(section: Any) -> bool:
+        return isinstance(section, dict) and str(section.get("device", "none")) != "none"
+
+    if not isinstance(zero, dict):
+        return {}
+    return {"params": on(zero.get("offload_param")), "optimizer": on(zero.get("offload_optimizer"))}
 
 
 def _losses(run: Path) -> list[tuple[int, float]]:
