@@ -635,6 +635,50 @@ def test_the_sweep_report_says_what_each_point_ran_as(tmp_path: Path) -> None:
     assert "method: lora\n" in asked and "stage: 3\n" in asked
 
 
+def test_a_sweep_whose_points_are_nested_has_its_report(tmp_path: Path) -> None:
+    """hydra.sweep.subdir=r${peft.r}/${hydra.job.num} (a subdir with a /) puts each point two
+    levels down: the report looked at the sweep dir's direct subdirectories only, found no
+    point, and the sweep ended without a report and without a word. A sweep dir's points are
+    found where they are (never below a point's own dir)."""
+    import csv
+
+    from memtune.launcher.sweep_report import LAID_OUT
+
+    sweep = tmp_path / "sweep"
+    args = ["-m", "peft.r=0,4", "hydra.sweep.subdir=r${peft.r}/${hydra.job.num}"]
+    args += ["preprocess_only=true", "logger=none", f"hydra.sweep.dir={sweep}"]
+    proc = run_train_py(args, cwd=ROOT)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    rows = list(csv.DictReader((sweep / "sweep_report.csv").open()))
+    assert [(r["point"], r["overrides"], r["status"]) for r in rows] == [
+        ("r0/0", "peft.r=0", "failed (exit 2): config error: peft.r must be > 0 (got 0)"),
+        ("r4/1", "peft.r=4", LAID_OUT),
+    ]
+    assert "memtune: 1 sweep point(s) failed: r0/0\n" in proc.stdout
+
+
+def test_a_sweep_without_a_report_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A sweep whose points left no run dir where the report looks ended without a report and
+    without a word; only a plan_only=true sweep (its points make none) ends so quietly."""
+    from omegaconf import OmegaConf
+
+    from memtune.launcher.sweep_report import SweepReport
+
+    (tmp_path / "multirun.yaml").write_text("{}\n")
+    (tmp_path / "elsewhere").mkdir()
+    config = {"hydra": {"sweep": {"dir": str(tmp_path)}}, "plan_only": False}
+    SweepReport().on_multirun_end(OmegaConf.create(config))
+    assert capsys.readouterr().err == (
+        "memtune: no sweep report: no point of the sweep left a run dir (a folder with .hydra/) "
+        f"under {tmp_path}\n"
+    )
+    SweepReport().on_multirun_end(OmegaConf.create(config | {"plan_only": True}))
+    assert capsys.readouterr() == ("", "")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "multirun.yaml"]
+
+
 def test_a_plan_only_sweep_plans_every_point(tmp_path: Path) -> None:
     """plan_only=true in a sweep planned its first point and exited 0: the others were never
     planned, without a word. A point refused still lets the rest plan; no report (no point

@@ -54,9 +54,40 @@ def columns(rows: list[dict[str, Any]]) -> list[str]:
     return COLUMNS + extra
 
 
+MAX_DEPTH = 16
+"""How far below a sweep dir its points are looked for (a subdir of several levels)."""
+
+
 def _run_dirs(sweep_dir: Path) -> list[Path]:
-    dirs = [p for p in sweep_dir.iterdir() if p.is_dir() and (p / ".hydra").is_dir()]
-    return sorted(dirs, key=lambda p: (len(p.name), p.name))
+    """The sweep's points: the folders with a .hydra/ record. Hydra's default subdir
+    (${hydra.job.num}) puts them right under the sweep dir; a hydra.sweep.subdir with a / in
+    it (r${peft.r}/${hydra.job.num}), or one whose value holds one (a path in
+    ${hydra.job.override_dirname}), puts them deeper, where the report found none and ended
+    without a word. Below a sweep dir (its multirun.yaml) they are looked for at any depth,
+    never inside a point's own dir, a hidden folder (.submitit, .refused-points), a link or
+    another sweep's dir; elsewhere (no multirun.yaml) in its subdirectories only."""
+    nested = (sweep_dir / "multirun.yaml").is_file()
+    found, todo = [], [(sweep_dir, 0)]
+    while todo:
+        folder, depth = todo.pop()
+        try:
+            entries = list(folder.iterdir())
+        except OSError:
+            continue  # a folder the report cannot read: not a point's
+        for p in entries:
+            if p.name.startswith(".") or p.is_symlink() or not p.is_dir():
+                continue
+            if (p / ".hydra").is_dir():
+                found.append(p)
+            elif nested and depth < MAX_DEPTH and not (p / "multirun.yaml").exists():
+                todo.append((p, depth + 1))
+    names = {p: _point_name(sweep_dir, p) for p in found}
+    return sorted(found, key=lambda p: (len(names[p]), names[p]))
+
+
+def _point_name(sweep_dir: Path, run: Path) -> str:
+    """A point's dir, as the report names it: its path below the sweep dir (0, or r4/1)."""
+    return run.relative_to(sweep_dir).as_posix()
 
 
 RUN = "_run_dir"
@@ -115,7 +146,8 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     rows = []
     for run, overrides in zip(runs, per_run, strict=True):
         varying = [o for o in overrides if o not in shared] if len(every) > 1 else overrides
-        row: dict[str, Any] = {"point": run.name, "overrides": " ".join(varying), RUN: run}
+        point = _point_name(sweep_dir, run)
+        row: dict[str, Any] = {"point": point, "overrides": " ".join(varying), RUN: run}
         rd = RunDir(run)
         row |= _adapter(rd)
         row |= _decided(rd)
@@ -420,9 +452,18 @@ class SweepReport:
         pass
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        from omegaconf import OmegaConf
+
         sweep_dir = Path(config.hydra.sweep.dir)
         if not sweep_dir.is_dir() or not (_run_dirs(sweep_dir) or (sweep_dir / REFUSED).is_dir()):
-            return  # no point made a run dir (plan_only=true): nothing to compare
+            if not OmegaConf.select(config, "plan_only", default=False):
+                print(
+                    f"memtune: no sweep report: no point of the sweep left a run dir (a folder "
+                    f"with .hydra/) under {sweep_dir}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return  # plan_only=true: its points make no run dir, nothing to compare
         try:
             out = write_report(sweep_dir)
         except OSError as err:
