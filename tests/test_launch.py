@@ -679,6 +679,85 @@ def test_a_sweep_without_a_report_says_so(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "multirun.yaml"]
 
 
+def test_a_points_record_that_cannot_be_read_is_its_row(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A summary.json or exit.json memtune's reader rejects (cut short by a full disk, written
+    by hand) raised RecordError, a ValueError: `memtune report` was a traceback (the verb
+    catches config errors only), and at a sweep's end Hydra turned it into a warning and no
+    report was written. That point's row now says which record cannot be read, and why; the
+    other points are reported as ever."""
+    import csv
+
+    import yaml
+    from omegaconf import OmegaConf
+
+    from memtune.cli import main as memtune
+    from memtune.launcher.sweep_report import SweepReport
+
+    for point, r in (("0", 4), ("1", 8), ("2", 16)):
+        (tmp_path / point / ".hydra").mkdir(parents=True)
+        (tmp_path / point / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"peft.r={r}"]))
+    (tmp_path / "0" / "summary.json").write_text('{"steps": 3')  # cut short
+    (tmp_path / "1" / "exit.json").write_text('{"error": "no code"}\n')
+    (tmp_path / "2" / "exit.json").write_text('{"code": 2, "error": "config error: y"}\n')
+    assert memtune(["report", str(tmp_path)]) == 0
+    rows = list(csv.DictReader((tmp_path / "sweep_report.csv").open()))
+    assert [(r["point"], r["overrides"], r["status"]) for r in rows] == [
+        (
+            "0",
+            "peft.r=4",
+            "record unreadable: summary.json: cannot read it (Expecting ',' delimiter: line 1 "
+            "column 12 (char 11))",
+        ),
+        ("1", "peft.r=8", "record unreadable: exit.json: missing code (not a ExitRecord record)"),
+        ("2", "peft.r=16", "failed (exit 2): config error: y"),
+    ]
+    capsys.readouterr()
+    SweepReport().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+    out, err = capsys.readouterr()
+    assert "memtune: 3 sweep point(s) failed: 0, 1, 2\n" in out and err == ""
+
+
+@pytest.mark.slow
+def test_the_points_a_stopped_sweep_never_started_are_not_run_rows(tmp_path: Path) -> None:
+    """A sweep stopped (SIGTERM here, as Ctrl-C) in its first point ends there, and
+    `memtune report` listed that point alone: the points that never started had no row.
+    multirun.yaml says what the sweep's points are (Hydra's basic sweeper's expansion of its
+    overrides): each without a run dir or a refusal's record is a "not run" row."""
+    import csv
+
+    from memtune.cli import main as memtune
+    from tests.conftest import wait_for_step
+
+    sweep = tmp_path / "sweep"
+    args = ["-m", "peft.r=4,8,16", "launcher.num_ranks=1", "logger=none"]
+    args += ["trainer.max_steps=500", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_for_step(sweep / "0", 1, proc)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, out[-3000:]
+    assert "the sweep stops here" in out and not (sweep / "1").exists()
+    assert memtune(["report", str(sweep)]) == 0
+    rows = list(csv.DictReader((sweep / "sweep_report.csv").open()))
+    assert [(r["point"], r["overrides"], r["status"]) for r in rows] == [
+        ("0", "peft.r=4", "failed (exit 75)"),
+        ("1", "peft.r=8", "not run"),
+        ("2", "peft.r=16", "not run"),
+    ]
+
+
 def test_a_plan_only_sweep_plans_every_point(tmp_path: Path) -> None:
     """plan_only=true in a sweep planned its first point and exited 0: the others were never
     planned, without a word. A point refused still lets the rest plan; no report (no point

@@ -131,17 +131,23 @@ def _refused(sweep_dir: Path, ran: list[list[str]]) -> list[dict[str, Any]]:
 
 def _overrides(run: Path) -> list[str]:
     """The point's command-line overrides as the user wrote them (train.py gives a whole
-    mapping to Hydra as ``++key={...}``: config.schema.open_mappings)."""
+    mapping to Hydra as ``++key={...}``: config.schema.open_mappings); none where its
+    overrides.yaml cannot be read as a list."""
     path = run / ".hydra" / "overrides.yaml"
-    found = list(yaml.safe_load(path.read_text()) or []) if path.is_file() else []
-    return [o.removeprefix("++") for o in found]
+    try:
+        found = yaml.safe_load(path.read_text()) if path.is_file() else []
+    except (OSError, yaml.YAMLError):
+        return []
+    return [str(o).removeprefix("++") for o in found] if isinstance(found, list) else []
 
 
 def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     runs = _run_dirs(sweep_dir)
     per_run = [_overrides(run) for run in runs]
     refused = _refused(sweep_dir, per_run)
-    every = per_run + [r["overrides"] for r in refused]
+    seen = per_run + [r["overrides"] for r in refused]
+    never = [(n, o) for n, o in enumerate(_sweep_points(sweep_dir) or []) if o not in seen]
+    every = seen + [o for _, o in never]
     shared = set.intersection(*(set(o) for o in every)) if every else set()
     rows = []
     for run, overrides in zip(runs, per_run, strict=True):
@@ -151,29 +157,10 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
         rd = RunDir(run)
         row |= _adapter(rd)
         row |= _decided(rd)
-        if rd.summary.is_file():
-            s = rd.read_summary()
-            row.update(
-                status="ok",
-                steps=s.steps,
-                train_loss_last=round(s.loss_last, 4),
-                eval_loss=None if s.eval_loss is None else round(s.eval_loss, 4),
-                tokens_per_s=s.tokens_per_s,
-                peak_memory_gib_max=round(max(s.peak_memory_gib), 3),
-                peak_memory_gib_per_rank=" ".join(f"{m:.3f}" for m in s.peak_memory_gib),
-                trainable_params=s.trainable_params,
-            )
-            row.update(
-                {k.replace("/", "_"): round(v, 4) for k, v in s.preference.items()
-                 if k.replace("/", "_") in PREFERENCE_COLUMNS}
-            )  # fmt: skip
-        else:
-            ended = rd.read_exit() if rd.exit.is_file() else None
-            row["status"] = _failed(ended)
-            if held(run):  # before exit.json: a resumed point's earlier stop (75) stays in it
-                row["status"] = RUNNING
-            elif ended is None and _laid_out_only(rd):
-                row["status"] = LAID_OUT
+        try:
+            row |= _results(rd) if rd.summary.is_file() else _ended(rd)
+        except RecordError as err:  # a record cut short, rewritten by hand, not memtune's
+            row["status"] = f"{UNREADABLE}: {str(err).removeprefix(f'{run}/')}"
         rows.append(row)
     for record in refused:
         varying = [o for o in record["overrides"] if o not in shared] if len(every) > 1 else []
@@ -188,7 +175,85 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
                 ),
             }
         )
+    for num, overrides in never:
+        varying = [o for o in overrides if o not in shared] if len(every) > 1 else []
+        rows.append(
+            {"point": str(num), "overrides": " ".join(varying or overrides), "status": NOT_RUN}
+        )
     return rows
+
+
+UNREADABLE = "record unreadable"
+"""A point whose summary.json or exit.json cannot be read as memtune's record: the row says
+which and why (`memtune report` was a RecordError traceback, and the report at a sweep's end
+Hydra's warning, no report written)."""
+
+NOT_RUN = "not run"
+"""A point of the sweep (multirun.yaml) with no run dir and no record of a refusal: a sweep
+stopped (Ctrl-C, SIGTERM) before it, or a report while the sweep runs (on Slurm: its job not
+started yet). It had no row."""
+
+
+def _results(rd: RunDir) -> dict[str, Any]:
+    """A finished point's results (summary.json); RecordError where they cannot be read."""
+    s = rd.read_summary()
+    try:
+        row = dict(
+            status="ok",
+            steps=s.steps,
+            train_loss_last=round(s.loss_last, 4),
+            eval_loss=None if s.eval_loss is None else round(s.eval_loss, 4),
+            tokens_per_s=s.tokens_per_s,
+            peak_memory_gib_max=round(max(s.peak_memory_gib), 3),
+            peak_memory_gib_per_rank=" ".join(f"{m:.3f}" for m in s.peak_memory_gib),
+            trainable_params=s.trainable_params,
+        )
+        row.update(
+            {k.replace("/", "_"): round(v, 4) for k, v in s.preference.items()
+             if k.replace("/", "_") in PREFERENCE_COLUMNS}
+        )  # fmt: skip
+    except (TypeError, ValueError, AttributeError) as err:  # a field of the wrong kind
+        raise RecordError(f"{rd.summary}: {type(err).__name__}: {err}") from None
+    return row
+
+
+def _ended(rd: RunDir) -> dict[str, Any]:
+    """A point without results: failed (with its exit.json's code and reason), running, or
+    laid out by a preprocess_only sweep; RecordError where its exit.json cannot be read."""
+    if held(rd.path):  # before exit.json: a resumed point's earlier stop (75) stays in it
+        return {"status": RUNNING}
+    ended = rd.read_exit() if rd.exit.is_file() else None
+    if ended is None and _laid_out_only(rd):
+        return {"status": LAID_OUT}
+    if ended is not None and not (type(ended.code) is int and isinstance(ended.error, str | None)):
+        raise RecordError(f"{rd.exit}: not an exit record ({ended.code!r}, {ended.error!r})")
+    return {"status": _failed(ended)}
+
+
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+
+
+def _sweep_points(sweep_dir: Path) -> list[list[str]] | None:
+    """Every point of the sweep, in order, with its overrides, as Hydra's basic sweeper makes
+    them from multirun.yaml (hydra.sweeper.params, then the command line's overrides); None
+    where that cannot be told for sure: no multirun.yaml, another sweeper (Optuna's points
+    depend on the results), values Hydra expands from elsewhere (glob over a config group)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        hydra = yaml.load((sweep_dir / "multirun.yaml").read_text(), Loader=_LOADER)["hydra"]
+        if hydra["sweeper"]["_target_"] != BASIC_SWEEPER:
+            return None
+        params = [f"{k}={v}" for k, v in (hydra["sweeper"].get("params") or {}).items()]
+        overrides = OverridesParser.create().parse_overrides([*params, *hydra["overrides"]["task"]])
+        batches = BasicSweeper.split_arguments(overrides, None)
+    except Exception:  # whatever the file holds, or Hydra's parser says: no such rows
+        return None
+    return [[o.removeprefix("++") for o in point] for batch in batches for point in batch]
+
+
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def _failed(ended: ExitRecord | None) -> str:
