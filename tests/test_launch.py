@@ -695,12 +695,18 @@ def test_a_points_record_that_cannot_be_read_is_its_row(
     from memtune.cli import main as memtune
     from memtune.launcher.sweep_report import SweepReport
 
-    for point, r in (("0", 4), ("1", 8), ("2", 16)):
+    for point, r in (("0", 4), ("1", 8), ("2", 16), ("3", 32), ("4", 64)):
         (tmp_path / point / ".hydra").mkdir(parents=True)
         (tmp_path / point / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"peft.r={r}"]))
     (tmp_path / "0" / "summary.json").write_text('{"steps": 3')  # cut short
     (tmp_path / "1" / "exit.json").write_text('{"error": "no code"}\n')
     (tmp_path / "2" / "exit.json").write_text('{"code": 2, "error": "config error: y"}\n')
+    (tmp_path / "3" / "exit.json").write_text('{"code": "2"}\n')
+    names = ["run_dir", "steps", "label_tokens", "input_tokens", "loss_first", "loss_last"]
+    names += ["skipped_steps", "wall_s", "tokens_per_s", "world_size", "zero_stage", "attention"]
+    names += ["trainable_params", "total_params", "adapter_tensors", "eval_loss", "data", "memory"]
+    summary = dict.fromkeys(names, 1) | {"peak_memory_gib": [1.0], "loss_last": "low"}
+    (tmp_path / "4" / "summary.json").write_text(json.dumps(summary))
     assert memtune(["report", str(tmp_path)]) == 0
     rows = list(csv.DictReader((tmp_path / "sweep_report.csv").open()))
     assert [(r["point"], r["overrides"], r["status"]) for r in rows] == [
@@ -712,11 +718,17 @@ def test_a_points_record_that_cannot_be_read_is_its_row(
         ),
         ("1", "peft.r=8", "record unreadable: exit.json: missing code (not a ExitRecord record)"),
         ("2", "peft.r=16", "failed (exit 2): config error: y"),
+        ("3", "peft.r=32", "record unreadable: exit.json: code '2', error None"),
+        (
+            "4",
+            "peft.r=64",
+            "record unreadable: summary.json: TypeError: type str doesn't define __round__ method",
+        ),
     ]
     capsys.readouterr()
     SweepReport().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
     out, err = capsys.readouterr()
-    assert "memtune: 3 sweep point(s) failed: 0, 1, 2\n" in out and err == ""
+    assert "memtune: 5 sweep point(s) failed: 0, 1, 2, 3, 4\n" in out and err == ""
 
 
 @pytest.mark.slow

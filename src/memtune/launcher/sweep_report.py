@@ -160,7 +160,7 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
         try:
             row |= _results(rd) if rd.summary.is_file() else _ended(rd)
         except RecordError as err:  # a record cut short, rewritten by hand, not memtune's
-            row["status"] = f"{UNREADABLE}: {str(err).removeprefix(f'{run}/')}"
+            row["status"] = _unreadable(rd, str(err))
         rows.append(row)
     for record in refused:
         varying = [o for o in record["overrides"] if o not in shared] if len(every) > 1 else []
@@ -195,7 +195,8 @@ started yet). It had no row."""
 
 
 def _results(rd: RunDir) -> dict[str, Any]:
-    """A finished point's results (summary.json); RecordError where they cannot be read."""
+    """A finished point's results (summary.json): RecordError where it cannot be read, a
+    record unreadable status where a field cannot be used."""
     s = rd.read_summary()
     try:
         row = dict(
@@ -213,20 +214,27 @@ def _results(rd: RunDir) -> dict[str, Any]:
              if k.replace("/", "_") in PREFERENCE_COLUMNS}
         )  # fmt: skip
     except (TypeError, ValueError, AttributeError) as err:  # a field of the wrong kind
-        raise RecordError(f"{rd.summary}: {type(err).__name__}: {err}") from None
+        return {"status": _unreadable(rd, f"{rd.summary}: {type(err).__name__}: {err}")}
     return row
+
+
+def _unreadable(rd: RunDir, why: str) -> str:
+    """The status of a point whose record cannot be read: which record (named below its run
+    dir), and why."""
+    return f"{UNREADABLE}: {' '.join(why.removeprefix(f'{rd.path}/').split())}"
 
 
 def _ended(rd: RunDir) -> dict[str, Any]:
     """A point without results: failed (with its exit.json's code and reason), running, or
-    laid out by a preprocess_only sweep; RecordError where its exit.json cannot be read."""
+    laid out by a preprocess_only sweep; RecordError (or a record unreadable status) where
+    its exit.json cannot be read."""
     if held(rd.path):  # before exit.json: a resumed point's earlier stop (75) stays in it
         return {"status": RUNNING}
     ended = rd.read_exit() if rd.exit.is_file() else None
     if ended is None and _laid_out_only(rd):
         return {"status": LAID_OUT}
     if ended is not None and not (type(ended.code) is int and isinstance(ended.error, str | None)):
-        raise RecordError(f"{rd.exit}: not an exit record ({ended.code!r}, {ended.error!r})")
+        return {"status": _unreadable(rd, f"{rd.exit}: code {ended.code!r}, error {ended.error!r}")}
     return {"status": _failed(ended)}
 
 
