@@ -430,6 +430,14 @@ def test_a_folder_that_is_not_a_whole_dataset_is_one_line(tokenizer, tmp_path: P
         f"{ds}: the datasets folder is incomplete: {arrow} is missing; save it again with "
         "save_to_disk, or copy the folder whole"
     )
+    emptied = tmp_path / "emptied"  # a state.json without what datasets reads (KeyError)
+    emptied.mkdir()
+    (emptied / "state.json").write_text("{}\n")
+    (emptied / "dataset_info.json").write_text("{}\n")
+    assert _refusal(tokenizer, tmp_path, emptied) == (
+        f"{emptied}: the datasets folder cannot be read (KeyError: '_data_files'); save it "
+        "again with save_to_disk"
+    )
     named_like_a_file = tmp_path / "x.jsonl"
     named_like_a_file.mkdir()
     assert _refusal(tokenizer, tmp_path, named_like_a_file) == (

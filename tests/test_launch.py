@@ -542,38 +542,30 @@ def test_multirun_gives_one_run_dir_per_point_and_a_report(tmp_path: Path) -> No
     assert "1 sweep point(s) failed" in proc.stdout
 
 
-def broken_datasets_folder(folder: Path) -> Path:
-    """A folder that looks written by datasets' save_to_disk (a state.json) but whose
-    state.json lacks ``_data_files``: reading it raises a KeyError inside ``datasets``, which
-    memtune's data readers do not turn into a refusal. The stand-in here for any exception
-    memtune does not catch in a sweep point's preparation (if the readers learn to refuse
-    it, take another such input)."""
-    folder.mkdir()
-    (folder / "state.json").write_text("{}\n")
-    (folder / "dataset_info.json").write_text("{}\n")
-    return folder
-
-
 def test_a_sweep_point_that_raises_is_a_failed_row_and_the_report_is_written(
     tmp_path: Path,
 ) -> None:
-    """An exception memtune does not catch in one point (here the data's, while its run dir
-    was laid out) was kept by Hydra's sweeper and raised after the last point: every point
-    ran, then a traceback, exit 1, no sweep report, and the point's dir without .hydra/, so
-    that a later `memtune report` left it out. Now it ends that point only: a failed row
-    with its one-line reason, the report written, exit 1. preprocess_only: no rank starts."""
+    """An exception memtune does not catch in one point (here injected while its data is
+    tokenized, tests/raise_inject: any library's error on an input no check foresaw) was kept
+    by Hydra's sweeper and raised after the last point: every point ran, then a traceback,
+    exit 1, no sweep report, and the point's dir without .hydra/, so that a later `memtune
+    report` left it out. Now it ends that point only: a failed row with its one-line reason,
+    the report written, exit 1. preprocess_only: no rank starts."""
     import csv
 
     from memtune.launcher.sweep_report import LAID_OUT
 
-    broken = broken_datasets_folder(tmp_path / "broken")
-    good = tmp_path / "good.jsonl"
-    good.write_text((ROOT / "src" / "memtune" / "assets" / "demo_alpaca.jsonl").read_text())
+    demo = (ROOT / "src" / "memtune" / "assets" / "demo_alpaca.jsonl").read_text()
+    broken, good = tmp_path / "broken.jsonl", tmp_path / "good.jsonl"
+    broken.write_text(demo)
+    good.write_text(demo)
     sweep = tmp_path / "sweep"
     args = ["-m", f"data.path={broken},{good}", "preprocess_only=true", "logger=none"]
-    proc = run_train_py([*args, f"hydra.sweep.dir={sweep}"], cwd=ROOT)
+    inject = str(ROOT / "tests" / "raise_inject")  # tokenizing `broken` raises RuntimeError
+    env = {**os.environ, "PYTHONPATH": inject, "MEMTUNE_TEST_RAISE_ON": str(broken)}
+    proc = run_train_py([*args, f"hydra.sweep.dir={sweep}"], cwd=ROOT, env=env)
     assert proc.returncode == 1, proc.stderr[-3000:]
-    why = "error: KeyError: '_data_files'"
+    why = f"error: RuntimeError: injected fault tokenizing {broken}"
     assert f"memtune: {why}\n" in proc.stderr
     assert json.loads((sweep / "0" / "exit.json").read_text()) == {"code": 1, "error": why}
     rows = list(csv.DictReader((sweep / "sweep_report.csv").open()))
@@ -615,21 +607,35 @@ def test_the_sweep_report_says_what_each_point_ran_as(tmp_path: Path) -> None:
     """The adapter column reads config.yaml, the settings as asked: a point that plan.auto_fit
     switched to QLoRA read "LoRA r=16" like the point beside it, and neither row said that one
     rank runs ZeRO-2 where ZeRO-3 was asked. The decided column reads the run dir's
-    decisions.json and DeepSpeed config. On one rank the demo's plan fits plan.device_gib=1.318
-    only as QLoRA (the plan counts a CUDA context on any device; 1.315-1.32 GiB do, 1.325
-    halves the micro batch instead); preprocess_only lays each point out with what it decided
-    and starts no rank."""
+    decisions.json and DeepSpeed config. The card is one on which the demo's plan fits on one
+    rank only as QLoRA, found with the planner (a narrow window, ~1.32 GiB on 2026-12-07: the
+    plan counts a CUDA context on any device; a little more halves the micro batch instead);
+    preprocess_only lays each point out with what it decided and starts no rank."""
     import csv
+    import dataclasses
 
+    from memtune.config import ConfigError, to_run_config
+    from memtune.memory.fit import fit_to_device
+
+    base = to_run_config(compose_cfg(["plan.auto_fit=true", "launcher.num_ranks=1"]))
+
+    def switched_to_qlora(gib: float) -> bool:
+        cfg = dataclasses.replace(base, plan=dataclasses.replace(base.plan, device_gib=gib))
+        try:
+            return "peft=qlora-nf4" in fit_to_device(cfg, True).changes  # auto_fit's overrides
+        except ConfigError:  # nothing fits
+            return False
+
+    card = next(g / 1000 for g in range(1200, 1600, 2) if switched_to_qlora(g / 1000))
     sweep = tmp_path / "sweep"
-    args = ["-m", "plan.device_gib=null,1.318", "plan.auto_fit=true", "launcher.num_ranks=1"]
+    args = ["-m", f"plan.device_gib=null,{card}", "plan.auto_fit=true", "launcher.num_ranks=1"]
     args += ["preprocess_only=true", "logger=none", f"hydra.sweep.dir={sweep}"]
     proc = run_train_py(args, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.DictReader((sweep / "sweep_report.csv").open()))
     assert [(r["overrides"], r["adapter"], r["decided"]) for r in rows] == [
         ("plan.device_gib=null", "LoRA r=16", "LoRA, ZeRO-2"),
-        ("plan.device_gib=1.318", "LoRA r=16", "QLoRA, ZeRO-2"),
+        (f"plan.device_gib={card}", "LoRA r=16", "QLoRA, ZeRO-2"),
     ]
     asked = (sweep / "1" / "config.yaml").read_text()  # the settings as given
     assert "method: lora\n" in asked and "stage: 3\n" in asked
@@ -731,7 +737,7 @@ def test_a_points_record_that_cannot_be_read_is_its_row(
     assert "memtune: 5 sweep point(s) failed: 0, 1, 2, 3, 4\n" in out and err == ""
 
 
-@pytest.mark.slow
+@pytest.mark.faults  # a real job stopped mid-step: the fault tier's (make test-faults)
 def test_the_points_a_stopped_sweep_never_started_are_not_run_rows(tmp_path: Path) -> None:
     """A sweep stopped (SIGTERM here, as Ctrl-C) in its first point ends there, and
     `memtune report` listed that point alone: the points that never started had no row.

@@ -250,9 +250,12 @@ def _iter_dataset_dir(p: Path) -> Iterator[tuple[str, Any]]:
             f"the datasets folder is incomplete: {missing} is missing; save it again with "
             "save_to_disk, or copy the folder whole",
         ) from None
-    except (pa.ArrowException, OSError, ValueError) as err:
+    except (pa.ArrowException, OSError, ValueError, KeyError, TypeError) as err:
+        # KeyError, TypeError: a state.json or dataset_info.json without what datasets reads
+        # (its "_data_files", a field of another type): a traceback from inside datasets
+        why = f"{type(err).__name__}: {err}" if isinstance(err, KeyError | TypeError) else err
         raise RecordError(
-            str(p), f"the datasets folder cannot be read ({err}); save it again with save_to_disk"
+            str(p), f"the datasets folder cannot be read ({why}); save it again with save_to_disk"
         ) from None
     if hasattr(ds, "keys"):  # a DatasetDict: take its train split
         if "train" not in ds:

@@ -1,0 +1,19 @@
+"""Fault injection for the tests of an exception memtune does not catch (on PYTHONPATH only in
+those tests): tokenizing the data file MEMTUNE_TEST_RAISE_ON (data.path) raises RuntimeError,
+as a library's error on an input no check foresaw would. Every other data file is tokenized as
+usual, so one point of a sweep fails and the others run."""
+
+import os
+
+_on = os.environ.get("MEMTUNE_TEST_RAISE_ON")
+if _on:
+    import memtune.data.cache as _cache
+
+    _preprocess = _cache.preprocess
+
+    def _raising(cfg, *args, **kwargs):
+        if cfg.path == _on:
+            raise RuntimeError(f"injected fault tokenizing {_on}")
+        return _preprocess(cfg, *args, **kwargs)
+
+    _cache.preprocess = _raising
