@@ -170,7 +170,7 @@ FAULTS = [
     ("test_environment", "test_a_write_on_a_read_only_filesystem",
      "a record written on a read-only mount",
      "one line naming the file asked for, not a temporary name"),
-    ("test_launch", "test_a_sweep_dir_on_a_full_disk",
+    ("test_sweep_report", "test_a_sweep_dir_on_a_full_disk",
      "a sweep (-m) whose sweep dir is on a full disk",
      "one line naming multirun.yaml, exit 2; nothing left in the sweep dir"),
     ("test_stores", "test_a_data_cache_entry_that_is_a_broken_symlink",
@@ -201,11 +201,11 @@ FAULTS = [
     ("test_rundir", "test_a_copy_a_killed_replace_set_aside",
      "kill -9 after a new adapter or checkpoint was in place, before the older copy was removed",
      "the older copy removed at the next replace or start; kept where it may be the only copy"),
-    ("test_launch", "test_a_sweep_point_that_raises",
+    ("test_sweep_report", "test_a_sweep_point_that_raises",
      "an exception memtune does not catch in one point of a sweep (injected while tokenizing)",
      "that point a failed row with its line and exit.json; the other points run; the report "
      "written; exit 1"),
-    ("test_launch", "test_the_points_a_stopped_sweep_never_started",
+    ("test_sweep_report", "test_the_points_a_stopped_sweep_never_started",
      "a sweep stopped by SIGTERM in its first point",
      "exit 75; the report lists that point failed (exit 75) and the points never started as "
      "not run"),

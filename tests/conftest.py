@@ -106,6 +106,7 @@ LONGEST_FILES = [
     "test_checkpoint.py",
     "test_vision_runs.py",
     "test_launch.py",
+    "test_sweep_report.py",
     "test_expert_parallel_matrix.py",
     "test_export.py",
     "test_nodes.py",

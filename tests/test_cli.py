@@ -638,7 +638,8 @@ def test_merge_refuses_an_adapter_whose_run_is_unknown_unless_into_original(
     line = refused_in_process(["merge", str(copied), str(out), *into], capsys)
     assert line == (
         f"memtune merge: {copied}: no run's config.yaml beside it, so how its training held the "
-        "base (unquantized, QLoRA or LLM.int8) is unknown: put the run's config.yaml in "
+        "base (unquantized, QLoRA or LLM.int8) is unknown: copy the run's config.yaml and "
+        "decisions.json (what ran: plan.auto_fit may have chosen QLoRA) into "
         f"{copied.parent} to merge as trained, or give --into original to merge into the base's "
         "weights as stored (right for an adapter trained without quantization)"
     )

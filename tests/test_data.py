@@ -344,6 +344,46 @@ def test_names_of_hub_datasets() -> None:
     assert hub_dataset("imdb") == ("imdb", "train")
     for a_file in ["data/train.jsonl", "train.json", "a/b/c", "x.jsonl.gz", "./x", "/x", "~/x"]:
         assert hub_dataset(a_file) is None, a_file
+    from memtune.data.readers import COMPRESSED
+    from memtune.paths import COMPRESSED_SUFFIXES
+
+    assert {suffix for _, suffix, _ in COMPRESSED.values()} == set(COMPRESSED_SUFFIXES)
+
+
+def test_a_name_whose_first_folder_is_here_is_a_path(tmp_path: Path, monkeypatch) -> None:
+    """data/trian (a save_to_disk folder's typo) with a folder data/ here is a file not there,
+    not the hub dataset data/trian; data.val_path reads hub names as data.path does."""
+    from memtune.config import ConfigError, compose, to_run_config, validate
+    from memtune.paths import hub_dataset
+
+    monkeypatch.chdir(tmp_path)
+    assert hub_dataset("data/trian") == ("data/trian", "train")
+    (tmp_path / "data").mkdir()
+    assert hub_dataset("data/trian") is None
+    cfg = to_run_config(compose(["data.path=data/trian"]))
+    with pytest.raises(ConfigError, match=r"^data\.path='data/trian': no such file or folder$"):
+        validate(cfg)
+    (tmp_path / "train.jsonl").write_text('{"instruction": "q", "output": "a"}\n')
+    hub_val = ["data.path=train.jsonl", "data.val_path=someone/pairs:test_prefs"]
+    validate(to_run_config(compose(hub_val)))  # a hub split as the validation data: no refusal
+
+
+def test_a_cached_hub_dataset_is_left_to_datasets(monkeypatch, tmp_path: Path) -> None:
+    """Where the hub cannot be reached, a dataset in datasets' caches is not refused: datasets
+    reads its copy (after its retries), as it did before the hub was probed."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    from memtune.data.cache import _dataset_cached
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    assert not _dataset_cached("someone/data:train_prefs")
+    (tmp_path / "hub" / "datasets--someone--data").mkdir(parents=True)
+    assert _dataset_cached("someone/data:train_prefs")
+    assert not _dataset_cached("other/data")
+    (tmp_path / "datasets" / "other___data").mkdir(parents=True)
+    assert _dataset_cached("other/data")
 
 
 @pytest.mark.parametrize("offline", [False, True])
@@ -358,8 +398,11 @@ def test_a_hub_dataset_that_cannot_be_loaded_is_one_line(tmp_path: Path, offline
     from tests.conftest import ROOT
 
     env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")}
-    env.pop("HF_HUB_OFFLINE", None)
-    env.pop("HF_DATASETS_OFFLINE", None)
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HTTPS_PROXY", "HTTP_PROXY"):
+        for var in (name, name.lower()):  # a proxy would be asked, not the closed port
+            env.pop(var, None)
+    env.pop("ALL_PROXY", None)
+    env.pop("all_proxy", None)
     if offline:
         env["HF_HUB_OFFLINE"] = "1"
     proc = subprocess.run(

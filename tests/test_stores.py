@@ -404,8 +404,11 @@ def test_a_damaged_data_cache_that_cannot_be_set_aside(tokenizer, public_dir: Pa
         for f in [public_dir, *public_dir.rglob("*")]:
             f.chmod(0o755 if f.is_dir() else 0o644)
     assert str(err.value).startswith(f"data cache {first.dir} is damaged (")
+    import pwd
+
+    owner = pwd.getpwuid(cache.stat().st_uid).pw_name  # root's, or the user running the tests
     assert (
-        f"cannot be set aside (Permission denied; {cache} is root's, dr-xr-xr-x): point "
+        f"cannot be set aside (Permission denied; {cache} is {owner}'s, dr-xr-xr-x): point "
         "data.cache_dir" in str(err.value)
     )
     assert sorted(p.name for p in cache.iterdir()) == [f".{first.dir.name}.lock", first.dir.name]

@@ -194,7 +194,7 @@ def _orchestrate(args: argparse.Namespace, work: Path) -> int:
             # (transformers 5.24 there; Unsloth 2026.10.9 takes <= 5.17, the image's).
             env = {**os.environ, "PYTHONPATH": os.environ[SITE_ENV]}
         with subprocess.Popen(cmd, start_new_session=True, env=env) as child:
-            running[:] = [child.pid]
+            running[:] = [child.pid]  # cleared below: a finished phase's id may be reused
             try:
                 code = child.wait(timeout=phase_deadline - now + 20)
                 status[name] = f"exit {code} in {time.time() - t0:.0f} s"
@@ -202,6 +202,8 @@ def _orchestrate(args: argparse.Namespace, work: Path) -> int:
                 os.killpg(child.pid, 9)
                 child.wait()
                 status[name] = f"killed after {time.time() - t0:.0f} s"
+            finally:
+                running.clear()
         given, cap = phase_deadline - now, budget.cap(phase)
         if given < cap and ran_out(work / f"{name}.json", status[name]):
             status[name] += f"; {CUT_SHORT} (given {given:.0f} s of its {cap:.0f})"

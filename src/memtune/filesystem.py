@@ -311,7 +311,8 @@ def write_atomic(path: Path, text: str | bytes) -> None:
             with contextlib.suppress(OSError):  # no flock here: the pid alone says it is alive
                 fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             if shared_by_group(path.parent):
-                os.fchmod(f.fileno(), 0o666 & ~creation_mask(path.parent))
+                with contextlib.suppress(OSError):  # else the umask's mode
+                    os.fchmod(f.fileno(), 0o666 & ~creation_mask(path.parent))
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -408,8 +409,17 @@ def make_dirs(path: Path) -> None:
         except OSError:
             break  # the call below says why, as mkdir(parents=True) always did
         if shared_by_group(folder.parent):
-            made = folder.stat().st_mode & stat.S_ISGID
-            folder.chmod(0o777 & ~creation_mask(folder.parent) | made)
+            # through a descriptor of the folder made here (never a link another member put in
+            # its place since), and only where it still is ours; a failure leaves the umask's
+            with contextlib.suppress(OSError):
+                fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+                try:
+                    st = os.fstat(fd)
+                    if st.st_uid == os.geteuid():
+                        mode = 0o777 & ~creation_mask(folder.parent) | st.st_mode & stat.S_ISGID
+                        os.fchmod(fd, mode)
+                finally:
+                    os.close(fd)
     path.mkdir(parents=True, exist_ok=True)
 
 
@@ -423,7 +433,8 @@ def follow_umask(path: Path) -> None:
     dir could then not read them. Only for what the caller has just written."""
     root = Path(path)
     mask = creation_mask(root.parent)
-    for item in [root, *root.rglob("*")] if root.is_dir() else [root]:
+    # deepest first, ``root`` last: a folder opens to the group only once what it holds is set
+    for item in reversed([root, *root.rglob("*")]) if root.is_dir() else [root]:
         if item.is_symlink():
             continue
         if item.is_dir():

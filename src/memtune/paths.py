@@ -20,7 +20,9 @@ def is_local_source(path: str) -> bool:
 
 
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".tsv", ".txt", ".arrow")
-"""A data file's suffixes (and, below, a compressed one's): a name ending so is a file."""
+"""A data file's suffixes: a name ending so (or in a compressed one's) is a file."""
+COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".zip")
+"""A compressed file's suffixes (memtune.data.readers.COMPRESSED's, which the readers refuse)."""
 _HUB_DATASET = re.compile(r"[\w.-]+(/[\w.-]+)?(:[\w.-]+)?")
 
 
@@ -33,7 +35,9 @@ def hub_dataset(path: str) -> tuple[str, str] | None:
     if is_local_source(path) or not _HUB_DATASET.fullmatch(path):
         return None
     name, _, split = path.partition(":")
+    if "/" in name and Path(name.split("/")[0]).is_dir():
+        return None  # data/trian with a folder data/ here: a path, not OWNER/NAME
     suffixes = [x.lower() for x in Path(name).suffixes]
-    if any(x in DATA_SUFFIXES or x in (".gz", ".bz2", ".xz", ".zst", ".zip") for x in suffixes):
+    if any(x in DATA_SUFFIXES or x in COMPRESSED_SUFFIXES for x in suffixes):
         return None
     return name, split or "train"

@@ -505,6 +505,11 @@ def _divisors(heads: int, kv: int) -> str:
     return ", ".join(str(n) for n in ok)
 
 
+def _not_there(source: str) -> bool:
+    """A data source that is neither a path on this machine nor a hub dataset's name."""
+    return hub_dataset(source) is None and not Path(source).expanduser().exists()
+
+
 def _check_data(data: DataConfig) -> None:
     if data.path and data.sources:
         raise ConfigError("data.path and data.sources are both set: use one")
@@ -519,13 +524,13 @@ def _check_data(data: DataConfig) -> None:
             raise ConfigError(f"{key}: format {src.format!r}; choose {' | '.join(FORMATS)}")
         if src.weight <= 0:
             raise ConfigError(f"{key}: weight must be > 0 (got {src.weight})")
-        if hub_dataset(src.path) is None and not Path(src.path).expanduser().exists():
+        if _not_there(src.path):
             raise ConfigError(f"{key}={src.path!r}: no such file or folder")
     if not 0.0 <= data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction must be in [0, 1) (got {data.val_fraction})")
     if data.val_path and data.val_fraction:
         raise ConfigError("data.val_path and data.val_fraction are both set: use one")
-    if data.val_path and not Path(data.val_path).expanduser().exists():
+    if data.val_path and _not_there(data.val_path):
         raise ConfigError(f"data.val_path={data.val_path!r}: no such file or folder")
     if data.overlong == "split":
         chat = [s.format for s in data.all_sources() if s.format != "text"]

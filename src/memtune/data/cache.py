@@ -277,8 +277,8 @@ def _check_hub_reachable(source: str) -> None:
     HF_DATASETS_OFFLINE set nothing is probed: ``datasets`` reads its own cache (or says at
     once that it cannot)."""
     offline = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-    if any(os.environ.get(v, "").upper() in TRUE for v in offline):
-        return
+    if any(os.environ.get(v, "").upper() in TRUE for v in offline) or _dataset_cached(source):
+        return  # (a cached one: datasets falls back to its copy after its retries, as before)
     problem = hub_unreachable()
     if problem is not None:
         raise ConfigError(
@@ -286,6 +286,22 @@ def _check_hub_reachable(source: str) -> None:
             f"Hugging Face dataset: {problem}; give a file's path, or, where the dataset is in "
             "datasets' cache, set HF_HUB_OFFLINE=1 to read it from there"
         )
+
+
+def _dataset_cached(source: str) -> bool:
+    """Whether ``datasets`` has hub dataset ``source`` in its caches: the hub's files
+    (HF_HUB_CACHE, ``datasets--OWNER--NAME``) or its prepared copy (HF_DATASETS_CACHE,
+    ``OWNER___NAME``)."""
+    from datasets import config as datasets_config
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    hub = hub_dataset(source)
+    if hub is None:
+        return False
+    name = hub[0]
+    return (Path(HF_HUB_CACHE) / f"datasets--{name.replace('/', '--')}").is_dir() or (
+        Path(datasets_config.HF_DATASETS_CACHE) / name.replace("/", "___")
+    ).is_dir()
 
 
 def _bad_record(err: RecordError, cfg: DataConfig, stats: DataStats) -> None:

@@ -226,6 +226,8 @@ def _point(cfg: DictConfig, run_dir: Path, sweeping: bool) -> int:
     only (:func:`_crashed`)."""
     try:
         return _run(cfg, run_dir, sweeping)
+    except (RunDirBusy, LockNotWritten, ConfigError):
+        raise  # memtune's own refusals: run_job's one line, exit 2, in a sweep too
     except Exception as err:
         if not sweeping:
             raise  # a single run: Hydra prints the traceback, exit 1

@@ -552,7 +552,12 @@ class SweepReport:
             out = None
         rows = collect(sweep_dir)
         failed = [r["point"] for r in rows if r["status"] not in ("ok", LAID_OUT, RUNNING)]
-        _FAILED[:] = failed
+        # the exit code's, only where the points' codes stayed in other processes (submitit's
+        # jobs): a local sweep counts the codes its points returned here, not the rows of an
+        # earlier sweep into the same dir (which made a sweep of points that all ended well
+        # exit 1)
+        launcher = str(OmegaConf.select(config, "hydra.launcher._target_", default="") or "")
+        _FAILED[:] = failed if "submitit" in launcher else []
         if out is not None:
             print(f"memtune: sweep report {out['md']} (+ .csv, {out['png'].name})", flush=True)
             print(out["md"].read_text(), flush=True)

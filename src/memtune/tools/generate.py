@@ -266,11 +266,7 @@ def check_paths(run_dir: Path, model_dir: Path | None = None) -> None:
         from memtune.tools.merge import base_problem
 
         if problem := base_problem(base_of_run(run_dir)[1].name_or_path):
-            raise ConfigError(
-                f"base model {problem}; the run's config.yaml names that base "
-                "(model.name_or_path): put the model the run trained on there, or give its "
-                "merged model with --model"
-            )
+            raise ConfigError(f"base model {problem}; {BASE_HINT}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -177,8 +177,9 @@ def merge(
         beside = Path(os.path.realpath(adapter_dir)).parent  # where trained_as looked first
         raise ConfigError(
             f"{adapter_dir}: no run's config.yaml beside it, so how its training held the base "
-            f"(unquantized, QLoRA or LLM.int8) is unknown: put the run's config.yaml in {beside} "
-            "to merge as trained, or give --into original to merge into the base's weights as "
+            f"(unquantized, QLoRA or LLM.int8) is unknown: copy the run's config.yaml and "
+            f"decisions.json (what ran: plan.auto_fit may have chosen QLoRA) into {beside} to "
+            "merge as trained, or give --into original to merge into the base's weights as "
             "stored (right for an adapter trained without quantization)"
         )
     into = into or "dequantized"
