@@ -392,10 +392,8 @@ def test_a_hub_dataset_that_cannot_be_loaded_is_one_line(tmp_path: Path, offline
     every machine), and with HF_HUB_OFFLINE set and nothing cached: exit 2 and one line, at
     once. Before: datasets' retries (~30 s), then its ConnectionError as a traceback (exit 1)."""
     import os
-    import subprocess
-    import sys
 
-    from tests.conftest import ROOT
+    from tests.conftest import run_train_py
 
     env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")}
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HTTPS_PROXY", "HTTP_PROXY"):
@@ -405,21 +403,9 @@ def test_a_hub_dataset_that_cannot_be_loaded_is_one_line(tmp_path: Path, offline
     env.pop("all_proxy", None)
     if offline:
         env["HF_HUB_OFFLINE"] = "1"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "train.py"),
-            "preprocess_only=true",
-            "data.path=someone/no-such-data:train_prefs",
-            f"data.cache_dir={tmp_path / 'cache'}",
-            f"run_dir={tmp_path / 'run'}",
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    args = ["preprocess_only=true", "data.path=someone/no-such-data:train_prefs"]
+    args += [f"data.cache_dir={tmp_path / 'cache'}", f"run_dir={tmp_path / 'run'}"]
+    proc = run_train_py(args, cwd=tmp_path, timeout=300, env=env)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     error = proc.stderr.strip().splitlines()[-1]
