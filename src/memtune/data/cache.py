@@ -34,13 +34,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from memtune.config import ConfigError, DataConfig, DataSource, cache_dir
 from memtune.data.encode import (
-    TRUE,
     DataStats,
     Sample,
     apply_length_policy,
     check_system_prompt,
     encode_records,
     hub_unreachable,
+    offline_by,
     resize_record_images,
 )
 from memtune.data.readers import IdenticalReplies, Record, RecordError, read_source
@@ -276,11 +276,11 @@ def _check_hub_reachable(source: str) -> None:
     ``datasets``' ~30 s of retries and its ConnectionError. With HF_HUB_OFFLINE or
     HF_DATASETS_OFFLINE set nothing is probed: ``datasets`` reads its own cache (or says at
     once that it cannot)."""
-    offline = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-    if any(os.environ.get(v, "").upper() in TRUE for v in offline) or _dataset_cached(source):
-        return  # (a cached one: datasets falls back to its copy after its retries, as before)
+    if offline_by("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") is not None:
+        return
     problem = hub_unreachable()
-    if problem is not None:
+    # a cached one: datasets falls back to its copy after its retries, as before the probe
+    if problem is not None and not _dataset_cached(source):
         raise ConfigError(
             f"{source}: no such file or folder on this machine, and it cannot be loaded as a "
             f"Hugging Face dataset: {problem}; give a file's path, or, where the dataset is in "

@@ -182,7 +182,12 @@ def load_tokenizer(cfg: RunConfig) -> Any:
 
 HUB_CONNECT_TIMEOUT_S = 3.0
 """How long the check before a download waits for the hub to answer a TCP connect."""
-TRUE = {"1", "ON", "YES", "TRUE"}  # huggingface_hub's reading of a boolean variable
+_TRUE = {"1", "ON", "YES", "TRUE"}  # huggingface_hub's reading of a boolean variable
+
+
+def offline_by(*names: str) -> str | None:
+    """The first of these variables set true (huggingface_hub's reading), or None."""
+    return next((v for v in names if os.environ.get(v, "").upper() in _TRUE), None)
 
 
 def check_downloadable(name_or_path: str, revision: str | None = None) -> None:
@@ -197,10 +202,9 @@ def check_downloadable(name_or_path: str, revision: str | None = None) -> None:
     ``revision``: model.revision (None: main)."""
     if Path(name_or_path).expanduser().exists() or _in_hub_cache(name_or_path, revision):
         return
-    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        if os.environ.get(var, "").upper() in TRUE:
-            reason = f"{var} is set, so nothing is downloaded"
-            break
+    offline = offline_by("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    if offline is not None:
+        reason = f"{offline} is set, so nothing is downloaded"
     else:
         problem = hub_unreachable()
         if problem is None:
