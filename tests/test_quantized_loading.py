@@ -126,6 +126,35 @@ def test_stacks_quantized_as_read_are_those_of_a_full_load(
     assert kinds == {d.experts.storage}
 
 
+def test_transformers_reserves_nothing_ahead_while_stacks_are_quantized_as_read(
+    tmp_path: Path,
+) -> None:
+    """transformers' caching-allocator warm-up would reserve each GPU's share of the model at
+    the checkpoint's dtype before reading it (2 bytes a weight of every expert stack: ~61 GB
+    for Qwen3-30B-A3B on one card): while the stacks are quantized as read it does nothing,
+    and it is transformers' own again after. Seen from inside from_pretrained (a parameter
+    hook called as each weight is set), on a CPU rank where the warm-up itself never runs."""
+    from transformers import modeling_utils
+
+    from memtune.rank.model import load_base_model
+
+    original = modeling_utils.caching_allocator_warmup
+    seen: set[Any] = set()
+
+    def during_load(module: Any, name: str, param: Any) -> None:
+        seen.add(modeling_utils.caching_allocator_warmup)
+
+    cfg = _cfg("tiny-qwen3-moe", _save("qwen3_moe", MOE, tmp_path / "base"), "qlora-nf4")
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(during_load)
+    try:
+        load_base_model(cfg, decided(cfg, attention="sdpa"))
+    finally:
+        handle.remove()
+    assert seen and original not in seen
+    assert all(warmup(None, {"x": torch.device("cuda", 0)}, None) is None for warmup in seen)
+    assert modeling_utils.caching_allocator_warmup is original
+
+
 def test_a_chunked_quantization_is_the_whole_stacks() -> None:
     """_quantized cuts a large stack into chunks of experts (bitsandbytes' CPU temporaries);
     the bytes are those of one call over the stack."""

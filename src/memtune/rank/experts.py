@@ -171,10 +171,34 @@ def experts_as_loaded(
 
     handle = nn.modules.module.register_module_parameter_registration_hook(quantize)
     try:
-        with _loaded_in_order():
+        with _loaded_in_order(), _no_allocator_warmup():
             yield loaded
     finally:
         handle.remove()
+
+
+@contextlib.contextmanager
+def _no_allocator_warmup() -> Iterator[None]:
+    """transformers' ``from_pretrained`` reserves, before it reads a tensor, what it expects the
+    model to take on each GPU (``caching_allocator_warmup``: one ``torch.empty`` of up to the
+    card less 1.2 GiB). It counts a routed-expert stack at its checkpoint dtype — 2 bytes a
+    weight, as it cannot know the stack is quantized as it is read (or only this rank's experts
+    kept): ~61 GB asked for Qwen3-30B-A3B's QLoRA on one card, ~15 GB for a 12-layer one,
+    where the plan's loading peak is the quantized model and one stack. On a card capped to
+    24 GB that is an out-of-memory inside transformers; uncapped, a peak that is not the
+    load's. The warm-up only saves cudaMalloc calls, so it is off while the hook is in place."""
+    from transformers import modeling_utils
+
+    original = modeling_utils.caching_allocator_warmup
+
+    def no_warmup(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    modeling_utils.caching_allocator_warmup = no_warmup
+    try:
+        yield
+    finally:
+        modeling_utils.caching_allocator_warmup = original
 
 
 ASYNC_LOAD_OFF = "HF_DEACTIVATE_ASYNC_LOAD"
