@@ -34,8 +34,10 @@ def test_merged_model_matches_base_plus_adapter(
         f"{left.name.split('-')[-2]} left unfinished when it was killed\n"
     ) in capsys.readouterr().out
     assert not any("lora_" in n for n, _ in merged.named_parameters())
-    # fp32: merging folds B·A·scale into W, one extra rounding per weight.
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # fp32: merging folds B·A·scale into W, one extra rounding per weight; the two forwards
+    # also sum in other orders (1.4e-5 on one logit of 18,432 with one thread a process); a
+    # merge without the scaling is off by ~1e-1.
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=5e-5)
     assert (out / "tokenizer.json").is_file()
 
 
