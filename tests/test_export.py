@@ -154,7 +154,7 @@ def test_tiny_qwen3_trains_merges_and_generates(qwen3_run: Run, tmp_path: Path) 
     assert summary["trainable_params"] == count_params(qwen3_run.cfg).lora
     _, merged, a, b = _merged_vs_adapter(qwen3_run, tmp_path)
     assert type(merged).__name__ == "Qwen3ForCausalLM"
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=5e-5)  # as above: merged vs unmerged
 
     model, tokenizer = load(qwen3_run.dir)
     prompt = prompt_text(qwen3_run.dir, "What is 2 + 3?", tokenizer)
