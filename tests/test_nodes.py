@@ -4,6 +4,7 @@ and a real two-node job on this machine (two train.py processes, the per-node fo
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -637,6 +638,33 @@ def test_two_nodes_started_separately_train_together(tmp_path: Path) -> None:
     assert "Traceback" not in out.stderr
     node1 = resolve(_cfg(*more, "launcher.node_rank=1"), env={})
     with pytest.raises(ConfigError, match=re.escape(f"node 0 could not prepare {run_dir}: {why}")):
+        wait_ready(run_dir, node1, timeout_s=0)
+
+
+def test_node_0_stopped_by_an_error_before_its_ranks_tells_the_other_nodes(
+    tmp_path: Path,
+) -> None:
+    """An exception memtune does not catch on node 0 before its ranks start (injected while it
+    tokenizes, tests/raise_inject: a library's error on an input no check foresaw): its
+    traceback, exit 1, and the mark the other nodes wait for says why. They waited an hour
+    for it and then asked whether node 0 ran the same command."""
+    demo = (ROOT / "src" / "memtune" / "assets" / "demo_alpaca.jsonl").read_text()
+    data = tmp_path / "broken.jsonl"
+    data.write_text(demo)
+    run_dir = tmp_path / "run"
+    args = ["launcher.nnodes=2", "launcher.master_addr=127.0.0.1", "launcher.num_ranks=2"]
+    args += ["launcher.launch_id=e1", f"data.path={data}", "logger=none", f"run_dir={run_dir}"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "tests" / "raise_inject"),
+        "MEMTUNE_TEST_RAISE_ON": str(data),
+    }
+    out = run_train_py([*args, "launcher.node_rank=0"], cwd=tmp_path, env=env, timeout=300)
+    why = f"RuntimeError: injected fault tokenizing {data}"
+    assert out.returncode == 1 and why in out.stderr, out.stderr[-3000:]
+    node1 = resolve(_cfg(*args, "launcher.node_rank=1"), env={})
+    told = f"node 0 could not prepare {run_dir}: node 0 stopped on an error: {why}"
+    with pytest.raises(ConfigError, match=re.escape(told)):
         wait_ready(run_dir, node1, timeout_s=0)
 
 

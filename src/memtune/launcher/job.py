@@ -429,6 +429,7 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
     except (ConfigError, PreflightError, OSError) as err:
         stopped = _why_stopped(err)
         if stopped is None:
+            _tell_of_crash(spec, run_dir, err)
             raise
         kind, why, told = stopped
         if spec is not None and spec.form == "per-node" and spec.node_rank == 0:
@@ -437,6 +438,9 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
         # exit.json and .hydra/ are node 0's.
         node_rank = None if spec is None else spec.node_rank
         return _stopped_before_launch(cfg, run_dir, kind, why, sweeping, node_rank)
+    except Exception as err:  # a library's error on an input no check foresaw, a bug
+        _tell_of_crash(spec, run_dir, err)
+        raise
     if run_cfg.preprocess_only:
         print(f"memtune: preprocess_only: run dir {run_dir} laid out, no ranks started", flush=True)
         return 0
@@ -445,6 +449,16 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
         if unsaid:  # not written: nor can the reason be (nodes 1.. wait for WAIT_FOR_NODE0_S)
             return _stopped_before_launch(cfg, run_dir, "error", unsaid, sweeping, 0)
     return Job(run_cfg, decisions, spec, env)
+
+
+def _tell_of_crash(spec: NodeSpec | None, run_dir: Path, err: Exception) -> None:
+    """Node 0 of a per-node job stopped before its ranks by an exception memtune does not
+    catch (its traceback follows, or a sweep's failed row): the other nodes waited for its
+    word until WAIT_FOR_NODE0_S (an hour) and then blamed the command; told, they stop at once
+    with the exception's line."""
+    if spec is not None and spec.form == "per-node" and spec.node_rank == 0:
+        why = " ".join(f"{type(err).__name__}: {err}".split()).removesuffix(":")
+        _mark_ready(run_dir, spec, error=f"node 0 stopped on an error: {why}")
 
 
 def _why_stopped(err: Exception) -> tuple[str, str, str] | None:
