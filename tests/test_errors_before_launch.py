@@ -135,6 +135,11 @@ def test_torch_varlen_attention_without_cuda_is_refused() -> None:
     fp32 = to_run_config(compose([*given, "trainer.precision=fp32"]))  # the CPU demo's
     with pytest.raises(ConfigError, match="runs bf16 and fp16 only"):
         validate(fp32, inputs=False)
+    # FlashAttention-2 likewise (transformers only warned; flash-attn raised in the first
+    # forward on every rank).
+    flash = ["model.attn_implementation=flash_attention_2", "trainer.precision=fp32"]
+    with pytest.raises(ConfigError, match="FlashAttention-2's kernels run bf16 and fp16 only"):
+        validate(to_run_config(compose(flash)), inputs=False)
     if cuda_available():
         validate(cfg)
         return

@@ -174,6 +174,10 @@ def test_attention_choice() -> None:
     assert attention_kernel("auto", CPU_RANKS) == "sdpa_varlen"
     assert attention_kernel("auto", RankMachine(cuda=True)) == "sdpa_varlen"
     assert attention_kernel("auto", RankMachine(cuda=True, flash_attn=True)) == "flash_attention_2"
+    # flash-attn has no fp32 kernels: an fp32 run on a GPU with it installed takes SDPA
+    with_flash = RankMachine(cuda=True, flash_attn=True)
+    assert attention_kernel("auto", with_flash, "fp32") == "sdpa_varlen"
+    assert attention_kernel("auto", with_flash, "fp16") == "flash_attention_2"
     assert attention_kernel("sdpa", RankMachine(cuda=True, flash_attn=True)) == "sdpa"
     # The loss head: Liger's only by name, never auto's (not measured faster yet, #47).
     with_liger = RankMachine(cuda=True, liger=True)

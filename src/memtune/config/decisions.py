@@ -619,11 +619,16 @@ def requested_switch(value: str) -> bool | None:
     return None if value == "auto" else value == "on"
 
 
-def attention_kernel(requested: AttnImplementation, machine: RankMachine) -> AttentionKernel:
+def attention_kernel(
+    requested: AttnImplementation, machine: RankMachine, precision: str = "bf16"
+) -> AttentionKernel:
     """model.attn_implementation on the ranks' machine: ``auto`` is FlashAttention-2 where it
-    runs (CUDA and flash-attn), else sdpa_varlen (SDPA per sample, no dense mask)."""
+    runs (CUDA and flash-attn, in bf16 or fp16: its kernels have no fp32, and transformers
+    only warns, so an fp32 run stopped in its first forward), else sdpa_varlen (SDPA per
+    sample, no dense mask)."""
     if requested == "auto":
-        return "flash_attention_2" if machine.cuda and machine.flash_attn else "sdpa_varlen"
+        flash = machine.cuda and machine.flash_attn and precision != "fp32"
+        return "flash_attention_2" if flash else "sdpa_varlen"
     return requested
 
 
@@ -828,7 +833,7 @@ def decisions_for(
         sequence_parallel=sp,
         row_tokens=cfg.data.max_seq_len,
     )
-    attention = attention_kernel(cfg.model.attn_implementation, machine)
+    attention = attention_kernel(cfg.model.attn_implementation, machine, t.precision)
     return Decisions(
         zero_stage=cfg.zero.stage,
         zero_template=cfg.zero.template,
