@@ -16,7 +16,12 @@ import torch
 from safetensors.torch import load_file
 
 from memtune.config import ConfigError, RunConfig, to_run_config
-from memtune.launcher.preflight import all_reduce_check, measured_bus_gb_s, nccl_env_decision
+from memtune.launcher.preflight import (
+    all_reduce_check,
+    all_reduced,
+    measured_bus_gb_s,
+    nccl_env_decision,
+)
 from memtune.launcher.spawn import free_port, rank_command
 from memtune.launcher.topology import (
     NodeSpec,
@@ -445,6 +450,11 @@ def test_the_preflight_all_reduce_measures_bus_bandwidth_on_gloo() -> None:
     sums and a bus bandwidth; the one the ranks will see is picked by the P2P decision."""
     check = all_reduce_check(2, {}, timeout_s=120, backend="gloo")
     assert check["ok"] and check["bad_ranks"] == []
+    # Every element is checked: one corrupted chunk past the first is a wrong sum.
+    summed = torch.full((1 << 12,), 3.0)
+    assert all_reduced(summed, 2) and not all_reduced(summed, 3)
+    summed[2048:2050] = 0.0
+    assert not all_reduced(summed, 2)
     # 2(n-1)/n × 64 MiB per all-reduce over its time, as NCCL's busbw.
     assert check["bus_gb_s"] == pytest.approx(
         2 * 0.5 * (1 << 24) * 4 / check["seconds"] / 1e9, rel=0.01
