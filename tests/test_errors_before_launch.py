@@ -138,7 +138,7 @@ def test_torch_varlen_attention_without_cuda_is_refused() -> None:
     # FlashAttention-2 likewise (transformers only warned; flash-attn raised in the first
     # forward on every rank).
     flash = ["model.attn_implementation=flash_attention_2", "trainer.precision=fp32"]
-    with pytest.raises(ConfigError, match="FlashAttention-2's kernels run bf16 and fp16 only"):
+    with pytest.raises(ConfigError, match="FlashAttention-2 runs bf16 and fp16 only"):
         validate(to_run_config(compose(flash)), inputs=False)
     if cuda_available():
         validate(cfg)

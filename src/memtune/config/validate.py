@@ -218,16 +218,12 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
             "use trainer.loss=auto to fall back to memtune's chunked loss"
         )
     _check_kernels(cfg)
-    flash_kernels = {
-        "torch_varlen": "torch's variable-length flash kernel runs",
-        "flash_attention_2": "FlashAttention-2's kernels run",
-    }
     attn = cfg.model.attn_implementation
-    if attn in flash_kernels and t.precision == "fp32":
+    if attn in ("torch_varlen", "flash_attention_2") and t.precision == "fp32":
+        kernel = "FlashAttention-2" if attn == "flash_attention_2" else "torch's varlen kernel"
         raise ConfigError(
-            f"model.attn_implementation={attn} with trainer.precision=fp32: "
-            f"{flash_kernels[attn]} bf16 and fp16 only; use trainer.precision=bf16, or "
-            "model.attn_implementation=auto"
+            f"model.attn_implementation={attn} with trainer.precision=fp32: {kernel} runs "
+            "bf16 and fp16 only; use trainer.precision=bf16, or model.attn_implementation=auto"
         )
     splitting = (*SPLITTING_KERNELS, "auto")
     if t.attention_by_kv_head == "on" and cfg.model.attn_implementation not in splitting:
