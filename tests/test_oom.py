@@ -135,3 +135,23 @@ def test_a_later_start_keeps_the_restarts_change(tmp_path: Path, capsys) -> None
     rd.oom_restart.write_text('{"after": [], "changes": "all", "resumed_from": null}')
     with pytest.raises(ConfigError, match=r"oom_restart\.json: changes is not a list"):
         still_restarted(asked, tmp_path)
+
+
+def test_out_of_memory_before_the_first_step_is_reported_as_a_steps() -> None:
+    """Building the model or DeepSpeed's engine, or loading a checkpoint, out of memory (a card
+    another process holds): RankOutOfMemory at step 0, said as before the first step, where it
+    was a traceback; any other error passes through as it was."""
+    import torch
+
+    from memtune.rank.worker import RankOutOfMemory, out_of_memory_before_the_steps
+    from memtune.rundir import at_step
+
+    cpu, said = torch.device("cpu"), "CUDA out of memory. Tried to allocate 2.00 GiB"
+    with pytest.raises(RankOutOfMemory) as caught, out_of_memory_before_the_steps(3, cpu):
+        raise torch.OutOfMemoryError(said)
+    oom = caught.value
+    assert (oom.rank, oom.step, oom.error) == (3, 0, said)
+    assert oom.memory["rss_gib"] > 0
+    assert at_step(oom.step) == "before its first step" and at_step(4) == "at step 4"
+    with pytest.raises(ValueError, match="not memory"), out_of_memory_before_the_steps(0, cpu):
+        raise ValueError("not memory")

@@ -162,6 +162,12 @@ class OomReport:
     error: str
 
 
+def at_step(step: int) -> str:
+    """Where a rank ran out of memory, in words: step 0 is what came before the first step
+    (the model, DeepSpeed's engine, a checkpoint loaded)."""
+    return f"at step {step}" if step else "before its first step"
+
+
 @dataclass
 class OomRestart:
     """``oom_restart.json``: what plan.auto_fit changed to restart after an out-of-memory stop

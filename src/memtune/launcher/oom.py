@@ -17,7 +17,7 @@ from memtune.config.decisions import Decisions, RankMachine
 from memtune.memory.counts import count_params
 from memtune.memory.estimate import plan
 from memtune.memory.fit import Fitted, as_restarted, format_suggestions, out_of_memory_variant
-from memtune.rundir import OomReport, OomRestart, RecordError, RunDir
+from memtune.rundir import OomReport, OomRestart, RecordError, RunDir, at_step
 
 
 def reports(run_dir: Path) -> list[OomReport]:
@@ -30,7 +30,7 @@ def explain(cfg: RunConfig, d: Decisions, run_dir: Path, machine: RankMachine) -
     for r in reports(run_dir):
         measured = r.measured.get(r.measure, 0.0)
         lines.append(
-            f"rank {r.rank} ran out of memory at step {r.step}: planned "
+            f"rank {r.rank} ran out of memory {at_step(r.step)}: planned "
             + (f"{r.planned_gib:.2f} GiB" if r.planned_gib is not None else "(no plan)")
             + f", {r.measure.replace('_gib', '').replace('_', ' ')} {measured:.2f} GiB when "
             f"it failed ({r.error})"

@@ -77,7 +77,7 @@ from memtune.rank.telemetry import (
     window_peak_gib,
 )
 from memtune.rank.this_machine import check_this_machine, threads_for_this_machine
-from memtune.rundir import OomReport, PlanRecord, RecordError, RunDir, Summary
+from memtune.rundir import OomReport, PlanRecord, RecordError, RunDir, Summary, at_step
 
 
 @dataclass
@@ -296,11 +296,26 @@ def lost_peer(err: BaseException) -> bool:
 
 
 class RankOutOfMemory(Exception):
-    """This rank could not allocate what a step needed; main() reports it and exits EXIT_OOM."""
+    """This rank could not allocate what a step needed (step 0: what came before the first
+    step); main() reports it and exits EXIT_OOM."""
 
     def __init__(self, rank: int, step: int, memory: dict[str, float], error: str):
         super().__init__(error)
         self.rank, self.step, self.memory, self.error = rank, step, memory, error
+
+
+@contextlib.contextmanager
+def out_of_memory_before_the_steps(rank: int, device: torch.device) -> Iterator[None]:
+    """Building the model and DeepSpeed's engine, or loading a checkpoint, ran out of memory
+    (a card another process holds, a plan that did not see the load): RankOutOfMemory at step
+    0, reported as a step's is (its line, oom-rankN.json, the job's advice), where it was a
+    traceback."""
+    try:
+        yield
+    except BaseException as err:
+        if not is_out_of_memory(err):
+            raise
+        raise RankOutOfMemory(rank, 0, memory_snapshot(device), str(err)) from err
 
 
 def report_out_of_memory(rd: RunDir, oom: RankOutOfMemory, device_type: str) -> None:
@@ -313,7 +328,7 @@ def report_out_of_memory(rd: RunDir, oom: RankOutOfMemory, device_type: str) -> 
     rd.write_oom_report(OomReport(oom.rank, oom.step, planned, oom.memory, key, error))
     plan_part = f"planned {planned:.2f} GiB" if planned is not None else "no plan.json"
     print(
-        f"memtune: out of memory: rank {oom.rank} at step {oom.step} ({plan_part}, "
+        f"memtune: out of memory: rank {oom.rank} {at_step(oom.step)} ({plan_part}, "
         f"{key.replace('_gib', '').replace('_', ' ')} {oom.memory.get(key, 0.0):.2f} GiB when "
         f"it failed): {error}",
         file=sys.stderr,
@@ -627,8 +642,10 @@ def run(rd: RunDir, after_train: AfterTrain | None = None) -> TrainResult:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     rank = RankRun(rd)
     with rank.ending_together():
-        rank.setup()
-        result = rank.train(rank.resume())
+        with out_of_memory_before_the_steps(rank.rank, rank.device):
+            rank.setup()
+            start = rank.resume()
+        result = rank.train(start)
         rank.finish(result, after_train)
     return result
 
@@ -808,7 +825,7 @@ def main(argv: list[str] | None = None) -> None:
         code = EXIT_NON_FINITE
     except RankOutOfMemory as oom:
         report_out_of_memory(rd, oom, "cuda" if torch.cuda.is_available() else "cpu")
-        said = f"out of memory: rank {oom.rank} at step {oom.step} ({rd.oom_report(oom.rank)})"
+        said = f"out of memory: rank {oom.rank} {at_step(oom.step)} ({rd.oom_report(oom.rank)})"
         code = EXIT_OOM
     except RuntimeError as err:
         if not lost_peer(err):
