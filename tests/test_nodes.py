@@ -466,6 +466,9 @@ def test_the_preflight_all_reduce_measures_bus_bandwidth_on_gloo() -> None:
     assert measured_bus_gb_s({"checks": checks, "env": {"NCCL_P2P_DISABLE": "1"}}) == 9.5
     assert measured_bus_gb_s({"checks": checks, "env": {}}) == 20.0
     assert measured_bus_gb_s({"checks": {}, "env": {}}) is None
+    # On several nodes the job's all-reduce crosses their network: node 0's GPUs' figure is
+    # not its link (plan.link_gb_s is kept).
+    assert measured_bus_gb_s({"checks": checks, "env": {}}, nnodes=2) is None
 
 
 def test_a_per_node_preprocess_only_leaves_nodes_1_nothing_to_wait_for(tmp_path: Path) -> None:

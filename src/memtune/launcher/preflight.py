@@ -198,8 +198,12 @@ def all_reduce_check(
     }
 
 
-def measured_bus_gb_s(record: Mapping[str, Any]) -> float | None:
-    """The bus bandwidth of the all-reduce the ranks will run like (P2P off when decided)."""
+def measured_bus_gb_s(record: Mapping[str, Any], nnodes: int = 1) -> float | None:
+    """The bus bandwidth of the all-reduce the ranks will run like (P2P off when decided).
+    None on several nodes: the check ran between this node's GPUs, and the job's all-reduce
+    crosses the nodes' network (plan.link_gb_s stands for that one)."""
+    if nnodes > 1:
+        return None
     checks = record.get("checks", {})
     p2p_off = record.get("env", {}).get("NCCL_P2P_DISABLE") == "1"
     chosen = checks.get("all_reduce_no_p2p" if p2p_off else "all_reduce_p2p") or {}
@@ -329,7 +333,7 @@ def for_launch(
     if proc.returncode != 0:
         raise PreflightError(f"the GPU checks failed (exit code {proc.returncode}, see above)")
     record = json.loads(out.read_text())
-    return dict(record["env"]), measured_bus_gb_s(record)
+    return dict(record["env"]), measured_bus_gb_s(record, nnodes)
 
 
 def main(argv: list[str] | None = None) -> None:
