@@ -11,6 +11,7 @@ import gc
 import json
 import threading
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,25 @@ HYBRID = dict(  # Qwen3.5-MoE: linear attention, then full attention, a shared e
 MOE = {k: v for k, v in TINY.items() if k != "initializer_range"}  # Qwen3-MoE
 
 
+@contextlib.contextmanager
+def _warmup_seen() -> Iterator[Any]:
+    """transformers' caching_allocator_warmup as from_pretrained would call it, recorded each
+    time a weight is set (a parameter hook), and put back afterwards."""
+    from transformers import modeling_utils
+
+    seen = types.SimpleNamespace(original=modeling_utils.caching_allocator_warmup, seen=set())
+
+    def during_load(module: Any, name: str, param: Any) -> None:
+        seen.seen.add(modeling_utils.caching_allocator_warmup)
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(during_load)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+    assert modeling_utils.caching_allocator_warmup is seen.original
+
+
 @pytest.mark.parametrize(
     ("model", "model_type", "arch", "fused", "peft"),
     [
@@ -110,7 +130,14 @@ def test_stacks_quantized_as_read_are_those_of_a_full_load(
     path = _save(model_type, arch, tmp_path / "base", fused)
     cfg = _cfg(model, path, peft)
     d = decided(cfg, attention="sdpa")
-    streamed = load_base_model(cfg, d)
+    with _warmup_seen() as warmups:
+        streamed = load_base_model(cfg, d)
+    # transformers' caching-allocator warm-up would reserve each GPU's share of the model at
+    # the checkpoint's dtype before reading it (2 bytes a weight of every expert stack: ~61 GB
+    # for Qwen3-30B-A3B on one card): while stacks are quantized as read it does nothing.
+    # Seen from inside from_pretrained, on a CPU rank where the warm-up itself never runs.
+    assert warmups.seen and warmups.original not in warmups.seen
+    assert all(w(None, {"x": torch.device("cuda", 0)}, None) is None for w in warmups.seen)
     whole = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.bfloat16, quantization_config=quantization_config(cfg, d.peft_method)
     )
@@ -124,35 +151,6 @@ def test_stacks_quantized_as_read_are_those_of_a_full_load(
         assert p.dtype == theirs[name].dtype and torch.equal(_bytes(p), _bytes(theirs[name])), name
     kinds = {quantized_stack(ours[n]).kind for n in floats}
     assert kinds == {d.experts.storage}
-
-
-def test_transformers_reserves_nothing_ahead_while_stacks_are_quantized_as_read(
-    tmp_path: Path,
-) -> None:
-    """transformers' caching-allocator warm-up would reserve each GPU's share of the model at
-    the checkpoint's dtype before reading it (2 bytes a weight of every expert stack: ~61 GB
-    for Qwen3-30B-A3B on one card): while the stacks are quantized as read it does nothing,
-    and it is transformers' own again after. Seen from inside from_pretrained (a parameter
-    hook called as each weight is set), on a CPU rank where the warm-up itself never runs."""
-    from transformers import modeling_utils
-
-    from memtune.rank.model import load_base_model
-
-    original = modeling_utils.caching_allocator_warmup
-    seen: set[Any] = set()
-
-    def during_load(module: Any, name: str, param: Any) -> None:
-        seen.add(modeling_utils.caching_allocator_warmup)
-
-    cfg = _cfg("tiny-qwen3-moe", _save("qwen3_moe", MOE, tmp_path / "base"), "qlora-nf4")
-    handle = torch.nn.modules.module.register_module_parameter_registration_hook(during_load)
-    try:
-        load_base_model(cfg, decided(cfg, attention="sdpa"))
-    finally:
-        handle.remove()
-    assert seen and original not in seen
-    assert all(warmup(None, {"x": torch.device("cuda", 0)}, None) is None for warmup in seen)
-    assert modeling_utils.caching_allocator_warmup is original
 
 
 def test_a_chunked_quantization_is_the_whole_stacks() -> None:
