@@ -205,6 +205,10 @@ FAULTS = [
      "an exception memtune does not catch in one point of a sweep (injected while tokenizing)",
      "that point a failed row with its line and exit.json; the other points run; the report "
      "written; exit 1"),
+    ("test_sweep_report", "test_a_sweep_point_stopped_by_ctrl_c_while_tokenizing",
+     "Ctrl-C while a sweep point tokenizes (injected there)",
+     "exit 130; that point's row says it was interrupted before any rank started, the points "
+     "never started not run"),
     ("test_sweep_report", "test_the_points_a_stopped_sweep_never_started",
      "a sweep stopped by SIGTERM in its first point",
      "exit 75; the report lists that point failed (exit 75) and the points never started as "

@@ -91,6 +91,37 @@ def test_a_sweep_point_that_raises_is_a_failed_row_and_the_report_is_written(
     assert "memtune: 1 sweep point(s) failed: 0\n" in proc.stdout
 
 
+def test_a_sweep_point_stopped_by_ctrl_c_while_tokenizing_is_its_row(tmp_path: Path) -> None:
+    """Ctrl-C while a point tokenizes (KeyboardInterrupt, injected there): the sweep stops
+    (exit 130) and the point's row says it was interrupted; it read "not run" (its dir held
+    no record), as the points after it, which never started, still do."""
+    import csv
+
+    from memtune.cli import main as memtune
+
+    demo = (ROOT / "src" / "memtune" / "assets" / "demo_alpaca.jsonl").read_text()
+    stopped, good = tmp_path / "stopped.jsonl", tmp_path / "good.jsonl"
+    stopped.write_text(demo)
+    good.write_text(demo)
+    sweep = tmp_path / "sweep"
+    args = ["-m", f"data.path={stopped},{good}", "preprocess_only=true", "logger=none"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "tests" / "raise_inject"),
+        "MEMTUNE_TEST_RAISE_ON": str(stopped),
+        "MEMTUNE_TEST_RAISE_CTRL_C": "1",
+    }
+    proc = run_train_py([*args, f"hydra.sweep.dir={sweep}"], cwd=ROOT, env=env)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert "memtune: interrupted before any rank started" in proc.stderr
+    assert memtune(["report", str(sweep)]) == 0
+    rows = list(csv.DictReader((sweep / "sweep_report.csv").open()))
+    assert [(r["point"], r["status"]) for r in rows] == [
+        ("0", "failed (exit 130): interrupted before any rank started"),
+        ("1", "not run"),
+    ]
+
+
 def test_a_local_sweeps_exit_code_is_its_own_points(tmp_path: Path) -> None:
     """A second sweep into the dir of one whose point failed, its own points all laid out:
     exit 0. Its report still lists the earlier failed point (a row of the dir); the exit code

@@ -1,7 +1,8 @@
 """Fault injection for the tests of an exception memtune does not catch (on PYTHONPATH only in
 those tests): tokenizing the data file MEMTUNE_TEST_RAISE_ON (data.path) raises RuntimeError,
-as a library's error on an input no check foresaw would. Every other data file is tokenized as
-usual, so one point of a sweep fails and the others run."""
+as a library's error on an input no check foresaw would (MEMTUNE_TEST_RAISE_CTRL_C=1:
+KeyboardInterrupt, as Ctrl-C while tokenizing). Every other data file is tokenized as usual,
+so one point of a sweep fails and the others run."""
 
 import os
 
@@ -13,6 +14,8 @@ if _on:
 
     def _raising(cfg, *args, **kwargs):
         if cfg.path == _on:
+            if os.environ.get("MEMTUNE_TEST_RAISE_CTRL_C"):
+                raise KeyboardInterrupt
             raise RuntimeError(f"injected fault tokenizing {_on}")
         return _preprocess(cfg, *args, **kwargs)
 

@@ -226,12 +226,26 @@ def _point(cfg: DictConfig, run_dir: Path, sweeping: bool) -> int:
     only (:func:`_crashed`)."""
     try:
         return _run(cfg, run_dir, sweeping)
+    except KeyboardInterrupt:
+        if sweeping:
+            _interrupted_point(cfg, run_dir)
+        raise  # run_job's line; the sweep stops here
     except (RunDirBusy, LockNotWritten, ConfigError):
         raise  # memtune's own refusals: run_job's one line, exit 2, in a sweep too
     except Exception as err:
         if not sweeping:
             raise  # a single run: Hydra prints the traceback, exit 1
         return _crashed(cfg, run_dir, err)
+
+
+def _interrupted_point(cfg: DictConfig, run_dir: Path) -> None:
+    """A sweep point stopped by Ctrl-C before its ranks started (planning, tokenizing): its run
+    dir records that (.hydra/, exit.json), as a refusal's does. With no record it was a
+    "not run" row of the sweep report, as if never started."""
+    with contextlib.suppress(ConfigError, OSError):
+        if this_node_rank(cfg.launcher) == 0 and not (cfg.plan_only or _finished_run(run_dir)):
+            _record_composition(cfg, run_dir)
+            _record_exit(run_dir, EXIT_INTERRUPTED, "interrupted before any rank started")
 
 
 def _crashed(cfg: DictConfig, run_dir: Path | None, err: Exception) -> int:
