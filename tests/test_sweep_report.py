@@ -91,6 +91,7 @@ def test_a_sweep_point_that_raises_is_a_failed_row_and_the_report_is_written(
     assert "memtune: 1 sweep point(s) failed: 0\n" in proc.stdout
 
 
+@pytest.mark.faults
 def test_a_sweep_point_stopped_by_ctrl_c_while_tokenizing_is_its_row(tmp_path: Path) -> None:
     """Ctrl-C while a point tokenizes (KeyboardInterrupt, injected there): the sweep stops
     (exit 130) and the point's row says it was interrupted; it read "not run" (its dir held
