@@ -609,6 +609,101 @@ def test_quantized_expert_stacks_compute_their_dequantized_weights(
         torch.testing.assert_close(got, want, rtol=tol * 10, atol=tol)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A float tensor's bits, as integers of its width (torch.equal on floats calls -0 and 0
+    equal)."""
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_int8_dequantization_is_bitsandbytes_bit_for_bit(dtype: torch.dtype) -> None:
+    """expert_stacks.int8_dequantized against bitsandbytes' int8_vectorwise_dequant and a cast:
+    the same bits, over every int8 value and row scales from subnormal to 1e30; and so through
+    the rank's paths, the grouped forward's chunk (rank.experts._dequantized_range, any range of
+    experts) and memtune merge's round trip (rank.experts.round_trip_experts)."""
+    import bitsandbytes.functional as bnbf
+
+    from memtune.expert_stacks import int8_dequantized
+    from memtune.rank.experts import (
+        _dequantized_range,
+        _quantized,
+        quantized_parameter,
+        round_trip_experts,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    values = torch.randint(-128, 128, (600, 257), dtype=torch.int8, generator=g)
+    exponents = torch.empty(600).uniform_(-45, 30, generator=g)
+    scales = (torch.rand(600, generator=g) + 0.5) * torch.pow(10.0, exponents)
+    scales[:4] = torch.tensor([0.0, 1e-45, 1.0, 3.4e38])  # zero, the smallest, one, near max
+    want = bnbf.int8_vectorwise_dequant(values, scales).to(dtype)
+    assert torch.equal(_bits(int8_dequantized(values, scales, dtype)), _bits(want))
+
+    stack = (torch.randn(8, 48, 64, generator=g) * 0.05).to(dtype)
+    param = quantized_parameter(stack, "int8", dtype)
+    q, s, _ = _quantized(stack, "int8")
+    reference = bnbf.int8_vectorwise_dequant(q, s).view(8, 48, 64)
+    for first, end in ((0, 8), (2, 5), (7, 8)):
+        got = _dequantized_range(param, first, end, dtype)
+        assert torch.equal(_bits(got), _bits(reference[first:end].to(dtype))), (first, end)
+
+    model = torch.nn.Module()  # an experts module: its two stacks, as the merge finds them
+    model.num_experts = 8
+    model.gate_up_proj = torch.nn.Parameter(torch.randn(8, 48, 64, generator=g) * 0.05)
+    model.down_proj = torch.nn.Parameter(torch.randn(8, 64, 24, generator=g) * 0.05)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert round_trip_experts(model, "int8", dtype) == 2
+    for name, weight in before.items():
+        q, s, _ = _quantized(weight.to(dtype), "int8")
+        back = bnbf.int8_vectorwise_dequant(q, s).reshape(weight.shape).to(torch.float32)
+        assert torch.equal(_bits(getattr(model, name).data), _bits(back)), name
+
+
+def _allocator_peak(fn: Any) -> tuple[int, int, Any]:
+    """(the peak of torch's CPU allocator above where it was, what it still holds after,
+    ``fn``'s result) while ``fn`` runs: its memory events (torch.profiler, as
+    tests/test_trace.py reads them), which see the temporaries inside an operator too."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]"
+    )
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak, live, result
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dequantizing_an_int8_chunk_holds_what_the_plan_counts_a_weight(
+    dtype: torch.dtype,
+) -> None:
+    """One chunk of an int8 stack dequantized as the grouped forward and its backward do
+    (rank.experts._dequantized_range): the allocator's peak is the planned bytes a weight
+    (expert_stacks.dequantized_bytes_per_weight: 6 in bf16, an fp32 copy and the result; 4 in
+    fp32) times the chunk's weights, and the result alone is left. bitsandbytes' own op held
+    8 in bf16 (two fp32 products alive at once), over the 2 the plan counted."""
+    from memtune.expert_stacks import dequantized_bytes_per_weight
+    from memtune.rank.experts import _dequantized_range, quantized_parameter
+
+    experts, out, inp = 16, 128, 256
+    g = torch.Generator().manual_seed(0)
+    stack = (torch.randn(experts, out, inp, generator=g) * 0.05).to(dtype)
+    param = quantized_parameter(stack, "int8", dtype)
+    _dequantized_range(param, 0, 1, dtype)  # first-call set-up outside the measure
+    peak, left, weight = _allocator_peak(lambda: _dequantized_range(param, 0, experts, dtype))
+    weights = experts * out * inp
+    planned = dequantized_bytes_per_weight("int8", dtype.itemsize)
+    assert planned == {torch.bfloat16: 6, torch.float32: 4}[dtype]
+    assert planned * weights <= peak <= planned * weights + 1024, (peak / weights, planned)
+    assert left == weight.numel() * weight.element_size() == weights * dtype.itemsize
+
+
 def test_a_rewriting_start_exports_trained_routers_as_they_are() -> None:
     """peft.init=pissa with peft.train_router: the export for the original base doubles the
     adapters' rank and leaves the routers (trained in full, never rewritten) as trained."""

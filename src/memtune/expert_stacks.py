@@ -25,12 +25,50 @@ QUANT_BLOCK = 64
 QUANTIZED_CHUNK_BYTES = 128 * 2**20
 """What rank.experts' grouped forward dequantizes of a quantized stack at a time: the experts
 whose weights in the compute dtype fill at most this (one at least). A transient next to the
-step's saved tensors, in the forward and again in the backward (memory.estimate counts it)."""
+step's saved tensors, in the forward and again in the backward (memory.estimate counts it, at
+:func:`dequantized_bytes_per_weight`: more than the chunk itself for int8)."""
 
 
 def experts_per_chunk(out: int, inp: int, itemsize: int) -> int:
     """Experts of an out × in stack that one dequantized chunk holds (QUANTIZED_CHUNK_BYTES)."""
     return max(1, QUANTIZED_CHUNK_BYTES // (out * inp * itemsize))
+
+
+INT8_DEQUANT_SCALE = 7.874015718698502e-3
+"""1/127 as bitsandbytes' int8_vectorwise_dequant multiplies by it (its default kernel's
+constant, applied in fp32 after the row's absmax)."""
+
+
+def int8_dequantized(values: Any, scales: Any, dtype: Any) -> Any:
+    """int8 rows (``values``, rows × in) with their fp32 absmax (``scales``, one a row) as
+    weights in ``dtype``: bit for bit ``bitsandbytes.functional.int8_vectorwise_dequant(values,
+    scales).to(dtype)``, with fewer temporaries.
+
+    bitsandbytes 0.50 registers no CUDA kernel for that op: its default, on every device, is
+    ``A * stats.view(-1, 1) * 7.874015718698502e-3``, two fp32 copies alive at once and then
+    the compute dtype's, 8 bytes a weight at the peak (bf16). Here one fp32 copy is scaled in
+    place, the same two fp32 products in the same order (so the same roundings), then cast:
+    :func:`dequantized_bytes_per_weight` counts it."""
+    import torch
+
+    out = values.to(torch.float32)
+    out.mul_(scales.view(-1, 1))
+    out.mul_(INT8_DEQUANT_SCALE)
+    return out.to(dtype)
+
+
+def dequantized_bytes_per_weight(kind: str, itemsize: int) -> int:
+    """Bytes a weight that dequantizing a chunk of a ``kind`` stack (nf4, fp4, int8) into the
+    compute dtype (``itemsize`` bytes) holds at its peak, the result included, besides the
+    quantized stack it reads (rank.experts._dequantized_range; memory.estimate counts a chunk
+    at this). int8 (:func:`int8_dequantized`): the fp32 copy (4 bytes) and the compute dtype's
+    made from it (none in fp32: the cast returns the copy itself), 6 bytes in bf16 — measured
+    on CPU tensors by torch's allocator events (tests/test_moe.py); torch ops alike on a GPU.
+    4-bit: bitsandbytes' kernels (CUDA, and its CPU library's) write the compute dtype straight
+    from the packed bytes."""
+    if kind == "int8":
+        return 4 if itemsize == 4 else 4 + itemsize
+    return itemsize
 
 
 EXPERT_NF4_BYTES = 0.5 + 4 / QUANT_BLOCK

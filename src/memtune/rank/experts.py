@@ -53,6 +53,7 @@ from memtune.expert_stacks import (
     experts_state,
     full_numel,
     full_shape,
+    int8_dequantized,
     quantized_stack,
     stack_adapter,
 )
@@ -282,7 +283,7 @@ def round_trip_experts(model: nn.Module, quant_type: str, dtype: torch.dtype) ->
             weight = param.data.to(dtype)
             values, scales, _ = _quantized(weight, quant_type)
             if quant_type == "int8":
-                back = bnbf.int8_vectorwise_dequant(values, scales)
+                back = int8_dequantized(values, scales, param.dtype)
             else:
                 packed, state = bnbf.quantize_4bit(
                     weight.reshape(-1), blocksize=QUANT_BLOCK, quant_type=quant_type
@@ -336,7 +337,7 @@ def _dequantized_range(
     if kind == "int8":
         values = raw[first * out * inp : end * out * inp].view(torch.int8).view(-1, inp)
         scales = raw[at:].view(torch.float32)[first * out : end * out]
-        return bnbf.int8_vectorwise_dequant(values, scales).to(dtype).view(count, out, inp)
+        return int8_dequantized(values, scales, dtype).view(count, out, inp)
     per, blocks = out * inp // 2, out * inp // QUANT_BLOCK
     scales = raw[at:].view(torch.float32)[first * blocks : end * blocks]
     state = bnbf.QuantState(
