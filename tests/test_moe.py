@@ -704,6 +704,22 @@ def test_dequantizing_an_int8_chunk_holds_what_the_plan_counts_a_weight(
     assert left == weight.numel() * weight.element_size() == weights * dtype.itemsize
 
 
+def test_the_plan_counts_a_dequantized_chunk_at_what_dequantizing_holds() -> None:
+    """Qwen3-30B-A3B, 4,096 tokens, bf16: a mixture layer's backward holds the hidden gradients
+    and, over quantized stacks, one gate_up chunk being dequantized — 21 experts (128 MiB of
+    bf16 weights), at 2 bytes a weight for NF4 (bitsandbytes writes bf16 straight) and 6 for
+    int8 (an fp32 copy and the result; 2 before: 0.25 GiB a rank unplanned)."""
+    from memtune.memory.estimate import backward_bytes
+
+    tokens, got = 4096, {}
+    for peft in ("lora", "qlora-nf4", "lora-int8"):
+        cfg = _cfg("experiment=qwen3-30b-a3b-4x4090-lora", f"peft={peft}")
+        got[peft] = backward_bytes(cfg, decided(cfg), tokens, count_params(cfg))
+    hidden = 2 * tokens * 2048 * 2  # the incoming and residual hidden gradients, bf16
+    chunk = 21 * (2 * 768) * 2048  # weights: 21 gate_up experts fill 128 MiB in bf16
+    assert got == {"lora": hidden, "qlora-nf4": hidden + 2 * chunk, "lora-int8": hidden + 6 * chunk}
+
+
 def test_a_rewriting_start_exports_trained_routers_as_they_are() -> None:
     """peft.init=pissa with peft.train_router: the export for the original base doubles the
     adapters' rank and leaves the routers (trained in full, never rewritten) as trained."""

@@ -49,7 +49,12 @@ from memtune.config.architecture import (
 )
 from memtune.config.decisions import Decisions, first_input_needs_no_grad, keeps_dropout_copies
 from memtune.config.deepspeed import gradient_bucket_bytes
-from memtune.expert_stacks import EXPERT_NF4_BYTES, expert_stack_bytes, experts_per_chunk
+from memtune.expert_stacks import (
+    EXPERT_NF4_BYTES,
+    dequantized_bytes_per_weight,
+    expert_stack_bytes,
+    experts_per_chunk,
+)
 from memtune.memory.attention import (
     attention_backward_bytes,
     attention_bytes,
@@ -378,12 +383,14 @@ def backward_bytes(
     if routed_experts(dict(a)):
         # The shared expert's MLP backward (a dense one's, at its width); each routed expert's
         # is over its own few rows. Over quantized stacks the grouped forward's backward holds
-        # a chunk of experts dequantized (rank.experts) beside the hidden gradients.
+        # a chunk of experts being dequantized (rank.experts) beside the hidden gradients: its
+        # weights at what dequantizing holds a weight (int8: an fp32 copy and the result).
         inter = int(a.get("shared_expert_intermediate_size") or 0)
         chunk = 0
-        if d.peft_method != "lora":  # gate_up, the larger stack
+        if d.experts is not None and d.experts.storage != "compute":  # gate_up, the larger
             out = 2 * int(a["moe_intermediate_size"])
-            chunk = experts_per_chunk(out, h, b) * out * h * b
+            per_weight = dequantized_bytes_per_weight(d.experts.storage, b)
+            chunk = experts_per_chunk(out, h, b) * out * h * per_weight
         return max(2 * n * h * b + chunk, 3 * n * inter * b + n * h * b)
     if d.tiled_mlp:
         # One tile (hidden_size tokens) recomputed with autograd and backpropagated: its
