@@ -256,7 +256,7 @@ def _crashed(cfg: DictConfig, run_dir: Path | None, err: Exception) -> int:
     its run dir (.hydra/ and exit.json, code EXIT_ERROR) as for a refusal, or, ``run_dir``
     None (raised before the job held it), among the sweep dir's refused points."""
     traceback.print_exception(err, file=sys.stderr)
-    why = " ".join(f"{type(err).__name__}: {err}".split()).removesuffix(":")
+    why = _error_line(err)
     if run_dir is not None:
         return _stopped_before_launch(cfg, run_dir, "error", why, True, code=EXIT_ERROR)
     print(f"memtune: error: {why}", file=sys.stderr)
@@ -465,13 +465,18 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
     return Job(run_cfg, decisions, spec, env)
 
 
+def _error_line(err: BaseException) -> str:
+    """An exception memtune does not catch, as one line: its type and message."""
+    return " ".join(f"{type(err).__name__}: {err}".split()).removesuffix(":")
+
+
 def _tell_of_crash(spec: NodeSpec | None, run_dir: Path, err: Exception) -> None:
     """Node 0 of a per-node job stopped before its ranks by an exception memtune does not
     catch (its traceback follows, or a sweep's failed row): the other nodes waited for its
     word until WAIT_FOR_NODE0_S (an hour) and then blamed the command; told, they stop at once
     with the exception's line."""
     if spec is not None and spec.form == "per-node" and spec.node_rank == 0:
-        why = " ".join(f"{type(err).__name__}: {err}".split()).removesuffix(":")
+        why = _error_line(err)
         _mark_ready(run_dir, spec, error=f"node 0 stopped on an error: {why}")
 
 
