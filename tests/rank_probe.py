@@ -137,11 +137,38 @@ def probe(engine: Any, ctx: RankContext) -> None:
     total = sum(int(getattr(p, "ds_numel", p.numel())) for p in params.values())
     held_bytes = {"base": 0, "lora": 0}
     lora_dtypes = set()
+    counted: set[int] = set()  # storages already counted
     for name, p in params.items():
         data = p.ds_tensor if zero3 else p
+        counted.add(data.untyped_storage()._cdata)
         held_bytes["lora" if "lora_" in name else "base"] += data.numel() * data.element_size()
         if "lora_" in name:
             lora_dtypes.add(str(data.dtype))
+    # What bitsandbytes' 8-bit layers hold beside the parameters (ZeRO-3 frees only a
+    # parameter's .data): the weight's int8 bytes and fp32 row scales, on the Int8Params
+    # (CB / SCB, until the first forward) or in the layer's MatmulLtState (state.CB / state.SCB,
+    # from then on), and the weight's .data (bitsandbytes points it at state.CB after each
+    # forward). Each storage counted once, parameters' shards included.
+    int8_held: dict[str, int] = {}
+    for layer in model.modules():
+        if not is_quantized_layer(layer) or type(layer).__name__ != "Linear8bitLt":
+            continue  # bitsandbytes' layer, not peft's LoRA wrapper of that name
+        state = layer.state
+        for where, t in (
+            ("weight.CB", getattr(layer.weight, "CB", None)),
+            ("weight.SCB", getattr(layer.weight, "SCB", None)),
+            ("state.CB", state.CB),
+            ("state.SCB", state.SCB),
+            ("weight.data", layer.weight.data),
+        ):
+            if t is None or t.numel() == 0:
+                continue
+            size = t.untyped_storage().nbytes()
+            int8_held[where] = int8_held.get(where, 0) + t.numel() * t.element_size()
+            key = t.untyped_storage()._cdata
+            if key not in counted:
+                counted.add(key)
+                held_bytes["base"] += size
 
     gathered = deepspeed.zero.GatheredParameters(list(params.values())) if zero3 else None
     if gathered is not None:
@@ -222,6 +249,7 @@ def probe(engine: Any, ctx: RankContext) -> None:
         "group_lrs": [float(g["lr"]) for g in basic.param_groups],
         "grad_accum_dtype": str(getattr(engine.optimizer, "gradient_accumulation_dtype", None)),
         "held_bytes": held_bytes,
+        "int8_held": int8_held,
         "lora_dtypes": sorted(lora_dtypes),
         "optimizer_bytes": optimizer_bytes,
         "bucket_bytes": bucket_bytes,
