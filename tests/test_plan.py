@@ -433,6 +433,26 @@ def test_planned_weights_and_optimizer_state_match_what_each_rank_holds(fixture,
         assert probe["bucket_bytes"] + full == pytest.approx(rows["DeepSpeed buckets"], rel=1e-9)
 
 
+def test_int8_linears_are_planned_whole_on_every_zero3_rank() -> None:
+    """Qwen2.5-7B, lora-int8 on 4 ranks: ZeRO-3's shard of every weight, and beside it the
+    int8 linear weights whole (bitsandbytes' state.CB, measured by the int8_zero3_run case
+    above); ZeRO-2 holds them once."""
+    rows = {}
+    for zero in ("zero2", "zero3"):
+        cfg = to_run_config(compose_cfg([QWEN7B, "peft=lora-int8", f"zero={zero}"]))
+        d = decided(cfg)
+        assert d.batch.ranks == 4
+        rows[zero] = next(r for r in plan(cfg, d).rows if r.what == "base weights")
+    c = count_params(cfg)
+    scales = c.linear_rows * 4 + c.small * 2
+    sharded = (c.linear + (c.embedding + c.head) * 2) / 4
+    assert rows["zero2"].gib * 1024**3 == pytest.approx(4 * sharded + scales, rel=1e-12)
+    assert rows["zero3"].gib * 1024**3 == pytest.approx(c.linear + sharded + scales, rel=1e-12)
+    assert 8.1 < rows["zero3"].gib < 8.2  # 2.03 GiB when they were planned sharded
+    assert "also whole on each rank" in rows["zero3"].how
+    assert "whole" not in rows["zero2"].how
+
+
 @pytest.mark.parametrize(
     ("dropout_kernel", "norm_kernel"), [("regenerate", "lean"), ("peft", "torch")]
 )

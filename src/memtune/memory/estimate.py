@@ -613,6 +613,24 @@ def live_reference_bytes(cfg: RunConfig, tokens: int) -> float:
     return tokens * (3 * inter + 2 * h) * compute_bytes(cfg)
 
 
+INT8_WHOLE_WHY = "bitsandbytes keeps them in its layer state, which ZeRO-3 does not shard"
+"""Why the plan counts LLM.int8's linear weights whole on every ZeRO-3 rank."""
+
+
+def int8_linears_whole_bytes(counts: ParamCounts, shard: int) -> int:
+    """The int8 linear weights a ZeRO-3 rank (``shard`` > 1) holds whole beside its shard of
+    them; 0 unsharded, where the parameter is the whole weight.
+
+    bitsandbytes' ``Int8Params`` keeps the quantized weight twice over, as ``.data`` and as
+    ``.CB``; ZeRO-3 partitions and frees only ``.data``, and ``Linear8bitLt``'s first forward
+    moves ``.CB`` into its ``MatmulLtState`` (``state.CB``), which every later forward and
+    backward computes from and which lives as long as the layer. So each rank keeps every
+    8-bit linear's 1 byte a weight in full plus its shard of the parameter (measured on 2 CPU
+    ranks: tests/rank_probe.py, tests/test_plan.py). A mixture's int8 expert stacks are
+    memtune's own parameters (rank.experts), sharded as planned."""
+    return counts.linear if shard > 1 else 0
+
+
 def base_weight_bytes(
     cfg: RunConfig, d: Decisions, counts: ParamCounts, shard: int
 ) -> tuple[float, str]:
@@ -638,10 +656,13 @@ def base_weight_bytes(
         experts = expert_stack_bytes("int8", counts.experts, counts.expert_rows) / ep
         weights = (
             (counts.linear + experts + other * b) / shard
+            + int8_linears_whole_bytes(counts, shard)
             + counts.linear_rows * 4
             + counts.small * b
         )
         how = f"int8 {counts.linear / 1e9:.2f}B linear weights + {other / 1e9:.2f}B embedding/head"
+        if shard > 1:
+            how += f" (the int8 linear weights also whole on each rank: {INT8_WHOLE_WHY})"
         if counts.experts:
             how += f" + {counts.experts / 1e9:.2f}B routed experts (int8, fp32 row scales)"
     else:
