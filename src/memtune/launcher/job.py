@@ -34,7 +34,7 @@ from memtune.exit_codes import (
 )
 from memtune.filesystem import write_atomic
 from memtune.launcher import oom
-from memtune.launcher.preflight import PreflightError, for_launch
+from memtune.launcher.preflight import PreflightError, for_launch, planned_device_gib
 from memtune.launcher.prepare import (
     RunFinished,
     announce,
@@ -539,7 +539,10 @@ def _decide_and_lay_out(
     if given.preprocess_only:  # tokenizing needs no GPU: a login node prepares the cache
         env, measured = {}, None
     else:
-        env, measured = for_launch(given.launcher, spec.ranks_per_node, spec.nnodes, preflight)
+        planned = None if fitted is None else planned_device_gib(fitted.plan)
+        env, measured = for_launch(
+            given.launcher, spec.ranks_per_node, spec.nnodes, preflight, planned
+        )
     if fitted is None:
         if not hear_first:
             _wait_for_node0(run_dir, spec)

@@ -27,12 +27,15 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memtune.arguments import VerbParser, positive_float, positive_int
 from memtune.config import LauncherConfig
 from memtune.exit_codes import EXIT_CONFIG
 from memtune.filesystem import write_atomic
+
+if TYPE_CHECKING:
+    from memtune.memory.estimate import Plan
 
 GIB = 1024**3
 CONSUMER_NO_P2P = re.compile(r"RTX\s*40[5-9]0|\b40[5-9]0\b", re.IGNORECASE)
@@ -48,15 +51,21 @@ def gpu_facts() -> dict[str, Any]:
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    held_by = _compute_apps() if count else {}
     gpus = []
     for i in range(count):
         p = torch.cuda.get_device_properties(i)
+        # seen with this process's own CUDA context on the card (cudaMemGetInfo makes it):
+        # a few hundred MiB less than the ranks will find, whose own context the plan counts
+        free, _ = torch.cuda.mem_get_info(i)
         gpus.append(
             {
                 "index": i,
                 "name": p.name,
                 "total_gib": round(p.total_memory / GIB, 2),
+                "free_gib": round(free / GIB, 2),
                 "sm": f"{p.major}{p.minor}",
+                "processes": held_by.get(str(getattr(p, "uuid", "")), []),
             }
         )
     driver = _driver_version() if count else None
@@ -68,6 +77,72 @@ def gpu_facts() -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
+
+
+def _compute_apps() -> dict[str, list[str]]:
+    """``{card uuid (no "GPU-"): ["pid name (N MiB)", ...]}`` of the processes nvidia-smi
+    says hold memory on each card, this one left out; {} where nvidia-smi does not answer."""
+    import subprocess
+
+    query = "--query-compute-apps=gpu_uuid,pid,process_name,used_memory"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", query, "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    if out.returncode != 0:
+        return {}
+    return compute_apps_by_card(out.stdout, os.getpid())
+
+
+def compute_apps_by_card(text: str, own_pid: int) -> dict[str, list[str]]:
+    """nvidia-smi's ``gpu_uuid, pid, process_name, used_memory`` lines (csv, no header) by
+    card: ``{uuid without "GPU-": ["pid name (used)", ...]}``, ``own_pid`` left out."""
+    held: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) < 4 or not fields[1].isdigit() or int(fields[1]) == own_pid:
+            continue
+        uuid, pid, used = fields[0].removeprefix("GPU-"), fields[1], fields[-1]
+        name = ",".join(fields[2:-1])
+        held.setdefault(uuid, []).append(f"{pid} {name} ({used})")
+    return held
+
+
+def planned_device_gib(planned: Plan) -> float:
+    """What a rank needs on its card by the plan: the step's peak, or loading's where larger."""
+    loading = planned.loading.device_gib if planned.loading is not None else 0.0
+    return max(planned.total_gib, loading)
+
+
+def short_cards(facts: Mapping[str, Any], required: int, planned_gib: float) -> str | None:
+    """The refusal, in one line, where a card the ranks will use has less free memory than the
+    plan's per-rank peak (``planned_gib``: the step's or loading's, whichever is larger): each
+    such card named with its free and total GiB and, where nvidia-smi listed them, the
+    processes holding it; None where every card has room (or the facts say nothing of free
+    memory: a record from before it was recorded)."""
+    short = [
+        g
+        for g in facts["gpus"][:required]
+        if g.get("free_gib") is not None and g["free_gib"] < planned_gib
+    ]
+    if not short:
+        return None
+    cards = []
+    for g in short:
+        held = f"; held by {', '.join(g['processes'])}" if g.get("processes") else ""
+        cards.append(
+            f"cuda:{g['index']} {g['name']} has {g['free_gib']:.2f} GiB free of "
+            f"{g['total_gib']:.2f}{held}"
+        )
+    return (
+        f"the plan needs {planned_gib:.2f} GiB per rank, and {'; '.join(cards)}: free the "
+        "card(s), choose others (CUDA_VISIBLE_DEVICES), or set plan.device_gib to what is free"
+    )
 
 
 def _driver_version() -> str | None:
@@ -282,7 +357,10 @@ def describe(record: Mapping[str, Any], required: int) -> list[str]:
     facts = record["facts"]
     lines = [f"memtune: preflight: {facts['count']} GPU(s) visible, using {required}"]
     for g in facts["gpus"][:required]:
-        lines.append(f"  cuda:{g['index']} {g['name']} · {g['total_gib']:.1f} GiB · sm_{g['sm']}")
+        free = f" ({g['free_gib']:.1f} free)" if g.get("free_gib") is not None else ""
+        lines.append(
+            f"  cuda:{g['index']} {g['name']} · {g['total_gib']:.1f} GiB{free} · sm_{g['sm']}"
+        )
     lines.append(
         f"  driver {facts['driver'] or '?'} · torch {facts['torch']} · CUDA {facts['cuda']}"
     )
@@ -296,13 +374,18 @@ def describe(record: Mapping[str, Any], required: int) -> list[str]:
 
 
 def for_launch(
-    launcher: LauncherConfig, ranks_per_node: int, nnodes: int, out: Path
+    launcher: LauncherConfig,
+    ranks_per_node: int,
+    nnodes: int,
+    out: Path,
+    planned_gib: float | None = None,
 ) -> tuple[dict[str, str], float | None]:
     """The launcher's preflight, run by train.py before it tokenizes or plans anything: {} on a
     machine without CUDA (CPU ranks; refused with launcher.require_gpus), else the NCCL
     environment decided by this module run as a child (``python -m memtune.launcher.preflight``,
     timed out), so the launcher itself never holds a CUDA context; and the all-reduce bus
-    bandwidth it measured (None when no check ran)."""
+    bandwidth it measured (None when no check ran). With ``planned_gib`` (the plan's per-rank
+    peak), a card with less free memory than that is refused (:func:`short_cards`)."""
     import subprocess
 
     from memtune.machine import cuda_available
@@ -333,6 +416,10 @@ def for_launch(
     if proc.returncode != 0:
         raise PreflightError(f"the GPU checks failed (exit code {proc.returncode}, see above)")
     record = json.loads(out.read_text())
+    if planned_gib is not None:
+        short = short_cards(record["facts"], ranks_per_node, planned_gib)
+        if short is not None:
+            raise PreflightError(short)
     return dict(record["env"]), measured_bus_gb_s(record, nnodes)
 
 
