@@ -114,9 +114,15 @@ def compute_apps_by_card(text: str, own_pid: int) -> dict[str, list[str]]:
 
 
 def planned_device_gib(planned: Plan) -> float:
-    """What a rank needs on its card by the plan: the step's peak, or loading's where larger."""
+    """What a rank needs free on its card by the plan, as the preflight sees the card: the
+    step's peak, or loading's where larger, less the plan's CUDA-context row — the free figure
+    is read with the preflight's own context on the card, which the rank's will replace (the
+    rest of that row, its kernels' and NCCL's workspaces, is not counted: a card refused here
+    is short by more than that)."""
+    from memtune.memory.estimate import CONTEXT_ROW
+
     loading = planned.loading.device_gib if planned.loading is not None else 0.0
-    return max(planned.total_gib, loading)
+    return max(planned.total_gib - planned.gib().get(CONTEXT_ROW, 0.0), loading)
 
 
 def short_cards(facts: Mapping[str, Any], required: int, planned_gib: float) -> str | None:

@@ -80,6 +80,8 @@ from memtune.rundir import PlanRecord, PlanRow
 # Outside torch's allocator (CUDA context, kernels, cuBLAS workspaces, NCCL): 1.30 GiB in memtune's
 # rank at its peaks, one H200 (bench/results/2026-12-04-h200*.json); each GPU run checks its own.
 CUDA_CONTEXT_GIB = 1.3
+CONTEXT_ROW = "CUDA context + workspaces"
+"""The plan's row for what a rank holds outside torch's allocator (CUDA_CONTEXT_GIB)."""
 
 
 # Caching-allocator fragmentation on top of the peak of live tensors: reserved over allocated
@@ -870,7 +872,7 @@ def plan(cfg: RunConfig, d: Decisions, counts: ParamCounts | None = None) -> Pla
     if cfg.plan.device_gib is not None:
         # outside the allocator: max_memory_allocated / reserved never see it
         how = "measured outside the allocator (H200, 2026-12-04)"
-        out.add("CUDA context + workspaces", CUDA_CONTEXT_GIB * GIB, how, allocated=False)
+        out.add(CONTEXT_ROW, CUDA_CONTEXT_GIB * GIB, how, allocated=False)
     return out
 
 
