@@ -8,7 +8,7 @@ and which one a run resumes from.
         gathered_state.*   the trainable state gathered from every rank (Adam optimizers):
                            what lets a resume change the number of ranks or the ZeRO stage
         trainer_state.json step, loss history, wall time, world size (rundir.TrainState)
-        rng_rank{r}.pt     python / numpy / torch RNG states of every rank
+        rng_rank{r}.pt     python / numpy / torch RNG states of every rank (CUDA: its own card's)
         config.yaml        the run's settings as the user gave them; decisions.json, what
                            was decided for them (compared on resume); base.json, its base
         manifest.json      every file above with its size and SHA-256 (memtune.integrity)

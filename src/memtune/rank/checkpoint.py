@@ -7,6 +7,7 @@ import json
 import pickle
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -190,7 +191,39 @@ def export_final(
 # resume.
 
 
-def _rng_state() -> dict[str, Any]:
+def cuda_rng_to_save(
+    device: torch.device, state_of: Callable[[torch.device], torch.Tensor]
+) -> dict[str, Any]:
+    """What a rank's RNG file holds of CUDA's generators: its own device's state only (saved
+    with ``state_of``, torch.cuda.get_rng_state), nothing on a CPU rank. Every rank sees every
+    card of its node (launcher.spawn.node_env), so the states of all of them (what was saved
+    before) would not fit a resume on fewer cards, and would not be the rank's own on more."""
+    if device.type != "cuda":
+        return {}
+    return {"cuda": state_of(device)}
+
+
+def cuda_rng_to_restore(
+    saved: dict[str, Any], saved_by: int, device: torch.device
+) -> torch.Tensor | None:
+    """The CUDA generator state a rank restores onto its own ``device`` from the RNG file rank
+    ``saved_by`` wrote (its own, or rank 0's after a resume on more ranks); None on a CPU rank
+    or from a file without one. The file holds the saving rank's own device's state, or, saved
+    before, a list of the states of every card its node showed it: the entry of the device that
+    rank used (its local rank: its rank modulo the cards listed, one per rank of its node; the
+    first where there are fewer)."""
+    if device.type != "cuda" or saved.get("cuda") is None:
+        return None
+    cuda = saved["cuda"]
+    if isinstance(cuda, torch.Tensor):
+        return cuda
+    states = list(cuda)
+    if not states:
+        return None
+    return states[saved_by % len(states)]
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
     import random
 
     import numpy as np
@@ -200,12 +233,11 @@ def _rng_state() -> dict[str, Any]:
         "numpy": [x.tolist() if hasattr(x, "tolist") else x for x in np.random.get_state()],
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    state.update(cuda_rng_to_save(device, torch.cuda.get_rng_state))
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def _set_rng_state(state: dict[str, Any], saved_by: int, device: torch.device) -> None:
     import random
 
     import numpy as np
@@ -215,14 +247,22 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = cuda_rng_to_restore(state, saved_by, device)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def save_checkpoint(
-    engine: Any, rd: RunDir, state: TrainState, keep_last: int, multimodal: bool = False
+    engine: Any,
+    rd: RunDir,
+    state: TrainState,
+    keep_last: int,
+    multimodal: bool = False,
+    *,
+    device: torch.device,
 ) -> Path:
-    """Collective: every rank calls it. Returns the checkpoint directory. ``multimodal``: the
+    """Collective: every rank calls it. Returns the checkpoint directory. ``device``: the
+    rank's own (its CUDA generator is saved, no other card's). ``multimodal``: the
     base checkpoint is a multimodal one; the checkpoint's adapter is named for its class, as
     the final export is (:func:`name_for_multimodal_class`), so merge, generate and plain peft
     load a checkpoint's adapter/ onto the released class as they load RUN_DIR/adapter."""
@@ -243,7 +283,7 @@ def save_checkpoint(
     if multimodal and rank == 0:
         name_for_multimodal_class(tmp / "adapter")
     save_gathered_state(engine, tmp, is_writer=rank == 0)
-    torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+    torch.save(_rng_state(device), tmp / f"rng_rank{rank}.pt")
     _barrier()
     if rank == 0:
         shutil.copy(rd.config, tmp / "config.yaml")
@@ -315,8 +355,9 @@ def _reason(err: Exception) -> str:
     return named or f"{type(err).__name__}: not tensors and plain data only"
 
 
-def load_checkpoint(engine: Any, path: Path, rank: int) -> TrainState:
-    """Restore engine, optimizer, scheduler and this rank's RNG; returns the trainer state."""
+def load_checkpoint(engine: Any, path: Path, rank: int, device: torch.device) -> TrainState:
+    """Restore engine, optimizer, scheduler and this rank's RNG (its CUDA generator onto
+    ``device``, the rank's own); returns the trainer state."""
     verify_checkpoint_files(path)
     loaded, _ = engine.load_checkpoint(
         str(path),
@@ -327,7 +368,7 @@ def load_checkpoint(engine: Any, path: Path, rank: int) -> TrainState:
     )
     if loaded is None:
         raise RuntimeError(f"{path}: DeepSpeed found no engine state to load")
-    _set_rng_state(torch.load(path / f"rng_rank{rank}.pt", weights_only=True))
+    _set_rng_state(torch.load(path / f"rng_rank{rank}.pt", weights_only=True), rank, device)
     return TrainState.read(path)
 
 
@@ -499,12 +540,22 @@ def _link_optimizer_state(zero: Any) -> None:
         link()
 
 
-def load_checkpoint_any_world(engine: Any, path: Path, rank: int) -> TrainState:
+def rng_file_for(path: Path, rank: int) -> int:
+    """Whose RNG file of checkpoint ``path`` rank ``rank`` restores after a resume on another
+    world size: its own if it was a rank then, rank 0's otherwise."""
+    return rank if (path / f"rng_rank{rank}.pt").is_file() else 0
+
+
+def load_checkpoint_any_world(
+    engine: Any, path: Path, rank: int, device: torch.device
+) -> TrainState:
     """Resume on another world size: the gathered state, this rank's RNG if it was a rank
-    then (rank 0's otherwise); returns the trainer state."""
+    then (rank 0's otherwise; the CUDA generator onto ``device``, the rank's own); returns the
+    trainer state."""
     load_gathered_state(engine, path)
-    rng = path / f"rng_rank{rank}.pt"
-    _set_rng_state(torch.load(rng if rng.is_file() else path / "rng_rank0.pt", weights_only=True))
+    saved_by = rng_file_for(path, rank)
+    state = torch.load(path / f"rng_rank{saved_by}.pt", weights_only=True)
+    _set_rng_state(state, saved_by, device)
     return TrainState.read(path)
 
 

@@ -260,7 +260,7 @@ class RunHooks(Hooks):
         world = dist.get_world_size() if dist.is_initialized() else 1
         state = result.state_at(step, world, self.data_dir)
         keep = self.cfg.trainer.keep_last
-        save_checkpoint(self.engine, self.rd, state, keep, self.multimodal)
+        save_checkpoint(self.engine, self.rd, state, keep, self.multimodal, device=self.device)
         self.saved_step = step
 
 
@@ -467,9 +467,9 @@ class RankRun:
         layout = ("launcher.num_ranks", "zero.stage", "trainer.expert_parallel")
         moved = {k: v for k, v in resume.changed.items() if k in layout}
         if not moved:
-            state = load_checkpoint(self.engine, checkpoint, self.rank)
+            state = load_checkpoint(self.engine, checkpoint, self.rank, self.device)
         else:
-            state = load_checkpoint_any_world(self.engine, checkpoint, self.rank)
+            state = load_checkpoint_any_world(self.engine, checkpoint, self.rank, self.device)
             what = ", ".join(f"{k} {old} → {new}" for k, (old, new) in moved.items())
             self.print0(f"memtune: resuming from its gathered optimizer state ({what})", flush=True)
         follow_schedule(self.engine, self.cfg.trainer.lr, self.cfg.trainer.weight_decay)
