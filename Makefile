@@ -111,7 +111,7 @@ train-4x4090: $(STAMP) ## The real job: EXP (default qwen2.5-7b-4x4090-lora) on 
 	# NCCL_P2P_DISABLE / NCCL_IB_DISABLE decision, saved as RUN_DIR/preflight.json; exit 2 on a
 	# machine without 4 GPUs); tokenizes the data, writes the run dir; then starts the ranks with:
 	#   RANK=r LOCAL_RANK=r WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=<free> CUDA_VISIBLE_DEVICES=<cards> python -u -m memtune.worker <run dir>
-	# for r in 0..3 (DeepSpeed's launcher's environment; the cards: the first 4 of CUDA_VISIBLE_DEVICES, else 0-3)
+	# for r in 0..3 (DeepSpeed's launcher's environment; the cards: the first 4 of CUDA_VISIBLE_DEVICES; 0-3 when it is unset)
 	$(PY) train.py experiment=$(EXP) launcher.num_ranks=4 $(ARGS)
 
 bench: $(STAMP) ## Training benchmark: memtune as shipped vs HF Trainer + peft, with ablations; the MoE block -> bench/results/ (~18 min)

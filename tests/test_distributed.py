@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from memtune.launcher.spawn import local_devices
+from memtune.launcher.spawn import visible_devices
 
 pytestmark = pytest.mark.slow
 
@@ -131,7 +131,7 @@ def test_metrics_and_run_dir_contents(zero3_run) -> None:
         assert (zero3_run.dir / name).is_file(), name
     # One line per rank: its environment, then the command (a shell can run each).
     lines = (zero3_run.dir / "launch.txt").read_text().splitlines()
-    devices = ",".join(str(d) for d in local_devices(2))
+    devices = visible_devices(2)
     for rank, line in enumerate(lines):
         words = line.split()
         assert f"RANK={rank}" in words and "WORLD_SIZE=2" in words

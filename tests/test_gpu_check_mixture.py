@@ -37,7 +37,7 @@ def test_the_mixture_phases_plan_pick_build_train_and_load(
     from memtune.launcher.spawn import free_port, node_env
 
     # the world of one rank a phase starts (recorder.init_one_rank), undone after the test
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", **node_env([0], free_port())}.items():
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", **node_env(1, free_port())}.items():
         if key != "CUDA_VISIBLE_DEVICES":
             monkeypatch.setenv(key, value)
     monkeypatch.setenv(mixture_load.SCRATCH_ENV, str(tmp_path))

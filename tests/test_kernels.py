@@ -245,7 +245,7 @@ def one_rank(monkeypatch: pytest.MonkeyPatch) -> Any:
     from memtune.launcher.spawn import free_port, node_env
     from memtune.rank.worker import init_distributed
 
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", **node_env([0], free_port())}.items():
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", **node_env(1, free_port())}.items():
         if key != "CUDA_VISIBLE_DEVICES":
             monkeypatch.setenv(key, value)
     linear = torch.nn.functional.linear

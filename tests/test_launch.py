@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from memtune.config import to_run_config
-from memtune.launcher.spawn import job_code, local_devices, rank_command, rank_env
+from memtune.launcher.spawn import job_code, rank_command, rank_env, visible_devices
 from memtune.rank.loop import lr_factor
 from tests.conftest import FAST, Run, compose_cfg, run_train_py, start_run
 
@@ -50,14 +50,34 @@ def test_rank_commands() -> None:
 
 def test_ranks_get_the_visible_cards() -> None:
     """`CUDA_VISIBLE_DEVICES=2,3` puts two ranks on cards 2 and 3 (the `deepspeed` command with
-    `--num_gpus` dropped it and used 0 and 1); too few listed, or none, falls back to 0..n-1."""
+    `--num_gpus` dropped it and used 0 and 1); unset, cards 0..n-1."""
     cfg = to_run_config(compose_cfg(["launcher.num_ranks=2"]))
     _, extra = rank_command(cfg, Path("/runs/x"), 1, env={"CUDA_VISIBLE_DEVICES": "2, 3,5"})
     assert extra["CUDA_VISIBLE_DEVICES"] == "2,3"
     uuids = {"CUDA_VISIBLE_DEVICES": "GPU-a1b2,GPU-c3d4"}
-    assert local_devices(2, uuids) == ["GPU-a1b2", "GPU-c3d4"]
-    assert local_devices(2, {"CUDA_VISIBLE_DEVICES": "7"}) == [0, 1]
-    assert local_devices(2, {"CUDA_VISIBLE_DEVICES": ""}) == [0, 1]
+    assert visible_devices(2, uuids) == "GPU-a1b2,GPU-c3d4"
+    assert visible_devices(2, {}) == "0,1"
+    _, extra = rank_command(cfg, Path("/runs/x"), 1, env={})
+    assert extra["CUDA_VISIBLE_DEVICES"] == "0,1" and extra["WORLD_SIZE"] == "2"
+
+
+@pytest.mark.parametrize("hidden", ["", "-1", " -1 ", "-1,0,1"])
+def test_cards_hidden_from_the_job_stay_hidden_from_its_cpu_ranks(hidden: str) -> None:
+    """`CUDA_VISIBLE_DEVICES=""` or `-1` shows no card: the launcher decided CPU ranks, and the
+    ranks got `CUDA_VISIBLE_DEVICES=0,1`, the cards the user hid. They get the value as it is."""
+    cfg = to_run_config(compose_cfg(["launcher.num_ranks=2"]))
+    _, extra = rank_command(cfg, Path("/runs/x"), 1, env={"CUDA_VISIBLE_DEVICES": hidden})
+    assert extra["CUDA_VISIBLE_DEVICES"] == hidden
+    assert extra["WORLD_SIZE"] == "2" and extra["LOCAL_WORLD_SIZE"] == "2"
+
+
+def test_fewer_cards_listed_than_ranks_are_passed_on_as_they_are() -> None:
+    """A GPU run on fewer listed cards than ranks is refused before the launch (the preflight,
+    below); what gets this far is CPU ranks, which must not be given cards 0..n-1 instead
+    (`7` on a machine without card 7 shows none; `0,-1,2` shows card 0 only, as CUDA reads it)."""
+    assert visible_devices(2, {"CUDA_VISIBLE_DEVICES": "7"}) == "7"
+    assert visible_devices(2, {"CUDA_VISIBLE_DEVICES": "0,-1,2"}) == "0,-1,2"
+    assert visible_devices(1, {"CUDA_VISIBLE_DEVICES": "0,-1,2"}) == "0"
 
 
 def test_fewer_visible_cards_than_ranks_is_refused_without_the_preflight(

@@ -106,7 +106,7 @@ def init_one_rank(device: Any) -> None:
     from memtune.launcher.spawn import free_port, node_env
     from memtune.rank.worker import init_distributed
 
-    world = {"RANK": "0", "LOCAL_RANK": "0", **node_env([0], free_port())}
+    world = {"RANK": "0", "LOCAL_RANK": "0", **node_env(1, free_port())}
     for key, value in world.items():
         if key != "CUDA_VISIBLE_DEVICES":  # the card the check was given stays its card
             os.environ.setdefault(key, value)

@@ -105,33 +105,50 @@ def rank_env(cfg: RunConfig, base: dict[str, str] | None = None) -> dict[str, st
     return env
 
 
-def local_devices(n: int, env: Mapping[str, str] | None = None) -> list[int | str]:
-    """The device ids this node's n ranks get: the first n of ``CUDA_VISIBLE_DEVICES`` when it
-    lists that many (the GPU preflight counted those; a UUID stays a string), else 0..n-1 (a CPU
-    machine, or nothing set)."""
+def listed_devices(value: str) -> list[str]:
+    """The cards a ``CUDA_VISIBLE_DEVICES`` value shows, as CUDA reads it: the entries up to
+    the first negative one (``-1`` hides every card, ``0,-1,2`` shows card 0 only)."""
+    listed: list[str] = []
+    for entry in (d.strip() for d in value.split(",")):
+        if not entry or entry.startswith("-"):
+            break
+        listed.append(entry)
+    return listed
+
+
+def visible_devices(n: int, env: Mapping[str, str] | None = None) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` this node's n ranks get: the first n cards it lists when it
+    lists that many (the GPU preflight counted those); unset, cards 0..n-1; set but showing
+    fewer, unchanged: ``""`` or ``-1`` hid every card (CPU ranks; cards 0..n-1 were given to
+    them instead), and a GPU run on fewer cards than ranks was refused before the launch
+    (launcher.preflight)."""
     env = os.environ if env is None else env
-    visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    if len(visible) < n:
-        return list(range(n))
-    return [int(d) if d.isdigit() else d for d in visible[:n]]
+    value = env.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return ",".join(str(i) for i in range(n))
+    listed = listed_devices(value)
+    return ",".join(listed[:n]) if len(listed) >= n else value
 
 
-def node_env(devices: list[int | str], port: int, spec: NodeSpec | None = None) -> dict[str, str]:
+def node_env(
+    ranks: int, port: int, spec: NodeSpec | None = None, visible: str | None = None
+) -> dict[str, str]:
     """What every rank of this node gets besides RANK and LOCAL_RANK: the variables DeepSpeed's
-    per-node launcher sets (torch.distributed's env:// rendezvous reads them). One node meets
-    at 127.0.0.1; a node of a per-node job (``spec``) at node 0's address, in a world of every
-    node's ranks."""
+    per-node launcher sets (torch.distributed's env:// rendezvous reads them), for this node's
+    ``ranks`` on the cards ``visible`` (:func:`visible_devices`; default 0..ranks-1). One node
+    meets at 127.0.0.1; a node of a per-node job (``spec``) at node 0's address, in a world of
+    every node's ranks."""
     nnodes, node = (spec.nnodes, spec.node_rank) if spec and spec.form == "per-node" else (1, 0)
     addr = (spec.master_addr if spec else None) if nnodes > 1 else "127.0.0.1"
     return {
         "MASTER_ADDR": addr or "127.0.0.1",
         "MASTER_PORT": str(port),
-        "WORLD_SIZE": str(len(devices) * nnodes),
-        "LOCAL_WORLD_SIZE": str(len(devices)),
-        "LOCAL_SIZE": str(len(devices)),
+        "WORLD_SIZE": str(ranks * nnodes),
+        "LOCAL_WORLD_SIZE": str(ranks),
+        "LOCAL_SIZE": str(ranks),
         "CROSS_RANK": str(node),
         "CROSS_SIZE": str(nnodes),
-        "CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in devices),
+        "CUDA_VISIBLE_DEVICES": visible_devices(ranks, {}) if visible is None else visible,
     }
 
 
@@ -154,8 +171,9 @@ def rank_command(
     killed them after 30 s. The hostfile form needs DeepSpeed's runner (ssh, pdsh)."""
     spec = spec or resolve(cfg)
     if spec.form in ("local", "per-node"):
-        devices = local_devices(spec.ranks_per_node, env)
-        return [sys.executable, "-u", "-m", module, str(run_dir)], node_env(devices, port, spec)
+        n = spec.ranks_per_node
+        world = node_env(n, port, spec, visible_devices(n, env))
+        return [sys.executable, "-u", "-m", module, str(run_dir)], world
     assert spec.hostfile is not None
     cmd = [sys.executable, "-m", DS_RUNNER]
     cmd += ["--hostfile", str(spec.hostfile), "--num_nodes", str(spec.nnodes)]
