@@ -299,9 +299,13 @@ class RankOutOfMemory(Exception):
     """This rank could not allocate what a step needed (step 0: what came before the first
     step); main() reports it and exits EXIT_OOM."""
 
-    def __init__(self, rank: int, step: int, memory: dict[str, float], error: str):
+    def __init__(
+        self, rank: int, step: int, memory: dict[str, float], error: str, device_type: str
+    ):
         super().__init__(error)
         self.rank, self.step, self.memory, self.error = rank, step, memory, error
+        self.device_type = device_type
+        """The rank's own device's ("cuda" or "cpu"): which of ``memory`` counts."""
 
 
 @contextlib.contextmanager
@@ -315,15 +319,18 @@ def out_of_memory_before_the_steps(rank: int, device: torch.device) -> Iterator[
     except BaseException as err:
         if not is_out_of_memory(err):
             raise
-        raise RankOutOfMemory(rank, 0, memory_snapshot(device), str(err)) from err
+        snapshot = memory_snapshot(device)
+        raise RankOutOfMemory(rank, 0, snapshot, str(err), device.type) from err
 
 
-def report_out_of_memory(rd: RunDir, oom: RankOutOfMemory, device_type: str) -> None:
+def report_out_of_memory(rd: RunDir, oom: RankOutOfMemory) -> None:
     """Say which rank ran out at which step, against its plan, and leave RUN_DIR/oom-rankN.json
-    for the job (which adds what to change, and with plan.auto_fit restarts)."""
+    for the job (which adds what to change, and with plan.auto_fit restarts). The measure that
+    counts is that of the rank's own device (not whether this machine has CUDA: CPU ranks run
+    on GPU machines too)."""
     plan = rd.read_plan()
     planned = plan.total_gib if plan is not None else None
-    key = peak_key(torch.device(device_type))
+    key = peak_key(torch.device(oom.device_type))
     error = oom.error.splitlines()[0][:500] if oom.error else ""
     rd.write_oom_report(OomReport(oom.rank, oom.step, planned, oom.memory, key, error))
     plan_part = f"planned {planned:.2f} GiB" if planned is not None else "no plan.json"
@@ -508,7 +515,9 @@ class RankRun:
                 at_stop = self.hooks.result_at_stop
                 done = at_stop.steps if at_stop else result.steps
                 snapshot = memory_snapshot(self.device)
-                raise RankOutOfMemory(self.rank, done + 1, snapshot, str(err)) from err
+                raise RankOutOfMemory(
+                    self.rank, done + 1, snapshot, str(err), self.device.type
+                ) from err
             self.vs_plan = self._memory_vs_plan(result)
         except StopRequested as stop:
             self._stop(stop, result)
@@ -824,7 +833,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"memtune: {said}", file=sys.stderr, flush=True)
         code = EXIT_NON_FINITE
     except RankOutOfMemory as oom:
-        report_out_of_memory(rd, oom, "cuda" if torch.cuda.is_available() else "cpu")
+        report_out_of_memory(rd, oom)
         said = f"out of memory: rank {oom.rank} {at_step(oom.step)} ({rd.oom_report(oom.rank)})"
         code = EXIT_OOM
     except RuntimeError as err:
