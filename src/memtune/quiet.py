@@ -23,6 +23,10 @@ LOG_NOISE = (
     # AVX512-BF16 CPUs and falls back to its bundled one; the hub is not reachable here anyway,
     # and memtune never trains through that kernel (rank.model.keep_training_layout).
     ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward from kernels-"),
+    # bitsandbytes (0.50) on every LLM.int8 matmul of a bf16 or fp32 run on GPUs: the cast
+    # notice it raised as a UserWarning before (WARNING_NOISE), now a log record, one a step
+    # per layer and projection
+    ("bitsandbytes.autograd._functions", "MatMul8bitLt: inputs will be cast"),
     # transformers, once per rank, when a Qwen3.5 model runs its torch code for the conv and the
     # recurrence: the start-up line names the kernels that run (rank.linear_attention.kernels)
     # and the README says what installing them changes.
@@ -43,7 +47,8 @@ STDOUT_NOISE = (
     re.compile(r"^DeepSpeed \S+ built successfully$"),
 )
 # Python warnings raised on every step by DeepSpeed, peft and bitsandbytes: deprecations of
-# their own internals and a cast notice, nothing a user can act on.
+# their own internals and a cast notice (older bitsandbytes; LOG_NOISE for 0.50's), nothing a
+# user can act on.
 WARNING_NOISE = (
     (FutureWarning, r"", r"torch\.distributed"),
     (Warning, r".*is_gradient_checkpointing.*is deprecated", r""),
