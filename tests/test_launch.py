@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -22,6 +23,7 @@ from safetensors.torch import load_file
 
 from memtune.config import to_run_config
 from memtune.launcher.spawn import job_code, rank_command, rank_env, visible_devices
+from memtune.machine import usable_cores
 from memtune.rank.loop import lr_factor
 from tests.conftest import FAST, Run, compose_cfg, run_train_py, start_run
 
@@ -121,8 +123,40 @@ def test_the_job_code_names_the_first_rank_to_fail() -> None:
 def test_omp_threads_split_between_ranks() -> None:
     cfg = to_run_config(compose_cfg(["launcher.num_ranks=2"]))
     env = rank_env(cfg, base={})
-    assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
+    assert env["OMP_NUM_THREADS"] == str(max(1, usable_cores() // 2))
     assert rank_env(cfg, base={"OMP_NUM_THREADS": "7"})["OMP_NUM_THREADS"] == "7"
+
+
+@contextlib.contextmanager
+def _on_one_core() -> Iterator[None]:
+    """This process allowed one of its cores only, as Slurm's cpuset or taskset allows a job a
+    part of a shared node; the cores and torch's threads as they were afterwards."""
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs a CPU affinity to restrict, and two cores to restrict it from")
+    allowed, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, allowed)
+        torch.set_num_threads(threads)
+
+
+def test_ranks_share_the_cores_the_job_may_use_not_the_nodes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under taskset or a Slurm job on a shared node, the cores the job may use are what its
+    ranks' threads share (os.cpu_count() is the whole node's: each rank ran that many)."""
+    from memtune.rank.this_machine import threads_for_this_machine
+
+    cfg = to_run_config(compose_cfg(["launcher.num_ranks=1"]))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("LOCAL_SIZE", "1")
+    with _on_one_core():
+        assert usable_cores() == 1 < (os.cpu_count() or 1)
+        assert rank_env(cfg, base={})["OMP_NUM_THREADS"] == "1"
+        threads_for_this_machine()  # a rank started without OMP_NUM_THREADS (hostfile form)
+        assert torch.get_num_threads() == 1
 
 
 # A stand-in rank: its stop handler in place, it says so, then waits for the stop (exit 75).

@@ -81,6 +81,17 @@ def versions() -> dict[str, str]:
     return found
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity where the platform reports one (a
+    Slurm job's cores on a shared node, ``taskset``), else every core of the machine. What the
+    ranks' threads are shared out of; :func:`describe` and :func:`cpu_line` name the machine's
+    own count."""
+    if hasattr(os, "sched_getaffinity"):
+        with contextlib.suppress(OSError):
+            return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
 def describe() -> dict[str, object]:
     """Everything above, for a results file."""
     return {

@@ -41,6 +41,7 @@ from memtune.launcher.extensions import extensions_root
 from memtune.launcher.hygiene import clear_shm_buffers, clear_stale_locks
 from memtune.launcher.rank_signals import WORKER_MODULE, NodesOverSsh, is_rank
 from memtune.launcher.topology import NodeSpec, hostfile_hosts, resolve
+from memtune.machine import usable_cores
 from memtune.run_lock import held_lock_fds
 from memtune.rundir import RunDir
 
@@ -92,13 +93,14 @@ def check_master_port(cfg: RunConfig, spec: NodeSpec) -> None:
 
 
 def rank_env(cfg: RunConfig, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment for the ranks: one OpenMP thread pool per rank, not per core each; the
+    """The environment for the ranks: one OpenMP thread pool per rank, not per core each (of
+    the cores this process may use: a Slurm job's or taskset's, not the whole node's); the
     DeepSpeed ops built for this environment (launcher.extensions)."""
     env = dict(os.environ if base is None else base)
     env.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_root()))
     if "OMP_NUM_THREADS" not in env:
         here = cfg.launcher.num_ranks // cfg.launcher.nnodes  # ranks on this node
-        threads = cfg.launcher.omp_threads or max(1, (os.cpu_count() or 1) // here)
+        threads = cfg.launcher.omp_threads or max(1, usable_cores() // here)
         env["OMP_NUM_THREADS"] = str(threads)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("PYTHONUNBUFFERED", "1")

@@ -11,6 +11,7 @@ import torch
 
 from memtune.config import ConfigError, RunConfig
 from memtune.config.architecture import checkpoint_config_file
+from memtune.machine import usable_cores
 from memtune.rundir import DataRecord, RunDir
 
 
@@ -18,11 +19,12 @@ def threads_for_this_machine() -> None:
     """A rank started without OMP_NUM_THREADS (the hostfile form's on another node: DeepSpeed's
     launcher there sets none, and train.py's figure is its own machine's cores) shares this
     machine's cores with the ranks beside it (LOCAL_SIZE), as train.py's ranks do: else each
-    ran a thread per core, and the CPU optimizer's threads fought over them."""
+    ran a thread per core, and the CPU optimizer's threads fought over them. The cores are
+    those this rank may use (its CPU affinity: a Slurm job's on a shared node), not the node's."""
     if os.environ.get("OMP_NUM_THREADS"):
         return
     beside = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, beside)))
+    torch.set_num_threads(max(1, usable_cores() // max(1, beside)))
 
 
 def check_this_machine(cfg: RunConfig, rd: RunDir, data: DataRecord) -> None:
