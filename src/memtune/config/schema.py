@@ -462,7 +462,8 @@ class LauncherConfig:
     """Refuse to start on a machine without CUDA instead of running CPU ranks (the GPU
     experiments set it: a 7B job on CPU ranks would only crawl or exhaust the host's memory)."""
     omp_threads: int | None = None
-    """OMP_NUM_THREADS per rank when not set in the environment. Default: cores // ranks."""
+    """OMP_NUM_THREADS per rank when not set in the environment. Default: the cores this
+    process may use (its CPU affinity: a Slurm job's, taskset's) // ranks on this node."""
     from_allocation: bool = True
     """In a Slurm job step (train.sbatch, hydra/launcher=slurm, any ``srun train.py``):
     launcher.nnodes and launcher.num_ranks follow the allocation — the step's nodes × the GPUs

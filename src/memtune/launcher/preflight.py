@@ -406,7 +406,7 @@ def for_launch(
     if not launcher.preflight:
         visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
         if 0 < len(visible) < ranks_per_node:
-            # launcher.spawn would start the ranks on cards 0..n-1, the hidden ones among them
+            # launcher.spawn passes the list on as it is: the ranks beyond it would find no card
             raise PreflightError(
                 f"{ranks_per_node} GPUs needed on this node, CUDA_VISIBLE_DEVICES lists "
                 f"{len(visible)} ({','.join(d.strip() for d in visible)}): list as many as "
