@@ -163,7 +163,9 @@ def _share_the_cores_between_workers() -> None:
         import torch
 
         own = torch.get_num_threads()  # set before the variable can reach this process's pool
-        share = max(1, (os.cpu_count() or 1) // workers)
+        from memtune.machine import usable_cores
+
+        share = max(1, usable_cores() // workers)
         os.environ["OMP_NUM_THREADS"] = str(max(1, share // 2))
         torch.set_num_threads(own)
 
