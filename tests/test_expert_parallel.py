@@ -15,7 +15,7 @@ import torch
 
 from memtune.config import ConfigError, to_run_config, validate
 from memtune.launcher.spawn import free_port
-from tests.conftest import as_gloo_rank, compose_cfg, decided
+from tests.conftest import FAST, as_gloo_rank, compose_cfg, decided
 
 TINY = dict(
     hidden_size=64,
@@ -185,6 +185,73 @@ def test_the_dispatch_computes_one_ranks_experts_forward() -> None:
     mp.spawn(_dispatch_worker, args=(free_port(),), nprocs=2, join=True)
 
 
+def _partitioned_worker(rank: int, port: int) -> None:
+    """Rank ``rank`` of 2 builds its model for ZeRO-3 at expert_parallel=2 (build_model: what
+    deepspeed.initialize then receives) and checks it against the base read whole."""
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    from memtune.config.deepspeed import build_ds_config
+    from memtune.expert_stacks import expert_modules, experts_state
+    from memtune.rank.build import build_model
+    from memtune.rank.expert_parallel import partition_before_the_engine
+
+    as_gloo_rank(rank, port)
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg = to_run_config(compose_cfg(ZERO3_SPLIT))
+    d = decided(cfg, attention="sdpa")
+    ds_config = build_ds_config(cfg, d)
+    model = build_model(cfg, d, ds_config, torch.device("cpu")).model
+    whole = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, dtype=torch.float32)
+    ours = expert_modules(model)
+    assert len(ours) == 2
+    in_experts = {id(p) for _, m in ours for p in m.parameters(recurse=False)}
+    params = list(model.named_parameters())
+    # every parameter a ZeRO-3 one, partitioned: its data freed, this rank's partition kept
+    assert [n for n, p in params if not hasattr(p, "ds_id")] == []
+    for name, p in params:
+        group = 1 if id(p) in in_experts else 2  # the experts over the ranks holding them
+        assert p.numel() == 0 and p.ds_zero_partition_world_size == group, name
+        assert p.ds_tensor.numel() == -(-p.ds_numel // group), name
+    # the partitions hold this rank's values: its own experts (not rank 0's, broadcast over
+    # the wrong group), and its half of the rest
+    for (_, mine), (_, theirs) in zip(ours, expert_modules(whole), strict=True):
+        shard = experts_state(mine).shard
+        assert shard is not None and shard.count == 8
+        for stack in ("gate_up_proj", "down_proj"):
+            want = getattr(theirs, stack)[shard.first : shard.first + shard.count]
+            torch.testing.assert_close(getattr(mine, stack).ds_tensor, want.flatten())
+    embedding = model.get_base_model().model.embed_tokens.weight
+    half = embedding.ds_tensor.numel()
+    want = whole.model.embed_tokens.weight.flatten()[rank * half : (rank + 1) * half]
+    torch.testing.assert_close(embedding.ds_tensor, want)
+    # under bf16 the floating parameters are cast first, as the engine casts a model it
+    # converts itself (it does not cast a model of ZeRO-3 parameters)
+    linear = torch.nn.Linear(8, 6)
+    bf16 = {**ds_config, "bf16": {**ds_config.get("bf16", {}), "enabled": True}}
+    assert partition_before_the_engine(linear, bf16, torch.device("cpu")) == 2
+    assert linear.weight.dtype == torch.bfloat16 and linear.weight.ds_tensor.numel() == 24
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as _dispatch_worker ends
+
+
+def test_a_zero3_expert_parallel_model_is_partitioned_before_the_engine() -> None:
+    """Under ZeRO-3 with expert parallelism the base is read on the host without zero.Init
+    (each rank its own experts), and build_model converts it to ZeRO-3 parameters before
+    deepspeed.initialize, which would otherwise move the whole of it to the GPU first: every
+    parameter arrives partitioned, the experts over the ranks holding them (here each rank
+    alone), the rest over both, each partition holding this rank's values of the base."""
+    import torch.multiprocessing as mp
+
+    from memtune.tools.tiny import synthesize
+
+    cfg = to_run_config(compose_cfg(ZERO3_SPLIT))
+    synthesize(cfg.model.name_or_path, cfg.model.architecture)
+    mp.spawn(_partitioned_worker, args=(free_port(),), nprocs=2, join=True)
+
+
 @pytest.mark.parametrize("peft", ["lora", "qlora-nf4"])
 def test_a_rank_reads_only_its_experts(
     tmp_path: Any, peft: str, monkeypatch: pytest.MonkeyPatch
@@ -313,6 +380,13 @@ EP_TRAINING = [
     "trainer.router_aux_loss_coef=0.01",  # each rank's balance loss, over its own tokens
 ]
 RUN = ["trainer.max_steps=4", *EP_TRAINING, "model=tiny-qwen3-moe", "zero=zero2"]
+ZERO3_SPLIT = [
+    *FAST,
+    *EP_TRAINING,
+    "model=tiny-qwen3-moe",
+    "zero=zero3",
+    "trainer.expert_parallel=2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -323,7 +397,6 @@ def ep_runs(runs_root: Any) -> tuple[Any, Any]:
     from memtune.config.decisions import rank_machine
     from memtune.memory.fit import fit_to_device
     from memtune.memory.layouts import expert_layouts
-    from tests.conftest import FAST
     from tests.test_expert_parallel_matrix import _pair
 
     auto = ["trainer.expert_parallel=auto", "plan.device_tflops=1", "plan.link_gb_s=10"]

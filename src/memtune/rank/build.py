@@ -23,6 +23,7 @@ from memtune.rank.attention import split_by_kv_head
 from memtune.rank.expert_parallel import (
     deepspeed_sees_experts,
     expert_param_groups,
+    partition_before_the_engine,
     partition_experts_over_groups,
     split_experts,
 )
@@ -70,9 +71,11 @@ class RankParts:
 def built_under_zero_init(d: Decisions) -> bool:
     """Whether the base is built under zero.Init (ZeRO-3): not under expert parallelism, where
     zero.Init would partition every expert over all the ranks; there each rank reads its own
-    experts, and DeepSpeed partitions the model when it builds the engine
-    (rank.expert_parallel.partition_experts_over_groups). A quantized base is never built
-    under it either: transformers reads it whole, whatever this says."""
+    experts on the host, and :func:`build_model` converts the model to ZeRO-3 parameters, a
+    parameter at a time, once the experts are tagged with their partition groups
+    (rank.expert_parallel.partition_experts_over_groups, partition_before_the_engine). A
+    quantized base is never built under it either: transformers reads it whole, whatever this
+    says."""
     split = d.experts is not None and d.experts.parallel > 1
     return d.zero_stage == 3 and not split
 
@@ -112,7 +115,8 @@ def build_model(
     :func:`build_rank` wraps in its engine, and what the GPU check's ``zero-cost`` phase also
     steps without one. ``zero_init`` (default: ZeRO-3) keeps DeepSpeed's HfDeepSpeedConfig
     alive while the base is built, so transformers creates it under zero.Init, partitioned as
-    it is built."""
+    it is built. Under ZeRO-3 with expert parallelism the base is read without it and the model
+    returned is made of ZeRO-3 parameters already (:func:`built_under_zero_init`)."""
     from transformers.integrations import HfDeepSpeedConfig
 
     attn = use_attention(d.attention, device.type)
@@ -157,6 +161,10 @@ def build_model(
         if linear:
             group, sp_rank = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank()
             split_over_ranks(base, group, sp, sp_rank)
+    if d.zero_stage == 3 and d.experts is not None and d.experts.parallel > 1:
+        # now, not in deepspeed.initialize: the engine would first move the whole of a model
+        # read on the host onto the device (rank.expert_parallel.partition_before_the_engine)
+        partition_before_the_engine(model, ds_config, device, mpu)
     return RankModel(
         model=model,
         attention=attn,

@@ -30,7 +30,8 @@ and adds their gradient norm over the expert-parallel group once each partition 
 its own group. The base must therefore not be built under ``zero.Init``, which would partition
 every expert over all the ranks before the tags exist: rank.build loads it as a quantized base
 is loaded (each rank reading only its experts, rank.experts.experts_as_loaded), the rest of it
-whole in host memory per rank until DeepSpeed partitions it (memory.loading counts that).
+whole in host memory per rank (memory.loading counts that), then converts it to ZeRO-3
+parameters one at a time before the engine is built (:func:`partition_before_the_engine`).
 
 The dispatch. Per layer, each token is sent once to each rank holding any of its top-k experts
 (not once per expert), with the rows routed to that rank (local expert, token, weight); the
@@ -154,6 +155,52 @@ def partition_experts_over_groups(model: nn.Module) -> int:
             param.ds_zero_partition_process_group = group
             tagged += 1
     return tagged
+
+
+FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""What DeepSpeed's engine casts to the training dtype (``engine.CASTABLE_DTYPES``)."""
+
+
+def partition_before_the_engine(
+    model: nn.Module, ds_config: dict[str, Any], device: torch.device, mpu: Any = None
+) -> int:
+    """ZeRO-3 under expert parallelism: every parameter of ``model`` (its experts split and
+    tagged, :func:`partition_experts_over_groups`) made a ZeRO-3 parameter here, one at a time,
+    before ``deepspeed.initialize``; returns the parameters converted.
+
+    The engine makes them so itself (``parameter_offload._convert_to_zero_parameters``: this
+    same ``deepspeed.zero.Init(module=...)``), but only after it has moved a model that holds
+    no ZeRO-3 parameter to the device whole (``engine._configure_distributed_model``:
+    ``self.module.to(self.device)`` unless some parameter has a ``ds_id``). A base read on the
+    host, not under zero.Init (the module docstring), would then land on every GPU unsharded:
+    the rest of Qwen3-30B-A3B and half its experts, 29.9 GiB a card at N=2. Init moves one
+    parameter at a time to the device, broadcasts it within its partition group (the
+    expert-data-parallel group for the experts: ``ds_zero_partition_process_group``) and keeps
+    this rank's partition of it there, the whole freed (on the host too, where it was read).
+
+    What the engine leaves undone for a model of ZeRO-3 parameters is done here as it would
+    have done it: every floating parameter cast to the training dtype first
+    (``_cast_module_mixed_precision``, skipped then) and the buffers moved to the device (Init
+    moves parameters only)."""
+    import deepspeed
+
+    precision = [k for k in ("bf16", "fp16") if ds_config.get(k, {}).get("enabled")]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision[0]] if precision else None
+    params = [p for p in model.parameters() if not hasattr(p, "ds_id")]
+    for param in params:
+        if dtype is not None and param.dtype in FLOATING and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+    group = None  # all the ranks, as the engine's own call (or the mpu's data-parallel group)
+    if mpu is not None and hasattr(mpu, "get_data_parallel_group"):
+        group = mpu.get_data_parallel_group()
+    deepspeed.zero.Init(
+        module=model, config_dict_or_path=ds_config, data_parallel_group=group, mpu=mpu
+    )
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
+    return len(params)
 
 
 def _quantized_experts(param: nn.Parameter, first: int, end: int) -> nn.Parameter:
