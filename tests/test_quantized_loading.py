@@ -319,13 +319,41 @@ def test_a_quantized_mixture_is_validated_under_zero2_on_gpus() -> None:
         validate(cfg, inputs=False)
 
 
+def test_a_bf16_mixture_split_under_zero3_is_read_on_the_host_and_sharded_onto_the_gpu() -> None:
+    """Qwen3-30B-A3B in bf16 under ZeRO-3, its experts split over the 4 ranks: each rank reads
+    the rest of the base and its 32 experts of each layer on the host, with the stack being
+    read (2 + 1/4 of a 768 MiB gate_up stack), then converts the model to ZeRO-3 parameters
+    one at a time before the engine (rank.expert_parallel.partition_before_the_engine): its
+    GPU holds its share and the largest parameter, the embedding (151,936 × 2,048), at most.
+    CPU ranks hold it all in the one memory."""
+    from memtune.memory.estimate import GIB, plan
+
+    args = ["experiment=qwen3-30b-a3b-4x4090-lora", "zero=zero3"]
+    cfg = to_run_config(compose_cfg(args))
+    d = decided(cfg)
+    assert d.experts is not None and d.experts.parallel == 4
+    result = plan(cfg, d)
+    lo = result.loading
+    assert lo is not None
+    embedding = 151_936 * 2_048 * 2 / GIB
+    assert lo.device_gib == pytest.approx(result.gib()["base weights"] + embedding, abs=1e-6)
+    assert lo.host_gib == pytest.approx(18.06, abs=0.005)  # docs/moe.md: 18.1 GiB a rank
+    assert "(1.69 GiB at most), on the host; on the device ZeRO-3's share" in lo.how
+    cpu = to_run_config(compose_cfg([*args, "plan.device_gib=null"]))
+    on_cpu = plan(cpu, decided(cpu)).loading
+    assert on_cpu is not None and on_cpu.device_gib == on_cpu.host_gib == lo.host_gib
+
+
 @pytest.mark.parametrize("zero", ["zero2", "zero3"])
 def test_the_plan_states_the_loading_peak_of_a_quantized_mixture(zero: str) -> None:
     """Qwen3.5-35B-A3B QLoRA on 4 × 24 GB: one gate_up stack is 256 × 1,024 × 2,048 in bf16
     (1 GiB), held twice while the checkpoint's experts are merged (no CUDA temporaries for
-    NF4). ZeRO-2 reads the quantized base onto each GPU; ZeRO-3 into each rank's host, whole,
-    before DeepSpeed shards it. A bf16 base's plan states none."""
+    NF4). ZeRO-2 and ZeRO-3 alike read the quantized base whole onto each GPU (under ZeRO-3
+    bitsandbytes' device map, before DeepSpeed shards it), the host holding one checkpoint
+    tensor at a time. A bf16 base's plan states none."""
+    from memtune.config import ConfigError
     from memtune.memory.estimate import plan
+    from memtune.memory.fit import fit_to_device
     from memtune.memory.plan_text import format_plan
 
     # every expert on every rank (the shipped run splits them: trainer.expert_parallel=2)
@@ -338,24 +366,24 @@ def test_the_plan_states_the_loading_peak_of_a_quantized_mixture(zero: str) -> N
     base = result.gib()["base weights"]
     if zero == "zero2":
         assert lo.device_gib == pytest.approx(base + 2.0, abs=1e-6)
-        assert lo.host_gib == pytest.approx(1.0)  # one checkpoint tensor: the stack, fused
-    else:
-        assert lo.device_gib == pytest.approx(base)
-        assert lo.host_gib == pytest.approx(base * 4 + 2.0, rel=0.01)
+    else:  # the base-weights row is a rank's quarter of it
+        assert lo.device_gib == pytest.approx(base * 4 + 2.0, rel=0.01)
+    assert lo.host_gib == pytest.approx(1.0)  # one checkpoint tensor: the stack, fused
+    assert not lo.how.endswith("on the host")
     text = format_plan(cfg, d, result)
     assert "loading: device" in text
     # the experiment's plan.host_gib (120) over its 4 ranks, which all read at once
     assert result.loading_host_budget_gib == pytest.approx(30.0) and result.loading_fits_host
     assert "all reading at once): fits" in text
-    if zero == "zero3":  # ~21.5 GiB a rank: a box with 64 GiB for 4 ranks cannot start it
-        small = to_run_config(compose_cfg([*args, "plan.host_gib=64"]))
+    if zero == "zero3":  # ~21.5 GiB a GPU while loading, ~20.5 GiB a step: a 21 GiB card
+        small = to_run_config(compose_cfg([*args, "plan.device_gib=21"]))
         tight = plan(small, decided(small))
-        assert tight.device_fits and not tight.loading_fits_host and not tight.fits
-        assert "DOES NOT FIT (-5.4" in format_plan(small, decided(small), tight)
-        from memtune.config import ConfigError
-        from memtune.memory.fit import fit_to_device
-
-        with pytest.raises(ConfigError, match=r"host memory per rank does not fit plan\.host_gib"):
+        assert tight.total_gib <= 21 < tight.loading.device_gib  # type: ignore[union-attr]
+        assert not tight.device_fits and tight.loading_fits_host and not tight.fits
+        assert "DOES NOT FIT while loading (-0.49 GiB; the step +" in format_plan(
+            small, decided(small), tight
+        )
+        with pytest.raises(ConfigError, match=r"this run's loading needs 21\.49 GiB per rank"):
             fit_to_device(small)  # a launch: refused before any rank starts
     bf16 = to_run_config(compose_cfg(["experiment=qwen3-30b-a3b-4x4090-lora"]))
     assert plan(bf16, decided(bf16)).loading is None

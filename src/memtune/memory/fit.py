@@ -736,6 +736,13 @@ def fit_to_device(
                 f"{decided}this run's host memory per rank does not fit plan.host_gib (its "
                 f"lines below):\n{text}\n{tail}"
             )
+        device = result.device_gib or 0.0  # set: the device is what does not fit
+        if result.loading is not None and result.total_gib <= device:
+            raise ConfigError(
+                f"{decided}this run's loading needs {result.loading.device_gib:.2f} GiB per "
+                f"rank on the device (its loading: line below) but the device has "
+                f"{device:.2f} GiB (plan.device_gib):\n{text}\n{tail}"
+            )
         raise ConfigError(
             f"{decided}this run needs {result.total_gib:.2f} GiB per rank but the device has "
             f"{result.device_gib:.2f} GiB (plan.device_gib):\n{text}\n{tail}"

@@ -134,11 +134,12 @@ def format_layouts(layouts: list[Layout], current: Decisions) -> list[str]:
 
 
 def _fits(planned: Plan, spare: bool) -> str:
-    """Whether a layout fits, and where not why: the device, or the host while loading; where
-    it fits without checkpoint_layers=auto's spare, that, if ``spare`` (another layout has it,
-    so auto passes this one over)."""
+    """Whether a layout fits, and where not why: the device (while loading, where the step
+    fits), or the host while loading; where it fits without checkpoint_layers=auto's spare,
+    that, if ``spare`` (another layout has it, so auto passes this one over)."""
     if not planned.device_fits:
-        return "does not fit"
+        step_fits = planned.device_gib is not None and planned.total_gib <= planned.device_gib
+        return "does not fit the device while loading" if step_fits else "does not fit"
     if not planned.fits:
         return "does not fit the host" + ("" if planned.loading_fits_host else " while loading")
     if spare and not fits_with_spare(planned) and planned.device_gib is not None:

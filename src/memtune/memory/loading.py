@@ -1,9 +1,12 @@
 """What a rank holds while it loads a quantized mixture, before its first step: the plan's
 ``loading:`` line (device and host peak). A mixture whose routed-expert stacks are quantized as
 they are read holds, at the peak, the quantized model read so far and one stack in the compute
-dtype with what quantizing it takes (rank.experts.experts_as_loaded); every other base
-loads no more than it keeps. Pure functions of the config, the decisions and the parameter
-counts (:mod:`memtune.memory.counts`), like :mod:`memtune.memory.estimate`, whose
+dtype with what quantizing it takes (rank.experts.experts_as_loaded), on the rank's GPU under
+ZeRO-2 and ZeRO-3 alike; one in the compute dtype split by expert under ZeRO-3 holds the rest
+of the base on the host while it is read. Every other base loads no more than it keeps, but
+for a dense quantized one under ZeRO-3 on GPUs: read whole onto each GPU too
+(:func:`loading_peak`), not planned here. Pure functions of the config, the decisions and the
+parameter counts (:mod:`memtune.memory.counts`), like :mod:`memtune.memory.estimate`, whose
 :class:`~memtune.memory.estimate.Plan` carries the result.
 """
 
@@ -46,7 +49,8 @@ copy memtune makes (2 bytes): read from the kernels, not measured."""
 class LoadingPeak:
     """What a rank holds at the peak of loading a quantized mixture (rank.experts.
     experts_as_loaded): the quantized model read so far and one routed-expert stack
-    in the compute dtype with what quantizing it takes; per rank."""
+    in the compute dtype with what quantizing it takes; or a mixture split by expert under
+    ZeRO-3, read on the host (:func:`loading_peak`); per rank."""
 
     device_gib: float
     """On the rank's device (a GPU; the host for CPU ranks)."""
@@ -59,10 +63,12 @@ class LoadingPeak:
 def loading_peak(
     cfg: RunConfig, d: Decisions, counts: ParamCounts, whole: float, held: float
 ) -> LoadingPeak | None:
-    """The loading peak of a mixture whose expert stacks are quantized as they are read; None
-    for anything else (a bf16 or dense base loads no more than it keeps). ``whole``: the
-    quantized base's bytes, all of it; ``held``: a rank's share of them once DeepSpeed has
-    them (the plan's base-weights row).
+    """The loading peak of a mixture whose expert stacks are quantized as they are read, or of
+    one in the compute dtype split by expert under ZeRO-3; None for anything else (a base in
+    the compute dtype loads no more than it keeps; a dense quantized one is read whole onto
+    each GPU under ZeRO-3, as below, and is not planned here). ``whole``: the base's bytes as
+    this rank reads it (its own experts alone under expert parallelism); ``held``: a rank's
+    share of them once DeepSpeed has them (the plan's base-weights row).
 
     One stack (gate_up, the larger: experts × 2·moe_intermediate × hidden) is in the compute
     dtype at a time: twice over while transformers merges a checkpoint that stores each expert
@@ -70,17 +76,27 @@ def loading_peak(
     once while memtune quantizes it a chunk at a time, next to the chunk's temporaries
     (QUANTIZE_TEMPORARY_BYTES) and its quantized bytes, built then stored (2 copies).
 
-    Under ZeRO-2 (and on CPU ranks) the base is read onto the rank's device, replicated. Under
-    ZeRO-3 transformers reads a quantized base whole into each rank's host memory (it cannot
-    build one under zero.Init) and DeepSpeed moves it to the devices in shards afterwards.
+    A quantized base is read onto the rank's device, replicated, the host holding one checkpoint
+    tensor at a time: under ZeRO-2 (and on CPU ranks), and under ZeRO-3 too, where transformers
+    cannot build it under zero.Init and bitsandbytes' quantizer gives a load without a
+    ``device_map`` (rank.model.load_base_model passes none under ZeRO-3) the rank's GPU
+    (transformers 5.24 ``quantizer_bnb_4bit`` / ``_8bit`` ``update_device_map``: ``{"":
+    torch.cuda.current_device()}``); DeepSpeed shards it from there. Read on the host instead
+    (``device_map={"": "cpu"}``) it would be quantized by bitsandbytes' CPU code, slower and
+    with the temporaries above, and still reach each GPU whole: the engine moves a model that
+    holds no ZeRO-3 parameter to the device before partitioning it, and converting it on the
+    host first moves parameters' data only, not bitsandbytes' quantization state.
 
-    Under ZeRO-3 with expert parallelism a base in the compute dtype loads that way too (not
-    under zero.Init, which would shard every expert over all the ranks: rank.expert_parallel):
-    each rank's host holds the rest of the base whole and its own 1/N of the experts (``whole``
-    counts them so), plus the one stack being read, whole, before its other experts are
-    dropped: the merged halves of a per-expert checkpoint and their concatenation still there
-    while this rank's experts are copied out of it (2 + 1/N stacks; measured 2.4 at N=2,
-    tests/test_expert_parallel_matrix.py)."""
+    Under ZeRO-3 with expert parallelism a base in the compute dtype is read into each rank's
+    host memory (not under zero.Init, which would shard every expert over all the ranks:
+    rank.expert_parallel): the rest of the base whole and its own 1/N of the experts
+    (``whole`` counts them so), plus the one stack being read, whole, before its other experts
+    are dropped: the merged halves of a per-expert checkpoint and their concatenation still
+    there while this rank's experts are copied out of it (2 + 1/N stacks; measured 2.4 at N=2,
+    tests/test_expert_parallel_matrix.py). rank.expert_parallel.partition_before_the_engine
+    then makes it ZeRO-3's a parameter at a time: each moved to the GPU whole, this rank's
+    partition kept, so the device holds ``held`` and the largest parameter (the embedding, the
+    head or this rank's share of a gate_up stack) at most."""
     experts = d.experts
     if experts is None or not counts.experts:
         return None
@@ -115,8 +131,10 @@ def loading_peak(
             f"being merged and cut ({_size(transient)} at most)"
         )
     largest_read = max(counts.embedding, counts.head, weights) * b
-    if cuda and not zero3:  # read onto the GPU, a checkpoint tensor at a time through the host
+    if cuda and zero3 and experts.storage == "compute":  # read on the host, then partitioned
+        largest = max(counts.embedding, counts.head, weights / experts.parallel) * b
+        how += ", on the host; on the device ZeRO-3's share, a parameter at a time"
+        return LoadingPeak((held + largest) / GIB, (whole + transient) / GIB, how)
+    if cuda:  # read onto the GPU, a checkpoint tensor at a time through the host (docstring)
         return LoadingPeak((whole + transient) / GIB, largest_read / GIB, how)
-    if cuda:  # ZeRO-3 on GPUs: whole on the host, then sharded onto the devices
-        return LoadingPeak(held / GIB, (whole + transient) / GIB, how + ", on the host")
     return LoadingPeak((whole + transient) / GIB, (whole + transient) / GIB, how)

@@ -75,5 +75,11 @@ def format_plan(cfg: RunConfig, d: Decisions, result: Plan) -> str:
     else:
         verdict = "fits" if result.device_fits else "DOES NOT FIT"
         spare = result.device_gib - result.total_gib
-        lines.append(f"  device {result.device_gib:.2f} GiB per rank: {verdict} ({spare:+.2f} GiB)")
+        spare_text = f"{spare:+.2f} GiB"
+        if result.loading is not None and spare >= 0 and not result.device_fits:
+            # the step fits; its loading does not (memory.loading)
+            verdict += " while loading"
+            load = result.device_gib - result.loading.device_gib
+            spare_text = f"{load:+.2f} GiB; the step {spare:+.2f}"
+        lines.append(f"  device {result.device_gib:.2f} GiB per rank: {verdict} ({spare_text})")
     return "\n".join(lines)
