@@ -290,7 +290,8 @@ def dora_flops(cfg: RunConfig, d: Decisions, counts: ParamCounts) -> float:
     (Llama-3.2-3B, r=32) puts the whole cost at +26% of the step."""
     if not cfg.peft.dora:
         return 0.0
-    from memtune.memory.estimate import FIRST_NORM_READERS, dora_modules, layer_kinds
+    from memtune.memory.dora import dora_modules
+    from memtune.memory.estimate import FIRST_NORM_READERS, layer_kinds
 
     k = d.checkpointing.recomputed
     flops = 0
