@@ -435,3 +435,23 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
             return
         time.sleep(0.2)
     raise TimeoutError(f"step {step} not reached")
+
+
+def allocator_peak(fn: Any) -> tuple[int, int, Any]:
+    """(the peak of torch's CPU allocator above where it was, what it still holds after,
+    ``fn``'s result) while ``fn`` runs, from the allocator's own memory events
+    (torch.profiler), which see the temporaries inside an operator too."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]"
+    )
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak, live, result

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from memtune.config import ConfigError, to_run_config, validate
 from memtune.memory.counts import count_params
-from tests.conftest import FAST, Run, compose_cfg, decided, start_run
+from tests.conftest import FAST, Run, allocator_peak, compose_cfg, decided, start_run
 
 TINY = dict(
     hidden_size=64,
@@ -659,26 +659,6 @@ def test_int8_dequantization_is_bitsandbytes_bit_for_bit(dtype: torch.dtype) -> 
         assert torch.equal(_bits(getattr(model, name).data), _bits(back)), name
 
 
-def _allocator_peak(fn: Any) -> tuple[int, int, Any]:
-    """(the peak of torch's CPU allocator above where it was, what it still holds after,
-    ``fn``'s result) while ``fn`` runs: its memory events (torch.profiler, as
-    tests/test_trace.py reads them), which see the temporaries inside an operator too."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]"
-    )
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak, live, result
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_dequantizing_an_int8_chunk_holds_what_the_plan_counts_a_weight(
     dtype: torch.dtype,
@@ -696,7 +676,7 @@ def test_dequantizing_an_int8_chunk_holds_what_the_plan_counts_a_weight(
     stack = (torch.randn(experts, out, inp, generator=g) * 0.05).to(dtype)
     param = quantized_parameter(stack, "int8", dtype)
     _dequantized_range(param, 0, 1, dtype)  # first-call set-up outside the measure
-    peak, left, weight = _allocator_peak(lambda: _dequantized_range(param, 0, experts, dtype))
+    peak, left, weight = allocator_peak(lambda: _dequantized_range(param, 0, experts, dtype))
     weights = experts * out * inp
     planned = dequantized_bytes_per_weight("int8", dtype.itemsize)
     assert planned == {torch.bfloat16: 6, torch.float32: 4}[dtype]

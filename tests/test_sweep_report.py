@@ -57,6 +57,16 @@ def test_multirun_gives_one_run_dir_per_point_and_a_report(tmp_path: Path) -> No
     assert "1 sweep point(s) failed" in proc.stdout
 
 
+def _demo_copies(folder: Path, *names: str) -> list[Path]:
+    """Copies of the demo's data under ``names`` (NAME.jsonl): one sweep value each, one of
+    them the data file tests/raise_inject fails on."""
+    demo = (ROOT / "src" / "memtune" / "assets" / "demo_alpaca.jsonl").read_text()
+    paths = [folder / f"{name}.jsonl" for name in names]
+    for path in paths:
+        path.write_text(demo)
+    return paths
+
+
 def test_a_sweep_point_that_raises_is_a_failed_row_and_the_report_is_written(
     tmp_path: Path,
 ) -> None:
@@ -70,10 +80,7 @@ def test_a_sweep_point_that_raises_is_a_failed_row_and_the_report_is_written(
 
     from memtune.launcher.sweep_report import LAID_OUT
 
-    demo = (ROOT / "src" / "memtune" / "assets" / "demo_alpaca.jsonl").read_text()
-    broken, good = tmp_path / "broken.jsonl", tmp_path / "good.jsonl"
-    broken.write_text(demo)
-    good.write_text(demo)
+    broken, good = _demo_copies(tmp_path, "broken", "good")
     sweep = tmp_path / "sweep"
     args = ["-m", f"data.path={broken},{good}", "preprocess_only=true", "logger=none"]
     inject = str(ROOT / "tests" / "raise_inject")  # tokenizing `broken` raises RuntimeError
@@ -100,10 +107,7 @@ def test_a_sweep_point_stopped_by_ctrl_c_while_tokenizing_is_its_row(tmp_path: P
 
     from memtune.cli import main as memtune
 
-    demo = (ROOT / "src" / "memtune" / "assets" / "demo_alpaca.jsonl").read_text()
-    stopped, good = tmp_path / "stopped.jsonl", tmp_path / "good.jsonl"
-    stopped.write_text(demo)
-    good.write_text(demo)
+    stopped, good = _demo_copies(tmp_path, "stopped", "good")
     sweep = tmp_path / "sweep"
     args = ["-m", f"data.path={stopped},{good}", "preprocess_only=true", "logger=none"]
     env = {

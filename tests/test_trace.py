@@ -3,12 +3,14 @@ and the tracer against torch's own accounting."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from memtune.config import to_run_config
 from memtune.memory.fit import fit_to_device
 from memtune.tools.step_trace import planned_step, trace_step
-from tests.conftest import compose_cfg, decided
+from tests.conftest import allocator_peak, compose_cfg, decided
 
 
 def _tiny(**overrides: object):
@@ -20,20 +22,12 @@ def _tiny(**overrides: object):
 def test_the_tracker_agrees_with_torchs_profiler() -> None:
     """On real CPU tensors: the tracker's peak of live storages is the peak of the allocator's
     own memory events (torch.profiler), parameters included."""
-    from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    def traced_tiny() -> Any:
         tiny = _tiny()
-        traced = trace_step(tiny, decided(tiny), fake=False)
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]"
-    )
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
+        return trace_step(tiny, decided(tiny), fake=False)
+
+    peak, _, traced = allocator_peak(traced_tiny)
     assert traced.peak == pytest.approx(peak, rel=0.005), (traced.peak, peak)
     assert traced.at_peak["recompute"] > 0 and traced.at_peak["backward temporaries"] > 0
 
