@@ -312,11 +312,13 @@ def test_attention_runs_by_kv_head_with_the_mlp_tiled_where_the_kernel_splits() 
     assert not decide(
         "trainer.tiled_mlp=on", "trainer.attention_by_kv_head=off"
     ).attention_by_kv_head
-    # auto's attention where flash-attn runs: FlashAttention-2, which splits as memtune's own do
+    # auto's attention where flash-attn runs (bf16: it has no fp32 kernels): FlashAttention-2,
+    # which splits as memtune's own do
     flash = RankMachine(cuda=True, flash_attn=True)
-    on_flash = decide("trainer.tiled_mlp=on", machine=flash)
+    on_flash = decide("trainer.tiled_mlp=on", "trainer.precision=bf16", machine=flash)
     assert on_flash.attention == "flash_attention_2" and on_flash.attention_by_kv_head
-    assert decide("trainer.attention_by_kv_head=on", machine=flash).attention_by_kv_head
+    by_head = decide("trainer.attention_by_kv_head=on", "trainer.precision=bf16", machine=flash)
+    assert by_head.attention == "flash_attention_2" and by_head.attention_by_kv_head
     for kernel in ("eager", "sdpa"):  # transformers' own: one call, refused before any rank
         asked = [f"model.attn_implementation={kernel}", "trainer.attention_by_kv_head=on"]
         with pytest.raises(

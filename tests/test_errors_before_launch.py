@@ -105,7 +105,9 @@ def _flash_runs_here() -> bool:
 
 
 def test_flash_attention_where_it_cannot_run_is_refused(tmp_path: Path) -> None:
-    cfg = to_run_config(compose(["model.attn_implementation=flash_attention_2"]))
+    # bf16: FlashAttention-2 has no fp32 kernels (the demo's precision: refused as such first)
+    flash = ["model.attn_implementation=flash_attention_2", "trainer.precision=bf16"]
+    cfg = to_run_config(compose(flash))
     validate(cfg, inputs=False)  # a memory plan may be made anywhere
     if _flash_runs_here():
         validate(cfg)
@@ -118,7 +120,7 @@ def test_flash_attention_where_it_cannot_run_is_refused(tmp_path: Path) -> None:
         [
             "preprocess_only=true",
             "logger=none",
-            "model.attn_implementation=flash_attention_2",
+            *flash,
             f"run_dir={tmp_path / 'run'}",
         ],
         cwd=tmp_path,
