@@ -77,8 +77,8 @@ test-kernels: $(STAMP) ## Liger's rotary kernel run by Triton's interpreter on C
 	  echo "$(KERNELS_PINS)" > $(KERNELS_SITE)/.pins; }
 	PYTHONPATH=$(CURDIR)/$(KERNELS_SITE) $(PY) -m pytest tests/test_kernels.py -m kernels $(PYTEST_ARGS)
 
-test-faults: $(STAMP) ## Whole jobs stopped, killed, out of memory, resumed on other world sizes (~8-11 min)
-	$(PY) -m pytest -m faults $(PYTEST_ARGS)
+test-faults: $(STAMP) ## Whole jobs stopped, killed, out of memory, resumed on other world sizes (~11 min)
+	$(PY) -m pytest -m faults -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-slurm: $(STAMP) ## Slurm tier: a real 2-node cluster on 127.0.0.1 (root; apt-installs Slurm + MariaDB if missing; ~5-8 min)
 	$(PY) -m pytest tests/slurm -m slurm $(PYTEST_ARGS)

@@ -97,6 +97,7 @@ _DEEPSPEED_GROUPS = {
 # the end, one worker still on them while the other had nothing left): these first, the rest
 # as collected.
 LONGEST_FILES = [
+    "test_resume_world.py",  # the fault tier's longest (make test-faults: ~8 min of its 11)
     "test_trace.py",
     "test_plan.py",
     "test_preference.py",

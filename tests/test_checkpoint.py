@@ -495,6 +495,7 @@ def test_every_checkpoint_and_the_final_export_list_their_files(finished: Path) 
     assert not list(finished.glob(".tmp-*")) and not list(finished.glob(".old-*"))
 
 
+@pytest.mark.faults  # a whole job stopped and started again: the fault tier's
 def test_a_cut_short_end_is_not_finished_and_is_exported_again(
     finished: Path, tmp_path: Path
 ) -> None:
@@ -580,6 +581,7 @@ def _train_py_counting_reads(
     return proc, [int(n) for n in said[-1].split()[2:]] if said else []
 
 
+@pytest.mark.faults  # a whole job stopped and started again: the fault tier's
 def test_resume_knows_the_base_by_content_not_by_path(finished: Path, tmp_path: Path) -> None:
     """The same base moved to a new path resumes; other weights at that path are refused, and
     so are another optimizer or quantization."""
