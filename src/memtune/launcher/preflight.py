@@ -404,12 +404,15 @@ def for_launch(
             )
         return {}, None
     if not launcher.preflight:
-        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        from memtune.launcher.spawn import listed_devices
+
+        # as CUDA reads the list (up to a negative entry), as launcher.spawn passes it on
+        visible = listed_devices(os.environ.get("CUDA_VISIBLE_DEVICES", ""))
         if 0 < len(visible) < ranks_per_node:
             # launcher.spawn passes the list on as it is: the ranks beyond it would find no card
             raise PreflightError(
                 f"{ranks_per_node} GPUs needed on this node, CUDA_VISIBLE_DEVICES lists "
-                f"{len(visible)} ({','.join(d.strip() for d in visible)}): list as many as "
+                f"{len(visible)} ({','.join(visible)}): list as many as "
                 "the node's ranks, or ask for fewer (launcher.num_ranks)"
             )
         return {}, None
