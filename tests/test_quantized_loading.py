@@ -383,7 +383,81 @@ def test_the_plan_states_the_loading_peak_of_a_quantized_mixture(zero: str) -> N
         assert "DOES NOT FIT while loading (-0.49 GiB; the step +" in format_plan(
             small, decided(small), tight
         )
-        with pytest.raises(ConfigError, match=r"this run's loading needs 21\.49 GiB per rank"):
+        with pytest.raises(
+            ConfigError, match=r"this run's loading needs 21\.49 GiB per rank"
+        ) as err:
             fit_to_device(small)  # a launch: refused before any rank starts
+        # what lowers the load: each rank reading half of the experts (not the step's cuts)
+        tips = str(err.value).split("Try (each alone, per rank):\n")[1].split("\n(")[0]
+        assert tips.splitlines() == [
+            "  - trainer.expert_parallel=2 (each rank reads and keeps fewer experts): -3.24 GiB"
+        ]
     bf16 = to_run_config(compose_cfg(["experiment=qwen3-30b-a3b-4x4090-lora"]))
     assert plan(bf16, decided(bf16)).loading is None
+
+
+def test_a_dense_quantized_base_under_zero3_is_read_whole_by_each_rank(tmp_path: Path) -> None:
+    """QLoRA on a dense Qwen2 under ZeRO-3: transformers builds no quantized model under
+    zero.Init, so a rank reads the whole NF4 base (plus the weight being quantized) before
+    DeepSpeed shards it; the plan's loading line says so, measured on a CPU rank through
+    rank.model.load_base_model (live heap + the parameters left on the checkpoint's mmap). On
+    GPUs (plan.device_gib set) the whole base is on each card, the host reading one tensor at a
+    time; under ZeRO-2 (the base kept whole anyway) no loading line."""
+    from memtune.memory.counts import count_params
+    from memtune.memory.estimate import GIB, base_weight_bytes, plan
+    from memtune.rank.model import load_base_model
+
+    # Qwen2.5-7B's proportions at 1/14 of its width: MLP 5.3× the hidden width, untied
+    # embedding and head ~1/7 of the weights
+    arch = dict(
+        hidden_size=256,
+        intermediate_size=1344,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        vocab_size=1536,
+        tie_word_embeddings=False,
+    )
+    path = _save("qwen2", arch, tmp_path / "base")
+    overrides = [f"++model.architecture.{k}={json.dumps(v)}" for k, v in arch.items()]
+    cfg = _cfg("tiny-qwen2", path, "qlora-nf4", "zero=zero3", "launcher.num_ranks=4", *overrides)
+    d = decided(cfg, attention="sdpa")
+    counts = count_params(cfg)
+    planned = plan(cfg, d, counts)
+    lo = planned.loading
+    assert lo is not None and lo.device_gib == lo.host_gib  # CPU ranks: one memory
+    assert lo.device_gib > 3.5 * planned.gib()["base weights"]  # the whole base, not a 1/4
+    assert "the whole nf4 base on each rank, read outside zero.Init" in lo.how
+
+    load_base_model(cfg, d)  # imports, first-call set-up
+    heap = _LiveHeap()
+    with heap.watch():
+        model = load_base_model(cfg, d)
+    host = heap.added + _file_backed_bytes(model, path)
+    print(f"loading peak {host / MIB:.2f} MiB, planned {lo.host_gib * GIB / MIB:.2f} MiB")
+    assert 0.9 * lo.host_gib * GIB <= host <= 1.1 * lo.host_gib * GIB
+
+    gpus = to_run_config(compose_cfg(["experiment=qwen2.5-7b-4x4090-qlora", "zero=zero3"]))
+    on_gpus = plan(gpus, decided(gpus))
+    assert on_gpus.loading is not None
+    whole = base_weight_bytes(gpus, decided(gpus), on_gpus.counts, 1)[0] / GIB  # type: ignore[arg-type]
+    gate = 18_944 * 3_584 * 2 / GIB  # the largest linear weight, in bf16
+    assert on_gpus.loading.device_gib == pytest.approx(whole + gate)  # 5.29 GiB
+    assert 3.5 * on_gpus.gib()["base weights"] < whole
+    assert on_gpus.loading.host_gib == pytest.approx(152_064 * 3_584 * 2 / GIB)  # embedding
+    zero2 = to_run_config(compose_cfg(["experiment=qwen2.5-7b-4x4090-qlora"]))
+    assert plan(zero2, decided(zero2)).loading is None
+
+    # A card that holds the step (~3.4 GiB at 256 tokens on 8 ranks) but not the load: refused
+    # before any rank starts, and the one change that helps is a bf16 base (loaded sharded)
+    from memtune.config import ConfigError
+    from memtune.memory.fit import fit_to_device
+
+    small = ["plan.device_gib=5.2", "data.max_seq_len=256", "launcher.num_ranks=8"]
+    tight = to_run_config(compose_cfg(["experiment=qwen2.5-7b-4x4090-qlora", "zero=zero3", *small]))
+    with pytest.raises(ConfigError) as err:
+        fit_to_device(tight)
+    said = str(err.value)
+    assert "this run's loading needs 5.29 GiB per rank on the device" in said
+    tips = said.split("Try (each alone, per rank):\n")[1].split("\n(")[0].splitlines()
+    assert tips == ["  - peft=lora (a bf16 base loads already sharded under ZeRO-3): -0.82 GiB"]

@@ -134,7 +134,7 @@ class PlanRecord:
     host_rows: list[PlanRow] = field(default_factory=list)
     host_gib: float = 0.0
     loading_device_gib: float | None = None
-    """A quantized mixture's loading peak on a rank's device (memory.loading.loading_peak);
+    """A quantized base's loading peak on a rank's device (memory.loading.loading_peak);
     None where loading holds no more than the base."""
     loading_host_gib: float | None = None
 

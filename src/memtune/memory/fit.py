@@ -179,18 +179,54 @@ def _variants(cfg: RunConfig) -> list[tuple[RunConfig, list[str], float]]:
     return sorted(out, key=lambda item: (item[2], len(item[1])))
 
 
+def device_need_gib(p: Plan) -> float:
+    """What a plan needs of the device per rank: its step's peak, or its loading peak where
+    that is larger (a quantized base read whole before ZeRO-3 shards it: memory.loading)."""
+    return max(p.total_gib, p.loading.device_gib if p.loading is not None else 0.0)
+
+
+def _loading_tips(cfg: RunConfig, d: Decisions) -> list[tuple[str, str, Apply]]:
+    """Changes that lower the loading peak, which memory_changes (the step's) leave alone: a
+    base in the compute dtype loads already sharded under ZeRO-3 (zero.Init), where a
+    quantized one is read whole first; and a mixture split over more ranks reads only its own
+    experts."""
+    tips: list[tuple[str, str, Apply]] = []
+    if d.zero_stage == 3 and d.peft_method in ("qlora", "lora-int8"):
+        tips.append(
+            (
+                "peft=lora",
+                f"a {cfg.trainer.precision} base loads already sharded under ZeRO-3",
+                lambda v: with_sections(v, peft={"method": "lora"}),
+            )
+        )
+    split = d.experts.parallel if d.experts is not None else 0
+    if split and d.batch.ranks % (2 * split) == 0:
+        tips.append(
+            (
+                f"trainer.expert_parallel={2 * split}",
+                "each rank reads and keeps fewer experts",
+                lambda v: with_sections(v, trainer={"expert_parallel": str(2 * split)}),
+            )
+        )
+    return tips
+
+
 def suggestions(
     cfg: RunConfig, d: Decisions, counts: ParamCounts, machine: RankMachine
 ) -> list[str]:
     """Changes that lower the per-rank peak of ``cfg`` run as ``d``, each alone with what it
     saves by the plan, largest first; changes that would save less than 0.05 GiB are left out.
     Besides memory_changes: half the micro batch, and half the sequence length (which does
-    change the data). A run whose device fits and whose pinned host rows do not (offloaded
-    layer inputs over plan.host_gib) is scored by what a change saves there, among the changes
-    that keep the device fitting, and offloading nothing is one of them."""
+    change the data). The device's need is the step's peak or the loading peak, the larger
+    (:func:`device_need_gib`); a run whose loading alone does not fit also gets the changes
+    that lower loading (:func:`_loading_tips`). A run whose device fits and whose pinned host
+    rows do not (offloaded layer inputs over plan.host_gib) is scored by what a change saves
+    there, among the changes that keep the device fitting, and offloading nothing is one of
+    them; one whose loading's host memory does not fit, by what a change saves of that."""
     settings, choices = settings_of(cfg, d), pinned(d)
     tips = [(override, why, apply) for override, why, _, apply in memory_changes(settings)]
     given = plan(cfg, d, counts)
+    loading_host_bound = given.device_fits and not given.loading_fits_host
     host_bound = given.device_fits and given.loading_fits_host and not given.fits
     if host_bound and d.offload_activations:
         tips.append(
@@ -200,6 +236,9 @@ def suggestions(
                 lambda v: with_sections(v, trainer={"offload_activations": "off"}),
             )
         )
+    loading_bound = given.loading is not None and device_need_gib(given) > given.total_gib
+    if loading_bound or loading_host_bound:
+        tips += _loading_tips(settings, d)
     half = d.batch.micro_batch // 2
     if half >= 1:
         tips.append(
@@ -217,6 +256,12 @@ def suggestions(
             lambda v: with_sections(v, data={"max_seq_len": half_len}),
         )
     )
+
+    def need(p: Plan) -> float:
+        if loading_host_bound:
+            return p.loading.host_gib if p.loading is not None else 0.0
+        return p.host_total_gib if host_bound else device_need_gib(p)
+
     scored = []
     for override, why, apply in tips:
         trial = apply(settings)
@@ -230,12 +275,9 @@ def suggestions(
         if trial.trainer.offload_activations == "off":
             kept = dataclasses.replace(choices, offload_activations=None)
         planned = plan(trial, admitted(trial, kept, machine), counts)
-        if host_bound and not planned.device_fits:
+        if (host_bound or loading_host_bound) and not planned.device_fits:
             continue  # it moves the problem to the device
-        if host_bound:
-            saved = given.host_total_gib - planned.host_total_gib
-        else:
-            saved = given.total_gib - planned.total_gib
+        saved = need(given) - need(planned)
         if saved >= 0.05:
             scored.append((saved, f"{override} ({why}): -{saved:.2f} GiB"))
     return [tip for _, tip in sorted(scored, key=lambda item: -item[0])]
@@ -245,9 +287,10 @@ def format_suggestions(
     cfg: RunConfig, d: Decisions, counts: ParamCounts, machine: RankMachine
 ) -> str:
     """The "Try:" list of a run that does not fit."""
-    return "Try (each alone, per rank):\n" + "\n".join(
-        f"  - {tip}" for tip in suggestions(cfg, d, counts, machine)
-    )
+    tips = suggestions(cfg, d, counts, machine)
+    if not tips:
+        return "Try: no single change memtune knows lowers it by 0.05 GiB or more (by the plan)"
+    return "Try (each alone, per rank):\n" + "\n".join(f"  - {tip}" for tip in tips)
 
 
 ESTIMATE_TIE = 0.005

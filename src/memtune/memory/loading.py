@@ -3,9 +3,9 @@
 they are read holds, at the peak, the quantized model read so far and one stack in the compute
 dtype with what quantizing it takes (rank.experts.experts_as_loaded), on the rank's GPU under
 ZeRO-2 and ZeRO-3 alike; one in the compute dtype split by expert under ZeRO-3 holds the rest
-of the base on the host while it is read. Every other base loads no more than it keeps, but
-for a dense quantized one under ZeRO-3 on GPUs: read whole onto each GPU too
-(:func:`loading_peak`), not planned here. Pure functions of the config, the decisions and the
+of the base on the host while it is read. A dense quantized base under ZeRO-3 is read whole
+onto each rank too, before DeepSpeed shards it (:func:`dense_quantized_loading_peak`). Every
+other base loads no more than it keeps. Pure functions of the config, the decisions and the
 parameter counts (:mod:`memtune.memory.counts`), like :mod:`memtune.memory.estimate`, whose
 :class:`~memtune.memory.estimate.Plan` carries the result.
 """
@@ -63,10 +63,10 @@ class LoadingPeak:
 def loading_peak(
     cfg: RunConfig, d: Decisions, counts: ParamCounts, whole: float, held: float
 ) -> LoadingPeak | None:
-    """The loading peak of a mixture whose expert stacks are quantized as they are read, or of
-    one in the compute dtype split by expert under ZeRO-3; None for anything else (a base in
-    the compute dtype loads no more than it keeps; a dense quantized one is read whole onto
-    each GPU under ZeRO-3, as below, and is not planned here). ``whole``: the base's bytes as
+    """The loading peak of a mixture whose expert stacks are quantized as they are read, of
+    one in the compute dtype split by expert under ZeRO-3, or of a dense quantized base under
+    ZeRO-3 (:func:`dense_quantized_loading_peak`); None for anything else (a base in the
+    compute dtype loads no more than it keeps). ``whole``: the base's bytes as
     this rank reads it (its own experts alone under expert parallelism); ``held``: a rank's
     share of them once DeepSpeed has them (the plan's base-weights row).
 
@@ -99,7 +99,7 @@ def loading_peak(
     head or this rank's share of a gate_up stack) at most."""
     experts = d.experts
     if experts is None or not counts.experts:
-        return None
+        return dense_quantized_loading_peak(cfg, d, counts, whole)
     split_zero3 = experts.parallel > 1 and d.zero_stage == 3
     if experts.storage == "compute" and not split_zero3:
         return None
@@ -138,3 +138,35 @@ def loading_peak(
     if cuda:  # read onto the GPU, a checkpoint tensor at a time through the host (docstring)
         return LoadingPeak((whole + transient) / GIB, largest_read / GIB, how)
     return LoadingPeak((whole + transient) / GIB, (whole + transient) / GIB, how)
+
+
+def dense_quantized_loading_peak(
+    cfg: RunConfig, d: Decisions, counts: ParamCounts, whole: float
+) -> LoadingPeak | None:
+    """A dense QLoRA or LLM.int8 base under ZeRO-3: transformers does not build a quantized
+    model under zero.Init (modeling_utils: ``is_deepspeed_zero3_enabled() and not
+    is_quantized``), so each rank reads the whole quantized base, onto its GPU (bitsandbytes'
+    quantizer sets the device map to the current card) or, on CPU ranks, into its memory, and
+    DeepSpeed's engine shards it afterwards: the plan's base-weights row is a rank's share, and
+    loading holds all of it. On top: the linear weight being quantized (the largest, e.g.
+    Qwen2.5-7B's 18,944 × 3,584 gate_proj) in the compute dtype, with bitsandbytes'
+    temporaries (QUANTIZE_TEMPORARY_BYTES), the host holding one checkpoint tensor at a time
+    on a GPU machine. None under ZeRO-2 (the base is kept whole anyway; one weight's
+    transient is noise beside a step) and for a base in the compute dtype."""
+    if d.zero_stage != 3 or d.peft_method not in ("qlora", "lora-int8"):
+        return None
+    kind = cfg.peft.quant_type if d.peft_method == "qlora" else "int8"
+    cuda = cfg.plan.device_gib is not None
+    b = compute_bytes(cfg)
+    largest = max((i * o for _, i, o in counts.linear_shapes), default=0)
+    temporaries = QUANTIZE_TEMPORARY_BYTES.get(("cuda" if cuda else "cpu", kind), 0)
+    transient = largest * (b + temporaries)
+    where = "each GPU" if cuda else "each rank"
+    how = (
+        f"the whole {kind} base on {where}, read outside zero.Init and then sharded by "
+        f"ZeRO-3, + one {_size(largest * b)} linear weight in {cfg.trainer.precision} being "
+        "quantized" + (f" ({_size(transient)} with its temporaries)" if temporaries else "")
+    )
+    read = max(counts.embedding, counts.head, largest) * b
+    device = (whole + transient) / GIB
+    return LoadingPeak(device, read / GIB if cuda else device, how)
