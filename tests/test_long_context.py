@@ -86,13 +86,27 @@ def test_tiled_mlp_recomputes_with_the_forwards_dropout_masks() -> None:
 @pytest.mark.parametrize("dropout", ["0", "0.2"])
 def test_offloaded_checkpoints_give_the_same_lora_gradients(dropout: str) -> None:
     """Against transformers' own (non-reentrant) checkpointing of every layer, which replays
-    the RNG too; the first layer's input (the frozen embedding's) needs no gradient."""
+    the RNG too; the first layer's input (the frozen embedding's) needs no gradient. The
+    inputs go into one host buffer a layer, exactly its bytes (the plan's host row), kept
+    from step to step and grown only for a wider batch; a forward without grad in training
+    mode (a live reference pass) puts nothing there."""
     overrides = ("trainer.checkpoint_layers=all", f"peft.dropout={dropout}")
     cfg, model = _model(*overrides)
     want = _grads(cfg, model)
     cfg, model = _model(*overrides)
     assert offload_checkpoints(model.get_base_model(), torch.device("cpu")) == 2
     _assert_same(want, _grads(cfg, model))
+    copies = decoder_layers(model)[0]._gradient_checkpointing_func.copies
+    kept = [(b.data.data_ptr(), b.data.numel()) for b in copies.buffers]
+    assert [n for _, n in kept] == [2 * 96 * 256 * 4] * 2 and copies.host == []  # fp32
+    _assert_same(want, _grads(cfg, model))  # a second step over the same buffers
+    assert [(b.data.data_ptr(), b.data.numel()) for b in copies.buffers] == kept
+    wider = torch.randint(0, 1024, (2, 128), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        model(input_ids=wider)
+    assert copies.host == [] and len(copies.buffers) == 2
+    CausalLMLoss(model, "chunked", 64)(input_ids=wider, labels=wider).backward()
+    assert [b.data.numel() for b in copies.buffers] == [2 * 128 * 256 * 4] * 2
 
 
 def test_a_recomputed_layers_output_values_are_freed_before_its_backward(monkeypatch) -> None:
@@ -234,3 +248,19 @@ def test_selective_zero3_ranks_train_as_without(zero3_run: Run, runs_root) -> No
     b = load_file(str(zero3_run.dir / "adapter" / "adapter_model.safetensors"))
     for key in a:
         assert float((a[key] - b[key]).norm() / b[key].norm()) < 1e-4, key
+
+
+@pytest.mark.gpu
+def test_offloaded_inputs_are_page_locked_at_their_own_size_on_a_gpu() -> None:
+    """On CUDA each layer's buffer is pinned in place (cudaHostRegister), its size the input's
+    bytes (torch's pinned allocator would round 3 × 1,000 × 3,584 bf16 up to 32 MiB), and the
+    input comes back as it went."""
+    from memtune.rank.long_context import HostCopies
+
+    copies = HostCopies(torch.device("cuda"))
+    xs = [torch.randn(3, 1000, 3584, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    assert [copies.put(x) for x in xs] == [0, 1]
+    assert all(b.data.is_pinned() and b.data.numel() == 3 * 1000 * 3584 * 2 for b in copies.buffers)
+    assert torch.equal(copies.take(1), xs[1]) and torch.equal(copies.take(0), xs[0])
+    copies.release()
+    assert copies.buffers == []
