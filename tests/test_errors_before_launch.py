@@ -625,6 +625,21 @@ def test_a_master_port_in_use_is_refused_before_the_ranks_start() -> None:
                 raise
     unset = to_run_config(compose([]))
     check_master_port(unset, resolve(unset))  # memtune's own free port, picked at launch
+    # per-node, node 0: the port it derived (here $MASTER_PORT; else the Slurm job id's)
+    nodes = ["launcher.num_ranks=2", "launcher.nnodes=2", "run_dir=/r", "launcher.launch_id=1"]
+    per_node = to_run_config(compose([*nodes, "launcher.master_addr=127.0.0.1"]))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        spec = resolve(per_node, env={"MASTER_PORT": str(port)})
+        with pytest.raises(ConfigError) as err:
+            check_master_port(per_node, spec)
+    assert str(err.value) == (
+        f"the rendezvous port {port} (from $MASTER_PORT or the Slurm job id): the port is in "
+        "use on this machine (127.0.0.1: another job's ranks, or another program); set "
+        "launcher.master_port (or $MASTER_PORT) to a free port"
+    )
 
 
 # ------------------------------------------------------------------ notes, not refusals

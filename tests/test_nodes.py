@@ -406,7 +406,15 @@ def test_per_node_form_needs_what_the_nodes_must_agree_on() -> None:
 
 @pytest.mark.parametrize(
     ("nodelist", "first"),
-    [("gpu[07-09,12],cpu1", "gpu07"), ("node3", "node3"), ("a,b", "a"), ("x[1,3]", "x1")],
+    [
+        ("gpu[07-09,12],cpu1", "gpu07"),
+        ("node3", "node3"),
+        ("a,b", "a"),
+        ("x[1,3]", "x1"),
+        ("rack[1-2]-n[01-04],cpu1", "rack1-n01"),
+        ("a[1-2]-b[3-4]", "a1-b3"),
+        ("gpu-[3,5]-x", "gpu-3-x"),
+    ],
 )
 def test_first_host_of_a_slurm_node_list(nodelist: str, first: str) -> None:
     assert first_host(nodelist) == first

@@ -74,21 +74,33 @@ def port_in_use(port: int, addr: str = "127.0.0.1") -> bool:
 
 
 def check_master_port(cfg: RunConfig, spec: NodeSpec) -> None:
-    """An explicitly set launcher.master_port that is in use on this machine, refused before
-    the ranks start (they stopped with DistNetworkError EADDRINUSE after launch): on one node
-    at 127.0.0.1, the address the ranks meet at; in the per-node form on node 0, at
-    launcher.master_addr, where the store listens. A hostfile job's node 0 may be another
-    machine: not checked."""
-    port = cfg.launcher.master_port
+    """A launcher.master_port in use on this machine, refused before the ranks start (they
+    stopped with DistNetworkError EADDRINUSE after launch): on one node at 127.0.0.1, the
+    address the ranks meet at, where the user set it (unset, memtune picks a free one); in
+    the per-node form on node 0, at launcher.master_addr, where the store listens, set or
+    derived ($MASTER_PORT, or 20000 + the Slurm job id mod 20000: inside Linux's ephemeral
+    range for about a third of job ids, where an outgoing connection may hold it). A hostfile
+    job's node 0 may be another machine: not checked; nor a run that starts no rank
+    (preprocess_only, plan_only)."""
+    port = cfg.launcher.master_port if spec.form == "local" else spec.master_port
     if port is None or spec.node_rank != 0 or spec.form == "hostfile":
+        return
+    if cfg.preprocess_only or cfg.plan_only:
         return
     addr = "127.0.0.1" if spec.form == "local" else spec.master_addr
     if addr is None or not port_in_use(port, addr):
         return
-    unset = ", or leave it unset: memtune picks a free one" if spec.form == "local" else ""
+    if spec.form == "local":
+        name = f"launcher.master_port={port}"
+        fix = "choose a free port, or leave it unset: memtune picks a free one"
+    elif cfg.launcher.master_port is not None:
+        name, fix = f"launcher.master_port={port}", "choose a free port"
+    else:
+        name = f"the rendezvous port {port} (from $MASTER_PORT or the Slurm job id)"
+        fix = "set launcher.master_port (or $MASTER_PORT) to a free port"
     raise ConfigError(
-        f"launcher.master_port={port}: the port is in use on this machine ({addr}: another "
-        f"job's ranks, or another program); choose a free port{unset}"
+        f"{name}: the port is in use on this machine ({addr}: another job's ranks, or "
+        f"another program); {fix}"
     )
 
 

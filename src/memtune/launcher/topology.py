@@ -49,18 +49,20 @@ class NodeSpec:
 
 
 def first_host(nodelist: str) -> str:
-    """The first host of a Slurm node list: ``gpu[07-09,12],cpu1`` → ``gpu07``.
+    """The first host of a Slurm node list: ``gpu[07-09,12],cpu1`` → ``gpu07``,
+    ``rack[1-2]-n[01-04]`` → ``rack1-n01``.
 
-    ``scontrol show hostnames`` does this where Slurm's tools are installed; this covers the
-    list syntax so the launcher does not need them on the PATH.
+    ``scontrol show hostnames`` does this where Slurm's tools are installed (train.sbatch uses
+    it); this covers the list syntax so the launcher does not need them on the PATH: the
+    first item (up to a comma outside brackets), each bracket replaced by its first number.
     """
-    item = re.match(r"[^,\[]*(\[[^\]]*\])?", nodelist.strip())
-    head = item.group(0) if item else nodelist
-    if "[" not in head:
-        return head
-    prefix, ranges = head.split("[", 1)
-    first = ranges.rstrip("]").split(",")[0].split("-")[0]
-    return prefix + first
+    text, depth = nodelist.strip(), 0
+    for i, char in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            text = text[:i]
+            break
+    return re.sub(r"\[([^\]]*)\]", lambda m: m.group(1).split(",")[0].split("-")[0], text)
 
 
 def _int_env(env: Mapping[str, str], *names: str) -> int | None:
