@@ -158,14 +158,26 @@ def rope_positions(
     model, which has ``get_rope_index``): row 0 the text position, rows 1-3 the 3-D rotary
     position, each restarting at every sample (``cu_seq_lens``: a packed row's samples;
     ``attention_mask``: right-padded rows) and computed by the model on the sample alone, with
-    its own images (``image_grid_thw`` in the order of their tokens)."""
+    its own images (``image_grid_thw`` in the order of their tokens).
+
+    Computed on the host from host copies of the ids, types and grids, and moved to the
+    batch's device once: on a GPU each sample's image count and get_rope_index's own
+    ``.item()`` calls would be a host sync apiece, several per packed sample."""
     rows, width = input_ids.shape
+    target = input_ids.device
+    input_ids = input_ids.cpu()
     device = input_ids.device
+    if image_grid_thw is not None:
+        image_grid_thw = image_grid_thw.cpu()
+    if cu_seq_lens is not None:
+        cu_seq_lens = cu_seq_lens.cpu()
+    if attention_mask is not None:
+        attention_mask = attention_mask.cpu()
     positions = torch.zeros(4, rows, width, dtype=torch.long, device=device)
     segments = row_segments(rows, width, cu_seq_lens, attention_mask)
     if segments is None:
         segments = [[(0, width)]] * rows
-    types = mm_token_type_ids
+    types = mm_token_type_ids.cpu() if mm_token_type_ids is not None else None
     if types is None:
         types = torch.zeros_like(input_ids)
     starts = types == MM_IMAGE
@@ -189,7 +201,7 @@ def rope_positions(
             f"{len(image_grid_thw)} images in the batch and {used} images' tokens in its "
             "samples (an image's tokens outside any sample?)"
         )
-    return positions
+    return positions.to(target)
 
 
 def multimodal_hidden(
