@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from memtune.config import to_run_config, validate
-from tests.conftest import compose_cfg, decided
+from tests.conftest import CPU_RANKS, compose_cfg, decided
 from tests.test_moe import TINY
 
 MIB = 2**20
@@ -392,6 +392,8 @@ def test_the_plan_states_the_loading_peak_of_a_quantized_mixture(zero: str) -> N
         assert tips.splitlines() == [
             "  - trainer.expert_parallel=2 (each rank reads and keeps fewer experts): -3.24 GiB"
         ]
+        # the long-context choices the step needs (none), not the smallest step's
+        assert "long context (auto)" not in str(err.value)
     bf16 = to_run_config(compose_cfg(["experiment=qwen3-30b-a3b-4x4090-lora"]))
     assert plan(bf16, decided(bf16)).loading is None
 
@@ -461,3 +463,26 @@ def test_a_dense_quantized_base_under_zero3_is_read_whole_by_each_rank(tmp_path:
     assert "this run's loading needs 5.29 GiB per rank on the device" in said
     tips = said.split("Try (each alone, per rank):\n")[1].split("\n(")[0].splitlines()
     assert tips == ["  - peft=lora (a bf16 base loads already sharded under ZeRO-3): -0.82 GiB"]
+
+    # Qwen3.5-27B QLoRA on 14 GiB cards: the step fits only with the sequence split and
+    # the inputs offloaded, the 16.61 GiB load at no length. The long-context choices are
+    # the fastest for the step (once the smallest step's: sp=4 at 244 s a step, not 170); no
+    # single change helps, and the longest-sequence search says why it finds none.
+    from memtune.memory.fit import format_longest_sequence
+
+    big = ["experiment=qwen3.5-27b-4x4090-lora", "peft=qlora-nf4", "zero=zero3"]
+    small27 = to_run_config(compose_cfg([*big, "plan.device_gib=14"]))
+    with pytest.raises(ConfigError) as err:
+        fit_to_device(small27)
+    said = str(err.value)
+    assert (
+        "long context (auto): sequence_parallel=2 tiled_mlp=off offload_activations=on (the "
+        "fastest for the step of 12 combinations; its loading does not fit)" in said
+    )
+    assert "this run's loading needs 16.61 GiB per rank" in said
+    assert "\nTry: no single change memtune knows lowers it by 0.05 GiB or more" in said
+    d27 = decided(small27, recompute=63)
+    assert format_longest_sequence(small27, d27, plan(small27, d27).counts, CPU_RANKS).endswith(
+        "none, at any length: this run's loading does not fit (its loading: line), and the "
+        "length does not change it"
+    )

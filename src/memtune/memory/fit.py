@@ -538,6 +538,19 @@ def long_context_variants(cfg: RunConfig) -> list[tuple[Choices, float]]:
     return sorted(out, key=lambda item: item[1])
 
 
+def _unloaded(planned: Plan) -> Plan:
+    """``planned`` without its loading peak: the step's memory alone."""
+    return dataclasses.replace(planned, loading=None)
+
+
+def _loading_fails(planned: Plan) -> bool:
+    """The loading peak alone does not fit: the device's or the host's."""
+    lo, device = planned.loading, planned.device_gib
+    if lo is None:
+        return False
+    return (device is not None and lo.device_gib > device) or not planned.loading_fits_host
+
+
 def long_context_label(d: Decisions) -> str:
     on = {True: "on", False: "off"}
     return (
@@ -573,9 +586,10 @@ def resolve_long_context(
         return Choices(), None
     variants = long_context_variants(cfg)
     cheapest = _long_context_trial(cfg, variants[0][0], counts, machine)
-    if cheapest[2]:
+    if cheapest[2] or (_loading_fails(cheapest[1]) and fits_with_spare(_unloaded(cheapest[1]))):
         # The cheapest (none of them beyond what was set) fits: take it, and say nothing at
-        # every launch — they stay unmeasured on GPUs.
+        # every launch — they stay unmeasured on GPUs. So where it fits but for its loading,
+        # which no combination changes (the refusal names the loading).
         return variants[0][0], None
     trials = [cheapest, *(_long_context_trial(cfg, c, counts, machine) for c, _ in variants[1:])]
     scored = []
@@ -583,6 +597,14 @@ def resolve_long_context(
         speed = step_time(cfg, resolved, counts) if fits and cfg.plan.device_tflops else None
         scored.append((choices, resolved, cost, planned, fits, speed))
     fitting = [s for s in scored if s[4]]
+    for_the_step = not fitting and _loading_fails(cheapest[1])
+    if for_the_step:
+        # The loading peak is the same for every combination: where it alone does not fit,
+        # they are chosen for the step as if it did (the refusal names the loading), not for
+        # the smallest step, which only costs time.
+        fitting = [s for s in scored if fits_with_spare(_unloaded(s[3]))]
+        if cfg.plan.device_tflops:
+            fitting = [(*s[:5], step_time(cfg, s[1], counts)) for s in fitting]
     if fitting:
         if cfg.plan.device_tflops:
             best = min(fitting, key=lambda s: s[5].step_s if s[5] else math.inf)
@@ -590,6 +612,8 @@ def resolve_long_context(
             best = fitting[0]
         why = "the fastest that fits" if cfg.plan.device_tflops else "the cheapest that fits"
         why += f" of {len(scored)} combinations"
+        if for_the_step:
+            why = why.replace("that fits", "for the step") + "; its loading does not fit"
     else:
         best = min(scored, key=lambda s: s[3].total_gib)
         short = f" with {AUTO_CHECKPOINT_SPARE_GIB:g} GiB to spare" if best[3].fits else ""
@@ -654,6 +678,13 @@ def format_longest_sequence(
     cfg: RunConfig, d: Decisions, counts: ParamCounts, machine: RankMachine
 ) -> str:
     """make plan's line: the longest sequence this experiment's box can train, and how."""
+    if _loading_fails(plan(cfg, d, counts)):
+        # loading does not depend on the length: no search would find one
+        return (
+            f"longest sequence that fits ({AUTO_CHECKPOINT_SPARE_GIB:g} GiB spare): none, at any "
+            "length: this run's loading does not fit (its loading: line), and the length does "
+            "not change it"
+        )
     n, how = longest_sequence(cfg, d, counts, machine)
     if not n:
         least = max(1, -(-row_image_tokens(cfg) // 1024)) * 1024  # longest_sequence's first
