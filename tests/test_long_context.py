@@ -214,6 +214,13 @@ def test_tiled_and_offloaded_zero3_ranks_train_as_without(zero3_run: Run, runs_r
     )
     assert run.code == 0
     assert [m["train/loss"] for m in run.metrics()] == pytest.approx(zero3_run.losses(), rel=1e-5)
+    # each rank's offloaded inputs held in host memory: the plan's host row, to the byte
+    import json
+
+    memory = json.loads((run.dir / "memory.json").read_text())
+    host = [c for c in memory["vs_plan"] if c["measure"] == "host offload"]
+    assert [c["rank"] for c in host] == [0, 1], memory["vs_plan"]
+    assert all(c["measured_gib"] == c["planned_gib"] > 0 for c in host), host
     norms = [[m["train/grad_norm"] for m in r.metrics()] for r in (run, zero3_run)]
     assert norms[0] == pytest.approx(norms[1], rel=1e-5)
     a = load_file(str(run.dir / "adapter" / "adapter_model.safetensors"))

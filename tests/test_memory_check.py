@@ -101,3 +101,28 @@ def test_what_the_device_held_outside_the_allocator_is_judged_against_its_row() 
     checks = check(bare, measured, "cuda")
     assert [c.measure for c in checks] == ["peak allocated", "peak reserved"] * 2
     assert not any("WARNING" in line for line in verdict(bare, checks, "cuda"))
+
+
+def test_offloaded_inputs_in_host_memory_are_judged_against_the_host_row() -> None:
+    """On a GPU and on CPU ranks alike (the buffers are counted, not read from RSS); a plan
+    without host rows, or a rank that offloads nothing, has no such check."""
+    import dataclasses
+
+    offloading = dataclasses.replace(
+        RECORD, host_rows=[PlanRow("offloaded layer inputs", 5.91, "27 layers × 32,768 tokens")]
+    )
+    gpu = {"peak_allocated_gib": 18.0, "peak_reserved_gib": 19.0}
+    ranks = [{**gpu, "peak_host_offload_gib": 5.91}, {**gpu, "peak_host_offload_gib": 6.5}]
+    lines = verdict(offloading, check(offloading, ranks, "cuda"), "cuda")
+    assert lines[-2] == (
+        "offloaded layer inputs in host memory per rank, GiB: rank0 5.91 of 5.91 planned, "
+        "rank1 6.50 of 5.91 planned"
+    )
+    assert lines[-1].startswith("WARNING: rank1 held 6.50 GiB of host memory for offloaded")
+    cpu = [{"peak_rss_gib": 0.55, "rss_gib": 0.5, "peak_host_offload_gib": 5.91}]
+    (rss, host) = verdict(offloading, check(offloading, cpu, "cpu"), "cpu")
+    assert "not judged" in rss and host.endswith("rank0 5.91 of 5.91 planned")
+    assert [c.measure for c in check(RECORD, ranks, "cuda")] == [
+        "peak allocated",
+        "peak reserved",
+    ] * 2

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from memtune.rank.layers import SelectiveCheckpoint, decoder_layers
+from memtune.rank.telemetry import count_host_offload
 
 # --- tiled MLP --------------------------------------------------------------------------------
 
@@ -156,6 +157,8 @@ class HostBuffer:
             cudart = torch.cuda.cudart()
             torch.cuda.check_error(int(cudart.cudaHostRegister(self.data.data_ptr(), nbytes, 0)))
             self.pinned = True
+        self.counted = nbytes
+        count_host_offload(nbytes)  # the rank's memory.json: peak_host_offload_gib
 
     def holding(self, like: torch.Tensor) -> torch.Tensor:
         """A view of the buffer shaped and typed as ``like``."""
@@ -164,6 +167,8 @@ class HostBuffer:
 
     def release(self) -> None:
         """Unlock the pages (before the tensor's memory goes back to the host's allocator)."""
+        count_host_offload(-self.counted)
+        self.counted = 0
         if self.pinned:
             self.pinned = False
             torch.cuda.check_error(

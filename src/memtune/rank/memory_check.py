@@ -26,6 +26,10 @@ OVER = 0.05
 OUTSIDE = "outside the allocator"
 """The measure of what the device held beyond torch's allocator (rank.telemetry)."""
 
+HOST = "host offload"
+"""The measure of the host memory a rank held for offloaded layer inputs (rank.long_context's
+buffers), against the plan's host rows: exact on a GPU and on CPU ranks alike."""
+
 
 @dataclass
 class RankCheck:
@@ -76,12 +80,39 @@ def check(
             start = (cpu_start_rss_gib or [0.0] * len(measured))[rank]
             growth = max(m["peak_rss_gib"] - start, 0.0)
             out.append(RankCheck(rank, "RSS growth", _planned(record, lambda r: r.live), growth))
+        host = sum(r.gib for r in record.host_rows)
+        if host > 0 and "peak_host_offload_gib" in m:
+            out.append(RankCheck(rank, HOST, host, m["peak_host_offload_gib"]))
     return out
 
 
 def verdict(record: PlanRecord, checks: list[RankCheck], device_type: str) -> list[str]:
     """Lines for the closing summary: planned vs measured, and for a GPU rank more than 5%
-    over its plan, the rows most likely responsible."""
+    over its plan, the rows most likely responsible; the offloaded inputs' host memory against
+    its rows on either device."""
+    host = [c for c in checks if c.measure == HOST]
+    checks = [c for c in checks if c.measure != HOST]
+    return _device_verdict(record, checks, device_type) + _host_verdict(host)
+
+
+def _host_verdict(host: list[RankCheck]) -> list[str]:
+    if not host:
+        return []
+    per_rank = ", ".join(
+        f"rank{c.rank} {c.measured_gib:.2f} of {c.planned_gib:.2f} planned" for c in host
+    )
+    lines = [f"offloaded layer inputs in host memory per rank, GiB: {per_rank}"]
+    worst = max(host, key=lambda c: c.ratio)
+    if worst.ratio > 1 + OVER:
+        lines.append(
+            f"WARNING: rank{worst.rank} held {worst.measured_gib:.2f} GiB of host memory for "
+            f"offloaded layer inputs against {worst.planned_gib:.2f} planned (a micro batch "
+            "wider than planned?); please report it with plan.json and memory.json."
+        )
+    return lines
+
+
+def _device_verdict(record: PlanRecord, checks: list[RankCheck], device_type: str) -> list[str]:
     if device_type != "cuda":
         per_rank = ", ".join(
             f"rank{c.rank} {c.measured_gib:.2f} (planned {c.planned_gib:.2f})" for c in checks

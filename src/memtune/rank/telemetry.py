@@ -29,6 +29,17 @@ reset (an evaluation's own window) also clears the counters the run's peak is re
 (CUDA's max_memory_*, and on CPU ru_maxrss with VmHWM): without these, a run whose last step
 was followed by an evaluation reported the evaluation's peak as the run's."""
 
+_HOST_OFFLOAD = {"now": 0, "peak": 0}
+"""Bytes of host memory this rank holds for offloaded layer inputs (rank.long_context's
+buffers, :func:`count_host_offload`): now, and the most so far; the plan's host row."""
+
+
+def count_host_offload(nbytes: int) -> None:
+    """``nbytes`` more (or, negative, fewer) host bytes held for offloaded layer inputs."""
+    _HOST_OFFLOAD["now"] += nbytes
+    _HOST_OFFLOAD["peak"] = max(_HOST_OFFLOAD["peak"], _HOST_OFFLOAD["now"])
+
+
 _OUTSIDE_PEAK: dict[str, float] = {}
 """The most this process has seen its GPU hold outside torch's allocator (see memory_snapshot)."""
 
@@ -56,6 +67,8 @@ def memory_snapshot(device: torch.device) -> dict[str, float]:
         rss = psutil.Process().memory_info().rss
         peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
         snapshot = {"rss_gib": rss / GIB, "peak_rss_gib": peak_kib * 1024 / GIB}
+    # on every rank, 0 where nothing is offloaded: the ranks gather the same keys
+    snapshot["peak_host_offload_gib"] = _HOST_OFFLOAD["peak"] / GIB
     for key, before in _PEAKS_BEFORE_RESET.items():
         snapshot[key] = max(snapshot[key], before)
     return snapshot
