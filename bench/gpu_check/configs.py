@@ -75,6 +75,7 @@ def plan_record(cfg: Any, d: Any, counts: Any) -> dict[str, Any]:
         "live_gib": sum(r.gib for r in p.rows if r.allocated and r.live),
         "fits": p.fits,
         "rows": [{"what": r.what, "gib": r.gib, "how": r.how} for r in p.rows],
+        "host_gib": p.host_total_gib,  # offloaded inputs (rank.long_context's host buffers)
     }
 
 

@@ -203,6 +203,10 @@ def run_memtune(
             peak_census(device, rec) if look else contextlib.nullcontext(),
         ):
             result = train(engine, batches, run_cfg, d, device, NullLogger(), TrainResult(), clock)
+        if d.offload_activations:  # against rec["plan"]["host_gib"]
+            from memtune.rank.telemetry import host_offload_gib
+
+            rec["host_offload_gib"] = host_offload_gib()
         rec["losses"] = result.losses
         rec["real_tokens"] = result.input_tokens
         return clock

@@ -40,6 +40,11 @@ def count_host_offload(nbytes: int) -> None:
     _HOST_OFFLOAD["peak"] = max(_HOST_OFFLOAD["peak"], _HOST_OFFLOAD["now"])
 
 
+def host_offload_gib() -> float:
+    """Host memory held for offloaded layer inputs now, GiB (the GPU check's long phases)."""
+    return _HOST_OFFLOAD["now"] / GIB
+
+
 _OUTSIDE_PEAK: dict[str, float] = {}
 """The most this process has seen its GPU hold outside torch's allocator (see memory_snapshot)."""
 
