@@ -323,9 +323,9 @@ def main(argv: list[str] | None = None) -> int:
                 stale.append(str(path.relative_to(ROOT)))
             continue
         OUT.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".md.tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
+        from memtune.filesystem import write_atomic
+
+        write_atomic(path, text)  # a temporary sibling of its own, renamed into place
         print(f"docs_reference: wrote {path.relative_to(ROOT)}")
     if stale:
         print(f"docs_reference: out of date: {', '.join(stale)} (run make docs-reference)")
