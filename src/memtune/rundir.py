@@ -360,6 +360,11 @@ class RunDir:
         """Per-node form: node K's mark that its ranks stopped with a checkpoint (launch_id)."""
         return self.path / f"stopped-node{node_rank}.json"
 
+    def node_failed(self, node_rank: int) -> Path:
+        """Per-node form: node K's mark that its part of the job failed (launch_id, its code
+        and line), which the other nodes' launchers watch for while their ranks run."""
+        return self.path / f"failed-node{node_rank}.json"
+
     def lock(self, node_rank: int = 0) -> Path:
         """This node's job lock (run_lock.hold): held by the job for its whole life."""
         return self.path / ("job.lock" if node_rank == 0 else f"job-node{node_rank}.lock")
@@ -411,10 +416,10 @@ class RunDir:
     RUN_FILES = (
         "config.yaml", "decisions.json", "ds_config.json", "plan.txt", "plan.json", "data.json",
         "resume.json", "base.json", "launch.txt", "launch-node[0-9]*.txt", "launch.json",
-        "stopped-node[0-9]*.json", "nodes.hostfile", "exit.json", "metrics.jsonl",
-        "checkpoints", "adapter", "summary.json", "memory.json", "oom-rank[0-9]*.json",
-        "restarted-oom-rank[0-9]*.json", "oom_restart.json", "wandb", "reference",
-        ".damaged-reference.*",
+        "stopped-node[0-9]*.json", "failed-node[0-9]*.json", "nodes.hostfile", "exit.json",
+        "metrics.jsonl", "checkpoints", "adapter", "summary.json", "memory.json",
+        "oom-rank[0-9]*.json", "restarted-oom-rank[0-9]*.json", "oom_restart.json", "wandb",
+        "reference", ".damaged-reference.*",
     )  # fmt: skip
     """What a run leaves in its dir (the README's table), as names and glob patterns. Not the
     GPU preflight's records (they describe the machine, and this launch's are written before

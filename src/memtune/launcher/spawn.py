@@ -10,7 +10,10 @@ and could not tell which rank died of what. Here each rank's exit status is this
 read: the first rank to fail (a code other than 0 and 75, or a signal) is named with its code
 or signal, the others get RANK_FAILURE_GRACE_S to end on their own and are then killed, and the
 job exits with one code that does not depend on polling order (:func:`job_code`). Each node of
-the per-node form does the same for its own ranks. The hostfile form goes through the
+the per-node form does the same for its own ranks, and marks in the run dir when its part of the
+job fails (topology.announce_failed): the other nodes' launchers watch for that mark while their
+ranks run and stop them (they waited for the failed node's ranks in torch's rendezvous or a
+collective until torch's timeout, 10 minutes and more). The hostfile form goes through the
 ``deepspeed`` command (ds_runner.py), which reads the hostfile and starts DeepSpeed's per-node
 launcher on every node over ssh.
 """
@@ -28,19 +31,25 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import psutil
 
 from memtune.config import ConfigError, RunConfig
 from memtune.detached import LAUNCHER_BOOT_ENV, LAUNCHER_PID_ENV, launcher_env
-from memtune.exit_codes import EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_REQUEUE
+from memtune.exit_codes import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_REQUEUE
 from memtune.filesystem import write_atomic
 from memtune.launcher.extensions import extensions_root
 from memtune.launcher.hygiene import clear_shm_buffers, clear_stale_locks
 from memtune.launcher.rank_signals import WORKER_MODULE, NodesOverSsh, is_rank
-from memtune.launcher.topology import NodeSpec, hostfile_hosts, resolve
+from memtune.launcher.topology import (
+    NodeSpec,
+    announce_failed,
+    failed_node,
+    hostfile_hosts,
+    resolve,
+)
 from memtune.machine import usable_cores
 from memtune.run_lock import held_lock_fds
 from memtune.rundir import RunDir
@@ -51,6 +60,9 @@ RANK_FAILURE_GRACE_S = 5.0
 """After one rank fails, how long the others get to end by themselves (a peer that lost its
 connection reports it and exits) before they are killed: they cannot go on without it."""
 POLL_S = 0.1
+NODE_WATCH_S = 2.0
+"""The per-node form: how often a node's launcher looks for another node's failure mark while
+its ranks run (topology.failed_node: a few small files on the shared run dir)."""
 
 
 def free_port() -> int:
@@ -253,20 +265,44 @@ def launch(
     clear_stale_locks(extensions_root())
     clear_shm_buffers()
     envs = [{**env, **start} for start in starts]
-    ranks = _Ranks(cmd, envs, module, own, nodes, first if own else 0)
+    per_node = spec.form == "per-node"
+    watch = functools.partial(failed_node, run_dir, spec) if per_node else None
+    ranks = _Ranks(cmd, envs, module, own, nodes, first if own else 0, watch)
     try:
-        return ranks.wait()
-    except BaseException:
+        code = ranks.wait()
+    except BaseException as err:
         # Whatever stops this process (a test's timeout, an error here) takes the ranks too:
         # orphaned ranks would keep their cores and ports.
         ranks.kill()
         for proc in ranks.procs:
             proc.wait()
+        if per_node:
+            why = " ".join(f"{type(err).__name__}: {err}".split()).removesuffix(":")
+            _tell_nodes_of_failure(run_dir, spec, EXIT_ERROR, f"train.py stopped on {why}")
         raise
     finally:
         ranks.restore_signals()
         if ranks.ended():  # the ranks are gone: their shared memory can go too
             clear_shm_buffers(port)
+    if per_node and code not in CLEAN_CODES and ranks.peer is None:
+        _tell_nodes_of_failure(run_dir, spec, code, ranks.report or f"exit code {code}")
+    return code
+
+
+def _tell_nodes_of_failure(run_dir: Path, spec: NodeSpec, code: int, why: str) -> None:
+    """This node's part of a per-node job failed on its own (not because another node's did):
+    its mark for the other nodes' launchers (topology.announce_failed); a mark that cannot be
+    written (a full disk) is said, since their ranks then wait until torch's timeout."""
+    try:
+        announce_failed(run_dir, spec, code, why)
+    except OSError as err:
+        path = RunDir(run_dir).node_failed(spec.node_rank)
+        print(
+            f"memtune: cannot write {path} ({type(err).__name__}: {err.strerror or err}): the "
+            "other nodes were not told",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 EXPORT_ENV = "MEMTUNE_EXPORT"
@@ -351,8 +387,16 @@ class _Ranks:
         own: bool,
         nodes: NodesOverSsh | None = None,
         first_rank: int = 0,
+        watch: Callable[[], tuple[int, str] | None] | None = None,
     ):
         self.module, self.own = module, own
+        self.watch = watch
+        """The per-node form: another node's failure mark, if any (topology.failed_node)."""
+        self.peer: tuple[int, str] | None = None
+        """The node whose failure stopped this node's ranks, and its line: the job's report
+        when it was seen before a rank here failed, or they only lost their peers."""
+        self.report: str | None = None
+        """This node's own failure, as its line says it (for the other nodes' launchers)."""
         self.first_rank = first_rank
         """The global rank of this node's first (the per-node form: the node's rank × its
         ranks): a failed rank is named as its own line names it."""
@@ -465,7 +509,8 @@ class _Ranks:
     def wait(self) -> int:
         codes: dict[int, int] = {}
         failed: tuple[int, float] | None = None  # the first rank to fail, and when
-        resent = time.monotonic()
+        peer_at: float | None = None  # when another node's failure was seen
+        resent = watched = time.monotonic()
         while len(codes) < len(self.procs):
             now = time.monotonic()
             for i, proc in enumerate(self.procs):
@@ -474,9 +519,14 @@ class _Ranks:
                     continue
                 codes[i] = code
                 if failed is None and code not in CLEAN_CODES and i not in self.killed:
-                    failed = (i, now)
-            if failed and not self.killed and now - failed[1] >= RANK_FAILURE_GRACE_S:
-                self.kill()  # the others cannot go on without it
+                    # after another node's failure: a consequence of it, not a cause
+                    failed = (i, now) if peer_at is None else None
+            if peer_at is None and failed is None and now - watched >= NODE_WATCH_S:
+                watched = now
+                peer_at = now if self._watch_nodes() else None
+            since = failed[1] if failed else peer_at
+            if since is not None and not self.killed and now - since >= RANK_FAILURE_GRACE_S:
+                self.kill()  # the others cannot go on without it (or without the other node)
             every = STOP_RESEND_S if self.nodes is None else STOP_RESEND_OVER_SSH_S
             if self.stopping and now - resent >= every:
                 self.signal_ranks()
@@ -487,15 +537,37 @@ class _Ranks:
             self.nodes.finish()
             self._say_ssh_failures()
         if self.interrupts > 1:
+            self.report = "stopped at once by a second Ctrl-C"
             return EXIT_INTERRUPTED
         first = failed[0] if failed else None
+        if first is not None and codes[first] == EXIT_PEER_LOST and self.peer is None:
+            self._watch_nodes()  # ranks that only lost their peers: another node's failure?
+        if self.peer is not None and (first is None or codes[first] == EXIT_PEER_LOST):
+            return EXIT_PEER_LOST  # the other node's line (said) is this node's report
         code, rank, line = job_code(codes, self.killed, first)
         if line is not None:
             who = f"rank {self.first_rank + rank}" if self.own else "DeepSpeed's launcher"
-            print(
-                f"memtune: {who} (pid {self.procs[rank].pid}) {line}", file=sys.stderr, flush=True
-            )
+            self.report = f"{who} (pid {self.procs[rank].pid}) {line}"
+            print(f"memtune: {self.report}", file=sys.stderr, flush=True)
         return code
+
+    def _watch_nodes(self) -> bool:
+        """Whether another node of a per-node job has marked its failure, said once, in one
+        line: this node's ranks would wait for its ranks (torch's rendezvous, a collective)
+        until torch's timeout, so they are stopped as after a rank's failure here."""
+        if self.watch is None:
+            return False
+        self.peer = self.watch()
+        if self.peer is None:
+            return False
+        node, why = self.peer
+        print(
+            f"memtune: node {node} failed: {why}; stopping this node's ranks (they cannot go on "
+            f"without it; exit code {EXIT_PEER_LOST})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return True
 
     def _say_ssh_failures(self) -> None:
         """A signal pdsh could not deliver, said when it is known (the stop, re-sent, may still

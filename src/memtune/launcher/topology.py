@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from memtune.config import ConfigError, RunConfig
+from memtune.exit_codes import EXIT_PEER_LOST
 from memtune.filesystem import write_atomic
 from memtune.rundir import RunDir
 
@@ -372,6 +373,32 @@ def announce_ready(
 def announce_stopped(run_dir: Path, spec: NodeSpec) -> None:
     """Nodes 1..: this node's ranks stopped with a checkpoint (a requeue's stop)."""
     _write_mark(RunDir(run_dir).node_stopped(spec.node_rank), {"launch_id": spec.launch_id})
+
+
+def announce_failed(run_dir: Path, spec: NodeSpec, code: int, error: str) -> None:
+    """Node K of a per-node job: its part of the job failed (its launcher's exit ``code``, not
+    0 or a stop's 75, and the line that says why). The ranks of the other nodes wait for its
+    ranks in torch's rendezvous or a collective until torch's timeout (10 min to an hour);
+    their launchers watch for this mark (:func:`failed_node`) and stop them. Node 0's word
+    before its ranks start is :func:`announce_ready`'s ``error``."""
+    record = {"launch_id": spec.launch_id, "node": spec.node_rank, "code": code, "error": error}
+    _write_mark(RunDir(run_dir).node_failed(spec.node_rank), record)
+
+
+def failed_node(run_dir: Path, spec: NodeSpec) -> tuple[int, str] | None:
+    """Another node's mark that it failed in this launch (:func:`announce_failed`), as (its
+    node rank, its line); one that failed for a reason of its own comes before one whose ranks
+    only lost their peers (EXIT_PEER_LOST), then the lowest node rank. None: no node failed."""
+    rd = RunDir(run_dir)
+    failed = []
+    for node in range(spec.nnodes):
+        record = None if node == spec.node_rank else _mark_of(rd.node_failed(node), spec)
+        if record is not None:
+            failed.append((record.get("code") == EXIT_PEER_LOST, node, str(record.get("error"))))
+    if not failed:
+        return None
+    _, node, error = min(failed)
+    return node, error
 
 
 def wait_stopped(run_dir: Path, spec: NodeSpec, timeout_s: float, poll_s: float = 0.5) -> list[int]:
