@@ -60,6 +60,11 @@ FAULTS = [
      "SIGTERM to every process of a two-node per-node job (Slurm's scancel or time limit)",
      "every rank saves and every node exits 75 (the job exited 143 through DeepSpeed's "
      "launcher); the same commands continue"),
+    ("test_nodes_crash", "test_a_node_whose_rank_fails_at_start_stops_the_other_node",
+     "a per-node job's rank raising at start-up after node 0's ready mark, on node 0, then on "
+     "node 1",
+     "the other node's ranks stopped within seconds, its line naming the node and its error, "
+     "exit 5 (they waited in torch's rendezvous until its 10-minute timeout)"),
     ("test_hostfile", "test_sigterm_stops_every_nodes_ranks",
      "SIGTERM to train.py in the hostfile form (the ranks started over ssh, sshd's, not its)",
      "every node's ranks save and exit 75 (the stop reached none of them); the same command "

@@ -1,0 +1,128 @@
+"""A per-node job whose part on one node fails after node 0 marked the run dir ready: the other
+nodes stop their ranks at once and say which node failed and why (they waited for its ranks in
+torch's rendezvous until torch's timeout, 10 minutes, and then printed a DistNetworkError
+traceback that named no node). Before the ready mark, node 0's word is its launch.json
+(tests/test_nodes.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from memtune.exit_codes import EXIT_PEER_LOST
+from memtune.launcher.spawn import free_port
+from memtune.launcher.topology import NodeSpec, announce_failed, failed_node
+from memtune.rundir import RunDir
+from tests.conftest import FAST, ROOT
+
+
+def test_a_nodes_failure_mark_is_this_launchs_and_names_the_cause(tmp_path: Path) -> None:
+    """Another node's mark of this launch id only (an earlier start's does not count, nor this
+    node's own); a node that failed for a reason of its own before one whose ranks only lost
+    their peers."""
+    spec = NodeSpec("per-node", 3, 1, 0, "n0", 29500, launch_id="9.1")
+    assert failed_node(tmp_path, spec) is None
+    announce_failed(tmp_path, replace(spec, launch_id="9.0", node_rank=1), 1, "an earlier start")
+    announce_failed(tmp_path, spec, 1, "this node's own")
+    assert failed_node(tmp_path, spec) is None
+    announce_failed(tmp_path, replace(spec, node_rank=1), EXIT_PEER_LOST, "lost its peers")
+    assert failed_node(tmp_path, spec) == (1, "lost its peers")
+    announce_failed(tmp_path, replace(spec, node_rank=2), 137, "rank 2 was killed by SIGKILL")
+    assert failed_node(tmp_path, spec) == (2, "rank 2 was killed by SIGKILL")
+    assert failed_node(tmp_path, replace(spec, node_rank=2)) == (0, "this node's own")
+    assert RunDir(tmp_path).node_failed(2).name == "failed-node2.json"
+
+
+def test_a_nodes_ranks_stop_when_another_node_failed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The launcher's wait (launcher.spawn) with a watch that finds another node's failure:
+    this node's ranks (here processes that would wait a minute, as in torch's rendezvous) get
+    the grace a rank's failure gives the others, are then killed, and the job's code is
+    EXIT_PEER_LOST with one line naming the node; the ranks it killed are not its report."""
+    from memtune.launcher import spawn
+
+    monkeypatch.setattr(spawn, "NODE_WATCH_S", 0.2)
+    monkeypatch.setattr(spawn, "RANK_FAILURE_GRACE_S", 0.3)
+    told: list[tuple[int, str] | None] = [None, None, (0, "rank 0 (pid 7) exited with code 1")]
+    cmd = [sys.executable, "-c", "import time; time.sleep(60)"]
+    envs = [dict(os.environ), dict(os.environ)]
+    ranks = spawn._Ranks(cmd, envs, "x", True, None, 2, watch=lambda: told.pop(0) or None)
+    start = time.monotonic()
+    try:
+        assert ranks.wait() == EXIT_PEER_LOST
+    finally:
+        ranks.kill()
+        ranks.restore_signals()
+    assert time.monotonic() - start < 10 and ranks.ended()
+    assert ranks.peer == (0, "rank 0 (pid 7) exited with code 1") and ranks.report is None
+    assert capsys.readouterr().err == (
+        "memtune: node 0 failed: rank 0 (pid 7) exited with code 1; stopping this node's "
+        f"ranks (they cannot go on without it; exit code {EXIT_PEER_LOST})\n"
+    )
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("failing", [0, 1], ids=["node0", "node1"])
+def test_a_node_whose_rank_fails_at_start_stops_the_other_node(
+    tmp_path: Path, failing: int
+) -> None:
+    """Two train.py processes on this machine play two nodes of one rank each; one node's rank
+    raises as it starts (tests/raise_inject), before torch's rendezvous, after node 0 marked
+    the run dir ready. That node says its rank's failure and exits with its code; the other
+    node's rank, waiting for it in the rendezvous, is stopped within seconds, and its node
+    says which node failed and why, exit code 5 (it waited until torch's 10-minute timeout;
+    node 0, whose rank hosts the rendezvous, too)."""
+    run_dir = tmp_path / "run"
+    args = [
+        *FAST,
+        "trainer.max_steps=4",
+        "launcher.num_ranks=2",
+        "launcher.nnodes=2",
+        "launcher.master_addr=127.0.0.1",
+        f"launcher.master_port={free_port()}",
+        "launcher.launch_id=f1",
+        f"run_dir={run_dir}",
+    ]
+    inject = str(ROOT / "tests" / "raise_inject")
+    path = os.pathsep.join(p for p in (inject, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "MEMTUNE_TEST_RAISE_IN_RANK": str(failing)}
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "train.py"), *args, f"launcher.node_rank={k}"],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for k in (1, 0)  # node 1 first: it waits for node 0's mark
+    ][::-1]
+    try:
+        out = nodes[failing].communicate(timeout=120)[0]
+        ended = time.monotonic()
+        other = nodes[1 - failing].communicate(timeout=60)[0]
+        waited = time.monotonic() - ended
+    finally:
+        for proc in nodes:  # a node still waiting: its ranks go with it (launcher.spawn)
+            proc.kill()
+            proc.wait()
+    assert nodes[failing].returncode == 1, out[-3000:]
+    said = re.search(rf"memtune: (rank {failing} \(pid \d+\) exited with code 1)\n", out)
+    assert said, out[-3000:]
+    assert nodes[1 - failing].returncode == EXIT_PEER_LOST, other[-3000:]
+    told = f"memtune: node {failing} failed: {said.group(1)}; stopping this node's ranks"
+    assert told in other, other[-3000:]
+    # the node's poll (2 s) and the ranks' grace (5 s); torch's rendezvous waits 600 s
+    assert waited < 20, waited
+    assert "Traceback" not in other, other[-3000:]  # its rank was killed while it waited
+    mark = RunDir(run_dir).node_failed(failing).read_text()
+    assert '"launch_id": "f1"' in mark and '"code": 1' in mark
+    assert not RunDir(run_dir).node_failed(1 - failing).exists()  # it only lost its peer
