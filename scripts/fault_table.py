@@ -65,6 +65,11 @@ FAULTS = [
      "node 1",
      "the other node's ranks stopped within seconds, its line naming the node and its error, "
      "exit 5 (they waited in torch's rendezvous until its 10-minute timeout)"),
+    ("test_nodes_crash", "test_a_node_with_another_number_of_ranks_is_refused_and_stops_node_0",
+     "a per-node job whose nodes are sized for different numbers of ranks (Slurm's --gpus=3 "
+     "over 2 nodes)",
+     "the node that differs is refused naming both counts and --gpus-per-node; node 0's ranks "
+     "stopped within seconds, exit 5 (the ranks met in worlds of two sizes and hung)"),
     ("test_hostfile", "test_sigterm_stops_every_nodes_ranks",
      "SIGTERM to train.py in the hostfile form (the ranks started over ssh, sshd's, not its)",
      "every node's ranks save and exit 75 (the stop reached none of them); the same command "

@@ -38,6 +38,10 @@ def test_a_nodes_failure_mark_is_this_launchs_and_names_the_cause(tmp_path: Path
     assert failed_node(tmp_path, spec) == (2, "rank 2 was killed by SIGKILL")
     assert failed_node(tmp_path, replace(spec, node_rank=2)) == (0, "this node's own")
     assert RunDir(tmp_path).node_failed(2).name == "failed-node2.json"
+    # a dir that never held a run: node 0 starts beside memtune's marks (a node refused before
+    # node 0 laid the run out), not beside a user's file of the same name
+    (tmp_path / "failed-node7.json").write_text('{"mine": 1}\n')
+    assert RunDir(tmp_path).run_names_taken() == [tmp_path / "failed-node7.json"]
 
 
 def test_a_nodes_ranks_stop_when_another_node_failed(
@@ -81,6 +85,54 @@ def test_a_node_whose_rank_fails_at_start_stops_the_other_node(
     says which node failed and why, exit code 5 (it waited until torch's 10-minute timeout;
     node 0, whose rank hosts the rendezvous, too)."""
     run_dir = tmp_path / "run"
+    inject = str(ROOT / "tests" / "raise_inject")
+    path = os.pathsep.join(p for p in (inject, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "MEMTUNE_TEST_RAISE_IN_RANK": str(failing)}
+    nodes, out, other, waited = _two_nodes(tmp_path, run_dir, env, failing)
+    assert nodes[failing].returncode == 1, out[-3000:]
+    said = re.search(rf"memtune: (rank {failing} \(pid \d+\) exited with code 1)\n", out)
+    assert said, out[-3000:]
+    assert nodes[1 - failing].returncode == EXIT_PEER_LOST, other[-3000:]
+    told = f"memtune: node {failing} failed: {said.group(1)}; stopping this node's ranks"
+    assert told in other, other[-3000:]
+    # the node's poll (2 s) and the ranks' grace (5 s); torch's rendezvous waits 600 s
+    assert waited < 20, waited
+    assert "Traceback" not in other, other[-3000:]  # its rank was killed while it waited
+    mark = RunDir(run_dir).node_failed(failing).read_text()
+    assert '"launch_id": "f1"' in mark and '"code": 1' in mark
+    assert not RunDir(run_dir).node_failed(1 - failing).exists()  # it only lost its peer
+
+
+@pytest.mark.faults
+def test_a_node_with_another_number_of_ranks_is_refused_and_stops_node_0(tmp_path: Path) -> None:
+    """Node 1 sized for 2 ranks (Slurm's --gpus=3 over 2 nodes gives 2 and 1), node 0 for 1:
+    node 1 refuses once it has read node 0's plan, naming both counts, and marks its failure;
+    node 0's rank, waiting for a world of 2 in the rendezvous, is stopped within seconds (it
+    met ranks numbered for a world of 4: duplicates, missing ones, a hang)."""
+    run_dir = tmp_path / "run"
+    extra = {1: ["launcher.num_ranks=4"]}
+    nodes, out, other, waited = _two_nodes(tmp_path, run_dir, dict(os.environ), 1, extra)
+    assert nodes[1].returncode == 2, out[-3000:]
+    said = (
+        "node 1 would start 2 rank(s) and node 0 planned 1 per node (2 ranks on 2 nodes): every "
+        "node of a job runs as many ranks (on Slurm, ask for GPUs per node, --gpus-per-node=1"
+    )
+    assert f"memtune: config error: {said}" in out, out[-3000:]
+    assert nodes[0].returncode == EXIT_PEER_LOST, other[-3000:]
+    assert f"memtune: node 1 failed: config error: {said}" in other, other[-3000:]
+    assert waited < 20, waited
+
+
+def _two_nodes(
+    tmp_path: Path,
+    run_dir: Path,
+    env: dict[str, str],
+    failing: int,
+    extra: dict[int, list[str]] | None = None,
+) -> tuple[list[subprocess.Popen], str, str, float]:
+    """Two train.py processes on this machine as nodes 0 and 1 of one rank each (``extra``:
+    a node's own overrides); node ``failing``'s output, then the other's and how long it took
+    after the first ended."""
     args = [
         *FAST,
         "trainer.max_steps=4",
@@ -91,12 +143,16 @@ def test_a_node_whose_rank_fails_at_start_stops_the_other_node(
         "launcher.launch_id=f1",
         f"run_dir={run_dir}",
     ]
-    inject = str(ROOT / "tests" / "raise_inject")
-    path = os.pathsep.join(p for p in (inject, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "MEMTUNE_TEST_RAISE_IN_RANK": str(failing)}
+    extra = extra or {}
     nodes = [
         subprocess.Popen(
-            [sys.executable, str(ROOT / "train.py"), *args, f"launcher.node_rank={k}"],
+            [
+                sys.executable,
+                str(ROOT / "train.py"),
+                *args,
+                f"launcher.node_rank={k}",
+                *extra.get(k, []),
+            ],
             cwd=tmp_path,
             env=env,
             stdout=subprocess.PIPE,
@@ -114,15 +170,4 @@ def test_a_node_whose_rank_fails_at_start_stops_the_other_node(
         for proc in nodes:  # a node still waiting: its ranks go with it (launcher.spawn)
             proc.kill()
             proc.wait()
-    assert nodes[failing].returncode == 1, out[-3000:]
-    said = re.search(rf"memtune: (rank {failing} \(pid \d+\) exited with code 1)\n", out)
-    assert said, out[-3000:]
-    assert nodes[1 - failing].returncode == EXIT_PEER_LOST, other[-3000:]
-    told = f"memtune: node {failing} failed: {said.group(1)}; stopping this node's ranks"
-    assert told in other, other[-3000:]
-    # the node's poll (2 s) and the ranks' grace (5 s); torch's rendezvous waits 600 s
-    assert waited < 20, waited
-    assert "Traceback" not in other, other[-3000:]  # its rank was killed while it waited
-    mark = RunDir(run_dir).node_failed(failing).read_text()
-    assert '"launch_id": "f1"' in mark and '"code": 1' in mark
-    assert not RunDir(run_dir).node_failed(1 - failing).exists()  # it only lost its peer
+    return nodes, out, other, waited

@@ -477,7 +477,22 @@ class RunDir:
         found = {p for pattern in self.RUN_FILES for p in self.path.glob(pattern)}
         if self.refused_here():
             found -= set(self.refusal_records())
-        return sorted(found)
+        return sorted(found - set(self.failure_marks()))
+
+    def failure_marks(self) -> list[Path]:
+        """The per-node form's marks of a node's failure (topology.announce_failed), as memtune
+        writes them (exactly ``{"launch_id", "node", "code", "error"}``): a node may fail before
+        node 0 has laid the run out (its GPUs differ in number, its preflight failed), and node
+        0 then starts in a dir that holds the mark (and watches it: launcher.spawn)."""
+        marks = []
+        for path in self.path.glob("failed-node[0-9]*.json"):
+            try:
+                raw = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(raw, dict) and raw.keys() == {"launch_id", "node", "code", "error"}:
+                marks.append(path)
+        return marks
 
     def refusal_records(self) -> list[Path]:
         """What a start refused before it laid a run out left under memtune's names (given

@@ -43,10 +43,11 @@ from memtune.launcher.prepare import (
     refuse_files_not_ours,
     stop_if_finished,
 )
-from memtune.launcher.spawn import check_master_port, launch
+from memtune.launcher.spawn import check_master_port, launch, tell_nodes_of_failure
 from memtune.launcher.sweep_report import record_refused
 from memtune.launcher.topology import (
     NodeSpec,
+    NodeZeroStopped,
     announce_ready,
     announce_stopped,
     check_nodes_reachable,
@@ -448,6 +449,8 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
         kind, why, told = stopped
         if spec is not None and spec.form == "per-node" and spec.node_rank == 0:
             _mark_ready(run_dir, spec, error=told)
+        elif not isinstance(err, NodeZeroStopped):
+            _tell_of_crash(spec, run_dir, err, f"{kind}: {why}", EXIT_CONFIG)
         # Another node of a per-node job says why on its own output (and preflight-nodeK.json):
         # exit.json and .hydra/ are node 0's.
         node_rank = None if spec is None else spec.node_rank
@@ -470,14 +473,28 @@ def _error_line(err: BaseException) -> str:
     return " ".join(f"{type(err).__name__}: {err}".split()).removesuffix(":")
 
 
-def _tell_of_crash(spec: NodeSpec | None, run_dir: Path, err: Exception) -> None:
-    """Node 0 of a per-node job stopped before its ranks by an exception memtune does not
-    catch (its traceback follows, or a sweep's failed row): the other nodes waited for its
-    word until WAIT_FOR_NODE0_S (an hour) and then blamed the command; told, they stop at once
-    with the exception's line."""
-    if spec is not None and spec.form == "per-node" and spec.node_rank == 0:
-        why = _error_line(err)
+def _tell_of_crash(
+    spec: NodeSpec | None,
+    run_dir: Path,
+    err: Exception,
+    line: str | None = None,
+    code: int = EXIT_ERROR,
+) -> None:
+    """A node of a per-node job stopped before its ranks: by an exception memtune does not
+    catch (its traceback follows, or a sweep's failed row), or on another node than 0 by a
+    refusal (``line``, ``code``). Node 0's word is its ready mark: the other nodes waited for
+    it until WAIT_FOR_NODE0_S (an hour) and then blamed the command; told, they stop at once
+    with the exception's line. Node K's is its failure mark (spawn.tell_nodes_of_failure):
+    node 0's ranks, and the other nodes', waited for its ranks in torch's rendezvous until
+    torch's timeout (a node whose GPUs differ in number from node 0's, a preflight that
+    failed there); their launchers now stop them."""
+    if spec is None or spec.form != "per-node":
+        return
+    why = line or _error_line(err)
+    if spec.node_rank == 0:
         _mark_ready(run_dir, spec, error=f"node 0 stopped on an error: {why}")
+    else:
+        tell_nodes_of_failure(run_dir, spec, code, why)
 
 
 def _why_stopped(err: Exception) -> tuple[str, str, str] | None:
@@ -550,7 +567,9 @@ def _decide_and_lay_out(
             decisions = rd.read_decisions()
         except RecordError as err:
             raise ConfigError(str(err)) from None
-        return load_run_config(rd.config), decisions, env
+        run_cfg = load_run_config(rd.config)
+        _check_ranks_per_node(run_cfg, spec)
+        return run_cfg, decisions, env
     if measured is not None:
         print(
             f"memtune: preflight: {measured:g} GB/s all-reduce bus bandwidth between the "
@@ -565,6 +584,21 @@ def _decide_and_lay_out(
     # A finished run: nothing to train, and its records stay the ones it trained with (a
     # per-node job's node 0 says so to the other nodes: _prepare).
     return (*prepare_run_dir(fitted, run_dir, finished_stops=True), env)
+
+
+def _check_ranks_per_node(run_cfg: RunConfig, spec: NodeSpec) -> None:
+    """Nodes 1..: the ranks this node would start (sized from its own allocation: Slurm's
+    ``--gpus=6`` on 2 nodes gives 4 and 2) are node 0's per node, or the ranks would meet in a
+    world of two sizes (duplicate ranks, missing ones: a hang until torch's timeout)."""
+    lc = run_cfg.launcher
+    planned = lc.num_ranks // lc.nnodes
+    if spec.ranks_per_node != planned:
+        raise ConfigError(
+            f"node {spec.node_rank} would start {spec.ranks_per_node} rank(s) and node 0 "
+            f"planned {planned} per node ({lc.num_ranks} ranks on {lc.nnodes} nodes): every "
+            "node of a job runs as many ranks (on Slurm, ask for GPUs per node, "
+            f"--gpus-per-node={planned}, not a total with --gpus)"
+        )
 
 
 def _wait_for_node0(run_dir: Path, spec: NodeSpec) -> None:

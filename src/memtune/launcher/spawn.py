@@ -278,21 +278,22 @@ def launch(
             proc.wait()
         if per_node:
             why = " ".join(f"{type(err).__name__}: {err}".split()).removesuffix(":")
-            _tell_nodes_of_failure(run_dir, spec, EXIT_ERROR, f"train.py stopped on {why}")
+            tell_nodes_of_failure(run_dir, spec, EXIT_ERROR, f"train.py stopped on {why}")
         raise
     finally:
         ranks.restore_signals()
         if ranks.ended():  # the ranks are gone: their shared memory can go too
             clear_shm_buffers(port)
     if per_node and code not in CLEAN_CODES and ranks.peer is None:
-        _tell_nodes_of_failure(run_dir, spec, code, ranks.report or f"exit code {code}")
+        tell_nodes_of_failure(run_dir, spec, code, ranks.report or f"exit code {code}")
     return code
 
 
-def _tell_nodes_of_failure(run_dir: Path, spec: NodeSpec, code: int, why: str) -> None:
-    """This node's part of a per-node job failed on its own (not because another node's did):
-    its mark for the other nodes' launchers (topology.announce_failed); a mark that cannot be
-    written (a full disk) is said, since their ranks then wait until torch's timeout."""
+def tell_nodes_of_failure(run_dir: Path, spec: NodeSpec, code: int, why: str) -> None:
+    """This node's part of a per-node job failed on its own (not because another node's did),
+    while its ranks ran or before they started (launcher.job): its mark for the other nodes'
+    launchers (topology.announce_failed); a mark that cannot be written (a full disk) is
+    said, since their ranks then wait until torch's timeout."""
     try:
         announce_failed(run_dir, spec, code, why)
     except OSError as err:

@@ -418,6 +418,11 @@ def wait_stopped(run_dir: Path, spec: NodeSpec, timeout_s: float, poll_s: float 
         time.sleep(poll_s)
 
 
+class NodeZeroStopped(ConfigError):
+    """Nodes 1..: node 0's word that it could not prepare the run dir, or none within the
+    wait (:func:`wait_ready`): node 0 stopped, not this node (it tells no one)."""
+
+
 def wait_ready(run_dir: Path, spec: NodeSpec, timeout_s: float, poll_s: float = 1.0) -> str | None:
     """Nodes 1..: wait until node 0 has prepared the run dir for this launch id; what node 0
     said when the run is finished already (nothing to start), else None."""
@@ -427,11 +432,11 @@ def wait_ready(run_dir: Path, spec: NodeSpec, timeout_s: float, poll_s: float = 
         record = _mark_of(path, spec)
         if record is not None:
             if record.get("error"):
-                raise ConfigError(f"node 0 could not prepare {run_dir}: {record['error']}")
+                raise NodeZeroStopped(f"node 0 could not prepare {run_dir}: {record['error']}")
             return str(record["finished"]) if record.get("finished") else None
         now = time.monotonic()
         if now - start > timeout_s:
-            raise ConfigError(
+            raise NodeZeroStopped(
                 f"node {spec.node_rank}: node 0 did not prepare {run_dir} for launch "
                 f"{spec.launch_id} within {timeout_s:.0f} s (is it running the same command?)"
             )
