@@ -44,6 +44,38 @@ def test_a_nodes_failure_mark_is_this_launchs_and_names_the_cause(tmp_path: Path
     assert RunDir(tmp_path).run_names_taken() == [tmp_path / "failed-node7.json"]
 
 
+def test_the_other_nodes_wait_past_their_limit_while_node_0_still_prepares(
+    tmp_path: Path,
+) -> None:
+    """Node 0 beats while it prepares (a dataset whose tokens or images take longer than the
+    other nodes' wait): they wait on past their limit while the beat changes, take its ready
+    mark, and give up once it stops changing (a node 0 that died). The beat is gone after."""
+    import threading
+
+    from memtune.launcher.topology import NodeZeroStopped, announce_ready, preparing, wait_ready
+
+    node0 = NodeSpec("per-node", 2, 1, 0, "n0", 29500, launch_id="h1")
+    node1 = replace(node0, node_rank=1)
+    beat = RunDir(tmp_path).node0_preparing
+    with preparing(tmp_path, node0, every_s=0.05):
+        timer = threading.Timer(0.6, announce_ready, (tmp_path, node0))
+        timer.start()
+        start = time.monotonic()
+        assert wait_ready(tmp_path, node1, timeout_s=0.1, poll_s=0.02, stale_s=0.3) is None
+        assert time.monotonic() - start >= 0.5  # past the 0.1 s limit: node 0 was beating
+        timer.join()
+        assert beat.exists()
+    assert not beat.exists()
+    (tmp_path / "launch.json").unlink()
+    with preparing(tmp_path, node0, every_s=0.05):
+        time.sleep(0.15)
+    beat.write_text('{"launch_id": "h1", "beat": 7}\n')  # a beat that no longer changes
+    start = time.monotonic()
+    with pytest.raises(NodeZeroStopped, match="node 0 did not prepare"):
+        wait_ready(tmp_path, node1, timeout_s=0.1, poll_s=0.02, stale_s=0.3)
+    assert time.monotonic() - start < 2
+
+
 def test_a_nodes_ranks_stop_when_another_node_failed(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -356,6 +356,12 @@ class RunDir:
         """Per-node form: node 0's mark that the run dir is ready for this launch_id."""
         return self.path / "launch.json"
 
+    @property
+    def node0_preparing(self) -> Path:
+        """Per-node form: node 0's beat while it prepares the run dir (topology.preparing),
+        removed once it marks it ready; hidden, as no record of the run."""
+        return self.path / ".node0-preparing.json"
+
     def node_stopped(self, node_rank: int) -> Path:
         """Per-node form: node K's mark that its ranks stopped with a checkpoint (launch_id)."""
         return self.path / f"stopped-node{node_rank}.json"

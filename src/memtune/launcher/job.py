@@ -52,6 +52,7 @@ from memtune.launcher.topology import (
     announce_stopped,
     check_nodes_reachable,
     check_sweep_point_nodes,
+    preparing,
     resolve,
     size_from_allocation,
     this_node_rank,
@@ -70,7 +71,8 @@ from memtune.run_lock import LockNotWritten, RunDirBusy, hold, hold_dated
 from memtune.rundir import RecordError, RunDir
 
 WAIT_FOR_NODE0_S = 3600.0
-"""Per-node form: how long nodes 1.. wait for node 0 to tokenize the data and plan."""
+"""Per-node form: how long nodes 1.. wait for node 0 to tokenize the data and plan, and past
+it while node 0 still says it is preparing (topology.preparing)."""
 WAIT_FOR_STOPPED_S = 60.0
 """Per-node form on Slurm, a stop with a checkpoint: how long node 0 waits for the others to
 report theirs (well inside the 120 s between --signal=B:USR2@120 and the time limit)."""
@@ -430,7 +432,9 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
             # (this node waited an hour for a ready mark node 0 never writes).
             print(f"memtune: preprocess_only: node {spec.node_rank} has nothing to do", flush=True)
             return 0
-        run_cfg, decisions, env = _decide_and_lay_out(cfg, given, spec, run_dir)
+        beating = spec.form == "per-node" and spec.node_rank == 0
+        with preparing(run_dir, spec) if beating else contextlib.nullcontext():
+            run_cfg, decisions, env = _decide_and_lay_out(cfg, given, spec, run_dir)
         if spec.node_rank == 0:  # node 0's record: another node's has its own node_rank
             _record_composition(cfg, run_dir)
     except RunFinished as finished:

@@ -16,13 +16,15 @@ On Slurm all three come from the job's environment.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import subprocess
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -418,29 +420,84 @@ def wait_stopped(run_dir: Path, spec: NodeSpec, timeout_s: float, poll_s: float 
         time.sleep(poll_s)
 
 
+PREPARING_BEAT_S = 30.0
+"""Per-node form: how often node 0 says it is still preparing the run dir (:func:`preparing`)."""
+PREPARING_STALE_S = 300.0
+"""Nodes 1..: node 0 counts as preparing while its beat changed within this long, by their own
+clocks (a shared filesystem's times are another machine's)."""
+
+
+@contextlib.contextmanager
+def preparing(run_dir: Path, spec: NodeSpec, every_s: float = PREPARING_BEAT_S) -> Iterator[None]:
+    """Node 0 of a per-node job while it plans, tokenizes and lays the run dir out: a beat in
+    the run dir every ``every_s`` (once the dir exists), so that the other nodes wait for a
+    preparation longer than their wait (a large dataset's tokens, a vision dataset's images:
+    they gave up after an hour, and under ``srun --kill-on-bad-exit`` took node 0 with them)
+    and still give up on a node 0 that stopped beating. Removed at the end."""
+    path = RunDir(run_dir).node0_preparing
+    stop = threading.Event()
+
+    def beat() -> None:
+        n = 0
+        while True:
+            if run_dir.is_dir():
+                with contextlib.suppress(OSError):  # a beat missed: the wait's own limit
+                    _write_mark(path, {"launch_id": spec.launch_id, "beat": n})
+                    n += 1
+            if stop.wait(every_s):
+                return
+
+    thread = threading.Thread(target=beat, name="memtune-node0-preparing", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        if _mark_of(path, spec) is not None:
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
 class NodeZeroStopped(ConfigError):
     """Nodes 1..: node 0's word that it could not prepare the run dir, or none within the
     wait (:func:`wait_ready`): node 0 stopped, not this node (it tells no one)."""
 
 
-def wait_ready(run_dir: Path, spec: NodeSpec, timeout_s: float, poll_s: float = 1.0) -> str | None:
+def wait_ready(
+    run_dir: Path,
+    spec: NodeSpec,
+    timeout_s: float,
+    poll_s: float = 1.0,
+    stale_s: float = PREPARING_STALE_S,
+) -> str | None:
     """Nodes 1..: wait until node 0 has prepared the run dir for this launch id; what node 0
-    said when the run is finished already (nothing to start), else None."""
-    path = RunDir(run_dir).nodes_ready
-    start = last_note = time.monotonic()
+    said when the run is finished already (nothing to start), else None. Past ``timeout_s``
+    they wait on while node 0 still beats (:func:`preparing`: its beat changed within
+    ``stale_s``)."""
+    rd = RunDir(run_dir)
+    start = last_note = beat_seen = time.monotonic()
+    beat = None
     while True:
-        record = _mark_of(path, spec)
+        record = _mark_of(rd.nodes_ready, spec)
         if record is not None:
             if record.get("error"):
                 raise NodeZeroStopped(f"node 0 could not prepare {run_dir}: {record['error']}")
             return str(record["finished"]) if record.get("finished") else None
         now = time.monotonic()
-        if now - start > timeout_s:
+        mark = _mark_of(rd.node0_preparing, spec)
+        if mark is not None and mark.get("beat") != beat:
+            beat, beat_seen = mark.get("beat"), now
+        beating = beat is not None and now - beat_seen < stale_s
+        if now - start > timeout_s and not beating:
             raise NodeZeroStopped(
                 f"node {spec.node_rank}: node 0 did not prepare {run_dir} for launch "
                 f"{spec.launch_id} within {timeout_s:.0f} s (is it running the same command?)"
             )
         if now - last_note >= 30:
-            print(f"memtune: node {spec.node_rank}: waiting for node 0 ({now - start:.0f} s)")
+            still = ", still preparing" if beating else ""
+            print(
+                f"memtune: node {spec.node_rank}: waiting for node 0 ({now - start:.0f} s{still})"
+            )
             last_note = now
         time.sleep(poll_s)
