@@ -83,6 +83,18 @@ def test_a_mapping_on_the_command_line_where_none_is_set() -> None:
     [
         ("model.not_a_field=1", "model.not_a_field is not a memtune setting"),
         ("trainer.lrr=0.1", "trainer.lrr is not a memtune setting: did you mean trainer.lr or"),
+        (
+            "peft.lora_r=8",
+            "peft.lora_r is not a memtune setting: memtune's name for it is peft.r (",
+        ),
+        (
+            "trainer.learning_rate=1e-4",
+            "learning_rate is not a memtune setting: memtune's name for it is trainer.lr (",
+        ),
+        (
+            "data.cutoff_len=512",
+            "data.cutoff_len is not a memtune setting: memtune's name for it is data.max_seq_len (",
+        ),
         ("trainer.max_step=2", "did you mean trainer.max_steps or"),
     ],
 )
@@ -211,3 +223,14 @@ def test_every_choice_field_refuses_a_value_outside_its_literal(key: str) -> Non
     with pytest.raises(ConfigError) as err:
         validate(cfg, inputs=False)
     assert str(err.value) == f"{key}='bogus' is not supported; choose {CHOICE_FIELDS[key]}"
+
+
+def test_every_other_tools_name_is_in_the_configuration_page() -> None:
+    """docs/configuration.md's table of LLaMA-Factory's, axolotl's and transformers' names
+    lists every one the refusal knows (config.schema.OTHER_TOOLS_NAMES)."""
+    from memtune.config.schema import OTHER_TOOLS_NAMES
+    from tests.conftest import ROOT
+
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    table = text.split("### Coming from LLaMA-Factory")[1].split("\n## ")[0]
+    assert [name for name in OTHER_TOOLS_NAMES if f"`{name}`" not in table] == []

@@ -719,9 +719,53 @@ def _is_mapping(key: str) -> bool:
     return typing.get_origin(kind) is dict or kind is dict
 
 
+OTHER_TOOLS_NAMES = {
+    "learning_rate": "trainer.lr",
+    "lora_r": "peft.r",
+    "lora_rank": "peft.r",
+    "lora_alpha": "peft.alpha",
+    "lora_dropout": "peft.dropout",
+    "lora_target": "peft.target",
+    "lora_target_modules": "peft.target",
+    "target_modules": "peft.target",
+    "cutoff_len": "data.max_seq_len",
+    "sequence_len": "data.max_seq_len",
+    "max_seq_length": "data.max_seq_len",
+    "model_max_length": "data.max_seq_len",
+    "max_length": "data.max_seq_len",
+    "per_device_train_batch_size": "trainer.micro_batch_size",
+    "gradient_accumulation_steps": (
+        "trainer.global_batch_size (accumulation is derived: global = micro batch × ranks × "
+        "accumulation)"
+    ),
+    "num_train_epochs": "trainer.max_steps (no epochs setting; the start-up line says how "
+    "many epochs the steps are)",
+    "num_epochs": "trainer.max_steps (no epochs setting; the start-up line says how many "
+    "epochs the steps are)",
+    "warmup_ratio": "trainer.warmup_steps",
+    "gradient_checkpointing": "trainer.activation_checkpointing",
+    "bf16": "trainer.precision=bf16",
+    "fp16": "trainer.precision=bf16 (bf16 or fp32; no fp16)",
+    "deepspeed": "zero=zero2 or zero=zero3 (the config group fills the DeepSpeed JSON)",
+    "save_steps": "trainer.save_every",
+    "eval_steps": "trainer.eval_every",
+    "logging_steps": "trainer.log_every",
+    "output_dir": "run_dir",
+    "load_in_4bit": "peft=qlora-nf4",
+    "quantization_bit": "peft=qlora-nf4 (4-bit) or peft=lora-int8 (8-bit)",
+    "model_name_or_path": "model.name_or_path (with model=local)",
+    "base_model": "model.name_or_path (with model=local)",
+    "dataset": "data.path",
+}
+"""The names LLaMA-Factory, axolotl and transformers' TrainingArguments give settings, by last
+part, and memtune's (or what to do instead): the keys users bring with them, which the
+closest-spelling hint got wrong (``peft.lora_r``: "did you mean peft.rslora?")."""
+
+
 def _unknown_key_message(key: str, appended: bool = True) -> str:
-    """The unknown key and the settings it may have meant: the closest full names, then the
-    closest by last part (``trainer.max_seq_len`` → ``data.max_seq_len``)."""
+    """The unknown key and the settings it may have meant: another tool's name for a setting
+    (OTHER_TOOLS_NAMES), else the closest full names, then the closest by last part
+    (``trainer.max_seq_len`` → ``data.max_seq_len``)."""
     known = schema_keys()
     plain = re.sub(r"\[\d+\]", "", key)  # data.sources[0].paht → data.sources.paht
     close = difflib.get_close_matches(plain, known, n=3, cutoff=0.75)
@@ -729,10 +773,13 @@ def _unknown_key_message(key: str, appended: bool = True) -> str:
     near = difflib.get_close_matches(plain.rsplit(".", 1)[-1], leaves, n=3, cutoff=0.75)
     close += [k for k in known if k.rsplit(".", 1)[-1] in near and k not in close]
     hint = f": did you mean {' or '.join(close[:3])}?" if close else ""
+    other = OTHER_TOOLS_NAMES.get(plain.rsplit(".", 1)[-1].lower())
+    if other is not None:
+        hint = f": memtune's name for it is {other}"
     why = "Hydra adds any +key=... unchecked; " if appended else ""
     return (
-        f"{key} is not a memtune setting{hint} ({why}the settings are the fields of "
-        "src/memtune/config/schema.py)"
+        f"{key} is not a memtune setting{hint} ({why}the settings are listed in "
+        "docs/reference/options.md)"
     )
 
 
