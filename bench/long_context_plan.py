@@ -19,7 +19,8 @@ sys.path.insert(0, str(ROOT / "src"))
 from memtune.config import compose, register_configs, to_run_config  # noqa: E402
 from memtune.config.decisions import rank_machine  # noqa: E402
 from memtune.memory.counts import count_params  # noqa: E402
-from memtune.memory.fit import fit_to_device, longest_sequence  # noqa: E402
+from memtune.memory.fit import fit_to_device  # noqa: E402
+from memtune.memory.long_context_choice import longest_sequence  # noqa: E402
 from memtune.memory.plan_text import format_plan  # noqa: E402
 from memtune.memory.step_time import step_time  # noqa: E402
 

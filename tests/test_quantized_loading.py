@@ -468,7 +468,7 @@ def test_a_dense_quantized_base_under_zero3_is_read_whole_by_each_rank(tmp_path:
     # the inputs offloaded, the 16.61 GiB load at no length. The long-context choices are
     # the fastest for the step (once the smallest step's: sp=4 at 244 s a step, not 170); no
     # single change helps, and the longest-sequence search says why it finds none.
-    from memtune.memory.fit import format_longest_sequence
+    from memtune.memory.long_context_choice import format_longest_sequence
 
     big = ["experiment=qwen3.5-27b-4x4090-lora", "peft=qlora-nf4", "zero=zero3"]
     small27 = to_run_config(compose_cfg([*big, "plan.device_gib=14"]))

@@ -71,7 +71,7 @@ def test_sequence_parallel_must_divide_the_linear_attention_heads() -> None:
         ConfigError, match=r"sequence_parallel=4 must divide .*linear_num_key_heads=2"
     ):
         validate(to_run_config(compose_cfg(four)), inputs=False)
-    from memtune.memory.fit import sequence_parallel_choices
+    from memtune.memory.long_context_choice import sequence_parallel_choices
 
     auto = to_run_config(compose_cfg(["model=qwen3.5-9b", "launcher.num_ranks=4"]))
     assert sequence_parallel_choices(auto) == [1, 2, 4]

@@ -312,7 +312,7 @@ def search_cap(
     info["planned"] = planned
     if long:
         from memtune.config.decisions import rank_machine
-        from memtune.memory.fit import longest_sequence
+        from memtune.memory.long_context_choice import longest_sequence
 
         # one rank: the split's only choice is 1, as the phase runs
         at, d = decided_at(cfg0, lengths[0], counts)

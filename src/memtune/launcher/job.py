@@ -60,12 +60,8 @@ from memtune.launcher.topology import (
     wait_stopped,
 )
 from memtune.machine import name_cpu_accelerator, versions_line
-from memtune.memory.fit import (
-    Fitted,
-    format_longest_sequence,
-    format_step_estimates,
-    format_suggestions,
-)
+from memtune.memory.fit import Fitted, format_step_estimates, format_suggestions
+from memtune.memory.long_context_choice import format_longest_sequence
 from memtune.memory.plan_text import format_plan
 from memtune.run_lock import LockNotWritten, RunDirBusy, hold, hold_dated
 from memtune.rundir import RecordError, RunDir
