@@ -294,6 +294,18 @@ def test_text_format_labels_every_token(tokenizer, tmp_path: Path) -> None:
             r"tool role; write it as a user turn wrapped whole in <tool_response>",
         ),
         (['{"text": ""}'], "text", r"d\.jsonl:1: field 'text' is empty"),
+        (  # another format's record: named, and no advice to skip (it would skip them all)
+            ['{"conversations": [{"from": "human", "value": "hi"}]}'],
+            "alpaca",
+            r"d\.jsonl:1: a messages record \(it has 'conversations'\), read as "
+            r"data\.format=alpaca: set data\.format=messages$",
+        ),
+        (
+            ['{"prompt": "p", "chosen": "a", "rejected": "b"}'],
+            "messages",
+            r"d\.jsonl:1: a preference record \(it has 'chosen', 'rejected'\), read as "
+            r"data\.format=messages: set data\.format=preference$",
+        ),
     ],
 )
 def test_bad_records_stop_with_file_line_field(

@@ -43,7 +43,7 @@ from memtune.data.encode import (
     offline_by,
     resize_record_images,
 )
-from memtune.data.readers import IdenticalReplies, Record, RecordError, read_source
+from memtune.data.readers import IdenticalReplies, Record, RecordError, WrongFormat, read_source
 from memtune.data.templates import is_query
 from memtune.data.vision import IMAGE_PAD, ImageSettings, Resized
 from memtune.filesystem import (
@@ -306,6 +306,8 @@ def _dataset_cached(source: str) -> bool:
 
 def _bad_record(err: RecordError, cfg: DataConfig, stats: DataStats) -> None:
     """data.on_bad_record: stop with the record's error, or count it and go on."""
+    if cfg.on_bad_record == "error" and isinstance(err, WrongFormat):
+        raise ConfigError(str(err))  # skipping them would skip the file
     if cfg.on_bad_record == "error":
         raise ConfigError(f"{err} (data.on_bad_record=skip would skip and count such records)")
     stats.skipped_bad += 1

@@ -87,6 +87,39 @@ class IdenticalReplies(RecordError):
     in a scraped preference set they are usually many, and a sign of a broken export."""
 
 
+class WrongFormat(RecordError):
+    """A record shaped as another format's (a ShareGPT file read as alpaca): the whole file is
+    usually so, and skipping such records (data.on_bad_record=skip) would skip them all."""
+
+
+FORMAT_MARKS = {
+    "alpaca": ("instruction",),
+    "messages": ("messages", "conversations"),
+    "text": ("text",),
+    "preference": ("chosen", "rejected"),
+}
+"""The keys that make a record one format's: any of them (preference: both)."""
+
+
+def _shaped_as(raw: dict[str, Any], fmt: str) -> bool:
+    marks = FORMAT_MARKS[fmt]
+    return all(k in raw for k in marks) if fmt == "preference" else any(k in raw for k in marks)
+
+
+def _check_format(raw: dict[str, Any], fmt: str, where: str) -> None:
+    """A record without ``fmt``'s keys and with another format's: named as that format's."""
+    if _shaped_as(raw, fmt):
+        return
+    other = next((f for f in FORMAT_MARKS if f != fmt and _shaped_as(raw, f)), None)
+    if other is None:
+        return  # no format's keys: the reader's own message names the missing field
+    keys = ", ".join(repr(k) for k in FORMAT_MARKS[other] if k in raw)
+    raise WrongFormat(
+        where,
+        f"a {other} record (it has {keys}), read as data.format={fmt}: set data.format={other}",
+    )
+
+
 Pair = tuple[list[dict[str, str]], dict[str, str], dict[str, str]]
 """(prompt, chosen reply, rejected reply): the prompt is system?, then alternating user /
 assistant turns ending with a user turn; each reply is one assistant message."""
@@ -325,6 +358,7 @@ def parse(raw: Any, fmt: str, where: str, base: Path | None = None) -> Record:
         raise raw
     if not isinstance(raw, dict):
         raise RecordError(where, f"expected an object, got a {type(raw).__name__}")
+    _check_format(raw, fmt, where)
     if fmt == "text":
         text = _string(raw, "text", where)
         if not text.strip():
