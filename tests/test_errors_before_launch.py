@@ -646,7 +646,7 @@ def test_a_master_port_in_use_is_refused_before_the_ranks_start() -> None:
 
 
 def test_settings_that_do_less_than_they_seem_are_noted_at_start_up(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     """trainer.eval_every without a validation split never evaluated, and a warmup longer
     than the run never reached trainer.lr, both without a word."""
@@ -666,6 +666,16 @@ def test_settings_that_do_less_than_they_seem_are_noted_at_start_up(
     ]
     given_config(compose(["trainer.eval_every=1", "data.val_fraction=0.1"]))
     assert "note:" not in capsys.readouterr().out  # the demo: 24 steps, 3 of warmup
+    # a user's data on the default experiment trained the tiny random demo model unsaid
+    demo = Path(__file__).resolve().parents[1] / "src/memtune/assets/demo_alpaca.jsonl"
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text(demo.read_text())
+    given_config(compose(["data=alpaca", f"data.path={mine}"]))
+    assert capsys.readouterr().out.splitlines() == [
+        "memtune: note: the model is tiny-qwen2, a tiny model with random weights built for the "
+        "demo and the tests, and the data is yours: it learns nothing useful; give a real base "
+        "with experiment=... (the 4x4090 ones) or model=... (docs/models.md)"
+    ]
 
 
 # ------------------------------------------------------------------ ~ the shell left alone

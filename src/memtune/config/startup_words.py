@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from memtune.config.schema import RunConfig
+from memtune.config.schema import ASSETS_DIR, RunConfig
 
 COMMIT = re.compile(r"[0-9a-f]{40}")
 
@@ -47,5 +47,13 @@ def config_notes(cfg: RunConfig) -> list[str]:
             f"trainer.warmup_steps={t.warmup_steps} with trainer.max_steps={t.max_steps}: the "
             f"run ends inside its warmup, so the learning rate peaks at {peak:.0%} of "
             f"trainer.lr={t.lr:g}; set trainer.warmup_steps below {t.max_steps} to reach it"
+        )
+    ours = [src.path for src in data.all_sources() if not src.path.startswith(str(ASSETS_DIR))]
+    if cfg.model.synthesize and ours:
+        name = Path(cfg.model.name_or_path).name
+        out.append(
+            f"the model is {name}, a tiny model with random weights built for the demo and the "
+            "tests, and the data is yours: it learns nothing useful; give a real base with "
+            "experiment=... (the 4x4090 ones) or model=... (docs/models.md)"
         )
     return out
