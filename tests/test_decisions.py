@@ -365,10 +365,12 @@ DECIDERS = {
     "config/derive.py",
     "memory/fit.py",
     "memory/recompute.py",
+    "memory/long_context_choice.py",
 }
 """derive: one_rank_stage, the one intent-level rule the decider and the validator share;
 mixture_checks: the validator's checks of a mixture (config.validate calls them);
-memory.recompute: checkpoint_layers=auto's part of memory.fit."""
+memory.recompute: checkpoint_layers=auto's part of memory.fit; memory.long_context_choice:
+the long-context choices' part."""
 OLDER_RUNS = {"tools/merge.py"}
 """Reads an adapter's run written before decisions.json, whose config.yaml held the decided
 values (tools.merge.trained_as; a run with decisions.json is read from it)."""
