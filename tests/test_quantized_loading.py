@@ -480,7 +480,14 @@ def test_a_dense_quantized_base_under_zero3_is_read_whole_by_each_rank(tmp_path:
         "fastest for the step of 12 combinations; its loading does not fit)" in said
     )
     assert "this run's loading needs 16.61 GiB per rank" in said
-    assert "\nTry: no single change memtune knows lowers it by 0.05 GiB or more" in said
+    assert (
+        "\nTry: no single change memtune knows lowers it by 0.05 GiB or more; it needs a "
+        "device of 16.61 GiB per rank (plan.device_gib=14)\n"
+    ) in said
+    assert (
+        "checkpoint_layers=auto: 63 of 64 layers (the fewest that fit 14.00 GiB with 2 GiB to "
+        "spare; the step's, for its loading needs 16.61 GiB)"
+    ) in said
     d27 = decided(small27, recompute=63)
     assert format_longest_sequence(small27, d27, plan(small27, d27).counts, CPU_RANKS).endswith(
         "none, at any length: this run's loading does not fit (its loading: line), and the "

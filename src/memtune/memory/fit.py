@@ -292,7 +292,13 @@ def format_suggestions(
     """The "Try:" list of a run that does not fit."""
     tips = suggestions(cfg, d, counts, machine)
     if not tips:
-        return "Try: no single change memtune knows lowers it by 0.05 GiB or more (by the plan)"
+        given, need = plan(cfg, d, counts), ""
+        if given.device_gib is not None and device_need_gib(given) > given.device_gib:
+            need = (
+                f"; it needs a device of {device_need_gib(given):.2f} GiB per rank "
+                f"(plan.device_gib={given.device_gib:g})"
+            )
+        return f"Try: no single change memtune knows lowers it by 0.05 GiB or more{need}"
     return "Try (each alone, per rank):\n" + "\n".join(f"  - {tip}" for tip in tips)
 
 

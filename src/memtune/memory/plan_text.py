@@ -6,6 +6,7 @@ from __future__ import annotations
 from memtune.config import RunConfig, live_reference, needs_reference
 from memtune.config.decisions import Decisions
 from memtune.memory.estimate import Plan
+from memtune.memory.recompute import AUTO_CHECKPOINT_SPARE_GIB
 
 
 def _objective_note(cfg: RunConfig) -> str:
@@ -81,5 +82,10 @@ def format_plan(cfg: RunConfig, d: Decisions, result: Plan) -> str:
             verdict += " while loading"
             load = result.device_gib - result.loading.device_gib
             spare_text = f"{load:+.2f} GiB; the step {spare:+.2f}"
+        elif result.device_fits and spare < AUTO_CHECKPOINT_SPARE_GIB:
+            # it launches; what checkpoint_layers=auto and the long-context choices aimed for
+            # (their lines say "less than 2 GiB ... spare") is the margin for what the plan
+            # may miss on a GPU
+            spare_text += f", under the {AUTO_CHECKPOINT_SPARE_GIB:g} GiB spare auto aims for"
         lines.append(f"  device {result.device_gib:.2f} GiB per rank: {verdict} ({spare_text})")
     return "\n".join(lines)

@@ -272,12 +272,17 @@ def _resolve_layers(
     k, s = _fewest_layers_that_fit(cfg, choices, counts, machine, budget)
     d = decisions_for(cfg, machine, dataclasses.replace(choices, recompute=k, selective=s))
     layers = cfg.model.architecture["num_hidden_layers"]
+    planned = plan(cfg, d, counts)
     if budget is None:
         why = "no plan.device_gib to fit"
-    elif plan(cfg, d, counts).total_gib <= budget[0] - spare:
+    elif planned.total_gib <= budget[0] - spare:
         why = f"the fewest that fit {budget[1]} with {spare:.0f} GiB to spare"
     else:
         why = f"even all of them leave less than {spare:.0f} GiB of {budget[1]} spare"
+    lo = planned.loading
+    if budget is not None and lo is not None and lo.device_gib > budget[0]:
+        # the layers change the step, not the loading (memory.loading): said, not hidden
+        why += f"; the step's, for its loading needs {lo.device_gib:.2f} GiB"
     mix = f", {s} more selectively" if s else ""
     # Named for the setting that was left open: with checkpoint_layers given, only
     # selective_layers was decided here (the line said checkpoint_layers=auto).
