@@ -283,7 +283,8 @@ def test_two_starts_in_one_second_get_a_dated_dir_each(tmp_path: Path) -> None:
     ours = [p for p in (tmp_path / "outputs").glob("*/*") if (p / "plan.json").is_file()]
     assert len(ours) == 1 and ours[0].name.endswith("-demo-cpu-3"), ours
     taken = ours[0].with_name(ours[0].name.removesuffix("-3"))
-    said = f"run dir {taken} was taken by another start of demo-cpu in the same second: "
+    said = f"run dir {taken} was taken by another start of demo-cpu in the same second "
+    said += "(running, or one that stopped already): "
     assert said + f"this job writes to {ours[0].name}" in proc.stdout
     assert sorted(p.name for p in taken.iterdir()) == ["job.lock"]
     hydra = (ours[0] / ".hydra" / "hydra.yaml").read_text()

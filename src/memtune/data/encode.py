@@ -45,6 +45,7 @@ from memtune.data.vision import (
     open_image,
 )
 from memtune.data.vision import resize as resize_image
+from memtune.filesystem import human_bytes
 
 if TYPE_CHECKING:
     import numpy as np
@@ -128,7 +129,7 @@ class DataStats:
                     "dropped)"
                 )
         if self.images or self.dropped_image_cut:
-            out += f"; {self.images:,} images ({self.image_bytes / 2**30:.2f} GiB resized)"
+            out += f"; {self.images:,} images ({human_bytes(self.image_bytes)} resized)"
             if self.dropped_image_cut:
                 out += f", {self.dropped_image_cut} samples dropped: the cut fell in an image"
         if self.skipped_bad:

@@ -89,7 +89,8 @@ class StepShape:
             return f"a step = {self.global_batch} {u}; {epochs}"
         per_row = self.samples / self.items
         return (
-            f"a step = {self.global_batch} packed rows of ≤ {self.item_tokens:,} tokens ≈ "
+            f"a step = {self.global_batch} packed row{'s' if self.global_batch > 1 else ''} "
+            f"of ≤ {self.item_tokens:,} tokens ≈ "
             f"{self.samples_per_step:,.1f} {u} ({per_row:.2f} per row, rows "
             f"{self.fill:.1%} full); {epochs}; data.packing=false would put one {u[:-1]} in "
             "each batch item"

@@ -196,7 +196,8 @@ def run_job(cfg: DictConfig) -> int:
             if held != run_dir:
                 print(
                     f"memtune: run dir {run_dir} was taken by another start of "
-                    f"{cfg.experiment} in the same second: this job writes to {held.name}",
+                    f"{cfg.experiment} in the same second (running, or one that stopped "
+                    f"already): this job writes to {held.name}",
                     flush=True,
                 )
                 run_dir = held
