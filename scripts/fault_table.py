@@ -70,6 +70,9 @@ FAULTS = [
      "over 2 nodes)",
      "the node that differs is refused naming both counts and --gpus-per-node; node 0's ranks "
      "stopped within seconds, exit 5 (the ranks met in worlds of two sizes and hung)"),
+    ("test_nodes_crash", "test_node_0_starts_no_rank_when_another_node_failed_while_it_prepared",
+     "another node of a per-node job failed (its preflight, its refusal) while node 0 prepared",
+     "node 0 starts no rank, names the node and its error, exit 5; its ready mark says so"),
     ("test_hostfile", "test_sigterm_stops_every_nodes_ranks",
      "SIGTERM to train.py in the hostfile form (the ranks started over ssh, sshd's, not its)",
      "every node's ranks save and exit 75 (the stop reached none of them); the same command "

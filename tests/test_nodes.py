@@ -134,6 +134,8 @@ def test_slurm_environment_maps_to_this_nodes_place() -> None:
     assert spec.master_addr == "gpu07"  # the sbatch exports MASTER_ADDR; this is the fallback
     assert spec.master_port == 20000 + 4242
     assert spec.launch_id == "4242.1"  # a requeued job is a new start of the same run dir
+    # a second srun in the same allocation is a new start too (its step id)
+    assert resolve(cfg, env={**SLURM_NODE1, "SLURM_STEP_ID": "3"}).launch_id == "4242.3.1"
     # node 1 starts its 4 ranks itself, in a world of 8 that meets at node 0 (RANK 4..7 and
     # LOCAL_RANK 0..3 added per rank by launch), on the cards Slurm gave it
     visible = {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}

@@ -534,7 +534,9 @@ class RunDir:
         if not self.held_a_run():
             return []
         found = {p for pattern in self.RUN_FILES for p in self.path.glob(pattern)}
-        return sorted(found)
+        # not the nodes' failure marks: another node may have marked this start's failure
+        # before node 0 sets the earlier run aside (they name their launch; node 0 reads it)
+        return sorted(found - set(self.failure_marks()))
 
     def set_aside_earlier_run(self) -> Path | None:
         """Move an earlier run's entries to ``previous/<UTC time>/``, renamed, never copied or

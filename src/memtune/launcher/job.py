@@ -30,6 +30,7 @@ from memtune.exit_codes import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     EXIT_OOM,
+    EXIT_PEER_LOST,
     EXIT_REQUEUE,
 )
 from memtune.filesystem import write_atomic
@@ -46,12 +47,14 @@ from memtune.launcher.prepare import (
 from memtune.launcher.spawn import check_master_port, launch, tell_nodes_of_failure
 from memtune.launcher.sweep_report import record_refused
 from memtune.launcher.topology import (
+    RANKS_PER_NODE_ENV,
     NodeSpec,
     NodeZeroStopped,
     announce_ready,
     announce_stopped,
     check_nodes_reachable,
     check_sweep_point_nodes,
+    failed_node,
     preparing,
     resolve,
     size_from_allocation,
@@ -463,6 +466,12 @@ def _prepare(cfg: DictConfig, run_dir: Path, sweeping: bool) -> Job | int:
         print(f"memtune: preprocess_only: run dir {run_dir} laid out, no ranks started", flush=True)
         return 0
     if spec.form == "per-node" and spec.node_rank == 0:
+        failed = failed_node(run_dir, spec)
+        if failed is not None:  # another node stopped while this one prepared: no rank starts
+            told = f"node {failed[0]} failed: {failed[1]}"
+            _mark_ready(run_dir, spec, error=told)
+            why = f"{told}; node 0 starts no rank"
+            return _stopped_before_launch(cfg, run_dir, "error", why, sweeping, 0, EXIT_PEER_LOST)
         unsaid = _mark_ready(run_dir, spec)
         if unsaid:  # not written: nor can the reason be (nodes 1.. wait for WAIT_FOR_NODE0_S)
             return _stopped_before_launch(cfg, run_dir, "error", unsaid, sweeping, 0)
@@ -594,11 +603,17 @@ def _check_ranks_per_node(run_cfg: RunConfig, spec: NodeSpec) -> None:
     lc = run_cfg.launcher
     planned = lc.num_ranks // lc.nnodes
     if spec.ranks_per_node != planned:
+        own = RANKS_PER_NODE_ENV[0]  # CPU nodes' count (topology.size_from_allocation)
+        if os.environ.get(own):
+            how = f"${own}={planned} on every node"
+        elif os.environ.get("SLURM_JOB_ID"):
+            how = f"on Slurm, ask for GPUs per node, --gpus-per-node={planned}, not a total"
+        else:
+            how = f"the same launcher.num_ranks={lc.num_ranks} on every node"
         raise ConfigError(
             f"node {spec.node_rank} would start {spec.ranks_per_node} rank(s) and node 0 "
             f"planned {planned} per node ({lc.num_ranks} ranks on {lc.nnodes} nodes): every "
-            "node of a job runs as many ranks (on Slurm, ask for GPUs per node, "
-            f"--gpus-per-node={planned}, not a total with --gpus)"
+            f"node of a job runs as many ranks ({how})"
         )
 
 

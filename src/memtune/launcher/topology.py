@@ -150,7 +150,11 @@ def resolve(cfg: RunConfig, env: Mapping[str, str] | None = None) -> NodeSpec:
         )
     launch_id = lc.launch_id
     if launch_id is None and slurm_job:
-        launch_id = f"{slurm_job}.{env.get('SLURM_RESTART_COUNT') or 0}"
+        # the step too: two sruns in one allocation (salloc, a retry after a fix) are two
+        # starts, and an earlier one's marks must not count for the next
+        step = env.get("SLURM_STEP_ID", "").strip()
+        step = f"{step}." if step else ""
+        launch_id = f"{slurm_job}.{step}{env.get('SLURM_RESTART_COUNT') or 0}"
     launch_id = launch_id or env.get("MEMTUNE_LAUNCH_ID", "").strip() or None
     if launch_id is None:
         raise ConfigError(
