@@ -306,6 +306,17 @@ def test_text_format_labels_every_token(tokenizer, tmp_path: Path) -> None:
             r"d\.jsonl:1: a preference record \(it has 'chosen', 'rejected'\), read as "
             r"data\.format=messages: set data\.format=preference$",
         ),
+        (  # LLaMA-Factory's preference records carry 'conversations' too: preference first
+            ['{"conversations": [{"from": "human", "value": "hi"}], "chosen": {}, "rejected": {}}'],
+            "alpaca",
+            r"d\.jsonl:1: a preference record \(it has 'chosen', 'rejected'\)",
+        ),
+        (  # after a record read well, one of another shape is a stray: skipping it is advised
+            ['{"instruction": "a", "output": "b"}', '{"text": "x"}'],
+            "alpaca",
+            r"d\.jsonl:2: field 'instruction' is missing \(the record has text's 'text'\) "
+            r"\(data\.on_bad_record=skip would skip",
+        ),
     ],
 )
 def test_bad_records_stop_with_file_line_field(

@@ -88,17 +88,24 @@ class IdenticalReplies(RecordError):
 
 
 class WrongFormat(RecordError):
-    """A record shaped as another format's (a ShareGPT file read as alpaca): the whole file is
-    usually so, and skipping such records (data.on_bad_record=skip) would skip them all."""
+    """A record shaped as another format's (a ShareGPT file read as alpaca), before any record
+    of its source was read well: the whole file is usually so, and skipping such records
+    (data.on_bad_record=skip) would skip them all. After one, it is one stray record
+    (:func:`read_source`), said as the field it lacks (``stray``)."""
+
+    def __init__(self, where: str, message: str, stray: str):
+        super().__init__(where, message)
+        self.stray = stray
 
 
 FORMAT_MARKS = {
+    "preference": ("chosen", "rejected"),
     "alpaca": ("instruction",),
     "messages": ("messages", "conversations"),
     "text": ("text",),
-    "preference": ("chosen", "rejected"),
 }
-"""The keys that make a record one format's: any of them (preference: both)."""
+"""The keys that make a record one format's: any of them (preference: both), the most
+specific first (a LLaMA-Factory preference record has 'conversations' and both replies)."""
 
 
 def _shaped_as(raw: dict[str, Any], fmt: str) -> bool:
@@ -114,9 +121,11 @@ def _check_format(raw: dict[str, Any], fmt: str, where: str) -> None:
     if other is None:
         return  # no format's keys: the reader's own message names the missing field
     keys = ", ".join(repr(k) for k in FORMAT_MARKS[other] if k in raw)
+    lacks = " or ".join(repr(k) for k in FORMAT_MARKS[fmt])
     raise WrongFormat(
         where,
         f"a {other} record (it has {keys}), read as data.format={fmt}: set data.format={other}",
+        f"field {lacks} is missing (the record has {other}'s {keys})",
     )
 
 
@@ -770,8 +779,12 @@ def read_source(path: str, fmt: str) -> Iterator[Record | RecordError]:
     paths are relative to the data file's folder (a ``datasets`` folder: that folder)."""
     p = Path(path).expanduser()
     base = None if hub_dataset(path) is not None else (p if p.is_dir() else p.parent)
+    read = False  # a record of this source parsed: another format's shape is one bad record
     for where, raw in iter_raw(path):
         try:
             yield parse(raw, fmt, where, base)
+            read = True
+        except WrongFormat as err:
+            yield RecordError(err.where, err.stray) if read else err
         except RecordError as err:
             yield err
