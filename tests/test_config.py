@@ -96,6 +96,11 @@ def test_a_mapping_on_the_command_line_where_none_is_set() -> None:
             "data.cutoff_len is not a memtune setting: memtune's name for it is data.max_seq_len (",
         ),
         ("trainer.max_step=2", "did you mean trainer.max_steps or"),
+        (
+            "trainer.num_train_epochs=3",
+            "trainer.num_train_epochs is not a memtune setting: none: memtune counts "
+            "trainer.max_steps (",
+        ),
     ],
 )
 def test_unknown_key_fails_at_compose_with_the_settings_it_may_mean(

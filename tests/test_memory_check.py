@@ -126,3 +126,7 @@ def test_offloaded_inputs_in_host_memory_are_judged_against_the_host_row() -> No
         "peak allocated",
         "peak reserved",
     ] * 2
+    # planned and not done (a layer's offload never applied): said, not read as a saving
+    none = check(offloading, [{**gpu, "peak_host_offload_gib": 0.0}], "cuda")
+    under = verdict(offloading, none, "cuda")[-1]
+    assert under.startswith("WARNING: rank0 held 0.00 GiB of host memory for offloaded layer")

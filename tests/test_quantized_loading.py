@@ -462,7 +462,7 @@ def test_a_dense_quantized_base_under_zero3_is_read_whole_by_each_rank(tmp_path:
     said = str(err.value)
     assert "this run's loading needs 5.29 GiB per rank on the device" in said
     tips = said.split("Try (each alone, per rank):\n")[1].split("\n(")[0].splitlines()
-    assert tips == ["  - peft=lora (a bf16 base loads already sharded under ZeRO-3): -0.82 GiB"]
+    assert tips == ["  - peft=lora (a bf16 base loads already sharded under ZeRO-3): -0.61 GiB"]
 
     # Qwen3.5-27B QLoRA on 14 GiB cards: the step fits only with the sequence split and
     # the inputs offloaded, the 16.61 GiB load at no length. The long-context choices are

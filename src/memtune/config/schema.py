@@ -735,17 +735,17 @@ OTHER_TOOLS_NAMES = {
     "max_length": "data.max_seq_len",
     "per_device_train_batch_size": "trainer.micro_batch_size",
     "gradient_accumulation_steps": (
-        "trainer.global_batch_size (accumulation is derived: global = micro batch × ranks × "
-        "accumulation)"
+        "none: accumulation is derived, set trainer.global_batch_size (= micro batch × ranks "
+        "× accumulation)"
     ),
-    "num_train_epochs": "trainer.max_steps (no epochs setting; the start-up line says how "
-    "many epochs the steps are)",
-    "num_epochs": "trainer.max_steps (no epochs setting; the start-up line says how many "
-    "epochs the steps are)",
+    "num_train_epochs": "none: memtune counts trainer.max_steps (the start-up line says how "
+    "many epochs they are)",
+    "num_epochs": "none: memtune counts trainer.max_steps (the start-up line says how many "
+    "epochs they are)",
     "warmup_ratio": "trainer.warmup_steps",
     "gradient_checkpointing": "trainer.activation_checkpointing",
     "bf16": "trainer.precision=bf16",
-    "fp16": "trainer.precision=bf16 (bf16 or fp32; no fp16)",
+    "fp16": "none: trainer.precision is bf16 or fp32",
     "deepspeed": "zero=zero2 or zero=zero3 (the config group fills the DeepSpeed JSON)",
     "save_steps": "trainer.save_every",
     "eval_steps": "trainer.eval_every",
@@ -758,8 +758,8 @@ OTHER_TOOLS_NAMES = {
     "dataset": "data.path",
 }
 """The names LLaMA-Factory, axolotl and transformers' TrainingArguments give settings, by last
-part, and memtune's (or what to do instead): the keys users bring with them, which the
-closest-spelling hint got wrong (``peft.lora_r``: "did you mean peft.rslora?")."""
+part, and memtune's (or, "none: ...", what to do instead): the keys users bring with them,
+which the closest-spelling hint got wrong (``peft.lora_r``: "did you mean peft.rslora?")."""
 
 
 def _unknown_key_message(key: str, appended: bool = True) -> str:
@@ -774,8 +774,8 @@ def _unknown_key_message(key: str, appended: bool = True) -> str:
     close += [k for k in known if k.rsplit(".", 1)[-1] in near and k not in close]
     hint = f": did you mean {' or '.join(close[:3])}?" if close else ""
     other = OTHER_TOOLS_NAMES.get(plain.rsplit(".", 1)[-1].lower())
-    if other is not None:
-        hint = f": memtune's name for it is {other}"
+    if other is not None:  # "none: ..." says what to do instead
+        hint = f": {other}" if other.startswith("none:") else f": memtune's name for it is {other}"
     why = "Hydra adds any +key=... unchecked; " if appended else ""
     return (
         f"{key} is not a memtune setting{hint} ({why}the settings are listed in "

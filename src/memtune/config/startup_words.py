@@ -48,7 +48,12 @@ def config_notes(cfg: RunConfig) -> list[str]:
             f"run ends inside its warmup, so the learning rate peaks at {peak:.0%} of "
             f"trainer.lr={t.lr:g}; set trainer.warmup_steps below {t.max_steps} to reach it"
         )
-    ours = [src.path for src in data.all_sources() if not src.path.startswith(str(ASSETS_DIR))]
+    bundled = ASSETS_DIR.resolve()
+    ours = [
+        src.path
+        for src in data.all_sources()
+        if not Path(src.path).expanduser().resolve().is_relative_to(bundled)
+    ]
     if cfg.model.synthesize and ours:
         name = Path(cfg.model.name_or_path).name
         out.append(

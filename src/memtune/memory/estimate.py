@@ -130,10 +130,14 @@ class Plan:
     @property
     def device_fits(self) -> bool:
         """The step's peak and the loading peak within the device (where it is known)."""
-        device = self.device_gib is None or self.total_gib <= self.device_gib
-        if self.loading is not None and self.device_gib is not None:
-            device = device and self.loading.device_gib <= self.device_gib
-        return device
+        step = self.device_gib is None or self.total_gib <= self.device_gib
+        return step and self.loading_fits_device
+
+    @property
+    def loading_fits_device(self) -> bool:
+        """The loading peak within the device (where both are known)."""
+        lo, device = self.loading, self.device_gib
+        return lo is None or device is None or lo.device_gib <= device
 
     @property
     def fits(self) -> bool:

@@ -188,13 +188,14 @@ def device_need_gib(p: Plan) -> float:
     return max(p.total_gib, p.loading.device_gib if p.loading is not None else 0.0)
 
 
-def _loading_tips(cfg: RunConfig, d: Decisions) -> list[tuple[str, str, Apply]]:
+def _loading_tips(cfg: RunConfig, d: Decisions, host: bool) -> list[tuple[str, str, Apply]]:
     """Changes that lower the loading peak, which memory_changes (the step's) leave alone: a
     base in the compute dtype loads already sharded under ZeRO-3 (zero.Init), where a
-    quantized one is read whole first; and a mixture split over more ranks reads only its own
-    experts."""
+    quantized one is read whole first (on the device: not offered where the host's loading
+    is what does not fit, ``host``, since a sharded load still reads the checkpoint through
+    it); and a mixture split over more ranks reads only its own experts."""
     tips: list[tuple[str, str, Apply]] = []
-    if d.zero_stage == 3 and d.peft_method in ("qlora", "lora-int8"):
+    if d.zero_stage == 3 and d.peft_method in ("qlora", "lora-int8") and not host:
         tips.append(
             (
                 "peft=lora",
@@ -241,7 +242,7 @@ def suggestions(
         )
     loading_bound = given.loading is not None and device_need_gib(given) > given.total_gib
     if loading_bound or loading_host_bound:
-        tips += _loading_tips(settings, d)
+        tips += _loading_tips(settings, d, host=loading_host_bound)
     half = d.batch.micro_batch // 2
     if half >= 1:
         tips.append(

@@ -90,13 +90,6 @@ def long_context_variants(cfg: RunConfig) -> list[tuple[Choices, float]]:
     return sorted(out, key=lambda item: item[1])
 
 
-def _fits_with_half_the_spare(planned: Plan) -> bool:
-    """The plan fits the host, and the device with half of AUTO_CHECKPOINT_SPARE_GIB."""
-    device = planned.device_gib
-    half = AUTO_CHECKPOINT_SPARE_GIB / 2
-    return planned.fits and (device is None or planned.total_gib <= device - half)
-
-
 def _unloaded(planned: Plan) -> Plan:
     """``planned`` without its loading peak: the step's memory alone."""
     return dataclasses.replace(planned, loading=None)
@@ -104,10 +97,7 @@ def _unloaded(planned: Plan) -> Plan:
 
 def _loading_fails(planned: Plan) -> bool:
     """The loading peak alone does not fit: the device's or the host's."""
-    lo, device = planned.loading, planned.device_gib
-    if lo is None:
-        return False
-    return (device is not None and lo.device_gib > device) or not planned.loading_fits_host
+    return not (planned.loading_fits_device and planned.loading_fits_host)
 
 
 def long_context_label(d: Decisions) -> str:
@@ -156,35 +146,39 @@ def resolve_long_context(
         speed = step_time(cfg, resolved, counts) if fits and cfg.plan.device_tflops else None
         scored.append((choices, resolved, cost, planned, fits, speed))
     fitting = [s for s in scored if s[4]]
+    # Where the loading peak alone does not fit (the same for every combination), they are
+    # chosen for the step as if it did (the refusal names the loading), not for the smallest
+    # step, which only costs time. None with the spare: the fastest that leaves half of it
+    # (the smallest plan cost 3.4 times the step for 0.2 GiB more: a split sequence at 256
+    # tokens under ZeRO-3, four times the gathers), else the smallest plan (what the spare is
+    # for: the plan's misses on a GPU).
     for_the_step = not fitting and _loading_fails(cheapest[1])
-    # None with the spare: the fastest that leaves half of it (the smallest plan cost 3.4
-    # times the step for 0.2 GiB more: a split sequence at 256 tokens under ZeRO-3, four times
-    # the gathers), else the smallest plan (what the spare is for: the plan's misses on a GPU)
-    at_all = not fitting and not for_the_step
-    if for_the_step:
-        # The loading peak is the same for every combination: where it alone does not fit,
-        # they are chosen for the step as if it did (the refusal names the loading), not for
-        # the smallest step, which only costs time.
-        fitting = [s for s in scored if fits_with_spare(_unloaded(s[3]))]
-    elif at_all:
-        fitting = [s for s in scored if _fits_with_half_the_spare(s[3])]
-    if (for_the_step or at_all) and cfg.plan.device_tflops:
-        fitting = [(*s[:5], step_time(cfg, s[1], counts)) for s in fitting]
+    step_of = _unloaded if for_the_step else (lambda planned: planned)
+    half = AUTO_CHECKPOINT_SPARE_GIB / 2
+    at_half = False
+    if not fitting:
+        fitting = [s for s in scored if fits_with_spare(step_of(s[3]))]
+        if not fitting:
+            fitting = [s for s in scored if fits_with_spare(step_of(s[3]), half)]
+            at_half = bool(fitting)
+        if cfg.plan.device_tflops:
+            fitting = [(*s[:5], step_time(cfg, s[1], counts)) for s in fitting]
     if fitting:
         if cfg.plan.device_tflops:
             best = min(fitting, key=lambda s: s[5].step_s if s[5] else math.inf)
         else:
             best = fitting[0]
-        why = "the fastest that fits" if cfg.plan.device_tflops else "the cheapest that fits"
-        why += f" of {len(scored)} combinations"
-        if for_the_step:
-            why = why.replace("that fits", "for the step") + "; its loading does not fit"
-        elif at_all:
-            half = AUTO_CHECKPOINT_SPARE_GIB / 2
-            why = why.replace("that fits", f"with {half:g} GiB to spare")
+        kind = "the fastest" if cfg.plan.device_tflops else "the cheapest"
+        what = " for the step" if for_the_step else "" if at_half else " that fits"
+        if at_half:
+            what += f" with {half:g} GiB to spare"
+        why = f"{kind}{what} of {len(scored)} combinations"
+        if at_half:
             why = f"none fits with {AUTO_CHECKPOINT_SPARE_GIB:g} GiB to spare: {why}"
+        if for_the_step:
+            why += "; its loading does not fit"
     else:
-        best = min(scored, key=lambda s: s[3].total_gib)
+        best = min(scored, key=lambda s: step_of(s[3]).total_gib)
         short = f" with {AUTO_CHECKPOINT_SPARE_GIB:g} GiB to spare" if best[3].fits else ""
         why = f"none fits{short}: the smallest plan"
     return best[0], f"long context (auto): {long_context_label(best[1])} ({why})"
@@ -212,7 +206,10 @@ def longest_sequence(
         is the one most likely to fit), stopping at the first that fits."""
         trial = at(n)
         variants = long_context_variants(trial)[::-1]
-        return any(_long_context_trial(trial, c, counts, machine)[2] for c, _ in variants)
+        return any(
+            fits_with_spare(_unloaded(_long_context_trial(trial, c, counts, machine)[1]))
+            for c, _ in variants
+        )  # the step's: no length changes the loading (format_longest_sequence says so)
 
     def how(n: int) -> str:
         """What the launch would choose at n: the combination and its checkpointed layers."""

@@ -290,10 +290,8 @@ def _resolve_layers(
     return d, f"{setting}=auto: {k} of {layers} layers{mix} ({why})"
 
 
-def fits_with_spare(planned: Plan) -> bool:
-    """The plan fits the host, and the device with AUTO_CHECKPOINT_SPARE_GIB to spare."""
+def fits_with_spare(planned: Plan, spare: float = AUTO_CHECKPOINT_SPARE_GIB) -> bool:
+    """The plan fits the host, and the device with ``spare`` (AUTO_CHECKPOINT_SPARE_GIB)."""
     if not planned.fits:
         return False
-    return planned.device_gib is None or (
-        planned.total_gib <= planned.device_gib - AUTO_CHECKPOINT_SPARE_GIB
-    )
+    return planned.device_gib is None or planned.total_gib <= planned.device_gib - spare

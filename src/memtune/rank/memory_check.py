@@ -26,6 +26,10 @@ OVER = 0.05
 OUTSIDE = "outside the allocator"
 """The measure of what the device held beyond torch's allocator (rank.telemetry)."""
 
+UNDER = 0.5
+"""The offloaded inputs' host memory below this share of its row: the offload did not happen
+as planned (rows this short of their plan are read as not done, not as saved)."""
+
 HOST = "host offload"
 """The measure of the host memory a rank held for offloaded layer inputs (rank.long_context's
 buffers), against the plan's host rows: exact on a GPU and on CPU ranks alike."""
@@ -108,6 +112,14 @@ def _host_verdict(host: list[RankCheck]) -> list[str]:
             f"WARNING: rank{worst.rank} held {worst.measured_gib:.2f} GiB of host memory for "
             f"offloaded layer inputs against {worst.planned_gib:.2f} planned (a micro batch "
             "wider than planned?); please report it with plan.json and memory.json."
+        )
+    least = min(host, key=lambda c: c.ratio)
+    if least.ratio < UNDER:  # planned, and not (or hardly) done: the plan's device rows too
+        lines.append(
+            f"WARNING: rank{least.rank} held {least.measured_gib:.2f} GiB of host memory for "
+            f"offloaded layer inputs against {least.planned_gib:.2f} planned: the layers' "
+            "inputs were not offloaded as planned (their device memory with them); please "
+            "report it with plan.json and memory.json."
         )
     return lines
 
