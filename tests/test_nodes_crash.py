@@ -137,6 +137,8 @@ def test_a_node_whose_rank_fails_at_start_stops_the_other_node(
     assert "Traceback" not in other, other[-3000:]  # its rank was killed while it waited
     mark = RunDir(run_dir).node_failed(failing).read_text()
     assert '"launch_id": "f1"' in mark and '"code": 1' in mark
+    if failing == 1:  # node 0's exit.json names the node that stopped the job
+        assert RunDir(run_dir).read_exit().error == f"node 1 failed: {said.group(1)}"
     assert not RunDir(run_dir).node_failed(1 - failing).exists()  # it only lost its peer
 
 

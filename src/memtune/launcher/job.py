@@ -701,7 +701,11 @@ def _report(code: int, spec: NodeSpec, run_dir: Path, sweeping: bool) -> int:
         # A sweep point in a submitit job: its checkpoint is saved; submitit's own handler for
         # the same signal now requeues the job (hydra/launcher=slurm, max_num_timeout).
         signal.raise_signal(signal.SIGUSR2)
-    RunDir(run_dir).write_exit(code)
+    error = None
+    if spec.form == "per-node" and code not in (0, EXIT_REQUEUE, EXIT_INTERRUPTED):
+        failed = failed_node(run_dir, spec)  # another node's failure stopped this one's ranks
+        error = None if failed is None else f"node {failed[0]} failed: {failed[1]}"
+    RunDir(run_dir).write_exit(code, error)
     if code == EXIT_REQUEUE and find_latest(RunDir(run_dir).checkpoints)[0] is None:
         print(
             f"memtune: stopped before the first step (exit code {code}): nothing was saved, the "
