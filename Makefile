@@ -40,6 +40,8 @@ install: $(STAMP) ## Create .venv and install memtune with its dev tools
 
 # `make train` is the CPU demo unless EXP= is given (EXP's default names the GPU job's experiment).
 TRAIN_EXP := $(if $(filter command line environment,$(origin EXP)),experiment=$(EXP))
+# plan and train-4x4090 name EXP's experiment unless ARGS names one (it won silently, as last)
+GIVEN_EXP := $(if $(findstring experiment=,$(ARGS)),,experiment=$(EXP))
 
 train: $(STAMP) ## Run the embedded CPU demo (tiny Qwen2, 2 ranks, ZeRO-3); EXP=demo-vl-cpu: the image demo; ARGS= adds overrides
 	@$(PY) train.py $(TRAIN_EXP) $(ARGS)
@@ -90,7 +92,7 @@ preprocess: $(STAMP) ## Tokenize the data into its cache and print the counts (E
 	$(PY) train.py $(TRAIN_EXP) preprocess_only=true $(ARGS)
 
 plan: $(STAMP) ## Per-rank memory plan of EXP (default qwen2.5-7b-4x4090-lora); launches nothing
-	@$(VENV)/bin/memtune plan experiment=$(EXP) $(ARGS)
+	@$(VENV)/bin/memtune plan $(GIVEN_EXP) $(ARGS)
 
 merge: $(STAMP) ## Merge an adapter into its base: ADAPTER=RUN_DIR/adapter OUT=new-dir/ [ARGS=--dtype fp32]
 	@test -n "$(ADAPTER)" -a -n "$(OUT)" || { echo "usage: make merge ADAPTER=RUN_DIR/adapter OUT=DIR"; exit 2; }
@@ -112,7 +114,7 @@ train-4x4090: $(STAMP) ## The real job: EXP (default qwen2.5-7b-4x4090-lora) on 
 	# machine without 4 GPUs); tokenizes the data, writes the run dir; then starts the ranks with:
 	#   RANK=r LOCAL_RANK=r WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=<free> CUDA_VISIBLE_DEVICES=<cards> python -u -m memtune.worker <run dir>
 	# for r in 0..3 (DeepSpeed's launcher's environment; the cards: the first 4 of CUDA_VISIBLE_DEVICES; 0-3 when it is unset)
-	$(PY) train.py experiment=$(EXP) launcher.num_ranks=4 $(ARGS)
+	$(PY) train.py $(GIVEN_EXP) launcher.num_ranks=4 $(ARGS)
 
 bench: $(STAMP) ## Training benchmark: memtune as shipped vs HF Trainer + peft, with ablations; the MoE block -> bench/results/ (~18 min)
 	$(PY) bench/bench.py $(ARGS)
