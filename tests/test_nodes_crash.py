@@ -46,6 +46,17 @@ def test_a_nodes_failure_mark_is_this_launchs_and_names_the_cause(tmp_path: Path
     (tmp_path / "base.json").write_text("{}\n")
     assert tmp_path / "failed-node1.json" not in RunDir(tmp_path).earlier_run()
     assert tmp_path / "failed-node7.json" in RunDir(tmp_path).earlier_run()
+    # a user's file under a mark's name is never written over (nor is node 0's beat's)
+    with pytest.raises(FileExistsError, match="not memtune's, left as it is"):
+        announce_failed(tmp_path, replace(spec, node_rank=7), 1, "a failure")
+    assert (tmp_path / "failed-node7.json").read_text() == '{"mine": 1}\n'
+    from memtune.launcher.topology import preparing
+
+    beat = RunDir(tmp_path).node0_preparing
+    beat.write_text("my notes\n")
+    with preparing(tmp_path, spec, every_s=0.01):
+        time.sleep(0.05)
+    assert beat.read_text() == "my notes\n"
 
 
 def test_the_other_nodes_wait_past_their_limit_while_node_0_still_prepares(

@@ -123,6 +123,16 @@ class PlanRow:
     """Grows with the tokens of a micro batch: the first suspect of a rank over its plan."""
 
 
+def memtune_record(path: Path, keys: set[str]) -> bool:
+    """Whether ``path`` is a JSON object with exactly ``keys``: a mark memtune writes under a
+    name a user's file might have, told apart from one (never written over, nor removed)."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and raw.keys() == keys
+
+
 @dataclass
 class PlanRecord:
     """``plan.json``: the per-rank plan the run was admitted with, for the ranks to compare
@@ -490,15 +500,8 @@ class RunDir:
         writes them (exactly ``{"launch_id", "node", "code", "error"}``): a node may fail before
         node 0 has laid the run out (its GPUs differ in number, its preflight failed), and node
         0 then starts in a dir that holds the mark (and watches it: launcher.spawn)."""
-        marks = []
-        for path in self.path.glob("failed-node[0-9]*.json"):
-            try:
-                raw = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-            if isinstance(raw, dict) and raw.keys() == {"launch_id", "node", "code", "error"}:
-                marks.append(path)
-        return marks
+        keys = {"launch_id", "node", "code", "error"}
+        return [p for p in self.path.glob("failed-node[0-9]*.json") if memtune_record(p, keys)]
 
     def refusal_records(self) -> list[Path]:
         """What a start refused before it laid a run out left under memtune's names (given

@@ -17,6 +17,7 @@ On Slurm all three come from the job's environment.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -32,7 +33,7 @@ from typing import Any
 from memtune.config import ConfigError, RunConfig
 from memtune.exit_codes import EXIT_PEER_LOST
 from memtune.filesystem import write_atomic
-from memtune.rundir import RunDir
+from memtune.rundir import RunDir, memtune_record
 
 DEFAULT_PORT = 29500
 
@@ -356,6 +357,15 @@ def _write_mark(path: Path, record: dict[str, Any]) -> None:
     write_atomic(path, json.dumps(record) + "\n")
 
 
+def _write_own_mark(path: Path, record: dict[str, Any]) -> None:
+    """:func:`_write_mark` for a mark whose name is not among the run files node 0 refuses
+    (a node's failure, node 0's beat): a file there that is not such a mark is a user's, and
+    FileExistsError leaves it as it is."""
+    if (path.exists() or path.is_symlink()) and not memtune_record(path, set(record)):
+        raise FileExistsError(errno.EEXIST, "not memtune's, left as it is", str(path))
+    _write_mark(path, record)
+
+
 def _mark_of(path: Path, spec: NodeSpec) -> dict[str, Any] | None:
     """The mark at ``path`` if it is this launch id's (a mark of an earlier start is None)."""
     try:
@@ -388,7 +398,7 @@ def announce_failed(run_dir: Path, spec: NodeSpec, code: int, error: str) -> Non
     their launchers watch for this mark (:func:`failed_node`) and stop them. Node 0's word
     before its ranks start is :func:`announce_ready`'s ``error``."""
     record = {"launch_id": spec.launch_id, "node": spec.node_rank, "code": code, "error": error}
-    _write_mark(RunDir(run_dir).node_failed(spec.node_rank), record)
+    _write_own_mark(RunDir(run_dir).node_failed(spec.node_rank), record)
 
 
 def failed_node(run_dir: Path, spec: NodeSpec) -> tuple[int, str] | None:
@@ -445,8 +455,9 @@ def preparing(run_dir: Path, spec: NodeSpec, every_s: float = PREPARING_BEAT_S) 
         n = 0
         while True:
             if run_dir.is_dir():
-                with contextlib.suppress(OSError):  # a beat missed: the wait's own limit
-                    _write_mark(path, {"launch_id": spec.launch_id, "beat": n})
+                # a beat missed (or a user's file of that name, left alone): the wait's limit
+                with contextlib.suppress(OSError):
+                    _write_own_mark(path, {"launch_id": spec.launch_id, "beat": n})
                     n += 1
             if stop.wait(every_s):
                 return
