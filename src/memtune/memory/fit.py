@@ -195,7 +195,7 @@ def _loading_tips(cfg: RunConfig, d: Decisions, host: bool) -> list[tuple[str, s
     is what does not fit, ``host``, since a sharded load still reads the checkpoint through
     it); and a mixture split over more ranks reads only its own experts."""
     tips: list[tuple[str, str, Apply]] = []
-    if d.zero_stage == 3 and d.peft_method in ("qlora", "lora-int8") and not host:
+    if d.zero_stage == 3 and d.peft_method != "lora" and not host:  # a quantized base
         tips.append(
             (
                 "peft=lora",

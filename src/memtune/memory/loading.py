@@ -153,7 +153,7 @@ def dense_quantized_loading_peak(
     temporaries (QUANTIZE_TEMPORARY_BYTES), the host holding one checkpoint tensor at a time
     on a GPU machine. None under ZeRO-2 (the base is kept whole anyway; one weight's
     transient is noise beside a step) and for a base in the compute dtype."""
-    if d.zero_stage != 3 or d.peft_method not in ("qlora", "lora-int8"):
+    if d.zero_stage != 3 or d.peft_method == "lora":  # a base in the compute dtype
         return None
     kind = cfg.peft.quant_type if d.peft_method == "qlora" else "int8"
     cuda = cfg.plan.device_gib is not None
