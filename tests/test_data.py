@@ -281,8 +281,8 @@ def test_text_format_labels_every_token(tokenizer, tmp_path: Path) -> None:
                 '"value": "4"}]}'
             ],
             "messages",
-            r"d\.jsonl:1: field 'conversations\[1\]\.from' is 'function_call', a tool call: "
-            r"memtune has no tool-call role; write it as an assistant turn",
+            r"d\.jsonl:1: field 'conversations\[1\]\.value\.name' is missing or not a "
+            "non-empty string",
         ),
         (
             [
@@ -290,8 +290,9 @@ def test_text_format_labels_every_token(tokenizer, tmp_path: Path) -> None:
                 '"4"}, {"role": "assistant", "content": "4"}]}'
             ],
             "messages",
-            r"d\.jsonl:1: field 'messages\[1\]\.role' is 'tool', a tool result: memtune has no "
-            r"tool role; write it as a user turn wrapped whole in <tool_response>",
+            r"d\.jsonl:1: turn 1 is 'user' \(tool results\), expected 'assistant' \(turns "
+            r"alternate user / assistant after an optional system message; a tool's results "
+            "follow its call",
         ),
         (['{"text": ""}'], "text", r"d\.jsonl:1: field 'text' is empty"),
         (  # another format's record: named, and no advice to skip (it would skip them all)

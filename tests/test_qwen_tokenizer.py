@@ -219,10 +219,11 @@ def test_qwen3_tool_result_is_no_query(qwen) -> None:
     assert sample.labels[len(prompt_ids) - 1] == IGNORE_INDEX != sample.labels[len(prompt_ids)]
 
 
-def test_a_tool_turn_written_as_the_readers_refusal_says_is_qwen3s_tool_turn(qwen) -> None:
-    """The reader refuses role 'tool' and says to write a user turn wrapped whole in
-    <tool_response>\\n…\\n</tool_response>: that is the text Qwen3's template makes of a tool
-    turn, think blocks included (it is a tool result to both, not a query)."""
+def test_a_user_turn_wrapped_in_tool_response_is_qwen3s_tool_turn(qwen) -> None:
+    """A user turn wrapped whole in <tool_response>\\n…\\n</tool_response> (what the reader
+    makes of a tool turn, and how data written for other tools may already hold one) is the
+    text Qwen3's template makes of a tool turn, think blocks included (a tool result to both,
+    not a query)."""
     _, tok = qwen
     call = {"role": "assistant", "content": "Let me check.", "reasoning_content": "Use it."}
     tool = [

