@@ -62,7 +62,7 @@ from memtune.memory.attention import (
     output_copied,
 )
 from memtune.memory.counts import ParamCounts, count_params, linear_mixer_bytes
-from memtune.memory.dora import dora_modules, dora_saved_bytes, dora_transient_bytes
+from memtune.memory.dora import dora_kept_bytes, dora_transient_bytes
 from memtune.memory.expert_parallel import (
     assumption,
     buffer_bytes,
@@ -214,8 +214,7 @@ def layer_bytes(
         mlp = swiglu_saved_bytes(d, n, inter, b)
     copies = keeps_dropout_copies(cfg, d)
     lora = lora_activation_bytes(inputs, n, b, copies, cuda)
-    if cfg.peft.dora:
-        lora += sum(dora_saved_bytes(out, n, b) for _, out, _ in dora_modules(inputs, counts))
+    lora += dora_kept_bytes(cfg, d, inputs, counts, n)
     if kind != "linear_attention" and not copies and output_copied(cfg, d):
         lora += sum(n * i * b for name, i, _ in inputs if name == "o_proj")
     return norms + mixer + mlp + lora
@@ -231,8 +230,7 @@ def attention_half_bytes(
     mixer, extra = attention_bytes(cfg, d, tokens)
     qkv = [i for i in counts.lora_inputs if i[0] in QKV]
     lora = lora_activation_bytes(qkv, tokens, b, keeps_dropout_copies(cfg, d), cuda)
-    if cfg.peft.dora:
-        lora += sum(dora_saved_bytes(out, tokens, b) for _, out, _ in dora_modules(qkv, counts))
+    lora += dora_kept_bytes(cfg, d, qkv, counts, tokens)
     return norm_saved_bytes(d, tokens, h, b) + mixer + extra + lora
 
 
@@ -509,13 +507,14 @@ def step_peak(
                 output = own and not d.offload_activations
                 back_attention = (2 + own + output) * hidden + attention_back
                 moments.append(StepPeak(where, inputs + half, 0, back_attention, what=FLASH_WHAT))
-            if dora := dora_transient_bytes(cfg, counts, tokens, kind):
+            if dora := dora_transient_bytes(cfg, d, counts, tokens, kind):
                 # At the end of the recompute, the moment the plain step peaks at too (the
                 # backward allowance stands for what it holds there beyond the saved bytes).
                 where = f"recompute of layer {k - 1} (DoRA)"
                 moments.append(StepPeak(where, inputs + layer, 0, back, dora))
     last_keeps = k + s < layers
-    if last_keeps and (dora := dora_transient_bytes(cfg, counts, tokens, layer_kinds(cfg)[-1])):
+    last_kind = layer_kinds(cfg)[-1]
+    if last_keeps and (dora := dora_transient_bytes(cfg, d, counts, tokens, last_kind)):
         moments.append(StepPeak(f"forward of layer {layers - 1} (DoRA)", ran, dora=dora))
     return max(moments, key=lambda m: m.total)
 
