@@ -487,3 +487,16 @@ def test_the_other_stage_short_of_autos_spare_is_not_just_said_to_fit() -> None:
     line = next(x for x in text.splitlines() if "zero=zero2 instead" in x)
     assert "17.33 GiB per rank (fits, 1.17 GiB spare (auto wants 2), checkpointing all" in line
     assert line.endswith("sequence_parallel=2 tiled_mlp=off offload_activations=off)")
+
+
+def test_the_other_stage_the_run_is_refused_under_is_said_refused() -> None:
+    """DoRA on a 4-bit base trains under ZeRO-2 only (refused under ZeRO-3 before launch): the
+    plan's other-stage line said ZeRO-3 'fits' at 35.6 s a step, a stage memtune refuses."""
+    args = ["experiment=qwen2.5-7b-4x4090-qlora", "peft.dora=true", "zero=zero2"]
+    fitted = fit_to_device(to_run_config(compose_cfg(args)))
+    text = format_step_estimates(fitted.cfg, fitted.decisions, fitted.plan.counts, fitted.machine)
+    assert text is not None
+    line = next(x for x in text.splitlines() if "zero=zero3 instead" in x)
+    assert line == (
+        "  zero=zero3 instead: refused (peft.dora=true with peft.method=qlora under zero.stage=3)"
+    )

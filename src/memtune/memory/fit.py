@@ -473,6 +473,11 @@ def format_step_estimates(
         m = larger[0].trainer.micro_batch_size
         alternatives.append((larger, f"trainer.micro_batch_size={m}"))
     for (variant, choices), label in alternatives:
+        try:  # a stage the run's settings are refused under (DoRA on a 4-bit base: ZeRO-2 only)
+            validate(variant, inputs=False)
+        except ConfigError as err:
+            lines.append(f"  {label} instead: refused ({str(err).split(': ', 1)[0]})")
+            continue
         other, _ = resolve_checkpoint_layers(variant, choices, counts, machine)
         other_plan = plan(variant, other, counts)
         other_estimate = step_time(variant, other, counts)
