@@ -350,3 +350,36 @@ def test_plain_has_no_tool_format_so_a_record_with_tools_is_a_bad_record() -> No
         "a:1: the record uses tools and data.template has no tool format: set one of chatml, "
         "qwen3, qwen3_5"
     )
+
+
+def test_generate_offers_tools_as_training_wrote_them(qwen3, tmp_path) -> None:
+    """memtune generate --tools FILE: the prompt's system turn holds the functions as a
+    record's tools were written, and ends where Qwen3's generation prompt ends (thinking off:
+    the empty block); a file that is not JSON, and a run whose template has no tool format,
+    are refused by name."""
+    from omegaconf import OmegaConf
+
+    from memtune.config import ConfigError, to_run_config
+    from memtune.tools.generate import prompt_text, read_tools
+    from tests.conftest import compose_cfg
+
+    def run_dir(template: str) -> Any:
+        cfg = to_run_config(compose_cfg([f"data.template={template}"]))
+        (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        return tmp_path
+
+    given = tmp_path / "tools.json"
+    given.write_text(json.dumps([WEATHER]), encoding="utf-8")
+    tools = read_tools(given, run_dir("qwen3"))
+    assert tools == [WEATHER]
+    turn = [{"role": "user", "content": "Weather in Oslo?"}]
+    want = qwen3.apply_chat_template(
+        turn, tools=tools, add_generation_prompt=True, enable_thinking=False, tokenize=False
+    )
+    assert prompt_text(tmp_path, "Weather in Oslo?", qwen3, tools=tools) == want
+    given.write_text("[\n{oops}]", encoding="utf-8")
+    with pytest.raises(ConfigError, match=rf"--tools: {given}:2 is not JSON"):
+        read_tools(given, tmp_path)
+    given.write_text(json.dumps([WEATHER]), encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"trained with no tool format \(plain\)"):
+        read_tools(given, run_dir("plain"))

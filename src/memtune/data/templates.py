@@ -208,7 +208,11 @@ def split_reasoning(message: dict[str, Any]) -> tuple[str, str]:
 
 
 def render_prompt(
-    messages: list[dict[str, Any]], template: str, eos: str, thinking: bool = False
+    messages: list[dict[str, Any]],
+    template: str,
+    eos: str,
+    thinking: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """What a model is given to answer the conversation's next turn (generation): exactly
     the text that precedes a reply in training. ``thinking`` (qwen3 and qwen3_5 only): leave
@@ -217,6 +221,6 @@ def render_prompt(
     reply: dict[str, Any] = {"role": "assistant", "content": ""}
     if thinking and template in ("qwen3", "qwen3_5"):
         reply["reasoning_content"] = "…"  # any: the prompt then ends where its thinking starts
-    rendered = segments([*messages, reply], template, eos)
+    rendered = segments([*messages, reply], template, eos, tools)
     last_label = max(i for i, (_, label) in enumerate(rendered) if label)
     return "".join(text for text, _ in rendered[:last_label])

@@ -14,6 +14,10 @@ merge``'s default holds it (memtune.tools.merge.load_base): in the training prec
 under the run's ``model.rope_scaling`` (YaRN), and a QLoRA / LLM.int8 run's quantized as in
 training, then dequantized.
 
+``--tools FILE`` offers functions (a JSON list of function schemas, as a record's ``tools``):
+the prompt's system turn holds them as training wrote them, and the answer is the model's text,
+a call as the run's template writes one.
+
 ``--image PATH`` (once per image) puts images in the user turn, before its text, encoded as the
 run's data encodes them: resized by the model's image processor with the run's
 ``data.min_pixels`` / ``data.max_pixels``, one ``<|image_pad|>`` per merged patch. The model
@@ -27,6 +31,7 @@ one line on stderr that says so.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -113,18 +118,46 @@ def on_documents(data: DataConfig) -> bool:
 
 
 def prompt_text(
-    run_dir: Path, prompt: str, tokenizer: Any, thinking: bool = False, system: str | None = None
+    run_dir: Path,
+    prompt: str,
+    tokenizer: Any,
+    thinking: bool = False,
+    system: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """The text the model is given for one user turn: the run's template and system prompt
     (``system``, when given, in place of data.system_prompt: a record's own, as training put
-    it; "" for none); for a run on plain documents only (:func:`on_documents`, trained with no
-    template), the prompt itself, which the model continues."""
+    it; "" for none), with ``tools`` offered as a record offers them; for a run on plain
+    documents only (:func:`on_documents`, trained with no template), the prompt itself, which
+    the model continues."""
     cfg = load_run_config(RunDir(run_dir).config)
     if on_documents(cfg.data):
         return prompt
     given = cfg.data.system_prompt if system is None else system
     messages = with_system([{"role": "user", "content": prompt}], given)
-    return render_prompt(messages, cfg.data.template, tokenizer.eos_token, thinking)
+    return render_prompt(messages, cfg.data.template, tokenizer.eos_token, thinking, tools)
+
+
+def read_tools(path: Path, run_dir: Path) -> list[dict[str, Any]] | None:
+    """``--tools``: the functions in a JSON file, checked as a record's tools are; ConfigError
+    naming the file, or the run, where its template has no tool format."""
+    from memtune.data.tool_calls import TOOL_TEMPLATES, BadField, parse_tools
+
+    data = load_run_config(RunDir(run_dir).config).data
+    if on_documents(data) or data.template not in TOOL_TEMPLATES:
+        why = "plain documents, no template" if on_documents(data) else data.template
+        raise ConfigError(f"--tools: {run_dir} trained with no tool format ({why})")
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise ConfigError(f"--tools: cannot read {path}: {err.strerror or err}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        where = f"{path}:{err.lineno}" if isinstance(err, json.JSONDecodeError) else str(path)
+        raise ConfigError(f"--tools: {where} is not JSON ({err})") from None
+    try:
+        return parse_tools(value, "--tools")
+    except BadField as err:
+        raise ConfigError(f"{err} ({path})") from None
 
 
 def image_settings(run_dir: Path, model_dir: Path | None = None) -> ImageSettings:
@@ -155,6 +188,7 @@ def prompt_inputs(
     images: Sequence[Path] = (),
     settings: ImageSettings | None = None,
     system: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The model's inputs for one user turn, as the run's data encodes a turn: the text of
     :func:`prompt_text` (``system``: its system prompt), and with ``images`` (each before the
@@ -173,9 +207,8 @@ def prompt_inputs(
     from memtune.data.readers import Record, RecordError
     from memtune.data.vision import IMAGE_PAD, ImageRef, pixel_values
 
-    text = prompt_text(
-        run_dir, IMAGE_PLACEHOLDER * len(images) + prompt, tokenizer, thinking, system
-    )
+    turn = IMAGE_PLACEHOLDER * len(images) + prompt
+    text = prompt_text(run_dir, turn, tokenizer, thinking, system, tools)
     ids = tokenizer.encode(text, add_special_tokens=False)
     if not images:
         input_ids = torch.tensor([ids])
@@ -210,16 +243,17 @@ def answer(
     images: Sequence[Path] = (),
     settings: ImageSettings | None = None,
     system: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[str, list[int]]:
     """Greedy answer to one user turn; returns (text, generated ids). ``thinking`` (the qwen3
     and qwen3_5 templates): the model writes its own think block instead of the empty one.
     ``images``: in the turn, before its text (:func:`prompt_inputs`). ``system``: the system
-    prompt in place of the run's data.system_prompt."""
+    prompt in place of the run's data.system_prompt. ``tools``: the functions offered."""
     # Inside the function: torch takes seconds to import, and a refused command needs none of it.
     import torch
     from transformers import GenerationConfig
 
-    inputs = prompt_inputs(run_dir, prompt, tokenizer, thinking, images, settings, system)
+    inputs = prompt_inputs(run_dir, prompt, tokenizer, thinking, images, settings, system, tools)
     stops = stop_token_ids(tokenizer)
     # Greedy, whatever the checkpoint's generation_config.json asks for serving (Qwen's
     # instruct models: sampling, repetition_penalty 1.05): generate fills every setting not
@@ -304,8 +338,17 @@ def main(argv: list[str] | None = None) -> None:
         help='the system prompt, in place of the run\'s data.system_prompt ("": none); a run '
         "trained on records with their own system prompts answers best under one of those",
     )
+    parser.add_argument(
+        "--tools",
+        type=Path,
+        metavar="JSON",
+        help="a JSON file with the functions to offer (a list of function schemas, as a "
+        "record's tools): the prompt holds them as training did; the answer is the model's "
+        "text, a call as the template writes one",
+    )
     args = parser.parse_args(argv)
     check_paths(args.run_dir, args.model)
+    tools = read_tools(args.tools, args.run_dir) if args.tools is not None else None
     if args.system is not None and on_documents(load_run_config(RunDir(args.run_dir).config).data):
         raise ConfigError(
             f"--system: {args.run_dir} trained on plain documents only (every data source of "
@@ -329,6 +372,7 @@ def main(argv: list[str] | None = None) -> None:
         args.image,
         settings,
         args.system,
+        tools,
     )
     if text.strip():
         print(text)
