@@ -463,3 +463,30 @@ def test_train_on_prompt_labels_the_text_of_a_prompt_with_images_not_its_patches
         [i for i, lab in zip(sample.input_ids, sample.labels, strict=True) if lab != -100]
     )
     assert "Which is taller?" in text and "Read receipts." in text
+
+
+def test_a_record_dropped_before_one_with_images_leaves_the_images_with_their_record(
+    tok: Any, pics: Path, tmp_path: Path
+) -> None:
+    """The records' own problems are settled before the images are resized: a record dropped
+    after them (here: a conversation with no query, which Qwen3.5's template refuses) shifted
+    the resized images by one, so the next record took its neighbour's images (or the build
+    stopped on a count that did not match)."""
+    no_query = {
+        "messages": [{"role": "tool", "content": "42"}, {"role": "assistant", "content": "ok"}]
+    }
+    data = write_jsonl(pics / "shifted.jsonl", [no_query, HF_RECORD])
+    small = ImageSettings.from_config(preprocessor("qwen3_vl"), min_pixels=32 * 32)
+    base = {
+        "path": str(data),
+        "format": "messages",
+        "cache_dir": str(tmp_path),
+        "max_seq_len": 4096,
+    }
+    cfg = DataConfig(**base, template="qwen3_5", on_bad_record="skip")
+    kept = preprocess(cfg, tok, 0, small)
+    assert (kept.train.records, kept.train.skipped_bad, kept.train.images) == (1, 1, 3)
+    (rec,) = [r for r in read_source(str(data), "messages") if isinstance(r, Record)][1:]
+    expected = [r.pixels for r in resize_record_images(rec, small)]
+    for got, want in zip(load_images(kept.dir, "train", 0), expected, strict=True):
+        np.testing.assert_array_equal(got, want)

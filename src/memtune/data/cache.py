@@ -364,20 +364,23 @@ def _encode(
     samples = []
     with tqdm(total=len(records), desc=desc, unit="rec", disable=len(records) < CHUNK) as bar:
         for start in range(0, len(records), CHUNK):
-            chunk = records[start : start + CHUNK]
-            resized = None
-            if images is not None and any(rec.images for rec in chunk):
-                chunk, resized = _resize_images(chunk, images, cfg, stats)
+            chunk = read = records[start : start + CHUNK]
+            # The records' own problems first: the resized images are matched to the records
+            # by position, so none may be dropped after them (a record after a dropped one
+            # took its neighbour's images)
             if cfg.template == "qwen3_5":
                 chunk = _with_a_query(chunk, cfg, stats)
             if cfg.template not in TOOL_TEMPLATES:
                 chunk = _kept(chunk, chunk, _tool_use, cfg, stats)
+            resized = None
+            if images is not None and any(rec.images for rec in chunk):
+                chunk, resized = _resize_images(chunk, images, cfg, stats)
             encoded = encode_records(chunk, tokenizer, cfg, resized)
             if stray is not None:
                 encoded = _without_stray_image_tokens(chunk, encoded, stray, cfg, stats)
             samples += apply_length_policy(encoded, cfg, stats)
             _check_image_budget(stats, cfg)
-            bar.update(len(chunk))
+            bar.update(len(read))
     return samples
 
 
