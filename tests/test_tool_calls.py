@@ -40,6 +40,13 @@ WEATHER = {
 SEARCH = {"name": "search", "description": "web search <b>&</b>", "parameters": {"type": "object"}}
 
 
+def served(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Tools as an OpenAI-style server hands them to the template: each wrapped."""
+    if tools is None:
+        return None
+    return [t if "function" in t else {"type": "function", "function": t} for t in tools]
+
+
 def _call(name: str, arguments: Any) -> dict[str, Any]:
     return {"id": "call_1", "type": "function", "function": {"name": name, "arguments": arguments}}
 
@@ -104,7 +111,7 @@ def bpe() -> Qwen35BPE:
 def _qwen3_reference(tok, record: dict[str, Any]) -> str:
     """Qwen3's template wants a string content (a null one fails in it)."""
     messages = [dict(m, content=m["content"] or "") for m in record["messages"]]
-    return tok.apply_chat_template(messages, tools=record.get("tools"), tokenize=False)
+    return tok.apply_chat_template(messages, tools=served(record.get("tools")), tokenize=False)
 
 
 def _ours(record: dict[str, Any], template: str, fmt: str = "messages") -> str:
@@ -134,7 +141,7 @@ def test_qwen3_renders_tools_calls_and_results_as_qwen3s_template(qwen3, name: s
     (sample,) = encode_records([rec], qwen3, DataConfig(path="unused", template="qwen3"))
     whole = qwen3.apply_chat_template(
         [dict(m, content=m["content"] or "") for m in record["messages"]],
-        tools=record.get("tools"),
+        tools=served(record.get("tools")),
         tokenize=True,
     )["input_ids"]
     assert sample.input_ids == whole
@@ -211,7 +218,8 @@ def _qwen35_reference(record: dict[str, Any]) -> str:
             if isinstance(args, str):
                 call["function"] = dict(call["function"], arguments=json.loads(args))
         messages.append(m)
-    return render_jinja_template([messages], tools=record.get("tools"), chat_template=body)[0][0]
+    tools = served(record.get("tools"))
+    return render_jinja_template([messages], tools=tools, chat_template=body)[0][0]
 
 
 QWEN35_EXTRA = {
@@ -296,9 +304,14 @@ BAD = {
         {"role": "assistant", "content": None, "tool_calls": [_call("", {})]},
         "field 'messages[1].tool_calls[0].function.name' is missing or not a non-empty string",
     ),
-    "empty list": (
-        {"role": "assistant", "content": "x", "tool_calls": []},
+    "not a list": (
+        {"role": "assistant", "content": "x", "tool_calls": {"name": "f"}},
         "field 'messages[1].tool_calls' must be a non-empty list of calls",
+    ),
+    "an image's token in the arguments": (
+        {"role": "assistant", "content": None, "tool_calls": [_call("f", {"q": "<|image_pad|>"})]},
+        "field 'messages[1].tool_calls' holds '<|image_pad|>', which only an image may place "
+        "(give the image as a part, or as <image> with an 'images' list)",
     ),
     "calls on a user turn": (
         {"role": "user", "content": "x", "tool_calls": [_call("f", {})]},
@@ -383,3 +396,50 @@ def test_generate_offers_tools_as_training_wrote_them(qwen3, tmp_path) -> None:
     given.write_text(json.dumps([WEATHER]), encoding="utf-8")
     with pytest.raises(ConfigError, match=r"trained with no tool format \(plain\)"):
         read_tools(given, run_dir("plain"))
+
+
+def test_bare_schemas_are_wrapped_and_an_empty_call_list_is_no_call(qwen3) -> None:
+    """LLaMA-Factory's datasets hold bare schemas ({"name", "description", "parameters"}),
+    which it wraps for Qwen as an OpenAI-style server hands tools to the template: training
+    writes the wrapped form, the one the served model is prompted with. "tool_calls": [] (on
+    every reply an OpenAI-style server logs) is a reply without calls."""
+    rec = parse(
+        {
+            "tools": json.dumps([SEARCH]),
+            "messages": OPENAI["text before the call, no system prompt, reasoning"]["messages"],
+        },
+        "messages",
+        "t:1",
+    )
+    assert rec.tools == [{"type": "function", "function": SEARCH}]
+    flat = {"type": "function", **SEARCH}  # the Responses API's flat schema
+    assert parse({"tools": [flat], "messages": rec.messages}, "messages", "t:1").tools == rec.tools
+    plain = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello", "tool_calls": []},
+    ]
+    read = parse({"messages": plain}, "messages", "t:2")
+    assert read.messages == [plain[0], {"role": "assistant", "content": "Hello"}]
+
+
+def test_a_pair_whose_calls_differ_in_the_writing_only_is_identical() -> None:
+    """A call's arguments as a string and as the object it holds (or two spacings of one
+    object) are one call: such a pair has nothing to prefer."""
+    from memtune.data.readers import IdenticalReplies
+
+    def reply(arguments: Any) -> list[dict[str, Any]]:
+        return [{"role": "assistant", "content": None, "tool_calls": [_call("f", arguments)]}]
+
+    prompt = [{"role": "user", "content": "Go"}]
+    pair = {"prompt": prompt, "chosen": reply('{"x":  1}'), "rejected": reply({"x": 1})}
+    with pytest.raises(IdenticalReplies, match="the same reply"):
+        parse(pair, "preference", "p:1")
+    other = {**pair, "rejected": reply({"x": 2})}
+    assert parse(other, "preference", "p:1").pair is not None
+
+
+def test_tool_schemas_holding_an_images_token_are_refused() -> None:
+    tools = [{"name": "look", "description": "see <|image_pad|>", "parameters": {}}]
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    with pytest.raises(RecordError, match=r"t:1: field 'tools' holds '<\|image_pad\|>'"):
+        parse({"tools": tools, "messages": turns}, "messages", "t:1")

@@ -384,6 +384,7 @@ def parse(raw: Any, fmt: str, where: str, base: Path | None = None) -> Record:
             tools = tool_calls.parse_tools(raw.get("tools"))
         except tool_calls.BadField as err:
             raise RecordError(where, str(err)) from None
+        _no_vision_tokens(json.dumps(tools or [], ensure_ascii=False), "tools", where)
     if fmt == "preference":
         return Record(where, pair=_preference_pair(raw, where), tools=tools)
     images: list[ImageRef] = []
@@ -622,7 +623,8 @@ def _assistant_calls(
 ) -> list[tool_calls.Call] | None:
     """An assistant turn's calls: OpenAI's ``tool_calls``, or its older one-call
     ``function_call``; None where it makes none."""
-    given = [k for k in ("tool_calls", "function_call") if turn.get(k) is not None]
+    # an empty list is no call: what OpenAI-style servers log on every reply that made none
+    given = [k for k in ("tool_calls", "function_call") if turn.get(k) not in (None, [])]
     if not given:
         return None
     if role != "assistant":
@@ -631,10 +633,13 @@ def _assistant_calls(
         raise RecordError(where, f"field {at!r} has both tool_calls and function_call: give one")
     try:
         if given[0] == "tool_calls":
-            return tool_calls.parse_calls(turn["tool_calls"], f"{at}.tool_calls")
-        return [tool_calls.parse_call(turn["function_call"], f"{at}.function_call")]
+            calls = tool_calls.parse_calls(turn["tool_calls"], f"{at}.tool_calls")
+        else:
+            calls = [tool_calls.parse_call(turn["function_call"], f"{at}.function_call")]
     except tool_calls.BadField as err:
         raise RecordError(where, str(err)) from None
+    _no_vision_tokens(json.dumps(calls, ensure_ascii=False), f"{at}.{given[0]}", where)
+    return calls
 
 
 def _tool_turn(
@@ -654,6 +659,7 @@ def _tool_turn(
             calls = tool_calls.sharegpt_calls(value, f"{at}.{text_key}")
         except tool_calls.BadField as err:
             raise RecordError(where, str(err)) from None
+        _no_vision_tokens(json.dumps(calls, ensure_ascii=False), f"{at}.{text_key}", where)
         messages.append({"role": "assistant", "content": "", "tool_calls": calls})
         return
     if not isinstance(value, str):
@@ -779,7 +785,7 @@ def _preference_pair(rec: dict[str, Any], where: str) -> Pair:
         _check_turns(messages, where, key)
     chosen_turns, rejected_turns = sides["chosen"], sides["rejected"]
     _check_same_prompt(chosen_turns, rejected_turns, where)
-    if chosen_turns[-1] == rejected_turns[-1]:
+    if tool_calls.same_reply(chosen_turns[-1], rejected_turns[-1]):
         raise IdenticalReplies(
             where, "fields 'chosen' and 'rejected' are the same reply: nothing to prefer"
         )

@@ -12,11 +12,16 @@ Read (by :mod:`memtune.data.readers`, format ``messages`` and ``preference``):
   ``{"from": "function_call", "value": "<JSON: a call or a list of calls>"}`` turn, a result an
   ``observation`` turn.
 
-A call is kept as ``{"name": str, "arguments": str | dict}`` (a string as given: Qwen3's
-template writes it verbatim; it must hold a JSON object). Consecutive results are one user turn,
-each wrapped in ``<tool_response>\\n…\\n</tool_response>`` as the templates render them (the raw
-results kept beside, under ``tool_results``): turns then alternate user / assistant as in every
-other conversation, a result is never a label, and a call is one (the model writes it).
+A bare function schema (LLaMA-Factory's ``{"name", "description", "parameters"}``) is
+wrapped as ``{"type": "function", "function": {...}}``, as LLaMA-Factory wraps it for Qwen and
+as an OpenAI-style server hands tools to the template. An empty ``tool_calls`` list is no call
+(servers log one on every reply). A call is kept as ``{"name": str, "arguments": str |
+dict}`` (a string as given: Qwen3's template writes it verbatim; it must hold a JSON object).
+Consecutive results are one user turn, each wrapped in
+``<tool_response>\\n…\\n</tool_response>`` as the templates render them (the raw results kept
+beside, under ``tool_results``): turns then alternate user / assistant as in every other
+conversation, a result is never a label (but with data.train_on_prompt, which labels every
+prompt), and a call is one (the model writes it).
 
 Rendered (by :mod:`memtune.data.templates`) as the templates render them, token for token
 (tests/test_tool_calls.py, against Qwen3's and Qwen3.5's own templates):
@@ -96,7 +101,18 @@ def parse_tools(value: Any, at: str = "tools") -> list[dict[str, Any]] | None:
             raise BadField(f"field {at!r} is a string but not JSON ({err.msg})") from None
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
         raise BadField(f"field {at!r} must be a list of objects (function schemas)")
-    return value or None
+    return [_wrapped(tool) for tool in value] or None
+
+
+def _wrapped(tool: dict[str, Any]) -> dict[str, Any]:
+    """A function schema as an OpenAI-style server hands it to the chat template,
+    ``{"type": "function", "function": {...}}``: a bare ``{"name", "description",
+    "parameters"}`` (LLaMA-Factory's datasets; the Responses API's flat one, ``type`` beside
+    them) is wrapped, as LLaMA-Factory wraps it for Qwen, so that training writes the tools as
+    the served model is prompted with them. Anything else is kept as given."""
+    if "function" in tool or "name" not in tool:
+        return tool
+    return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
 
 
 def parse_call(value: Any, at: str) -> Call:
@@ -196,6 +212,19 @@ def calls_text(calls: list[Call], content: str, template: str) -> str:
         name = call["name"]
         out.append(f'{lead}<tool_call>\n{{"name": "{name}", "arguments": {shown}}}\n</tool_call>')
     return "".join(out)
+
+
+def same_reply(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two replies are the same, their calls' arguments compared as the objects they
+    hold (a string and the object it holds, or two spacings of one object, are one call)."""
+
+    def canonical(m: dict[str, Any]) -> dict[str, Any]:
+        if "tool_calls" not in m:
+            return m
+        calls = [{**c, "arguments": _arguments(c)} for c in m["tool_calls"]]
+        return {**m, "tool_calls": calls}
+
+    return canonical(a) == canonical(b)
 
 
 def has_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> bool:
