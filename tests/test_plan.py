@@ -310,6 +310,13 @@ def test_auto_fit_takes_only_a_variant_whose_whole_plan_fits() -> None:
         "-5.91 GiB",
         "  - data.max_seq_len=65536 (shorter samples): -2.95 GiB",
     ]
+    # The closing line says what auto_fit takes: QLoRA only for memory (memory.fit keeps the
+    # base's precision whenever a variant that keeps it fits), not simply the fastest.
+    assert said.endswith(
+        "(plan.auto_fit=true picks the fastest variant that fits, keeping the base's precision "
+        "whenever a variant that keeps it fits: QLoRA only for memory; plan.enforce=false "
+        "launches anyway)"
+    )
     # No plan.device_gib (the CPU demo), the host too small for micro batches of 4: half fits.
     demo = to_run_config(
         compose_cfg(

@@ -480,7 +480,9 @@ class PlanConfig:
     """Refuse, before any rank starts, a run whose planned peak exceeds device_gib."""
     auto_fit: bool = False
     """Instead of refusing, run the fastest variant that fits (checkpointing, smaller micro
-    batch, ZeRO-3, 8-bit optimizer, QLoRA: see memory/fit.py). The choice is printed and saved."""
+    batch, ZeRO-3, 8-bit optimizer, QLoRA: see memory/fit.py), keeping the base's precision
+    whenever a variant that keeps it fits (QLoRA is taken for memory, never for speed alone).
+    The choice is printed and saved."""
     device_tflops: float | None = None
     """Dense bf16 matmul peak per GPU (RTX 4090D: 147, tensor cores with fp32 accumulate),
     for the step-time estimate (memory/step_time.py); null: no estimate."""

@@ -3,7 +3,8 @@
 From the user's settings it makes a :class:`memtune.config.decisions.Decisions`: one rank's
 ZeRO stage, the long-context choices left to auto (sequence parallel, tiled MLP, offloaded
 inputs), how many layers recompute (checkpoint_layers=auto), the kernels on auto, whether the
-run fits plan.device_gib and, with plan.auto_fit, the fastest variant that does; the "Try:"
+run fits plan.device_gib and, with plan.auto_fit, the variant to run instead (the fastest that
+fits, the base's precision kept whenever a variant that keeps it fits); the "Try:"
 list of a run that does not fit. It returns decisions and notes; the caller prints them.
 
 Candidates are the user's settings varied (config.decisions.with_sections: new sections, the
@@ -577,7 +578,8 @@ def fit_to_device(
         text = format_plan(cfg, d, result)
         tail = (
             f"{format_suggestions(cfg, d, counts, machine)}\n(plan.auto_fit=true picks the "
-            "fastest variant that fits; plan.enforce=false launches anyway)"
+            "fastest variant that fits, keeping the base's precision whenever a variant that "
+            "keeps it fits: QLoRA only for memory; plan.enforce=false launches anyway)"
         )
         if result.device_fits:  # the host: pinned inputs, or the loading peak
             raise ConfigError(
