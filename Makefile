@@ -82,7 +82,7 @@ test-kernels: $(STAMP) ## Liger's rotary kernel run by Triton's interpreter on C
 test-faults: $(STAMP) ## Whole jobs stopped, killed, out of memory, resumed on other world sizes (~11 min)
 	$(PY) -m pytest -m faults -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
-test-slurm: $(STAMP) ## Slurm tier: a real 2-node cluster on 127.0.0.1 (root; apt-installs Slurm + MariaDB if missing; ~5-8 min)
+test-slurm: $(STAMP) ## Slurm tier: a real 2-node cluster on 127.0.0.1 (root; apt-installs Slurm + MariaDB if missing; ~3.5 min plus that install)
 	$(PY) -m pytest tests/slurm -m slurm $(PYTEST_ARGS)
 
 test-ssh: $(STAMP) ## The hostfile form over real ssh: two nodes on 127.0.0.1 through an sshd of its own and pdsh (root: a pid namespace, and apt-installs pdsh + openssh-server if missing; ~1.5 min)

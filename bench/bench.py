@@ -1,7 +1,7 @@
 """Training benchmark (``make bench``): memtune against the Hugging Face recipe, and ablations.
 
-    make bench                                    # full run (~12 min on 2 CPUs)
-    make bench ARGS="--smoke --out /tmp/bench"    # CI smoke run (~2 min)
+    make bench                                    # full run (~18 min on 2 CPUs with the MoE block)
+    make bench ARGS="--smoke --out /tmp/bench"    # CI smoke run (~1.5 min with the MoE block's)
     .venv/bin/python bench/bench.py --reps 5 --steps 16
 
 One invocation, ``--reps`` rounds. Every round runs each variant once, baseline and memtune
