@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from memtune.config import ConfigError, to_run_config, validate
-from memtune.config.decisions import DecisionError, Decisions, Kernels
+from memtune.config.decisions import LEAN_KERNELS, DecisionError, Decisions, Kernels
 from memtune.rank.kernels import (
     REFERENCE,
     WIRED,
@@ -97,6 +97,14 @@ def test_liger_on_a_machine_without_it_is_refused_before_launch_and_by_a_rank() 
     validate(cfg, inputs=False)  # a plan of a GPU run on a laptop is fine
     with pytest.raises(ConfigError, match=r"trainer\.rope_kernel=liger cannot run here: this"):
         _check_kernels_here(cfg)
+    # The advice says what auto picks: the lean RMSNorm / SwiGLU on the dense Qwen2 layers (it
+    # said "auto (torch)" there), transformers' rotary embedding.
+    with pytest.raises(ConfigError, match=r"use trainer\.rope_kernel=auto \(torch here\)$"):
+        _check_kernels_here(cfg)
+    for name in LEAN_KERNELS:
+        lean_cfg = to_run_config(compose_cfg([f"trainer.{name}_kernel=liger"]))
+        with pytest.raises(ConfigError, match=rf"use trainer\.{name}_kernel=auto \(lean here\)$"):
+            _check_kernels_here(lean_cfg)
     with pytest.raises(ConfigError, match=r"kernels\.rope=liger \(decisions\.json\) needs CUDA"):
         use_fused_kernels(torch.nn.Module(), Kernels(rope="liger"), torch.device("cpu"))
     with pytest.raises(DecisionError, match=r"kernels\.swiglu is liger with experts"):

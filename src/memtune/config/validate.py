@@ -20,7 +20,9 @@ from memtune.config.decisions import (
     LEAN_KERNELS,
     SPLITTING_KERNELS,
     dropout_regeneration_unbuilt,
+    fused_kernel,
     kernels_unwired,
+    lean_kernel,
     lean_unbuilt,
 )
 from memtune.config.logger_check import check_logger
@@ -319,9 +321,12 @@ def _check_kernels_here(cfg: RunConfig) -> None:
         why = "the liger-kernel package is not installed (pip install -e '.[liger]')"
     else:
         return
+    # What auto runs instead: the lean RMSNorm / SwiGLU where they are wired (the dense Qwen2 /
+    # Qwen3 layers), transformers' own code elsewhere and for the rotary embedding.
+    auto = lean_kernel(cfg, "auto") if name in LEAN_KERNELS else fused_kernel("auto")
     raise ConfigError(
         f"trainer.{name}_kernel=liger cannot run here: {why}; use trainer.{name}_kernel=auto "
-        "(torch)"
+        f"({auto} here)"
     )
 
 
