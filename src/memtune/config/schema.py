@@ -265,9 +265,11 @@ class PreferenceConfig:
     or the odds-ratio term's weight (orpo). null: the objective's published default (dpo 0.1,
     ipo 0.1, simpo 2.0, orpo 0.1; config.derive.DEFAULT_BETA)."""
     label_smoothing: float = 0.0
-    """dpo only: the assumed fraction of pairs whose labels are flipped (conservative DPO)."""
+    """dpo and simpo: the assumed fraction of pairs whose labels are flipped (conservative DPO;
+    on SimPO's margin as TRL's CPO applies it). Refused with ipo and orpo."""
     simpo_gamma: float = 0.5
-    """simpo only: the target reward margin between chosen and rejected."""
+    """simpo only: the target reward margin γ between chosen and rejected (γ itself, as in TRL;
+    the SimPO repository's configs give gamma_beta_ratio = γ/β instead)."""
     reference: Choice[ReferenceMode] = "precomputed"
     """dpo and ipo: precomputed (the reference model's log-probabilities of every pair once,
     before training, saved in RUN_DIR/reference) | live (a reference forward in every step)."""
