@@ -420,6 +420,10 @@ def test_bare_schemas_are_wrapped_and_an_empty_call_list_is_no_call(qwen3) -> No
     ]
     read = parse({"messages": plain}, "messages", "t:2")
     assert read.messages == [plain[0], {"role": "assistant", "content": "Hello"}]
+    parts = [{"type": "text", "text": "sunny, "}, {"type": "text", "text": "21 °C"}]
+    record = copy.deepcopy(OPENAI["two calls, two results, a system prompt"])
+    record["messages"][3]["content"] = parts  # OpenAI's text parts in a tool turn
+    assert _ours(record, "qwen3_5") == _qwen35_reference(record)
 
 
 def test_a_pair_whose_calls_differ_in_the_writing_only_is_identical() -> None:

@@ -662,9 +662,16 @@ def _tool_turn(
         _no_vision_tokens(json.dumps(calls, ensure_ascii=False), f"{at}.{text_key}", where)
         messages.append({"role": "assistant", "content": "", "tool_calls": calls})
         return
+    if isinstance(value, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in value
+    ):
+        value = "".join(p["text"] for p in value)  # OpenAI's text parts, as Qwen3.5 joins them
     if not isinstance(value, str):
         raise RecordError(
-            where, f"field '{at}.{text_key}' (a tool result) is missing or not a string"
+            where,
+            f"field '{at}.{text_key}' (a tool result) is missing or not a string (or a list of "
+            "text parts)",
         )
     _no_vision_tokens(value, f"{at}.{text_key}", where)
     last = messages[-1] if messages else None
