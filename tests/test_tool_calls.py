@@ -447,3 +447,14 @@ def test_tool_schemas_holding_an_images_token_are_refused() -> None:
     turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
     with pytest.raises(RecordError, match=r"t:1: field 'tools' holds '<\|image_pad\|>'"):
         parse({"tools": tools, "messages": turns}, "messages", "t:1")
+
+
+def test_an_alpaca_record_offers_its_tools_too(qwen3) -> None:
+    """LLaMA-Factory's alpaca format has a tools column: the tools go to the system turn (they
+    were dropped without a word)."""
+    record = {"instruction": "Weather in Oslo?", "output": "Let me check.", "tools": [WEATHER]}
+    rec = parse(record, "alpaca", "a:1")
+    assert rec.tools == [WEATHER] and rec.messages is not None
+    text = "".join(t for t, _ in segments(rec.messages, "qwen3", "<|im_end|>", rec.tools))
+    reference = {"tools": [WEATHER], "messages": rec.messages}
+    assert text == _qwen3_reference(qwen3, reference)

@@ -379,7 +379,7 @@ def parse(raw: Any, fmt: str, where: str, base: Path | None = None) -> Record:
             raise RecordError(where, "field 'text' is empty")
         return Record(where, text=text)
     tools = None
-    if fmt in ("messages", "preference"):
+    if fmt != "text":  # LLaMA-Factory's alpaca has a tools column too
         try:
             tools = tool_calls.parse_tools(raw.get("tools"))
         except tool_calls.BadField as err:

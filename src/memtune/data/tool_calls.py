@@ -2,7 +2,8 @@
 assistant reply makes, and the results that come back, read in the shapes datasets carry them
 and rendered as Qwen's chat templates render them.
 
-Read (by :mod:`memtune.data.readers`, format ``messages`` and ``preference``):
+Read (by :mod:`memtune.data.readers`, format ``messages`` and ``preference``; ``alpaca``'s
+``tools`` column too, as LLaMA-Factory has one):
 
 - OpenAI's shape: a ``tools`` list beside the messages (function schemas, as a chat template is
   given them), an assistant turn's ``tool_calls`` (``[{"type": "function", "function":
