@@ -378,13 +378,11 @@ def parse(raw: Any, fmt: str, where: str, base: Path | None = None) -> Record:
         if not text.strip():
             raise RecordError(where, "field 'text' is empty")
         return Record(where, text=text)
-    tools = None
-    if fmt != "text":  # LLaMA-Factory's alpaca has a tools column too
-        try:
-            tools = tool_calls.parse_tools(raw.get("tools"))
-        except tool_calls.BadField as err:
-            raise RecordError(where, str(err)) from None
-        _no_vision_tokens(json.dumps(tools or [], ensure_ascii=False), "tools", where)
+    try:  # every format but text (LLaMA-Factory's alpaca has a tools column too)
+        tools = tool_calls.parse_tools(raw.get("tools"))
+    except tool_calls.BadField as err:
+        raise RecordError(where, str(err)) from None
+    _no_vision_tokens(json.dumps(tools or [], ensure_ascii=False), "tools", where)
     if fmt == "preference":
         return Record(where, pair=_preference_pair(raw, where), tools=tools)
     images: list[ImageRef] = []
