@@ -77,6 +77,19 @@ def test_every_record_shape_reads_into_the_same_pair(tmp_path: Path) -> None:
         {"prompt": sharegpt(HISTORY), "chosen": "4", "rejected": "22"},
         # a string prompt next to whole conversations (ultrafeedback_binarized): not read
         {"prompt": "2+2?", "chosen": [*HISTORY, CHOSEN], "rejected": [*HISTORY, REJECTED]},
+        # LLaMA-Factory's ShareGPT preference shape: the prompt's turns, then one reply each
+        {
+            "conversations": sharegpt(HISTORY),
+            "chosen": sharegpt([CHOSEN])[0],
+            "rejected": sharegpt([REJECTED])[0],
+        },
+        # ... and its alpaca one (history as [user, assistant] pairs)
+        {
+            "instruction": "2+2?",
+            "history": [["hi", "hello"]],
+            "chosen": "4",
+            "rejected": "22",
+        },
     ]
     path = _write(tmp_path / "p.jsonl", rows)
     pairs = [r.pair for r in _pairs(path)]
@@ -262,7 +275,10 @@ CONV_R = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "b"
     ("row", "message"),
     [
         ({"prompt": "q", "rejected": "b"}, r"field 'chosen' is missing"),
-        ({**GOOD, "chosen": 3}, r"field 'chosen' is a int, not a string or a list of messages"),
+        (
+            {**GOOD, "chosen": 3},
+            r"field 'chosen' is a int, not a string, a message or a list of messages",
+        ),
         ({**GOOD, "rejected": " "}, r"field 'rejected' is empty"),
         ({**GOOD, "rejected": []}, r"field 'rejected' must be a non-empty list"),
         ({"chosen": "a", "rejected": "b"}, r"field 'prompt' is missing and field 'chosen' holds"),

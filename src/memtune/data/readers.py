@@ -395,11 +395,18 @@ def parse(raw: Any, fmt: str, where: str, base: Path | None = None) -> Record:
 
 
 def _alpaca_messages(rec: dict[str, Any], where: str) -> list[dict[str, Any]]:
-    instruction = _string(rec, "instruction", where)
-    extra = _string(rec, "input", where, required=False)
     output = _string(rec, "output", where)
     system = _string(rec, "system", where, required=False)
     messages = [{"role": "system", "content": system}] if system else []
+    messages += _alpaca_prompt(rec, where)
+    return [*messages, {"role": "assistant", "content": output}]
+
+
+def _alpaca_prompt(rec: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """An alpaca record's turns up to its reply: ``history``, then instruction (and input)."""
+    instruction = _string(rec, "instruction", where)
+    extra = _string(rec, "input", where, required=False)
+    messages: list[dict[str, Any]] = []
     history = rec.get("history") or []
     if not isinstance(history, list):
         raise RecordError(where, "field 'history' must be a list of [user, assistant] pairs")
@@ -413,8 +420,7 @@ def _alpaca_messages(rec: dict[str, Any], where: str) -> list[dict[str, Any]]:
             {"role": "assistant", "content": turn[1]},
         ]
     user = f"{instruction}\n\n{extra}" if extra else instruction
-    messages += [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
-    return messages
+    return [*messages, {"role": "user", "content": user}]
 
 
 def _chat_messages(
@@ -736,18 +742,24 @@ def _message_list(rec: dict[str, Any], key: str, where: str) -> list[dict[str, A
 
 
 def _preference_side(rec: dict[str, Any], key: str, where: str) -> list[dict[str, Any]] | str:
-    """``chosen`` or ``rejected``: a reply (a non-empty string) or a message list."""
+    """``chosen`` or ``rejected``: a reply (a non-empty string), a message list, or one
+    message (LLaMA-Factory's ShareGPT preference records: ``{"from": "gpt", "value": ...}``)."""
     value = rec.get(key)
     if isinstance(value, str):
         if not value.strip():
             raise RecordError(where, f"field {key!r} is empty")
         return value
+    if isinstance(value, dict):
+        value = [value]
     if isinstance(value, list):
-        return _message_list(rec, key, where)
+        role_key, text_key = _key_style(value, sharegpt=False)
+        return _turns(value, key, role_key, text_key, where)
     if value is None:
         raise RecordError(where, f"field {key!r} is missing")
     kind = type(value).__name__
-    raise RecordError(where, f"field {key!r} is a {kind}, not a string or a list of messages")
+    raise RecordError(
+        where, f"field {key!r} is a {kind}, not a string, a message or a list of messages"
+    )
 
 
 def _preference_pair(rec: dict[str, Any], where: str) -> Pair:
@@ -757,7 +769,12 @@ def _preference_pair(rec: dict[str, Any], where: str) -> Pair:
     chosen, rejected = (_preference_side(rec, k, where) for k in ("chosen", "rejected"))
     raw_prompt = rec.get("prompt")
     prompt: list[dict[str, Any]]
-    if isinstance(raw_prompt, list):
+    shared = next((k for k in ("conversations", "messages") if k in rec), None)
+    if raw_prompt is None and shared is not None:  # LLaMA-Factory's ShareGPT preference shape
+        prompt = _message_list(rec, shared, where)
+    elif raw_prompt is None and "instruction" in rec:  # LLaMA-Factory's alpaca one
+        prompt = _alpaca_prompt(rec, where)
+    elif isinstance(raw_prompt, list):
         prompt = _message_list(rec, "prompt", where)
     elif raw_prompt is None or isinstance(raw_prompt, str):
         prompt = [{"role": "user", "content": raw_prompt}] if raw_prompt else []
