@@ -64,6 +64,7 @@ def test_the_first_step_is_ln_2_and_the_validation_pairs_are_learned(dpo_run) ->
     assert evals[-1]["eval/loss"] < LN2
     assert "reference log-probabilities of" in out and "computed in" in out
     assert "memtune: last step: rewards/accuracies" in out
+    assert "· optimizer AdamW · dpo β 0.1 (its default), reference precomputed\n" in out
     assert "pairs" in out.split("a step = ", 1)[1].split("\n", 1)[0]
 
 

@@ -61,8 +61,17 @@ def test_a_stage_split_over_ranks_is_planned_as_split_sft() -> None:
     [
         (["preference.beta=0"], "preference.beta must be > 0"),
         (["preference.label_smoothing=0.5"], "in [0, 0.5)"),
-        (["trainer.objective=ipo", "preference.label_smoothing=0.1"], "dpo and simpo, not ipo"),
-        (["preference.simpo_gamma=-1"], "simpo_gamma must be >= 0"),
+        (
+            ["trainer.objective=ipo", "preference.label_smoothing=0.1"],
+            "it applies to dpo and simpo",
+        ),
+        (["trainer.objective=dpo", "preference.simpo_gamma=1.0"], "applies to simpo; leave"),
+        (["trainer.objective=orpo", "preference.reference=live"], "it applies to dpo and ipo"),
+        (
+            ["trainer.objective=sft", "data=demo", "preference.beta=0.5"],
+            "no effect with trainer.objective=sft",
+        ),
+        (["trainer.objective=simpo", "preference.simpo_gamma=-1"], "simpo_gamma must be >= 0"),
         (["peft.dropout=0.05"], "set peft.dropout=0"),
         (["data=demo"], "format"),
         (["trainer.objective=sft"], "which trainer.objective=sft does not train on"),
@@ -103,3 +112,19 @@ def test_an_adapter_to_start_from_must_fit_the_run(tmp_path) -> None:
     )
     with pytest.raises(ConfigError, match=r"use preference\.reference=precomputed"):
         validate(live)
+
+
+def test_the_start_up_line_names_the_objective_and_its_settings() -> None:
+    """A run said neither its objective nor the β it took (null: the objective's default)."""
+    from memtune.config.derive import objective_label
+
+    def label(*overrides: str) -> str:
+        return objective_label(to_run_config(compose_cfg([*EXP, *DPO, *overrides])))
+
+    assert objective_label(to_run_config(compose_cfg(EXP))) == ""
+    assert label() == " · dpo β 0.1 (its default), reference precomputed"
+    simpo = label(
+        "trainer.objective=simpo", "preference.beta=2.5", "preference.label_smoothing=0.1"
+    )
+    assert simpo == " · simpo β 2.5, γ 0.5, label smoothing 0.1"
+    assert label("trainer.objective=orpo") == " · orpo β 0.1 (its default)"

@@ -122,6 +122,23 @@ def beta_of(cfg: RunConfig) -> float | None:
     return DEFAULT_BETA.get(cfg.trainer.objective)
 
 
+def objective_label(cfg: RunConfig) -> str:
+    """The preference objective as it runs, for the start-up line ("" for SFT): its β (and
+    whether that is the objective's default), SimPO's γ, label smoothing, the reference."""
+    t, pref = cfg.trainer, cfg.preference
+    if t.objective == "sft":
+        return ""
+    default = " (its default)" if pref.beta is None else ""
+    parts = [f"{t.objective} β {beta_of(cfg):g}{default}"]
+    if t.objective == "simpo":
+        parts.append(f"γ {pref.simpo_gamma:g}")
+    if pref.label_smoothing:
+        parts.append(f"label smoothing {pref.label_smoothing:g}")
+    if needs_reference(cfg):
+        parts.append(f"reference {pref.reference}")
+    return " · " + ", ".join(parts)
+
+
 def preference_loss_kind(loss: str) -> str:
     """The head a preference objective reads per-token log-probabilities through: full logits
     (trainer.loss=plain) or the chunked frozen head (every other kind: Liger's fused

@@ -32,6 +32,7 @@ from memtune.config.schema import (
     ConfigError,
     DataConfig,
     ModelConfig,
+    PreferenceConfig,
     RunConfig,
     cache_dir,
     choices_of,
@@ -627,8 +628,25 @@ def _check_model_path(model: ModelConfig) -> None:
 
 
 def _preference_settings(cfg: RunConfig) -> None:
-    """A preference objective's own settings."""
+    """A preference objective's own settings, and none set where it has no effect (a value
+    other than its default, for an objective that does not read it: it was taken and ignored
+    without a word, where label_smoothing was refused)."""
     t, pref = cfg.trainer, cfg.preference
+    defaults = PreferenceConfig()
+    applies = {  # the preference.* settings and the objectives that read them
+        "beta": ("dpo", "ipo", "simpo", "orpo"),
+        "label_smoothing": ("dpo", "simpo"),
+        "simpo_gamma": ("simpo",),
+        "reference": ("dpo", "ipo"),
+    }
+    for name, objectives in applies.items():
+        value = getattr(pref, name)
+        if value != getattr(defaults, name) and t.objective not in objectives:
+            raise ConfigError(
+                f"preference.{name}={value} has no effect with trainer.objective={t.objective}: "
+                f"it applies to {' and '.join(objectives)}; leave it at its default "
+                f"({getattr(defaults, name)})"
+            )
     if t.objective == "sft":
         return
     if pref.beta is not None and pref.beta <= 0:
@@ -638,15 +656,19 @@ def _preference_settings(cfg: RunConfig) -> None:
             f"preference.label_smoothing={pref.label_smoothing}: the assumed share of flipped "
             "pairs must be in [0, 0.5)"
         )
-    if pref.label_smoothing and t.objective not in ("dpo", "simpo"):
-        raise ConfigError(f"preference.label_smoothing applies to dpo and simpo, not {t.objective}")
     if pref.simpo_gamma < 0:
         raise ConfigError(f"preference.simpo_gamma must be >= 0 (got {pref.simpo_gamma})")
     if cfg.peft.dropout > 0:
+        why = (
+            "makes the policy differ from its reference at random from the first step (the "
+            "reference is taken without it)"
+            if t.objective in ("dpo", "ipo")
+            else "draws other masks for a pair's chosen and rejected replies, so the two "
+            "log-probabilities it compares differ at random"
+        )
         raise ConfigError(
             f"peft.dropout={cfg.peft.dropout} with trainer.objective={t.objective}: dropout "
-            "makes the policy differ from its reference at random from the first step (the "
-            "reference is taken without it), which TRL avoids the same way; set peft.dropout=0"
+            f"{why}; TRL turns dropout off for every preference objective; set peft.dropout=0"
         )
 
 

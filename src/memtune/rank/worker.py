@@ -32,6 +32,7 @@ from memtune.config.decisions import (
     Decisions,
     Vision,
 )
+from memtune.config.derive import objective_label
 from memtune.config.schema import read_run_config
 from memtune.data.encode import DataStats, load_tokenizer
 from memtune.data.loaders import eval_batches, make_loader
@@ -709,7 +710,7 @@ def start_up_lines(
         f"{batch.micro_batch} × accum {batch.accumulation} × {groups.dp} "
         f"{'ranks' if groups.sp == 1 else 'data-parallel groups'} = "
         f"{batch.global_batch}{sequence_note(groups)} · activation checkpointing "
-        f"{checkpoint_note(d)} · {parts.optimizer_note}\n"
+        f"{checkpoint_note(d)} · {parts.optimizer_note}{objective_label(cfg)}\n"
         f"memtune: batches: {batching_summary(cfg)}"
         f"{experts_line(cfg, d, parts.model)}"
         f"{dropout_line(cfg, plan, parts.regenerated_dropouts)}"
