@@ -230,6 +230,90 @@ def test_bitsandbytes_packed_cpu_path_takes_the_tiny_models_shapes() -> None:
     assert _cosine(packed, plain) > 0.999
 
 
+LOADING_SECTION = "## Loading a QLoRA adapter with plain peft"
+
+
+def _documented_loader() -> str:
+    """The python block of docs/quantized.md's section on loading a QLoRA adapter."""
+    from tests.conftest import ROOT
+
+    text = (ROOT / "docs" / "quantized.md").read_text()
+    assert LOADING_SECTION in text, f"docs/quantized.md has no '{LOADING_SECTION}'"
+    section = text.split(LOADING_SECTION, 1)[1].split("\n## ", 1)[0]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def _dora_adapter(tmp_path: Path) -> tuple[Any, Path, torch.Tensor]:
+    """memtune's DoRA-over-NF4 model with a trained-looking adapter (B and the magnitudes
+    moved off their start), the adapter saved as training exports it, and an input."""
+    from memtune.rank.model import add_lora, load_base_model
+
+    cfg, ids = _tiny_qlora("peft.dora=true", "peft.dropout=0.0")
+    d = decided(cfg, attention="sdpa")
+    model = add_lora(load_base_model(cfg, d), cfg, d)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+            elif "lora_magnitude" in name:
+                p.mul_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(tmp_path / "adapter")
+    return model, tmp_path / "adapter", ids
+
+
+def _plain_logits(code: str, base: str, adapter: Path, ids: torch.Tensor) -> torch.Tensor:
+    """The documented loader run as written (BASE and RUN_DIR filled in), evaluated as a user
+    would (eval, no grad), its adapters in bf16 as memtune keeps them (peft loads them fp32)."""
+    scope: dict[str, Any] = {"BASE": base}
+    exec(code.replace('"RUN_DIR/adapter"', repr(str(adapter))), scope)
+    plain = scope["model"].eval()
+    for name, p in plain.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.to(torch.bfloat16)
+    with torch.no_grad():
+        return plain(input_ids=ids).logits.float()
+
+
+def test_the_documented_plain_peft_loader_runs_a_qlora_dora_adapter_as_trained(
+    tmp_path: Path,
+) -> None:
+    """docs/quantized.md's loader, on a DoRA adapter over NF4, computes what memtune's model
+    computes. Loaded without its CPU setting on an AVX512-BF16 CPU, bitsandbytes repacks the
+    4-bit weights at the first eval forward and peft's DoRA reads its weight norms from them
+    as if unpacked: the demo's validation loss read 6.4086 where training reported 6.3334."""
+    model, adapter, ids = _dora_adapter(tmp_path)
+    model.eval()
+    with torch.no_grad():
+        trained = model(input_ids=ids).logits.float()
+    code = _documented_loader()
+    base = str(model.peft_config["default"].base_model_name_or_path)
+    assert torch.equal(_plain_logits(code, base, adapter, ids), trained)
+
+
+@pytest.mark.skipif(
+    not has_avx512bf16(),
+    reason="this CPU has no AVX512-BF16: bitsandbytes does not repack its 4-bit weights here",
+)
+def test_without_the_documented_cpu_setting_dora_over_nf4_reads_repacked_weights(
+    tmp_path: Path,
+) -> None:
+    """Why the documented loader turns bitsandbytes' CPU repack off: without that line, on an
+    AVX512-BF16 CPU, the same adapter computes otherwise (peft's DoRA dequantizes the repacked
+    weights with the usual layout). Should bitsandbytes or peft fix that, this fails and the
+    docs' warning can go."""
+    model, adapter, ids = _dora_adapter(tmp_path)
+    model.eval()
+    with torch.no_grad():
+        trained = model(input_ids=ids).logits.float()
+    code = _documented_loader()
+    setting = "module.support_avx512bf16_for_cpu = False"
+    assert setting in code
+    without = code.replace(setting, "pass")
+    base = str(model.peft_config["default"].base_model_name_or_path)
+    assert (_plain_logits(without, base, adapter, ids) - trained).abs().max() > 0.5
+
+
 def test_a_layer_bitsandbytes_cannot_quantize_is_refused_before_launch(tmp_path: Path) -> None:
     """A custom width whose 4-bit packing cannot be viewed as bf16 storage: bitsandbytes
     itself fails on that shape, and memtune says so first, naming the layers and the rule."""
