@@ -102,6 +102,8 @@ def test_an_adapter_to_start_from_must_fit_the_run(tmp_path) -> None:
     (folder / "adapter_config.json").write_text(json.dumps(saved))
     with pytest.raises(ConfigError, match=r"the adapter has r=8, this run peft.r gives 16"):
         validate(cfg)
+    with pytest.raises(ConfigError, match=r"the adapter has r=8"):  # a plan too (plan_only)
+        validate(cfg, inputs=False)
     saved["r"] = 16
     (folder / "adapter_config.json").write_text(json.dumps(saved))
     validate(cfg)

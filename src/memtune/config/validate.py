@@ -259,11 +259,12 @@ def validate(cfg: RunConfig, inputs: bool = True) -> None:
     check_experts(cfg)
     _check_ulysses(cfg, requested_sp)
     _check_positions(cfg)
+    # a plan too: its LoRA is the adapter's shape (a plan of another r counted other weights)
+    _check_init_from(cfg)
     if inputs:
         _check_model_path(cfg.model)
         _check_data(cfg.data)
         _check_objective(cfg)
-        _check_init_from(cfg)
         _check_attention_here(cfg.model)
         _check_kernels_here(cfg)
         check_logger(cfg.logger)
