@@ -284,3 +284,25 @@ def test_a_per_node_refusal_leaves_records_the_fixed_start_replaces(tmp_path: Pa
     for mine in ('{"code": 0}', '{"code": 2}', '{"code": 0, "error": "x"}'):
         rd.exit.write_text(mine)  # only memtune's refusal (a code and why) is replaced
         assert not rd.refused_here(), mine
+
+
+def test_resume_json_keeps_the_earlier_starts_changes(tmp_path: Path) -> None:
+    """Resumed on 1 rank, then on 2 again: each start rewrote resume.json, so the change of
+    world size was gone from the run dir. The earlier changes are kept, oldest first, a restart
+    of the same resume (before a new checkpoint) once."""
+    from memtune.rundir import RunDir
+
+    rd = RunDir(tmp_path)
+    first, second = tmp_path / "step-0000011", tmp_path / "step-0000017"
+    rd.write_resume(None)
+    rd.write_resume(first, {"launcher.num_ranks": [2, 1], "zero.stage": [3, 2]})
+    rd.write_resume(first, {"launcher.num_ranks": [2, 1], "zero.stage": [3, 2]})  # restarted
+    rd.write_resume(second, {"launcher.num_ranks": [1, 2], "zero.stage": [2, 3]})
+    record = rd.read_resume()
+    assert record.checkpoint == str(second)
+    assert record.changed == {"launcher.num_ranks": [1, 2], "zero.stage": [2, 3]}
+    assert record.earlier == [
+        {"checkpoint": str(first), "changed": {"launcher.num_ranks": [2, 1], "zero.stage": [3, 2]}}
+    ]
+    rd.write_resume(tmp_path / "step-0000020")  # nothing changed: the history stays
+    assert len(rd.read_resume().earlier) == 2

@@ -105,6 +105,10 @@ class ResumeRecord:
     checkpoint: str | None
     changed: dict[str, list[Any]] = field(default_factory=dict)
     """What differs from the checkpoint's run and may ({"launcher.num_ranks": [2, 1]})."""
+    earlier: list[dict[str, Any]] = field(default_factory=list)
+    """The earlier starts' resumes that changed something, oldest first, each its checkpoint
+    and changes: a run resumed on 1 rank, then on 2 again, keeps both (each start rewrote the
+    record, and the change of world size was gone)."""
 
 
 @dataclass
@@ -576,8 +580,21 @@ class RunDir:
     def write_resume(
         self, checkpoint: Path | None, changed: dict[str, list[Any]] | None = None
     ) -> None:
-        record = ResumeRecord(None if checkpoint is None else str(checkpoint), changed or {})
-        _write(record, self.resume)
+        earlier: list[dict[str, Any]] = []
+        try:
+            before = self.read_resume() if self.resume.is_file() else None
+        except RecordError:
+            before = None  # a record that cannot be read: this start's is written whole
+        if before is not None and isinstance(before.earlier, list):
+            earlier = list(before.earlier)
+        checkpoint_name = None if checkpoint is None else str(checkpoint)
+        if before is not None and before.changed:
+            entry = {"checkpoint": before.checkpoint, "changed": before.changed}
+            # the same resume again (a restart before a new checkpoint) is one entry
+            again = entry == {"checkpoint": checkpoint_name, "changed": changed or {}}
+            if not again and entry not in earlier[-1:]:
+                earlier.append(entry)
+        _write(ResumeRecord(checkpoint_name, changed or {}, earlier), self.resume)
 
     def read_resume(self) -> ResumeRecord:
         return _read(ResumeRecord, self.resume)
