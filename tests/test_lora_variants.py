@@ -250,3 +250,24 @@ def test_the_export_of_a_rewriting_start_is_the_trained_model_on_the_original_ba
     with torch.no_grad():
         got = loaded(x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_peft_s_conversion_warning_is_not_shown_where_memtune_converts_itself() -> None:
+    """OLoRA / PiSSA with rsLoRA or per-module ranks: peft warned, once per rank, that its own
+    post-training conversion cannot restore the base, against docs/lora.md (memtune's export
+    converts such an adapter itself, tested with both)."""
+    import warnings
+
+    from memtune.config.derive import lora_config
+
+    overrides = ["peft.init=olora", "peft.rslora=true", "peft.rank_pattern={down_proj: 8}"]
+    cfg = to_run_config(compose_cfg(overrides))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        made = lora_config(cfg)
+    assert (made.init_lora_weights, made.use_rslora, made.rank_pattern) == (
+        "olora",
+        True,
+        {"down_proj": 8},
+    )
+    assert not [w for w in caught if "Rank-Stabilized" in str(w.message)]

@@ -197,25 +197,32 @@ def lora_config(cfg: RunConfig, tower: bool = False) -> Any:
     (memory.counts, on the meta device) and what bench/'s baselines use. ``tower``: the model
     is a vision-language class with its vision tower (decisions.json ``vision``), whose
     modules are named apart (:func:`lora_target_pattern`)."""
+    import warnings
+
     from peft import LoraConfig
 
     p = cfg.peft
     targets: Any = lora_targets(cfg)
     if tower:
         targets = lora_target_pattern(targets, adapts_vision(cfg))
-    return LoraConfig(
-        r=p.r,
-        lora_alpha=p.alpha,
-        lora_dropout=p.dropout,
-        target_modules=targets,
-        bias="none",
-        task_type="CAUSAL_LM",
-        use_rslora=p.rslora,
-        use_dora=p.dora,
-        init_lora_weights=PEFT_INIT[p.init],
-        rank_pattern=dict(p.rank_pattern or {}),
-        alpha_pattern=dict(p.alpha_pattern or {}),
-    )
+    with warnings.catch_warnings():
+        # peft warns that rsLoRA or per-module ranks with PiSSA / OLoRA stop its own
+        # post-training conversion (path_initial_model_for_weight_conversion): memtune's export
+        # converts such an adapter itself, tested with both (docs/lora.md)
+        warnings.filterwarnings("ignore", message="Using Rank-Stabilized LoRA with rank_pattern")
+        return LoraConfig(
+            r=p.r,
+            lora_alpha=p.alpha,
+            lora_dropout=p.dropout,
+            target_modules=targets,
+            bias="none",
+            task_type="CAUSAL_LM",
+            use_rslora=p.rslora,
+            use_dora=p.dora,
+            init_lora_weights=PEFT_INIT[p.init],
+            rank_pattern=dict(p.rank_pattern or {}),
+            alpha_pattern=dict(p.alpha_pattern or {}),
+        )
 
 
 PEFT_INIT: dict[str, Any] = {
