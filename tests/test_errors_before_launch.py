@@ -221,6 +221,15 @@ def test_a_folder_memtune_cannot_make_or_write_is_named(tmp_path: Path) -> None:
         f"hydra.sweep.dir={dangling}: {said}; give the sweep a folder it can write"
     )
     assert not (tmp_path / "gone").exists()
+    # run_dir in a sweep: refused before Hydra lays out the sweep's dir and its first point's
+    sweep = tmp_path / "sweep"
+    assert composition_problem(
+        ["-m", f"hydra.sweep.dir={sweep}", "peft.r=4,8", f"run_dir={tmp_path / 'x'}"]
+    ) == (
+        "run_dir cannot be set in a sweep (-m): every point needs its own dir; set "
+        "hydra.sweep.dir instead"
+    )
+    assert not sweep.exists()
     # an interpolation Hydra resolves only in its main is left to it (a review found these
     # common sweep-style run dirs refused with a traceback)
     assert composition_problem(["run_dir=runs/${hydra:job.name}"]) is None

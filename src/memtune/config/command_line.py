@@ -139,6 +139,12 @@ def composition_problem(argv: list[str], env: Mapping[str, str] | None = None) -
             return problem
         firsts = [values[0] for values in swept]
         cfg = compose([*fixed, *firsts])
+        if args.multirun and OmegaConf.select(cfg, "run_dir", throw_on_resolution_failure=False):
+            # before Hydra starts the sweep (it laid out its dir and a first point's first)
+            return (
+                "run_dir cannot be set in a sweep (-m): every point needs its own dir; set "
+                "hydra.sweep.dir instead"
+            )
         for i, values in enumerate(swept):
             for value in values[1:]:
                 compose([*fixed, *firsts[:i], value, *firsts[i + 1 :]])
