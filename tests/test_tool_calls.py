@@ -24,6 +24,7 @@ from memtune.data.readers import RecordError, parse
 from memtune.data.templates import segments
 from tests.conftest import qwen_tokenizer_dir
 from tests.test_qwen35_template import TEMPLATE, Qwen35BPE
+from tests.test_qwen_tokenizer import _label_spans
 
 WEATHER = {
     "type": "function",
@@ -123,14 +124,7 @@ def _ours(record: dict[str, Any], template: str, fmt: str = "messages") -> str:
 def _labels(tok, record: dict[str, Any], template: str) -> list[str]:
     rec = parse(copy.deepcopy(record), "messages", "t.jsonl:1")
     (sample,) = encode_records([rec], tok, DataConfig(path="unused", template=template))
-    spans, current = [], []
-    for t in [*sample.labels, IGNORE_INDEX]:
-        if t == IGNORE_INDEX and current:
-            spans.append(tok.decode(current))
-            current = []
-        elif t != IGNORE_INDEX:
-            current.append(t)
-    return spans
+    return _label_spans(tok, sample.labels)
 
 
 @pytest.mark.parametrize("name", OPENAI)
