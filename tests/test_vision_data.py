@@ -32,7 +32,13 @@ from memtune.data.encode import (
     resize_record_images,
 )
 from memtune.data.readers import Record, RecordError, read_source
-from memtune.data.vision import IMAGE_PLACEHOLDER, ImageRef, ImageSettings, pixel_values
+from memtune.data.vision import (
+    IMAGE_PLACEHOLDER,
+    ImageRef,
+    ImageSettings,
+    model_image_settings,
+    pixel_values,
+)
 from tests.conftest import TESTS, qwen_tokenizer_dir
 
 DATA = TESTS / "data"
@@ -335,6 +341,35 @@ def test_settings_read_as_transformers_reads_them() -> None:
         assert (ours.rescale_factor, ours.resample) == (proc.rescale_factor, int(proc.resample))
     chosen = ImageSettings.from_config(preprocessor("qwen3_vl"), 4096, 8192)  # data.min/max_pixels
     assert (chosen.min_pixels, chosen.max_pixels, chosen.patch_size) == (4096, 8192, 16)
+
+
+def test_settings_of_a_processor_saved_whole(tok: Any, tmp_path: Path) -> None:
+    """A processor saved whole (ProcessorMixin.save_pretrained, transformers 5) writes
+    processor_config.json, the image processor nested under ``image_processor``, and no
+    preprocessor_config.json: its settings are read from there (they were taken for a
+    text-only model's: images refused), and, with both files, from the nested one as
+    transformers' AutoImageProcessor reads them."""
+    from transformers import AutoImageProcessor
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl"}))
+    assert model_image_settings(str(tmp_path), None, None, None) is None
+    proc = NoVideo.processor("Qwen3VLProcessor", tok, template("qwen3_vl"), QWEN3_VL)
+    proc.to_json_file(str(tmp_path / "processor_config.json"))  # what save_pretrained writes
+    assert "preprocessor_config.json" not in {p.name for p in tmp_path.iterdir()}
+    assert model_image_settings(str(tmp_path), None, None, None) == QWEN3_VL
+    assert model_image_settings(str(tmp_path), None, 4096, 8192) == ImageSettings.from_config(
+        preprocessor("qwen3_vl"), 4096, 8192
+    )
+    theirs = AutoImageProcessor.from_pretrained(tmp_path)
+    assert (theirs.size.shortest_edge, theirs.size.longest_edge, theirs.patch_size) == (
+        QWEN3_VL.min_pixels,
+        QWEN3_VL.max_pixels,
+        QWEN3_VL.patch_size,
+    )
+    older = {k: v for k, v in preprocessor("qwen2_5_vl").items() if not k.startswith("_")}
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(older))
+    assert model_image_settings(str(tmp_path), None, None, None) == QWEN3_VL  # the nested one
+    assert AutoImageProcessor.from_pretrained(tmp_path).patch_size == QWEN3_VL.patch_size
 
 
 def test_cache_keeps_uint8_images_and_keys_their_bytes(

@@ -297,9 +297,9 @@ def encode_records(
     if images is None and any(rec.images for rec in records):
         raise ConfigError(
             f"{next(r.where for r in records if r.images)}: the record has images, and the "
-            "model has no image processor settings (preprocessor_config.json next to its "
-            "config.json): train images with a vision-language model (Qwen3.5, Qwen3-VL, "
-            "Qwen2.5-VL)"
+            "model has no image processor settings (preprocessor_config.json, or "
+            "processor_config.json's image_processor, next to its config.json): train images "
+            "with a vision-language model (Qwen3.5, Qwen3-VL, Qwen2.5-VL)"
         )
     eos = tokenizer.eos_token
     rendered: list[tuple[list[Segment], bool]] = []  # (segments, label the prompt too)

@@ -48,6 +48,11 @@ MM_TEXT, MM_IMAGE = 0, 1
 ProcessorMixin.create_mm_token_type_ids; 2 would be video)."""
 
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
+PROCESSOR_CONFIG = "processor_config.json"
+"""Where a checkpoint keeps its image processor's settings: preprocessor_config.json (the
+released checkpoints', and ImageProcessingMixin.save_pretrained's), or nested under
+``image_processor`` in processor_config.json, the one file ProcessorMixin.save_pretrained
+writes (transformers 5): a processor saved whole has no preprocessor_config.json."""
 # Qwen2VLImageProcessorPil's class defaults, for a preprocessor_config.json that leaves a field out
 DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS = 56 * 56, 28 * 28 * 1280
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -149,15 +154,31 @@ class Resized:
 def model_image_settings(
     name_or_path: str, revision: str | None, min_pixels: int | None, max_pixels: int | None
 ) -> ImageSettings | None:
-    """The model's image settings from the preprocessor_config.json next to its config.json (a
-    local dir, or the Hugging Face cache); None when the model has none (a text-only model)."""
+    """The model's image settings from the files next to its config.json (a local dir, or the
+    Hugging Face cache: :func:`image_processor_fields`); None when the model has none (a
+    text-only model)."""
     from memtune.config.architecture import checkpoint_config_file
 
     config = checkpoint_config_file(name_or_path, revision)
-    if config is None or not (config.parent / PREPROCESSOR_CONFIG).is_file():
+    fields = None if config is None else image_processor_fields(config.parent)
+    if fields is None:
         return None
-    fields = json.loads((config.parent / PREPROCESSOR_CONFIG).read_text(encoding="utf-8"))
     return ImageSettings.from_config(fields, min_pixels, max_pixels)
+
+
+def image_processor_fields(folder: Path) -> dict[str, Any] | None:
+    """The image processor's fields of the checkpoint in ``folder``, found as transformers'
+    ImageProcessingMixin.get_image_processor_dict finds them: processor_config.json's nested
+    ``image_processor`` when it has one (a processor saved whole by transformers 5 writes only
+    that file), else preprocessor_config.json; None when neither has them."""
+    nested = folder / PROCESSOR_CONFIG
+    if nested.is_file():
+        fields = json.loads(nested.read_text(encoding="utf-8")).get("image_processor")
+        if isinstance(fields, dict):
+            return fields
+    if (folder / PREPROCESSOR_CONFIG).is_file():
+        return dict(json.loads((folder / PREPROCESSOR_CONFIG).read_text(encoding="utf-8")))
+    return None
 
 
 def open_image(ref: ImageRef) -> Any:

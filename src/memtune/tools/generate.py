@@ -162,8 +162,9 @@ def read_tools(path: Path, run_dir: Path) -> list[dict[str, Any]] | None:
 
 def image_settings(run_dir: Path, model_dir: Path | None = None) -> ImageSettings:
     """The image processor's settings the run read its images with: the model's
-    preprocessor_config.json (the merged model's, which memtune merge copies from the base,
-    when ``model_dir`` is given) under the run's data.min_pixels / data.max_pixels."""
+    preprocessor_config.json or processor_config.json (the merged model's, which memtune merge
+    copies from the base, when ``model_dir`` is given) under the run's data.min_pixels /
+    data.max_pixels."""
     from memtune.data.vision import model_image_settings
 
     cfg = load_run_config(RunDir(run_dir).config)
@@ -173,9 +174,9 @@ def image_settings(run_dir: Path, model_dir: Path | None = None) -> ImageSetting
     settings = model_image_settings(name, revision, cfg.data.min_pixels, cfg.data.max_pixels)
     if settings is None:
         raise ConfigError(
-            f"--image: {name} has no image processor settings (preprocessor_config.json beside "
-            "its config.json): images need a vision-language model (Qwen3.5, Qwen3-VL, "
-            "Qwen2.5-VL)"
+            f"--image: {name} has no image processor settings (preprocessor_config.json, or "
+            "processor_config.json's image_processor, beside its config.json): images need a "
+            "vision-language model (Qwen3.5, Qwen3-VL, Qwen2.5-VL)"
         )
     return settings
 
