@@ -487,6 +487,7 @@ def _check_image_budget(stats: DataStats, cfg: DataConfig) -> None:
 
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: a cached launch needs none
+    import numpy as np
     import torch
 
     from memtune.data.batching import TokenizedDataset
@@ -570,27 +571,42 @@ def _image_arrays(samples: list[Sample]) -> Arrays:
     }
 
 
-def load_images(prepared_dir: str | Path, split: str, index: int) -> list[Any]:
+def image_starts(prepared_dir: str | Path, split: str) -> np.ndarray:
+    """Where each image of the split starts in its ``image_pixels`` (one entry more than its
+    images: the last is the end), from ``image_sizes`` in one read and one cumulative sum:
+    what :func:`load_images` slices by (read once a split and reader: :class:`CachedImages`)."""
+    import numpy as np
+    from safetensors import safe_open
+
+    with safe_open(str(Path(prepared_dir) / f"{split}.safetensors"), framework="np") as f:
+        sizes = f.get_tensor("image_sizes").astype(np.int64, copy=False).reshape(-1, 2)
+    starts = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(3 * sizes[:, 0] * sizes[:, 1], out=starts[1:])
+    return starts
+
+
+def load_images(
+    prepared_dir: str | Path, split: str, index: int, starts: np.ndarray | None = None
+) -> list[Any]:
     """Sample ``index``'s resized images (``3 × H × W`` uint8 numpy arrays), read from the
-    split's file without loading the others (the rank's loader reads one sample at a time)."""
+    split's file without loading the others (the rank's loader reads one sample at a time).
+    ``starts``: the split's :func:`image_starts` (read here when not given); reading every
+    earlier image's size for each sample made an epoch quadratic in its images."""
     from safetensors import safe_open
 
     with safe_open(str(Path(prepared_dir) / f"{split}.safetensors"), framework="np") as f:
         if "image_offsets" not in set(f.keys()):
             return []
-        offsets = f.get_slice("image_offsets")
-        first, last = (int(x) for x in offsets[index : index + 2])
+        first, last = (int(x) for x in f.get_slice("image_offsets")[index : index + 2])
         if first == last:
             return []
-        sizes = f.get_slice("image_sizes")[0:last]
-        starts = [0]
-        for h, w in sizes.tolist():
-            starts.append(starts[-1] + 3 * h * w)
-        pixels = f.get_slice("image_pixels")[starts[first] : starts[last]]
-    out, at = [], 0
-    for h, w in sizes[first:last].tolist():
+        if starts is None:
+            starts = image_starts(prepared_dir, split)
+        sizes = f.get_slice("image_sizes")[first:last].tolist()
+        pixels = f.get_slice("image_pixels")[int(starts[first]) : int(starts[last])]
+    out = []
+    for (h, w), at in zip(sizes, (starts[first:last] - starts[first]).tolist(), strict=True):
         out.append(pixels[at : at + 3 * h * w].reshape(3, h, w))
-        at += 3 * h * w
     return out
 
 
@@ -815,9 +831,14 @@ class CachedImages:
 
     def __init__(self, prepared_dir: str | Path, split: str):
         self.prepared_dir, self.split = str(prepared_dir), split
+        self.starts: np.ndarray | None = None
+        """The split's :func:`image_starts`, read at the first sample (in each loader worker
+        that reads before it has them) and kept."""
 
     def __getitem__(self, index: int) -> list[Any]:
-        return load_images(self.prepared_dir, self.split, index)
+        if self.starts is None:
+            self.starts = image_starts(self.prepared_dir, self.split)
+        return load_images(self.prepared_dir, self.split, index, self.starts)
 
 
 def load_split(prepared_dir: str | Path, split: str = "train") -> TokenizedDataset:
