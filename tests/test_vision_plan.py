@@ -19,7 +19,7 @@ from memtune.memory.estimate import GIB, plan
 from memtune.memory.vision import resized
 from memtune.tools.step_trace import planned_step, trace_step
 from memtune.tools.tiny import TINY_VISION_LANGUAGE, build_vision_language
-from tests.conftest import compose_cfg, decided
+from tests.conftest import TESTS, compose_cfg, decided
 
 
 def tiny_vl(*overrides: str) -> RunConfig:
@@ -118,6 +118,60 @@ def test_an_images_tokens_are_the_processors() -> None:
     )
     out = resize(Image.new("RGB", (1280, 720)), settings)
     assert out.shape == (3, 704, 1280) and settings.tokens(704, 1280) == 880
+
+
+@pytest.mark.parametrize(
+    ("model", "released"),
+    [("qwen3.5-9b", "qwen3_vl"), ("qwen3-vl-8b", "qwen3_vl"), ("qwen2.5-vl-7b", "qwen2_5_vl")],
+)
+def test_a_checkpoint_not_on_disk_is_planned_with_its_familys_image_settings(
+    model: str, released: str
+) -> None:
+    """Before a download (no checkpoint on disk), an image is planned as the family's released
+    processor resizes it (its preprocessor_config.json in tests/data: Qwen3.5's is Qwen3-VL's),
+    not with the image processor class's defaults (Qwen2-VL's: at most 1,003,520 pixels, 943
+    tokens for 2560 × 1440 where Qwen3.5 reads 3,600); data.max_pixels over it."""
+    from transformers.image_utils import IMAGENET_STANDARD_MEAN, OPENAI_CLIP_MEAN
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    from memtune.data.vision import ImageSettings, model_image_settings
+    from memtune.memory.vision import image_settings
+
+    cfg = to_run_config(compose_cfg([f"model={model}", "data.path=x.jsonl"]))
+    assert model_image_settings(cfg.model.name_or_path, None, None, None) is None  # not on disk
+    shipped = json.loads((TESTS / "data" / f"{released}_preprocessor_config.json").read_text())
+    want = ImageSettings.from_config(shipped)
+    assert image_settings(cfg) == want
+    assert want.image_mean == tuple(
+        IMAGENET_STANDARD_MEAN if released == "qwen3_vl" else OPENAI_CLIP_MEAN
+    )
+    for width, height in [(2560, 1440), (1920, 1080), (100, 100)]:
+        h, w = smart_resize(height, width, want.factor, want.min_pixels, want.max_pixels)
+        assert resized(cfg, width, height)[3] == want.tokens(h, w)
+    if released == "qwen3_vl":
+        assert resized(cfg, 2560, 1440)[3] == 3600 and resized(cfg, 100, 100)[3] == 64
+    capped = to_run_config(compose_cfg([f"model={model}", "data.max_pixels=1003520"]))
+    assert image_settings(capped) == ImageSettings.from_config(shipped, max_pixels=1003520)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen2_5_vl"])
+def test_a_tiny_model_is_planned_with_the_settings_it_is_built_with(
+    kind: str, tmp_path: Path
+) -> None:
+    """A tiny model planned before its build (the launch builds it) is planned with the image
+    settings its build writes (tiny pixel limits, the family's mean and std)."""
+    from memtune.data.vision import model_image_settings
+    from memtune.memory.vision import image_settings
+
+    cfg = to_run_config(
+        compose_cfg(
+            [f"model={TINY_VISION_LANGUAGE[kind]}", f"model.name_or_path={tmp_path / 'tiny'}"]
+        )
+    )
+    planned = image_settings(cfg)
+    built = build_vision_language(tmp_path / "tiny", kind)
+    assert planned == model_image_settings(str(built), None, None, None)
+    assert (planned.min_pixels, planned.max_pixels) == (64 * 64, 128 * 128)
 
 
 def picture(path: Path, width: int, height: int) -> str:

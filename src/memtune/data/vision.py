@@ -24,9 +24,10 @@ patchify: the processor's own steps).
 
 from __future__ import annotations
 
+import copy
 import io
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,42 @@ DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS = 56 * 56, 28 * 28 * 1280
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 BICUBIC = 3
+IMAGENET_STANDARD = (0.5, 0.5, 0.5)
+"""transformers' IMAGENET_STANDARD_MEAN and _STD: Qwen3-VL's image_mean and image_std."""
+
+_QWEN3_VL_IMAGES: dict[str, Any] = {
+    "size": {"shortest_edge": 64 * 32 * 32, "longest_edge": 16384 * 32 * 32},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": list(IMAGENET_STANDARD),
+    "image_std": list(IMAGENET_STANDARD),
+}
+RELEASED_IMAGE_PROCESSORS: dict[str, dict[str, Any]] = {
+    "qwen3_5": _QWEN3_VL_IMAGES,
+    "qwen3_vl": _QWEN3_VL_IMAGES,
+    "qwen2_5_vl": {
+        "size": {"shortest_edge": 56 * 56, "longest_edge": 16384 * 28 * 28},
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": list(CLIP_MEAN),
+        "image_std": list(CLIP_STD),
+    },
+}
+"""The image processor settings each family's released checkpoints ship (their
+preprocessor_config.json, by vision-language model_type; copies in tests/data): 65,536 to
+16,777,216 pixels (64 to 16,384 tokens) and mean / std 0.5 for Qwen3.5 / 3.6 and Qwen3-VL,
+3,136 to 12,845,056 (4 to 16,384 tokens) and CLIP's for Qwen2.5-VL. transformers (5.24) reads
+all three with Qwen2VLImageProcessorPil, whose class defaults are Qwen2-VL's (3,136 to
+1,003,520 pixels, patch 14): what a checkpoint leaves out, never what a family ships. Used
+where no checkpoint is on disk (the planner before a download, :func:`family_image_processor`)
+and by the tiny models (memtune.tools.tiny)."""
+
+TINY_VISION_PIXELS = (64 * 64, 128 * 128)
+"""The tiny models' min_pixels and max_pixels (memtune.tools.tiny): 4 to 16 image tokens with a
+32-pixel merged patch, 5 to 20 with Qwen2.5-VL's 28 (the released settings would give 64 to
+16,384)."""
 
 
 @dataclass(frozen=True)
@@ -179,6 +216,28 @@ def image_processor_fields(folder: Path) -> dict[str, Any] | None:
     if (folder / PREPROCESSOR_CONFIG).is_file():
         return dict(json.loads((folder / PREPROCESSOR_CONFIG).read_text(encoding="utf-8")))
     return None
+
+
+def family_image_processor(
+    model_type: str | None, vision: Mapping[str, Any], tiny: bool = False
+) -> dict[str, Any]:
+    """The preprocessor_config.json fields of a ``model_type`` checkpoint (vision-language:
+    qwen3_5, qwen3_vl, qwen2_5_vl) whose tower is ``vision`` (a vision_config: model.vision),
+    as its family ships them (:data:`RELEASED_IMAGE_PROCESSORS`; nothing for another type:
+    the image processor's class defaults), the patch, temporal patch and merge sizes the
+    tower's; ``tiny``: a tiny model's (:data:`TINY_VISION_PIXELS`)."""
+    fields = copy.deepcopy(RELEASED_IMAGE_PROCESSORS.get(model_type or "", {}))
+    if tiny:
+        low, high = TINY_VISION_PIXELS
+        fields["size"] = {"shortest_edge": low, "longest_edge": high}
+    for key, name in (
+        ("patch_size", "patch_size"),
+        ("temporal_patch_size", "temporal_patch_size"),
+        ("merge_size", "spatial_merge_size"),
+    ):
+        if vision.get(name) is not None:
+            fields[key] = int(vision[name])
+    return fields
 
 
 def open_image(ref: ImageRef) -> Any:

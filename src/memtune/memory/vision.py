@@ -38,6 +38,7 @@ from memtune.config.decisions import Decisions, keeps_dropout_copies
 from memtune.memory.counts import (
     COUNTS_CACHE,
     COUNTS_CACHE_FORMAT,
+    VISION_LANGUAGE_OF,
     built_with,
     cached,
     tower_config,
@@ -53,21 +54,19 @@ PIXEL_BYTES = 4
 
 
 def image_settings(cfg: RunConfig) -> Any:
-    """The image processor's settings: the checkpoint's preprocessor_config.json when it is on
-    disk, else the tower's patch, temporal patch and merge sizes with the processor class's
-    defaults; data.min_pixels / data.max_pixels over either."""
-    from memtune.data.vision import ImageSettings, model_image_settings
+    """The image processor's settings: the checkpoint's when it is on disk, else its family's
+    as released (memtune.data.vision.family_image_processor: Qwen3.5's and Qwen3-VL's 65,536
+    to 16,777,216 pixels, Qwen2.5-VL's 3,136 to 12,845,056; a tiny model's own, built at the
+    launch) with the tower's patch, temporal patch and merge sizes; data.min_pixels /
+    data.max_pixels over either."""
+    from memtune.data.vision import ImageSettings, family_image_processor, model_image_settings
 
     m, data = cfg.model, cfg.data
     on_disk = model_image_settings(m.name_or_path, m.revision, data.min_pixels, data.max_pixels)
     if on_disk is not None:
         return on_disk
-    v = dict(m.vision)
-    fields = {
-        "patch_size": v.get("patch_size", 14),
-        "temporal_patch_size": v.get("temporal_patch_size", 2),
-        "merge_size": v.get("spatial_merge_size", 2),
-    }
+    kind = VISION_LANGUAGE_OF.get(str(m.architecture.get("model_type")))
+    fields = family_image_processor(kind, dict(m.vision), tiny=m.synthesize)
     return ImageSettings.from_config(fields, data.min_pixels, data.max_pixels)
 
 

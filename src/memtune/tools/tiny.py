@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from memtune.config import ASSETS_DIR, ConfigError
-from memtune.data.vision import CLIP_MEAN, CLIP_STD, PREPROCESSOR_CONFIG
+from memtune.data.vision import PREPROCESSOR_CONFIG, family_image_processor
 from memtune.filesystem import (
     follow_umask,
     host_pid_prefix,
@@ -300,17 +300,6 @@ TINY_VISION_LANGUAGE = {
 tower are set (the real patch, merge and temporal sizes, mRoPE proportions, deepstack and
 windows)."""
 
-IMAGE_NORMALIZATION = {
-    "qwen3_5": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
-    "qwen3_vl": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
-    "qwen2_5_vl": (CLIP_MEAN, CLIP_STD),
-}
-"""image_mean and image_std of each family's released preprocessor_config.json."""
-
-TINY_VISION_PIXELS = (64 * 64, 128 * 128)
-"""The tiny models' min_pixels and max_pixels: 4 to 16 image tokens with a 32-pixel merged
-patch, 5 to 20 with Qwen2.5-VL's 28 (the released settings would give 64 to 16,384)."""
-
 
 def tiny_vision_architecture(model_type: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """The architecture and the tower (model.vision) of the tiny ``model_type`` (a
@@ -390,15 +379,7 @@ def _write_vision_language(
     with no_progress_bars():
         model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    low, high = TINY_VISION_PIXELS
-    mean, std = IMAGE_NORMALIZATION[model_type]
-    preprocessor = {
-        "size": {"shortest_edge": low, "longest_edge": high},
-        "patch_size": vision["patch_size"],
-        "temporal_patch_size": vision["temporal_patch_size"],
-        "merge_size": vision["spatial_merge_size"],
-        "image_mean": list(mean),
-        "image_std": list(std),
-        "image_processor_type": "Qwen2VLImageProcessor",
-    }
+    # the family's image settings (its mean and std), at the tiny models' pixel limits
+    preprocessor = family_image_processor(model_type, vision, tiny=True)
+    preprocessor["image_processor_type"] = "Qwen2VLImageProcessor"
     (path / PREPROCESSOR_CONFIG).write_text(json.dumps(preprocessor, indent=2) + "\n")
