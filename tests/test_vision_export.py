@@ -311,3 +311,50 @@ def test_a_qlora_adapter_merges_into_the_quantized_base_with_its_tower_as_traine
         torch.testing.assert_close(merged[name], original[name].bfloat16().float(), msg=name)
     q = "model.language_model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(merged[q], original[q].bfloat16().float())
+
+
+@pytest.mark.parametrize("kept_in", ["preprocessor_config", "older_keys", "processor_config"])
+def test_the_merged_models_processor_sizes_images_as_training_did(
+    tmp_path: Path, kept_in: str
+) -> None:
+    """A run trained with data.min_pixels / data.max_pixels: the merged model's image processor
+    (AutoImageProcessor on OUT, what AutoProcessor and vLLM build theirs from) gives the tokens
+    training gave, image for image, where the base's settings, copied as they were, gave
+    others. The base keeps them in preprocessor_config.json's ``size`` (as released), in its
+    older top-level min_pixels / max_pixels (Qwen2.5-VL's release), or nested in
+    processor_config.json alone (a processor saved whole by transformers 5)."""
+    from PIL import Image
+    from transformers import AutoImageProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    base_dir = build_vision_language(tmp_path / "qwen3_5", "qwen3_5")
+    pre = base_dir / "preprocessor_config.json"
+    fields = json.loads(pre.read_text())
+    if kept_in == "older_keys":
+        size = fields.pop("size")
+        fields |= {"min_pixels": size["shortest_edge"], "max_pixels": size["longest_edge"]}
+        pre.write_text(json.dumps(fields))
+    elif kept_in == "processor_config":
+        whole = {"image_processor": fields, "processor_class": "Qwen3VLProcessor"}
+        (base_dir / "processor_config.json").write_text(json.dumps(whole))
+        pre.unlink()
+    cfg = vl_cfg(base_dir, "peft.target=attention", "data.min_pixels=1024", "data.max_pixels=8192")
+    _, adapter = trained_run(cfg, False, tmp_path / "run")
+    out = merge(adapter, tmp_path / "merged", dtype="fp32")
+    trained = image_settings(adapter.parent)  # the run's: the base's under its data limits
+    assert (trained.min_pixels, trained.max_pixels) == (1024, 8192)
+    base, served = (
+        AutoImageProcessor.from_pretrained(base_dir),
+        AutoImageProcessor.from_pretrained(out),
+    )
+    moved = 0
+    for width, height in [(20, 20), (300, 200), (140, 100), (1920, 1080)]:
+        h, w = smart_resize(height, width, trained.factor, trained.min_pixels, trained.max_pixels)
+        want = trained.tokens(h, w)
+        tokens = served.get_number_of_image_patches(height, width, {}) // served.merge_size**2
+        assert tokens == want, (width, height)
+        copied = base.get_number_of_image_patches(height, width, {}) // base.merge_size**2
+        moved += copied != want
+        grid = served(images=Image.new("RGB", (width, height)), return_tensors="np")
+        assert int(grid["image_grid_thw"].prod()) // served.merge_size**2 == want
+    assert moved == 4  # the base's settings, as copied before, gave other counts for each

@@ -6,7 +6,9 @@ otherwise), applies the adapter, folds it into the weights with
 ``AutoModelForCausalLM.from_pretrained(OUT)`` loads with no peft installed. A vision-language
 base (Qwen3-VL, Qwen2.5-VL, Qwen3.5) merges into its own class, vision tower and merger kept
 (merged too where the adapter has LoRA on them), with its image processor's settings
-(``preprocessor_config.json``) copied beside it: ``AutoModelForImageTextToText`` loads OUT.
+(``preprocessor_config.json``, ``processor_config.json``) copied beside it, the run's
+data.min_pixels / data.max_pixels written into them: ``AutoModelForImageTextToText`` loads OUT,
+and its processor sizes an image as training did.
 
 An adapter trained over a quantized base (QLoRA NF4, LLM.int8) learned to correct the
 *quantized* weights, so by default it is merged into the base quantized exactly as in training
@@ -261,6 +263,8 @@ def _merge_into(
         tokenizer = AutoTokenizer.from_pretrained(base, revision=revision)
     tokenizer.save_pretrained(str(out_dir))
     copy_processor_files(base, revision, out_dir)
+    if cfg is not None:
+        write_pixel_limits(out_dir, cfg.data.min_pixels, cfg.data.max_pixels)
 
 
 def base_class(
@@ -401,6 +405,41 @@ def copy_processor_files(base: str, revision: str | None, out_dir: Path) -> list
             shutil.copyfile(found, out_dir / name)
             copied.append(name)
     return copied
+
+
+def write_pixel_limits(out_dir: Path, min_pixels: int | None, max_pixels: int | None) -> list[str]:
+    """Write the run's data.min_pixels / data.max_pixels (None: the base's kept) into the image
+    processor settings copied into ``out_dir``, so that the merged model's processor
+    (AutoProcessor, AutoImageProcessor, vLLM) resizes an image as training did: the base's,
+    copied as they are, sized a 1920 × 1080 image trained at data.max_pixels=1003520 (943
+    tokens) to 2,040 tokens. Both files transformers reads them from (preprocessor_config.json,
+    and processor_config.json's ``image_processor``, which it reads first), each where it is:
+    ``size``'s shortest_edge / longest_edge, and the older top-level min_pixels / max_pixels
+    where the file has them (Qwen2VLImageProcessor reads those over ``size``). Returns the
+    names written."""
+    from memtune.data.vision import PREPROCESSOR_CONFIG, PROCESSOR_CONFIG, ImageSettings
+
+    if min_pixels is None and max_pixels is None:
+        return []
+    written = []
+    for name in (PREPROCESSOR_CONFIG, PROCESSOR_CONFIG):
+        path = out_dir / name
+        if not path.is_file():
+            continue
+        whole = json.loads(path.read_text(encoding="utf-8"))
+        fields = whole.get("image_processor") if name == PROCESSOR_CONFIG else whole
+        if not isinstance(fields, dict):
+            continue  # a processor_config.json without an image processor in it
+        limits = ImageSettings.from_config(fields, min_pixels, max_pixels)
+        size = dict(fields.get("size") or {})
+        size.update(shortest_edge=limits.min_pixels, longest_edge=limits.max_pixels)
+        fields["size"] = size
+        for key, value in (("min_pixels", limits.min_pixels), ("max_pixels", limits.max_pixels)):
+            if key in fields:
+                fields[key] = value
+        path.write_text(json.dumps(whole, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        written.append(name)
+    return written
 
 
 def main(argv: list[str] | None = None) -> None:
