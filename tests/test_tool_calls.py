@@ -452,3 +452,28 @@ def test_an_alpaca_record_offers_its_tools_too(qwen3) -> None:
     text = "".join(t for t, _ in segments(rec.messages, "qwen3", "<|im_end|>", rec.tools))
     reference = {"tools": [WEATHER], "messages": rec.messages}
     assert text == _qwen3_reference(qwen3, reference)
+
+
+def test_a_result_after_a_reply_that_makes_no_call_is_refused() -> None:
+    """A tool result follows the call it answers: after a reply without one it was read and
+    trained (the reply learned as if it had called). A call written in the reply's text (data
+    written for Qwen's templates by hand) is a call."""
+    turns = [
+        {"role": "user", "content": "Time?"},
+        {"role": "assistant", "content": "Checking."},
+        {"role": "tool", "content": "10:00"},
+        {"role": "assistant", "content": "10:00."},
+    ]
+    with pytest.raises(RecordError, match=r"t:1: field 'messages\[2\]' is a tool's result after"):
+        parse({"messages": turns}, "messages", "t:1")
+    sharegpt = [
+        {"from": "human", "value": "Time?"},
+        {"from": "gpt", "value": "Checking."},
+        {"from": "observation", "value": "10:00"},
+        {"from": "gpt", "value": "10:00."},
+    ]
+    with pytest.raises(RecordError, match=r"'conversations\[2\]' is a tool's result after"):
+        parse({"conversations": sharegpt}, "messages", "t:1")
+    by_hand = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    turns[1] = {"role": "assistant", "content": by_hand}
+    assert parse({"messages": turns}, "messages", "t:1").messages is not None

@@ -679,6 +679,12 @@ def _tool_turn(
         )
     _no_vision_tokens(value, f"{at}.{text_key}", where)
     last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant" and not _calls(last):
+        raise RecordError(
+            where,
+            f"field {at!r} is a tool's result after a reply that makes no call (no tool_calls, "
+            "no <tool_call> in its text): a result follows the call it answers",
+        )
     if last is not None and "tool_results" in last:
         results = [*last["tool_results"], value]
         messages[-1] = {
@@ -690,6 +696,12 @@ def _tool_turn(
         messages.append(
             {"role": "user", "content": tool_calls.wrap_results([value]), "tool_results": [value]}
         )
+
+
+def _calls(message: dict[str, Any]) -> bool:
+    """Whether a reply calls a tool: its tool_calls, or a call written in its text (as data
+    written for Qwen's templates by hand holds one)."""
+    return bool(message.get("tool_calls")) or "<tool_call>" in message["content"]
 
 
 TOOL_RESULT_ROLES = ("tool", "observation", "function")
