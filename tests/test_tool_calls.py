@@ -387,6 +387,9 @@ def test_generate_offers_tools_as_training_wrote_them(qwen3, tmp_path) -> None:
     given.write_text("[\n{oops}]", encoding="utf-8")
     with pytest.raises(ConfigError, match=rf"--tools: {given}:2 is not JSON"):
         read_tools(given, tmp_path)
+    given.write_text(json.dumps(WEATHER), encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"--tools: .*tools.json holds a dict, not a list of"):
+        read_tools(given, tmp_path)
     given.write_text(json.dumps([WEATHER]), encoding="utf-8")
     with pytest.raises(ConfigError, match=r"trained with no tool format \(plain\)"):
         read_tools(given, run_dir("plain"))

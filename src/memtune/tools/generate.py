@@ -156,8 +156,11 @@ def read_tools(path: Path, run_dir: Path) -> list[dict[str, Any]] | None:
         raise ConfigError(f"--tools: {where} is not JSON ({err})") from None
     try:
         return parse_tools(value, "--tools")
-    except BadField as err:
-        raise ConfigError(f"{err} ({path})") from None
+    except BadField:  # the value is JSON: not a list of objects
+        what = type(value).__name__
+        raise ConfigError(
+            f"--tools: {path} holds a {what}, not a list of function schemas (objects)"
+        ) from None
 
 
 def image_settings(run_dir: Path, model_dir: Path | None = None) -> ImageSettings:
