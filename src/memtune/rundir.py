@@ -594,7 +594,10 @@ class RunDir:
             again = entry == {"checkpoint": checkpoint_name, "changed": changed or {}}
             if not again and entry not in earlier[-1:]:
                 earlier.append(entry)
-        _write(ResumeRecord(checkpoint_name, changed or {}, earlier), self.resume)
+        record = asdict(ResumeRecord(checkpoint_name, changed or {}, earlier))
+        if not earlier:  # the file as before this field: a start whose run changed nothing
+            del record["earlier"]
+        write_atomic(self.resume, json.dumps(record, indent=2) + "\n")
 
     def read_resume(self) -> ResumeRecord:
         return _read(ResumeRecord, self.resume)
