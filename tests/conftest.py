@@ -17,6 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+# setuptools first, in every worker: a test that starts a rank in the worker itself (DeepSpeed's
+# init_distributed builds its shared-memory op: torch.utils.cpp_extension imports setuptools)
+# stopped in setuptools' distutils check ("AssertionError: .../python3.11/distutils/core.py")
+# when another test run before it in that worker had left the standard library's distutils
+# to be found; with setuptools imported before any test, its own distutils is the one loaded.
+import setuptools  # noqa: F401
 from omegaconf import DictConfig
 
 from memtune.config import RunConfig, compose, register_configs
