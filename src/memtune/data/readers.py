@@ -51,7 +51,7 @@ folder) raises it with the file's name alone.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -635,14 +635,24 @@ def _assistant_calls(
         raise RecordError(where, f"field '{at}.{given[0]}' is on a {role} turn: only a reply calls")
     if len(given) == 2:
         raise RecordError(where, f"field {at!r} has both tool_calls and function_call: give one")
+    if given[0] == "tool_calls":
+        return _read_calls(tool_calls.parse_calls, turn["tool_calls"], f"{at}.tool_calls", where)
+    one = turn["function_call"]
+    return _read_calls(
+        lambda v, a: [tool_calls.parse_call(v, a)], one, f"{at}.function_call", where
+    )
+
+
+def _read_calls(
+    parse: Callable[[Any, str], list[tool_calls.Call]], value: Any, at: str, where: str
+) -> list[tool_calls.Call]:
+    """Calls read by ``parse`` from field ``at``: a bad one, or one holding an image's token,
+    is a bad record naming the field."""
     try:
-        if given[0] == "tool_calls":
-            calls = tool_calls.parse_calls(turn["tool_calls"], f"{at}.tool_calls")
-        else:
-            calls = [tool_calls.parse_call(turn["function_call"], f"{at}.function_call")]
+        calls = parse(value, at)
     except tool_calls.BadField as err:
         raise RecordError(where, str(err)) from None
-    _no_vision_tokens(json.dumps(calls, ensure_ascii=False), f"{at}.{given[0]}", where)
+    _no_vision_tokens(json.dumps(calls, ensure_ascii=False), at, where)
     return calls
 
 
@@ -659,11 +669,7 @@ def _tool_turn(
     that only calls), added to ``messages``."""
     value = turn.get(text_key)
     if role in TOOL_CALL_ROLES:
-        try:
-            calls = tool_calls.sharegpt_calls(value, f"{at}.{text_key}")
-        except tool_calls.BadField as err:
-            raise RecordError(where, str(err)) from None
-        _no_vision_tokens(json.dumps(calls, ensure_ascii=False), f"{at}.{text_key}", where)
+        calls = _read_calls(tool_calls.sharegpt_calls, value, f"{at}.{text_key}", where)
         messages.append({"role": "assistant", "content": "", "tool_calls": calls})
         return
     if isinstance(value, list) and all(
@@ -685,17 +691,13 @@ def _tool_turn(
             f"field {at!r} is a tool's result after a reply that makes no call (no tool_calls, "
             "no <tool_call> in its text): a result follows the call it answers",
         )
-    if last is not None and "tool_results" in last:
-        results = [*last["tool_results"], value]
-        messages[-1] = {
-            "role": "user",
-            "content": tool_calls.wrap_results(results),
-            "tool_results": results,
-        }
-    else:
-        messages.append(
-            {"role": "user", "content": tool_calls.wrap_results([value]), "tool_results": [value]}
-        )
+    joined = last is not None and "tool_results" in last
+    results = [*(last["tool_results"] if joined and last else []), value]
+    if joined:
+        messages.pop()
+    messages.append(
+        {"role": "user", "content": tool_calls.wrap_results(results), "tool_results": results}
+    )
 
 
 def _calls(message: dict[str, Any]) -> bool:
